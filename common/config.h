@@ -1,0 +1,116 @@
+// GrpoConfig: every option of a grpo-serve run. Keys are TRL GRPOConfig names wherever the
+// concept is the same. Sources, in order of precedence: command-line overrides
+// (`--num_generations 16` or `--num_generations=16`), a YAML file, then the defaults below.
+// An unknown key or a value of the wrong type is InvalidArgument naming the key (and the file).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace grpo::common {
+
+struct GrpoConfig {
+  // Model and output.
+  std::string model_name_or_path;  // a Hugging Face model directory
+  std::string output_dir = "grpo-output";
+  uint64_t seed = 42;
+
+  // Generation (TRL names).
+  int64_t num_generations = 8;
+  int64_t max_prompt_length = 512;
+  int64_t max_completion_length = 256;
+  double temperature = 1.0;
+  double top_p = 1.0;
+  int64_t top_k = 0;  // 0 = off
+  std::optional<double> min_p;
+  double repetition_penalty = 1.0;
+  bool mask_truncated_completions = false;
+  std::string truncate_prompt = "left";  // left (TRL) | reject
+
+  // Rewards.
+  std::vector<std::string> reward_funcs;
+  std::vector<double> reward_weights;  // empty = all 1
+  std::string scale_rewards = "group";  // group | batch | none
+
+  // Loss (GRPO_SPEC.md).
+  std::string loss_type = "dapo";  // grpo | bnpo | dr_grpo | dapo
+  double epsilon = 0.2;
+  std::optional<double> epsilon_high;  // defaults to epsilon
+  std::optional<double> delta;         // two-sided clipping when set
+  double beta = 0.0;
+  std::string importance_sampling_level = "token";        // token | sequence
+  std::string importance_sampling_correction = "token_truncate";  // none | token_truncate | token_mask
+  double importance_sampling_cap = 3.0;
+  int64_t max_staleness = 0;
+
+  // Batching (TRL semantics; see README "num_iterations and the generation batch").
+  int64_t per_device_train_batch_size = 8;
+  int64_t gradient_accumulation_steps = 1;
+  std::optional<int64_t> steps_per_generation;  // defaults to gradient_accumulation_steps
+  int64_t num_iterations = 1;
+  int64_t logprob_chunk_tokens = 1024;  // tokens per LM-head chunk (memory-flat log-probs)
+  bool gradient_checkpointing = false;
+
+  // Optimizer and schedule.
+  double learning_rate = 1e-6;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_epsilon = 1e-8;
+  double weight_decay = 0.0;
+  double max_grad_norm = 1.0;
+  std::string lr_scheduler_type = "linear";  // constant | linear | cosine
+  int64_t warmup_steps = 0;
+  double warmup_ratio = 0.0;
+  int64_t max_steps = 100;
+
+  // Checkpoints and debugging.
+  int64_t save_steps = 50;
+  int64_t logging_steps = 1;
+  std::string dump_batches_dir;
+
+  // Services.
+  std::string learner_address = "127.0.0.1:50051";
+  int64_t grpc_port = 50051;
+  int64_t metrics_port = 9400;
+  std::string ledger_path;  // default: <output_dir>/ledger.sqlite
+  double lease_seconds = 300.0;
+  std::string weight_sync_backend = "gloo";  // gloo | nccl | grpc
+  int64_t weight_sync_steps = 1;
+  std::string auth_token_file;
+  std::string log_level = "info";
+
+  int64_t EffectiveStepsPerGeneration() const {
+    return steps_per_generation.value_or(gradient_accumulation_steps);
+  }
+  double EffectiveEpsilonHigh() const { return epsilon_high.value_or(epsilon); }
+
+  // Cross-field and range checks (e.g. num_generations >= 2, loss_type known). The message
+  // names the key.
+  Status Validate() const;
+  // Every key with its current value (null for unset optionals).
+  nlohmann::json ToJson() const;
+};
+
+// Parses YAML text; `source` names it in errors (a file path, or "<string>").
+StatusOr<GrpoConfig> ParseConfigYaml(std::string_view yaml_text, std::string_view source,
+                                     GrpoConfig base = {});
+// Reads and parses a YAML file. NotFound when the file cannot be read.
+StatusOr<GrpoConfig> LoadConfigFile(const std::string& path, GrpoConfig base = {});
+// Sets one key from its textual value (as on a command line). Lists: comma-separated or
+// "[a, b]"; optionals: "null" or "none" unsets.
+Status SetConfigValue(GrpoConfig& config, std::string_view key, std::string_view value);
+// Applies `--key value` / `--key=value` pairs. A `--config FILE` among them is loaded first.
+Status ApplyConfigOverrides(GrpoConfig& config, const std::vector<std::string>& args);
+// All key names, for help text and tests.
+std::vector<std::string> ConfigKeys();
+// One line per key: "name (type, default ...)".
+std::string ConfigHelp();
+
+}  // namespace grpo::common

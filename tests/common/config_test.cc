@@ -1,0 +1,128 @@
+#include "common/config.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+namespace grpo::common {
+namespace {
+
+TEST(Config, DefaultsFollowTrl) {
+  GrpoConfig c;
+  EXPECT_EQ(c.loss_type, "dapo");
+  EXPECT_DOUBLE_EQ(c.epsilon, 0.2);
+  EXPECT_DOUBLE_EQ(c.EffectiveEpsilonHigh(), 0.2);
+  EXPECT_EQ(c.EffectiveStepsPerGeneration(), c.gradient_accumulation_steps);
+  EXPECT_TRUE(c.Validate().ok()) << c.Validate().ToString();
+}
+
+TEST(Config, YamlSetsTypedKeys) {
+  auto c = ParseConfigYaml(R"(
+num_generations: 16
+epsilon_high: 0.28
+loss_type: grpo
+mask_truncated_completions: true
+reward_funcs: [accuracy, format]
+reward_weights: [1.0, 0.5]
+delta: null
+)",
+                           "run.yaml");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->num_generations, 16);
+  EXPECT_DOUBLE_EQ(*c->epsilon_high, 0.28);
+  EXPECT_EQ(c->loss_type, "grpo");
+  EXPECT_TRUE(c->mask_truncated_completions);
+  EXPECT_EQ(c->reward_funcs, (std::vector<std::string>{"accuracy", "format"}));
+  EXPECT_EQ(c->reward_weights, (std::vector<double>{1.0, 0.5}));
+  EXPECT_FALSE(c->delta.has_value());
+}
+
+TEST(Config, UnknownKeyIsAnErrorNamingKeyFileAndNearestKey) {
+  auto c = ParseConfigYaml("num_generation: 4\n", "run.yaml");
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  const std::string& m = c.status().message();
+  EXPECT_NE(m.find("run.yaml"), std::string::npos) << m;
+  EXPECT_NE(m.find("'num_generation'"), std::string::npos) << m;
+  EXPECT_NE(m.find("did you mean 'num_generations'"), std::string::npos) << m;
+}
+
+TEST(Config, WrongTypeNamesKeyAndExpectedType) {
+  auto c = ParseConfigYaml("num_generations: four\n", "run.yaml");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("'num_generations' expects an integer, got 'four'"),
+            std::string::npos)
+      << c.status().message();
+  auto d = ParseConfigYaml("beta: [1, 2]\n", "run.yaml");
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.status().message().find("'beta' expects a number"), std::string::npos);
+  auto e = ParseConfigYaml("loss_type: ppo\n", "run.yaml");
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("one of grpo bnpo dr_grpo dapo"), std::string::npos);
+  auto f = ParseConfigYaml("num_generations: 2.5\n", "run.yaml");
+  EXPECT_FALSE(f.ok());
+  auto g = ParseConfigYaml("mask_truncated_completions: maybe\n", "run.yaml");
+  EXPECT_FALSE(g.ok());
+}
+
+TEST(Config, MalformedYamlAndNonMappingAreErrors) {
+  EXPECT_FALSE(ParseConfigYaml("num_generations: [1,\n", "bad.yaml").ok());
+  auto c = ParseConfigYaml("- a\n- b\n", "list.yaml");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("list.yaml"), std::string::npos);
+}
+
+TEST(Config, CommandLineOverridesFileWhateverTheOrder) {
+  std::string path = ::testing::TempDir() + "/grpo_config_test.yaml";
+  {
+    std::ofstream out(path);
+    out << "num_generations: 4\nlearning_rate: 0.001\n";
+  }
+  GrpoConfig c;
+  Status s = ApplyConfigOverrides(
+      c, {"--num_generations", "16", "--config", path, "--temperature=0.7", "--top-k", "5"});
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(c.num_generations, 16);      // flag beats file
+  EXPECT_DOUBLE_EQ(c.learning_rate, 0.001);  // file beats default
+  EXPECT_DOUBLE_EQ(c.temperature, 0.7);
+  EXPECT_EQ(c.top_k, 5);  // dashes accepted as underscores
+  std::remove(path.c_str());
+}
+
+TEST(Config, CommandLineErrorsNameTheKey) {
+  GrpoConfig c;
+  Status s = ApplyConfigOverrides(c, {"--num_generatons", "4"});
+  EXPECT_NE(s.message().find("'num_generatons'"), std::string::npos) << s.message();
+  s = ApplyConfigOverrides(c, {"--beta"});
+  EXPECT_NE(s.message().find("--beta needs a value"), std::string::npos) << s.message();
+  s = ApplyConfigOverrides(c, {"--config", "/nonexistent/x.yaml"});
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
+}
+
+TEST(Config, ValidateChecksRangesAndCrossFieldRules) {
+  GrpoConfig c;
+  c.num_generations = 1;
+  EXPECT_NE(c.Validate().message().find("num_generations"), std::string::npos);
+  c = GrpoConfig();
+  c.per_device_train_batch_size = 6;  // generation batch 6 is not a multiple of G = 8
+  EXPECT_NE(c.Validate().message().find("must divide the generation batch"), std::string::npos);
+  c = GrpoConfig();
+  c.reward_funcs = {"a", "b"};
+  c.reward_weights = {1.0};
+  EXPECT_NE(c.Validate().message().find("reward_weights"), std::string::npos);
+  c = GrpoConfig();
+  c.top_p = 0;
+  EXPECT_FALSE(c.Validate().ok());
+}
+
+TEST(Config, ToJsonListsEveryKey) {
+  GrpoConfig c;
+  auto j = c.ToJson();
+  for (const auto& k : ConfigKeys()) EXPECT_TRUE(j.contains(k)) << k;
+  EXPECT_TRUE(j["epsilon_high"].is_null());
+  EXPECT_EQ(j["num_generations"], 8);
+}
+
+}  // namespace
+}  // namespace grpo::common
