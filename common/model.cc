@@ -1,1 +1,483 @@
-// placeholder: being written
+#include "common/model.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <unordered_map>
+
+#include "common/logging.h"
+
+namespace grpo::common {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string ShapeString(at::IntArrayRef shape) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  s << "]";
+  return s.str();
+}
+
+std::string DtypeName(at::ScalarType t) {
+  StatusOr<std::string> name = SafetensorsDtypeName(t);
+  return name.ok() ? *name : std::string(c10::toString(t));
+}
+
+bool IsNormWeight(const std::string& name) {
+  return name.size() >= 11 && name.compare(name.size() - 11, 11, "norm.weight") == 0;
+}
+
+bool IsBias(const std::string& name) {
+  return name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+}
+
+// Softmax-safe stand-in for -inf: a row whose keys are all blocked gets a uniform (finite)
+// distribution instead of NaN.
+double BlockedScore(at::ScalarType t) { return t == at::kHalf ? -65504.0 : -1e30; }
+
+Status WriteFileAtomic(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return Status::Internal(tmp + ": cannot open for writing");
+    out << bytes;
+    out.flush();
+    if (!out) return Status::Internal(tmp + ": write failed");
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return Status::Internal(path + ": rename failed: " + ec.message());
+  return Status::OK();
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> Model::ParameterShapes() const {
+  const ModelConfig& c = config_;
+  const int64_t d = c.hidden_size, q = c.num_attention_heads * c.head_dim;
+  const int64_t kv = c.num_key_value_heads * c.head_dim;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> s;
+  s.push_back({"model.embed_tokens.weight", {c.vocab_size, d}});
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    s.push_back({p + "self_attn.q_proj.weight", {q, d}});
+    if (c.attention_bias) s.push_back({p + "self_attn.q_proj.bias", {q}});
+    s.push_back({p + "self_attn.k_proj.weight", {kv, d}});
+    if (c.attention_bias) s.push_back({p + "self_attn.k_proj.bias", {kv}});
+    s.push_back({p + "self_attn.v_proj.weight", {kv, d}});
+    if (c.attention_bias) s.push_back({p + "self_attn.v_proj.bias", {kv}});
+    s.push_back({p + "self_attn.o_proj.weight", {d, q}});
+    if (c.o_proj_bias()) s.push_back({p + "self_attn.o_proj.bias", {d}});
+    if (c.qk_norm) {
+      s.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
+      s.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
+    }
+    s.push_back({p + "mlp.gate_proj.weight", {c.intermediate_size, d}});
+    s.push_back({p + "mlp.up_proj.weight", {c.intermediate_size, d}});
+    s.push_back({p + "mlp.down_proj.weight", {d, c.intermediate_size}});
+    s.push_back({p + "input_layernorm.weight", {d}});
+    s.push_back({p + "post_attention_layernorm.weight", {d}});
+  }
+  s.push_back({"model.norm.weight", {d}});
+  if (!c.tie_word_embeddings) s.push_back({"lm_head.weight", {c.vocab_size, d}});
+  return s;
+}
+
+void Model::Bind(NamedTensors params) {
+  params_ = std::move(params);
+  std::unordered_map<std::string, at::Tensor> by_name;
+  for (const auto& [name, t] : params_) by_name[name] = t;
+  auto get = [&](const std::string& name) -> at::Tensor {
+    auto it = by_name.find(name);
+    return it == by_name.end() ? at::Tensor() : it->second;
+  };
+  embed_ = get("model.embed_tokens.weight");
+  final_norm_ = get("model.norm.weight");
+  lm_head_ = config_.tie_word_embeddings ? embed_ : get("lm_head.weight");
+  layers_.clear();
+  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    Layer l;
+    l.input_norm = get(p + "input_layernorm.weight");
+    l.q_w = get(p + "self_attn.q_proj.weight");
+    l.q_b = get(p + "self_attn.q_proj.bias");
+    l.k_w = get(p + "self_attn.k_proj.weight");
+    l.k_b = get(p + "self_attn.k_proj.bias");
+    l.v_w = get(p + "self_attn.v_proj.weight");
+    l.v_b = get(p + "self_attn.v_proj.bias");
+    l.o_w = get(p + "self_attn.o_proj.weight");
+    l.o_b = get(p + "self_attn.o_proj.bias");
+    l.q_norm = get(p + "self_attn.q_norm.weight");
+    l.k_norm = get(p + "self_attn.k_norm.weight");
+    l.post_norm = get(p + "post_attention_layernorm.weight");
+    l.gate_w = get(p + "mlp.gate_proj.weight");
+    l.up_w = get(p + "mlp.up_proj.weight");
+    l.down_w = get(p + "mlp.down_proj.weight");
+    layers_.push_back(std::move(l));
+  }
+  // As transformers' default RoPE: inv_freq = 1 / theta^(arange(0, hd, 2) / hd), in fp32.
+  at::NoGradGuard no_grad;
+  const int64_t hd = config_.head_dim;
+  at::Tensor exponent = at::arange(0, hd, 2, at::kLong).to(at::kFloat) / static_cast<double>(hd);
+  inv_freq_ = at::reciprocal(at::pow(config_.rope_theta, exponent)).to(embed_.device());
+}
+
+StatusOr<std::unique_ptr<Model>> Model::InitRandom(const ModelConfig& config, uint64_t seed) {
+  RETURN_IF_ERROR(config.Validate("InitRandom config"));
+  try {
+    at::NoGradGuard no_grad;
+    std::unique_ptr<Model> m(new Model(config));
+    at::Generator gen = at::detail::createCPUGenerator(seed);
+    const auto opts = at::TensorOptions().dtype(at::kFloat);
+    NamedTensors params;
+    for (const auto& [name, shape] : m->ParameterShapes()) {
+      at::Tensor t;
+      if (IsNormWeight(name)) {
+        t = at::ones(shape, opts);
+      } else if (IsBias(name)) {
+        t = at::zeros(shape, opts);
+      } else {
+        t = at::normal(0.0, 0.02, shape, gen, opts);
+      }
+      params.emplace_back(name, std::move(t));
+    }
+    m->Bind(std::move(params));
+    return m;
+  } catch (const c10::Error& e) {
+    return Status::Internal("Model::InitRandom: " + std::string(e.what_without_backtrace()));
+  }
+}
+
+StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir) {
+  ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig((fs::path(dir) / "config.json").string()));
+  ASSIGN_OR_RETURN(auto ckpt, SafetensorsCheckpoint::Open(dir));
+  const std::string index_path = (fs::path(dir) / "model.safetensors.index.json").string();
+  std::error_code ec;
+  const std::string weights_desc =
+      fs::exists(index_path, ec) ? index_path : (fs::path(dir) / "model.safetensors").string();
+  try {
+    at::NoGradGuard no_grad;
+    std::unique_ptr<Model> m(new Model(config));
+    auto shapes = m->ParameterShapes();
+    NamedTensors params;
+    std::map<std::string, bool> expected;
+    for (const auto& [name, shape] : shapes) {
+      expected[name] = true;
+      const SafetensorInfo* info = ckpt->Find(name);
+      if (info == nullptr) {
+        return Status::NotFound(weights_desc + ": tensor '" + name + "' is missing (config.json " +
+                                "model_type " + config.model_type + ")");
+      }
+      const std::string file = ckpt->FileOf(name);
+      if (info->dtype != at::kFloat && info->dtype != at::kHalf && info->dtype != at::kBFloat16 &&
+          info->dtype != at::kDouble) {
+        return Status::InvalidArgument(
+            file + ": tensor '" + name + "': dtype " + DtypeName(info->dtype) +
+            " is not supported for weights (expected F32, F16, BF16 or F64)");
+      }
+      if (info->shape != shape) {
+        return Status::InvalidArgument(file + ": tensor '" + name + "': shape " +
+                                       ShapeString(info->shape) + " does not match " +
+                                       ShapeString(shape) + " implied by config.json");
+      }
+      ASSIGN_OR_RETURN(at::Tensor t, ckpt->Get(name));
+      params.emplace_back(name, t.to(at::kFloat).contiguous());
+    }
+    int unexpected = 0;
+    for (const auto& name : ckpt->Names()) {
+      if (expected.count(name) == 0) {
+        // Tied checkpoints sometimes carry lm_head.weight; old Llama ones rotary inv_freq.
+        GRPO_LOG_DEBUG("{}: ignoring unexpected tensor '{}'", dir, name);
+        ++unexpected;
+      }
+    }
+    if (unexpected > 0) GRPO_LOG_WARN("{}: ignored {} unexpected tensor(s)", dir, unexpected);
+    m->Bind(std::move(params));
+    return m;
+  } catch (const c10::Error& e) {
+    return Status::Internal(dir + ": loading weights: " + std::string(e.what_without_backtrace()));
+  }
+}
+
+Status Model::Save(const std::string& dir, uint64_t max_shard_bytes) const {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return Status::Internal(dir + ": cannot create directory: " + ec.message());
+  NamedTensors cpu;
+  try {
+    at::NoGradGuard no_grad;
+    for (const auto& [name, t] : params_) {
+      cpu.emplace_back(name, t.detach().to(at::kCPU).contiguous());
+    }
+  } catch (const c10::Error& e) {
+    return Status::Internal(dir + ": copying weights: " + std::string(e.what_without_backtrace()));
+  }
+  ModelConfig c = config_;
+  c.torch_dtype = "float32";
+  RETURN_IF_ERROR(
+      WriteFileAtomic((fs::path(dir) / "config.json").string(), c.ToJson().dump(2) + "\n"));
+  return WriteSafetensorsCheckpoint(dir, cpu, max_shard_bytes, {{"format", "pt"}});
+}
+
+std::vector<at::Tensor> Model::Parameters() const {
+  std::vector<at::Tensor> out;
+  out.reserve(params_.size());
+  for (const auto& [name, t] : params_) out.push_back(t);
+  return out;
+}
+
+int64_t Model::NumParameters() const {
+  int64_t n = 0;
+  for (const auto& [name, t] : params_) n += t.numel();
+  return n;
+}
+
+void Model::SetRequiresGrad(bool requires_grad) {
+  for (auto& [name, t] : params_) t.set_requires_grad(requires_grad);
+}
+
+Status Model::LoadStateFrom(const NamedTensors& state) {
+  std::unordered_map<std::string, const at::Tensor*> given;
+  for (const auto& [name, t] : state) {
+    if (!given.emplace(name, &t).second) {
+      return Status::InvalidArgument("LoadStateFrom: tensor '" + name + "' given twice");
+    }
+  }
+  for (const auto& [name, p] : params_) {
+    auto it = given.find(name);
+    if (it == given.end())
+      return Status::InvalidArgument("LoadStateFrom: tensor '" + name + "' missing");
+    const at::Tensor& t = *it->second;
+    if (!t.defined() || !at::isFloatingType(t.scalar_type())) {
+      return Status::InvalidArgument("LoadStateFrom: tensor '" + name + "' is not a float tensor");
+    }
+    if (t.sizes() != p.sizes()) {
+      return Status::InvalidArgument("LoadStateFrom: tensor '" + name + "': shape " +
+                                     ShapeString(t.sizes()) + ", expected " +
+                                     ShapeString(p.sizes()));
+    }
+  }
+  if (given.size() != params_.size()) {
+    std::map<std::string, bool> known;
+    for (const auto& [name, p] : params_) known[name] = true;
+    for (const auto& [name, t] : state) {
+      if (!known.count(name)) {
+        return Status::InvalidArgument("LoadStateFrom: unknown tensor '" + name + "'");
+      }
+    }
+  }
+  try {
+    at::NoGradGuard no_grad;
+    for (auto& [name, p] : params_) p.copy_(*given.at(name));
+  } catch (const c10::Error& e) {
+    return Status::Internal("LoadStateFrom: " + std::string(e.what_without_backtrace()));
+  }
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward.
+
+at::Tensor Model::RmsNorm(const at::Tensor& x, const at::Tensor& w) const {
+  // transformers' Qwen2RMSNorm / LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)).
+  return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + config_.rms_norm_eps) * w;
+}
+
+at::Tensor Model::ApplyRope(const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin) const {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * cos + rotated * sin;
+}
+
+at::Tensor Model::Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& blocked) const {
+  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), hd = q.size(3);
+  const int64_t kv = k.size(1), l = k.size(2), g = h / kv;
+  // Query head i uses key/value head i / g (transformers' repeat_kv), so group the g query heads
+  // of one KV head along the rows of a single matmul instead of copying K and V g times.
+  at::Tensor qg = (q * (1.0 / std::sqrt(static_cast<double>(hd)))).reshape({b, kv, g * t, hd});
+  at::Tensor scores = at::matmul(qg, k.transpose(-2, -1));  // [B, KV, g*T, L]
+  scores.view({b, kv, g, t, l})
+      .masked_fill_(blocked.view({b, 1, 1, t, l}), BlockedScore(scores.scalar_type()));
+  at::Tensor probs = at::softmax(scores, -1);
+  at::Tensor out = at::matmul(probs, v);  // [B, KV, g*T, hd]
+  return out.view({b, h, t, hd}).transpose(1, 2).reshape({b, t, h * hd});
+}
+
+at::Tensor Model::Forward(const at::Tensor& ids, const at::Tensor& positions,
+                          const at::Tensor& blocked, KvCache* cache) const {
+  const ModelConfig& c = config_;
+  const int64_t b = ids.size(0), t = ids.size(1);
+  const int64_t h = c.num_attention_heads, kv = c.num_key_value_heads, hd = c.head_dim;
+
+  at::Tensor freqs = positions.to(inv_freq_.scalar_type()).unsqueeze(-1) * inv_freq_;  // [B,T,hd/2]
+  at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(2);                           // [B,T,1,hd]
+  at::Tensor cos = emb.cos().to(embed_.scalar_type());
+  at::Tensor sin = emb.sin().to(embed_.scalar_type());
+
+  at::Tensor x = at::embedding(embed_, ids);  // [B, T, D]
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const Layer& L = layers_[li];
+    at::Tensor a = RmsNorm(x, L.input_norm);
+    at::Tensor q = at::linear(a, L.q_w, L.q_b).view({b, t, h, hd});
+    at::Tensor k = at::linear(a, L.k_w, L.k_b).view({b, t, kv, hd});
+    at::Tensor v = at::linear(a, L.v_w, L.v_b).view({b, t, kv, hd});
+    if (c.qk_norm) {
+      q = RmsNorm(q, L.q_norm);
+      k = RmsNorm(k, L.k_norm);
+    }
+    q = ApplyRope(q, cos, sin).transpose(1, 2);  // [B, H, T, hd]
+    k = ApplyRope(k, cos, sin).transpose(1, 2);  // [B, KV, T, hd]
+    v = v.transpose(1, 2);
+    if (cache != nullptr) {
+      cache->keys[li].narrow(2, cache->length, t).copy_(k);
+      cache->values[li].narrow(2, cache->length, t).copy_(v);
+      k = cache->keys[li].narrow(2, 0, cache->length + t);
+      v = cache->values[li].narrow(2, 0, cache->length + t);
+    }
+    x = x + at::linear(Attend(q, k, v, blocked), L.o_w, L.o_b);
+    at::Tensor m = RmsNorm(x, L.post_norm);
+    x = x + at::linear(at::silu(at::linear(m, L.gate_w)) * at::linear(m, L.up_w), L.down_w);
+  }
+  return RmsNorm(x, final_norm_);
+}
+
+at::Tensor Model::ForwardHidden(const at::Tensor& input_ids,
+                                const at::Tensor& attention_mask) const {
+  TORCH_CHECK(input_ids.dim() == 2, "ForwardHidden: input_ids must be [B, T], got ",
+              input_ids.sizes());
+  TORCH_CHECK(input_ids.scalar_type() == at::kLong, "ForwardHidden: input_ids must be int64");
+  TORCH_CHECK(attention_mask.sizes() == input_ids.sizes(), "ForwardHidden: attention_mask ",
+              attention_mask.sizes(), " does not match input_ids ", input_ids.sizes());
+  const int64_t t = input_ids.size(1);
+  at::Tensor mask = attention_mask.to(input_ids.device(), at::kLong);
+  at::Tensor positions = (mask.cumsum(1) - 1).clamp_min(0);                       // [B, T]
+  at::Tensor causal = at::ones({t, t}, mask.options().dtype(at::kBool)).triu(1);  // [T, T]
+  at::Tensor blocked = causal.unsqueeze(0) | (mask == 0).unsqueeze(1);            // [B, T, T]
+  return Forward(input_ids, positions, blocked, nullptr);
+}
+
+at::Tensor Model::LmHeadWeight() const { return lm_head_; }
+
+at::Tensor Model::Logits(const at::Tensor& hidden) const { return at::linear(hidden, lm_head_); }
+
+// ---------------------------------------------------------------------------------------------
+// KV cache.
+
+KvCache Model::NewCache(int64_t batch, int64_t capacity) const {
+  TORCH_CHECK(batch >= 0 && capacity > 0, "NewCache: bad batch ", batch, " / capacity ", capacity);
+  at::NoGradGuard no_grad;
+  KvCache cache;
+  const auto opts = embed_.options().requires_grad(false);
+  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
+    cache.keys.push_back(
+        at::zeros({batch, config_.num_key_value_heads, capacity, config_.head_dim}, opts));
+    cache.values.push_back(
+        at::zeros({batch, config_.num_key_value_heads, capacity, config_.head_dim}, opts));
+  }
+  cache.key_mask = at::zeros({batch, capacity}, opts.dtype(at::kBool));
+  cache.next_position = at::zeros({batch}, opts.dtype(at::kLong));
+  cache.length = 0;
+  cache.capacity = capacity;
+  return cache;
+}
+
+at::Tensor Model::Extend(const at::Tensor& ids, const at::Tensor& mask, KvCache& cache) const {
+  const int64_t b = ids.size(0), t = ids.size(1);
+  TORCH_CHECK(b == cache.batch(), "KV cache has ", cache.batch(), " rows, input has ", b);
+  TORCH_CHECK(cache.length + t <= cache.capacity, "KV cache capacity ", cache.capacity,
+              " exceeded (length ", cache.length, " + ", t, ")");
+  const int64_t len = cache.length, total = len + t;
+  at::Tensor m = mask.to(ids.device(), at::kBool);
+  at::Tensor positions =
+      (cache.next_position.unsqueeze(1) + m.to(at::kLong).cumsum(1) - 1).clamp_min(0);  // [B, T]
+  cache.key_mask.narrow(1, len, t).copy_(m);
+  at::Tensor key_cols = at::arange(total, ids.options());               // [L]
+  at::Tensor query_cols = at::arange(len, total, ids.options());        // [T]
+  at::Tensor causal = key_cols.unsqueeze(0) > query_cols.unsqueeze(1);  // [T, L]
+  at::Tensor blocked = causal.unsqueeze(0) |
+                       cache.key_mask.narrow(1, 0, total).logical_not().unsqueeze(1);  // [B,T,L]
+  at::Tensor hidden = Forward(ids, positions, blocked, &cache);
+  cache.length = total;
+  cache.next_position += m.sum(1);
+  return hidden;
+}
+
+at::Tensor Model::Prefill(const at::Tensor& ids, const at::Tensor& mask, KvCache& cache) const {
+  TORCH_CHECK(ids.dim() == 2 && ids.size(1) > 0, "Prefill: ids must be [B, T>0], got ",
+              ids.sizes());
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "Prefill: ids must be int64");
+  TORCH_CHECK(mask.sizes() == ids.sizes(), "Prefill: mask ", mask.sizes(), " does not match ids ",
+              ids.sizes());
+  at::NoGradGuard no_grad;
+  at::Tensor hidden = Extend(ids, mask, cache);
+  return Logits(hidden.select(1, ids.size(1) - 1));
+}
+
+KvCache Model::ExpandCache(const KvCache& cache, int64_t g) const {
+  TORCH_CHECK(g >= 1, "ExpandCache: g must be >= 1, got ", g);
+  at::NoGradGuard no_grad;
+  at::Tensor rows = at::arange(cache.batch(), cache.next_position.options()).repeat_interleave(g);
+  KvCache out;
+  for (const auto& k : cache.keys) out.keys.push_back(k.index_select(0, rows));
+  for (const auto& v : cache.values) out.values.push_back(v.index_select(0, rows));
+  out.key_mask = cache.key_mask.index_select(0, rows);
+  out.next_position = cache.next_position.index_select(0, rows);
+  out.length = cache.length;
+  out.capacity = cache.capacity;
+  return out;
+}
+
+at::Tensor Model::DecodeStep(const at::Tensor& ids, KvCache& cache,
+                             const at::Tensor& row_active) const {
+  TORCH_CHECK(ids.dim() == 1, "DecodeStep: ids must be [B], got ", ids.sizes());
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "DecodeStep: ids must be int64");
+  at::NoGradGuard no_grad;
+  at::Tensor mask;
+  if (row_active.defined()) {
+    TORCH_CHECK(row_active.dim() == 1 && row_active.size(0) == ids.size(0),
+                "DecodeStep: row_active must be [B], got ", row_active.sizes());
+    mask = row_active.to(ids.device(), at::kBool).unsqueeze(1);
+  } else {
+    mask = at::ones({ids.size(0), 1}, ids.options().dtype(at::kBool));
+  }
+  at::Tensor hidden = Extend(ids.unsqueeze(1), mask, cache);  // [B, 1, D]
+  return Logits(hidden.squeeze(1));
+}
+
+Status Model::KeepRows(KvCache& cache, const at::Tensor& row_indices) const {
+  try {
+    if (!row_indices.defined() || row_indices.dim() != 1) {
+      return Status::InvalidArgument("KeepRows: row_indices must be a 1-D tensor");
+    }
+    if (at::isFloatingType(row_indices.scalar_type()) || row_indices.scalar_type() == at::kBool) {
+      return Status::InvalidArgument("KeepRows: row_indices must be integers");
+    }
+    at::NoGradGuard no_grad;
+    at::Tensor rows = row_indices.to(cache.next_position.device(), at::kLong);
+    if (rows.numel() > 0) {
+      const int64_t lo = rows.min().item<int64_t>(), hi = rows.max().item<int64_t>();
+      if (lo < 0 || hi >= cache.batch()) {
+        return Status::InvalidArgument("KeepRows: row index out of range [0, " +
+                                       std::to_string(cache.batch()) +
+                                       "): " + std::to_string(lo < 0 ? lo : hi));
+      }
+    }
+    for (auto& k : cache.keys) k = k.index_select(0, rows);
+    for (auto& v : cache.values) v = v.index_select(0, rows);
+    cache.key_mask = cache.key_mask.index_select(0, rows);
+    cache.next_position = cache.next_position.index_select(0, rows);
+    return Status::OK();
+  } catch (const c10::Error& e) {
+    return Status::Internal("KeepRows: " + std::string(e.what_without_backtrace()));
+  }
+}
+
+}  // namespace grpo::common

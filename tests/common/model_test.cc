@@ -1,2 +1,672 @@
+#include "common/model.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
-// placeholder: being written
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "common/model_config.h"
+#include "common/safetensors.h"
+
+namespace grpo::common {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+class TempDir {
+ public:
+  TempDir() {
+    static std::atomic<int> counter{0};
+    path_ = fs::temp_directory_path() /
+            ("grpo_model_test_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string path() const { return path_.string(); }
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+void WriteText(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+fs::path SourceDir() {
+  if (const char* env = std::getenv("GRPO_SOURCE_DIR"); env != nullptr && *env) return env;
+  return fs::path(__FILE__).parent_path().parent_path().parent_path();
+}
+
+json SmallConfigJson(const std::string& model_type) {
+  json j = {{"model_type", model_type},    {"vocab_size", 97},
+            {"hidden_size", 32},           {"intermediate_size", 64},
+            {"num_hidden_layers", 2},      {"num_attention_heads", 4},
+            {"num_key_value_heads", 2},    {"max_position_embeddings", 128},
+            {"rms_norm_eps", 1e-6},        {"rope_theta", 10000.0},
+            {"tie_word_embeddings", true}, {"eos_token_id", 5},
+            {"torch_dtype", "float32"}};
+  if (model_type == "qwen3") {
+    j["head_dim"] = 16;  // != hidden / heads, as in real Qwen3 models
+    j["tie_word_embeddings"] = false;
+    j["rope_theta"] = 1000000.0;
+    j["attention_bias"] = false;
+  } else if (model_type == "llama") {
+    j["attention_bias"] = true;
+    j["num_key_value_heads"] = 1;
+    j["rms_norm_eps"] = 1e-5;
+    j["rope_theta"] = 500000.0;
+  }
+  return j;
+}
+
+ModelConfig SmallConfig(const std::string& model_type) {
+  auto c = ModelConfig::FromJson(SmallConfigJson(model_type), "test config");
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return *c;
+}
+
+// Every parameter drawn at a scale where mistakes show in the logits (InitRandom's 0.02 would
+// make attention nearly uniform and norms exactly 1).
+std::unique_ptr<Model> RandomModel(const ModelConfig& config, uint64_t seed) {
+  auto m = Model::InitRandom(config, seed);
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  at::Generator gen = at::detail::createCPUGenerator(seed + 1000);
+  NamedTensors state;
+  for (const auto& [name, t] : (*m)->NamedParameters()) {
+    at::Tensor r;
+    if (name.find("norm.weight") != std::string::npos) {
+      r = 1.0 + 0.3 * at::randn(t.sizes(), gen);
+    } else if (name.find(".bias") != std::string::npos) {
+      r = 0.3 * at::randn(t.sizes(), gen);
+    } else if (name == "model.embed_tokens.weight") {
+      r = at::randn(t.sizes(), gen);
+    } else {
+      r = 0.2 * at::randn(t.sizes(), gen);
+    }
+    state.emplace_back(name, r);
+  }
+  EXPECT_TRUE((*m)->LoadStateFrom(state).ok());
+  return std::move(*m);
+}
+
+at::Tensor FullLogits(const Model& m, const at::Tensor& ids, const at::Tensor& mask) {
+  at::NoGradGuard no_grad;
+  return m.Logits(m.ForwardHidden(ids, mask));
+}
+
+// ------------------------------------------------------------------------------------------
+// ModelConfig
+
+TEST(ModelConfig, ParsesQwen3WithExplicitHeadDimAndEosList) {
+  json j = SmallConfigJson("qwen3");
+  j["eos_token_id"] = {5, 7};
+  j["bos_token_id"] = nullptr;
+  auto c = ModelConfig::FromJson(j, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->head_dim, 16);
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_FALSE(c->attention_bias);
+  EXPECT_FALSE(c->tie_word_embeddings);
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int64_t>{5, 7}));
+  EXPECT_FALSE(c->bos_token_id.has_value());
+}
+
+TEST(ModelConfig, Qwen2AlwaysHasQkvBiasAndDefaultsKvHeadsAndHeadDim) {
+  json j = SmallConfigJson("qwen2");
+  j.erase("num_key_value_heads");
+  j["attention_bias"] = false;  // Qwen2Attention ignores it: q/k/v are always biased
+  auto c = ModelConfig::FromJson(j, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_TRUE(c->attention_bias);
+  EXPECT_FALSE(c->o_proj_bias());
+  EXPECT_EQ(c->num_key_value_heads, 4);
+  EXPECT_EQ(c->head_dim, 8);
+}
+
+TEST(ModelConfig, LlamaAttentionBiasDefaultsToFalse) {
+  json j = SmallConfigJson("llama");
+  j.erase("attention_bias");
+  auto c = ModelConfig::FromJson(j, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_FALSE(c->attention_bias);
+}
+
+TEST(ModelConfig, ToJsonRoundTrips) {
+  for (const char* type : {"qwen2", "qwen3", "llama"}) {
+    ModelConfig c = SmallConfig(type);
+    auto back = ModelConfig::FromJson(c.ToJson(), "roundtrip");
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(back->ToJson(), c.ToJson()) << type;
+  }
+}
+
+TEST(ModelConfig, PresetsMatchTheDocumentedModels) {
+  auto tiny = ModelConfigPreset("tiny");
+  ASSERT_TRUE(tiny.ok());
+  EXPECT_EQ(tiny->model_type, "qwen2");
+  EXPECT_EQ(tiny->vocab_size, 259);
+  EXPECT_EQ(tiny->hidden_size, 64);
+  EXPECT_EQ(tiny->num_hidden_layers, 2);
+  EXPECT_EQ(tiny->num_attention_heads, 4);
+  EXPECT_EQ(tiny->num_key_value_heads, 2);
+  EXPECT_EQ(tiny->intermediate_size, 176);
+  EXPECT_EQ(tiny->max_position_embeddings, 512);
+  EXPECT_TRUE(tiny->tie_word_embeddings);
+  EXPECT_EQ(tiny->eos_token_ids, (std::vector<int64_t>{258}));
+
+  auto bench = ModelConfigPreset("bench");
+  ASSERT_TRUE(bench.ok());
+  EXPECT_EQ(bench->vocab_size, 32768);
+  EXPECT_EQ(bench->hidden_size, 256);
+  EXPECT_EQ(bench->num_hidden_layers, 4);
+  EXPECT_EQ(bench->num_attention_heads, 4);
+  EXPECT_EQ(bench->num_key_value_heads, 2);
+  EXPECT_EQ(bench->intermediate_size, 704);
+  EXPECT_TRUE(bench->tie_word_embeddings);
+  auto m = Model::InitRandom(*bench, 1);
+  ASSERT_TRUE(m.ok());
+  // BENCHMARKS.md: "about 11 M parameters".
+  EXPECT_NEAR(static_cast<double>((*m)->NumParameters()), 11e6, 1e6);
+
+  EXPECT_EQ(ModelConfigPreset("huge").status().code(), StatusCode::kNotFound);
+}
+
+// ------------------------------------------------------------------------------------------
+// Correctness against an independent implementation of the published architecture.
+
+void ExpectMatchesHfReference(const std::string& model_type) {
+  const fs::path script = SourceDir() / "tests/reference/hf_model_ref.py";
+  if (!fs::exists("/usr/bin/python3")) GTEST_SKIP() << "/usr/bin/python3 not installed";
+  ASSERT_TRUE(fs::exists(script)) << script;
+
+  std::unique_ptr<Model> model = RandomModel(SmallConfig(model_type), 7);
+  TempDir dir;
+  ASSERT_TRUE(model->Save(dir.path()).ok());
+
+  // Rows: no padding, left padding, right padding, both.
+  const std::vector<std::vector<int64_t>> ids = {{3, 14, 15, 92, 65, 35, 89, 79},
+                                                 {0, 0, 0, 23, 84, 62, 64, 33},
+                                                 {27, 95, 2, 88, 41, 0, 0, 0},
+                                                 {0, 71, 69, 39, 93, 75, 10, 0}};
+  const std::vector<std::vector<int64_t>> mask = {{1, 1, 1, 1, 1, 1, 1, 1},
+                                                  {0, 0, 0, 1, 1, 1, 1, 1},
+                                                  {1, 1, 1, 1, 1, 0, 0, 0},
+                                                  {0, 1, 1, 1, 1, 1, 1, 0}};
+  WriteText(dir / "input.json", json({{"input_ids", ids}, {"attention_mask", mask}}).dump());
+  const std::string cmd = "/usr/bin/python3 '" + script.string() + "' '" + dir.path() + "' '" +
+                          (dir / "input.json") + "' '" + (dir / "ref.json") + "'";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  json ref = json::parse(ReadText(dir / "ref.json"));
+  const int64_t b = 4, t = 8, v = model->config().vocab_size;
+  ASSERT_EQ(ref["shape"], json({b, t, v}));
+  std::vector<float> flat = ref["logits"].get<std::vector<float>>();
+  at::Tensor expected = at::from_blob(flat.data(), {b, t, v}, at::kFloat).clone();
+
+  at::Tensor ids_t = at::empty({b, t}, at::kLong), mask_t = at::empty({b, t}, at::kLong);
+  for (int64_t i = 0; i < b; ++i) {
+    for (int64_t j = 0; j < t; ++j) {
+      ids_t[i][j] = ids[i][j];
+      mask_t[i][j] = mask[i][j];
+    }
+  }
+  at::Tensor got = FullLogits(*model, ids_t, mask_t);
+  ASSERT_EQ(got.sizes(), expected.sizes());
+  at::Tensor real = mask_t.to(at::kBool).unsqueeze(-1);
+  const double max_diff = ((got - expected).abs() * real).max().item<double>();
+  EXPECT_LE(max_diff, 1e-4) << model_type;
+  // The comparison means something: logits are O(1) and differ across positions.
+  EXPECT_GT((expected * real).abs().max().item<double>(), 0.5);
+}
+
+TEST(ModelReference, Qwen2TiedMatchesHfReferenceWithLeftAndRightPadding) {
+  ExpectMatchesHfReference("qwen2");
+}
+TEST(ModelReference, Qwen3QkNormUntiedHeadDimMatchesHfReference) {
+  ExpectMatchesHfReference("qwen3");
+}
+TEST(ModelReference, LlamaAttentionBiasSingleKvHeadMatchesHfReference) {
+  ExpectMatchesHfReference("llama");
+}
+
+TEST(ModelForward, AllPaddingRowIsFinite) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen2"), 3);
+  at::Tensor ids = at::randint(97, {2, 5}, at::kLong);
+  at::Tensor mask = at::ones({2, 5}, at::kLong);
+  mask[1].zero_();
+  at::Tensor logits = FullLogits(*model, ids, mask);
+  EXPECT_TRUE(at::isfinite(logits).all().item<bool>());
+}
+
+TEST(ModelForward, PaddingDoesNotChangeRealPositions) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen3"), 4);
+  at::Tensor ids = at::randint(97, {1, 6}, at::kLong);
+  at::Tensor alone = FullLogits(*model, ids, at::ones({1, 6}, at::kLong));
+  at::Tensor padded_ids =
+      at::cat({at::full({1, 3}, 9, at::kLong), ids, at::full({1, 2}, 4, at::kLong)}, 1);
+  at::Tensor padded_mask = at::cat(
+      {at::zeros({1, 3}, at::kLong), at::ones({1, 6}, at::kLong), at::zeros({1, 2}, at::kLong)}, 1);
+  at::Tensor padded = FullLogits(*model, padded_ids, padded_mask).narrow(1, 3, 6);
+  EXPECT_LE((padded - alone).abs().max().item<double>(), 1e-5);
+}
+
+TEST(ModelForward, GradientsReachEveryParameter) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen3"), 5);
+  model->SetRequiresGrad(true);
+  at::Tensor ids = at::randint(97, {2, 4}, at::kLong);
+  at::Tensor mask = at::ones({2, 4}, at::kLong);
+  model->Logits(model->ForwardHidden(ids, mask)).logsumexp(-1).sum().backward();
+  for (const auto& [name, p] : model->NamedParameters()) {
+    ASSERT_TRUE(p.grad().defined()) << name;
+    EXPECT_GT(p.grad().abs().sum().item<double>(), 0.0) << name;
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// KV cache
+
+void ExpectCacheMatchesFullForward(const std::string& model_type) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig(model_type), 11);
+  const int64_t v = model->config().vocab_size;
+  // Two prompts of lengths 5 and 2, left-padded to 5; G = 3 completions each.
+  const int64_t tp = 5, g = 3, steps = 5;
+  at::Tensor prompt = at::randint(1, v, {2, tp}, at::kLong);
+  at::Tensor prompt_mask = at::ones({2, tp}, at::kLong);
+  prompt_mask[1].narrow(0, 0, 3).zero_();
+  prompt[1].narrow(0, 0, 3).zero_();
+
+  KvCache cache = model->NewCache(2, tp + steps);
+  at::Tensor prefill_logits = model->Prefill(prompt, prompt_mask, cache);
+  at::Tensor full_prompt = FullLogits(*model, prompt, prompt_mask).select(1, tp - 1);
+  EXPECT_LE((prefill_logits - full_prompt).abs().max().item<double>(), 1e-4);
+
+  cache = model->ExpandCache(cache, g);
+  ASSERT_EQ(cache.batch(), 2 * g);
+  at::Tensor expanded_first = prefill_logits.repeat_interleave(g, 0);  // [2G, V]
+
+  // Completion tokens per original row; column s of `completion_mask` is 0 where the row was
+  // inactive at step s (row 1 at step 2).
+  const int64_t rows = 2 * g;
+  at::Tensor completion = at::randint(1, v, {rows, steps}, at::kLong);
+  at::Tensor completion_mask = at::ones({rows, steps}, at::kLong);
+  completion_mask[1][2] = 0;
+  std::vector<std::vector<at::Tensor>> step_logits(rows);  // logits after feeding step s
+  std::vector<int64_t> live(rows);
+  for (int64_t r = 0; r < rows; ++r) live[r] = r;
+  for (int64_t s = 0; s < steps; ++s) {
+    if (s == 3) {  // row 4 finished: keep the others, in order
+      std::vector<int64_t> keep;
+      for (size_t i = 0; i < live.size(); ++i) {
+        if (live[i] != 4) keep.push_back(static_cast<int64_t>(i));
+      }
+      live.erase(std::find(live.begin(), live.end(), 4));
+      ASSERT_TRUE(model->KeepRows(cache, at::tensor(keep, at::kLong)).ok());
+    }
+    at::Tensor live_t = at::tensor(live, at::kLong);
+    at::Tensor ids = completion.index_select(0, live_t).select(1, s).contiguous();
+    at::Tensor active = completion_mask.index_select(0, live_t).select(1, s).to(at::kBool);
+    at::Tensor logits = model->DecodeStep(ids, cache, active);
+    ASSERT_EQ(logits.size(0), static_cast<int64_t>(live.size()));
+    EXPECT_TRUE(at::isfinite(logits).all().item<bool>());
+    for (size_t i = 0; i < live.size(); ++i) step_logits[live[i]].push_back(logits[i]);
+  }
+  EXPECT_EQ(cache.batch(), rows - 1);
+  EXPECT_EQ(cache.length, tp + steps);
+
+  // Reference: the whole concatenated sequences in one ForwardHidden.
+  at::Tensor full_ids = at::cat({prompt.repeat_interleave(g, 0), completion}, 1);
+  at::Tensor full_mask = at::cat({prompt_mask.repeat_interleave(g, 0), completion_mask}, 1);
+  at::Tensor full = FullLogits(*model, full_ids, full_mask);  // [rows, tp + steps, V]
+  double max_diff = (expanded_first - full.select(1, tp - 1)).abs().max().item<double>();
+  int compared = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (size_t s = 0; s < step_logits[r].size(); ++s) {
+      if (completion_mask[r][s].item<int64_t>() == 0) continue;  // garbage by contract
+      max_diff =
+          std::max(max_diff, (step_logits[r][s] - full[r][tp + s]).abs().max().item<double>());
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, rows * steps - 1 /*inactive*/ - 2 /*row 4 dropped before steps 3, 4*/);
+  EXPECT_LE(max_diff, 1e-4) << model_type;
+}
+
+TEST(ModelKvCache, Qwen2PrefillExpandDecodeMatchesFullForward) {
+  ExpectCacheMatchesFullForward("qwen2");
+}
+TEST(ModelKvCache, Qwen3PrefillExpandDecodeMatchesFullForward) {
+  ExpectCacheMatchesFullForward("qwen3");
+}
+TEST(ModelKvCache, LlamaPrefillExpandDecodeMatchesFullForward) {
+  ExpectCacheMatchesFullForward("llama");
+}
+
+TEST(ModelKvCache, KeepRowsRejectsOutOfRangeIndex) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen2"), 1);
+  KvCache cache = model->NewCache(2, 4);
+  Status s = model->KeepRows(cache, at::tensor(std::vector<int64_t>{0, 2}, at::kLong));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache.batch(), 2);
+}
+
+TEST(ModelKvCache, DecodeRunsWithoutAutograd) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen2"), 1);
+  model->SetRequiresGrad(true);
+  KvCache cache = model->NewCache(1, 4);
+  at::Tensor logits =
+      model->Prefill(at::ones({1, 2}, at::kLong), at::ones({1, 2}, at::kLong), cache);
+  EXPECT_FALSE(logits.requires_grad());
+  logits = model->DecodeStep(at::ones({1}, at::kLong), cache);
+  EXPECT_FALSE(logits.requires_grad());
+}
+
+// ------------------------------------------------------------------------------------------
+// Bad input: every error names the file and the field or tensor.
+
+TEST(ModelConfigErrors, MalformedJsonNamesFile) {
+  TempDir dir;
+  WriteText(dir / "config.json", "{\"model_type\": \"qwen2\", ");
+  auto c = LoadModelConfig(dir / "config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find(dir / "config.json"), std::string::npos)
+      << c.status().message();
+}
+
+void ExpectConfigError(const json& j, const std::string& field) {
+  TempDir dir;
+  WriteText(dir / "config.json", j.dump());
+  auto c = LoadModelConfig(dir.path());  // a directory works too
+  ASSERT_FALSE(c.ok()) << field;
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find(dir / "config.json"), std::string::npos)
+      << c.status().message();
+  EXPECT_NE(c.status().message().find("'" + field + "'"), std::string::npos)
+      << c.status().message();
+}
+
+TEST(ModelConfigErrors, UnknownModelTypeNamesField) {
+  json j = SmallConfigJson("qwen2");
+  j["model_type"] = "mistral";
+  ExpectConfigError(j, "model_type");
+}
+
+TEST(ModelConfigErrors, MissingFieldNamesField) {
+  json j = SmallConfigJson("qwen2");
+  j.erase("intermediate_size");
+  ExpectConfigError(j, "intermediate_size");
+}
+
+TEST(ModelConfigErrors, WrongTypeNamesField) {
+  json j = SmallConfigJson("llama");
+  j["hidden_size"] = "32";
+  ExpectConfigError(j, "hidden_size");
+  j = SmallConfigJson("llama");
+  j["tie_word_embeddings"] = 1;
+  ExpectConfigError(j, "tie_word_embeddings");
+  j = SmallConfigJson("llama");
+  j["eos_token_id"] = {1, "2"};
+  ExpectConfigError(j, "eos_token_id");
+}
+
+TEST(ModelConfigErrors, InconsistentDimsNameField) {
+  json j = SmallConfigJson("qwen2");
+  j["num_attention_heads"] = 5;  // 32 % 5 != 0
+  ExpectConfigError(j, "num_attention_heads");
+  j = SmallConfigJson("qwen2");
+  j["num_key_value_heads"] = 3;  // 4 % 3 != 0
+  ExpectConfigError(j, "num_key_value_heads");
+}
+
+TEST(ModelConfigErrors, UnsupportedRopeScalingIsUnimplemented) {
+  json j = SmallConfigJson("llama");
+  j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
+  auto c = ModelConfig::FromJson(j, "x/config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(c.status().message().find("rope_scaling"), std::string::npos);
+}
+
+// Saves a small model, then rewrites model.safetensors through `edit`.
+Status LoadWithEditedWeights(const std::function<void(NamedTensors&)>& edit, std::string* file) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen2"), 2);
+  TempDir dir;
+  EXPECT_TRUE(model->Save(dir.path()).ok());
+  NamedTensors tensors;
+  for (const auto& [name, t] : model->NamedParameters())
+    tensors.emplace_back(name, t.detach().clone());
+  edit(tensors);
+  *file = dir / "model.safetensors";
+  EXPECT_TRUE(WriteSafetensors(*file, tensors).ok());
+  return Model::Load(dir.path()).status();
+}
+
+TEST(ModelLoadErrors, MissingTensorNamesFileAndTensor) {
+  const std::string victim = "model.layers.1.mlp.up_proj.weight";
+  std::string file;
+  Status s = LoadWithEditedWeights(
+      [&](NamedTensors& t) {
+        t.erase(std::find_if(t.begin(), t.end(), [&](auto& p) { return p.first == victim; }));
+      },
+      &file);
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
+  EXPECT_NE(s.message().find(file), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(victim), std::string::npos) << s.message();
+}
+
+TEST(ModelLoadErrors, WrongShapeNamesFileAndTensor) {
+  const std::string victim = "model.layers.0.self_attn.k_proj.bias";
+  std::string file;
+  Status s = LoadWithEditedWeights(
+      [&](NamedTensors& t) {
+        for (auto& [name, x] : t) {
+          if (name == victim) x = at::zeros({17});
+        }
+      },
+      &file);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find(file), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(victim), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("[17]"), std::string::npos) << s.message();
+}
+
+TEST(ModelLoadErrors, IntegerDtypeNamesFileAndTensor) {
+  const std::string victim = "model.norm.weight";
+  std::string file;
+  Status s = LoadWithEditedWeights(
+      [&](NamedTensors& t) {
+        for (auto& [name, x] : t) {
+          if (name == victim) x = x.to(at::kLong);
+        }
+      },
+      &file);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find(file), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(victim), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("I64"), std::string::npos) << s.message();
+}
+
+TEST(ModelLoadErrors, MissingWeightsFileIsNotFound) {
+  TempDir dir;
+  WriteText(dir / "config.json", SmallConfigJson("qwen2").dump());
+  EXPECT_EQ(Model::Load(dir.path()).status().code(), StatusCode::kNotFound);
+}
+
+TEST(ModelLoadErrors, LoadStateFromRejectsWrongShapeAndChangesNothing) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen2"), 2);
+  NamedTensors before;
+  for (const auto& [name, t] : model->NamedParameters()) before.emplace_back(name, t.clone());
+  NamedTensors state;
+  for (const auto& [name, t] : before) state.emplace_back(name, at::zeros_like(t));
+  state.back().second = at::zeros({3});
+  Status s = model->LoadStateFrom(state);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find(state.back().first), std::string::npos);
+  auto now = model->NamedParameters();
+  for (size_t i = 0; i < now.size(); ++i) EXPECT_TRUE(at::equal(now[i].second, before[i].second));
+}
+
+// ------------------------------------------------------------------------------------------
+// Save / Load
+
+void ExpectSameParameters(const Model& a, const Model& b) {
+  auto pa = a.NamedParameters(), pb = b.NamedParameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_EQ(pa[i].first, pb[i].first);
+    EXPECT_TRUE(at::equal(pa[i].second, pb[i].second)) << pa[i].first;
+  }
+  EXPECT_EQ(a.config().ToJson(), b.config().ToJson());
+}
+
+TEST(ModelSaveLoad, RoundTripIsBitExactAndTiedHasNoLmHead) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen2"), 21);
+  TempDir dir;
+  ASSERT_TRUE(model->Save(dir.path()).ok());
+  auto file = SafetensorsFile::Open(dir / "model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  EXPECT_EQ((*file)->Find("lm_head.weight"), nullptr);
+  EXPECT_NE((*file)->Find("model.layers.1.self_attn.q_proj.bias"), nullptr);
+  auto loaded = Model::Load(dir.path());
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  ExpectSameParameters(*model, **loaded);
+  EXPECT_TRUE(at::equal((*loaded)->LmHeadWeight(), (*loaded)->NamedParameters()[0].second));
+}
+
+TEST(ModelSaveLoad, ShardedCheckpointLoads) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen3"), 22);
+  TempDir dir;
+  ASSERT_TRUE(model->Save(dir.path(), /*max_shard_bytes=*/8 * 1024).ok());
+  ASSERT_TRUE(fs::exists(dir / "model.safetensors.index.json"));
+  int shards = 0;
+  for (const auto& e : fs::directory_iterator(dir.path())) {
+    shards += e.path().filename().string().rfind("model-", 0) == 0;
+  }
+  EXPECT_GT(shards, 1);
+  auto loaded = Model::Load(dir.path());
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  ExpectSameParameters(*model, **loaded);
+}
+
+TEST(ModelSaveLoad, Bf16WeightsAreWidenedToFp32) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("llama"), 23);
+  TempDir dir;
+  ASSERT_TRUE(model->Save(dir.path()).ok());
+  NamedTensors bf16;
+  for (const auto& [name, t] : model->NamedParameters())
+    bf16.emplace_back(name, t.to(at::kBFloat16));
+  ASSERT_TRUE(WriteSafetensors(dir / "model.safetensors", bf16).ok());
+  auto loaded = Model::Load(dir.path());
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  auto got = (*loaded)->NamedParameters();
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].second.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(got[i].second, bf16[i].second.to(at::kFloat))) << got[i].first;
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// InitRandom
+
+TEST(ModelInitRandom, SameSeedSameWeightsDifferentSeedDifferent) {
+  ModelConfig c = SmallConfig("qwen3");
+  auto a = Model::InitRandom(c, 42), b = Model::InitRandom(c, 42), d = Model::InitRandom(c, 43);
+  ASSERT_TRUE(a.ok() && b.ok() && d.ok());
+  ExpectSameParameters(**a, **b);
+  const at::Tensor wa = (*a)->NamedParameters()[1].second;
+  const at::Tensor wd = (*d)->NamedParameters()[1].second;
+  EXPECT_FALSE(at::equal(wa, wd));
+  // N(0, 0.02) linears, ones for norms, zeros for biases.
+  EXPECT_NEAR(wa.std().item<double>(), 0.02, 0.004);
+  for (const auto& [name, t] : (*a)->NamedParameters()) {
+    if (name.find("norm.weight") != std::string::npos) {
+      EXPECT_TRUE(at::equal(t, at::ones_like(t))) << name;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Throughput (not a test: run with --gtest_also_run_disabled_tests).
+
+TEST(ModelBench, DISABLED_BenchPresetForwardThroughput) {
+  auto config = ModelConfigPreset("bench");
+  ASSERT_TRUE(config.ok());
+  auto model = Model::InitRandom(*config, 0);
+  ASSERT_TRUE(model.ok());
+  const int64_t b = 16, t = 192;
+  at::Tensor ids = at::randint(config->vocab_size, {b, t}, at::kLong);
+  at::Tensor mask = at::ones({b, t}, at::kLong);
+  c10::InferenceMode inference;
+  std::vector<double> hidden_s, total_s;
+  for (int rep = 0; rep < 6; ++rep) {
+    auto t0 = std::chrono::steady_clock::now();
+    at::Tensor hidden = (*model)->ForwardHidden(ids, mask);
+    auto t1 = std::chrono::steady_clock::now();
+    at::Tensor logits = (*model)->Logits(hidden);
+    auto t2 = std::chrono::steady_clock::now();
+    if (rep == 0) continue;  // warm-up
+    hidden_s.push_back(std::chrono::duration<double>(t1 - t0).count());
+    total_s.push_back(std::chrono::duration<double>(t2 - t0).count());
+  }
+  // BENCHMARKS.md: the compute ceiling, 1024x1024 fp32 mm, measured in the same run.
+  at::Tensor a = at::randn({1024, 1024}), bm = at::randn({1024, 1024}), c = at::empty({1024, 1024});
+  std::vector<double> mm_s;
+  for (int rep = 0; rep < 11; ++rep) {
+    auto t0 = std::chrono::steady_clock::now();
+    at::mm_out(c, a, bm);
+    if (rep > 0)
+      mm_s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(mm_s.begin(), mm_s.end());
+  const double ceiling = 2.0 * 1024 * 1024 * 1024 / mm_s[mm_s.size() / 2] / 1e9;
+  const ModelConfig& m = *config;
+  const double layer_flops_per_token =
+      2.0 * m.hidden_size *
+          (2 * m.num_attention_heads * m.head_dim + 2 * m.num_key_value_heads * m.head_dim +
+           3 * m.intermediate_size) +
+      2.0 * 2 * t / 2 * m.num_attention_heads * m.head_dim;  // QK^T and PV, causal half
+  const double hidden_flops =
+      static_cast<double>(b * t) * m.num_hidden_layers * layer_flops_per_token;
+  const double head_flops = 2.0 * b * t * m.hidden_size * m.vocab_size;
+  const double tokens = static_cast<double>(b * t);
+  std::sort(hidden_s.begin(), hidden_s.end());
+  std::sort(total_s.begin(), total_s.end());
+  const double th = hidden_s[hidden_s.size() / 2], tt = total_s[total_s.size() / 2];
+  std::printf(
+      "bench model forward, batch %lld x %lld fp32, %d threads, mm ceiling %.1f GFLOP/s\n"
+      "  ForwardHidden:            %.0f tokens/s, %.1f GFLOP/s (%.2f of ceiling)\n"
+      "  ForwardHidden + Logits:   %.0f tokens/s, %.1f GFLOP/s (%.2f of ceiling); "
+      "min %.3f s, max %.3f s\n",
+      static_cast<long long>(b), static_cast<long long>(t), at::get_num_threads(), ceiling,
+      tokens / th, hidden_flops / th / 1e9, hidden_flops / th / 1e9 / ceiling, tokens / tt,
+      (hidden_flops + head_flops) / tt / 1e9, (hidden_flops + head_flops) / tt / 1e9 / ceiling,
+      total_s.front(), total_s.back());
+}
+
+}  // namespace
+}  // namespace grpo::common

@@ -1,0 +1,121 @@
+// Model: a decoder-only transformer of the Qwen2 / Qwen3 / Llama family (RMSNorm, RoPE with
+// the Hugging Face rotate_half convention, causal grouped-query attention, SwiGLU MLP), with
+// Hugging Face tensor names, a whole-sequence forward for the learner and a KV-cache forward
+// for rollout workers.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/model_config.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+
+namespace grpo::common {
+
+// Keys and values of every layer for a batch of rows, preallocated to `capacity` columns.
+// Column j of a row holds the token fed at step j; `key_mask` says which columns are real
+// (padding and inactive steps are 0). Owned by the caller; one cache per generating thread.
+struct KvCache {
+  std::vector<at::Tensor> keys;    // per layer [B, kv_heads, capacity, head_dim]
+  std::vector<at::Tensor> values;  // per layer [B, kv_heads, capacity, head_dim]
+  at::Tensor key_mask;             // [B, capacity] bool
+  at::Tensor next_position;        // [B] int64: RoPE position of the row's next real token
+  int64_t length = 0;              // columns filled (the same for every row)
+  int64_t capacity = 0;
+
+  int64_t batch() const { return key_mask.defined() ? key_mask.size(0) : 0; }
+};
+
+// Parameters are plain at::Tensor leaves (fp32 for now) on one device; compute follows their
+// options. Forward functions are const and may run concurrently from several threads;
+// LoadStateFrom and SetRequiresGrad must not run concurrently with them.
+class Model {
+ public:
+  // Reads `dir/config.json` and the weights (`model.safetensors` or a sharded index); weights
+  // on disk may be F32, F16, BF16 or F64 and are converted to fp32. Errors name the file and
+  // the tensor: NotFound (missing tensor), InvalidArgument (shape or dtype).
+  static StatusOr<std::unique_ptr<Model>> Load(const std::string& dir);
+  // Linears and embeddings ~ N(0, 0.02), norms 1, biases 0; a function of (config, seed) only.
+  static StatusOr<std::unique_ptr<Model>> InitRandom(const ModelConfig& config, uint64_t seed);
+
+  // Writes `dir/config.json` and `dir/model.safetensors` (sharded above `max_shard_bytes`) with
+  // Hugging Face names; tied models have no lm_head.weight. Creates `dir` if needed.
+  Status Save(const std::string& dir, uint64_t max_shard_bytes = 5ull << 30) const;
+
+  const ModelConfig& config() const { return config_; }
+  // The live parameters (shared storage) under their Hugging Face names, in checkpoint order.
+  NamedTensors NamedParameters() const { return params_; }
+  std::vector<at::Tensor> Parameters() const;
+  int64_t NumParameters() const;
+  void SetRequiresGrad(bool requires_grad);
+  // Copies every parameter in place from `state` (all names, no others; shapes must match;
+  // any float dtype/device). Validates everything before copying anything: InvalidArgument
+  // naming the tensor on failure, and then no parameter changed.
+  Status LoadStateFrom(const NamedTensors& state);
+
+  // --- Whole sequences (learner). Differentiable when grad mode is on.
+  // input_ids [B, T] int64, attention_mask [B, T] (1 real, 0 pad; left, right or both) ->
+  // final-normed hidden states [B, T, D]. Positions are cumsum(mask) - 1; padded keys are
+  // masked out; hidden states at padded positions are finite garbage.
+  at::Tensor ForwardHidden(const at::Tensor& input_ids, const at::Tensor& attention_mask) const;
+  // [V, D]; the embedding matrix when tied.
+  at::Tensor LmHeadWeight() const;
+  // hidden [..., D] -> logits [..., V].
+  at::Tensor Logits(const at::Tensor& hidden) const;
+
+  // --- Incremental decoding (rollout). All run without autograd.
+  // An empty cache for `batch` rows and up to `capacity` tokens per row (prompt + completion).
+  KvCache NewCache(int64_t batch, int64_t capacity) const;
+  // Appends ids [B, T] with mask [B, T] to `cache` and returns the logits [B, V] of the last
+  // column (prompts are LEFT-padded so it is each row's last real token).
+  // TORCH_CHECKs the shapes and that the cache has room.
+  at::Tensor Prefill(const at::Tensor& ids, const at::Tensor& mask, KvCache& cache) const;
+  // Row i of `cache` becomes rows i*g .. i*g+g-1 of the result (copies).
+  KvCache ExpandCache(const KvCache& cache, int64_t g) const;
+  // Appends one token per row: ids [B] -> logits [B, V]. Rows with row_active == false
+  // ([B] bool; undefined = all active) store a masked column and keep their position; their
+  // logits are finite garbage.
+  at::Tensor DecodeStep(const at::Tensor& ids, KvCache& cache,
+                        const at::Tensor& row_active = {}) const;
+  // Keeps only rows `row_indices` ([B'] int64, in that order) so finished rows cost nothing.
+  // InvalidArgument when an index is out of range.
+  Status KeepRows(KvCache& cache, const at::Tensor& row_indices) const;
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, q_norm, k_norm;
+    at::Tensor post_norm, gate_w, up_w, down_w;
+  };
+
+  explicit Model(ModelConfig config) : config_(std::move(config)) {}
+  // The expected parameter names and shapes, in checkpoint order.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> ParameterShapes() const;
+  // Sets params_ (order of ParameterShapes) and the typed handles below.
+  void Bind(NamedTensors params);
+
+  at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& w) const;
+  // x [B, T, heads, hd], positions [B, T] int64.
+  at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
+  // q [B, H, T, hd]; k, v [B, KV, L, hd]; blocked [B, T, L] bool (true = may not attend).
+  at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& blocked) const;
+  // One step over new tokens; when `cache` is set, keys/values are written at columns
+  // [cache->length, cache->length + T) and attention spans columns [0, length + T).
+  at::Tensor Forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& blocked,
+                     KvCache* cache) const;
+  // Prefill/DecodeStep body: ids [B, T], mask [B, T] bool -> hidden [B, T, D].
+  at::Tensor Extend(const at::Tensor& ids, const at::Tensor& mask, KvCache& cache) const;
+
+  ModelConfig config_;
+  NamedTensors params_;
+  at::Tensor embed_, final_norm_, lm_head_;  // lm_head_ is embed_ when tied
+  std::vector<Layer> layers_;
+  at::Tensor inv_freq_;  // [head_dim / 2] fp32
+};
+
+}  // namespace grpo::common
