@@ -1,0 +1,146 @@
+// PromptLedger: the durable record of every prompt's state (ARCHITECTURE.md "A prompt is in
+// exactly one state" and "State and files"). SQLite in WAL mode; every mutating call is one
+// transaction, so the state after reopening the file equals the state after the last call that
+// returned OK. No gRPC here: services/ maps these calls onto the wire.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+struct sqlite3;
+
+namespace grpo::learner {
+
+enum class PromptState { kQueued, kLeased, kTrained, kRejected };
+// "QUEUED", "LEASED", "TRAINED", "REJECTED" (also the spelling stored in the file).
+std::string_view PromptStateName(PromptState state);
+
+// How long a write waits for another connection's lock on the same file before Unavailable.
+inline constexpr std::chrono::milliseconds kDefaultLedgerBusyTimeout{5000};
+
+struct PromptLedgerOptions {
+  // Wall-clock unix milliseconds; lease deadlines are stored in this clock, so they survive a
+  // restart. Tests inject a fake. Empty = std::chrono::system_clock. Called under the ledger's
+  // mutex, possibly from several threads.
+  std::function<int64_t()> now_ms;
+  std::chrono::milliseconds busy_timeout = kDefaultLedgerBusyTimeout;
+};
+
+struct DatasetInfo {
+  std::string dataset_id;  // "ds-<n>", n = 1, 2, ... in submission order
+  int64_t prompt_count = 0;
+  bool created = false;  // false when an identical earlier submission was returned
+};
+
+// One leased prompt. The lease_id is the capability to complete, reject or release it.
+struct Lease {
+  std::string lease_id;  // 128 random bits, 32 lower-case hex digits
+  std::string prompt_id;
+  std::string row_json;     // the dataset line as submitted, outer whitespace trimmed
+  int64_t deadline_ms = 0;  // unix ms; the lease is valid while now <= deadline
+  int64_t pass = 0;         // 0-based pass (epoch) this prompt is being trained in
+  int64_t attempts = 0;     // earlier leases of it that expired
+};
+
+struct PromptRecord {
+  std::string prompt_id;
+  std::string dataset_id;
+  std::string row_json;
+  PromptState state = PromptState::kQueued;
+  std::string lease_id;           // empty unless LEASED
+  int64_t lease_deadline_ms = 0;  // 0 unless LEASED
+  std::string worker_id;          // the worker that holds or last held a lease on it
+  int64_t attempts = 0;           // leases of it that expired
+  std::string reject_reason;      // set when REJECTED
+  int64_t pass = 0;
+  int64_t created_ms = 0, updated_ms = 0;
+};
+
+struct LedgerCounts {
+  int64_t queued = 0, leased = 0, trained = 0, rejected = 0;
+  int64_t pass = 0;  // the job's current 0-based pass
+  int64_t total() const { return queued + leased + trained + rejected; }
+};
+
+// Thread-safe: every method takes one mutex around the SQLite handle. Errors name the file.
+// One process should own a ledger file; a second connection only waits busy_timeout for locks.
+class PromptLedger {
+ public:
+  // Creates the file (and schema) or opens and migrates an existing one. DataLoss for a file
+  // that is not a ledger database, FailedPrecondition for a path that cannot be opened for
+  // writing or a file written by a newer schema version.
+  static StatusOr<std::unique_ptr<PromptLedger>> Open(const std::string& path,
+                                                      PromptLedgerOptions options = {});
+  ~PromptLedger();
+  PromptLedger(const PromptLedger&) = delete;
+  PromptLedger& operator=(const PromptLedger&) = delete;
+
+  // Adds one dataset of JSONL lines; each non-blank line must be a JSON object with a
+  // non-empty "prompt" string or a non-empty "messages" array of {"role", "content"} strings.
+  // Prompt ids are "<dataset_id>:<line index>" (0-based, blank lines skipped but counted).
+  // A bad line rejects the whole submission: InvalidArgument naming the 1-based line; nothing
+  // is stored. The same non-empty idempotency_key with the same lines returns the earlier
+  // dataset (created = false); with different lines, AlreadyExists. An empty key never dedups.
+  StatusOr<DatasetInfo> AddDataset(const std::string& idempotency_key,
+                                   const std::vector<std::string>& jsonl_lines);
+
+  // Returns every LEASED prompt whose deadline has passed to QUEUED (attempts + 1), then leases
+  // up to max_prompts QUEUED prompts, oldest first, each under a fresh lease id valid until
+  // now + lease_duration. An empty result means nothing is queued. InvalidArgument on an empty
+  // worker_id or a non-positive max_prompts or lease_duration.
+  StatusOr<std::vector<Lease>> LeasePrompts(const std::string& worker_id, int64_t max_prompts,
+                                            std::chrono::milliseconds lease_duration);
+
+  // The group pushed under this lease was accepted: LEASED -> TRAINED. FailedPrecondition
+  // ("unknown or expired lease ...") unless the prompt is LEASED under exactly this lease id and
+  // the lease has not expired; the prompt is then left as it was.
+  Status CompleteLease(const std::string& lease_id, const std::string& prompt_id);
+  // The prompt itself is bad: LEASED -> REJECTED with the reason. Same lease check.
+  Status RejectPrompt(const std::string& lease_id, const std::string& prompt_id,
+                      const std::string& reason);
+  // The worker gives the prompt back unprocessed (shutting down): LEASED -> QUEUED, attempts
+  // unchanged. Same lease check.
+  Status ReleaseLease(const std::string& lease_id, const std::string& prompt_id);
+
+  // Ends the current pass when every prompt is TRAINED or REJECTED: returns true after moving
+  // TRAINED -> QUEUED with pass + 1, or false (and changes nothing) when the pass just finished
+  // was the last of num_passes. FailedPrecondition while prompts are still QUEUED or LEASED, or
+  // when the ledger holds no prompts; InvalidArgument when num_passes < 1.
+  StatusOr<bool> StartNextPass(int64_t num_passes);
+
+  // Prompts per state over the whole ledger, or over one dataset (NotFound if unknown).
+  StatusOr<LedgerCounts> Counts();
+  StatusOr<LedgerCounts> CountsForDataset(const std::string& dataset_id);
+  // One prompt's full row; NotFound if unknown.
+  StatusOr<PromptRecord> GetPrompt(const std::string& prompt_id);
+
+  const std::string& path() const { return path_; }
+
+ private:
+  enum class LeaseAction { kComplete, kReject, kRelease };
+
+  PromptLedger(std::string path, sqlite3* db, PromptLedgerOptions options);
+
+  Status Migrate();
+  Status FinishLease(LeaseAction action, const std::string& lease_id, const std::string& prompt_id,
+                     const std::string& reason);
+  StatusOr<LedgerCounts> CountsLocked(const std::string* dataset_id);
+  std::string NewLeaseId();
+
+  const std::string path_;
+  const PromptLedgerOptions options_;
+  std::mutex mu_;
+  sqlite3* db_;            // owned; GUARDED_BY(mu_)
+  std::random_device rd_;  // lease ids; GUARDED_BY(mu_)
+};
+
+}  // namespace grpo::learner

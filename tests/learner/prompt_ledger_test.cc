@@ -1,0 +1,609 @@
+#include "learner/prompt_ledger.h"
+
+#include <gtest/gtest.h>
+#include <sqlite3.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace grpo::learner {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+
+// A fake wall clock in unix ms; safe to read from several threads.
+struct FakeClock {
+  std::atomic<int64_t> ms{1000};
+};
+
+class PromptLedgerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("prompt_ledger_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    path_ = (dir_ / "ledger.db").string();
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::unique_ptr<PromptLedger> OpenLedger() {
+    PromptLedgerOptions options;
+    options.now_ms = [c = &clock_] { return c->ms.load(); };
+    auto ledger = PromptLedger::Open(path_, options);
+    EXPECT_TRUE(ledger.ok()) << ledger.status().ToString();
+    return ledger.ok() ? std::move(ledger).value() : nullptr;
+  }
+
+  // n rows {"prompt": "p<i>"}.
+  static std::vector<std::string> Rows(int n) {
+    std::vector<std::string> rows;
+    for (int i = 0; i < n; ++i) rows.push_back(R"({"prompt": "p)" + std::to_string(i) + R"("})");
+    return rows;
+  }
+
+  static std::vector<std::string> Ids(const std::vector<Lease>& leases) {
+    std::vector<std::string> ids;
+    for (const Lease& l : leases) ids.push_back(l.prompt_id);
+    return ids;
+  }
+
+  PromptState StateOf(PromptLedger& ledger, const std::string& prompt_id) {
+    auto r = ledger.GetPrompt(prompt_id);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? r->state : PromptState::kQueued;
+  }
+
+  fs::path dir_;
+  std::string path_;
+  FakeClock clock_;
+};
+
+void ExpectCounts(PromptLedger& ledger, int64_t queued, int64_t leased, int64_t trained,
+                  int64_t rejected) {
+  auto c = ledger.Counts();
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->queued, queued);
+  EXPECT_EQ(c->leased, leased);
+  EXPECT_EQ(c->trained, trained);
+  EXPECT_EQ(c->rejected, rejected);
+}
+
+TEST_F(PromptLedgerTest, AddDatasetQueuesEveryLineUnderStableIds) {
+  auto ledger = OpenLedger();
+  const std::vector<std::string> lines = {
+      R"({"prompt": "What is 2+2?", "answer": "4"})",
+      R"({"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "Hi"}]})",
+      R"({"prompt": "Name a prime.", "answer": "2"})",
+  };
+  auto info = ledger->AddDataset("key-1", lines);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->dataset_id, "ds-1");
+  EXPECT_EQ(info->prompt_count, 3);
+  EXPECT_TRUE(info->created);
+  ExpectCounts(*ledger, 3, 0, 0, 0);
+
+  auto p = ledger->GetPrompt("ds-1:1");
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->dataset_id, "ds-1");
+  EXPECT_EQ(p->row_json, lines[1]);
+  EXPECT_EQ(p->state, PromptState::kQueued);
+  EXPECT_EQ(p->attempts, 0);
+  EXPECT_EQ(p->pass, 0);
+  EXPECT_EQ(p->created_ms, 1000);
+  EXPECT_EQ(ledger->GetPrompt("ds-1:3").status().code(), StatusCode::kNotFound);
+
+  auto second = ledger->AddDataset("key-2", Rows(2));
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_EQ(second->dataset_id, "ds-2");
+  ExpectCounts(*ledger, 5, 0, 0, 0);
+}
+
+TEST_F(PromptLedgerTest, BlankLinesAreSkippedButKeepTheirIndex) {
+  auto ledger = OpenLedger();
+  auto info = ledger->AddDataset("k", {R"({"prompt": "a"})", "  ", R"({"prompt": "b"})", ""});
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->prompt_count, 2);
+  EXPECT_TRUE(ledger->GetPrompt("ds-1:0").ok());
+  EXPECT_EQ(ledger->GetPrompt("ds-1:1").status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(ledger->GetPrompt("ds-1:2").ok());
+}
+
+TEST_F(PromptLedgerTest, BadLineRejectsWholeSubmissionNamingTheLine) {
+  auto ledger = OpenLedger();
+  std::vector<std::string> lines = Rows(2);
+  lines.push_back(R"({"text": "no prompt field"})");
+  lines.push_back(R"({"prompt": "fine"})");
+  auto info = ledger->AddDataset("k", lines);
+  ASSERT_FALSE(info.ok());
+  EXPECT_EQ(info.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(info.status().message().find("line 3"), std::string::npos) << info.status().message();
+  ExpectCounts(*ledger, 0, 0, 0, 0);
+  EXPECT_EQ(ledger->GetPrompt("ds-1:0").status().code(), StatusCode::kNotFound);
+
+  // Nothing of the refused submission remains: the key is free and ids start again at ds-1.
+  auto retry = ledger->AddDataset("k", Rows(2));
+  ASSERT_TRUE(retry.ok()) << retry.status().ToString();
+  EXPECT_EQ(retry->dataset_id, "ds-1");
+  EXPECT_TRUE(retry->created);
+}
+
+TEST_F(PromptLedgerTest, EveryKindOfMalformedRowIsInvalidArgument) {
+  auto ledger = OpenLedger();
+  const std::vector<std::string> bad = {
+      R"({"prompt": "unterminated)",
+      R"(["prompt", "x"])",
+      R"("just a string")",
+      R"({"prompt": 7})",
+      R"({"prompt": ""})",
+      R"({"messages": "hi"})",
+      R"({"messages": []})",
+      R"({"messages": [{"content": "no role"}]})",
+      R"({"messages": [{"role": "user"}]})",
+      R"({"messages": [{"role": "user", "content": 3}]})",
+      R"({"messages": ["user: hi"]})",
+      R"({"prompt": 1, "messages": [{"role": "user", "content": "hi"}]})",
+  };
+  for (const std::string& row : bad) {
+    auto info = ledger->AddDataset("", {R"({"prompt": "ok"})", row});
+    ASSERT_FALSE(info.ok()) << row;
+    EXPECT_EQ(info.status().code(), StatusCode::kInvalidArgument) << row;
+    EXPECT_NE(info.status().message().find("line 2"), std::string::npos)
+        << row << " -> " << info.status().message();
+  }
+  ExpectCounts(*ledger, 0, 0, 0, 0);
+  EXPECT_EQ(ledger->AddDataset("", {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ledger->AddDataset("", {"", " "}).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(PromptLedgerTest, ResubmittingSameKeyAndLinesReturnsTheExistingDataset) {
+  auto ledger = OpenLedger();
+  auto first = ledger->AddDataset("key", Rows(3));
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  auto again = ledger->AddDataset("key", Rows(3));
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->dataset_id, "ds-1");
+  EXPECT_EQ(again->prompt_count, 3);
+  EXPECT_FALSE(again->created);
+  ExpectCounts(*ledger, 3, 0, 0, 0);
+}
+
+TEST_F(PromptLedgerTest, SameKeyWithDifferentLinesIsAlreadyExists) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("key", Rows(3)).ok());
+  auto other = ledger->AddDataset("key", Rows(4));
+  EXPECT_EQ(other.status().code(), StatusCode::kAlreadyExists);
+  EXPECT_NE(other.status().message().find("key"), std::string::npos);
+  ExpectCounts(*ledger, 3, 0, 0, 0);
+}
+
+TEST_F(PromptLedgerTest, EmptyKeyNeverDeduplicates) {
+  auto ledger = OpenLedger();
+  auto a = ledger->AddDataset("", Rows(2));
+  auto b = ledger->AddDataset("", Rows(2));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->dataset_id, "ds-1");
+  EXPECT_EQ(b->dataset_id, "ds-2");
+  ExpectCounts(*ledger, 4, 0, 0, 0);
+}
+
+TEST_F(PromptLedgerTest, LeasesOldestFirstUpToMaxPrompts) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(3)).ok());
+  ASSERT_TRUE(ledger->AddDataset("b", Rows(2)).ok());
+
+  auto first = ledger->LeasePrompts("w1", 2, milliseconds(500));
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_EQ(Ids(*first), (std::vector<std::string>{"ds-1:0", "ds-1:1"}));
+  EXPECT_EQ((*first)[0].row_json, R"({"prompt": "p0"})");
+  EXPECT_EQ((*first)[0].deadline_ms, 1500);  // now 1000 + 500
+  EXPECT_EQ((*first)[0].pass, 0);
+  EXPECT_EQ((*first)[0].attempts, 0);
+
+  auto second = ledger->LeasePrompts("w2", 2, milliseconds(500));
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(Ids(*second), (std::vector<std::string>{"ds-1:2", "ds-2:0"}));
+  auto third = ledger->LeasePrompts("w1", 2, milliseconds(500));
+  ASSERT_TRUE(third.ok());
+  EXPECT_EQ(Ids(*third), (std::vector<std::string>{"ds-2:1"}));
+  auto none = ledger->LeasePrompts("w1", 2, milliseconds(500));
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->empty());
+  ExpectCounts(*ledger, 0, 5, 0, 0);
+
+  std::set<std::string> lease_ids;
+  for (const auto* batch : {&*first, &*second, &*third}) {
+    for (const Lease& l : *batch) {
+      EXPECT_EQ(l.lease_id.size(), 32u);
+      EXPECT_EQ(l.lease_id.find_first_not_of("0123456789abcdef"), std::string::npos);
+      lease_ids.insert(l.lease_id);
+    }
+  }
+  EXPECT_EQ(lease_ids.size(), 5u);
+  auto p = ledger->GetPrompt("ds-1:2");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->worker_id, "w2");
+  EXPECT_EQ(p->lease_id, (*second)[0].lease_id);
+  EXPECT_EQ(p->lease_deadline_ms, 1500);
+}
+
+TEST_F(PromptLedgerTest, LeasePromptsRejectsBadArguments) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(1)).ok());
+  EXPECT_EQ(ledger->LeasePrompts("", 1, milliseconds(10)).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ledger->LeasePrompts("w", 0, milliseconds(10)).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ledger->LeasePrompts("w", 1, milliseconds(0)).status().code(),
+            StatusCode::kInvalidArgument);
+  ExpectCounts(*ledger, 1, 0, 0, 0);
+}
+
+TEST_F(PromptLedgerTest, ExpiredLeaseReturnsToQueueAndCountsAnAttempt) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(1)).ok());
+  auto first = ledger->LeasePrompts("w1", 1, milliseconds(100));  // deadline 1100
+  ASSERT_TRUE(first.ok() && first->size() == 1);
+
+  clock_.ms = 1100;  // at the deadline the lease still holds
+  auto early = ledger->LeasePrompts("w2", 1, milliseconds(100));
+  ASSERT_TRUE(early.ok());
+  EXPECT_TRUE(early->empty());
+  ExpectCounts(*ledger, 0, 1, 0, 0);
+
+  clock_.ms = 1101;
+  auto late = ledger->LeasePrompts("w2", 1, milliseconds(100));
+  ASSERT_TRUE(late.ok());
+  ASSERT_EQ(late->size(), 1u);
+  EXPECT_EQ((*late)[0].prompt_id, "ds-1:0");
+  EXPECT_EQ((*late)[0].attempts, 1);
+  EXPECT_EQ((*late)[0].deadline_ms, 1201);
+  EXPECT_NE((*late)[0].lease_id, (*first)[0].lease_id);
+  auto p = ledger->GetPrompt("ds-1:0");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->attempts, 1);
+  EXPECT_EQ(p->worker_id, "w2");
+  // The first worker's lease is gone for good.
+  EXPECT_EQ(ledger->CompleteLease((*first)[0].lease_id, "ds-1:0").code(),
+            StatusCode::kFailedPrecondition);
+}
+
+TEST_F(PromptLedgerTest, CompleteMarksPromptTrained) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(2)).ok());
+  auto leases = ledger->LeasePrompts("w", 2, milliseconds(100));
+  ASSERT_TRUE(leases.ok() && leases->size() == 2);
+  clock_.ms = 1100;  // the deadline itself is still inside the lease
+  ASSERT_TRUE(ledger->CompleteLease((*leases)[0].lease_id, "ds-1:0").ok());
+  auto p = ledger->GetPrompt("ds-1:0");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->state, PromptState::kTrained);
+  EXPECT_EQ(p->lease_id, "");
+  EXPECT_EQ(p->updated_ms, 1100);
+  ExpectCounts(*ledger, 0, 1, 1, 0);
+}
+
+TEST_F(PromptLedgerTest, CompleteUnderExpiredLeaseIsRefusedAndLeavesPromptLeased) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(1)).ok());
+  auto leases = ledger->LeasePrompts("w", 1, milliseconds(100));
+  ASSERT_TRUE(leases.ok() && leases->size() == 1);
+  clock_.ms = 1101;
+  Status s = ledger->CompleteLease((*leases)[0].lease_id, "ds-1:0");
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("unknown or expired lease"), std::string::npos) << s.message();
+  auto p = ledger->GetPrompt("ds-1:0");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->state, PromptState::kLeased);
+  EXPECT_EQ(p->lease_id, (*leases)[0].lease_id);
+  ExpectCounts(*ledger, 0, 1, 0, 0);
+}
+
+TEST_F(PromptLedgerTest, CompleteUnderUnknownLeaseOrPromptIsRefused) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(1)).ok());
+  auto leases = ledger->LeasePrompts("w", 1, milliseconds(100));
+  ASSERT_TRUE(leases.ok() && leases->size() == 1);
+  EXPECT_EQ(ledger->CompleteLease("00000000000000000000000000000000", "ds-1:0").code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ledger->CompleteLease("", "ds-1:0").code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ledger->CompleteLease((*leases)[0].lease_id, "ds-9:0").code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(StateOf(*ledger, "ds-1:0"), PromptState::kLeased);
+  ExpectCounts(*ledger, 0, 1, 0, 0);
+}
+
+TEST_F(PromptLedgerTest, CompleteWithAnotherPromptsLeaseIsRefused) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(2)).ok());
+  auto leases = ledger->LeasePrompts("w", 2, milliseconds(100));
+  ASSERT_TRUE(leases.ok() && leases->size() == 2);
+  EXPECT_EQ(ledger->CompleteLease((*leases)[0].lease_id, "ds-1:1").code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(StateOf(*ledger, "ds-1:0"), PromptState::kLeased);
+  EXPECT_EQ(StateOf(*ledger, "ds-1:1"), PromptState::kLeased);
+}
+
+TEST_F(PromptLedgerTest, DoubleCompleteIsRefused) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(1)).ok());
+  auto leases = ledger->LeasePrompts("w", 1, milliseconds(100));
+  ASSERT_TRUE(leases.ok() && leases->size() == 1);
+  ASSERT_TRUE(ledger->CompleteLease((*leases)[0].lease_id, "ds-1:0").ok());
+  Status again = ledger->CompleteLease((*leases)[0].lease_id, "ds-1:0");
+  EXPECT_EQ(again.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(again.message().find("TRAINED"), std::string::npos) << again.message();
+  ExpectCounts(*ledger, 0, 0, 1, 0);
+}
+
+TEST_F(PromptLedgerTest, ReleaseReturnsPromptToQueueWithoutAnAttempt) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(2)).ok());
+  auto leases = ledger->LeasePrompts("w1", 2, milliseconds(100));
+  ASSERT_TRUE(leases.ok() && leases->size() == 2);
+  ASSERT_TRUE(ledger->ReleaseLease((*leases)[0].lease_id, "ds-1:0").ok());
+  auto p = ledger->GetPrompt("ds-1:0");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->state, PromptState::kQueued);
+  EXPECT_EQ(p->attempts, 0);
+  EXPECT_EQ(p->lease_id, "");
+  ExpectCounts(*ledger, 1, 1, 0, 0);
+  // The released lease can no longer complete; the prompt is leased again.
+  EXPECT_EQ(ledger->CompleteLease((*leases)[0].lease_id, "ds-1:0").code(),
+            StatusCode::kFailedPrecondition);
+  auto again = ledger->LeasePrompts("w2", 5, milliseconds(100));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(Ids(*again), (std::vector<std::string>{"ds-1:0"}));
+}
+
+TEST_F(PromptLedgerTest, RejectStoresReasonAndNeverLeasesAgain) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(1)).ok());
+  auto leases = ledger->LeasePrompts("w", 1, milliseconds(100));
+  ASSERT_TRUE(leases.ok() && leases->size() == 1);
+  ASSERT_TRUE(ledger->RejectPrompt((*leases)[0].lease_id, "ds-1:0", "prompt too long").ok());
+  auto p = ledger->GetPrompt("ds-1:0");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->state, PromptState::kRejected);
+  EXPECT_EQ(p->reject_reason, "prompt too long");
+  ExpectCounts(*ledger, 0, 0, 0, 1);
+  clock_.ms = 1'000'000;
+  auto more = ledger->LeasePrompts("w", 1, milliseconds(100));
+  ASSERT_TRUE(more.ok());
+  EXPECT_TRUE(more->empty());
+}
+
+TEST_F(PromptLedgerTest, CountsForDatasetCountsOnlyThatDataset) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(2)).ok());
+  ASSERT_TRUE(ledger->AddDataset("b", Rows(3)).ok());
+  ASSERT_TRUE(ledger->LeasePrompts("w", 3, milliseconds(100)).ok());  // ds-1:0, ds-1:1, ds-2:0
+  auto a = ledger->CountsForDataset("ds-1");
+  auto b = ledger->CountsForDataset("ds-2");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->queued, 0);
+  EXPECT_EQ(a->leased, 2);
+  EXPECT_EQ(b->queued, 2);
+  EXPECT_EQ(b->leased, 1);
+  EXPECT_EQ(ledger->CountsForDataset("ds-3").status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(PromptLedgerTest, NextPassIsRefusedWhilePromptsAreOutstanding) {
+  auto ledger = OpenLedger();
+  EXPECT_EQ(ledger->StartNextPass(2).status().code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(2)).ok());
+  auto leases = ledger->LeasePrompts("w", 1, milliseconds(100));
+  ASSERT_TRUE(leases.ok() && leases->size() == 1);
+  ASSERT_TRUE(ledger->CompleteLease((*leases)[0].lease_id, "ds-1:0").ok());
+  auto next = ledger->StartNextPass(2);  // ds-1:1 still queued
+  EXPECT_EQ(next.status().code(), StatusCode::kFailedPrecondition);
+  ExpectCounts(*ledger, 1, 0, 1, 0);
+  EXPECT_EQ(ledger->StartNextPass(0).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(PromptLedgerTest, NextPassRequeuesTrainedPromptsButNotRejectedOnes) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(3)).ok());
+  auto leases = ledger->LeasePrompts("w", 3, milliseconds(100));
+  ASSERT_TRUE(leases.ok() && leases->size() == 3);
+  ASSERT_TRUE(ledger->CompleteLease((*leases)[0].lease_id, "ds-1:0").ok());
+  ASSERT_TRUE(ledger->RejectPrompt((*leases)[1].lease_id, "ds-1:1", "bad").ok());
+  ASSERT_TRUE(ledger->CompleteLease((*leases)[2].lease_id, "ds-1:2").ok());
+
+  auto next = ledger->StartNextPass(2);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_TRUE(*next);
+  ExpectCounts(*ledger, 2, 0, 0, 1);
+  EXPECT_EQ(ledger->Counts()->pass, 1);
+
+  auto second = ledger->LeasePrompts("w", 5, milliseconds(100));
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(Ids(*second), (std::vector<std::string>{"ds-1:0", "ds-1:2"}));
+  EXPECT_EQ((*second)[0].pass, 1);
+  for (const Lease& l : *second) ASSERT_TRUE(ledger->CompleteLease(l.lease_id, l.prompt_id).ok());
+
+  // Pass 1 was the last of 2: nothing changes.
+  auto done = ledger->StartNextPass(2);
+  ASSERT_TRUE(done.ok());
+  EXPECT_FALSE(*done);
+  ExpectCounts(*ledger, 0, 0, 2, 1);
+  EXPECT_EQ(ledger->Counts()->pass, 1);
+}
+
+TEST_F(PromptLedgerTest, ConcurrentLeasersNeverShareAPrompt) {
+  auto ledger = OpenLedger();
+  constexpr int kPrompts = 400, kThreads = 4;
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(kPrompts)).ok());
+  std::vector<std::vector<Lease>> got(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const std::string worker = std::to_string(t) + "-worker";
+      while (true) {
+        auto batch = ledger->LeasePrompts(worker, 7, milliseconds(60'000));
+        if (!batch.ok() || batch->empty()) break;
+        got[t].insert(got[t].end(), batch->begin(), batch->end());
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+
+  std::map<std::string, int> times_leased;
+  std::set<std::string> lease_ids;
+  for (const auto& leases : got) {
+    for (const Lease& l : leases) {
+      ++times_leased[l.prompt_id];
+      lease_ids.insert(l.lease_id);
+    }
+  }
+  EXPECT_EQ(times_leased.size(), static_cast<size_t>(kPrompts));
+  for (const auto& [id, n] : times_leased) EXPECT_EQ(n, 1) << id;
+  EXPECT_EQ(lease_ids.size(), static_cast<size_t>(kPrompts));
+  ExpectCounts(*ledger, 0, kPrompts, 0, 0);
+}
+
+TEST_F(PromptLedgerTest, ReopenPreservesStatesLeasesAndIdempotencyKeys) {
+  std::string lease2;
+  {
+    auto ledger = OpenLedger();
+    ASSERT_TRUE(ledger->AddDataset("key", Rows(4)).ok());
+    auto leases = ledger->LeasePrompts("w", 3, milliseconds(1000));  // deadline 2000
+    ASSERT_TRUE(leases.ok() && leases->size() == 3);
+    ASSERT_TRUE(ledger->CompleteLease((*leases)[0].lease_id, "ds-1:0").ok());
+    ASSERT_TRUE(ledger->RejectPrompt((*leases)[1].lease_id, "ds-1:1", "bad").ok());
+    lease2 = (*leases)[2].lease_id;
+  }
+  {
+    clock_.ms = 1500;
+    auto ledger = OpenLedger();
+    ExpectCounts(*ledger, 1, 1, 1, 1);
+    auto p = ledger->GetPrompt("ds-1:1");
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ(p->reject_reason, "bad");
+    auto again = ledger->AddDataset("key", Rows(4));
+    ASSERT_TRUE(again.ok());
+    EXPECT_FALSE(again->created);
+    EXPECT_EQ(StateOf(*ledger, "ds-1:2"), PromptState::kLeased);
+    EXPECT_EQ(ledger->GetPrompt("ds-1:2")->lease_id, lease2);
+  }
+  {
+    // Past the deadline: the next lease call reclaims ds-1:2 ahead of ds-1:3 (FIFO).
+    clock_.ms = 2001;
+    auto ledger = OpenLedger();
+    auto leases = ledger->LeasePrompts("w2", 10, milliseconds(1000));
+    ASSERT_TRUE(leases.ok());
+    EXPECT_EQ(Ids(*leases), (std::vector<std::string>{"ds-1:2", "ds-1:3"}));
+    EXPECT_EQ((*leases)[0].attempts, 1);
+    EXPECT_EQ(ledger->CompleteLease(lease2, "ds-1:2").code(), StatusCode::kFailedPrecondition);
+  }
+}
+
+TEST_F(PromptLedgerTest, LeaseStaysValidAcrossReopenUntilItsDeadline) {
+  Lease lease;
+  {
+    auto ledger = OpenLedger();
+    ASSERT_TRUE(ledger->AddDataset("key", Rows(1)).ok());
+    auto leases = ledger->LeasePrompts("w", 1, milliseconds(1000));
+    ASSERT_TRUE(leases.ok() && leases->size() == 1);
+    lease = (*leases)[0];
+  }
+  clock_.ms = 2000;
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->CompleteLease(lease.lease_id, lease.prompt_id).ok());
+  ExpectCounts(*ledger, 0, 0, 1, 0);
+}
+
+TEST_F(PromptLedgerTest, CommittedCallsSurviveProcessExitWithoutClose) {
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    // Child: commit some calls, then die without closing the database or running destructors.
+    auto ledger = PromptLedger::Open(path_, {});
+    if (!ledger.ok()) ::_exit(2);
+    if (!(*ledger)->AddDataset("key", Rows(3)).ok()) ::_exit(3);
+    auto leases = (*ledger)->LeasePrompts("w", 2, milliseconds(3'600'000));
+    if (!leases.ok() || leases->size() != 2) ::_exit(4);
+    if (!(*ledger)->CompleteLease((*leases)[0].lease_id, "ds-1:0").ok()) ::_exit(5);
+    ::_exit(0);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(::waitpid(pid, &wstatus, 0), pid);
+  ASSERT_TRUE(WIFEXITED(wstatus));
+  ASSERT_EQ(WEXITSTATUS(wstatus), 0);
+  // The commits are in the write-ahead log, not yet checkpointed into the main file.
+  EXPECT_TRUE(fs::exists(path_ + "-wal"));
+
+  PromptLedgerOptions options;  // system clock: the child's leases (1 h) are still valid
+  auto ledger = PromptLedger::Open(path_, options);
+  ASSERT_TRUE(ledger.ok()) << ledger.status().ToString();
+  ExpectCounts(**ledger, 1, 1, 1, 0);
+  EXPECT_EQ((*ledger)->GetPrompt("ds-1:0")->state, PromptState::kTrained);
+  EXPECT_EQ((*ledger)->GetPrompt("ds-1:1")->state, PromptState::kLeased);
+}
+
+TEST_F(PromptLedgerTest, FileUsesWriteAheadLog) {
+  auto ledger = OpenLedger();
+  ASSERT_NE(ledger, nullptr);
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open_v2(path_.c_str(), &db, SQLITE_OPEN_READONLY, nullptr), SQLITE_OK);
+  sqlite3_stmt* stmt = nullptr;
+  ASSERT_EQ(sqlite3_prepare_v2(db, "PRAGMA journal_mode", -1, &stmt, nullptr), SQLITE_OK);
+  ASSERT_EQ(sqlite3_step(stmt), SQLITE_ROW);
+  EXPECT_STREQ(reinterpret_cast<const char*>(sqlite3_column_text(stmt, 0)), "wal");
+  sqlite3_finalize(stmt);
+  sqlite3_close(db);
+}
+
+TEST_F(PromptLedgerTest, NonSqliteFileIsRefusedNamingThePathAndLeftIntact) {
+  const std::string text = "this is a text file, not a database\n" + std::string(600, 'x');
+  std::ofstream(path_) << text;
+  auto ledger = PromptLedger::Open(path_);
+  ASSERT_FALSE(ledger.ok());
+  EXPECT_EQ(ledger.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(ledger.status().message().find(path_), std::string::npos) << ledger.status().message();
+  std::stringstream after;
+  after << std::ifstream(path_).rdbuf();
+  EXPECT_EQ(after.str(), text);
+}
+
+TEST_F(PromptLedgerTest, ForeignSqliteDatabaseIsRefused) {
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path_.c_str(), &db), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(db, "CREATE TABLE users (name TEXT)", nullptr, nullptr, nullptr),
+            SQLITE_OK);
+  sqlite3_close(db);
+  auto ledger = PromptLedger::Open(path_);
+  ASSERT_FALSE(ledger.ok());
+  EXPECT_EQ(ledger.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(ledger.status().message().find(path_), std::string::npos);
+}
+
+TEST_F(PromptLedgerTest, UnopenablePathIsRefusedNamingThePath) {
+  const std::string missing_dir = (dir_ / "no" / "such" / "dir" / "ledger.db").string();
+  auto in_missing_dir = PromptLedger::Open(missing_dir);
+  ASSERT_FALSE(in_missing_dir.ok());
+  EXPECT_EQ(in_missing_dir.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(in_missing_dir.status().message().find(missing_dir), std::string::npos)
+      << in_missing_dir.status().message();
+
+  const std::string directory = dir_.string();
+  auto is_dir = PromptLedger::Open(directory);
+  ASSERT_FALSE(is_dir.ok());
+  EXPECT_NE(is_dir.status().message().find(directory), std::string::npos)
+      << is_dir.status().message();
+}
+
+}  // namespace
+}  // namespace grpo::learner
