@@ -1,1 +1,206 @@
-// placeholder: being written
+#include "learner/advantages.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <string>
+
+namespace grpo::learner {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Unbiased std of values (torch's std()); 0 when fewer than two values.
+double UnbiasedStd(const std::vector<double>& values, double mean) {
+  if (values.size() < 2) return 0.0;
+  double ss = 0.0;
+  for (double v : values) ss += (v - mean) * (v - mean);
+  return std::sqrt(ss / static_cast<double>(values.size() - 1));
+}
+
+double Mean(const std::vector<double>& values) {
+  double s = 0.0;
+  for (double v : values) s += v;
+  return values.empty() ? 0.0 : s / static_cast<double>(values.size());
+}
+
+Status CheckRewards(const at::Tensor& rewards_per_fn, const AdvantageConfig& config) {
+  if (!rewards_per_fn.defined() || rewards_per_fn.dim() != 2) {
+    return Status::InvalidArgument("rewards_per_fn must be a [N, K] tensor");
+  }
+  if (!at::isFloatingType(rewards_per_fn.scalar_type())) {
+    return Status::InvalidArgument("rewards_per_fn must be floating point");
+  }
+  const int64_t n = rewards_per_fn.size(0);
+  const int64_t k = rewards_per_fn.size(1);
+  if (n == 0 || k == 0) return Status::InvalidArgument("rewards_per_fn is empty");
+  if (!config.reward_weights.empty() && static_cast<int64_t>(config.reward_weights.size()) != k) {
+    return Status::InvalidArgument(
+        "reward_weights has " + std::to_string(config.reward_weights.size()) +
+        " entries but there are " + std::to_string(k) + " reward functions");
+  }
+  for (double w : config.reward_weights) {
+    if (!std::isfinite(w)) return Status::InvalidArgument("reward_weights must be finite");
+  }
+  return Status::OK();
+}
+
+// group[i] in [0, num_groups) for every row.
+StatusOr<AdvantageResult> Compute(const at::Tensor& rewards_per_fn,
+                                  const std::vector<int64_t>& group, int64_t num_groups,
+                                  const AdvantageConfig& config) {
+  const at::Tensor r = rewards_per_fn.detach().to(at::kCPU, at::kDouble).contiguous();
+  const int64_t n = r.size(0);
+  const int64_t k = r.size(1);
+  const double* rp = r.data_ptr<double>();
+  std::vector<double> weights = config.reward_weights;
+  if (weights.empty()) weights.assign(k, 1.0);
+
+  AdvantageResult out;
+  at::Tensor rewards = at::zeros({n}, at::kDouble);
+  at::Tensor advantages = at::zeros({n}, at::kDouble);
+  at::Tensor keep = at::ones({n}, at::kBool);
+  double* rew = rewards.data_ptr<double>();
+  double* adv = advantages.data_ptr<double>();
+  bool* kp = keep.data_ptr<bool>();
+
+  // Combine: nansum over functions; any +-inf drops the sample.
+  for (int64_t i = 0; i < n; ++i) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      const double v = rp[i * k + j];
+      if (std::isnan(v)) continue;
+      if (std::isinf(v)) {
+        kp[i] = false;
+        break;
+      }
+      sum += weights[j] * v;
+    }
+    if (kp[i]) {
+      rew[i] = sum;
+    } else {
+      ++out.num_dropped;
+    }
+  }
+
+  // Group statistics over kept rows.
+  std::vector<std::vector<double>> members(num_groups);
+  std::vector<double> kept_rewards;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!kp[i]) continue;
+    members[group[i]].push_back(rew[i]);
+    kept_rewards.push_back(rew[i]);
+  }
+  std::vector<double> g_mean(num_groups, 0.0), g_std(num_groups, 0.0);
+  std::vector<bool> g_all_equal(num_groups, true);
+  int64_t groups_present = 0, groups_zero_std = 0;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const auto& m = members[g];
+    if (m.empty()) continue;
+    ++groups_present;
+    g_mean[g] = Mean(m);
+    g_std[g] = UnbiasedStd(m, g_mean[g]);
+    const auto [lo, hi] = std::minmax_element(m.begin(), m.end());
+    g_all_equal[g] = (*lo == *hi);
+    if (g_all_equal[g]) ++groups_zero_std;
+  }
+  const double batch_mean = Mean(kept_rewards);
+  const double batch_std = UnbiasedStd(kept_rewards, batch_mean);
+
+  double std_sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!kp[i]) continue;
+    const int64_t g = group[i];
+    const double scale_std = config.scale_rewards == ScaleRewards::kBatch ? batch_std : g_std[g];
+    std_sum += scale_std;
+    if (g_all_equal[g]) continue;  // A = 0 exactly (GRPO_SPEC.md)
+    double a = rew[i] - g_mean[g];
+    if (config.scale_rewards != ScaleRewards::kNone) a /= scale_std + kAdvantageStdEpsilon;
+    adv[i] = a;
+  }
+
+  const int64_t kept = n - out.num_dropped;
+  out.num_groups = groups_present;
+  out.reward_mean = kept > 0 ? batch_mean : kNaN;
+  out.reward_std = kept > 0 ? std_sum / static_cast<double>(kept) : kNaN;
+  out.frac_reward_zero_std =
+      groups_present > 0 ? static_cast<double>(groups_zero_std) / groups_present : kNaN;
+
+  for (int64_t j = 0; j < k; ++j) {
+    std::vector<double> vals;
+    for (int64_t i = 0; i < n; ++i) {
+      const double v = rp[i * k + j];
+      if (kp[i] && !std::isnan(v)) vals.push_back(v);
+    }
+    const double mean = vals.empty() ? kNaN : Mean(vals);
+    out.reward_fn_mean.push_back(mean);
+    out.reward_fn_std.push_back(vals.size() < 2 ? kNaN : UnbiasedStd(vals, mean));
+  }
+
+  out.rewards = rewards;
+  out.advantages = advantages;
+  out.keep = keep;
+  return out;
+}
+
+}  // namespace
+
+StatusOr<ScaleRewards> ParseScaleRewards(std::string_view name) {
+  if (name == "group") return ScaleRewards::kGroup;
+  if (name == "batch") return ScaleRewards::kBatch;
+  if (name == "none") return ScaleRewards::kNone;
+  return Status::InvalidArgument("unknown scale_rewards '" + std::string(name) +
+                                 "' (expected group|batch|none)");
+}
+
+std::string_view ScaleRewardsName(ScaleRewards s) {
+  switch (s) {
+    case ScaleRewards::kGroup:
+      return "group";
+    case ScaleRewards::kBatch:
+      return "batch";
+    case ScaleRewards::kNone:
+      return "none";
+  }
+  return "unknown";
+}
+
+StatusOr<AdvantageResult> ComputeAdvantages(const at::Tensor& rewards_per_fn,
+                                            const AdvantageConfig& config) {
+  RETURN_IF_ERROR(CheckRewards(rewards_per_fn, config));
+  const int64_t n = rewards_per_fn.size(0);
+  const int64_t g = config.num_generations;
+  if (g < 1) return Status::InvalidArgument("num_generations must be >= 1");
+  if (n % g != 0) {
+    return Status::InvalidArgument("batch of " + std::to_string(n) +
+                                   " samples is not a multiple of num_generations " +
+                                   std::to_string(g));
+  }
+  std::vector<int64_t> group(n);
+  for (int64_t i = 0; i < n; ++i) group[i] = i / g;
+  return Compute(rewards_per_fn, group, n / g, config);
+}
+
+StatusOr<AdvantageResult> ComputeAdvantages(const at::Tensor& rewards_per_fn,
+                                            const at::Tensor& group_ids,
+                                            const AdvantageConfig& config) {
+  RETURN_IF_ERROR(CheckRewards(rewards_per_fn, config));
+  const int64_t n = rewards_per_fn.size(0);
+  if (!group_ids.defined() || group_ids.dim() != 1 || group_ids.size(0) != n ||
+      !at::isIntegralType(group_ids.scalar_type(), /*includeBool=*/false)) {
+    return Status::InvalidArgument("group_ids must be an integer [N] tensor with N = " +
+                                   std::to_string(n));
+  }
+  const at::Tensor ids = group_ids.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  std::map<int64_t, int64_t> index;
+  std::vector<int64_t> group(n);
+  for (int64_t i = 0; i < n; ++i) {
+    auto [it, inserted] = index.emplace(ip[i], static_cast<int64_t>(index.size()));
+    group[i] = it->second;
+  }
+  return Compute(rewards_per_fn, group, static_cast<int64_t>(index.size()), config);
+}
+
+}  // namespace grpo::learner

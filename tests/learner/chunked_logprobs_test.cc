@@ -1,2 +1,184 @@
+// Memory-flat log-probs: values, entropies and gradients (wrt hidden and the LM head) equal the
+// naive full-logits path and hand-computed numbers, for any chunk size and temperature.
+#include "learner/chunked_logprobs.h"
+
 #include <gtest/gtest.h>
-// placeholder: being written
+#include <torch/csrc/autograd/autograd.h>
+
+#include <cmath>
+#include <vector>
+
+namespace grpo::learner {
+namespace {
+
+struct Problem {
+  at::Tensor hidden;    // [B, T, D]
+  at::Tensor w;         // [V, D]
+  at::Tensor labels;    // [B, T]
+  at::Tensor upstream;  // [B, T]: weights of a generic scalar loss sum(upstream * logp)
+};
+
+Problem MakeProblem(at::ScalarType dtype, int64_t b = 3, int64_t t = 13, int64_t d = 8,
+                    int64_t v = 29) {
+  at::manual_seed(3);
+  const auto opts = at::dtype(dtype);
+  return {at::randn({b, t, d}, opts).requires_grad_(true),
+          (0.8 * at::randn({v, d}, opts)).requires_grad_(true),
+          at::randint(0, v, {b, t}, at::kLong), at::randn({b, t}, opts)};
+}
+
+struct Grads {
+  at::Tensor logp, hidden, w;
+};
+
+template <typename Fn>
+Grads LogprobsAndGrads(const Problem& p, Fn logprobs) {
+  const at::Tensor logp = logprobs(p.hidden, p.w, p.labels);
+  const auto g = torch::autograd::grad({(logp * p.upstream).sum()}, {p.hidden, p.w});
+  return {logp.detach(), g[0], g[1]};
+}
+
+void ExpectClose(const at::Tensor& a, const at::Tensor& b, double tol) {
+  ASSERT_EQ(a.sizes(), b.sizes());
+  EXPECT_LT((a - b).abs().max().item<double>(), tol) << "max |a - b|";
+}
+
+TEST(ChunkedTokenLogprobs, MatchesHandComputedTwoWordVocabulary) {
+  // D = 1, W = [[1], [-1]], h = 2, temperature 2: logits [1, -1],
+  // logp(label 0) = 1 - log(e + 1/e), logp(label 1) = -1 - log(e + 1/e).
+  const at::Tensor h = at::tensor({2.0, 2.0}, at::kDouble).reshape({2, 1});
+  const at::Tensor w = at::tensor({1.0, -1.0}, at::kDouble).reshape({2, 1});
+  const at::Tensor labels = at::tensor({0, 1}, at::kLong);
+  at::Tensor entropy;
+  const at::Tensor logp = ChunkedTokenLogprobs(h, w, labels, 1, 2.0, &entropy);
+  const double lse = std::log(std::exp(1.0) + std::exp(-1.0));
+  EXPECT_NEAR(logp[0].item<double>(), 1 - lse, 1e-12);
+  EXPECT_NEAR(logp[1].item<double>(), -1 - lse, 1e-12);
+  const double p0 = std::exp(1 - lse), p1 = std::exp(-1 - lse);
+  EXPECT_NEAR(entropy[0].item<double>(), -(p0 * std::log(p0) + p1 * std::log(p1)), 1e-12);
+}
+
+TEST(ChunkedTokenLogprobs, ValuesAndGradientsMatchNaivePathForEveryChunkSize) {
+  const Problem p = MakeProblem(at::kDouble);  // N = 39 tokens
+  const Grads naive = LogprobsAndGrads(
+      p, [](auto& h, auto& w, auto& l) { return NaiveTokenLogprobs(h, w, l, 0.7); });
+  for (int64_t chunk : {1, 4, 7, 38, 39, 40, 1000}) {
+    SCOPED_TRACE("chunk_tokens " + std::to_string(chunk));
+    const Grads chunked = LogprobsAndGrads(p, [chunk](auto& h, auto& w, auto& l) {
+      return ChunkedTokenLogprobs(h, w, l, chunk, 0.7);
+    });
+    ExpectClose(chunked.logp, naive.logp, 1e-12);
+    ExpectClose(chunked.hidden, naive.hidden, 1e-12);
+    ExpectClose(chunked.w, naive.w, 1e-12);
+  }
+}
+
+TEST(ChunkedTokenLogprobs, TemperatureDividesTheLogits) {
+  // Independent of the naive path: temperature tau on W equals temperature 1 on W / tau.
+  const Problem p = MakeProblem(at::kDouble);
+  const at::Tensor a = ChunkedTokenLogprobs(p.hidden, p.w, p.labels, 5, 1.7);
+  const at::Tensor b = ChunkedTokenLogprobs(p.hidden, p.w / 1.7, p.labels, 5, 1.0);
+  ExpectClose(a, b, 1e-12);
+  const at::Tensor c = ChunkedTokenLogprobs(p.hidden, p.w, p.labels, 5, 1.0);
+  EXPECT_GT((a - c).abs().max().item<double>(), 1e-3);
+}
+
+TEST(ChunkedTokenLogprobs, LogProbabilitiesOfEveryLabelSumToOne) {
+  const Problem p = MakeProblem(at::kDouble, 1, 4, 5, 7);
+  for (int64_t tok = 0; tok < 4; ++tok) {
+    const at::Tensor h = p.hidden.detach()[0][tok].expand({7, 5});
+    const at::Tensor all = ChunkedTokenLogprobs(h, p.w.detach(), at::arange(7), 3, 0.9);
+    EXPECT_NEAR(all.exp().sum().item<double>(), 1.0, 1e-12);
+  }
+}
+
+TEST(ChunkedTokenLogprobs, EntropyMatchesNaiveAndCarriesNoGradient) {
+  const Problem p = MakeProblem(at::kDouble);
+  at::Tensor e_chunked, e_naive;
+  const at::Tensor logp = ChunkedTokenLogprobs(p.hidden, p.w, p.labels, 6, 0.8, &e_chunked);
+  NaiveTokenLogprobs(p.hidden, p.w, p.labels, 0.8, &e_naive);
+  EXPECT_EQ(e_chunked.sizes(), p.labels.sizes());
+  ExpectClose(e_chunked, e_naive, 1e-12);
+  EXPECT_FALSE(e_chunked.requires_grad());
+  EXPECT_TRUE(logp.requires_grad());
+  EXPECT_GT(e_chunked.min().item<double>(), 0.0);
+  EXPECT_LT(e_chunked.max().item<double>(), std::log(29.0) + 1e-12);
+}
+
+TEST(ChunkedTokenLogprobs, FlatHiddenMatchesBatchedHidden) {
+  const Problem p = MakeProblem(at::kDouble);
+  const at::Tensor batched = ChunkedTokenLogprobs(p.hidden, p.w, p.labels, 4, 1.0);
+  const at::Tensor flat =
+      ChunkedTokenLogprobs(p.hidden.reshape({-1, 8}), p.w, p.labels.reshape({-1}), 4, 1.0);
+  EXPECT_EQ(batched.sizes(), p.labels.sizes());
+  EXPECT_TRUE(at::equal(batched.reshape({-1}), flat));
+}
+
+TEST(ChunkedTokenLogprobs, Float32MatchesFloat64) {
+  const Problem p64 = MakeProblem(at::kDouble);
+  Problem p32{p64.hidden.detach().to(at::kFloat).requires_grad_(true),
+              p64.w.detach().to(at::kFloat).requires_grad_(true), p64.labels,
+              p64.upstream.to(at::kFloat)};
+  auto chunked = [](auto& h, auto& w, auto& l) { return ChunkedTokenLogprobs(h, w, l, 5, 0.7); };
+  const Grads a = LogprobsAndGrads(p64, chunked), b = LogprobsAndGrads(p32, chunked);
+  EXPECT_EQ(b.logp.scalar_type(), at::kFloat);
+  ExpectClose(b.logp.to(at::kDouble), a.logp, 1e-5);
+  ExpectClose(b.hidden.to(at::kDouble), a.hidden, 1e-5);
+  ExpectClose(b.w.to(at::kDouble), a.w, 1e-5);
+}
+
+TEST(ChunkedTokenLogprobs, TiedEmbeddingGradientsAddUp) {
+  // The LM head is also the input embedding: hidden = tanh(W[ids] @ M).
+  at::manual_seed(5);
+  const auto opts = at::dtype(at::kDouble);
+  const at::Tensor w = at::randn({11, 4}, opts).requires_grad_(true);
+  const at::Tensor m = at::randn({4, 4}, opts);
+  const at::Tensor ids = at::randint(0, 11, {2, 6}, at::kLong);
+  const at::Tensor labels = at::randint(0, 11, {2, 6}, at::kLong);
+  auto grad_w = [&](bool chunked) {
+    const at::Tensor hidden = at::tanh(at::matmul(w.index_select(0, ids.reshape({-1})), m));
+    const at::Tensor lbl = labels.reshape({-1});
+    const at::Tensor logp = chunked ? ChunkedTokenLogprobs(hidden, w, lbl, 5, 1.3)
+                                    : NaiveTokenLogprobs(hidden, w, lbl, 1.3);
+    return torch::autograd::grad({logp.sum()}, {w})[0];
+  };
+  ExpectClose(grad_w(true), grad_w(false), 1e-12);
+}
+
+TEST(ChunkedTokenLogprobs, GradientOnlyWhereRequested) {
+  const Problem p = MakeProblem(at::kDouble);
+  const at::Tensor frozen_w = p.w.detach();
+  const at::Tensor logp = ChunkedTokenLogprobs(p.hidden, frozen_w, p.labels, 5, 1.0);
+  const auto g = torch::autograd::grad({(logp * p.upstream).sum()}, {p.hidden});
+  const at::Tensor want = torch::autograd::grad(
+      {(NaiveTokenLogprobs(p.hidden, frozen_w, p.labels, 1.0) * p.upstream).sum()}, {p.hidden})[0];
+  ExpectClose(g[0], want, 1e-12);
+}
+
+TEST(ChunkedTokenLogprobs, BadInputsThrowNamingTheProblem) {
+  const Problem p = MakeProblem(at::kDouble);
+  auto expect_throw = [](auto fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error, expected: " << needle;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_throw([&] { ChunkedTokenLogprobs(p.hidden, p.w, p.labels, 0, 1.0); }, "chunk_tokens");
+  expect_throw([&] { ChunkedTokenLogprobs(p.hidden, p.w, p.labels, 4, 0.0); }, "temperature");
+  expect_throw([&] { ChunkedTokenLogprobs(p.hidden, p.w, p.labels + 29, 4, 1.0); },
+               "labels must be in [0, 29)");
+  expect_throw([&] { ChunkedTokenLogprobs(p.hidden, p.w, p.labels.reshape({-1}), 4, 1.0); },
+               "labels must be");
+  expect_throw([&] { ChunkedTokenLogprobs(p.hidden, p.w.narrow(1, 0, 7), p.labels, 4, 1.0); },
+               "D = 8");
+  expect_throw([&] { ChunkedTokenLogprobs(p.hidden, p.w.to(at::kFloat), p.labels, 4, 1.0); },
+               "lm_weight is Float");
+  expect_throw([&] { ChunkedTokenLogprobs(p.hidden, p.w, p.labels.to(at::kFloat), 4, 1.0); },
+               "labels must be integer");
+  expect_throw([&] { NaiveTokenLogprobs(p.hidden[0][0], p.w, p.labels, 1.0); }, "hidden must be");
+}
+
+}  // namespace
+}  // namespace grpo::learner

@@ -1,0 +1,65 @@
+// Rewards and group-relative advantages (GRPO_SPEC.md "Rewards and advantages").
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace grpo::learner {
+
+// TRL `scale_rewards`.
+enum class ScaleRewards {
+  kGroup,  // divide by the group's unbiased std + 1e-4 (default)
+  kBatch,  // divide by the whole generation batch's unbiased std + 1e-4
+  kNone,   // no division (Dr. GRPO)
+};
+
+// "group" | "batch" | "none"; InvalidArgument naming the value otherwise.
+StatusOr<ScaleRewards> ParseScaleRewards(std::string_view name);
+std::string_view ScaleRewardsName(ScaleRewards s);
+
+// Added to the std before dividing (GRPO_SPEC.md, TRL).
+inline constexpr double kAdvantageStdEpsilon = 1e-4;
+
+struct AdvantageConfig {
+  int64_t num_generations = 8;  // G: consecutive rows form a group (ignored with explicit ids)
+  ScaleRewards scale_rewards = ScaleRewards::kGroup;
+  std::vector<double> reward_weights{};  // one per reward function; empty = all 1
+};
+
+// Everything is computed over the kept samples only. A group with fewer than two kept samples
+// has std 0 (its advantages are 0). Groups whose kept rewards are all equal have A = 0 exactly.
+struct AdvantageResult {
+  at::Tensor rewards;     // [N] float64: sum_k w_k r_{i,k}, nulls as 0; 0 for dropped samples
+  at::Tensor advantages;  // [N] float64; 0 for dropped samples
+  at::Tensor keep;        // [N] bool: false where some reward was +-inf (sample dropped)
+  int64_t num_dropped = 0;
+  int64_t num_groups = 0;  // groups with at least one kept sample
+  // TRL metric names in comments. Means/stds over kept samples.
+  double reward_mean = 0.0;           // `reward`
+  double reward_std = 0.0;            // `reward_std`: mean over kept samples of the std used to
+                                      // scale (group std for group|none, batch std for batch)
+  double frac_reward_zero_std = 0.0;  // `frac_reward_zero_std`: fraction of groups all-equal
+  // Per reward function, over kept samples with a non-null value (TRL nanmean / nanstd):
+  std::vector<double> reward_fn_mean;  // `rewards/<fn>/mean`; NaN when no value at all
+  std::vector<double> reward_fn_std;   // `rewards/<fn>/std`, unbiased; NaN when < 2 values
+};
+
+// rewards_per_fn: [N, K] floating, NaN = the function returned no reward (counts as 0),
+// +-inf = invalid sample (dropped, counted). Groups are consecutive blocks of
+// config.num_generations rows. InvalidArgument on a bad shape, N % G != 0, a weights length
+// other than K, or non-finite weights.
+StatusOr<AdvantageResult> ComputeAdvantages(const at::Tensor& rewards_per_fn,
+                                            const AdvantageConfig& config);
+
+// As above, with explicit group ids: group_ids [N] integer, rows with the same id form a group
+// (any order, any sizes); config.num_generations is not used.
+StatusOr<AdvantageResult> ComputeAdvantages(const at::Tensor& rewards_per_fn,
+                                            const at::Tensor& group_ids,
+                                            const AdvantageConfig& config);
+
+}  // namespace grpo::learner

@@ -1,0 +1,36 @@
+// Memory-flat per-token log-probs from hidden states (GRPO_SPEC.md "Memory contract").
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace grpo::learner {
+
+// Default token chunk. Peak extra memory ~ 2 * chunk * V * 4 bytes (0.6 GB of float32 logits
+// per copy at V = 152k).
+inline constexpr int64_t kDefaultLogprobChunkTokens = 1024;
+
+// log softmax(hidden @ lm_weight^T / temperature)[label] per token, never holding more than
+// [chunk_tokens, V] logits. hidden: [N, D] or [B, T, D]; lm_weight: [V, D] (may be the tied
+// embedding: gradients from both uses add up); labels: [N] or [B, T] int64 in [0, V).
+// Returns [N] or [B, T], float64 when hidden is float64, else float32 (logits are upcast per
+// chunk). Differentiable wrt hidden and lm_weight (once: no double backward); backward
+// recomputes each chunk's logits from the saved hidden, weight, labels and per-token logsumexp;
+// it holds one [V, D] float32 (float64) accumulator for lm_weight's gradient.
+// entropy_out, when given, receives the entropy of the tempered distribution per token (same
+// shape), computed from the same chunk; it carries no gradient.
+// Throws c10::Error (TORCH_CHECK) naming the problem on bad shapes, dtypes, devices, labels
+// out of range, chunk_tokens < 1 or a non-positive temperature.
+at::Tensor ChunkedTokenLogprobs(const at::Tensor& hidden, const at::Tensor& lm_weight,
+                                const at::Tensor& labels,
+                                int64_t chunk_tokens = kDefaultLogprobChunkTokens,
+                                double temperature = 1.0, at::Tensor* entropy_out = nullptr);
+
+// The same numbers the naive way (TRL's original get_per_token_logps: full [N, V] logits,
+// log_softmax, gather); differentiable through ordinary autograd. For tests and benchmarks.
+at::Tensor NaiveTokenLogprobs(const at::Tensor& hidden, const at::Tensor& lm_weight,
+                              const at::Tensor& labels, double temperature = 1.0,
+                              at::Tensor* entropy_out = nullptr);
+
+}  // namespace grpo::learner

@@ -1,0 +1,105 @@
+// The clipped GRPO loss of one micro-batch (GRPO_SPEC.md "Per-token loss", "Aggregation",
+// "Off-policy correction", "Metrics per optimizer step").
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "common/status.h"
+
+namespace grpo::learner {
+
+// TRL `loss_type`.
+enum class LossType { kGrpo, kBnpo, kDrGrpo, kDapo };
+// TRL `importance_sampling_level`: token (GRPO) or sequence (GSPO).
+enum class ImportanceSamplingLevel { kToken, kSequence };
+// `importance_sampling_correction` (GRPO_SPEC.md "Off-policy correction").
+enum class ImportanceSamplingCorrection { kNone, kTokenTruncate, kTokenMask };
+
+// Parse the config spellings; InvalidArgument naming the value and the choices otherwise.
+StatusOr<LossType> ParseLossType(std::string_view name);  // grpo|bnpo|dr_grpo|dapo
+StatusOr<ImportanceSamplingLevel> ParseImportanceSamplingLevel(std::string_view name);
+StatusOr<ImportanceSamplingCorrection> ParseImportanceSamplingCorrection(std::string_view name);
+std::string_view LossTypeName(LossType t);
+std::string_view ImportanceSamplingLevelName(ImportanceSamplingLevel l);
+std::string_view ImportanceSamplingCorrectionName(ImportanceSamplingCorrection c);
+
+struct GrpoLossConfig {
+  LossType loss_type = LossType::kDapo;
+  double epsilon = 0.2;                  // lower clip: ratio >= 1 - epsilon
+  std::optional<double> epsilon_high{};  // upper clip: ratio <= 1 + epsilon_high; unset = epsilon
+  std::optional<double> delta{};         // two-sided clipping: c1 = min(ratio, delta)
+  double beta = 0.0;                     // KL coefficient; != 0 needs ref log-probs
+  ImportanceSamplingLevel importance_sampling_level = ImportanceSamplingLevel::kToken;
+  ImportanceSamplingCorrection importance_sampling_correction = ImportanceSamplingCorrection::kNone;
+  double importance_sampling_cap = 3.0;
+  int64_t max_completion_length = 256;  // dr_grpo's denominator
+
+  double EpsilonHigh() const { return epsilon_high.value_or(epsilon); }
+  // InvalidArgument naming the option: epsilon in [0, 1], epsilon_high >= 0, delta > 1,
+  // beta >= 0, cap > 0, max_completion_length >= 1; all finite.
+  Status Validate() const;
+};
+
+// The per-step divisor of GRPO_SPEC.md "Aggregation": the same for every micro-batch of a step.
+struct LossNormaliser {
+  // dapo: completion tokens of the whole optimizer step (all micro-batches; summed over the
+  // data-parallel ranks and divided by the rank count). Must be > 0 for dapo.
+  double step_completion_tokens = 0.0;
+  // grpo, bnpo, dr_grpo: the micro-batch loss is divided by this.
+  int64_t gradient_accumulation_steps = 1;
+};
+
+// One micro-batch. All [B, T] tensors share logp's device. Values at padding positions
+// (mask == 0) are never used and may be anything, inf and NaN included.
+struct GrpoLossInputs {
+  at::Tensor logp{};        // [B, T] current policy log-probs, with grad
+  at::Tensor old{};         // [B, T] or undefined (= logp.detach(): on-policy, num_iterations 1)
+  at::Tensor beh{};         // [B, T] worker's behaviour log-probs; needed by the IS correction
+  at::Tensor ref{};         // [B, T] reference log-probs; needed when beta != 0
+  at::Tensor advantages{};  // [B]
+  at::Tensor mask{};        // [B, T] completion mask, values 0 or 1
+};
+
+// Sums and counts, so micro-batches (and ranks) aggregate exactly: Merge() them over a step,
+// then read the means. Token counts are over masked (mask == 1) tokens.
+struct GrpoLossMetrics {
+  double loss = 0.0;                // sum of the micro-batch loss values = the step's `loss`
+  double tokens = 0.0;              // masked completion tokens
+  double clip_low_tokens = 0.0;     // ratio < 1 - epsilon and A < 0
+  double clip_high_tokens = 0.0;    // ratio > 1 + epsilon_high and A > 0
+  double clip_region_tokens = 0.0;  // either of the above
+  double kl_sum = 0.0;              // sum of exp(ref-logp)-(ref-logp)-1; only when beta != 0
+  double is_ratio_sum = 0.0;        // sum of exp(old - beh); only when beh is given
+  double is_ratio_tokens = 0.0;     // tokens counted in is_ratio_sum
+  double is_ratio_max = 0.0;        // max of exp(old - beh); 0 when none
+  bool has_kl = false;
+  bool has_is_ratio = false;
+
+  void Merge(const GrpoLossMetrics& other);
+  // TRL names: `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean`, `kl`,
+  // and this system's `is_ratio/mean`. 0 when there is no token.
+  double ClipLowMean() const;
+  double ClipHighMean() const;
+  double ClipRegionMean() const;
+  double KlMean() const;
+  double IsRatioMean() const;
+};
+
+struct GrpoLossOutput {
+  at::Tensor loss;  // scalar, already divided per the Aggregation table: call backward() on
+                    // each micro-batch's loss and the accumulated gradient is the step's
+  GrpoLossMetrics metrics;
+};
+
+// The loss of one micro-batch. InvalidArgument on a bad config, shape/dtype/device mismatch,
+// a mask that is not 0/1, non-finite values at masked positions or in advantages, a missing
+// ref (beta != 0) or beh (IS correction), or a bad normaliser. Computes in float64 when logp
+// is float64, else in float32. Metrics copy to the host once (one device sync).
+StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const GrpoLossInputs& in,
+                                         const LossNormaliser& normaliser);
+
+}  // namespace grpo::learner

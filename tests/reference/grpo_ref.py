@@ -1,0 +1,180 @@
+#!/usr/bin/python3
+"""Independent PyTorch transcription of /work/shared/GRPO_SPEC.md (rewards, advantages, the
+per-token loss, aggregation, importance-sampling correction and the clip metrics).
+
+Written from the spec, not from the C++ code; run with Debian's /usr/bin/python3 (python3-torch).
+JSON on stdin, JSON on stdout:
+
+  {"advantages": [case...], "losses": [case...]}
+
+Reward values: a number, null (the function returned no reward) or "inf" / "-inf".
+Everything runs in float64.
+"""
+import json
+import math
+import sys
+
+import torch
+
+torch.set_default_dtype(torch.float64)
+
+STD_EPS = 1e-4
+
+
+def parse_reward(v):
+    if v is None:
+        return math.nan
+    if isinstance(v, str):
+        return float(v)  # "inf", "-inf"
+    return float(v)
+
+
+def nan_to_none(x):
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def advantages_case(case):
+    raw = torch.tensor([[parse_reward(v) for v in row] for row in case["rewards"]])
+    n, k = raw.shape
+    w = torch.tensor(case.get("weights") or [1.0] * k)
+    # A non-finite reward drops the sample; null counts as 0 (nansum).
+    keep = ~torch.isinf(raw).any(dim=1)
+    r = torch.where(keep, (raw * w).nansum(dim=1), torch.zeros(n))
+    if case.get("group_ids") is not None:
+        gid = torch.tensor(case["group_ids"])
+    else:
+        gid = torch.arange(n) // case["num_generations"]
+    mode = case["scale_rewards"]
+
+    kept_r = r[keep]
+    batch_std = kept_r.std().item() if kept_r.numel() >= 2 else 0.0
+    adv = torch.zeros(n)
+    std_used = torch.zeros(n)
+    n_groups = 0
+    n_zero = 0
+    for g in torch.unique(gid):
+        sel = (gid == g) & keep
+        rg = r[sel]
+        if rg.numel() == 0:
+            continue
+        n_groups += 1
+        mean = rg.mean()
+        std = rg.std() if rg.numel() >= 2 else torch.tensor(0.0)
+        all_equal = bool((rg == rg[0]).all())
+        n_zero += int(all_equal)
+        scale = std if mode in ("group", "none") else torch.tensor(batch_std)
+        std_used[sel] = scale
+        if all_equal:
+            continue  # A = 0 everywhere in the group
+        a = rg - mean
+        if mode != "none":
+            a = a / (scale + STD_EPS)
+        adv[sel] = a
+
+    fn_mean, fn_std = [], []
+    for j in range(k):
+        col = raw[keep, j]
+        col = col[~torch.isnan(col)]
+        fn_mean.append(col.mean().item() if col.numel() >= 1 else math.nan)
+        fn_std.append(col.std().item() if col.numel() >= 2 else math.nan)
+    return {
+        "rewards": r.tolist(),
+        "advantages": adv.tolist(),
+        "keep": keep.tolist(),
+        "num_dropped": int((~keep).sum()),
+        "num_groups": n_groups,
+        "reward_mean": kept_r.mean().item(),
+        "reward_std": std_used[keep].mean().item(),
+        "frac_reward_zero_std": n_zero / n_groups,
+        "reward_fn_mean": [nan_to_none(x) for x in fn_mean],
+        "reward_fn_std": [nan_to_none(x) for x in fn_std],
+    }
+
+
+def loss_case(case):
+    cfg = case["config"]
+    logp = torch.tensor(case["logp"], requires_grad=True)
+    m = torch.tensor(case["mask"])
+    A = torch.tensor(case["advantages"])[:, None]
+    old = torch.tensor(case["old"]) if case.get("old") is not None else logp.detach()
+    eps = cfg.get("epsilon", 0.2)
+    eps_high = cfg.get("epsilon_high")
+    if eps_high is None:
+        eps_high = eps
+    delta = cfg.get("delta")
+    beta = cfg.get("beta", 0.0)
+    level = cfg.get("importance_sampling_level", "token")
+    corr = cfg.get("importance_sampling_correction", "none")
+    cap = cfg.get("importance_sampling_cap", 3.0)
+    loss_type = cfg.get("loss_type", "dapo")
+    L = cfg.get("max_completion_length", 256)
+    norm = case["normaliser"]
+    ga = norm.get("gradient_accumulation_steps", 1)
+
+    # ratio (token) or ratio_s (sequence, GSPO); an all-padding sequence counts 1 token.
+    if level == "token":
+        ratio = torch.exp(logp - old)
+    else:
+        ratio = torch.exp((m * (logp - old)).sum(-1) / m.sum(-1).clamp(min=1.0))[:, None]
+    c1 = ratio
+    c2 = torch.clamp(ratio, 1 - eps, 1 + eps_high)
+    if delta is not None:
+        c1 = torch.clamp(c1, max=delta)
+    loss_t = -torch.min(c1 * A, c2 * A)
+    loss_t = loss_t.expand(m.shape)
+
+    out = {}
+    if case.get("beh") is not None:
+        beh = torch.tensor(case["beh"])
+        is_ratio = torch.exp(old - beh)
+        if corr == "token_truncate":
+            loss_t = loss_t * torch.clamp(is_ratio, max=cap)
+        elif corr == "token_mask":
+            loss_t = loss_t * (is_ratio <= cap).double()
+        out["is_ratio_mean"] = ((is_ratio * m).sum() / m.sum()).item()
+        out["is_ratio_max"] = is_ratio[m > 0].max().item()
+    if beta != 0.0:
+        ref = torch.tensor(case["ref"])
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        loss_t = loss_t + beta * kl
+        out["kl"] = ((kl * m).sum() / m.sum()).item()
+
+    B = m.shape[0]
+    if loss_type == "grpo":
+        loss = ((loss_t * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean() / ga
+    elif loss_type == "bnpo":
+        loss = (loss_t * m).sum() / m.sum().clamp(min=1.0) / ga
+    elif loss_type == "dr_grpo":
+        loss = (loss_t * m).sum() / (B * L) / ga
+    elif loss_type == "dapo":
+        loss = (loss_t * m).sum() / norm["step_completion_tokens"]
+    else:
+        raise ValueError(loss_type)
+    loss.backward()
+
+    r_tok = ratio.detach().expand(m.shape)
+    low = ((r_tok < 1 - eps) & (A < 0)).double()
+    high = ((r_tok > 1 + eps_high) & (A > 0)).double()
+    region = ((low + high) > 0).double()
+    out.update({
+        "loss": loss.item(),
+        "grad": logp.grad.tolist(),
+        "tokens": m.sum().item(),
+        "clip_low_mean": ((low * m).sum() / m.sum()).item(),
+        "clip_high_mean": ((high * m).sum() / m.sum()).item(),
+        "clip_region_mean": ((region * m).sum() / m.sum()).item(),
+    })
+    return out
+
+
+def main():
+    req = json.load(sys.stdin)
+    res = {
+        "advantages": [advantages_case(c) for c in req.get("advantages", [])],
+        "losses": [loss_case(c) for c in req.get("losses", [])],
+    }
+    json.dump(res, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

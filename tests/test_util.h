@@ -1,0 +1,53 @@
+// Helpers shared by the tests: where the sources are, and running an independent Python
+// reference (Debian's /usr/bin/python3 with python3-torch) with JSON in and out.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <unistd.h>
+
+namespace grpo::testing {
+
+inline constexpr const char* kReferencePython = "/usr/bin/python3";
+
+// The repository root: $GRPO_SOURCE_DIR (set by ctest), else derived from this file's path.
+inline std::string SourceDir() {
+  if (const char* d = std::getenv("GRPO_SOURCE_DIR")) return d;
+  return std::filesystem::path(__FILE__).parent_path().parent_path().string();
+}
+
+inline bool HaveReferencePython() {
+  return std::system((std::string(kReferencePython) + " -c 'import torch' 2>/dev/null").c_str()) ==
+         0;
+}
+
+// Runs tests/reference/<script> with `input` as JSON on stdin and parses its stdout as JSON.
+// Fails the test (and returns null) when the script fails.
+inline nlohmann::json RunReference(const std::string& script, const nlohmann::json& input) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("grpo_ref_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const fs::path in = dir / "in.json", out = dir / "out.json";
+  std::ofstream(in) << input.dump();
+  const std::string cmd = std::string(kReferencePython) + " " + SourceDir() +
+                          "/tests/reference/" + script + " < " + in.string() + " > " +
+                          out.string();
+  const int rc = std::system(cmd.c_str());
+  EXPECT_EQ(rc, 0) << "reference failed: " << cmd;
+  std::ifstream f(out);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  fs::remove_all(dir);
+  if (rc != 0) return nullptr;
+  return nlohmann::json::parse(ss.str());
+}
+
+}  // namespace grpo::testing
