@@ -1,0 +1,256 @@
+#include "learner/checkpoint.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "common/logging.h"
+#include "common/safetensors.h"
+#include "common/sha256.h"
+
+namespace grpo::learner {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr const char* kSums = "SHA256SUMS";
+constexpr const char* kTokenizerFiles[] = {"tokenizer.json", "tokenizer_config.json",
+                                           "special_tokens_map.json", "vocab.json", "merges.txt",
+                                           "generation_config.json"};
+
+Status FsyncPath(const fs::path& p, bool directory) {
+  int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) return Status::Internal("cannot open " + p.string() + " to fsync");
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) return Status::Internal("fsync failed on " + p.string());
+  return Status::OK();
+}
+
+Status WriteFileAtomic(const fs::path& path, const std::string& content) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << content;
+    if (!out) return Status::Internal("cannot write " + tmp.string());
+  }
+  RETURN_IF_ERROR(FsyncPath(tmp, false));
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return Status::Internal("cannot rename " + tmp.string() + ": " + ec.message());
+  return FsyncPath(path.parent_path(), true);
+}
+
+std::string Hex(const at::Tensor& bytes) {
+  static const char* kHex = "0123456789abcdef";
+  at::Tensor b = bytes.contiguous();
+  const uint8_t* p = b.data_ptr<uint8_t>();
+  std::string out;
+  for (int64_t i = 0; i < b.numel(); ++i) {
+    out += kHex[p[i] >> 4];
+    out += kHex[p[i] & 0xf];
+  }
+  return out;
+}
+
+StatusOr<at::Tensor> Unhex(const std::string& s) {
+  if (s.size() % 2 != 0) return Status::InvalidArgument("odd-length hex string");
+  at::Tensor t = at::empty({static_cast<int64_t>(s.size() / 2)}, at::kByte);
+  uint8_t* p = t.data_ptr<uint8_t>();
+  auto val = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < s.size(); i += 2) {
+    const int hi = val(s[i]), lo = val(s[i + 1]);
+    if (hi < 0 || lo < 0) return Status::InvalidArgument("bad hex digit");
+    p[i / 2] = static_cast<uint8_t>(hi * 16 + lo);
+  }
+  return t;
+}
+
+int64_t StepOf(const fs::path& dir) {
+  const std::string name = dir.filename().string();
+  const std::string prefix = "checkpoint-";
+  if (name.rfind(prefix, 0) != 0) return -1;
+  try {
+    size_t used = 0;
+    const int64_t step = std::stoll(name.substr(prefix.size()), &used);
+    return used == name.size() - prefix.size() ? step : -1;
+  } catch (...) {
+    return -1;
+  }
+}
+
+}  // namespace
+
+StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& output_dir,
+                                     const std::string& tokenizer_dir) {
+  const fs::path out(output_dir);
+  const std::string name = "checkpoint-" + std::to_string(trainer.global_step());
+  const fs::path final_dir = out / name;
+  const fs::path tmp_dir = out / (name + ".tmp");
+  std::error_code ec;
+  fs::create_directories(out, ec);
+  fs::remove_all(tmp_dir, ec);
+  fs::create_directories(tmp_dir, ec);
+  if (ec) return Status::Internal("cannot create " + tmp_dir.string() + ": " + ec.message());
+
+  RETURN_IF_ERROR(trainer.policy().Save(tmp_dir.string()));
+  RETURN_IF_ERROR(common::WriteSafetensors((tmp_dir / "optimizer.safetensors").string(),
+                                           trainer.optimizer().StateDict()));
+  nlohmann::json state;
+  state["global_step"] = trainer.global_step();
+  state["policy_version"] = trainer.policy_version();
+  state["lr_scheduler_type"] = trainer.config().lr_scheduler_type;
+  state["learning_rate"] = trainer.config().learning_rate;
+  state["max_steps"] = trainer.config().max_steps;
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state["cpu_rng_state"] = Hex(gen.get_state());
+  }
+  state["config"] = trainer.config().ToJson();
+  RETURN_IF_ERROR(WriteFileAtomic(tmp_dir / "trainer_state.json", state.dump(2)));
+  if (!tokenizer_dir.empty()) {
+    for (const char* f : kTokenizerFiles) {
+      const fs::path src = fs::path(tokenizer_dir) / f;
+      if (fs::exists(src)) {
+        fs::copy_file(src, tmp_dir / f, fs::copy_options::overwrite_existing, ec);
+        if (ec) return Status::Internal("cannot copy " + src.string() + ": " + ec.message());
+      }
+    }
+  }
+  // Checksums over every file, then fsync everything before the rename makes it visible.
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(tmp_dir)) {
+    if (e.is_regular_file()) files.push_back(e.path().filename().string());
+  }
+  std::sort(files.begin(), files.end());
+  std::string sums;
+  for (const auto& f : files) {
+    ASSIGN_OR_RETURN(std::string digest, common::Sha256File((tmp_dir / f).string()));
+    sums += digest + "  " + f + "\n";
+    RETURN_IF_ERROR(FsyncPath(tmp_dir / f, false));
+  }
+  RETURN_IF_ERROR(WriteFileAtomic(tmp_dir / kSums, sums));
+  RETURN_IF_ERROR(FsyncPath(tmp_dir, true));
+  fs::remove_all(final_dir, ec);
+  fs::rename(tmp_dir, final_dir, ec);
+  if (ec) return Status::Internal("cannot rename " + tmp_dir.string() + ": " + ec.message());
+  RETURN_IF_ERROR(FsyncPath(out, true));
+  RETURN_IF_ERROR(WriteFileAtomic(out / kLatestFile, name + "\n"));
+  return final_dir.string();
+}
+
+Status VerifyCheckpoint(const std::string& dir) {
+  const fs::path sums_path = fs::path(dir) / kSums;
+  std::ifstream in(sums_path);
+  if (!in) return Status::NotFound(dir + ": no " + kSums + " (partial checkpoint)");
+  std::string line;
+  int64_t checked = 0;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    if (line.size() < 67 || line.substr(64, 2) != "  ") {
+      return Status::DataLoss(sums_path.string() + ": malformed line '" + line + "'");
+    }
+    const std::string want = line.substr(0, 64), file = line.substr(66);
+    auto got = common::Sha256File((fs::path(dir) / file).string());
+    if (!got.ok()) return Status::DataLoss(dir + ": missing file " + file);
+    if (*got != want) return Status::DataLoss(dir + ": checksum mismatch for " + file);
+    ++checked;
+  }
+  if (checked == 0) return Status::DataLoss(sums_path.string() + ": empty");
+  return Status::OK();
+}
+
+std::vector<std::string> ListCheckpoints(const std::string& output_dir) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(output_dir, ec)) {
+    if (!e.is_directory()) continue;
+    const int64_t step = StepOf(e.path());
+    if (step >= 0) found.emplace_back(step, e.path().string());
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a > b; });
+  std::vector<std::string> out;
+  for (auto& [s, d] : found) out.push_back(d);
+  return out;
+}
+
+Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
+  RETURN_IF_ERROR(VerifyCheckpoint(dir));
+  ASSIGN_OR_RETURN(auto weights, common::SafetensorsCheckpoint::Open(dir));
+  common::NamedTensors state;
+  for (const auto& name : weights->Names()) {
+    ASSIGN_OR_RETURN(at::Tensor t, weights->Get(name));
+    state.emplace_back(name, t);
+  }
+  // Tied models store no lm_head.weight; LoadStateFrom wants exactly the live names.
+  common::NamedTensors live = trainer.policy().NamedParameters();
+  common::NamedTensors ordered;
+  for (const auto& [name, p] : live) {
+    auto it = std::find_if(state.begin(), state.end(), [&](const auto& kv) { return kv.first == name; });
+    if (it == state.end()) return Status::DataLoss(dir + ": model.safetensors lacks " + name);
+    ordered.emplace_back(name, it->second);
+  }
+  ASSIGN_OR_RETURN(auto opt_file,
+                   common::SafetensorsFile::Open((fs::path(dir) / "optimizer.safetensors").string()));
+  common::NamedTensors opt_state;
+  for (const auto& name : opt_file->Names()) {
+    ASSIGN_OR_RETURN(at::Tensor t, opt_file->Get(name));
+    opt_state.emplace_back(name, t);
+  }
+  std::ifstream in(fs::path(dir) / "trainer_state.json");
+  nlohmann::json ts;
+  try {
+    ts = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    return Status::DataLoss(dir + "/trainer_state.json: " + e.what());
+  }
+  if (!ts.contains("global_step") || !ts.contains("policy_version") ||
+      !ts.contains("cpu_rng_state")) {
+    return Status::DataLoss(dir + "/trainer_state.json: missing fields");
+  }
+  ASSIGN_OR_RETURN(at::Tensor rng, Unhex(ts["cpu_rng_state"].get<std::string>()));
+  // Everything read and checked; now change state.
+  RETURN_IF_ERROR(trainer.policy().LoadStateFrom(ordered).WithContext(dir));
+  RETURN_IF_ERROR(trainer.optimizer().LoadStateDict(opt_state).WithContext(dir));
+  trainer.RestoreCounters(ts["global_step"].get<int64_t>(), ts["policy_version"].get<int64_t>());
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  try {
+    gen.set_state(rng);
+  } catch (const c10::Error& e) {
+    return Status::DataLoss(dir + ": bad RNG state: " + e.what_without_backtrace());
+  }
+  return Status::OK();
+}
+
+StatusOr<std::string> RestoreLatestCheckpoint(GrpoTrainer& trainer,
+                                              const std::string& output_dir) {
+  std::vector<std::string> candidates;
+  std::ifstream latest(fs::path(output_dir) / kLatestFile);
+  std::string name;
+  if (latest && std::getline(latest, name) && !name.empty()) {
+    candidates.push_back((fs::path(output_dir) / name).string());
+  }
+  for (auto& d : ListCheckpoints(output_dir)) {
+    if (std::find(candidates.begin(), candidates.end(), d) == candidates.end()) {
+      candidates.push_back(d);
+    }
+  }
+  for (const auto& dir : candidates) {
+    Status s = RestoreCheckpoint(trainer, dir);
+    if (s.ok()) return dir;
+    GRPO_LOG_WARN("skipping checkpoint {}: {}", dir, s.ToString());
+  }
+  return Status::NotFound("no valid checkpoint under " + output_dir);
+}
+
+}  // namespace grpo::learner

@@ -1,0 +1,42 @@
+// Training checkpoints: `<output_dir>/checkpoint-<step>/` holding
+//   model.safetensors + config.json   (Hugging Face layout: loads in Model::Load and HF tools)
+//   optimizer.safetensors             (AdamW moments and step)
+//   trainer_state.json                (global step, policy version, RNG state, schedule)
+//   tokenizer files                   (copied from the model directory when present)
+//   SHA256SUMS                        (`sha256sum -c` format, over every other file)
+// written to a temporary directory, fsynced and renamed, then `<output_dir>/latest` (a file
+// holding the directory name) is replaced the same way. Loading verifies the checksums; a
+// corrupt or partial checkpoint is refused and the previous one is used.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "learner/grpo_trainer.h"
+
+namespace grpo::learner {
+
+inline constexpr const char* kLatestFile = "latest";
+
+// Saves the trainer's current state; returns the checkpoint directory. Files named in
+// `tokenizer_dir` (tokenizer.json, tokenizer_config.json ...) are copied when they exist.
+StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& output_dir,
+                                     const std::string& tokenizer_dir);
+
+// DataLoss naming the file when a checksum does not match or a file is missing;
+// NotFound when `dir` has no SHA256SUMS (a partial checkpoint).
+Status VerifyCheckpoint(const std::string& dir);
+
+// Checkpoint directories under output_dir, newest (highest step) first.
+std::vector<std::string> ListCheckpoints(const std::string& output_dir);
+
+// Restores model weights, optimizer state, counters and RNG state from the newest valid
+// checkpoint (the one `latest` names, else the highest step); invalid ones are skipped with a
+// warning naming them. Returns the directory used; NotFound when there is none.
+StatusOr<std::string> RestoreLatestCheckpoint(GrpoTrainer& trainer, const std::string& output_dir);
+
+// Restores from one checkpoint directory (verified first).
+Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir);
+
+}  // namespace grpo::learner

@@ -1,0 +1,507 @@
+#include "learner/grpo_trainer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "common/safetensors.h"
+#include "learner/advantages.h"
+#include "learner/chunked_logprobs.h"
+
+namespace grpo::learner {
+
+using common::RolloutGroup;
+
+std::string_view RejectReasonName(RejectReason reason) {
+  switch (reason) {
+    case RejectReason::kGroupSize: return "group_size";
+    case RejectReason::kEmptyPrompt: return "empty_prompt";
+    case RejectReason::kEmptyCompletion: return "empty_completion";
+    case RejectReason::kCompletionTooLong: return "completion_too_long";
+    case RejectReason::kTokenOutOfVocab: return "token_out_of_vocab";
+    case RejectReason::kLogprobLength: return "logprob_length";
+    case RejectReason::kRewardCount: return "reward_count";
+    case RejectReason::kNonFiniteReward: return "non_finite_reward";
+    case RejectReason::kStale: return "stale";
+  }
+  return "unknown";
+}
+
+int64_t PeakResidentBytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      std::istringstream ss(line.substr(6));
+      int64_t kib = 0;
+      ss >> kib;
+      return kib * 1024;
+    }
+  }
+  return 0;
+}
+
+nlohmann::json StepMetrics::ToJson() const {
+  nlohmann::json j;
+  j["step"] = step;
+  j["policy_version"] = policy_version;
+  j["iteration"] = iteration;
+  j["loss"] = loss;
+  j["grad_norm"] = grad_norm;
+  j["learning_rate"] = learning_rate;
+  j["reward"] = reward;
+  j["reward_std"] = reward_std;
+  j["frac_reward_zero_std"] = frac_reward_zero_std;
+  for (size_t k = 0; k < reward_names.size(); ++k) {
+    auto num = [](double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); };
+    j["rewards/" + reward_names[k] + "/mean"] = num(reward_fn_mean[k]);
+    j["rewards/" + reward_names[k] + "/std"] = num(reward_fn_std[k]);
+  }
+  j["completions/mean_length"] = completions_mean_length;
+  j["completions/clipped_ratio"] = completions_clipped_ratio;
+  j["entropy"] = entropy;
+  j["clip_ratio/low_mean"] = clip_ratio_low;
+  j["clip_ratio/high_mean"] = clip_ratio_high;
+  j["clip_ratio/region_mean"] = clip_ratio_region;
+  if (has_kl) j["kl"] = kl;
+  if (has_is_ratio) {
+    j["is_ratio/mean"] = is_ratio_mean;
+    j["is_ratio/max"] = is_ratio_max;
+  }
+  j["staleness"] = staleness_mean;
+  j["sequences"] = sequences;
+  j["completion_tokens"] = completion_tokens;
+  j["step_seconds"] = step_seconds;
+  j["tokens_per_second"] = tokens_per_second;
+  j["peak_memory_bytes"] = peak_memory_bytes;
+  return j;
+}
+
+// The sequences of a generation batch, flattened in group order.
+struct GrpoTrainer::Batch {
+  std::vector<const std::vector<int32_t>*> prompts;
+  std::vector<const common::Completion*> completions;
+  std::vector<int64_t> staleness;
+  at::Tensor advantages;  // [N] float32
+  at::Tensor rewards;     // [N] float64
+  bool has_beh = false;
+  at::Tensor old;  // [N, Cmax] or undefined (on-policy, one iteration)
+  at::Tensor ref;  // [N, Cmax] or undefined (beta == 0)
+
+  int64_t size() const { return static_cast<int64_t>(completions.size()); }
+};
+
+namespace {
+
+// Inputs of sequences [begin, end): prompts left-padded to P, completions right-padded to C.
+struct MicroBatch {
+  at::Tensor ids;              // [b, P + C] int64
+  at::Tensor attention_mask;   // [b, P + C] int64
+  at::Tensor labels;           // [b, C] int64 (0 at padding)
+  at::Tensor completion_mask;  // [b, C] float32
+  at::Tensor beh;              // [b, C] float32 or undefined
+  int64_t prompt_len = 0, completion_len = 0;
+};
+
+}  // namespace
+
+static MicroBatch MakeMicroBatch(const std::vector<const std::vector<int32_t>*>& prompts,
+                                 const std::vector<const common::Completion*>& completions,
+                                 int64_t begin, int64_t end, bool with_beh,
+                                 bool mask_truncated) {
+  MicroBatch mb;
+  const int64_t b = end - begin;
+  for (int64_t i = begin; i < end; ++i) {
+    mb.prompt_len = std::max<int64_t>(mb.prompt_len, prompts[i]->size());
+    mb.completion_len = std::max<int64_t>(mb.completion_len, completions[i]->token_ids.size());
+  }
+  const int64_t P = mb.prompt_len, C = mb.completion_len, T = P + C;
+  std::vector<int64_t> ids(b * T, 0), attn(b * T, 0), labels(b * C, 0);
+  std::vector<float> cmask(b * C, 0.f), beh(with_beh ? b * C : 0, 0.f);
+  for (int64_t r = 0; r < b; ++r) {
+    const auto& p = *prompts[begin + r];
+    const auto& c = *completions[begin + r];
+    const int64_t off = P - static_cast<int64_t>(p.size());
+    for (size_t t = 0; t < p.size(); ++t) {
+      ids[r * T + off + t] = p[t];
+      attn[r * T + off + t] = 1;
+    }
+    const bool masked_out = mask_truncated && c.truncated;
+    for (size_t t = 0; t < c.token_ids.size(); ++t) {
+      ids[r * T + P + t] = c.token_ids[t];
+      attn[r * T + P + t] = 1;
+      labels[r * C + t] = c.token_ids[t];
+      cmask[r * C + t] = masked_out ? 0.f : 1.f;
+      if (with_beh) beh[r * C + t] = c.logprobs[t];
+    }
+  }
+  auto i64 = at::TensorOptions().dtype(at::kLong);
+  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  mb.ids = at::from_blob(ids.data(), {b, T}, i64).clone();
+  mb.attention_mask = at::from_blob(attn.data(), {b, T}, i64).clone();
+  mb.labels = at::from_blob(labels.data(), {b, C}, i64).clone();
+  mb.completion_mask = at::from_blob(cmask.data(), {b, C}, f32).clone();
+  if (with_beh) mb.beh = at::from_blob(beh.data(), {b, C}, f32).clone();
+  return mb;
+}
+
+// Per-token log-probs of the completion tokens of `mb`: [b, C] (+ entropy when asked).
+static at::Tensor CompletionLogprobs(const common::Model& model, const MicroBatch& mb,
+                                     const common::GrpoConfig& config, at::Tensor* entropy) {
+  at::Tensor hidden = model.ForwardHidden(mb.ids, mb.attention_mask);  // [b, P + C, D]
+  // Position P - 1 + t predicts completion token t.
+  at::Tensor h = hidden.narrow(1, mb.prompt_len - 1, mb.completion_len);  // [b, C, D]
+  const double temperature = config.temperature > 0 ? config.temperature : 1.0;
+  return ChunkedTokenLogprobs(h, model.LmHeadWeight(), mb.labels, config.logprob_chunk_tokens,
+                              temperature, entropy);
+}
+
+GrpoTrainer::GrpoTrainer(common::GrpoConfig config, GrpoLossConfig loss_config,
+                         common::Model* policy, std::unique_ptr<common::Model> reference)
+    : config_(std::move(config)),
+      loss_config_(loss_config),
+      policy_(policy),
+      reference_(std::move(reference)) {}
+
+StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(
+    const common::GrpoConfig& config, common::Model* policy,
+    std::unique_ptr<common::Model> reference) {
+  RETURN_IF_ERROR(config.Validate());
+  if (policy == nullptr) return Status::InvalidArgument("GrpoTrainer: no policy model");
+  if (config.beta != 0 && reference == nullptr) {
+    return Status::InvalidArgument("config key 'beta' is " + std::to_string(config.beta) +
+                                   ": a reference model is required");
+  }
+  if (config.beta == 0 && reference != nullptr) {
+    return Status::InvalidArgument("beta is 0: no reference model may be built");
+  }
+  GrpoLossConfig lc;
+  ASSIGN_OR_RETURN(lc.loss_type, ParseLossType(config.loss_type));
+  ASSIGN_OR_RETURN(lc.importance_sampling_level,
+                   ParseImportanceSamplingLevel(config.importance_sampling_level));
+  ASSIGN_OR_RETURN(lc.importance_sampling_correction,
+                   ParseImportanceSamplingCorrection(config.importance_sampling_correction));
+  lc.epsilon = config.epsilon;
+  lc.epsilon_high = config.epsilon_high;
+  lc.delta = config.delta;
+  lc.beta = config.beta;
+  lc.importance_sampling_cap = config.importance_sampling_cap;
+  lc.max_completion_length = config.max_completion_length;
+  RETURN_IF_ERROR(lc.Validate());
+  ASSIGN_OR_RETURN(LrSchedule schedule, ParseLrSchedule(config.lr_scheduler_type));
+
+  std::unique_ptr<GrpoTrainer> t(
+      new GrpoTrainer(config, lc, policy, std::move(reference)));
+  t->schedule_ = schedule;
+  policy->SetRequiresGrad(true);
+  if (t->reference_) t->reference_->SetRequiresGrad(false);
+  t->optimizer_ = std::make_unique<AdamW>(
+      policy->NamedParameters(),
+      AdamWOptions{config.adam_beta1, config.adam_beta2, config.adam_epsilon, config.weight_decay});
+  return t;
+}
+
+Status GrpoTrainer::ValidateGroup(const RolloutGroup& g, RejectReason* reason) const {
+  auto reject = [&](RejectReason r, const std::string& why) {
+    if (reason != nullptr) *reason = r;
+    return Status::InvalidArgument("group '" + g.prompt_id + "': " + why);
+  };
+  const int64_t vocab = policy_->config().vocab_size;
+  if (static_cast<int64_t>(g.completions.size()) != config_.num_generations) {
+    return reject(RejectReason::kGroupSize,
+                  std::to_string(g.completions.size()) + " completions, expected num_generations " +
+                      std::to_string(config_.num_generations));
+  }
+  if (g.prompt_ids.empty()) return reject(RejectReason::kEmptyPrompt, "empty prompt");
+  for (int32_t id : g.prompt_ids) {
+    if (id < 0 || id >= vocab) {
+      return reject(RejectReason::kTokenOutOfVocab,
+                    "prompt token id " + std::to_string(id) + " outside the vocabulary [0, " +
+                        std::to_string(vocab) + ")");
+    }
+  }
+  if (g.policy_version < policy_version_ - config_.max_staleness) {
+    return reject(RejectReason::kStale,
+                  "generated by policy version " + std::to_string(g.policy_version) +
+                      ", learner is at " + std::to_string(policy_version_) +
+                      " and max_staleness is " + std::to_string(config_.max_staleness));
+  }
+  const size_t k0 = g.completions[0].rewards.size();
+  for (size_t i = 0; i < g.completions.size(); ++i) {
+    const auto& c = g.completions[i];
+    const std::string which = "completion " + std::to_string(i) + ": ";
+    if (c.token_ids.empty()) return reject(RejectReason::kEmptyCompletion, which + "empty");
+    if (static_cast<int64_t>(c.token_ids.size()) > config_.max_completion_length) {
+      return reject(RejectReason::kCompletionTooLong,
+                    which + std::to_string(c.token_ids.size()) +
+                        " tokens, more than max_completion_length " +
+                        std::to_string(config_.max_completion_length));
+    }
+    for (int32_t id : c.token_ids) {
+      if (id < 0 || id >= vocab) {
+        return reject(RejectReason::kTokenOutOfVocab,
+                      which + "token id " + std::to_string(id) + " outside the vocabulary [0, " +
+                          std::to_string(vocab) + ")");
+      }
+    }
+    if (!c.logprobs.empty() && c.logprobs.size() != c.token_ids.size()) {
+      return reject(RejectReason::kLogprobLength,
+                    which + std::to_string(c.token_ids.size()) + " token ids but " +
+                        std::to_string(c.logprobs.size()) + " log-probs");
+    }
+    const size_t want = config_.reward_funcs.empty() ? k0 : config_.reward_funcs.size();
+    if (c.rewards.size() != want || want == 0) {
+      return reject(RejectReason::kRewardCount,
+                    which + std::to_string(c.rewards.size()) + " rewards, expected " +
+                        std::to_string(std::max<size_t>(want, 1)));
+    }
+    for (const auto& r : c.rewards) {
+      if (r && !std::isfinite(*r)) {
+        return reject(RejectReason::kNonFiniteReward, which + "non-finite reward");
+      }
+    }
+    for (float lp : c.logprobs) {
+      if (!std::isfinite(lp) || lp > 0) {
+        return reject(RejectReason::kLogprobLength, which + "behaviour log-prob not in (-inf, 0]");
+      }
+    }
+  }
+  return Status::OK();
+}
+
+StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
+    const std::vector<RolloutGroup>& groups) {
+  GenerationBatchResult result;
+  Batch batch;
+  std::vector<const RolloutGroup*> kept;
+  for (const auto& g : groups) {
+    RejectReason reason;
+    if (ValidateGroup(g, &reason).ok()) {
+      kept.push_back(&g);
+    } else {
+      result.rejected.emplace_back(g.prompt_id, reason);
+      ++result.rejected_counts[reason];
+    }
+  }
+  result.groups_trained = static_cast<int64_t>(kept.size());
+  if (kept.empty()) return result;
+
+  // Rewards [N, K] (null -> NaN, which ComputeAdvantages counts as 0) and advantages.
+  const int64_t G = config_.num_generations;
+  const int64_t N = static_cast<int64_t>(kept.size()) * G;
+  const int64_t K = static_cast<int64_t>(kept[0]->completions[0].rewards.size());
+  for (const auto* g : kept) {
+    if (static_cast<int64_t>(g->completions[0].rewards.size()) != K) {
+      return Status::InvalidArgument(
+          "groups of one generation batch must carry the same number of rewards");
+    }
+  }
+  at::Tensor rewards = at::empty({N, K}, at::kDouble);
+  auto acc = rewards.accessor<double, 2>();
+  batch.has_beh = true;
+  for (int64_t gi = 0; gi < static_cast<int64_t>(kept.size()); ++gi) {
+    for (int64_t j = 0; j < G; ++j) {
+      const auto& c = kept[gi]->completions[j];
+      for (int64_t k = 0; k < K; ++k) {
+        acc[gi * G + j][k] = c.rewards[k] ? *c.rewards[k] : std::nan("");
+      }
+      batch.prompts.push_back(&kept[gi]->prompt_ids);
+      batch.completions.push_back(&c);
+      batch.staleness.push_back(policy_version_ - kept[gi]->policy_version);
+      if (c.logprobs.empty()) batch.has_beh = false;
+    }
+  }
+  AdvantageConfig ac;
+  ac.num_generations = G;
+  ASSIGN_OR_RETURN(ac.scale_rewards, ParseScaleRewards(config_.scale_rewards));
+  ac.reward_weights = config_.reward_weights;
+  ASSIGN_OR_RETURN(AdvantageResult adv, ComputeAdvantages(rewards, ac));
+  batch.advantages = adv.advantages.to(at::kFloat);
+  batch.rewards = adv.rewards;
+
+  const int64_t bs = config_.per_device_train_batch_size;
+  const int64_t ga = config_.gradient_accumulation_steps;
+  const int64_t num_micro = (N + bs - 1) / bs;
+  const bool off_policy =
+      std::any_of(batch.staleness.begin(), batch.staleness.end(), [](int64_t s) { return s > 0; });
+  const bool need_old = config_.num_iterations > 1 || off_policy;
+  int64_t cmax = 0;
+  for (const auto* c : batch.completions) cmax = std::max<int64_t>(cmax, c->token_ids.size());
+
+  try {
+    // `old` (and `ref`) once per generation batch, before its first optimizer step, no grad.
+    auto no_grad_logprobs = [&](const common::Model& model) {
+      at::NoGradGuard no_grad;
+      at::Tensor out = at::zeros({N, cmax}, at::kFloat);
+      for (int64_t m = 0; m < num_micro; ++m) {
+        const int64_t b0 = m * bs, b1 = std::min(N, b0 + bs);
+        MicroBatch mb = MakeMicroBatch(batch.prompts, batch.completions, b0, b1, false, false);
+        at::Tensor lp = CompletionLogprobs(model, mb, config_, nullptr);
+        out.narrow(0, b0, b1 - b0).narrow(1, 0, lp.size(1)).copy_(lp);
+      }
+      return out;
+    };
+    if (need_old) batch.old = no_grad_logprobs(*policy_);
+    if (reference_) batch.ref = no_grad_logprobs(*reference_);
+  } catch (const c10::Error& e) {
+    return Status::Internal(std::string("old/ref log-probs: ") + e.what_without_backtrace());
+  }
+
+  const std::vector<std::string> reward_names = [&] {
+    std::vector<std::string> names = config_.reward_funcs;
+    for (int64_t k = static_cast<int64_t>(names.size()); k < K; ++k) {
+      names.push_back("reward_" + std::to_string(k));
+    }
+    return names;
+  }();
+  const int64_t total_steps = config_.max_steps;
+  const int64_t warmup =
+      config_.warmup_steps > 0
+          ? config_.warmup_steps
+          : static_cast<int64_t>(std::ceil(config_.warmup_ratio * static_cast<double>(total_steps)));
+
+  // Without behaviour log-probs there is nothing to correct against.
+  GrpoLossConfig step_loss_config = loss_config_;
+  if (!batch.has_beh) {
+    step_loss_config.importance_sampling_correction = ImportanceSamplingCorrection::kNone;
+  }
+
+  for (int64_t it = 0; it < config_.num_iterations; ++it) {
+    for (int64_t m0 = 0; m0 < num_micro; m0 += ga) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const int64_t m1 = std::min(num_micro, m0 + ga);
+      const int64_t r0 = m0 * bs, r1 = std::min(N, m1 * bs);
+      StepMetrics sm;
+      sm.iteration = it;
+      LossNormaliser norm;
+      norm.gradient_accumulation_steps = ga;
+      int64_t all_tokens = 0;
+      for (int64_t r = r0; r < r1; ++r) {
+        const auto* c = batch.completions[r];
+        const int64_t len = static_cast<int64_t>(c->token_ids.size());
+        sm.completion_tokens += len;
+        all_tokens += len + static_cast<int64_t>(batch.prompts[r]->size());
+        if (!(config_.mask_truncated_completions && c->truncated)) {
+          norm.step_completion_tokens += static_cast<double>(len);
+        }
+        sm.completions_clipped_ratio += c->truncated ? 1.0 : 0.0;
+        sm.staleness_mean += static_cast<double>(batch.staleness[r]);
+      }
+      sm.sequences = r1 - r0;
+      sm.completions_mean_length = static_cast<double>(sm.completion_tokens) / sm.sequences;
+      sm.completions_clipped_ratio /= static_cast<double>(sm.sequences);
+      sm.staleness_mean /= static_cast<double>(sm.sequences);
+      if (loss_config_.loss_type == LossType::kDapo && norm.step_completion_tokens == 0) {
+        norm.step_completion_tokens = 1;  // every completion masked: zero loss, no gradient
+      }
+
+      GrpoLossMetrics lm;
+      double entropy_sum = 0, entropy_tokens = 0;
+      at::Tensor first_logp;
+      try {
+        optimizer_->ZeroGrad();
+        for (int64_t m = m0; m < m1; ++m) {
+          const int64_t b0 = m * bs, b1 = std::min(N, b0 + bs);
+          MicroBatch mb = MakeMicroBatch(batch.prompts, batch.completions, b0, b1,
+                                         batch.has_beh, config_.mask_truncated_completions);
+          at::Tensor entropy;
+          at::Tensor logp = CompletionLogprobs(*policy_, mb, config_, &entropy);
+          const int64_t C = logp.size(1);
+          GrpoLossInputs in;
+          in.logp = logp;
+          in.mask = mb.completion_mask;
+          in.advantages = batch.advantages.narrow(0, b0, b1 - b0);
+          if (batch.old.defined()) in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C);
+          if (batch.ref.defined()) in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C);
+          if (batch.has_beh) in.beh = mb.beh;
+          ASSIGN_OR_RETURN(GrpoLossOutput out, ComputeGrpoLoss(step_loss_config, in, norm));
+          out.loss.backward();
+          lm.Merge(out.metrics);
+          entropy_sum += (entropy * mb.completion_mask).sum().item<double>();
+          entropy_tokens += mb.completion_mask.sum().item<double>();
+          if (m == m0 && !config_.dump_batches_dir.empty()) first_logp = logp.detach();
+        }
+        sm.grad_norm = ClipGradNorm(policy_->Parameters(), config_.max_grad_norm);
+        if (!std::isfinite(sm.grad_norm)) {
+          optimizer_->ZeroGrad();
+          return Status::Internal("non-finite gradient norm at step " +
+                                  std::to_string(global_step_ + 1) + "; step skipped");
+        }
+        sm.learning_rate = LearningRateAt(schedule_, config_.learning_rate, global_step_, warmup,
+                                          total_steps);
+        optimizer_->Step(sm.learning_rate);
+        optimizer_->ZeroGrad();
+      } catch (const c10::Error& e) {
+        optimizer_->ZeroGrad();
+        return Status::Internal(std::string("training step: ") + e.what_without_backtrace());
+      }
+      ++global_step_;
+      ++policy_version_;
+      sm.step = global_step_;
+      sm.policy_version = policy_version_;
+      sm.loss = lm.loss;
+      sm.clip_ratio_low = lm.ClipLowMean();
+      sm.clip_ratio_high = lm.ClipHighMean();
+      sm.clip_ratio_region = lm.ClipRegionMean();
+      sm.has_kl = lm.has_kl;
+      sm.kl = lm.KlMean();
+      sm.has_is_ratio = lm.has_is_ratio;
+      sm.is_ratio_mean = lm.IsRatioMean();
+      sm.is_ratio_max = lm.is_ratio_max;
+      sm.entropy = entropy_tokens > 0 ? entropy_sum / entropy_tokens : 0.0;
+      sm.reward = adv.reward_mean;
+      sm.reward_std = adv.reward_std;
+      sm.frac_reward_zero_std = adv.frac_reward_zero_std;
+      sm.reward_names = reward_names;
+      sm.reward_fn_mean = adv.reward_fn_mean;
+      sm.reward_fn_std = adv.reward_fn_std;
+      sm.step_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      sm.tokens_per_second = static_cast<double>(all_tokens) / std::max(1e-9, sm.step_seconds);
+      sm.peak_memory_bytes = PeakResidentBytes();
+      if (!config_.dump_batches_dir.empty()) {
+        std::vector<int64_t> rows;
+        for (int64_t r = r0; r < r1; ++r) rows.push_back(r);
+        RETURN_IF_ERROR(DumpStep(batch, rows, first_logp, sm));
+      }
+      result.steps.push_back(std::move(sm));
+    }
+  }
+  return result;
+}
+
+Status GrpoTrainer::DumpStep(const Batch& batch, const std::vector<int64_t>& rows,
+                             const at::Tensor& logp, const StepMetrics& metrics) const {
+  const int64_t r0 = rows.front(), n = static_cast<int64_t>(rows.size());
+  MicroBatch mb = MakeMicroBatch(batch.prompts, batch.completions, r0, r0 + n, batch.has_beh,
+                                 config_.mask_truncated_completions);
+  const int64_t P = mb.prompt_len, C = mb.completion_len;
+  common::NamedTensors t;
+  t.emplace_back("prompt_ids", mb.ids.narrow(1, 0, P).contiguous());
+  t.emplace_back("prompt_mask", mb.attention_mask.narrow(1, 0, P).contiguous());
+  t.emplace_back("completion_ids", mb.labels);
+  t.emplace_back("completion_mask", mb.completion_mask);
+  t.emplace_back("rewards", batch.rewards.narrow(0, r0, n).contiguous());
+  t.emplace_back("advantages", batch.advantages.narrow(0, r0, n).contiguous());
+  if (batch.old.defined()) {
+    t.emplace_back("old_logprobs", batch.old.narrow(0, r0, n).narrow(1, 0, C).contiguous());
+  }
+  if (batch.ref.defined()) {
+    t.emplace_back("ref_logprobs", batch.ref.narrow(0, r0, n).narrow(1, 0, C).contiguous());
+  }
+  if (mb.beh.defined()) t.emplace_back("behaviour_logprobs", mb.beh);
+  if (logp.defined()) t.emplace_back("logprobs_first_micro_batch", logp.contiguous());
+  std::error_code ec;
+  std::filesystem::create_directories(config_.dump_batches_dir, ec);
+  char name[64];
+  std::snprintf(name, sizeof(name), "step-%08lld.safetensors",
+                static_cast<long long>(metrics.step));
+  return common::WriteSafetensors(config_.dump_batches_dir + "/" + name, t,
+                                  {{"metrics", metrics.ToJson().dump()}});
+}
+
+}  // namespace grpo::learner

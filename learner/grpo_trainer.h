@@ -1,0 +1,125 @@
+// GrpoTrainer: trains a policy on generation batches of rollout groups (GRPO_SPEC.md; TRL
+// GRPOTrainer semantics for num_iterations, steps_per_generation and
+// gradient_accumulation_steps; see README "num_iterations and the generation batch").
+// Memory-flat: each micro-batch runs forward -> chunked log-probs -> loss -> backward on its
+// own, so peak memory is set by per_device_train_batch_size and logprob_chunk_tokens, not by
+// num_generations or the number of micro-batches.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "common/model.h"
+#include "common/rollout_types.h"
+#include "common/status.h"
+#include "learner/grpo_loss.h"
+#include "learner/optimizer.h"
+
+namespace grpo::learner {
+
+// Why a group was refused at ingest (labels of grpo_groups_rejected_total).
+enum class RejectReason {
+  kGroupSize,         // not num_generations completions
+  kEmptyPrompt,
+  kEmptyCompletion,
+  kCompletionTooLong,  // longer than max_completion_length
+  kTokenOutOfVocab,
+  kLogprobLength,     // behaviour log-probs not one per completion token
+  kRewardCount,       // not one reward per reward function
+  kNonFiniteReward,   // NaN or +-inf reward (null is fine: it counts as 0)
+  kStale,             // policy_version older than max_staleness allows
+};
+std::string_view RejectReasonName(RejectReason reason);
+
+// The metrics of one optimizer step, named as TRL logs them (ToJson).
+struct StepMetrics {
+  int64_t step = 0;            // global optimizer step, 1-based
+  int64_t policy_version = 0;  // after this step
+  int64_t iteration = 0;       // 0..num_iterations-1 within the generation batch
+  double loss = 0, grad_norm = 0, learning_rate = 0;
+  double reward = 0, reward_std = 0, frac_reward_zero_std = 0;
+  std::vector<std::string> reward_names;
+  std::vector<double> reward_fn_mean, reward_fn_std;
+  double completions_mean_length = 0, completions_clipped_ratio = 0;
+  double entropy = 0;
+  double clip_ratio_low = 0, clip_ratio_high = 0, clip_ratio_region = 0;
+  bool has_kl = false;
+  double kl = 0;
+  bool has_is_ratio = false;
+  double is_ratio_mean = 0, is_ratio_max = 0;
+  double staleness_mean = 0;
+  int64_t sequences = 0, completion_tokens = 0;
+  double step_seconds = 0, tokens_per_second = 0;
+  int64_t peak_memory_bytes = 0;
+
+  nlohmann::json ToJson() const;
+};
+
+struct GenerationBatchResult {
+  std::vector<StepMetrics> steps;
+  int64_t groups_trained = 0;
+  // prompt_id -> reason, for every refused group; counts by reason.
+  std::vector<std::pair<std::string, RejectReason>> rejected;
+  std::map<RejectReason, int64_t> rejected_counts;
+};
+
+// Not thread-safe: one training thread owns it. The policy is borrowed and updated in place.
+class GrpoTrainer {
+ public:
+  // `reference` is required when beta != 0 and must be absent otherwise (no reference model
+  // is built when beta is 0). InvalidArgument naming the option on a bad config.
+  static StatusOr<std::unique_ptr<GrpoTrainer>> Create(const common::GrpoConfig& config,
+                                                       common::Model* policy,
+                                                       std::unique_ptr<common::Model> reference);
+
+  // OK when the group can be trained on now; otherwise InvalidArgument whose message says why,
+  // and `*reason` (when given) the reason's code.
+  Status ValidateGroup(const common::RolloutGroup& group, RejectReason* reason = nullptr) const;
+
+  // Trains on one generation batch: refuses invalid groups (counted), computes advantages,
+  // then num_iterations passes of optimizer steps over the rest. Every step's gradient is the
+  // sum of its micro-batches' (GRPO_SPEC.md "Aggregation"). An error leaves the optimizer and
+  // model as they were before the failing step.
+  StatusOr<GenerationBatchResult> TrainGenerationBatch(
+      const std::vector<common::RolloutGroup>& groups);
+
+  int64_t global_step() const { return global_step_; }
+  int64_t policy_version() const { return policy_version_; }
+  const common::GrpoConfig& config() const { return config_; }
+  common::Model& policy() { return *policy_; }
+  AdamW& optimizer() { return *optimizer_; }
+  // Used by checkpoint restore.
+  void RestoreCounters(int64_t global_step, int64_t policy_version) {
+    global_step_ = global_step;
+    policy_version_ = policy_version;
+  }
+
+ private:
+  struct Batch;  // flattened sequences of a generation batch
+  GrpoTrainer(common::GrpoConfig config, GrpoLossConfig loss_config, common::Model* policy,
+              std::unique_ptr<common::Model> reference);
+
+  Status DumpStep(const Batch& batch, const std::vector<int64_t>& rows, const at::Tensor& logp,
+                  const StepMetrics& metrics) const;
+
+  common::GrpoConfig config_;
+  GrpoLossConfig loss_config_;
+  common::Model* policy_;
+  std::unique_ptr<common::Model> reference_;
+  std::unique_ptr<AdamW> optimizer_;
+  LrSchedule schedule_ = LrSchedule::kLinear;
+  int64_t global_step_ = 0;
+  int64_t policy_version_ = 0;
+};
+
+// Peak resident set of this process (VmHWM), in bytes; 0 when unknown.
+int64_t PeakResidentBytes();
+
+}  // namespace grpo::learner

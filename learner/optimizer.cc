@@ -1,0 +1,132 @@
+#include "learner/optimizer.h"
+
+#include <cmath>
+#include <numbers>
+#include <sstream>
+
+namespace grpo::learner {
+
+AdamW::AdamW(common::NamedTensors params, AdamWOptions options)
+    : params_(std::move(params)), options_(options) {
+  for (const auto& [name, p] : params_) {
+    exp_avg_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
+    exp_avg_sq_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
+  }
+}
+
+void AdamW::Step(double lr) {
+  at::NoGradGuard no_grad;
+  ++step_;
+  const double bias1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step_));
+  const double bias2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step_));
+  const double step_size = lr / bias1;
+  const double bias2_sqrt = std::sqrt(bias2);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor p = params_[i].second;
+    const at::Tensor& g = p.grad();
+    if (!g.defined()) continue;
+    if (options_.weight_decay != 0.0) p.mul_(1.0 - lr * options_.weight_decay);
+    exp_avg_[i].lerp_(g, 1.0 - options_.beta1);
+    exp_avg_sq_[i].mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
+    at::Tensor denom = (exp_avg_sq_[i].sqrt() / bias2_sqrt).add_(options_.eps);
+    p.addcdiv_(exp_avg_[i], denom, -step_size);
+  }
+}
+
+void AdamW::ZeroGrad() {
+  for (auto& [name, p] : params_) {
+    if (p.grad().defined()) p.mutable_grad() = at::Tensor();
+  }
+}
+
+common::NamedTensors AdamW::StateDict() const {
+  common::NamedTensors out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out.emplace_back("exp_avg." + params_[i].first, exp_avg_[i]);
+    out.emplace_back("exp_avg_sq." + params_[i].first, exp_avg_sq_[i]);
+  }
+  out.emplace_back("step", at::scalar_tensor(step_, at::kLong));
+  return out;
+}
+
+Status AdamW::LoadStateDict(const common::NamedTensors& state) {
+  auto find = [&](const std::string& name) -> const at::Tensor* {
+    for (const auto& [n, t] : state) {
+      if (n == name) return &t;
+    }
+    return nullptr;
+  };
+  const at::Tensor* step = find("step");
+  if (step == nullptr || step->numel() != 1) {
+    return Status::InvalidArgument("optimizer state: missing scalar 'step'");
+  }
+  std::vector<const at::Tensor*> avg(params_.size()), sq(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (auto [prefix, dst] : {std::pair{"exp_avg.", &avg}, std::pair{"exp_avg_sq.", &sq}}) {
+      const std::string name = prefix + params_[i].first;
+      const at::Tensor* t = find(name);
+      if (t == nullptr) return Status::InvalidArgument("optimizer state: missing '" + name + "'");
+      if (t->sizes() != params_[i].second.sizes()) {
+        std::ostringstream m;
+        m << "optimizer state: '" << name << "' has shape " << t->sizes() << ", expected "
+          << params_[i].second.sizes();
+        return Status::InvalidArgument(m.str());
+      }
+      (*dst)[i] = t;
+    }
+  }
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    exp_avg_[i].copy_(*avg[i]);
+    exp_avg_sq_[i].copy_(*sq[i]);
+  }
+  step_ = step->item<int64_t>();
+  return Status::OK();
+}
+
+double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> norms;
+  for (const auto& p : params) {
+    if (p.grad().defined()) norms.push_back(p.grad().detach().to(at::kDouble).norm(2));
+  }
+  if (norms.empty()) return 0.0;
+  const double total = at::stack(norms).norm(2).item<double>();
+  if (max_norm > 0) {
+    const double coef = max_norm / (total + 1e-6);
+    if (coef < 1.0) {
+      for (const auto& p : params) {
+        if (p.grad().defined()) p.grad().mul_(coef);
+      }
+    }
+  }
+  return total;
+}
+
+StatusOr<LrSchedule> ParseLrSchedule(std::string_view name) {
+  if (name == "constant") return LrSchedule::kConstant;
+  if (name == "linear") return LrSchedule::kLinear;
+  if (name == "cosine") return LrSchedule::kCosine;
+  return Status::InvalidArgument("lr_scheduler_type: unknown schedule '" + std::string(name) +
+                                 "' (expected constant, linear or cosine)");
+}
+
+double LearningRateAt(LrSchedule schedule, double base_lr, int64_t step, int64_t warmup_steps,
+                      int64_t total_steps) {
+  if (step < warmup_steps) {
+    return base_lr * static_cast<double>(step) / static_cast<double>(std::max<int64_t>(1, warmup_steps));
+  }
+  const double progress = static_cast<double>(step - warmup_steps) /
+                          static_cast<double>(std::max<int64_t>(1, total_steps - warmup_steps));
+  switch (schedule) {
+    case LrSchedule::kConstant:
+      return base_lr;
+    case LrSchedule::kLinear:
+      return base_lr * std::max(0.0, 1.0 - progress);
+    case LrSchedule::kCosine:
+      return base_lr * std::max(0.0, 0.5 * (1.0 + std::cos(std::numbers::pi * progress)));
+  }
+  return base_lr;
+}
+
+}  // namespace grpo::learner

@@ -1,0 +1,64 @@
+// AdamW (decoupled weight decay, Loshchilov & Hutter; the same update as torch.optim.AdamW),
+// gradient-norm clipping and the learning-rate schedules of Hugging Face `transformers`
+// (constant, linear and cosine with linear warmup). State is plain tensors, so that it saves
+// to safetensors and a resumed run continues bit for bit.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "common/safetensors.h"
+#include "common/status.h"
+
+namespace grpo::learner {
+
+struct AdamWOptions {
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+};
+
+// Not thread-safe; the training thread owns it. Parameters are borrowed (shared storage).
+class AdamW {
+ public:
+  AdamW(common::NamedTensors params, AdamWOptions options);
+
+  // One update of every parameter that has a gradient, with learning rate `lr`. Parameters
+  // without a gradient are skipped (their moments stay as they were).
+  void Step(double lr);
+  void ZeroGrad();
+  int64_t step_count() const { return step_; }
+
+  // State as named tensors: "exp_avg.<param>", "exp_avg_sq.<param>" and "step" ([] int64).
+  common::NamedTensors StateDict() const;
+  // Restores StateDict() output; InvalidArgument naming the tensor on a missing name or a
+  // shape mismatch, and then nothing changed.
+  Status LoadStateDict(const common::NamedTensors& state);
+
+ private:
+  common::NamedTensors params_;
+  AdamWOptions options_;
+  std::vector<at::Tensor> exp_avg_;
+  std::vector<at::Tensor> exp_avg_sq_;
+  int64_t step_ = 0;
+};
+
+// Scales every gradient by min(1, max_norm / (total_norm + 1e-6)) as torch's
+// clip_grad_norm_ does, and returns the total L2 norm before clipping. max_norm <= 0 only
+// measures.
+double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm);
+
+enum class LrSchedule { kConstant, kLinear, kCosine };
+StatusOr<LrSchedule> ParseLrSchedule(std::string_view name);
+
+// The learning rate for optimizer step `step` (0-based, the step about to be taken) of
+// `total_steps`, with `warmup_steps` of linear warmup from 0 (transformers'
+// get_{constant,linear,cosine}_schedule_with_warmup).
+double LearningRateAt(LrSchedule schedule, double base_lr, int64_t step, int64_t warmup_steps,
+                      int64_t total_steps);
+
+}  // namespace grpo::learner
