@@ -1,0 +1,373 @@
+#include "rollout/generator.h"
+
+#include <algorithm>
+#include <exception>
+#include <string>
+#include <unordered_set>
+#include <utility>
+
+namespace grpo::rollout {
+namespace {
+
+using common::Completion;
+using common::KvCache;
+using common::Model;
+using common::RolloutGroup;
+
+// The forward pass behind the decode loop: with a KV cache, or the recompute baseline.
+class Stepper {
+ public:
+  virtual ~Stepper() = default;
+  // ids, mask [P, L] (left-padded prompts) -> logits [P * g, V] of the first completion token.
+  virtual at::Tensor Start(const at::Tensor& ids, const at::Tensor& mask, int64_t g,
+                           int64_t capacity) = 0;
+  // tokens [A] (one per current row) -> logits [A, V] of the next token.
+  virtual at::Tensor Step(const at::Tensor& tokens) = 0;
+  // Keeps the current rows `rows` ([A'] int64, indices into the current rows).
+  virtual Status Keep(const at::Tensor& rows) = 0;
+};
+
+class KvStepper final : public Stepper {
+ public:
+  explicit KvStepper(const Model& model) : model_(model) {}
+  at::Tensor Start(const at::Tensor& ids, const at::Tensor& mask, int64_t g,
+                   int64_t capacity) override {
+    KvCache prompt_cache = model_.NewCache(ids.size(0), capacity);
+    at::Tensor logits = model_.Prefill(ids, mask, prompt_cache);  // [P, V]
+    cache_ = model_.ExpandCache(prompt_cache, g);                 // P * g rows
+    return logits.repeat_interleave(g, 0);
+  }
+  at::Tensor Step(const at::Tensor& tokens) override { return model_.DecodeStep(tokens, cache_); }
+  Status Keep(const at::Tensor& rows) override { return model_.KeepRows(cache_, rows); }
+
+ private:
+  const Model& model_;
+  KvCache cache_;
+};
+
+class RecomputeStepper final : public Stepper {
+ public:
+  explicit RecomputeStepper(const Model& model) : model_(model) {}
+  at::Tensor Start(const at::Tensor& ids, const at::Tensor& mask, int64_t g,
+                   int64_t /*capacity*/) override {
+    ids_ = ids.repeat_interleave(g, 0);
+    mask_ = mask.to(at::kLong).repeat_interleave(g, 0);
+    return LastLogits();
+  }
+  at::Tensor Step(const at::Tensor& tokens) override {
+    ids_ = at::cat({ids_, tokens.unsqueeze(1)}, 1);
+    mask_ = at::cat({mask_, at::ones_like(tokens).unsqueeze(1)}, 1);
+    return LastLogits();
+  }
+  Status Keep(const at::Tensor& rows) override {
+    ids_ = ids_.index_select(0, rows);
+    mask_ = mask_.index_select(0, rows);
+    return Status::OK();
+  }
+
+ private:
+  at::Tensor LastLogits() const {
+    at::NoGradGuard no_grad;
+    at::Tensor hidden = model_.ForwardHidden(ids_, mask_);  // [A, T, D]
+    return model_.Logits(hidden.select(1, hidden.size(1) - 1));
+  }
+
+  const Model& model_;
+  at::Tensor ids_;   // [A, T] int64
+  at::Tensor mask_;  // [A, T] int64
+};
+
+// One generated row: completion generation_index of prompt slot `prompt`.
+struct Row {
+  int64_t prompt = 0;  // index into the valid prompts
+  Completion completion;
+  bool text_set = false;  // cut at a stop string
+};
+
+// Earliest position of any stop string in text, or npos.
+size_t FindStop(const std::string& text, const std::vector<std::string>& stops) {
+  size_t best = std::string::npos;
+  for (const auto& s : stops) best = std::min(best, text.find(s));
+  return best;
+}
+
+// Decodes ids the tokenizer knows (a model vocabulary may be padded past the tokenizer's).
+StatusOr<std::string> DecodeKnown(const common::Tokenizer& tokenizer,
+                                  const std::vector<int32_t>& ids) {
+  std::vector<int32_t> known;
+  known.reserve(ids.size());
+  for (int32_t t : ids) {
+    if (t < tokenizer.vocab_size()) known.push_back(t);
+  }
+  return tokenizer.Decode(known, /*skip_special_tokens=*/true);
+}
+
+}  // namespace
+
+GeneratorOptions GeneratorOptions::FromConfig(const common::GrpoConfig& config) {
+  GeneratorOptions o;
+  o.sampling = SamplingParams::FromConfig(config);
+  o.num_generations = config.num_generations;
+  o.max_prompt_length = config.max_prompt_length;
+  o.max_completion_length = config.max_completion_length;
+  o.truncate_prompt = config.truncate_prompt;
+  o.seed = config.seed;
+  return o;
+}
+
+Status GeneratorOptions::Validate() const {
+  RETURN_IF_ERROR(sampling.Validate());
+  if (num_generations < 1) {
+    return Status::InvalidArgument("num_generations must be >= 1, got " +
+                                   std::to_string(num_generations));
+  }
+  if (max_completion_length < 1) {
+    return Status::InvalidArgument("max_completion_length must be >= 1, got " +
+                                   std::to_string(max_completion_length));
+  }
+  if (truncate_prompt != "left" && truncate_prompt != "reject") {
+    return Status::InvalidArgument("truncate_prompt must be \"left\" or \"reject\", got \"" +
+                                   truncate_prompt + "\"");
+  }
+  for (const auto& s : stop_strings) {
+    if (s.empty()) return Status::InvalidArgument("stop_strings: empty stop string");
+  }
+  return Status::OK();
+}
+
+std::shared_ptr<const Model> BorrowModel(const Model& model) {
+  // Aliasing constructor with an empty owner: no reference count, no deleter.
+  return std::shared_ptr<const Model>(std::shared_ptr<const Model>(), &model);
+}
+
+StatusOr<std::unique_ptr<Generator>> Generator::Create(std::shared_ptr<const Model> policy,
+                                                       int64_t policy_version,
+                                                       GeneratorOptions options,
+                                                       const common::Tokenizer* tokenizer) {
+  if (!policy) return Status::InvalidArgument("Generator: null policy");
+  RETURN_IF_ERROR(options.Validate());
+  if (!options.stop_strings.empty() && tokenizer == nullptr) {
+    return Status::InvalidArgument("stop_strings need a tokenizer");
+  }
+  return std::unique_ptr<Generator>(
+      new Generator(std::move(policy), policy_version, std::move(options), tokenizer));
+}
+
+Status Generator::SetPolicy(std::shared_ptr<const Model> policy, int64_t version) {
+  if (!policy) return Status::InvalidArgument("SetPolicy: null policy");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (policy->config().vocab_size != policy_->config().vocab_size) {
+    return Status::InvalidArgument("SetPolicy: vocab_size " +
+                                   std::to_string(policy->config().vocab_size) +
+                                   " != " + std::to_string(policy_->config().vocab_size));
+  }
+  policy_ = std::move(policy);
+  version_ = version;
+  return Status::OK();
+}
+
+int64_t Generator::policy_version() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return version_;
+}
+
+StatusOr<GenerateResult> Generator::Generate(const std::vector<std::vector<int32_t>>& prompts,
+                                             const std::vector<int64_t>& prompt_indices) const {
+  return Run(prompts, prompt_indices, /*use_cache=*/true);
+}
+
+StatusOr<GenerateResult> Generator::GenerateRecomputeBaseline(
+    const std::vector<std::vector<int32_t>>& prompts,
+    const std::vector<int64_t>& prompt_indices) const {
+  return Run(prompts, prompt_indices, /*use_cache=*/false);
+}
+
+StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>& prompts,
+                                        const std::vector<int64_t>& prompt_indices,
+                                        bool use_cache) const {
+  if (!prompt_indices.empty() && prompt_indices.size() != prompts.size()) {
+    return Status::InvalidArgument("Generate: " + std::to_string(prompt_indices.size()) +
+                                   " prompt_indices for " + std::to_string(prompts.size()) +
+                                   " prompts");
+  }
+  // The one snapshot of this call.
+  std::shared_ptr<const Model> model;
+  GenerateResult result;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    model = policy_;
+    result.policy_version = version_;
+  }
+  const common::ModelConfig& cfg = model->config();
+  const int64_t vocab = cfg.vocab_size;
+  const int64_t g = options_.num_generations;
+  const int64_t max_new = options_.max_completion_length;
+  std::unordered_set<int64_t> stop_ids(options_.stop_token_ids.begin(),
+                                       options_.stop_token_ids.end());
+  if (options_.eos_token_ids.empty()) {
+    stop_ids.insert(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end());
+    if (tokenizer_ != nullptr && tokenizer_->eos_token_id()) {
+      stop_ids.insert(*tokenizer_->eos_token_id());
+    }
+  } else {
+    stop_ids.insert(options_.eos_token_ids.begin(), options_.eos_token_ids.end());
+  }
+
+  // Validate and truncate prompts; each failure stays with its prompt.
+  result.groups.reserve(prompts.size());
+  std::vector<size_t> valid;  // indices into prompts
+  std::vector<std::vector<int32_t>> ids;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const std::string where = "prompt " + std::to_string(i) + ": ";
+    std::vector<int32_t> p = prompts[i];
+    Status error;
+    if (p.empty()) {
+      error = Status::InvalidArgument(where + "empty prompt");
+    } else if (auto bad =
+                   std::find_if(p.begin(), p.end(), [&](int32_t t) { return t < 0 || t >= vocab; });
+               bad != p.end()) {
+      error =
+          Status::InvalidArgument(where + "token id " + std::to_string(*bad) + " at position " +
+                                  std::to_string(bad - p.begin()) +
+                                  " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    } else if (options_.max_prompt_length > 0 &&
+               static_cast<int64_t>(p.size()) > options_.max_prompt_length) {
+      if (options_.truncate_prompt == "reject") {
+        error = Status::InvalidArgument(
+            where + std::to_string(p.size()) + " tokens > max_prompt_length " +
+            std::to_string(options_.max_prompt_length) + " (truncate_prompt: reject)");
+      } else {
+        p.erase(p.begin(), p.end() - options_.max_prompt_length);
+        ++result.num_prompts_truncated;
+      }
+    }
+    if (!error.ok()) {
+      result.groups.emplace_back(error);
+      ++result.num_prompts_failed;
+      continue;
+    }
+    RolloutGroup group;
+    group.policy_version = result.policy_version;
+    group.prompt_ids = p;
+    result.groups.emplace_back(std::move(group));
+    valid.push_back(i);
+    ids.push_back(std::move(p));
+  }
+  if (valid.empty()) return result;
+
+  try {
+    at::NoGradGuard no_grad;
+    const at::Device device = model->LmHeadWeight().device();
+    const int64_t num_prompts = static_cast<int64_t>(valid.size());
+    int64_t max_len = 0;
+    for (const auto& p : ids) max_len = std::max<int64_t>(max_len, p.size());
+
+    // Left-padded prompts [P, L] (pad id 0, masked out).
+    at::Tensor prompt_ids = at::zeros({num_prompts, max_len}, at::kLong);
+    at::Tensor prompt_mask = at::zeros({num_prompts, max_len}, at::kBool);
+    for (int64_t i = 0; i < num_prompts; ++i) {
+      const int64_t len = static_cast<int64_t>(ids[i].size());
+      auto dst = prompt_ids.accessor<int64_t, 2>();
+      for (int64_t j = 0; j < len; ++j) dst[i][max_len - len + j] = ids[i][j];
+      prompt_mask[i].narrow(0, max_len - len, len).fill_(true);
+    }
+
+    // Rows: prompt-major, generation-minor (row r = prompt r / g, generation r % g).
+    const int64_t num_rows = num_prompts * g;
+    std::vector<Row> rows(num_rows);
+    std::vector<at::Generator> active_gens(num_rows);  // one stream per current row
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const int64_t p = r / g;
+      rows[r].prompt = p;
+      const int64_t seed_index =
+          prompt_indices.empty() ? static_cast<int64_t>(valid[p]) : prompt_indices[valid[p]];
+      active_gens[r] = MakeRowGenerator(options_.seed, seed_index, r % g);
+    }
+    // Tokens of prompt + completion so far, for the repetition penalty: [A, V] bool.
+    at::Tensor seen;
+    if (options_.sampling.uses_penalty()) {
+      // Padding points at the row's last (always real) prompt token.
+      at::Tensor index =
+          at::where(prompt_mask, prompt_ids, prompt_ids.narrow(1, max_len - 1, 1));  // [P, L]
+      seen = at::zeros({num_prompts, vocab}, at::kBool)
+                 .scatter_(1, index, true)
+                 .repeat_interleave(g, 0)
+                 .to(device);
+    }
+
+    std::unique_ptr<Stepper> stepper;
+    if (use_cache) {
+      stepper = std::make_unique<KvStepper>(*model);
+    } else {
+      stepper = std::make_unique<RecomputeStepper>(*model);
+    }
+    at::Tensor logits =
+        stepper->Start(prompt_ids.to(device), prompt_mask.to(device), g, max_len + max_new);
+
+    std::vector<int64_t> active(num_rows);  // current stepper row -> row id
+    for (int64_t r = 0; r < num_rows; ++r) active[r] = r;
+    for (int64_t step = 0; step < max_new; ++step) {
+      ASSIGN_OR_RETURN(SampleOutput sample, Sample(logits, seen, options_.sampling, active_gens));
+      if (seen.defined()) seen.scatter_(1, sample.tokens.unsqueeze(1), true);
+      const at::Tensor tokens = sample.tokens.to(at::kCPU);
+      const at::Tensor logprobs = sample.logprobs.to(at::kCPU, at::kFloat);
+      const int64_t* tok = tokens.data_ptr<int64_t>();
+      const float* lp = logprobs.data_ptr<float>();
+      std::vector<int64_t> keep;  // stepper rows that go on
+      for (size_t a = 0; a < active.size(); ++a) {
+        Completion& c = rows[active[a]].completion;
+        c.token_ids.push_back(static_cast<int32_t>(tok[a]));
+        c.logprobs.push_back(lp[a]);
+        ++result.num_completion_tokens;
+        bool done = stop_ids.count(tok[a]) > 0;
+        if (!done && !options_.stop_strings.empty()) {
+          ASSIGN_OR_RETURN(std::string text, DecodeKnown(*tokenizer_, c.token_ids));
+          const size_t pos = FindStop(text, options_.stop_strings);
+          if (pos != std::string::npos) {
+            c.text = text.substr(0, pos);
+            rows[active[a]].text_set = true;
+            done = true;
+          }
+        }
+        if (!done && static_cast<int64_t>(c.token_ids.size()) == max_new) {
+          c.truncated = true;
+          done = true;
+        }
+        if (!done) keep.push_back(static_cast<int64_t>(a));
+      }
+      if (keep.empty()) break;
+      at::Tensor next = tokens;
+      if (keep.size() < active.size()) {
+        const at::Tensor keep_t = at::tensor(keep, at::kLong);
+        RETURN_IF_ERROR(stepper->Keep(keep_t.to(device)));
+        if (seen.defined()) seen = seen.index_select(0, keep_t.to(device));
+        next = tokens.index_select(0, keep_t);
+        std::vector<int64_t> still;
+        std::vector<at::Generator> still_gens;
+        for (int64_t a : keep) {
+          still.push_back(active[a]);
+          still_gens.push_back(active_gens[a]);
+        }
+        active = std::move(still);
+        active_gens = std::move(still_gens);
+      }
+      logits = stepper->Step(next.to(device));
+    }
+
+    // Texts, then hand the rows to their groups.
+    for (int64_t r = 0; r < num_rows; ++r) {
+      Completion& c = rows[r].completion;
+      if (tokenizer_ != nullptr && !rows[r].text_set) {
+        ASSIGN_OR_RETURN(c.text, DecodeKnown(*tokenizer_, c.token_ids));
+      }
+      result.groups[valid[rows[r].prompt]]->completions.push_back(std::move(c));
+    }
+    return result;
+  } catch (const c10::Error& e) {
+    return Status::Internal(std::string("Generate: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("Generate: ") + e.what());
+  }
+}
+
+}  // namespace grpo::rollout

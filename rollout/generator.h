@@ -1,0 +1,112 @@
+// Generator: batched generation of GRPO groups with a KV cache. Every prompt is prefilled once,
+// its cache is copied to num_generations rows that share the prompt's keys/values, and all rows
+// of all prompts decode together; finished rows leave the batch (Model::KeepRows).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "common/model.h"
+#include "common/rollout_types.h"
+#include "common/status.h"
+#include "common/tokenizer.h"
+#include "rollout/sampler.h"
+
+namespace grpo::rollout {
+
+struct GeneratorOptions {
+  SamplingParams sampling;
+  int64_t num_generations = 8;          // G: completions per prompt
+  int64_t max_prompt_length = 512;      // tokens; <= 0 = no limit
+  int64_t max_completion_length = 256;  // tokens, EOS included
+  // "left": keep the LAST max_prompt_length tokens (TRL) and count it; "reject": that prompt
+  // fails with InvalidArgument.
+  std::string truncate_prompt = "left";
+  // Empty = the policy config's eos_token_ids plus the tokenizer's eos (when there is one).
+  std::vector<int32_t> eos_token_ids;
+  std::vector<int32_t> stop_token_ids;  // also end a completion (kept in token_ids)
+  // End a completion once its decoded text contains one; needs a tokenizer. The tokens stay up
+  // to the one that completed the stop string; `text` is cut before it.
+  std::vector<std::string> stop_strings;
+  uint64_t seed = 42;  // with (prompt index, generation index) seeds each row's sampler
+
+  // Sampling keys, num_generations, lengths, truncate_prompt and seed from a GrpoConfig.
+  static GeneratorOptions FromConfig(const common::GrpoConfig& config);
+  // InvalidArgument naming the key.
+  Status Validate() const;
+};
+
+struct GenerateResult {
+  int64_t policy_version = 0;  // the one snapshot every group below was generated with
+  // One per prompt, in input order: the group (prompt_ids after truncation, G completions with
+  // token_ids, behaviour logprobs, truncated flag, text when a tokenizer is set), or an
+  // InvalidArgument naming the prompt index (empty, out-of-vocabulary id, too long + reject).
+  std::vector<StatusOr<common::RolloutGroup>> groups;
+  int64_t num_prompts_truncated = 0;  // cut from the left to max_prompt_length
+  int64_t num_prompts_failed = 0;
+  int64_t num_completion_tokens = 0;
+};
+
+// A non-owning snapshot of `model` for Generator (no deleter): the caller keeps `model` alive,
+// and unchanged, for as long as a Generator may use it.
+std::shared_ptr<const common::Model> BorrowModel(const common::Model& model);
+
+// Thread-safe: Generate may run concurrently from several threads (each call owns its KV
+// cache) and concurrently with SetPolicy.
+//
+// Weight updates: a Generate call takes one policy snapshot (shared_ptr) at its start and uses
+// it for every token of the call, so a group never mixes two versions and records the version
+// of that snapshot (the learner's staleness check relies on it). SetPolicy affects later calls
+// only; the old model is freed when the last call using it returns.
+class Generator {
+ public:
+  // InvalidArgument on bad options, a null policy, or stop_strings without a tokenizer.
+  // `tokenizer` is borrowed (may be null: no text, no stop strings) and must outlive this.
+  static StatusOr<std::unique_ptr<Generator>> Create(std::shared_ptr<const common::Model> policy,
+                                                     int64_t policy_version,
+                                                     GeneratorOptions options,
+                                                     const common::Tokenizer* tokenizer = nullptr);
+
+  // Installs the policy for the NEXT Generate call. InvalidArgument for a null policy or one
+  // with a different vocabulary size.
+  Status SetPolicy(std::shared_ptr<const common::Model> policy, int64_t version);
+  int64_t policy_version() const;
+  const GeneratorOptions& options() const { return options_; }
+
+  // prompts: token ids per prompt. prompt_indices: per prompt, the index that seeds its rows'
+  // samplers (e.g. the dataset row), so its completions do not depend on the rest of the batch;
+  // empty = the position in `prompts`. Whole-call errors: InvalidArgument (prompt_indices size),
+  // Internal (libtorch). Per-prompt errors are in GenerateResult::groups.
+  StatusOr<GenerateResult> Generate(const std::vector<std::vector<int32_t>>& prompts,
+                                    const std::vector<int64_t>& prompt_indices = {}) const;
+
+  // Benchmark baseline (`grpo bench decode`): the same algorithm and results without a KV
+  // cache: each step runs the full forward over every row's whole sequence.
+  StatusOr<GenerateResult> GenerateRecomputeBaseline(
+      const std::vector<std::vector<int32_t>>& prompts,
+      const std::vector<int64_t>& prompt_indices = {}) const;
+
+ private:
+  Generator(std::shared_ptr<const common::Model> policy, int64_t version, GeneratorOptions options,
+            const common::Tokenizer* tokenizer)
+      : options_(std::move(options)),
+        tokenizer_(tokenizer),
+        policy_(std::move(policy)),
+        version_(version) {}
+
+  StatusOr<GenerateResult> Run(const std::vector<std::vector<int32_t>>& prompts,
+                               const std::vector<int64_t>& prompt_indices, bool use_cache) const;
+
+  const GeneratorOptions options_;
+  const common::Tokenizer* const tokenizer_;  // borrowed, may be null
+
+  mutable std::mutex mu_;
+  std::shared_ptr<const common::Model> policy_;  // GUARDED_BY(mu_)
+  int64_t version_;                              // GUARDED_BY(mu_)
+};
+
+}  // namespace grpo::rollout
