@@ -12,6 +12,7 @@ PACKAGES=(
   libsqlite3-dev libpcre2-dev libicu-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   python3-torch python3-numpy python3-grpcio
+  prometheus docker-compose
 )
 # node + npm derive the tokenizer test's expected ids; use the machine's node if one is there.
 if ! command -v npm >/dev/null 2>&1; then

@@ -1,0 +1,340 @@
+// grpo train-local: the whole GRPO loop in one process (generate with the rollout engine, score,
+// train with the learner library, repeat) on a built-in task or a JSON Lines dataset. The
+// distributed system (issue 5) runs the same pieces as separate services; this is the most
+// end-to-end path that exists until then, and what deploy/demo.sh runs.
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+#include "common/chat_template.h"
+#include "common/config.h"
+#include "common/logging.h"
+#include "common/model.h"
+#include "common/model_config.h"
+#include "common/tokenizer.h"
+#include "common/byte_tokenizer.h"
+#include "learner/checkpoint.h"
+#include "learner/grpo_trainer.h"
+#include "rollout/generator.h"
+#include "rollout/reward.h"
+#include "services/cli.h"
+
+namespace grpo::services {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+struct Row {
+  std::string prompt_text;  // after the chat template
+  json row;                 // the dataset line (extra fields for rewards)
+};
+
+// The built-in demo task: answer briefly. The `length` reward (TRL's reward_len example) pays
+// -|target - tokens|; a policy initialised from scratch almost never emits EOS early, so the
+// reward starts near -(max_completion_length - target) and rises as it learns to stop.
+std::vector<json> BuiltinDataset() {
+  const char* questions[] = {"Say hi.", "Name a colour.", "Count to three.", "Pick a number.",
+                             "Greet me.", "Name a fruit.", "Say yes or no.", "Name an animal."};
+  std::vector<json> rows;
+  for (const char* q : questions) {
+    rows.push_back({{"messages", json::array({{{"role", "user"}, {"content", q}}})}});
+  }
+  return rows;
+}
+
+StatusOr<std::vector<json>> ReadJsonl(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Status::NotFound("cannot read dataset " + path);
+  std::vector<json> rows;
+  std::string line;
+  int64_t n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    try {
+      rows.push_back(json::parse(line));
+    } catch (const json::exception& e) {
+      return Status::InvalidArgument(path + " line " + std::to_string(n) + ": " + e.what());
+    }
+  }
+  if (rows.empty()) return Status::InvalidArgument(path + ": no rows");
+  return rows;
+}
+
+StatusOr<std::string> PromptText(const json& row, int64_t index) {
+  const std::string where = "dataset row " + std::to_string(index) + ": ";
+  if (row.contains("prompt") && row["prompt"].is_string()) return row["prompt"].get<std::string>();
+  if (!row.contains("messages") || !row["messages"].is_array()) {
+    return Status::InvalidArgument(where + "needs \"prompt\" (string) or \"messages\" (array)");
+  }
+  std::vector<common::ChatMessage> msgs;
+  for (const auto& m : row["messages"]) {
+    if (!m.is_object() || !m.contains("role") || !m.contains("content") ||
+        !m["role"].is_string() || !m["content"].is_string()) {
+      return Status::InvalidArgument(where + "each message needs string role and content");
+    }
+    msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+  }
+  auto text = common::ApplyChatTemplate(msgs, /*add_generation_prompt=*/true);
+  if (!text.ok()) return text.status().WithContext(where);
+  return text;
+}
+
+// A text plot of y over steps: `height` rows, one column per bucket of steps.
+std::string TextPlot(const std::vector<double>& y, int width = 60, int height = 12) {
+  if (y.empty()) return "";
+  const int cols = std::min<int>(width, static_cast<int>(y.size()));
+  std::vector<double> v(cols, 0.0);
+  for (int c = 0; c < cols; ++c) {
+    const size_t b = y.size() * c / cols, e = std::max(b + 1, y.size() * (c + 1) / cols);
+    for (size_t i = b; i < e; ++i) v[c] += y[i];
+    v[c] /= static_cast<double>(e - b);
+  }
+  const double lo = *std::min_element(v.begin(), v.end());
+  const double hi = *std::max_element(v.begin(), v.end());
+  const double span = hi > lo ? hi - lo : 1.0;
+  std::ostringstream out;
+  for (int r = height - 1; r >= 0; --r) {
+    const double level = lo + span * r / (height - 1);
+    out << std::setw(9) << std::fixed << std::setprecision(2) << level << " |";
+    for (int c = 0; c < cols; ++c) {
+      const int row = static_cast<int>(std::lround((v[c] - lo) / span * (height - 1)));
+      out << (row == r ? '*' : (row > r ? ':' : ' '));
+    }
+    out << "\n";
+  }
+  out << std::string(10, ' ') << '+' << std::string(cols, '-') << "\n"
+      << std::string(11, ' ') << "step 1" << std::string(std::max(0, cols - 12), ' ') << y.size()
+      << "\n";
+  return out.str();
+}
+
+double Mean(const std::vector<double>& v, size_t b, size_t e) {
+  double s = 0;
+  for (size_t i = b; i < e; ++i) s += v[i];
+  return e > b ? s / static_cast<double>(e - b) : 0.0;
+}
+
+double StdErr(const std::vector<double>& v, size_t b, size_t e) {
+  const double m = Mean(v, b, e);
+  double s = 0;
+  for (size_t i = b; i < e; ++i) s += (v[i] - m) * (v[i] - m);
+  const double n = static_cast<double>(e - b);
+  return n > 1 ? std::sqrt(s / (n - 1) / n) : 0.0;
+}
+
+struct TrainLocalOptions {
+  std::vector<std::string> overrides;
+  std::string dataset;  // JSON Lines; empty = built-in task
+  int64_t prompts_per_step = 0;  // 0 = from the generation batch size
+  bool json_lines = false;
+  double target_length = 8;
+};
+
+int RunTrainLocal(const TrainLocalOptions& o) {
+  auto fail = [](const Status& s, int code = 1) {
+    std::cerr << "grpo train-local: " << s.ToString() << "\n";
+    return code;
+  };
+  // Demo defaults (a tiny model from scratch learns them in a couple of minutes on 2 cores);
+  // --config and flags override them.
+  common::GrpoConfig cfg;
+  cfg.output_dir = "grpo-output/train-local";
+  cfg.num_generations = 8;
+  cfg.per_device_train_batch_size = 16;
+  cfg.gradient_accumulation_steps = 2;
+  cfg.max_prompt_length = 128;
+  cfg.max_completion_length = 24;
+  cfg.learning_rate = 3e-3;
+  cfg.lr_scheduler_type = "constant";
+  cfg.max_steps = 60;
+  cfg.save_steps = 30;
+  cfg.reward_funcs = {"length"};
+  cfg.seed = 1;
+  if (Status s = common::ApplyConfigOverrides(cfg, o.overrides); !s.ok()) return fail(s, 2);
+  if (Status s = cfg.Validate(); !s.ok()) return fail(s, 2);
+
+  // Model: the configured one, or a tiny one initialised from scratch.
+  std::string model_dir = cfg.model_name_or_path;
+  if (model_dir.empty()) {
+    model_dir = (fs::path(cfg.output_dir) / "initial-model").string();
+    if (!fs::exists(fs::path(model_dir) / "config.json")) {
+      auto preset = common::ModelConfigPreset("tiny");
+      auto init = common::Model::InitRandom(*preset, cfg.seed);
+      if (!init.ok()) return fail(init.status());
+      Status s = (*init)->Save(model_dir);
+      if (s.ok()) s = common::ByteTokenizer().Save(model_dir + "/tokenizer.json");
+      if (!s.ok()) return fail(s);
+    }
+  }
+  auto model_or = common::Model::Load(model_dir);
+  if (!model_or.ok()) return fail(model_or.status());
+  std::shared_ptr<common::Model> model = std::move(model_or).value();
+  auto tok_or = common::LoadTokenizer(model_dir);
+  if (!tok_or.ok()) return fail(tok_or.status());
+  const common::Tokenizer& tok = **tok_or;
+
+  std::vector<json> rows;
+  if (o.dataset.empty()) {
+    rows = BuiltinDataset();
+  } else {
+    auto r = ReadJsonl(o.dataset);
+    if (!r.ok()) return fail(r.status(), 2);
+    rows = std::move(r).value();
+  }
+  std::vector<Row> data;
+  std::vector<std::vector<int32_t>> prompt_ids;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    auto text = PromptText(rows[i], static_cast<int64_t>(i));
+    if (!text.ok()) return fail(text.status(), 2);
+    auto ids = tok.Encode(*text);
+    if (!ids.ok()) return fail(ids.status().WithContext("dataset row " + std::to_string(i)), 2);
+    data.push_back({*text, rows[i]});
+    prompt_ids.push_back(std::move(ids).value());
+  }
+
+  json reward_options = json::object();
+  reward_options["length"] = {{"target_length", static_cast<int64_t>(o.target_length)}};
+  auto rewards = rollout::RewardRunner::FromConfig(cfg, reward_options);
+  if (!rewards.ok()) return fail(rewards.status(), 2);
+
+  auto trainer_or = learner::GrpoTrainer::Create(cfg, model.get(), nullptr);
+  if (!trainer_or.ok()) return fail(trainer_or.status(), 2);
+  learner::GrpoTrainer& trainer = **trainer_or;
+  if (!fs::exists(cfg.output_dir)) fs::create_directories(cfg.output_dir);
+  if (auto restored = learner::RestoreLatestCheckpoint(trainer, cfg.output_dir); restored.ok()) {
+    std::cerr << "resumed from " << *restored << " at step " << trainer.global_step() << "\n";
+  }
+
+  auto gen_or = rollout::Generator::Create(rollout::BorrowModel(*model), trainer.policy_version(),
+                                           rollout::GeneratorOptions::FromConfig(cfg), &tok);
+  if (!gen_or.ok()) return fail(gen_or.status(), 2);
+  rollout::Generator& gen = **gen_or;
+
+  const int64_t gen_batch = cfg.per_device_train_batch_size * cfg.EffectiveStepsPerGeneration();
+  const int64_t prompts_per_batch =
+      o.prompts_per_step > 0 ? o.prompts_per_step : gen_batch / cfg.num_generations;
+  std::vector<double> curve;
+  int64_t cursor = trainer.global_step() * prompts_per_batch;
+  const auto t_start = std::chrono::steady_clock::now();
+  if (!o.json_lines) {
+    std::cout << "training a " << model->NumParameters() << "-parameter " << model->config().model_type
+              << " policy: " << prompts_per_batch << " prompts x " << cfg.num_generations
+              << " generations per batch, " << cfg.max_steps << " optimizer steps, reward "
+              << cfg.reward_funcs[0] << "\n";
+  }
+  while (trainer.global_step() < cfg.max_steps) {
+    std::vector<std::vector<int32_t>> batch_prompts;
+    std::vector<int64_t> indices;
+    for (int64_t i = 0; i < prompts_per_batch; ++i, ++cursor) {
+      const int64_t r = cursor % static_cast<int64_t>(data.size());
+      batch_prompts.push_back(prompt_ids[r]);
+      indices.push_back(cursor);  // seeds: a new sample of the same prompt each time round
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    Status s = gen.SetPolicy(rollout::BorrowModel(*model), trainer.policy_version());
+    if (!s.ok()) return fail(s);
+    auto generated = gen.Generate(batch_prompts, indices);
+    if (!generated.ok()) return fail(generated.status());
+    const double gen_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::vector<common::RolloutGroup> groups;
+    for (size_t i = 0; i < generated->groups.size(); ++i) {
+      auto& g = generated->groups[i];
+      if (!g.ok()) {
+        std::cerr << "prompt skipped: " << g.status().ToString() << "\n";
+        continue;
+      }
+      const Row& row = data[indices[i] % data.size()];
+      common::RolloutGroup group = std::move(g).value();
+      group.prompt_id = std::to_string(indices[i]);
+      auto report = (*rewards)->ScoreGroup(group, row.prompt_text, row.row);
+      for (const auto& m : report.messages) std::cerr << "reward: " << m << "\n";
+      groups.push_back(std::move(group));
+    }
+    auto result = trainer.TrainGenerationBatch(groups);
+    if (!result.ok()) return fail(result.status());
+    for (const auto& [id, reason] : result->rejected) {
+      std::cerr << "group " << id << " rejected: " << learner::RejectReasonName(reason) << "\n";
+    }
+    for (auto& step : result->steps) {
+      curve.push_back(step.reward);
+      json j = step.ToJson();
+      j["generation_seconds"] = gen_seconds;
+      if (o.json_lines) {
+        std::cout << j.dump() << "\n" << std::flush;
+      } else {
+        std::cout << "step " << std::setw(4) << step.step << "  reward " << std::setw(8)
+                  << std::fixed << std::setprecision(3) << step.reward << "  loss " << std::setw(8)
+                  << std::setprecision(4) << step.loss << "  len " << std::setw(5)
+                  << std::setprecision(1) << step.completions_mean_length << "  grad_norm "
+                  << std::setprecision(3) << step.grad_norm << "  " << std::setprecision(1)
+                  << step.tokens_per_second << " tok/s\n"
+                  << std::flush;
+      }
+    }
+    if (cfg.save_steps > 0 && trainer.global_step() % cfg.save_steps == 0 &&
+        !result->steps.empty()) {
+      auto dir = learner::SaveCheckpoint(trainer, cfg.output_dir, model_dir);
+      if (!dir.ok()) return fail(dir.status());
+      if (!o.json_lines) std::cout << "saved " << *dir << "\n";
+    }
+  }
+  auto final_dir = learner::SaveCheckpoint(trainer, cfg.output_dir, model_dir);
+  if (!final_dir.ok()) return fail(final_dir.status());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  const size_t n = curve.size(), k = std::max<size_t>(1, std::min<size_t>(10, n / 3));
+  const double first = Mean(curve, 0, k), last = Mean(curve, n - k, n);
+  const double se = std::sqrt(std::pow(StdErr(curve, 0, k), 2) + std::pow(StdErr(curve, n - k, n), 2));
+  json summary = {{"summary", true},
+                  {"steps", n},
+                  {"seconds", seconds},
+                  {"reward_first", first},
+                  {"reward_last", last},
+                  {"reward_gain_in_std_errors", se > 0 ? (last - first) / se : 0.0},
+                  {"checkpoint", *final_dir}};
+  if (o.json_lines) {
+    std::cout << summary.dump() << "\n";
+  } else if (n > 0) {
+    std::cout << "\nmean reward per step\n" << TextPlot(curve) << "\n"
+              << "reward: first " << k << " steps " << std::setprecision(3) << first << ", last "
+              << k << " steps " << last << " (" << std::setprecision(1)
+              << summary["reward_gain_in_std_errors"].get<double>() << " standard errors), "
+              << n << " steps in " << std::setprecision(0) << seconds << " s\n"
+              << "policy saved to " << *final_dir << " (Hugging Face layout)\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+void AddTrainLocalCommand(CLI::App& app, CliAction* action) {
+  auto* cmd = app.add_subcommand(
+      "train-local",
+      "Generate, score and train in one process (no services) on a built-in task or a JSON "
+      "Lines dataset; config keys as --key value");
+  auto o = std::make_shared<TrainLocalOptions>();
+  cmd->add_option("--dataset", o->dataset,
+                  "JSON Lines rows with \"prompt\" or \"messages\" (default: built-in task)");
+  cmd->add_option("--prompts_per_step", o->prompts_per_step,
+                  "prompts per generation batch (default: generation batch / num_generations)");
+  cmd->add_option("--target_length", o->target_length, "the length reward's target (tokens)");
+  cmd->add_flag("--json", o->json_lines, "one JSON object per optimizer step on stdout");
+  cmd->allow_extras();
+  cmd->callback([cmd, o, action] {
+    o->overrides = cmd->remaining();
+    *action = [o] { return RunTrainLocal(*o); };
+  });
+}
+
+}  // namespace grpo::services

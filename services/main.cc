@@ -1,0 +1,71 @@
+// `grpo`: the one executable of grpo-serve. Containers run it with different subcommands.
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+
+#include <cstdlib>
+#include <iostream>
+#include <thread>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "common/logging.h"
+#include "services/cli.h"
+
+namespace {
+
+constexpr const char* kVersion = "0.1.0";
+
+// `grpo config [--config FILE] [--key value ...]`: the effective configuration as JSON, after
+// validation. Users check what a run will use; deployments lint their YAML with it.
+void AddConfigCommand(CLI::App& app, grpo::services::CliAction* action) {
+  auto* cmd = app.add_subcommand("config", "Print the effective configuration (YAML file plus "
+                                           "--key value overrides) as JSON, after validation");
+  cmd->allow_extras();
+  cmd->footer("Keys:\n" + grpo::common::ConfigHelp());
+  cmd->callback([cmd, action] {
+    *action = [cmd] {
+      grpo::common::GrpoConfig config;
+      grpo::Status s = grpo::common::ApplyConfigOverrides(config, cmd->remaining());
+      if (s.ok()) s = config.Validate();
+      if (!s.ok()) {
+        std::cerr << "grpo config: " << s.ToString() << "\n";
+        return 2;
+      }
+      std::cout << config.ToJson().dump(2) << "\n";
+      return 0;
+    };
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"grpo-serve: distributed GRPO fine-tuning of language models"};
+  app.set_version_flag("--version", kVersion);
+  std::string log_level = "warn";
+  app.add_option("--log_level", log_level, "trace|debug|info|warn|error|off (stderr)");
+  app.require_subcommand(1);
+
+  grpo::services::CliAction action;
+  AddConfigCommand(app, &action);
+  grpo::services::AddModelToolCommands(app, &action);
+  grpo::services::AddTrainLocalCommand(app, &action);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (grpo::Status s = grpo::common::InitLogging(log_level); !s.ok()) {
+    std::cerr << "grpo: " << s.ToString() << "\n";
+    return 2;
+  }
+  if (!action) return 2;
+  // libgomp starts libtorch with one intra-op thread here; use every core unless the user set
+  // OMP_NUM_THREADS (OpenBLAS has its own pool for the matmuls).
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) {
+    at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  }
+  return action();
+}
