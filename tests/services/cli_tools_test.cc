@@ -1,0 +1,131 @@
+// The `grpo` model tools as users run them: a real process, JSON Lines in and out.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include "tests/test_util.h"
+
+namespace {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string Bin() {
+  const char* b = std::getenv("GRPO_BIN");
+  return b ? b : "grpo";
+}
+
+// Runs `cmd`, returns stdout; *rc gets the exit code.
+std::string RunCommand(const std::string& cmd, int* rc) {
+  std::unique_ptr<FILE, int (*)(FILE*)> p(popen(cmd.c_str(), "r"), &pclose);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p.get())) > 0) out.append(buf, n);
+  int status = pclose(p.release());
+  *rc = WEXITSTATUS(status);
+  return out;
+}
+
+std::vector<json> Lines(const std::string& text) {
+  std::vector<json> out;
+  std::istringstream ss(text);
+  std::string line;
+  while (std::getline(ss, line)) out.push_back(json::parse(line));
+  return out;
+}
+
+class CliTools : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = (fs::path(::testing::TempDir()) / "grpo_cli_tools").string();
+    fs::remove_all(dir_);
+    int rc;
+    RunCommand(Bin() + " init-model --preset tiny --seed 5 --out " + dir_, &rc);
+    ASSERT_EQ(rc, 0);
+  }
+  static std::string dir_;
+};
+std::string CliTools::dir_;
+
+TEST_F(CliTools, InitModelWritesHuggingFaceLayout) {
+  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json",
+                        "tokenizer_config.json"}) {
+    EXPECT_TRUE(fs::exists(fs::path(dir_) / f)) << f;
+  }
+  std::ifstream in(fs::path(dir_) / "config.json");
+  json cfg = json::parse(in);
+  EXPECT_EQ(cfg["model_type"], "qwen2");
+  EXPECT_EQ(cfg["vocab_size"], 259);
+}
+
+TEST_F(CliTools, TokenizeGivesBytesAndSpecialsAndDecodesBack) {
+  const std::string in = dir_ + "/tok_in.jsonl";
+  std::ofstream(in) << R"({"text": "<|im_start|>hi\n"})" << "\n" << R"({"text": 5})" << "\n";
+  int rc;
+  auto out = Lines(RunCommand(Bin() + " tokenize --tokenizer " + dir_ + " < " + in, &rc));
+  EXPECT_EQ(rc, 2);  // line 2 is bad
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0]["ids"], json({257, 'h', 'i', '\n'}));
+  EXPECT_NE(out[1]["error"].get<std::string>().find("line 2"), std::string::npos);
+  std::ofstream(in) << R"({"ids": [257, 104, 105, 10]})" << "\n";
+  out = Lines(RunCommand(Bin() + " tokenize --decode --tokenizer " + dir_ + " < " + in, &rc));
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(out[0]["text"], "<|im_start|>hi\n");
+}
+
+TEST_F(CliTools, LogprobsMatchIndependentReferenceModel) {
+  if (!grpo::testing::HaveReferencePython()) GTEST_SKIP() << "no /usr/bin/python3 with torch";
+  const std::vector<std::vector<int>> seqs = {{257, 72, 101, 108, 108, 111, 258}, {10, 20, 30}};
+  const std::string in = dir_ + "/lp_in.jsonl";
+  {
+    std::ofstream f(in);
+    for (const auto& s : seqs) f << json{{"ids", s}}.dump() << "\n";
+    f << R"({"ids": [1, 99999]})" << "\n";
+  }
+  int rc;
+  auto out = Lines(RunCommand(Bin() + " logprobs --model " + dir_ + " < " + in, &rc));
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(out[2]["error"].get<std::string>().find("99999"), std::string::npos);
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    const auto& s = seqs[b];
+    // Reference logits of this sequence alone, log-softmax computed here.
+    const std::string ref_in = dir_ + "/ref_in.json", ref_out = dir_ + "/ref_out.json";
+    std::ofstream(ref_in) << json{{"input_ids", {s}}, {"attention_mask", {std::vector<int>(s.size(), 1)}}}.dump();
+    const std::string cmd = std::string(grpo::testing::kReferencePython) + " " +
+                            grpo::testing::SourceDir() + "/tests/reference/hf_model_ref.py " +
+                            dir_ + " " + ref_in + " " + ref_out;
+    ASSERT_EQ(std::system(cmd.c_str()), 0);
+    std::ifstream rf(ref_out);
+    json ref = json::parse(rf);
+    const int64_t V = ref["shape"][2];
+    const auto& logits = ref["logits"];
+    ASSERT_TRUE(out[b]["logprobs"][0].is_null());
+    for (size_t t = 1; t < s.size(); ++t) {
+      double mx = -1e30;
+      for (int64_t v = 0; v < V; ++v) mx = std::max(mx, logits[(t - 1) * V + v].get<double>());
+      double sum = 0;
+      for (int64_t v = 0; v < V; ++v) sum += std::exp(logits[(t - 1) * V + v].get<double>() - mx);
+      const double want = logits[(t - 1) * V + s[t]].get<double>() - mx - std::log(sum);
+      EXPECT_NEAR(out[b]["logprobs"][t].get<double>(), want, 1e-4) << "seq " << b << " t " << t;
+    }
+  }
+}
+
+TEST_F(CliTools, ConfigNamesAnUnknownKey) {
+  int rc;
+  RunCommand(Bin() + " config --num_generaton 4 2>/dev/null", &rc);
+  EXPECT_EQ(rc, 2);
+  auto out = json::parse(RunCommand(Bin() + " config --num_generations 4 --per_device_train_batch_size 4", &rc));
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(out["num_generations"], 4);
+}
+
+}  // namespace
