@@ -15,5 +15,14 @@ using CliAction = std::function<int()>;
 void AddModelToolCommands(CLI::App& app, CliAction* action);
 // train-local: generate, score and train in one process.
 void AddTrainLocalCommand(CLI::App& app, CliAction* action);
+// bench: the benchmarks of ../shared/BENCHMARKS.md.
+void AddBenchCommand(CLI::App& app, CliAction* action);
+// rollout (a worker against a learner) and reward-server (RewardService over built-ins).
+void AddRolloutCommands(CLI::App& app, CliAction* action);
+
+// learner (the service) and its clients: submit, status, watch, cancel.
+void AddLearnerCommands(CLI::App& app, CliAction* action);
+// submit, status, watch, cancel (registered by AddLearnerCommands).
+void AddClientCommands(CLI::App& app, CliAction* action);
 
 }  // namespace grpo::services

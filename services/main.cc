@@ -51,6 +51,9 @@ int main(int argc, char** argv) {
   AddConfigCommand(app, &action);
   grpo::services::AddModelToolCommands(app, &action);
   grpo::services::AddTrainLocalCommand(app, &action);
+  grpo::services::AddLearnerCommands(app, &action);
+  grpo::services::AddBenchCommand(app, &action);
+  grpo::services::AddRolloutCommands(app, &action);
 
   try {
     app.parse(argc, argv);

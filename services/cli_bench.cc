@@ -1,0 +1,334 @@
+// grpo bench <name> [--json]: the benchmarks of ../shared/BENCHMARKS.md. Each row carries its
+// own baseline measured in the same run; memory rows run each configuration in a fresh
+// process (this binary, re-executed with --child).
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <unistd.h>
+
+#include "common/model.h"
+#include "common/model_config.h"
+#include "learner/chunked_logprobs.h"
+#include "learner/grpo_trainer.h"
+#include "rollout/generator.h"
+#include "services/cli.h"
+
+namespace grpo::services {
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+constexpr int64_t kPromptLen = 64;       // BENCHMARKS.md: prompt 64 tokens
+constexpr int64_t kCompletionLen = 128;  // completion 128 tokens
+
+double Seconds(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+struct Timing {
+  double median = 0, min = 0, max = 0;
+};
+
+template <typename Fn>
+Timing TimeIt(int reps, Fn fn) {
+  fn();  // warm-up
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = Clock::now();
+    fn();
+    t.push_back(Seconds(t0));
+  }
+  std::sort(t.begin(), t.end());
+  return {t[t.size() / 2], t.front(), t.back()};
+}
+
+// The same-run compute ceiling: fp32 1024x1024 matmul, GFLOP/s.
+double GemmCeilingGflops() {
+  at::Tensor a = at::randn({1024, 1024}), b = at::randn({1024, 1024});
+  Timing t = TimeIt(5, [&] { at::mm(a, b); });
+  return 2.0 * 1024 * 1024 * 1024 / t.median / 1e9;
+}
+
+int64_t ProcStatusBytes(const char* key) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string k = std::string(key) + ":";
+  while (std::getline(in, line)) {
+    if (line.rfind(k, 0) == 0) return std::stoll(line.substr(k.size())) * 1024;
+  }
+  return 0;
+}
+
+std::unique_ptr<common::Model> BenchModel() {
+  auto cfg = common::ModelConfigPreset("bench");
+  return std::move(common::Model::InitRandom(*cfg, 0)).value();
+}
+
+// Random prompt + completion ids [n, 192].
+at::Tensor RandomIds(int64_t n, int64_t vocab, uint64_t seed) {
+  at::Generator g = at::detail::createCPUGenerator(seed);
+  return at::randint(vocab, {n, kPromptLen + kCompletionLen}, g, at::kLong);
+}
+
+// One child configuration of logprob_memory: forward + backward of the log-probs of G
+// sequences; "chunked" in micro-batches of `micro` with accumulation, "naive" all at once
+// (TRL's original get_per_token_logps: whole-batch logits, log_softmax, gather).
+json LogprobMemoryChild(const std::string& impl, int64_t G, int64_t micro, int reps) {
+  auto model = BenchModel();
+  model->SetRequiresGrad(true);
+  const int64_t V = model->config().vocab_size;
+  at::Tensor ids = RandomIds(G, V, 1);
+  at::Tensor adv = at::randn({G});
+  auto step = [&] {
+    for (auto& p : model->Parameters()) p.mutable_grad() = at::Tensor();
+    const int64_t mb = impl == "chunked" ? micro : G;
+    for (int64_t b0 = 0; b0 < G; b0 += mb) {
+      const int64_t b = std::min(mb, G - b0);
+      at::Tensor x = ids.narrow(0, b0, b);
+      at::Tensor hidden = model->ForwardHidden(x, at::ones_like(x));
+      at::Tensor h = hidden.narrow(1, kPromptLen - 1, kCompletionLen);
+      at::Tensor labels = x.narrow(1, kPromptLen, kCompletionLen);
+      at::Tensor lp = impl == "chunked"
+                          ? learner::ChunkedTokenLogprobs(h, model->LmHeadWeight(), labels, 1024)
+                          : learner::NaiveTokenLogprobs(h, model->LmHeadWeight(), labels);
+      at::Tensor loss = -(lp.mean(1) * adv.narrow(0, b0, b)).sum() / static_cast<double>(G);
+      loss.backward();
+    }
+  };
+  // Peak RSS counts from here: model and its gradients exist after one step.
+  step();
+  std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to the current RSS
+  const int64_t base = ProcStatusBytes("VmRSS");
+  Timing t = TimeIt(reps, step);
+  const int64_t peak = ProcStatusBytes("VmHWM") - base;
+  return {{"bench", "logprob_memory"}, {"impl", impl},        {"G", G},
+          {"micro_batch", impl == "chunked" ? micro : G},     {"peak_mib", peak / 1048576.0},
+          {"step_s_median", t.median}, {"step_s_min", t.min}, {"step_s_max", t.max}};
+}
+
+json RunChild(const std::string& args) {
+  const std::string cmd = "/proc/" + std::to_string(::getpid()) + "/exe bench " + args;
+  std::unique_ptr<FILE, int (*)(FILE*)> p(popen(cmd.c_str(), "r"), &pclose);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p.get())) > 0) out.append(buf, n);
+  if (pclose(p.release()) != 0 || out.empty()) return {{"error", "child failed: " + cmd}};
+  return json::parse(out.substr(0, out.find('\n')));
+}
+
+int BenchLogprobMemory(bool as_json, int64_t micro, int reps, const std::vector<int64_t>& gs) {
+  std::vector<json> rows;
+  for (int64_t G : gs) {
+    for (const char* impl : {"chunked", "naive"}) {
+      json r = RunChild(std::string("logprob_memory --child --impl ") + impl + " --G " +
+                        std::to_string(G) + " --micro_batch " + std::to_string(micro) +
+                        " --reps " + std::to_string(reps));
+      if (r.contains("error")) {
+        std::cerr << r["error"] << "\n";
+        return 1;
+      }
+      rows.push_back(r);
+    }
+  }
+  auto find = [&](const std::string& impl, int64_t G) -> json& {
+    for (auto& r : rows)
+      if (r["impl"] == impl && r["G"] == G) return r;
+    return rows.front();
+  };
+  for (int64_t G : gs) {
+    json& c = find("chunked", G);
+    json& nv = find("naive", G);
+    c["vs_naive_memory"] = c["peak_mib"].get<double>() / nv["peak_mib"].get<double>();
+    c["vs_naive_speed"] = nv["step_s_median"].get<double>() / c["step_s_median"].get<double>();
+    c["vs_G4_memory"] = c["peak_mib"].get<double>() / find("chunked", gs.front())["peak_mib"].get<double>();
+    nv["vs_G4_memory"] = nv["peak_mib"].get<double>() / find("naive", gs.front())["peak_mib"].get<double>();
+  }
+  if (as_json) {
+    for (auto& r : rows) std::cout << r.dump() << "\n";
+    return 0;
+  }
+  std::cout << "logprob_memory: bench model (vocab 32768), prompt 64 + completion 128 tokens, "
+               "chunked micro-batch " << micro << "; peak = VmHWM - RSS before the step\n";
+  std::cout << std::left << std::setw(9) << "impl" << std::setw(5) << "G" << std::right
+            << std::setw(12) << "peak MiB" << std::setw(12) << "vs G=4" << std::setw(12)
+            << "vs naive" << std::setw(12) << "step s" << std::setw(14) << "speed/naive\n";
+  for (auto& r : rows) {
+    std::cout << std::left << std::setw(9) << r["impl"].get<std::string>() << std::setw(5)
+              << r["G"].get<int64_t>() << std::right << std::fixed << std::setprecision(1)
+              << std::setw(12) << r["peak_mib"].get<double>() << std::setprecision(2)
+              << std::setw(12) << r["vs_G4_memory"].get<double>() << std::setw(12)
+              << (r.contains("vs_naive_memory") ? r["vs_naive_memory"].get<double>() : 1.0)
+              << std::setprecision(3) << std::setw(12) << r["step_s_median"].get<double>()
+              << std::setprecision(2) << std::setw(13)
+              << (r.contains("vs_naive_speed") ? r["vs_naive_speed"].get<double>() : 1.0) << "\n";
+  }
+  return 0;
+}
+
+// One optimizer step of GrpoTrainer on the bench model: G=16 completions of one prompt.
+int BenchLearnerStep(bool as_json, int reps, int64_t micro) {
+  const double ceiling = GemmCeilingGflops();
+  auto model = BenchModel();
+  common::GrpoConfig cfg;
+  cfg.num_generations = 16;
+  cfg.per_device_train_batch_size = micro;
+  cfg.gradient_accumulation_steps = 16 / micro;
+  cfg.max_completion_length = kCompletionLen;
+  cfg.importance_sampling_correction = "none";
+  cfg.max_staleness = 1 << 20;
+  cfg.max_steps = 1 << 20;
+  auto trainer = std::move(learner::GrpoTrainer::Create(cfg, model.get(), nullptr)).value();
+  at::Tensor ids = RandomIds(16, model->config().vocab_size, 2);
+  common::RolloutGroup g;
+  g.prompt_id = "bench";
+  for (int64_t t = 0; t < kPromptLen; ++t) g.prompt_ids.push_back(ids[0][t].item<int32_t>());
+  for (int64_t j = 0; j < 16; ++j) {
+    common::Completion c;
+    for (int64_t t = 0; t < kCompletionLen; ++t) {
+      c.token_ids.push_back(ids[j][kPromptLen + t].item<int32_t>());
+    }
+    c.rewards = {static_cast<double>(j % 4)};
+    g.completions.push_back(c);
+  }
+  Timing t = TimeIt(reps, [&] {
+    g.policy_version = trainer->policy_version();
+    auto r = trainer->TrainGenerationBatch({g});
+    if (!r.ok() || r->steps.size() != 1) std::abort();
+  });
+  const double tokens = 16.0 * (kPromptLen + kCompletionLen);
+  // 6 N T: forward 2 N T + backward 4 N T, N = every parameter (the tied LM head once), plus
+  // the chunked LM head's recompute (2 D V per completion token) and attention (12 L T^2 D).
+  const auto& mc = model->config();
+  const double n = static_cast<double>(model->NumParameters());
+  const double flops = 6 * n * tokens +
+                       2.0 * mc.hidden_size * mc.vocab_size * 16 * kCompletionLen +
+                       12.0 * mc.num_hidden_layers * 16 * std::pow(kPromptLen + kCompletionLen, 2) *
+                           mc.hidden_size;
+  const double gflops = flops / t.median / 1e9;
+  json row = {{"bench", "learner_step"},  {"G", 16},
+              {"micro_batch", micro},     {"tokens_per_second", tokens / t.median},
+              {"step_s_median", t.median}, {"step_s_min", t.min},
+              {"step_s_max", t.max},      {"gflops", gflops},
+              {"gemm_ceiling_gflops", ceiling}, {"vs_ceiling", gflops / ceiling}};
+  if (as_json) {
+    std::cout << row.dump() << "\n";
+  } else {
+    std::cout << "learner_step: bench model, 16 x (64 + 128) tokens, micro-batch " << micro
+              << "\n  " << std::fixed << std::setprecision(0) << tokens / t.median
+              << " tokens/s, step " << std::setprecision(2) << t.median << " s (min " << t.min
+              << ", max " << t.max << "), " << std::setprecision(1) << gflops << " GFLOP/s = "
+              << std::setprecision(0) << 100 * gflops / ceiling << "% of the " << std::setprecision(1)
+              << ceiling << " GFLOP/s GEMM ceiling\n";
+  }
+  return 0;
+}
+
+// Decode: 4 prompts x G=16, prompt 64, completion 128. KV cache + shared prefill vs the
+// recompute-everything baseline, and shared vs per-row prefill (each completion its own
+// prompt row, G=1).
+int BenchDecode(bool as_json, int reps) {
+  const double ceiling = GemmCeilingGflops();
+  auto model = BenchModel();
+  std::shared_ptr<const common::Model> snap = std::move(model);
+  at::Tensor ids = RandomIds(4, snap->config().vocab_size, 3);
+  std::vector<std::vector<int32_t>> prompts(4);
+  for (int p = 0; p < 4; ++p)
+    for (int64_t t = 0; t < kPromptLen; ++t) prompts[p].push_back(ids[p][t].item<int32_t>());
+  rollout::GeneratorOptions o;
+  o.num_generations = 16;
+  o.max_completion_length = kCompletionLen;
+  o.max_prompt_length = kPromptLen;
+  o.eos_token_ids = {snap->config().vocab_size - 1};  // practically never sampled
+  o.seed = 7;
+  auto gen = std::move(rollout::Generator::Create(snap, 0, o)).value();
+  rollout::GeneratorOptions o1 = o;
+  o1.num_generations = 1;
+  auto gen1 = std::move(rollout::Generator::Create(snap, 0, o1)).value();
+  std::vector<std::vector<int32_t>> per_row;
+  for (const auto& p : prompts)
+    for (int j = 0; j < 16; ++j) per_row.push_back(p);
+  int64_t tokens = 0;
+  Timing cached = TimeIt(reps, [&] { tokens = gen->Generate(prompts)->num_completion_tokens; });
+  Timing per_row_t = TimeIt(reps, [&] { gen1->Generate(per_row); });
+  Timing recompute = TimeIt(1, [&] { gen->GenerateRecomputeBaseline(prompts); });
+  // Forward FLOPs of the cached path: 2 N per generated token + 2 N per prompt token.
+  const double n = static_cast<double>(snap->NumParameters());
+  const double gflops = (2 * n * (tokens + 4 * kPromptLen)) / cached.median / 1e9;
+  std::vector<json> rows = {
+      {{"bench", "decode"}, {"impl", "kv_cache_shared_prefill"}, {"tokens", tokens},
+       {"tokens_per_second", tokens / cached.median}, {"s_median", cached.median},
+       {"s_min", cached.min}, {"s_max", cached.max}, {"vs_recompute", recompute.median / cached.median},
+       {"gflops", gflops}, {"gemm_ceiling_gflops", ceiling}, {"vs_ceiling", gflops / ceiling}},
+      {{"bench", "decode"}, {"impl", "kv_cache_per_row_prefill"}, {"tokens_per_second", tokens / per_row_t.median},
+       {"s_median", per_row_t.median}, {"vs_shared", cached.median / per_row_t.median}},
+      {{"bench", "decode"}, {"impl", "recompute"}, {"tokens_per_second", tokens / recompute.median},
+       {"s_median", recompute.median}}};
+  if (as_json) {
+    for (auto& r : rows) std::cout << r.dump() << "\n";
+    return 0;
+  }
+  std::cout << "decode: bench model, 4 prompts x G=16, prompt 64, completion 128 (" << tokens
+            << " tokens)\n" << std::fixed;
+  for (auto& r : rows) {
+    std::cout << "  " << std::left << std::setw(26) << r["impl"].get<std::string>() << std::right
+              << std::setprecision(0) << std::setw(9) << r["tokens_per_second"].get<double>()
+              << " tokens/s  " << std::setprecision(2) << r["s_median"].get<double>() << " s\n";
+  }
+  std::cout << "  KV cache vs recompute: " << std::setprecision(1)
+            << rows[0]["vs_recompute"].get<double>() << "x; shared vs per-row prefill: "
+            << rows[1]["vs_shared"].get<double>() << "x... (per-row time / shared time = "
+            << per_row_t.median / cached.median << "); " << gflops << " GFLOP/s = "
+            << std::setprecision(0) << 100 * gflops / ceiling << "% of the GEMM ceiling\n";
+  return 0;
+}
+
+}  // namespace
+
+void AddBenchCommand(CLI::App& app, CliAction* action) {
+  auto* cmd = app.add_subcommand("bench", "Benchmarks of ../shared/BENCHMARKS.md: "
+                                          "logprob_memory | learner_step | decode");
+  struct Opts {
+    std::string name;
+    bool json = false, child = false;
+    std::string impl = "chunked";
+    int64_t G = 4, micro = 4;
+    int reps = 3;
+    std::vector<int64_t> gs = {4, 8, 16, 32, 64};
+  };
+  auto o = std::make_shared<Opts>();
+  cmd->add_option("name", o->name, "logprob_memory | learner_step | decode")
+      ->required()
+      ->check(CLI::IsMember({"logprob_memory", "learner_step", "decode"}));
+  cmd->add_flag("--json", o->json, "one JSON object per row");
+  cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)");
+  cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
+  cmd->add_option("--G", o->gs, "logprob_memory: num_generations values");
+  cmd->add_flag("--child", o->child, "internal: one logprob_memory configuration");
+  cmd->add_option("--impl", o->impl, "internal: chunked | naive");
+  cmd->callback([o, action] {
+    *action = [o]() -> int {
+      if (o->name == "logprob_memory") {
+        if (o->child) {
+          std::cout << LogprobMemoryChild(o->impl, o->gs.front(), o->micro, o->reps).dump() << "\n";
+          return 0;
+        }
+        return BenchLogprobMemory(o->json, o->micro, o->reps, o->gs);
+      }
+      if (o->name == "learner_step") return BenchLearnerStep(o->json, o->reps, o->micro);
+      return BenchDecode(o->json, o->reps);
+    };
+  });
+}
+
+}  // namespace grpo::services
