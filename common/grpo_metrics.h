@@ -1,0 +1,120 @@
+// The project's metric families, defined in this one place (STYLE.md rule 9; GRPO_SPEC.md
+// "Metrics per optimizer step"). Each process creates one LearnerMetrics or WorkerMetrics
+// against its Registry at start-up and updates the families through the pointers, which the
+// registry owns (they live as long as it does). Every label takes values from a fixed set below
+// or, for `reward_fn`, from the configured reward_funcs.
+#pragma once
+
+#include <array>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/metrics.h"
+#include "common/status.h"
+
+namespace grpo::common {
+
+// Values of `reason` on grpo_groups_rejected_total; the first nine are
+// learner::RejectReasonName's, the lease ones come from the ledger.
+inline constexpr std::array<std::string_view, 11> kRejectReasons = {
+    "group_size",          "empty_prompt",       "empty_completion",
+    "completion_too_long", "token_out_of_vocab", "logprob_length",
+    "reward_count",        "non_finite_reward",  "stale",
+    "unknown_lease",       "expired_lease"};
+// Values of `state` on grpo_ledger_prompts (the prompt ledger's states).
+inline constexpr std::array<std::string_view, 4> kLedgerStates = {"queued", "leased", "trained",
+                                                                  "rejected"};
+// Values of `region` on grpo_clip_ratio (GRPO_SPEC.md clip_ratio/{low,high,region}_mean).
+inline constexpr std::array<std::string_view, 3> kClipRegions = {"low", "high", "region"};
+// Values of `kind` on grpo_rollout_reward_errors_total.
+inline constexpr std::array<std::string_view, 2> kRewardErrorKinds = {"error", "timeout"};
+
+// The learner's families. Gauges hold the latest optimizer step's value.
+struct LearnerMetrics {
+  // InvalidArgument when a reward function name is empty or repeated; AlreadyExists when the
+  // registry already holds these families.
+  static StatusOr<LearnerMetrics> Create(Registry& registry,
+                                         const std::vector<std::string>& reward_funcs);
+
+  // grpo_optimizer_steps_total: steps
+  Counter* optimizer_steps = nullptr;
+  // grpo_policy_version: version after the latest step
+  Gauge* policy_version = nullptr;
+  // grpo_loss: unitless
+  Gauge* loss = nullptr;
+  // grpo_reward_mean: weighted total reward, unitless
+  Gauge* reward_mean = nullptr;
+  // grpo_reward_std
+  Gauge* reward_std = nullptr;
+  // grpo_reward_fn_mean{reward_fn}: raw reward of one function
+  Gauge* reward_fn_mean = nullptr;
+  // grpo_reward_fn_std{reward_fn}
+  Gauge* reward_fn_std = nullptr;
+  // grpo_reward_zero_std_ratio: fraction of groups, 0..1
+  Gauge* reward_zero_std_ratio = nullptr;
+  // grpo_completion_mean_length_tokens: tokens
+  Gauge* completion_mean_length = nullptr;
+  // grpo_completion_clipped_ratio: fraction without EOS, 0..1
+  Gauge* completion_clipped_ratio = nullptr;
+  // grpo_kl: nats per token (0 when beta is 0)
+  Gauge* kl = nullptr;
+  // grpo_clip_ratio{region}: fraction of tokens, 0..1
+  Gauge* clip_ratio = nullptr;
+  // grpo_entropy: nats per token
+  Gauge* entropy = nullptr;
+  // grpo_is_ratio_mean: importance-sampling ratio
+  Gauge* is_ratio_mean = nullptr;
+  // grpo_is_ratio_max
+  Gauge* is_ratio_max = nullptr;
+  // grpo_grad_norm: L2 norm before clipping
+  Gauge* grad_norm = nullptr;
+  // grpo_learning_rate
+  Gauge* learning_rate = nullptr;
+  // grpo_learner_tokens_per_second: trained tokens / step time
+  Gauge* tokens_per_second = nullptr;
+  // grpo_step_duration_seconds: one optimizer step
+  Histogram* step_duration = nullptr;
+  // grpo_buffer_groups: groups waiting to be trained
+  Gauge* buffer_groups = nullptr;
+  // grpo_staleness_versions: policy versions behind, per group
+  Histogram* staleness = nullptr;
+  // grpo_groups_accepted_total: groups
+  Counter* groups_accepted = nullptr;
+  // grpo_groups_rejected_total{reason}: groups
+  Counter* groups_rejected = nullptr;
+  // grpo_ledger_prompts{state}: prompts
+  Gauge* ledger_prompts = nullptr;
+  // grpo_weight_sync_duration_seconds: one version's sync
+  Histogram* weight_sync_duration = nullptr;
+  // grpo_weight_sync_bytes_total: bytes sent
+  Counter* weight_sync_bytes = nullptr;
+  // grpo_checkpoint_duration_seconds: one checkpoint save
+  Histogram* checkpoint_duration = nullptr;
+  // grpo_peak_memory_bytes: peak resident set (or device memory)
+  Gauge* peak_memory = nullptr;
+};
+
+// A rollout worker's families.
+struct WorkerMetrics {
+  // Same errors as LearnerMetrics::Create.
+  static StatusOr<WorkerMetrics> Create(Registry& registry,
+                                        const std::vector<std::string>& reward_funcs);
+
+  // grpo_rollout_tokens_generated_total: completion tokens
+  Counter* tokens_generated = nullptr;
+  // grpo_rollout_generation_duration_seconds: one group
+  Histogram* generation_duration = nullptr;
+  // grpo_rollout_reward_duration_seconds{reward_fn}: one call
+  Histogram* reward_duration = nullptr;
+  // grpo_rollout_reward_errors_total{reward_fn,kind}: calls
+  Counter* reward_errors = nullptr;
+  // grpo_rollout_weight_version: policy version generating now
+  Gauge* weight_version = nullptr;
+  // grpo_rollout_leases_held: prompt leases
+  Gauge* leases_held = nullptr;
+  // grpo_rollout_groups_pushed_total: groups
+  Counter* groups_pushed = nullptr;
+};
+
+}  // namespace grpo::common

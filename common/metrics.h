@@ -1,0 +1,158 @@
+// A small Prometheus registry: counters, gauges and fixed-bucket histograms, exposed in the
+// text exposition format 0.0.4. Families are created once per process (common/grpo_metrics.h
+// holds the project's families; STYLE.md rule 9). Every label declares its allowed values up
+// front, so series are a fixed, small set: never prompt text, ids or tokens. All series exist
+// (at 0) from creation on, and an update with a value outside the set is dropped and counted.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <initializer_list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace grpo::common {
+
+// One label key and the values it may take.
+struct LabelSpec {
+  std::string name;
+  std::vector<std::string> values;
+};
+
+// Label values of one series, in the family's label declaration order.
+using LabelValues = std::initializer_list<std::string_view>;
+
+enum class MetricType { kCounter, kGauge, kHistogram };
+
+// Base of the three family kinds. Thread-safe: updates are lock-free atomics.
+class MetricFamily {
+ public:
+  virtual ~MetricFamily() = default;
+  MetricFamily(const MetricFamily&) = delete;
+  MetricFamily& operator=(const MetricFamily&) = delete;
+
+  const std::string& name() const { return name_; }
+  const std::string& help() const { return help_; }
+  MetricType type() const { return type_; }
+  const std::vector<LabelSpec>& labels() const { return labels_; }
+  // Updates dropped because their label values were not in the declared sets.
+  uint64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
+
+  // Appends this family's HELP, TYPE and sample lines; nothing when it has no series.
+  void AppendExposition(std::string* out) const;
+
+ protected:
+  MetricFamily(std::string name, std::string help, MetricType type, std::vector<LabelSpec> labels);
+  // Index of the series with these values, or -1 (and counts a drop) when not allowed.
+  int64_t SeriesIndex(LabelValues values) const;
+  int64_t series_count() const { return series_count_; }
+  // `{k="v",...}` of series `index` plus `extra` (already formatted, e.g. `le="0.5"`).
+  std::string LabelText(int64_t index, std::string_view extra = {}) const;
+  virtual void AppendSamples(std::string* out) const = 0;
+
+ private:
+  const std::string name_;
+  const std::string help_;
+  const MetricType type_;
+  const std::vector<LabelSpec> labels_;
+  const int64_t series_count_;  // product of the label value set sizes
+  mutable std::atomic<uint64_t> dropped_{0};
+};
+
+// Monotonic; resets only with the process. Name ends in `_total` (enforced by the registry).
+class Counter final : public MetricFamily {
+ public:
+  // Adds `delta` (ignored unless finite and >= 0).
+  void Increment(double delta = 1.0) { Increment({}, delta); }
+  void Increment(LabelValues values, double delta = 1.0);
+  // Current value; 0 for label values not in the sets.
+  double Value(LabelValues values = {}) const;
+
+ private:
+  friend class Registry;
+  Counter(std::string name, std::string help, std::vector<LabelSpec> labels);
+  void AppendSamples(std::string* out) const override;
+  std::unique_ptr<std::atomic<double>[]> values_;
+};
+
+// A value that goes up and down.
+class Gauge final : public MetricFamily {
+ public:
+  void Set(double value) { Set({}, value); }
+  void Set(LabelValues values, double value);
+  void Add(double delta) { Add({}, delta); }
+  void Add(LabelValues values, double delta);
+  double Value(LabelValues values = {}) const;
+
+ private:
+  friend class Registry;
+  Gauge(std::string name, std::string help, std::vector<LabelSpec> labels);
+  void AppendSamples(std::string* out) const override;
+  std::unique_ptr<std::atomic<double>[]> values_;
+};
+
+// Fixed buckets (finite, strictly increasing upper bounds; `+Inf` is implicit). Exposes
+// cumulative `_bucket{le=...}`, `_sum` and `_count`; `_count` always equals the `+Inf` bucket.
+class Histogram final : public MetricFamily {
+ public:
+  // Ignores NaN. An observation v lands in the first bucket with v <= bound.
+  void Observe(double value) { Observe({}, value); }
+  void Observe(LabelValues values, double value);
+  uint64_t Count(LabelValues values = {}) const;
+  double Sum(LabelValues values = {}) const;
+  const std::vector<double>& bounds() const { return bounds_; }
+
+ private:
+  friend class Registry;
+  Histogram(std::string name, std::string help, std::vector<LabelSpec> labels,
+            std::vector<double> bounds);
+  void AppendSamples(std::string* out) const override;
+  const std::vector<double> bounds_;
+  // Per series: bounds_.size() + 1 non-cumulative bucket counts (last = above every bound).
+  std::unique_ptr<std::atomic<uint64_t>[]> buckets_;
+  std::unique_ptr<std::atomic<double>[]> sums_;
+};
+
+// Owns the families; pointers it returns live as long as the registry. Thread-safe.
+class Registry {
+ public:
+  Registry() = default;
+  Registry(const Registry&) = delete;
+  Registry& operator=(const Registry&) = delete;
+
+  // InvalidArgument for a bad metric or label name (Prometheus charset; no `__` prefix), a
+  // help text that is empty or spans lines, an empty or repeated label value, too many series
+  // (> kMaxSeriesPerFamily), a counter name without `_total`, a histogram label `le`, or bad
+  // bounds; AlreadyExists for a repeated family name.
+  StatusOr<Counter*> AddCounter(std::string name, std::string help,
+                                std::vector<LabelSpec> labels = {});
+  StatusOr<Gauge*> AddGauge(std::string name, std::string help, std::vector<LabelSpec> labels = {});
+  StatusOr<Histogram*> AddHistogram(std::string name, std::string help, std::vector<double> bounds,
+                                    std::vector<LabelSpec> labels = {});
+
+  // Prometheus text format 0.0.4; families sorted by name, series in label declaration order.
+  std::string Expose() const;
+
+  static constexpr int64_t kMaxSeriesPerFamily = 1024;
+
+ private:
+  Status CheckNew(const std::string& name, const std::string& help,
+                  const std::vector<LabelSpec>& labels) const;  // requires mu_ held
+
+  mutable std::mutex mu_;
+  std::map<std::string, std::unique_ptr<MetricFamily>> families_;  // GUARDED_BY(mu_)
+};
+
+// Exposition helpers (exposed for tests). Numbers: shortest text that round-trips, `NaN`,
+// `+Inf`, `-Inf`. Label values escape `\`, `"` and newline; help text escapes `\` and newline.
+std::string FormatMetricValue(double value);
+std::string EscapeLabelValue(std::string_view value);
+std::string EscapeHelp(std::string_view help);
+
+}  // namespace grpo::common
