@@ -1,0 +1,71 @@
+// WeightSync: the versioned weight broadcast from the learner (rank 0) to rollout workers
+// (ranks 1..N-1), ARCHITECTURE.md "Weight sync". Backends: GlooWeightSync (CPU, c10d),
+// NcclWeightSync (GPU), FakeWeightSync (in-process, for tests of callers).
+//
+// One version: Begin(v) -> Broadcast(tensors) (one or more calls) -> Commit(). Every call is a
+// collective: all ranks make the same calls in the same order. Each collective has a deadline
+// (WeightSyncOptions::timeout); on a timeout or a lost peer the group aborts itself and every
+// later call returns Aborted: the caller rebuilds the group with a new epoch, and a worker that
+// missed a version fetches it over gRPC (GetWeights).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+
+#include "common/safetensors.h"
+#include "common/status.h"
+
+namespace grpo::common {
+
+// The deadline of one collective (rendezvous included), like c10d's Store::kDefaultTimeout.
+inline constexpr std::chrono::milliseconds kDefaultBroadcastTimeout{60'000};
+// Flat-buffer size: tensors of one dtype are concatenated and cut into buckets of this many
+// bytes, one collective per bucket (the last bucket of a dtype may be shorter).
+inline constexpr int64_t kDefaultBucketBytes = 16ll << 20;
+// Begin() on a receiver: accept whatever version the publisher offers.
+inline constexpr int64_t kAnyVersion = -1;
+
+struct WeightSyncOptions {
+  std::chrono::milliseconds timeout = kDefaultBroadcastTimeout;
+  int64_t bucket_bytes = kDefaultBucketBytes;  // > 0; rounded up to a multiple of 8
+  // Commit() compares a 64-bit checksum of the bytes every rank sent/received (CPU backends;
+  // costs one extra read of the weights).
+  bool verify_checksum = true;
+};
+
+// Not thread-safe: one thread drives a WeightSync (Abort() included). The tensors passed to
+// Broadcast are borrowed for the duration of the call.
+class WeightSync {
+ public:
+  virtual ~WeightSync() = default;
+
+  // Starts version `version`. Rank 0 (the publisher) passes the version it is about to send
+  // (>= 0); receivers pass the version they expect or kAnyVersion. FailedPrecondition on every
+  // rank when a receiver expected another version (the group stays usable).
+  virtual Status Begin(int64_t version) = 0;
+
+  // Rank 0 sends `tensors`; other ranks receive in place into their preallocated tensors, which
+  // must have the same names, order, dtypes and shapes (checked on every rank first:
+  // InvalidArgument on every rank when any rank differs; the group stays usable). Tensors must
+  // be contiguous and in the backend's memory (CPU for Gloo/Fake, CUDA device for NCCL).
+  virtual Status Broadcast(NamedTensors& tensors) = 0;
+
+  // Ends the version: all ranks compare (version, bytes, checksum). OK on every rank when all
+  // agree (then committed_version() == version()); DataLoss on every rank otherwise.
+  virtual Status Commit() = 0;
+
+  // Tears the group down locally; peers see their next collective fail. Idempotent. Every
+  // later call returns Aborted.
+  virtual void Abort() = 0;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual int64_t epoch() const = 0;
+  // The version of the current Begin() (the publisher's); -1 before the first Begin.
+  virtual int64_t version() const = 0;
+  // The last version committed by this group; -1 when none.
+  virtual int64_t committed_version() const = 0;
+  virtual bool aborted() const = 0;
+};
+
+}  // namespace grpo::common
