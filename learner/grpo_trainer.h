@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -70,7 +71,9 @@ struct GenerationBatchResult {
   std::map<RejectReason, int64_t> rejected_counts;
 };
 
-// Not thread-safe: one training thread owns it. The policy is borrowed and updated in place.
+// Not thread-safe: one training thread owns it, except that ValidateGroup and policy_version()
+// may run on other threads concurrently with training (a service validates groups at ingest).
+// The policy is borrowed and updated in place.
 class GrpoTrainer {
  public:
   // `reference` is required when beta != 0 and must be absent otherwise (no reference model
@@ -116,7 +119,7 @@ class GrpoTrainer {
   std::unique_ptr<AdamW> optimizer_;
   LrSchedule schedule_ = LrSchedule::kLinear;
   int64_t global_step_ = 0;
-  int64_t policy_version_ = 0;
+  std::atomic<int64_t> policy_version_{0};  // read by ValidateGroup on other threads
 };
 
 // Peak resident set of this process (VmHWM), in bytes; 0 when unknown.

@@ -569,6 +569,40 @@ Status PromptLedger::FinishLease(LeaseAction action, const std::string& lease_id
   return txn.Commit();
 }
 
+StatusOr<bool> PromptLedger::RequeueTrained(const std::string& prompt_id, int64_t pass) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t now = options_.now_ms();
+  Transaction txn(path_, db_);
+  RETURN_IF_ERROR(txn.Begin());
+  ASSIGN_OR_RETURN(Statement find,
+                   Statement::Prepare(path_, db_, "SELECT 1 FROM prompts WHERE id = ?"));
+  ASSIGN_OR_RETURN(bool found, find.Bind(1, prompt_id).Step());
+  if (!found) return Status::NotFound("prompt ledger " + path_ + ": no prompt " + prompt_id);
+  ASSIGN_OR_RETURN(Statement update,
+                   Statement::Prepare(path_, db_,
+                                      "UPDATE prompts SET state = 'QUEUED', updated_ms = ? "
+                                      "WHERE id = ? AND state = 'TRAINED' AND pass = ?"));
+  RETURN_IF_ERROR(update.Bind(1, now).Bind(2, prompt_id).Bind(3, pass).Run());
+  const bool moved = sqlite3_changes(db_) > 0;
+  RETURN_IF_ERROR(txn.Commit());
+  return moved;
+}
+
+StatusOr<int64_t> PromptLedger::RequeueTrainedSince(int64_t since_ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t now = options_.now_ms();
+  Transaction txn(path_, db_);
+  RETURN_IF_ERROR(txn.Begin());
+  ASSIGN_OR_RETURN(Statement update,
+                   Statement::Prepare(path_, db_,
+                                      "UPDATE prompts SET state = 'QUEUED', updated_ms = ? "
+                                      "WHERE state = 'TRAINED' AND updated_ms > ?"));
+  RETURN_IF_ERROR(update.Bind(1, now).Bind(2, since_ms).Run());
+  const int64_t moved = sqlite3_changes(db_);
+  RETURN_IF_ERROR(txn.Commit());
+  return moved;
+}
+
 StatusOr<bool> PromptLedger::StartNextPass(int64_t num_passes) {
   if (num_passes < 1) {
     return Status::InvalidArgument("StartNextPass: num_passes must be >= 1, got " +

@@ -111,6 +111,14 @@ class PromptLedger {
   // unchanged. Same lease check.
   Status ReleaseLease(const std::string& lease_id, const std::string& prompt_id);
 
+  // An accepted group that was never trained gives its prompt back: TRAINED -> QUEUED when the
+  // prompt is TRAINED in `pass` (attempts unchanged). Returns false, changing nothing, for a
+  // prompt in any other state or pass; NotFound for an unknown prompt.
+  StatusOr<bool> RequeueTrained(const std::string& prompt_id, int64_t pass);
+  // Crash recovery: every TRAINED prompt last updated after `since_ms` (ledger clock) -> QUEUED,
+  // attempts unchanged. Returns how many moved.
+  StatusOr<int64_t> RequeueTrainedSince(int64_t since_ms);
+
   // Ends the current pass when every prompt is TRAINED or REJECTED: returns true after moving
   // TRAINED -> QUEUED with pass + 1, or false (and changes nothing) when the pass just finished
   // was the last of num_passes. FailedPrecondition while prompts are still QUEUED or LEASED, or
@@ -124,6 +132,8 @@ class PromptLedger {
   StatusOr<PromptRecord> GetPrompt(const std::string& prompt_id);
 
   const std::string& path() const { return path_; }
+  // The ledger's clock (unix ms): lease deadlines and updated_ms use it.
+  int64_t NowMs() const { return options_.now_ms(); }
 
  private:
   enum class LeaseAction { kComplete, kReject, kRelease };

@@ -26,6 +26,7 @@
 #include "rollout/generator.h"
 #include "rollout/reward.h"
 #include "services/cli.h"
+#include "services/prompt_text.h"
 
 namespace grpo::services {
 namespace {
@@ -71,21 +72,8 @@ StatusOr<std::vector<json>> ReadJsonl(const std::string& path) {
 }
 
 StatusOr<std::string> PromptText(const json& row, int64_t index) {
-  const std::string where = "dataset row " + std::to_string(index) + ": ";
-  if (row.contains("prompt") && row["prompt"].is_string()) return row["prompt"].get<std::string>();
-  if (!row.contains("messages") || !row["messages"].is_array()) {
-    return Status::InvalidArgument(where + "needs \"prompt\" (string) or \"messages\" (array)");
-  }
-  std::vector<common::ChatMessage> msgs;
-  for (const auto& m : row["messages"]) {
-    if (!m.is_object() || !m.contains("role") || !m.contains("content") ||
-        !m["role"].is_string() || !m["content"].is_string()) {
-      return Status::InvalidArgument(where + "each message needs string role and content");
-    }
-    msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
-  }
-  auto text = common::ApplyChatTemplate(msgs, /*add_generation_prompt=*/true);
-  if (!text.ok()) return text.status().WithContext(where);
+  auto text = services::PromptText(row);
+  if (!text.ok()) return text.status().WithContext("dataset row " + std::to_string(index));
   return text;
 }
 

@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <iostream>
 #include <thread>
+
+#include <unistd.h>
 #include <string>
 #include <vector>
 
@@ -40,7 +42,19 @@ void AddConfigCommand(CLI::App& app, grpo::services::CliAction* action) {
 
 }  // namespace
 
+// libtorch frees and re-allocates its activation buffers every step, and fresh pages are
+// expensive on VMs (about 33 us per 4 KiB page fault measured here): glibc's malloc backs large
+// blocks with transparent huge pages only when asked. Measured on `grpo bench learner_step`:
+// 21.6 s vs 37.6 s per step. Applied by re-executing once, since glibc reads the tunable at
+// start-up; a GLIBC_TUNABLES set by the user is left as it is.
+static void ReexecWithHugePagesOnce(char** argv) {
+  if (std::getenv("GLIBC_TUNABLES") != nullptr) return;
+  ::setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1", 1);
+  ::execv("/proc/self/exe", argv);  // returns only on failure: carry on without
+}
+
 int main(int argc, char** argv) {
+  ReexecWithHugePagesOnce(argv);
   CLI::App app{"grpo-serve: distributed GRPO fine-tuning of language models"};
   app.set_version_flag("--version", kVersion);
   std::string log_level = "warn";

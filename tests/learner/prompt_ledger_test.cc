@@ -605,5 +605,39 @@ TEST_F(PromptLedgerTest, UnopenablePathIsRefusedNamingThePath) {
       << is_dir.status().message();
 }
 
+TEST_F(PromptLedgerTest, RequeueTrainedReturnsATrainedPromptOfThatPassOnly) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("", Rows(2)).ok());
+  auto leases = ledger->LeasePrompts("w", 2, milliseconds(1000));
+  ASSERT_TRUE(leases.ok());
+  ASSERT_TRUE(ledger->CompleteLease((*leases)[0].lease_id, (*leases)[0].prompt_id).ok());
+  // Wrong pass, or not TRAINED: nothing moves.
+  EXPECT_FALSE(*ledger->RequeueTrained((*leases)[0].prompt_id, 1));
+  EXPECT_FALSE(*ledger->RequeueTrained((*leases)[1].prompt_id, 0));
+  EXPECT_EQ(StateOf(*ledger, (*leases)[1].prompt_id), PromptState::kLeased);
+  EXPECT_TRUE(*ledger->RequeueTrained((*leases)[0].prompt_id, 0));
+  auto record = ledger->GetPrompt((*leases)[0].prompt_id);
+  EXPECT_EQ(record->state, PromptState::kQueued);
+  EXPECT_EQ(record->attempts, 0);
+  EXPECT_EQ(ledger->RequeueTrained("ds-9:0", 0).status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(PromptLedgerTest, RequeueTrainedSinceMovesOnlyPromptsTrainedAfterTheWatermark) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("", Rows(3)).ok());
+  auto leases = ledger->LeasePrompts("w", 3, milliseconds(100000));
+  ASSERT_TRUE(leases.ok());
+  clock_.ms = 2000;
+  ASSERT_TRUE(ledger->CompleteLease((*leases)[0].lease_id, (*leases)[0].prompt_id).ok());
+  clock_.ms = 3000;
+  ASSERT_TRUE(ledger->CompleteLease((*leases)[1].lease_id, (*leases)[1].prompt_id).ok());
+  auto moved = ledger->RequeueTrainedSince(2000);
+  ASSERT_TRUE(moved.ok()) << moved.status().ToString();
+  EXPECT_EQ(*moved, 1);
+  EXPECT_EQ(StateOf(*ledger, (*leases)[0].prompt_id), PromptState::kTrained);
+  EXPECT_EQ(StateOf(*ledger, (*leases)[1].prompt_id), PromptState::kQueued);
+  EXPECT_EQ(StateOf(*ledger, (*leases)[2].prompt_id), PromptState::kLeased);
+}
+
 }  // namespace
 }  // namespace grpo::learner

@@ -1,0 +1,128 @@
+// grpo learner: the learner service (services/learner_service.h) as a process. Runs until the
+// job ends (done, cancelled, failed) or SIGTERM/SIGINT, then checkpoints and exits.
+#include <csignal>
+#include <filesystem>
+#include <iostream>
+#include <thread>
+
+#include "common/byte_tokenizer.h"
+#include "common/config.h"
+#include "common/logging.h"
+#include "common/model.h"
+#include "common/model_config.h"
+#include "services/cli.h"
+#include "services/learner_service.h"
+
+namespace grpo::services {
+namespace {
+
+namespace fs = std::filesystem;
+
+// How long workers get to see shutdown=true in a heartbeat after the job ended.
+constexpr std::chrono::milliseconds kDefaultLinger{5000};
+constexpr std::chrono::milliseconds kSignalPoll{200};
+
+volatile std::sig_atomic_t g_signal = 0;
+extern "C" void OnSignal(int sig) { g_signal = sig; }
+
+struct LearnerOptions {
+  std::vector<std::string> overrides;
+  double linger_seconds = kDefaultLinger.count() / 1000.0;
+};
+
+// The configured model directory, or a tiny model initialised from scratch under output_dir
+// (as train-local does). Returns the directory to load.
+StatusOr<std::string> ModelDir(const common::GrpoConfig& cfg) {
+  if (!cfg.model_name_or_path.empty()) return cfg.model_name_or_path;
+  const std::string dir = (fs::path(cfg.output_dir) / "initial-model").string();
+  if (!fs::exists(fs::path(dir) / "config.json")) {
+    ASSIGN_OR_RETURN(common::ModelConfig preset, common::ModelConfigPreset("tiny"));
+    ASSIGN_OR_RETURN(auto model, common::Model::InitRandom(preset, cfg.seed));
+    RETURN_IF_ERROR(model->Save(dir));
+    RETURN_IF_ERROR(common::ByteTokenizer().Save(dir + "/tokenizer.json"));
+  }
+  return dir;
+}
+
+int RunLearner(const LearnerOptions& o) {
+  auto fail = [](const Status& s, int code = 1) {
+    std::cerr << "grpo learner: " << s.ToString() << "\n";
+    return code;
+  };
+  common::GrpoConfig cfg;
+  if (Status s = common::ApplyConfigOverrides(cfg, o.overrides); !s.ok()) return fail(s, 2);
+  if (Status s = cfg.Validate(); !s.ok()) return fail(s, 2);
+  if (cfg.reward_funcs.empty()) {
+    // Workers score with the learner's reward_funcs; without any, every group is refused.
+    return fail(Status::InvalidArgument("config key 'reward_funcs' must name at least one "
+                                        "reward function"),
+                2);
+  }
+  std::error_code ec;
+  fs::create_directories(cfg.output_dir, ec);
+  auto model_dir = ModelDir(cfg);
+  if (!model_dir.ok()) return fail(model_dir.status());
+  auto policy = common::Model::Load(*model_dir);
+  if (!policy.ok()) return fail(policy.status());
+  std::unique_ptr<common::Model> reference;
+  if (cfg.beta != 0) {
+    auto ref = common::Model::Load(*model_dir);
+    if (!ref.ok()) return fail(ref.status());
+    reference = std::move(ref).value();
+  }
+  LearnerServerOptions options;
+  options.model_dir = *model_dir;
+  auto server =
+      LearnerServer::Create(cfg, std::move(policy).value(), std::move(reference), options);
+  if (!server.ok()) {
+    return fail(server.status(), server.status().code() == StatusCode::kInvalidArgument ? 2 : 1);
+  }
+  if (Status s = (*server)->Start(); !s.ok()) return fail(s);
+  std::cerr << "grpo learner: listening on port " << (*server)->port() << "\n";
+  // One line on stdout for scripts that start the learner on port 0.
+  std::cout << "{\"port\": " << (*server)->port() << "}\n" << std::flush;
+
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+
+  bool ended = false;
+  while (g_signal == 0 && !ended) ended = (*server)->WaitForJobEnd(kSignalPoll);
+  if (ended) {
+    std::cerr << "grpo learner: job " << JobStateName((*server)->job_state()) << "\n";
+    const auto linger =
+        std::chrono::milliseconds(static_cast<int64_t>(std::max(0.0, o.linger_seconds) * 1000));
+    const auto until = std::chrono::steady_clock::now() + linger;
+    while (g_signal == 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(kSignalPoll);
+    }
+  } else {
+    std::cerr << "grpo learner: signal " << g_signal << ": checkpointing and stopping\n";
+  }
+  Status s = (*server)->Stop(/*checkpoint=*/true);
+  if (!s.ok()) return fail(s);
+  return (*server)->job_state() == JobState::kFailed ? 1 : 0;
+}
+
+}  // namespace
+
+void AddLearnerCommands(CLI::App& app, CliAction* action) {
+  auto* cmd = app.add_subcommand(
+      "learner",
+      "Serve the learner: lease prompts to rollout workers, train on their groups, publish "
+      "weights (config keys as --key value; --config FILE)");
+  auto o = std::make_shared<LearnerOptions>();
+  cmd->add_option("--linger_seconds", o->linger_seconds,
+                  "keep serving this long after the job ends so workers see shutdown");
+  cmd->allow_extras();
+  cmd->footer("Keys:\n" + common::ConfigHelp());
+  cmd->callback([cmd, o, action] {
+    o->overrides = cmd->remaining();
+    *action = [o] { return RunLearner(*o); };
+  });
+  AddClientCommands(app, action);
+}
+
+}  // namespace grpo::services

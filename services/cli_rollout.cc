@@ -1,0 +1,188 @@
+// grpo rollout: a rollout worker against a learner (services/rollout_worker.h).
+// grpo reward-server: built-in reward functions served over RewardService (reward.proto).
+#include <atomic>
+#include <csignal>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/config.h"
+#include "common/http_exposer.h"
+#include "common/logging.h"
+#include "common/metrics.h"
+#include "rollout/reward.h"
+#include "services/auth.h"
+#include "services/cli.h"
+#include "services/reward_server.h"
+#include "services/rollout_worker.h"
+
+namespace grpo::services {
+namespace {
+
+// Set by SIGTERM / SIGINT (lock-free atomic store: async-signal-safe).
+std::atomic<bool> g_stop{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
+
+extern "C" void HandleStopSignal(int) { g_stop.store(true); }
+
+void InstallStopHandlers() {
+  struct sigaction sa = {};
+  sa.sa_handler = HandleStopSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+struct RolloutCliOptions {
+  std::string learner_address;
+  int64_t metrics_port = 9401;
+  std::string worker_id;
+  int64_t prompts_per_lease = 0;
+  std::string tokenizer;
+  std::string reward_options = "{}";
+  int64_t max_rounds = 0;
+  std::vector<std::string> overrides;
+};
+
+int RunRollout(const RolloutCliOptions& o) {
+  auto fail = [](const Status& s, int code) {
+    std::cerr << "grpo rollout: " << s.ToString() << "\n";
+    return code;
+  };
+  common::GrpoConfig cfg;
+  cfg.weight_sync_backend = "grpc";  // the only worker-side receiver so far
+  if (Status s = common::ApplyConfigOverrides(cfg, o.overrides); !s.ok()) return fail(s, 2);
+  cfg.learner_address = o.learner_address;
+  if (Status s = cfg.Validate(); !s.ok()) return fail(s, 2);
+  if (o.metrics_port < 0 || o.metrics_port > 65535) {
+    return fail(Status::InvalidArgument("--metrics_port must be a port (0 = off)"), 2);
+  }
+  auto token = ReadAuthToken(cfg.auth_token_file);
+  if (!token.ok()) return fail(token.status(), 2);
+  const nlohmann::json reward_options =
+      nlohmann::json::parse(o.reward_options, nullptr, /*allow_exceptions=*/false);
+  if (reward_options.is_discarded() || !reward_options.is_object()) {
+    return fail(Status::InvalidArgument("--reward_options must be a JSON object"), 2);
+  }
+
+  // Declared before the worker: both outlive it.
+  common::Registry registry;
+  std::unique_ptr<common::HttpExposer> exposer;
+  if (o.metrics_port > 0) {
+    exposer = std::make_unique<common::HttpExposer>(registry);
+    if (Status s = exposer->Start("", static_cast<uint16_t>(o.metrics_port)); !s.ok()) {
+      return fail(s.WithContext("metrics_port"), 1);
+    }
+  }
+
+  RolloutWorkerOptions wo;
+  wo.metrics_registry = &registry;
+  wo.learner_address = cfg.learner_address;
+  wo.auth_token = *token;
+  wo.worker_id = o.worker_id;
+  wo.config = cfg;
+  wo.prompts_per_lease = o.prompts_per_lease;
+  wo.tokenizer_path = o.tokenizer;
+  wo.reward_options = reward_options;
+  wo.max_rounds = o.max_rounds;
+  wo.stop = &g_stop;
+  auto worker = RolloutWorker::Create(std::move(wo));
+  if (!worker.ok()) return fail(worker.status(), 2);
+
+  InstallStopHandlers();
+  const Status s = (*worker)->Run();
+  if (!s.ok()) {
+    const bool bad_input = s.code() == StatusCode::kInvalidArgument ||
+                           s.code() == StatusCode::kFailedPrecondition ||
+                           s.code() == StatusCode::kUnauthenticated;
+    return fail(s, bad_input ? 2 : 1);
+  }
+  return 0;
+}
+
+struct RewardServerCliOptions {
+  std::vector<std::string> reward_funcs;
+  int64_t port = 50061;
+  std::string host = "0.0.0.0";
+  std::string reward_options = "{}";
+  std::string auth_token_file;
+};
+
+int RunRewardServer(const RewardServerCliOptions& o) {
+  auto fail = [](const Status& s, int code) {
+    std::cerr << "grpo reward-server: " << s.ToString() << "\n";
+    return code;
+  };
+  const nlohmann::json options =
+      nlohmann::json::parse(o.reward_options, nullptr, /*allow_exceptions=*/false);
+  if (options.is_discarded() || !options.is_object()) {
+    return fail(Status::InvalidArgument("--reward_options must be a JSON object"), 2);
+  }
+  auto token = ReadAuthToken(o.auth_token_file);
+  if (!token.ok()) return fail(token.status(), 2);
+  std::map<std::string, std::shared_ptr<const rollout::RewardFunction>> functions;
+  for (const auto& name : o.reward_funcs) {
+    auto fn = rollout::MakeRewardFunction(
+        name, options.contains(name) ? options[name] : nlohmann::json::object());
+    if (!fn.ok()) return fail(fn.status(), 2);
+    functions[name] = std::move(fn).value();
+  }
+  InstallStopHandlers();
+  auto server =
+      RewardServer::Start(o.host + ":" + std::to_string(o.port), std::move(functions), *token);
+  if (!server.ok()) return fail(server.status(), 1);
+  // One line on stdout with the bound port (port 0 picks one), for scripts and tests.
+  std::cout << nlohmann::json{{"reward_server", true}, {"port", (*server)->port()}}.dump()
+            << std::endl;
+  GRPO_LOG_INFO("reward server on port {}", (*server)->port());
+  while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  (*server)->Shutdown();
+  return 0;
+}
+
+}  // namespace
+
+void AddRolloutCommands(CLI::App& app, CliAction* action) {
+  auto* cmd = app.add_subcommand(
+      "rollout",
+      "Rollout worker: lease prompts from a learner, generate and score groups, push them; "
+      "config keys as --key value (the learner's generation keys win)");
+  auto o = std::make_shared<RolloutCliOptions>();
+  cmd->add_option("--learner_address", o->learner_address, "the learner's HOST:PORT")->required();
+  cmd->add_option("--metrics_port", o->metrics_port, "Prometheus /metrics port (0 = off)")
+      ->capture_default_str();
+  cmd->add_option("--worker_id", o->worker_id, "worker id (default: assigned by the learner)");
+  cmd->add_option("--prompts_per_lease", o->prompts_per_lease,
+                  "prompts per LeasePrompts call (default: generation batch / num_generations)");
+  cmd->add_option("--tokenizer", o->tokenizer,
+                  "tokenizer.json or model directory (default: model_name_or_path, or the byte "
+                  "tokenizer for tiny models)");
+  cmd->add_option("--reward_options", o->reward_options,
+                  "built-in reward options as JSON, e.g. {\"length\": {\"target_length\": 8}}");
+  cmd->add_option("--max_rounds", o->max_rounds, "stop after N lease rounds (0 = until done)");
+  cmd->allow_extras();
+  cmd->callback([cmd, o, action] {
+    o->overrides = cmd->remaining();
+    *action = [o] { return RunRollout(*o); };
+  });
+
+  auto* rs = app.add_subcommand("reward-server",
+                                "Serve built-in reward functions over RewardService (workers "
+                                "use them as reward_funcs remote:NAME@HOST:PORT)");
+  auto r = std::make_shared<RewardServerCliOptions>();
+  rs->add_option("--reward_funcs", r->reward_funcs, "built-in function names (comma-separated)")
+      ->required()
+      ->delimiter(',');
+  rs->add_option("--port", r->port, "gRPC port (0 = any free port)")->capture_default_str();
+  rs->add_option("--host", r->host, "address to bind")->capture_default_str();
+  rs->add_option("--reward_options", r->reward_options, "options by function name, as JSON");
+  rs->add_option("--auth_token_file", r->auth_token_file, "shared token file (default: no auth)");
+  rs->callback([r, action] { *action = [r] { return RunRewardServer(*r); }; });
+}
+
+}  // namespace grpo::services

@@ -1,0 +1,1143 @@
+#include "services/learner_service.h"
+
+#include <c10/util/Exception.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+
+#include "common/logging.h"
+#include "common/safetensors.h"
+#include "learner/checkpoint.h"
+#include "services/auth.h"
+#include "services/convert.h"
+
+namespace grpo::services {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kServiceName = "grpo.v1.LearnerService";
+constexpr size_t kMaxAckMessages = 8;
+
+int64_t SystemNowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Runs a handler body; an escaped exception becomes INTERNAL (handlers never throw).
+template <typename F>
+grpc::Status Guarded(const char* rpc, F&& body) {
+  try {
+    return body();
+  } catch (const c10::Error& e) {
+    GRPO_LOG_ERROR("{}: {}", rpc, e.what_without_backtrace());
+    return grpc::Status(grpc::StatusCode::INTERNAL,
+                        std::string(rpc) + ": " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    GRPO_LOG_ERROR("{}: {}", rpc, e.what());
+    return grpc::Status(grpc::StatusCode::INTERNAL, std::string(rpc) + ": " + e.what());
+  } catch (...) {
+    return grpc::Status(grpc::StatusCode::INTERNAL, std::string(rpc) + ": unknown exception");
+  }
+}
+
+// The step of "checkpoint-<step>", or -1.
+int64_t CheckpointStep(const std::string& name) {
+  constexpr std::string_view kPrefix = "checkpoint-";
+  if (name.rfind(kPrefix, 0) != 0) return -1;
+  int64_t step = -1;
+  const char* b = name.data() + kPrefix.size();
+  const char* e = name.data() + name.size();
+  auto [p, ec] = std::from_chars(b, e, step);
+  return ec == std::errc() && p == e ? step : -1;
+}
+
+nlohmann::json ReadWatermarks(const std::string& output_dir) {
+  std::ifstream in(fs::path(output_dir) / kLedgerWatermarksFile);
+  if (!in) return nlohmann::json::object();
+  try {
+    nlohmann::json j = nlohmann::json::parse(in);
+    return j.is_object() ? j : nlohmann::json::object();
+  } catch (const nlohmann::json::exception& e) {
+    GRPO_LOG_WARN("ignoring unreadable {}: {}", kLedgerWatermarksFile, e.what());
+    return nlohmann::json::object();
+  }
+}
+
+// Records checkpoint `name`'s watermark; entries of checkpoints that no longer exist are
+// pruned. Written to a temporary file and renamed.
+Status WriteWatermark(const std::string& output_dir, const std::string& name, int64_t watermark) {
+  nlohmann::json j = ReadWatermarks(output_dir);
+  nlohmann::json kept = nlohmann::json::object();
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.value().is_number_integer() && fs::exists(fs::path(output_dir) / it.key())) {
+      kept[it.key()] = it.value();
+    }
+  }
+  kept[name] = watermark;
+  const fs::path path = fs::path(output_dir) / kLedgerWatermarksFile;
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << kept.dump(2) << "\n";
+    out.flush();
+    if (!out) return Status::Internal("cannot write " + tmp.string());
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return Status::Internal("cannot rename " + tmp.string() + ": " + ec.message());
+  return Status::OK();
+}
+
+// The watermark to requeue after when `restored_dir` was restored: its own, else (a crash
+// between the checkpoint and its watermark) the newest of older checkpoints'; nullopt = none.
+std::optional<int64_t> FindWatermark(const std::string& output_dir,
+                                     const std::string& restored_dir) {
+  const nlohmann::json j = ReadWatermarks(output_dir);
+  const std::string name = fs::path(restored_dir).filename().string();
+  if (auto it = j.find(name); it != j.end() && it->is_number_integer()) {
+    return it->get<int64_t>();
+  }
+  const int64_t step = CheckpointStep(name);
+  std::optional<int64_t> best;
+  int64_t best_step = -1;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const int64_t s = CheckpointStep(it.key());
+    if (it.value().is_number_integer() && s >= 0 && s < step && s > best_step) {
+      best_step = s;
+      best = it.value().get<int64_t>();
+    }
+  }
+  return best;
+}
+
+// StepMetrics::ToJson numbers, by TRL name.
+std::map<std::string, double> FlattenMetrics(const learner::StepMetrics& step) {
+  std::map<std::string, double> out;
+  const nlohmann::json j = step.ToJson();
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.value().is_number()) out[it.key()] = it.value().get<double>();
+  }
+  return out;
+}
+
+Status CheckStoreKey(const std::string& key) {
+  if (key.empty()) return Status::InvalidArgument("Store: empty key");
+  return Status::OK();
+}
+
+}  // namespace
+
+std::string_view JobStateName(JobState state) {
+  switch (state) {
+    case JobState::kWaitingForData:
+      return "waiting_for_data";
+    case JobState::kRunning:
+      return "running";
+    case JobState::kDone:
+      return "done";
+    case JobState::kCancelled:
+      return "cancelled";
+    case JobState::kFailed:
+      return "failed";
+  }
+  return "unknown";
+}
+
+LearnerServer::LearnerServer(common::GrpoConfig config, LearnerServerOptions options)
+    : config_(std::move(config)), options_(std::move(options)) {}
+
+StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
+    common::GrpoConfig config, std::unique_ptr<common::Model> policy,
+    std::unique_ptr<common::Model> reference, LearnerServerOptions options) {
+  RETURN_IF_ERROR(config.Validate());
+  if (policy == nullptr) return Status::InvalidArgument("LearnerServer: no policy model");
+  if (config.grpc_port < 0 || config.grpc_port > 65535) {
+    return Status::InvalidArgument("config key 'grpc_port' must be in [0, 65535], got " +
+                                   std::to_string(config.grpc_port));
+  }
+  if (!(config.lease_seconds > 0)) {
+    return Status::InvalidArgument("config key 'lease_seconds' must be positive");
+  }
+  if (!options.now_ms) options.now_ms = SystemNowMs;
+  std::unique_ptr<LearnerServer> s(new LearnerServer(std::move(config), std::move(options)));
+  const common::GrpoConfig& cfg = s->config_;
+  const int64_t gen_batch = cfg.per_device_train_batch_size * cfg.EffectiveStepsPerGeneration();
+  s->batch_groups_ = gen_batch / cfg.num_generations;
+  if (s->batch_groups_ < 1) {
+    return Status::InvalidArgument(
+        "config key 'num_generations' exceeds the generation batch "
+        "(per_device_train_batch_size * steps_per_generation)");
+  }
+  s->buffer_capacity_ = s->options_.buffer_capacity_groups > 0
+                            ? std::max(s->options_.buffer_capacity_groups, s->batch_groups_)
+                            : 2 * s->batch_groups_;
+  ASSIGN_OR_RETURN(s->auth_token_, ReadAuthToken(cfg.auth_token_file));
+
+  std::error_code ec;
+  fs::create_directories(cfg.output_dir, ec);
+  if (ec) {
+    return Status::FailedPrecondition("cannot create output_dir " + cfg.output_dir + ": " +
+                                      ec.message());
+  }
+  const std::string ledger_path = cfg.ledger_path.empty()
+                                      ? (fs::path(cfg.output_dir) / "ledger.sqlite").string()
+                                      : cfg.ledger_path;
+  learner::PromptLedgerOptions ledger_options;
+  ledger_options.now_ms = s->options_.now_ms;
+  ASSIGN_OR_RETURN(s->ledger_, learner::PromptLedger::Open(ledger_path, ledger_options));
+
+  s->policy_ = std::move(policy);
+  ASSIGN_OR_RETURN(s->trainer_,
+                   learner::GrpoTrainer::Create(cfg, s->policy_.get(), std::move(reference)));
+  if (s->options_.resume) RETURN_IF_ERROR(s->Resume());
+  s->global_step_ = s->trainer_->global_step();
+  s->last_saved_step_ = s->global_step_;
+  if (s->global_step_ >= cfg.max_steps) {
+    s->state_ = JobState::kDone;
+    s->message_ = "max_steps reached";
+  }
+  return s;
+}
+
+Status LearnerServer::Resume() {
+  const std::string& out = config_.output_dir;
+  auto restored = learner::RestoreLatestCheckpoint(*trainer_, out);
+  std::optional<int64_t> watermark;
+  if (restored.ok()) {
+    watermark = FindWatermark(out, *restored);
+    GRPO_LOG_INFO("learner: resumed from {} at step {}", *restored, trainer_->global_step());
+    if (!watermark) {
+      GRPO_LOG_WARN(
+          "learner: no ledger watermark for {}: every TRAINED prompt of this pass "
+          "is requeued",
+          *restored);
+    }
+  } else if (restored.status().code() != StatusCode::kNotFound) {
+    return restored.status().WithContext("resume");
+  }
+  ASSIGN_OR_RETURN(int64_t moved, ledger_->RequeueTrainedSince(
+                                      watermark.value_or(std::numeric_limits<int64_t>::min())));
+  if (moved > 0) {
+    GRPO_LOG_INFO("learner: requeued {} prompts accepted after the restored state", moved);
+  }
+  return Status::OK();
+}
+
+LearnerServer::~LearnerServer() { (void)Stop(/*checkpoint=*/false); }
+
+Status LearnerServer::Start() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (started_) return Status::FailedPrecondition("LearnerServer already started");
+    started_ = true;
+  }
+  RETURN_IF_ERROR(PublishWeights());
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  const std::string address = options_.bind_address + ":" + std::to_string(config_.grpc_port);
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
+  builder.RegisterService(this);
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
+    server_.reset();
+    return Status::Unavailable("learner: cannot listen on " + address);
+  }
+  if (auto* health = server_->GetHealthCheckService()) {
+    health->SetServingStatus(true);
+    health->SetServingStatus(kServiceName, true);
+  }
+  train_thread_ = std::thread([this] { TrainLoop(); });
+  GRPO_LOG_INFO("learner: serving on port {} (step {}, policy version {})", port_,
+                trainer_->global_step(), trainer_->policy_version());
+  return Status::OK();
+}
+
+Status LearnerServer::Stop(bool checkpoint) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return Status::OK();
+    stopped_ = true;
+    stopping_ = true;
+    for (auto& sub : subscribers_) sub->cv.notify_all();
+  }
+  train_cv_.notify_all();
+  room_cv_.notify_all();
+  state_cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(store_mu_);
+    store_stopping_ = true;
+  }
+  store_cv_.notify_all();
+  if (train_thread_.joinable()) train_thread_.join();
+
+  Status result;
+  bool need_save = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    need_save = checkpoint && global_step_ > last_saved_step_;
+  }
+  if (need_save) result = Checkpoint();
+  if (server_ != nullptr) {
+    if (auto* health = server_->GetHealthCheckService()) {
+      health->SetServingStatus(false);
+      health->SetServingStatus(kServiceName, false);
+    }
+    server_->Shutdown(std::chrono::system_clock::now() + kDefaultShutdownGrace);
+    server_->Wait();
+  }
+  return result;
+}
+
+bool LearnerServer::WaitForJobEnd(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return state_cv_.wait_for(lock, timeout, [this] { return TerminalLocked(); });
+}
+
+JobState LearnerServer::job_state() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_;
+}
+
+int64_t LearnerServer::published_version() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return weights_ ? weights_->version : -1;
+}
+
+std::map<std::string, int64_t> LearnerServer::RefusedCounts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return refused_;
+}
+
+bool LearnerServer::TerminalLocked() const {
+  return state_ == JobState::kDone || state_ == JobState::kCancelled || state_ == JobState::kFailed;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Training thread.
+
+void LearnerServer::TrainLoop() {
+  auto last_housekeep = Clock::now() - kHousekeepInterval;
+  while (true) {
+    std::vector<BufferedGroup> batch;
+    bool housekeep = false;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      train_cv_.wait_for(lock, kWaitPollInterval, [this] {
+        return stopping_ || housekeep_due_ ||
+               (!TerminalLocked() && static_cast<int64_t>(buffer_.size()) >= batch_groups_);
+      });
+      if (stopping_) return;
+      DropDeadWorkersLocked();
+      housekeep = housekeep_due_ || Clock::now() - last_housekeep >= kHousekeepInterval ||
+                  static_cast<int64_t>(buffer_.size()) >= batch_groups_;
+      housekeep_due_ = false;
+    }
+    if (housekeep) {
+      Housekeep();
+      last_housekeep = Clock::now();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      if (TerminalLocked() || static_cast<int64_t>(buffer_.size()) < batch_groups_) continue;
+      for (int64_t i = 0; i < batch_groups_; ++i) {
+        batch.push_back(std::move(buffer_.front()));
+        buffer_.pop_front();
+      }
+    }
+    room_cv_.notify_all();
+    TrainBatch(std::move(batch));
+  }
+}
+
+void LearnerServer::Housekeep() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (TerminalLocked()) return;
+  }
+  auto counts = ledger_->Counts();
+  if (!counts.ok()) {
+    GRPO_LOG_WARN("learner: ledger counts: {}", counts.status().ToString());
+    return;
+  }
+  if (counts->queued + counts->leased == 0 && counts->trained > 0) {
+    // Every prompt of this pass is trained or rejected: the job needs more steps, so start the
+    // next pass (the partial batch still buffered trains together with it).
+    auto next = ledger_->StartNextPass(std::numeric_limits<int64_t>::max());
+    if (next.ok() && *next) {
+      GRPO_LOG_INFO("learner: pass {} done; starting pass {}", counts->pass, counts->pass + 1);
+      counts->queued = counts->trained;
+    } else if (!next.ok() && next.status().code() != StatusCode::kFailedPrecondition) {
+      GRPO_LOG_WARN("learner: start next pass: {}", next.status().ToString());
+    }
+  }
+  JobState want =
+      counts->queued + counts->leased > 0 ? JobState::kRunning : JobState::kWaitingForData;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (want == JobState::kWaitingForData && !buffer_.empty()) want = JobState::kRunning;
+    if (state_ == want || TerminalLocked()) return;
+  }
+  ChangeState(want, want == JobState::kRunning ? "" : "no prompts to lease");
+}
+
+void LearnerServer::DropDeadWorkersLocked() {
+  const auto cutoff = Clock::now() - options_.heartbeat_interval * kHeartbeatsMissedBeforeDrop;
+  bool dropped = false;
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    if (it->second.last_seen < cutoff) {
+      GRPO_LOG_WARN("learner: worker {} missed its heartbeats; dropped from the group", it->first);
+      it = workers_.erase(it);
+      dropped = true;
+    } else {
+      ++it;
+    }
+  }
+  if (!dropped) return;
+  // Ranks stay 1..N in their old order; the group is rebuilt under a new epoch.
+  std::vector<std::pair<int32_t, Worker*>> by_rank;
+  for (auto& [id, w] : workers_) by_rank.emplace_back(w.rank, &w);
+  std::sort(by_rank.begin(), by_rank.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (size_t i = 0; i < by_rank.size(); ++i) by_rank[i].second->rank = static_cast<int32_t>(i + 1);
+  group_epoch_.fetch_add(1);
+}
+
+void LearnerServer::TrainBatch(std::vector<BufferedGroup> batch) {
+  std::vector<common::RolloutGroup> groups;
+  groups.reserve(batch.size());
+  std::map<std::string, int64_t> pass_of;
+  for (auto& b : batch) {
+    pass_of[b.group.prompt_id] = b.pass;
+    groups.push_back(std::move(b.group));
+  }
+  StatusOr<learner::GenerationBatchResult> result = Status::Internal("not run");
+  try {
+    result = trainer_->TrainGenerationBatch(groups);
+  } catch (const c10::Error& e) {
+    result = Status::Internal(std::string("training: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    result = Status::Internal(std::string("training: ") + e.what());
+  }
+  if (!result.ok()) {
+    GRPO_LOG_ERROR("learner: {}", result.status().ToString());
+    ChangeState(JobState::kFailed, result.status().ToString());
+    return;
+  }
+  // Groups that went stale in the buffer were never trained: their prompts go back.
+  for (const auto& [prompt_id, reason] : result->rejected) {
+    auto moved = ledger_->RequeueTrained(prompt_id, pass_of[prompt_id]);
+    if (!moved.ok()) GRPO_LOG_WARN("learner: requeue {}: {}", prompt_id, moved.status().ToString());
+    std::lock_guard<std::mutex> lock(mu_);
+    ++refused_[std::string(learner::RejectReasonName(reason))];
+  }
+
+  const int64_t step = trainer_->global_step();
+  bool publish = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    global_step_ = step;
+    if (!result->steps.empty()) last_metrics_ = FlattenMetrics(result->steps.back());
+    publish = step - last_published_step_ >= std::max<int64_t>(1, config_.weight_sync_steps) ||
+              step >= config_.max_steps;
+  }
+  if (publish) {
+    if (Status s = PublishWeights(); !s.ok()) GRPO_LOG_ERROR("learner: publish: {}", s.ToString());
+  }
+  if (!result->steps.empty()) {
+    v1::Job job = BuildJob();
+    for (const auto& sm : result->steps) {
+      v1::JobEvent event;
+      *event.mutable_job() = job;
+      event.mutable_job()->set_global_step(sm.step);
+      event.mutable_job()->set_policy_version(sm.policy_version);
+      event.set_step(sm.step);
+      for (const auto& [k, v] : FlattenMetrics(sm)) (*event.mutable_metrics())[k] = v;
+      Broadcast(event);
+    }
+  }
+  int64_t last_saved = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_saved = last_saved_step_;
+  }
+  const bool finished = step >= config_.max_steps;
+  const bool save_due =
+      config_.save_steps > 0 && step / config_.save_steps > last_saved / config_.save_steps;
+  if ((save_due || finished) && step > last_saved) {
+    if (Status s = Checkpoint(); !s.ok()) {
+      GRPO_LOG_ERROR("learner: checkpoint: {}", s.ToString());
+      ChangeState(JobState::kFailed, s.ToString());
+      return;
+    }
+  }
+  if (finished) ChangeState(JobState::kDone, "max_steps reached");
+}
+
+Status LearnerServer::PublishWeights() {
+  auto snap = std::make_shared<WeightSnapshot>();
+  try {
+    at::NoGradGuard no_grad;
+    snap->version = trainer_->policy_version();
+    for (const auto& [name, t] : policy_->NamedParameters()) {
+      snap->tensors.emplace_back(name, t.detach().to(at::kCPU).contiguous().clone());
+    }
+  } catch (const c10::Error& e) {
+    return Status::Internal(std::string("snapshot weights: ") + e.what_without_backtrace());
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    weights_ = std::move(snap);
+    last_published_step_ = global_step_;
+  }
+  state_cv_.notify_all();
+  return Status::OK();
+}
+
+Status LearnerServer::Checkpoint() {
+  int64_t watermark = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    watermark = ledger_->NowMs();
+    for (const auto& b : buffer_) watermark = std::min(watermark, b.accepted_ms);
+    if (!accepting_ms_.empty()) watermark = std::min(watermark, *accepting_ms_.begin());
+  }
+  --watermark;
+  StatusOr<std::string> dir = Status::Internal("not run");
+  try {
+    dir = learner::SaveCheckpoint(*trainer_, config_.output_dir, options_.model_dir);
+  } catch (const std::exception& e) {
+    dir = Status::Internal(std::string("save checkpoint: ") + e.what());
+  }
+  if (!dir.ok()) return dir.status();
+  RETURN_IF_ERROR(
+      WriteWatermark(config_.output_dir, fs::path(*dir).filename().string(), watermark));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_saved_step_ = trainer_->global_step();
+  }
+  GRPO_LOG_INFO("learner: saved {}", *dir);
+  return Status::OK();
+}
+
+void LearnerServer::ChangeState(JobState state, const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (TerminalLocked() || state_ == state) return;
+    state_ = state;
+    message_ = message;
+  }
+  GRPO_LOG_INFO("learner: job {}{}{}", JobStateName(state), message.empty() ? "" : ": ", message);
+  state_cv_.notify_all();
+  room_cv_.notify_all();
+  train_cv_.notify_all();
+  v1::JobEvent event;
+  *event.mutable_job() = BuildJob();
+  event.set_step(event.job().global_step());
+  Broadcast(event);
+}
+
+void LearnerServer::Broadcast(const v1::JobEvent& event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& sub : subscribers_) {
+    if (sub->dropped) continue;
+    if (sub->events.size() >= kWatchQueueCapacity) {
+      sub->dropped = true;  // never block training on a slow reader
+      sub->events.clear();
+    } else {
+      sub->events.push_back(event);
+    }
+    sub->cv.notify_all();
+  }
+}
+
+v1::Job LearnerServer::BuildJob() {
+  v1::Job job;
+  auto counts = ledger_->Counts();
+  if (counts.ok()) {
+    v1::LedgerCounts* c = job.mutable_prompts();
+    c->set_queued(counts->queued);
+    c->set_leased(counts->leased);
+    c->set_trained(counts->trained);
+    c->set_rejected(counts->rejected);
+    c->set_pass(counts->pass);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  job.set_state(std::string(JobStateName(state_)));
+  job.set_global_step(global_step_);
+  job.set_max_steps(config_.max_steps);
+  job.set_policy_version(weights_ ? weights_->version : trainer_->policy_version());
+  job.set_workers(static_cast<int32_t>(workers_.size()));
+  for (const auto& [k, v] : last_metrics_) (*job.mutable_last_metrics())[k] = v;
+  std::string message = message_;
+  if (!counts.ok()) message += (message.empty() ? "" : "; ") + counts.status().ToString();
+  job.set_message(message);
+  return job;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workers.
+
+grpc::Status LearnerServer::Register(grpc::ServerContext* context,
+                                     const v1::RegisterRequest* request,
+                                     v1::RegisterResponse* response) {
+  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
+  return Guarded("Register", [&] {
+    const std::string model_config = policy_->config().ToJson().dump();
+    const std::string config_json = config_.ToJson().dump();
+    std::lock_guard<std::mutex> lock(mu_);
+    std::string id = request->worker_id();
+    if (id.empty()) {
+      do {
+        id = "worker-" + std::to_string(next_worker_number_++);
+      } while (workers_.count(id) > 0);
+    }
+    auto it = workers_.find(id);
+    if (it == workers_.end()) {
+      Worker w;
+      w.rank = static_cast<int32_t>(workers_.size() + 1);
+      it = workers_.emplace(id, w).first;
+      group_epoch_.fetch_add(1);  // the group gains a rank: rebuilt under a new epoch
+      GRPO_LOG_INFO("learner: worker {} ({}:{}) registered as rank {}", id, request->hostname(),
+                    request->pid(), w.rank);
+    }
+    Worker& w = it->second;
+    w.hostname = request->hostname();
+    w.pid = request->pid();
+    w.backend = request->weight_sync_backend();
+    w.last_seen = Clock::now();
+    response->set_worker_id(id);
+    response->set_rank(w.rank);
+    response->set_world_size(static_cast<int32_t>(workers_.size() + 1));
+    response->set_group_epoch(group_epoch_.load());
+    response->set_policy_version(weights_ ? weights_->version : 0);
+    response->set_config_json(config_json);
+    response->set_heartbeat_interval_ms(options_.heartbeat_interval.count());
+    response->set_model_config_json(model_config);
+    return grpc::Status::OK;
+  });
+}
+
+grpc::Status LearnerServer::Heartbeat(grpc::ServerContext* context,
+                                      const v1::HeartbeatRequest* request,
+                                      v1::HeartbeatResponse* response) {
+  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
+  return Guarded("Heartbeat", [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = workers_.find(request->worker_id());
+    if (it == workers_.end()) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          "unknown worker '" + request->worker_id() + "': Register again");
+    }
+    it->second.last_seen = Clock::now();
+    it->second.weight_version = request->weight_version();
+    response->set_policy_version(weights_ ? weights_->version : 0);
+    response->set_group_epoch(group_epoch_.load());
+    response->set_shutdown(TerminalLocked());
+    return grpc::Status::OK;
+  });
+}
+
+grpc::Status LearnerServer::LeasePrompts(grpc::ServerContext* context,
+                                         const v1::LeasePromptsRequest* request,
+                                         v1::LeasePromptsResponse* response) {
+  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
+  return Guarded("LeasePrompts", [&] {
+    if (request->worker_id().empty()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "LeasePrompts: empty worker_id");
+    }
+    if (request->max_prompts() <= 0) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "LeasePrompts: max_prompts must be positive");
+    }
+    response->set_retry_after_ms(kDefaultLeaseRetryAfter.count());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      response->set_policy_version(weights_ ? weights_->version : 0);
+      if (TerminalLocked() || stopping_) {
+        response->set_job_done(true);
+        return grpc::Status::OK;
+      }
+      // A full buffer: leasing more would only make groups wait (and go stale).
+      if (static_cast<int64_t>(buffer_.size() + accepting_ms_.size()) >= buffer_capacity_) {
+        return grpc::Status::OK;
+      }
+    }
+    const int64_t n = std::min<int64_t>(request->max_prompts(), kMaxLeasesPerCall);
+    const auto duration =
+        std::chrono::milliseconds(std::max<int64_t>(1, std::llround(config_.lease_seconds * 1000)));
+    auto leases = ledger_->LeasePrompts(request->worker_id(), n, duration);
+    if (!leases.ok()) return ToGrpcStatus(leases.status());
+    for (const auto& l : *leases) {
+      v1::Lease* out = response->add_leases();
+      out->set_lease_id(l.lease_id);
+      out->set_prompt_id(l.prompt_id);
+      out->set_row_json(l.row_json);
+      out->set_deadline_unix_ms(l.deadline_ms);
+    }
+    if (!leases->empty()) {
+      response->set_retry_after_ms(0);
+    } else {
+      std::lock_guard<std::mutex> lock(mu_);
+      housekeep_due_ = true;  // maybe the pass just ended
+      train_cv_.notify_all();
+    }
+    return grpc::Status::OK;
+  });
+}
+
+void LearnerServer::Refuse(PushTally* tally, const std::string& reason,
+                           const std::string& message) {
+  ++tally->refused;
+  ++tally->by_reason[reason];
+  if (tally->messages.size() < kMaxAckMessages) tally->messages.push_back(message);
+  std::lock_guard<std::mutex> lock(mu_);
+  ++refused_[reason];
+}
+
+void LearnerServer::ProcessGroup(const v1::RolloutGroup& msg, grpc::ServerContext* context,
+                                 PushTally* tally) {
+  common::RolloutGroup group = FromProto(msg);
+  const std::string& lease = group.lease_id;
+  const std::string& prompt = group.prompt_id;
+  const std::string what = "group for prompt '" + prompt + "'";
+  auto release = [&] {
+    if (Status s = ledger_->ReleaseLease(lease, prompt); !s.ok()) {
+      GRPO_LOG_DEBUG("learner: release {}: {}", prompt, s.ToString());
+    }
+  };
+  bool ended = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ended = TerminalLocked() || stopping_;
+  }
+  if (ended) {
+    Refuse(tally, "job_ended", what + ": the job has ended");
+    return;
+  }
+  // 1. The lease.
+  auto record = ledger_->GetPrompt(prompt);
+  if (!record.ok() && record.status().code() != StatusCode::kNotFound) {
+    Refuse(tally, "ledger_error", what + ": " + record.status().ToString());
+    return;
+  }
+  if (!record.ok() || lease.empty() || record->state != learner::PromptState::kLeased ||
+      record->lease_id != lease) {
+    Refuse(tally, "unknown_lease", what + ": unknown lease '" + lease + "'");
+    return;
+  }
+  if (record->lease_deadline_ms < ledger_->NowMs()) {
+    Refuse(tally, "expired_lease", what + ": lease '" + lease + "' expired");
+    return;
+  }
+  // 2. The content.
+  learner::RejectReason reason = learner::RejectReason::kGroupSize;
+  if (Status v = trainer_->ValidateGroup(group, &reason); !v.ok()) {
+    Refuse(tally, std::string(learner::RejectReasonName(reason)), v.message());
+    bool reject_prompt = reason == learner::RejectReason::kEmptyPrompt;
+    if (reason != learner::RejectReason::kStale) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (++bad_group_attempts_[prompt] >= kMaxBadGroupAttempts) reject_prompt = true;
+      if (reject_prompt) bad_group_attempts_.erase(prompt);
+    }
+    if (reject_prompt) {
+      if (Status s = ledger_->RejectPrompt(lease, prompt, v.message()); !s.ok()) {
+        GRPO_LOG_DEBUG("learner: reject {}: {}", prompt, s.ToString());
+      }
+    } else {
+      release();
+    }
+    return;
+  }
+  if (config_.reward_funcs.empty() && !group.completions.empty()) {
+    const auto count = static_cast<int64_t>(group.completions[0].rewards.size());
+    std::unique_lock<std::mutex> lock(mu_);
+    if (reward_count_ >= 0 && count != reward_count_) {
+      lock.unlock();
+      Refuse(tally, "reward_count",
+             what + ": " + std::to_string(count) + " rewards per completion, earlier groups had " +
+                 std::to_string(reward_count_));
+      release();
+      return;
+    }
+  }
+  // 3. Room in the buffer (backpressure), reserved before the lease completes.
+  int64_t accepted_ms = 0;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto room = [this] {
+      return stopping_ || TerminalLocked() ||
+             static_cast<int64_t>(buffer_.size() + accepting_ms_.size()) < buffer_capacity_;
+    };
+    if (!tally->buffer_timed_out) {
+      const auto deadline = Clock::now() + options_.push_buffer_wait;
+      while (!room() && Clock::now() < deadline && !context->IsCancelled()) {
+        room_cv_.wait_for(lock,
+                          std::min<Clock::duration>(kWaitPollInterval, deadline - Clock::now()));
+      }
+    }
+    if (stopping_ || TerminalLocked()) {
+      lock.unlock();
+      Refuse(tally, "job_ended", what + ": the job has ended");
+      return;
+    }
+    if (!room()) {
+      tally->buffer_timed_out = true;
+      lock.unlock();
+      release();
+      Refuse(tally, "buffer_full", what + ": the learner's buffer stayed full");
+      return;
+    }
+    accepted_ms = ledger_->NowMs();
+    accepting_ms_.insert(accepted_ms);
+  }
+  // 4. Complete the lease, then buffer the group.
+  Status done = ledger_->CompleteLease(lease, prompt);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    accepting_ms_.erase(accepting_ms_.find(accepted_ms));
+    if (done.ok()) {
+      if (reward_count_ < 0 && !group.completions.empty()) {
+        reward_count_ = static_cast<int64_t>(group.completions[0].rewards.size());
+      }
+      buffer_.push_back(BufferedGroup{std::move(group), record->pass, accepted_ms});
+      bad_group_attempts_.erase(prompt);
+      ++tally->accepted;
+    }
+  }
+  if (!done.ok()) {
+    room_cv_.notify_all();
+    Refuse(tally, "expired_lease", what + ": " + done.message());
+    return;
+  }
+  train_cv_.notify_all();
+}
+
+grpc::Status LearnerServer::PushRollouts(grpc::ServerContext* context,
+                                         grpc::ServerReader<v1::RolloutGroup>* reader,
+                                         v1::PushRolloutsResponse* response) {
+  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
+  return Guarded("PushRollouts", [&] {
+    PushTally tally;
+    v1::RolloutGroup msg;
+    while (reader->Read(&msg)) ProcessGroup(msg, context, &tally);
+    response->set_accepted(tally.accepted);
+    response->set_rejected(tally.refused);
+    for (const auto& [k, v] : tally.by_reason) (*response->mutable_rejected_by_reason())[k] = v;
+    for (const auto& m : tally.messages) response->add_messages(m);
+    return grpc::Status::OK;
+  });
+}
+
+grpc::Status LearnerServer::GetWeights(grpc::ServerContext* context,
+                                       const v1::GetWeightsRequest* request,
+                                       grpc::ServerWriter<v1::WeightChunk>* writer) {
+  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
+  return Guarded("GetWeights", [&] {
+    const int64_t chunk = request->chunk_bytes() > 0
+                              ? std::min<int64_t>(request->chunk_bytes(), kDefaultWeightChunkBytes)
+                              : kDefaultWeightChunkBytes;
+    std::shared_ptr<const WeightSnapshot> snap;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      const auto deadline = Clock::now() + kDefaultGetWeightsWait;
+      auto ready = [&] {
+        return stopping_ || (weights_ && weights_->version >= request->min_version());
+      };
+      while (!ready() && Clock::now() < deadline && !context->IsCancelled()) {
+        state_cv_.wait_for(lock, kWaitPollInterval);
+      }
+      if (!weights_ || weights_->version < request->min_version()) {
+        return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                            "policy version " + std::to_string(request->min_version()) +
+                                " not published (at " +
+                                std::to_string(weights_ ? weights_->version : -1) + ")");
+      }
+      snap = weights_;
+    }
+    v1::WeightChunk msg;
+    for (size_t i = 0; i < snap->tensors.size(); ++i) {
+      const auto& [name, t] = snap->tensors[i];
+      auto dtype = common::SafetensorsDtypeName(t.scalar_type());
+      if (!dtype.ok()) return ToGrpcStatus(dtype.status());
+      const int64_t bytes = static_cast<int64_t>(t.nbytes());
+      const char* data = static_cast<const char*>(t.data_ptr());
+      int64_t offset = 0;
+      do {
+        const int64_t n = std::min(chunk, bytes - offset);
+        msg.Clear();
+        msg.set_version(snap->version);
+        msg.set_name(name);
+        for (int64_t d : t.sizes()) msg.add_shape(d);
+        msg.set_dtype(*dtype);
+        msg.set_offset(offset);
+        if (n > 0) msg.set_data(data + offset, static_cast<size_t>(n));
+        msg.set_tensor_bytes(bytes);
+        offset += n;
+        msg.set_last(i + 1 == snap->tensors.size() && offset >= bytes);
+        if (!writer->Write(msg)) {
+          return grpc::Status(grpc::StatusCode::CANCELLED, "GetWeights: the client went away");
+        }
+      } while (offset < bytes);
+    }
+    return grpc::Status::OK;
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Clients.
+
+grpc::Status LearnerServer::SubmitDataset(grpc::ServerContext* context,
+                                          grpc::ServerReader<v1::SubmitDatasetRequest>* reader,
+                                          v1::SubmitDatasetResponse* response) {
+  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
+  return Guarded("SubmitDataset", [&] {
+    v1::SubmitDatasetRequest msg;
+    std::string key, name;
+    std::vector<std::string> lines;
+    int64_t bytes = 0;
+    bool first = true;
+    while (reader->Read(&msg)) {
+      if (first) {
+        key = msg.idempotency_key();
+        name = msg.name();
+        first = false;
+      }
+      for (auto& line : *msg.mutable_lines()) {
+        bytes += static_cast<int64_t>(line.size());
+        if (bytes > kMaxDatasetBytes) {
+          return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                              "dataset larger than " + std::to_string(kMaxDatasetBytes) + " bytes");
+        }
+        lines.push_back(std::move(line));
+      }
+    }
+    if (first) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty SubmitDataset");
+    auto info = ledger_->AddDataset(key, lines);
+    if (!info.ok()) return ToGrpcStatus(info.status());
+    GRPO_LOG_INFO("learner: dataset {} '{}': {} prompts{}", info->dataset_id, name,
+                  info->prompt_count, info->created ? "" : " (seen before)");
+    response->set_dataset_id(info->dataset_id);
+    response->set_prompt_count(info->prompt_count);
+    response->set_created(info->created);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      housekeep_due_ = true;
+    }
+    train_cv_.notify_all();
+    return grpc::Status::OK;
+  });
+}
+
+grpc::Status LearnerServer::GetJob(grpc::ServerContext* context, const v1::GetJobRequest*,
+                                   v1::Job* response) {
+  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
+  return Guarded("GetJob", [&] {
+    *response = BuildJob();
+    return grpc::Status::OK;
+  });
+}
+
+grpc::Status LearnerServer::WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest*,
+                                     grpc::ServerWriter<v1::JobEvent>* writer) {
+  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
+  return Guarded("WatchJob", [&] {
+    auto sub = std::make_shared<Subscriber>();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      subscribers_.push_back(sub);
+    }
+    struct Unsubscribe {
+      LearnerServer* self;
+      std::shared_ptr<Subscriber> sub;
+      ~Unsubscribe() {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        self->subscribers_.remove(sub);
+      }
+    } unsubscribe{this, sub};
+
+    v1::JobEvent first;
+    *first.mutable_job() = BuildJob();
+    first.set_step(first.job().global_step());
+    if (!writer->Write(first)) return grpc::Status::OK;
+    auto terminal = [](const v1::Job& job) {
+      return job.state() == "done" || job.state() == "cancelled" || job.state() == "failed";
+    };
+    if (terminal(first.job())) return grpc::Status::OK;
+    while (true) {
+      std::deque<v1::JobEvent> events;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        sub->cv.wait_for(lock, kWaitPollInterval,
+                         [&] { return stopping_ || sub->dropped || !sub->events.empty(); });
+        if (sub->dropped) {
+          return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                              "WatchJob: the watcher fell too far behind; watch again");
+        }
+        events.swap(sub->events);
+        if (events.empty() && stopping_) {
+          return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the learner is shutting down");
+        }
+      }
+      if (context->IsCancelled()) return grpc::Status::CANCELLED;
+      for (const auto& e : events) {
+        if (!writer->Write(e)) return grpc::Status::OK;  // the client left
+        if (e.metrics().empty() && terminal(e.job())) return grpc::Status::OK;
+      }
+    }
+  });
+}
+
+grpc::Status LearnerServer::CancelJob(grpc::ServerContext* context,
+                                      const v1::CancelJobRequest* request, v1::Job* response) {
+  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
+  return Guarded("CancelJob", [&] {
+    ChangeState(JobState::kCancelled,
+                request->reason().empty() ? "cancelled by a client" : request->reason());
+    *response = BuildJob();
+    return grpc::Status::OK;
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The rendezvous store (c10d Store semantics; values are bytes, ADD keeps a decimal integer).
+
+grpc::Status LearnerServer::Store(grpc::ServerContext* context, const v1::StoreRequest* request,
+                                  v1::StoreResponse* response) {
+  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
+  return Guarded("Store", [&]() -> grpc::Status {
+    const int64_t epoch = request->group_epoch();
+    const int64_t current = group_epoch_.load();
+    if (epoch != current) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "Store: group_epoch " + std::to_string(epoch) + " is not the current " +
+                              std::to_string(current) + ": Register again");
+    }
+    const std::string& key = request->key();
+    std::unique_lock<std::mutex> lock(store_mu_);
+    // Keys of older epochs are dead: their group was rebuilt.
+    while (!store_.empty() && store_.begin()->first < current) store_.erase(store_.begin());
+    auto& kv = store_[epoch];
+    auto check_room = [&]() -> grpc::Status {
+      if (kv.size() >= kMaxStoreKeysPerEpoch && kv.count(key) == 0) {
+        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "Store: too many keys");
+      }
+      return grpc::Status::OK;
+    };
+    switch (request->op()) {
+      case v1::StoreRequest::SET: {
+        if (Status s = CheckStoreKey(key); !s.ok()) return ToGrpcStatus(s);
+        if (grpc::Status s = check_room(); !s.ok()) return s;
+        kv[key] = request->value();
+        response->set_ok(true);
+        store_cv_.notify_all();
+        return grpc::Status::OK;
+      }
+      case v1::StoreRequest::GET: {
+        if (Status s = CheckStoreKey(key); !s.ok()) return ToGrpcStatus(s);
+        const auto timeout =
+            request->timeout_ms() > 0
+                ? std::min(std::chrono::milliseconds(request->timeout_ms()), kMaxStoreTimeout)
+                : kDefaultStoreTimeout;
+        const auto deadline = Clock::now() + timeout;
+        while (true) {
+          if (group_epoch_.load() != epoch) {
+            return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                "Store: group_epoch " + std::to_string(epoch) +
+                                    " ended while waiting for '" + key + "'");
+          }
+          auto& live = store_[epoch];
+          if (auto it = live.find(key); it != live.end()) {
+            response->set_value(it->second);
+            response->set_ok(true);
+            return grpc::Status::OK;
+          }
+          if (store_stopping_) {
+            return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the learner is shutting down");
+          }
+          if (context->IsCancelled()) return grpc::Status::CANCELLED;
+          const auto now = Clock::now();
+          if (now >= deadline) {
+            return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                "Store: key '" + key + "' not set within " +
+                                    std::to_string(timeout.count()) + " ms");
+          }
+          store_cv_.wait_for(lock, std::min<Clock::duration>(kWaitPollInterval, deadline - now));
+        }
+      }
+      case v1::StoreRequest::ADD: {
+        if (Status s = CheckStoreKey(key); !s.ok()) return ToGrpcStatus(s);
+        if (grpc::Status s = check_room(); !s.ok()) return s;
+        int64_t value = 0;
+        if (auto it = kv.find(key); it != kv.end()) {
+          const std::string& v = it->second;
+          auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), value);
+          if (ec != std::errc() || p != v.data() + v.size()) {
+            return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                "Store ADD: key '" + key + "' does not hold an integer");
+          }
+        }
+        value += request->add();
+        kv[key] = std::to_string(value);
+        response->set_number(value);
+        response->set_value(kv[key]);
+        response->set_ok(true);
+        store_cv_.notify_all();
+        return grpc::Status::OK;
+      }
+      case v1::StoreRequest::CHECK: {
+        bool all = true;
+        for (const auto& k : request->keys()) all = all && kv.count(k) > 0;
+        if (!key.empty()) all = all && kv.count(key) > 0;
+        response->set_ok(all);
+        return grpc::Status::OK;
+      }
+      case v1::StoreRequest::DELETE: {
+        if (Status s = CheckStoreKey(key); !s.ok()) return ToGrpcStatus(s);
+        response->set_ok(kv.erase(key) > 0);
+        return grpc::Status::OK;
+      }
+      case v1::StoreRequest::NUM_KEYS: {
+        response->set_number(static_cast<int64_t>(kv.size()));
+        response->set_ok(true);
+        return grpc::Status::OK;
+      }
+      case v1::StoreRequest::COMPARE_SET: {
+        // c10d compareSet: set when the current value equals `expected` (absent counts as
+        // equal to an empty `expected`); returns the value now stored.
+        if (Status s = CheckStoreKey(key); !s.ok()) return ToGrpcStatus(s);
+        auto it = kv.find(key);
+        const bool matches =
+            it == kv.end() ? request->expected().empty() : it->second == request->expected();
+        if (matches) {
+          if (grpc::Status s = check_room(); !s.ok()) return s;
+          kv[key] = request->value();
+          store_cv_.notify_all();
+          response->set_value(request->value());
+        } else {
+          response->set_value(it == kv.end() ? request->expected() : it->second);
+        }
+        response->set_ok(matches);
+        return grpc::Status::OK;
+      }
+      default:
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "Store: unknown op");
+    }
+  });
+}
+
+}  // namespace grpo::services

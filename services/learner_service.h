@@ -1,0 +1,266 @@
+// LearnerServer: the learner process's gRPC face (grpo.v1.LearnerService, proto/grpo/v1/
+// learner.proto) and the training loop behind it (ARCHITECTURE.md "The flow of one training
+// step"). It owns the prompt ledger, the policy, the GrpoTrainer, a bounded buffer of accepted
+// rollout groups, the worker registry, the published weights, the job state, WatchJob
+// subscribers and the c10d rendezvous store.
+//
+// Ingest policy (PushRollouts), per group, in this order:
+//   1. The lease must be the prompt's current, unexpired lease (unknown_lease / expired_lease;
+//      the ledger is not touched: an expired lease requeues on its own).
+//   2. GrpoTrainer::ValidateGroup. A bad group is most likely a worker bug, so the prompt is
+//      requeued (ReleaseLease); only empty_prompt (the prompt itself tokenizes to nothing), or
+//      the same prompt failing kMaxBadGroupAttempts times in a row, rejects the prompt
+//      (RejectPrompt). A stale group is always requeued.
+//   3. Backpressure: the handler waits (push_buffer_wait at most) for room in the buffer before
+//      it completes the lease; after a timeout the rest of the stream is refused (buffer_full)
+//      and released at once.
+//   4. CompleteLease (LEASED -> TRAINED), then the group joins the buffer.
+// A buffered group that the trainer refuses later (it went stale while waiting) gets its
+// prompt back (PromptLedger::RequeueTrained).
+//
+// Crash consistency (ledger vs model): the ledger marks a prompt TRAINED when its group is
+// accepted, before the model has trained on it. Every checkpoint records a ledger watermark in
+// <output_dir>/ledger_watermarks.json: a ledger time before which every TRAINED prompt is in
+// that checkpoint's weights (the oldest accept time among groups still buffered or being
+// accepted, minus 1 ms). On start, after RestoreLatestCheckpoint, prompts TRAINED after the
+// restored checkpoint's watermark go back to QUEUED (all TRAINED ones when there is no
+// checkpoint or no watermark for it). So after a crash nothing is lost; a prompt accepted
+// concurrently with a checkpoint may train twice (at-least-once). Leases of the dead process
+// stay valid until their deadline (a worker that outlived the learner may still push), then
+// requeue. A pass boundary (StartNextPass) between the checkpoint and the crash is not undone.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/config.h"
+#include "common/model.h"
+#include "common/rollout_types.h"
+#include "common/status.h"
+#include "grpo/v1/learner.grpc.pb.h"
+#include "learner/grpo_trainer.h"
+#include "learner/prompt_ledger.h"
+
+namespace grpo::services {
+
+// How often a worker should heartbeat; one that misses kHeartbeatsMissedBeforeDrop of them is
+// dropped from the weight-sync group (the group epoch bumps).
+inline constexpr std::chrono::milliseconds kDefaultHeartbeatInterval{2000};
+inline constexpr int kHeartbeatsMissedBeforeDrop = 5;
+// The longest a PushRollouts stream waits for room in a full buffer.
+inline constexpr std::chrono::milliseconds kDefaultPushBufferWait{30'000};
+// LeasePrompts with nothing to lease: how long the worker should wait before asking again.
+inline constexpr std::chrono::milliseconds kDefaultLeaseRetryAfter{1000};
+// Store GET without timeout_ms waits this long (c10d's Store::kDefaultTimeout); no wait is
+// longer than kMaxStoreTimeout.
+inline constexpr std::chrono::milliseconds kDefaultStoreTimeout{300'000};
+inline constexpr std::chrono::milliseconds kMaxStoreTimeout{3'600'000};
+// GetWeights for a version not published yet waits this long at most (or the call's deadline).
+inline constexpr std::chrono::milliseconds kDefaultGetWeightsWait{60'000};
+// In-flight calls get this long to finish when the server stops.
+inline constexpr std::chrono::milliseconds kDefaultShutdownGrace{5000};
+// Long waits (WatchJob, Store GET, buffer room) re-check cancellation this often.
+inline constexpr std::chrono::milliseconds kWaitPollInterval{200};
+// The training thread refreshes the job state from the ledger this often (and after events).
+inline constexpr std::chrono::milliseconds kHousekeepInterval{1000};
+// WeightChunk payload: the default and the maximum (a request may ask for less).
+inline constexpr int64_t kDefaultWeightChunkBytes = 4 << 20;
+// Events queued per WatchJob subscriber; a subscriber that falls this far behind is dropped.
+inline constexpr size_t kWatchQueueCapacity = 1024;
+inline constexpr int64_t kMaxLeasesPerCall = 1024;
+inline constexpr int kMaxBadGroupAttempts = 3;
+inline constexpr int64_t kMaxDatasetBytes = 1ll << 30;
+inline constexpr size_t kMaxStoreKeysPerEpoch = 1 << 16;
+inline constexpr const char* kLedgerWatermarksFile = "ledger_watermarks.json";
+
+enum class JobState { kWaitingForData, kRunning, kDone, kCancelled, kFailed };
+// "waiting_for_data", "running", "done", "cancelled", "failed" (Job.state on the wire).
+std::string_view JobStateName(JobState state);
+
+struct LearnerServerOptions {
+  // Tokenizer files here are copied into every checkpoint; empty = none.
+  std::string model_dir;
+  std::string bind_address = "0.0.0.0";
+  // The ledger's clock (unix ms); empty = system clock. Tests inject a fake.
+  std::function<int64_t()> now_ms;
+  std::chrono::milliseconds heartbeat_interval = kDefaultHeartbeatInterval;
+  std::chrono::milliseconds push_buffer_wait = kDefaultPushBufferWait;
+  // Accepted groups held at most; 0 = two generation batches.
+  int64_t buffer_capacity_groups = 0;
+  // Restore the latest checkpoint under output_dir (and requeue what it does not hold).
+  bool resume = true;
+};
+
+// Thread-safe: RPC handlers run on gRPC's threads; one training thread owns the trainer and the
+// policy. Lifetime: Create -> Start -> (WaitForJobEnd) -> Stop; the destructor stops.
+class LearnerServer final : public v1::LearnerService::Service {
+ public:
+  // Opens the ledger (config.ledger_path, default <output_dir>/ledger.sqlite), creates the
+  // trainer on `policy` (`reference` as GrpoTrainer::Create requires), restores the latest
+  // checkpoint when options.resume. InvalidArgument naming the key on a bad config.
+  static StatusOr<std::unique_ptr<LearnerServer>> Create(
+      common::GrpoConfig config, std::unique_ptr<common::Model> policy,
+      std::unique_ptr<common::Model> reference = nullptr, LearnerServerOptions options = {});
+  ~LearnerServer() override;
+  LearnerServer(const LearnerServer&) = delete;
+  LearnerServer& operator=(const LearnerServer&) = delete;
+
+  // Binds <bind_address>:<config.grpc_port> (0 = a free port), serves LearnerService and
+  // grpc.health.v1 (SERVING), publishes the initial weights and starts the training thread.
+  // Unavailable when the port cannot be bound.
+  Status Start();
+  // Stops training after the current generation batch, saves a checkpoint when `checkpoint`
+  // and steps were taken since the last one, then shuts the server down (in-flight calls get
+  // kDefaultShutdownGrace). Idempotent; returns the checkpoint error if any.
+  Status Stop(bool checkpoint);
+  // Blocks until the job is done, cancelled or failed, or `timeout` passes; true if it ended.
+  bool WaitForJobEnd(std::chrono::milliseconds timeout);
+
+  int port() const { return port_; }  // the bound port, after Start
+  JobState job_state() const;
+  int64_t published_version() const;
+  int64_t group_epoch() const { return group_epoch_.load(); }
+  learner::PromptLedger& ledger() { return *ledger_; }
+  // Groups refused by PushRollouts (and by the trainer later) since start, by reason.
+  std::map<std::string, int64_t> RefusedCounts() const;
+  // The live policy. Read it only while training is idle (tests).
+  const common::Model& policy() const { return *policy_; }
+  int64_t generation_batch_groups() const { return batch_groups_; }
+
+  // --- grpo.v1.LearnerService. Every handler checks auth first and never throws.
+  grpc::Status Register(grpc::ServerContext* context, const v1::RegisterRequest* request,
+                        v1::RegisterResponse* response) override;
+  grpc::Status Heartbeat(grpc::ServerContext* context, const v1::HeartbeatRequest* request,
+                         v1::HeartbeatResponse* response) override;
+  grpc::Status LeasePrompts(grpc::ServerContext* context, const v1::LeasePromptsRequest* request,
+                            v1::LeasePromptsResponse* response) override;
+  grpc::Status PushRollouts(grpc::ServerContext* context,
+                            grpc::ServerReader<v1::RolloutGroup>* reader,
+                            v1::PushRolloutsResponse* response) override;
+  grpc::Status GetWeights(grpc::ServerContext* context, const v1::GetWeightsRequest* request,
+                          grpc::ServerWriter<v1::WeightChunk>* writer) override;
+  grpc::Status SubmitDataset(grpc::ServerContext* context,
+                             grpc::ServerReader<v1::SubmitDatasetRequest>* reader,
+                             v1::SubmitDatasetResponse* response) override;
+  grpc::Status GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
+                      v1::Job* response) override;
+  grpc::Status WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest* request,
+                        grpc::ServerWriter<v1::JobEvent>* writer) override;
+  grpc::Status CancelJob(grpc::ServerContext* context, const v1::CancelJobRequest* request,
+                         v1::Job* response) override;
+  grpc::Status Store(grpc::ServerContext* context, const v1::StoreRequest* request,
+                     v1::StoreResponse* response) override;
+
+ private:
+  struct BufferedGroup {
+    common::RolloutGroup group;
+    int64_t pass = 0;         // the ledger pass it was leased in
+    int64_t accepted_ms = 0;  // ledger clock, taken before CompleteLease
+  };
+  struct Worker {
+    std::string hostname;
+    int32_t pid = 0;
+    std::string backend;
+    int32_t rank = 0;
+    int64_t weight_version = -1;
+    std::chrono::steady_clock::time_point last_seen;
+  };
+  // An immutable copy of the policy's tensors (CPU, contiguous), shared with GetWeights calls.
+  struct WeightSnapshot {
+    int64_t version = 0;
+    common::NamedTensors tensors;
+  };
+  struct Subscriber {
+    std::condition_variable cv;
+    std::deque<v1::JobEvent> events;  // GUARDED_BY(mu_)
+    bool dropped = false;             // GUARDED_BY(mu_): fell kWatchQueueCapacity behind
+  };
+  // The tally of one PushRollouts stream.
+  struct PushTally {
+    int64_t accepted = 0, refused = 0;
+    std::map<std::string, int64_t> by_reason;
+    std::vector<std::string> messages;
+    bool buffer_timed_out = false;
+  };
+
+  LearnerServer(common::GrpoConfig config, LearnerServerOptions options);
+
+  Status Resume();
+  void TrainLoop();
+  // Ledger bookkeeping between batches: job state, next pass. Training thread.
+  void Housekeep();
+  void DropDeadWorkersLocked();  // REQUIRES(mu_)
+  void TrainBatch(std::vector<BufferedGroup> batch);
+  Status PublishWeights();
+  Status Checkpoint();
+  // Moves the job to `state` unless it already ended; tells subscribers.
+  void ChangeState(JobState state, const std::string& message);
+  void Broadcast(const v1::JobEvent& event);
+  v1::Job BuildJob();
+  void ProcessGroup(const v1::RolloutGroup& msg, grpc::ServerContext* context, PushTally* tally);
+  void Refuse(PushTally* tally, const std::string& reason, const std::string& message);
+  bool TerminalLocked() const;  // REQUIRES(mu_)
+
+  const common::GrpoConfig config_;
+  const LearnerServerOptions options_;
+  std::string auth_token_;
+  int64_t batch_groups_ = 0;     // groups per generation batch
+  int64_t buffer_capacity_ = 0;  // groups
+
+  std::unique_ptr<learner::PromptLedger> ledger_;  // thread-safe
+  std::unique_ptr<common::Model> policy_;          // the training thread writes it
+  std::unique_ptr<learner::GrpoTrainer> trainer_;  // training thread (ValidateGroup: any)
+
+  std::unique_ptr<grpc::Server> server_;
+  std::thread train_thread_;
+  int port_ = 0;
+  std::atomic<int64_t> group_epoch_{1};
+
+  mutable std::mutex mu_;
+  std::condition_variable train_cv_;            // training thread: a batch is ready, or stop
+  std::condition_variable room_cv_;             // PushRollouts: room in the buffer
+  std::condition_variable state_cv_;            // job state or published weights changed
+  bool started_ = false;                        // GUARDED_BY(mu_)
+  bool stopping_ = false;                       // GUARDED_BY(mu_)
+  bool stopped_ = false;                        // GUARDED_BY(mu_)
+  JobState state_ = JobState::kWaitingForData;  // GUARDED_BY(mu_)
+  std::string message_;                         // GUARDED_BY(mu_)
+  int64_t global_step_ = 0;                     // GUARDED_BY(mu_)
+  int64_t last_saved_step_ = 0;                 // GUARDED_BY(mu_)
+  int64_t last_published_step_ = -1;            // GUARDED_BY(mu_)
+  bool housekeep_due_ = true;                   // GUARDED_BY(mu_)
+  // Rewards per completion of every accepted group, when reward_funcs does not fix it: the
+  // trainer needs one count per generation batch. -1 until the first group.
+  int64_t reward_count_ = -1;                           // GUARDED_BY(mu_)
+  std::map<std::string, double> last_metrics_;          // GUARDED_BY(mu_)
+  std::deque<BufferedGroup> buffer_;                    // GUARDED_BY(mu_)
+  std::multiset<int64_t> accepting_ms_;                 // GUARDED_BY(mu_): accepts in flight
+  std::map<std::string, int> bad_group_attempts_;       // GUARDED_BY(mu_): by prompt id
+  std::map<std::string, int64_t> refused_;              // GUARDED_BY(mu_): by reason
+  std::map<std::string, Worker> workers_;               // GUARDED_BY(mu_): by worker id
+  int64_t next_worker_number_ = 1;                      // GUARDED_BY(mu_)
+  std::shared_ptr<const WeightSnapshot> weights_;       // GUARDED_BY(mu_)
+  std::list<std::shared_ptr<Subscriber>> subscribers_;  // GUARDED_BY(mu_)
+
+  // The rendezvous store: epoch -> key -> value.
+  std::mutex store_mu_;
+  std::condition_variable store_cv_;
+  std::map<int64_t, std::map<std::string, std::string>> store_;  // GUARDED_BY(store_mu_)
+  bool store_stopping_ = false;                                  // GUARDED_BY(store_mu_)
+};
+
+}  // namespace grpo::services

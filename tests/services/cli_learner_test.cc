@@ -1,0 +1,187 @@
+// `grpo learner` and its client commands as users run them: real processes on a free port.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using std::chrono::milliseconds;
+
+std::string Bin() {
+  const char* b = std::getenv("GRPO_BIN");
+  return b ? b : "grpo";
+}
+
+std::string ReadFile(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs `cmd` through the shell; returns stdout, *rc gets the exit code.
+std::string RunCommand(const std::string& cmd, int* rc) {
+  std::unique_ptr<FILE, int (*)(FILE*)> p(popen(cmd.c_str(), "r"), &pclose);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p.get())) > 0) out.append(buf, n);
+  const int status = pclose(p.release());
+  *rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+class CliLearnerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("cli_learner_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ofstream(dir_ / "token") << "tok-42\n";
+    std::ofstream data(dir_ / "data.jsonl");
+    for (int i = 0; i < 3; ++i)
+      data << R"({"prompt": "say )" << i << R"("})"
+           << "\n";
+  }
+  void TearDown() override {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    fs::remove_all(dir_);
+  }
+
+  // Starts `grpo learner` on a free port and waits for its {"port": N} line.
+  void StartLearner() {
+    const std::string out = (dir_ / "learner.out").string();
+    const std::string err = (dir_ / "learner.err").string();
+    std::vector<std::string> args = {Bin(),
+                                     "--log_level",
+                                     "info",
+                                     "learner",
+                                     "--output_dir",
+                                     (dir_ / "out").string(),
+                                     "--grpc_port",
+                                     "0",
+                                     "--auth_token_file",
+                                     (dir_ / "token").string(),
+                                     "--num_generations",
+                                     "2",
+                                     "--per_device_train_batch_size",
+                                     "4",
+                                     "--reward_funcs",
+                                     "length",
+                                     "--linger_seconds",
+                                     "0"};
+    pid_ = fork();
+    ASSERT_GE(pid_, 0);
+    if (pid_ == 0) {
+      const int o = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      const int e = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(o, 1);
+      dup2(e, 2);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (std::chrono::steady_clock::now() < deadline) {
+      const std::string text = ReadFile(out);
+      if (text.find('\n') != std::string::npos) {
+        port_ = json::parse(text.substr(0, text.find('\n')))["port"].get<int>();
+        return;
+      }
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    FAIL() << "learner did not report its port: " << ReadFile(err);
+  }
+
+  // Waits for the learner to exit; returns its exit code (-1 on timeout).
+  int WaitExit(milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    return -1;
+  }
+
+  std::string Client(const std::string& cmd, const std::string& flags, int* rc,
+                     bool with_token = true) {
+    std::string line = Bin() + " " + cmd + " --learner_address 127.0.0.1:" + std::to_string(port_) +
+                       " --timeout_seconds 10 " + flags;
+    if (with_token) line += " --auth_token_file " + (dir_ / "token").string();
+    return RunCommand(line + " 2>" + (dir_ / "client.err").string(), rc);
+  }
+
+  fs::path dir_;
+  pid_t pid_ = -1;
+  int port_ = 0;
+};
+
+TEST_F(CliLearnerTest, SubmitStatusAndCancelEndTheLearner) {
+  StartLearner();
+  int rc = 0;
+  const std::string dataset = "--dataset " + (dir_ / "data.jsonl").string();
+  json sub = json::parse(Client("submit", dataset + " --idempotency_key k --json", &rc));
+  ASSERT_EQ(rc, 0);
+  EXPECT_EQ(sub["dataset_id"], "ds-1");
+  EXPECT_EQ(sub["prompt_count"], 3);
+  EXPECT_EQ(sub["created"], true);
+
+  Client("status", "--json", &rc, /*with_token=*/false);
+  EXPECT_EQ(rc, 1);
+  EXPECT_NE(ReadFile(dir_ / "client.err").find("UNAUTHENTICATED"), std::string::npos);
+
+  const json status = json::parse(Client("status", "--json", &rc));
+  ASSERT_EQ(rc, 0);
+  EXPECT_EQ(status["prompts"]["queued"], "3");  // proto3 JSON: int64 as a string
+  EXPECT_EQ(status["max_steps"], "100");
+
+  const std::string cancelled = Client("cancel", "--reason 'enough'", &rc);
+  ASSERT_EQ(rc, 0);
+  EXPECT_NE(cancelled.find("cancelled (enough)"), std::string::npos) << cancelled;
+  EXPECT_EQ(WaitExit(milliseconds(15000)), 0) << ReadFile(dir_ / "learner.err");
+}
+
+TEST_F(CliLearnerTest, SigtermStopsTheLearnerCleanly) {
+  StartLearner();
+  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(milliseconds(15000)), 0) << ReadFile(dir_ / "learner.err");
+  EXPECT_NE(ReadFile(dir_ / "learner.err").find("stopping"), std::string::npos);
+}
+
+TEST_F(CliLearnerTest, LearnerRefusesAConfigWithoutRewardFunctions) {
+  int rc = 0;
+  RunCommand(Bin() + " learner --output_dir " + (dir_ / "out").string() + " --grpc_port 0 2>" +
+                 (dir_ / "err").string(),
+             &rc);
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(ReadFile(dir_ / "err").find("reward_funcs"), std::string::npos);
+}
+
+}  // namespace

@@ -1,0 +1,652 @@
+// LearnerServer as workers and clients see it: an in-process server on a free port, called
+// through a real gRPC stub.
+#include "services/learner_service.h"
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <limits>
+#include <thread>
+
+#include "common/model.h"
+#include "common/model_config.h"
+#include "services/auth.h"
+#include "services/convert.h"
+
+namespace grpo::services {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+
+constexpr auto kCallTimeout = std::chrono::seconds(10);
+
+common::GrpoConfig TinyConfig(const fs::path& dir) {
+  common::GrpoConfig c;
+  c.output_dir = dir.string();
+  c.grpc_port = 0;
+  c.num_generations = 2;
+  c.per_device_train_batch_size = 4;  // generation batch = 2 groups of 2 -> one step
+  c.gradient_accumulation_steps = 1;
+  c.max_prompt_length = 32;
+  c.max_completion_length = 8;
+  c.learning_rate = 1e-2;
+  c.lr_scheduler_type = "constant";
+  c.max_steps = 100;
+  c.save_steps = 0;
+  c.lease_seconds = 60;
+  return c;
+}
+
+class LearnerServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("learner_service_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    clock_ms_ = 1'700'000'000'000;
+    config_ = TinyConfig(dir_);
+  }
+  void TearDown() override {
+    server_.reset();
+    fs::remove_all(dir_);
+  }
+
+  void StartServer(bool resume = true) {
+    auto model = common::Model::InitRandom(*common::ModelConfigPreset("tiny"), 7);
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    LearnerServerOptions options = options_;
+    // A fake wall clock that moves 1 ms per reading, as a real one would between events.
+    options.now_ms = [this] { return clock_ms_.fetch_add(1); };
+    options.resume = resume;
+    auto server = LearnerServer::Create(config_, std::move(model).value(), nullptr, options);
+    ASSERT_TRUE(server.ok()) << server.status().ToString();
+    server_ = std::move(server).value();
+    ASSERT_TRUE(server_->Start().ok());
+    ASSERT_GT(server_->port(), 0);
+    channel_ = MakeChannel("127.0.0.1:" + std::to_string(server_->port()));
+    stub_ = v1::LearnerService::NewStub(channel_);
+  }
+
+  std::unique_ptr<grpc::ClientContext> Ctx(milliseconds timeout = kCallTimeout) {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(std::chrono::system_clock::now() + timeout);
+    AddAuth(*ctx, token_);
+    return ctx;
+  }
+
+  v1::SubmitDatasetResponse Submit(const std::vector<std::string>& lines,
+                                   const std::string& key = "", grpc::Status* status = nullptr) {
+    auto ctx = Ctx();
+    v1::SubmitDatasetResponse response;
+    auto writer = stub_->SubmitDataset(ctx.get(), &response);
+    v1::SubmitDatasetRequest first;
+    first.set_idempotency_key(key);
+    first.set_name("test");
+    // Two lines per message: the server must join chunks.
+    for (size_t i = 0; i < lines.size(); ++i) {
+      first.add_lines(lines[i]);
+      if (first.lines_size() == 2 || i + 1 == lines.size()) {
+        EXPECT_TRUE(writer->Write(first));
+        first.Clear();
+      }
+    }
+    writer->WritesDone();
+    grpc::Status s = writer->Finish();
+    if (status != nullptr) {
+      *status = s;
+    } else {
+      EXPECT_TRUE(s.ok()) << s.error_message();
+    }
+    return response;
+  }
+
+  std::vector<std::string> Prompts(int n) {
+    std::vector<std::string> lines;
+    for (int i = 0; i < n; ++i)
+      lines.push_back(R"({"prompt": "say )" + std::to_string(i) + R"("})");
+    return lines;
+  }
+
+  v1::LeasePromptsResponse Lease(int n, const std::string& worker = "w1") {
+    auto ctx = Ctx();
+    v1::LeasePromptsRequest req;
+    req.set_worker_id(worker);
+    req.set_max_prompts(n);
+    v1::LeasePromptsResponse resp;
+    grpc::Status s = stub_->LeasePrompts(ctx.get(), req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  }
+
+  // A well-formed group for the tiny model (vocab 259): 2 completions, one reward each.
+  v1::RolloutGroup Group(const v1::Lease& lease, double reward0 = 1.0, double reward1 = 0.0) {
+    common::RolloutGroup g;
+    g.prompt_id = lease.prompt_id();
+    g.lease_id = lease.lease_id();
+    g.policy_version = server_->published_version();
+    g.prompt_ids = {115, 97, 121};
+    for (double r : {reward0, reward1}) {
+      common::Completion c;
+      c.token_ids = {104, 105, 258};
+      c.logprobs = {-1.5f, -2.0f, -0.5f};
+      c.rewards = {r};
+      g.completions.push_back(c);
+    }
+    v1::RolloutGroup out;
+    ToProto(g, &out);
+    out.set_worker_id("w1");
+    return out;
+  }
+
+  v1::PushRolloutsResponse Push(const std::vector<v1::RolloutGroup>& groups) {
+    auto ctx = Ctx();
+    v1::PushRolloutsResponse response;
+    auto writer = stub_->PushRollouts(ctx.get(), &response);
+    for (const auto& g : groups) EXPECT_TRUE(writer->Write(g));
+    writer->WritesDone();
+    grpc::Status s = writer->Finish();
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return response;
+  }
+
+  learner::PromptState StateOf(const std::string& prompt_id) {
+    auto r = server_->ledger().GetPrompt(prompt_id);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? r->state : learner::PromptState::kRejected;
+  }
+
+  bool WaitFor(const std::function<bool()>& cond, milliseconds timeout = milliseconds(8000)) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (cond()) return true;
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    return cond();
+  }
+
+  fs::path dir_;
+  std::atomic<int64_t> clock_ms_{0};
+  common::GrpoConfig config_;
+  LearnerServerOptions options_;
+  std::string token_;
+  std::unique_ptr<LearnerServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::LearnerService::Stub> stub_;
+};
+
+TEST_F(LearnerServiceTest, RefusesCallsWithoutTheTokenAndAcceptsThemWithIt) {
+  const fs::path token_file = dir_ / "token";
+  std::ofstream(token_file) << "s3cret\n";
+  config_.auth_token_file = token_file.string();
+  StartServer();
+
+  v1::Job job;
+  token_ = "";
+  grpc::Status s = stub_->GetJob(Ctx().get(), v1::GetJobRequest(), &job);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  token_ = "wrong";
+  s = stub_->GetJob(Ctx().get(), v1::GetJobRequest(), &job);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  token_ = "s3cret";
+  s = stub_->GetJob(Ctx().get(), v1::GetJobRequest(), &job);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(job.state(), "waiting_for_data");
+}
+
+TEST_F(LearnerServiceTest, SubmitDatasetIsIdempotentUnderAKey) {
+  StartServer();
+  const auto first = Submit(Prompts(5), "key-1");
+  EXPECT_EQ(first.prompt_count(), 5);
+  EXPECT_TRUE(first.created());
+  const auto again = Submit(Prompts(5), "key-1");
+  EXPECT_EQ(again.dataset_id(), first.dataset_id());
+  EXPECT_FALSE(again.created());
+  EXPECT_EQ(server_->ledger().Counts()->queued, 5);
+}
+
+TEST_F(LearnerServiceTest, SubmitDatasetNamesTheBadLine) {
+  StartServer();
+  auto lines = Prompts(3);
+  lines[2] = R"({"text": "no prompt field"})";
+  grpc::Status s;
+  Submit(lines, "", &s);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("line 3"), std::string::npos) << s.error_message();
+  EXPECT_EQ(server_->ledger().Counts()->total(), 0);
+}
+
+TEST_F(LearnerServiceTest, LeasePromptsReturnsLeasesWithDeadlines) {
+  StartServer();
+  Submit(Prompts(3));
+  const int64_t before = clock_ms_.load();
+  const auto resp = Lease(2);
+  const int64_t after = clock_ms_.load();
+  ASSERT_EQ(resp.leases_size(), 2);
+  EXPECT_FALSE(resp.job_done());
+  for (const auto& l : resp.leases()) {
+    EXPECT_EQ(l.lease_id().size(), 32u);
+    EXPECT_GE(l.deadline_unix_ms(), before + 60'000);
+    EXPECT_LE(l.deadline_unix_ms(), after + 60'000);
+    EXPECT_NE(l.row_json().find("prompt"), std::string::npos);
+    EXPECT_EQ(StateOf(l.prompt_id()), learner::PromptState::kLeased);
+  }
+  EXPECT_EQ(Lease(5).leases_size(), 1);
+  const auto empty = Lease(5);
+  EXPECT_EQ(empty.leases_size(), 0);
+  EXPECT_GT(empty.retry_after_ms(), 0);
+}
+
+TEST_F(LearnerServiceTest, GroupUnderAValidLeaseIsAcceptedAndItsPromptTrained) {
+  StartServer();
+  Submit(Prompts(4));
+  const auto lease = Lease(1).leases(0);
+  const auto ack = Push({Group(lease)});
+  EXPECT_EQ(ack.accepted(), 1);
+  EXPECT_EQ(ack.rejected(), 0);
+  EXPECT_EQ(StateOf(lease.prompt_id()), learner::PromptState::kTrained);
+}
+
+TEST_F(LearnerServiceTest, GroupUnderAnUnknownLeaseIsRefusedAndCounted) {
+  StartServer();
+  Submit(Prompts(2));
+  auto lease = Lease(1).leases(0);
+  v1::Lease forged = lease;
+  forged.set_lease_id(std::string(32, 'f'));
+  const auto ack = Push({Group(forged)});
+  EXPECT_EQ(ack.accepted(), 0);
+  EXPECT_EQ(ack.rejected(), 1);
+  EXPECT_EQ(ack.rejected_by_reason().at("unknown_lease"), 1);
+  EXPECT_EQ(StateOf(lease.prompt_id()), learner::PromptState::kLeased);
+  EXPECT_EQ(server_->RefusedCounts().at("unknown_lease"), 1);
+}
+
+TEST_F(LearnerServiceTest, GroupUnderAnExpiredLeaseIsRefusedAndCounted) {
+  config_.lease_seconds = 0.2;
+  StartServer();
+  Submit(Prompts(2));
+  const auto lease = Lease(1).leases(0);
+  clock_ms_ += 201;
+  const auto ack = Push({Group(lease)});
+  EXPECT_EQ(ack.accepted(), 0);
+  EXPECT_EQ(ack.rejected_by_reason().at("expired_lease"), 1);
+  EXPECT_EQ(server_->RefusedCounts().at("expired_lease"), 1);
+  EXPECT_NE(StateOf(lease.prompt_id()), learner::PromptState::kTrained);
+}
+
+TEST_F(LearnerServiceTest, GroupWithANanRewardIsRejectedAndItsPromptRequeued) {
+  StartServer();
+  Submit(Prompts(2));
+  const auto lease = Lease(1).leases(0);
+  const auto ack = Push({Group(lease, std::nan(""))});
+  EXPECT_EQ(ack.accepted(), 0);
+  EXPECT_EQ(ack.rejected_by_reason().at("non_finite_reward"), 1);
+  ASSERT_EQ(ack.messages_size(), 1);
+  EXPECT_NE(ack.messages(0).find("non-finite reward"), std::string::npos) << ack.messages(0);
+  // A worker bug, not a bad prompt: the prompt goes back to the queue.
+  EXPECT_EQ(StateOf(lease.prompt_id()), learner::PromptState::kQueued);
+}
+
+TEST_F(LearnerServiceTest, StaleGroupIsRefusedAndItsPromptRequeued) {
+  StartServer();
+  Submit(Prompts(4));
+  const auto leases = Lease(3);
+  ASSERT_EQ(Push({Group(leases.leases(0)), Group(leases.leases(1))}).accepted(), 2);
+  ASSERT_TRUE(WaitFor([&] { return server_->published_version() >= 1; }));
+  auto old = Group(leases.leases(2));
+  old.set_policy_version(0);  // max_staleness 0, learner at 1
+  const auto ack = Push({old});
+  EXPECT_EQ(ack.rejected_by_reason().at("stale"), 1);
+  EXPECT_EQ(StateOf(leases.leases(2).prompt_id()), learner::PromptState::kQueued);
+}
+
+// Reassembles a GetWeights stream into name -> bytes, checking the chunk framing.
+struct Reassembled {
+  int64_t version = -1;
+  std::vector<std::string> order;
+  std::map<std::string, std::string> bytes;
+  std::map<std::string, std::vector<int64_t>> shapes;
+  int64_t chunks = 0;
+  bool last = false;
+};
+
+Reassembled ReadWeights(grpc::ClientReader<v1::WeightChunk>* reader, int64_t max_chunk) {
+  Reassembled r;
+  v1::WeightChunk c;
+  while (reader->Read(&c)) {
+    EXPECT_FALSE(r.last) << "chunk after last";
+    EXPECT_LE(static_cast<int64_t>(c.data().size()), max_chunk);
+    EXPECT_EQ(c.dtype(), "F32");
+    if (r.version < 0) r.version = c.version();
+    EXPECT_EQ(c.version(), r.version);
+    auto& buf = r.bytes[c.name()];
+    if (buf.empty() && c.offset() == 0 && r.shapes.count(c.name()) == 0) {
+      r.order.push_back(c.name());
+      r.shapes[c.name()] = {c.shape().begin(), c.shape().end()};
+    }
+    EXPECT_EQ(c.offset(), static_cast<int64_t>(buf.size()));
+    buf += c.data();
+    r.last = c.last();
+    ++r.chunks;
+  }
+  return r;
+}
+
+TEST_F(LearnerServiceTest, AGenerationBatchTrainsAStepAndGetWeightsStreamsTheNewPolicy) {
+  StartServer();
+  Submit(Prompts(4));
+  EXPECT_EQ(server_->published_version(), 0);
+  const auto leases = Lease(2);
+  const auto ack = Push({Group(leases.leases(0), 1.0, 0.0), Group(leases.leases(1), 0.0, 1.0)});
+  ASSERT_EQ(ack.accepted(), 2);
+  ASSERT_TRUE(WaitFor([&] { return server_->published_version() >= 1; }));
+
+  v1::GetWeightsRequest req;
+  req.set_min_version(1);
+  req.set_chunk_bytes(10'000);  // several chunks per embedding matrix
+  auto ctx = Ctx();
+  auto reader = stub_->GetWeights(ctx.get(), req);
+  Reassembled r = ReadWeights(reader.get(), 10'000);
+  grpc::Status s = reader->Finish();
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(r.version, 1);
+  EXPECT_TRUE(r.last);
+  const auto params = server_->policy().NamedParameters();
+  ASSERT_EQ(r.order.size(), params.size());
+  EXPECT_GT(r.chunks, static_cast<int64_t>(params.size()));
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& [name, t] = params[i];
+    EXPECT_EQ(r.order[i], name);
+    const at::Tensor want = t.detach().contiguous();
+    EXPECT_EQ(r.shapes[name], std::vector<int64_t>(want.sizes().begin(), want.sizes().end()));
+    ASSERT_EQ(r.bytes[name].size(), want.nbytes()) << name;
+    EXPECT_EQ(std::memcmp(r.bytes[name].data(), want.data_ptr(), want.nbytes()), 0) << name;
+  }
+  v1::Job job;
+  ASSERT_TRUE(stub_->GetJob(Ctx().get(), v1::GetJobRequest(), &job).ok());
+  EXPECT_EQ(job.global_step(), 1);
+  EXPECT_EQ(job.policy_version(), 1);
+  EXPECT_EQ(job.state(), "running");
+  EXPECT_EQ(job.prompts().trained(), 2);
+  EXPECT_TRUE(job.last_metrics().count("loss"));
+}
+
+TEST_F(LearnerServiceTest, GetWeightsForAnUnpublishedVersionTimesOutAtTheDeadline) {
+  StartServer();
+  v1::GetWeightsRequest req;
+  req.set_min_version(5);
+  auto ctx = Ctx(milliseconds(300));
+  auto reader = stub_->GetWeights(ctx.get(), req);
+  v1::WeightChunk c;
+  EXPECT_FALSE(reader->Read(&c));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+}
+
+TEST_F(LearnerServiceTest, WatchJobReceivesAStepEventWithTrlMetrics) {
+  StartServer();
+  Submit(Prompts(4));
+  auto ctx = Ctx();
+  auto reader = stub_->WatchJob(ctx.get(), v1::WatchJobRequest());
+  v1::JobEvent first;
+  ASSERT_TRUE(reader->Read(&first));  // the current status, at once
+  EXPECT_TRUE(first.metrics().empty());
+
+  const auto leases = Lease(2);
+  ASSERT_EQ(Push({Group(leases.leases(0)), Group(leases.leases(1))}).accepted(), 2);
+  v1::JobEvent e;
+  bool got_step = false;
+  while (!got_step && reader->Read(&e)) got_step = !e.metrics().empty();
+  ASSERT_TRUE(got_step);
+  EXPECT_EQ(e.step(), 1);
+  EXPECT_EQ(e.job().global_step(), 1);
+  for (const char* name : {"loss", "reward", "reward_std", "grad_norm", "learning_rate",
+                           "completions/mean_length", "entropy"}) {
+    EXPECT_TRUE(e.metrics().count(name)) << name;
+  }
+  EXPECT_DOUBLE_EQ(e.metrics().at("reward"), 0.5);
+  ctx->TryCancel();
+}
+
+TEST_F(LearnerServiceTest, ReachingMaxStepsEndsTheJobForWorkersAndWatchers) {
+  config_.max_steps = 1;
+  StartServer();
+  Submit(Prompts(4));
+  v1::RegisterRequest reg;
+  v1::RegisterResponse worker;
+  ASSERT_TRUE(stub_->Register(Ctx().get(), reg, &worker).ok());
+  const auto leases = Lease(2);
+  ASSERT_EQ(Push({Group(leases.leases(0)), Group(leases.leases(1))}).accepted(), 2);
+  ASSERT_TRUE(server_->WaitForJobEnd(milliseconds(8000)));
+  EXPECT_EQ(server_->job_state(), JobState::kDone);
+  EXPECT_TRUE(Lease(1).job_done());
+  v1::HeartbeatRequest hb;
+  hb.set_worker_id(worker.worker_id());
+  v1::HeartbeatResponse hb_resp;
+  ASSERT_TRUE(stub_->Heartbeat(Ctx().get(), hb, &hb_resp).ok());
+  EXPECT_TRUE(hb_resp.shutdown());
+  EXPECT_EQ(hb_resp.policy_version(), 1);
+  EXPECT_TRUE(fs::exists(dir_ / "checkpoint-1" / "model.safetensors"));
+  // A watcher of an ended job gets its state and the stream ends.
+  auto ctx = Ctx();
+  auto reader = stub_->WatchJob(ctx.get(), v1::WatchJobRequest());
+  v1::JobEvent e;
+  ASSERT_TRUE(reader->Read(&e));
+  EXPECT_EQ(e.job().state(), "done");
+  EXPECT_FALSE(reader->Read(&e));
+  EXPECT_TRUE(reader->Finish().ok());
+}
+
+TEST_F(LearnerServiceTest, CancelJobStopsLeasing) {
+  StartServer();
+  Submit(Prompts(4));
+  v1::CancelJobRequest req;
+  req.set_reason("operator said so");
+  v1::Job job;
+  ASSERT_TRUE(stub_->CancelJob(Ctx().get(), req, &job).ok());
+  EXPECT_EQ(job.state(), "cancelled");
+  EXPECT_EQ(job.message(), "operator said so");
+  const auto resp = Lease(1);
+  EXPECT_TRUE(resp.job_done());
+  EXPECT_EQ(resp.leases_size(), 0);
+}
+
+TEST_F(LearnerServiceTest, RegisterAssignsRanksAfterTheLearnerAndBumpsTheEpoch) {
+  StartServer();
+  v1::RegisterRequest req;
+  req.set_hostname("h");
+  v1::RegisterResponse a, b, a_again;
+  ASSERT_TRUE(stub_->Register(Ctx().get(), req, &a).ok());
+  ASSERT_TRUE(stub_->Register(Ctx().get(), req, &b).ok());
+  EXPECT_EQ(a.rank(), 1);
+  EXPECT_EQ(b.rank(), 2);
+  EXPECT_EQ(b.world_size(), 3);
+  EXPECT_GT(b.group_epoch(), a.group_epoch());
+  EXPECT_NE(a.worker_id(), b.worker_id());
+  EXPECT_NE(a.model_config_json().find("\"vocab_size\":259"), std::string::npos);
+  EXPECT_NE(a.config_json().find("\"num_generations\":2"), std::string::npos);
+  req.set_worker_id(a.worker_id());
+  ASSERT_TRUE(stub_->Register(Ctx().get(), req, &a_again).ok());
+  EXPECT_EQ(a_again.rank(), 1);
+  EXPECT_EQ(a_again.group_epoch(), b.group_epoch());
+
+  v1::HeartbeatRequest hb;
+  hb.set_worker_id("nobody");
+  v1::HeartbeatResponse hb_resp;
+  EXPECT_EQ(stub_->Heartbeat(Ctx().get(), hb, &hb_resp).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(LearnerServiceTest, AWorkerThatStopsHeartbeatingIsDroppedAndRanksCompact) {
+  options_.heartbeat_interval = milliseconds(40);  // dropped after 5 missed: 200 ms
+  StartServer();
+  v1::RegisterRequest req;
+  v1::RegisterResponse a, b;
+  ASSERT_TRUE(stub_->Register(Ctx().get(), req, &a).ok());
+  ASSERT_TRUE(stub_->Register(Ctx().get(), req, &b).ok());
+  ASSERT_EQ(b.rank(), 2);
+  EXPECT_EQ(a.heartbeat_interval_ms(), 40);
+  v1::HeartbeatRequest hb;
+  hb.set_worker_id(b.worker_id());
+  v1::HeartbeatResponse resp;
+  // Only b heartbeats.
+  ASSERT_TRUE(WaitFor([&] {
+    EXPECT_TRUE(stub_->Heartbeat(Ctx().get(), hb, &resp).ok());
+    return resp.group_epoch() > b.group_epoch();
+  }));
+  hb.set_worker_id(a.worker_id());
+  EXPECT_EQ(stub_->Heartbeat(Ctx().get(), hb, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+  req.set_worker_id(b.worker_id());
+  v1::RegisterResponse b_again;
+  ASSERT_TRUE(stub_->Register(Ctx().get(), req, &b_again).ok());
+  EXPECT_EQ(b_again.rank(), 1);
+  EXPECT_EQ(b_again.world_size(), 2);
+}
+
+TEST_F(LearnerServiceTest, StoreSetGetAddAndGetWaitsUntilItsTimeout) {
+  StartServer();
+  const int64_t epoch = server_->group_epoch();
+  auto call = [&](v1::StoreRequest req, v1::StoreResponse* resp, milliseconds t = kCallTimeout) {
+    req.set_group_epoch(epoch);
+    return stub_->Store(Ctx(t).get(), req, resp);
+  };
+  v1::StoreRequest set;
+  set.set_op(v1::StoreRequest::SET);
+  set.set_key("rank0/addr");
+  set.set_value(std::string("10.0.0.1:29500\0x", 16));
+  v1::StoreResponse resp;
+  ASSERT_TRUE(call(set, &resp).ok());
+
+  v1::StoreRequest get;
+  get.set_op(v1::StoreRequest::GET);
+  get.set_key("rank0/addr");
+  ASSERT_TRUE(call(get, &resp).ok());
+  EXPECT_EQ(resp.value(), set.value());
+
+  v1::StoreRequest add;
+  add.set_op(v1::StoreRequest::ADD);
+  add.set_key("arrived");
+  add.set_add(1);
+  ASSERT_TRUE(call(add, &resp).ok());
+  EXPECT_EQ(resp.number(), 1);
+  add.set_add(2);
+  ASSERT_TRUE(call(add, &resp).ok());
+  EXPECT_EQ(resp.number(), 3);
+
+  v1::StoreRequest num;
+  num.set_op(v1::StoreRequest::NUM_KEYS);
+  ASSERT_TRUE(call(num, &resp).ok());
+  EXPECT_EQ(resp.number(), 2);
+
+  // A GET for a missing key waits for it: set from another thread while waiting.
+  std::thread setter([&] {
+    std::this_thread::sleep_for(milliseconds(100));
+    v1::StoreRequest late = set;
+    late.set_key("late");
+    v1::StoreResponse r;
+    EXPECT_TRUE(call(late, &r).ok());
+  });
+  get.set_key("late");
+  get.set_timeout_ms(5000);
+  ASSERT_TRUE(call(get, &resp).ok());
+  setter.join();
+
+  get.set_key("never");
+  get.set_timeout_ms(200);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(call(get, &resp).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, milliseconds(190));
+
+  v1::StoreRequest cas;
+  cas.set_op(v1::StoreRequest::COMPARE_SET);
+  cas.set_key("arrived");
+  cas.set_expected("3");
+  cas.set_value("0");
+  ASSERT_TRUE(call(cas, &resp).ok());
+  EXPECT_TRUE(resp.ok());
+  cas.set_expected("3");
+  ASSERT_TRUE(call(cas, &resp).ok());
+  EXPECT_FALSE(resp.ok());
+  EXPECT_EQ(resp.value(), "0");
+
+  v1::StoreRequest check;
+  check.set_op(v1::StoreRequest::CHECK);
+  check.add_keys("arrived");
+  check.add_keys("late");
+  ASSERT_TRUE(call(check, &resp).ok());
+  EXPECT_TRUE(resp.ok());
+  v1::StoreRequest del;
+  del.set_op(v1::StoreRequest::DELETE);
+  del.set_key("late");
+  ASSERT_TRUE(call(del, &resp).ok());
+  EXPECT_TRUE(resp.ok());
+  ASSERT_TRUE(call(check, &resp).ok());
+  EXPECT_FALSE(resp.ok());
+
+  v1::StoreRequest stale = set;
+  stale.set_group_epoch(epoch + 7);
+  EXPECT_EQ(stub_->Store(Ctx().get(), stale, &resp).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+TEST_F(LearnerServiceTest, HealthCheckReportsServing) {
+  StartServer();
+  grpc::GenericStub generic(channel_);
+  for (const std::string service : {"", "grpo.v1.LearnerService"}) {
+    // grpc.health.v1.HealthCheckRequest{service = 1}, encoded by hand.
+    std::string request;
+    if (!service.empty()) {
+      request.push_back(0x0a);
+      request.push_back(static_cast<char>(service.size()));
+      request += service;
+    }
+    grpc::Slice slice(request);
+    grpc::ByteBuffer req(&slice, 1), resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + kCallTimeout);
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
+                      [&](grpc::Status s) { done.set_value(s); });
+    grpc::Status s = done.get_future().get();
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    grpc::Slice out;
+    ASSERT_TRUE(resp.DumpToSingleSlice(&out).ok());
+    // HealthCheckResponse{status = 1 (SERVING)}.
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(out.begin()), out.size()),
+              std::string("\x08\x01", 2))
+        << service;
+  }
+}
+
+TEST_F(LearnerServiceTest, RestartRequeuesPromptsAcceptedAfterTheLastCheckpoint) {
+  config_.save_steps = 1;
+  StartServer();
+  Submit(Prompts(4));
+  const auto leases = Lease(3);
+  ASSERT_EQ(Push({Group(leases.leases(0)), Group(leases.leases(1))}).accepted(), 2);
+  ASSERT_TRUE(WaitFor([&] { return fs::exists(dir_ / "checkpoint-1"); }));
+  ASSERT_TRUE(WaitFor([&] { return fs::exists(dir_ / kLedgerWatermarksFile); }));
+  clock_ms_ += 10;
+  ASSERT_EQ(Push({Group(leases.leases(2))}).accepted(), 1);  // buffered, not trained
+  EXPECT_EQ(StateOf(leases.leases(2).prompt_id()), learner::PromptState::kTrained);
+  // A crash: no checkpoint on the way down.
+  ASSERT_TRUE(server_->Stop(/*checkpoint=*/false).ok());
+  server_.reset();
+
+  StartServer();
+  EXPECT_EQ(server_->published_version(), 1);
+  EXPECT_EQ(StateOf(leases.leases(0).prompt_id()), learner::PromptState::kTrained);
+  EXPECT_EQ(StateOf(leases.leases(1).prompt_id()), learner::PromptState::kTrained);
+  EXPECT_EQ(StateOf(leases.leases(2).prompt_id()), learner::PromptState::kQueued);
+}
+
+}  // namespace
+}  // namespace grpo::services
