@@ -34,8 +34,9 @@ void AdamW::Step(double lr) {
 }
 
 void AdamW::ZeroGrad() {
+  at::NoGradGuard no_grad;
   for (auto& [name, p] : params_) {
-    if (p.grad().defined()) p.mutable_grad() = at::Tensor();
+    if (p.grad().defined()) p.mutable_grad().zero_();
   }
 }
 

@@ -30,6 +30,9 @@ class AdamW {
   // One update of every parameter that has a gradient, with learning rate `lr`. Parameters
   // without a gradient are skipped (their moments stay as they were).
   void Step(double lr);
+  // Zeroes the gradients in place, keeping their memory: the next backward accumulates into
+  // it, so every micro-batch of every step has the same peak (a freed gradient would make the
+  // first micro-batch cheaper than the rest, and cost fresh page faults each step).
   void ZeroGrad();
   int64_t step_count() const { return step_; }
 
