@@ -16,12 +16,14 @@
 namespace grpo::common {
 
 // Values of `reason` on grpo_groups_rejected_total; the first nine are
-// learner::RejectReasonName's, the lease ones come from the ledger.
-inline constexpr std::array<std::string_view, 11> kRejectReasons = {
+// learner::RejectReasonName's, the lease ones come from the ledger, the last three from the
+// learner service (job over, ledger read failed, buffer stayed full).
+inline constexpr std::array<std::string_view, 14> kRejectReasons = {
     "group_size",          "empty_prompt",       "empty_completion",
     "completion_too_long", "token_out_of_vocab", "logprob_length",
     "reward_count",        "non_finite_reward",  "stale",
-    "unknown_lease",       "expired_lease"};
+    "unknown_lease",       "expired_lease",      "job_ended",
+    "ledger_error",        "buffer_full"};
 // Values of `state` on grpo_ledger_prompts (the prompt ledger's states).
 inline constexpr std::array<std::string_view, 4> kLedgerStates = {"queued", "leased", "trained",
                                                                   "rejected"};

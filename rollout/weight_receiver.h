@@ -31,6 +31,10 @@ class WeightReceiver {
 
   // "grpc", "gloo", "nccl": what to report in logs and on Register.
   virtual std::string backend() const = 0;
+
+  // The worker's id and the weight-sync group epoch, after every Register and Heartbeat. Called
+  // from the worker's heartbeat thread too: receivers that use it make it thread-safe.
+  virtual void SetGroup(const std::string& /*worker_id*/, int64_t /*group_epoch*/) {}
 };
 
 }  // namespace grpo::rollout

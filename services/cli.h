@@ -20,6 +20,9 @@ void AddBenchCommand(CLI::App& app, CliAction* action);
 // rollout (a worker against a learner) and reward-server (RewardService over built-ins).
 void AddRolloutCommands(CLI::App& app, CliAction* action);
 
+// demo: a learner and rollout workers as processes on loopback learn the built-in task.
+void AddDemoCommand(CLI::App& app, CliAction* action);
+
 // learner (the service) and its clients: submit, status, watch, cancel.
 void AddLearnerCommands(CLI::App& app, CliAction* action);
 // submit, status, watch, cancel (registered by AddLearnerCommands).

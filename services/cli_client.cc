@@ -17,16 +17,10 @@
 #include "services/auth.h"
 #include "services/cli.h"
 #include "services/convert.h"
+#include "services/learner_client.h"
 
 namespace grpo::services {
 namespace {
-
-// Deadline of one unary call, and of a whole SubmitDataset upload.
-constexpr double kDefaultCallTimeoutSeconds = 60;
-// Deadline of a WatchJob stream (a watch normally ends with the job long before).
-constexpr double kDefaultWatchTimeoutSeconds = 7 * 24 * 3600;
-// SubmitDataset message payload (lines are never split).
-constexpr size_t kSubmitChunkBytes = 1 << 20;
 
 struct ClientOptions {
   std::string config_file;  // learner_address and auth_token_file from here unless given
@@ -53,19 +47,7 @@ void AddCommonOptions(CLI::App* cmd, ClientOptions* o) {
   cmd->add_option("--timeout_seconds", o->timeout_seconds, "deadline of each call");
 }
 
-// A connected client: the stub and the token.
-struct Client {
-  std::unique_ptr<v1::LearnerService::Stub> stub;
-  std::string token;
-
-  std::unique_ptr<grpc::ClientContext> Context(double seconds) const {
-    auto ctx = std::make_unique<grpc::ClientContext>();
-    ctx->set_deadline(std::chrono::system_clock::now() +
-                      std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
-    AddAuth(*ctx, token);
-    return ctx;
-  }
-};
+using Client = LearnerClient;
 
 StatusOr<Client> Connect(const ClientOptions& o) {
   common::GrpoConfig cfg;
@@ -76,10 +58,7 @@ StatusOr<Client> Connect(const ClientOptions& o) {
   const std::string token_file =
       o.auth_token_file.empty() ? cfg.auth_token_file : o.auth_token_file;
   if (!(o.timeout_seconds > 0)) return Status::InvalidArgument("--timeout_seconds must be > 0");
-  Client c;
-  ASSIGN_OR_RETURN(c.token, ReadAuthToken(token_file));
-  c.stub = v1::LearnerService::NewStub(MakeChannel(address));
-  return c;
+  return ConnectLearner(address, token_file);
 }
 
 int Fail(const char* cmd, const Status& s) {
@@ -94,11 +73,6 @@ std::string ProtoJson(const google::protobuf::Message& m) {
   opts.always_print_primitive_fields = true;
   (void)google::protobuf::util::MessageToJsonString(m, &out, opts);
   return out;
-}
-
-double Metric(const v1::JobEvent& e, const char* name) {
-  auto it = e.metrics().find(name);
-  return it == e.metrics().end() ? 0.0 : it->second;
 }
 
 void PrintJob(const v1::Job& job, bool json) {
@@ -124,50 +98,23 @@ void PrintJob(const v1::Job& job, bool json) {
   }
 }
 
-// Streams WatchJob until the job ends; reconnects when the learner dropped a slow watcher.
+// Follows the job until it ends: one line (or JSON object) per step on stdout, state changes on
+// stderr. 1 when the job failed.
 int Watch(const Client& c, const ClientOptions& o) {
   bool header = false;
-  while (true) {
-    auto ctx = c.Context(o.watch_timeout_seconds);
-    auto reader = c.stub->WatchJob(ctx.get(), v1::WatchJobRequest());
-    v1::JobEvent e;
-    std::string state;
-    while (reader->Read(&e)) {
-      state = e.job().state();
-      if (e.metrics().empty()) {
-        std::cerr << "job " << state << " at step " << e.job().global_step() << "/"
-                  << e.job().max_steps()
-                  << (e.job().message().empty() ? "" : ": " + e.job().message()) << "\n";
-        continue;
-      }
-      if (o.json) {
-        nlohmann::json j = nlohmann::json::object();
-        for (const auto& [k, v] : e.metrics()) j[k] = v;
-        j["step"] = e.step();
-        std::cout << j.dump() << "\n" << std::flush;
-        continue;
-      }
-      if (!header) {
-        std::cout << std::setw(6) << "step" << std::setw(10) << "reward" << std::setw(11)
-                  << "reward_std" << std::setw(10) << "loss" << std::setw(10) << "kl"
-                  << std::setw(10) << "grad_norm" << std::setw(8) << "len" << std::setw(10)
-                  << "tok/s"
-                  << "\n";
-        header = true;
-      }
-      std::cout << std::fixed << std::setw(6) << e.step() << std::setprecision(4) << std::setw(10)
-                << Metric(e, "reward") << std::setw(11) << Metric(e, "reward_std") << std::setw(10)
-                << Metric(e, "loss") << std::setw(10) << Metric(e, "kl") << std::setw(10)
-                << Metric(e, "grad_norm") << std::setprecision(1) << std::setw(8)
-                << Metric(e, "completions/mean_length") << std::setw(10)
-                << Metric(e, "tokens_per_second") << "\n"
-                << std::flush;
+  auto state = FollowJob(c, o.watch_timeout_seconds, [&](const v1::JobEvent& e) {
+    if (e.metrics().empty()) {
+      std::cerr << JobStateLine(e) << "\n";
+    } else if (o.json) {
+      std::cout << StepJson(e).dump() << "\n" << std::flush;
+    } else {
+      if (!header) std::cout << StepTableHeader();
+      header = true;
+      std::cout << StepTableRow(e) << std::flush;
     }
-    grpc::Status s = reader->Finish();
-    if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) continue;  // dropped: rewatch
-    if (!s.ok()) return Fail("watch", FromGrpcStatus(s));
-    return state == "failed" ? 1 : 0;
-  }
+  });
+  if (!state.ok()) return Fail("watch", state.status());
+  return *state == "failed" ? 1 : 0;
 }
 
 int RunSubmit(const ClientOptions& o) {
@@ -175,30 +122,11 @@ int RunSubmit(const ClientOptions& o) {
   if (!c.ok()) return Fail("submit", c.status());
   std::ifstream in(o.dataset);
   if (!in) return Fail("submit", Status::NotFound("cannot read dataset " + o.dataset));
-  auto ctx = c->Context(o.timeout_seconds);
-  v1::SubmitDatasetResponse response;
-  auto writer = c->stub->SubmitDataset(ctx.get(), &response);
-  v1::SubmitDatasetRequest msg;
-  msg.set_idempotency_key(o.idempotency_key);
-  msg.set_name(o.name.empty() ? o.dataset : o.name);
-  size_t bytes = 0;
-  bool write_ok = true;
-  std::string line;
-  while (write_ok && std::getline(in, line)) {
-    bytes += line.size();
-    msg.add_lines(std::move(line));
-    if (bytes >= kSubmitChunkBytes) {
-      write_ok = writer->Write(msg);
-      msg.Clear();
-      bytes = 0;
-    }
-  }
-  if (write_ok && (msg.lines_size() > 0 || !msg.idempotency_key().empty() || !msg.name().empty())) {
-    write_ok = writer->Write(msg);
-  }
-  writer->WritesDone();
-  grpc::Status s = writer->Finish();
-  if (!s.ok()) return Fail("submit", FromGrpcStatus(s));
+  auto submitted =
+      SubmitLines(*c, in, o.idempotency_key, o.name.empty() ? o.dataset : o.name,
+                  o.timeout_seconds);
+  if (!submitted.ok()) return Fail("submit", submitted.status());
+  const v1::SubmitDatasetResponse& response = *submitted;
   if (o.json) {
     std::cout << nlohmann::json{{"dataset_id", response.dataset_id()},
                                 {"prompt_count", response.prompt_count()},

@@ -7,6 +7,7 @@
 
 #include "common/byte_tokenizer.h"
 #include "common/config.h"
+#include "common/http_exposer.h"
 #include "common/logging.h"
 #include "common/model.h"
 #include "common/model_config.h"
@@ -78,9 +79,21 @@ int RunLearner(const LearnerOptions& o) {
     return fail(server.status(), server.status().code() == StatusCode::kInvalidArgument ? 2 : 1);
   }
   if (Status s = (*server)->Start(); !s.ok()) return fail(s);
-  std::cerr << "grpo learner: listening on port " << (*server)->port() << "\n";
+  // /metrics and /healthz on every interface (the deploy manifests scrape it); destroyed
+  // before the server, whose registry it borrows.
+  LearnerServer* learner = server->get();
+  common::HttpExposer exposer((*server)->metrics_registry(),
+                              [learner] { return learner->Health(); });
+  if (Status s = exposer.Start("", static_cast<uint16_t>(cfg.metrics_port)); !s.ok()) {
+    (void)(*server)->Stop(/*checkpoint=*/false);
+    return fail(s.WithContext("metrics_port"));
+  }
+  std::cerr << "grpo learner: listening on port " << (*server)->port() << ", metrics on port "
+            << exposer.port() << "\n";
   // One line on stdout for scripts that start the learner on port 0.
-  std::cout << "{\"port\": " << (*server)->port() << "}\n" << std::flush;
+  std::cout << "{\"port\": " << (*server)->port() << ", \"metrics_port\": " << exposer.port()
+            << "}\n"
+            << std::flush;
 
   struct sigaction sa {};
   sa.sa_handler = OnSignal;

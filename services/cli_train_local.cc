@@ -26,6 +26,7 @@
 #include "rollout/generator.h"
 #include "rollout/reward.h"
 #include "services/cli.h"
+#include "services/demo_task.h"
 #include "services/prompt_text.h"
 
 namespace grpo::services {
@@ -38,19 +39,6 @@ struct Row {
   std::string prompt_text;  // after the chat template
   json row;                 // the dataset line (extra fields for rewards)
 };
-
-// The built-in demo task: answer briefly. The `length` reward (TRL's reward_len example) pays
-// -|target - tokens|; a policy initialised from scratch almost never emits EOS early, so the
-// reward starts near -(max_completion_length - target) and rises as it learns to stop.
-std::vector<json> BuiltinDataset() {
-  const char* questions[] = {"Say hi.", "Name a colour.", "Count to three.", "Pick a number.",
-                             "Greet me.", "Name a fruit.", "Say yes or no.", "Name an animal."};
-  std::vector<json> rows;
-  for (const char* q : questions) {
-    rows.push_back({{"messages", json::array({{{"role", "user"}, {"content", q}}})}});
-  }
-  return rows;
-}
 
 StatusOr<std::vector<json>> ReadJsonl(const std::string& path) {
   std::ifstream in(path);
@@ -77,55 +65,12 @@ StatusOr<std::string> PromptText(const json& row, int64_t index) {
   return text;
 }
 
-// A text plot of y over steps: `height` rows, one column per bucket of steps.
-std::string TextPlot(const std::vector<double>& y, int width = 60, int height = 12) {
-  if (y.empty()) return "";
-  const int cols = std::min<int>(width, static_cast<int>(y.size()));
-  std::vector<double> v(cols, 0.0);
-  for (int c = 0; c < cols; ++c) {
-    const size_t b = y.size() * c / cols, e = std::max(b + 1, y.size() * (c + 1) / cols);
-    for (size_t i = b; i < e; ++i) v[c] += y[i];
-    v[c] /= static_cast<double>(e - b);
-  }
-  const double lo = *std::min_element(v.begin(), v.end());
-  const double hi = *std::max_element(v.begin(), v.end());
-  const double span = hi > lo ? hi - lo : 1.0;
-  std::ostringstream out;
-  for (int r = height - 1; r >= 0; --r) {
-    const double level = lo + span * r / (height - 1);
-    out << std::setw(9) << std::fixed << std::setprecision(2) << level << " |";
-    for (int c = 0; c < cols; ++c) {
-      const int row = static_cast<int>(std::lround((v[c] - lo) / span * (height - 1)));
-      out << (row == r ? '*' : (row > r ? ':' : ' '));
-    }
-    out << "\n";
-  }
-  out << std::string(10, ' ') << '+' << std::string(cols, '-') << "\n"
-      << std::string(11, ' ') << "step 1" << std::string(std::max(0, cols - 12), ' ') << y.size()
-      << "\n";
-  return out.str();
-}
-
-double Mean(const std::vector<double>& v, size_t b, size_t e) {
-  double s = 0;
-  for (size_t i = b; i < e; ++i) s += v[i];
-  return e > b ? s / static_cast<double>(e - b) : 0.0;
-}
-
-double StdErr(const std::vector<double>& v, size_t b, size_t e) {
-  const double m = Mean(v, b, e);
-  double s = 0;
-  for (size_t i = b; i < e; ++i) s += (v[i] - m) * (v[i] - m);
-  const double n = static_cast<double>(e - b);
-  return n > 1 ? std::sqrt(s / (n - 1) / n) : 0.0;
-}
-
 struct TrainLocalOptions {
   std::vector<std::string> overrides;
   std::string dataset;  // JSON Lines; empty = built-in task
   int64_t prompts_per_step = 0;  // 0 = from the generation batch size
   bool json_lines = false;
-  double target_length = 8;
+  double target_length = kDemoTargetLength;
 };
 
 int RunTrainLocal(const TrainLocalOptions& o) {
@@ -135,19 +80,9 @@ int RunTrainLocal(const TrainLocalOptions& o) {
   };
   // Demo defaults (a tiny model from scratch learns them in a couple of minutes on 2 cores);
   // --config and flags override them.
-  common::GrpoConfig cfg;
+  common::GrpoConfig cfg = DemoTaskConfig();
   cfg.output_dir = "grpo-output/train-local";
-  cfg.num_generations = 8;
-  cfg.per_device_train_batch_size = 16;
-  cfg.gradient_accumulation_steps = 2;
-  cfg.max_prompt_length = 128;
-  cfg.max_completion_length = 24;
-  cfg.learning_rate = 3e-3;
-  cfg.lr_scheduler_type = "constant";
-  cfg.max_steps = 60;
   cfg.save_steps = 30;
-  cfg.reward_funcs = {"length"};
-  cfg.seed = 1;
   if (Status s = common::ApplyConfigOverrides(cfg, o.overrides); !s.ok()) return fail(s, 2);
   if (Status s = cfg.Validate(); !s.ok()) return fail(s, 2);
 
@@ -190,8 +125,7 @@ int RunTrainLocal(const TrainLocalOptions& o) {
     prompt_ids.push_back(std::move(ids).value());
   }
 
-  json reward_options = json::object();
-  reward_options["length"] = {{"target_length", static_cast<int64_t>(o.target_length)}};
+  const json reward_options = DemoRewardOptions(static_cast<int64_t>(o.target_length));
   auto rewards = rollout::RewardRunner::FromConfig(cfg, reward_options);
   if (!rewards.ok()) return fail(rewards.status(), 2);
 
@@ -281,15 +215,15 @@ int RunTrainLocal(const TrainLocalOptions& o) {
   if (!final_dir.ok()) return fail(final_dir.status());
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-  const size_t n = curve.size(), k = std::max<size_t>(1, std::min<size_t>(10, n / 3));
-  const double first = Mean(curve, 0, k), last = Mean(curve, n - k, n);
-  const double se = std::sqrt(std::pow(StdErr(curve, 0, k), 2) + std::pow(StdErr(curve, n - k, n), 2));
+  const CurveSummary c = SummarizeCurve(curve);
+  const size_t n = c.steps, k = c.window;
+  const double first = c.first, last = c.last;
   json summary = {{"summary", true},
                   {"steps", n},
                   {"seconds", seconds},
                   {"reward_first", first},
                   {"reward_last", last},
-                  {"reward_gain_in_std_errors", se > 0 ? (last - first) / se : 0.0},
+                  {"reward_gain_in_std_errors", c.gain_in_std_errors},
                   {"checkpoint", *final_dir}};
   if (o.json_lines) {
     std::cout << summary.dump() << "\n";

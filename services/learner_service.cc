@@ -16,9 +16,11 @@
 
 #include "common/logging.h"
 #include "common/safetensors.h"
+#include "learner/grpo_trainer.h"
 #include "learner/checkpoint.h"
 #include "services/auth.h"
 #include "services/convert.h"
+#include "services/grpc_store.h"
 
 namespace grpo::services {
 namespace {
@@ -173,6 +175,12 @@ StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
   if (!options.now_ms) options.now_ms = SystemNowMs;
   std::unique_ptr<LearnerServer> s(new LearnerServer(std::move(config), std::move(options)));
   const common::GrpoConfig& cfg = s->config_;
+  s->registry_ = s->options_.metrics_registry;
+  if (s->registry_ == nullptr) {
+    s->own_registry_ = std::make_unique<common::Registry>();
+    s->registry_ = s->own_registry_.get();
+  }
+  ASSIGN_OR_RETURN(s->metrics_, common::LearnerMetrics::Create(*s->registry_, cfg.reward_funcs));
   const int64_t gen_batch = cfg.per_device_train_batch_size * cfg.EffectiveStepsPerGeneration();
   s->batch_groups_ = gen_batch / cfg.num_generations;
   if (s->batch_groups_ < 1) {
@@ -204,6 +212,7 @@ StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
   if (s->options_.resume) RETURN_IF_ERROR(s->Resume());
   s->global_step_ = s->trainer_->global_step();
   s->last_saved_step_ = s->global_step_;
+  s->metrics_.policy_version->Set(static_cast<double>(s->trainer_->policy_version()));
   if (s->global_step_ >= cfg.max_steps) {
     s->state_ = JobState::kDone;
     s->message_ = "max_steps reached";
@@ -261,6 +270,7 @@ Status LearnerServer::Start() {
     health->SetServingStatus(kServiceName, true);
   }
   train_thread_ = std::thread([this] { TrainLoop(); });
+  sync_thread_ = std::thread([this] { WeightSyncLoop(); });
   GRPO_LOG_INFO("learner: serving on port {} (step {}, policy version {})", port_,
                 trainer_->global_step(), trainer_->policy_version());
   return Status::OK();
@@ -283,6 +293,7 @@ Status LearnerServer::Stop(bool checkpoint) {
   }
   store_cv_.notify_all();
   if (train_thread_.joinable()) train_thread_.join();
+  if (sync_thread_.joinable()) sync_thread_.join();
 
   Status result;
   bool need_save = false;
@@ -322,6 +333,12 @@ std::map<std::string, int64_t> LearnerServer::RefusedCounts() const {
   return refused_;
 }
 
+Status LearnerServer::Health() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_ != JobState::kFailed) return Status::OK();
+  return Status::Unavailable("job failed: " + message_);
+}
+
 bool LearnerServer::TerminalLocked() const {
   return state_ == JobState::kDone || state_ == JobState::kCancelled || state_ == JobState::kFailed;
 }
@@ -358,6 +375,7 @@ void LearnerServer::TrainLoop() {
         batch.push_back(std::move(buffer_.front()));
         buffer_.pop_front();
       }
+      metrics_.buffer_groups->Set(static_cast<double>(buffer_.size()));
     }
     room_cv_.notify_all();
     TrainBatch(std::move(batch));
@@ -365,6 +383,7 @@ void LearnerServer::TrainLoop() {
 }
 
 void LearnerServer::Housekeep() {
+  RefreshLedgerMetrics();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (TerminalLocked()) return;
@@ -442,9 +461,12 @@ void LearnerServer::TrainBatch(std::vector<BufferedGroup> batch) {
   for (const auto& [prompt_id, reason] : result->rejected) {
     auto moved = ledger_->RequeueTrained(prompt_id, pass_of[prompt_id]);
     if (!moved.ok()) GRPO_LOG_WARN("learner: requeue {}: {}", prompt_id, moved.status().ToString());
+    metrics_.groups_rejected->Increment({learner::RejectReasonName(reason)});
     std::lock_guard<std::mutex> lock(mu_);
     ++refused_[std::string(learner::RejectReasonName(reason))];
   }
+  for (const auto& sm : result->steps) RecordStepMetrics(sm);
+  if (!result->steps.empty()) RefreshLedgerMetrics();
 
   const int64_t step = trainer_->global_step();
   bool publish = false;
@@ -489,6 +511,7 @@ void LearnerServer::TrainBatch(std::vector<BufferedGroup> batch) {
 }
 
 Status LearnerServer::PublishWeights() {
+  const auto publish_start = Clock::now();
   auto snap = std::make_shared<WeightSnapshot>();
   try {
     at::NoGradGuard no_grad;
@@ -505,7 +528,88 @@ Status LearnerServer::PublishWeights() {
     last_published_step_ = global_step_;
   }
   state_cv_.notify_all();
+  metrics_.weight_sync_duration->Observe(
+      std::chrono::duration<double>(Clock::now() - publish_start).count());
   return Status::OK();
+}
+
+// The weight-sync group of one epoch: the roster (worker ids of ranks 1..N, one a line) is in
+// the store under kWeightSyncRosterKey; version k of the epoch is announced under
+// kWeightSyncVersionKeyPrefix + k before the learner calls Begin (see GlooWeightReceiver).
+void LearnerServer::WeightSyncLoop() {
+  std::unique_ptr<common::WeightSync> sync;
+  c10::intrusive_ptr<GrpcStore> store;
+  int64_t last_sent = -1, seq = 0;
+  common::GlooWeightSyncOptions sync_options;
+  sync_options.sync.timeout = options_.weight_sync_timeout;
+  sync_options.hostname = options_.weight_sync_hostname;
+  const auto fail = [&](int64_t epoch, const Status& s) {
+    GRPO_LOG_WARN("learner: gloo weight sync at epoch {} failed ({}); rebuilding the group",
+                  epoch, s.ToString());
+    if (sync) sync->Abort();
+    sync.reset();
+    gloo_sync_failures_ += 1;
+    int64_t expected = epoch;
+    group_epoch_.compare_exchange_strong(expected, epoch + 1);
+  };
+  while (true) {
+    std::shared_ptr<const WeightSnapshot> snap;
+    std::vector<std::pair<int32_t, std::string>> gloo_workers;  // (rank, id)
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      state_cv_.wait_for(lock, kWaitPollInterval);
+      if (stopping_) break;
+      snap = weights_;
+      for (const auto& [id, w] : workers_) {
+        if (w.backend == "gloo") gloo_workers.emplace_back(w.rank, id);
+      }
+    }
+    const int64_t epoch = group_epoch_.load();
+    if (gloo_workers.empty() || (sync && sync->epoch() != epoch)) {
+      if (sync) sync->Abort();
+      sync.reset();
+      if (gloo_workers.empty()) continue;
+    }
+    if (!sync) {
+      std::sort(gloo_workers.begin(), gloo_workers.end());
+      std::string roster;
+      for (const auto& [rank, id] : gloo_workers) roster += id + "\n";
+      store = LocalStore(epoch, options_.weight_sync_timeout);
+      Status s = store->Set(kWeightSyncRosterKey, roster);
+      if (s.ok()) {
+        const int world = static_cast<int>(gloo_workers.size()) + 1;
+        auto created = common::CreateGlooWeightSync(store, 0, world, epoch, sync_options);
+        s = created.status();
+        if (created.ok()) sync = std::move(created).value();
+      }
+      if (!s.ok()) {
+        fail(epoch, s);
+        continue;
+      }
+      GRPO_LOG_INFO("learner: gloo weight-sync group of {} ranks at epoch {}",
+                    gloo_workers.size() + 1, epoch);
+      seq = 0;
+      last_sent = -1;
+    }
+    if (!snap || snap->version <= last_sent) continue;
+    const auto t0 = Clock::now();
+    common::NamedTensors tensors = snap->tensors;  // shares the immutable snapshot's storage
+    Status s = store->Set(kWeightSyncVersionKeyPrefix + std::to_string(seq),
+                          std::to_string(snap->version));
+    if (s.ok()) s = sync->Begin(snap->version);
+    if (s.ok()) s = sync->Broadcast(tensors);
+    if (s.ok()) s = sync->Commit();
+    if (!s.ok()) {
+      fail(epoch, s);
+      continue;
+    }
+    ++seq;
+    last_sent = snap->version;
+    gloo_syncs_ += 1;
+    GRPO_LOG_INFO("learner: policy version {} broadcast over gloo (epoch {}) in {:.3f} s",
+                  snap->version, epoch, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  if (sync) sync->Abort();
 }
 
 Status LearnerServer::Checkpoint() {
@@ -517,6 +621,7 @@ Status LearnerServer::Checkpoint() {
     if (!accepting_ms_.empty()) watermark = std::min(watermark, *accepting_ms_.begin());
   }
   --watermark;
+  const auto save_start = Clock::now();
   StatusOr<std::string> dir = Status::Internal("not run");
   try {
     dir = learner::SaveCheckpoint(*trainer_, config_.output_dir, options_.model_dir);
@@ -530,6 +635,8 @@ Status LearnerServer::Checkpoint() {
     std::lock_guard<std::mutex> lock(mu_);
     last_saved_step_ = trainer_->global_step();
   }
+  metrics_.checkpoint_duration->Observe(
+      std::chrono::duration<double>(Clock::now() - save_start).count());
   GRPO_LOG_INFO("learner: saved {}", *dir);
   return Status::OK();
 }
@@ -705,8 +812,49 @@ void LearnerServer::Refuse(PushTally* tally, const std::string& reason,
   ++tally->refused;
   ++tally->by_reason[reason];
   if (tally->messages.size() < kMaxAckMessages) tally->messages.push_back(message);
+  metrics_.groups_rejected->Increment({reason});
   std::lock_guard<std::mutex> lock(mu_);
   ++refused_[reason];
+}
+
+void LearnerServer::RecordStepMetrics(const learner::StepMetrics& step) {
+  const common::LearnerMetrics& m = metrics_;
+  m.optimizer_steps->Increment();
+  m.policy_version->Set(static_cast<double>(step.policy_version));
+  m.loss->Set(step.loss);
+  m.reward_mean->Set(step.reward);
+  m.reward_std->Set(step.reward_std);
+  for (size_t i = 0; i < step.reward_names.size(); ++i) {
+    const std::string& fn = step.reward_names[i];
+    if (i < step.reward_fn_mean.size()) m.reward_fn_mean->Set({fn}, step.reward_fn_mean[i]);
+    if (i < step.reward_fn_std.size()) m.reward_fn_std->Set({fn}, step.reward_fn_std[i]);
+  }
+  m.reward_zero_std_ratio->Set(step.frac_reward_zero_std);
+  m.completion_mean_length->Set(step.completions_mean_length);
+  m.completion_clipped_ratio->Set(step.completions_clipped_ratio);
+  m.kl->Set(step.has_kl ? step.kl : 0.0);
+  m.clip_ratio->Set({"low"}, step.clip_ratio_low);
+  m.clip_ratio->Set({"high"}, step.clip_ratio_high);
+  m.clip_ratio->Set({"region"}, step.clip_ratio_region);
+  m.entropy->Set(step.entropy);
+  if (step.has_is_ratio) {
+    m.is_ratio_mean->Set(step.is_ratio_mean);
+    m.is_ratio_max->Set(step.is_ratio_max);
+  }
+  m.grad_norm->Set(step.grad_norm);
+  m.learning_rate->Set(step.learning_rate);
+  m.tokens_per_second->Set(step.tokens_per_second);
+  m.step_duration->Observe(step.step_seconds);
+  m.peak_memory->Set(static_cast<double>(step.peak_memory_bytes));
+}
+
+void LearnerServer::RefreshLedgerMetrics() {
+  auto counts = ledger_->Counts();
+  if (!counts.ok()) return;  // Housekeep and BuildJob report ledger errors
+  metrics_.ledger_prompts->Set({"queued"}, static_cast<double>(counts->queued));
+  metrics_.ledger_prompts->Set({"leased"}, static_cast<double>(counts->leased));
+  metrics_.ledger_prompts->Set({"trained"}, static_cast<double>(counts->trained));
+  metrics_.ledger_prompts->Set({"rejected"}, static_cast<double>(counts->rejected));
 }
 
 void LearnerServer::ProcessGroup(const v1::RolloutGroup& msg, grpc::ServerContext* context,
@@ -814,9 +962,13 @@ void LearnerServer::ProcessGroup(const v1::RolloutGroup& msg, grpc::ServerContex
       if (reward_count_ < 0 && !group.completions.empty()) {
         reward_count_ = static_cast<int64_t>(group.completions[0].rewards.size());
       }
+      metrics_.staleness->Observe(
+          static_cast<double>(trainer_->policy_version() - group.policy_version));
       buffer_.push_back(BufferedGroup{std::move(group), record->pass, accepted_ms});
       bad_group_attempts_.erase(prompt);
       ++tally->accepted;
+      metrics_.groups_accepted->Increment();
+      metrics_.buffer_groups->Set(static_cast<double>(buffer_.size()));
     }
   }
   if (!done.ok()) {
@@ -892,6 +1044,7 @@ grpc::Status LearnerServer::GetWeights(grpc::ServerContext* context,
         if (!writer->Write(msg)) {
           return grpc::Status(grpc::StatusCode::CANCELLED, "GetWeights: the client went away");
         }
+        metrics_.weight_sync_bytes->Increment(static_cast<double>(n));
       } while (offset < bytes);
     }
     return grpc::Status::OK;
@@ -1019,6 +1172,21 @@ grpc::Status LearnerServer::CancelJob(grpc::ServerContext* context,
 grpc::Status LearnerServer::Store(grpc::ServerContext* context, const v1::StoreRequest* request,
                                   v1::StoreResponse* response) {
   if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
+  return HandleStore(request, response, context);
+}
+
+c10::intrusive_ptr<GrpcStore> LearnerServer::LocalStore(int64_t epoch,
+                                                        std::chrono::milliseconds timeout) {
+  StoreCall call = [this](const v1::StoreRequest& request, v1::StoreResponse* response,
+                          std::chrono::milliseconds /*deadline: GET bounds itself*/) {
+    return FromGrpcStatus(HandleStore(&request, response, nullptr));
+  };
+  return c10::make_intrusive<GrpcStore>(std::move(call), epoch, timeout);
+}
+
+grpc::Status LearnerServer::HandleStore(const v1::StoreRequest* request,
+                                        v1::StoreResponse* response,
+                                        grpc::ServerContext* context) {
   return Guarded("Store", [&]() -> grpc::Status {
     const int64_t epoch = request->group_epoch();
     const int64_t current = group_epoch_.load();
@@ -1069,7 +1237,7 @@ grpc::Status LearnerServer::Store(grpc::ServerContext* context, const v1::StoreR
           if (store_stopping_) {
             return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the learner is shutting down");
           }
-          if (context->IsCancelled()) return grpc::Status::CANCELLED;
+          if (context != nullptr && context->IsCancelled()) return grpc::Status::CANCELLED;
           const auto now = Clock::now();
           if (now >= deadline) {
             return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,

@@ -48,12 +48,16 @@
 #include <vector>
 
 #include "common/config.h"
+#include "common/gloo_weight_sync.h"
+#include "common/grpo_metrics.h"
+#include "common/metrics.h"
 #include "common/model.h"
 #include "common/rollout_types.h"
 #include "common/status.h"
 #include "grpo/v1/learner.grpc.pb.h"
 #include "learner/grpo_trainer.h"
 #include "learner/prompt_ledger.h"
+#include "services/grpc_store.h"
 
 namespace grpo::services {
 
@@ -103,6 +107,14 @@ struct LearnerServerOptions {
   int64_t buffer_capacity_groups = 0;
   // Restore the latest checkpoint under output_dir (and requeue what it does not hold).
   bool resume = true;
+  // Gloo weight sync (workers that register with weight_sync_backend "gloo"): the deadline of
+  // each rendezvous/collective, and the address the learner's rank listens on (empty: the
+  // machine's hostname; "127.0.0.1" for loopback).
+  std::chrono::milliseconds weight_sync_timeout = common::kDefaultBroadcastTimeout;
+  std::string weight_sync_hostname;
+  // Borrowed, must outlive the server; the server adds common::LearnerMetrics to it. Null = the
+  // server owns a registry of its own (metrics_registry()).
+  common::Registry* metrics_registry = nullptr;
 };
 
 // Thread-safe: RPC handlers run on gRPC's threads; one training thread owns the trainer and the
@@ -140,6 +152,20 @@ class LearnerServer final : public v1::LearnerService::Service {
   // The live policy. Read it only while training is idle (tests).
   const common::Model& policy() const { return *policy_; }
   int64_t generation_batch_groups() const { return batch_groups_; }
+  // An in-process c10d store over the same per-epoch key space as the Store RPC (the learner's
+  // side of the rendezvous; no auth). Calls fail once `epoch` is no longer current.
+  c10::intrusive_ptr<GrpcStore> LocalStore(int64_t epoch,
+                                           std::chrono::milliseconds timeout =
+                                               kDefaultGrpcStoreTimeout);
+  // Gloo versions committed to the group, and failed groups/broadcasts (each bumped the epoch).
+  int64_t gloo_syncs() const { return gloo_syncs_.load(); }
+  int64_t gloo_sync_failures() const { return gloo_sync_failures_.load(); }
+  // The registry holding the learner's families (GRPO_SPEC.md "Metrics per optimizer step"),
+  // for an HttpExposer and tests; updated after each step, on ingest, publish and checkpoint.
+  const common::Registry& metrics_registry() const { return *registry_; }
+  const common::LearnerMetrics& metrics() const { return metrics_; }
+  // For /healthz: OK unless the job failed; then Unavailable with the failure message.
+  Status Health() const;
 
   // --- grpo.v1.LearnerService. Every handler checks auth first and never throws.
   grpc::Status Register(grpc::ServerContext* context, const v1::RegisterRequest* request,
@@ -206,6 +232,13 @@ class LearnerServer final : public v1::LearnerService::Service {
   void DropDeadWorkersLocked();  // REQUIRES(mu_)
   void TrainBatch(std::vector<BufferedGroup> batch);
   Status PublishWeights();
+  // The weight-sync thread: forms the Gloo group of the current epoch (learner + gloo workers,
+  // roster in the store) and broadcasts each newly published version; on failure aborts and
+  // bumps the epoch.
+  void WeightSyncLoop();
+  // The Store RPC's body; `context` is null for in-process calls (LocalStore).
+  grpc::Status HandleStore(const v1::StoreRequest* request, v1::StoreResponse* response,
+                           grpc::ServerContext* context);
   Status Checkpoint();
   // Moves the job to `state` unless it already ended; tells subscribers.
   void ChangeState(JobState state, const std::string& message);
@@ -213,6 +246,9 @@ class LearnerServer final : public v1::LearnerService::Service {
   v1::Job BuildJob();
   void ProcessGroup(const v1::RolloutGroup& msg, grpc::ServerContext* context, PushTally* tally);
   void Refuse(PushTally* tally, const std::string& reason, const std::string& message);
+  // Metric updates: one optimizer step's values; the ledger's prompts by state.
+  void RecordStepMetrics(const learner::StepMetrics& step);
+  void RefreshLedgerMetrics();
   bool TerminalLocked() const;  // REQUIRES(mu_)
 
   const common::GrpoConfig config_;
@@ -224,9 +260,15 @@ class LearnerServer final : public v1::LearnerService::Service {
   std::unique_ptr<learner::PromptLedger> ledger_;  // thread-safe
   std::unique_ptr<common::Model> policy_;          // the training thread writes it
   std::unique_ptr<learner::GrpoTrainer> trainer_;  // training thread (ValidateGroup: any)
+  std::unique_ptr<common::Registry> own_registry_;   // when options_.metrics_registry is null
+  common::Registry* registry_ = nullptr;
+  common::LearnerMetrics metrics_;  // families are thread-safe
 
   std::unique_ptr<grpc::Server> server_;
   std::thread train_thread_;
+  std::thread sync_thread_;  // WeightSyncLoop
+  std::atomic<int64_t> gloo_syncs_{0};
+  std::atomic<int64_t> gloo_sync_failures_{0};
   int port_ = 0;
   std::atomic<int64_t> group_epoch_{1};
 

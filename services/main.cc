@@ -68,6 +68,7 @@ int main(int argc, char** argv) {
   grpo::services::AddLearnerCommands(app, &action);
   grpo::services::AddBenchCommand(app, &action);
   grpo::services::AddRolloutCommands(app, &action);
+  grpo::services::AddDemoCommand(app, &action);
 
   try {
     app.parse(argc, argv);

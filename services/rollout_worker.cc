@@ -181,6 +181,11 @@ RolloutWorker::RolloutWorker(RolloutWorkerOptions options)
   if (options_.make_weight_receiver) {
     receiver_ = options_.make_weight_receiver(channel_);
   }
+  if (receiver_ == nullptr && options_.config.weight_sync_backend == "gloo") {
+    GlooWeightReceiverOptions gloo = options_.gloo;
+    gloo.chunk_bytes = options_.weights_chunk_bytes;
+    receiver_ = std::make_unique<GlooWeightReceiver>(channel_, options_.auth_token, gloo);
+  }
   if (receiver_ == nullptr) {
     if (options_.config.weight_sync_backend != "grpc") {
       GRPO_LOG_WARN("weight_sync_backend {} has no worker-side receiver yet; using grpc",
@@ -318,7 +323,7 @@ Status RolloutWorker::ApplyRegistration(const v1::RegisterResponse& r) {
     worker_id_ = r.worker_id();
     config_ = merged;
     heartbeat_interval_ = r.heartbeat_interval_ms() > 0 ? milliseconds(r.heartbeat_interval_ms())
-                                                        : kDefaultHeartbeatInterval;
+                                                        : kDefaultWorkerHeartbeatInterval;
   }
   if (generator_ != nullptr) {
     // Options may have changed: a new generator over the same policy snapshot.
@@ -337,6 +342,7 @@ Status RolloutWorker::ApplyRegistration(const v1::RegisterResponse& r) {
   }
   rank_ = r.rank();
   group_epoch_ = r.group_epoch();
+  receiver_->SetGroup(r.worker_id(), r.group_epoch());
   NoteLearnerVersion(r.policy_version());
   needs_register_ = false;
   counters_.registrations += 1;
@@ -634,6 +640,7 @@ void RolloutWorker::HeartbeatLoop() {
       counters_.heartbeats += 1;
       NoteLearnerVersion(response.policy_version());
       group_epoch_ = response.group_epoch();
+      receiver_->SetGroup(id, response.group_epoch());
       if (response.shutdown()) learner_shutdown_ = true;
     } else {
       counters_.heartbeat_failures += 1;

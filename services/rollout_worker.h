@@ -31,6 +31,7 @@
 #include "rollout/generator.h"
 #include "rollout/reward.h"
 #include "rollout/weight_receiver.h"
+#include "services/gloo_weight_receiver.h"
 
 namespace grpo::services {
 
@@ -43,7 +44,7 @@ inline constexpr std::chrono::milliseconds kDefaultPushTimeout{60000};
 // When stopping, the last push gets one attempt with this deadline.
 inline constexpr std::chrono::milliseconds kDefaultStopPushTimeout{10000};
 // Used when Register's heartbeat_interval_ms is 0.
-inline constexpr std::chrono::milliseconds kDefaultHeartbeatInterval{5000};
+inline constexpr std::chrono::milliseconds kDefaultWorkerHeartbeatInterval{5000};
 // Wait before leasing again when the learner had no prompts and gave no retry_after_ms.
 inline constexpr std::chrono::milliseconds kDefaultEmptyLeaseWait{1000};
 
@@ -105,10 +106,12 @@ struct RolloutWorkerOptions {
   // Borrowed; may be null. The worker adds common::WorkerMetrics to it at its first Register
   // (the reward_fn label values are the learner's reward_funcs) and keeps them updated.
   common::Registry* metrics_registry = nullptr;
-  // How the worker takes weights; null = by config.weight_sync_backend (only "grpc" exists
-  // yet: "gloo"/"nccl" fall back to it with a warning).
+  // How the worker takes weights; null = by config.weight_sync_backend: "gloo" is a
+  // GlooWeightReceiver (options below; GetWeights as its fallback), "grpc" GetWeights only,
+  // "nccl" falls back to grpc with a warning (no worker-side receiver yet).
   std::function<std::unique_ptr<rollout::WeightReceiver>(std::shared_ptr<grpc::Channel>)>
       make_weight_receiver;
+  GlooWeightReceiverOptions gloo;  // chunk_bytes is taken from weights_chunk_bytes
 };
 
 // Counters since Create (a consistent-enough snapshot; each field is read atomically).
@@ -222,7 +225,8 @@ class RolloutWorker {
   std::string worker_id_;                                                     // GUARDED_BY(mu_)
   common::GrpoConfig config_;                                                 // GUARDED_BY(mu_)
   std::shared_ptr<const common::Model> policy_;                               // GUARDED_BY(mu_)
-  std::chrono::milliseconds heartbeat_interval_ = kDefaultHeartbeatInterval;  // GUARDED_BY(mu_)
+  // GUARDED_BY(mu_)
+  std::chrono::milliseconds heartbeat_interval_ = kDefaultWorkerHeartbeatInterval;
   bool heartbeat_stop_ = false;                                               // GUARDED_BY(mu_)
   std::condition_variable heartbeat_cv_;
   std::thread heartbeat_thread_;  // main thread only

@@ -81,6 +81,8 @@ class CliLearnerTest : public ::testing::Test {
                                      (dir_ / "out").string(),
                                      "--grpc_port",
                                      "0",
+                                     "--metrics_port",
+                                     "0",
                                      "--auth_token_file",
                                      (dir_ / "token").string(),
                                      "--num_generations",

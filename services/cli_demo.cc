@@ -1,0 +1,570 @@
+// grpo demo: the distributed system on one machine. Starts a learner and N
+// rollout workers as separate processes on loopback (with a generated auth
+// token), submits the built-in task (services/demo_task.h), follows the job
+// over WatchJob and ends with the reward curve. Every child runs in one process
+// group and is killed and reaped on exit, error or Ctrl-C.
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/config.h"
+#include "common/status.h"
+#include "services/cli.h"
+#include "services/demo_task.h"
+#include "services/learner_client.h"
+
+namespace grpo::services {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+// The learner initialises (or loads) the model before it prints its port.
+constexpr std::chrono::seconds kDefaultLearnerStartTimeout{120};
+// After the job ended, children get this long to exit on their own (the learner
+// lingers so workers see shutdown, then checkpoints).
+constexpr std::chrono::seconds kDefaultChildExitWait{60};
+// Between SIGTERM and SIGKILL when the demo stops its children.
+constexpr std::chrono::seconds kDefaultChildKillGrace{10};
+// Deadline of the whole WatchJob stream.
+constexpr double kDefaultDemoWatchTimeoutSeconds = 6 * 3600;
+constexpr std::chrono::milliseconds kChildPoll{100};
+// Log lines of a failed child quoted in the error.
+constexpr int kLogTailLines = 8;
+
+volatile std::sig_atomic_t g_signal = 0;
+extern "C" void OnDemoSignal(int sig) { g_signal = sig; }
+
+struct DemoOptions {
+  std::vector<std::string> overrides;
+  std::string output_dir; // empty = a fresh temp dir
+  int64_t workers = 2;
+  bool json = false;
+  int64_t target_length = kDemoTargetLength;
+};
+
+// One child process. exit_code: the exit status, or 128 + signal; -1 while
+// running.
+struct Child {
+  std::string name;
+  std::string log; // its stderr (and stdout, unless piped)
+  pid_t pid = -1;
+  int exit_code = -1;
+  bool reaped = false;
+};
+
+std::string LogTail(const std::string &path) {
+  std::ifstream in(path);
+  std::deque<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    lines.push_back(line);
+    if (lines.size() > kLogTailLines)
+      lines.pop_front();
+  }
+  std::string out;
+  for (const auto &l : lines)
+    out += "    " + l + "\n";
+  return out;
+}
+
+std::string Describe(const Child &c) {
+  std::ostringstream out;
+  out << c.name << " (pid " << c.pid << ") "
+      << (c.exit_code > 128
+              ? "was killed by signal " + std::to_string(c.exit_code - 128)
+              : "exited with code " + std::to_string(c.exit_code))
+      << "; its log is " << c.log;
+  const std::string tail = LogTail(c.log);
+  if (!tail.empty())
+    out << ", ending:\n" << tail;
+  return out.str();
+}
+
+// The demo's children, all in one process group. Not thread-safe: one thread at
+// a time (the monitor thread while it runs, the main thread otherwise). The
+// destructor stops and reaps all.
+class ChildGroup {
+public:
+  ChildGroup() = default;
+  ChildGroup(const ChildGroup &) = delete;
+  ChildGroup &operator=(const ChildGroup &) = delete;
+  ~ChildGroup() { StopAll(); }
+
+  // Runs `/proc/self/exe args...` with stderr (and stdout unless `stdout_pipe`)
+  // appended to `log`; with `stdout_pipe`, *stdout_pipe gets the read end of
+  // its stdout. The child dies with the demo (PR_SET_PDEATHSIG) and joins the
+  // group.
+  StatusOr<Child *> Spawn(const std::string &name,
+                          const std::vector<std::string> &args,
+                          const std::string &log, int *stdout_pipe = nullptr) {
+    std::vector<std::string> argv_s = {"/proc/self/exe"};
+    argv_s.insert(argv_s.end(), args.begin(), args.end());
+    std::vector<char *> argv;
+    for (auto &a : argv_s)
+      argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const int log_fd =
+        ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (log_fd < 0)
+      return Status::Internal("cannot create " + log + ": " +
+                              std::strerror(errno));
+    int pipe_fds[2] = {-1, -1};
+    if (stdout_pipe != nullptr && ::pipe2(pipe_fds, O_CLOEXEC) != 0) {
+      ::close(log_fd);
+      return Status::Internal(std::string("pipe: ") + std::strerror(errno));
+    }
+    const pid_t parent = ::getpid();
+    const pid_t pgid = pgid_;
+    const pid_t pid = ::fork();
+    if (pid == 0) { // child: async-signal-safe calls only
+      ::setpgid(0, pgid);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent)
+        ::_exit(127);
+      const int null_fd = ::open("/dev/null", O_RDONLY);
+      if (null_fd >= 0)
+        ::dup2(null_fd, 0);
+      ::dup2(stdout_pipe != nullptr ? pipe_fds[1] : log_fd, 1);
+      ::dup2(log_fd, 2);
+      ::execv(argv[0], argv.data());
+      const char msg[] = "grpo demo: exec /proc/self/exe failed\n";
+      (void)!::write(2, msg, sizeof(msg) - 1);
+      ::_exit(127);
+    }
+    ::close(log_fd);
+    if (stdout_pipe != nullptr)
+      ::close(pipe_fds[1]);
+    if (pid < 0) {
+      if (stdout_pipe != nullptr)
+        ::close(pipe_fds[0]);
+      return Status::Internal(std::string("fork: ") + std::strerror(errno));
+    }
+    ::setpgid(pid, pgid); // also here: no race with kill(-pgid) below
+    if (pgid_ == 0)
+      pgid_ = pid;
+    if (stdout_pipe != nullptr)
+      *stdout_pipe = pipe_fds[0];
+    auto child = std::make_unique<Child>();
+    child->name = name;
+    child->log = log;
+    child->pid = pid;
+    children_.push_back(std::move(child));
+    return children_.back().get();
+  }
+
+  // Reaps children that exited, without blocking; returns them.
+  std::vector<Child *> Reap() {
+    std::vector<Child *> exited;
+    for (auto &c : children_) {
+      if (c->reaped)
+        continue;
+      int status = 0;
+      if (::waitpid(c->pid, &status, WNOHANG) != c->pid)
+        continue;
+      c->reaped = true;
+      c->exit_code =
+          WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      exited.push_back(c.get());
+    }
+    return exited;
+  }
+
+  bool AllReaped() const {
+    for (const auto &c : children_) {
+      if (!c->reaped)
+        return false;
+    }
+    return true;
+  }
+
+  // Waits up to `timeout` for every child to exit; true when all did.
+  bool WaitAll(std::chrono::milliseconds timeout) {
+    const auto until = Clock::now() + timeout;
+    while (Reap(), !AllReaped() && Clock::now() < until)
+      std::this_thread::sleep_for(kChildPoll);
+    return AllReaped();
+  }
+
+  // SIGTERM to the group, kDefaultChildKillGrace, then SIGKILL; reaps every
+  // child.
+  void StopAll() {
+    Reap();
+    if (AllReaped() || pgid_ == 0)
+      return;
+    ::kill(-pgid_, SIGTERM);
+    if (WaitAll(kDefaultChildKillGrace))
+      return;
+    ::kill(-pgid_, SIGKILL);
+    for (auto &c : children_) {
+      if (c->reaped)
+        continue;
+      int status = 0;
+      ::waitpid(c->pid, &status, 0);
+      c->reaped = true;
+      c->exit_code =
+          WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+  }
+
+  const std::vector<std::unique_ptr<Child>> &children() const {
+    return children_;
+  }
+
+private:
+  pid_t pgid_ = 0; // the first child's pid
+  std::vector<std::unique_ptr<Child>> children_;
+};
+
+// A random hex token in `path` (mode 0600).
+Status WriteAuthToken(const std::string &path) {
+  std::ifstream urandom("/dev/urandom", std::ios::binary);
+  unsigned char bytes[16];
+  if (!urandom.read(reinterpret_cast<char *>(bytes), sizeof(bytes))) {
+    return Status::Internal("cannot read /dev/urandom");
+  }
+  std::ostringstream hex;
+  for (unsigned char b : bytes)
+    hex << std::hex << std::setw(2) << std::setfill('0') << int{b};
+  {
+    std::ofstream out(path, std::ios::trunc);
+    out << hex.str() << "\n";
+    if (!out)
+      return Status::Internal("cannot write " + path);
+  }
+  ::chmod(path.c_str(), 0600);
+  return Status::OK();
+}
+
+// Reads the learner's {"port": N} line from `fd`; fails when the learner exits
+// first, on a signal, or after kDefaultLearnerStartTimeout.
+StatusOr<int> ReadLearnerPort(int fd, ChildGroup &group, const Child &learner) {
+  const auto until = Clock::now() + kDefaultLearnerStartTimeout;
+  std::string buf;
+  while (Clock::now() < until) {
+    if (g_signal != 0)
+      return Status::Cancelled("interrupted");
+    const size_t nl = buf.find('\n');
+    if (nl != std::string::npos) {
+      const json j =
+          json::parse(buf.substr(0, nl), nullptr, /*allow_exceptions=*/false);
+      if (j.is_object() && j.contains("port") &&
+          j["port"].is_number_integer()) {
+        return j["port"].get<int>();
+      }
+      return Status::Internal("unexpected first line from the learner: " +
+                              buf.substr(0, nl));
+    }
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(kChildPoll.count())) > 0) {
+      char chunk[256];
+      const ssize_t n = ::read(fd, chunk, sizeof(chunk));
+      if (n > 0)
+        buf.append(chunk, static_cast<size_t>(n));
+      if (n == 0)
+        std::this_thread::sleep_for(kChildPoll); // closed: the exit shows below
+    }
+    group.Reap();
+    if (learner.reaped)
+      return Status::Unavailable(Describe(learner));
+  }
+  return Status::DeadlineExceeded(
+      "the learner printed no port within " +
+      std::to_string(kDefaultLearnerStartTimeout.count()) + " s; its log is " +
+      learner.log);
+}
+
+int RunDemo(const DemoOptions &o) {
+  auto fail = [](const Status &s, int code = 1) {
+    std::cerr << "grpo demo: " << s.ToString() << "\n";
+    return code;
+  };
+  const auto t_start = Clock::now();
+  // The demo task's defaults; workers generate while the learner trains
+  // (max_staleness 1).
+  common::GrpoConfig cfg = DemoTaskConfig();
+  cfg.max_staleness = 1;
+  cfg.save_steps = 30;
+  if (Status s = common::ApplyConfigOverrides(cfg, o.overrides); !s.ok())
+    return fail(s, 2);
+  if (Status s = cfg.Validate(); !s.ok())
+    return fail(s, 2);
+  if (cfg.reward_funcs.empty()) {
+    return fail(Status::InvalidArgument(
+                    "config key 'reward_funcs' must name at least one "
+                    "reward function"),
+                2);
+  }
+  if (o.workers < 1)
+    return fail(Status::InvalidArgument("--workers must be >= 1"), 2);
+
+  // Output dir, token, and the learner's config (JSON is YAML) in it.
+  std::string out_dir = o.output_dir;
+  std::error_code ec;
+  if (out_dir.empty()) {
+    std::string tmpl =
+        (fs::temp_directory_path() / "grpo-demo-XXXXXX").string();
+    if (::mkdtemp(tmpl.data()) == nullptr) {
+      return fail(
+          Status::Internal(std::string("mkdtemp: ") + std::strerror(errno)));
+    }
+    out_dir = tmpl;
+  } else if (fs::create_directories(out_dir, ec); ec) {
+    return fail(
+        Status::Internal("cannot create " + out_dir + ": " + ec.message()));
+  }
+  const fs::path dir(out_dir);
+  cfg.output_dir = out_dir;
+  cfg.auth_token_file = (dir / "auth_token").string();
+  cfg.grpc_port = 0;
+  cfg.metrics_port = 0;
+  if (Status s = WriteAuthToken(cfg.auth_token_file); !s.ok())
+    return fail(s);
+  const std::string config_path = (dir / "learner_config.yaml").string();
+  {
+    std::ofstream out(config_path, std::ios::trunc);
+    out << cfg.ToJson().dump(2) << "\n";
+    if (!out)
+      return fail(Status::Internal("cannot write " + config_path));
+  }
+
+  struct sigaction sa {};
+  sa.sa_handler = OnDemoSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGHUP, &sa, nullptr);
+  auto interrupted = [&] {
+    std::cerr << "grpo demo: signal " << g_signal
+              << ": stopping the children\n";
+    return 128 + g_signal;
+  };
+
+  ChildGroup group;
+  int learner_out = -1;
+  auto learner = group.Spawn(
+      "learner", {"--log_level", "info", "learner", "--config", config_path},
+      (dir / "learner.log").string(), &learner_out);
+  if (!learner.ok())
+    return fail(learner.status());
+  auto port = ReadLearnerPort(learner_out, group, **learner);
+  if (!port.ok()) {
+    if (g_signal != 0)
+      return interrupted();
+    return fail(port.status().WithContext("starting the learner"));
+  }
+  const std::string address = "127.0.0.1:" + std::to_string(*port);
+  for (int64_t i = 0; i < o.workers; ++i) {
+    const std::string name = "rollout-" + std::to_string(i);
+    auto worker = group.Spawn(name,
+                              {"--log_level", "info", "rollout",
+                               "--learner_address", address, "--worker_id",
+                               name, "--metrics_port", "0", "--reward_options",
+                               DemoRewardOptions(o.target_length).dump(),
+                               "--auth_token_file", cfg.auth_token_file},
+                              (dir / (name + ".log")).string());
+    if (!worker.ok())
+      return fail(worker.status());
+  }
+  if (!o.json) {
+    std::cout << "grpo demo: learner on " << address << " + " << o.workers
+              << " rollout workers (logs, checkpoints and token in " << out_dir
+              << ")\n"
+              << "task: answer in about " << o.target_length
+              << " tokens (reward " << cfg.reward_funcs[0] << "), "
+              << cfg.max_steps << " optimizer steps, " << cfg.num_generations
+              << " generations per prompt\n"
+              << std::flush;
+  }
+
+  auto client = ConnectLearner(address, cfg.auth_token_file);
+  if (!client.ok())
+    return fail(client.status());
+  std::ostringstream rows;
+  for (const json &row : BuiltinDataset())
+    rows << row.dump() << "\n";
+  std::istringstream jsonl(rows.str());
+  auto submitted = SubmitLines(*client, jsonl, "grpo-demo", "builtin-demo-task",
+                               kDefaultCallTimeoutSeconds);
+  if (!submitted.ok()) {
+    group.Reap();
+    for (const auto &c : group.children()) {
+      if (c->reaped)
+        return fail(Status::Unavailable(Describe(*c)));
+    }
+    return fail(submitted.status().WithContext("submitting the dataset"));
+  }
+  const auto t_submit = Clock::now();
+
+  // Watch the job; a monitor thread cancels the watch on a signal or when a
+  // child dies early.
+  WatchCanceller canceller;
+  std::atomic<bool> watching{true};
+  const Child *died = nullptr; // written by the monitor, read after join
+  std::thread monitor([&] {
+    while (watching.load()) {
+      if (g_signal != 0) {
+        canceller.Cancel();
+        return;
+      }
+      for (Child *c : group.Reap()) {
+        if (died == nullptr && c->exit_code != 0)
+          died = c;
+      }
+      bool workers_left = false;
+      for (const auto &c : group.children()) {
+        if (c->name != "learner" && !c->reaped)
+          workers_left = true;
+      }
+      if (died != nullptr || !workers_left) {
+        canceller.Cancel();
+        return;
+      }
+      std::this_thread::sleep_for(kChildPoll);
+    }
+  });
+  std::vector<double> curve;
+  bool header = false;
+  auto state = FollowJob(
+      *client, kDefaultDemoWatchTimeoutSeconds,
+      [&](const v1::JobEvent &e) {
+        if (e.metrics().empty()) {
+          std::cerr << JobStateLine(e) << "\n";
+          return;
+        }
+        auto it = e.metrics().find("reward");
+        curve.push_back(it == e.metrics().end() ? 0.0 : it->second);
+        if (o.json) {
+          std::cout << StepJson(e).dump() << "\n" << std::flush;
+        } else {
+          if (!header)
+            std::cout << StepTableHeader();
+          header = true;
+          std::cout << StepTableRow(e) << std::flush;
+        }
+      },
+      &canceller);
+  watching.store(false);
+  monitor.join();
+  const double train_seconds =
+      std::chrono::duration<double>(Clock::now() - t_submit).count();
+  if (g_signal != 0)
+    return interrupted();
+  if (died != nullptr)
+    return fail(Status::Aborted(Describe(*died)));
+  if (!state.ok()) {
+    if (state.status().code() == StatusCode::kCancelled) {
+      return fail(Status::Aborted(
+          "every rollout worker exited before the job ended; logs in " +
+          out_dir));
+    }
+    return fail(state.status().WithContext("watching the job (logs in " +
+                                           out_dir + ")"));
+  }
+
+  // The job ended: the children exit on their own (workers see shutdown, the
+  // learner checkpoints); the ones that do not are stopped.
+  const bool exited = group.WaitAll(kDefaultChildExitWait);
+  group.StopAll();
+  bool children_ok = exited;
+  json processes = json::array();
+  for (const auto &c : group.children()) {
+    processes.push_back({{"name", c->name},
+                         {"pid", c->pid},
+                         {"exit_code", c->exit_code},
+                         {"log", c->log}});
+    if (c->exit_code != 0) {
+      children_ok = false;
+      std::cerr << "grpo demo: " << Describe(*c) << "\n";
+    }
+  }
+  const double seconds =
+      std::chrono::duration<double>(Clock::now() - t_start).count();
+  const CurveSummary c = SummarizeCurve(curve);
+  if (o.json) {
+    std::cout << json{{"summary", true},
+                      {"job_state", *state},
+                      {"steps", c.steps},
+                      {"seconds", seconds},
+                      {"train_seconds", train_seconds},
+                      {"reward_first", c.first},
+                      {"reward_last", c.last},
+                      {"reward_gain_in_std_errors", c.gain_in_std_errors},
+                      {"output_dir", out_dir},
+                      {"processes", processes}}
+                     .dump()
+              << "\n";
+  } else {
+    if (!curve.empty())
+      std::cout << "\nmean reward per step\n" << TextPlot(curve) << "\n";
+    std::cout << "job " << *state << ": " << c.steps << " steps in "
+              << std::fixed << std::setprecision(0) << train_seconds << " s ("
+              << seconds << " s in all)\n";
+    if (c.steps > 0) {
+      std::cout << "reward: first " << c.window << " steps "
+                << std::setprecision(3) << c.first << ", last " << c.window
+                << " steps " << c.last << " (" << std::setprecision(1)
+                << c.gain_in_std_errors << " standard errors)\n";
+    }
+    std::cout << "processes:";
+    for (const auto &p : processes) {
+      std::cout << " " << p["name"].get<std::string>() << " exit "
+                << p["exit_code"].get<int>();
+    }
+    std::cout << "\npolicy checkpoints, logs and config in " << out_dir << "\n";
+  }
+  std::cout << std::flush;
+  ::close(learner_out);
+  return *state == "done" && children_ok ? 0 : 1;
+}
+
+} // namespace
+
+void AddDemoCommand(CLI::App &app, CliAction *action) {
+  auto *cmd =
+      app.add_subcommand("demo", "Run the distributed system on this machine: "
+                                 "a learner and rollout workers as separate "
+                                 "processes on loopback learn the built-in "
+                                 "task; config keys as --key value");
+  auto o = std::make_shared<DemoOptions>();
+  cmd->add_option("--workers", o->workers, "rollout worker processes")
+      ->capture_default_str();
+  cmd->add_option(
+      "--output_dir", o->output_dir,
+      "checkpoints, logs, token and config (default: a fresh temp dir)");
+  cmd->add_option("--target_length", o->target_length,
+                  "the length reward's target (tokens)")
+      ->capture_default_str();
+  cmd->add_flag("--json", o->json,
+                "one JSON object per optimizer step (as `grpo submit --json "
+                "--follow`), then a "
+                "summary object");
+  cmd->allow_extras();
+  cmd->footer("Keys:\n" + common::ConfigHelp());
+  cmd->callback([cmd, o, action] {
+    o->overrides = cmd->remaining();
+    *action = [o] { return RunDemo(*o); };
+  });
+}
+
+} // namespace grpo::services

@@ -1,0 +1,158 @@
+#include "services/learner_client.h"
+
+#include <chrono>
+#include <iomanip>
+#include <sstream>
+
+#include "services/auth.h"
+#include "services/convert.h"
+
+namespace grpo::services {
+namespace {
+
+// SubmitDataset message payload (lines are never split).
+constexpr size_t kSubmitChunkBytes = 1 << 20;
+
+double Metric(const v1::JobEvent &e, const char *name) {
+  auto it = e.metrics().find(name);
+  return it == e.metrics().end() ? 0.0 : it->second;
+}
+
+} // namespace
+
+std::unique_ptr<grpc::ClientContext>
+LearnerClient::Context(double seconds) const {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(
+      std::chrono::system_clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+  AddAuth(*ctx, token);
+  return ctx;
+}
+
+StatusOr<LearnerClient> ConnectLearner(const std::string &address,
+                                       const std::string &auth_token_file) {
+  LearnerClient c;
+  ASSIGN_OR_RETURN(c.token, ReadAuthToken(auth_token_file));
+  c.stub = v1::LearnerService::NewStub(MakeChannel(address));
+  return c;
+}
+
+StatusOr<v1::SubmitDatasetResponse>
+SubmitLines(const LearnerClient &client, std::istream &jsonl,
+            const std::string &idempotency_key, const std::string &name,
+            double timeout_seconds) {
+  auto ctx = client.Context(timeout_seconds);
+  v1::SubmitDatasetResponse response;
+  auto writer = client.stub->SubmitDataset(ctx.get(), &response);
+  v1::SubmitDatasetRequest msg;
+  msg.set_idempotency_key(idempotency_key);
+  msg.set_name(name);
+  size_t bytes = 0;
+  bool write_ok = true;
+  std::string line;
+  while (write_ok && std::getline(jsonl, line)) {
+    bytes += line.size();
+    msg.add_lines(std::move(line));
+    if (bytes >= kSubmitChunkBytes) {
+      write_ok = writer->Write(msg);
+      msg.Clear();
+      bytes = 0;
+    }
+  }
+  if (write_ok && (msg.lines_size() > 0 || !msg.idempotency_key().empty() ||
+                   !msg.name().empty())) {
+    write_ok = writer->Write(msg);
+  }
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  if (!s.ok())
+    return FromGrpcStatus(s);
+  return response;
+}
+
+void WatchCanceller::Cancel() {
+  std::lock_guard<std::mutex> lock(mu_);
+  cancelled_ = true;
+  if (context_ != nullptr)
+    context_->TryCancel();
+}
+
+bool WatchCanceller::cancelled() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cancelled_;
+}
+
+void WatchCanceller::Attach(grpc::ClientContext *context) {
+  std::lock_guard<std::mutex> lock(mu_);
+  context_ = context;
+  if (cancelled_ && context_ != nullptr)
+    context_->TryCancel();
+}
+
+StatusOr<std::string>
+FollowJob(const LearnerClient &client, double watch_timeout_seconds,
+          const std::function<void(const v1::JobEvent &)> &on_event,
+          WatchCanceller *canceller) {
+  while (true) {
+    auto ctx = client.Context(watch_timeout_seconds);
+    if (canceller != nullptr)
+      canceller->Attach(ctx.get());
+    auto reader = client.stub->WatchJob(ctx.get(), v1::WatchJobRequest());
+    v1::JobEvent e;
+    std::string state;
+    while (reader->Read(&e)) {
+      state = e.job().state();
+      on_event(e);
+    }
+    grpc::Status s = reader->Finish();
+    if (canceller != nullptr)
+      canceller->Attach(nullptr);
+    if (canceller != nullptr && canceller->cancelled())
+      return Status::Cancelled("watch cancelled");
+    if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED)
+      continue; // dropped: rewatch
+    if (!s.ok())
+      return FromGrpcStatus(s);
+    return state;
+  }
+}
+
+nlohmann::json StepJson(const v1::JobEvent &e) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto &[k, v] : e.metrics())
+    j[k] = v;
+  j["step"] = e.step();
+  return j;
+}
+
+std::string StepTableHeader() {
+  std::ostringstream out;
+  out << std::setw(6) << "step" << std::setw(10) << "reward" << std::setw(11)
+      << "reward_std" << std::setw(10) << "loss" << std::setw(10) << "kl"
+      << std::setw(10) << "grad_norm" << std::setw(8) << "len" << std::setw(10)
+      << "tok/s"
+      << "\n";
+  return out.str();
+}
+
+std::string StepTableRow(const v1::JobEvent &e) {
+  std::ostringstream out;
+  out << std::fixed << std::setw(6) << e.step() << std::setprecision(4)
+      << std::setw(10) << Metric(e, "reward") << std::setw(11)
+      << Metric(e, "reward_std") << std::setw(10) << Metric(e, "loss")
+      << std::setw(10) << Metric(e, "kl") << std::setw(10)
+      << Metric(e, "grad_norm") << std::setprecision(1) << std::setw(8)
+      << Metric(e, "completions/mean_length") << std::setw(10)
+      << Metric(e, "tokens_per_second") << "\n";
+  return out.str();
+}
+
+std::string JobStateLine(const v1::JobEvent &e) {
+  return "job " + e.job().state() + " at step " +
+         std::to_string(e.job().global_step()) + "/" +
+         std::to_string(e.job().max_steps()) +
+         (e.job().message().empty() ? "" : ": " + e.job().message());
+}
+
+} // namespace grpo::services

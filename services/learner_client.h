@@ -1,0 +1,86 @@
+// A LearnerService client shared by `grpo submit/status/watch/cancel` and `grpo
+// demo`: connect with the shared token, upload a dataset, follow the job's
+// WatchJob stream, and the per-step output formats (the table line and the JSON
+// object) both commands print.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <nlohmann/json.hpp>
+
+#include <functional>
+#include <istream>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "grpo/v1/learner.grpc.pb.h"
+
+namespace grpo::services {
+
+// Deadline of one unary call, and of a whole SubmitDataset upload.
+inline constexpr double kDefaultCallTimeoutSeconds = 60;
+// Deadline of a WatchJob stream (a watch normally ends with the job long
+// before).
+inline constexpr double kDefaultWatchTimeoutSeconds = 7 * 24 * 3600;
+
+// A connected client: the stub and the token. Thread-compatible (the stub is
+// thread-safe).
+struct LearnerClient {
+  std::unique_ptr<v1::LearnerService::Stub> stub;
+  std::string token;
+
+  // A call context with the token and a deadline `seconds` from now.
+  std::unique_ptr<grpc::ClientContext> Context(double seconds) const;
+};
+
+// Reads the token from `auth_token_file` (empty = no auth) and opens a channel
+// to `address`. The channel connects lazily: an unreachable learner shows up as
+// the first call's error.
+StatusOr<LearnerClient> ConnectLearner(const std::string &address,
+                                       const std::string &auth_token_file);
+
+// Uploads the lines of `jsonl` (JSON Lines rows, streamed) as one SubmitDataset
+// call under a `timeout_seconds` deadline. The learner's error (e.g.
+// InvalidArgument naming the bad row) otherwise.
+StatusOr<v1::SubmitDatasetResponse>
+SubmitLines(const LearnerClient &client, std::istream &jsonl,
+            const std::string &idempotency_key, const std::string &name,
+            double timeout_seconds);
+
+// Lets another thread end a FollowJob early (FollowJob then returns Cancelled).
+// Thread-safe.
+class WatchCanceller {
+public:
+  void Cancel();
+  bool cancelled() const;
+  // Used by FollowJob: the context of the stream being read, or null.
+  void Attach(grpc::ClientContext *context);
+
+private:
+  mutable std::mutex mu_;
+  bool cancelled_ = false;                 // GUARDED_BY(mu_)
+  grpc::ClientContext *context_ = nullptr; // GUARDED_BY(mu_)
+};
+
+// Streams WatchJob until the job ends, calling `on_event` for every event (a
+// step event has metrics; a state change has none). Re-watches when the learner
+// dropped a slow watcher. Returns the job's final state ("done", "cancelled",
+// "failed"); the stream's error otherwise, Cancelled after `canceller` (may be
+// null) cancelled it.
+StatusOr<std::string>
+FollowJob(const LearnerClient &client, double watch_timeout_seconds,
+          const std::function<void(const v1::JobEvent &)> &on_event,
+          WatchCanceller *canceller = nullptr);
+
+// A step event as one JSON object: its metrics (TRL names) and "step".
+nlohmann::json StepJson(const v1::JobEvent &event);
+// The header of the step table, and one row of it (both end with a newline).
+std::string StepTableHeader();
+std::string StepTableRow(const v1::JobEvent &event);
+// A state-change event as one line (no newline): "job running at step 3/60:
+// message".
+std::string JobStateLine(const v1::JobEvent &event);
+
+} // namespace grpo::services

@@ -1,0 +1,140 @@
+// `grpo demo` as users run it: a learner and two rollout workers as real
+// processes learn the built-in task. Checks learning from the per-step rewards
+// it prints, and that every child exited 0 and is gone.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string Bin() {
+  const char *b = std::getenv("GRPO_BIN");
+  return b ? b : "grpo";
+}
+
+// Runs `cmd` through the shell; returns stdout, *rc gets the exit code.
+std::string RunCommand(const std::string &cmd, int *rc) {
+  std::unique_ptr<FILE, int (*)(FILE *)> p(popen(cmd.c_str(), "r"), &pclose);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p.get())) > 0)
+    out.append(buf, n);
+  const int status = pclose(p.release());
+  *rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+double Mean(const std::vector<double> &v) {
+  double s = 0;
+  for (double x : v)
+    s += x;
+  return s / static_cast<double>(v.size());
+}
+
+// Standard error of the mean (sample standard deviation / sqrt(n)).
+double StdErr(const std::vector<double> &v) {
+  const double m = Mean(v);
+  double s = 0;
+  for (double x : v)
+    s += (x - m) * (x - m);
+  const double n = static_cast<double>(v.size());
+  return std::sqrt(s / (n - 1) / n);
+}
+
+class DemoTest : public ::testing::Test {
+protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("demo_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  fs::path dir_;
+};
+
+TEST_F(DemoTest, LearnsTheBuiltinTaskAndLeavesNoProcessBehind) {
+  constexpr int kSteps = 30;
+  constexpr size_t kWindow = 8;
+  int rc = -1;
+  const std::string out =
+      RunCommand(Bin() + " demo --json --workers 2 --seed 1 --max_steps " +
+                     std::to_string(kSteps) + " --output_dir " + dir_.string() +
+                     " 2>" + (dir_.string() + ".stderr"),
+                 &rc);
+  std::ifstream err_in(dir_.string() + ".stderr");
+  std::stringstream err;
+  err << err_in.rdbuf();
+  fs::remove(dir_.string() + ".stderr");
+  ASSERT_EQ(rc, 0) << "stdout:\n" << out << "\nstderr:\n" << err.str();
+
+  std::vector<double> rewards;
+  json summary;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    const json j = json::parse(line); // every stdout line is one JSON object
+    if (j.contains("summary")) {
+      summary = j;
+      continue;
+    }
+    ASSERT_TRUE(j.contains("step") && j.contains("reward")) << line;
+    EXPECT_EQ(j["step"].get<int64_t>(),
+              static_cast<int64_t>(rewards.size()) + 1)
+        << line;
+    rewards.push_back(j["reward"].get<double>());
+  }
+  ASSERT_EQ(rewards.size(), static_cast<size_t>(kSteps)) << out;
+
+  const std::vector<double> first(rewards.begin(), rewards.begin() + kWindow);
+  const std::vector<double> last(rewards.end() - kWindow, rewards.end());
+  const double se =
+      std::sqrt(std::pow(StdErr(first), 2) + std::pow(StdErr(last), 2));
+  EXPECT_GT(Mean(last) - Mean(first), 3 * se)
+      << "first " << Mean(first) << ", last " << Mean(last) << ", se " << se
+      << "\n"
+      << out;
+
+  ASSERT_TRUE(summary.is_object()) << out;
+  EXPECT_EQ(summary["job_state"], "done");
+  ASSERT_EQ(summary["processes"].size(), 3u) << summary.dump();
+  for (const json &p : summary["processes"]) {
+    EXPECT_EQ(p["exit_code"].get<int>(), 0) << p.dump();
+    const pid_t pid = p["pid"].get<pid_t>();
+    errno = 0;
+    EXPECT_EQ(::kill(pid, 0), -1)
+        << p["name"] << " (pid " << pid << ") is still running";
+    EXPECT_EQ(errno, ESRCH) << p["name"];
+  }
+}
+
+TEST_F(DemoTest, BadOverrideFailsFastNamingTheKey) {
+  int rc = -1;
+  const std::string out =
+      RunCommand(Bin() + " demo --num_generations 1 --output_dir " +
+                     dir_.string() + " 2>&1",
+                 &rc);
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("num_generations"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(dir_ / "learner.log"))
+      << "no process should have started";
+}
+
+} // namespace

@@ -1,0 +1,328 @@
+// The Gloo weight sync end to end: GrpcStore against a real LearnerServer, then
+// a learner and two RolloutWorkers (threads of this process) with
+// weight_sync_backend "gloo" on loopback.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "common/model.h"
+#include "common/model_config.h"
+#include "services/auth.h"
+#include "services/convert.h"
+#include "services/gloo_weight_receiver.h"
+#include "services/grpc_store.h"
+#include "services/learner_service.h"
+#include "services/rollout_worker.h"
+
+namespace grpo::services {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kSyncTimeout =
+    3s; // the learner's and the workers' collective deadline
+
+common::GrpoConfig TinyConfig(const fs::path &dir, int64_t max_steps) {
+  common::GrpoConfig c;
+  c.output_dir = dir.string();
+  c.grpc_port = 0;
+  c.num_generations = 2;
+  c.per_device_train_batch_size =
+      4; // generation batch = 2 groups of 2 -> one step
+  c.gradient_accumulation_steps = 1;
+  c.max_prompt_length = 32;
+  c.max_completion_length = 8;
+  c.learning_rate = 1e-2;
+  c.lr_scheduler_type = "constant";
+  c.max_steps = max_steps;
+  c.save_steps = 0;
+  c.lease_seconds = 60;
+  c.reward_funcs = {"length"};
+  c.weight_sync_backend = "gloo";
+  return c;
+}
+
+bool BitEqual(const common::NamedTensors &a, const common::NamedTensors &b) {
+  if (a.size() != b.size())
+    return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const at::Tensor x = a[i].second.contiguous(), y = b[i].second.contiguous();
+    if (a[i].first != b[i].first || x.nbytes() != y.nbytes() ||
+        x.scalar_type() != y.scalar_type())
+      return false;
+    if (std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) != 0)
+      return false;
+  }
+  return true;
+}
+
+template <typename Pred>
+bool WaitFor(Pred pred, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (!pred()) {
+    if (Clock::now() >= deadline)
+      return false;
+    std::this_thread::sleep_for(20ms);
+  }
+  return true;
+}
+
+class GlooWeightSyncE2eTest : public ::testing::Test {
+protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("gloo_e2e_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    workers_.clear();
+    if (server_)
+      (void)server_->Stop(false);
+    server_.reset();
+    fs::remove_all(dir_);
+  }
+
+  void StartLearner(int64_t max_steps,
+                    std::chrono::milliseconds heartbeat_interval = 200ms) {
+    auto model =
+        common::Model::InitRandom(*common::ModelConfigPreset("tiny"), 7);
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    LearnerServerOptions options;
+    options.heartbeat_interval =
+        heartbeat_interval; // dropped after 5 missed heartbeats
+    options.weight_sync_timeout = kSyncTimeout;
+    options.weight_sync_hostname = "127.0.0.1";
+    auto server =
+        LearnerServer::Create(TinyConfig(dir_, max_steps),
+                              std::move(model).value(), nullptr, options);
+    ASSERT_TRUE(server.ok()) << server.status().ToString();
+    server_ = std::move(server).value();
+    ASSERT_TRUE(server_->Start().ok());
+    channel_ = MakeChannel(address());
+  }
+  std::string address() const {
+    return "127.0.0.1:" + std::to_string(server_->port());
+  }
+
+  void SubmitPrompts(int n) {
+    auto stub = v1::LearnerService::NewStub(channel_);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+    v1::SubmitDatasetResponse response;
+    auto writer = stub->SubmitDataset(&ctx, &response);
+    v1::SubmitDatasetRequest req;
+    req.set_name("e2e");
+    for (int i = 0; i < n; ++i)
+      req.add_lines(R"({"prompt": "say )" + std::to_string(i) + R"("})");
+    ASSERT_TRUE(writer->Write(req));
+    writer->WritesDone();
+    grpc::Status s = writer->Finish();
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+
+  struct RunningWorker {
+    std::atomic<bool> stop{false};
+    GlooWeightReceiver *receiver = nullptr; // owned by `worker`
+    std::unique_ptr<RolloutWorker> worker;
+    Status result;
+    std::thread thread;
+    ~RunningWorker() {
+      stop = true;
+      if (thread.joinable())
+        thread.join();
+    }
+  };
+
+  RunningWorker &StartWorker() {
+    auto rw = std::make_unique<RunningWorker>();
+    RolloutWorkerOptions o;
+    o.learner_address = address();
+    o.config.weight_sync_backend = "gloo";
+    o.prompts_per_lease = 2;
+    o.reward_options = {{"length", {{"target_length", 3}}}};
+    o.backoff.initial = 5ms;
+    o.backoff.max = 50ms;
+    o.stop = &rw->stop;
+    RunningWorker *raw = rw.get();
+    o.make_weight_receiver = [raw](std::shared_ptr<grpc::Channel> channel) {
+      GlooWeightReceiverOptions g;
+      g.timeout = kSyncTimeout;
+      g.hostname = "127.0.0.1";
+      auto r = std::make_unique<GlooWeightReceiver>(std::move(channel), "", g);
+      raw->receiver = r.get();
+      return std::unique_ptr<rollout::WeightReceiver>(std::move(r));
+    };
+    auto w = RolloutWorker::Create(std::move(o));
+    EXPECT_TRUE(w.ok()) << w.status().ToString();
+    rw->worker = std::move(w).value();
+    rw->thread = std::thread([raw] { raw->result = raw->worker->Run(); });
+    workers_.push_back(std::move(rw));
+    return *workers_.back();
+  }
+
+  fs::path dir_;
+  std::unique_ptr<LearnerServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::vector<std::unique_ptr<RunningWorker>> workers_;
+};
+
+TEST_F(GlooWeightSyncE2eTest,
+       GrpcStoreSetsGetsAddsAndSharesTheLearnersKeySpace) {
+  StartLearner(100);
+  const int64_t epoch = server_->group_epoch();
+  auto store = GrpcStore::Connect(channel_, "", epoch, 2s);
+  store->set("a", {'x', 'y'});
+  EXPECT_EQ(store->get("a"), (std::vector<uint8_t>{'x', 'y'}));
+  EXPECT_EQ(store->add("n", 2), 2);
+  EXPECT_EQ(store->add("n", 3), 5);
+  EXPECT_TRUE(store->check({"a", "n"}));
+  EXPECT_FALSE(store->check({"a", "missing"}));
+  EXPECT_EQ(store->getNumKeys(), 2);
+  // The learner's in-process store sees the same keys.
+  auto local = server_->LocalStore(epoch);
+  EXPECT_EQ(local->get("a"), (std::vector<uint8_t>{'x', 'y'}));
+  local->set("b", {'1'});
+  store->wait({"a", "b"}, 1s);
+  EXPECT_TRUE(store->deleteKey("b"));
+  EXPECT_FALSE(store->check({"b"}));
+  // compareSet: set when the current value matches.
+  EXPECT_EQ(store->compareSet("a", {'x', 'y'}, {'z'}),
+            (std::vector<uint8_t>{'z'}));
+  EXPECT_EQ(store->compareSet("a", {'q'}, {'w'}), (std::vector<uint8_t>{'z'}));
+}
+
+TEST_F(GlooWeightSyncE2eTest,
+       GrpcStoreWaitForAMissingKeyFailsWithinItsDeadline) {
+  StartLearner(100);
+  auto store = GrpcStore::Connect(channel_, "", server_->group_epoch(), 2s);
+  auto start = Clock::now();
+  EXPECT_THROW(store->wait({"never"}, 500ms), c10::Error);
+  EXPECT_LT(Clock::now() - start, 2s);
+  EXPECT_GE(Clock::now() - start, 400ms);
+  start = Clock::now();
+  StatusOr<std::string> v = store->Get("never", 300ms);
+  EXPECT_EQ(v.status().code(), StatusCode::kDeadlineExceeded)
+      << v.status().ToString();
+  EXPECT_LT(Clock::now() - start, 2s);
+  // get() waits the store's own timeout (2 s), not forever.
+  start = Clock::now();
+  EXPECT_THROW(store->get("never"), c10::Error);
+  EXPECT_LT(Clock::now() - start, 5s);
+}
+
+TEST_F(GlooWeightSyncE2eTest, GrpcStoreOfAPastEpochIsFailedPrecondition) {
+  StartLearner(100);
+  auto store = GrpcStore::Connect(channel_, "", server_->group_epoch() + 7, 1s);
+  const Status s = store->Set("a", "b");
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_THROW(store->set("a", {'b'}), c10::Error);
+}
+
+TEST_F(GlooWeightSyncE2eTest,
+       TwoWorkersReceiveTheLatestVersionBitEqualOverGloo) {
+  StartLearner(/*max_steps=*/6);
+  SubmitPrompts(64);
+  RunningWorker &a = StartWorker();
+  RunningWorker &b = StartWorker();
+  ASSERT_TRUE(server_->WaitForJobEnd(120s));
+  ASSERT_EQ(server_->job_state(), JobState::kDone);
+  const int64_t latest = server_->published_version();
+  ASSERT_GT(latest, 0);
+  // The last version is broadcast after the job ended: both receivers get it.
+  for (RunningWorker *w : {&a, &b}) {
+    ASSERT_NE(w->receiver, nullptr);
+    EXPECT_TRUE(
+        WaitFor([&] { return w->receiver->latest().first == latest; }, 30s))
+        << "worker got " << w->receiver->latest().first
+        << ", learner published " << latest;
+  }
+  const common::NamedTensors learner_params =
+      server_->policy().NamedParameters();
+  for (RunningWorker *w : {&a, &b}) {
+    EXPECT_TRUE(BitEqual(w->receiver->latest().second, learner_params));
+    EXPECT_GE(w->receiver->versions_received(), 1);
+    EXPECT_GE(w->receiver->groups_joined(), 1);
+    std::printf("worker: %lld versions over gloo, %lld installs from gloo, "
+                "%lld from grpc\n",
+                static_cast<long long>(w->receiver->versions_received()),
+                static_cast<long long>(w->receiver->installs_from_gloo()),
+                static_cast<long long>(w->receiver->installs_from_grpc()));
+  }
+  EXPECT_GE(server_->gloo_syncs(), 1);
+  // A worker that generated with a later version took it from the group at
+  // least once.
+  EXPECT_GE(a.receiver->installs_from_gloo() + b.receiver->installs_from_gloo(),
+            1);
+  for (RunningWorker *w : {&a, &b}) {
+    w->thread.join();
+    EXPECT_TRUE(w->result.ok()) << w->result.ToString();
+  }
+}
+
+TEST_F(GlooWeightSyncE2eTest,
+       StoppedWorkerBumpsTheEpochAndTheOtherKeepsReceiving) {
+  // Heartbeats drop a silent worker after 5 s: the broadcast notices first.
+  StartLearner(/*max_steps=*/150, /*heartbeat_interval=*/1000ms);
+  SubmitPrompts(1024);
+  RunningWorker &a = StartWorker();
+  RunningWorker &victim = StartWorker();
+  // Both are in the group and took a version over gloo.
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return a.receiver && victim.receiver &&
+               a.receiver->versions_received() >= 1 &&
+               victim.receiver->versions_received() >= 1;
+      },
+      60s));
+  const int64_t epoch_before = server_->group_epoch();
+  const int64_t failures_before = server_->gloo_sync_failures();
+  const int64_t a_received_before = a.receiver->versions_received();
+  // The victim stops and its receiver goes away (its gloo connections close).
+  victim.stop = true;
+  victim.thread.join();
+  const auto t_stop = Clock::now();
+  victim.worker.reset();
+  // The group is rebuilt at a new epoch within a bounded time: either the next broadcast
+  // fails within its deadline or the missed heartbeats drop the worker first (5 x 1 s),
+  // whichever comes first; both bump the epoch.
+  ASSERT_TRUE(WaitFor([&] { return server_->group_epoch() > epoch_before; },
+                      kSyncTimeout + 8s));
+  std::printf("epoch %lld -> %lld %.2f s after the stop; broadcast failures "
+              "%lld -> %lld\n",
+              static_cast<long long>(epoch_before),
+              static_cast<long long>(server_->group_epoch()),
+              std::chrono::duration<double>(Clock::now() - t_stop).count(),
+              static_cast<long long>(failures_before),
+              static_cast<long long>(server_->gloo_sync_failures()));
+  EXPECT_EQ(server_->job_state(), JobState::kRunning);
+  // Training continues and the remaining worker keeps receiving over gloo at a
+  // new epoch.
+  ASSERT_TRUE(server_->WaitForJobEnd(180s));
+  EXPECT_EQ(server_->job_state(), JobState::kDone);
+  const int64_t latest = server_->published_version();
+  EXPECT_TRUE(
+      WaitFor([&] { return a.receiver->latest().first == latest; }, 30s))
+      << "worker got " << a.receiver->latest().first << ", learner published "
+      << latest;
+  EXPECT_GT(a.receiver->versions_received(), a_received_before);
+  EXPECT_GE(a.receiver->groups_joined(), 2);
+  EXPECT_TRUE(BitEqual(a.receiver->latest().second,
+                       server_->policy().NamedParameters()));
+  a.thread.join();
+  EXPECT_TRUE(a.result.ok()) << a.result.ToString();
+}
+
+} // namespace
+} // namespace grpo::services
