@@ -59,11 +59,11 @@ Status FakeWeightSyncHub::Exchange(int64_t epoch, int64_t seq, int rank, std::ve
 
 namespace {
 
-class FakeWeightSync final : public CollectiveWeightSync {
+class FakeWeightSync final : public HostMemoryWeightSync {
  public:
   FakeWeightSync(std::shared_ptr<FakeWeightSyncHub> hub, int rank, int64_t epoch,
                  WeightSyncOptions options)
-      : CollectiveWeightSync(rank, hub->world_size(), epoch, options), hub_(std::move(hub)) {}
+      : HostMemoryWeightSync(rank, hub->world_size(), epoch, options), hub_(std::move(hub)) {}
   ~FakeWeightSync() override = default;  // nothing to tear down but the hub's rounds
 
  protected:
@@ -99,24 +99,6 @@ class FakeWeightSync final : public CollectiveWeightSync {
     return Status::OK();
   }
 
-  Status CheckTensorMemory(const std::string& name, const at::Tensor& t) override {
-    if (!t.device().is_cpu()) {
-      return Status::InvalidArgument("tensor '" + name + "' is on " + t.device().str() +
-                                     "; the fake weight sync takes CPU tensors");
-    }
-    return Status::OK();
-  }
-
-  StatusOr<uint8_t*> Staging(int64_t bytes) override {
-    if (static_cast<int64_t>(staging_.size()) < bytes) staging_.resize(bytes);
-    return staging_.data();
-  }
-  Status CopyBytes(void* dst, const void* src, int64_t bytes) override {
-    std::memcpy(dst, src, bytes);
-    return Status::OK();
-  }
-  Status Synchronize() override { return Status::OK(); }
-  bool host_memory() const override { return true; }
   void AbortBackend() override { hub_->AbortEpoch(epoch()); }
 
  private:
@@ -127,7 +109,6 @@ class FakeWeightSync final : public CollectiveWeightSync {
 
   std::shared_ptr<FakeWeightSyncHub> hub_;
   int64_t seq_ = 0;
-  std::vector<uint8_t> staging_;
 };
 
 }  // namespace

@@ -46,11 +46,11 @@ Status FromException(const std::exception& e, Clock::time_point start,
   return Status::Unavailable(m);
 }
 
-class GlooWeightSync final : public CollectiveWeightSync {
+class GlooWeightSync final : public HostMemoryWeightSync {
  public:
   GlooWeightSync(c10::intrusive_ptr<c10d::ProcessGroupGloo> pg, int rank, int world_size,
                  int64_t epoch, WeightSyncOptions options)
-      : CollectiveWeightSync(rank, world_size, epoch, options), pg_(std::move(pg)) {}
+      : HostMemoryWeightSync(rank, world_size, epoch, options), pg_(std::move(pg)) {}
   ~GlooWeightSync() override { AbortBackend(); }
 
  protected:
@@ -81,24 +81,6 @@ class GlooWeightSync final : public CollectiveWeightSync {
     return Status::OK();
   }
 
-  Status CheckTensorMemory(const std::string& name, const at::Tensor& t) override {
-    if (!t.device().is_cpu()) {
-      return Status::InvalidArgument("tensor '" + name + "' is on " + t.device().str() +
-                                     "; the gloo weight sync takes CPU tensors");
-    }
-    return Status::OK();
-  }
-
-  StatusOr<uint8_t*> Staging(int64_t bytes) override {
-    if (static_cast<int64_t>(staging_.size()) < bytes) staging_.resize(bytes);
-    return staging_.data();
-  }
-  Status CopyBytes(void* dst, const void* src, int64_t bytes) override {
-    std::memcpy(dst, src, bytes);
-    return Status::OK();
-  }
-  Status Synchronize() override { return Status::OK(); }
-  bool host_memory() const override { return true; }
 
   // Destroying the process group joins its worker threads (an op in flight ends by gloo's own
   // timeout, the same deadline) and closes the connections, so peers fail fast.
@@ -126,7 +108,6 @@ class GlooWeightSync final : public CollectiveWeightSync {
   }
 
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
-  std::vector<uint8_t> staging_;
 };
 
 #endif  // GRPO_HAVE_GLOO

@@ -268,4 +268,22 @@ Status CollectiveWeightSync::Commit() {
   return Status::OK();
 }
 
+Status HostMemoryWeightSync::CheckTensorMemory(const std::string& name, const at::Tensor& t) {
+  if (!t.device().is_cpu()) {
+    return Status::InvalidArgument("tensor '" + name + "' is on " + t.device().str() +
+                                   "; the " + backend_name() + " weight sync takes CPU tensors");
+  }
+  return Status::OK();
+}
+
+StatusOr<uint8_t*> HostMemoryWeightSync::Staging(int64_t bytes) {
+  if (static_cast<int64_t>(staging_.size()) < bytes) staging_.resize(bytes);
+  return staging_.data();
+}
+
+Status HostMemoryWeightSync::CopyBytes(void* dst, const void* src, int64_t bytes) {
+  std::memcpy(dst, src, bytes);
+  return Status::OK();
+}
+
 }  // namespace grpo::common

@@ -109,4 +109,20 @@ class CollectiveWeightSync : public WeightSync {
   uint64_t checksum_ = 0;  // of those bytes, when verify_checksum and host_memory()
 };
 
+// The memory primitives of a backend that works on CPU tensors (Gloo, the fake): a growable
+// host staging buffer, memcpy, nothing to synchronise, checksummable bytes.
+class HostMemoryWeightSync : public CollectiveWeightSync {
+ protected:
+  using CollectiveWeightSync::CollectiveWeightSync;
+
+  Status CheckTensorMemory(const std::string& name, const at::Tensor& t) override;
+  StatusOr<uint8_t*> Staging(int64_t bytes) override;
+  Status CopyBytes(void* dst, const void* src, int64_t bytes) override;
+  Status Synchronize() override { return Status::OK(); }
+  bool host_memory() const override { return true; }
+
+ private:
+  std::vector<uint8_t> staging_;
+};
+
 }  // namespace grpo::common
