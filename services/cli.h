@@ -15,6 +15,8 @@ using CliAction = std::function<int()>;
 void AddModelToolCommands(CLI::App& app, CliAction* action);
 // train-local: generate, score and train in one process.
 void AddTrainLocalCommand(CLI::App& app, CliAction* action);
+// generate: the rollout engine as a JSON Lines tool.
+void AddGenerateCommand(CLI::App& app, CliAction* action);
 // bench: the benchmarks of ../shared/BENCHMARKS.md.
 void AddBenchCommand(CLI::App& app, CliAction* action);
 // rollout (a worker against a learner) and reward-server (RewardService over built-ins).

@@ -67,6 +67,7 @@ int main(int argc, char** argv) {
   grpo::services::AddTrainLocalCommand(app, &action);
   grpo::services::AddLearnerCommands(app, &action);
   grpo::services::AddBenchCommand(app, &action);
+  grpo::services::AddGenerateCommand(app, &action);
   grpo::services::AddRolloutCommands(app, &action);
   grpo::services::AddDemoCommand(app, &action);
 

@@ -119,6 +119,38 @@ TEST_F(CliTools, LogprobsMatchIndependentReferenceModel) {
   }
 }
 
+TEST_F(CliTools, GenerateGivesGroupsWithLogprobsAndRewardsPerRow) {
+  const std::string in = dir_ + "/gen_in.jsonl";
+  std::ofstream(in) << R"({"prompt": "hi", "answer": "3"})" << "\n"
+                    << R"({"messages": [{"role": "user", "content": "2+1?"}]})" << "\n"
+                    << R"({"nope": 1})" << "\n";
+  int rc;
+  auto out = Lines(RunCommand(Bin() + " generate --model " + dir_ +
+                                  " --num_generations 3 --max_completion_length 6"
+                                  " --reward_funcs length,accuracy"
+                                  " --reward_options '{\"length\": {\"target_length\": 4}}' < " +
+                                  in,
+                              &rc));
+  EXPECT_EQ(rc, 2);  // line 3 has no prompt
+  ASSERT_EQ(out.size(), 3u);
+  for (int row = 0; row < 2; ++row) {
+    ASSERT_EQ(out[row]["completions"].size(), 3u) << out[row].dump();
+    for (const auto& c : out[row]["completions"]) {
+      const size_t len = c["ids"].size();
+      EXPECT_GE(len, 1u);
+      EXPECT_LE(len, 6u);
+      EXPECT_EQ(c["logprobs"].size(), len);
+      for (const auto& lp : c["logprobs"]) EXPECT_LE(lp.get<double>(), 0.0);
+      // TRL's reward_len: -|target - length|.
+      EXPECT_DOUBLE_EQ(c["rewards"]["length"].get<double>(), -std::abs(4.0 - double(len)));
+    }
+  }
+  // Row 1 has an answer (a number the random policy does not write): 0; row 2 has none: null.
+  EXPECT_EQ(out[0]["completions"][0]["rewards"]["accuracy"].get<double>(), 0.0);
+  EXPECT_TRUE(out[1]["completions"][0]["rewards"]["accuracy"].is_null());
+  EXPECT_NE(out[2]["error"].get<std::string>().find("line 3"), std::string::npos);
+}
+
 TEST_F(CliTools, ConfigNamesAnUnknownKey) {
   int rc;
   RunCommand(Bin() + " config --num_generaton 4 2>/dev/null", &rc);
