@@ -407,9 +407,11 @@ RewardCallReport RewardRunner::ScoreGroup(common::RolloutGroup& group,
   struct Call {
     std::promise<Scores> promise;
     std::atomic<int> state{0};
+    std::atomic<double> seconds{0.0};  // the Score call's duration, set before the promise
   };
   RewardCallReport report;
   const size_t n = group.completions.size(), k = functions_.size();
+  report.seconds.assign(k, std::nullopt);
   auto inputs = std::make_shared<std::vector<RewardInput>>();
   inputs->reserve(n);
   for (const auto& c : group.completions) {
@@ -435,9 +437,13 @@ RewardCallReport RewardRunner::ScoreGroup(common::RolloutGroup& group,
     futures[f] = call->promise.get_future();
     try {
       std::thread([call, fn = functions_[f], inputs, abandoned = abandoned_[f]] {
+        const auto t0 = std::chrono::steady_clock::now();
         try {
-          call->promise.set_value(fn->Score(*inputs));
+          Scores result = fn->Score(*inputs);
+          call->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          call->promise.set_value(std::move(result));
         } catch (...) {
+          call->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
           call->promise.set_exception(std::current_exception());
         }
         int running = 0;
@@ -458,10 +464,12 @@ RewardCallReport RewardRunner::ScoreGroup(common::RolloutGroup& group,
       int running = 0;
       if (calls[f]->state.compare_exchange_strong(running, 2)) {
         fail(f, true, "no result within " + std::to_string(timeout_.count()) + " ms");
+        report.seconds[f] = std::chrono::duration<double>(timeout_).count();
         continue;
       }
       abandoned_[f]->fetch_sub(1);  // finished meanwhile
     }
+    report.seconds[f] = calls[f]->seconds.load();  // set before the promise was fulfilled
     try {
       Scores s = futures[f].get();
       if (s.size() != n) {

@@ -73,6 +73,9 @@ struct RewardCallReport {
   int64_t errors = 0;    // threw or returned the wrong number of scores
   int64_t timeouts = 0;  // missed the deadline (or too many of its calls still running)
   std::vector<std::string> messages;  // "<fn>: <what>"
+  // Per function, in order: seconds its Score call took, the timeout when it missed the
+  // deadline; nullopt when it was not started.
+  std::vector<std::optional<double>> seconds;
 };
 
 // Applies reward functions to groups. Thread-safe: ScoreGroup may run concurrently.

@@ -603,8 +603,12 @@ void RolloutWorker::SetLeasesHeld(int32_t n) {
 void RolloutWorker::CountRewardFailures(const rollout::RewardCallReport& report) {
   counters_.reward_errors += report.errors;
   counters_.reward_timeouts += report.timeouts;
-  if (!metrics_ || report.messages.empty()) return;
+  if (!metrics_) return;
   const std::vector<std::string> names = rewards_->names();
+  for (size_t f = 0; f < report.seconds.size() && f < names.size(); ++f) {
+    if (report.seconds[f]) metrics_->reward_duration->Observe({names[f]}, *report.seconds[f]);
+  }
+  if (report.messages.empty()) return;
   for (const auto& m : report.messages) {
     // Messages are "<fn>: <what>"; a timeout says so in <what> (rollout/reward.cc).
     std::string fn;

@@ -202,7 +202,8 @@ class RolloutWorker {
   void StopHeartbeat();
   void NoteLearnerVersion(int64_t version);
   void SetLeasesHeld(int32_t n);
-  // Reward failures of one ScoreGroup call into grpo_rollout_reward_errors_total.
+  // One ScoreGroup call's per-function latencies into grpo_rollout_reward_duration_seconds
+  // and its failures into grpo_rollout_reward_errors_total.
   void CountRewardFailures(const rollout::RewardCallReport& report);
   int64_t PromptsPerLease() const;
 

@@ -289,6 +289,37 @@ TEST(RewardRunner, WrongNumberOfScoresIsAnError) {
   EXPECT_EQ(g.completions[1].rewards, (Scores{std::nullopt}));
 }
 
+// Sleeps `ms` then scores 1: a function whose latency is known.
+class SlowReward final : public RewardFunction {
+ public:
+  explicit SlowReward(int ms) : ms_(ms) {}
+  std::string name() const override { return "slow"; }
+  Scores Score(const std::vector<RewardInput>& in) const override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms_));
+    return Scores(in.size(), 1.0);
+  }
+
+ private:
+  int ms_;
+};
+
+TEST(RewardRunner, ReportsEachFunctionsLatencyAndTheTimeoutForAMissedDeadline) {
+  std::promise<void> release;
+  auto blocking = std::make_shared<BlockingReward>(release.get_future().share());
+  auto runner = MakeRunner({std::make_shared<SlowReward>(80), blocking}, {},
+                           std::chrono::milliseconds(400));
+  common::RolloutGroup g = Group({{"{}", 1}});
+  const RewardCallReport report = runner->ScoreGroup(g, "p", json::object());
+  ASSERT_EQ(report.seconds.size(), 2u);
+  ASSERT_TRUE(report.seconds[0].has_value());
+  EXPECT_GE(*report.seconds[0], 0.08);  // slept 80 ms
+  EXPECT_LT(*report.seconds[0], 0.4);   // and was not charged the deadline
+  ASSERT_TRUE(report.seconds[1].has_value());
+  EXPECT_DOUBLE_EQ(*report.seconds[1], 0.4);  // missed it: the timeout
+  release.set_value();
+  EXPECT_TRUE(WaitFor([&] { return runner->abandoned_in_flight() == 0; }));
+}
+
 TEST(RewardRunner, TimeoutGivesNullsWithoutWaitingForTheFunction) {
   std::promise<void> release;
   auto blocking = std::make_shared<BlockingReward>(release.get_future().share());

@@ -320,6 +320,10 @@ TEST(RolloutWorker, ExportsWorkerMetrics) {
   EXPECT_NE(text.find("grpo_rollout_groups_pushed_total 2\n"), std::string::npos) << text;
   EXPECT_NE(text.find("grpo_rollout_weight_version 1\n"), std::string::npos) << text;
   EXPECT_NE(text.find("grpo_rollout_leases_held 0\n"), std::string::npos) << text;
+  // One reward call per pushed group, each timed.
+  EXPECT_NE(text.find("grpo_rollout_reward_duration_seconds_count{reward_fn=\"length\"} 2\n"),
+            std::string::npos)
+      << text;
   EXPECT_NE(text.find("grpo_rollout_tokens_generated_total " +
                       std::to_string(worker->stats().completion_tokens) + "\n"),
             std::string::npos)
