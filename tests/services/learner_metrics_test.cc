@@ -17,6 +17,7 @@
 #include "common/model_config.h"
 #include "services/auth.h"
 #include "services/convert.h"
+#include "tests/services/learner_test_util.h"
 #include "services/learner_service.h"
 #include "tests/services/http_test_util.h"
 
@@ -95,22 +96,7 @@ class LearnerMetricsTest : public ::testing::Test {
 
   // A well-formed group for the tiny model: 2 completions, one reward each.
   v1::RolloutGroup Group(const v1::Lease& lease, double reward0, double reward1) {
-    common::RolloutGroup g;
-    g.prompt_id = lease.prompt_id();
-    g.lease_id = lease.lease_id();
-    g.policy_version = server_->published_version();
-    g.prompt_ids = {115, 97, 121};
-    for (double r : {reward0, reward1}) {
-      common::Completion c;
-      c.token_ids = {104, 105, 258};
-      c.logprobs = {-1.5f, -2.0f, -0.5f};
-      c.rewards = {r};
-      g.completions.push_back(c);
-    }
-    v1::RolloutGroup out;
-    ToProto(g, &out);
-    out.set_worker_id("w1");
-    return out;
+    return testing::TinyGroup(lease, server_->published_version(), reward0, reward1);
   }
 
   v1::PushRolloutsResponse Push(const std::vector<v1::RolloutGroup>& groups) {

@@ -20,6 +20,7 @@
 #include "common/model_config.h"
 #include "services/auth.h"
 #include "services/convert.h"
+#include "tests/services/learner_test_util.h"
 
 namespace grpo::services {
 namespace {
@@ -131,22 +132,7 @@ class LearnerServiceTest : public ::testing::Test {
 
   // A well-formed group for the tiny model (vocab 259): 2 completions, one reward each.
   v1::RolloutGroup Group(const v1::Lease& lease, double reward0 = 1.0, double reward1 = 0.0) {
-    common::RolloutGroup g;
-    g.prompt_id = lease.prompt_id();
-    g.lease_id = lease.lease_id();
-    g.policy_version = server_->published_version();
-    g.prompt_ids = {115, 97, 121};
-    for (double r : {reward0, reward1}) {
-      common::Completion c;
-      c.token_ids = {104, 105, 258};
-      c.logprobs = {-1.5f, -2.0f, -0.5f};
-      c.rewards = {r};
-      g.completions.push_back(c);
-    }
-    v1::RolloutGroup out;
-    ToProto(g, &out);
-    out.set_worker_id("w1");
-    return out;
+    return testing::TinyGroup(lease, server_->published_version(), reward0, reward1);
   }
 
   v1::PushRolloutsResponse Push(const std::vector<v1::RolloutGroup>& groups) {
