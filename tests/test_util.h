@@ -7,11 +7,13 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 namespace grpo::testing {
@@ -27,6 +29,32 @@ inline std::string SourceDir() {
 inline bool HaveReferencePython() {
   return std::system((std::string(kReferencePython) + " -c 'import torch' 2>/dev/null").c_str()) ==
          0;
+}
+
+// The `grpo` binary under test: $GRPO_BIN (set by ctest), else `grpo` on PATH.
+inline std::string GrpoBin() {
+  const char* b = std::getenv("GRPO_BIN");
+  return b ? b : "grpo";
+}
+
+inline std::string ReadFile(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs `cmd` through the shell; returns its stdout, *rc gets the exit code (-1 when it was
+// killed by a signal).
+inline std::string RunCommand(const std::string& cmd, int* rc) {
+  std::unique_ptr<FILE, int (*)(FILE*)> p(popen(cmd.c_str(), "r"), &pclose);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p.get())) > 0) out.append(buf, n);
+  const int status = pclose(p.release());
+  *rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
 }
 
 // Runs tests/reference/<script> with `input` as JSON on stdin and parses its stdout as JSON.

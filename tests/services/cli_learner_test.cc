@@ -17,35 +17,17 @@
 #include <thread>
 #include <vector>
 
+#include "tests/test_util.h"
+
 namespace {
+
+using grpo::testing::GrpoBin;
+using grpo::testing::ReadFile;
+using grpo::testing::RunCommand;
 
 namespace fs = std::filesystem;
 using nlohmann::json;
 using std::chrono::milliseconds;
-
-std::string Bin() {
-  const char* b = std::getenv("GRPO_BIN");
-  return b ? b : "grpo";
-}
-
-std::string ReadFile(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// Runs `cmd` through the shell; returns stdout, *rc gets the exit code.
-std::string RunCommand(const std::string& cmd, int* rc) {
-  std::unique_ptr<FILE, int (*)(FILE*)> p(popen(cmd.c_str(), "r"), &pclose);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p.get())) > 0) out.append(buf, n);
-  const int status = pclose(p.release());
-  *rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
-}
 
 class CliLearnerTest : public ::testing::Test {
  protected:
@@ -73,7 +55,7 @@ class CliLearnerTest : public ::testing::Test {
   void StartLearner() {
     const std::string out = (dir_ / "learner.out").string();
     const std::string err = (dir_ / "learner.err").string();
-    std::vector<std::string> args = {Bin(),
+    std::vector<std::string> args = {GrpoBin(),
                                      "--log_level",
                                      "info",
                                      "learner",
@@ -134,7 +116,7 @@ class CliLearnerTest : public ::testing::Test {
 
   std::string Client(const std::string& cmd, const std::string& flags, int* rc,
                      bool with_token = true) {
-    std::string line = Bin() + " " + cmd + " --learner_address 127.0.0.1:" + std::to_string(port_) +
+    std::string line = GrpoBin() + " " + cmd + " --learner_address 127.0.0.1:" + std::to_string(port_) +
                        " --timeout_seconds 10 " + flags;
     if (with_token) line += " --auth_token_file " + (dir_ / "token").string();
     return RunCommand(line + " 2>" + (dir_ / "client.err").string(), rc);
@@ -179,7 +161,7 @@ TEST_F(CliLearnerTest, SigtermStopsTheLearnerCleanly) {
 
 TEST_F(CliLearnerTest, LearnerRefusesAConfigWithoutRewardFunctions) {
   int rc = 0;
-  RunCommand(Bin() + " learner --output_dir " + (dir_ / "out").string() + " --grpc_port 0 2>" +
+  RunCommand(GrpoBin() + " learner --output_dir " + (dir_ / "out").string() + " --grpc_port 0 2>" +
                  (dir_ / "err").string(),
              &rc);
   EXPECT_EQ(rc, 2);

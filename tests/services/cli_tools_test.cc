@@ -13,25 +13,11 @@
 #include "tests/test_util.h"
 
 namespace {
+
+using grpo::testing::GrpoBin;
+using grpo::testing::RunCommand;
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-std::string Bin() {
-  const char* b = std::getenv("GRPO_BIN");
-  return b ? b : "grpo";
-}
-
-// Runs `cmd`, returns stdout; *rc gets the exit code.
-std::string RunCommand(const std::string& cmd, int* rc) {
-  std::unique_ptr<FILE, int (*)(FILE*)> p(popen(cmd.c_str(), "r"), &pclose);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p.get())) > 0) out.append(buf, n);
-  int status = pclose(p.release());
-  *rc = WEXITSTATUS(status);
-  return out;
-}
 
 std::vector<json> Lines(const std::string& text) {
   std::vector<json> out;
@@ -47,7 +33,7 @@ class CliTools : public ::testing::Test {
     dir_ = (fs::path(::testing::TempDir()) / "grpo_cli_tools").string();
     fs::remove_all(dir_);
     int rc;
-    RunCommand(Bin() + " init-model --preset tiny --seed 5 --out " + dir_, &rc);
+    RunCommand(GrpoBin() + " init-model --preset tiny --seed 5 --out " + dir_, &rc);
     ASSERT_EQ(rc, 0);
   }
   static std::string dir_;
@@ -69,13 +55,13 @@ TEST_F(CliTools, TokenizeGivesBytesAndSpecialsAndDecodesBack) {
   const std::string in = dir_ + "/tok_in.jsonl";
   std::ofstream(in) << R"({"text": "<|im_start|>hi\n"})" << "\n" << R"({"text": 5})" << "\n";
   int rc;
-  auto out = Lines(RunCommand(Bin() + " tokenize --tokenizer " + dir_ + " < " + in, &rc));
+  auto out = Lines(RunCommand(GrpoBin() + " tokenize --tokenizer " + dir_ + " < " + in, &rc));
   EXPECT_EQ(rc, 2);  // line 2 is bad
   ASSERT_EQ(out.size(), 2u);
   EXPECT_EQ(out[0]["ids"], json({257, 'h', 'i', '\n'}));
   EXPECT_NE(out[1]["error"].get<std::string>().find("line 2"), std::string::npos);
   std::ofstream(in) << R"({"ids": [257, 104, 105, 10]})" << "\n";
-  out = Lines(RunCommand(Bin() + " tokenize --decode --tokenizer " + dir_ + " < " + in, &rc));
+  out = Lines(RunCommand(GrpoBin() + " tokenize --decode --tokenizer " + dir_ + " < " + in, &rc));
   EXPECT_EQ(rc, 0);
   EXPECT_EQ(out[0]["text"], "<|im_start|>hi\n");
 }
@@ -90,7 +76,7 @@ TEST_F(CliTools, LogprobsMatchIndependentReferenceModel) {
     f << R"({"ids": [1, 99999]})" << "\n";
   }
   int rc;
-  auto out = Lines(RunCommand(Bin() + " logprobs --model " + dir_ + " < " + in, &rc));
+  auto out = Lines(RunCommand(GrpoBin() + " logprobs --model " + dir_ + " < " + in, &rc));
   ASSERT_EQ(out.size(), 3u);
   EXPECT_EQ(rc, 2);
   EXPECT_NE(out[2]["error"].get<std::string>().find("99999"), std::string::npos);
@@ -125,7 +111,7 @@ TEST_F(CliTools, GenerateGivesGroupsWithLogprobsAndRewardsPerRow) {
                     << R"({"messages": [{"role": "user", "content": "2+1?"}]})" << "\n"
                     << R"({"nope": 1})" << "\n";
   int rc;
-  auto out = Lines(RunCommand(Bin() + " generate --model " + dir_ +
+  auto out = Lines(RunCommand(GrpoBin() + " generate --model " + dir_ +
                                   " --num_generations 3 --max_completion_length 6"
                                   " --reward_funcs length,accuracy"
                                   " --reward_options '{\"length\": {\"target_length\": 4}}' < " +
@@ -153,9 +139,9 @@ TEST_F(CliTools, GenerateGivesGroupsWithLogprobsAndRewardsPerRow) {
 
 TEST_F(CliTools, ConfigNamesAnUnknownKey) {
   int rc;
-  RunCommand(Bin() + " config --num_generaton 4 2>/dev/null", &rc);
+  RunCommand(GrpoBin() + " config --num_generaton 4 2>/dev/null", &rc);
   EXPECT_EQ(rc, 2);
-  auto out = json::parse(RunCommand(Bin() + " config --num_generations 4 --per_device_train_batch_size 4", &rc));
+  auto out = json::parse(RunCommand(GrpoBin() + " config --num_generations 4 --per_device_train_batch_size 4", &rc));
   EXPECT_EQ(rc, 0);
   EXPECT_EQ(out["num_generations"], 4);
 }

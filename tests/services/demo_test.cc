@@ -18,28 +18,15 @@
 #include <string>
 #include <vector>
 
+#include "tests/test_util.h"
+
 namespace {
+
+using grpo::testing::GrpoBin;
+using grpo::testing::RunCommand;
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-std::string Bin() {
-  const char *b = std::getenv("GRPO_BIN");
-  return b ? b : "grpo";
-}
-
-// Runs `cmd` through the shell; returns stdout, *rc gets the exit code.
-std::string RunCommand(const std::string &cmd, int *rc) {
-  std::unique_ptr<FILE, int (*)(FILE *)> p(popen(cmd.c_str(), "r"), &pclose);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p.get())) > 0)
-    out.append(buf, n);
-  const int status = pclose(p.release());
-  *rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
-}
 
 double Mean(const std::vector<double> &v) {
   double s = 0;
@@ -76,7 +63,7 @@ TEST_F(DemoTest, LearnsTheBuiltinTaskAndLeavesNoProcessBehind) {
   constexpr size_t kWindow = 8;
   int rc = -1;
   const std::string out =
-      RunCommand(Bin() + " demo --json --workers 2 --seed 1 --max_steps " +
+      RunCommand(GrpoBin() + " demo --json --workers 2 --seed 1 --max_steps " +
                      std::to_string(kSteps) + " --output_dir " + dir_.string() +
                      " 2>" + (dir_.string() + ".stderr"),
                  &rc);
@@ -128,7 +115,7 @@ TEST_F(DemoTest, LearnsTheBuiltinTaskAndLeavesNoProcessBehind) {
 TEST_F(DemoTest, BadOverrideFailsFastNamingTheKey) {
   int rc = -1;
   const std::string out =
-      RunCommand(Bin() + " demo --num_generations 1 --output_dir " +
+      RunCommand(GrpoBin() + " demo --num_generations 1 --output_dir " +
                      dir_.string() + " 2>&1",
                  &rc);
   EXPECT_EQ(rc, 2) << out;

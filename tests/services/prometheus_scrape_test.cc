@@ -20,8 +20,12 @@
 #include <vector>
 
 #include "tests/services/http_test_util.h"
+#include "tests/test_util.h"
 
 namespace {
+
+using grpo::testing::GrpoBin;
+using grpo::testing::ReadFile;
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -32,18 +36,6 @@ using Clock = std::chrono::steady_clock;
 constexpr const char* kPrometheus = "/usr/bin/prometheus";
 constexpr auto kStartTimeout = seconds(30);
 constexpr auto kScrapeTimeout = seconds(60);
-
-std::string Bin() {
-  const char* b = std::getenv("GRPO_BIN");
-  return b ? b : "grpo";
-}
-
-std::string ReadFile(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // Last `n` characters of a log, for failure messages.
 std::string Tail(const fs::path& p, size_t n = 3000) {
@@ -140,7 +132,7 @@ TEST_F(PrometheusScrapeTest, PrometheusScrapesTheLearnerAndAWorker) {
   const std::string token = (dir_ / "token").string();
 
   // 1. The learner, on free gRPC and metrics ports.
-  Spawn("learner", {Bin(), "learner", "--output_dir", (dir_ / "out").string(), "--grpc_port", "0",
+  Spawn("learner", {GrpoBin(), "learner", "--output_dir", (dir_ / "out").string(), "--grpc_port", "0",
                     "--metrics_port", "0", "--auth_token_file", token, "--num_generations", "2",
                     "--per_device_train_batch_size", "4", "--max_completion_length", "8",
                     "--reward_funcs", "length", "--max_steps", "1000", "--linger_seconds", "0"});
@@ -161,14 +153,14 @@ TEST_F(PrometheusScrapeTest, PrometheusScrapesTheLearnerAndAWorker) {
   const std::string address = "127.0.0.1:" + std::to_string(grpc_port);
 
   // 2. A dataset, then one worker with a metrics port.
-  ASSERT_EQ(Run(Bin() + " submit --learner_address " + address + " --auth_token_file " + token +
+  ASSERT_EQ(Run(GrpoBin() + " submit --learner_address " + address + " --auth_token_file " + token +
                 " --timeout_seconds 20 --dataset " + (dir_ / "data.jsonl").string() + " >" +
                 (dir_ / "submit.out").string() + " 2>&1"),
             0)
       << ReadFile(dir_ / "submit.out");
   const uint16_t worker_metrics = grpo::testing::FreeLoopbackPort();
   ASSERT_GT(worker_metrics, 0);
-  Spawn("worker", {Bin(), "rollout", "--learner_address", address, "--metrics_port",
+  Spawn("worker", {GrpoBin(), "rollout", "--learner_address", address, "--metrics_port",
                    std::to_string(worker_metrics), "--auth_token_file", token});
 
   // 3. Prometheus, scraping both every second.
