@@ -2,6 +2,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <filesystem>
 #include <fstream>
@@ -311,46 +313,128 @@ at::Tensor Model::Attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return out.view({b, h, t, hd}).transpose(1, 2).reshape({b, t, h * hd});
 }
 
-at::Tensor Model::Forward(const at::Tensor& ids, const at::Tensor& positions,
-                          const at::Tensor& blocked, KvCache* cache) const {
-  const ModelConfig& c = config_;
-  const int64_t b = ids.size(0), t = ids.size(1);
-  const int64_t h = c.num_attention_heads, kv = c.num_key_value_heads, hd = c.head_dim;
+// ---------------------------------------------------------------------------------------------
+// Per-layer gradient checkpointing.
 
+const std::vector<at::Tensor Model::Layer::*>& Model::LayerFields() {
+  static const std::vector<at::Tensor Layer::*> fields = {
+      &Layer::input_norm, &Layer::q_w,    &Layer::q_b,       &Layer::k_w,    &Layer::k_b,
+      &Layer::v_w,        &Layer::v_b,    &Layer::o_w,       &Layer::o_b,    &Layer::q_norm,
+      &Layer::k_norm,     &Layer::post_norm, &Layer::gate_w, &Layer::up_w,   &Layer::down_w};
+  return fields;
+}
+
+// One decoder layer whose forward keeps no intermediates: backward recomputes the layer from its
+// saved input under grad mode (on detached leaves) and differentiates that. The model and layer
+// travel as integers because autograd's saved_data holds IValues; the Model outlives the graph
+// (the trainer owns both). Inputs: {x, cos, sin, blocked, the layer's defined weights...}.
+class CheckpointedLayerFunction
+    : public torch::autograd::Function<CheckpointedLayerFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs, int64_t model_address,
+                                                int64_t layer) {
+    const auto* model = reinterpret_cast<const Model*>(model_address);
+    ctx->saved_data["model"] = model_address;
+    ctx->saved_data["layer"] = layer;
+    ctx->save_for_backward(inputs.vec());
+    const size_t li = static_cast<size_t>(layer);
+    return {model->LayerForward(model->layers_[li], li, inputs[0], inputs[1], inputs[2],
+                                inputs[3], nullptr)};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto* model = reinterpret_cast<const Model*>(ctx->saved_data["model"].toInt());
+    const size_t li = static_cast<size_t>(ctx->saved_data["layer"].toInt());
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    // Detached leaves for the recompute; their gradients are returned to autograd, which adds
+    // them to the real inputs' .grad (nothing here touches the parameters' .grad directly).
+    Model::Layer leaves = model->layers_[li];
+    std::vector<at::Tensor> wrt;
+    at::Tensor x = saved[0].detach().requires_grad_(true);
+    wrt.push_back(x);
+    size_t next = 4;
+    for (auto field : Model::LayerFields()) {
+      if (!(leaves.*field).defined()) continue;
+      leaves.*field = saved[next++].detach().requires_grad_(true);
+      wrt.push_back(leaves.*field);
+    }
+    at::Tensor out;
+    {
+      at::AutoGradMode grad(true);
+      out = model->LayerForward(leaves, li, x, saved[1], saved[2], saved[3], nullptr);
+    }
+    torch::autograd::variable_list grads =
+        torch::autograd::grad({out}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
+                              /*create_graph=*/false, /*allow_unused=*/true);
+    // One entry per forward input: x, cos, sin, blocked, weights..., then the two integers.
+    torch::autograd::variable_list result;
+    result.reserve(saved.size() + 2);
+    result.push_back(grads[0]);
+    result.insert(result.end(), 3, at::Tensor());
+    result.insert(result.end(), grads.begin() + 1, grads.end());
+    result.insert(result.end(), 2, at::Tensor());
+    return result;
+  }
+};
+
+at::Tensor Model::LayerForward(const Layer& L, size_t li, const at::Tensor& x_in,
+                               const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& blocked, KvCache* cache) const {
+  const ModelConfig& c = config_;
+  const int64_t b = x_in.size(0), t = x_in.size(1);
+  const int64_t h = c.num_attention_heads, kv = c.num_key_value_heads, hd = c.head_dim;
+  at::Tensor a = RmsNorm(x_in, L.input_norm);
+  at::Tensor q = at::linear(a, L.q_w, L.q_b).view({b, t, h, hd});
+  at::Tensor k = at::linear(a, L.k_w, L.k_b).view({b, t, kv, hd});
+  at::Tensor v = at::linear(a, L.v_w, L.v_b).view({b, t, kv, hd});
+  if (c.qk_norm) {
+    q = RmsNorm(q, L.q_norm);
+    k = RmsNorm(k, L.k_norm);
+  }
+  q = ApplyRope(q, cos, sin).transpose(1, 2);  // [B, H, T, hd]
+  k = ApplyRope(k, cos, sin).transpose(1, 2);  // [B, KV, T, hd]
+  v = v.transpose(1, 2);
+  if (cache != nullptr) {
+    cache->keys[li].narrow(2, cache->length, t).copy_(k);
+    cache->values[li].narrow(2, cache->length, t).copy_(v);
+    k = cache->keys[li].narrow(2, 0, cache->length + t);
+    v = cache->values[li].narrow(2, 0, cache->length + t);
+  }
+  at::Tensor x = x_in + at::linear(Attend(q, k, v, blocked), L.o_w, L.o_b);
+  at::Tensor m = RmsNorm(x, L.post_norm);
+  return x + at::linear(at::silu(at::linear(m, L.gate_w)) * at::linear(m, L.up_w), L.down_w);
+}
+
+at::Tensor Model::Forward(const at::Tensor& ids, const at::Tensor& positions,
+                          const at::Tensor& blocked, KvCache* cache,
+                          bool gradient_checkpointing) const {
   at::Tensor freqs = positions.to(inv_freq_.scalar_type()).unsqueeze(-1) * inv_freq_;  // [B,T,hd/2]
   at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(2);                           // [B,T,1,hd]
   at::Tensor cos = emb.cos().to(embed_.scalar_type());
   at::Tensor sin = emb.sin().to(embed_.scalar_type());
 
   at::Tensor x = at::embedding(embed_, ids);  // [B, T, D]
+  const bool checkpoint = gradient_checkpointing && cache == nullptr && at::GradMode::is_enabled();
   for (size_t li = 0; li < layers_.size(); ++li) {
-    const Layer& L = layers_[li];
-    at::Tensor a = RmsNorm(x, L.input_norm);
-    at::Tensor q = at::linear(a, L.q_w, L.q_b).view({b, t, h, hd});
-    at::Tensor k = at::linear(a, L.k_w, L.k_b).view({b, t, kv, hd});
-    at::Tensor v = at::linear(a, L.v_w, L.v_b).view({b, t, kv, hd});
-    if (c.qk_norm) {
-      q = RmsNorm(q, L.q_norm);
-      k = RmsNorm(k, L.k_norm);
+    if (checkpoint) {
+      std::vector<at::Tensor> inputs = {x, cos, sin, blocked};
+      for (auto field : LayerFields()) {
+        if ((layers_[li].*field).defined()) inputs.push_back(layers_[li].*field);
+      }
+      x = CheckpointedLayerFunction::apply(at::TensorList(inputs),
+                                           reinterpret_cast<int64_t>(this),
+                                           static_cast<int64_t>(li))[0];
+    } else {
+      x = LayerForward(layers_[li], li, x, cos, sin, blocked, cache);
     }
-    q = ApplyRope(q, cos, sin).transpose(1, 2);  // [B, H, T, hd]
-    k = ApplyRope(k, cos, sin).transpose(1, 2);  // [B, KV, T, hd]
-    v = v.transpose(1, 2);
-    if (cache != nullptr) {
-      cache->keys[li].narrow(2, cache->length, t).copy_(k);
-      cache->values[li].narrow(2, cache->length, t).copy_(v);
-      k = cache->keys[li].narrow(2, 0, cache->length + t);
-      v = cache->values[li].narrow(2, 0, cache->length + t);
-    }
-    x = x + at::linear(Attend(q, k, v, blocked), L.o_w, L.o_b);
-    at::Tensor m = RmsNorm(x, L.post_norm);
-    x = x + at::linear(at::silu(at::linear(m, L.gate_w)) * at::linear(m, L.up_w), L.down_w);
   }
   return RmsNorm(x, final_norm_);
 }
 
-at::Tensor Model::ForwardHidden(const at::Tensor& input_ids,
-                                const at::Tensor& attention_mask) const {
+at::Tensor Model::ForwardHidden(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                bool gradient_checkpointing) const {
   TORCH_CHECK(input_ids.dim() == 2, "ForwardHidden: input_ids must be [B, T], got ",
               input_ids.sizes());
   TORCH_CHECK(input_ids.scalar_type() == at::kLong, "ForwardHidden: input_ids must be int64");
@@ -361,7 +445,7 @@ at::Tensor Model::ForwardHidden(const at::Tensor& input_ids,
   at::Tensor positions = (mask.cumsum(1) - 1).clamp_min(0);                       // [B, T]
   at::Tensor causal = at::ones({t, t}, mask.options().dtype(at::kBool)).triu(1);  // [T, T]
   at::Tensor blocked = causal.unsqueeze(0) | (mask == 0).unsqueeze(1);            // [B, T, T]
-  return Forward(input_ids, positions, blocked, nullptr);
+  return Forward(input_ids, positions, blocked, nullptr, gradient_checkpointing);
 }
 
 at::Tensor Model::LmHeadWeight() const { return lm_head_; }

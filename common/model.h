@@ -62,7 +62,12 @@ class Model {
   // input_ids [B, T] int64, attention_mask [B, T] (1 real, 0 pad; left, right or both) ->
   // final-normed hidden states [B, T, D]. Positions are cumsum(mask) - 1; padded keys are
   // masked out; hidden states at padded positions are finite garbage.
-  at::Tensor ForwardHidden(const at::Tensor& input_ids, const at::Tensor& attention_mask) const;
+  // With `gradient_checkpointing` (and grad mode on) each decoder layer keeps only its input for
+  // backward and recomputes its activations there (one extra layer forward per layer), so the
+  // activation memory of the layers is one [B, T, D] tensor per layer instead of all of their
+  // intermediates (attention scores [B, H, T, T], the MLP's [B, T, I], ...). Same gradients.
+  at::Tensor ForwardHidden(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                           bool gradient_checkpointing = false) const;
   // [V, D]; the embedding matrix when tied.
   at::Tensor LmHeadWeight() const;
   // hidden [..., D] -> logits [..., V].
@@ -91,6 +96,9 @@ class Model {
     at::Tensor input_norm, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, q_norm, k_norm;
     at::Tensor post_norm, gate_w, up_w, down_w;
   };
+  // Every tensor field of Layer, in a fixed order (the checkpointed layer's autograd inputs).
+  static const std::vector<at::Tensor Layer::*>& LayerFields();
+  friend class CheckpointedLayerFunction;
 
   explicit Model(ModelConfig config) : config_(std::move(config)) {}
   // The expected parameter names and shapes, in checkpoint order.
@@ -107,7 +115,10 @@ class Model {
   // One step over new tokens; when `cache` is set, keys/values are written at columns
   // [cache->length, cache->length + T) and attention spans columns [0, length + T).
   at::Tensor Forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& blocked,
-                     KvCache* cache) const;
+                     KvCache* cache, bool gradient_checkpointing = false) const;
+  // Decoder layer `li` (weights `L`) on x [B, T, D]; cos/sin [B, T, 1, hd].
+  at::Tensor LayerForward(const Layer& L, size_t li, const at::Tensor& x, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& blocked, KvCache* cache) const;
   // Prefill/DecodeStep body: ids [B, T], mask [B, T] bool -> hidden [B, T, D].
   at::Tensor Extend(const at::Tensor& ids, const at::Tensor& mask, KvCache& cache) const;
 

@@ -152,7 +152,9 @@ static MicroBatch MakeMicroBatch(const std::vector<const std::vector<int32_t>*>&
 // Per-token log-probs of the completion tokens of `mb`: [b, C] (+ entropy when asked).
 static at::Tensor CompletionLogprobs(const common::Model& model, const MicroBatch& mb,
                                      const common::GrpoConfig& config, at::Tensor* entropy) {
-  at::Tensor hidden = model.ForwardHidden(mb.ids, mb.attention_mask);  // [b, P + C, D]
+  // [b, P + C, D]; gradient checkpointing only matters with grad mode on (the policy's step).
+  at::Tensor hidden =
+      model.ForwardHidden(mb.ids, mb.attention_mask, config.gradient_checkpointing);
   // Position P - 1 + t predicts completion token t.
   at::Tensor h = hidden.narrow(1, mb.prompt_len - 1, mb.completion_len);  // [b, C, D]
   const double temperature = config.temperature > 0 ? config.temperature : 1.0;
