@@ -48,7 +48,9 @@ struct GrpoConfig {
   std::string importance_sampling_level = "token";        // token | sequence
   std::string importance_sampling_correction = "token_truncate";  // none | token_truncate | token_mask
   double importance_sampling_cap = 3.0;
-  int64_t max_staleness = 0;
+  // Policy versions a group may lag the learner (ARCHITECTURE.md async training): 1 lets workers
+  // generate with version v while the learner trains v -> v+1; 0 is fully synchronous.
+  int64_t max_staleness = 1;
 
   // Batching (TRL semantics; see README "num_iterations and the generation batch").
   int64_t per_device_train_batch_size = 8;

@@ -284,6 +284,7 @@ TEST_F(LearnerServiceTest, GroupWithANanRewardIsRejectedAndItsPromptRequeued) {
 }
 
 TEST_F(LearnerServiceTest, StaleGroupIsRefusedAndItsPromptRequeued) {
+  config_.max_staleness = 0;  // synchronous: a group must come from the current policy
   StartServer();
   Submit(Prompts(4));
   const auto leases = Lease(3);
