@@ -260,6 +260,9 @@ const std::vector<Field>& Fields() {
       MakeField("weight_sync_backend", &C::weight_sync_backend, {"gloo", "nccl", "grpc"}),
       MakeField("weight_sync_steps", &C::weight_sync_steps),
       MakeField("auth_token_file", &C::auth_token_file),
+      MakeField("tls_cert_file", &C::tls_cert_file),
+      MakeField("tls_key_file", &C::tls_key_file),
+      MakeField("tls_ca_file", &C::tls_ca_file),
       MakeField("log_level", &C::log_level,
                 {"trace", "debug", "info", "warn", "error", "off"}),
   };
@@ -431,6 +434,9 @@ Status GrpoConfig::Validate() const {
   RETURN_IF_ERROR(
       Check(importance_sampling_cap >= 1, "importance_sampling_cap", "must be >= 1"));
   RETURN_IF_ERROR(Check(max_staleness >= 0, "max_staleness", "must be >= 0"));
+  RETURN_IF_ERROR(Check(tls_cert_file.empty() == tls_key_file.empty(),
+                        tls_cert_file.empty() ? "tls_key_file" : "tls_cert_file",
+                        "needs tls_cert_file and tls_key_file together"));
   RETURN_IF_ERROR(Check(per_device_train_batch_size >= 1, "per_device_train_batch_size",
                         "must be at least 1"));
   RETURN_IF_ERROR(Check(gradient_accumulation_steps >= 1, "gradient_accumulation_steps",

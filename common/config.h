@@ -86,6 +86,11 @@ struct GrpoConfig {
   std::string weight_sync_backend = "gloo";  // gloo | nccl | grpc
   int64_t weight_sync_steps = 1;
   std::string auth_token_file;
+  // TLS (off unless set). The learner serves TLS with tls_cert_file + tls_key_file (PEM, both or
+  // neither); clients (workers, `grpo submit`) verify the learner against tls_ca_file (PEM).
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_ca_file;
   std::string log_level = "info";
 
   int64_t EffectiveStepsPerGeneration() const {

@@ -11,7 +11,8 @@ PACKAGES=(
   nlohmann-json3-dev libspdlog-dev libfmt-dev libcli11-dev libyaml-cpp-dev
   libsqlite3-dev libpcre2-dev libicu-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
-  python3-torch python3-numpy python3-grpcio
+  python3-torch python3-numpy python3-grpcio python3-protobuf
+  openssl
   prometheus docker-compose
 )
 # node + npm derive the tokenizer test's expected ids; use the machine's node if one is there.

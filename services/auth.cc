@@ -38,6 +38,35 @@ void AddAuth(grpc::ClientContext& context, const std::string& token) {
   if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
 }
 
+StatusOr<std::string> ReadPemFile(const std::string& path, const char* key) {
+  if (path.empty()) return std::string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::NotFound(std::string("cannot read ") + key + " " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string pem = ss.str();
+  if (pem.find("-----BEGIN ") == std::string::npos) {
+    return Status::InvalidArgument(std::string(key) + " " + path + " holds no PEM block");
+  }
+  return pem;
+}
+
+StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
+    const common::GrpoConfig& config) {
+  if (config.tls_cert_file.empty() && config.tls_key_file.empty()) {
+    return grpc::InsecureServerCredentials();
+  }
+  if (config.tls_cert_file.empty() || config.tls_key_file.empty()) {
+    return Status::InvalidArgument("TLS needs tls_cert_file and tls_key_file together");
+  }
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  ASSIGN_OR_RETURN(pair.cert_chain, ReadPemFile(config.tls_cert_file, "tls_cert_file"));
+  ASSIGN_OR_RETURN(pair.private_key, ReadPemFile(config.tls_key_file, "tls_key_file"));
+  grpc::SslServerCredentialsOptions opts;
+  opts.pem_key_cert_pairs.push_back(std::move(pair));
+  return grpc::SslServerCredentials(opts);
+}
+
 std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(const std::string& root_certs_pem) {
   if (root_certs_pem.empty()) return grpc::InsecureChannelCredentials();
   grpc::SslCredentialsOptions opts;

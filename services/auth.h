@@ -23,6 +23,14 @@ grpc::Status CheckAuth(const grpc::ServerContext& context, const std::string& to
 // Client side: adds the token to a call.
 void AddAuth(grpc::ClientContext& context, const std::string& token);
 
+// The whole of a PEM file named by config key `key` ("" for an empty path). NotFound naming the
+// key and path when unreadable, InvalidArgument when it holds no PEM block.
+StatusOr<std::string> ReadPemFile(const std::string& path, const char* key);
+
+// Server credentials from tls_cert_file + tls_key_file (insecure when both are empty).
+StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
+    const common::GrpoConfig& config);
+
 // Insecure credentials, or TLS when `root_certs_pem` is non-empty.
 std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(const std::string& root_certs_pem);
 

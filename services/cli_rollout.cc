@@ -64,6 +64,8 @@ int RunRollout(const RolloutCliOptions& o) {
   }
   auto token = ReadAuthToken(cfg.auth_token_file);
   if (!token.ok()) return fail(token.status(), 2);
+  auto root_certs = ReadPemFile(cfg.tls_ca_file, "tls_ca_file");
+  if (!root_certs.ok()) return fail(root_certs.status(), 2);
   const nlohmann::json reward_options =
       nlohmann::json::parse(o.reward_options, nullptr, /*allow_exceptions=*/false);
   if (reward_options.is_discarded() || !reward_options.is_object()) {
@@ -84,6 +86,7 @@ int RunRollout(const RolloutCliOptions& o) {
   wo.metrics_registry = &registry;
   wo.learner_address = cfg.learner_address;
   wo.auth_token = *token;
+  wo.root_certs_pem = *root_certs;
   wo.worker_id = o.worker_id;
   wo.config = cfg;
   wo.prompts_per_lease = o.prompts_per_lease;

@@ -31,10 +31,13 @@ LearnerClient::Context(double seconds) const {
 }
 
 StatusOr<LearnerClient> ConnectLearner(const std::string &address,
-                                       const std::string &auth_token_file) {
+                                       const std::string &auth_token_file,
+                                       const std::string &tls_ca_file) {
   LearnerClient c;
   ASSIGN_OR_RETURN(c.token, ReadAuthToken(auth_token_file));
-  c.stub = v1::LearnerService::NewStub(MakeChannel(address));
+  ASSIGN_OR_RETURN(const std::string root_certs,
+                   ReadPemFile(tls_ca_file, "tls_ca_file"));
+  c.stub = v1::LearnerService::NewStub(MakeChannel(address, root_certs));
   return c;
 }
 

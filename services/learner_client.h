@@ -36,10 +36,12 @@ struct LearnerClient {
 };
 
 // Reads the token from `auth_token_file` (empty = no auth) and opens a channel
-// to `address`. The channel connects lazily: an unreachable learner shows up as
-// the first call's error.
+// to `address`, TLS-verified against the PEM file `tls_ca_file` when one is
+// given. The channel connects lazily: an unreachable learner shows up as the
+// first call's error.
 StatusOr<LearnerClient> ConnectLearner(const std::string &address,
-                                       const std::string &auth_token_file);
+                                       const std::string &auth_token_file,
+                                       const std::string &tls_ca_file = "");
 
 // Uploads the lines of `jsonl` (JSON Lines rows, streamed) as one SubmitDataset
 // call under a `timeout_seconds` deadline. The learner's error (e.g.

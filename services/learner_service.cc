@@ -192,6 +192,7 @@ StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
                             ? std::max(s->options_.buffer_capacity_groups, s->batch_groups_)
                             : 2 * s->batch_groups_;
   ASSIGN_OR_RETURN(s->auth_token_, ReadAuthToken(cfg.auth_token_file));
+  ASSIGN_OR_RETURN(s->server_credentials_, ServerCredentials(cfg));
 
   std::error_code ec;
   fs::create_directories(cfg.output_dir, ec);
@@ -258,7 +259,7 @@ Status LearnerServer::Start() {
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   const std::string address = options_.bind_address + ":" + std::to_string(config_.grpc_port);
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
+  builder.AddListeningPort(address, server_credentials_, &port_);
   builder.RegisterService(this);
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {

@@ -254,6 +254,7 @@ class LearnerServer final : public v1::LearnerService::Service {
   const common::GrpoConfig config_;
   const LearnerServerOptions options_;
   std::string auth_token_;
+  std::shared_ptr<grpc::ServerCredentials> server_credentials_;  // TLS or insecure
   int64_t batch_groups_ = 0;     // groups per generation batch
   int64_t buffer_capacity_ = 0;  // groups
 

@@ -190,6 +190,58 @@ TEST_F(LearnerServiceTest, RefusesCallsWithoutTheTokenAndAcceptsThemWithIt) {
   EXPECT_EQ(job.state(), "waiting_for_data");
 }
 
+// TLS with a certificate made here by openssl: a client that verifies against it gets through,
+// a plaintext client and a client trusting another CA do not.
+TEST_F(LearnerServiceTest, ServesTlsToClientsThatTrustItsCertificate) {
+  auto make_cert = [&](const std::string& name) {
+    const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
+                            " -addext subjectAltName=DNS:localhost -keyout " +
+                            (dir_ / (name + ".key")).string() + " -out " +
+                            (dir_ / (name + ".pem")).string() + " 2>/dev/null";
+    return std::system(cmd.c_str()) == 0;
+  };
+  if (std::system("command -v openssl >/dev/null") != 0) GTEST_SKIP() << "openssl not installed";
+  ASSERT_TRUE(make_cert("server"));
+  ASSERT_TRUE(make_cert("other"));
+  config_.tls_cert_file = (dir_ / "server.pem").string();
+  config_.tls_key_file = (dir_ / "server.key").string();
+  StartServer();
+  const std::string address = "localhost:" + std::to_string(server_->port());
+
+  auto get_job = [&](const std::shared_ptr<grpc::Channel>& channel) {
+    v1::Job job;
+    grpc::Status s = v1::LearnerService::NewStub(channel)->GetJob(
+        Ctx(milliseconds(3000)).get(), v1::GetJobRequest(), &job);
+    return std::make_pair(s, job);
+  };
+  auto ca = ReadPemFile((dir_ / "server.pem").string(), "tls_ca_file");
+  ASSERT_TRUE(ca.ok()) << ca.status().ToString();
+  auto [ok_status, job] = get_job(MakeChannel(address, *ca));
+  EXPECT_TRUE(ok_status.ok()) << ok_status.error_message();
+  EXPECT_EQ(job.state(), "waiting_for_data");
+
+  EXPECT_FALSE(get_job(MakeChannel(address)).first.ok());  // plaintext
+  auto other = ReadPemFile((dir_ / "other.pem").string(), "tls_ca_file");
+  ASSERT_TRUE(other.ok());
+  EXPECT_FALSE(get_job(MakeChannel(address, *other)).first.ok());  // untrusted certificate
+}
+
+TEST(LearnerTlsConfig, CertWithoutKeyAndMissingFilesAreNamed) {
+  common::GrpoConfig c;
+  c.tls_cert_file = "/nonexistent/cert.pem";
+  const Status v = c.Validate();
+  EXPECT_FALSE(v.ok());
+  EXPECT_NE(v.message().find("tls_key_file"), std::string::npos) << v.message();
+  c.tls_key_file = "/nonexistent/key.pem";
+  ASSERT_TRUE(c.Validate().ok());
+  auto creds = ServerCredentials(c);
+  ASSERT_FALSE(creds.ok());
+  EXPECT_EQ(creds.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(creds.status().message().find("tls_cert_file /nonexistent/cert.pem"),
+            std::string::npos)
+      << creds.status().message();
+}
+
 TEST_F(LearnerServiceTest, SubmitDatasetIsIdempotentUnderAKey) {
   StartServer();
   const auto first = Submit(Prompts(5), "key-1");
