@@ -2,6 +2,7 @@
 // Every call carries the shared token (--auth_token_file) and a deadline.
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <fstream>
@@ -10,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "common/config.h"
@@ -18,6 +20,7 @@
 #include "services/cli.h"
 #include "services/convert.h"
 #include "services/learner_client.h"
+#include "services/progress.h"
 
 namespace grpo::services {
 namespace {
@@ -26,6 +29,7 @@ struct ClientOptions {
   std::string config_file;  // learner_address and auth_token_file from here unless given
   std::string learner_address;
   std::string auth_token_file;
+  std::string tls_ca_file;
   double timeout_seconds = kDefaultCallTimeoutSeconds;
   double watch_timeout_seconds = kDefaultWatchTimeoutSeconds;
   bool json = false;
@@ -42,8 +46,10 @@ void AddCommonOptions(CLI::App* cmd, ClientOptions* o) {
   cmd->add_option("--learner_address", o->learner_address,
                   "HOST:PORT of the learner (default: the config's learner_address)");
   cmd->add_option("--auth_token_file", o->auth_token_file, "file holding the shared token");
+  cmd->add_option("--tls_ca_file", o->tls_ca_file,
+                  "PEM CA certificate: connect with TLS and verify the learner against it");
   cmd->add_option("--config", o->config_file,
-                  "YAML config to take learner_address and auth_token_file from");
+                  "YAML config to take learner_address, auth_token_file and tls_ca_file from");
   cmd->add_option("--timeout_seconds", o->timeout_seconds, "deadline of each call");
 }
 
@@ -58,7 +64,8 @@ StatusOr<Client> Connect(const ClientOptions& o) {
   const std::string token_file =
       o.auth_token_file.empty() ? cfg.auth_token_file : o.auth_token_file;
   if (!(o.timeout_seconds > 0)) return Status::InvalidArgument("--timeout_seconds must be > 0");
-  return ConnectLearner(address, token_file);
+  const std::string ca_file = o.tls_ca_file.empty() ? cfg.tls_ca_file : o.tls_ca_file;
+  return ConnectLearner(address, token_file, ca_file);
 }
 
 int Fail(const char* cmd, const Status& s) {
@@ -98,11 +105,47 @@ void PrintJob(const v1::Job& job, bool json) {
   }
 }
 
+JobProgress ProgressOf(const v1::JobEvent& e) {
+  const v1::Job& job = e.job();
+  JobProgress p;
+  p.step = job.global_step();
+  p.max_steps = job.max_steps();
+  p.trained = job.prompts().trained();
+  p.total = job.prompts().queued() + job.prompts().leased() + job.prompts().trained() +
+            job.prompts().rejected();
+  p.pass = job.prompts().pass();
+  if (auto it = e.metrics().find("reward"); it != e.metrics().end()) {
+    p.reward = it->second;
+  } else if (auto jt = job.last_metrics().find("reward"); jt != job.last_metrics().end()) {
+    p.reward = jt->second;
+  }
+  return p;
+}
+
 // Follows the job until it ends: one line (or JSON object) per step on stdout, state changes on
-// stderr. 1 when the job failed.
+// stderr. Without --json, a progress bar (prompts, step, reward, ETA) on stderr: redrawn in place
+// on a terminal, one line per step otherwise. 1 when the job failed.
 int Watch(const Client& c, const ClientOptions& o) {
   bool header = false;
+  const bool tty = isatty(STDERR_FILENO) != 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto seconds = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  std::optional<JobProgress> first;
+  double first_s = 0;
+  bool bar_shown = false;
+  auto clear_bar = [&] {
+    if (bar_shown) std::cerr << "\r\033[K" << std::flush;
+    bar_shown = false;
+  };
   auto state = FollowJob(c, o.watch_timeout_seconds, [&](const v1::JobEvent& e) {
+    const JobProgress now = ProgressOf(e);
+    if (!first) {
+      first = now;
+      first_s = seconds();
+    }
+    clear_bar();
     if (e.metrics().empty()) {
       std::cerr << JobStateLine(e) << "\n";
     } else if (o.json) {
@@ -112,7 +155,16 @@ int Watch(const Client& c, const ClientOptions& o) {
       header = true;
       std::cout << StepTableRow(e) << std::flush;
     }
+    if (o.json) return;
+    const std::string line = ProgressLine(*first, first_s, now, seconds());
+    if (tty) {
+      std::cerr << line << std::flush;
+      bar_shown = true;
+    } else if (!e.metrics().empty()) {
+      std::cerr << line << "\n";
+    }
   });
+  clear_bar();
   if (!state.ok()) return Fail("watch", state.status());
   return *state == "failed" ? 1 : 0;
 }
