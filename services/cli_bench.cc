@@ -20,37 +20,66 @@
 #include "learner/chunked_logprobs.h"
 #include "learner/grpo_trainer.h"
 #include "rollout/generator.h"
+#include "services/bench_util.h"
 #include "services/cli.h"
 
 namespace grpo::services {
+
+namespace bench {
+
+std::unique_ptr<common::Model> BenchModel() {
+  auto cfg = common::ModelConfigPreset("bench");
+  return std::move(common::Model::InitRandom(*cfg, 0)).value();
+}
+
+at::Tensor RandomIds(int64_t n, int64_t vocab, uint64_t seed) {
+  at::Generator g = at::detail::createCPUGenerator(seed);
+  return at::randint(vocab, {n, kPromptLen + kCompletionLen}, g, at::kLong);
+}
+
+Timing LearnerStepTiming(int reps, int64_t micro) {
+  auto model = BenchModel();
+  common::GrpoConfig cfg;
+  cfg.num_generations = kBenchGenerations;
+  cfg.per_device_train_batch_size = micro;
+  cfg.gradient_accumulation_steps = kBenchGenerations / micro;
+  cfg.max_completion_length = kCompletionLen;
+  cfg.importance_sampling_correction = "none";
+  cfg.max_staleness = 1 << 20;
+  cfg.max_steps = 1 << 20;
+  auto trainer = std::move(learner::GrpoTrainer::Create(cfg, model.get(), nullptr)).value();
+  at::Tensor ids = RandomIds(kBenchGenerations, model->config().vocab_size, 2);
+  common::RolloutGroup g;
+  g.prompt_id = "bench";
+  for (int64_t t = 0; t < kPromptLen; ++t) g.prompt_ids.push_back(ids[0][t].item<int32_t>());
+  for (int64_t j = 0; j < kBenchGenerations; ++j) {
+    common::Completion c;
+    for (int64_t t = 0; t < kCompletionLen; ++t) {
+      c.token_ids.push_back(ids[j][kPromptLen + t].item<int32_t>());
+    }
+    c.rewards = {static_cast<double>(j % 4)};
+    g.completions.push_back(c);
+  }
+  return TimeIt(reps, [&] {
+    g.policy_version = trainer->policy_version();
+    auto r = trainer->TrainGenerationBatch({g});
+    if (!r.ok() || r->steps.size() != 1) std::abort();
+  });
+}
+
+}  // namespace bench
+
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
-
-constexpr int64_t kPromptLen = 64;       // BENCHMARKS.md: prompt 64 tokens
-constexpr int64_t kCompletionLen = 128;  // completion 128 tokens
-
-double Seconds(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-struct Timing {
-  double median = 0, min = 0, max = 0;
-};
-
-template <typename Fn>
-Timing TimeIt(int reps, Fn fn) {
-  fn();  // warm-up
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    auto t0 = Clock::now();
-    fn();
-    t.push_back(Seconds(t0));
-  }
-  std::sort(t.begin(), t.end());
-  return {t[t.size() / 2], t.front(), t.back()};
-}
+using bench::BenchModel;
+using bench::Clock;
+using bench::kCompletionLen;
+using bench::kPromptLen;
+using bench::RandomIds;
+using bench::Seconds;
+using bench::TimeIt;
+using bench::Timing;
 
 // The same-run compute ceiling: fp32 1024x1024 matmul, GFLOP/s.
 double GemmCeilingGflops() {
@@ -67,17 +96,6 @@ int64_t ProcStatusBytes(const char* key) {
     if (line.rfind(k, 0) == 0) return std::stoll(line.substr(k.size())) * 1024;
   }
   return 0;
-}
-
-std::unique_ptr<common::Model> BenchModel() {
-  auto cfg = common::ModelConfigPreset("bench");
-  return std::move(common::Model::InitRandom(*cfg, 0)).value();
-}
-
-// Random prompt + completion ids [n, 192].
-at::Tensor RandomIds(int64_t n, int64_t vocab, uint64_t seed) {
-  at::Generator g = at::detail::createCPUGenerator(seed);
-  return at::randint(vocab, {n, kPromptLen + kCompletionLen}, g, at::kLong);
 }
 
 // One child configuration of logprob_memory: forward + backward of the log-probs of G
@@ -181,33 +199,8 @@ int BenchLogprobMemory(bool as_json, int64_t micro, int reps, const std::vector<
 // One optimizer step of GrpoTrainer on the bench model: G=16 completions of one prompt.
 int BenchLearnerStep(bool as_json, int reps, int64_t micro) {
   const double ceiling = GemmCeilingGflops();
-  auto model = BenchModel();
-  common::GrpoConfig cfg;
-  cfg.num_generations = 16;
-  cfg.per_device_train_batch_size = micro;
-  cfg.gradient_accumulation_steps = 16 / micro;
-  cfg.max_completion_length = kCompletionLen;
-  cfg.importance_sampling_correction = "none";
-  cfg.max_staleness = 1 << 20;
-  cfg.max_steps = 1 << 20;
-  auto trainer = std::move(learner::GrpoTrainer::Create(cfg, model.get(), nullptr)).value();
-  at::Tensor ids = RandomIds(16, model->config().vocab_size, 2);
-  common::RolloutGroup g;
-  g.prompt_id = "bench";
-  for (int64_t t = 0; t < kPromptLen; ++t) g.prompt_ids.push_back(ids[0][t].item<int32_t>());
-  for (int64_t j = 0; j < 16; ++j) {
-    common::Completion c;
-    for (int64_t t = 0; t < kCompletionLen; ++t) {
-      c.token_ids.push_back(ids[j][kPromptLen + t].item<int32_t>());
-    }
-    c.rewards = {static_cast<double>(j % 4)};
-    g.completions.push_back(c);
-  }
-  Timing t = TimeIt(reps, [&] {
-    g.policy_version = trainer->policy_version();
-    auto r = trainer->TrainGenerationBatch({g});
-    if (!r.ok() || r->steps.size() != 1) std::abort();
-  });
+  Timing t = bench::LearnerStepTiming(reps, micro);
+  auto model = BenchModel();  // for the FLOP count
   const double tokens = 16.0 * (kPromptLen + kCompletionLen);
   // 6 N T: forward 2 N T + backward 4 N T, N = every parameter (the tied LM head once), plus
   // the chunked LM head's recompute (2 D V per completion token) and attention (12 L T^2 D).
@@ -298,7 +291,8 @@ int BenchDecode(bool as_json, int reps) {
 
 void AddBenchCommand(CLI::App& app, CliAction* action) {
   auto* cmd = app.add_subcommand("bench", "Benchmarks of ../shared/BENCHMARKS.md: "
-                                          "logprob_memory | learner_step | decode");
+                                          "logprob_memory | learner_step | decode | "
+                                          "weight_sync | ingest | e2e");
   struct Opts {
     std::string name;
     bool json = false, child = false;
@@ -306,19 +300,41 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
     int64_t G = 4, micro = 4;
     int reps = 3;
     std::vector<int64_t> gs = {4, 8, 16, 32, 64};
+    int64_t workers = 0, steps = 0, groups = 0;
   };
   auto o = std::make_shared<Opts>();
-  cmd->add_option("name", o->name, "logprob_memory | learner_step | decode")
+  cmd->add_option("name", o->name,
+                  "logprob_memory | learner_step | decode | weight_sync | ingest | e2e")
       ->required()
-      ->check(CLI::IsMember({"logprob_memory", "learner_step", "decode"}));
+      ->check(CLI::IsMember(
+          {"logprob_memory", "learner_step", "decode", "weight_sync", "ingest", "e2e"}));
   cmd->add_flag("--json", o->json, "one JSON object per row");
   cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)");
   cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
   cmd->add_option("--G", o->gs, "logprob_memory: num_generations values");
   cmd->add_flag("--child", o->child, "internal: one logprob_memory configuration");
   cmd->add_option("--impl", o->impl, "internal: chunked | naive");
-  cmd->callback([o, action] {
-    *action = [o]() -> int {
+  cmd->add_option("--workers", o->workers,
+                  "weight_sync, ingest (default 2), e2e (default 1): simulated workers");
+  cmd->add_option("--steps", o->steps, "e2e: optimizer steps per run with num_iterations 1 (default 16)");
+  cmd->add_option("--groups", o->groups,
+                  "ingest: groups each worker pushes per repetition (default 128)");
+  cmd->callback([cmd, o, action] {
+    // weight_sync, ingest, e2e: at least 5 repetitions unless --reps says otherwise.
+    const int service_reps = cmd->count("--reps") > 0 ? o->reps : 5;
+    *action = [o, service_reps]() -> int {
+      if (o->name == "weight_sync" || o->name == "ingest" || o->name == "e2e") {
+        bench::ServiceBenchOptions so;
+        so.json = o->json;
+        so.reps = service_reps;
+        so.micro = o->micro;
+        so.workers = o->workers;
+        so.steps = o->steps;
+        so.groups = o->groups;
+        if (o->name == "weight_sync") return bench::BenchWeightSync(so);
+        if (o->name == "ingest") return bench::BenchIngest(so);
+        return bench::BenchE2e(so);
+      }
       if (o->name == "logprob_memory") {
         if (o->child) {
           std::cout << LogprobMemoryChild(o->impl, o->gs.front(), o->micro, o->reps).dump() << "\n";

@@ -1,0 +1,73 @@
+// Helpers shared by the `grpo bench` benchmarks (services/cli_bench.cc and
+// services/cli_bench_services.cc): timing, the bench model, one learner step.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/model.h"
+
+namespace grpo::services::bench {
+
+using Clock = std::chrono::steady_clock;
+
+inline constexpr int64_t kPromptLen = 64;       // BENCHMARKS.md: prompt 64 tokens
+inline constexpr int64_t kCompletionLen = 128;  // completion 128 tokens
+inline constexpr int64_t kBenchGenerations = 16;  // G of learner_step / decode
+
+inline double Seconds(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+struct Timing {
+  double median = 0, min = 0, max = 0;
+};
+
+// Median, min and max of `samples` (not empty).
+inline Timing Summarize(std::vector<double> samples) {
+  std::sort(samples.begin(), samples.end());
+  return {samples[samples.size() / 2], samples.front(), samples.back()};
+}
+
+// One warm-up call, then `reps` timed calls.
+template <typename Fn>
+Timing TimeIt(int reps, Fn fn) {
+  fn();  // warm-up
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = Clock::now();
+    fn();
+    t.push_back(Seconds(t0));
+  }
+  return Summarize(std::move(t));
+}
+
+// The bench model of BENCHMARKS.md (preset "bench", seed 0).
+std::unique_ptr<common::Model> BenchModel();
+
+// Random prompt + completion ids [n, kPromptLen + kCompletionLen].
+at::Tensor RandomIds(int64_t n, int64_t vocab, uint64_t seed);
+
+// One GrpoTrainer optimizer step on the bench model, as `grpo bench learner_step`: G=16
+// completions of one prompt (64 + 128 tokens), micro-batches of `micro`; `reps` after a warm-up.
+Timing LearnerStepTiming(int reps, int64_t micro);
+
+// grpo bench weight_sync | ingest | e2e (services/cli_bench_services.cc).
+struct ServiceBenchOptions {
+  bool json = false;
+  int reps = 5;
+  int64_t micro = 4;     // learner step micro-batch
+  int64_t workers = 0;   // 0 = the bench's default
+  int64_t steps = 0;     // e2e: optimizer steps per run with num_iterations 1; 0 = default
+  int64_t groups = 0;    // ingest: groups per worker per repetition; 0 = default
+};
+int BenchWeightSync(const ServiceBenchOptions& o);
+int BenchIngest(const ServiceBenchOptions& o);
+int BenchE2e(const ServiceBenchOptions& o);
+
+}  // namespace grpo::services::bench
