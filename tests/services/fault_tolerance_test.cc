@@ -78,49 +78,43 @@ void WriteDataset(const fs::path &path, int n) {
         << "\n";
 }
 
-std::unique_ptr<grpc::ClientContext>
-Ctx(const std::string &token = kToken,
-    std::chrono::milliseconds timeout = kCallTimeout) {
+std::unique_ptr<grpc::ClientContext> Ctx(const std::string &token = kToken,
+                                         std::chrono::milliseconds timeout = kCallTimeout) {
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->set_deadline(std::chrono::system_clock::now() + timeout);
-  if (!token.empty())
-    ctx->AddMetadata("authorization", "Bearer " + token);
+  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
   return ctx;
 }
 
 std::unique_ptr<v1::LearnerService::Stub> Stub(int port) {
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(-1);
-  return v1::LearnerService::NewStub(
-      grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
-                                grpc::InsecureChannelCredentials(), args));
+  return v1::LearnerService::NewStub(grpc::CreateCustomChannel(
+      "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials(), args));
 }
 
 std::optional<v1::Job> GetJob(v1::LearnerService::Stub &stub) {
   v1::Job job;
-  if (!stub.GetJob(Ctx().get(), v1::GetJobRequest(), &job).ok())
-    return std::nullopt;
+  if (!stub.GetJob(Ctx().get(), v1::GetJobRequest(), &job).ok()) return std::nullopt;
   return job;
 }
 
 // grpc.health.v1.Health/Check for the whole server; true when it answers
 // SERVING.
 bool HealthServing(int port) {
-  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                                     grpc::InsecureChannelCredentials());
+  auto channel =
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
   grpc::GenericStub generic(channel);
-  grpc::Slice empty(""); // HealthCheckRequest{} (service "": the whole server)
+  grpc::Slice empty("");  // HealthCheckRequest{} (service "": the whole server)
   grpc::ByteBuffer req(&empty, 1), resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + kCallTimeout);
   std::promise<grpc::Status> done;
-  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(),
-                    &req, &resp, [&](grpc::Status s) { done.set_value(s); });
-  if (!done.get_future().get().ok())
-    return false;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
+                    [&](grpc::Status s) { done.set_value(s); });
+  if (!done.get_future().get().ok()) return false;
   grpc::Slice out;
-  if (!resp.DumpToSingleSlice(&out).ok())
-    return false;
+  if (!resp.DumpToSingleSlice(&out).ok()) return false;
   // HealthCheckResponse{status = 1 (SERVING)}.
   return std::string(reinterpret_cast<const char *>(out.begin()), out.size()) ==
          std::string("\x08\x01", 2);
@@ -135,23 +129,20 @@ struct LedgerRow {
 };
 struct LedgerFile {
   int64_t job_pass = -1;
-  std::map<std::string, LedgerRow> prompts; // by prompt id
+  std::map<std::string, LedgerRow> prompts;  // by prompt id
 };
 
 std::optional<LedgerFile> ReadLedger(const fs::path &path, std::string *error) {
   sqlite3 *db = nullptr;
-  if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) !=
-      SQLITE_OK) {
-    *error = "open " + path.string() + ": " +
-             (db ? sqlite3_errmsg(db) : "no memory");
+  if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) != SQLITE_OK) {
+    *error = "open " + path.string() + ": " + (db ? sqlite3_errmsg(db) : "no memory");
     sqlite3_close(db);
     return std::nullopt;
   }
   sqlite3_busy_timeout(db, 5000);
   LedgerFile out;
   bool ok = true;
-  const auto query = [&](const char *sql,
-                         const std::function<void(sqlite3_stmt *)> &row) {
+  const auto query = [&](const char *sql, const std::function<void(sqlite3_stmt *)> &row) {
     sqlite3_stmt *st = nullptr;
     if (sqlite3_prepare_v2(db, sql, -1, &st, nullptr) != SQLITE_OK) {
       *error = std::string(sql) + ": " + sqlite3_errmsg(db);
@@ -159,8 +150,7 @@ std::optional<LedgerFile> ReadLedger(const fs::path &path, std::string *error) {
       return;
     }
     int rc;
-    while ((rc = sqlite3_step(st)) == SQLITE_ROW)
-      row(st);
+    while ((rc = sqlite3_step(st)) == SQLITE_ROW) row(st);
     if (rc != SQLITE_DONE) {
       *error = std::string(sql) + ": " + sqlite3_errmsg(db);
       ok = false;
@@ -173,19 +163,17 @@ std::optional<LedgerFile> ReadLedger(const fs::path &path, std::string *error) {
   };
   query("SELECT pass FROM job",
         [&](sqlite3_stmt *st) { out.job_pass = sqlite3_column_int64(st, 0); });
-  query("SELECT id, state, worker_id, attempts, pass FROM prompts",
-        [&](sqlite3_stmt *st) {
-          LedgerRow r;
-          r.id = text(st, 0);
-          r.state = text(st, 1);
-          r.worker_id = text(st, 2);
-          r.attempts = sqlite3_column_int64(st, 3);
-          r.pass = sqlite3_column_int64(st, 4);
-          out.prompts[r.id] = r;
-        });
+  query("SELECT id, state, worker_id, attempts, pass FROM prompts", [&](sqlite3_stmt *st) {
+    LedgerRow r;
+    r.id = text(st, 0);
+    r.state = text(st, 1);
+    r.worker_id = text(st, 2);
+    r.attempts = sqlite3_column_int64(st, 3);
+    r.pass = sqlite3_column_int64(st, 4);
+    out.prompts[r.id] = r;
+  });
   sqlite3_close(db);
-  if (!ok)
-    return std::nullopt;
+  if (!ok) return std::nullopt;
   return out;
 }
 
@@ -194,14 +182,12 @@ std::optional<LedgerFile> ReadLedger(const fs::path &path, std::string *error) {
 // For the dumps of steps 1..steps: how many trained sequences carry each prompt
 // marker (the bytes of a row's prompt tokens under its mask). Adds a failure
 // for a missing dump or a row without a marker.
-std::map<std::string, int> SequencesByMarker(const fs::path &dump_dir,
-                                             int64_t steps) {
+std::map<std::string, int> SequencesByMarker(const fs::path &dump_dir, int64_t steps) {
   std::map<std::string, int> count;
   for (int64_t step = 1; step <= steps; ++step) {
     const auto dump = ReadSafetensors(DumpPath(dump_dir, step));
     if (!dump) {
-      ADD_FAILURE() << "no readable dump of step " << step << " in "
-                    << dump_dir;
+      ADD_FAILURE() << "no readable dump of step " << step << " in " << dump_dir;
       continue;
     }
     const auto &ids = dump->at("prompt_ids");
@@ -211,16 +197,15 @@ std::map<std::string, int> SequencesByMarker(const fs::path &dump_dir,
     for (int64_t r = 0; r < rows; ++r) {
       std::string text;
       for (int64_t c = 0; c < cols; ++c) {
-        const bool real = float_mask ? mask.floats[r * cols + c] != 0
-                                     : mask.ints[r * cols + c] != 0;
+        const bool real =
+            float_mask ? mask.floats[r * cols + c] != 0 : mask.ints[r * cols + c] != 0;
         const int64_t id = ids.ints[r * cols + c];
-        if (real && id >= 0 && id < 256)
-          text.push_back(static_cast<char>(id));
+        if (real && id >= 0 && id < 256) text.push_back(static_cast<char>(id));
       }
       const size_t at = text.find("item ");
       if (at == std::string::npos || at + 7 > text.size()) {
-        ADD_FAILURE() << "step " << step << " row " << r
-                      << ": no marker in prompt '" << text << "'";
+        ADD_FAILURE() << "step " << step << " row " << r << ": no marker in prompt '" << text
+                      << "'";
         continue;
       }
       ++count[text.substr(at, 7)];
@@ -231,25 +216,21 @@ std::map<std::string, int> SequencesByMarker(const fs::path &dump_dir,
 
 // Every one of the n prompts trained exactly once: kGenerations sequences each,
 // nothing else.
-void ExpectEachPromptTrainedOnce(const std::map<std::string, int> &by_marker,
-                                 int n) {
+void ExpectEachPromptTrainedOnce(const std::map<std::string, int> &by_marker, int n) {
   for (int i = 0; i < n; ++i) {
     auto it = by_marker.find(Marker(i));
     EXPECT_EQ(it == by_marker.end() ? 0 : it->second, kGenerations)
-        << Marker(i) << ": sequences trained (" << kGenerations
-        << " = the prompt trained once)";
+        << Marker(i) << ": sequences trained (" << kGenerations << " = the prompt trained once)";
   }
   for (const auto &[marker, sequences] : by_marker) {
     bool known = false;
-    for (int i = 0; i < n && !known; ++i)
-      known = marker == Marker(i);
-    EXPECT_TRUE(known) << marker << " is not in the dataset (" << sequences
-                       << " sequences)";
+    for (int i = 0; i < n && !known; ++i) known = marker == Marker(i);
+    EXPECT_TRUE(known) << marker << " is not in the dataset (" << sequences << " sequences)";
   }
 }
 
 class FaultToleranceTest : public ::testing::Test {
-protected:
+ protected:
   void SetUp() override {
     dir_ = fs::temp_directory_path() /
            ("fault_tolerance_test_" + std::to_string(::getpid()) + "_" +
@@ -260,7 +241,7 @@ protected:
     children_ = std::make_unique<Children>(dir_);
   }
   void TearDown() override {
-    children_.reset(); // kills and reaps whatever still runs
+    children_.reset();  // kills and reaps whatever still runs
     if (HasFailure()) {
       std::cerr << "logs kept in " << dir_ << "\n";
     } else {
@@ -273,17 +254,15 @@ protected:
 
   // `grpo learner` on `port` (0 = a free one) with the test configuration plus
   // `extra`; returns the bound port (0 on failure, with the failure added).
-  int StartLearner(const std::string &name, int port,
-                   std::vector<std::string> extra) {
+  int StartLearner(const std::string &name, int port, std::vector<std::string> extra) {
     std::vector<std::string> args = {
-        GrpoBin(), "--log_level", "info", "learner", "--output_dir",
-        out_dir().string(), "--grpc_port", std::to_string(port),
-        "--metrics_port", "0", "--auth_token_file", (dir_ / "token").string(),
-        "--num_generations", std::to_string(kGenerations),
+        GrpoBin(), "--log_level", "info", "learner", "--output_dir", out_dir().string(),
+        "--grpc_port", std::to_string(port), "--metrics_port", "0", "--auth_token_file",
+        (dir_ / "token").string(), "--num_generations", std::to_string(kGenerations),
         "--per_device_train_batch_size", std::to_string(kBatchSequences),
-        "--gradient_accumulation_steps", "1", "--max_completion_length", "8",
-        "--reward_funcs", "length", "--max_staleness", "1000", "--seed", "1",
-        "--dump_batches_dir", dump_dir().string(),
+        "--gradient_accumulation_steps", "1", "--max_completion_length", "8", "--reward_funcs",
+        "length", "--max_staleness", "1000", "--seed", "1", "--dump_batches_dir",
+        dump_dir().string(),
         // Long enough for workers to see shutdown and exit.
         "--linger_seconds", "5"};
     args.insert(args.end(), extra.begin(), extra.end());
@@ -293,16 +272,14 @@ protected:
     }
     const json line = children_->FirstLine(name, kStartTimeout);
     if (!line.is_object() || !line.contains("port")) {
-      ADD_FAILURE() << name << " did not report its port:\n"
-                    << Tail(children_->Err(name));
+      ADD_FAILURE() << name << " did not report its port:\n" << Tail(children_->Err(name));
       return 0;
     }
     metrics_port_ = line.value("metrics_port", 0);
     return line["port"].get<int>();
   }
 
-  void StartWorker(const std::string &name, int port,
-                   std::vector<std::string> extra = {}) {
+  void StartWorker(const std::string &name, int port, std::vector<std::string> extra = {}) {
     std::vector<std::string> args = {GrpoBin(),
                                      "--log_level",
                                      "info",
@@ -322,20 +299,18 @@ protected:
   // `grpo submit` of the dataset, as a user would; true on exit code 0.
   bool Submit(int port, const fs::path &dataset) {
     int rc = -1;
-    const std::string out = RunCommand(
-        GrpoBin() +
-            " submit --learner_address 127.0.0.1:" + std::to_string(port) +
-            " --auth_token_file " + (dir_ / "token").string() +
-            " --timeout_seconds 30 --dataset " + dataset.string() + " 2>&1",
-        &rc);
+    const std::string out =
+        RunCommand(GrpoBin() + " submit --learner_address 127.0.0.1:" + std::to_string(port) +
+                       " --auth_token_file " + (dir_ / "token").string() +
+                       " --timeout_seconds 30 --dataset " + dataset.string() + " 2>&1",
+                   &rc);
     EXPECT_EQ(rc, 0) << out;
     return rc == 0;
   }
 
   std::string Logs(const std::vector<std::string> &names) {
     std::string s;
-    for (const auto &n : names)
-      s += "--- " + n + ":\n" + Tail(children_->Err(n), 2500) + "\n";
+    for (const auto &n : names) s += "--- " + n + ":\n" + Tail(children_->Err(n), 2500) + "\n";
     return s;
   }
 
@@ -349,19 +324,18 @@ protected:
 // trains every prompt exactly once.
 TEST_F(FaultToleranceTest, KilledWorkersLeasesExpireAndEveryPromptTrainsOnce) {
   constexpr int kPrompts = 6;
-  constexpr int kSteps = kPrompts / kPromptsPerStep; // one pass
+  constexpr int kSteps = kPrompts / kPromptsPerStep;  // one pass
   WriteDataset(dir_ / "data.jsonl", kPrompts);
-  const int port = StartLearner("learner", 0,
-                                {"--lease_seconds", "2", "--max_steps",
-                                 std::to_string(kSteps), "--save_steps", "0"});
+  const int port = StartLearner(
+      "learner", 0,
+      {"--lease_seconds", "2", "--max_steps", std::to_string(kSteps), "--save_steps", "0"});
   ASSERT_GT(port, 0);
   ASSERT_TRUE(Submit(port, dir_ / "data.jsonl"));
   auto stub = Stub(port);
 
   // The doomed worker leases the whole dataset in one call; it is frozen while
   // it generates (before it can push) and then killed.
-  StartWorker("doomed", port,
-              {"--prompts_per_lease", std::to_string(kPrompts)});
+  StartWorker("doomed", port, {"--prompts_per_lease", std::to_string(kPrompts)});
   ASSERT_TRUE(WaitUntil(
       [&] {
         auto job = GetJob(*stub);
@@ -370,8 +344,7 @@ TEST_F(FaultToleranceTest, KilledWorkersLeasesExpireAndEveryPromptTrainsOnce) {
       kStartTimeout, milliseconds(2)))
       << Logs({"learner", "doomed"});
   ASSERT_TRUE(children_->Signal("doomed", SIGSTOP));
-  std::this_thread::sleep_for(
-      milliseconds(1000)); // anything already sent has arrived
+  std::this_thread::sleep_for(milliseconds(1000));  // anything already sent has arrived
   auto job = GetJob(*stub);
   ASSERT_TRUE(job.has_value());
   ASSERT_EQ(job->prompts().trained(), 0)
@@ -405,8 +378,7 @@ TEST_F(FaultToleranceTest, KilledWorkersLeasesExpireAndEveryPromptTrainsOnce) {
   for (const auto &[id, row] : ledger->prompts) {
     EXPECT_EQ(row.pass, 1) << id;
     EXPECT_NE(row.state, "REJECTED") << id;
-    EXPECT_GE(row.attempts, 1)
-        << id << ": the doomed worker's lease should have expired";
+    EXPECT_GE(row.attempts, 1) << id << ": the doomed worker's lease should have expired";
   }
 }
 
@@ -422,26 +394,24 @@ TEST_F(FaultToleranceTest, KilledWorkersLeasesExpireAndEveryPromptTrainsOnce) {
 // of the pass must be trained exactly once over the final history: the dead
 // learner's steps up to the checkpoint, then the new learner's.
 class LearnerRestartTest : public FaultToleranceTest {
-protected:
+ protected:
   static constexpr int kPrompts = 12;
-  static constexpr int kSteps = kPrompts / kPromptsPerStep; // one pass
+  static constexpr int kSteps = kPrompts / kPromptsPerStep;  // one pass
 
   std::string Latest() {
     const std::string latest = ReadFile(out_dir() / "latest");
     return latest.substr(0, latest.find('\n'));
   }
   json Watermarks() {
-    const json j =
-        json::parse(ReadFile(out_dir() / "ledger_watermarks.json"), nullptr,
-                    /*allow_exceptions=*/false);
+    const json j = json::parse(ReadFile(out_dir() / "ledger_watermarks.json"), nullptr,
+                               /*allow_exceptions=*/false);
     return j.is_object() ? j : json::object();
   }
 
   void RunScenario(bool drop_latest_watermark) {
     WriteDataset(dir_ / "data.jsonl", kPrompts);
     const std::vector<std::string> config = {
-        "--lease_seconds", "4", "--max_steps", std::to_string(kSteps),
-        "--save_steps",    "1"};
+        "--lease_seconds", "4", "--max_steps", std::to_string(kSteps), "--save_steps", "1"};
     const int port = StartLearner("learner", 0, config);
     ASSERT_GT(port, 0);
     ASSERT_TRUE(Submit(port, dir_ / "data.jsonl"));
@@ -454,12 +424,11 @@ protected:
     };
     ASSERT_TRUE(WaitUntil(
         [&] {
-          if (!armed())
-            return false;
+          if (!armed()) return false;
           children_->Signal("learner", SIGSTOP);
           if (armed())
-            return true; // still true while frozen: no later checkpoint
-                         // half-done
+            return true;  // still true while frozen: no later checkpoint
+                          // half-done
           children_->Signal("learner", SIGCONT);
           return false;
         },
@@ -471,20 +440,17 @@ protected:
     // ledger whose prompts were not all accepted yet, so the restart has pass-0
     // work left.
     const std::string latest = Latest();
-    const json state = json::parse(
-        ReadFile(out_dir() / latest / "trainer_state.json"), nullptr,
-        /*allow_exceptions=*/false);
+    const json state = json::parse(ReadFile(out_dir() / latest / "trainer_state.json"), nullptr,
+                                   /*allow_exceptions=*/false);
     ASSERT_TRUE(state.is_object() && state.contains("global_step")) << latest;
     const int64_t resumed_step = state["global_step"].get<int64_t>();
     ASSERT_EQ(latest, "checkpoint-" + std::to_string(resumed_step));
     ASSERT_GE(resumed_step, 1);
-    ASSERT_LT(resumed_step, kSteps)
-        << "the learner finished before it could be killed";
+    ASSERT_LT(resumed_step, kSteps) << "the learner finished before it could be killed";
     std::string error;
     auto ledger = ReadLedger(out_dir() / "ledger.sqlite", &error);
     ASSERT_TRUE(ledger.has_value()) << error;
-    ASSERT_EQ(ledger->job_pass, 0)
-        << "killed too late: every prompt was already accepted";
+    ASSERT_EQ(ledger->job_pass, 0) << "killed too late: every prompt was already accepted";
     if (drop_latest_watermark) {
       json wm = Watermarks();
       wm.erase(latest);
@@ -496,8 +462,7 @@ protected:
     for (int64_t step = 1; step <= kSteps + 1; ++step) {
       if (step <= resumed_step) {
         kept[step] = ReadFile(DumpPath(dump_dir(), step));
-        ASSERT_FALSE(kept[step].empty())
-            << "no dump of checkpointed step " << step;
+        ASSERT_FALSE(kept[step].empty()) << "no dump of checkpointed step " << step;
       } else {
         fs::remove(DumpPath(dump_dir(), step));
       }
@@ -505,9 +470,8 @@ protected:
 
     ASSERT_EQ(StartLearner("learner-restarted", port, config), port);
     const auto exit_code = children_->Wait("learner-restarted", kJobTimeout);
-    ASSERT_TRUE(exit_code.has_value())
-        << "the restarted job did not finish\n"
-        << Logs({"learner-restarted", "worker-a", "worker-b"});
+    ASSERT_TRUE(exit_code.has_value()) << "the restarted job did not finish\n"
+                                       << Logs({"learner-restarted", "worker-a", "worker-b"});
     EXPECT_EQ(*exit_code, 0) << Logs({"learner-restarted"});
     const std::string log = ReadFile(children_->Err("learner-restarted"));
     // At least one worker came back by itself (the other may still be backing
@@ -528,42 +492,36 @@ protected:
     // Resumed at the checkpoint's step, not 0: the log says so, the
     // checkpointed steps' dumps were not rewritten, and the job ended at
     // max_steps.
-    EXPECT_NE(log.find("resumed from " + (out_dir() / latest).string() +
-                       " at step " + std::to_string(resumed_step)),
+    EXPECT_NE(log.find("resumed from " + (out_dir() / latest).string() + " at step " +
+                       std::to_string(resumed_step)),
               std::string::npos)
         << Tail(children_->Err("learner-restarted"));
     for (const auto &[step, bytes] : kept) {
-      EXPECT_EQ(ReadFile(DumpPath(dump_dir(), step)), bytes)
-          << "step " << step << " was retrained";
+      EXPECT_EQ(ReadFile(DumpPath(dump_dir(), step)), bytes) << "step " << step << " was retrained";
     }
     const json final_state = json::parse(
-        ReadFile(out_dir() / ("checkpoint-" + std::to_string(kSteps)) /
-                 "trainer_state.json"),
+        ReadFile(out_dir() / ("checkpoint-" + std::to_string(kSteps)) / "trainer_state.json"),
         nullptr, /*allow_exceptions=*/false);
     ASSERT_TRUE(final_state.is_object());
     EXPECT_EQ(final_state.value("global_step", -1), kSteps);
 
     // Nothing lost, nothing doubled: over steps 1..kSteps each prompt trained
     // exactly once.
-    ExpectEachPromptTrainedOnce(SequencesByMarker(dump_dir(), kSteps),
-                                kPrompts);
+    ExpectEachPromptTrainedOnce(SequencesByMarker(dump_dir(), kSteps), kPrompts);
     EXPECT_FALSE(fs::exists(DumpPath(dump_dir(), kSteps + 1)));
     ledger = ReadLedger(out_dir() / "ledger.sqlite", &error);
     ASSERT_TRUE(ledger.has_value()) << error;
     EXPECT_EQ(ledger->job_pass, 1);
     EXPECT_EQ(ledger->prompts.size(), static_cast<size_t>(kPrompts));
-    for (const auto &[id, row] : ledger->prompts)
-      EXPECT_NE(row.state, "REJECTED") << id;
+    for (const auto &[id, row] : ledger->prompts) EXPECT_NE(row.state, "REJECTED") << id;
   }
 };
 
-TEST_F(LearnerRestartTest,
-       KilledLearnerResumesFromItsCheckpointAndTrainsEveryPromptOnce) {
+TEST_F(LearnerRestartTest, KilledLearnerResumesFromItsCheckpointAndTrainsEveryPromptOnce) {
   RunScenario(/*drop_latest_watermark=*/false);
 }
 
-TEST_F(LearnerRestartTest,
-       CrashBetweenACheckpointAndItsWatermarkTrainsNothingTwice) {
+TEST_F(LearnerRestartTest, CrashBetweenACheckpointAndItsWatermarkTrainsNothingTwice) {
   // GRPO_RUN_KNOWN_BUGS=1 runs it anyway (to check a fix).
   if (std::getenv("GRPO_RUN_KNOWN_BUGS") == nullptr)
     GTEST_SKIP() << "bug: services/learner_service.cc "
@@ -588,7 +546,7 @@ TEST_F(LearnerRestartTest,
 // Health and GetJob.
 
 class LearnerWireTest : public ::testing::Test {
-protected:
+ protected:
   static constexpr int kPrompts = 8;
   static constexpr double kLeaseSeconds = 3;
 
@@ -640,8 +598,7 @@ protected:
   }
 
   void SetUp() override {
-    ASSERT_GT(port_, 0) << "the learner did not start:\n"
-                        << Tail(children_->Err("learner"));
+    ASSERT_GT(port_, 0) << "the learner did not start:\n" << Tail(children_->Err("learner"));
     stub_ = Stub(port_);
     if (!submitted_) {
       v1::SubmitDatasetResponse resp;
@@ -649,8 +606,7 @@ protected:
       auto writer = stub_->SubmitDataset(ctx.get(), &resp);
       v1::SubmitDatasetRequest req;
       std::ifstream in(*dir_ / "data.jsonl");
-      for (std::string line; std::getline(in, line);)
-        req.add_lines(line);
+      for (std::string line; std::getline(in, line);) req.add_lines(line);
       ASSERT_TRUE(writer->Write(req));
       writer->WritesDone();
       const grpc::Status s = writer->Finish();
@@ -667,8 +623,8 @@ protected:
     auto job = GetJob(*stub_);
     ASSERT_TRUE(job.has_value()) << Tail(children_->Err("learner"));
     EXPECT_EQ(job->state(), "running");
-    EXPECT_EQ(job->prompts().queued() + job->prompts().leased() +
-                  job->prompts().trained() + job->prompts().rejected(),
+    EXPECT_EQ(job->prompts().queued() + job->prompts().leased() + job->prompts().trained() +
+                  job->prompts().rejected(),
               kPrompts);
   }
 
@@ -686,35 +642,29 @@ protected:
   // A group the tiny model accepts under `lease`: 2 completions of byte tokens
   // (the bytes of "hi" and the end token 258), behaviour log-probs, one reward
   // each.
-  static v1::RolloutGroup WellFormedGroup(const v1::Lease &lease,
-                                          const std::string &worker) {
+  static v1::RolloutGroup WellFormedGroup(const v1::Lease &lease, const std::string &worker) {
     v1::RolloutGroup g;
     g.set_worker_id(worker);
     g.set_lease_id(lease.lease_id());
     g.set_prompt_id(lease.prompt_id());
     g.set_policy_version(0);
-    for (int id : {'s', 'a', 'y'})
-      g.add_prompt_ids(id);
+    for (int id : {'s', 'a', 'y'}) g.add_prompt_ids(id);
     for (double reward : {1.0, 0.0}) {
       v1::Completion *c = g.add_completions();
-      for (int id : {int{'h'}, int{'i'}, 258})
-        c->add_token_ids(id);
-      for (float lp : {-1.5f, -2.0f, -0.5f})
-        c->add_logprobs(lp);
+      for (int id : {int{'h'}, int{'i'}, 258}) c->add_token_ids(id);
+      for (float lp : {-1.5f, -2.0f, -0.5f}) c->add_logprobs(lp);
       c->set_text("hi");
       c->add_rewards()->set_value(reward);
     }
     return g;
   }
 
-  grpc::Status Push(const std::vector<v1::RolloutGroup> &groups,
-                    v1::PushRolloutsResponse *ack,
+  grpc::Status Push(const std::vector<v1::RolloutGroup> &groups, v1::PushRolloutsResponse *ack,
                     const std::string &token = kToken) {
     auto ctx = Ctx(token);
     auto writer = stub_->PushRollouts(ctx.get(), ack);
     for (const auto &g : groups) {
-      if (!writer->Write(g))
-        break;
+      if (!writer->Write(g)) break;
     }
     writer->WritesDone();
     return writer->Finish();
@@ -723,15 +673,11 @@ protected:
   // grpo_groups_rejected_total{reason="<reason>"} on the learner's /metrics (-1
   // if absent).
   double RejectedMetric(const std::string &reason) {
-    auto r = grpo::testing::HttpGet(static_cast<uint16_t>(metrics_port_),
-                                    "/metrics");
-    if (!r || r->status != 200)
-      return -1;
-    const std::string prefix =
-        "grpo_groups_rejected_total{reason=\"" + reason + "\"} ";
+    auto r = grpo::testing::HttpGet(static_cast<uint16_t>(metrics_port_), "/metrics");
+    if (!r || r->status != 200) return -1;
+    const std::string prefix = "grpo_groups_rejected_total{reason=\"" + reason + "\"} ";
     const size_t at = r->body.find("\n" + prefix);
-    if (at == std::string::npos)
-      return -1;
+    if (at == std::string::npos) return -1;
     return std::stod(r->body.substr(at + 1 + prefix.size()));
   }
 
@@ -741,8 +687,7 @@ protected:
     std::string error;
     auto ledger = ReadLedger(*dir_ / "out" / "ledger.sqlite", &error);
     EXPECT_TRUE(ledger.has_value()) << error;
-    if (!ledger || !ledger->prompts.count(prompt_id))
-      return std::nullopt;
+    if (!ledger || !ledger->prompts.count(prompt_id)) return std::nullopt;
     return ledger->prompts.at(prompt_id);
   }
 
@@ -756,30 +701,24 @@ protected:
 
 TEST_F(LearnerWireTest, WrongOrMissingTokenIsUnauthenticated) {
   v1::Job job;
-  EXPECT_EQ(stub_->GetJob(Ctx("not-the-token").get(), v1::GetJobRequest(), &job)
-                .error_code(),
+  EXPECT_EQ(stub_->GetJob(Ctx("not-the-token").get(), v1::GetJobRequest(), &job).error_code(),
             grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_EQ(
-      stub_->GetJob(Ctx("").get(), v1::GetJobRequest(), &job).error_code(),
-      grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(stub_->GetJob(Ctx("").get(), v1::GetJobRequest(), &job).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
   v1::LeasePromptsRequest req;
   req.set_worker_id("intruder");
   req.set_max_prompts(kPrompts);
   v1::LeasePromptsResponse leased;
-  EXPECT_EQ(stub_->LeasePrompts(Ctx("not-the-token").get(), req, &leased)
-                .error_code(),
+  EXPECT_EQ(stub_->LeasePrompts(Ctx("not-the-token").get(), req, &leased).error_code(),
             grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(leased.leases_size(), 0);
   v1::PushRolloutsResponse ack;
-  EXPECT_EQ(
-      Push({WellFormedGroup(v1::Lease(), "intruder")}, &ack, "not-the-token")
-          .error_code(),
-      grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(Push({WellFormedGroup(v1::Lease(), "intruder")}, &ack, "not-the-token").error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
   ExpectStillServing();
   auto after = GetJob(*stub_);
   ASSERT_TRUE(after.has_value());
-  EXPECT_EQ(after->prompts().trained(), 0)
-      << "an unauthenticated push changed the ledger";
+  EXPECT_EQ(after->prompts().trained(), 0) << "an unauthenticated push changed the ledger";
 }
 
 TEST_F(LearnerWireTest, MessageOverTheReceiveLimitIsResourceExhausted) {
@@ -791,13 +730,11 @@ TEST_F(LearnerWireTest, MessageOverTheReceiveLimitIsResourceExhausted) {
   v1::SubmitDatasetRequest req;
   req.set_idempotency_key("too-big");
   // One well-formed JSON line whose message is 1 MiB over the learner's limit.
-  req.add_lines(R"({"prompt": ")" +
-                std::string(kLearnerMaxMessageBytes + (1u << 20), 'x') +
+  req.add_lines(R"({"prompt": ")" + std::string(kLearnerMaxMessageBytes + (1u << 20), 'x') +
                 R"("})");
   writer->Write(req);
   writer->WritesDone();
-  EXPECT_EQ(writer->Finish().error_code(),
-            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   ExpectStillServing();
   const auto after = GetJob(*stub_);
   ASSERT_TRUE(after.has_value());
@@ -806,14 +743,12 @@ TEST_F(LearnerWireTest, MessageOverTheReceiveLimitIsResourceExhausted) {
       << "nothing of the refused dataset may be stored";
 }
 
-TEST_F(LearnerWireTest,
-       TokensOutsideTheVocabularyAreRefusedWithTheirReasonAndRequeued) {
+TEST_F(LearnerWireTest, TokensOutsideTheVocabularyAreRefusedWithTheirReasonAndRequeued) {
   const double counted_before = RejectedMetric("token_out_of_vocab");
   const v1::Lease a = LeaseOne("w-vocab");
   const v1::Lease b = LeaseOne("w-vocab");
   v1::RolloutGroup bad_completion = WellFormedGroup(a, "w-vocab");
-  bad_completion.mutable_completions(1)->set_token_ids(
-      0, kVocabSize); // one past the last id
+  bad_completion.mutable_completions(1)->set_token_ids(0, kVocabSize);  // one past the last id
   v1::RolloutGroup bad_prompt = WellFormedGroup(b, "w-vocab");
   bad_prompt.set_prompt_ids(1, -1);
   v1::PushRolloutsResponse ack;
@@ -826,8 +761,7 @@ TEST_F(LearnerWireTest,
                 : 0,
             2);
   ASSERT_EQ(ack.messages_size(), 2);
-  EXPECT_NE(ack.messages(0).find(std::to_string(kVocabSize)), std::string::npos)
-      << ack.messages(0);
+  EXPECT_NE(ack.messages(0).find(std::to_string(kVocabSize)), std::string::npos) << ack.messages(0);
   EXPECT_NE(ack.messages(1).find("-1"), std::string::npos) << ack.messages(1);
   EXPECT_EQ(RejectedMetric("token_out_of_vocab"), counted_before + 2);
   // A bad group is a worker bug, not a bad prompt: both prompts are queued
@@ -865,8 +799,7 @@ TEST_F(LearnerWireTest, GroupUnderAnUnknownLeaseIsRefusedAndCounted) {
 TEST_F(LearnerWireTest, GroupUnderAnExpiredLeaseIsRefusedAndCounted) {
   const double counted_before = RejectedMetric("expired_lease");
   const v1::Lease lease = LeaseOne("w-late");
-  std::this_thread::sleep_for(
-      milliseconds(static_cast<int64_t>(kLeaseSeconds * 1000) + 700));
+  std::this_thread::sleep_for(milliseconds(static_cast<int64_t>(kLeaseSeconds * 1000) + 700));
   v1::PushRolloutsResponse ack;
   const grpc::Status s = Push({WellFormedGroup(lease, "w-late")}, &ack);
   ASSERT_TRUE(s.ok()) << s.error_message();
@@ -896,4 +829,4 @@ TEST_F(LearnerWireTest, AfterBadInputAWellFormedGroupIsStillAccepted) {
   ExpectStillServing();
 }
 
-} // namespace
+}  // namespace

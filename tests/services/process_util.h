@@ -28,13 +28,11 @@ namespace grpo::testing {
 
 // Polls `cond` every `every` until it holds or `timeout` passes; returns its
 // last value.
-inline bool
-WaitUntil(const std::function<bool()> &cond, std::chrono::milliseconds timeout,
-          std::chrono::milliseconds every = std::chrono::milliseconds(50)) {
+inline bool WaitUntil(const std::function<bool()> &cond, std::chrono::milliseconds timeout,
+                      std::chrono::milliseconds every = std::chrono::milliseconds(50)) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (std::chrono::steady_clock::now() < deadline) {
-    if (cond())
-      return true;
+    if (cond()) return true;
     std::this_thread::sleep_for(every);
   }
   return cond();
@@ -51,7 +49,7 @@ inline std::string Tail(const std::filesystem::path &p, size_t n = 4000) {
 // every group still running and reaps it, so no test leaves a process behind.
 // Not thread-safe.
 class Children {
-public:
+ public:
   explicit Children(std::filesystem::path dir) : dir_(std::move(dir)) {}
   ~Children() { KillAll(); }
   Children(const Children &) = delete;
@@ -70,14 +68,13 @@ public:
       dup2(o, 1);
       dup2(e, 2);
       std::vector<char *> argv;
-      for (auto &a : args)
-        argv.push_back(a.data());
+      for (auto &a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
       execv(argv[0], argv.data());
       _exit(127);
     }
     if (pid > 0) {
-      setpgid(pid, pid); // also from the parent: no race with an early Signal
+      setpgid(pid, pid);  // also from the parent: no race with an early Signal
       pids_[name] = pid;
     }
     return pid;
@@ -91,24 +88,20 @@ public:
 
   // Waits for the child to exit; its exit code, 128 + signal when killed, or
   // nullopt when it is still running after `timeout` (or unknown).
-  std::optional<int> Wait(const std::string &name,
-                          std::chrono::milliseconds timeout) {
+  std::optional<int> Wait(const std::string &name, std::chrono::milliseconds timeout) {
     auto it = pids_.find(name);
-    if (it == pids_.end())
-      return std::nullopt;
+    if (it == pids_.end()) return std::nullopt;
     std::optional<int> code;
     WaitUntil(
         [&] {
           int status = 0;
-          if (waitpid(it->second, &status, WNOHANG) != it->second)
-            return false;
-          code =
-              WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+          if (waitpid(it->second, &status, WNOHANG) != it->second) return false;
+          code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
           return true;
         },
         timeout, std::chrono::milliseconds(20));
     if (code) {
-      ::kill(-it->second, SIGKILL); // anything the child left in its group
+      ::kill(-it->second, SIGKILL);  // anything the child left in its group
       pids_.erase(it);
     }
     return code;
@@ -117,8 +110,7 @@ public:
   // SIGKILL and reap; returns once the child is gone.
   void Kill(const std::string &name) {
     auto it = pids_.find(name);
-    if (it == pids_.end())
-      return;
+    if (it == pids_.end()) return;
     ::kill(-it->second, SIGKILL);
     ::kill(it->second, SIGKILL);
     waitpid(it->second, nullptr, 0);
@@ -126,22 +118,19 @@ public:
   }
 
   void KillAll() {
-    while (!pids_.empty())
-      Kill(pids_.rbegin()->first);
+    while (!pids_.empty()) Kill(pids_.rbegin()->first);
   }
 
   // The first stdout line of `name` parsed as JSON (servers print {"port": N,
   // ...} there), waiting up to `timeout`; null when it did not come or the
   // child died.
-  nlohmann::json FirstLine(const std::string &name,
-                           std::chrono::milliseconds timeout) {
+  nlohmann::json FirstLine(const std::string &name, std::chrono::milliseconds timeout) {
     nlohmann::json line;
     WaitUntil(
         [&] {
           const std::string text = ReadFile(Out(name));
           const size_t nl = text.find('\n');
-          if (nl == std::string::npos)
-            return false;
+          if (nl == std::string::npos) return false;
           line = nlohmann::json::parse(text.substr(0, nl), nullptr,
                                        /*allow_exceptions=*/false);
           return true;
@@ -150,14 +139,10 @@ public:
     return line.is_discarded() ? nlohmann::json() : line;
   }
 
-  std::filesystem::path Out(const std::string &name) const {
-    return dir_ / (name + ".out");
-  }
-  std::filesystem::path Err(const std::string &name) const {
-    return dir_ / (name + ".err");
-  }
+  std::filesystem::path Out(const std::string &name) const { return dir_ / (name + ".out"); }
+  std::filesystem::path Err(const std::string &name) const { return dir_ / (name + ".err"); }
 
-private:
+ private:
   std::filesystem::path dir_;
   std::map<std::string, pid_t> pids_;
 };
@@ -173,32 +158,25 @@ struct DumpTensor {
 // Reads a safetensors file by its format (8-byte little-endian header length,
 // JSON header, data), independently of common/safetensors.h. Tensors of dtype
 // I64, I32, F64 and F32 only; nullopt when the file is missing or malformed.
-inline std::optional<std::map<std::string, DumpTensor>>
-ReadSafetensors(const std::filesystem::path &path) {
+inline std::optional<std::map<std::string, DumpTensor>> ReadSafetensors(
+    const std::filesystem::path &path) {
   const std::string bytes = ReadFile(path);
-  if (bytes.size() < 8)
-    return std::nullopt;
+  if (bytes.size() < 8) return std::nullopt;
   uint64_t header_len = 0;
-  for (int i = 7; i >= 0; --i)
-    header_len = header_len << 8 | static_cast<uint8_t>(bytes[i]);
-  if (8 + header_len > bytes.size())
-    return std::nullopt;
-  const nlohmann::json header =
-      nlohmann::json::parse(bytes.substr(8, header_len), nullptr, false);
-  if (!header.is_object())
-    return std::nullopt;
+  for (int i = 7; i >= 0; --i) header_len = header_len << 8 | static_cast<uint8_t>(bytes[i]);
+  if (8 + header_len > bytes.size()) return std::nullopt;
+  const nlohmann::json header = nlohmann::json::parse(bytes.substr(8, header_len), nullptr, false);
+  if (!header.is_object()) return std::nullopt;
   const char *data = bytes.data() + 8 + header_len;
   const size_t data_size = bytes.size() - 8 - header_len;
   std::map<std::string, DumpTensor> out;
   for (auto it = header.begin(); it != header.end(); ++it) {
-    if (it.key() == "__metadata__")
-      continue;
+    if (it.key() == "__metadata__") continue;
     const nlohmann::json &t = it.value();
     DumpTensor d;
     d.shape = t.at("shape").get<std::vector<int64_t>>();
     const auto off = t.at("data_offsets").get<std::vector<size_t>>();
-    if (off.size() != 2 || off[0] > off[1] || off[1] > data_size)
-      return std::nullopt;
+    if (off.size() != 2 || off[0] > off[1] || off[1] > data_size) return std::nullopt;
     const std::string dtype = t.at("dtype").get<std::string>();
     const char *p = data + off[0];
     const size_t n = off[1] - off[0];
@@ -225,12 +203,10 @@ ReadSafetensors(const std::filesystem::path &path) {
 }
 
 // <dir>/step-<8 digits>.safetensors, the learner's dump of one optimizer step.
-inline std::filesystem::path DumpPath(const std::filesystem::path &dir,
-                                      int64_t step) {
+inline std::filesystem::path DumpPath(const std::filesystem::path &dir, int64_t step) {
   char name[64];
-  std::snprintf(name, sizeof(name), "step-%08lld.safetensors",
-                static_cast<long long>(step));
+  std::snprintf(name, sizeof(name), "step-%08lld.safetensors", static_cast<long long>(step));
   return dir / name;
 }
 
-} // namespace grpo::testing
+}  // namespace grpo::testing
