@@ -1,8 +1,7 @@
-// Fault tolerance with real processes (issue 5 §9): `grpo learner` and `grpo
-// rollout` workers on loopback, killed with SIGKILL mid-run, and bad input sent
-// to a real learner over the wire. Expectations come from the datasets written
-// here: which prompts exist, how many generations each gets, how many optimizer
-// steps a pass takes. Every process started here is killed and reaped
+// Fault tolerance with real processes (issue 5 §9): `grpo learner` and `grpo rollout` workers on
+// loopback, killed with SIGKILL mid-run, and bad input sent to a real learner over the wire.
+// Expectations come from the datasets written here: which prompts exist, how many generations each
+// gets, how many optimizer steps a pass takes. Every process started here is killed and reaped
 // (tests/services/process_util.h).
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
@@ -46,15 +45,13 @@ using nlohmann::json;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
-constexpr const char *kToken = "tok-fault-tolerance";
-// The learner's configuration in these tests: 2 generations per prompt, 4
-// sequences per micro-batch, 1 micro-batch per step, so one optimizer step
-// trains kPromptsPerStep prompts.
+constexpr const char* kToken = "tok-fault-tolerance";
+// The learner's configuration in these tests: 2 generations per prompt, 4 sequences per
+// micro-batch, 1 micro-batch per step, so one optimizer step trains kPromptsPerStep prompts.
 constexpr int kGenerations = 2;
 constexpr int kBatchSequences = 4;
 constexpr int kPromptsPerStep = kBatchSequences / kGenerations;
-// The byte tokenizer of the tiny preset: ids 0..255 are bytes, 256.. special;
-// vocab 259.
+// The byte tokenizer of the tiny preset: ids 0..255 are bytes, 256.. special; vocab 259.
 constexpr int kVocabSize = 259;
 // services/auth.h: the learner refuses received messages over 64 MiB.
 constexpr size_t kLearnerMaxMessageBytes = 64u << 20;
@@ -71,14 +68,14 @@ std::string Marker(int i) {
 }
 
 // Writes n prompts, each with its own marker, as JSON Lines.
-void WriteDataset(const fs::path &path, int n) {
+void WriteDataset(const fs::path& path, int n) {
   std::ofstream out(path);
   for (int i = 0; i < n; ++i)
     out << R"({"prompt": ")" << Marker(i) << R"(: name a fruit"})"
         << "\n";
 }
 
-std::unique_ptr<grpc::ClientContext> Ctx(const std::string &token = kToken,
+std::unique_ptr<grpc::ClientContext> Ctx(const std::string& token = kToken,
                                          std::chrono::milliseconds timeout = kCallTimeout) {
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->set_deadline(std::chrono::system_clock::now() + timeout);
@@ -93,14 +90,13 @@ std::unique_ptr<v1::LearnerService::Stub> Stub(int port) {
       "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials(), args));
 }
 
-std::optional<v1::Job> GetJob(v1::LearnerService::Stub &stub) {
+std::optional<v1::Job> GetJob(v1::LearnerService::Stub& stub) {
   v1::Job job;
   if (!stub.GetJob(Ctx().get(), v1::GetJobRequest(), &job).ok()) return std::nullopt;
   return job;
 }
 
-// grpc.health.v1.Health/Check for the whole server; true when it answers
-// SERVING.
+// grpc.health.v1.Health/Check for the whole server; true when it answers SERVING.
 bool HealthServing(int port) {
   auto channel =
       grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
@@ -116,12 +112,11 @@ bool HealthServing(int port) {
   grpc::Slice out;
   if (!resp.DumpToSingleSlice(&out).ok()) return false;
   // HealthCheckResponse{status = 1 (SERVING)}.
-  return std::string(reinterpret_cast<const char *>(out.begin()), out.size()) ==
+  return std::string(reinterpret_cast<const char*>(out.begin()), out.size()) ==
          std::string("\x08\x01", 2);
 }
 
-// --- The ledger file, read with the SQLite C API (read-only), not through
-// PromptLedger.
+// --- The ledger file, read with the SQLite C API (read-only), not through PromptLedger.
 
 struct LedgerRow {
   std::string id, state, worker_id;
@@ -132,8 +127,8 @@ struct LedgerFile {
   std::map<std::string, LedgerRow> prompts;  // by prompt id
 };
 
-std::optional<LedgerFile> ReadLedger(const fs::path &path, std::string *error) {
-  sqlite3 *db = nullptr;
+std::optional<LedgerFile> ReadLedger(const fs::path& path, std::string* error) {
+  sqlite3* db = nullptr;
   if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) != SQLITE_OK) {
     *error = "open " + path.string() + ": " + (db ? sqlite3_errmsg(db) : "no memory");
     sqlite3_close(db);
@@ -142,8 +137,8 @@ std::optional<LedgerFile> ReadLedger(const fs::path &path, std::string *error) {
   sqlite3_busy_timeout(db, 5000);
   LedgerFile out;
   bool ok = true;
-  const auto query = [&](const char *sql, const std::function<void(sqlite3_stmt *)> &row) {
-    sqlite3_stmt *st = nullptr;
+  const auto query = [&](const char* sql, const std::function<void(sqlite3_stmt*)>& row) {
+    sqlite3_stmt* st = nullptr;
     if (sqlite3_prepare_v2(db, sql, -1, &st, nullptr) != SQLITE_OK) {
       *error = std::string(sql) + ": " + sqlite3_errmsg(db);
       ok = false;
@@ -157,13 +152,13 @@ std::optional<LedgerFile> ReadLedger(const fs::path &path, std::string *error) {
     }
     sqlite3_finalize(st);
   };
-  const auto text = [](sqlite3_stmt *st, int col) {
-    const unsigned char *t = sqlite3_column_text(st, col);
-    return t ? std::string(reinterpret_cast<const char *>(t)) : std::string();
+  const auto text = [](sqlite3_stmt* st, int col) {
+    const unsigned char* t = sqlite3_column_text(st, col);
+    return t ? std::string(reinterpret_cast<const char*>(t)) : std::string();
   };
   query("SELECT pass FROM job",
-        [&](sqlite3_stmt *st) { out.job_pass = sqlite3_column_int64(st, 0); });
-  query("SELECT id, state, worker_id, attempts, pass FROM prompts", [&](sqlite3_stmt *st) {
+        [&](sqlite3_stmt* st) { out.job_pass = sqlite3_column_int64(st, 0); });
+  query("SELECT id, state, worker_id, attempts, pass FROM prompts", [&](sqlite3_stmt* st) {
     LedgerRow r;
     r.id = text(st, 0);
     r.state = text(st, 1);
@@ -179,10 +174,10 @@ std::optional<LedgerFile> ReadLedger(const fs::path &path, std::string *error) {
 
 // --- Batch dumps: which prompts each optimizer step trained on.
 
-// For the dumps of steps 1..steps: how many trained sequences carry each prompt
-// marker (the bytes of a row's prompt tokens under its mask). Adds a failure
-// for a missing dump or a row without a marker.
-std::map<std::string, int> SequencesByMarker(const fs::path &dump_dir, int64_t steps) {
+// For the dumps of steps 1..steps: how many trained sequences carry each prompt marker (the bytes
+// of a row's prompt tokens under its mask). Adds a failure for a missing dump or a row without a
+// marker.
+std::map<std::string, int> SequencesByMarker(const fs::path& dump_dir, int64_t steps) {
   std::map<std::string, int> count;
   for (int64_t step = 1; step <= steps; ++step) {
     const auto dump = ReadSafetensors(DumpPath(dump_dir, step));
@@ -190,8 +185,8 @@ std::map<std::string, int> SequencesByMarker(const fs::path &dump_dir, int64_t s
       ADD_FAILURE() << "no readable dump of step " << step << " in " << dump_dir;
       continue;
     }
-    const auto &ids = dump->at("prompt_ids");
-    const auto &mask = dump->at("prompt_mask");
+    const auto& ids = dump->at("prompt_ids");
+    const auto& mask = dump->at("prompt_mask");
     const int64_t rows = ids.shape.at(0), cols = ids.shape.at(1);
     const bool float_mask = !mask.floats.empty();
     for (int64_t r = 0; r < rows; ++r) {
@@ -214,15 +209,14 @@ std::map<std::string, int> SequencesByMarker(const fs::path &dump_dir, int64_t s
   return count;
 }
 
-// Every one of the n prompts trained exactly once: kGenerations sequences each,
-// nothing else.
-void ExpectEachPromptTrainedOnce(const std::map<std::string, int> &by_marker, int n) {
+// Every one of the n prompts trained exactly once: kGenerations sequences each, nothing else.
+void ExpectEachPromptTrainedOnce(const std::map<std::string, int>& by_marker, int n) {
   for (int i = 0; i < n; ++i) {
     auto it = by_marker.find(Marker(i));
     EXPECT_EQ(it == by_marker.end() ? 0 : it->second, kGenerations)
         << Marker(i) << ": sequences trained (" << kGenerations << " = the prompt trained once)";
   }
-  for (const auto &[marker, sequences] : by_marker) {
+  for (const auto& [marker, sequences] : by_marker) {
     bool known = false;
     for (int i = 0; i < n && !known; ++i) known = marker == Marker(i);
     EXPECT_TRUE(known) << marker << " is not in the dataset (" << sequences << " sequences)";
@@ -252,9 +246,9 @@ class FaultToleranceTest : public ::testing::Test {
   fs::path out_dir() const { return dir_ / "out"; }
   fs::path dump_dir() const { return dir_ / "dumps"; }
 
-  // `grpo learner` on `port` (0 = a free one) with the test configuration plus
-  // `extra`; returns the bound port (0 on failure, with the failure added).
-  int StartLearner(const std::string &name, int port, std::vector<std::string> extra) {
+  // `grpo learner` on `port` (0 = a free one) with the test configuration plus `extra`; returns the
+  // bound port (0 on failure, with the failure added).
+  int StartLearner(const std::string& name, int port, std::vector<std::string> extra) {
     std::vector<std::string> args = {
         GrpoBin(), "--log_level", "info", "learner", "--output_dir", out_dir().string(),
         "--grpc_port", std::to_string(port), "--metrics_port", "0", "--auth_token_file",
@@ -279,7 +273,7 @@ class FaultToleranceTest : public ::testing::Test {
     return line["port"].get<int>();
   }
 
-  void StartWorker(const std::string &name, int port, std::vector<std::string> extra = {}) {
+  void StartWorker(const std::string& name, int port, std::vector<std::string> extra = {}) {
     std::vector<std::string> args = {GrpoBin(),
                                      "--log_level",
                                      "info",
@@ -297,7 +291,7 @@ class FaultToleranceTest : public ::testing::Test {
   }
 
   // `grpo submit` of the dataset, as a user would; true on exit code 0.
-  bool Submit(int port, const fs::path &dataset) {
+  bool Submit(int port, const fs::path& dataset) {
     int rc = -1;
     const std::string out =
         RunCommand(GrpoBin() + " submit --learner_address 127.0.0.1:" + std::to_string(port) +
@@ -308,9 +302,9 @@ class FaultToleranceTest : public ::testing::Test {
     return rc == 0;
   }
 
-  std::string Logs(const std::vector<std::string> &names) {
+  std::string Logs(const std::vector<std::string>& names) {
     std::string s;
-    for (const auto &n : names) s += "--- " + n + ":\n" + Tail(children_->Err(n), 2500) + "\n";
+    for (const auto& n : names) s += "--- " + n + ":\n" + Tail(children_->Err(n), 2500) + "\n";
     return s;
   }
 
@@ -319,9 +313,8 @@ class FaultToleranceTest : public ::testing::Test {
   int metrics_port_ = 0;
 };
 
-// A worker that dies holding leases loses nothing: its leases expire after
-// lease_seconds, the other worker leases those prompts again, and the pass
-// trains every prompt exactly once.
+// A worker that dies holding leases loses nothing: its leases expire after lease_seconds, the other
+// worker leases those prompts again, and the pass trains every prompt exactly once.
 TEST_F(FaultToleranceTest, KilledWorkersLeasesExpireAndEveryPromptTrainsOnce) {
   constexpr int kPrompts = 6;
   constexpr int kSteps = kPrompts / kPromptsPerStep;  // one pass
@@ -333,8 +326,8 @@ TEST_F(FaultToleranceTest, KilledWorkersLeasesExpireAndEveryPromptTrainsOnce) {
   ASSERT_TRUE(Submit(port, dir_ / "data.jsonl"));
   auto stub = Stub(port);
 
-  // The doomed worker leases the whole dataset in one call; it is frozen while
-  // it generates (before it can push) and then killed.
+  // The doomed worker leases the whole dataset in one call; it is frozen while it generates (before
+  // it can push) and then killed.
   StartWorker("doomed", port, {"--prompts_per_lease", std::to_string(kPrompts)});
   ASSERT_TRUE(WaitUntil(
       [&] {
@@ -362,37 +355,34 @@ TEST_F(FaultToleranceTest, KilledWorkersLeasesExpireAndEveryPromptTrainsOnce) {
   EXPECT_EQ(children_->Wait("survivor", seconds(30)), std::optional<int>(0))
       << Logs({"learner", "survivor"});
 
-  // The pass: steps 1..kSteps trained each prompt once (kGenerations
-  // sequences), no more steps.
+  // The pass: steps 1..kSteps trained each prompt once (kGenerations sequences), no more steps.
   ExpectEachPromptTrainedOnce(SequencesByMarker(dump_dir(), kSteps), kPrompts);
   EXPECT_FALSE(fs::exists(DumpPath(dump_dir(), kSteps + 1)));
 
-  // The ledger: pass 0 finished (every prompt moved on to pass 1 when the last
-  // one was accepted), none rejected, and every prompt was first leased by the
-  // doomed worker, so each carries at least one expired lease.
+  // The ledger: pass 0 finished (every prompt moved on to pass 1 when the last one was accepted),
+  // none rejected, and every prompt was first leased by the doomed worker, so each carries at least
+  // one expired lease.
   std::string error;
   const auto ledger = ReadLedger(out_dir() / "ledger.sqlite", &error);
   ASSERT_TRUE(ledger.has_value()) << error;
   EXPECT_EQ(ledger->job_pass, 1);
   ASSERT_EQ(ledger->prompts.size(), static_cast<size_t>(kPrompts));
-  for (const auto &[id, row] : ledger->prompts) {
+  for (const auto& [id, row] : ledger->prompts) {
     EXPECT_EQ(row.pass, 1) << id;
     EXPECT_NE(row.state, "REJECTED") << id;
     EXPECT_GE(row.attempts, 1) << id << ": the doomed worker's lease should have expired";
   }
 }
 
-// The learner scenario of the two tests below. A learner trains one pass of
-// kPrompts prompts with two workers and a checkpoint every step; it is frozen
-// at a moment when `latest` names a checkpoint whose ledger watermark is
-// recorded (ledger_watermarks.json), and killed with SIGKILL. With
-// `drop_latest_watermark` the watermark entry of that checkpoint is then
-// removed: the state a crash leaves between renaming the checkpoint into place
-// and writing its watermark (LearnerServer::Checkpoint does them in that
-// order). A new learner starts on the same port and output_dir; the workers,
-// which retry on their own, reconnect; the job runs to max_steps. Every prompt
-// of the pass must be trained exactly once over the final history: the dead
-// learner's steps up to the checkpoint, then the new learner's.
+// The learner scenario of the two tests below. A learner trains one pass of kPrompts prompts with
+// two workers and a checkpoint every step; it is frozen at a moment when `latest` names a
+// checkpoint whose ledger watermark is recorded (ledger_watermarks.json), and killed with SIGKILL.
+// With `drop_latest_watermark` the watermark entry of that checkpoint is then removed: the state a
+// crash leaves between renaming the checkpoint into place and writing its watermark
+// (LearnerServer::Checkpoint does them in that order). A new learner starts on the same port and
+// output_dir; the workers, which retry on their own, reconnect; the job runs to max_steps. Every
+// prompt of the pass must be trained exactly once over the final history: the dead learner's steps
+// up to the checkpoint, then the new learner's.
 class LearnerRestartTest : public FaultToleranceTest {
  protected:
   static constexpr int kPrompts = 12;
@@ -426,9 +416,8 @@ class LearnerRestartTest : public FaultToleranceTest {
         [&] {
           if (!armed()) return false;
           children_->Signal("learner", SIGSTOP);
-          if (armed())
-            return true;  // still true while frozen: no later checkpoint
-                          // half-done
+          // Still true while frozen: no later checkpoint is half-written.
+          if (armed()) return true;
           children_->Signal("learner", SIGCONT);
           return false;
         },
@@ -436,9 +425,8 @@ class LearnerRestartTest : public FaultToleranceTest {
         << Logs({"learner", "worker-a", "worker-b"});
     children_->Kill("learner");
 
-    // What survived: the checkpoint `latest` names, and (pass 0 still open) a
-    // ledger whose prompts were not all accepted yet, so the restart has pass-0
-    // work left.
+    // What survived: the checkpoint `latest` names, and (pass 0 still open) a ledger whose prompts
+    // were not all accepted yet, so the restart has pass-0 work left.
     const std::string latest = Latest();
     const json state = json::parse(ReadFile(out_dir() / latest / "trainer_state.json"), nullptr,
                                    /*allow_exceptions=*/false);
@@ -456,8 +444,7 @@ class LearnerRestartTest : public FaultToleranceTest {
       wm.erase(latest);
       std::ofstream(out_dir() / "ledger_watermarks.json") << wm.dump(2) << "\n";
     }
-    // Steps after the checkpoint were the dead learner's; its steps up to it
-    // are history.
+    // Steps after the checkpoint were the dead learner's; its steps up to it are history.
     std::map<int64_t, std::string> kept;
     for (int64_t step = 1; step <= kSteps + 1; ++step) {
       if (step <= resumed_step) {
@@ -474,12 +461,9 @@ class LearnerRestartTest : public FaultToleranceTest {
                                        << Logs({"learner-restarted", "worker-a", "worker-b"});
     EXPECT_EQ(*exit_code, 0) << Logs({"learner-restarted"});
     const std::string log = ReadFile(children_->Err("learner-restarted"));
-    // At least one worker came back by itself (the other may still be backing
-    // off when the remaining steps are done).
-    EXPECT_NE(log.find("registered as rank"), std::string::npos)
-        << Tail(children_->Err("learner-restarted"));
-    // A worker that missed the job's end (it was reconnecting) keeps retrying:
-    // it must still stop cleanly on SIGTERM.
+    // The workers came back by themselves: only their groups can have trained the steps after the
+    // checkpoint (checked below). One of them may have missed the job's end while it was backing
+    // off; it keeps retrying and must still stop cleanly on SIGTERM.
     for (const std::string w : {"worker-a", "worker-b"}) {
       auto code = children_->Wait(w, seconds(10));
       if (!code) {
@@ -489,14 +473,13 @@ class LearnerRestartTest : public FaultToleranceTest {
       EXPECT_EQ(code, std::optional<int>(0)) << Logs({w});
     }
 
-    // Resumed at the checkpoint's step, not 0: the log says so, the
-    // checkpointed steps' dumps were not rewritten, and the job ended at
-    // max_steps.
+    // Resumed at the checkpoint's step, not 0: the log says so, the checkpointed steps' dumps were
+    // not rewritten, and the job ended at max_steps.
     EXPECT_NE(log.find("resumed from " + (out_dir() / latest).string() + " at step " +
                        std::to_string(resumed_step)),
               std::string::npos)
         << Tail(children_->Err("learner-restarted"));
-    for (const auto &[step, bytes] : kept) {
+    for (const auto& [step, bytes] : kept) {
       EXPECT_EQ(ReadFile(DumpPath(dump_dir(), step)), bytes) << "step " << step << " was retrained";
     }
     const json final_state = json::parse(
@@ -505,15 +488,14 @@ class LearnerRestartTest : public FaultToleranceTest {
     ASSERT_TRUE(final_state.is_object());
     EXPECT_EQ(final_state.value("global_step", -1), kSteps);
 
-    // Nothing lost, nothing doubled: over steps 1..kSteps each prompt trained
-    // exactly once.
+    // Nothing lost, nothing doubled: over steps 1..kSteps each prompt trained exactly once.
     ExpectEachPromptTrainedOnce(SequencesByMarker(dump_dir(), kSteps), kPrompts);
     EXPECT_FALSE(fs::exists(DumpPath(dump_dir(), kSteps + 1)));
     ledger = ReadLedger(out_dir() / "ledger.sqlite", &error);
     ASSERT_TRUE(ledger.has_value()) << error;
     EXPECT_EQ(ledger->job_pass, 1);
     EXPECT_EQ(ledger->prompts.size(), static_cast<size_t>(kPrompts));
-    for (const auto &[id, row] : ledger->prompts) EXPECT_NE(row.state, "REJECTED") << id;
+    for (const auto& [id, row] : ledger->prompts) EXPECT_NE(row.state, "REJECTED") << id;
   }
 };
 
@@ -541,9 +523,8 @@ TEST_F(LearnerRestartTest, CrashBetweenACheckpointAndItsWatermarkTrainsNothingTw
   RunScenario(/*drop_latest_watermark=*/true);
 }
 
-// --- Bad input on the wire against one real learner process (no workers): each
-// call is refused the documented way, and afterwards the learner still answers
-// Health and GetJob.
+// --- Bad input on the wire against one real learner process (no workers): each call is refused the
+// documented way, and afterwards the learner still answers Health and GetJob.
 
 class LearnerWireTest : public ::testing::Test {
  protected:
@@ -616,8 +597,7 @@ class LearnerWireTest : public ::testing::Test {
     }
   }
 
-  // The learner still serves: Health says SERVING, GetJob answers, the process
-  // is alive.
+  // The learner still serves: Health says SERVING, GetJob answers, the process is alive.
   void ExpectStillServing() {
     EXPECT_TRUE(HealthServing(port_)) << Tail(children_->Err("learner"));
     auto job = GetJob(*stub_);
@@ -628,7 +608,7 @@ class LearnerWireTest : public ::testing::Test {
               kPrompts);
   }
 
-  v1::Lease LeaseOne(const std::string &worker) {
+  v1::Lease LeaseOne(const std::string& worker) {
     v1::LeasePromptsRequest req;
     req.set_worker_id(worker);
     req.set_max_prompts(1);
@@ -639,10 +619,9 @@ class LearnerWireTest : public ::testing::Test {
     return resp.leases_size() > 0 ? resp.leases(0) : v1::Lease();
   }
 
-  // A group the tiny model accepts under `lease`: 2 completions of byte tokens
-  // (the bytes of "hi" and the end token 258), behaviour log-probs, one reward
-  // each.
-  static v1::RolloutGroup WellFormedGroup(const v1::Lease &lease, const std::string &worker) {
+  // A group the tiny model accepts under `lease`: 2 completions of byte tokens (the bytes of "hi"
+  // and the end token 258), behaviour log-probs, one reward each.
+  static v1::RolloutGroup WellFormedGroup(const v1::Lease& lease, const std::string& worker) {
     v1::RolloutGroup g;
     g.set_worker_id(worker);
     g.set_lease_id(lease.lease_id());
@@ -650,7 +629,7 @@ class LearnerWireTest : public ::testing::Test {
     g.set_policy_version(0);
     for (int id : {'s', 'a', 'y'}) g.add_prompt_ids(id);
     for (double reward : {1.0, 0.0}) {
-      v1::Completion *c = g.add_completions();
+      v1::Completion* c = g.add_completions();
       for (int id : {int{'h'}, int{'i'}, 258}) c->add_token_ids(id);
       for (float lp : {-1.5f, -2.0f, -0.5f}) c->add_logprobs(lp);
       c->set_text("hi");
@@ -659,20 +638,19 @@ class LearnerWireTest : public ::testing::Test {
     return g;
   }
 
-  grpc::Status Push(const std::vector<v1::RolloutGroup> &groups, v1::PushRolloutsResponse *ack,
-                    const std::string &token = kToken) {
+  grpc::Status Push(const std::vector<v1::RolloutGroup>& groups, v1::PushRolloutsResponse* ack,
+                    const std::string& token = kToken) {
     auto ctx = Ctx(token);
     auto writer = stub_->PushRollouts(ctx.get(), ack);
-    for (const auto &g : groups) {
+    for (const auto& g : groups) {
       if (!writer->Write(g)) break;
     }
     writer->WritesDone();
     return writer->Finish();
   }
 
-  // grpo_groups_rejected_total{reason="<reason>"} on the learner's /metrics (-1
-  // if absent).
-  double RejectedMetric(const std::string &reason) {
+  // grpo_groups_rejected_total{reason="<reason>"} on the learner's /metrics (-1 if absent).
+  double RejectedMetric(const std::string& reason) {
     auto r = grpo::testing::HttpGet(static_cast<uint16_t>(metrics_port_), "/metrics");
     if (!r || r->status != 200) return -1;
     const std::string prefix = "grpo_groups_rejected_total{reason=\"" + reason + "\"} ";
@@ -681,9 +659,9 @@ class LearnerWireTest : public ::testing::Test {
     return std::stod(r->body.substr(at + 1 + prefix.size()));
   }
 
-  // The ledger row of `prompt_id`, read from the file while the learner runs
-  // (WAL readers do not block the writer).
-  std::optional<LedgerRow> LedgerRowOf(const std::string &prompt_id) {
+  // The ledger row of `prompt_id`, read from the file while the learner runs (WAL readers do not
+  // block the writer).
+  std::optional<LedgerRow> LedgerRowOf(const std::string& prompt_id) {
     std::string error;
     auto ledger = ReadLedger(*dir_ / "out" / "ledger.sqlite", &error);
     EXPECT_TRUE(ledger.has_value()) << error;
@@ -691,8 +669,8 @@ class LearnerWireTest : public ::testing::Test {
     return ledger->prompts.at(prompt_id);
   }
 
-  static inline fs::path *dir_ = nullptr;
-  static inline Children *children_ = nullptr;
+  static inline fs::path* dir_ = nullptr;
+  static inline Children* children_ = nullptr;
   static inline int port_ = 0;
   static inline int metrics_port_ = 0;
   static inline bool submitted_ = false;
@@ -764,9 +742,8 @@ TEST_F(LearnerWireTest, TokensOutsideTheVocabularyAreRefusedWithTheirReasonAndRe
   EXPECT_NE(ack.messages(0).find(std::to_string(kVocabSize)), std::string::npos) << ack.messages(0);
   EXPECT_NE(ack.messages(1).find("-1"), std::string::npos) << ack.messages(1);
   EXPECT_EQ(RejectedMetric("token_out_of_vocab"), counted_before + 2);
-  // A bad group is a worker bug, not a bad prompt: both prompts are queued
-  // again.
-  for (const v1::Lease *l : {&a, &b}) {
+  // A bad group is a worker bug, not a bad prompt: both prompts are queued again.
+  for (const v1::Lease* l : {&a, &b}) {
     auto row = LedgerRowOf(l->prompt_id());
     ASSERT_TRUE(row.has_value()) << l->prompt_id();
     EXPECT_EQ(row->state, "QUEUED") << l->prompt_id();

@@ -1,7 +1,6 @@
-// Helpers for tests that run `grpo` (and reference servers) as real processes:
-// children in their own process groups that are always killed and reaped,
-// polling with deadlines, and reading the batch dumps (README "Batch dumps") a
-// learner leaves behind.
+// Helpers for tests that run `grpo` (and reference servers) as real processes: children in their
+// own process groups that are always killed and reaped, polling with deadlines, and reading the
+// batch dumps (README "Batch dumps") a learner leaves behind.
 #pragma once
 
 #include <fcntl.h>
@@ -26,9 +25,8 @@
 
 namespace grpo::testing {
 
-// Polls `cond` every `every` until it holds or `timeout` passes; returns its
-// last value.
-inline bool WaitUntil(const std::function<bool()> &cond, std::chrono::milliseconds timeout,
+// Polls `cond` every `every` until it holds or `timeout` passes; returns its last value.
+inline bool WaitUntil(const std::function<bool()>& cond, std::chrono::milliseconds timeout,
                       std::chrono::milliseconds every = std::chrono::milliseconds(50)) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (std::chrono::steady_clock::now() < deadline) {
@@ -39,26 +37,24 @@ inline bool WaitUntil(const std::function<bool()> &cond, std::chrono::millisecon
 }
 
 // Last `n` characters of a file, for failure messages.
-inline std::string Tail(const std::filesystem::path &p, size_t n = 4000) {
+inline std::string Tail(const std::filesystem::path& p, size_t n = 4000) {
   const std::string s = ReadFile(p);
   return s.size() > n ? s.substr(s.size() - n) : s;
 }
 
-// Children by name, each started in a process group of its own with stdout and
-// stderr in <dir>/<name>.out and <dir>/<name>.err. The destructor SIGKILLs
-// every group still running and reaps it, so no test leaves a process behind.
-// Not thread-safe.
+// Children by name, each started in a process group of its own with stdout and stderr in
+// <dir>/<name>.out and <dir>/<name>.err. The destructor SIGKILLs every group still running and
+// reaps it, so no test leaves a process behind. Not thread-safe.
 class Children {
  public:
   explicit Children(std::filesystem::path dir) : dir_(std::move(dir)) {}
   ~Children() { KillAll(); }
-  Children(const Children &) = delete;
-  Children &operator=(const Children &) = delete;
+  Children(const Children&) = delete;
+  Children& operator=(const Children&) = delete;
 
-  // Starts argv[0] (a path) with `args`; returns the pid, or -1 when fork
-  // fails. A name reused after its process ended overwrites its logs (pass a
-  // new name to keep them).
-  pid_t Spawn(const std::string &name, std::vector<std::string> args) {
+  // Starts argv[0] (a path) with `args`; returns the pid, or -1 when fork fails. A name reused
+  // after its process ended overwrites its logs (pass a new name to keep them).
+  pid_t Spawn(const std::string& name, std::vector<std::string> args) {
     const std::string out = Out(name).string(), err = Err(name).string();
     const pid_t pid = fork();
     if (pid == 0) {
@@ -67,8 +63,8 @@ class Children {
       const int e = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(o, 1);
       dup2(e, 2);
-      std::vector<char *> argv;
-      for (auto &a : args) argv.push_back(a.data());
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
       execv(argv[0], argv.data());
       _exit(127);
@@ -81,14 +77,14 @@ class Children {
   }
 
   // Sends `sig` to the child's process group; false when it is not running.
-  bool Signal(const std::string &name, int sig) {
+  bool Signal(const std::string& name, int sig) {
     auto it = pids_.find(name);
     return it != pids_.end() && ::kill(-it->second, sig) == 0;
   }
 
-  // Waits for the child to exit; its exit code, 128 + signal when killed, or
-  // nullopt when it is still running after `timeout` (or unknown).
-  std::optional<int> Wait(const std::string &name, std::chrono::milliseconds timeout) {
+  // Waits for the child to exit; its exit code, 128 + signal when killed, or nullopt when it is
+  // still running after `timeout` (or unknown).
+  std::optional<int> Wait(const std::string& name, std::chrono::milliseconds timeout) {
     auto it = pids_.find(name);
     if (it == pids_.end()) return std::nullopt;
     std::optional<int> code;
@@ -108,7 +104,7 @@ class Children {
   }
 
   // SIGKILL and reap; returns once the child is gone.
-  void Kill(const std::string &name) {
+  void Kill(const std::string& name) {
     auto it = pids_.find(name);
     if (it == pids_.end()) return;
     ::kill(-it->second, SIGKILL);
@@ -121,10 +117,9 @@ class Children {
     while (!pids_.empty()) Kill(pids_.rbegin()->first);
   }
 
-  // The first stdout line of `name` parsed as JSON (servers print {"port": N,
-  // ...} there), waiting up to `timeout`; null when it did not come or the
-  // child died.
-  nlohmann::json FirstLine(const std::string &name, std::chrono::milliseconds timeout) {
+  // The first stdout line of `name` parsed as JSON (servers print {"port": N, ...} there), waiting
+  // up to `timeout`; null when it did not come or the child died.
+  nlohmann::json FirstLine(const std::string& name, std::chrono::milliseconds timeout) {
     nlohmann::json line;
     WaitUntil(
         [&] {
@@ -139,27 +134,26 @@ class Children {
     return line.is_discarded() ? nlohmann::json() : line;
   }
 
-  std::filesystem::path Out(const std::string &name) const { return dir_ / (name + ".out"); }
-  std::filesystem::path Err(const std::string &name) const { return dir_ / (name + ".err"); }
+  std::filesystem::path Out(const std::string& name) const { return dir_ / (name + ".out"); }
+  std::filesystem::path Err(const std::string& name) const { return dir_ / (name + ".err"); }
 
  private:
   std::filesystem::path dir_;
   std::map<std::string, pid_t> pids_;
 };
 
-// One tensor of a safetensors file, widened: integers to int64, floats to
-// double.
+// One tensor of a safetensors file, widened: integers to int64, floats to double.
 struct DumpTensor {
   std::vector<int64_t> shape;
   std::vector<int64_t> ints;
   std::vector<double> floats;
 };
 
-// Reads a safetensors file by its format (8-byte little-endian header length,
-// JSON header, data), independently of common/safetensors.h. Tensors of dtype
-// I64, I32, F64 and F32 only; nullopt when the file is missing or malformed.
+// Reads a safetensors file by its format (8-byte little-endian header length, JSON header, data),
+// independently of common/safetensors.h. Tensors of dtype I64, I32, F64 and F32 only; nullopt when
+// the file is missing or malformed.
 inline std::optional<std::map<std::string, DumpTensor>> ReadSafetensors(
-    const std::filesystem::path &path) {
+    const std::filesystem::path& path) {
   const std::string bytes = ReadFile(path);
   if (bytes.size() < 8) return std::nullopt;
   uint64_t header_len = 0;
@@ -167,18 +161,18 @@ inline std::optional<std::map<std::string, DumpTensor>> ReadSafetensors(
   if (8 + header_len > bytes.size()) return std::nullopt;
   const nlohmann::json header = nlohmann::json::parse(bytes.substr(8, header_len), nullptr, false);
   if (!header.is_object()) return std::nullopt;
-  const char *data = bytes.data() + 8 + header_len;
+  const char* data = bytes.data() + 8 + header_len;
   const size_t data_size = bytes.size() - 8 - header_len;
   std::map<std::string, DumpTensor> out;
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") continue;
-    const nlohmann::json &t = it.value();
+    const nlohmann::json& t = it.value();
     DumpTensor d;
     d.shape = t.at("shape").get<std::vector<int64_t>>();
     const auto off = t.at("data_offsets").get<std::vector<size_t>>();
     if (off.size() != 2 || off[0] > off[1] || off[1] > data_size) return std::nullopt;
     const std::string dtype = t.at("dtype").get<std::string>();
-    const char *p = data + off[0];
+    const char* p = data + off[0];
     const size_t n = off[1] - off[0];
     if (dtype == "I64") {
       d.ints.resize(n / 8);
@@ -203,7 +197,7 @@ inline std::optional<std::map<std::string, DumpTensor>> ReadSafetensors(
 }
 
 // <dir>/step-<8 digits>.safetensors, the learner's dump of one optimizer step.
-inline std::filesystem::path DumpPath(const std::filesystem::path &dir, int64_t step) {
+inline std::filesystem::path DumpPath(const std::filesystem::path& dir, int64_t step) {
   char name[64];
   std::snprintf(name, sizeof(name), "step-%08lld.safetensors", static_cast<long long>(step));
   return dir / name;
