@@ -96,6 +96,65 @@ class ChunkedLogprobsFunction : public torch::autograd::Function<ChunkedLogprobs
   }
 };
 
+// Logits, log-probs and the loss gradient in one pass per chunk (see FusedTokenLogprobsLoss).
+class FusedLogprobsLossFunction : public torch::autograd::Function<FusedLogprobsLossFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden,
+                               const at::Tensor& weight, const at::Tensor& labels,
+                               const TokenLossGrad* token_grad, int64_t chunk_tokens,
+                               double temperature, bool with_entropy) {
+    const int64_t n = hidden.size(0);
+    const at::ScalarType dt = ComputeType(hidden);
+    const auto opts = hidden.options().dtype(dt);
+    at::Tensor logp = at::empty({n}, opts);
+    at::Tensor entropy = with_entropy ? at::empty({n}, opts) : at::Tensor();
+    at::Tensor grad_hidden = at::empty_like(hidden);
+    at::Tensor grad_weight = at::zeros(weight.sizes(), weight.options().dtype(dt));
+    for (int64_t s = 0; s < n; s += chunk_tokens) {
+      const int64_t c = std::min(chunk_tokens, n - s);
+      const at::Tensor h = hidden.narrow(0, s, c);
+      const at::Tensor lab = labels.narrow(0, s, c).unsqueeze(1);
+      at::Tensor z = ChunkLogits(h, weight, dt, temperature);  // [c, V]
+      const at::Tensor l = at::logsumexp(z, {1});               // [c]
+      const at::Tensor lp = z.gather(1, lab).squeeze(1) - l;
+      logp.narrow(0, s, c).copy_(lp);
+      at::Tensor g = (*token_grad)(s, lp);
+      TORCH_CHECK(g.defined() && g.dim() == 1 && g.size(0) == c,
+                  "fused log-probs: the token gradient of chunk ", s, " must be [", c, "]");
+      const at::Tensor gs = (g.to(dt) / temperature).unsqueeze(1);  // [c, 1]
+      at::Tensor p = at::exp(z - l.unsqueeze(1));  // softmax [c, V]
+      if (with_entropy) {
+        // H = lse - sum_v p_v z_v, the dot products as one batched matmul (no [c, V] temporary)
+        const at::Tensor pz = at::bmm(p.view({c, 1, -1}), z.view({c, -1, 1})).view({c});
+        entropy.narrow(0, s, c).copy_(l - pz);
+      }
+      z = at::Tensor();  // one [c, V] buffer from here: p becomes dL/dz in place
+      // dL/dz = g (onehot(label) - p) / temperature
+      at::Tensor dz = p.mul_(-gs);
+      dz.scatter_add_(1, lab, gs);
+      grad_hidden.narrow(0, s, c).copy_(at::matmul(dz.to(weight.scalar_type()), weight));
+      grad_weight.addmm_(dz.t(), h.to(dt));
+    }
+    ctx->save_for_backward({grad_hidden, grad_weight.to(weight.scalar_type())});
+    ctx->mark_non_differentiable(with_entropy ? variable_list{logp, entropy} : variable_list{logp});
+    at::Tensor anchor = at::zeros({}, opts);
+    if (with_entropy) return {anchor, logp, entropy};
+    return {anchor, logp};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& g = grad_outputs[0];  // scalar
+    at::Tensor grad_hidden, grad_weight;
+    if (g.defined()) {
+      if (ctx->needs_input_grad(0)) grad_hidden = saved[0] * g.to(saved[0].scalar_type());
+      if (ctx->needs_input_grad(1)) grad_weight = saved[1] * g.to(saved[1].scalar_type());
+    }
+    return {grad_hidden, grad_weight, at::Tensor(), at::Tensor(),
+            at::Tensor(),  at::Tensor(),  at::Tensor()};
+  }
+};
+
 struct Flat {
   at::Tensor hidden;  // [N, D]
   at::Tensor labels;  // [N] int64
@@ -144,6 +203,22 @@ at::Tensor ChunkedTokenLogprobs(const at::Tensor& hidden, const at::Tensor& lm_w
                                                            chunk_tokens, temperature, with_entropy);
   if (with_entropy) *entropy_out = out[1].reshape(labels.sizes());
   return out[0].reshape(labels.sizes());
+}
+
+at::Tensor FusedTokenLogprobsLoss(const at::Tensor& hidden, const at::Tensor& lm_weight,
+                                  const at::Tensor& labels, const TokenLossGrad& token_grad,
+                                  at::Tensor* logp_out, int64_t chunk_tokens, double temperature,
+                                  at::Tensor* entropy_out) {
+  TORCH_CHECK(chunk_tokens >= 1, "token logprobs: chunk_tokens must be >= 1, got ", chunk_tokens);
+  TORCH_CHECK(logp_out != nullptr, "fused log-probs: logp_out is required");
+  TORCH_CHECK(static_cast<bool>(token_grad), "fused log-probs: no token gradient function");
+  const Flat f = CheckAndFlatten(hidden, lm_weight, labels, temperature);
+  const bool with_entropy = entropy_out != nullptr;
+  const variable_list out = FusedLogprobsLossFunction::apply(
+      f.hidden, lm_weight, f.labels, &token_grad, chunk_tokens, temperature, with_entropy);
+  *logp_out = out[1].reshape(labels.sizes());
+  if (with_entropy) *entropy_out = out[2].reshape(labels.sizes());
+  return out[0];
 }
 
 at::Tensor NaiveTokenLogprobs(const at::Tensor& hidden, const at::Tensor& lm_weight,

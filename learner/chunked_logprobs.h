@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 
 namespace grpo::learner {
 
@@ -26,6 +27,26 @@ at::Tensor ChunkedTokenLogprobs(const at::Tensor& hidden, const at::Tensor& lm_w
                                 const at::Tensor& labels,
                                 int64_t chunk_tokens = kDefaultLogprobChunkTokens,
                                 double temperature = 1.0, at::Tensor* entropy_out = nullptr);
+
+// dL/dlogp for the `c` tokens [start, start + c) of the flat token order, given their log-probs
+// logp_chunk [c] (detached). It may depend on those tokens' values only: the loss must be a sum
+// of per-token terms (GRPO with token-level importance sampling is; sequence-level is not).
+using TokenLossGrad = std::function<at::Tensor(int64_t start, const at::Tensor& logp_chunk)>;
+
+// The fused LM head + loss path: the log-probs of ChunkedTokenLogprobs and, in the same pass
+// over each chunk's logits, the gradient of the loss wrt hidden and lm_weight, from the per-token
+// gradient `token_grad` gives for that chunk. No logits are recomputed in backward (3 matmuls
+// per chunk instead of 4: forward, d hidden, d weight), and still never more than one chunk of
+// [chunk_tokens, V] logits. Returns a scalar 0 whose backward (gradient s) adds s times those
+// gradients into hidden and lm_weight; *logp_out (and *entropy_out when given) receive the
+// per-token log-probs (entropies) shaped like labels, without gradient. Until that backward
+// runs it holds one [V, D] and one [N, D] gradient buffer. Same checks as ChunkedTokenLogprobs;
+// throws c10::Error when token_grad returns a tensor that is not [c].
+at::Tensor FusedTokenLogprobsLoss(const at::Tensor& hidden, const at::Tensor& lm_weight,
+                                  const at::Tensor& labels, const TokenLossGrad& token_grad,
+                                  at::Tensor* logp_out,
+                                  int64_t chunk_tokens = kDefaultLogprobChunkTokens,
+                                  double temperature = 1.0, at::Tensor* entropy_out = nullptr);
 
 // The same numbers the naive way (TRL's original get_per_token_logps: full [N, V] logits,
 // log_softmax, gather); differentiable through ordinary autograd. For tests and benchmarks.

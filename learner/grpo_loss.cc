@@ -1,5 +1,7 @@
 #include "learner/grpo_loss.h"
 
+#include <torch/csrc/autograd/autograd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -298,6 +300,41 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
   } catch (const c10::Error& e) {
     return Status::Internal(std::string("grpo loss: ") + e.what_without_backtrace());
   }
+}
+
+StatusOr<TokenLossGrad> GrpoTokenLossGrad(const GrpoLossConfig& config, GrpoLossInputs in,
+                                          const LossNormaliser& normaliser, Status* error) {
+  if (config.importance_sampling_level != ImportanceSamplingLevel::kToken) {
+    return Status::InvalidArgument(
+        "the fused per-token loss gradient needs importance_sampling_level token");
+  }
+  if (error == nullptr || !in.mask.defined() || in.mask.dim() != 2) {
+    return Status::InvalidArgument("GrpoTokenLossGrad: needs a [B, T] mask and an error slot");
+  }
+  const int64_t b = in.mask.size(0), t = in.mask.size(1);
+  // Values outside the chunk: finite, otherwise irrelevant.
+  const at::Tensor placeholder =
+      (in.old.defined() ? in.old.contiguous() : at::zeros({b, t}, in.mask.options().dtype(at::kFloat)))
+          .reshape({-1});
+  return TokenLossGrad([config, in, normaliser, error, placeholder, b, t](
+                           int64_t start, const at::Tensor& lp) -> at::Tensor {
+    at::AutoGradMode grad_mode(true);
+    const int64_t n = b * t, c = lp.size(0);
+    TORCH_CHECK(start >= 0 && start + c <= n, "GrpoTokenLossGrad: chunk [", start, ", ",
+                start + c, ") outside ", n, " tokens");
+    at::Tensor leaf = lp.detach().clone().requires_grad_(true);
+    const at::Tensor rest = placeholder.to(lp.scalar_type());
+    GrpoLossInputs chunk_in = in;
+    chunk_in.logp =
+        at::cat({rest.narrow(0, 0, start), leaf, rest.narrow(0, start + c, n - start - c)})
+            .view({b, t});
+    StatusOr<GrpoLossOutput> out = ComputeGrpoLoss(config, chunk_in, normaliser);
+    if (!out.ok()) {
+      if (error->ok()) *error = out.status();
+      return at::zeros_like(lp);
+    }
+    return torch::autograd::grad({out->loss}, {leaf})[0];
+  });
 }
 
 }  // namespace grpo::learner

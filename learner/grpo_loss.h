@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "common/status.h"
+#include "learner/chunked_logprobs.h"
 
 namespace grpo::learner {
 
@@ -101,5 +102,14 @@ struct GrpoLossOutput {
 // is float64, else in float32. Metrics copy to the host once (one device sync).
 StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const GrpoLossInputs& in,
                                          const LossNormaliser& normaliser);
+
+// The per-token gradient dL/dlogp of ComputeGrpoLoss for FusedTokenLogprobsLoss: `in` without
+// logp ([B, T] shapes); a chunk's gradient is ComputeGrpoLoss's own (autograd) on log-probs
+// holding the chunk's values in place and finite placeholders elsewhere, which is exact because
+// with token-level importance sampling the loss is a sum of per-token terms. InvalidArgument for
+// sequence-level importance sampling. A loss error inside a chunk is stored in *error (the
+// chunk's gradient is then 0): check it after the fused call.
+StatusOr<TokenLossGrad> GrpoTokenLossGrad(const GrpoLossConfig& config, GrpoLossInputs in,
+                                          const LossNormaliser& normaliser, Status* error);
 
 }  // namespace grpo::learner

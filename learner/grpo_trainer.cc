@@ -149,6 +149,10 @@ static MicroBatch MakeMicroBatch(const std::vector<const std::vector<int32_t>*>&
   return mb;
 }
 
+static double SamplingTemperature(const common::GrpoConfig& config) {
+  return config.temperature > 0 ? config.temperature : 1.0;
+}
+
 // Per-token log-probs of the completion tokens of `mb`: [b, C] (+ entropy when asked).
 static at::Tensor CompletionLogprobs(const common::Model& model, const MicroBatch& mb,
                                      const common::GrpoConfig& config, at::Tensor* entropy) {
@@ -157,9 +161,35 @@ static at::Tensor CompletionLogprobs(const common::Model& model, const MicroBatc
       model.ForwardHidden(mb.ids, mb.attention_mask, config.gradient_checkpointing);
   // Position P - 1 + t predicts completion token t.
   at::Tensor h = hidden.narrow(1, mb.prompt_len - 1, mb.completion_len);  // [b, C, D]
-  const double temperature = config.temperature > 0 ? config.temperature : 1.0;
   return ChunkedTokenLogprobs(h, model.LmHeadWeight(), mb.labels, config.logprob_chunk_tokens,
-                              temperature, entropy);
+                              SamplingTemperature(config), entropy);
+}
+
+// The fused path for losses that are sums of per-token terms (token-level importance sampling):
+// log-probs, entropy and the loss gradient of the LM head in one pass over each chunk of
+// logits (FusedTokenLogprobsLoss with GrpoTokenLossGrad), so backward recomputes no logits.
+// Returns the micro-batch's loss output (value and metrics) after running its backward.
+static StatusOr<GrpoLossOutput> FusedMicroBatchBackward(const common::Model& model,
+                                                        const MicroBatch& mb,
+                                                        const common::GrpoConfig& config,
+                                                        const GrpoLossConfig& loss_config,
+                                                        const LossNormaliser& norm,
+                                                        GrpoLossInputs in, at::Tensor* logp,
+                                                        at::Tensor* entropy) {
+  at::Tensor hidden =
+      model.ForwardHidden(mb.ids, mb.attention_mask, config.gradient_checkpointing);
+  at::Tensor h = hidden.narrow(1, mb.prompt_len - 1, mb.completion_len);  // [b, C, D]
+  Status grad_status;
+  ASSIGN_OR_RETURN(const TokenLossGrad token_grad,
+                   GrpoTokenLossGrad(loss_config, in, norm, &grad_status));
+  at::Tensor anchor = FusedTokenLogprobsLoss(h, model.LmHeadWeight(), mb.labels, token_grad, logp,
+                                             config.logprob_chunk_tokens,
+                                             SamplingTemperature(config), entropy);
+  RETURN_IF_ERROR(grad_status);
+  in.logp = *logp;  // without gradient: the value and the metrics
+  ASSIGN_OR_RETURN(GrpoLossOutput out, ComputeGrpoLoss(loss_config, in, norm));
+  anchor.backward();
+  return out;
 }
 
 GrpoTrainer::GrpoTrainer(common::GrpoConfig config, GrpoLossConfig loss_config,
@@ -410,18 +440,24 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
           const int64_t b0 = m * bs, b1 = std::min(N, b0 + bs);
           MicroBatch mb = MakeMicroBatch(batch.prompts, batch.completions, b0, b1,
                                          batch.has_beh, config_.mask_truncated_completions);
-          at::Tensor entropy;
-          at::Tensor logp = CompletionLogprobs(*policy_, mb, config_, &entropy);
-          const int64_t C = logp.size(1);
+          at::Tensor entropy, logp;
+          const int64_t C = mb.labels.size(1);
           GrpoLossInputs in;
-          in.logp = logp;
           in.mask = mb.completion_mask;
           in.advantages = batch.advantages.narrow(0, b0, b1 - b0);
           if (batch.old.defined()) in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C);
           if (batch.ref.defined()) in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C);
           if (batch.has_beh) in.beh = mb.beh;
-          ASSIGN_OR_RETURN(GrpoLossOutput out, ComputeGrpoLoss(step_loss_config, in, norm));
-          out.loss.backward();
+          GrpoLossOutput out;
+          if (loss_config_.importance_sampling_level == ImportanceSamplingLevel::kToken) {
+            ASSIGN_OR_RETURN(out, FusedMicroBatchBackward(*policy_, mb, config_, step_loss_config,
+                                                          norm, in, &logp, &entropy));
+          } else {  // sequence-level ratios couple a sequence's tokens: autograd through them
+            logp = CompletionLogprobs(*policy_, mb, config_, &entropy);
+            in.logp = logp;
+            ASSIGN_OR_RETURN(out, ComputeGrpoLoss(step_loss_config, in, norm));
+            out.loss.backward();
+          }
           lm.Merge(out.metrics);
           entropy_sum += (entropy * mb.completion_mask).sum().item<double>();
           entropy_tokens += mb.completion_mask.sum().item<double>();

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <vector>
 
+#include "learner/grpo_loss.h"
+
 namespace grpo::learner {
 namespace {
 
@@ -178,6 +180,95 @@ TEST(ChunkedTokenLogprobs, BadInputsThrowNamingTheProblem) {
   expect_throw([&] { ChunkedTokenLogprobs(p.hidden, p.w, p.labels.to(at::kFloat), 4, 1.0); },
                "labels must be integer");
   expect_throw([&] { NaiveTokenLogprobs(p.hidden[0][0], p.w, p.labels, 1.0); }, "hidden must be");
+}
+
+// The fused path (log-probs and the LM head's loss gradient in one pass per chunk) against the
+// plain one: naive full-logits log-probs, ComputeGrpoLoss, autograd. Every loss type, on- and
+// off-policy (old log-probs), with KL (ref), IS correction (beh), padding, temperature and
+// several chunks per micro-batch; float64 so only the algorithm can differ.
+TEST(FusedTokenLogprobsLoss, GradientsLossAndEntropyMatchAutogradThroughTheLoss) {
+  const Problem p = MakeProblem(at::kDouble);  // B 3, T 13, D 8, V 29
+  const int64_t b = 3, t = 13;
+  at::manual_seed(11);
+  at::Tensor mask = at::ones({b, t}, at::kDouble);
+  mask[1].narrow(0, 9, 4).zero_();  // a short completion
+  mask[2].narrow(0, 5, 8).zero_();
+  const at::Tensor adv = at::tensor({1.3, -0.7, 0.4}, at::kDouble);
+  at::Tensor base;
+  {
+    at::NoGradGuard no_grad;
+    base = NaiveTokenLogprobs(p.hidden, p.w, p.labels, 0.8);
+  }
+  const at::Tensor old = base + 0.3 * at::randn({b, t}, at::kDouble);  // some tokens clip
+  const at::Tensor ref = base + 0.2 * at::randn({b, t}, at::kDouble);
+  const at::Tensor beh = old + 0.2 * at::randn({b, t}, at::kDouble);
+
+  for (LossType lt : {LossType::kGrpo, LossType::kBnpo, LossType::kDrGrpo, LossType::kDapo}) {
+    for (bool off_policy : {false, true}) {
+      GrpoLossConfig cfg;
+      cfg.loss_type = lt;
+      cfg.epsilon_high = 0.28;
+      cfg.beta = off_policy ? 0.05 : 0.0;
+      cfg.max_completion_length = t;
+      cfg.importance_sampling_correction = off_policy ? ImportanceSamplingCorrection::kTokenTruncate
+                                                      : ImportanceSamplingCorrection::kNone;
+      LossNormaliser norm;
+      norm.step_completion_tokens = 2.0 * mask.sum().item<double>();  // a 2-micro-batch step
+      norm.gradient_accumulation_steps = 2;
+      GrpoLossInputs in;
+      in.mask = mask;
+      in.advantages = adv;
+      if (off_policy) {
+        in.old = old;
+        in.ref = ref;
+        in.beh = beh;
+      }
+      const std::string where = std::string(LossTypeName(lt)) + (off_policy ? " off" : " on");
+
+      // Reference: full logits, autograd through the loss.
+      GrpoLossInputs ref_in = in;
+      at::Tensor e_naive;
+      ref_in.logp = NaiveTokenLogprobs(p.hidden, p.w, p.labels, 0.8, &e_naive);
+      auto ref_out = ComputeGrpoLoss(cfg, ref_in, norm);
+      ASSERT_TRUE(ref_out.ok()) << ref_out.status().ToString();
+      const auto ref_g = torch::autograd::grad({ref_out->loss}, {p.hidden, p.w});
+
+      // Fused, 5-token chunks over the 39 tokens.
+      Status error;
+      auto token_grad = GrpoTokenLossGrad(cfg, in, norm, &error);
+      ASSERT_TRUE(token_grad.ok()) << token_grad.status().ToString();
+      at::Tensor logp, entropy;
+      const at::Tensor anchor =
+          FusedTokenLogprobsLoss(p.hidden, p.w, p.labels, *token_grad, &logp, 5, 0.8, &entropy);
+      ASSERT_TRUE(error.ok()) << error.ToString();
+      EXPECT_EQ(anchor.item<double>(), 0.0);
+      EXPECT_FALSE(logp.requires_grad());
+      const auto g = torch::autograd::grad({anchor}, {p.hidden, p.w});
+      ExpectClose(logp, ref_in.logp.detach(), 1e-12);
+      ExpectClose(entropy, e_naive, 1e-12);
+      ExpectClose(g[0], ref_g[0], 1e-12);
+      ExpectClose(g[1], ref_g[1], 1e-12);
+      EXPECT_GT(ref_g[1].abs().max().item<double>(), 1e-4) << where;  // a gradient to compare
+
+      GrpoLossInputs fused_in = in;
+      fused_in.logp = logp;
+      auto fused_out = ComputeGrpoLoss(cfg, fused_in, norm);
+      ASSERT_TRUE(fused_out.ok());
+      EXPECT_NEAR(fused_out->metrics.loss, ref_out->metrics.loss, 1e-12) << where;
+    }
+  }
+}
+
+TEST(FusedTokenLogprobsLoss, SequenceLevelImportanceSamplingIsRefused) {
+  GrpoLossConfig cfg;
+  cfg.importance_sampling_level = ImportanceSamplingLevel::kSequence;
+  GrpoLossInputs in;
+  in.mask = at::ones({2, 3});
+  Status error;
+  auto token_grad = GrpoTokenLossGrad(cfg, in, LossNormaliser{}, &error);
+  ASSERT_FALSE(token_grad.ok());
+  EXPECT_NE(token_grad.status().message().find("importance_sampling_level token"),
+            std::string::npos);
 }
 
 }  // namespace
