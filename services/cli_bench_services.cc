@@ -779,9 +779,17 @@ StatusOr<E2eResult> RunE2eOnce(int64_t max_staleness, int64_t num_iterations, in
   return r;
 }
 
+// The batch period this run's own g and T allow: g + T when sync (the phases take turns),
+// max(g, T) when async (they overlap).
+double OwnIdealBatch(const E2eResult& r, int workers) {
+  const double g = r.g_batch / workers;
+  const double T = r.t_step * static_cast<double>(r.steps_per_batch);
+  return r.max_staleness == 0 ? g + T : std::max(g, T);
+}
+
 int RunE2e(const ServiceBenchOptions& o) {
   const int workers = static_cast<int>(o.workers > 0 ? o.workers : 1);
-  const int64_t steps = o.steps > 0 ? o.steps : 16;
+  const int64_t steps = o.steps > 0 ? o.steps : 24;
   struct Plan {
     int64_t staleness, iterations, steps;
   };
@@ -829,6 +837,9 @@ int RunE2e(const ServiceBenchOptions& o) {
                 {"g_s", r.g_batch / workers},
                 {"t_step_s", r.t_step},
                 {"train_s_per_batch", r.t_step * static_cast<double>(r.steps_per_batch)},
+                {"own_ideal_batch_s", OwnIdealBatch(r, workers)},
+                {"vs_own_ideal", OwnIdealBatch(r, workers) /
+                                     (static_cast<double>(r.steps_per_batch) / r.steps_per_second)},
                 {"wall_s", r.wall_s},
                 {"stale_groups_refused", r.stale_refused},
                 {"reward_first", r.reward_first},
@@ -857,13 +868,16 @@ int RunE2e(const ServiceBenchOptions& o) {
             << " RolloutWorker thread(s) over loopback (gRPC + gloo weight sync); the first "
                "generation batch of each run is the warm-up\n"
             << "  g = generation time per generation batch (workers' generation histogram, / "
-            << workers << " workers), t = train time per step (StepMetrics.step_seconds); both "
-               "on the same " << std::thread::hardware_concurrency() << " cores\n";
+            << workers << " workers), t = train time per step (StepMetrics.step_seconds), "
+               "T = t x steps per batch; all on the same " << std::thread::hardware_concurrency()
+            << " cores\n"
+            << "  batch s = time between generation-batch completions; eff = this run's own ideal "
+               "period (sync g+T, async max(g,T)) / its mean period; refused = stale groups\n";
   std::cout << std::left << std::setw(7) << "mode" << std::right << std::setw(10) << "staleness"
             << std::setw(6) << "iter" << std::setw(7) << "steps" << std::setw(9) << "step/s"
             << std::setw(10) << "batch s" << std::setw(8) << "min" << std::setw(8) << "max"
             << std::setw(8) << "g s" << std::setw(8) << "t s" << std::setw(9) << "refused"
-            << std::setw(8) << "wall s"
+            << std::setw(7) << "eff" << std::setw(8) << "wall s"
             << "\n";
   for (const E2eResult& r : results) {
     std::cout << std::left << std::setw(7) << r.mode << std::right << std::setw(10)
@@ -871,7 +885,10 @@ int RunE2e(const ServiceBenchOptions& o) {
               << std::setprecision(3) << std::setw(9) << r.steps_per_second << std::setw(10)
               << r.batch_interval.median << std::setw(8) << r.batch_interval.min << std::setw(8)
               << r.batch_interval.max << std::setw(8) << r.g_batch / workers << std::setw(8)
-              << r.t_step << std::setw(9) << r.stale_refused << std::setprecision(1)
+              << r.t_step << std::setw(9) << r.stale_refused << std::setprecision(2) << std::setw(7)
+              << OwnIdealBatch(r, workers) /
+                     (static_cast<double>(r.steps_per_batch) / r.steps_per_second)
+              << std::setprecision(1)
               << std::setw(8) << r.wall_s << "\n";
   }
   std::cout << std::setprecision(3) << "  ideal async speed-up (g+T)/max(g,T) with g = " << g
