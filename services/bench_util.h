@@ -47,15 +47,18 @@ Timing TimeIt(int reps, Fn fn) {
   return Summarize(std::move(t));
 }
 
-// The bench model of BENCHMARKS.md (preset "bench", seed 0).
-std::unique_ptr<common::Model> BenchModel();
+// The bench model of BENCHMARKS.md (preset "bench", seed 0); `layers` > 0 overrides its depth.
+std::unique_ptr<common::Model> BenchModel(int64_t layers = 0);
 
 // Random prompt + completion ids [n, kPromptLen + kCompletionLen].
 at::Tensor RandomIds(int64_t n, int64_t vocab, uint64_t seed);
 
 // One GrpoTrainer optimizer step on the bench model, as `grpo bench learner_step`: G=16
 // completions of one prompt (64 + 128 tokens), micro-batches of `micro`; `reps` after a warm-up.
-Timing LearnerStepTiming(int reps, int64_t micro);
+// With `peak_mib`, also the peak resident set during the timed steps minus the resident set
+// after the warm-up step (model, optimizer state and gradients exist by then), in MiB.
+Timing LearnerStepTiming(int reps, int64_t micro, bool gradient_checkpointing = false,
+                         double* peak_mib = nullptr, int64_t layers = 0);
 
 // grpo bench weight_sync | ingest | e2e (services/cli_bench_services.cc).
 struct ServiceBenchOptions {

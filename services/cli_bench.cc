@@ -27,8 +27,9 @@ namespace grpo::services {
 
 namespace bench {
 
-std::unique_ptr<common::Model> BenchModel() {
+std::unique_ptr<common::Model> BenchModel(int64_t layers) {
   auto cfg = common::ModelConfigPreset("bench");
+  if (layers > 0) cfg->num_hidden_layers = layers;
   return std::move(common::Model::InitRandom(*cfg, 0)).value();
 }
 
@@ -37,9 +38,21 @@ at::Tensor RandomIds(int64_t n, int64_t vocab, uint64_t seed) {
   return at::randint(vocab, {n, kPromptLen + kCompletionLen}, g, at::kLong);
 }
 
-Timing LearnerStepTiming(int reps, int64_t micro) {
-  auto model = BenchModel();
+int64_t ProcStatusBytes(const char* key) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string k = std::string(key) + ":";
+  while (std::getline(in, line)) {
+    if (line.rfind(k, 0) == 0) return std::stoll(line.substr(k.size())) * 1024;
+  }
+  return 0;
+}
+
+Timing LearnerStepTiming(int reps, int64_t micro, bool gradient_checkpointing, double* peak_mib,
+                         int64_t layers) {
+  auto model = BenchModel(layers);
   common::GrpoConfig cfg;
+  cfg.gradient_checkpointing = gradient_checkpointing;
   cfg.num_generations = kBenchGenerations;
   cfg.per_device_train_batch_size = micro;
   cfg.gradient_accumulation_steps = kBenchGenerations / micro;
@@ -60,11 +73,17 @@ Timing LearnerStepTiming(int reps, int64_t micro) {
     c.rewards = {static_cast<double>(j % 4)};
     g.completions.push_back(c);
   }
-  return TimeIt(reps, [&] {
+  auto step = [&] {
     g.policy_version = trainer->policy_version();
     auto r = trainer->TrainGenerationBatch({g});
     if (!r.ok() || r->steps.size() != 1) std::abort();
-  });
+  };
+  step();                                           // optimizer state and gradients exist now
+  std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to the current RSS
+  const int64_t base = ProcStatusBytes("VmRSS");
+  const Timing t = TimeIt(reps, step);
+  if (peak_mib != nullptr) *peak_mib = (ProcStatusBytes("VmHWM") - base) / 1048576.0;
+  return t;
 }
 
 }  // namespace bench
@@ -88,15 +107,7 @@ double GemmCeilingGflops() {
   return 2.0 * 1024 * 1024 * 1024 / t.median / 1e9;
 }
 
-int64_t ProcStatusBytes(const char* key) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  const std::string k = std::string(key) + ":";
-  while (std::getline(in, line)) {
-    if (line.rfind(k, 0) == 0) return std::stoll(line.substr(k.size())) * 1024;
-  }
-  return 0;
-}
+using bench::ProcStatusBytes;
 
 // One child configuration of logprob_memory: forward + backward of the log-probs of G
 // sequences; "chunked" in micro-batches of `micro` with accumulation, "naive" all at once
@@ -118,11 +129,26 @@ json LogprobMemoryChild(const std::string& impl, int64_t G, int64_t micro, int r
       at::Tensor hidden = model->ForwardHidden(x, at::ones_like(x));
       at::Tensor h = hidden.narrow(1, kPromptLen - 1, kCompletionLen);
       at::Tensor labels = x.narrow(1, kPromptLen, kCompletionLen);
-      at::Tensor lp = impl == "chunked"
-                          ? learner::ChunkedTokenLogprobs(h, model->LmHeadWeight(), labels, 1024)
-                          : learner::NaiveTokenLogprobs(h, model->LmHeadWeight(), labels);
-      at::Tensor loss = -(lp.mean(1) * adv.narrow(0, b0, b)).sum() / static_cast<double>(G);
-      loss.backward();
+      const at::Tensor a = adv.narrow(0, b0, b);
+      if (impl == "chunked") {
+        // The learner's path: fused log-probs + loss gradient (loss below: dL/dlogp_t =
+        // -a_i / (C G) for token t of sequence i).
+        const at::Tensor g = (-a / static_cast<double>(kCompletionLen * G))
+                                 .unsqueeze(1)
+                                 .expand({b, kCompletionLen})
+                                 .reshape({-1});
+        learner::TokenLossGrad token_grad = [&](int64_t s, const at::Tensor& lp) {
+          return g.narrow(0, s, lp.size(0));
+        };
+        at::Tensor logp;
+        learner::FusedTokenLogprobsLoss(h, model->LmHeadWeight(), labels, token_grad, &logp,
+                                        1024)
+            .backward();
+      } else {
+        at::Tensor lp = learner::NaiveTokenLogprobs(h, model->LmHeadWeight(), labels);
+        at::Tensor loss = -(lp.mean(1) * a).sum() / static_cast<double>(G);
+        loss.backward();
+      }
     }
   };
   // Peak RSS counts from here: model and its gradients exist after one step.
@@ -197,30 +223,37 @@ int BenchLogprobMemory(bool as_json, int64_t micro, int reps, const std::vector<
 }
 
 // One optimizer step of GrpoTrainer on the bench model: G=16 completions of one prompt.
-int BenchLearnerStep(bool as_json, int reps, int64_t micro) {
+int BenchLearnerStep(bool as_json, int reps, int64_t micro, bool gradient_checkpointing,
+                     int64_t layers) {
   const double ceiling = GemmCeilingGflops();
-  Timing t = bench::LearnerStepTiming(reps, micro);
-  auto model = BenchModel();  // for the FLOP count
+  double peak_mib = 0;
+  Timing t = bench::LearnerStepTiming(reps, micro, gradient_checkpointing, &peak_mib, layers);
+  auto model = BenchModel(layers);  // for the FLOP count
   const double tokens = 16.0 * (kPromptLen + kCompletionLen);
-  // 6 N T: forward 2 N T + backward 4 N T, N = every parameter (the tied LM head once), plus
-  // the chunked LM head's recompute (2 D V per completion token) and attention (12 L T^2 D).
+  // Model FLOPs: 6 N T (forward 2 N T + backward 4 N T, N = every parameter, the tied LM head
+  // once) plus attention (12 L T^2 D). The fused LM head recomputes nothing; the layers'
+  // recompute under gradient checkpointing is not counted (it is overhead, not model work).
   const auto& mc = model->config();
   const double n = static_cast<double>(model->NumParameters());
   const double flops = 6 * n * tokens +
-                       2.0 * mc.hidden_size * mc.vocab_size * 16 * kCompletionLen +
                        12.0 * mc.num_hidden_layers * 16 * std::pow(kPromptLen + kCompletionLen, 2) *
                            mc.hidden_size;
   const double gflops = flops / t.median / 1e9;
   json row = {{"bench", "learner_step"},  {"G", 16},
-              {"micro_batch", micro},     {"tokens_per_second", tokens / t.median},
+              {"micro_batch", micro},     {"gradient_checkpointing", gradient_checkpointing},
+              {"layers", model->config().num_hidden_layers},
+              {"peak_mib", peak_mib},     {"tokens_per_second", tokens / t.median},
               {"step_s_median", t.median}, {"step_s_min", t.min},
               {"step_s_max", t.max},      {"gflops", gflops},
               {"gemm_ceiling_gflops", ceiling}, {"vs_ceiling", gflops / ceiling}};
   if (as_json) {
     std::cout << row.dump() << "\n";
   } else {
-    std::cout << "learner_step: bench model, 16 x (64 + 128) tokens, micro-batch " << micro
-              << "\n  " << std::fixed << std::setprecision(0) << tokens / t.median
+    std::cout << "learner_step: bench model (" << model->config().num_hidden_layers
+              << " layers), 16 x (64 + 128) tokens, micro-batch " << micro
+              << (gradient_checkpointing ? ", gradient checkpointing" : "") << "\n  "
+              << std::fixed << std::setprecision(1) << peak_mib
+              << " MiB peak above the resident set after the first step\n  " << std::fixed << std::setprecision(0) << tokens / t.median
               << " tokens/s, step " << std::setprecision(2) << t.median << " s (min " << t.min
               << ", max " << t.max << "), " << std::setprecision(1) << gflops << " GFLOP/s = "
               << std::setprecision(0) << 100 * gflops / ceiling << "% of the " << std::setprecision(1)
@@ -298,9 +331,11 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
     bool json = false, child = false;
     std::string impl = "chunked";
     int64_t G = 4, micro = 4;
-    int reps = 3;
+    int reps = 5;  // BENCHMARKS.md: median of at least 5
     std::vector<int64_t> gs = {4, 8, 16, 32, 64};
     int64_t workers = 0, steps = 0, groups = 0;
+    bool gradient_checkpointing = false;
+    int64_t layers = 0;
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option("name", o->name,
@@ -312,6 +347,9 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)");
   cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
   cmd->add_option("--G", o->gs, "logprob_memory: num_generations values");
+  cmd->add_flag("--gradient_checkpointing", o->gradient_checkpointing,
+                "learner_step: recompute each decoder layer in backward");
+  cmd->add_option("--layers", o->layers, "learner_step: decoder layers (default: the bench model's 4)");
   cmd->add_flag("--child", o->child, "internal: one logprob_memory configuration");
   cmd->add_option("--impl", o->impl, "internal: chunked | naive");
   cmd->add_option("--workers", o->workers,
@@ -343,7 +381,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
         }
         return BenchLogprobMemory(o->json, o->micro, o->reps, o->gs);
       }
-      if (o->name == "learner_step") return BenchLearnerStep(o->json, o->reps, o->micro);
+      if (o->name == "learner_step") return BenchLearnerStep(o->json, o->reps, o->micro, o->gradient_checkpointing, o->layers);
       return BenchDecode(o->json, o->reps);
     };
   });
