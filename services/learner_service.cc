@@ -77,13 +77,16 @@ nlohmann::json ReadWatermarks(const std::string& output_dir) {
   }
 }
 
-// Records checkpoint `name`'s watermark; entries of checkpoints that no longer exist are
-// pruned. Written to a temporary file and renamed.
+// Records checkpoint `name`'s watermark. Called BEFORE the checkpoint is published, so that a
+// crash between the two never leaves a published checkpoint without its watermark (which would
+// requeue prompts its weights already learned from); `name` need not exist yet. Entries of other
+// checkpoints that no longer exist are pruned. Written to a temporary file and renamed.
 Status WriteWatermark(const std::string& output_dir, const std::string& name, int64_t watermark) {
   nlohmann::json j = ReadWatermarks(output_dir);
   nlohmann::json kept = nlohmann::json::object();
   for (auto it = j.begin(); it != j.end(); ++it) {
-    if (it.value().is_number_integer() && fs::exists(fs::path(output_dir) / it.key())) {
+    if (it.key() != name && it.value().is_number_integer() &&
+        fs::exists(fs::path(output_dir) / it.key())) {
       kept[it.key()] = it.value();
     }
   }
@@ -623,6 +626,12 @@ Status LearnerServer::Checkpoint() {
   }
   --watermark;
   const auto save_start = Clock::now();
+  // The watermark first: checkpoint-<step> is published (renamed, `latest` rewritten) only after
+  // it. A watermark recorded for a checkpoint that a crash then never published is harmless: the
+  // name is re-recorded when that step is saved again, and a same-step checkpoint from before
+  // holds the same trained state, for which a later watermark is still exact.
+  const std::string name = "checkpoint-" + std::to_string(trainer_->global_step());
+  RETURN_IF_ERROR(WriteWatermark(config_.output_dir, name, watermark));
   StatusOr<std::string> dir = Status::Internal("not run");
   try {
     dir = learner::SaveCheckpoint(*trainer_, config_.output_dir, options_.model_dir);
@@ -630,8 +639,9 @@ Status LearnerServer::Checkpoint() {
     dir = Status::Internal(std::string("save checkpoint: ") + e.what());
   }
   if (!dir.ok()) return dir.status();
-  RETURN_IF_ERROR(
-      WriteWatermark(config_.output_dir, fs::path(*dir).filename().string(), watermark));
+  if (fs::path(*dir).filename().string() != name) {
+    return Status::Internal("checkpoint saved as " + *dir + ", expected " + name);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     last_saved_step_ = trainer_->global_step();

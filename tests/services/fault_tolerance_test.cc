@@ -377,9 +377,11 @@ TEST_F(FaultToleranceTest, KilledWorkersLeasesExpireAndEveryPromptTrainsOnce) {
 // The learner scenario of the two tests below. A learner trains one pass of kPrompts prompts with
 // two workers and a checkpoint every step; it is frozen at a moment when `latest` names a
 // checkpoint whose ledger watermark is recorded (ledger_watermarks.json), and killed with SIGKILL.
-// With `drop_latest_watermark` the watermark entry of that checkpoint is then removed: the state a
-// crash leaves between renaming the checkpoint into place and writing its watermark
-// (LearnerServer::Checkpoint does them in that order). A new learner starts on the same port and
+// With `crash_before_publish` a watermark for the NEXT checkpoint is then recorded, whose
+// directory does not exist: the state a crash leaves inside LearnerServer::Checkpoint, which
+// records the watermark first and only then publishes checkpoint-<step> (the other order let a
+// crash leave `latest` without a watermark, so that the restart requeued prompts the restored
+// weights had already learned from). A new learner starts on the same port and
 // output_dir; the workers, which retry on their own, reconnect; the job runs to max_steps. Every
 // prompt of the pass must be trained exactly once over the final history: the dead learner's steps
 // up to the checkpoint, then the new learner's.
@@ -398,7 +400,7 @@ class LearnerRestartTest : public FaultToleranceTest {
     return j.is_object() ? j : json::object();
   }
 
-  void RunScenario(bool drop_latest_watermark) {
+  void RunScenario(bool crash_before_publish) {
     WriteDataset(dir_ / "data.jsonl", kPrompts);
     const std::vector<std::string> config = {
         "--lease_seconds", "4", "--max_steps", std::to_string(kSteps), "--save_steps", "1"};
@@ -439,9 +441,13 @@ class LearnerRestartTest : public FaultToleranceTest {
     auto ledger = ReadLedger(out_dir() / "ledger.sqlite", &error);
     ASSERT_TRUE(ledger.has_value()) << error;
     ASSERT_EQ(ledger->job_pass, 0) << "killed too late: every prompt was already accepted";
-    if (drop_latest_watermark) {
+    if (crash_before_publish) {
       json wm = Watermarks();
-      wm.erase(latest);
+      ASSERT_TRUE(wm.contains(latest));
+      const int64_t now_ms = std::chrono::duration_cast<milliseconds>(
+                                 std::chrono::system_clock::now().time_since_epoch())
+                                 .count();
+      wm["checkpoint-" + std::to_string(resumed_step + 1)] = now_ms;  // later than latest's
       std::ofstream(out_dir() / "ledger_watermarks.json") << wm.dump(2) << "\n";
     }
     // Steps after the checkpoint were the dead learner's; its steps up to it are history.
@@ -500,27 +506,11 @@ class LearnerRestartTest : public FaultToleranceTest {
 };
 
 TEST_F(LearnerRestartTest, KilledLearnerResumesFromItsCheckpointAndTrainsEveryPromptOnce) {
-  RunScenario(/*drop_latest_watermark=*/false);
+  RunScenario(/*crash_before_publish=*/false);
 }
 
-TEST_F(LearnerRestartTest, CrashBetweenACheckpointAndItsWatermarkTrainsNothingTwice) {
-  // GRPO_RUN_KNOWN_BUGS=1 runs it anyway (to check a fix).
-  if (std::getenv("GRPO_RUN_KNOWN_BUGS") == nullptr)
-    GTEST_SKIP() << "bug: services/learner_service.cc "
-                    "LearnerServer::Checkpoint publishes the "
-                    "checkpoint (SaveCheckpoint renames it and rewrites "
-                    "`latest`) before "
-                    "WriteWatermark records its ledger watermark. A crash "
-                    "between the two leaves "
-                    "`latest` without a watermark; on restart Resume() falls "
-                    "back to an older "
-                    "checkpoint's watermark (or none: every TRAINED prompt of "
-                    "the pass) and "
-                    "RequeueTrainedSince requeues prompts the restored weights "
-                    "already trained, "
-                    "so they train twice and, at max_steps, others of the pass "
-                    "never train.";
-  RunScenario(/*drop_latest_watermark=*/true);
+TEST_F(LearnerRestartTest, CrashBetweenAWatermarkAndItsCheckpointTrainsNothingTwice) {
+  RunScenario(/*crash_before_publish=*/true);
 }
 
 // --- Bad input on the wire against one real learner process (no workers): each call is refused the
