@@ -588,6 +588,22 @@ StatusOr<bool> PromptLedger::RequeueTrained(const std::string& prompt_id, int64_
   return moved;
 }
 
+StatusOr<int64_t> PromptLedger::ExpireWorkerLeases(const std::string& worker_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t now = options_.now_ms();
+  Transaction txn(path_, db_);
+  RETURN_IF_ERROR(txn.Begin());
+  ASSIGN_OR_RETURN(Statement update,
+                   Statement::Prepare(path_, db_,
+                                      "UPDATE prompts SET state = 'QUEUED', lease_id = NULL, "
+                                      "lease_deadline_ms = NULL, attempts = attempts + 1, "
+                                      "updated_ms = ? WHERE state = 'LEASED' AND worker_id = ?"));
+  RETURN_IF_ERROR(update.Bind(1, now).Bind(2, worker_id).Run());
+  const int64_t moved = sqlite3_changes(db_);
+  RETURN_IF_ERROR(txn.Commit());
+  return moved;
+}
+
 StatusOr<int64_t> PromptLedger::RequeueTrainedSince(int64_t since_ms) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t now = options_.now_ms();

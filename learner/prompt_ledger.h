@@ -111,6 +111,10 @@ class PromptLedger {
   // unchanged. Same lease check.
   Status ReleaseLease(const std::string& lease_id, const std::string& prompt_id);
 
+  // A worker is gone (it missed its heartbeats): every prompt LEASED to it -> QUEUED with
+  // attempts + 1, as if its leases had expired, so they need not wait out lease_seconds. A group
+  // it pushes later under one of them is refused as an unknown lease. Returns how many moved.
+  StatusOr<int64_t> ExpireWorkerLeases(const std::string& worker_id);
   // An accepted group that was never trained gives its prompt back: TRAINED -> QUEUED when the
   // prompt is TRAINED in `pass` (attempts unchanged). Returns false, changing nothing, for a
   // prompt in any other state or pass; NotFound for an unknown prompt.

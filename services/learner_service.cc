@@ -191,6 +191,12 @@ StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
         "config key 'num_generations' exceeds the generation batch "
         "(per_device_train_batch_size * steps_per_generation)");
   }
+  {
+    // Optimizer steps per generation batch: ceil(steps_per_generation / gradient_accumulation)
+    // per pass, num_iterations passes; the policy version moves once per step.
+    const int64_t spg = cfg.EffectiveStepsPerGeneration(), gas = cfg.gradient_accumulation_steps;
+    s->versions_per_batch_ = std::max<int64_t>(1, (spg + gas - 1) / gas * cfg.num_iterations);
+  }
   s->buffer_capacity_ = s->options_.buffer_capacity_groups > 0
                             ? std::max(s->options_.buffer_capacity_groups, s->batch_groups_)
                             : 2 * s->batch_groups_;
@@ -347,6 +353,15 @@ bool LearnerServer::TerminalLocked() const {
   return state_ == JobState::kDone || state_ == JobState::kCancelled || state_ == JobState::kFailed;
 }
 
+int64_t LearnerServer::LeaseBudgetLocked(int64_t leased_out) const {
+  const int64_t pending = static_cast<int64_t>(buffer_.size() + accepting_ms_.size());
+  // Batches that may be trained between a group's generation and its own batch.
+  const int64_t batches_ahead = config_.max_staleness / versions_per_batch_;
+  const int64_t stale_limit = (batches_ahead + 1 - (training_ ? 1 : 0)) * batch_groups_;
+  if (pending >= buffer_capacity_) return 0;  // a full buffer: groups would only wait
+  return std::max<int64_t>(0, stale_limit - pending - leased_out);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Training thread.
 
@@ -380,9 +395,15 @@ void LearnerServer::TrainLoop() {
         buffer_.pop_front();
       }
       metrics_.buffer_groups->Set(static_cast<double>(buffer_.size()));
+      training_ = true;
     }
     room_cv_.notify_all();
     TrainBatch(std::move(batch));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      training_ = false;
+    }
+    room_cv_.notify_all();  // leases held back for staleness may go out now
   }
 }
 
@@ -423,7 +444,13 @@ void LearnerServer::DropDeadWorkersLocked() {
   bool dropped = false;
   for (auto it = workers_.begin(); it != workers_.end();) {
     if (it->second.last_seen < cutoff) {
-      GRPO_LOG_WARN("learner: worker {} missed its heartbeats; dropped from the group", it->first);
+      // Its leases go back to the queue now rather than after lease_seconds (ledger_ has its
+      // own lock and never calls back into the server).
+      auto moved = ledger_->ExpireWorkerLeases(it->first);
+      GRPO_LOG_WARN("learner: worker {} missed its heartbeats; dropped from the group ({})",
+                    it->first,
+                    moved.ok() ? std::to_string(*moved) + " leases returned to the queue"
+                               : moved.status().ToString());
       it = workers_.erase(it);
       dropped = true;
     } else {
@@ -790,12 +817,36 @@ grpc::Status LearnerServer::LeasePrompts(grpc::ServerContext* context,
         response->set_job_done(true);
         return grpc::Status::OK;
       }
-      // A full buffer: leasing more would only make groups wait (and go stale).
-      if (static_cast<int64_t>(buffer_.size() + accepting_ms_.size()) >= buffer_capacity_) {
-        return grpc::Status::OK;
-      }
     }
-    const int64_t n = std::min<int64_t>(request->max_prompts(), kMaxLeasesPerCall);
+    // Lease only what can be trained within max_staleness and fits the buffer: a group generated
+    // now but trained too many versions later would be refused as stale, its generation wasted.
+    // While the budget is 0, wait for it (a long poll woken when the trainer takes or finishes a
+    // batch) instead of sending the worker to sleep for a fixed retry, so that generation resumes
+    // the moment a lease may go out.
+    std::lock_guard<std::mutex> lease_lock(lease_mu_);
+    int64_t budget = 0;
+    {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          context->deadline() - std::chrono::system_clock::now() - std::chrono::milliseconds(500));
+      const auto poll_end = Clock::now() + std::max(std::chrono::milliseconds(0),
+                                                    std::min(kLeaseLongPoll, left));
+      while (true) {
+        auto counts = ledger_->Counts();
+        if (!counts.ok()) return ToGrpcStatus(counts.status());
+        std::unique_lock<std::mutex> lock(mu_);
+        response->set_policy_version(weights_ ? weights_->version : 0);
+        if (TerminalLocked() || stopping_) {
+          response->set_job_done(true);
+          return grpc::Status::OK;
+        }
+        budget = LeaseBudgetLocked(counts->leased);
+        if (budget > 0 || Clock::now() >= poll_end || context->IsCancelled()) break;
+        room_cv_.wait_for(lock, std::min<Clock::duration>(kWaitPollInterval,
+                                                          poll_end - Clock::now()));
+      }
+      if (budget == 0) return grpc::Status::OK;  // retry_after_ms is set
+    }
+    const int64_t n = std::min<int64_t>({request->max_prompts(), kMaxLeasesPerCall, budget});
     const auto duration =
         std::chrono::milliseconds(std::max<int64_t>(1, std::llround(config_.lease_seconds * 1000)));
     auto leases = ledger_->LeasePrompts(request->worker_id(), n, duration);

@@ -68,7 +68,10 @@ inline constexpr int kHeartbeatsMissedBeforeDrop = 5;
 // The longest a PushRollouts stream waits for room in a full buffer.
 inline constexpr std::chrono::milliseconds kDefaultPushBufferWait{30'000};
 // LeasePrompts with nothing to lease: how long the worker should wait before asking again.
-inline constexpr std::chrono::milliseconds kDefaultLeaseRetryAfter{1000};
+inline constexpr std::chrono::milliseconds kDefaultLeaseRetryAfter{250};
+// LeasePrompts while the buffer is full waits up to this long for room (a long poll: the call
+// returns as soon as the trainer takes a batch), never past the call's deadline minus a margin.
+inline constexpr std::chrono::milliseconds kLeaseLongPoll{3000};
 // Store GET without timeout_ms waits this long (c10d's Store::kDefaultTimeout); no wait is
 // longer than kMaxStoreTimeout.
 inline constexpr std::chrono::milliseconds kDefaultStoreTimeout{300'000};
@@ -250,6 +253,12 @@ class LearnerServer final : public v1::LearnerService::Service {
   void RecordStepMetrics(const learner::StepMetrics& step);
   void RefreshLedgerMetrics();
   bool TerminalLocked() const;  // REQUIRES(mu_)
+  // Groups that may be leased now (>= 0) so that none of them goes stale: a group leased now is
+  // generated with the current policy and trained after the batches ahead of it (the one in
+  // training, the groups buffered, being pushed and `leased_out`), each of which moves the
+  // policy versions_per_batch_ versions; max_staleness bounds that. 0 while the buffer is full
+  // (buffer_capacity_). REQUIRES(mu_)
+  int64_t LeaseBudgetLocked(int64_t leased_out) const;
 
   const common::GrpoConfig config_;
   const LearnerServerOptions options_;
@@ -257,6 +266,7 @@ class LearnerServer final : public v1::LearnerService::Service {
   std::shared_ptr<grpc::ServerCredentials> server_credentials_;  // TLS or insecure
   int64_t batch_groups_ = 0;     // groups per generation batch
   int64_t buffer_capacity_ = 0;  // groups
+  int64_t versions_per_batch_ = 1;  // optimizer steps (policy versions) per generation batch
 
   std::unique_ptr<learner::PromptLedger> ledger_;  // thread-safe
   std::unique_ptr<common::Model> policy_;          // the training thread writes it
@@ -274,11 +284,15 @@ class LearnerServer final : public v1::LearnerService::Service {
   std::atomic<int64_t> group_epoch_{1};
 
   mutable std::mutex mu_;
+  // Serialises LeasePrompts from its budget to its ledger write, so that concurrent calls do not
+  // both spend the same lease budget. Taken before mu_, never while holding it.
+  std::mutex lease_mu_;
   std::condition_variable train_cv_;            // training thread: a batch is ready, or stop
   std::condition_variable room_cv_;             // PushRollouts: room in the buffer
   std::condition_variable state_cv_;            // job state or published weights changed
   bool started_ = false;                        // GUARDED_BY(mu_)
   bool stopping_ = false;                       // GUARDED_BY(mu_)
+  bool training_ = false;                       // GUARDED_BY(mu_): a batch is being trained
   bool stopped_ = false;                        // GUARDED_BY(mu_)
   JobState state_ = JobState::kWaitingForData;  // GUARDED_BY(mu_)
   std::string message_;                         // GUARDED_BY(mu_)

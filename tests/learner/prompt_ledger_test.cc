@@ -368,6 +368,32 @@ TEST_F(PromptLedgerTest, ReleaseReturnsPromptToQueueWithoutAnAttempt) {
   EXPECT_EQ(Ids(*again), (std::vector<std::string>{"ds-1:0"}));
 }
 
+TEST_F(PromptLedgerTest, ExpiringAWorkersLeasesRequeuesOnlyItsPromptsWithAnAttempt) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("a", Rows(5)).ok());
+  auto gone = ledger->LeasePrompts("w-gone", 2, milliseconds(60'000));  // ds-1:0, ds-1:1
+  auto alive = ledger->LeasePrompts("w-alive", 2, milliseconds(60'000));  // ds-1:2, ds-1:3
+  ASSERT_TRUE(gone.ok() && gone->size() == 2 && alive.ok() && alive->size() == 2);
+  auto moved = ledger->ExpireWorkerLeases("w-gone");
+  ASSERT_TRUE(moved.ok()) << moved.status().ToString();
+  EXPECT_EQ(*moved, 2);
+  ExpectCounts(*ledger, 3, 2, 0, 0);  // ds-1:0, ds-1:1 back beside ds-1:4; w-alive keeps its two
+  for (const char* id : {"ds-1:0", "ds-1:1"}) {
+    auto p = ledger->GetPrompt(id);
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ(p->state, PromptState::kQueued) << id;
+    EXPECT_EQ(p->attempts, 1) << id;
+  }
+  EXPECT_EQ(StateOf(*ledger, "ds-1:2"), PromptState::kLeased);
+  // The gone worker's lease no longer completes; the live one's still does.
+  EXPECT_EQ(ledger->CompleteLease((*gone)[0].lease_id, "ds-1:0").code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(ledger->CompleteLease((*alive)[0].lease_id, "ds-1:2").ok());
+  auto none = ledger->ExpireWorkerLeases("w-gone");
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(*none, 0);
+}
+
 TEST_F(PromptLedgerTest, RejectStoresReasonAndNeverLeasesAgain) {
   auto ledger = OpenLedger();
   ASSERT_TRUE(ledger->AddDataset("a", Rows(1)).ok());

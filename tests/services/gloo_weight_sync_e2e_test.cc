@@ -233,9 +233,17 @@ TEST_F(GlooWeightSyncE2eTest, GrpcStoreOfAPastEpochIsFailedPrecondition) {
 TEST_F(GlooWeightSyncE2eTest,
        TwoWorkersReceiveTheLatestVersionBitEqualOverGloo) {
   StartLearner(/*max_steps=*/6);
-  SubmitPrompts(64);
   RunningWorker &a = StartWorker();
   RunningWorker &b = StartWorker();
+  // The group forms before there is data: six steps of the tiny model take well under the
+  // rendezvous time, so a job started first could end before any worker joined.
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return a.receiver && b.receiver && a.receiver->groups_joined() >= 1 &&
+               b.receiver->groups_joined() >= 1;
+      },
+      60s));
+  SubmitPrompts(64);
   ASSERT_TRUE(server_->WaitForJobEnd(120s));
   ASSERT_EQ(server_->job_state(), JobState::kDone);
   const int64_t latest = server_->published_version();
@@ -273,8 +281,10 @@ TEST_F(GlooWeightSyncE2eTest,
 
 TEST_F(GlooWeightSyncE2eTest,
        StoppedWorkerBumpsTheEpochAndTheOtherKeepsReceiving) {
-  // Heartbeats drop a silent worker after 5 s: the broadcast notices first.
-  StartLearner(/*max_steps=*/150, /*heartbeat_interval=*/1000ms);
+  // Heartbeats drop a silent worker after 5 s: the broadcast notices first. The job has no
+  // step limit that it could reach before the group is rebuilt (the tiny model trains ~100
+  // steps/s); the test cancels it once the remaining worker receives at the new epoch.
+  StartLearner(/*max_steps=*/1 << 30, /*heartbeat_interval=*/1000ms);
   SubmitPrompts(1024);
   RunningWorker &a = StartWorker();
   RunningWorker &victim = StartWorker();
@@ -309,17 +319,28 @@ TEST_F(GlooWeightSyncE2eTest,
   EXPECT_EQ(server_->job_state(), JobState::kRunning);
   // Training continues and the remaining worker keeps receiving over gloo at a
   // new epoch.
-  ASSERT_TRUE(server_->WaitForJobEnd(180s));
-  EXPECT_EQ(server_->job_state(), JobState::kDone);
-  const int64_t latest = server_->published_version();
-  EXPECT_TRUE(
-      WaitFor([&] { return a.receiver->latest().first == latest; }, 30s))
-      << "worker got " << a.receiver->latest().first << ", learner published "
-      << latest;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return a.receiver->groups_joined() >= 2 &&
+               a.receiver->versions_received() > a_received_before;
+      },
+      60s))
+      << "groups joined " << a.receiver->groups_joined();
+  EXPECT_EQ(server_->job_state(), JobState::kRunning);
+  {
+    auto stub = v1::LearnerService::NewStub(channel_);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+    v1::CancelJobRequest req;
+    req.set_reason("test over");
+    v1::Job job;
+    ASSERT_TRUE(stub->CancelJob(&ctx, req, &job).ok());
+  }
+  ASSERT_TRUE(server_->WaitForJobEnd(60s));
+  EXPECT_EQ(server_->job_state(), JobState::kCancelled);
+  // (Bit equality of what a group delivers is TwoWorkersReceiveTheLatestVersionBitEqualOverGloo's.)
   EXPECT_GT(a.receiver->versions_received(), a_received_before);
   EXPECT_GE(a.receiver->groups_joined(), 2);
-  EXPECT_TRUE(BitEqual(a.receiver->latest().second,
-                       server_->policy().NamedParameters()));
   a.thread.join();
   EXPECT_TRUE(a.result.ok()) << a.result.ToString();
 }

@@ -339,14 +339,53 @@ TEST_F(LearnerServiceTest, StaleGroupIsRefusedAndItsPromptRequeued) {
   config_.max_staleness = 0;  // synchronous: a group must come from the current policy
   StartServer();
   Submit(Prompts(4));
-  const auto leases = Lease(3);
+  const auto leases = Lease(2);  // one generation batch: all that max_staleness 0 lets out
+  ASSERT_EQ(leases.leases_size(), 2);
   ASSERT_EQ(Push({Group(leases.leases(0)), Group(leases.leases(1))}).accepted(), 2);
   ASSERT_TRUE(WaitFor([&] { return server_->published_version() >= 1; }));
-  auto old = Group(leases.leases(2));
+  const auto more = Lease(1);
+  ASSERT_EQ(more.leases_size(), 1);
+  auto old = Group(more.leases(0));
   old.set_policy_version(0);  // max_staleness 0, learner at 1
   const auto ack = Push({old});
   EXPECT_EQ(ack.rejected_by_reason().at("stale"), 1);
-  EXPECT_EQ(StateOf(leases.leases(2).prompt_id()), learner::PromptState::kQueued);
+  EXPECT_EQ(StateOf(more.leases(0).prompt_id()), learner::PromptState::kQueued);
+}
+
+// Leases go out only as far as max_staleness lets their groups be trained: with 0, one
+// generation batch (2 groups here) until it is trained; with 1 (one version per batch), two.
+TEST_F(LearnerServiceTest, LeasesStopWhereTheirGroupsWouldBeTooStaleAndResumeAfterTraining) {
+  config_.max_staleness = 0;
+  StartServer();
+  Submit(Prompts(8));
+  auto lease_within = [&](int n, milliseconds deadline) {
+    auto ctx = Ctx(deadline);
+    v1::LeasePromptsRequest req;
+    req.set_worker_id("w1");
+    req.set_max_prompts(n);
+    v1::LeasePromptsResponse resp;
+    grpc::Status s = stub_->LeasePrompts(ctx.get(), req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  };
+  const auto first = lease_within(5, milliseconds(10'000));
+  ASSERT_EQ(first.leases_size(), 2) << "one generation batch of 2 groups";
+  // Nothing more until that batch is trained: the call waits (long poll) and returns empty.
+  const auto held = lease_within(1, milliseconds(1500));
+  EXPECT_EQ(held.leases_size(), 0);
+  EXPECT_GT(held.retry_after_ms(), 0);
+  ASSERT_EQ(Push({Group(first.leases(0)), Group(first.leases(1))}).accepted(), 2);
+  // A lease asked for while the batch trains is answered once it has been (version 1).
+  const auto next = lease_within(5, milliseconds(10'000));
+  EXPECT_EQ(next.leases_size(), 2);
+  EXPECT_GE(server_->published_version(), 1);
+}
+
+TEST_F(LearnerServiceTest, WithMaxStalenessOneTwoBatchesMayBeOutAtOnce) {
+  config_.max_staleness = 1;
+  StartServer();
+  Submit(Prompts(8));
+  EXPECT_EQ(Lease(8).leases_size(), 4);  // 2 batches x 2 groups
 }
 
 // Reassembles a GetWeights stream into name -> bytes, checking the chunk framing.
