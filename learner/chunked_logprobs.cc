@@ -96,6 +96,9 @@ class ChunkedLogprobsFunction : public torch::autograd::Function<ChunkedLogprobs
   }
 };
 
+// Rows per block for the temporaries of the fused path (a [kRowBlock, V] tensor at a time).
+constexpr int64_t kRowBlock = 64;
+
 // Logits, log-probs and the loss gradient in one pass per chunk (see FusedTokenLogprobsLoss).
 class FusedLogprobsLossFunction : public torch::autograd::Function<FusedLogprobsLossFunction> {
  public:
@@ -114,23 +117,34 @@ class FusedLogprobsLossFunction : public torch::autograd::Function<FusedLogprobs
       const int64_t c = std::min(chunk_tokens, n - s);
       const at::Tensor h = hidden.narrow(0, s, c);
       const at::Tensor lab = labels.narrow(0, s, c).unsqueeze(1);
+      // One [c, V] buffer, transformed in place: logits -> log-softmax -> softmax -> dL/dz;
+      // row blocks keep the temporaries of the exp-sums and the entropy small.
       at::Tensor z = ChunkLogits(h, weight, dt, temperature);  // [c, V]
-      const at::Tensor l = at::logsumexp(z, {1});               // [c]
-      const at::Tensor lp = z.gather(1, lab).squeeze(1) - l;
+      const at::Tensor m = std::get<0>(z.max(1, /*keepdim=*/true));  // [c, 1]
+      z.sub_(m);
+      at::Tensor sum_exp = at::empty({c, 1}, opts);
+      for (int64_t r = 0; r < c; r += kRowBlock) {
+        const int64_t k = std::min(kRowBlock, c - r);
+        sum_exp.narrow(0, r, k).copy_(z.narrow(0, r, k).exp().sum(1, /*keepdim=*/true));
+      }
+      z.sub_(sum_exp.log());                                  // log p
+      const at::Tensor lp = z.gather(1, lab).squeeze(1);
       logp.narrow(0, s, c).copy_(lp);
+      if (with_entropy) {
+        for (int64_t r = 0; r < c; r += kRowBlock) {
+          const int64_t k = std::min(kRowBlock, c - r);
+          const at::Tensor lpb = z.narrow(0, r, k);
+          // H = -sum_v p_v log p_v, the dot products as one batched matmul
+          entropy.narrow(0, s + r, k)
+              .copy_(-at::bmm(lpb.exp().view({k, 1, -1}), lpb.view({k, -1, 1})).view({k}));
+        }
+      }
       at::Tensor g = (*token_grad)(s, lp);
       TORCH_CHECK(g.defined() && g.dim() == 1 && g.size(0) == c,
                   "fused log-probs: the token gradient of chunk ", s, " must be [", c, "]");
       const at::Tensor gs = (g.to(dt) / temperature).unsqueeze(1);  // [c, 1]
-      at::Tensor p = at::exp(z - l.unsqueeze(1));  // softmax [c, V]
-      if (with_entropy) {
-        // H = lse - sum_v p_v z_v, the dot products as one batched matmul (no [c, V] temporary)
-        const at::Tensor pz = at::bmm(p.view({c, 1, -1}), z.view({c, -1, 1})).view({c});
-        entropy.narrow(0, s, c).copy_(l - pz);
-      }
-      z = at::Tensor();  // one [c, V] buffer from here: p becomes dL/dz in place
       // dL/dz = g (onehot(label) - p) / temperature
-      at::Tensor dz = p.mul_(-gs);
+      at::Tensor dz = z.exp_().mul_(-gs);
       dz.scatter_add_(1, lab, gs);
       grad_hidden.narrow(0, s, c).copy_(at::matmul(dz.to(weight.scalar_type()), weight));
       grad_weight.addmm_(dz.t(), h.to(dt));

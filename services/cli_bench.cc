@@ -122,6 +122,9 @@ json LogprobMemoryChild(const std::string& impl, int64_t G, int64_t micro, int r
     for (auto& p : model->Parameters()) {  // as AdamW::ZeroGrad: in place, memory kept
       if (p.grad().defined()) p.mutable_grad().zero_();
     }
+    // chunked: the learner's path at a fixed micro-batch; chunked_batch_G: the same path over
+    // the whole batch at once, as naive does (same GEMM shapes: the cost of chunking alone).
+    const bool fused = impl == "chunked" || impl == "chunked_batch_G";
     const int64_t mb = impl == "chunked" ? micro : G;
     for (int64_t b0 = 0; b0 < G; b0 += mb) {
       const int64_t b = std::min(mb, G - b0);
@@ -130,7 +133,7 @@ json LogprobMemoryChild(const std::string& impl, int64_t G, int64_t micro, int r
       at::Tensor h = hidden.narrow(1, kPromptLen - 1, kCompletionLen);
       at::Tensor labels = x.narrow(1, kPromptLen, kCompletionLen);
       const at::Tensor a = adv.narrow(0, b0, b);
-      if (impl == "chunked") {
+      if (fused) {
         // The learner's path: fused log-probs + loss gradient (loss below: dL/dlogp_t =
         // -a_i / (C G) for token t of sequence i).
         const at::Tensor g = (-a / static_cast<double>(kCompletionLen * G))
@@ -176,7 +179,7 @@ json RunChild(const std::string& args) {
 int BenchLogprobMemory(bool as_json, int64_t micro, int reps, const std::vector<int64_t>& gs) {
   std::vector<json> rows;
   for (int64_t G : gs) {
-    for (const char* impl : {"chunked", "naive"}) {
+    for (const char* impl : {"chunked", "chunked_batch_G", "naive"}) {
       json r = RunChild(std::string("logprob_memory --child --impl ") + impl + " --G " +
                         std::to_string(G) + " --micro_batch " + std::to_string(micro) +
                         " --reps " + std::to_string(reps));
@@ -197,6 +200,11 @@ int BenchLogprobMemory(bool as_json, int64_t micro, int reps, const std::vector<
     json& nv = find("naive", G);
     c["vs_naive_memory"] = c["peak_mib"].get<double>() / nv["peak_mib"].get<double>();
     c["vs_naive_speed"] = nv["step_s_median"].get<double>() / c["step_s_median"].get<double>();
+    json& cg = find("chunked_batch_G", G);
+    cg["vs_naive_memory"] = cg["peak_mib"].get<double>() / nv["peak_mib"].get<double>();
+    cg["vs_naive_speed"] = nv["step_s_median"].get<double>() / cg["step_s_median"].get<double>();
+    cg["vs_G4_memory"] =
+        cg["peak_mib"].get<double>() / find("chunked_batch_G", gs.front())["peak_mib"].get<double>();
     c["vs_G4_memory"] = c["peak_mib"].get<double>() / find("chunked", gs.front())["peak_mib"].get<double>();
     nv["vs_G4_memory"] = nv["peak_mib"].get<double>() / find("naive", gs.front())["peak_mib"].get<double>();
   }
@@ -204,13 +212,15 @@ int BenchLogprobMemory(bool as_json, int64_t micro, int reps, const std::vector<
     for (auto& r : rows) std::cout << r.dump() << "\n";
     return 0;
   }
-  std::cout << "logprob_memory: bench model (vocab 32768), prompt 64 + completion 128 tokens, "
-               "chunked micro-batch " << micro << "; peak = VmHWM - RSS before the step\n";
-  std::cout << std::left << std::setw(9) << "impl" << std::setw(5) << "G" << std::right
+  std::cout << "logprob_memory: bench model (vocab 32768), prompt 64 + completion 128 tokens; "
+               "chunked = the learner's fused path at micro-batch " << micro
+            << ", chunked_batch_G = the same path over all G at once (as naive); "
+               "peak = VmHWM - RSS before the step\n";
+  std::cout << std::left << std::setw(17) << "impl" << std::setw(5) << "G" << std::right
             << std::setw(12) << "peak MiB" << std::setw(12) << "vs G=4" << std::setw(12)
             << "vs naive" << std::setw(12) << "step s" << std::setw(14) << "speed/naive\n";
   for (auto& r : rows) {
-    std::cout << std::left << std::setw(9) << r["impl"].get<std::string>() << std::setw(5)
+    std::cout << std::left << std::setw(17) << r["impl"].get<std::string>() << std::setw(5)
               << r["G"].get<int64_t>() << std::right << std::fixed << std::setprecision(1)
               << std::setw(12) << r["peak_mib"].get<double>() << std::setprecision(2)
               << std::setw(12) << r["vs_G4_memory"].get<double>() << std::setw(12)
@@ -351,7 +361,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
                 "learner_step: recompute each decoder layer in backward");
   cmd->add_option("--layers", o->layers, "learner_step: decoder layers (default: the bench model's 4)");
   cmd->add_flag("--child", o->child, "internal: one logprob_memory configuration");
-  cmd->add_option("--impl", o->impl, "internal: chunked | naive");
+  cmd->add_option("--impl", o->impl, "internal: chunked | chunked_batch_G | naive");
   cmd->add_option("--workers", o->workers,
                   "weight_sync, ingest (default 2), e2e (default 1): simulated workers");
   cmd->add_option("--steps", o->steps,
