@@ -247,6 +247,19 @@ struct ParsedRow {
   std::string_view json;  // trimmed line
 };
 
+// One UPDATE in its own transaction, its parameters set by `bind`; returns the rows it changed.
+// The caller holds the ledger's mutex.
+template <typename Bind>
+StatusOr<int64_t> CountedUpdate(const std::string& path, sqlite3* db, const char* sql, Bind bind) {
+  Transaction txn(path, db);
+  RETURN_IF_ERROR(txn.Begin());
+  ASSIGN_OR_RETURN(Statement update, Statement::Prepare(path, db, sql));
+  RETURN_IF_ERROR(bind(update).Run());
+  const int64_t changed = sqlite3_changes(db);
+  RETURN_IF_ERROR(txn.Commit());
+  return changed;
+}
+
 }  // namespace
 
 std::string_view PromptStateName(PromptState state) {
@@ -591,32 +604,20 @@ StatusOr<bool> PromptLedger::RequeueTrained(const std::string& prompt_id, int64_
 StatusOr<int64_t> PromptLedger::ExpireWorkerLeases(const std::string& worker_id) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t now = options_.now_ms();
-  Transaction txn(path_, db_);
-  RETURN_IF_ERROR(txn.Begin());
-  ASSIGN_OR_RETURN(Statement update,
-                   Statement::Prepare(path_, db_,
-                                      "UPDATE prompts SET state = 'QUEUED', lease_id = NULL, "
-                                      "lease_deadline_ms = NULL, attempts = attempts + 1, "
-                                      "updated_ms = ? WHERE state = 'LEASED' AND worker_id = ?"));
-  RETURN_IF_ERROR(update.Bind(1, now).Bind(2, worker_id).Run());
-  const int64_t moved = sqlite3_changes(db_);
-  RETURN_IF_ERROR(txn.Commit());
-  return moved;
+  return CountedUpdate(path_, db_,
+                       "UPDATE prompts SET state = 'QUEUED', lease_id = NULL, "
+                       "lease_deadline_ms = NULL, attempts = attempts + 1, "
+                       "updated_ms = ? WHERE state = 'LEASED' AND worker_id = ?",
+                       [&](Statement& s) -> Statement& { return s.Bind(1, now).Bind(2, worker_id); });
 }
 
 StatusOr<int64_t> PromptLedger::RequeueTrainedSince(int64_t since_ms) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t now = options_.now_ms();
-  Transaction txn(path_, db_);
-  RETURN_IF_ERROR(txn.Begin());
-  ASSIGN_OR_RETURN(Statement update,
-                   Statement::Prepare(path_, db_,
-                                      "UPDATE prompts SET state = 'QUEUED', updated_ms = ? "
-                                      "WHERE state = 'TRAINED' AND updated_ms > ?"));
-  RETURN_IF_ERROR(update.Bind(1, now).Bind(2, since_ms).Run());
-  const int64_t moved = sqlite3_changes(db_);
-  RETURN_IF_ERROR(txn.Commit());
-  return moved;
+  return CountedUpdate(path_, db_,
+                       "UPDATE prompts SET state = 'QUEUED', updated_ms = ? "
+                       "WHERE state = 'TRAINED' AND updated_ms > ?",
+                       [&](Statement& s) -> Statement& { return s.Bind(1, now).Bind(2, since_ms); });
 }
 
 StatusOr<bool> PromptLedger::StartNextPass(int64_t num_passes) {
