@@ -17,10 +17,12 @@
 #include <thread>
 #include <vector>
 
+#include "tests/services/process_util.h"
 #include "tests/test_util.h"
 
 namespace {
 
+using grpo::testing::Children;
 using grpo::testing::GrpoBin;
 using grpo::testing::ReadFile;
 using grpo::testing::RunCommand;
@@ -44,17 +46,12 @@ class CliLearnerTest : public ::testing::Test {
            << "\n";
   }
   void TearDown() override {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
+    children_.reset();  // kills and reaps the learner if it still runs
     fs::remove_all(dir_);
   }
 
   // Starts `grpo learner` on a free port and waits for its {"port": N} line.
   void StartLearner() {
-    const std::string out = (dir_ / "learner.out").string();
-    const std::string err = (dir_ / "learner.err").string();
     std::vector<std::string> args = {GrpoBin(),
                                      "--log_level",
                                      "info",
@@ -75,44 +72,16 @@ class CliLearnerTest : public ::testing::Test {
                                      "length",
                                      "--linger_seconds",
                                      "0"};
-    pid_ = fork();
-    ASSERT_GE(pid_, 0);
-    if (pid_ == 0) {
-      const int o = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      const int e = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      dup2(o, 1);
-      dup2(e, 2);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (std::chrono::steady_clock::now() < deadline) {
-      const std::string text = ReadFile(out);
-      if (text.find('\n') != std::string::npos) {
-        port_ = json::parse(text.substr(0, text.find('\n')))["port"].get<int>();
-        return;
-      }
-      std::this_thread::sleep_for(milliseconds(50));
-    }
-    FAIL() << "learner did not report its port: " << ReadFile(err);
+    children_ = std::make_unique<Children>(dir_);
+    ASSERT_GT(children_->Spawn("learner", args), 0);
+    const json first = children_->FirstLine("learner", std::chrono::seconds(20));
+    ASSERT_TRUE(first.is_object() && first.contains("port"))
+        << "learner did not report its port: " << ReadFile(dir_ / "learner.err");
+    port_ = first["port"].get<int>();
   }
 
   // Waits for the learner to exit; returns its exit code (-1 on timeout).
-  int WaitExit(milliseconds timeout) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (std::chrono::steady_clock::now() < deadline) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      }
-      std::this_thread::sleep_for(milliseconds(50));
-    }
-    return -1;
-  }
+  int WaitExit(milliseconds timeout) { return children_->Wait("learner", timeout).value_or(-1); }
 
   std::string Client(const std::string& cmd, const std::string& flags, int* rc,
                      bool with_token = true) {
@@ -123,7 +92,7 @@ class CliLearnerTest : public ::testing::Test {
   }
 
   fs::path dir_;
-  pid_t pid_ = -1;
+  std::unique_ptr<Children> children_;  // stdout/stderr in dir_/learner.{out,err}
   int port_ = 0;
 };
 
@@ -154,7 +123,7 @@ TEST_F(CliLearnerTest, SubmitStatusAndCancelEndTheLearner) {
 
 TEST_F(CliLearnerTest, SigtermStopsTheLearnerCleanly) {
   StartLearner();
-  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  ASSERT_TRUE(children_->Signal("learner", SIGTERM));
   EXPECT_EQ(WaitExit(milliseconds(15000)), 0) << ReadFile(dir_ / "learner.err");
   EXPECT_NE(ReadFile(dir_ / "learner.err").find("stopping"), std::string::npos);
 }

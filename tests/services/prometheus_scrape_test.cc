@@ -20,12 +20,15 @@
 #include <vector>
 
 #include "tests/services/http_test_util.h"
+#include "tests/services/process_util.h"
 #include "tests/test_util.h"
 
 namespace {
 
+using grpo::testing::Children;
 using grpo::testing::GrpoBin;
 using grpo::testing::ReadFile;
+using grpo::testing::Tail;
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -36,12 +39,6 @@ using Clock = std::chrono::steady_clock;
 constexpr const char* kPrometheus = "/usr/bin/prometheus";
 constexpr auto kStartTimeout = seconds(30);
 constexpr auto kScrapeTimeout = seconds(60);
-
-// Last `n` characters of a log, for failure messages.
-std::string Tail(const fs::path& p, size_t n = 3000) {
-  const std::string s = ReadFile(p);
-  return s.size() > n ? s.substr(s.size() - n) : s;
-}
 
 class PrometheusScrapeTest : public ::testing::Test {
  protected:
@@ -54,33 +51,14 @@ class PrometheusScrapeTest : public ::testing::Test {
     for (int i = 0; i < 8; ++i) data << R"({"prompt": "count to )" << i << "\"}\n";
   }
   void TearDown() override {
-    // Reverse start order: Prometheus, the worker, then the learner.
-    for (auto it = pids_.rbegin(); it != pids_.rend(); ++it) {
-      kill(*it, SIGKILL);
-      waitpid(*it, nullptr, 0);
-    }
-    pids_.clear();
+    children_.reset();  // kills and reaps Prometheus, the worker and the learner
     fs::remove_all(dir_);
   }
 
   // Starts `args` with stdout and stderr in <dir>/<name>.out and .err.
   pid_t Spawn(const std::string& name, std::vector<std::string> args) {
-    const std::string out = (dir_ / (name + ".out")).string();
-    const std::string err = (dir_ / (name + ".err")).string();
-    const pid_t pid = fork();
-    if (pid == 0) {
-      const int o = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      const int e = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      dup2(o, 1);
-      dup2(e, 2);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    if (pid > 0) pids_.push_back(pid);
-    return pid;
+    if (!children_) children_ = std::make_unique<Children>(dir_);
+    return children_->Spawn(name, std::move(args));
   }
 
   // Runs `cmd` through the shell; returns its exit code.
@@ -124,7 +102,7 @@ class PrometheusScrapeTest : public ::testing::Test {
   }
 
   fs::path dir_;
-  std::vector<pid_t> pids_;
+  std::unique_ptr<Children> children_;
 };
 
 TEST_F(PrometheusScrapeTest, PrometheusScrapesTheLearnerAndAWorker) {
