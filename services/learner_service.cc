@@ -810,14 +810,6 @@ grpc::Status LearnerServer::LeasePrompts(grpc::ServerContext* context,
                           "LeasePrompts: max_prompts must be positive");
     }
     response->set_retry_after_ms(kDefaultLeaseRetryAfter.count());
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      response->set_policy_version(weights_ ? weights_->version : 0);
-      if (TerminalLocked() || stopping_) {
-        response->set_job_done(true);
-        return grpc::Status::OK;
-      }
-    }
     // Lease only what can be trained within max_staleness and fits the buffer: a group generated
     // now but trained too many versions later would be refused as stale, its generation wasted.
     // While the budget is 0, wait for it (a long poll woken when the trainer takes or finishes a
