@@ -153,14 +153,20 @@ static double SamplingTemperature(const common::GrpoConfig& config) {
   return config.temperature > 0 ? config.temperature : 1.0;
 }
 
+// The hidden states that predict the completion tokens of `mb`: [b, C, D] (position P - 1 + t
+// predicts completion token t). Gradient checkpointing only matters with grad mode on (the
+// policy's step).
+static at::Tensor CompletionHidden(const common::Model& model, const MicroBatch& mb,
+                                   const common::GrpoConfig& config) {
+  const at::Tensor hidden =
+      model.ForwardHidden(mb.ids, mb.attention_mask, config.gradient_checkpointing);
+  return hidden.narrow(1, mb.prompt_len - 1, mb.completion_len);
+}
+
 // Per-token log-probs of the completion tokens of `mb`: [b, C] (+ entropy when asked).
 static at::Tensor CompletionLogprobs(const common::Model& model, const MicroBatch& mb,
                                      const common::GrpoConfig& config, at::Tensor* entropy) {
-  // [b, P + C, D]; gradient checkpointing only matters with grad mode on (the policy's step).
-  at::Tensor hidden =
-      model.ForwardHidden(mb.ids, mb.attention_mask, config.gradient_checkpointing);
-  // Position P - 1 + t predicts completion token t.
-  at::Tensor h = hidden.narrow(1, mb.prompt_len - 1, mb.completion_len);  // [b, C, D]
+  const at::Tensor h = CompletionHidden(model, mb, config);
   return ChunkedTokenLogprobs(h, model.LmHeadWeight(), mb.labels, config.logprob_chunk_tokens,
                               SamplingTemperature(config), entropy);
 }
@@ -176,9 +182,7 @@ static StatusOr<GrpoLossOutput> FusedMicroBatchBackward(const common::Model& mod
                                                         const LossNormaliser& norm,
                                                         GrpoLossInputs in, at::Tensor* logp,
                                                         at::Tensor* entropy) {
-  at::Tensor hidden =
-      model.ForwardHidden(mb.ids, mb.attention_mask, config.gradient_checkpointing);
-  at::Tensor h = hidden.narrow(1, mb.prompt_len - 1, mb.completion_len);  // [b, C, D]
+  const at::Tensor h = CompletionHidden(model, mb, config);
   Status grad_status;
   ASSIGN_OR_RETURN(const TokenLossGrad token_grad,
                    GrpoTokenLossGrad(loss_config, in, norm, &grad_status));
