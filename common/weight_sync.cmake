@@ -1,6 +1,10 @@
 # Weight sync (common/weight_sync.h), included from common/CMakeLists.txt.
 #   grpo_weight_sync: the protocol, the in-process fake and the Gloo backend (libtorch's c10d;
-#                     Gloo's headers come from Debian's libgloo-dev, libtorch does not ship them).
+#                     libtorch exports the Gloo it was built with but does not ship its headers:
+#                     ProcessGroupGloo.hpp compiles against Debian's libgloo-dev, which predates
+#                     GLOO_STORE_HAS_STORE_V2, and every gloo type it names in the layout of a
+#                     class we allocate is behind a smart pointer, so the object layout is
+#                     libtorch's own. We never construct a gloo object ourselves.)
 #   grpo_nccl_sync:   the NCCL backend; built only where CUDA's runtime and NCCL are found
 #                     (/usr/local/cuda here). Needs no CUDA libtorch.
 
@@ -16,15 +20,15 @@ target_link_libraries(grpo_weight_sync PUBLIC grpo_common_base torch)
 
 if(GRPO_WITH_GLOO)
   find_path(GRPO_GLOO_INCLUDE_DIR gloo/context.h)
-  find_library(GRPO_GLOO_LIBRARY NAMES gloo libgloo.so.0)
-  if(NOT GRPO_GLOO_INCLUDE_DIR OR NOT GRPO_GLOO_LIBRARY)
-    message(FATAL_ERROR "Gloo headers/library not found: apt-get install libgloo-dev "
+  if(NOT GRPO_GLOO_INCLUDE_DIR)
+    message(FATAL_ERROR "Gloo headers not found: apt-get install libgloo-dev "
                         "(deploy/setup.sh), or configure with -DGRPO_WITH_GLOO=OFF")
   endif()
   # ProcessGroupGloo.hpp is guarded by USE_C10D_GLOO (libtorch was built with it).
   target_compile_definitions(grpo_weight_sync PRIVATE USE_C10D_GLOO GRPO_HAVE_GLOO)
   target_include_directories(grpo_weight_sync SYSTEM PRIVATE ${GRPO_GLOO_INCLUDE_DIR})
-  target_link_libraries(grpo_weight_sync PRIVATE ${GRPO_GLOO_LIBRARY})
+  # Only the headers: libtorch itself exports the Gloo it was built with; linking Debian's
+  # libgloo too would give two copies of every gloo symbol.
 endif()
 
 if(GRPO_WITH_NCCL)

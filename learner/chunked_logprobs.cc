@@ -1,5 +1,6 @@
 #include "learner/chunked_logprobs.h"
 
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>

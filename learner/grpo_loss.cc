@@ -1,5 +1,6 @@
 #include "learner/grpo_loss.h"
 
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>

@@ -1,5 +1,6 @@
 #include "learner/optimizer.h"
 
+#include <ATen/core/grad_mode.h>
 #include <cmath>
 #include <numbers>
 #include <sstream>

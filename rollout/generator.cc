@@ -1,5 +1,6 @@
 #include "rollout/generator.h"
 
+#include <ATen/core/grad_mode.h>
 #include <algorithm>
 #include <exception>
 #include <string>

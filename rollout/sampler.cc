@@ -1,5 +1,6 @@
 #include "rollout/sampler.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>

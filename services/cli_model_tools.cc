@@ -1,6 +1,7 @@
 // grpo tokenize | logprobs | init-model: tools on the model layer. They read JSON Lines on
 // stdin and write one JSON object per input line on stdout, in order; a bad line gives
 // {"error": "line N: ..."} in its place, the rest goes on, and the exit code is then 2.
+#include <ATen/core/grad_mode.h>
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 

@@ -1,5 +1,6 @@
 #include "services/learner_service.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <grpcpp/health_check_service_interface.h>
 

@@ -1,5 +1,6 @@
 // Helpers shared by the tests: where the sources are, and running an independent Python
-// reference (Debian's /usr/bin/python3 with python3-torch) with JSON in and out.
+// reference (the project's virtual environment: torch, transformers, tokenizers, trl) with JSON
+// in and out.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -18,7 +19,12 @@
 
 namespace grpo::testing {
 
-inline constexpr const char* kReferencePython = "/usr/bin/python3";
+// The reference interpreter: $GRPO_PYTHON (ctest sets it from CMake's GRPO_PYTHON), else the
+// virtual environment deploy/setup.sh makes.
+inline std::string ReferencePython() {
+  if (const char* p = std::getenv("GRPO_PYTHON"); p != nullptr && *p != '\0') return p;
+  return "/opt/grpo-serve/venv/bin/python";
+}
 
 // The repository root: $GRPO_SOURCE_DIR (set by ctest), else derived from this file's path.
 inline std::string SourceDir() {
@@ -26,9 +32,16 @@ inline std::string SourceDir() {
   return std::filesystem::path(__FILE__).parent_path().parent_path().string();
 }
 
-inline bool HaveReferencePython() {
-  return std::system((std::string(kReferencePython) + " -c 'import torch' 2>/dev/null").c_str()) ==
-         0;
+// True when the reference interpreter imports every module named (space-separated). The tests
+// fail, never skip, without it: deploy/setup.sh installs it on every machine that runs them.
+inline bool ReferencePythonHas(const std::string& modules = "torch") {
+  std::string imports;
+  for (size_t i = 0, j; i < modules.size(); i = j + 1) {
+    j = modules.find(' ', i);
+    if (j == std::string::npos) j = modules.size();
+    if (j > i) imports += "import " + modules.substr(i, j - i) + ";";
+  }
+  return std::system(("'" + ReferencePython() + "' -c '" + imports + "' 2>/dev/null").c_str()) == 0;
 }
 
 // The `grpo` binary under test: $GRPO_BIN (set by ctest), else `grpo` on PATH.
@@ -65,7 +78,7 @@ inline nlohmann::json RunReference(const std::string& script, const nlohmann::js
   fs::create_directories(dir);
   const fs::path in = dir / "in.json", out = dir / "out.json";
   std::ofstream(in) << input.dump();
-  const std::string cmd = std::string(kReferencePython) + " " + SourceDir() +
+  const std::string cmd = "'" + ReferencePython() + "' " + SourceDir() +
                           "/tests/reference/" + script + " < " + in.string() + " > " +
                           out.string();
   const int rc = std::system(cmd.c_str());

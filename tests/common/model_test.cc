@@ -14,11 +14,13 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "common/model_config.h"
 #include "common/safetensors.h"
+#include "tests/test_util.h"
 
 namespace grpo::common {
 namespace {
@@ -198,11 +200,14 @@ TEST(ModelConfig, PresetsMatchTheDocumentedModels) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Correctness against an independent implementation of the published architecture.
+// Correctness against Hugging Face transformers' own Qwen2 / Qwen3 / Llama classes, loading the
+// directory Model::Save wrote (tests/reference/hf_model_ref.py): logits, per-token log-probs and
+// the gradient of one scalar loss of them, fp32, with left and right padding.
 
 void ExpectMatchesHfReference(const std::string& model_type) {
   const fs::path script = SourceDir() / "tests/reference/hf_model_ref.py";
-  if (!fs::exists("/usr/bin/python3")) GTEST_SKIP() << "/usr/bin/python3 not installed";
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch transformers"))
+      << grpo::testing::ReferencePython() << " cannot import transformers (deploy/setup.sh)";
   ASSERT_TRUE(fs::exists(script)) << script;
 
   std::unique_ptr<Model> model = RandomModel(SmallConfig(model_type), 7);
@@ -218,21 +223,31 @@ void ExpectMatchesHfReference(const std::string& model_type) {
                                                   {0, 0, 0, 1, 1, 1, 1, 1},
                                                   {1, 1, 1, 1, 1, 0, 0, 0},
                                                   {0, 1, 1, 1, 1, 1, 1, 0}};
-  WriteText(dir / "input.json", json({{"input_ids", ids}, {"attention_mask", mask}}).dump());
-  const std::string cmd = "/usr/bin/python3 '" + script.string() + "' '" + dir.path() + "' '" +
-                          (dir / "input.json") + "' '" + (dir / "ref.json") + "'";
+  const int64_t b = 4, t = 8, v = model->config().vocab_size;
+  // Weights of the scalar loss: distinct per position so that a misplaced gradient shows.
+  std::vector<std::vector<double>> weights(b, std::vector<double>(t));
+  for (int64_t i = 0; i < b; ++i) {
+    for (int64_t j = 0; j < t; ++j) weights[i][j] = 0.25 + 0.1 * i - 0.05 * j;
+  }
+  WriteText(dir / "input.json",
+            json({{"input_ids", ids}, {"attention_mask", mask}, {"loss_weights", weights}})
+                .dump());
+  const std::string cmd = "'" + grpo::testing::ReferencePython() + "' '" + script.string() +
+                          "' '" + dir.path().string() + "' '" + (dir / "input.json").string() +
+                          "' '" + (dir / "ref.json").string() + "'";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   json ref = json::parse(ReadText(dir / "ref.json"));
-  const int64_t b = 4, t = 8, v = model->config().vocab_size;
   ASSERT_EQ(ref["shape"], json({b, t, v}));
   std::vector<float> flat = ref["logits"].get<std::vector<float>>();
   at::Tensor expected = at::from_blob(flat.data(), {b, t, v}, at::kFloat).clone();
 
   at::Tensor ids_t = at::empty({b, t}, at::kLong), mask_t = at::empty({b, t}, at::kLong);
+  at::Tensor w_t = at::empty({b, t}, at::kFloat);
   for (int64_t i = 0; i < b; ++i) {
     for (int64_t j = 0; j < t; ++j) {
       ids_t[i][j] = ids[i][j];
       mask_t[i][j] = mask[i][j];
+      w_t[i][j] = weights[i][j];
     }
   }
   at::Tensor got = FullLogits(*model, ids_t, mask_t);
@@ -242,6 +257,40 @@ void ExpectMatchesHfReference(const std::string& model_type) {
   EXPECT_LE(max_diff, 1e-4) << model_type;
   // The comparison means something: logits are O(1) and differ across positions.
   EXPECT_GT((expected * real).abs().max().item<double>(), 0.5);
+
+  // Log-probs of each next token and the gradient of L = sum w * mask * logp, with autograd.
+  model->SetRequiresGrad(true);
+  at::Tensor logp = at::log_softmax(model->Logits(model->ForwardHidden(ids_t, mask_t)), -1)
+                        .narrow(1, 0, t - 1)
+                        .gather(-1, ids_t.narrow(1, 1, t - 1).unsqueeze(-1))
+                        .squeeze(-1);  // [B, T-1]
+  at::Tensor m = mask_t.narrow(1, 1, t - 1).to(at::kFloat);
+  at::Tensor loss = (w_t.narrow(1, 1, t - 1) * m * logp).sum();
+  loss.backward();
+  for (int64_t i = 0; i < b; ++i) {
+    for (int64_t j = 1; j < t; ++j) {
+      if (mask[i][j] == 0) continue;
+      EXPECT_NEAR(logp[i][j - 1].item<double>(), ref["logprobs"][i][j].get<double>(), 1e-4)
+          << model_type << " row " << i << " t " << j;
+    }
+  }
+  EXPECT_NEAR(loss.item<double>(), ref["loss"].get<double>(), 1e-3 * std::abs(loss.item<double>()));
+  const json& grads = ref["grads"];
+  NamedTensors ours = model->NamedParameters();
+  std::map<std::string, at::Tensor> by_name(ours.begin(), ours.end());
+  ASSERT_EQ(by_name.size(), grads.size()) << model_type;
+  for (const auto& [name, values] : grads.items()) {
+    ASSERT_TRUE(by_name.count(name)) << model_type << ": transformers has " << name;
+    const at::Tensor& p = by_name[name];
+    ASSERT_TRUE(p.grad().defined()) << name;
+    std::vector<float> g = values.get<std::vector<float>>();
+    ASSERT_EQ(static_cast<int64_t>(g.size()), p.numel()) << name;
+    at::Tensor want = at::from_blob(g.data(), p.sizes(), at::kFloat).clone();
+    const double scale = want.abs().max().item<double>();
+    EXPECT_GT(scale, 0.0) << name;  // every parameter gets a gradient from this loss
+    EXPECT_LE((p.grad() - want).abs().max().item<double>(), 1e-4 * std::max(1.0, scale))
+        << model_type << " " << name;
+  }
 }
 
 TEST(ModelReference, Qwen2TiedMatchesHfReferenceWithLeftAndRightPadding) {

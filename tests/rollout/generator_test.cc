@@ -1,5 +1,6 @@
 #include "rollout/generator.h"
 
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -67,7 +67,7 @@ TEST_F(CliTools, TokenizeGivesBytesAndSpecialsAndDecodesBack) {
 }
 
 TEST_F(CliTools, LogprobsMatchIndependentReferenceModel) {
-  if (!grpo::testing::HaveReferencePython()) GTEST_SKIP() << "no /usr/bin/python3 with torch";
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch")) << grpo::testing::ReferencePython() << " cannot import torch (deploy/setup.sh)";
   const std::vector<std::vector<int>> seqs = {{257, 72, 101, 108, 108, 111, 258}, {10, 20, 30}};
   const std::string in = dir_ + "/lp_in.jsonl";
   {
@@ -85,7 +85,7 @@ TEST_F(CliTools, LogprobsMatchIndependentReferenceModel) {
     // Reference logits of this sequence alone, log-softmax computed here.
     const std::string ref_in = dir_ + "/ref_in.json", ref_out = dir_ + "/ref_out.json";
     std::ofstream(ref_in) << json{{"input_ids", {s}}, {"attention_mask", {std::vector<int>(s.size(), 1)}}}.dump();
-    const std::string cmd = std::string(grpo::testing::kReferencePython) + " " +
+    const std::string cmd = "'" + grpo::testing::ReferencePython() + "' " +
                             grpo::testing::SourceDir() + "/tests/reference/hf_model_ref.py " +
                             dir_ + " " + ref_in + " " + ref_out;
     ASSERT_EQ(std::system(cmd.c_str()), 0);
@@ -135,6 +135,66 @@ TEST_F(CliTools, GenerateGivesGroupsWithLogprobsAndRewardsPerRow) {
   EXPECT_EQ(out[0]["completions"][0]["rewards"]["accuracy"].get<double>(), 0.0);
   EXPECT_TRUE(out[1]["completions"][0]["rewards"]["accuracy"].is_null());
   EXPECT_NE(out[2]["error"].get<std::string>().find("line 3"), std::string::npos);
+}
+
+// The README's promise "a trained policy loads in Hugging Face tools as it is", checked by
+// Hugging Face's own code: a checkpoint our learner wrote loads with AutoModelForCausalLM and
+// AutoTokenizer unchanged, encodes text to our ids and gives our log-probs.
+TEST_F(CliTools, LearnerCheckpointLoadsInTransformersWithSameIdsAndLogprobs) {
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch transformers"))
+      << grpo::testing::ReferencePython() << " cannot import transformers (deploy/setup.sh)";
+  const std::string out_dir = dir_ + "/trained";
+  int rc;
+  const std::string train = RunCommand(GrpoBin() + " train-local --json --max_steps 2 --seed 3" +
+                                           " --model_name_or_path " + dir_ +
+                                           " --output_dir " + out_dir + " 2>/dev/null",
+                                       &rc);
+  ASSERT_EQ(rc, 0) << train;
+  const std::vector<json> lines = Lines(train);
+  ASSERT_FALSE(lines.empty());
+  const std::string ckpt = lines.back()["checkpoint"].get<std::string>();
+  ASSERT_TRUE(fs::exists(fs::path(ckpt) / "model.safetensors")) << ckpt;
+
+  const std::vector<std::string> texts = {"<|im_start|>user\nhi there<|im_end|>", "2+2=4, caf\u00e9"};
+  const std::string tok_in = dir_ + "/ckpt_tok_in.jsonl";
+  {
+    std::ofstream f(tok_in);
+    for (const auto& t : texts) f << json{{"text", t}}.dump() << "\n";
+  }
+  auto ours = Lines(RunCommand(GrpoBin() + " tokenize --tokenizer " + ckpt + " < " + tok_in, &rc));
+  ASSERT_EQ(rc, 0);
+  ASSERT_EQ(ours.size(), texts.size());
+
+  const std::string lp_in = dir_ + "/ckpt_lp_in.jsonl";
+  {
+    std::ofstream f(lp_in);
+    for (const auto& row : ours) f << json{{"ids", row["ids"]}}.dump() << "\n";
+  }
+  auto our_lp = Lines(RunCommand(GrpoBin() + " logprobs --model " + ckpt + " < " + lp_in, &rc));
+  ASSERT_EQ(rc, 0);
+  ASSERT_EQ(our_lp.size(), texts.size());
+
+  for (size_t b = 0; b < texts.size(); ++b) {
+    const std::vector<int> ids = ours[b]["ids"].get<std::vector<int>>();
+    const std::string ref_in = dir_ + "/ckpt_ref_in.json", ref_out = dir_ + "/ckpt_ref_out.json";
+    std::ofstream(ref_in) << json{{"input_ids", {ids}},
+                                  {"attention_mask", {std::vector<int>(ids.size(), 1)}},
+                                  {"texts", {texts[b]}}}
+                                 .dump();
+    const std::string cmd = "'" + grpo::testing::ReferencePython() + "' " +
+                            grpo::testing::SourceDir() + "/tests/reference/hf_model_ref.py " +
+                            ckpt + " " + ref_in + " " + ref_out + " 2>/dev/null";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    std::ifstream rf(ref_out);
+    const json ref = json::parse(rf);
+    EXPECT_EQ(ref["token_ids"][0].get<std::vector<int>>(), ids) << texts[b];
+    ASSERT_EQ(our_lp[b]["logprobs"].size(), ids.size());
+    for (size_t t = 1; t < ids.size(); ++t) {
+      EXPECT_NEAR(our_lp[b]["logprobs"][t].get<double>(), ref["logprobs"][0][t].get<double>(),
+                  1e-4)
+          << "text " << b << " t " << t;
+    }
+  }
 }
 
 TEST_F(CliTools, ConfigNamesAnUnknownKey) {
