@@ -22,7 +22,7 @@ VENV="${GRPO_VENV:-/opt/grpo-serve/venv}"
 
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
-  libopenblas0-pthread libgloo-dev
+  libgloo-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libboost-dev libboost-system-dev
   nlohmann-json3-dev libspdlog-dev libfmt-dev libcli11-dev libyaml-cpp-dev

@@ -49,6 +49,10 @@ GrpcStore::Connect(std::shared_ptr<grpc::Channel> channel,
   return c10::make_intrusive<GrpcStore>(std::move(call), epoch, timeout);
 }
 
+c10::intrusive_ptr<c10d::Store> GrpcStore::clone() {
+  return c10::make_intrusive<GrpcStore>(call_, epoch_, timeout_);
+}
+
 StatusOr<v1::StoreResponse>
 GrpcStore::Call(v1::StoreRequest request, std::chrono::milliseconds deadline) {
   request.set_group_epoch(epoch_);

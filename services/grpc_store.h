@@ -75,6 +75,9 @@ public:
   void wait(const std::vector<std::string> &keys) override;
   void wait(const std::vector<std::string> &keys,
             const std::chrono::milliseconds &timeout) override;
+  // A second client of the same store (same call, epoch and timeout); libtorch 2.x's c10d
+  // clones a store for each thread that talks to it.
+  c10::intrusive_ptr<c10d::Store> clone() override;
 
 private:
   StatusOr<v1::StoreResponse> Call(v1::StoreRequest request,

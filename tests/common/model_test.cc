@@ -233,8 +233,8 @@ void ExpectMatchesHfReference(const std::string& model_type) {
             json({{"input_ids", ids}, {"attention_mask", mask}, {"loss_weights", weights}})
                 .dump());
   const std::string cmd = "'" + grpo::testing::ReferencePython() + "' '" + script.string() +
-                          "' '" + dir.path().string() + "' '" + (dir / "input.json").string() +
-                          "' '" + (dir / "ref.json").string() + "'";
+                          "' '" + dir.path() + "' '" + (dir / "input.json") +
+                          "' '" + (dir / "ref.json") + "'";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   json ref = json::parse(ReadText(dir / "ref.json"));
   ASSERT_EQ(ref["shape"], json({b, t, v}));
@@ -264,12 +264,14 @@ void ExpectMatchesHfReference(const std::string& model_type) {
                         .narrow(1, 0, t - 1)
                         .gather(-1, ids_t.narrow(1, 1, t - 1).unsqueeze(-1))
                         .squeeze(-1);  // [B, T-1]
-  at::Tensor m = mask_t.narrow(1, 1, t - 1).to(at::kFloat);
+  // A log-prob counts where the token and its context position are real (a left-padded row's
+  // first real token is predicted from padding: garbage on both sides).
+  at::Tensor m = (mask_t.narrow(1, 1, t - 1) * mask_t.narrow(1, 0, t - 1)).to(at::kFloat);
   at::Tensor loss = (w_t.narrow(1, 1, t - 1) * m * logp).sum();
   loss.backward();
   for (int64_t i = 0; i < b; ++i) {
     for (int64_t j = 1; j < t; ++j) {
-      if (mask[i][j] == 0) continue;
+      if (mask[i][j] == 0 || mask[i][j - 1] == 0) continue;
       EXPECT_NEAR(logp[i][j - 1].item<double>(), ref["logprobs"][i][j].get<double>(), 1e-4)
           << model_type << " row " << i << " t " << j;
     }

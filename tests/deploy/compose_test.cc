@@ -191,8 +191,13 @@ TEST(DeployDockerfile, TwoDebianStagesNonRootUserAndGrpoEntrypoint) {
   EXPECT_NE(d.find("\nUSER 10001:10001\n"), std::string::npos);
   EXPECT_NE(d.find("\nENTRYPOINT [\"grpo\"]\n"), std::string::npos);
   const std::vector<std::string> pkgs = RuntimePackages(d);
-  EXPECT_TRUE(Contains(pkgs, "libtorch1.13")) << "runtime packages parsed wrong";
-  EXPECT_TRUE(Contains(pkgs, "libopenblas0-pthread"));
+  EXPECT_TRUE(Contains(pkgs, "libgrpc++1.51")) << "runtime packages parsed wrong";
+  EXPECT_FALSE(Contains(pkgs, "libtorch1.13")) << "one libtorch: the wheel's, copied from the builder";
+  for (const char* dir : {"/opt/grpo-serve/venv/lib/python3.11/site-packages/torch/lib",
+                          "/opt/grpo-serve/venv/lib/python3.11/site-packages/nvidia"}) {
+    EXPECT_NE(d.find(std::string("COPY --from=builder ") + dir + " " + dir), std::string::npos)
+        << dir;
+  }
   if (!HaveTool("apt-cache") || RunShell("apt-cache show --no-all-versions libc6").rc != 0) {
     return;  // no package index to look the names up in
   }
@@ -242,6 +247,29 @@ TEST(DeployDockerfile, RuntimePackagesCoverTheBinarysSharedLibraries) {
     EXPECT_TRUE(provided.count(p) > 0) << p << " (a library of grpo) is not installed by the "
                                        << "runtime stage of deploy/Dockerfile";
   }
+  // Libraries that no package owns (libtorch and CUDA's, from the venv) lie under a folder the
+  // runtime stage copies from the builder to the same path.
+  const std::string dockerfile = ReadRepoFile("deploy/Dockerfile");
+  const CommandResult unowned = RunShell(
+      std::string("ldd ") + bin + " | awk '$3 ~ /^\\/opt\\// {print $3}' | xargs -r readlink -f");
+  std::istringstream ul(unowned.out);
+  int venv_libs = 0;
+  for (std::string lib; std::getline(ul, lib);) {
+    ++venv_libs;
+    bool copied = false;
+    std::istringstream dl2(dockerfile);
+    for (std::string line; std::getline(dl2, line);) {
+      std::istringstream words(line);
+      std::string copy, from, src, dst;
+      words >> copy >> from >> src >> dst;
+      if (copy == "COPY" && from == "--from=builder" && src == dst &&
+          lib.rfind(src + "/", 0) == 0) {
+        copied = true;
+      }
+    }
+    EXPECT_TRUE(copied) << lib << " (a library of grpo) is not copied into the runtime stage";
+  }
+  EXPECT_GT(venv_libs, 0) << "libtorch comes from the venv";
 }
 
 }  // namespace

@@ -13,7 +13,7 @@ Usage: hf_model_ref.py MODEL_DIR INPUT_JSON OUTPUT_JSON
                 "logprobs": [[B][T] log p(ids[t] | ids[<t]), null at t = 0],
                 "loss": L, "grads": {param name: [flat float32]}   (with loss_weights),
                 "token_ids": [[...], ...]                         (with texts)}
-  The scalar loss is L = sum_{b,t>=1} loss_weights[b][t] * mask[b][t] * logprobs[b][t]; its
+  The scalar loss is L = sum_{b,t>=1} w[b][t] * mask[b][t] * mask[b][t-1] * logprobs[b][t]; its
   gradient is taken with respect to every parameter by name as transformers names them.
 """
 import json
@@ -56,7 +56,7 @@ def main(argv):
         out["logprobs"] = rows
         if want_grad:
             w = torch.tensor(inp["loss_weights"], dtype=torch.float32)[:, 1:]
-            m = attention_mask[:, 1:].float()
+            m = (attention_mask[:, 1:] * attention_mask[:, :-1]).float()  # real token, real context
             loss = (w * m * token_logp).sum()
             loss.backward()
             loss = loss.detach()
