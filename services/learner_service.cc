@@ -554,14 +554,16 @@ Status LearnerServer::PublishWeights() {
   } catch (const c10::Error& e) {
     return Status::Internal(std::string("snapshot weights: ") + e.what_without_backtrace());
   }
+  // Observed before the version becomes visible: whoever sees published_version() >= v (under
+  // mu_) also sees this observation (learner_metrics_test raced with it when it came after).
+  metrics_.weight_sync_duration->Observe(
+      std::chrono::duration<double>(Clock::now() - publish_start).count());
   {
     std::lock_guard<std::mutex> lock(mu_);
     weights_ = std::move(snap);
     last_published_step_ = global_step_;
   }
   state_cv_.notify_all();
-  metrics_.weight_sync_duration->Observe(
-      std::chrono::duration<double>(Clock::now() - publish_start).count());
   return Status::OK();
 }
 
