@@ -65,7 +65,10 @@ StatusOr<AdvantageResult> Compute(const at::Tensor& rewards_per_fn,
   double* adv = advantages.data_ptr<double>();
   bool* kp = keep.data_ptr<bool>();
 
-  // Combine: nansum over functions; any +-inf drops the sample.
+  // Combine: nansum over functions; any +-inf drops the sample. A sample whose every function
+  // returned null is unscorable (TRL's PR 5902): its reward is NaN, it is left out of every
+  // statistic below and its advantage is 0.
+  std::vector<bool> scorable(n, false);
   for (int64_t i = 0; i < n; ++i) {
     double sum = 0.0;
     for (int64_t j = 0; j < k; ++j) {
@@ -75,12 +78,16 @@ StatusOr<AdvantageResult> Compute(const at::Tensor& rewards_per_fn,
         kp[i] = false;
         break;
       }
+      scorable[i] = true;
       sum += weights[j] * v;
     }
-    if (kp[i]) {
+    if (!kp[i]) {
+      ++out.num_dropped;
+    } else if (scorable[i]) {
       rew[i] = sum;
     } else {
-      ++out.num_dropped;
+      rew[i] = kNaN;
+      ++out.num_unscorable;
     }
   }
 
@@ -88,7 +95,7 @@ StatusOr<AdvantageResult> Compute(const at::Tensor& rewards_per_fn,
   std::vector<std::vector<double>> members(num_groups);
   std::vector<double> kept_rewards;
   for (int64_t i = 0; i < n; ++i) {
-    if (!kp[i]) continue;
+    if (!kp[i] || !scorable[i]) continue;
     members[group[i]].push_back(rew[i]);
     kept_rewards.push_back(rew[i]);
   }
@@ -108,22 +115,21 @@ StatusOr<AdvantageResult> Compute(const at::Tensor& rewards_per_fn,
   const double batch_mean = Mean(kept_rewards);
   const double batch_std = UnbiasedStd(kept_rewards, batch_mean);
 
-  double std_sum = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    if (!kp[i]) continue;
+    if (!kp[i] || !scorable[i]) continue;
     const int64_t g = group[i];
     const double scale_std = config.scale_rewards == ScaleRewards::kBatch ? batch_std : g_std[g];
-    std_sum += scale_std;
     if (g_all_equal[g]) continue;  // A = 0 exactly (GRPO_SPEC.md)
     double a = rew[i] - g_mean[g];
     if (config.scale_rewards != ScaleRewards::kNone) a /= scale_std + kAdvantageStdEpsilon;
     adv[i] = a;
   }
 
-  const int64_t kept = n - out.num_dropped;
+  const int64_t scored = static_cast<int64_t>(kept_rewards.size());
   out.num_groups = groups_present;
-  out.reward_mean = kept > 0 ? batch_mean : kNaN;
-  out.reward_std = kept > 0 ? std_sum / static_cast<double>(kept) : kNaN;
+  // TRL logs the std of the whole batch's rewards (its PR 4785), not the mean of group stds.
+  out.reward_mean = scored > 0 ? batch_mean : kNaN;
+  out.reward_std = scored > 1 ? batch_std : kNaN;
   out.frac_reward_zero_std =
       groups_present > 0 ? static_cast<double>(groups_zero_std) / groups_present : kNaN;
 

@@ -31,18 +31,21 @@ struct AdvantageConfig {
   std::vector<double> reward_weights{};  // one per reward function; empty = all 1
 };
 
-// Everything is computed over the kept samples only. A group with fewer than two kept samples
-// has std 0 (its advantages are 0). Groups whose kept rewards are all equal have A = 0 exactly.
+// Everything is computed over the kept, scorable samples only (a sample is unscorable when every
+// reward function returned null: TRL's PR 5902). A group with fewer than two such samples has
+// std 0 (its advantages are 0). Groups whose kept rewards are all equal have A = 0 exactly.
 struct AdvantageResult {
-  at::Tensor rewards;     // [N] float64: sum_k w_k r_{i,k}, nulls as 0; 0 for dropped samples
-  at::Tensor advantages;  // [N] float64; 0 for dropped samples
+  at::Tensor rewards;     // [N] float64: sum_k w_k r_{i,k}, nulls as 0; 0 for dropped samples,
+                          // NaN for unscorable ones
+  at::Tensor advantages;  // [N] float64; 0 for dropped and unscorable samples
   at::Tensor keep;        // [N] bool: false where some reward was +-inf (sample dropped)
   int64_t num_dropped = 0;
+  int64_t num_unscorable = 0;  // kept samples whose every reward function returned null
   int64_t num_groups = 0;  // groups with at least one kept sample
   // TRL metric names in comments. Means/stds over kept samples.
   double reward_mean = 0.0;           // `reward`
-  double reward_std = 0.0;            // `reward_std`: mean over kept samples of the std used to
-                                      // scale (group std for group|none, batch std for batch)
+  double reward_std = 0.0;            // `reward_std`: unbiased std of the batch's rewards (TRL
+                                      // since its PR 4785); NaN with fewer than two
   double frac_reward_zero_std = 0.0;  // `frac_reward_zero_std`: fraction of groups all-equal
   // Per reward function, over kept samples with a non-null value (TRL nanmean / nanstd):
   std::vector<double> reward_fn_mean;  // `rewards/<fn>/mean`; NaN when no value at all

@@ -114,9 +114,10 @@ Status GrpoLossConfig::Validate() const {
 void GrpoLossMetrics::Merge(const GrpoLossMetrics& o) {
   loss += o.loss;
   tokens += o.tokens;
-  clip_low_tokens += o.clip_low_tokens;
-  clip_high_tokens += o.clip_high_tokens;
-  clip_region_tokens += o.clip_region_tokens;
+  micro_batches += o.micro_batches;
+  clip_low_sum += o.clip_low_sum;
+  clip_high_sum += o.clip_high_sum;
+  clip_region_sum += o.clip_region_sum;
   kl_sum += o.kl_sum;
   is_ratio_sum += o.is_ratio_sum;
   is_ratio_tokens += o.is_ratio_tokens;
@@ -125,14 +126,20 @@ void GrpoLossMetrics::Merge(const GrpoLossMetrics& o) {
   has_is_ratio = has_is_ratio || o.has_is_ratio;
 }
 
-double GrpoLossMetrics::ClipLowMean() const { return tokens > 0 ? clip_low_tokens / tokens : 0.0; }
+namespace {
+double PerMicroBatchMean(double sum, int64_t micro_batches) {
+  return micro_batches > 0 ? sum / static_cast<double>(micro_batches) : 0.0;
+}
+}  // namespace
+
+double GrpoLossMetrics::ClipLowMean() const { return PerMicroBatchMean(clip_low_sum, micro_batches); }
 double GrpoLossMetrics::ClipHighMean() const {
-  return tokens > 0 ? clip_high_tokens / tokens : 0.0;
+  return PerMicroBatchMean(clip_high_sum, micro_batches);
 }
 double GrpoLossMetrics::ClipRegionMean() const {
-  return tokens > 0 ? clip_region_tokens / tokens : 0.0;
+  return PerMicroBatchMean(clip_region_sum, micro_batches);
 }
-double GrpoLossMetrics::KlMean() const { return tokens > 0 ? kl_sum / tokens : 0.0; }
+double GrpoLossMetrics::KlMean() const { return PerMicroBatchMean(kl_sum, micro_batches); }
 double GrpoLossMetrics::IsRatioMean() const {
   return is_ratio_tokens > 0 ? is_ratio_sum / is_ratio_tokens : 0.0;
 }
@@ -233,7 +240,7 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
       const at::Tensor w =
           config.importance_sampling_correction == ImportanceSamplingCorrection::kTokenTruncate
               ? at::clamp_max(is_ratio, cap)
-              : (is_ratio <= cap).to(dt);
+              : is_ratio * (is_ratio <= cap).to(dt);  // token_mask keeps the ratio (TRL #4530)
       per_token = per_token * w;
     }
     at::Tensor kl;  // [B, T]
@@ -263,15 +270,20 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
         break;
     }
 
-    // Metrics (GRPO_SPEC.md): clip flags use the raw ratio, means are over masked tokens.
+    // Metrics (GRPO_SPEC.md, TRL 1.16): clip flags on the ratio the loss uses (after the delta
+    // clamp); means over this micro-batch's masked tokens, or over its sequences with
+    // sequence-level importance sampling (one flag per sequence).
     at::Tensor stats;
     {
       at::NoGradGuard no_grad;
-      const at::Tensor r = ratio.detach().expand({b, t});
+      const bool per_sequence =
+          config.importance_sampling_level == ImportanceSamplingLevel::kSequence;
+      const at::Tensor r = c1.detach();  // [B, T] or [B, 1]
       const at::Tensor low = (r < 1.0 - eps_low) & (a < 0);
       const at::Tensor high = (r > 1.0 + eps_high) & (a > 0);
-      std::vector<at::Tensor> parts = {loss.detach(), m.sum(), (low.to(dt) * m).sum(),
-                                       (high.to(dt) * m).sum(), ((low | high).to(dt) * m).sum()};
+      const at::Tensor w = per_sequence ? at::ones({b, 1}, m.options()) : m;
+      std::vector<at::Tensor> parts = {loss.detach(), m.sum(), (low.to(dt) * w).sum(),
+                                       (high.to(dt) * w).sum(), ((low | high).to(dt) * w).sum()};
       parts.push_back(kl.defined() ? (kl.detach() * m).sum() : zero);
       if (is_ratio.defined()) {
         parts.push_back((is_ratio * m).sum());
@@ -288,11 +300,16 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
     GrpoLossMetrics& mt = out.metrics;
     mt.loss = s[0];
     mt.tokens = s[1];
-    mt.clip_low_tokens = s[2];
-    mt.clip_high_tokens = s[3];
-    mt.clip_region_tokens = s[4];
+    mt.micro_batches = 1;
+    const double flag_den =
+        config.importance_sampling_level == ImportanceSamplingLevel::kSequence
+            ? static_cast<double>(b)
+            : std::max(1.0, s[1]);
+    mt.clip_low_sum = s[2] / flag_den;
+    mt.clip_high_sum = s[3] / flag_den;
+    mt.clip_region_sum = s[4] / flag_den;
     mt.has_kl = kl.defined();
-    mt.kl_sum = s[5];
+    mt.kl_sum = s[5] / std::max(1.0, s[1]);
     mt.has_is_ratio = is_ratio.defined();
     mt.is_ratio_sum = s[6];
     mt.is_ratio_tokens = is_ratio.defined() ? s[1] : 0.0;

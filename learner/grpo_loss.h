@@ -67,22 +67,27 @@ struct GrpoLossInputs {
 
 // Sums and counts, so micro-batches (and ranks) aggregate exactly: Merge() them over a step,
 // then read the means. Token counts are over masked (mask == 1) tokens.
+// Metrics of one micro-batch, or of several merged. TRL 1.16 logs `kl` and the clip ratios of an
+// optimizer step as the mean over its micro-batches of each micro-batch's mean (over its masked
+// tokens; over its sequences for the clip flags with sequence-level importance sampling), so
+// the *_sum fields hold sums of per-micro-batch means.
 struct GrpoLossMetrics {
-  double loss = 0.0;                // sum of the micro-batch loss values = the step's `loss`
-  double tokens = 0.0;              // masked completion tokens
-  double clip_low_tokens = 0.0;     // ratio < 1 - epsilon and A < 0
-  double clip_high_tokens = 0.0;    // ratio > 1 + epsilon_high and A > 0
-  double clip_region_tokens = 0.0;  // either of the above
-  double kl_sum = 0.0;              // sum of exp(ref-logp)-(ref-logp)-1; only when beta != 0
-  double is_ratio_sum = 0.0;        // sum of exp(old - beh); only when beh is given
-  double is_ratio_tokens = 0.0;     // tokens counted in is_ratio_sum
-  double is_ratio_max = 0.0;        // max of exp(old - beh); 0 when none
+  double loss = 0.0;             // sum of the micro-batch loss values = the step's `loss`
+  double tokens = 0.0;           // masked completion tokens
+  int64_t micro_batches = 0;     // micro-batches merged
+  double clip_low_sum = 0.0;     // fraction with ratio < 1 - epsilon and A < 0
+  double clip_high_sum = 0.0;    // fraction with ratio > 1 + epsilon_high and A > 0
+  double clip_region_sum = 0.0;  // fraction with either of the above
+  double kl_sum = 0.0;           // mean of exp(ref-logp)-(ref-logp)-1; only when beta != 0
+  double is_ratio_sum = 0.0;     // sum of exp(old - beh) over tokens; only when beh is given
+  double is_ratio_tokens = 0.0;  // tokens counted in is_ratio_sum
+  double is_ratio_max = 0.0;     // max of exp(old - beh); 0 when none
   bool has_kl = false;
   bool has_is_ratio = false;
 
   void Merge(const GrpoLossMetrics& other);
-  // TRL names: `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean`, `kl`,
-  // and this system's `is_ratio/mean`. 0 when there is no token.
+  // TRL names: `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean`, `kl`
+  // (means over micro-batches), and this system's `is_ratio/mean` (over tokens). 0 when empty.
   double ClipLowMean() const;
   double ClipHighMean() const;
   double ClipRegionMean() const;

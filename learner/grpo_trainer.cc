@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "common/safetensors.h"
@@ -79,6 +80,7 @@ nlohmann::json StepMetrics::ToJson() const {
   j["step_seconds"] = step_seconds;
   j["tokens_per_second"] = tokens_per_second;
   j["peak_memory_bytes"] = peak_memory_bytes;
+  j["micro_batches"] = micro_batches;
   return j;
 }
 
@@ -89,12 +91,31 @@ struct GrpoTrainer::Batch {
   std::vector<int64_t> staleness;
   at::Tensor advantages;  // [N] float32
   at::Tensor rewards;     // [N] float64
+  at::Tensor rewards_per_func;    // [N, K] float64, NaN = null
+  std::vector<int64_t> versions;  // [N] the policy version each sequence was generated with
   bool has_beh = false;
   at::Tensor old;  // [N, Cmax] or undefined (on-policy, one iteration)
   at::Tensor ref;  // [N, Cmax] or undefined (beta == 0)
 
   int64_t size() const { return static_cast<int64_t>(completions.size()); }
 };
+
+// An optimizer step whose micro-batches have been back-propagated (their gradient is in the
+// parameters' .grad) but not yet stepped: it may span generation batches.
+struct GrpoTrainer::OpenStep {
+  int64_t micro = 0;  // micro-batches accumulated
+  std::chrono::steady_clock::time_point start;
+  StepMetrics sm;  // iteration, sequences, completion_tokens, reward metrics so far
+  GrpoLossMetrics lm;
+  double step_completion_tokens = 0;  // dapo's normaliser (unmasked completion tokens)
+  double clipped = 0, staleness_sum = 0, entropy_mean_sum = 0;
+  int64_t all_tokens = 0;
+  // With dumps on: this batch's micro-batches of the step ([b0, b1) rows) and their log-probs.
+  std::vector<std::pair<int64_t, int64_t>> dump_rows;
+  std::vector<at::Tensor> dump_logp;
+};
+
+GrpoTrainer::~GrpoTrainer() = default;
 
 namespace {
 
@@ -349,6 +370,7 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
       batch.prompts.push_back(&kept[gi]->prompt_ids);
       batch.completions.push_back(&c);
       batch.staleness.push_back(policy_version_ - kept[gi]->policy_version);
+      batch.versions.push_back(kept[gi]->policy_version);
       if (c.logprobs.empty()) batch.has_beh = false;
     }
   }
@@ -359,13 +381,18 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
   ASSIGN_OR_RETURN(AdvantageResult adv, ComputeAdvantages(rewards, ac));
   batch.advantages = adv.advantages.to(at::kFloat);
   batch.rewards = adv.rewards;
+  batch.rewards_per_func = rewards;
 
   const int64_t bs = config_.per_device_train_batch_size;
   const int64_t ga = config_.gradient_accumulation_steps;
   const int64_t num_micro = (N + bs - 1) / bs;
   const bool off_policy =
       std::any_of(batch.staleness.begin(), batch.staleness.end(), [](int64_t s) { return s > 0; });
-  const bool need_old = config_.num_iterations > 1 || off_policy;
+  // `old` = logp.detach() only when no optimizer step falls between this batch's generation and
+  // its last micro-batch: on-policy and every pass of it inside the step now open (GRPO_SPEC.md).
+  const int64_t open_micro = open_ ? open_->micro : 0;
+  const bool need_old =
+      off_policy || open_micro + config_.num_iterations * num_micro > ga;
   int64_t cmax = 0;
   for (const auto* c : batch.completions) cmax = std::max<int64_t>(cmax, c->token_ids.size());
 
@@ -395,156 +422,240 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
     }
     return names;
   }();
-  const int64_t total_steps = config_.max_steps;
-  const int64_t warmup =
-      config_.warmup_steps > 0
-          ? config_.warmup_steps
-          : static_cast<int64_t>(std::ceil(config_.warmup_ratio * static_cast<double>(total_steps)));
 
   // Without behaviour log-probs there is nothing to correct against.
   GrpoLossConfig step_loss_config = loss_config_;
   if (!batch.has_beh) {
     step_loss_config.importance_sampling_correction = ImportanceSamplingCorrection::kNone;
   }
+  // dapo divides by the completion tokens of the whole optimizer step, which may span
+  // generation batches: its micro-batches back-propagate the token sum and the step divides the
+  // accumulated gradient (and loss) by the step's tokens before clipping.
+  LossNormaliser norm;
+  norm.gradient_accumulation_steps = ga;
+  norm.step_completion_tokens = 1.0;
 
+  // The micro-batch stream of this batch: num_iterations passes over its micro-batches; an
+  // optimizer step every gradient_accumulation_steps micro-batches of the stream, carried over
+  // to the next generation batch when this one ends inside a step (as TRL does).
   for (int64_t it = 0; it < config_.num_iterations; ++it) {
-    for (int64_t m0 = 0; m0 < num_micro; m0 += ga) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const int64_t m1 = std::min(num_micro, m0 + ga);
-      const int64_t r0 = m0 * bs, r1 = std::min(N, m1 * bs);
-      StepMetrics sm;
-      sm.iteration = it;
-      LossNormaliser norm;
-      norm.gradient_accumulation_steps = ga;
-      int64_t all_tokens = 0;
-      for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t m = 0; m < num_micro; ++m) {
+      if (!open_) {
+        open_ = std::make_unique<OpenStep>();
+        open_->start = std::chrono::steady_clock::now();
+        open_->sm.iteration = it;
+      }
+      OpenStep& os = *open_;
+      const int64_t b0 = m * bs, b1 = std::min(N, b0 + bs);
+      for (int64_t r = b0; r < b1; ++r) {
         const auto* c = batch.completions[r];
         const int64_t len = static_cast<int64_t>(c->token_ids.size());
-        sm.completion_tokens += len;
-        all_tokens += len + static_cast<int64_t>(batch.prompts[r]->size());
+        os.sm.completion_tokens += len;
+        os.all_tokens += len + static_cast<int64_t>(batch.prompts[r]->size());
         if (!(config_.mask_truncated_completions && c->truncated)) {
-          norm.step_completion_tokens += static_cast<double>(len);
+          os.step_completion_tokens += static_cast<double>(len);
         }
-        sm.completions_clipped_ratio += c->truncated ? 1.0 : 0.0;
-        sm.staleness_mean += static_cast<double>(batch.staleness[r]);
+        os.clipped += c->truncated ? 1.0 : 0.0;
+        os.staleness_sum += static_cast<double>(batch.staleness[r]);
       }
-      sm.sequences = r1 - r0;
-      sm.completions_mean_length = static_cast<double>(sm.completion_tokens) / sm.sequences;
-      sm.completions_clipped_ratio /= static_cast<double>(sm.sequences);
-      sm.staleness_mean /= static_cast<double>(sm.sequences);
-      if (loss_config_.loss_type == LossType::kDapo && norm.step_completion_tokens == 0) {
-        norm.step_completion_tokens = 1;  // every completion masked: zero loss, no gradient
-      }
-
-      GrpoLossMetrics lm;
-      double entropy_sum = 0, entropy_tokens = 0;
-      at::Tensor first_logp;
+      os.sm.sequences += b1 - b0;
+      os.sm.reward = adv.reward_mean;
+      os.sm.reward_std = adv.reward_std;
+      os.sm.frac_reward_zero_std = adv.frac_reward_zero_std;
+      os.sm.reward_names = reward_names;
+      os.sm.reward_fn_mean = adv.reward_fn_mean;
+      os.sm.reward_fn_std = adv.reward_fn_std;
       try {
-        optimizer_->ZeroGrad();
-        for (int64_t m = m0; m < m1; ++m) {
-          const int64_t b0 = m * bs, b1 = std::min(N, b0 + bs);
-          MicroBatch mb = MakeMicroBatch(batch.prompts, batch.completions, b0, b1,
-                                         batch.has_beh, config_.mask_truncated_completions);
-          at::Tensor entropy, logp;
-          const int64_t C = mb.labels.size(1);
-          GrpoLossInputs in;
-          in.mask = mb.completion_mask;
-          in.advantages = batch.advantages.narrow(0, b0, b1 - b0);
-          if (batch.old.defined()) in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C);
-          if (batch.ref.defined()) in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C);
-          if (batch.has_beh) in.beh = mb.beh;
-          GrpoLossOutput out;
-          if (loss_config_.importance_sampling_level == ImportanceSamplingLevel::kToken) {
-            ASSIGN_OR_RETURN(out, FusedMicroBatchBackward(*policy_, mb, config_, step_loss_config,
-                                                          norm, in, &logp, &entropy));
-          } else {  // sequence-level ratios couple a sequence's tokens: autograd through them
-            logp = CompletionLogprobs(*policy_, mb, config_, &entropy);
-            in.logp = logp;
-            ASSIGN_OR_RETURN(out, ComputeGrpoLoss(step_loss_config, in, norm));
-            out.loss.backward();
-          }
-          lm.Merge(out.metrics);
-          entropy_sum += (entropy * mb.completion_mask).sum().item<double>();
-          entropy_tokens += mb.completion_mask.sum().item<double>();
-          if (m == m0 && !config_.dump_batches_dir.empty()) first_logp = logp.detach();
+        if (os.micro == 0) optimizer_->ZeroGrad();
+        MicroBatch mb = MakeMicroBatch(batch.prompts, batch.completions, b0, b1, batch.has_beh,
+                                       config_.mask_truncated_completions);
+        at::Tensor entropy, logp;
+        const int64_t C = mb.labels.size(1);
+        GrpoLossInputs in;
+        in.mask = mb.completion_mask;
+        in.advantages = batch.advantages.narrow(0, b0, b1 - b0);
+        if (batch.old.defined()) in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C);
+        if (batch.ref.defined()) in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C);
+        if (batch.has_beh) in.beh = mb.beh;
+        GrpoLossOutput out;
+        if (loss_config_.importance_sampling_level == ImportanceSamplingLevel::kToken) {
+          ASSIGN_OR_RETURN(out, FusedMicroBatchBackward(*policy_, mb, config_, step_loss_config,
+                                                        norm, in, &logp, &entropy));
+        } else {  // sequence-level ratios couple a sequence's tokens: autograd through them
+          logp = CompletionLogprobs(*policy_, mb, config_, &entropy);
+          in.logp = logp;
+          ASSIGN_OR_RETURN(out, ComputeGrpoLoss(step_loss_config, in, norm));
+          out.loss.backward();
         }
-        sm.grad_norm = ClipGradNorm(policy_->Parameters(), config_.max_grad_norm);
-        if (!std::isfinite(sm.grad_norm)) {
-          optimizer_->ZeroGrad();
-          return Status::Internal("non-finite gradient norm at step " +
-                                  std::to_string(global_step_ + 1) + "; step skipped");
+        os.lm.Merge(out.metrics);
+        // TRL: the step's entropy is the mean over micro-batches of each one's token mean.
+        const double mb_tokens = mb.completion_mask.sum().item<double>();
+        os.entropy_mean_sum +=
+            (entropy * mb.completion_mask).sum().item<double>() / std::max(1.0, mb_tokens);
+        if (!config_.dump_batches_dir.empty()) {
+          os.dump_rows.push_back({b0, b1});
+          os.dump_logp.push_back(logp.detach());
         }
-        sm.learning_rate = LearningRateAt(schedule_, config_.learning_rate, global_step_, warmup,
-                                          total_steps);
-        optimizer_->Step(sm.learning_rate);
-        optimizer_->ZeroGrad();
       } catch (const c10::Error& e) {
         optimizer_->ZeroGrad();
+        open_.reset();
         return Status::Internal(std::string("training step: ") + e.what_without_backtrace());
       }
-      ++global_step_;
-      ++policy_version_;
-      sm.step = global_step_;
-      sm.policy_version = policy_version_;
-      sm.loss = lm.loss;
-      sm.clip_ratio_low = lm.ClipLowMean();
-      sm.clip_ratio_high = lm.ClipHighMean();
-      sm.clip_ratio_region = lm.ClipRegionMean();
-      sm.has_kl = lm.has_kl;
-      sm.kl = lm.KlMean();
-      sm.has_is_ratio = lm.has_is_ratio;
-      sm.is_ratio_mean = lm.IsRatioMean();
-      sm.is_ratio_max = lm.is_ratio_max;
-      sm.entropy = entropy_tokens > 0 ? entropy_sum / entropy_tokens : 0.0;
-      sm.reward = adv.reward_mean;
-      sm.reward_std = adv.reward_std;
-      sm.frac_reward_zero_std = adv.frac_reward_zero_std;
-      sm.reward_names = reward_names;
-      sm.reward_fn_mean = adv.reward_fn_mean;
-      sm.reward_fn_std = adv.reward_fn_std;
-      sm.step_seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      sm.tokens_per_second = static_cast<double>(all_tokens) / std::max(1e-9, sm.step_seconds);
-      sm.peak_memory_bytes = PeakResidentBytes();
-      if (!config_.dump_batches_dir.empty()) {
-        std::vector<int64_t> rows;
-        for (int64_t r = r0; r < r1; ++r) rows.push_back(r);
-        RETURN_IF_ERROR(DumpStep(batch, rows, first_logp, sm));
-      }
+      if (++os.micro < ga) continue;
+      ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(&batch, ga));
       result.steps.push_back(std::move(sm));
     }
+  }
+  // Rows of this batch in a step still open are dumped with that step's later rows: keep the
+  // batch alive for it by dumping them now, under the step's number-to-be, when dumps are on.
+  if (open_ && !config_.dump_batches_dir.empty() && !open_->dump_rows.empty()) {
+    RETURN_IF_ERROR(DumpRows(batch, *open_, global_step_ + 1, "-part"));
+    open_->dump_rows.clear();
+    open_->dump_logp.clear();
   }
   return result;
 }
 
-Status GrpoTrainer::DumpStep(const Batch& batch, const std::vector<int64_t>& rows,
-                             const at::Tensor& logp, const StepMetrics& metrics) const {
-  const int64_t r0 = rows.front(), n = static_cast<int64_t>(rows.size());
-  MicroBatch mb = MakeMicroBatch(batch.prompts, batch.completions, r0, r0 + n, batch.has_beh,
+int64_t GrpoTrainer::open_step_micro_batches() const { return open_ ? open_->micro : 0; }
+
+StatusOr<std::optional<StepMetrics>> GrpoTrainer::FlushPartialStep() {
+  if (!open_ || open_->micro == 0) {
+    open_.reset();
+    return std::optional<StepMetrics>();
+  }
+  ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(nullptr, open_->micro));
+  return std::optional<StepMetrics>(std::move(sm));
+}
+
+StatusOr<StepMetrics> GrpoTrainer::FinishStep(const Batch* batch, int64_t divisor) {
+  OpenStep& os = *open_;
+  StepMetrics sm = os.sm;
+  const bool dapo = loss_config_.loss_type == LossType::kDapo;
+  // grpo / bnpo / dr_grpo divided each micro-batch by gradient_accumulation_steps; a partial
+  // step (FlushPartialStep) divides by its own count instead.
+  const double scale =
+      dapo ? 1.0 / std::max(1.0, os.step_completion_tokens)
+           : static_cast<double>(config_.gradient_accumulation_steps) / static_cast<double>(divisor);
+  try {
+    if (scale != 1.0) {
+      at::NoGradGuard no_grad;
+      for (at::Tensor& p : policy_->Parameters()) {
+        if (p.grad().defined()) p.mutable_grad().mul_(scale);
+      }
+    }
+    sm.grad_norm = ClipGradNorm(policy_->Parameters(), config_.max_grad_norm);
+    if (!std::isfinite(sm.grad_norm)) {
+      optimizer_->ZeroGrad();
+      open_.reset();
+      return Status::Internal("non-finite gradient norm at step " +
+                              std::to_string(global_step_ + 1) + "; step skipped");
+    }
+    const int64_t total_steps = config_.max_steps;
+    const int64_t warmup = config_.warmup_steps > 0
+                               ? config_.warmup_steps
+                               : static_cast<int64_t>(std::ceil(
+                                     config_.warmup_ratio * static_cast<double>(total_steps)));
+    sm.learning_rate =
+        LearningRateAt(schedule_, config_.learning_rate, global_step_, warmup, total_steps);
+    optimizer_->Step(sm.learning_rate);
+    optimizer_->ZeroGrad();
+  } catch (const c10::Error& e) {
+    optimizer_->ZeroGrad();
+    open_.reset();
+    return Status::Internal(std::string("training step: ") + e.what_without_backtrace());
+  }
+  ++global_step_;
+  ++policy_version_;
+  sm.step = global_step_;
+  sm.policy_version = policy_version_;
+  sm.loss = os.lm.loss * scale;
+  const double seqs = static_cast<double>(std::max<int64_t>(1, sm.sequences));
+  sm.completions_mean_length = static_cast<double>(sm.completion_tokens) / seqs;
+  sm.completions_clipped_ratio = os.clipped / seqs;
+  sm.staleness_mean = os.staleness_sum / seqs;
+  sm.clip_ratio_low = os.lm.ClipLowMean();
+  sm.clip_ratio_high = os.lm.ClipHighMean();
+  sm.clip_ratio_region = os.lm.ClipRegionMean();
+  sm.has_kl = os.lm.has_kl;
+  sm.kl = os.lm.KlMean();
+  sm.has_is_ratio = os.lm.has_is_ratio;
+  sm.is_ratio_mean = os.lm.IsRatioMean();
+  sm.is_ratio_max = os.lm.is_ratio_max;
+  sm.entropy = os.micro > 0 ? os.entropy_mean_sum / static_cast<double>(os.micro) : 0.0;
+  sm.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - os.start).count();
+  sm.tokens_per_second = static_cast<double>(os.all_tokens) / std::max(1e-9, sm.step_seconds);
+  sm.peak_memory_bytes = PeakResidentBytes();
+  sm.micro_batches = os.micro;
+  if (batch != nullptr && !config_.dump_batches_dir.empty() && !os.dump_rows.empty()) {
+    os.sm = sm;
+    RETURN_IF_ERROR(DumpRows(*batch, os, sm.step, ""));
+  }
+  open_.reset();
+  return sm;
+}
+
+Status GrpoTrainer::DumpRows(const Batch& batch, const OpenStep& os, int64_t step,
+                             const char* suffix) const {
+  // The step's micro-batches of this batch, in stream order (a pass of num_iterations > 1 in
+  // the same step repeats rows, each with its own log-probs).
+  std::vector<int64_t> rows;
+  for (const auto& [b0, b1] : os.dump_rows) {
+    for (int64_t r = b0; r < b1; ++r) rows.push_back(r);
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
+  std::vector<const std::vector<int32_t>*> prompts;
+  std::vector<const common::Completion*> completions;
+  for (int64_t r : rows) {
+    prompts.push_back(batch.prompts[r]);
+    completions.push_back(batch.completions[r]);
+  }
+  MicroBatch mb = MakeMicroBatch(prompts, completions, 0, n, batch.has_beh,
                                  config_.mask_truncated_completions);
   const int64_t P = mb.prompt_len, C = mb.completion_len;
+  const at::Tensor index = at::tensor(rows, at::kLong);
   common::NamedTensors t;
   t.emplace_back("prompt_ids", mb.ids.narrow(1, 0, P).contiguous());
   t.emplace_back("prompt_mask", mb.attention_mask.narrow(1, 0, P).contiguous());
   t.emplace_back("completion_ids", mb.labels);
   t.emplace_back("completion_mask", mb.completion_mask);
-  t.emplace_back("rewards", batch.rewards.narrow(0, r0, n).contiguous());
-  t.emplace_back("advantages", batch.advantages.narrow(0, r0, n).contiguous());
+  t.emplace_back("rewards", batch.rewards.index_select(0, index).contiguous());
+  t.emplace_back("rewards_per_func", batch.rewards_per_func.index_select(0, index).contiguous());
+  t.emplace_back("advantages", batch.advantages.index_select(0, index).contiguous());
+  at::Tensor version = at::empty({n}, at::kLong), truncated = at::empty({n}, at::kLong);
+  for (int64_t i = 0; i < n; ++i) {
+    version[i] = batch.versions[rows[i]];
+    truncated[i] = completions[i]->truncated ? 1 : 0;
+  }
+  t.emplace_back("policy_version", version);
+  t.emplace_back("truncated", truncated);
   if (batch.old.defined()) {
-    t.emplace_back("old_logprobs", batch.old.narrow(0, r0, n).narrow(1, 0, C).contiguous());
+    t.emplace_back("old_logprobs", batch.old.index_select(0, index).narrow(1, 0, C).contiguous());
   }
   if (batch.ref.defined()) {
-    t.emplace_back("ref_logprobs", batch.ref.narrow(0, r0, n).narrow(1, 0, C).contiguous());
+    t.emplace_back("ref_logprobs", batch.ref.index_select(0, index).narrow(1, 0, C).contiguous());
   }
   if (mb.beh.defined()) t.emplace_back("behaviour_logprobs", mb.beh);
-  if (logp.defined()) t.emplace_back("logprobs_first_micro_batch", logp.contiguous());
+  at::Tensor logp = at::zeros({n, C}, at::kFloat);
+  int64_t at_row = 0;
+  for (const at::Tensor& lp : os.dump_logp) {
+    logp.narrow(0, at_row, lp.size(0)).narrow(1, 0, lp.size(1)).copy_(lp);
+    at_row += lp.size(0);
+  }
+  t.emplace_back("logprobs", logp);
+  t.emplace_back("logprobs_first_micro_batch", os.dump_logp.front().contiguous());
   std::error_code ec;
   std::filesystem::create_directories(config_.dump_batches_dir, ec);
   char name[64];
-  std::snprintf(name, sizeof(name), "step-%08lld.safetensors",
-                static_cast<long long>(metrics.step));
+  std::snprintf(name, sizeof(name), "step-%08lld%s.safetensors", static_cast<long long>(step),
+                suffix);
   return common::WriteSafetensors(config_.dump_batches_dir + "/" + name, t,
-                                  {{"metrics", metrics.ToJson().dump()}});
+                                  {{"metrics", os.sm.ToJson().dump()},
+                                   {"config", config_.ToJson().dump()},
+                                   {"micro_batch_sizes", [&] {
+                                      nlohmann::json sizes = nlohmann::json::array();
+                                      for (const auto& [b0, b1] : os.dump_rows) sizes.push_back(b1 - b0);
+                                      return sizes.dump();
+                                    }()}});
 }
 
 }  // namespace grpo::learner

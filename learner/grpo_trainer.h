@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,7 @@ struct StepMetrics {
   int64_t sequences = 0, completion_tokens = 0;
   double step_seconds = 0, tokens_per_second = 0;
   int64_t peak_memory_bytes = 0;
+  int64_t micro_batches = 0;  // in this step (gradient_accumulation_steps but for a flush)
 
   nlohmann::json ToJson() const;
 };
@@ -78,6 +80,7 @@ class GrpoTrainer {
  public:
   // `reference` is required when beta != 0 and must be absent otherwise (no reference model
   // is built when beta is 0). InvalidArgument naming the option on a bad config.
+  ~GrpoTrainer();
   static StatusOr<std::unique_ptr<GrpoTrainer>> Create(const common::GrpoConfig& config,
                                                        common::Model* policy,
                                                        std::unique_ptr<common::Model> reference);
@@ -87,11 +90,20 @@ class GrpoTrainer {
   Status ValidateGroup(const common::RolloutGroup& group, RejectReason* reason = nullptr) const;
 
   // Trains on one generation batch: refuses invalid groups (counted), computes advantages,
-  // then num_iterations passes of optimizer steps over the rest. Every step's gradient is the
-  // sum of its micro-batches' (GRPO_SPEC.md "Aggregation"). An error leaves the optimizer and
-  // model as they were before the failing step.
+  // then num_iterations passes over its micro-batches, an optimizer step every
+  // gradient_accumulation_steps micro-batches. Every step's gradient is the sum of its
+  // micro-batches' (GRPO_SPEC.md "Aggregation"). When the batch ends inside a step (its
+  // micro-batches x num_iterations not a multiple of gradient_accumulation_steps) the step stays
+  // open and the next batch completes it, as in TRL; it is never a shorter step divided by the
+  // full count. An error discards the open step and leaves the optimizer and model as they were
+  // before it.
   StatusOr<GenerationBatchResult> TrainGenerationBatch(
       const std::vector<common::RolloutGroup>& groups);
+  // Takes the open step, if any, with the micro-batches it has (normalised by their own count;
+  // at the end of a job). nullopt when no step is open.
+  StatusOr<std::optional<StepMetrics>> FlushPartialStep();
+  // Micro-batches back-propagated into the open step (0 when none is open).
+  int64_t open_step_micro_batches() const;
 
   int64_t global_step() const { return global_step_; }
   int64_t policy_version() const { return policy_version_; }
@@ -109,8 +121,12 @@ class GrpoTrainer {
   GrpoTrainer(common::GrpoConfig config, GrpoLossConfig loss_config, common::Model* policy,
               std::unique_ptr<common::Model> reference);
 
-  Status DumpStep(const Batch& batch, const std::vector<int64_t>& rows, const at::Tensor& logp,
-                  const StepMetrics& metrics) const;
+  struct OpenStep;  // the optimizer step being accumulated
+  // Steps the optimizer on the open step's gradient; `divisor` micro-batches (the accumulation
+  // count, or fewer for a flush). Dumps the step when `batch` is given and dumps are on.
+  StatusOr<StepMetrics> FinishStep(const Batch* batch, int64_t divisor);
+  Status DumpRows(const Batch& batch, const OpenStep& step, int64_t step_number,
+                  const char* suffix) const;
 
   common::GrpoConfig config_;
   GrpoLossConfig loss_config_;
@@ -120,6 +136,7 @@ class GrpoTrainer {
   LrSchedule schedule_ = LrSchedule::kLinear;
   int64_t global_step_ = 0;
   std::atomic<int64_t> policy_version_{0};  // read by ValidateGroup on other threads
+  std::unique_ptr<OpenStep> open_;
 };
 
 // Peak resident set of this process (VmHWM), in bytes; 0 when unknown.

@@ -129,7 +129,15 @@ int RunTrainLocal(const TrainLocalOptions& o) {
   auto rewards = rollout::RewardRunner::FromConfig(cfg, reward_options);
   if (!rewards.ok()) return fail(rewards.status(), 2);
 
-  auto trainer_or = learner::GrpoTrainer::Create(cfg, model.get(), nullptr);
+  // beta != 0: the KL term needs the reference policy, the starting weights (as the learner
+  // service builds it).
+  std::unique_ptr<common::Model> reference;
+  if (cfg.beta != 0.0) {
+    auto ref_or = common::Model::Load(model_dir);
+    if (!ref_or.ok()) return fail(ref_or.status().WithContext("reference model"));
+    reference = std::move(ref_or).value();
+  }
+  auto trainer_or = learner::GrpoTrainer::Create(cfg, model.get(), std::move(reference));
   if (!trainer_or.ok()) return fail(trainer_or.status(), 2);
   learner::GrpoTrainer& trainer = **trainer_or;
   if (!fs::exists(cfg.output_dir)) fs::create_directories(cfg.output_dir);

@@ -82,15 +82,42 @@ TEST(Advantages, NoneScalingIsRewardMinusGroupMean) {
 }
 
 TEST(Advantages, NullRewardCountsAsZeroAndWeightsApply) {
-  // r = 1*r0 + 2*r1 with nulls as 0: {1+2, 0+4, 5+0, 0}.
+  // r = 1*r0 + 2*r1 with nulls as 0: {1+2, 0+4, 5+0}; row 3 has no reward at all.
   auto r = ComputeAdvantages(D2({{1, 1}, {kNaN, 2}, {5, kNaN}, {kNaN, kNaN}}),
                              {.num_generations = 2, .reward_weights = {1.0, 2.0}});
   ASSERT_TRUE(r.ok());
-  const std::vector<double> want = {3, 4, 5, 0};
-  for (int i = 0; i < 4; ++i) EXPECT_DOUBLE_EQ(r->rewards[i].item<double>(), want[i]);
+  const std::vector<double> want = {3, 4, 5};
+  for (int i = 0; i < 3; ++i) EXPECT_DOUBLE_EQ(r->rewards[i].item<double>(), want[i]);
+  EXPECT_TRUE(std::isnan(r->rewards[3].item<double>()));
   EXPECT_EQ(r->num_dropped, 0);
+  EXPECT_EQ(r->num_unscorable, 1);
   EXPECT_DOUBLE_EQ(r->reward_fn_mean[0], 3.0);  // nanmean {1, 5}
   EXPECT_DOUBLE_EQ(r->reward_fn_mean[1], 1.5);  // nanmean {1, 2}
+}
+
+// TRL's PR 5902: a completion whose every reward function returned null is left out of its
+// group's mean and std and gets A = 0 (counting it as 0 would hand it and its group-mates a
+// spurious advantage). Group {2, 0, null}: mean 1, std sqrt(2), so A = +-1 / (sqrt(2) + 1e-4);
+// counted as 0 the mean would be 2/3 and A(null) = -2/3 / (std(2,0,0) + 1e-4) != 0.
+TEST(Advantages, AllNullSampleIsLeftOutOfItsGroupAndGetsZeroAdvantage) {
+  auto r = ComputeAdvantages(D2({{2, kNaN}, {0, kNaN}, {kNaN, kNaN}}), {.num_generations = 3});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const double a = 1.0 / (std::sqrt(2.0) + 1e-4);
+  EXPECT_NEAR(r->advantages[0].item<double>(), a, 1e-12);
+  EXPECT_NEAR(r->advantages[1].item<double>(), -a, 1e-12);
+  EXPECT_EQ(r->advantages[2].item<double>(), 0.0);
+  EXPECT_EQ(r->num_unscorable, 1);
+  EXPECT_DOUBLE_EQ(r->reward_mean, 1.0);  // over the two scored samples
+  EXPECT_NEAR(r->reward_std, std::sqrt(2.0), 1e-12);
+}
+
+// TRL's PR 4785: `reward_std` is the std of all the batch's rewards, not the mean of the group
+// stds. Groups {0, 2} and {10, 12}: group stds are sqrt(2) each, the batch's std of
+// {0, 2, 10, 12} is sqrt(((6^2 + 4^2) * 2) / 3) = sqrt(104 / 3).
+TEST(Advantages, RewardStdIsTheStdOfTheWholeBatch) {
+  auto r = ComputeAdvantages(D2({{0}, {2}, {10}, {12}}), {.num_generations = 2});
+  ASSERT_TRUE(r.ok());
+  EXPECT_NEAR(r->reward_std, std::sqrt(104.0 / 3.0), 1e-12);
 }
 
 TEST(Advantages, NonFiniteRewardDropsTheSampleOnly) {
@@ -176,13 +203,17 @@ TEST(Advantages, MatchReferenceForEveryScaling) {
     ASSERT_EQ(e["advantages"].size(), static_cast<size_t>(r.advantages.size(0)));
     for (int64_t j = 0; j < r.advantages.size(0); ++j) {
       EXPECT_NEAR(r.advantages[j].item<double>(), e["advantages"][j].get<double>(), 1e-9);
-      EXPECT_NEAR(r.rewards[j].item<double>(), e["rewards"][j].get<double>(), 1e-12);
+      if (e["rewards"][j].is_null()) {
+        EXPECT_TRUE(std::isnan(r.rewards[j].item<double>())) << "unscorable row " << j;
+      } else {
+        EXPECT_NEAR(r.rewards[j].item<double>(), e["rewards"][j].get<double>(), 1e-12);
+      }
       EXPECT_EQ(r.keep[j].item<bool>(), e["keep"][j].get<bool>());
     }
     EXPECT_EQ(r.num_dropped, e["num_dropped"].get<int64_t>());
     EXPECT_EQ(r.num_groups, e["num_groups"].get<int64_t>());
     EXPECT_NEAR(r.reward_mean, e["reward_mean"].get<double>(), 1e-9);
-    EXPECT_NEAR(r.reward_std, e["reward_std"].get<double>(), 1e-9);
+    EXPECT_NEAR(r.reward_std, e["reward_std"].get<double>(), 1e-9);  // std of the whole batch
     EXPECT_NEAR(r.frac_reward_zero_std, e["frac_reward_zero_std"].get<double>(), 1e-12);
     for (size_t k = 0; k < r.reward_fn_mean.size(); ++k) {
       const double wm = FromJson(e["reward_fn_mean"][k]), ws = FromJson(e["reward_fn_std"][k]);
@@ -242,6 +273,58 @@ TEST(GrpoLoss, OnPolicyGradientIsMinusAdvantageOverStepTokens) {
   out->loss.backward();
   const at::Tensor want = D2({{-0.2, -0.2, 0}, {0.1, 0.1, 0.1}});
   EXPECT_TRUE(at::allclose(logp.grad(), want, 0, 1e-12)) << logp.grad();
+}
+
+// token_mask keeps the IS ratio below the cap and zeroes the tokens above it (TRL since its
+// PR 4530). On policy (ratio 1), A = 1, two tokens with exp(old - beh) = 2 and 4, cap 3:
+// w = {2, 0}, so the dapo loss over 2 tokens is -(1 * 2 + 0) / 2 = -1 (a 0/1 mask gave -0.5)
+// and d loss / d logp = {-2 / 2, 0}.
+TEST(GrpoLoss, TokenMaskKeepsTheRatioBelowTheCap) {
+  at::Tensor logp = D2({{-1.0, -1.0}}).requires_grad_(true);
+  GrpoLossInputs in{.logp = logp,
+                    .beh = D2({{-1.0 - std::log(2.0), -1.0 - std::log(4.0)}}),
+                    .advantages = D({1.0}),
+                    .mask = D2({{1, 1}})};
+  GrpoLossConfig cfg;
+  cfg.importance_sampling_correction = ImportanceSamplingCorrection::kTokenMask;
+  cfg.importance_sampling_cap = 3.0;
+  auto out = ComputeGrpoLoss(cfg, in, {.step_completion_tokens = 2});
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_NEAR(out->loss.item<double>(), -1.0, 1e-12);
+  out->loss.backward();
+  EXPECT_TRUE(at::allclose(logp.grad(), D2({{-1.0, 0.0}}), 0, 1e-12)) << logp.grad();
+}
+
+// Clip flags use the ratio the loss uses: after the delta clamp (TRL reassigns coef_1). Ratio
+// e^{0.5} = 1.65 with A > 0 is above 1 + epsilon (high-clipped); with delta 1.1 the clamped
+// ratio 1.1 is inside [0.8, 1.2], so it is not flagged.
+TEST(GrpoLoss, ClipFlagsUseTheRatioAfterTheDeltaClamp) {
+  GrpoLossConfig cfg;
+  auto plain = ComputeGrpoLoss(cfg, TwoTokens({1.0, 1.0}), {.step_completion_tokens = 2});
+  ASSERT_TRUE(plain.ok());
+  EXPECT_DOUBLE_EQ(plain->metrics.ClipHighMean(), 0.5);
+  cfg.delta = 1.1;
+  auto clamped = ComputeGrpoLoss(cfg, TwoTokens({1.0, 1.0}), {.step_completion_tokens = 2});
+  ASSERT_TRUE(clamped.ok());
+  EXPECT_DOUBLE_EQ(clamped->metrics.ClipHighMean(), 0.0);
+}
+
+// The step's clip ratios are the mean over micro-batches of each one's token mean (TRL 1.16):
+// micro-batch 1 has 1 of 1 token high-clipped, micro-batch 2 has 0 of 3: (1 + 0) / 2 = 0.5,
+// where one mean over the step's 4 tokens would give 0.25.
+TEST(GrpoLossMetrics, StepMeansAreMeansOfMicroBatchMeans) {
+  GrpoLossConfig cfg;
+  GrpoLossInputs a{.logp = D2({{0.0}}).requires_grad_(true), .old = D2({{-0.5}}),
+                   .advantages = D({1.0}), .mask = D2({{1}})};
+  GrpoLossInputs b{.logp = D2({{0.0, 0.0, 0.0}}).requires_grad_(true), .old = D2({{0.0, 0.0, 0.0}}),
+                   .advantages = D({1.0}), .mask = D2({{1, 1, 1}})};
+  auto ma = ComputeGrpoLoss(cfg, a, {.step_completion_tokens = 4});
+  auto mb = ComputeGrpoLoss(cfg, b, {.step_completion_tokens = 4});
+  ASSERT_TRUE(ma.ok() && mb.ok());
+  GrpoLossMetrics step = ma->metrics;
+  step.Merge(mb->metrics);
+  EXPECT_DOUBLE_EQ(step.ClipHighMean(), 0.5);
+  EXPECT_DOUBLE_EQ(step.ClipRegionMean(), 0.5);
 }
 
 TEST(GrpoLoss, DapoNormalisesByTokensOfWholeStep) {
@@ -471,7 +554,7 @@ TEST(GrpoLoss, MatchesReferenceForEveryLossTypeAndOption) {
       EXPECT_NEAR(m.IsRatioMean(), e["is_ratio_mean"].get<double>(), 1e-9);
       EXPECT_NEAR(m.is_ratio_max, e["is_ratio_max"].get<double>(), 1e-9);
     }
-    clipped_tokens += m.clip_region_tokens;
+    clipped_tokens += m.ClipRegionMean();
   }
   EXPECT_GT(clipped_tokens, 0) << "the data must exercise clipping";
 }
@@ -544,10 +627,8 @@ void ExpectSameStep(const StepResult& a, const StepResult& ref) {
   EXPECT_LT(RelativeDiff(a.grad_w, ref.grad_w), 1e-5);
   EXPECT_NEAR(a.metrics.loss, ref.metrics.loss, 1e-5 * std::abs(ref.metrics.loss) + 1e-7);
   EXPECT_EQ(a.metrics.tokens, ref.metrics.tokens);
-  EXPECT_EQ(a.metrics.clip_low_tokens, ref.metrics.clip_low_tokens);
-  EXPECT_EQ(a.metrics.clip_high_tokens, ref.metrics.clip_high_tokens);
-  EXPECT_EQ(a.metrics.clip_region_tokens, ref.metrics.clip_region_tokens);
-  EXPECT_NEAR(a.metrics.KlMean(), ref.metrics.KlMean(), 1e-6);
+  // The clip ratios and kl are means over micro-batches of per-micro-batch means (TRL 1.16), so
+  // they are not invariant under the split by definition; the gradient and the loss are.
   EXPECT_NEAR(a.metrics.IsRatioMean(), ref.metrics.IsRatioMean(), 1e-6);
   EXPECT_NEAR(a.metrics.is_ratio_max, ref.metrics.is_ratio_max, 1e-6 * ref.metrics.is_ratio_max);
 }
@@ -580,7 +661,7 @@ TEST_P(StepGradient, DoesNotDependOnMicroBatchSplit) {
       const StepResult one = RunStep(cfg, 1, mask, off_policy);
       ASSERT_GT(one.grad_w.abs().max().item<double>(), 0.0);
       if (off_policy) {
-        EXPECT_GT(one.metrics.clip_region_tokens, 0);
+        EXPECT_GT(one.metrics.ClipRegionMean(), 0);
       }
       for (int64_t mb : {2, 8}) {
         SCOPED_TRACE("micro_batches " + std::to_string(mb));

@@ -280,5 +280,88 @@ TEST(GrpoTrainer, BatchDumpHoldsInputsAndMetrics) {
   EXPECT_DOUBLE_EQ(metrics["loss"].get<double>(), r->steps[0].loss);
 }
 
+// GRPO_SPEC.md: `old = logp.detach()` only when no optimizer step falls inside the generation
+// batch. Here the batch is 2 micro-batches with gradient_accumulation_steps 1 (TRL:
+// steps_per_generation 2), num_iterations 1, on-policy: step 2 runs after step 1 moved the
+// policy, so its ratio must be exp(logp - old) with old from the batch's start. With
+// old = logp.detach() the ratio would be exactly 1 and nothing could ever be clipped; a large
+// learning rate moves the policy so far that tokens of step 2 are clipped.
+TEST(GrpoTrainer, BatchSpanningTwoStepsUsesOldLogprobsFromItsStart) {
+  common::GrpoConfig cfg = BaseConfig();
+  cfg.per_device_train_batch_size = 4;  // one group per micro-batch
+  cfg.gradient_accumulation_steps = 1;
+  cfg.learning_rate = 0.3;
+  cfg.dump_batches_dir = ::testing::TempDir() + "/grpo_old_span_test";
+  std::filesystem::remove_all(cfg.dump_batches_dir);
+  auto model = TinyModel();
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr);
+  ASSERT_TRUE(trainer.ok());
+  auto r = (*trainer)->TrainGenerationBatch(MakeGroups(2, 4, 23));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->steps.size(), 2u);
+  EXPECT_EQ(r->steps[0].clip_ratio_region, 0.0);  // step 1 starts from the generating policy
+  EXPECT_GT(r->steps[1].clip_ratio_region, 0.0);
+  auto f = common::SafetensorsFile::Open(cfg.dump_batches_dir + "/step-00000002.safetensors");
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  auto old = (*f)->Get("old_logprobs");
+  auto now = (*f)->Get("logprobs");
+  auto mask = (*f)->Get("completion_mask");
+  ASSERT_TRUE(old.ok() && now.ok() && mask.ok());
+  const double moved = ((*now - *old).abs() * *mask).max().item<double>();
+  EXPECT_GT(moved, 0.1);
+}
+
+// An optimizer step is always gradient_accumulation_steps micro-batches, spanning generation
+// batches when it must (GRPO_SPEC.md, TRL): the same four micro-batches (one group each) fed
+// as generation batches of 1, 2 or 4 micro-batches (steps_per_generation 1, 2, 4) against 2
+// accumulation steps give two steps of 2 micro-batches each, and the first step's loss and
+// gradient norm do not depend on the split. (steps_per_generation 1 used to take four
+// half-size steps, each divided by the full count: half the gradient.) Step 2 is the same for
+// 1 and 2, whose later groups come from the policy after step 1 (version 1); with 4 the whole
+// batch comes from version 0 and step 2 corrects for it through `old`, a different step.
+TEST(GrpoTrainer, StepsSpanGenerationBatchesAndDoNotDependOnStepsPerGeneration) {
+  common::GrpoConfig cfg = BaseConfig();
+  cfg.per_device_train_batch_size = 4;
+  cfg.gradient_accumulation_steps = 2;
+  cfg.max_grad_norm = 0;
+  struct Run {
+    std::vector<StepMetrics> steps;
+  };
+  auto run = [&](int per_batch) {
+    Run out;
+    auto model = TinyModel();
+    auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr);
+    EXPECT_TRUE(trainer.ok());
+    auto groups = MakeGroups(4, 4, 29);
+    for (int i = 0; i < 4; i += per_batch) {
+      std::vector<RolloutGroup> batch(groups.begin() + i, groups.begin() + i + per_batch);
+      for (auto& g : batch) g.policy_version = (*trainer)->policy_version();
+      if (per_batch == 4) {
+        for (auto& g : batch) g.policy_version = 0;
+      }
+      auto r = (*trainer)->TrainGenerationBatch(batch);
+      EXPECT_TRUE(r.ok()) << r.status().ToString();
+      for (auto& s : r->steps) out.steps.push_back(s);
+    }
+    EXPECT_EQ((*trainer)->open_step_micro_batches(), 0);
+    return out;
+  };
+  const Run one = run(1), two = run(2), four = run(4);
+  for (const Run* r : {&one, &two, &four}) {
+    ASSERT_EQ(r->steps.size(), 2u);
+    for (const auto& s : r->steps) {
+      EXPECT_EQ(s.micro_batches, 2);
+      EXPECT_EQ(s.sequences, 8);
+    }
+  }
+  for (const Run* r : {&one, &four}) {
+    EXPECT_NEAR(r->steps[0].loss, two.steps[0].loss, 1e-5 * std::abs(two.steps[0].loss));
+    EXPECT_NEAR(r->steps[0].grad_norm, two.steps[0].grad_norm, 1e-5 * two.steps[0].grad_norm);
+  }
+  EXPECT_GT(two.steps[0].grad_norm, 0.0);
+  EXPECT_NEAR(one.steps[1].loss, two.steps[1].loss, 1e-5 * std::abs(two.steps[1].loss));
+  EXPECT_NEAR(one.steps[1].grad_norm, two.steps[1].grad_norm, 1e-5 * two.steps[1].grad_norm);
+}
+
 }  // namespace
 }  // namespace grpo::learner

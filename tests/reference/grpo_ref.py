@@ -1,8 +1,10 @@
-#!/usr/bin/python3
-"""Independent PyTorch transcription of /work/shared/GRPO_SPEC.md (rewards, advantages, the
-per-token loss, aggregation, importance-sampling correction and the clip metrics).
-
-Written from the spec, not from the C++ code; run with Debian's /usr/bin/python3 (python3-torch).
+"""Independent PyTorch transcription of GRPO_SPEC.md (rewards, advantages, the per-token loss,
+aggregation, importance-sampling correction and the clip metrics), for the unit tests that need
+arbitrary tensors in and out. Written from the spec and TRL 1.16, not from the C++ code; run with
+the project's venv Python. TRL's own code checks the same loss on real batches in
+tests/reference/trl_grpo_ref.py; this file covers what TRL has no function to call for: the
+advantage computation (inside GRPOTrainer._generate_and_score_completions), arbitrary
+[B, T] log-prob inputs for the gradient w.r.t. logp, and the IS-correction modes.
 JSON on stdin, JSON on stdout:
 
   {"advantages": [case...], "losses": [case...]}
@@ -37,23 +39,26 @@ def advantages_case(case):
     raw = torch.tensor([[parse_reward(v) for v in row] for row in case["rewards"]])
     n, k = raw.shape
     w = torch.tensor(case.get("weights") or [1.0] * k)
-    # A non-finite reward drops the sample; null counts as 0 (nansum).
+    # A non-finite reward drops the sample; null counts as 0 (nansum); a sample whose every
+    # reward is null is unscorable (TRL PR 5902): reward NaN, out of every statistic, A = 0.
     keep = ~torch.isinf(raw).any(dim=1)
+    scorable = keep & ~torch.isnan(raw).all(dim=1)
     r = torch.where(keep, (raw * w).nansum(dim=1), torch.zeros(n))
+    r = torch.where(keep & ~scorable, torch.full((n,), math.nan), r)
     if case.get("group_ids") is not None:
         gid = torch.tensor(case["group_ids"])
     else:
         gid = torch.arange(n) // case["num_generations"]
     mode = case["scale_rewards"]
 
-    kept_r = r[keep]
+    kept_r = r[scorable]
     batch_std = kept_r.std().item() if kept_r.numel() >= 2 else 0.0
     adv = torch.zeros(n)
     std_used = torch.zeros(n)
     n_groups = 0
     n_zero = 0
     for g in torch.unique(gid):
-        sel = (gid == g) & keep
+        sel = (gid == g) & scorable
         rg = r[sel]
         if rg.numel() == 0:
             continue
@@ -78,13 +83,13 @@ def advantages_case(case):
         fn_mean.append(col.mean().item() if col.numel() >= 1 else math.nan)
         fn_std.append(col.std().item() if col.numel() >= 2 else math.nan)
     return {
-        "rewards": r.tolist(),
+        "rewards": [nan_to_none(x) for x in r.tolist()],
         "advantages": adv.tolist(),
         "keep": keep.tolist(),
         "num_dropped": int((~keep).sum()),
         "num_groups": n_groups,
-        "reward_mean": kept_r.mean().item(),
-        "reward_std": std_used[keep].mean().item(),
+        "reward_mean": kept_r.mean().item() if kept_r.numel() else None,
+        "reward_std": kept_r.std().item() if kept_r.numel() >= 2 else None,  # TRL PR 4785
         "frac_reward_zero_std": n_zero / n_groups,
         "reward_fn_mean": [nan_to_none(x) for x in fn_mean],
         "reward_fn_std": [nan_to_none(x) for x in fn_std],
@@ -129,8 +134,8 @@ def loss_case(case):
         is_ratio = torch.exp(old - beh)
         if corr == "token_truncate":
             loss_t = loss_t * torch.clamp(is_ratio, max=cap)
-        elif corr == "token_mask":
-            loss_t = loss_t * (is_ratio <= cap).double()
+        elif corr == "token_mask":  # TRL since its PR 4530: the ratio stays, above cap -> 0
+            loss_t = loss_t * is_ratio * (is_ratio <= cap).double()
         out["is_ratio_mean"] = ((is_ratio * m).sum() / m.sum()).item()
         out["is_ratio_max"] = is_ratio[m > 0].max().item()
     if beta != 0.0:
@@ -152,17 +157,23 @@ def loss_case(case):
         raise ValueError(loss_type)
     loss.backward()
 
-    r_tok = ratio.detach().expand(m.shape)
-    low = ((r_tok < 1 - eps) & (A < 0)).double()
-    high = ((r_tok > 1 + eps_high) & (A > 0)).double()
+    # TRL 1.16: flags on the ratio the loss uses (after the delta clamp); with sequence-level
+    # importance sampling one flag per sequence, averaged over the sequences.
+    r = c1.detach()
+    low = ((r < 1 - eps) & (A < 0)).double()
+    high = ((r > 1 + eps_high) & (A > 0)).double()
     region = ((low + high) > 0).double()
+    if level == "token":
+        flag_mean = lambda x: ((x * m).sum() / m.sum().clamp(min=1.0)).item()
+    else:
+        flag_mean = lambda x: x.mean().item()
     out.update({
         "loss": loss.item(),
         "grad": logp.grad.tolist(),
         "tokens": m.sum().item(),
-        "clip_low_mean": ((low * m).sum() / m.sum()).item(),
-        "clip_high_mean": ((high * m).sum() / m.sum()).item(),
-        "clip_region_mean": ((region * m).sum() / m.sum()).item(),
+        "clip_low_mean": flag_mean(low),
+        "clip_high_mean": flag_mean(high),
+        "clip_region_mean": flag_mean(region),
     })
     return out
 
