@@ -197,6 +197,31 @@ TEST_F(CliTools, LearnerCheckpointLoadsInTransformersWithSameIdsAndLogprobs) {
   }
 }
 
+// beta != 0 needs a reference model; train-local builds it from the starting weights as the
+// learner service does (it used to fail with "a reference model is required"). At step 1 the
+// policy is the reference, so every token's KL term exp(ref - logp) - (ref - logp) - 1 is 0 up
+// to float rounding (about d^2 / 2 for a rounding difference d ~ 1e-6); after one update at the
+// demo's learning rate it is orders of magnitude larger.
+TEST_F(CliTools, TrainLocalWithBetaBuildsTheReferenceModel) {
+  int rc;
+  const std::string out = RunCommand(GrpoBin() + " train-local --json --max_steps 2 --beta 0.04" +
+                                         " --model_name_or_path " + dir_ + " --output_dir " +
+                                         dir_ + "/beta-run 2>&1",
+                                     &rc);
+  ASSERT_EQ(rc, 0) << out;
+  std::vector<json> steps;
+  std::istringstream ss(out);
+  for (std::string line; std::getline(ss, line);) {
+    if (line.empty() || line[0] != '{') continue;
+    json j = json::parse(line);
+    if (!j.contains("summary")) steps.push_back(j);
+  }
+  ASSERT_EQ(steps.size(), 2u) << out;
+  ASSERT_TRUE(steps[0].contains("kl")) << steps[0].dump();
+  EXPECT_LT(steps[0]["kl"].get<double>(), 1e-9);
+  EXPECT_GT(steps[1]["kl"].get<double>(), 1e-7);
+}
+
 TEST_F(CliTools, ConfigNamesAnUnknownKey) {
   int rc;
   RunCommand(GrpoBin() + " config --num_generaton 4 2>/dev/null", &rc);
