@@ -12,6 +12,8 @@
 #include <iostream>
 #include <memory>
 #include <random>
+#include <cstdlib>
+#include <filesystem>
 #include <sstream>
 #include <unistd.h>
 
@@ -100,11 +102,13 @@ using bench::Seconds;
 using bench::TimeIt;
 using bench::Timing;
 
-// The same-run compute ceiling: fp32 1024x1024 matmul, GFLOP/s.
+// The same-run compute ceiling: fp32 1024x1024 matmul, GFLOP/s, the best of 5 (a ceiling is
+// what the machine can do; a median taken under load read so low that a step reported 1.29x
+// of it). Benchmarks take the best of several such readings interleaved with their work.
 double GemmCeilingGflops() {
   at::Tensor a = at::randn({1024, 1024}), b = at::randn({1024, 1024});
   Timing t = TimeIt(5, [&] { at::mm(a, b); });
-  return 2.0 * 1024 * 1024 * 1024 / t.median / 1e9;
+  return 2.0 * 1024 * 1024 * 1024 / t.min / 1e9;
 }
 
 using bench::ProcStatusBytes;
@@ -235,9 +239,10 @@ int BenchLogprobMemory(bool as_json, int64_t micro, int reps, const std::vector<
 // One optimizer step of GrpoTrainer on the bench model: G=16 completions of one prompt.
 int BenchLearnerStep(bool as_json, int reps, int64_t micro, bool gradient_checkpointing,
                      int64_t layers) {
-  const double ceiling = GemmCeilingGflops();
+  double ceiling = GemmCeilingGflops();
   double peak_mib = 0;
   Timing t = bench::LearnerStepTiming(reps, micro, gradient_checkpointing, &peak_mib, layers);
+  ceiling = std::max(ceiling, GemmCeilingGflops());
   auto model = BenchModel(layers);  // for the FLOP count
   const double tokens = 16.0 * (kPromptLen + kCompletionLen);
   // Model FLOPs: 6 N T (forward 2 N T + backward 4 N T, N = every parameter, the tied LM head
@@ -276,7 +281,7 @@ int BenchLearnerStep(bool as_json, int reps, int64_t micro, bool gradient_checkp
 // recompute-everything baseline, and shared vs per-row prefill (each completion its own
 // prompt row, G=1).
 int BenchDecode(bool as_json, int reps) {
-  const double ceiling = GemmCeilingGflops();
+  double ceiling = GemmCeilingGflops();
   auto model = BenchModel();
   std::shared_ptr<const common::Model> snap = std::move(model);
   at::Tensor ids = RandomIds(4, snap->config().vocab_size, 3);
@@ -298,6 +303,7 @@ int BenchDecode(bool as_json, int reps) {
     for (int j = 0; j < 16; ++j) per_row.push_back(p);
   int64_t tokens = 0;
   Timing cached = TimeIt(reps, [&] { tokens = gen->Generate(prompts)->num_completion_tokens; });
+  ceiling = std::max(ceiling, GemmCeilingGflops());
   Timing per_row_t = TimeIt(reps, [&] { gen1->Generate(per_row); });
   Timing recompute = TimeIt(1, [&] { gen->GenerateRecomputeBaseline(prompts); });
   // Forward FLOPs of the cached path: 2 N per generated token + 2 N per prompt token.
@@ -330,12 +336,52 @@ int BenchDecode(bool as_json, int reps) {
   return 0;
 }
 
+// peer_trl: the side-by-side with TRL is a Python script (TRL is Python); exec the venv's
+// Python on <source dir>/tests/bench/peer_trl.py with this binary as GRPO_BIN. The source dir:
+// $GRPO_SOURCE_DIR, else the one this file was compiled from, else <this binary>/../../..
+// (build/services/grpo). The Python: $GRPO_PYTHON, else /opt/grpo-serve/venv/bin/python.
+int ExecPeerTrl(const std::vector<std::string>& flags) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  const fs::path rel = "tests/bench/peer_trl.py";
+  std::vector<fs::path> roots;
+  if (const char* d = std::getenv("GRPO_SOURCE_DIR"); d != nullptr && *d != '\0') roots.push_back(d);
+  roots.push_back(fs::path(__FILE__).parent_path().parent_path());
+  if (!ec) roots.push_back(exe.parent_path().parent_path().parent_path());
+  fs::path script;
+  for (const auto& r : roots) {
+    if (fs::exists(r / rel)) {
+      script = r / rel;
+      break;
+    }
+  }
+  if (script.empty()) {
+    std::cerr << "grpo bench peer_trl: cannot find " << rel.string()
+              << " (set GRPO_SOURCE_DIR to the source tree)\n";
+    return 2;
+  }
+  const char* py_env = std::getenv("GRPO_PYTHON");
+  const std::string python =
+      py_env != nullptr && *py_env != '\0' ? py_env : "/opt/grpo-serve/venv/bin/python";
+  if (!ec && std::getenv("GRPO_BIN") == nullptr) ::setenv("GRPO_BIN", exe.c_str(), 1);
+  std::vector<std::string> args = {python, script.string()};
+  args.insert(args.end(), flags.begin(), flags.end());
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::cout.flush();
+  ::execv(python.c_str(), argv.data());
+  std::perror(("grpo bench peer_trl: exec " + python).c_str());
+  return 2;
+}
+
 }  // namespace
 
 void AddBenchCommand(CLI::App& app, CliAction* action) {
   auto* cmd = app.add_subcommand("bench", "Benchmarks of ../shared/BENCHMARKS.md: "
                                           "logprob_memory | learner_step | decode | "
-                                          "weight_sync | ingest | e2e");
+                                          "weight_sync | ingest | e2e | peer_trl");
   struct Opts {
     std::string name;
     bool json = false, child = false;
@@ -346,13 +392,14 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
     int64_t workers = 0, steps = 0, groups = 0;
     bool gradient_checkpointing = false;
     int64_t layers = 0;
+    bool fast = false;
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option("name", o->name,
-                  "logprob_memory | learner_step | decode | weight_sync | ingest | e2e")
+                  "logprob_memory | learner_step | decode | weight_sync | ingest | e2e | peer_trl")
       ->required()
-      ->check(CLI::IsMember(
-          {"logprob_memory", "learner_step", "decode", "weight_sync", "ingest", "e2e"}));
+      ->check(CLI::IsMember({"logprob_memory", "learner_step", "decode", "weight_sync", "ingest",
+                             "e2e", "peer_trl"}));
   cmd->add_flag("--json", o->json, "one JSON object per row");
   cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)");
   cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
@@ -368,7 +415,21 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
                   "e2e: optimizer steps per run with num_iterations 1 (default 24)");
   cmd->add_option("--groups", o->groups,
                   "ingest: groups each worker pushes per repetition (default 128)");
+  cmd->add_flag("--fast", o->fast, "peer_trl: the quick configuration (tiny model, fewer steps)");
   cmd->callback([cmd, o, action] {
+    if (o->name == "peer_trl") {
+      std::vector<std::string> flags;
+      if (o->json) flags.push_back("--json");
+      if (o->fast) flags.push_back("--fast");
+      if (cmd->count("--reps") > 0) flags.insert(flags.end(), {"--reps", std::to_string(o->reps)});
+      if (cmd->count("--steps") > 0) flags.insert(flags.end(), {"--steps", std::to_string(o->steps)});
+      if (cmd->count("--G") > 0) {
+        flags.push_back("--G");
+        for (int64_t g : o->gs) flags.push_back(std::to_string(g));
+      }
+      *action = [flags] { return ExecPeerTrl(flags); };
+      return;
+    }
     // weight_sync, ingest, e2e: at least 5 repetitions unless --reps says otherwise.
     const int service_reps = cmd->count("--reps") > 0 ? o->reps : 5;
     *action = [o, service_reps]() -> int {

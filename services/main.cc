@@ -49,9 +49,10 @@ void AddConfigCommand(CLI::App& app, grpo::services::CliAction* action) {
 //   measured here); glibc backs large blocks with transparent huge pages only when asked.
 //   `grpo bench learner_step`: 21.6 s vs 37.6 s per step.
 // - OMP_WAIT_POLICY=PASSIVE: libtorch's OpenMP threads otherwise spin between parallel regions
-//   and fight OpenBLAS's own threads for the cores (perf: 30% of the step in libgomp's spin
-//   loop, 13% in the scheduler). `grpo bench learner_step` on 2 cores: 1.56 s vs 3.27 s per
-//   step (73% vs 34% of the GEMM ceiling).
+//   and fight the other threads of the process for the cores. Measured with Debian's libtorch
+//   and OpenBLAS (perf: 30% of the step in libgomp's spin loop, 13% in the scheduler;
+//   `grpo bench learner_step` on 2 cores: 1.56 s vs 3.27 s per step); re-measured with the
+//   torch wheel's libtorch (MKL + its bundled libgomp) in the README's benchmark notes.
 static void ReexecWithRuntimeSettingsOnce(char** argv) {
   bool changed = false;
   if (std::getenv("GLIBC_TUNABLES") == nullptr) {
@@ -94,7 +95,7 @@ int main(int argc, char** argv) {
   }
   if (!action) return 2;
   // libgomp starts libtorch with one intra-op thread here; use every core unless the user set
-  // OMP_NUM_THREADS (OpenBLAS has its own pool for the matmuls).
+  // OMP_NUM_THREADS.
   if (std::getenv("OMP_NUM_THREADS") == nullptr) {
     at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   }
