@@ -621,13 +621,13 @@ Status GrpoTrainer::DumpRows(const Batch& batch, const OpenStep& os, int64_t ste
   t.emplace_back("rewards", batch.rewards.index_select(0, index).contiguous());
   t.emplace_back("rewards_per_func", batch.rewards_per_func.index_select(0, index).contiguous());
   t.emplace_back("advantages", batch.advantages.index_select(0, index).contiguous());
-  at::Tensor version = at::empty({n}, at::kLong), truncated = at::empty({n}, at::kLong);
+  std::vector<int64_t> version(n), truncated(n);
   for (int64_t i = 0; i < n; ++i) {
     version[i] = batch.versions[rows[i]];
     truncated[i] = completions[i]->truncated ? 1 : 0;
   }
-  t.emplace_back("policy_version", version);
-  t.emplace_back("truncated", truncated);
+  t.emplace_back("policy_version", at::tensor(version, at::kLong));
+  t.emplace_back("truncated", at::tensor(truncated, at::kLong));
   if (batch.old.defined()) {
     t.emplace_back("old_logprobs", batch.old.index_select(0, index).narrow(1, 0, C).contiguous());
   }

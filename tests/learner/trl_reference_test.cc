@@ -227,37 +227,14 @@ std::vector<json> TrainCase(const TrlCase& c, const fs::path& dir) {
   return steps;
 }
 
-// std::filesystem::remove_all is not used in this binary: calls to it bind to the copy that
-// libtorch.so (the torch wheel) exports, which jumps to a null address on a non-empty folder.
-void RemoveTree(const fs::path& dir) {
-  const std::string cmd = "rm -rf '" + dir.string() + "'";
-  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
-}
-
-// Runs tests/reference/trl_grpo_ref.py on `request` with its files under `dir`; null (and a
-// failure) when it fails. (Not grpo::testing::RunReference, which calls remove_all.)
-json RunTrlReference(const json& request, const fs::path& dir) {
-  const fs::path in = dir / "trl_request.json", out = dir / "trl_result.json";
-  std::ofstream(in) << request.dump();
-  const std::string cmd = "'" + grpo::testing::ReferencePython() + "' '" +
-                          grpo::testing::SourceDir() + "/tests/reference/trl_grpo_ref.py' < '" +
-                          in.string() + "' > '" + out.string() + "'";
-  const int rc = std::system(cmd.c_str());
-  EXPECT_EQ(rc, 0) << cmd;
-  if (rc != 0) return nullptr;
-  json result = json::parse(grpo::testing::ReadFile(out), nullptr, /*allow_exceptions=*/false);
-  EXPECT_FALSE(result.is_discarded()) << "trl_grpo_ref.py printed no JSON";
-  return result.is_discarded() ? json() : result;
-}
-
 // Case name -> its steps. Computed once for the suite: one Python process for every case.
 const std::map<std::string, std::vector<StepComparison>>& Comparisons() {
   static const auto* comparisons = [] {
     auto* out = new std::map<std::string, std::vector<StepComparison>>();
     const fs::path root =
         fs::path(::testing::TempDir()) / ("grpo_trl_reference_" + std::to_string(::getpid()));
-    RemoveTree(root);
     std::error_code ec;
+    fs::remove_all(root, ec);
     fs::create_directories(root, ec);
     json request = {{"cases", json::array()}};
     std::vector<std::pair<std::string, json>> order;
@@ -267,7 +244,7 @@ const std::map<std::string, std::vector<StepComparison>>& Comparisons() {
         order.emplace_back(c.Name(), step);
       }
     }
-    const json result = RunTrlReference(request, root);
+    const json result = grpo::testing::RunReference("trl_grpo_ref.py", request);
     for (size_t i = 0; i < order.size(); ++i) {
       StepComparison sc;
       auto f = common::SafetensorsFile::Open(order[i].second["dump"].get<std::string>());
@@ -280,7 +257,7 @@ const std::map<std::string, std::vector<StepComparison>>& Comparisons() {
       if (result.is_object() && result.contains("cases")) sc.trl = result["cases"][i];
       (*out)[order[i].first].push_back(std::move(sc));
     }
-    RemoveTree(root);
+    fs::remove_all(root, ec);
     return out;
   }();
   return *comparisons;
