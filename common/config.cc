@@ -250,6 +250,7 @@ const std::vector<Field>& Fields() {
       MakeField("warmup_ratio", &C::warmup_ratio),
       MakeField("max_steps", &C::max_steps),
       MakeField("save_steps", &C::save_steps),
+      MakeField("save_total_limit", &C::save_total_limit),
       MakeField("logging_steps", &C::logging_steps),
       MakeField("dump_batches_dir", &C::dump_batches_dir),
       MakeField("learner_address", &C::learner_address),
@@ -461,6 +462,8 @@ Status GrpoConfig::Validate() const {
                         "must be in [0, 1]"));
   RETURN_IF_ERROR(Check(max_steps >= 1, "max_steps", "must be at least 1"));
   RETURN_IF_ERROR(Check(save_steps >= 0, "save_steps", "must be >= 0 (0 = only at the end)"));
+  RETURN_IF_ERROR(
+      Check(save_total_limit >= 0, "save_total_limit", "must be >= 0 (0 = keep every checkpoint)"));
   RETURN_IF_ERROR(Check(logging_steps >= 1, "logging_steps", "must be at least 1"));
   RETURN_IF_ERROR(Check(grpc_port >= 0 && grpc_port <= 65535, "grpc_port", "must be a port"));
   RETURN_IF_ERROR(

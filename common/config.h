@@ -74,6 +74,9 @@ struct GrpoConfig {
 
   // Checkpoints and debugging.
   int64_t save_steps = 50;
+  // Checkpoints kept under output_dir (the newest ones; the one `latest` names is never
+  // removed); 0 = keep all. TRL's name; TRL keeps all by default.
+  int64_t save_total_limit = 3;
   int64_t logging_steps = 1;
   std::string dump_batches_dir;
 

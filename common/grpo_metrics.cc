@@ -124,6 +124,13 @@ StatusOr<LearnerMetrics> LearnerMetrics::Create(Registry& r,
       m.checkpoint_duration,
       r.AddHistogram("grpo_checkpoint_duration_seconds",
                      "Wall time to write one checkpoint, in seconds.", kCheckpointSecondsBuckets));
+  ASSIGN_OR_RETURN(m.checkpoint_failures,
+                   r.AddCounter("grpo_checkpoint_failures_total",
+                                "Checkpoint saves that failed, in saves (the previous checkpoint "
+                                "stays the one a restart uses)."));
+  ASSIGN_OR_RETURN(m.ledger_errors,
+                   r.AddCounter("grpo_ledger_errors_total",
+                                "Ledger updates after training that failed, in updates."));
   ASSIGN_OR_RETURN(m.peak_memory, r.AddGauge("grpo_peak_memory_bytes",
                                              "Peak memory of the learner process, in bytes."));
   return m;

@@ -15,15 +15,17 @@
 
 namespace grpo::common {
 
-// Values of `reason` on grpo_groups_rejected_total; the first nine are
-// learner::RejectReasonName's, the lease ones come from the ledger, the last three from the
-// learner service (job over, ledger read failed, buffer stayed full).
-inline constexpr std::array<std::string_view, 14> kRejectReasons = {
+// Values of `reason` on grpo_groups_rejected_total; the first ten are
+// learner::RejectReasonName's, the lease ones come from the ledger, the rest from the learner
+// service (job over, ledger read failed, buffer stayed full, weights this learner did not
+// publish, learner shutting down).
+inline constexpr std::array<std::string_view, 17> kRejectReasons = {
     "group_size",          "empty_prompt",       "empty_completion",
     "completion_too_long", "token_out_of_vocab", "logprob_length",
-    "reward_count",        "non_finite_reward",  "stale",
-    "unknown_lease",       "expired_lease",      "job_ended",
-    "ledger_error",        "buffer_full"};
+    "reward_count",        "non_finite_reward",  "reward_out_of_range",
+    "stale",               "unknown_lease",      "expired_lease",
+    "job_ended",           "ledger_error",       "buffer_full",
+    "unknown_policy",      "learner_stopping"};
 // Values of `state` on grpo_ledger_prompts (the prompt ledger's states).
 inline constexpr std::array<std::string_view, 4> kLedgerStates = {"queued", "leased", "trained",
                                                                   "rejected"};
@@ -93,6 +95,10 @@ struct LearnerMetrics {
   Counter* weight_sync_bytes = nullptr;
   // grpo_checkpoint_duration_seconds: one checkpoint save
   Histogram* checkpoint_duration = nullptr;
+  // grpo_checkpoint_failures_total: saves that failed (the previous checkpoint stays valid)
+  Counter* checkpoint_failures = nullptr;
+  // grpo_ledger_errors_total: ledger updates that failed after training (logged as errors)
+  Counter* ledger_errors = nullptr;
   // grpo_peak_memory_bytes: peak resident set (or device memory)
   Gauge* peak_memory = nullptr;
 };

@@ -26,6 +26,7 @@ struct RolloutGroup {
   std::string prompt_id;   // ledger key of the prompt
   std::string lease_id;    // the lease it was generated under (empty in-process)
   int64_t policy_version = 0;  // oldest weight version that produced any of its tokens
+  std::string policy_incarnation;  // the learner process that published that version
   std::vector<int32_t> prompt_ids;
   std::vector<Completion> completions;
 };

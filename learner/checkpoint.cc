@@ -183,6 +183,32 @@ std::vector<std::string> ListCheckpoints(const std::string& output_dir) {
   return out;
 }
 
+std::vector<std::string> PruneCheckpoints(const std::string& output_dir, int64_t keep) {
+  std::vector<std::string> removed;
+  if (keep <= 0) return removed;
+  std::string latest_name;
+  {
+    std::ifstream latest(fs::path(output_dir) / kLatestFile);
+    if (latest) std::getline(latest, latest_name);
+  }
+  int64_t kept = 0;
+  for (const std::string& dir : ListCheckpoints(output_dir)) {
+    const bool is_latest = !latest_name.empty() && fs::path(dir).filename() == latest_name;
+    if (kept < keep || is_latest) {
+      ++kept;
+      continue;
+    }
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    if (ec) {
+      GRPO_LOG_WARN("cannot remove old checkpoint {}: {}", dir, ec.message());
+    } else {
+      removed.push_back(dir);
+    }
+  }
+  return removed;
+}
+
 Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
   RETURN_IF_ERROR(VerifyCheckpoint(dir));
   ASSIGN_OR_RETURN(auto weights, common::SafetensorsCheckpoint::Open(dir));

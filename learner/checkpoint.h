@@ -31,6 +31,11 @@ Status VerifyCheckpoint(const std::string& dir);
 // Checkpoint directories under output_dir, newest (highest step) first.
 std::vector<std::string> ListCheckpoints(const std::string& output_dir);
 
+// Removes checkpoint directories beyond the newest `keep` (0 = none removed); the one `latest`
+// names is always kept. Returns the directories removed; a directory that cannot be removed is
+// logged and left (the next call tries again).
+std::vector<std::string> PruneCheckpoints(const std::string& output_dir, int64_t keep);
+
 // Restores model weights, optimizer state, counters and RNG state from the newest valid
 // checkpoint (the one `latest` names, else the highest step); invalid ones are skipped with a
 // warning naming them. Returns the directory used; NotFound when there is none.

@@ -28,6 +28,7 @@ std::string_view RejectReasonName(RejectReason reason) {
     case RejectReason::kLogprobLength: return "logprob_length";
     case RejectReason::kRewardCount: return "reward_count";
     case RejectReason::kNonFiniteReward: return "non_finite_reward";
+    case RejectReason::kRewardOutOfRange: return "reward_out_of_range";
     case RejectReason::kStale: return "stale";
   }
   return "unknown";
@@ -320,6 +321,14 @@ Status GrpoTrainer::ValidateGroup(const RolloutGroup& g, RejectReason* reason) c
     for (const auto& r : c.rewards) {
       if (r && !std::isfinite(*r)) {
         return reject(RejectReason::kNonFiniteReward, which + "non-finite reward");
+      }
+      if (r && std::fabs(*r) > kMaxAbsReward) {
+        // Finite but so large that the group's variance (and with it every advantage of the
+        // batch) overflows: bad input for this sample, refused like a non-finite one.
+        return reject(RejectReason::kRewardOutOfRange,
+                      which + "reward " + std::to_string(*r) + " outside [-" +
+                          std::to_string(kMaxAbsReward) + ", " + std::to_string(kMaxAbsReward) +
+                          "]");
       }
     }
     for (float lp : c.logprobs) {

@@ -36,9 +36,14 @@ enum class RejectReason {
   kLogprobLength,     // behaviour log-probs not one per completion token
   kRewardCount,       // not one reward per reward function
   kNonFiniteReward,   // NaN or +-inf reward (null is fine: it counts as 0)
+  kRewardOutOfRange,  // |reward| > kMaxAbsReward (its square, summed, would overflow)
   kStale,             // policy_version older than max_staleness allows
 };
 std::string_view RejectReasonName(RejectReason reason);
+
+// The largest |reward| taken: weighted sums, means and variances of a generation batch of such
+// rewards stay finite in double (1e15^2 * 1e6 rows is far below DBL_MAX).
+inline constexpr double kMaxAbsReward = 1e15;
 
 // The metrics of one optimizer step, named as TRL logs them (ToJson).
 struct StepMetrics {

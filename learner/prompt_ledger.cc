@@ -2,7 +2,10 @@
 
 #include <sqlite3.h>
 
+#include <algorithm>
 #include <iterator>
+#include <optional>
+#include <tuple>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string_view>
@@ -14,7 +17,7 @@ namespace grpo::learner {
 namespace {
 
 // Bump when the schema changes and append the step to kMigrations.
-constexpr int64_t kSchemaVersion = 1;
+constexpr int64_t kSchemaVersion = 2;
 
 // kMigrations[v] takes a file from schema version v to v + 1 (v = 0: an empty file).
 constexpr const char* kMigrations[] = {
@@ -50,6 +53,31 @@ CREATE TABLE prompts (
 );
 CREATE INDEX prompts_by_state ON prompts (state, seq);
 CREATE INDEX prompts_by_dataset ON prompts (dataset_id, state);
+)sql",
+    // v2: what the model holds, per pass. A TRAINED prompt whose trained_step is NULL was
+    // accepted (its group is buffered) but is in no weights yet; `trainings` has one row per
+    // (prompt, pass) whose group an optimizer step took, with the step after which the weights
+    // hold it, so a restore to checkpoint S undoes exactly the trainings after S. A v1 file's
+    // TRAINED prompts and earlier passes count as trained at step 0 (v1 had no record).
+    R"sql(
+ALTER TABLE prompts ADD COLUMN trained_step INTEGER;
+ALTER TABLE prompts ADD COLUMN first_pass INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE prompts ADD COLUMN trained_passes INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE trainings (
+  prompt_id TEXT NOT NULL,
+  pass      INTEGER NOT NULL,
+  step      INTEGER NOT NULL,
+  PRIMARY KEY (prompt_id, pass)
+) WITHOUT ROWID;
+CREATE INDEX trainings_by_step ON trainings (step);
+CREATE INDEX prompts_by_state_pass ON prompts (state, pass, seq);
+UPDATE prompts SET trained_step = 0 WHERE state = 'TRAINED';
+UPDATE prompts SET trained_passes = pass + (state = 'TRAINED') WHERE state != 'REJECTED';
+INSERT INTO trainings (prompt_id, pass, step)
+  WITH RECURSIVE p(id, k, n) AS (
+    SELECT id, 0, trained_passes FROM prompts WHERE trained_passes > 0
+    UNION ALL SELECT id, k + 1, n FROM p WHERE k + 1 < n)
+  SELECT id, k, 0 FROM p;
 )sql",
 };
 static_assert(std::size(kMigrations) == kSchemaVersion);
@@ -427,8 +455,8 @@ StatusOr<DatasetInfo> PromptLedger::AddDataset(const std::string& idempotency_ke
   ASSIGN_OR_RETURN(
       Statement insert,
       Statement::Prepare(path_, db_,
-                         "INSERT INTO prompts (id, dataset_id, row_json, state, pass, "
-                         "created_ms, updated_ms) VALUES (?, ?, ?, 'QUEUED', ?, ?, ?)"));
+                         "INSERT INTO prompts (id, dataset_id, row_json, state, pass, first_pass, "
+                         "created_ms, updated_ms) VALUES (?, ?, ?, 'QUEUED', ?4, ?4, ?5, ?6)"));
   for (const ParsedRow& r : rows) {
     insert.Reset();
     insert.Bind(1, dataset_id + ":" + std::to_string(r.index))
@@ -489,7 +517,7 @@ StatusOr<std::vector<Lease>> PromptLedger::LeasePrompts(const std::string& worke
     ASSIGN_OR_RETURN(Statement select,
                      Statement::Prepare(path_, db_,
                                         "SELECT seq, id, row_json, pass, attempts FROM prompts "
-                                        "WHERE state = 'QUEUED' ORDER BY seq LIMIT ?"));
+                                        "WHERE state = 'QUEUED' ORDER BY pass, seq LIMIT ?"));
     select.Bind(1, max_prompts);
     while (true) {
       ASSIGN_OR_RETURN(bool has_row, select.Step());
@@ -562,7 +590,7 @@ Status PromptLedger::FinishLease(LeaseAction action, const std::string& lease_id
     case LeaseAction::kComplete:
       sql =
           "UPDATE prompts SET state = 'TRAINED', lease_id = NULL, lease_deadline_ms = NULL, "
-          "updated_ms = ?1 WHERE id = ?2";
+          "trained_step = NULL, updated_ms = ?1 WHERE id = ?2";
       break;
     case LeaseAction::kReject:
       sql =
@@ -582,42 +610,257 @@ Status PromptLedger::FinishLease(LeaseAction action, const std::string& lease_id
   return txn.Commit();
 }
 
+namespace {
+
+// The passes of `prompt_id` that some optimizer step took, ascending.
+StatusOr<std::vector<int64_t>> TrainedPasses(const std::string& path, sqlite3* db,
+                                             const std::string& prompt_id) {
+  ASSIGN_OR_RETURN(Statement select,
+                   Statement::Prepare(path, db,
+                                      "SELECT pass FROM trainings WHERE prompt_id = ? "
+                                      "ORDER BY pass"));
+  select.Bind(1, prompt_id);
+  std::vector<int64_t> passes;
+  while (true) {
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    if (!has_row) break;
+    passes.push_back(select.Int(0));
+  }
+  return passes;
+}
+
+// The first pass in [first_pass, up_to] missing from `trained` (ascending), or -1.
+int64_t FirstMissingPass(const std::vector<int64_t>& trained, int64_t first_pass, int64_t up_to) {
+  int64_t want = first_pass;
+  for (int64_t p : trained) {
+    if (p < want) continue;
+    if (p > want) break;
+    ++want;
+  }
+  return want <= up_to ? want : -1;
+}
+
+StatusOr<int64_t> JobPass(const std::string& path, sqlite3* db) {
+  ASSIGN_OR_RETURN(Statement job, Statement::Prepare(path, db, "SELECT pass FROM job"));
+  ASSIGN_OR_RETURN(bool has_job, job.Step());
+  if (!has_job) return Status::DataLoss("prompt ledger " + path + ": job row is missing");
+  return job.Int(0);
+}
+
+struct RowState {
+  std::string state;
+  int64_t pass = 0, first_pass = 0;
+  bool has_trained_step = false;
+};
+
+StatusOr<std::optional<RowState>> ReadRow(const std::string& path, sqlite3* db,
+                                          const std::string& prompt_id) {
+  ASSIGN_OR_RETURN(Statement select,
+                   Statement::Prepare(path, db,
+                                      "SELECT state, pass, first_pass, trained_step IS NOT NULL "
+                                      "FROM prompts WHERE id = ?"));
+  ASSIGN_OR_RETURN(bool found, select.Bind(1, prompt_id).Step());
+  if (!found) return std::optional<RowState>();
+  return std::optional<RowState>(
+      RowState{select.Text(0), select.Int(1), select.Int(2), select.Int(3) != 0});
+}
+
+// Moves a prompt's row to QUEUED in `pass` (its lease, if any, is gone).
+Status QueueRow(const std::string& path, sqlite3* db, const std::string& prompt_id, int64_t pass,
+                int64_t now) {
+  ASSIGN_OR_RETURN(Statement update,
+                   Statement::Prepare(path, db,
+                                      "UPDATE prompts SET state = 'QUEUED', pass = ?, "
+                                      "trained_step = NULL, lease_id = NULL, "
+                                      "lease_deadline_ms = NULL, updated_ms = ? WHERE id = ?"));
+  return update.Bind(1, pass).Bind(2, now).Bind(3, prompt_id).Run();
+}
+
+}  // namespace
+
+StatusOr<int64_t> PromptLedger::MarkTrained(const std::vector<TrainedGroup>& groups,
+                                            int64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t now = options_.now_ms();
+  Transaction txn(path_, db_);
+  RETURN_IF_ERROR(txn.Begin());
+  ASSIGN_OR_RETURN(const int64_t job_pass, JobPass(path_, db_));
+  // Every training of the batch first, then the rows: a batch may hold two passes of a prompt.
+  ASSIGN_OR_RETURN(Statement insert,
+                   Statement::Prepare(path_, db_,
+                                      "INSERT OR IGNORE INTO trainings (prompt_id, pass, step) "
+                                      "VALUES (?, ?, ?)"));
+  ASSIGN_OR_RETURN(Statement count,
+                   Statement::Prepare(path_, db_,
+                                      "UPDATE prompts SET trained_passes = trained_passes + 1 "
+                                      "WHERE id = ?"));
+  std::vector<std::string> duplicates;
+  std::vector<std::string> prompts;
+  int64_t marked = 0;
+  for (const TrainedGroup& g : groups) {
+    insert.Reset();
+    RETURN_IF_ERROR(insert.Bind(1, g.prompt_id).Bind(2, g.pass).Bind(3, step).Run());
+    if (sqlite3_changes(db_) == 0) {
+      duplicates.push_back(g.prompt_id + " (pass " + std::to_string(g.pass) + ")");
+      continue;
+    }
+    count.Reset();
+    RETURN_IF_ERROR(count.Bind(1, g.prompt_id).Run());
+    ++marked;
+    prompts.push_back(g.prompt_id);
+  }
+  ASSIGN_OR_RETURN(Statement set_step,
+                   Statement::Prepare(path_, db_,
+                                      "UPDATE prompts SET trained_step = ?, updated_ms = ? "
+                                      "WHERE id = ?"));
+  for (const std::string& id : prompts) {
+    ASSIGN_OR_RETURN(std::optional<RowState> row, ReadRow(path_, db_, id));
+    if (!row || row->state == "REJECTED") continue;
+    ASSIGN_OR_RETURN(std::vector<int64_t> trained, TrainedPasses(path_, db_, id));
+    const bool row_pass_trained =
+        std::binary_search(trained.begin(), trained.end(), row->pass);
+    if (row->state == "TRAINED" && !row->has_trained_step && row_pass_trained) {
+      set_step.Reset();
+      RETURN_IF_ERROR(set_step.Bind(1, step).Bind(2, now).Bind(3, id).Run());
+      row->has_trained_step = true;
+    }
+    // A pass the prompt still owes (a stale group refused after the pass moved on, or an
+    // earlier pass of a prompt trained out of order) is taken next.
+    const int64_t missing = FirstMissingPass(trained, row->first_pass, job_pass);
+    if (missing < 0) continue;
+    if ((row->state == "TRAINED" && row->has_trained_step) ||
+        (row->state == "QUEUED" && missing < row->pass)) {
+      RETURN_IF_ERROR(QueueRow(path_, db_, id, missing, now));
+    }
+  }
+  RETURN_IF_ERROR(txn.Commit());
+  if (!duplicates.empty()) {
+    std::string list;
+    for (size_t i = 0; i < duplicates.size() && i < 8; ++i) list += (i ? ", " : "") + duplicates[i];
+    return Status::FailedPrecondition("prompt ledger " + path_ + ": " +
+                                      std::to_string(duplicates.size()) +
+                                      " groups were trained in a pass that already had one: " +
+                                      list);
+  }
+  return marked;
+}
+
 StatusOr<bool> PromptLedger::RequeueTrained(const std::string& prompt_id, int64_t pass) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t now = options_.now_ms();
   Transaction txn(path_, db_);
   RETURN_IF_ERROR(txn.Begin());
-  ASSIGN_OR_RETURN(Statement find,
-                   Statement::Prepare(path_, db_, "SELECT 1 FROM prompts WHERE id = ?"));
-  ASSIGN_OR_RETURN(bool found, find.Bind(1, prompt_id).Step());
-  if (!found) return Status::NotFound("prompt ledger " + path_ + ": no prompt " + prompt_id);
+  ASSIGN_OR_RETURN(std::optional<RowState> row, ReadRow(path_, db_, prompt_id));
+  if (!row) return Status::NotFound("prompt ledger " + path_ + ": no prompt " + prompt_id);
+  if (row->state == "REJECTED") return false;
+  ASSIGN_OR_RETURN(std::vector<int64_t> trained, TrainedPasses(path_, db_, prompt_id));
+  if (std::binary_search(trained.begin(), trained.end(), pass)) {
+    return Status::FailedPrecondition("prompt ledger " + path_ + ": prompt " + prompt_id +
+                                      " was already trained in pass " + std::to_string(pass));
+  }
+  if ((row->state == "TRAINED" && (row->pass == pass || row->has_trained_step)) ||
+      (row->state == "QUEUED" && pass < row->pass)) {
+    RETURN_IF_ERROR(QueueRow(path_, db_, prompt_id, pass, now));
+  }
+  // Otherwise the row is busy with another pass (LEASED, or accepted in another pass): when
+  // that pass is trained, MarkTrained queues the pass still owed.
+  RETURN_IF_ERROR(txn.Commit());
+  return true;
+}
+
+StatusOr<int64_t> PromptLedger::ExpireWorkerLeases(const std::string& worker_id,
+                                                   const std::vector<std::string>& keep) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t now = options_.now_ms();
+  Transaction txn(path_, db_);
+  RETURN_IF_ERROR(txn.Begin());
+  ASSIGN_OR_RETURN(Statement select,
+                   Statement::Prepare(path_, db_,
+                                      "SELECT id, lease_id FROM prompts "
+                                      "WHERE state = 'LEASED' AND worker_id = ?"));
+  select.Bind(1, worker_id);
+  std::vector<std::string> expire;
+  while (true) {
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    if (!has_row) break;
+    if (std::find(keep.begin(), keep.end(), select.Text(1)) == keep.end()) {
+      expire.push_back(select.Text(0));
+    }
+  }
   ASSIGN_OR_RETURN(Statement update,
                    Statement::Prepare(path_, db_,
-                                      "UPDATE prompts SET state = 'QUEUED', updated_ms = ? "
-                                      "WHERE id = ? AND state = 'TRAINED' AND pass = ?"));
-  RETURN_IF_ERROR(update.Bind(1, now).Bind(2, prompt_id).Bind(3, pass).Run());
-  const bool moved = sqlite3_changes(db_) > 0;
+                                      "UPDATE prompts SET state = 'QUEUED', lease_id = NULL, "
+                                      "lease_deadline_ms = NULL, attempts = attempts + 1, "
+                                      "updated_ms = ? WHERE id = ?"));
+  for (const std::string& id : expire) {
+    update.Reset();
+    RETURN_IF_ERROR(update.Bind(1, now).Bind(2, id).Run());
+  }
   RETURN_IF_ERROR(txn.Commit());
-  return moved;
+  return static_cast<int64_t>(expire.size());
 }
 
-StatusOr<int64_t> PromptLedger::ExpireWorkerLeases(const std::string& worker_id) {
+StatusOr<RollbackResult> PromptLedger::RollbackTo(int64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t now = options_.now_ms();
-  return CountedUpdate(path_, db_,
-                       "UPDATE prompts SET state = 'QUEUED', lease_id = NULL, "
-                       "lease_deadline_ms = NULL, attempts = attempts + 1, "
-                       "updated_ms = ? WHERE state = 'LEASED' AND worker_id = ?",
-                       [&](Statement& s) -> Statement& { return s.Bind(1, now).Bind(2, worker_id); });
-}
-
-StatusOr<int64_t> PromptLedger::RequeueTrainedSince(int64_t since_ms) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const int64_t now = options_.now_ms();
-  return CountedUpdate(path_, db_,
-                       "UPDATE prompts SET state = 'QUEUED', updated_ms = ? "
-                       "WHERE state = 'TRAINED' AND updated_ms > ?",
-                       [&](Statement& s) -> Statement& { return s.Bind(1, now).Bind(2, since_ms); });
+  Transaction txn(path_, db_);
+  RETURN_IF_ERROR(txn.Begin());
+  RollbackResult result;
+  {
+    ASSIGN_OR_RETURN(Statement del,
+                     Statement::Prepare(path_, db_, "DELETE FROM trainings WHERE step > ?"));
+    RETURN_IF_ERROR(del.Bind(1, step).Run());
+    result.trainings_undone = sqlite3_changes(db_);
+  }
+  if (result.trainings_undone > 0) {
+    RETURN_IF_ERROR(Exec(path_, db_,
+                         "UPDATE prompts SET trained_passes = (SELECT COUNT(*) FROM trainings t "
+                         "WHERE t.prompt_id = prompts.id)",
+                         "recount trainings"));
+  }
+  {
+    // Accepted but in no restored weights: back to the queue in the same pass.
+    ASSIGN_OR_RETURN(Statement requeue,
+                     Statement::Prepare(path_, db_,
+                                        "UPDATE prompts SET state = 'QUEUED', trained_step = NULL, "
+                                        "updated_ms = ? WHERE state = 'TRAINED' AND "
+                                        "(trained_step IS NULL OR trained_step > ?)"));
+    RETURN_IF_ERROR(requeue.Bind(1, now).Bind(2, step).Run());
+    result.requeued = sqlite3_changes(db_);
+  }
+  // Prompts that owe an earlier pass than their row's (a pass boundary after the restored
+  // step moved them on): back to the earliest pass they owe. Leased rows are left to their
+  // lease; MarkTrained takes the owed pass after it.
+  ASSIGN_OR_RETURN(const int64_t job_pass, JobPass(path_, db_));
+  std::vector<std::pair<std::string, int64_t>> owe;
+  {
+    ASSIGN_OR_RETURN(Statement select,
+                     Statement::Prepare(path_, db_,
+                                        "SELECT id, pass, first_pass FROM prompts "
+                                        "WHERE state IN ('QUEUED', 'TRAINED') AND "
+                                        "trained_passes < pass - first_pass + (state = 'TRAINED')"));
+    std::vector<std::tuple<std::string, int64_t, int64_t>> rows;
+    while (true) {
+      ASSIGN_OR_RETURN(bool has_row, select.Step());
+      if (!has_row) break;
+      rows.emplace_back(select.Text(0), select.Int(1), select.Int(2));
+    }
+    for (const auto& [id, pass, first_pass] : rows) {
+      ASSIGN_OR_RETURN(std::vector<int64_t> trained, TrainedPasses(path_, db_, id));
+      const int64_t missing = FirstMissingPass(trained, first_pass, job_pass);
+      if (missing >= 0 && missing < pass + 1) owe.emplace_back(id, missing);
+    }
+  }
+  for (const auto& [id, pass] : owe) {
+    ASSIGN_OR_RETURN(std::optional<RowState> row, ReadRow(path_, db_, id));
+    if (row && (row->state == "QUEUED" ? pass < row->pass : true)) {
+      if (row->state == "TRAINED") ++result.requeued;
+      RETURN_IF_ERROR(QueueRow(path_, db_, id, pass, now));
+      ++result.moved_back;
+    }
+  }
+  RETURN_IF_ERROR(txn.Commit());
+  return result;
 }
 
 StatusOr<bool> PromptLedger::StartNextPass(int64_t num_passes) {
@@ -638,16 +881,48 @@ StatusOr<bool> PromptLedger::StartNextPass(int64_t num_passes) {
                                       " queued, " + std::to_string(counts.leased) + " leased)");
   }
   if (counts.pass + 1 >= num_passes) return false;
+  {
+    // Every prompt must be trained (or accepted) in every pass up to this one.
+    ASSIGN_OR_RETURN(Statement owing,
+                     Statement::Prepare(path_, db_,
+                                        "SELECT COUNT(*) FROM prompts WHERE state = 'TRAINED' AND "
+                                        "trained_passes + (trained_step IS NULL) < "
+                                        "? - first_pass + 1"));
+    ASSIGN_OR_RETURN(bool row, owing.Bind(1, counts.pass).Step());
+    (void)row;
+    if (owing.Int(0) > 0) {
+      return Status::FailedPrecondition("StartNextPass: " + std::to_string(owing.Int(0)) +
+                                        " prompts still owe a training of an earlier pass");
+    }
+  }
   const int64_t next = counts.pass + 1;
+  // Accepted prompts move on too: their group of this pass, still buffered, is recorded by
+  // MarkTrained under this pass (or requeued into it) whatever their row's pass is by then.
   ASSIGN_OR_RETURN(Statement requeue,
                    Statement::Prepare(path_, db_,
                                       "UPDATE prompts SET state = 'QUEUED', pass = ?, "
-                                      "updated_ms = ? WHERE state = 'TRAINED'"));
+                                      "trained_step = NULL, updated_ms = ? "
+                                      "WHERE state = 'TRAINED'"));
   RETURN_IF_ERROR(requeue.Bind(1, next).Bind(2, now).Run());
   ASSIGN_OR_RETURN(Statement job, Statement::Prepare(path_, db_, "UPDATE job SET pass = ?"));
   RETURN_IF_ERROR(job.Bind(1, next).Run());
   RETURN_IF_ERROR(txn.Commit());
   return true;
+}
+
+StatusOr<std::vector<TrainingRecord>> PromptLedger::Trainings() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ASSIGN_OR_RETURN(Statement select,
+                   Statement::Prepare(path_, db_,
+                                      "SELECT prompt_id, pass, step FROM trainings "
+                                      "ORDER BY step, prompt_id, pass"));
+  std::vector<TrainingRecord> out;
+  while (true) {
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    if (!has_row) break;
+    out.push_back(TrainingRecord{select.Text(0), select.Int(1), select.Int(2)});
+  }
+  return out;
 }
 
 StatusOr<LedgerCounts> PromptLedger::Counts() {
@@ -674,15 +949,19 @@ StatusOr<LedgerCounts> PromptLedger::CountsLocked(const std::string* dataset_id)
   ASSIGN_OR_RETURN(Statement select,
                    Statement::Prepare(path_, db_,
                                       dataset_id == nullptr
-                                          ? "SELECT state, COUNT(*) FROM prompts GROUP BY state"
-                                          : "SELECT state, COUNT(*) FROM prompts "
-                                            "WHERE dataset_id = ? GROUP BY state"));
+                                          ? "SELECT state, COUNT(*), "
+                                            "SUM(state = 'TRAINED' AND trained_step IS NULL) "
+                                            "FROM prompts GROUP BY state"
+                                          : "SELECT state, COUNT(*), "
+                                            "SUM(state = 'TRAINED' AND trained_step IS NULL) "
+                                            "FROM prompts WHERE dataset_id = ? GROUP BY state"));
   if (dataset_id != nullptr) select.Bind(1, *dataset_id);
   while (true) {
     ASSIGN_OR_RETURN(bool has_row, select.Step());
     if (!has_row) break;
     ASSIGN_OR_RETURN(PromptState state, ParseState(select.Text(0)));
     const int64_t n = select.Int(1);
+    counts.accepted += select.Int(2);
     switch (state) {
       case PromptState::kQueued:
         counts.queued = n;
@@ -691,7 +970,7 @@ StatusOr<LedgerCounts> PromptLedger::CountsLocked(const std::string* dataset_id)
         counts.leased = n;
         break;
       case PromptState::kTrained:
-        counts.trained = n;
+        counts.trained += n;
         break;
       case PromptState::kRejected:
         counts.rejected = n;

@@ -67,8 +67,27 @@ struct PromptRecord {
 
 struct LedgerCounts {
   int64_t queued = 0, leased = 0, trained = 0, rejected = 0;
+  int64_t accepted = 0;  // of `trained`: accepted, in no weights yet
   int64_t pass = 0;  // the job's current 0-based pass
   int64_t total() const { return queued + leased + trained + rejected; }
+};
+
+// One group an optimizer step took: the prompt and the pass its lease was for.
+struct TrainedGroup {
+  std::string prompt_id;
+  int64_t pass = 0;
+};
+
+struct TrainingRecord {
+  std::string prompt_id;
+  int64_t pass = 0;
+  int64_t step = 0;  // the weights after this optimizer step hold it
+};
+
+struct RollbackResult {
+  int64_t trainings_undone = 0;  // recorded after the step, removed
+  int64_t requeued = 0;          // TRAINED (accepted or undone) -> QUEUED
+  int64_t moved_back = 0;        // rows moved back to a pass they owe
 };
 
 // Thread-safe: every method takes one mutex around the SQLite handle. Errors name the file.
@@ -111,23 +130,43 @@ class PromptLedger {
   // unchanged. Same lease check.
   Status ReleaseLease(const std::string& lease_id, const std::string& prompt_id);
 
-  // A worker is gone (it missed its heartbeats): every prompt LEASED to it -> QUEUED with
-  // attempts + 1, as if its leases had expired, so they need not wait out lease_seconds. A group
-  // it pushes later under one of them is refused as an unknown lease. Returns how many moved.
-  StatusOr<int64_t> ExpireWorkerLeases(const std::string& worker_id);
-  // An accepted group that was never trained gives its prompt back: TRAINED -> QUEUED when the
-  // prompt is TRAINED in `pass` (attempts unchanged). Returns false, changing nothing, for a
-  // prompt in any other state or pass; NotFound for an unknown prompt.
-  StatusOr<bool> RequeueTrained(const std::string& prompt_id, int64_t pass);
-  // Crash recovery: every TRAINED prompt last updated after `since_ms` (ledger clock) -> QUEUED,
-  // attempts unchanged. Returns how many moved.
-  StatusOr<int64_t> RequeueTrainedSince(int64_t since_ms);
+  // A worker is gone (it missed its heartbeats), or registered again as a new process: every
+  // prompt LEASED to it, except under the lease ids in `keep` (those a live worker still
+  // holds), -> QUEUED with attempts + 1, as if its leases had expired, so they need not wait out
+  // lease_seconds. A group pushed later under one of them is refused as an unknown lease.
+  // Returns how many moved.
+  StatusOr<int64_t> ExpireWorkerLeases(const std::string& worker_id,
+                                       const std::vector<std::string>& keep = {});
 
-  // Ends the current pass when every prompt is TRAINED or REJECTED: returns true after moving
-  // TRAINED -> QUEUED with pass + 1, or false (and changes nothing) when the pass just finished
-  // was the last of num_passes. FailedPrecondition while prompts are still QUEUED or LEASED, or
-  // when the ledger holds no prompts; InvalidArgument when num_passes < 1.
+  // --- What the model holds (schema v2). A TRAINED prompt is first only *accepted* (its group
+  // waits in the learner's buffer, trained_step NULL); MarkTrained records that an optimizer
+  // step took the group of (prompt, pass): the weights after `step` hold it. Each (prompt, pass)
+  // is trained at most once; a second one is reported (FailedPrecondition, after recording the
+  // rest). A prompt that owes an earlier pass (see RequeueTrained) is queued for it next.
+  // Returns how many trainings were recorded.
+  StatusOr<int64_t> MarkTrained(const std::vector<TrainedGroup>& groups, int64_t step);
+  // An accepted group of (prompt, pass) was not trained (refused as stale, or the job ended):
+  // the prompt is queued for that pass again, now when its row is free (accepted in `pass`,
+  // done with its pass, or queued for a later one), else when its current pass is trained.
+  // True unless the prompt was REJECTED (nothing is owed); NotFound for an unknown prompt,
+  // FailedPrecondition when (prompt, pass) was already trained.
+  StatusOr<bool> RequeueTrained(const std::string& prompt_id, int64_t pass);
+  // Restore to the weights after optimizer step `step` (a checkpoint; 0 = the initial model;
+  // INT64_MAX = keep every training, requeue only what is accepted): trainings after `step`
+  // are undone, accepted and undone prompts go back to QUEUED in the earliest pass they owe
+  // (a pass boundary after `step` is undone for them). Leased prompts keep their lease.
+  StatusOr<RollbackResult> RollbackTo(int64_t step);
+
+  // Ends the current pass when every prompt is TRAINED (or accepted) or REJECTED in it and owes
+  // no earlier pass: returns true after moving TRAINED -> QUEUED with pass + 1 (an accepted
+  // prompt's buffered group still counts for the pass it was leased in), or false (and changes
+  // nothing) when the pass just finished was the last of num_passes. FailedPrecondition while
+  // prompts are QUEUED, LEASED or owe a pass, or when the ledger holds no prompts;
+  // InvalidArgument when num_passes < 1.
   StatusOr<bool> StartNextPass(int64_t num_passes);
+
+  // Every recorded training, by step.
+  StatusOr<std::vector<TrainingRecord>> Trainings();
 
   // Prompts per state over the whole ledger, or over one dataset (NotFound if unknown).
   StatusOr<LedgerCounts> Counts();

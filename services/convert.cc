@@ -6,6 +6,7 @@ void ToProto(const common::RolloutGroup& group, v1::RolloutGroup* out) {
   out->set_prompt_id(group.prompt_id);
   out->set_lease_id(group.lease_id);
   out->set_policy_version(group.policy_version);
+  out->set_policy_incarnation(group.policy_incarnation);
   out->mutable_prompt_ids()->Assign(group.prompt_ids.begin(), group.prompt_ids.end());
   for (const auto& c : group.completions) {
     v1::Completion* pc = out->add_completions();
@@ -25,6 +26,7 @@ common::RolloutGroup FromProto(const v1::RolloutGroup& group) {
   g.prompt_id = group.prompt_id();
   g.lease_id = group.lease_id();
   g.policy_version = group.policy_version();
+  g.policy_incarnation = group.policy_incarnation();
   g.prompt_ids.assign(group.prompt_ids().begin(), group.prompt_ids().end());
   for (const auto& pc : group.completions()) {
     common::Completion c;

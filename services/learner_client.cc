@@ -4,6 +4,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "common/sha256.h"
 #include "services/auth.h"
 #include "services/convert.h"
 
@@ -41,32 +42,49 @@ StatusOr<LearnerClient> ConnectLearner(const std::string &address,
   return c;
 }
 
+std::string DatasetContentKey(const std::vector<std::string> &lines) {
+  // The ledger's own content hash (length-prefixed lines), so that the same file always gets
+  // the same key.
+  common::Sha256 hasher;
+  for (const std::string &line : lines) {
+    const uint64_t size = line.size();
+    hasher.Update(&size, sizeof(size));
+    hasher.Update(line.data(), line.size());
+  }
+  return "sha256:" + hasher.HexDigest();
+}
+
 StatusOr<v1::SubmitDatasetResponse>
 SubmitLines(const LearnerClient &client, std::istream &jsonl,
             const std::string &idempotency_key, const std::string &name,
             double timeout_seconds) {
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(jsonl, line);) lines.push_back(std::move(line));
+  if (jsonl.bad()) return Status::Internal("SubmitDataset: cannot read the input");
+  const std::string key =
+      idempotency_key.empty() ? DatasetContentKey(lines) : idempotency_key;
+
   auto ctx = client.Context(timeout_seconds);
   v1::SubmitDatasetResponse response;
   auto writer = client.stub->SubmitDataset(ctx.get(), &response);
   v1::SubmitDatasetRequest msg;
-  msg.set_idempotency_key(idempotency_key);
+  msg.set_idempotency_key(key);
   msg.set_name(name);
   size_t bytes = 0;
   bool write_ok = true;
-  std::string line;
-  while (write_ok && std::getline(jsonl, line)) {
-    bytes += line.size();
-    msg.add_lines(std::move(line));
-    if (bytes >= kSubmitChunkBytes) {
+  for (size_t i = 0; write_ok && i < lines.size(); ++i) {
+    bytes += lines[i].size() + 1;
+    msg.add_lines(std::move(lines[i]));
+    if (bytes >= kSubmitChunkBytes && i + 1 < lines.size()) {
       write_ok = writer->Write(msg);
       msg.Clear();
       bytes = 0;
     }
   }
-  if (write_ok && (msg.lines_size() > 0 || !msg.idempotency_key().empty() ||
-                   !msg.name().empty())) {
-    write_ok = writer->Write(msg);
-  }
+  // The final message: without it the learner stores nothing.
+  msg.set_last(true);
+  msg.set_total_lines(static_cast<int64_t>(lines.size()));
+  if (write_ok) write_ok = writer->Write(msg);
   writer->WritesDone();
   grpc::Status s = writer->Finish();
   if (!s.ok())

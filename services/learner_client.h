@@ -43,9 +43,16 @@ StatusOr<LearnerClient> ConnectLearner(const std::string &address,
                                        const std::string &auth_token_file,
                                        const std::string &tls_ca_file = "");
 
-// Uploads the lines of `jsonl` (JSON Lines rows, streamed) as one SubmitDataset
-// call under a `timeout_seconds` deadline. The learner's error (e.g.
-// InvalidArgument naming the bad row) otherwise.
+// Uploads the lines of `jsonl` (JSON Lines rows; read whole first) as one
+// SubmitDataset call under a `timeout_seconds` deadline, ending with the message
+// marked last: the learner stores the dataset whole or not at all. An empty
+// `idempotency_key` means DatasetContentKey(lines), so a retry after any error
+// is safe. The learner's error (e.g. InvalidArgument naming the bad row, ABORTED
+// for an upload that broke off) otherwise.
+// The idempotency key SubmitLines uses when none is given: "sha256:" + the hex SHA-256 of the
+// lines (each prefixed by its 64-bit length), so resubmitting the same file adds nothing.
+std::string DatasetContentKey(const std::vector<std::string> &lines);
+
 StatusOr<v1::SubmitDatasetResponse>
 SubmitLines(const LearnerClient &client, std::istream &jsonl,
             const std::string &idempotency_key, const std::string &name,

@@ -13,6 +13,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <random>
 #include <sstream>
 
 #include "common/logging.h"
@@ -66,66 +67,14 @@ int64_t CheckpointStep(const std::string& name) {
   return ec == std::errc() && p == e ? step : -1;
 }
 
-nlohmann::json ReadWatermarks(const std::string& output_dir) {
-  std::ifstream in(fs::path(output_dir) / kLedgerWatermarksFile);
-  if (!in) return nlohmann::json::object();
-  try {
-    nlohmann::json j = nlohmann::json::parse(in);
-    return j.is_object() ? j : nlohmann::json::object();
-  } catch (const nlohmann::json::exception& e) {
-    GRPO_LOG_WARN("ignoring unreadable {}: {}", kLedgerWatermarksFile, e.what());
-    return nlohmann::json::object();
-  }
-}
-
-// Records checkpoint `name`'s watermark. Called BEFORE the checkpoint is published, so that a
-// crash between the two never leaves a published checkpoint without its watermark (which would
-// requeue prompts its weights already learned from); `name` need not exist yet. Entries of other
-// checkpoints that no longer exist are pruned. Written to a temporary file and renamed.
-Status WriteWatermark(const std::string& output_dir, const std::string& name, int64_t watermark) {
-  nlohmann::json j = ReadWatermarks(output_dir);
-  nlohmann::json kept = nlohmann::json::object();
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    if (it.key() != name && it.value().is_number_integer() &&
-        fs::exists(fs::path(output_dir) / it.key())) {
-      kept[it.key()] = it.value();
-    }
-  }
-  kept[name] = watermark;
-  const fs::path path = fs::path(output_dir) / kLedgerWatermarksFile;
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << kept.dump(2) << "\n";
-    out.flush();
-    if (!out) return Status::Internal("cannot write " + tmp.string());
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return Status::Internal("cannot rename " + tmp.string() + ": " + ec.message());
-  return Status::OK();
-}
-
-// The watermark to requeue after when `restored_dir` was restored: its own, else (a crash
-// between the checkpoint and its watermark) the newest of older checkpoints'; nullopt = none.
-std::optional<int64_t> FindWatermark(const std::string& output_dir,
-                                     const std::string& restored_dir) {
-  const nlohmann::json j = ReadWatermarks(output_dir);
-  const std::string name = fs::path(restored_dir).filename().string();
-  if (auto it = j.find(name); it != j.end() && it->is_number_integer()) {
-    return it->get<int64_t>();
-  }
-  const int64_t step = CheckpointStep(name);
-  std::optional<int64_t> best;
-  int64_t best_step = -1;
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    const int64_t s = CheckpointStep(it.key());
-    if (it.value().is_number_integer() && s >= 0 && s < step && s > best_step) {
-      best_step = s;
-      best = it.value().get<int64_t>();
-    }
-  }
-  return best;
+// A fresh learner incarnation id: 64 random bits, hex. Weights and groups carry it, so that a
+// group generated with a dead learner's weights is never taken for one of this learner's.
+std::string NewIncarnation() {
+  std::random_device rd;
+  const uint64_t bits = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(bits));
+  return buf;
 }
 
 // StepMetrics::ToJson numbers, by TRL name.
@@ -178,6 +127,7 @@ StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
   }
   if (!options.now_ms) options.now_ms = SystemNowMs;
   std::unique_ptr<LearnerServer> s(new LearnerServer(std::move(config), std::move(options)));
+  s->incarnation_ = NewIncarnation();
   const common::GrpoConfig& cfg = s->config_;
   s->registry_ = s->options_.metrics_registry;
   if (s->registry_ == nullptr) {
@@ -234,23 +184,19 @@ StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
 Status LearnerServer::Resume() {
   const std::string& out = config_.output_dir;
   auto restored = learner::RestoreLatestCheckpoint(*trainer_, out);
-  std::optional<int64_t> watermark;
   if (restored.ok()) {
-    watermark = FindWatermark(out, *restored);
     GRPO_LOG_INFO("learner: resumed from {} at step {}", *restored, trainer_->global_step());
-    if (!watermark) {
-      GRPO_LOG_WARN(
-          "learner: no ledger watermark for {}: every TRAINED prompt of this pass "
-          "is requeued",
-          *restored);
-    }
   } else if (restored.status().code() != StatusCode::kNotFound) {
     return restored.status().WithContext("resume");
   }
-  ASSIGN_OR_RETURN(int64_t moved, ledger_->RequeueTrainedSince(
-                                      watermark.value_or(std::numeric_limits<int64_t>::min())));
-  if (moved > 0) {
-    GRPO_LOG_INFO("learner: requeued {} prompts accepted after the restored state", moved);
+  // The ledger follows the weights: what the restored step does not hold (trainings after it,
+  // groups accepted but never trained, pass boundaries crossed since) is undone.
+  ASSIGN_OR_RETURN(learner::RollbackResult undone, ledger_->RollbackTo(trainer_->global_step()));
+  if (undone.requeued + undone.trainings_undone + undone.moved_back > 0) {
+    GRPO_LOG_INFO(
+        "learner: ledger rolled back to step {}: {} trainings undone, {} prompts requeued, {} "
+        "moved back to a pass they owe",
+        trainer_->global_step(), undone.trainings_undone, undone.requeued, undone.moved_back);
   }
   return Status::OK();
 }
@@ -280,6 +226,7 @@ Status LearnerServer::Start() {
     health->SetServingStatus(true);
     health->SetServingStatus(kServiceName, true);
   }
+  started_ok_ = true;
   train_thread_ = std::thread([this] { TrainLoop(); });
   sync_thread_ = std::thread([this] { WeightSyncLoop(); });
   GRPO_LOG_INFO("learner: serving on port {} (step {}, policy version {})", port_,
@@ -307,12 +254,30 @@ Status LearnerServer::Stop(bool checkpoint) {
   if (sync_thread_.joinable()) sync_thread_.join();
 
   Status result;
+  if (checkpoint && trainer_->open_step_micro_batches() > 0) {
+    // Stopping inside an optimizer step: take it with the micro-batches it has (the ledger
+    // already recorded its groups under that step), so that the checkpoint holds them.
+    auto flushed = trainer_->FlushPartialStep();
+    if (flushed.ok() && flushed->has_value()) {
+      RecordStepMetrics(**flushed);
+      std::lock_guard<std::mutex> lock(mu_);
+      global_step_ = trainer_->global_step();
+    } else if (!flushed.ok()) {
+      GRPO_LOG_WARN("learner: flush the open step at stop: {}", flushed.status().ToString());
+    }
+  }
   bool need_save = false;
+  int64_t saved = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     need_save = checkpoint && global_step_ > last_saved_step_;
   }
-  if (need_save) result = Checkpoint();
+  if (need_save) result = CheckpointWithRetry(kFinalCheckpointAttempts);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    saved = last_saved_step_;
+  }
+
   if (server_ != nullptr) {
     if (auto* health = server_->GetHealthCheckService()) {
       health->SetServingStatus(false);
@@ -321,6 +286,8 @@ Status LearnerServer::Stop(bool checkpoint) {
     server_->Shutdown(std::chrono::system_clock::now() + kDefaultShutdownGrace);
     server_->Wait();
   }
+  // After the last call: nothing can join the buffer any more.
+  if (started_ok_) EndLedgerAtStep(saved);
   return result;
 }
 
@@ -419,9 +386,10 @@ void LearnerServer::Housekeep() {
     GRPO_LOG_WARN("learner: ledger counts: {}", counts.status().ToString());
     return;
   }
-  if (counts->queued + counts->leased == 0 && counts->trained > 0) {
-    // Every prompt of this pass is trained or rejected: the job needs more steps, so start the
-    // next pass (the partial batch still buffered trains together with it).
+  if (counts->queued + counts->leased == 0 && counts->trained > 0 && PassMayEnd()) {
+    // Every prompt of this pass is trained, rejected, or accepted into the one partial batch
+    // that trains next: the job needs more steps, so start the next pass (that partial batch
+    // trains together with its first groups, before any other optimizer step).
     auto next = ledger_->StartNextPass(std::numeric_limits<int64_t>::max());
     if (next.ok() && *next) {
       GRPO_LOG_INFO("learner: pass {} done; starting pass {}", counts->pass, counts->pass + 1);
@@ -438,6 +406,36 @@ void LearnerServer::Housekeep() {
     if (state_ == want || TerminalLocked()) return;
   }
   ChangeState(want, want == JobState::kRunning ? "" : "no prompts to lease");
+}
+
+bool LearnerServer::PassMayEnd() {
+  std::vector<BufferedGroup> stale;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Groups being accepted, or a full batch waiting, would train after other steps: wait.
+    if (!accepting_ms_.empty() || training_) return false;
+    if (static_cast<int64_t>(buffer_.size()) >= batch_groups_) return false;
+    // The partial batch trains next, at the current policy version: a group already too stale
+    // for it goes back to its pass now, so that the pass is not left owing it.
+    for (auto it = buffer_.begin(); it != buffer_.end();) {
+      learner::RejectReason reason = learner::RejectReason::kGroupSize;
+      if (!trainer_->ValidateGroup(it->group, &reason).ok() &&
+          reason == learner::RejectReason::kStale) {
+        stale.push_back(std::move(*it));
+        it = buffer_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    metrics_.buffer_groups->Set(static_cast<double>(buffer_.size()));
+  }
+  for (const auto& b : stale) {
+    RequeueUntrained({b.group.prompt_id, b.pass}, "stale at the end of its pass");
+    metrics_.groups_rejected->Increment({"stale"});
+    std::lock_guard<std::mutex> lock(mu_);
+    ++refused_["stale"];
+  }
+  return stale.empty();
 }
 
 void LearnerServer::DropDeadWorkersLocked() {
@@ -470,10 +468,10 @@ void LearnerServer::DropDeadWorkersLocked() {
 
 void LearnerServer::TrainBatch(std::vector<BufferedGroup> batch) {
   std::vector<common::RolloutGroup> groups;
+  std::vector<learner::TrainedGroup> keys;  // (prompt, pass) of groups[i]
   groups.reserve(batch.size());
-  std::map<std::string, int64_t> pass_of;
   for (auto& b : batch) {
-    pass_of[b.group.prompt_id] = b.pass;
+    keys.push_back({b.group.prompt_id, b.pass});
     groups.push_back(std::move(b.group));
   }
   StatusOr<learner::GenerationBatchResult> result = Status::Internal("not run");
@@ -486,21 +484,42 @@ void LearnerServer::TrainBatch(std::vector<BufferedGroup> batch) {
   }
   if (!result.ok()) {
     GRPO_LOG_ERROR("learner: {}", result.status().ToString());
+    for (const auto& k : keys) RequeueUntrained(k, "training failed");
     ChangeState(JobState::kFailed, result.status().ToString());
     return;
   }
-  // Groups that went stale in the buffer were never trained: their prompts go back.
+  // Groups that went stale in the buffer were never trained: their prompts owe that pass.
+  std::vector<bool> refused(keys.size(), false);
   for (const auto& [prompt_id, reason] : result->rejected) {
-    auto moved = ledger_->RequeueTrained(prompt_id, pass_of[prompt_id]);
-    if (!moved.ok()) GRPO_LOG_WARN("learner: requeue {}: {}", prompt_id, moved.status().ToString());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!refused[i] && keys[i].prompt_id == prompt_id) {
+        refused[i] = true;
+        RequeueUntrained(keys[i], learner::RejectReasonName(reason));
+        break;
+      }
+    }
     metrics_.groups_rejected->Increment({learner::RejectReasonName(reason)});
     std::lock_guard<std::mutex> lock(mu_);
     ++refused_[std::string(learner::RejectReasonName(reason))];
   }
+  // The rest are in the weights after the step now taken, or after the next one when the batch
+  // ended inside an optimizer step (checkpoints are never taken inside one, see below).
+  const int64_t step = trainer_->global_step();
+  const bool open_step = trainer_->open_step_micro_batches() > 0;
+  {
+    std::vector<learner::TrainedGroup> trained;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!refused[i]) trained.push_back(keys[i]);
+    }
+    auto marked = ledger_->MarkTrained(trained, open_step ? step + 1 : step);
+    if (!marked.ok()) {
+      GRPO_LOG_ERROR("learner: ledger: {}", marked.status().ToString());
+      metrics_.ledger_errors->Increment();
+    }
+  }
   for (const auto& sm : result->steps) RecordStepMetrics(sm);
   if (!result->steps.empty()) RefreshLedgerMetrics();
 
-  const int64_t step = trainer_->global_step();
   bool publish = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -530,16 +549,42 @@ void LearnerServer::TrainBatch(std::vector<BufferedGroup> batch) {
     last_saved = last_saved_step_;
   }
   const bool finished = step >= config_.max_steps;
+  if (finished) {
+    // The final weights: a failure is retried, and after the last attempt the job fails (the
+    // result cannot be kept). An optimizer step still open is not taken (TRL stops at max_steps
+    // too); its groups go back to the queue with the buffered ones.
+    if (step > last_saved) {
+      if (Status s = CheckpointWithRetry(kFinalCheckpointAttempts); !s.ok()) {
+        ChangeState(JobState::kFailed, "final checkpoint: " + s.ToString());
+        return;
+      }
+    }
+    EndLedgerAtStep(step);
+    ChangeState(JobState::kDone, "max_steps reached");
+    return;
+  }
+  // A periodic checkpoint waits for a boundary between optimizer steps: the ledger then knows
+  // exactly which groups its weights hold. A failed one is logged and counted, the previous
+  // checkpoint stays the one a restart uses, and the next batch tries again.
   const bool save_due =
       config_.save_steps > 0 && step / config_.save_steps > last_saved / config_.save_steps;
-  if ((save_due || finished) && step > last_saved) {
+  if (save_due && step > last_saved && !open_step) {
     if (Status s = Checkpoint(); !s.ok()) {
-      GRPO_LOG_ERROR("learner: checkpoint: {}", s.ToString());
-      ChangeState(JobState::kFailed, s.ToString());
-      return;
+      GRPO_LOG_ERROR("learner: checkpoint at step {} failed ({}); training goes on and the next "
+                     "batch retries it",
+                     step, s.ToString());
     }
   }
-  if (finished) ChangeState(JobState::kDone, "max_steps reached");
+}
+
+void LearnerServer::RequeueUntrained(const learner::TrainedGroup& key, std::string_view why) {
+  auto moved = ledger_->RequeueTrained(key.prompt_id, key.pass);
+  if (!moved.ok()) {
+    // Never silent: the prompt would miss a pass.
+    GRPO_LOG_ERROR("learner: requeue {} (pass {}, {}): {}", key.prompt_id, key.pass, why,
+                   moved.status().ToString());
+    metrics_.ledger_errors->Increment();
+  }
 }
 
 Status LearnerServer::PublishWeights() {
@@ -647,28 +692,20 @@ void LearnerServer::WeightSyncLoop() {
 }
 
 Status LearnerServer::Checkpoint() {
-  int64_t watermark = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    watermark = ledger_->NowMs();
-    for (const auto& b : buffer_) watermark = std::min(watermark, b.accepted_ms);
-    if (!accepting_ms_.empty()) watermark = std::min(watermark, *accepting_ms_.begin());
-  }
-  --watermark;
   const auto save_start = Clock::now();
-  // The watermark first: checkpoint-<step> is published (renamed, `latest` rewritten) only after
-  // it. A watermark recorded for a checkpoint that a crash then never published is harmless: the
-  // name is re-recorded when that step is saved again, and a same-step checkpoint from before
-  // holds the same trained state, for which a later watermark is still exact.
+  // No watermark is needed: the ledger records the step of every training (MarkTrained), so
+  // restoring this checkpoint rolls the ledger back to exactly what its weights hold.
   const std::string name = "checkpoint-" + std::to_string(trainer_->global_step());
-  RETURN_IF_ERROR(WriteWatermark(config_.output_dir, name, watermark));
   StatusOr<std::string> dir = Status::Internal("not run");
   try {
     dir = learner::SaveCheckpoint(*trainer_, config_.output_dir, options_.model_dir);
   } catch (const std::exception& e) {
     dir = Status::Internal(std::string("save checkpoint: ") + e.what());
   }
-  if (!dir.ok()) return dir.status();
+  if (!dir.ok()) {
+    metrics_.checkpoint_failures->Increment();
+    return dir.status();
+  }
   if (fs::path(*dir).filename().string() != name) {
     return Status::Internal("checkpoint saved as " + *dir + ", expected " + name);
   }
@@ -679,7 +716,46 @@ Status LearnerServer::Checkpoint() {
   metrics_.checkpoint_duration->Observe(
       std::chrono::duration<double>(Clock::now() - save_start).count());
   GRPO_LOG_INFO("learner: saved {}", *dir);
+  for (const std::string& old : learner::PruneCheckpoints(config_.output_dir,
+                                                          config_.save_total_limit)) {
+    GRPO_LOG_INFO("learner: removed {} (save_total_limit {})", old, config_.save_total_limit);
+  }
   return Status::OK();
+}
+
+Status LearnerServer::CheckpointWithRetry(int attempts) {
+  Status s;
+  auto delay = std::chrono::milliseconds(500);
+  for (int i = 0; i < attempts; ++i) {
+    s = Checkpoint();
+    if (s.ok()) return s;
+    GRPO_LOG_ERROR("learner: checkpoint attempt {}/{} failed: {}", i + 1, attempts, s.ToString());
+    if (i + 1 < attempts) {
+      std::this_thread::sleep_for(delay);
+      delay *= 2;
+    }
+  }
+  return s;
+}
+
+void LearnerServer::EndLedgerAtStep(int64_t saved_step) {
+  std::deque<BufferedGroup> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dropped.swap(buffer_);
+    metrics_.buffer_groups->Set(0);
+  }
+  // Buffered groups were accepted but never trained, and trainings after the saved step are in
+  // no weights that outlive this process: the ledger says so (their prompts are QUEUED again).
+  auto undone = ledger_->RollbackTo(saved_step);
+  if (!undone.ok()) {
+    GRPO_LOG_ERROR("learner: ledger at job end: {}", undone.status().ToString());
+    return;
+  }
+  if (!dropped.empty() || undone->requeued > 0) {
+    GRPO_LOG_INFO("learner: {} buffered groups dropped at job end; {} prompts back to QUEUED",
+                  dropped.size(), undone->requeued);
+  }
 }
 
 void LearnerServer::ChangeState(JobState state, const std::string& message) {
@@ -754,6 +830,14 @@ grpc::Status LearnerServer::Register(grpc::ServerContext* context,
         id = "worker-" + std::to_string(next_worker_number_++);
       } while (workers_.count(id) > 0);
     }
+    // Leases granted to this id before now belong to a process that is gone (a worker leases
+    // only between registrations, never across one): back to the queue now, not after
+    // lease_seconds, so they neither wait nor block the staleness budget.
+    if (auto moved = ledger_->ExpireWorkerLeases(id); moved.ok() && *moved > 0) {
+      GRPO_LOG_INFO("learner: worker {} registered again: {} leases of its earlier process "
+                    "returned to the queue",
+                    id, *moved);
+    }
     auto it = workers_.find(id);
     if (it == workers_.end()) {
       Worker w;
@@ -776,6 +860,7 @@ grpc::Status LearnerServer::Register(grpc::ServerContext* context,
     response->set_config_json(config_json);
     response->set_heartbeat_interval_ms(options_.heartbeat_interval.count());
     response->set_model_config_json(model_config);
+    response->set_learner_incarnation(incarnation_);
     return grpc::Status::OK;
   });
 }
@@ -796,6 +881,7 @@ grpc::Status LearnerServer::Heartbeat(grpc::ServerContext* context,
     response->set_policy_version(weights_ ? weights_->version : 0);
     response->set_group_epoch(group_epoch_.load());
     response->set_shutdown(TerminalLocked());
+    response->set_learner_incarnation(incarnation_);
     return grpc::Status::OK;
   });
 }
@@ -813,6 +899,16 @@ grpc::Status LearnerServer::LeasePrompts(grpc::ServerContext* context,
                           "LeasePrompts: max_prompts must be positive");
     }
     response->set_retry_after_ms(kDefaultLeaseRetryAfter.count());
+    response->set_learner_incarnation(incarnation_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (workers_.count(request->worker_id()) == 0 && !TerminalLocked()) {
+        // A learner that restarted does not know the worker: it must register again (and take
+        // this learner's weights) before it generates for it.
+        return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                            "unknown worker '" + request->worker_id() + "': Register again");
+      }
+    }
     // Lease only what can be trained within max_staleness and fits the buffer: a group generated
     // now but trained too many versions later would be refused as stale, its generation wasted.
     // While the budget is 0, wait for it (a long poll woken when the trainer takes or finishes a
@@ -830,12 +926,19 @@ grpc::Status LearnerServer::LeasePrompts(grpc::ServerContext* context,
         if (!counts.ok()) return ToGrpcStatus(counts.status());
         std::unique_lock<std::mutex> lock(mu_);
         response->set_policy_version(weights_ ? weights_->version : 0);
-        if (TerminalLocked() || stopping_) {
+        if (TerminalLocked()) {
           response->set_job_done(true);
           return grpc::Status::OK;
         }
+        if (stopping_) {
+          // Shutting down is not the end of the job: the worker waits and reconnects.
+          return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the learner is shutting down");
+        }
+        if (context->IsCancelled()) {
+          return grpc::Status(grpc::StatusCode::CANCELLED, "LeasePrompts: cancelled");
+        }
         budget = LeaseBudgetLocked(counts->leased);
-        if (budget > 0 || Clock::now() >= poll_end || context->IsCancelled()) break;
+        if (budget > 0 || Clock::now() >= poll_end) break;
         room_cv_.wait_for(lock, std::min<Clock::duration>(kWaitPollInterval,
                                                           poll_end - Clock::now()));
       }
@@ -846,6 +949,11 @@ grpc::Status LearnerServer::LeasePrompts(grpc::ServerContext* context,
         std::chrono::milliseconds(std::max<int64_t>(1, std::llround(config_.lease_seconds * 1000)));
     auto leases = ledger_->LeasePrompts(request->worker_id(), n, duration);
     if (!leases.ok()) return ToGrpcStatus(leases.status());
+    if (context->IsCancelled()) {
+      // Nobody will receive these leases: give them back at once.
+      for (const auto& l : *leases) (void)ledger_->ReleaseLease(l.lease_id, l.prompt_id);
+      return grpc::Status(grpc::StatusCode::CANCELLED, "LeasePrompts: cancelled");
+    }
     for (const auto& l : *leases) {
       v1::Lease* out = response->add_leases();
       out->set_lease_id(l.lease_id);
@@ -925,13 +1033,16 @@ void LearnerServer::ProcessGroup(const v1::RolloutGroup& msg, grpc::ServerContex
       GRPO_LOG_DEBUG("learner: release {}: {}", prompt, s.ToString());
     }
   };
-  bool ended = false;
+  bool ended = false, stopping = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    ended = TerminalLocked() || stopping_;
+    ended = TerminalLocked();
+    stopping = stopping_;
   }
-  if (ended) {
-    Refuse(tally, "job_ended", what + ": the job has ended");
+  if (ended || stopping) {
+    release();  // a lease that is still ours goes back to the queue now
+    Refuse(tally, ended ? "job_ended" : "learner_stopping",
+           what + (ended ? ": the job has ended" : ": the learner is shutting down"));
     return;
   }
   // 1. The lease.
@@ -949,7 +1060,19 @@ void LearnerServer::ProcessGroup(const v1::RolloutGroup& msg, grpc::ServerContex
     Refuse(tally, "expired_lease", what + ": lease '" + lease + "' expired");
     return;
   }
-  // 2. The content.
+  // 2. The policy: weights this learner published (a restarted learner's versions start again
+  //    from its checkpoint, so a dead learner's version numbers mean other weights).
+  if (group.policy_incarnation != incarnation_ ||
+      group.policy_version > trainer_->policy_version()) {
+    Refuse(tally, "unknown_policy",
+           what + ": policy version " + std::to_string(group.policy_version) + " of learner '" +
+               group.policy_incarnation + "' was not published by this learner ('" +
+               incarnation_ + "', at version " + std::to_string(trainer_->policy_version()) +
+               ")");
+    release();
+    return;
+  }
+  // 3. The content.
   learner::RejectReason reason = learner::RejectReason::kGroupSize;
   if (Status v = trainer_->ValidateGroup(group, &reason); !v.ok()) {
     Refuse(tally, std::string(learner::RejectReasonName(reason)), v.message());
@@ -980,7 +1103,7 @@ void LearnerServer::ProcessGroup(const v1::RolloutGroup& msg, grpc::ServerContex
       return;
     }
   }
-  // 3. Room in the buffer (backpressure), reserved before the lease completes.
+  // 4. Room in the buffer (backpressure), reserved before the lease completes.
   int64_t accepted_ms = 0;
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -996,8 +1119,11 @@ void LearnerServer::ProcessGroup(const v1::RolloutGroup& msg, grpc::ServerContex
       }
     }
     if (stopping_ || TerminalLocked()) {
+      const bool ended = TerminalLocked();
       lock.unlock();
-      Refuse(tally, "job_ended", what + ": the job has ended");
+      release();
+      Refuse(tally, ended ? "job_ended" : "learner_stopping",
+             what + (ended ? ": the job has ended" : ": the learner is shutting down"));
       return;
     }
     if (!room()) {
@@ -1010,7 +1136,7 @@ void LearnerServer::ProcessGroup(const v1::RolloutGroup& msg, grpc::ServerContex
     accepted_ms = ledger_->NowMs();
     accepting_ms_.insert(accepted_ms);
   }
-  // 4. Complete the lease, then buffer the group.
+  // 5. Complete the lease, then buffer the group.
   Status done = ledger_->CompleteLease(lease, prompt);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1090,6 +1216,7 @@ grpc::Status LearnerServer::GetWeights(grpc::ServerContext* context,
         const int64_t n = std::min(chunk, bytes - offset);
         msg.Clear();
         msg.set_version(snap->version);
+        msg.set_incarnation(incarnation_);
         msg.set_name(name);
         for (int64_t d : t.sizes()) msg.add_shape(d);
         msg.set_dtype(*dtype);
@@ -1120,23 +1247,47 @@ grpc::Status LearnerServer::SubmitDataset(grpc::ServerContext* context,
     std::string key, name;
     std::vector<std::string> lines;
     int64_t bytes = 0;
-    bool first = true;
+    bool first = true, last = false;
+    int64_t total_lines = -1;
     while (reader->Read(&msg)) {
+      if (last) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "SubmitDataset: a message after the one marked last; nothing stored");
+      }
       if (first) {
         key = msg.idempotency_key();
         name = msg.name();
         first = false;
       }
       for (auto& line : *msg.mutable_lines()) {
-        bytes += static_cast<int64_t>(line.size());
+        // A line costs its bytes and its newline: a flood of blank lines counts too.
+        bytes += static_cast<int64_t>(line.size()) + 1;
         if (bytes > kMaxDatasetBytes) {
           return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                              "dataset larger than " + std::to_string(kMaxDatasetBytes) + " bytes");
+                              "dataset larger than " + std::to_string(kMaxDatasetBytes) +
+                                  " bytes (a line counts its newline); nothing stored");
         }
         lines.push_back(std::move(line));
       }
+      if (msg.last()) {
+        last = true;
+        total_lines = msg.total_lines();
+      }
     }
     if (first) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty SubmitDataset");
+    // Committed whole or not at all: a stream that broke (a connection lost, a deadline, a
+    // message that failed to parse) ends without the message marked last.
+    if (!last || context->IsCancelled()) {
+      return grpc::Status(grpc::StatusCode::ABORTED,
+                          "SubmitDataset: the upload ended after " + std::to_string(lines.size()) +
+                              " lines without its final message; nothing stored (retry it)");
+    }
+    if (total_lines != static_cast<int64_t>(lines.size())) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "SubmitDataset: the final message says " + std::to_string(total_lines) +
+                              " lines, " + std::to_string(lines.size()) +
+                              " arrived; nothing stored");
+    }
     auto info = ledger_->AddDataset(key, lines);
     if (!info.ok()) return ToGrpcStatus(info.status());
     GRPO_LOG_INFO("learner: dataset {} '{}': {} prompts{}", info->dataset_id, name,

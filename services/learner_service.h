@@ -16,18 +16,27 @@
 //      and released at once.
 //   4. CompleteLease (LEASED -> TRAINED), then the group joins the buffer.
 // A buffered group that the trainer refuses later (it went stale while waiting) gets its
-// prompt back (PromptLedger::RequeueTrained).
+// prompt back for the same pass (PromptLedger::RequeueTrained; a failure is an error).
 //
-// Crash consistency (ledger vs model): the ledger marks a prompt TRAINED when its group is
-// accepted, before the model has trained on it. Every checkpoint records a ledger watermark in
-// <output_dir>/ledger_watermarks.json: a ledger time before which every TRAINED prompt is in
-// that checkpoint's weights (the oldest accept time among groups still buffered or being
-// accepted, minus 1 ms). On start, after RestoreLatestCheckpoint, prompts TRAINED after the
-// restored checkpoint's watermark go back to QUEUED (all TRAINED ones when there is no
-// checkpoint or no watermark for it). So after a crash nothing is lost; a prompt accepted
-// concurrently with a checkpoint may train twice (at-least-once). Leases of the dead process
-// stay valid until their deadline (a worker that outlived the learner may still push), then
-// requeue. A pass boundary (StartNextPass) between the checkpoint and the crash is not undone.
+// Refused before the content: groups whose policy this learner did not publish (another
+// learner_incarnation: a restarted learner's versions restart from its checkpoint, or a version
+// above its own): unknown_policy. While the learner stops: learner_stopping (lease released).
+//
+// Crash consistency (ledger vs model): the ledger marks a prompt TRAINED (accepted) when its
+// group joins the buffer, and records the optimizer step that takes it (MarkTrained; the step
+// after it when the batch ends inside a step). Periodic checkpoints are taken only between
+// optimizer steps, so "the weights after step S hold these groups" is exact. On start, after
+// RestoreLatestCheckpoint at step S, PromptLedger::RollbackTo(S) undoes every training after S,
+// requeues accepted groups and moves prompts back to any pass they owe (a pass boundary after S
+// is undone for them): nothing trained is lost and nothing is trained twice in a pass. At job
+// end (max_steps, stop) the buffer is dropped and the ledger rolled back to the saved step.
+// Leases of a dead learner stay valid until their deadline (a worker that outlived it may still
+// push; its groups of the dead learner's weights are refused as unknown_policy, the prompt
+// released).
+//
+// Pass boundaries (Housekeep): the next pass starts when nothing is QUEUED or LEASED, no
+// prompt owes an earlier pass, nothing is being accepted and the buffer holds less than one
+// generation batch; that partial batch trains next, together with the new pass's first groups.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -92,7 +101,8 @@ inline constexpr int64_t kMaxLeasesPerCall = 1024;
 inline constexpr int kMaxBadGroupAttempts = 3;
 inline constexpr int64_t kMaxDatasetBytes = 1ll << 30;
 inline constexpr size_t kMaxStoreKeysPerEpoch = 1 << 16;
-inline constexpr const char* kLedgerWatermarksFile = "ledger_watermarks.json";
+// The final checkpoint (max_steps, stop) is tried this often before the job fails.
+inline constexpr int kFinalCheckpointAttempts = 3;
 
 enum class JobState { kWaitingForData, kRunning, kDone, kCancelled, kFailed };
 // "waiting_for_data", "running", "done", "cancelled", "failed" (Job.state on the wire).
@@ -146,6 +156,8 @@ class LearnerServer final : public v1::LearnerService::Service {
   bool WaitForJobEnd(std::chrono::milliseconds timeout);
 
   int port() const { return port_; }  // the bound port, after Start
+  // This process's learner_incarnation (RegisterResponse): groups must carry it.
+  const std::string& incarnation() const { return incarnation_; }
   JobState job_state() const;
   int64_t published_version() const;
   int64_t group_epoch() const { return group_epoch_.load(); }
@@ -243,6 +255,18 @@ class LearnerServer final : public v1::LearnerService::Service {
   grpc::Status HandleStore(const v1::StoreRequest* request, v1::StoreResponse* response,
                            grpc::ServerContext* context);
   Status Checkpoint();
+  // Checkpoint, tried `attempts` times with backoff (the final save at max_steps and at stop).
+  Status CheckpointWithRetry(int attempts);
+  // Job end (max_steps, or stop): drops the buffer and rolls the ledger back to `saved_step`,
+  // so that no prompt stays TRAINED that no saved weights hold.
+  void EndLedgerAtStep(int64_t saved_step);
+  // A group accepted as (prompt, pass) was not trained: the ledger queues the pass again; a
+  // failure is logged as an error and counted (grpo_ledger_errors_total), never silent.
+  void RequeueUntrained(const learner::TrainedGroup& key, std::string_view why);
+  // Housekeep, before a pass boundary: true when nothing of the pass is being accepted or
+  // trained and the buffer holds less than one batch (which trains next, before any other
+  // step); buffered groups already too stale for that batch are requeued first (then false).
+  bool PassMayEnd();
   // Moves the job to `state` unless it already ended; tells subscribers.
   void ChangeState(JobState state, const std::string& message);
   void Broadcast(const v1::JobEvent& event);
@@ -263,6 +287,8 @@ class LearnerServer final : public v1::LearnerService::Service {
   const common::GrpoConfig config_;
   const LearnerServerOptions options_;
   std::string auth_token_;
+  std::string incarnation_;  // NewIncarnation() at Create: this process's id for its weights
+  bool started_ok_ = false;  // Start succeeded (the training thread ran)
   std::shared_ptr<grpc::ServerCredentials> server_credentials_;  // TLS or insecure
   int64_t batch_groups_ = 0;     // groups per generation batch
   int64_t buffer_capacity_ = 0;  // groups

@@ -340,6 +340,20 @@ Status RolloutWorker::ApplyRegistration(const v1::RegisterResponse& r) {
       GRPO_LOG_WARN("worker metrics unavailable: {}", m.status().ToString());
     }
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (r.learner_incarnation() != learner_incarnation_) {
+      // A different learner process (a restart): its versions restart from its checkpoint, so
+      // what we hold under a version number is not its weights. Take its weights now.
+      if (!learner_incarnation_.empty()) {
+        GRPO_LOG_WARN("the learner restarted (incarnation {} -> {}): dropping policy version {}",
+                      learner_incarnation_, r.learner_incarnation(), policy_version_.load());
+      }
+      learner_incarnation_ = r.learner_incarnation();
+      learner_version_ = r.policy_version();
+      if (policy_incarnation_ != learner_incarnation_) policy_version_ = -1;
+    }
+  }
   rank_ = r.rank();
   group_epoch_ = r.group_epoch();
   receiver_->SetGroup(r.worker_id(), r.group_epoch());
@@ -380,6 +394,7 @@ Status RolloutWorker::InstallPolicy(std::shared_ptr<const common::Model> model, 
   std::lock_guard<std::mutex> lock(mu_);
   policy_ = std::move(model);
   policy_version_ = version;
+  policy_incarnation_ = learner_incarnation_;
   return Status::OK();
 }
 
@@ -499,6 +514,12 @@ Status RolloutWorker::RunRound() {
   std::vector<common::RolloutGroup> groups;
   if (!prompts.empty()) {
     const auto t0 = Clock::now();
+    // The weights are installed only between rounds (SyncWeights above), so the incarnation
+    // read now is the one of the snapshot Generate takes.
+    const std::string incarnation = [&] {
+      std::lock_guard<std::mutex> lock(mu_);
+      return policy_incarnation_;
+    }();
     auto generated = generator_->Generate(prompts, seeds);
     if (!generated.ok()) {
       SetLeasesHeld(0);
@@ -530,6 +551,7 @@ Status RolloutWorker::RunRound() {
       group.lease_id = item.lease->lease_id();
       group.prompt_id = item.lease->prompt_id();
       group.policy_version = generated->policy_version;
+      group.policy_incarnation = incarnation;
       const rollout::RewardCallReport report =
           rewards_->ScoreGroup(group, item.prompt_text, item.row);
       CountRewardFailures(report);
@@ -646,6 +668,10 @@ void RolloutWorker::HeartbeatLoop() {
       group_epoch_ = response.group_epoch();
       receiver_->SetGroup(id, response.group_epoch());
       if (response.shutdown()) learner_shutdown_ = true;
+      {
+        std::lock_guard<std::mutex> relock(mu_);
+        if (response.learner_incarnation() != learner_incarnation_) needs_register_ = true;
+      }
     } else {
       counters_.heartbeat_failures += 1;
       if (s.error_code() == grpc::StatusCode::NOT_FOUND) needs_register_ = true;

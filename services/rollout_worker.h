@@ -236,6 +236,10 @@ class RolloutWorker {
   std::atomic<int64_t> group_epoch_{0};
   std::atomic<int64_t> policy_version_{-1};   // the version generating now; -1 = none
   std::atomic<int64_t> learner_version_{-1};  // the newest version the learner reported
+  // The learner process registered with, and the one whose weights generate now (groups carry
+  // it; a group of another learner's weights is refused). GUARDED_BY(mu_)
+  std::string learner_incarnation_;
+  std::string policy_incarnation_;
   std::atomic<int32_t> leases_held_{0};
   std::atomic<bool> learner_shutdown_{false};  // Heartbeat said shutdown
   std::atomic<bool> needs_register_{false};    // the learner does not know this worker

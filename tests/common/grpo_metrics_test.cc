@@ -107,6 +107,8 @@ TEST(GrpoMetrics, DefinesExactlyTheIssueSixFamilies) {
       {"grpo_weight_sync_duration_seconds", "histogram"},
       {"grpo_weight_sync_bytes_total", "counter"},
       {"grpo_checkpoint_duration_seconds", "histogram"},
+      {"grpo_checkpoint_failures_total", "counter"},
+      {"grpo_ledger_errors_total", "counter"},
       {"grpo_peak_memory_bytes", "gauge"},
       {"grpo_rollout_tokens_generated_total", "counter"},
       {"grpo_rollout_generation_duration_seconds", "histogram"},

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -631,38 +632,206 @@ TEST_F(PromptLedgerTest, UnopenablePathIsRefusedNamingThePath) {
       << is_dir.status().message();
 }
 
-TEST_F(PromptLedgerTest, RequeueTrainedReturnsATrainedPromptOfThatPassOnly) {
+// Leases every queued prompt (at most n) and accepts each one's group.
+std::vector<Lease> LeaseAndAccept(PromptLedger& ledger, int n) {
+  auto leases = ledger.LeasePrompts("w", n, milliseconds(100000));
+  EXPECT_TRUE(leases.ok()) << leases.status().ToString();
+  if (!leases.ok()) return {};
+  for (const Lease& l : *leases) EXPECT_TRUE(ledger.CompleteLease(l.lease_id, l.prompt_id).ok());
+  return *leases;
+}
+
+// (prompt, pass) -> step, from the ledger's record.
+std::map<std::pair<std::string, int64_t>, int64_t> TrainingMap(PromptLedger& ledger) {
+  std::map<std::pair<std::string, int64_t>, int64_t> out;
+  auto t = ledger.Trainings();
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  if (t.ok()) {
+    for (const auto& r : *t) out[{r.prompt_id, r.pass}] = r.step;
+  }
+  return out;
+}
+
+TEST_F(PromptLedgerTest, RequeueTrainedQueuesAnAcceptedPromptForItsPassAgain) {
   auto ledger = OpenLedger();
   ASSERT_TRUE(ledger->AddDataset("", Rows(2)).ok());
   auto leases = ledger->LeasePrompts("w", 2, milliseconds(1000));
   ASSERT_TRUE(leases.ok());
   ASSERT_TRUE(ledger->CompleteLease((*leases)[0].lease_id, (*leases)[0].prompt_id).ok());
-  // Wrong pass, or not TRAINED: nothing moves.
-  EXPECT_FALSE(*ledger->RequeueTrained((*leases)[0].prompt_id, 1));
-  EXPECT_FALSE(*ledger->RequeueTrained((*leases)[1].prompt_id, 0));
-  EXPECT_EQ(StateOf(*ledger, (*leases)[1].prompt_id), PromptState::kLeased);
+  EXPECT_EQ(ledger->Counts()->accepted, 1);
   EXPECT_TRUE(*ledger->RequeueTrained((*leases)[0].prompt_id, 0));
   auto record = ledger->GetPrompt((*leases)[0].prompt_id);
   EXPECT_EQ(record->state, PromptState::kQueued);
+  EXPECT_EQ(record->pass, 0);
   EXPECT_EQ(record->attempts, 0);
+  // A leased prompt keeps its lease.
+  EXPECT_TRUE(*ledger->RequeueTrained((*leases)[1].prompt_id, 0));
+  EXPECT_EQ(StateOf(*ledger, (*leases)[1].prompt_id), PromptState::kLeased);
   EXPECT_EQ(ledger->RequeueTrained("ds-9:0", 0).status().code(), StatusCode::kNotFound);
 }
 
-TEST_F(PromptLedgerTest, RequeueTrainedSinceMovesOnlyPromptsTrainedAfterTheWatermark) {
+// Issue 12 (1): the next pass starts while the last groups of the pass are still buffered; one
+// of them is then refused as stale. Before, requeueing it "under the old pass" matched no row
+// and the prompt silently got no training in that pass.
+TEST_F(PromptLedgerTest, AGroupRefusedAfterItsPassEndedIsTrainedForThatPassExactlyOnce) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("", Rows(3)).ok());
+  auto first = LeaseAndAccept(*ledger, 3);
+  ASSERT_EQ(first.size(), 3u);
+  ASSERT_TRUE(ledger->MarkTrained({{"ds-1:0", 0}, {"ds-1:1", 0}}, 1).ok());
+  // ds-1:2 is still buffered (accepted) when the pass ends.
+  auto next = ledger->StartNextPass(10);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  ASSERT_TRUE(*next);
+  EXPECT_EQ(ledger->GetPrompt("ds-1:2")->pass, 1);
+  // The trainer refuses its pass-0 group: the prompt owes pass 0 and is queued for it first.
+  ASSERT_TRUE(*ledger->RequeueTrained("ds-1:2", 0));
+  auto again = ledger->LeasePrompts("w", 1, milliseconds(100000));
+  ASSERT_TRUE(again.ok());
+  ASSERT_EQ(again->size(), 1u);
+  EXPECT_EQ((*again)[0].prompt_id, "ds-1:2");
+  EXPECT_EQ((*again)[0].pass, 0);
+  ASSERT_TRUE(ledger->CompleteLease((*again)[0].lease_id, "ds-1:2").ok());
+  // Pass 1 may not end while ds-1:2 owes pass 0 (it is accepted, not trained).
+  auto rest = LeaseAndAccept(*ledger, 10);
+  ASSERT_EQ(rest.size(), 2u);
+  ASSERT_TRUE(ledger->MarkTrained({{"ds-1:0", 1}, {"ds-1:1", 1}}, 2).ok());
+  EXPECT_EQ(ledger->StartNextPass(10).status().code(), StatusCode::kFailedPrecondition);
+  // Its pass-0 group trains: it is queued for pass 1 at once.
+  ASSERT_TRUE(ledger->MarkTrained({{"ds-1:2", 0}}, 3).ok());
+  auto record = ledger->GetPrompt("ds-1:2");
+  EXPECT_EQ(record->state, PromptState::kQueued);
+  EXPECT_EQ(record->pass, 1);
+  auto last = LeaseAndAccept(*ledger, 10);
+  ASSERT_EQ(last.size(), 1u);
+  ASSERT_TRUE(ledger->MarkTrained({{"ds-1:2", 1}}, 4).ok());
+  const auto t = TrainingMap(*ledger);
+  EXPECT_EQ(t.size(), 6u);
+  for (const char* id : {"ds-1:0", "ds-1:1", "ds-1:2"}) {
+    EXPECT_EQ(t.count({id, 0}), 1u) << id;
+    EXPECT_EQ(t.count({id, 1}), 1u) << id;
+  }
+  // A second training of a pass is an error, not silence.
+  auto dup = ledger->MarkTrained({{"ds-1:0", 0}}, 5);
+  EXPECT_EQ(dup.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(dup.status().message().find("ds-1:0"), std::string::npos);
+}
+
+// Issue 12 (2): a learner crash after a pass boundary. The checkpoint at step 1 holds ds-1:0's
+// pass-0 training only; ds-1:1 was trained at step 2, then the pass ended. Rolling back to step
+// 1 must undo the boundary for ds-1:1 (it owes pass 0 again) and keep ds-1:0 in pass 1.
+TEST_F(PromptLedgerTest, RollbackToACheckpointUndoesTrainingsAndThePassBoundaryAfterIt) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("", Rows(3)).ok());
+  LeaseAndAccept(*ledger, 3);
+  ASSERT_TRUE(ledger->MarkTrained({{"ds-1:0", 0}}, 1).ok());
+  ASSERT_TRUE(ledger->MarkTrained({{"ds-1:1", 0}}, 2).ok());
+  ASSERT_TRUE(ledger->MarkTrained({{"ds-1:2", 0}}, 2).ok());
+  ASSERT_TRUE(*ledger->StartNextPass(10));
+  // One pass-1 lease is out when the learner dies.
+  auto out = ledger->LeasePrompts("w", 1, milliseconds(100000));
+  ASSERT_TRUE(out.ok() && out->size() == 1);
+  EXPECT_EQ((*out)[0].prompt_id, "ds-1:0");
+
+  auto undone = ledger->RollbackTo(1);
+  ASSERT_TRUE(undone.ok()) << undone.status().ToString();
+  EXPECT_EQ(undone->trainings_undone, 2);
+  const auto t = TrainingMap(*ledger);
+  EXPECT_EQ(t.size(), 1u);
+  EXPECT_EQ(t.count({"ds-1:0", 0}), 1u);
+  for (const char* id : {"ds-1:1", "ds-1:2"}) {
+    auto r = ledger->GetPrompt(id);
+    EXPECT_EQ(r->state, PromptState::kQueued) << id;
+    EXPECT_EQ(r->pass, 0) << id;
+  }
+  // The lease of ds-1:0 (pass 1) stays valid.
+  EXPECT_EQ(StateOf(*ledger, "ds-1:0"), PromptState::kLeased);
+  EXPECT_EQ(ledger->GetPrompt("ds-1:0")->pass, 1);
+  // Pass 0 is leased first.
+  auto redo = ledger->LeasePrompts("w", 5, milliseconds(100000));
+  ASSERT_TRUE(redo.ok());
+  ASSERT_EQ(redo->size(), 2u);
+  EXPECT_EQ((*redo)[0].pass, 0);
+  EXPECT_EQ((*redo)[1].pass, 0);
+}
+
+TEST_F(PromptLedgerTest, RollbackRequeuesAcceptedGroupsAndKeepsTrainingsUpToTheStep) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("", Rows(3)).ok());
+  LeaseAndAccept(*ledger, 3);
+  ASSERT_TRUE(ledger->MarkTrained({{"ds-1:0", 0}}, 4).ok());
+  // ds-1:1 and ds-1:2 are accepted only (buffered when the job ends).
+  auto undone = ledger->RollbackTo(std::numeric_limits<int64_t>::max());
+  ASSERT_TRUE(undone.ok());
+  EXPECT_EQ(undone->trainings_undone, 0);
+  EXPECT_EQ(undone->requeued, 2);
+  EXPECT_EQ(StateOf(*ledger, "ds-1:0"), PromptState::kTrained);
+  EXPECT_EQ(StateOf(*ledger, "ds-1:1"), PromptState::kQueued);
+  EXPECT_EQ(StateOf(*ledger, "ds-1:2"), PromptState::kQueued);
+  EXPECT_EQ(ledger->Counts()->accepted, 0);
+  // Rolling back to the initial model undoes everything.
+  auto all = ledger->RollbackTo(0);
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->trainings_undone, 1);
+  EXPECT_EQ(StateOf(*ledger, "ds-1:0"), PromptState::kQueued);
+}
+
+TEST_F(PromptLedgerTest, ExpireWorkerLeasesKeepsTheLeasesNamed) {
   auto ledger = OpenLedger();
   ASSERT_TRUE(ledger->AddDataset("", Rows(3)).ok());
   auto leases = ledger->LeasePrompts("w", 3, milliseconds(100000));
-  ASSERT_TRUE(leases.ok());
-  clock_.ms = 2000;
-  ASSERT_TRUE(ledger->CompleteLease((*leases)[0].lease_id, (*leases)[0].prompt_id).ok());
-  clock_.ms = 3000;
-  ASSERT_TRUE(ledger->CompleteLease((*leases)[1].lease_id, (*leases)[1].prompt_id).ok());
-  auto moved = ledger->RequeueTrainedSince(2000);
-  ASSERT_TRUE(moved.ok()) << moved.status().ToString();
-  EXPECT_EQ(*moved, 1);
-  EXPECT_EQ(StateOf(*ledger, (*leases)[0].prompt_id), PromptState::kTrained);
-  EXPECT_EQ(StateOf(*ledger, (*leases)[1].prompt_id), PromptState::kQueued);
-  EXPECT_EQ(StateOf(*ledger, (*leases)[2].prompt_id), PromptState::kLeased);
+  ASSERT_TRUE(leases.ok() && leases->size() == 3);
+  auto moved = ledger->ExpireWorkerLeases("w", {(*leases)[1].lease_id});
+  ASSERT_TRUE(moved.ok());
+  EXPECT_EQ(*moved, 2);
+  EXPECT_EQ(StateOf(*ledger, (*leases)[0].prompt_id), PromptState::kQueued);
+  EXPECT_EQ(StateOf(*ledger, (*leases)[1].prompt_id), PromptState::kLeased);
+  EXPECT_EQ(StateOf(*ledger, (*leases)[2].prompt_id), PromptState::kQueued);
+}
+
+TEST_F(PromptLedgerTest, AVersionOneFileMigratesWithItsTrainedPromptsCountedAsTrained) {
+  {
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(path_.c_str(), &db), SQLITE_OK);
+    const char* v1 = R"sql(
+CREATE TABLE schema_version (version INTEGER NOT NULL);
+INSERT INTO schema_version VALUES (1);
+CREATE TABLE job (id INTEGER PRIMARY KEY CHECK (id = 1), pass INTEGER NOT NULL,
+                  created_ms INTEGER NOT NULL);
+INSERT INTO job VALUES (1, 1, 0);
+CREATE TABLE datasets (seq INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE,
+  idempotency_key TEXT UNIQUE, content_sha256 TEXT NOT NULL, prompt_count INTEGER NOT NULL,
+  created_ms INTEGER NOT NULL);
+INSERT INTO datasets VALUES (1, 'ds-1', NULL, 'x', 2, 0);
+CREATE TABLE prompts (seq INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE,
+  dataset_id TEXT NOT NULL REFERENCES datasets (id), row_json TEXT NOT NULL,
+  state TEXT NOT NULL CHECK (state IN ('QUEUED', 'LEASED', 'TRAINED', 'REJECTED')),
+  lease_id TEXT, lease_deadline_ms INTEGER, worker_id TEXT, attempts INTEGER NOT NULL DEFAULT 0,
+  reject_reason TEXT, pass INTEGER NOT NULL, created_ms INTEGER NOT NULL,
+  updated_ms INTEGER NOT NULL);
+CREATE INDEX prompts_by_state ON prompts (state, seq);
+CREATE INDEX prompts_by_dataset ON prompts (dataset_id, state);
+INSERT INTO prompts (id, dataset_id, row_json, state, pass, created_ms, updated_ms)
+  VALUES ('ds-1:0', 'ds-1', '{"prompt":"a"}', 'TRAINED', 1, 0, 0),
+         ('ds-1:1', 'ds-1', '{"prompt":"b"}', 'QUEUED', 1, 0, 0);
+)sql";
+    ASSERT_EQ(sqlite3_exec(db, v1, nullptr, nullptr, nullptr), SQLITE_OK) << sqlite3_errmsg(db);
+    sqlite3_close(db);
+  }
+  auto ledger = OpenLedger();
+  ASSERT_NE(ledger, nullptr);
+  const auto t = TrainingMap(*ledger);
+  // ds-1:0: passes 0 and 1; ds-1:1: pass 0 (it is queued for pass 1).
+  EXPECT_EQ(t.size(), 3u);
+  EXPECT_EQ(t.count({"ds-1:0", 0}), 1u);
+  EXPECT_EQ(t.count({"ds-1:0", 1}), 1u);
+  EXPECT_EQ(t.count({"ds-1:1", 0}), 1u);
+  EXPECT_EQ(ledger->Counts()->accepted, 0);
+  // Nothing is owed: a rollback to step 0 of a v1 file keeps what v1 called trained.
+  auto undone = ledger->RollbackTo(0);
+  ASSERT_TRUE(undone.ok());
+  EXPECT_EQ(undone->trainings_undone, 0);
+  EXPECT_EQ(StateOf(*ledger, "ds-1:0"), PromptState::kTrained);
 }
 
 }  // namespace

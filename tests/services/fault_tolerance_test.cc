@@ -20,6 +20,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -359,16 +360,17 @@ TEST_F(FaultToleranceTest, KilledWorkersLeasesExpireAndEveryPromptTrainsOnce) {
   ExpectEachPromptTrainedOnce(SequencesByMarker(dump_dir(), kSteps), kPrompts);
   EXPECT_FALSE(fs::exists(DumpPath(dump_dir(), kSteps + 1)));
 
-  // The ledger: pass 0 finished (every prompt moved on to pass 1 when the last one was accepted),
-  // none rejected, and every prompt was first leased by the doomed worker, so each carries at least
-  // one expired lease.
+  // The ledger: pass 0 finished with the job (max_steps is one pass, so no pass 1 was started:
+  // every prompt is TRAINED in pass 0), none rejected, and every prompt was first leased by the
+  // doomed worker, so each carries at least one expired lease.
   std::string error;
   const auto ledger = ReadLedger(out_dir() / "ledger.sqlite", &error);
   ASSERT_TRUE(ledger.has_value()) << error;
-  EXPECT_EQ(ledger->job_pass, 1);
+  EXPECT_EQ(ledger->job_pass, 0);
   ASSERT_EQ(ledger->prompts.size(), static_cast<size_t>(kPrompts));
   for (const auto& [id, row] : ledger->prompts) {
-    EXPECT_EQ(row.pass, 1) << id;
+    EXPECT_EQ(row.pass, 0) << id;
+    EXPECT_EQ(row.state, "TRAINED") << id;
     EXPECT_NE(row.state, "REJECTED") << id;
     EXPECT_GE(row.attempts, 1) << id << ": the doomed worker's lease should have expired";
   }
@@ -376,12 +378,10 @@ TEST_F(FaultToleranceTest, KilledWorkersLeasesExpireAndEveryPromptTrainsOnce) {
 
 // The learner scenario of the two tests below. A learner trains one pass of kPrompts prompts with
 // two workers and a checkpoint every step; it is frozen at a moment when `latest` names a
-// checkpoint whose ledger watermark is recorded (ledger_watermarks.json), and killed with SIGKILL.
-// With `crash_before_publish` a watermark for the NEXT checkpoint is then recorded, whose
-// directory does not exist: the state a crash leaves inside LearnerServer::Checkpoint, which
-// records the watermark first and only then publishes checkpoint-<step> (the other order let a
-// crash leave `latest` without a watermark, so that the restart requeued prompts the restored
-// weights had already learned from). A new learner starts on the same port and
+// checkpoint, and killed with SIGKILL. With `crash_before_publish` the ledger is then made to
+// hold what a crash between PromptLedger::MarkTrained (step S+1's groups recorded as trained)
+// and checkpoint S+1 leaves: one more prompt recorded as trained at step S+1, which no saved
+// weights hold. The restart must roll that back (PromptLedger::RollbackTo). A new learner starts on the same port and
 // output_dir; the workers, which retry on their own, reconnect; the job runs to max_steps. Every
 // prompt of the pass must be trained exactly once over the final history: the dead learner's steps
 // up to the checkpoint, then the new learner's.
@@ -394,10 +394,32 @@ class LearnerRestartTest : public FaultToleranceTest {
     const std::string latest = ReadFile(out_dir() / "latest");
     return latest.substr(0, latest.find('\n'));
   }
-  json Watermarks() {
-    const json j = json::parse(ReadFile(out_dir() / "ledger_watermarks.json"), nullptr,
-                               /*allow_exceptions=*/false);
-    return j.is_object() ? j : json::object();
+  // What MarkTrained(step) writes for a prompt not trained yet, done by hand on the dead
+  // learner's ledger. False when no queued pass-0 prompt is left.
+  static bool RecordTrainedAt(const fs::path& ledger, int64_t step, std::string* error) {
+    sqlite3* db = nullptr;
+    if (sqlite3_open(ledger.c_str(), &db) != SQLITE_OK) {
+      *error = "open " + ledger.string();
+      sqlite3_close(db);
+      return false;
+    }
+    const std::string s = std::to_string(step);
+    const std::string sql =
+        "BEGIN; "
+        "CREATE TEMP TABLE pick AS SELECT id FROM prompts WHERE state = 'QUEUED' AND pass = 0 "
+        "ORDER BY seq LIMIT 1; "
+        "INSERT INTO trainings (prompt_id, pass, step) SELECT id, 0, " + s + " FROM pick; "
+        "UPDATE prompts SET state = 'TRAINED', trained_step = " + s + ", trained_passes = 1 "
+        "WHERE id IN (SELECT id FROM pick); "
+        "COMMIT;";
+    char* msg = nullptr;
+    const bool ok = sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &msg) == SQLITE_OK;
+    if (!ok) *error = msg ? msg : "exec";
+    sqlite3_free(msg);
+    const bool changed = ok && sqlite3_total_changes(db) > 0;
+    sqlite3_close(db);
+    if (ok && !changed) *error = "no queued pass-0 prompt left";
+    return changed;
   }
 
   void RunScenario(bool crash_before_publish) {
@@ -412,7 +434,7 @@ class LearnerRestartTest : public FaultToleranceTest {
 
     const auto armed = [&] {
       const std::string latest = Latest();
-      return !latest.empty() && Watermarks().contains(latest);
+      return !latest.empty() && fs::exists(out_dir() / latest / "trainer_state.json");
     };
     ASSERT_TRUE(WaitUntil(
         [&] {
@@ -442,13 +464,8 @@ class LearnerRestartTest : public FaultToleranceTest {
     ASSERT_TRUE(ledger.has_value()) << error;
     ASSERT_EQ(ledger->job_pass, 0) << "killed too late: every prompt was already accepted";
     if (crash_before_publish) {
-      json wm = Watermarks();
-      ASSERT_TRUE(wm.contains(latest));
-      const int64_t now_ms = std::chrono::duration_cast<milliseconds>(
-                                 std::chrono::system_clock::now().time_since_epoch())
-                                 .count();
-      wm["checkpoint-" + std::to_string(resumed_step + 1)] = now_ms;  // later than latest's
-      std::ofstream(out_dir() / "ledger_watermarks.json") << wm.dump(2) << "\n";
+      ASSERT_TRUE(RecordTrainedAt(out_dir() / "ledger.sqlite", resumed_step + 1, &error))
+          << error;
     }
     // Steps after the checkpoint were the dead learner's; its steps up to it are history.
     std::map<int64_t, std::string> kept;
@@ -499,9 +516,9 @@ class LearnerRestartTest : public FaultToleranceTest {
     EXPECT_FALSE(fs::exists(DumpPath(dump_dir(), kSteps + 1)));
     ledger = ReadLedger(out_dir() / "ledger.sqlite", &error);
     ASSERT_TRUE(ledger.has_value()) << error;
-    EXPECT_EQ(ledger->job_pass, 1);
+    EXPECT_EQ(ledger->job_pass, 0);  // the job is one pass: it ended with pass 0
     EXPECT_EQ(ledger->prompts.size(), static_cast<size_t>(kPrompts));
-    for (const auto& [id, row] : ledger->prompts) EXPECT_NE(row.state, "REJECTED") << id;
+    for (const auto& [id, row] : ledger->prompts) EXPECT_EQ(row.state, "TRAINED") << id;
   }
 };
 
@@ -509,7 +526,7 @@ TEST_F(LearnerRestartTest, KilledLearnerResumesFromItsCheckpointAndTrainsEveryPr
   RunScenario(/*crash_before_publish=*/false);
 }
 
-TEST_F(LearnerRestartTest, CrashBetweenAWatermarkAndItsCheckpointTrainsNothingTwice) {
+TEST_F(LearnerRestartTest, CrashBetweenLedgerAndCheckpointLosesNothingAndTrainsNothingTwice) {
   RunScenario(/*crash_before_publish=*/true);
 }
 
@@ -578,6 +595,8 @@ class LearnerWireTest : public ::testing::Test {
       v1::SubmitDatasetRequest req;
       std::ifstream in(*dir_ / "data.jsonl");
       for (std::string line; std::getline(in, line);) req.add_lines(line);
+      req.set_last(true);
+      req.set_total_lines(req.lines_size());
       ASSERT_TRUE(writer->Write(req));
       writer->WritesDone();
       const grpc::Status s = writer->Finish();
@@ -599,6 +618,15 @@ class LearnerWireTest : public ::testing::Test {
   }
 
   v1::Lease LeaseOne(const std::string& worker) {
+    if (registered_.insert(worker).second) {
+      // The learner leases only to registered workers, and groups carry its incarnation.
+      v1::RegisterRequest reg;
+      reg.set_worker_id(worker);
+      v1::RegisterResponse r;
+      const grpc::Status rs = stub_->Register(Ctx().get(), reg, &r);
+      EXPECT_TRUE(rs.ok()) << rs.error_message();
+      incarnation_ = r.learner_incarnation();
+    }
     v1::LeasePromptsRequest req;
     req.set_worker_id(worker);
     req.set_max_prompts(1);
@@ -611,8 +639,9 @@ class LearnerWireTest : public ::testing::Test {
 
   // A group the tiny model accepts under `lease`: 2 completions of byte tokens (the bytes of "hi"
   // and the end token 258), behaviour log-probs, one reward each.
-  static v1::RolloutGroup WellFormedGroup(const v1::Lease& lease, const std::string& worker) {
+  v1::RolloutGroup WellFormedGroup(const v1::Lease& lease, const std::string& worker) {
     v1::RolloutGroup g;
+    g.set_policy_incarnation(incarnation_);
     g.set_worker_id(worker);
     g.set_lease_id(lease.lease_id());
     g.set_prompt_id(lease.prompt_id());
@@ -665,6 +694,8 @@ class LearnerWireTest : public ::testing::Test {
   static inline int metrics_port_ = 0;
   static inline bool submitted_ = false;
   std::unique_ptr<v1::LearnerService::Stub> stub_;
+  std::set<std::string> registered_;  // worker ids registered by this test
+  std::string incarnation_;           // the learner's, from Register
 };
 
 TEST_F(LearnerWireTest, WrongOrMissingTokenIsUnauthenticated) {

@@ -126,6 +126,8 @@ protected:
     req.set_name("e2e");
     for (int i = 0; i < n; ++i)
       req.add_lines(R"({"prompt": "say )" + std::to_string(i) + R"("})");
+    req.set_last(true);
+    req.set_total_lines(n);
     ASSERT_TRUE(writer->Write(req));
     writer->WritesDone();
     grpc::Status s = writer->Finish();

@@ -79,24 +79,35 @@ class LearnerMetricsTest : public ::testing::Test {
     auto writer = stub_->SubmitDataset(ctx.get(), &response);
     v1::SubmitDatasetRequest req;
     for (int i = 0; i < n; ++i) req.add_lines(R"({"prompt": "say )" + std::to_string(i) + R"("})");
+    req.set_last(true);
+    req.set_total_lines(n);
     EXPECT_TRUE(writer->Write(req));
     writer->WritesDone();
     EXPECT_TRUE(writer->Finish().ok());
   }
 
   v1::LeasePromptsResponse Lease(int n) {
-    auto ctx = Ctx();
     v1::LeasePromptsRequest req;
     req.set_worker_id("w1");
     req.set_max_prompts(n);
     v1::LeasePromptsResponse resp;
-    EXPECT_TRUE(stub_->LeasePrompts(ctx.get(), req, &resp).ok());
+    grpc::Status s = stub_->LeasePrompts(Ctx().get(), req, &resp);
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {  // register "w1" on first use
+      v1::RegisterRequest reg;
+      reg.set_worker_id("w1");
+      v1::RegisterResponse r;
+      EXPECT_TRUE(stub_->Register(Ctx().get(), reg, &r).ok());
+      resp.Clear();
+      s = stub_->LeasePrompts(Ctx().get(), req, &resp);
+    }
+    EXPECT_TRUE(s.ok()) << s.error_message();
     return resp;
   }
 
   // A well-formed group for the tiny model: 2 completions, one reward each.
   v1::RolloutGroup Group(const v1::Lease& lease, double reward0, double reward1) {
-    return testing::TinyGroup(lease, server_->published_version(), reward0, reward1);
+    return testing::TinyGroup(lease, server_->published_version(), reward0, reward1,
+                              server_->incarnation());
   }
 
   v1::PushRolloutsResponse Push(const std::vector<v1::RolloutGroup>& groups) {

@@ -94,10 +94,14 @@ class LearnerServiceTest : public ::testing::Test {
     v1::SubmitDatasetRequest first;
     first.set_idempotency_key(key);
     first.set_name("test");
-    // Two lines per message: the server must join chunks.
+    // Two lines per message: the server must join chunks. The last one says so.
     for (size_t i = 0; i < lines.size(); ++i) {
       first.add_lines(lines[i]);
       if (first.lines_size() == 2 || i + 1 == lines.size()) {
+        if (i + 1 == lines.size()) {
+          first.set_last(true);
+          first.set_total_lines(static_cast<int64_t>(lines.size()));
+        }
         EXPECT_TRUE(writer->Write(first));
         first.Clear();
       }
@@ -119,20 +123,35 @@ class LearnerServiceTest : public ::testing::Test {
     return lines;
   }
 
-  v1::LeasePromptsResponse Lease(int n, const std::string& worker = "w1") {
-    auto ctx = Ctx();
+  // Registers `worker` (the learner leases only to registered workers).
+  void RegisterWorker(const std::string& worker) {
+    v1::RegisterRequest reg;
+    reg.set_worker_id(worker);
+    v1::RegisterResponse r;
+    grpc::Status s = stub_->Register(Ctx().get(), reg, &r);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+
+  v1::LeasePromptsResponse Lease(int n, const std::string& worker = "w1",
+                                 milliseconds timeout = kCallTimeout) {
     v1::LeasePromptsRequest req;
     req.set_worker_id(worker);
     req.set_max_prompts(n);
     v1::LeasePromptsResponse resp;
-    grpc::Status s = stub_->LeasePrompts(ctx.get(), req, &resp);
+    grpc::Status s = stub_->LeasePrompts(Ctx(timeout).get(), req, &resp);
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {  // first use of this worker id
+      RegisterWorker(worker);
+      resp.Clear();
+      s = stub_->LeasePrompts(Ctx(timeout).get(), req, &resp);
+    }
     EXPECT_TRUE(s.ok()) << s.error_message();
     return resp;
   }
 
   // A well-formed group for the tiny model (vocab 259): 2 completions, one reward each.
   v1::RolloutGroup Group(const v1::Lease& lease, double reward0 = 1.0, double reward1 = 0.0) {
-    return testing::TinyGroup(lease, server_->published_version(), reward0, reward1);
+    return testing::TinyGroup(lease, server_->published_version(), reward0, reward1,
+                              server_->incarnation());
   }
 
   v1::PushRolloutsResponse Push(const std::vector<v1::RolloutGroup>& groups) {
@@ -358,16 +377,7 @@ TEST_F(LearnerServiceTest, LeasesStopWhereTheirGroupsWouldBeTooStaleAndResumeAft
   config_.max_staleness = 0;
   StartServer();
   Submit(Prompts(8));
-  auto lease_within = [&](int n, milliseconds deadline) {
-    auto ctx = Ctx(deadline);
-    v1::LeasePromptsRequest req;
-    req.set_worker_id("w1");
-    req.set_max_prompts(n);
-    v1::LeasePromptsResponse resp;
-    grpc::Status s = stub_->LeasePrompts(ctx.get(), req, &resp);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return resp;
-  };
+  auto lease_within = [&](int n, milliseconds deadline) { return Lease(n, "w1", deadline); };
   const auto first = lease_within(5, milliseconds(10'000));
   ASSERT_EQ(first.leases_size(), 2) << "one generation batch of 2 groups";
   // Nothing more until that batch is trained: the call waits (long poll) and returns empty.
@@ -711,7 +721,7 @@ TEST_F(LearnerServiceTest, RestartRequeuesPromptsAcceptedAfterTheLastCheckpoint)
   const auto leases = Lease(3);
   ASSERT_EQ(Push({Group(leases.leases(0)), Group(leases.leases(1))}).accepted(), 2);
   ASSERT_TRUE(WaitFor([&] { return fs::exists(dir_ / "checkpoint-1"); }));
-  ASSERT_TRUE(WaitFor([&] { return fs::exists(dir_ / kLedgerWatermarksFile); }));
+  ASSERT_TRUE(WaitFor([&] { return fs::exists(dir_ / "latest"); }));
   clock_ms_ += 10;
   ASSERT_EQ(Push({Group(leases.leases(2))}).accepted(), 1);  // buffered, not trained
   EXPECT_EQ(StateOf(leases.leases(2).prompt_id()), learner::PromptState::kTrained);

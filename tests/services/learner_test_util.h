@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "common/rollout_types.h"
 #include "grpo/v1/learner.pb.h"
@@ -11,9 +12,11 @@ namespace grpo::services::testing {
 
 // A well-formed group for the tiny model (vocab 259) under `lease`, from worker "w1":
 // 2 completions of 3 tokens with behaviour log-probs, one reward each.
+// `incarnation` is the learner's (RegisterResponse.learner_incarnation / incarnation()).
 inline v1::RolloutGroup TinyGroup(const v1::Lease& lease, int64_t policy_version, double reward0,
-                                  double reward1) {
+                                  double reward1, const std::string& incarnation) {
   common::RolloutGroup g;
+  g.policy_incarnation = incarnation;
   g.prompt_id = lease.prompt_id();
   g.lease_id = lease.lease_id();
   g.policy_version = policy_version;
