@@ -698,7 +698,14 @@ Status LearnerServer::Checkpoint() {
   const std::string name = "checkpoint-" + std::to_string(trainer_->global_step());
   StatusOr<std::string> dir = Status::Internal("not run");
   try {
-    dir = learner::SaveCheckpoint(*trainer_, config_.output_dir, options_.model_dir);
+    const Status fault = options_.TEST_checkpoint_fault
+                             ? options_.TEST_checkpoint_fault(trainer_->global_step())
+                             : Status::OK();
+    if (fault.ok()) {
+      dir = learner::SaveCheckpoint(*trainer_, config_.output_dir, options_.model_dir);
+    } else {
+      dir = fault;
+    }
   } catch (const std::exception& e) {
     dir = Status::Internal(std::string("save checkpoint: ") + e.what());
   }
@@ -1262,9 +1269,9 @@ grpc::Status LearnerServer::SubmitDataset(grpc::ServerContext* context,
       for (auto& line : *msg.mutable_lines()) {
         // A line costs its bytes and its newline: a flood of blank lines counts too.
         bytes += static_cast<int64_t>(line.size()) + 1;
-        if (bytes > kMaxDatasetBytes) {
+        if (bytes > options_.max_dataset_bytes) {
           return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                              "dataset larger than " + std::to_string(kMaxDatasetBytes) +
+                              "dataset larger than " + std::to_string(options_.max_dataset_bytes) +
                                   " bytes (a line counts its newline); nothing stored");
         }
         lines.push_back(std::move(line));

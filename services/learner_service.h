@@ -125,6 +125,11 @@ struct LearnerServerOptions {
   // machine's hostname; "127.0.0.1" for loopback).
   std::chrono::milliseconds weight_sync_timeout = common::kDefaultBroadcastTimeout;
   std::string weight_sync_hostname;
+  // Tests only: called before each checkpoint save with its step; an error fails that save as a
+  // full disk would (fault injection).
+  std::function<Status(int64_t step)> TEST_checkpoint_fault;
+  // SubmitDataset refuses uploads larger than this (each line counts its bytes + 1).
+  int64_t max_dataset_bytes = kMaxDatasetBytes;
   // Borrowed, must outlive the server; the server adds common::LearnerMetrics to it. Null = the
   // server owns a registry of its own (metrics_registry()).
   common::Registry* metrics_registry = nullptr;

@@ -63,6 +63,8 @@ class FakeLearner final : public v1::LearnerService::Service {
   int64_t retry_after_ms = 50;
   bool job_done_when_empty = true;
   int64_t version = 1;
+  std::string incarnation = "inc-1";  // learner_incarnation; a restart changes it
+  bool unknown_worker = false;        // LeasePrompts is NOT_FOUND until the next Register
   std::shared_ptr<common::Model> model = TinyModel(11);
   int64_t chunk_bytes = 1000;  // a tensor spans several chunks
   json config = GenerationConfig();
@@ -90,6 +92,8 @@ class FakeLearner final : public v1::LearnerService::Service {
     resp->set_config_json(config.dump());
     resp->set_heartbeat_interval_ms(50);
     resp->set_model_config_json(model->config().ToJson().dump());
+    resp->set_learner_incarnation(incarnation);
+    unknown_worker = false;
     return grpc::Status::OK;
   }
 
@@ -101,6 +105,7 @@ class FakeLearner final : public v1::LearnerService::Service {
     heartbeat_versions.push_back(req->weight_version());
     resp->set_policy_version(version);
     resp->set_group_epoch(1);
+    resp->set_learner_incarnation(incarnation);
     return grpc::Status::OK;
   }
 
@@ -111,7 +116,11 @@ class FakeLearner final : public v1::LearnerService::Service {
       std::lock_guard<std::mutex> lock(mu);
       if (Unavailable()) return Fail();
       ++lease_calls;
+      if (unknown_worker) {
+        return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown worker: Register again");
+      }
       resp->set_policy_version(version);
+      resp->set_learner_incarnation(incarnation);
       const int n = std::min(req->max_prompts(), leases_per_call);
       for (int i = 0; i < n && next_row < rows.size(); ++i, ++next_row) {
         v1::Lease* l = resp->add_leases();
@@ -367,6 +376,43 @@ TEST(RolloutWorker, NewerPolicyVersionTriggersAWeightFetchBeforeGenerating) {
   EXPECT_EQ(fake.pushed[1].policy_version(), 1);
   EXPECT_EQ(fake.pushed[2].policy_version(), 2);
   EXPECT_EQ(fake.pushed[3].policy_version(), 2);
+}
+
+// Issue 12 (3): after a learner restart the versions start again from its checkpoint. The
+// worker held version 3 of the dead learner; the new one publishes version 1. Before, the worker
+// kept its version 3 (versions only moved up) and tagged groups with a version the new learner
+// never had. It must drop it, take the new learner's weights, and tag groups with them.
+TEST(RolloutWorker, AfterALearnerRestartItTakesTheNewLearnersWeightsAndTagsGroupsWithThem) {
+  FakeLearner fake;
+  fake.rows = {kPromptRow, kMessagesRow, kPromptRow, kMessagesRow};
+  fake.version = 3;
+  const std::shared_ptr<common::Model> restored = TinyModel(33);
+  fake.after_push = [restored](FakeLearner& f) {
+    if (f.incarnation == "inc-1") {
+      f.incarnation = "inc-2";
+      f.version = 1;
+      f.model = restored;
+      f.unknown_worker = true;
+    }
+  };
+  FakeLearnerServer server(&fake);
+  auto worker = MakeWorker(Options(server.address()));
+  ASSERT_TRUE(worker->Run().ok());
+
+  ExpectSameParameters(*worker->policy(), *restored);
+  EXPECT_EQ(worker->policy_version(), 1);
+  std::lock_guard<std::mutex> lock(fake.mu);
+  EXPECT_EQ(fake.register_calls, 2);
+  EXPECT_EQ(fake.weights_served, (std::vector<int64_t>{3, 1}));
+  ASSERT_EQ(fake.pushed.size(), 4u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(fake.pushed[i].policy_version(), 3) << i;
+    EXPECT_EQ(fake.pushed[i].policy_incarnation(), "inc-1") << i;
+  }
+  for (int i = 2; i < 4; ++i) {
+    EXPECT_EQ(fake.pushed[i].policy_version(), 1) << i;
+    EXPECT_EQ(fake.pushed[i].policy_incarnation(), "inc-2") << i;
+  }
 }
 
 TEST(RolloutWorker, BadPromptsAreSkippedAndCounted) {
