@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -94,6 +95,7 @@ struct GrpoTrainer::Batch {
   at::Tensor rewards;     // [N] float64
   at::Tensor rewards_per_func;    // [N, K] float64, NaN = null
   std::vector<int64_t> versions;  // [N] the policy version each sequence was generated with
+  std::vector<const std::string*> incarnations;  // [N] the learner that published it
   bool has_beh = false;
   at::Tensor old;  // [N, Cmax] or undefined (on-policy, one iteration)
   at::Tensor ref;  // [N, Cmax] or undefined (beta == 0)
@@ -380,6 +382,7 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
       batch.completions.push_back(&c);
       batch.staleness.push_back(policy_version_ - kept[gi]->policy_version);
       batch.versions.push_back(kept[gi]->policy_version);
+      batch.incarnations.push_back(&kept[gi]->policy_incarnation);
       if (c.logprobs.empty()) batch.has_beh = false;
     }
   }
@@ -636,6 +639,17 @@ Status GrpoTrainer::DumpRows(const Batch& batch, const OpenStep& os, int64_t ste
     truncated[i] = completions[i]->truncated ? 1 : 0;
   }
   t.emplace_back("policy_version", at::tensor(version, at::kLong));
+  // Incarnations (64-bit hex ids; 0 when none): each row's weights and the training learner's.
+  const auto incarnation_bits = [](const std::string& hex) {
+    uint64_t v = 0;
+    const auto [p, ec] = std::from_chars(hex.data(), hex.data() + hex.size(), v, 16);
+    return ec == std::errc() && p == hex.data() + hex.size() ? static_cast<int64_t>(v) : 0;
+  };
+  std::vector<int64_t> incarnation(n);
+  for (int64_t i = 0; i < n; ++i) incarnation[i] = incarnation_bits(*batch.incarnations[rows[i]]);
+  t.emplace_back("policy_incarnation", at::tensor(incarnation, at::kLong));
+  t.emplace_back("learner_incarnation",
+                 at::tensor(std::vector<int64_t>{incarnation_bits(dump_incarnation_)}, at::kLong));
   t.emplace_back("truncated", at::tensor(truncated, at::kLong));
   if (batch.old.defined()) {
     t.emplace_back("old_logprobs", batch.old.index_select(0, index).narrow(1, 0, C).contiguous());

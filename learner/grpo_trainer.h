@@ -115,6 +115,9 @@ class GrpoTrainer {
   const common::GrpoConfig& config() const { return config_; }
   common::Model& policy() { return *policy_; }
   AdamW& optimizer() { return *optimizer_; }
+  // The learner process id (64-bit hex) written into batch dumps as learner_incarnation, next to
+  // each row's policy_incarnation (the chaos test checks that they agree).
+  void set_dump_incarnation(std::string incarnation) { dump_incarnation_ = std::move(incarnation); }
   // Used by checkpoint restore.
   void RestoreCounters(int64_t global_step, int64_t policy_version) {
     global_step_ = global_step;
@@ -142,6 +145,7 @@ class GrpoTrainer {
   int64_t global_step_ = 0;
   std::atomic<int64_t> policy_version_{0};  // read by ValidateGroup on other threads
   std::unique_ptr<OpenStep> open_;
+  std::string dump_incarnation_;
 };
 
 // Peak resident set of this process (VmHWM), in bytes; 0 when unknown.

@@ -56,17 +56,6 @@ grpc::Status Guarded(const char* rpc, F&& body) {
   }
 }
 
-// The step of "checkpoint-<step>", or -1.
-int64_t CheckpointStep(const std::string& name) {
-  constexpr std::string_view kPrefix = "checkpoint-";
-  if (name.rfind(kPrefix, 0) != 0) return -1;
-  int64_t step = -1;
-  const char* b = name.data() + kPrefix.size();
-  const char* e = name.data() + name.size();
-  auto [p, ec] = std::from_chars(b, e, step);
-  return ec == std::errc() && p == e ? step : -1;
-}
-
 // A fresh learner incarnation id: 64 random bits, hex. Weights and groups carry it, so that a
 // group generated with a dead learner's weights is never taken for one of this learner's.
 std::string NewIncarnation() {
@@ -170,6 +159,7 @@ StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
   s->policy_ = std::move(policy);
   ASSIGN_OR_RETURN(s->trainer_,
                    learner::GrpoTrainer::Create(cfg, s->policy_.get(), std::move(reference)));
+  s->trainer_->set_dump_incarnation(s->incarnation_);
   if (s->options_.resume) RETURN_IF_ERROR(s->Resume());
   s->global_step_ = s->trainer_->global_step();
   s->last_saved_step_ = s->global_step_;
