@@ -327,6 +327,67 @@ TEST_F(NetworkSecurityTest, CallsBeyondTheThreadQuotaAreRefusedAndTheLearnerReco
       << Tail(children_->Err("learner"));
 }
 
+// Open file descriptors of process `pid`; -1 when unreadable.
+int OpenFds(pid_t pid) {
+  std::error_code ec;
+  int n = 0;
+  for (fs::directory_iterator it("/proc/" + std::to_string(pid) + "/fd", ec), end;
+       !ec && it != end; it.increment(ec)) {
+    ++n;
+  }
+  return ec ? -1 : n;
+}
+
+// Item 7: 300 raw connections to the learner's metrics port, held open and silent, leave the
+// learner with at most metrics_max_connections of them (the rest are closed at once), so its
+// descriptors stay bounded (the run ended in "too many open files" at the next
+// checkpoint); /metrics answers again once they are gone.
+TEST_F(NetworkSecurityTest, HeldMetricsConnectionsDoNotExhaustTheLearnersDescriptors) {
+  constexpr int kCap = 16;
+  constexpr int kClients = 300;
+  ASSERT_TRUE(StartLearner({"--reward_funcs", "length", "--auth_token_file",
+                            (dir_ / "learner_token").string(), "--metrics_max_connections",
+                            std::to_string(kCap), "--metrics_io_timeout_seconds", "120"}));
+  ASSERT_TRUE(grpo::testing::HttpGet(static_cast<uint16_t>(metrics_port_), "/metrics"));
+  const int fds_before = OpenFds(learner_pid_);
+  ASSERT_GT(fds_before, 0);
+  std::vector<int> clients;
+  for (int i = 0; i < kClients; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(metrics_port_));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << i;
+    clients.push_back(fd);
+  }
+  // The learner accepts every one (closing those over the cap): wait until none is left in the
+  // listen backlog, i.e. the server has closed kClients - kCap of them.
+  const auto closed_by_server = [&] {
+    int n = 0;
+    for (int fd : clients) {
+      char c;
+      n += ::recv(fd, &c, 1, MSG_DONTWAIT) == 0;
+    }
+    return n;
+  };
+  EXPECT_TRUE(WaitUntil([&] { return closed_by_server() >= kClients - kCap; }, seconds(60)))
+      << closed_by_server() << " closed";
+  const int fds_held = OpenFds(learner_pid_);
+  RecordProperty("learner_fds_before", fds_before);
+  RecordProperty("learner_fds_with_300_held", fds_held);
+  EXPECT_LE(fds_held, fds_before + kCap + 4) << "the learner holds the connections";
+  for (int fd : clients) ::close(fd);
+  EXPECT_TRUE(WaitUntil(
+      [&] {
+        auto r = grpo::testing::HttpGet(static_cast<uint16_t>(metrics_port_), "/metrics");
+        return r && r->status == 200 && r->body.find("grpo_") != std::string::npos;
+      },
+      seconds(60)));
+  EXPECT_TRUE(WaitUntil([&] { return OpenFds(learner_pid_) <= fds_before + 4; }, seconds(60)));
+}
+
 // A RewardService that records the authorization metadata of every Score call and scores 1.
 class CapturingRewardService final : public v1::RewardService::Service {
  public:
