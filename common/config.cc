@@ -481,8 +481,8 @@ Status GrpoConfig::Validate() const {
   RETURN_IF_ERROR(Check(grpc_max_threads >= 8, "grpc_max_threads", "must be >= 8"));
   RETURN_IF_ERROR(
       Check(metrics_max_connections >= 1, "metrics_max_connections", "must be at least 1"));
-  RETURN_IF_ERROR(Check(metrics_io_timeout_seconds > 0, "metrics_io_timeout_seconds",
-                        "must be > 0"));
+  RETURN_IF_ERROR(
+      Check(metrics_io_timeout_seconds > 0, "metrics_io_timeout_seconds", "must be > 0"));
   RETURN_IF_ERROR(Check(lease_seconds > 0, "lease_seconds", "must be > 0"));
   RETURN_IF_ERROR(Check(weight_sync_steps >= 1, "weight_sync_steps", "must be at least 1"));
   return Status::OK();

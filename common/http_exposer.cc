@@ -174,9 +174,10 @@ struct HttpExposer::Impl {
     ++errors_since_log;
     const auto now = std::chrono::steady_clock::now();
     if (now - last_error_log >= kHttpAcceptErrorLogInterval) {
-      GRPO_LOG_WARN("metrics http: accept failed: {} ({} failures since the last report; "
-                    "retrying in {} ms)",
-                    ec.message(), errors_since_log, backoff.count());
+      GRPO_LOG_WARN(
+          "metrics http: accept failed: {} ({} failures since the last report; "
+          "retrying in {} ms)",
+          ec.message(), errors_since_log, backoff.count());
       last_error_log = now;
       errors_since_log = 0;
     }
@@ -207,9 +208,9 @@ struct HttpExposer::Impl {
   std::unique_ptr<asio::io_context> io;
   std::unique_ptr<tcp::acceptor> acceptor;
   std::unique_ptr<asio::steady_timer> retry_timer;
-  std::chrono::milliseconds backoff = kHttpAcceptBackoffMin;       // server thread
-  std::chrono::steady_clock::time_point last_error_log{};         // server thread
-  int64_t errors_since_log = 0;                                    // server thread
+  std::chrono::milliseconds backoff = kHttpAcceptBackoffMin;  // server thread
+  std::chrono::steady_clock::time_point last_error_log{};     // server thread
+  int64_t errors_since_log = 0;                               // server thread
   std::thread thread;
   std::atomic<uint16_t> port{0};
   std::atomic<size_t> open{0};
@@ -275,7 +276,8 @@ HttpExposerLimits HttpExposerLimitsFrom(const GrpoConfig& config) {
   HttpExposerLimits limits;
   limits.io_timeout = std::chrono::milliseconds(
       static_cast<int64_t>(std::max(0.001, config.metrics_io_timeout_seconds) * 1000));
-  limits.max_connections = static_cast<size_t>(std::max<int64_t>(1, config.metrics_max_connections));
+  limits.max_connections =
+      static_cast<size_t>(std::max<int64_t>(1, config.metrics_max_connections));
   return limits;
 }
 

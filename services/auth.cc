@@ -43,11 +43,11 @@ class ProcessedInsecureServerCredentials final : public grpc::ServerCredentials 
     auto& processor = *static_cast<std::shared_ptr<grpc::AuthMetadataProcessor>*>(state);
     grpc::AuthMetadataProcessor::InputMetadata input;
     for (size_t i = 0; i < num_md; ++i) {
-      input.emplace(grpc::string_ref(reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(md[i].key)),
-                                     GRPC_SLICE_LENGTH(md[i].key)),
-                    grpc::string_ref(
-                        reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(md[i].value)),
-                        GRPC_SLICE_LENGTH(md[i].value)));
+      input.emplace(
+          grpc::string_ref(reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(md[i].key)),
+                           GRPC_SLICE_LENGTH(md[i].key)),
+          grpc::string_ref(reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(md[i].value)),
+                           GRPC_SLICE_LENGTH(md[i].value)));
     }
     grpc::AuthMetadataProcessor::OutputMetadata consumed, response;
     const grpc::Status s = processor->Process(input, nullptr, &consumed, &response);
@@ -99,7 +99,8 @@ grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata,
                                          OutputMetadata* /*consumed_auth_metadata*/,
                                          OutputMetadata* /*response_metadata*/) {
   if (token_.empty()) return grpc::Status::OK;
-  if (auto path = auth_metadata.find(":path"); path != auth_metadata.end() &&
+  if (auto path = auth_metadata.find(":path");
+      path != auth_metadata.end() &&
       IsUnauthenticatedMethod(std::string_view(path->second.data(), path->second.size()))) {
     return grpc::Status::OK;
   }

@@ -82,7 +82,8 @@ int RunLearner(const LearnerOptions& o) {
   // /metrics and /healthz on metrics_bind_address (every interface by default: the deploy
   // manifests scrape it); destroyed before the server, whose registry it borrows.
   LearnerServer* learner = server->get();
-  common::HttpExposer exposer((*server)->metrics_registry(), [learner] { return learner->Health(); },
+  common::HttpExposer exposer((*server)->metrics_registry(),
+                              [learner] { return learner->Health(); },
                               common::HttpExposerLimitsFrom(cfg));
   if (Status s = exposer.Start(cfg.metrics_bind_address, static_cast<uint16_t>(cfg.metrics_port));
       !s.ok()) {

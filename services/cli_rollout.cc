@@ -65,7 +65,8 @@ int RunRollout(const RolloutCliOptions& o) {
   auto token = ReadAuthToken(cfg.auth_token_file);
   if (!token.ok()) return fail(token.status(), 2);
   auto reward_token = ReadAuthToken(cfg.reward_auth_token_file);
-  if (!reward_token.ok()) return fail(reward_token.status().WithContext("reward_auth_token_file"), 2);
+  if (!reward_token.ok())
+    return fail(reward_token.status().WithContext("reward_auth_token_file"), 2);
   auto root_certs = ReadPemFile(cfg.tls_ca_file, "tls_ca_file");
   if (!root_certs.ok()) return fail(root_certs.status(), 2);
   const nlohmann::json reward_options =

@@ -591,7 +591,7 @@ void LearnerServer::WeightSyncLoop() {
   common::GlooWeightSyncOptions sync_options;
   sync_options.sync.timeout = options_.weight_sync_timeout;
   sync_options.hostname = options_.weight_sync_hostname.empty() ? config_.weight_sync_hostname
-                                                               : options_.weight_sync_hostname;
+                                                                : options_.weight_sync_hostname;
   const auto fail = [&](int64_t epoch, const Status& s) {
     GRPO_LOG_WARN("learner: gloo weight sync at epoch {} failed ({}); rebuilding the group",
                   epoch, s.ToString());

@@ -136,12 +136,11 @@ TEST(Config, NetworkExposureKeysDefaultToTodaysBehaviourAndAreChecked) {
   EXPECT_EQ(c.metrics_io_timeout_seconds, 10.0);
   EXPECT_EQ(c.grpc_memory_quota_mb, 1024);
   EXPECT_EQ(c.grpc_max_threads, 256);
-  ASSERT_TRUE(ApplyConfigOverrides(c, {"--grpc_bind_address", "127.0.0.1",
-                                       "--metrics_bind_address=::1", "--weight_sync_hostname",
-                                       "10.0.0.5", "--reward_auth_token_file", "/run/reward",
-                                       "--metrics_max_connections", "8", "--grpc_max_threads",
-                                       "32", "--grpc_memory_quota_mb", "256",
-                                       "--metrics_io_timeout_seconds", "2.5"})
+  ASSERT_TRUE(ApplyConfigOverrides(
+                  c, {"--grpc_bind_address", "127.0.0.1", "--metrics_bind_address=::1",
+                      "--weight_sync_hostname", "10.0.0.5", "--reward_auth_token_file",
+                      "/run/reward", "--metrics_max_connections", "8", "--grpc_max_threads", "32",
+                      "--grpc_memory_quota_mb", "256", "--metrics_io_timeout_seconds", "2.5"})
                   .ok());
   EXPECT_EQ(c.grpc_bind_address, "127.0.0.1");
   EXPECT_EQ(c.metrics_bind_address, "::1");

@@ -258,9 +258,7 @@ TEST_F(HttpExposerTest, ConnectionsBeyondTheCapAreClosedAtOnce) {
     ASSERT_GE(fd, 0) << "connection " << i;
     clients.push_back(fd);
   }
-  const auto closed = [&] {
-    return std::count_if(clients.begin(), clients.end(), ClosedByServer);
-  };
+  const auto closed = [&] { return std::count_if(clients.begin(), clients.end(), ClosedByServer); };
   int64_t closed_now = 0;
   EXPECT_TRUE(WaitFor(
       [&] {
@@ -286,8 +284,9 @@ TEST_F(HttpExposerTest, ConnectionsBeyondTheCapAreClosedAtOnce) {
 // A client that trickles its request a byte at a time (slowloris) is cut off at the I/O deadline
 // of the whole request, not refreshed by every byte.
 TEST_F(HttpExposerTest, SlowlorisIsClosedAtTheRequestDeadline) {
-  HttpExposer exposer(registry_, nullptr,
-                      HttpExposerLimits{std::chrono::milliseconds(500), kDefaultHttpMaxConnections});
+  HttpExposer exposer(
+      registry_, nullptr,
+      HttpExposerLimits{std::chrono::milliseconds(500), kDefaultHttpMaxConnections});
   ASSERT_TRUE(exposer.Start("127.0.0.1", 0).ok());
   const int fd = Connect(exposer.port());
   ASSERT_GE(fd, 0);

@@ -179,17 +179,28 @@ class NetworkSecurityTest : public ::testing::Test {
   // Starts `grpo learner` on free ports with `extra` keys; false (with its log) if it did not
   // print its ports.
   bool StartLearner(const std::vector<std::string>& extra) {
-    std::vector<std::string> args = {GrpoBin(),        "--log_level",
-                                     "info",           "learner",
-                                     "--output_dir",   (dir_ / "out").string(),
-                                     "--grpc_port",    "0",
-                                     "--metrics_port", "0",
-                                     "--num_generations", "2",
-                                     "--per_device_train_batch_size", "4",
-                                     "--max_completion_length", "8",
-                                     "--max_steps",    "1000",
-                                     "--save_steps",   "0",
-                                     "--linger_seconds", "0"};
+    std::vector<std::string> args = {GrpoBin(),
+                                     "--log_level",
+                                     "info",
+                                     "learner",
+                                     "--output_dir",
+                                     (dir_ / "out").string(),
+                                     "--grpc_port",
+                                     "0",
+                                     "--metrics_port",
+                                     "0",
+                                     "--num_generations",
+                                     "2",
+                                     "--per_device_train_batch_size",
+                                     "4",
+                                     "--max_completion_length",
+                                     "8",
+                                     "--max_steps",
+                                     "1000",
+                                     "--save_steps",
+                                     "0",
+                                     "--linger_seconds",
+                                     "0"};
     args.insert(args.end(), extra.begin(), extra.end());
     learner_pid_ = children_->Spawn("learner", args);
     const json line = children_->FirstLine("learner", kStartTimeout);
@@ -228,8 +239,8 @@ class NetworkSecurityTest : public ::testing::Test {
 // than one of them (today each is read in full: 196 -> 360 MiB in the run). Calls with
 // the token, and the token-free health check, still work.
 TEST_F(NetworkSecurityTest, UnauthenticatedLargeCallsAreRefusedBeforeTheirBodyIsRead) {
-  ASSERT_TRUE(StartLearner({"--reward_funcs", "length", "--auth_token_file",
-                            (dir_ / "learner_token").string()}));
+  ASSERT_TRUE(StartLearner(
+      {"--reward_funcs", "length", "--auth_token_file", (dir_ / "learner_token").string()}));
   auto stub = Stub(port_);
   // Warm up with the token: the first calls allocate what any call needs.
   ASSERT_TRUE(SubmitPrompts(4, kLearnerToken).ok());
@@ -320,8 +331,7 @@ TEST_F(NetworkSecurityTest, CallsBeyondTheThreadQuotaAreRefusedAndTheLearnerReco
   EXPECT_TRUE(WaitUntil(
       [&] {
         v1::Job job;
-        return stub->GetJob(Ctx(kLearnerToken, seconds(10)).get(), v1::GetJobRequest(), &job)
-            .ok();
+        return stub->GetJob(Ctx(kLearnerToken, seconds(10)).get(), v1::GetJobRequest(), &job).ok();
       },
       seconds(60)))
       << Tail(children_->Err("learner"));
@@ -331,8 +341,8 @@ TEST_F(NetworkSecurityTest, CallsBeyondTheThreadQuotaAreRefusedAndTheLearnerReco
 int OpenFds(pid_t pid) {
   std::error_code ec;
   int n = 0;
-  for (fs::directory_iterator it("/proc/" + std::to_string(pid) + "/fd", ec), end;
-       !ec && it != end; it.increment(ec)) {
+  for (fs::directory_iterator it("/proc/" + std::to_string(pid) + "/fd", ec), end; !ec && it != end;
+       it.increment(ec)) {
     ++n;
   }
   return ec ? -1 : n;
@@ -436,12 +446,18 @@ TEST_F(NetworkSecurityTest, RewardServersSeeTheirOwnTokenAndNeverTheLearners) {
   ASSERT_TRUE(SubmitPrompts(200, kLearnerToken).ok());
 
   const auto run_worker = [&](const std::string& name, std::vector<std::string> extra) {
-    std::vector<std::string> args = {GrpoBin(),       "--log_level",
-                                     "info",          "rollout",
-                                     "--learner_address", "127.0.0.1:" + std::to_string(port_),
-                                     "--metrics_port", "0",
-                                     "--auth_token_file", (dir_ / "learner_token").string(),
-                                     "--worker_id",   name};
+    std::vector<std::string> args = {GrpoBin(),
+                                     "--log_level",
+                                     "info",
+                                     "rollout",
+                                     "--learner_address",
+                                     "127.0.0.1:" + std::to_string(port_),
+                                     "--metrics_port",
+                                     "0",
+                                     "--auth_token_file",
+                                     (dir_ / "learner_token").string(),
+                                     "--worker_id",
+                                     name};
     args.insert(args.end(), extra.begin(), extra.end());
     ASSERT_GT(children_->Spawn(name, args), 0);
     EXPECT_TRUE(WaitUntil([&] { return service.Seen().size() >= 3; }, seconds(180)))
