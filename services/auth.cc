@@ -106,10 +106,12 @@ grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata,
   }
   auto it = auth_metadata.find("authorization");
   if (it == auth_metadata.end()) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing authorization metadata");
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        std::string("missing authorization metadata") + kRefusedBeforeTheBody);
   }
   if (!BearerMatches(std::string_view(it->second.data(), it->second.size()), token_)) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "bad token");
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        std::string("bad token") + kRefusedBeforeTheBody);
   }
   return grpc::Status::OK;
 }

@@ -29,7 +29,9 @@ bool IsUnauthenticatedMethod(std::string_view path);
 
 // Checks `authorization: Bearer <token>` in a call's initial metadata, inside gRPC's transport,
 // before the request message is read: a refused call costs its headers, not its body
-// (UNAUTHENTICATED). Non-blocking (a constant-time compare); thread-safe.
+// (UNAUTHENTICATED, the message ending in kRefusedBeforeTheBody). Non-blocking (a constant-time
+// compare); thread-safe.
+inline constexpr const char* kRefusedBeforeTheBody = " (refused before the request was read)";
 class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
  public:
   explicit TokenAuthProcessor(std::string token) : token_(std::move(token)) {}
