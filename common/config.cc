@@ -264,6 +264,14 @@ const std::vector<Field>& Fields() {
       MakeField("tls_cert_file", &C::tls_cert_file),
       MakeField("tls_key_file", &C::tls_key_file),
       MakeField("tls_ca_file", &C::tls_ca_file),
+      MakeField("grpc_bind_address", &C::grpc_bind_address),
+      MakeField("metrics_bind_address", &C::metrics_bind_address),
+      MakeField("weight_sync_hostname", &C::weight_sync_hostname),
+      MakeField("reward_auth_token_file", &C::reward_auth_token_file),
+      MakeField("grpc_memory_quota_mb", &C::grpc_memory_quota_mb),
+      MakeField("grpc_max_threads", &C::grpc_max_threads),
+      MakeField("metrics_max_connections", &C::metrics_max_connections),
+      MakeField("metrics_io_timeout_seconds", &C::metrics_io_timeout_seconds),
       MakeField("log_level", &C::log_level,
                 {"trace", "debug", "info", "warn", "error", "off"}),
   };
@@ -468,6 +476,16 @@ Status GrpoConfig::Validate() const {
   RETURN_IF_ERROR(Check(grpc_port >= 0 && grpc_port <= 65535, "grpc_port", "must be a port"));
   RETURN_IF_ERROR(
       Check(metrics_port >= 0 && metrics_port <= 65535, "metrics_port", "must be a port"));
+  RETURN_IF_ERROR(Check(!grpc_bind_address.empty(), "grpc_bind_address", "must not be empty"));
+  RETURN_IF_ERROR(
+      Check(!metrics_bind_address.empty(), "metrics_bind_address", "must not be empty"));
+  // The quota must hold at least one message of the 64 MiB receive limit (services/auth.h).
+  RETURN_IF_ERROR(Check(grpc_memory_quota_mb >= 128, "grpc_memory_quota_mb", "must be >= 128"));
+  RETURN_IF_ERROR(Check(grpc_max_threads >= 8, "grpc_max_threads", "must be >= 8"));
+  RETURN_IF_ERROR(
+      Check(metrics_max_connections >= 1, "metrics_max_connections", "must be at least 1"));
+  RETURN_IF_ERROR(
+      Check(metrics_io_timeout_seconds > 0, "metrics_io_timeout_seconds", "must be > 0"));
   RETURN_IF_ERROR(Check(lease_seconds > 0, "lease_seconds", "must be > 0"));
   RETURN_IF_ERROR(Check(weight_sync_steps >= 1, "weight_sync_steps", "must be at least 1"));
   return Status::OK();

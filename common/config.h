@@ -94,6 +94,23 @@ struct GrpoConfig {
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_ca_file;
+  // Network exposure (README "Security"). The addresses the learner's gRPC server and every
+  // process's /metrics listener bind ("0.0.0.0" = all IPv4 interfaces, "::" = IPv4 and IPv6,
+  // "127.0.0.1" = this machine only); the learner's Gloo rank listens on weight_sync_hostname
+  // ("" = the address the machine's hostname resolves to). Gloo traffic is plaintext.
+  std::string grpc_bind_address = "0.0.0.0";
+  std::string metrics_bind_address = "0.0.0.0";
+  std::string weight_sync_hostname;
+  // Token sent to remote reward servers (reward_funcs `remote:...`) and required by
+  // `grpo reward-server`; never the learner's auth_token_file. "" = none.
+  std::string reward_auth_token_file;
+  // gRPC server limits: transport buffer memory (MiB) and threads serving calls.
+  int64_t grpc_memory_quota_mb = 1024;
+  int64_t grpc_max_threads = 256;
+  // /metrics listener: open connections at most (more are closed at once), and the deadline of
+  // reading one request or writing one response (seconds).
+  int64_t metrics_max_connections = 64;
+  double metrics_io_timeout_seconds = 10.0;
   std::string log_level = "info";
 
   int64_t EffectiveStepsPerGeneration() const {

@@ -1,8 +1,10 @@
 #include "common/http_exposer.h"
 
+#include <algorithm>
 #include <atomic>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/ip/v6_only.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <exception>
@@ -28,11 +30,20 @@ constexpr uint64_t kMaxBodyBytes = 4 * 1024;
 
 // One connection: read a request, answer it, repeat while keep-alive. Lives on the server
 // thread only, kept alive by the shared_ptr its pending handler holds.
+// `open` counts live sessions (the connection cap); it belongs to HttpExposer::Impl, which
+// outlives every session.
 class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(tcp::socket socket, const Registry& registry, const HttpExposer::HealthCheck& health,
-          std::chrono::milliseconds timeout)
-      : stream_(std::move(socket)), registry_(registry), health_(health), timeout_(timeout) {}
+          std::chrono::milliseconds timeout, std::atomic<size_t>& open)
+      : stream_(std::move(socket)),
+        registry_(registry),
+        health_(health),
+        timeout_(timeout),
+        open_(open) {
+    open_.fetch_add(1);
+  }
+  ~Session() { open_.fetch_sub(1); }
 
   void Read() {
     parser_.emplace();
@@ -127,22 +138,53 @@ class Session : public std::enable_shared_from_this<Session> {
   const Registry& registry_;
   const HttpExposer::HealthCheck& health_;  // owned by HttpExposer::Impl, which outlives us
   const std::chrono::milliseconds timeout_;
+  std::atomic<size_t>& open_;
 };
 
 }  // namespace
 
 struct HttpExposer::Impl {
-  Impl(const Registry& r, HealthCheck h, std::chrono::milliseconds t)
-      : registry(r), health(std::move(h)), timeout(t) {}
+  Impl(const Registry& r, HealthCheck h, HttpExposerLimits l)
+      : registry(r), health(std::move(h)), limits(l) {}
 
   void Accept() {
     acceptor->async_accept([this](beast::error_code ec, tcp::socket socket) {
       if (ec == asio::error::operation_aborted || !acceptor->is_open()) return;  // stopping
-      if (!ec) {
-        std::make_shared<Session>(std::move(socket), registry, health, timeout)->Read();
-      } else {
-        GRPO_LOG_WARN("metrics http: accept failed: {}", ec.message());
+      if (ec) {
+        OnAcceptError(ec);
+        return;
       }
+      backoff = kHttpAcceptBackoffMin;
+      if (open.load() >= limits.max_connections) {
+        refused.fetch_add(1);
+        beast::error_code ignored;
+        socket.shutdown(tcp::socket::shutdown_both, ignored);
+        socket.close(ignored);
+      } else {
+        std::make_shared<Session>(std::move(socket), registry, health, limits.io_timeout, open)
+            ->Read();
+      }
+      Accept();
+    });
+  }
+
+  // Logs at most once per kHttpAcceptErrorLogInterval, and accepts again after `backoff`.
+  void OnAcceptError(const beast::error_code& ec) {
+    accept_errors.fetch_add(1);
+    ++errors_since_log;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_error_log >= kHttpAcceptErrorLogInterval) {
+      GRPO_LOG_WARN(
+          "metrics http: accept failed: {} ({} failures since the last report; "
+          "retrying in {} ms)",
+          ec.message(), errors_since_log, backoff.count());
+      last_error_log = now;
+      errors_since_log = 0;
+    }
+    retry_timer->expires_after(backoff);
+    backoff = std::min(backoff * 2, kHttpAcceptBackoffMax);
+    retry_timer->async_wait([this](beast::error_code wait_ec) {
+      if (wait_ec || !acceptor->is_open()) return;  // stopping
       Accept();
     });
   }
@@ -160,18 +202,29 @@ struct HttpExposer::Impl {
 
   const Registry& registry;
   const HealthCheck health;
-  const std::chrono::milliseconds timeout;
-  // Set by Start, reset by Stop (the acceptor before the io_context it uses). Touched by the
-  // server thread only between the two.
+  const HttpExposerLimits limits;
+  // Set by Start, reset by Stop (the acceptor and timer before the io_context they use). Touched
+  // by the server thread only between the two.
   std::unique_ptr<asio::io_context> io;
   std::unique_ptr<tcp::acceptor> acceptor;
+  std::unique_ptr<asio::steady_timer> retry_timer;
+  std::chrono::milliseconds backoff = kHttpAcceptBackoffMin;  // server thread
+  std::chrono::steady_clock::time_point last_error_log{};     // server thread
+  int64_t errors_since_log = 0;                               // server thread
   std::thread thread;
   std::atomic<uint16_t> port{0};
+  std::atomic<size_t> open{0};
+  std::atomic<int64_t> refused{0};
+  std::atomic<int64_t> accept_errors{0};
 };
 
 HttpExposer::HttpExposer(const Registry& registry, HealthCheck health,
                          std::chrono::milliseconds io_timeout)
-    : impl_(std::make_unique<Impl>(registry, std::move(health), io_timeout)) {}
+    : HttpExposer(registry, std::move(health),
+                  HttpExposerLimits{io_timeout, kDefaultHttpMaxConnections}) {}
+
+HttpExposer::HttpExposer(const Registry& registry, HealthCheck health, HttpExposerLimits limits)
+    : impl_(std::make_unique<Impl>(registry, std::move(health), limits)) {}
 
 HttpExposer::~HttpExposer() { Stop(); }
 
@@ -199,6 +252,8 @@ Status HttpExposer::Start(const std::string& host, uint16_t port) {
   if (ec)
     return Status::Unavailable("metrics http: cannot listen on " + where + ": " + ec.message());
   impl_->port = acceptor->local_endpoint(ec).port();
+  impl_->retry_timer = std::make_unique<asio::steady_timer>(*io);
+  impl_->backoff = kHttpAcceptBackoffMin;
   impl_->io = std::move(io);
   impl_->acceptor = std::move(acceptor);
   impl_->Accept();
@@ -212,10 +267,23 @@ void HttpExposer::Stop() {
   if (impl_->thread.joinable()) impl_->thread.join();
   // Destroying the io_context destroys pending handlers, hence the sessions and their sockets.
   impl_->acceptor.reset();
+  impl_->retry_timer.reset();
   impl_->io.reset();
   impl_->port = 0;
 }
 
+HttpExposerLimits HttpExposerLimitsFrom(const GrpoConfig& config) {
+  HttpExposerLimits limits;
+  limits.io_timeout = std::chrono::milliseconds(
+      static_cast<int64_t>(std::max(0.001, config.metrics_io_timeout_seconds) * 1000));
+  limits.max_connections =
+      static_cast<size_t>(std::max<int64_t>(1, config.metrics_max_connections));
+  return limits;
+}
+
 uint16_t HttpExposer::port() const { return impl_->port; }
+size_t HttpExposer::open_connections() const { return impl_->open.load(); }
+int64_t HttpExposer::refused_connections() const { return impl_->refused.load(); }
+int64_t HttpExposer::accept_errors() const { return impl_->accept_errors.load(); }
 
 }  // namespace grpo::common

@@ -79,12 +79,14 @@ int RunLearner(const LearnerOptions& o) {
     return fail(server.status(), server.status().code() == StatusCode::kInvalidArgument ? 2 : 1);
   }
   if (Status s = (*server)->Start(); !s.ok()) return fail(s);
-  // /metrics and /healthz on every interface (the deploy manifests scrape it); destroyed
-  // before the server, whose registry it borrows.
+  // /metrics and /healthz on metrics_bind_address (every interface by default: the deploy
+  // manifests scrape it); destroyed before the server, whose registry it borrows.
   LearnerServer* learner = server->get();
   common::HttpExposer exposer((*server)->metrics_registry(),
-                              [learner] { return learner->Health(); });
-  if (Status s = exposer.Start("", static_cast<uint16_t>(cfg.metrics_port)); !s.ok()) {
+                              [learner] { return learner->Health(); },
+                              common::HttpExposerLimitsFrom(cfg));
+  if (Status s = exposer.Start(cfg.metrics_bind_address, static_cast<uint16_t>(cfg.metrics_port));
+      !s.ok()) {
     (void)(*server)->Stop(/*checkpoint=*/false);
     return fail(s.WithContext("metrics_port"));
   }

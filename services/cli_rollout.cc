@@ -64,6 +64,9 @@ int RunRollout(const RolloutCliOptions& o) {
   }
   auto token = ReadAuthToken(cfg.auth_token_file);
   if (!token.ok()) return fail(token.status(), 2);
+  auto reward_token = ReadAuthToken(cfg.reward_auth_token_file);
+  if (!reward_token.ok())
+    return fail(reward_token.status().WithContext("reward_auth_token_file"), 2);
   auto root_certs = ReadPemFile(cfg.tls_ca_file, "tls_ca_file");
   if (!root_certs.ok()) return fail(root_certs.status(), 2);
   const nlohmann::json reward_options =
@@ -76,8 +79,10 @@ int RunRollout(const RolloutCliOptions& o) {
   common::Registry registry;
   std::unique_ptr<common::HttpExposer> exposer;
   if (o.metrics_port > 0) {
-    exposer = std::make_unique<common::HttpExposer>(registry);
-    if (Status s = exposer->Start("", static_cast<uint16_t>(o.metrics_port)); !s.ok()) {
+    exposer = std::make_unique<common::HttpExposer>(registry, nullptr,
+                                                    common::HttpExposerLimitsFrom(cfg));
+    if (Status s = exposer->Start(cfg.metrics_bind_address, static_cast<uint16_t>(o.metrics_port));
+        !s.ok()) {
       return fail(s.WithContext("metrics_port"), 1);
     }
   }
@@ -86,6 +91,8 @@ int RunRollout(const RolloutCliOptions& o) {
   wo.metrics_registry = &registry;
   wo.learner_address = cfg.learner_address;
   wo.auth_token = *token;
+  wo.reward_auth_token = *reward_token;
+  wo.gloo.hostname = cfg.weight_sync_hostname;
   wo.root_certs_pem = *root_certs;
   wo.worker_id = o.worker_id;
   wo.config = cfg;
@@ -113,7 +120,7 @@ struct RewardServerCliOptions {
   int64_t port = 50061;
   std::string host = "0.0.0.0";
   std::string reward_options = "{}";
-  std::string auth_token_file;
+  std::string reward_auth_token_file;
 };
 
 int RunRewardServer(const RewardServerCliOptions& o) {
@@ -126,8 +133,14 @@ int RunRewardServer(const RewardServerCliOptions& o) {
   if (options.is_discarded() || !options.is_object()) {
     return fail(Status::InvalidArgument("--reward_options must be a JSON object"), 2);
   }
-  auto token = ReadAuthToken(o.auth_token_file);
-  if (!token.ok()) return fail(token.status(), 2);
+  auto token = ReadAuthToken(o.reward_auth_token_file);
+  if (!token.ok()) return fail(token.status().WithContext("reward_auth_token_file"), 2);
+  if (token->empty() && !IsLoopbackAddress(o.host)) {
+    GRPO_LOG_WARN(
+        "reward server: WARNING: auth is off (no --reward_auth_token_file) and it listens on {}: "
+        "anyone who reaches it can call Score",
+        o.host);
+  }
   std::map<std::string, std::shared_ptr<const rollout::RewardFunction>> functions;
   for (const auto& name : o.reward_funcs) {
     auto fn = rollout::MakeRewardFunction(
@@ -184,7 +197,9 @@ void AddRolloutCommands(CLI::App& app, CliAction* action) {
   rs->add_option("--port", r->port, "gRPC port (0 = any free port)")->capture_default_str();
   rs->add_option("--host", r->host, "address to bind")->capture_default_str();
   rs->add_option("--reward_options", r->reward_options, "options by function name, as JSON");
-  rs->add_option("--auth_token_file", r->auth_token_file, "shared token file (default: no auth)");
+  rs->add_option("--reward_auth_token_file,--auth_token_file", r->reward_auth_token_file,
+                 "the reward servers' own token file, as workers' reward_auth_token_file "
+                 "(never the learner's auth_token_file; default: no auth)");
   rs->callback([r, action] { *action = [r] { return RunRewardServer(*r); }; });
 }
 

@@ -30,6 +30,12 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
+// "HOST:PORT" for gRPC, bracketing an IPv6 literal ("::" -> "[::]:50051").
+std::string HostPort(const std::string& host, int64_t port) {
+  const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
 constexpr const char* kServiceName = "grpo.v1.LearnerService";
 constexpr size_t kMaxAckMessages = 8;
 
@@ -141,7 +147,7 @@ StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
                             ? std::max(s->options_.buffer_capacity_groups, s->batch_groups_)
                             : 2 * s->batch_groups_;
   ASSIGN_OR_RETURN(s->auth_token_, ReadAuthToken(cfg.auth_token_file));
-  ASSIGN_OR_RETURN(s->server_credentials_, ServerCredentials(cfg));
+  ASSIGN_OR_RETURN(s->server_credentials_, ServerCredentials(cfg, s->auth_token_));
 
   std::error_code ec;
   fs::create_directories(cfg.output_dir, ec);
@@ -202,9 +208,17 @@ Status LearnerServer::Start() {
   RETURN_IF_ERROR(PublishWeights());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  builder.SetMaxSendMessageSize(kMaxMessageBytes);
-  const std::string address = options_.bind_address + ":" + std::to_string(config_.grpc_port);
+  ApplyServerLimits(builder, config_, "grpo-learner");
+  const std::string host =
+      options_.bind_address.empty() ? config_.grpc_bind_address : options_.bind_address;
+  const std::string address = HostPort(host, config_.grpc_port);
+  if (auth_token_.empty() && !IsLoopbackAddress(host)) {
+    GRPO_LOG_WARN(
+        "learner: WARNING: auth is off (no auth_token_file) and gRPC listens on {}: anyone who "
+        "reaches this address can push groups and cancel the job; set auth_token_file or "
+        "grpc_bind_address: 127.0.0.1",
+        host);
+  }
   builder.AddListeningPort(address, server_credentials_, &port_);
   builder.RegisterService(this);
   server_ = builder.BuildAndStart();
@@ -611,7 +625,8 @@ void LearnerServer::WeightSyncLoop() {
   int64_t last_sent = -1, seq = 0;
   common::GlooWeightSyncOptions sync_options;
   sync_options.sync.timeout = options_.weight_sync_timeout;
-  sync_options.hostname = options_.weight_sync_hostname;
+  sync_options.hostname = options_.weight_sync_hostname.empty() ? config_.weight_sync_hostname
+                                                                : options_.weight_sync_hostname;
   const auto fail = [&](int64_t epoch, const Status& s) {
     GRPO_LOG_WARN("learner: gloo weight sync at epoch {} failed ({}); rebuilding the group",
                   epoch, s.ToString());

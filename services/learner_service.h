@@ -111,7 +111,8 @@ std::string_view JobStateName(JobState state);
 struct LearnerServerOptions {
   // Tokenizer files here are copied into every checkpoint; empty = none.
   std::string model_dir;
-  std::string bind_address = "0.0.0.0";
+  // The gRPC bind address; empty = config.grpc_bind_address.
+  std::string bind_address;
   // The ledger's clock (unix ms); empty = system clock. Tests inject a fake.
   std::function<int64_t()> now_ms;
   std::chrono::milliseconds heartbeat_interval = kDefaultHeartbeatInterval;
@@ -122,7 +123,7 @@ struct LearnerServerOptions {
   bool resume = true;
   // Gloo weight sync (workers that register with weight_sync_backend "gloo"): the deadline of
   // each rendezvous/collective, and the address the learner's rank listens on (empty: the
-  // machine's hostname; "127.0.0.1" for loopback).
+  // machine's hostname unless config.weight_sync_hostname names one; "127.0.0.1" for loopback).
   std::chrono::milliseconds weight_sync_timeout = common::kDefaultBroadcastTimeout;
   std::string weight_sync_hostname;
   // Tests only: called before each checkpoint save with its step; an error fails that save as a
@@ -151,7 +152,9 @@ class LearnerServer final : public v1::LearnerService::Service {
 
   // Binds <bind_address>:<config.grpc_port> (0 = a free port), serves LearnerService and
   // grpc.health.v1 (SERVING), publishes the initial weights and starts the training thread.
-  // Unavailable when the port cannot be bound.
+  // With auth_token_file set, a call without the token is refused inside gRPC before its message
+  // is read (TokenAuthProcessor; health Check/Watch are open); logs a WARNING when auth is off
+  // and the address is not loopback. Unavailable when the port cannot be bound.
   Status Start();
   // Stops training after the current generation batch, saves a checkpoint when `checkpoint`
   // and steps were taken since the last one, then shuts the server down (in-flight calls get

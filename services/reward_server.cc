@@ -69,15 +69,17 @@ StatusOr<std::unique_ptr<RewardServer>> RewardServer::Start(
   for (const auto& [name, fn] : functions) {
     if (fn == nullptr) return Status::InvalidArgument("reward function '" + name + "' is null");
   }
+  // Defaults of the gRPC limits (grpc_memory_quota_mb, grpc_max_threads); plaintext.
+  const common::GrpoConfig defaults;
+  ASSIGN_OR_RETURN(auto credentials, ServerCredentials(defaults, auth_token));
   grpc::EnableDefaultHealthCheckService(true);
   std::unique_ptr<RewardServer> server(new RewardServer());
   server->service_ =
       std::make_unique<RewardServiceImpl>(std::move(functions), std::move(auth_token));
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &server->port_);
+  ApplyServerLimits(builder, defaults, "grpo-reward-server");
+  builder.AddListeningPort(address, credentials, &server->port_);
   builder.RegisterService(server->service_.get());
-  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  builder.SetMaxSendMessageSize(kMaxMessageBytes);
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     return Status::Unavailable("reward server cannot listen on " + address);

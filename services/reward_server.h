@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string>
 
+#include "common/config.h"
 #include "common/status.h"
 #include "grpo/v1/reward.grpc.pb.h"
 #include "rollout/reward.h"
@@ -40,8 +41,9 @@ class RewardServiceImpl final : public v1::RewardService::Service {
 // Owns a running grpc::Server with RewardService and grpc.health.v1. Thread-safe.
 class RewardServer {
  public:
-  // address: "HOST:PORT"; port 0 picks a free one (see port()). Unavailable when it cannot
-  // bind; InvalidArgument for no functions.
+  // address: "HOST:PORT"; port 0 picks a free one (see port()). A non-empty `auth_token` (the
+  // reward_auth_token_file's, never the learner's) is checked before a call's message is read
+  // (TokenAuthProcessor). Unavailable when it cannot bind; InvalidArgument for no functions.
   static StatusOr<std::unique_ptr<RewardServer>> Start(
       const std::string& address,
       std::map<std::string, std::shared_ptr<const rollout::RewardFunction>> functions,

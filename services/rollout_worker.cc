@@ -306,8 +306,8 @@ Status RolloutWorker::ApplyRegistration(const v1::RegisterResponse& r) {
                                    " tokens, the model's vocabulary " +
                                    std::to_string(model_config.vocab_size));
   }
-  ASSIGN_OR_RETURN(rewards_, MakeRewardRunner(merged, options_.reward_options, options_.auth_token,
-                                              options_.reward_timeout));
+  ASSIGN_OR_RETURN(rewards_, MakeRewardRunner(merged, options_.reward_options,
+                                              options_.reward_auth_token, options_.reward_timeout));
 
   if (r.model_config_json() != model_config_json_) {
     // A different architecture: the current policy (if any) cannot serve it.

@@ -83,6 +83,8 @@ struct RpcTimeouts {
 struct RolloutWorkerOptions {
   std::string learner_address;  // HOST:PORT
   std::string auth_token;       // empty = no auth
+  // Sent to remote reward servers (reward_auth_token_file), never auth_token; empty = none.
+  std::string reward_auth_token;
   std::string root_certs_pem;   // empty = insecure channel
   std::string worker_id;        // empty = the learner assigns one
   // The worker's own configuration: weight_sync_backend, model_name_or_path (tokenizer) ... The

@@ -124,5 +124,43 @@ TEST(Config, ToJsonListsEveryKey) {
   EXPECT_EQ(j["num_generations"], 8);
 }
 
+// Issue 12 items 7-10: the network keys keep today's behaviour by default (every interface, no
+// reward token), parse from the command line, and name themselves when out of range.
+TEST(Config, NetworkExposureKeysDefaultToTodaysBehaviourAndAreChecked) {
+  GrpoConfig c;
+  EXPECT_EQ(c.grpc_bind_address, "0.0.0.0");
+  EXPECT_EQ(c.metrics_bind_address, "0.0.0.0");
+  EXPECT_EQ(c.weight_sync_hostname, "");
+  EXPECT_EQ(c.reward_auth_token_file, "");
+  EXPECT_EQ(c.metrics_max_connections, 64);
+  EXPECT_EQ(c.metrics_io_timeout_seconds, 10.0);
+  EXPECT_EQ(c.grpc_memory_quota_mb, 1024);
+  EXPECT_EQ(c.grpc_max_threads, 256);
+  ASSERT_TRUE(ApplyConfigOverrides(
+                  c, {"--grpc_bind_address", "127.0.0.1", "--metrics_bind_address=::1",
+                      "--weight_sync_hostname", "10.0.0.5", "--reward_auth_token_file",
+                      "/run/reward", "--metrics_max_connections", "8", "--grpc_max_threads", "32",
+                      "--grpc_memory_quota_mb", "256", "--metrics_io_timeout_seconds", "2.5"})
+                  .ok());
+  EXPECT_EQ(c.grpc_bind_address, "127.0.0.1");
+  EXPECT_EQ(c.metrics_bind_address, "::1");
+  EXPECT_EQ(c.weight_sync_hostname, "10.0.0.5");
+  EXPECT_EQ(c.reward_auth_token_file, "/run/reward");
+  EXPECT_EQ(c.metrics_max_connections, 8);
+  EXPECT_EQ(c.grpc_max_threads, 32);
+  EXPECT_EQ(c.grpc_memory_quota_mb, 256);
+  EXPECT_EQ(c.metrics_io_timeout_seconds, 2.5);
+  EXPECT_TRUE(c.Validate().ok());
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"metrics_max_connections", "0"}, {"metrics_io_timeout_seconds", "0"},
+      {"grpc_max_threads", "2"},        {"grpc_memory_quota_mb", "64"},
+      {"grpc_bind_address", ""},        {"metrics_bind_address", ""}};
+  for (const auto& [key, value] : bad) {
+    GrpoConfig b;
+    ASSERT_TRUE(SetConfigValue(b, key, value).ok()) << key;
+    EXPECT_NE(b.Validate().message().find(key), std::string::npos) << key << " = " << value;
+  }
+}
+
 }  // namespace
 }  // namespace grpo::common

@@ -1,15 +1,24 @@
 // The Gloo weight sync end to end: GrpcStore against a real LearnerServer, then
 // a learner and two RolloutWorkers (threads of this process) with
 // weight_sync_backend "gloo" on loopback.
+#include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -94,8 +103,11 @@ protected:
     fs::remove_all(dir_);
   }
 
+  // `config_hostname` non-empty: the Gloo address comes from config key
+  // weight_sync_hostname, not from LearnerServerOptions.
   void StartLearner(int64_t max_steps,
-                    std::chrono::milliseconds heartbeat_interval = 200ms) {
+                    std::chrono::milliseconds heartbeat_interval = 200ms,
+                    const std::string &config_hostname = "") {
     auto model =
         common::Model::InitRandom(*common::ModelConfigPreset("tiny"), 7);
     ASSERT_TRUE(model.ok()) << model.status().ToString();
@@ -103,10 +115,14 @@ protected:
     options.heartbeat_interval =
         heartbeat_interval; // dropped after 5 missed heartbeats
     options.weight_sync_timeout = kSyncTimeout;
-    options.weight_sync_hostname = "127.0.0.1";
-    auto server =
-        LearnerServer::Create(TinyConfig(dir_, max_steps),
-                              std::move(model).value(), nullptr, options);
+    common::GrpoConfig config = TinyConfig(dir_, max_steps);
+    if (config_hostname.empty()) {
+      options.weight_sync_hostname = "127.0.0.1";
+    } else {
+      config.weight_sync_hostname = config_hostname;
+    }
+    auto server = LearnerServer::Create(config, std::move(model).value(),
+                                        nullptr, options);
     ASSERT_TRUE(server.ok()) << server.status().ToString();
     server_ = std::move(server).value();
     ASSERT_TRUE(server_->Start().ok());
@@ -147,7 +163,7 @@ protected:
     }
   };
 
-  RunningWorker &StartWorker() {
+  RunningWorker &StartWorker(const std::string &hostname = "127.0.0.1") {
     auto rw = std::make_unique<RunningWorker>();
     RolloutWorkerOptions o;
     o.learner_address = address();
@@ -158,10 +174,10 @@ protected:
     o.backoff.max = 50ms;
     o.stop = &rw->stop;
     RunningWorker *raw = rw.get();
-    o.make_weight_receiver = [raw](std::shared_ptr<grpc::Channel> channel) {
+    o.make_weight_receiver = [raw, hostname](std::shared_ptr<grpc::Channel> channel) {
       GlooWeightReceiverOptions g;
       g.timeout = kSyncTimeout;
-      g.hostname = "127.0.0.1";
+      g.hostname = hostname;
       auto r = std::make_unique<GlooWeightReceiver>(std::move(channel), "", g);
       raw->receiver = r.get();
       return std::unique_ptr<rollout::WeightReceiver>(std::move(r));
@@ -230,6 +246,67 @@ TEST_F(GlooWeightSyncE2eTest, GrpcStoreOfAPastEpochIsFailedPrecondition) {
   const Status s = store->Set("a", "b");
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_THROW(store->set("a", {'b'}), c10::Error);
+}
+
+// This machine's first IPv4 address that is not loopback, if it has one.
+std::optional<std::string> NonLoopbackIpv4() {
+  ifaddrs *ifs = nullptr;
+  if (::getifaddrs(&ifs) != 0)
+    return std::nullopt;
+  std::optional<std::string> found;
+  for (ifaddrs *i = ifs; i != nullptr && !found; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET ||
+        (i->ifa_flags & IFF_LOOPBACK) || !(i->ifa_flags & IFF_UP))
+      continue;
+    char buf[INET_ADDRSTRLEN];
+    const auto *a = reinterpret_cast<const sockaddr_in *>(i->ifa_addr);
+    if (::inet_ntop(AF_INET, &a->sin_addr, buf, sizeof(buf)))
+      found = buf;
+  }
+  ::freeifaddrs(ifs);
+  return found;
+}
+
+// Listening TCP sockets (IPv4 or v4-mapped IPv6) whose local address is `ip`.
+int ListenersOn(const std::string &ip) {
+  in_addr a{};
+  ::inet_pton(AF_INET, ip.c_str(), &a);
+  char hex[9];
+  std::snprintf(hex, sizeof(hex), "%08X", a.s_addr); // /proc/net/tcp's byte order
+  int n = 0;
+  for (const char *table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);
+    while (std::getline(in, line)) {
+      std::istringstream ss(line);
+      std::string slot, local, remote, state;
+      ss >> slot >> local >> remote >> state;
+      const std::string addr = local.substr(0, local.find(':'));
+      if (state == "0A" && (addr == hex || addr == "0000000000000000FFFF0000" +
+                                                      std::string(hex)))
+        ++n;
+    }
+  }
+  return n;
+}
+
+// Issue 12 item 10: without LearnerServerOptions::weight_sync_hostname the
+// learner's Gloo rank listens on config key weight_sync_hostname. Here that is
+// the machine's non-loopback address (its hostname resolves to loopback), so
+// the learner's rank and the worker's (both in this process) listen there.
+TEST_F(GlooWeightSyncE2eTest, LearnersGlooRankListensOnTheConfiguredHostname) {
+  const auto ip = NonLoopbackIpv4();
+  if (!ip)
+    GTEST_SKIP() << "this machine has no non-loopback IPv4 address";
+  const int before = ListenersOn(*ip);
+  StartLearner(/*max_steps=*/100, 200ms, /*config_hostname=*/*ip);
+  RunningWorker &a = StartWorker(*ip);
+  ASSERT_TRUE(WaitFor(
+      [&] { return a.receiver && a.receiver->groups_joined() >= 1; }, 60s));
+  RecordProperty("new_listeners_on_address", ListenersOn(*ip) - before);
+  EXPECT_GE(ListenersOn(*ip) - before, 2)
+      << "the learner's Gloo rank does not listen on " << *ip;
 }
 
 TEST_F(GlooWeightSyncE2eTest,

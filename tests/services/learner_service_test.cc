@@ -88,6 +88,45 @@ TEST_F(LearnerServiceTest, ServesTlsToClientsThatTrustItsCertificate) {
   EXPECT_FALSE(get_job(MakeChannel(address, *other)).first.ok());  // untrusted certificate
 }
 
+// Issue 12 item 8: with a token, plaintext and TLS servers alike refuse a call without it in
+// gRPC's transport (TokenAuthProcessor: its message says so), before the handler reads the body.
+TEST_F(LearnerServiceTest, TokenIsCheckedInTheTransportWithAndWithoutTls) {
+  if (std::system("command -v openssl >/dev/null") != 0) GTEST_SKIP() << "openssl not installed";
+  const std::string cmd =
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
+      " -addext subjectAltName=DNS:localhost -keyout " +
+      (dir_ / "server.key").string() + " -out " + (dir_ / "server.pem").string() + " 2>/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ofstream(dir_ / "token") << "s3cret\n";
+  config_.auth_token_file = (dir_ / "token").string();
+  for (const bool tls : {false, true}) {
+    SCOPED_TRACE(tls ? "TLS" : "plaintext");
+    config_.tls_cert_file = tls ? (dir_ / "server.pem").string() : "";
+    config_.tls_key_file = tls ? (dir_ / "server.key").string() : "";
+    server_.reset();
+    StartServer();
+    std::string ca;
+    if (tls) {
+      auto pem = ReadPemFile((dir_ / "server.pem").string(), "tls_ca_file");
+      ASSERT_TRUE(pem.ok());
+      ca = *pem;
+    }
+    auto stub = v1::LearnerService::NewStub(
+        MakeChannel("localhost:" + std::to_string(server_->port()), ca));
+    v1::Job job;
+    for (const std::string token : {"", "wrong"}) {
+      token_ = token;
+      const grpc::Status s = stub->GetJob(Ctx().get(), v1::GetJobRequest(), &job);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << token;
+      EXPECT_NE(s.error_message().find(kRefusedBeforeTheBody), std::string::npos)
+          << s.error_message();
+    }
+    token_ = "s3cret";
+    const grpc::Status ok = stub->GetJob(Ctx().get(), v1::GetJobRequest(), &job);
+    EXPECT_TRUE(ok.ok()) << ok.error_message();
+  }
+}
+
 TEST(LearnerTlsConfig, CertWithoutKeyAndMissingFilesAreNamed) {
   common::GrpoConfig c;
   c.tls_cert_file = "/nonexistent/cert.pem";
