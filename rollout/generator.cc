@@ -374,11 +374,11 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
         if (!done) keep.push_back(a);
       }
       if (keep.empty()) break;
-      at::Tensor next = tokens.select(1, w - 1);
+      at::Tensor next = window_tokens.back();  // [A] on the device
       if (static_cast<int64_t>(keep.size()) < num_active) {
-        const at::Tensor keep_t = at::tensor(keep, at::kLong);
-        RETURN_IF_ERROR(stepper->Keep(keep_t.to(device)));
-        if (seen.defined()) seen = seen.index_select(0, keep_t.to(device));
+        const at::Tensor keep_t = at::tensor(keep, at::kLong).to(device);
+        RETURN_IF_ERROR(stepper->Keep(keep_t));
+        if (seen.defined()) seen = seen.index_select(0, keep_t);
         next = next.index_select(0, keep_t);
         std::vector<int64_t> still;
         std::vector<at::Generator> still_gens;
@@ -389,7 +389,7 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
         active = std::move(still);
         active_gens = std::move(still_gens);
       }
-      logits = stepper->Step(next.contiguous().to(device));
+      logits = stepper->Step(next);
     }
 
     // Texts, then hand the rows to their groups.
