@@ -34,13 +34,15 @@ def main():
     plen, new = (8, 16) if small else (64, 128)
     ids = torch.randint(1, cfg.vocab_size, (prompts, plen), device=dev)
     kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=g,
-              max_new_tokens=new, min_new_tokens=new, attention_mask=torch.ones_like(ids))
+              max_new_tokens=new, min_new_tokens=new)
     with torch.no_grad():
-        model.generate(ids[:1], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        warm = ids[:1]
+        model.generate(warm, attention_mask=torch.ones_like(warm),
+                       **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
         if dev == "cuda":
             torch.cuda.synchronize()
         t0 = time.time()
-        out = model.generate(ids, **kw)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
         if dev == "cuda":
             torch.cuda.synchronize()
         s = time.time() - t0
