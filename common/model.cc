@@ -270,7 +270,8 @@ Status Model::Save(const std::string& dir, uint64_t max_shard_bytes) const {
   try {
     at::NoGradGuard no_grad;
     for (const auto& [name, t] : params_) {
-      cpu.emplace_back(name, t.detach().to(at::kCPU).contiguous());
+      // fp32 whatever the model computes in (config.json says float32 below).
+      cpu.emplace_back(name, t.detach().to(at::kCPU, at::kFloat).contiguous());
     }
   } catch (const c10::Error& e) {
     return Status::Internal(dir + ": copying weights: " + std::string(e.what_without_backtrace()));

@@ -62,7 +62,8 @@ class Model {
   at::ScalarType dtype() const { return embed_.scalar_type(); }
 
   // Writes `dir/config.json` and `dir/model.safetensors` (sharded above `max_shard_bytes`) with
-  // Hugging Face names; tied models have no lm_head.weight. Creates `dir` if needed.
+  // Hugging Face names, in fp32 from any device; tied models have no lm_head.weight. Creates
+  // `dir` if needed.
   Status Save(const std::string& dir, uint64_t max_shard_bytes = 5ull << 30) const;
 
   const ModelConfig& config() const { return config_; }

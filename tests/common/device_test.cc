@@ -141,5 +141,21 @@ TEST(ModelPlacement, Bf16DecodeAgreesWithBf16FullForward) {
   EXPECT_LT(MaxAbsDiff(at::stack(steps, 1), full), kBf16LogprobTolerance);
 }
 
+TEST(ModelPlacement, ABf16ModelSavesFp32ThatLoadsBackToItsValues) {
+  auto bf16 = PrecisionTinyModel(at::kCPU, at::kBFloat16);
+  const std::string dir = ::testing::TempDir() + "/grpo_device_test_bf16_save";
+  ASSERT_TRUE(bf16->Save(dir).ok());
+  auto loaded = Model::Load(dir);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  const auto a = bf16->Parameters(), b = (*loaded)->Parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(b[i].scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(b[i], a[i].to(at::kFloat))) << i;
+  }
+  auto as_bf16 = Model::Load(dir, at::kCPU, at::kBFloat16);
+  ASSERT_TRUE(as_bf16.ok());
+  EXPECT_TRUE(at::equal((*as_bf16)->Parameters()[0], a[0]));
+}
+
 }  // namespace
 }  // namespace grpo::common
