@@ -10,11 +10,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <vector>
 
 #include "common/model.h"
 #include "common/model_config.h"
+#include "learner/checkpoint.h"
 #include "learner/grpo_trainer.h"
 #include "rollout/generator.h"
 
@@ -157,6 +159,40 @@ inline std::vector<at::Tensor> OneStepDelta(common::Model& model, const common::
     delta.push_back(params[i].detach().to(at::kCPU, at::kFloat) - before[i]);
   }
   return delta;
+}
+
+// A bf16 trainer on `device` takes one step and checkpoints; a fresh trainer restored from it
+// has the same fp32 master weights and AdamW state, on `device`.
+inline void CheckBf16CheckpointRoundTrip(const at::Device& device) {
+  auto model = PrecisionTinyModel(device);
+  const auto groups = GeneratedGroups(*model, 4, 4, 12);
+  common::GrpoConfig cfg = PrecisionTrainerConfig();
+  cfg.bf16 = true;
+  auto trainer = learner::GrpoTrainer::Create(cfg, model.get(), nullptr);
+  ASSERT_TRUE(trainer.ok());
+  ASSERT_TRUE((*trainer)->TrainGenerationBatch(groups).ok());
+  const std::string dir = ::testing::TempDir() + "/grpo_bf16_checkpoint_" + device.str();
+  std::filesystem::remove_all(dir);
+  auto saved = learner::SaveCheckpoint(**trainer, dir, "");
+  ASSERT_TRUE(saved.ok()) << saved.status().ToString();
+  auto fresh = PrecisionTinyModel(device);
+  auto restored = learner::GrpoTrainer::Create(cfg, fresh.get(), nullptr);
+  ASSERT_TRUE(restored.ok());
+  ASSERT_TRUE(learner::RestoreCheckpoint(**restored, *saved).ok());
+  EXPECT_EQ((*restored)->global_step(), 1);
+  const auto m = model->Parameters(), f = fresh->Parameters();
+  for (size_t i = 0; i < m.size(); ++i) {
+    EXPECT_EQ(f[i].scalar_type(), at::kFloat);
+    EXPECT_EQ(f[i].device(), device);
+    EXPECT_TRUE(at::equal(m[i].cpu(), f[i].cpu())) << i;
+  }
+  const auto a = (*trainer)->optimizer().StateDict(), b = (*restored)->optimizer().StateDict();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(at::equal(a[i].second.cpu(), b[i].second.cpu())) << a[i].first;
+    if (a[i].first != "step") EXPECT_EQ(b[i].second.device(), device) << b[i].first;
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace grpo::testing

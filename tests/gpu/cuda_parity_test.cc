@@ -108,6 +108,13 @@ TEST(CudaParity, SampledDecodeWithStopTokensMatchesTheCpu) {
   EXPECT_LE(differ, 1);
 }
 
+// A checkpoint of a bf16 trainer on CUDA (fp32 master and AdamW state on the GPU) restores into
+// a fresh CUDA trainer with the same weights and optimizer state.
+TEST(CudaParity, Bf16CheckpointOnCudaRoundTrips) {
+  SKIP_WITHOUT_CUDA();
+  CheckBf16CheckpointRoundTrip(kCuda);
+}
+
 // The demo task's shape (services/demo_task.cc: TRL's length reward with target 8 tokens, its
 // batching, Dr. GRPO scaling, cosine schedule, 60 steps) on the tiny preset initialised from
 // scratch as `grpo demo` does, trained in bf16 on CUDA with generation on the bf16 compute

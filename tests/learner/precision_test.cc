@@ -175,5 +175,9 @@ TEST(Bf16Training, OneStepMatchesFp32WithinTolerance) {
   EXPECT_NEAR(bf16_metrics.grad_norm / fp32_metrics.grad_norm, 1.0, kBf16GradNormTolerance);
 }
 
+TEST(Bf16Training, CheckpointRoundTripsMasterWeightsAndOptimizerState) {
+  grpo::testing::CheckBf16CheckpointRoundTrip(at::kCPU);
+}
+
 }  // namespace
 }  // namespace grpo::learner
