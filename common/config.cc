@@ -14,6 +14,13 @@
 #include <variant>
 
 namespace grpo::common {
+
+bool IsDeviceSpelling(std::string_view d) {
+  if (d == "auto" || d == "cpu" || d == "cuda") return true;
+  if (d.substr(0, 5) != "cuda:" || d.size() == 5 || d.size() > 8) return false;
+  return std::all_of(d.begin() + 5, d.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+}
+
 namespace {
 
 std::string Trim(std::string_view s) {
@@ -203,12 +210,27 @@ Field MakeField(std::string name, M GrpoConfig::*member,
   return f;
 }
 
+// `device` is checked as it is set, so a typo fails at parse time with the key's name.
+Field DeviceField() {
+  Field f = MakeField("device", &GrpoConfig::device);
+  f.type = "auto, cpu, cuda or cuda:N";
+  f.set_text = [](GrpoConfig& c, std::string_view t) -> Status {
+    const std::string v = Trim(t);
+    if (!IsDeviceSpelling(v)) return TypeError("device", "auto, cpu, cuda or cuda:N", t);
+    c.device = v;
+    return Status::OK();
+  };
+  return f;
+}
+
 const std::vector<Field>& Fields() {
   using C = GrpoConfig;
   static const std::vector<Field> fields = {
       MakeField("model_name_or_path", &C::model_name_or_path),
       MakeField("output_dir", &C::output_dir),
       MakeField("seed", &C::seed),
+      DeviceField(),
+      MakeField("bf16", &C::bf16),
       MakeField("num_generations", &C::num_generations),
       MakeField("max_prompt_length", &C::max_prompt_length),
       MakeField("max_completion_length", &C::max_completion_length),
@@ -421,6 +443,8 @@ Status ApplyConfigOverrides(GrpoConfig& config, const std::vector<std::string>& 
 }
 
 Status GrpoConfig::Validate() const {
+  RETURN_IF_ERROR(Check(IsDeviceSpelling(device), "device",
+                        "must be auto, cpu, cuda or cuda:N, got '" + device + "'"));
   RETURN_IF_ERROR(Check(num_generations >= 2, "num_generations",
                         "must be at least 2 (GRPO compares completions within a group)"));
   RETURN_IF_ERROR(Check(num_iterations >= 1, "num_iterations", "must be at least 1"));

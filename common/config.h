@@ -22,6 +22,13 @@ struct GrpoConfig {
   std::string output_dir = "grpo-output";
   uint64_t seed = 42;
 
+  // Device and precision (TRL/transformers names). `device`: auto | cpu | cuda | cuda:N; "auto"
+  // is "cuda" when a GPU is visible, else "cpu" (common/device.h resolves it; Validate checks the
+  // spelling only). `bf16`: train in bf16 with fp32 master weights and fp32 optimizer state;
+  // log-softmax, the loss and the advantages stay fp32; generation runs in bf16.
+  std::string device = "auto";
+  bool bf16 = false;
+
   // Generation (TRL names).
   int64_t num_generations = 8;
   int64_t max_prompt_length = 512;
@@ -135,6 +142,8 @@ StatusOr<GrpoConfig> LoadConfigFile(const std::string& path, GrpoConfig base = {
 Status SetConfigValue(GrpoConfig& config, std::string_view key, std::string_view value);
 // Applies `--key value` / `--key=value` pairs. A `--config FILE` among them is loaded first.
 Status ApplyConfigOverrides(GrpoConfig& config, const std::vector<std::string>& args);
+// True for the spellings `device` accepts: auto, cpu, cuda, cuda:N (N up to 3 digits).
+bool IsDeviceSpelling(std::string_view device);
 // All key names, for help text and tests.
 std::vector<std::string> ConfigKeys();
 // One line per key: "name (type, default ...)".

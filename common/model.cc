@@ -130,8 +130,60 @@ void Model::Bind(NamedTensors params) {
   inv_freq_ = at::reciprocal(at::pow(config_.rope_theta, exponent)).to(embed_.device());
 }
 
-StatusOr<std::unique_ptr<Model>> Model::InitRandom(const ModelConfig& config, uint64_t seed) {
+namespace {
+
+Status CheckPlacement(const char* where, at::ScalarType dtype) {
+  if (!at::isFloatingType(dtype)) {
+    return Status::InvalidArgument(std::string(where) + ": dtype " + c10::toString(dtype) +
+                                   " is not a floating type");
+  }
+  return Status::OK();
+}
+
+// Every tensor of `params` on device in dtype (copies when either changes, else shares).
+NamedTensors Placed(const NamedTensors& params, const at::Device& device, at::ScalarType dtype,
+                    bool force_copy) {
+  NamedTensors out;
+  out.reserve(params.size());
+  for (const auto& [name, t] : params) {
+    at::Tensor d = t.detach().to(device, dtype, /*non_blocking=*/false, /*copy=*/force_copy);
+    out.emplace_back(name, d.is_contiguous() ? d : d.contiguous());
+  }
+  return out;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Model>> Model::Copy(const at::Device& device,
+                                             at::ScalarType dtype) const {
+  RETURN_IF_ERROR(CheckPlacement("Model::Copy", dtype));
+  try {
+    at::NoGradGuard no_grad;
+    std::unique_ptr<Model> m(new Model(config_));
+    m->Bind(Placed(params_, device, dtype, /*force_copy=*/true));
+    return m;
+  } catch (const c10::Error& e) {
+    return Status::Internal("Model::Copy: " + std::string(e.what_without_backtrace()));
+  }
+}
+
+Status Model::To(const at::Device& device, at::ScalarType dtype) {
+  RETURN_IF_ERROR(CheckPlacement("Model::To", dtype));
+  if (device == this->device() && dtype == this->dtype()) return Status::OK();
+  try {
+    at::NoGradGuard no_grad;
+    Bind(Placed(params_, device, dtype, /*force_copy=*/false));
+    return Status::OK();
+  } catch (const c10::Error& e) {
+    return Status::Internal("Model::To: " + std::string(e.what_without_backtrace()));
+  }
+}
+
+StatusOr<std::unique_ptr<Model>> Model::InitRandom(const ModelConfig& config, uint64_t seed,
+                                                   const at::Device& device,
+                                                   at::ScalarType dtype) {
   RETURN_IF_ERROR(config.Validate("InitRandom config"));
+  RETURN_IF_ERROR(CheckPlacement("Model::InitRandom", dtype));
   try {
     at::NoGradGuard no_grad;
     std::unique_ptr<Model> m(new Model(config));
@@ -150,13 +202,16 @@ StatusOr<std::unique_ptr<Model>> Model::InitRandom(const ModelConfig& config, ui
       params.emplace_back(name, std::move(t));
     }
     m->Bind(std::move(params));
+    RETURN_IF_ERROR(m->To(device, dtype));
     return m;
   } catch (const c10::Error& e) {
     return Status::Internal("Model::InitRandom: " + std::string(e.what_without_backtrace()));
   }
 }
 
-StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir) {
+StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, const at::Device& device,
+                                             at::ScalarType dtype) {
+  RETURN_IF_ERROR(CheckPlacement("Model::Load", dtype));
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig((fs::path(dir) / "config.json").string()));
   ASSIGN_OR_RETURN(auto ckpt, SafetensorsCheckpoint::Open(dir));
   const std::string index_path = (fs::path(dir) / "model.safetensors.index.json").string();
@@ -189,7 +244,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir) {
                                        ShapeString(shape) + " implied by config.json");
       }
       ASSIGN_OR_RETURN(at::Tensor t, ckpt->Get(name));
-      params.emplace_back(name, t.to(at::kFloat).contiguous());
+      params.emplace_back(name, t.to(device, dtype).contiguous());
     }
     int unexpected = 0;
     for (const auto& name : ckpt->Names()) {
@@ -215,7 +270,8 @@ Status Model::Save(const std::string& dir, uint64_t max_shard_bytes) const {
   try {
     at::NoGradGuard no_grad;
     for (const auto& [name, t] : params_) {
-      cpu.emplace_back(name, t.detach().to(at::kCPU).contiguous());
+      // fp32 whatever the model computes in (config.json says float32 below).
+      cpu.emplace_back(name, t.detach().to(at::kCPU, at::kFloat).contiguous());
     }
   } catch (const c10::Error& e) {
     return Status::Internal(dir + ": copying weights: " + std::string(e.what_without_backtrace()));
@@ -288,7 +344,13 @@ Status Model::LoadStateFrom(const NamedTensors& state) {
 
 at::Tensor Model::RmsNorm(const at::Tensor& x, const at::Tensor& w) const {
   // transformers' Qwen2RMSNorm / LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)).
-  return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + config_.rms_norm_eps) * w;
+  if (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) {
+    return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + config_.rms_norm_eps) * w;
+  }
+  // Half precision: the statistics and the scaling in fp32, then back (transformers' order).
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + config_.rms_norm_eps);
+  return w * normed.to(x.scalar_type());
 }
 
 at::Tensor Model::ApplyRope(const at::Tensor& x, const at::Tensor& cos,
@@ -308,7 +370,10 @@ at::Tensor Model::Attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
   at::Tensor scores = at::matmul(qg, k.transpose(-2, -1));  // [B, KV, g*T, L]
   scores.view({b, kv, g, t, l})
       .masked_fill_(blocked.view({b, 1, 1, t, l}), BlockedScore(scores.scalar_type()));
-  at::Tensor probs = at::softmax(scores, -1);
+  // Half precision: softmax in fp32 and back (transformers' eager attention); fp32 as is.
+  at::Tensor probs = scores.scalar_type() == at::kFloat || scores.scalar_type() == at::kDouble
+                         ? at::softmax(scores, -1)
+                         : at::softmax(scores, -1, at::kFloat).to(scores.scalar_type());
   at::Tensor out = at::matmul(probs, v);  // [B, KV, g*T, hd]
   return out.view({b, h, t, hd}).transpose(1, 2).reshape({b, t, h * hd});
 }
@@ -438,6 +503,8 @@ at::Tensor Model::ForwardHidden(const at::Tensor& input_ids, const at::Tensor& a
   TORCH_CHECK(input_ids.dim() == 2, "ForwardHidden: input_ids must be [B, T], got ",
               input_ids.sizes());
   TORCH_CHECK(input_ids.scalar_type() == at::kLong, "ForwardHidden: input_ids must be int64");
+  TORCH_CHECK(input_ids.device() == device(), "ForwardHidden: input_ids are on ",
+              input_ids.device(), " but the model is on ", device());
   TORCH_CHECK(attention_mask.sizes() == input_ids.sizes(), "ForwardHidden: attention_mask ",
               attention_mask.sizes(), " does not match input_ids ", input_ids.sizes());
   const int64_t t = input_ids.size(1);

@@ -31,20 +31,39 @@ struct KvCache {
   int64_t batch() const { return key_mask.defined() ? key_mask.size(0) : 0; }
 };
 
-// Parameters are plain at::Tensor leaves (fp32 for now) on one device; compute follows their
-// options. Forward functions are const and may run concurrently from several threads;
-// LoadStateFrom and SetRequiresGrad must not run concurrently with them.
+// Parameters are plain at::Tensor leaves of one dtype (fp32, or bf16 for a compute copy) on one
+// device; compute, the KV cache and NewCache follow their device and dtype. In a non-fp32 model
+// RMSNorm and the attention softmax run in fp32 (as transformers does); fp32 is unaffected.
+// Forward functions are const and may run concurrently from several threads; LoadStateFrom,
+// To and SetRequiresGrad must not run concurrently with them.
 class Model {
  public:
   // Reads `dir/config.json` and the weights (`model.safetensors` or a sharded index); weights
-  // on disk may be F32, F16, BF16 or F64 and are converted to fp32. Errors name the file and
-  // the tensor: NotFound (missing tensor), InvalidArgument (shape or dtype).
-  static StatusOr<std::unique_ptr<Model>> Load(const std::string& dir);
-  // Linears and embeddings ~ N(0, 0.02), norms 1, biases 0; a function of (config, seed) only.
-  static StatusOr<std::unique_ptr<Model>> InitRandom(const ModelConfig& config, uint64_t seed);
+  // on disk may be F32, F16, BF16 or F64 and are converted to `dtype` (fp32 by default) on
+  // `device`. Errors name the file and the tensor: NotFound (missing tensor), InvalidArgument
+  // (shape or dtype, or a dtype that is not floating).
+  static StatusOr<std::unique_ptr<Model>> Load(const std::string& dir,
+                                               const at::Device& device = at::kCPU,
+                                               at::ScalarType dtype = at::kFloat);
+  // Linears and embeddings ~ N(0, 0.02), norms 1, biases 0; a function of (config, seed) only:
+  // drawn in fp32 on the CPU, then moved to `device` and cast to `dtype`, so every device gets
+  // the same weights.
+  static StatusOr<std::unique_ptr<Model>> InitRandom(const ModelConfig& config, uint64_t seed,
+                                                     const at::Device& device = at::kCPU,
+                                                     at::ScalarType dtype = at::kFloat);
+
+  // A new model with its own storage on `device` in `dtype` (the bf16 compute copy of an fp32
+  // master, or a CPU copy of a GPU model). Gradients and requires_grad are not copied.
+  // InvalidArgument for a dtype that is not floating; Internal on a libtorch error.
+  StatusOr<std::unique_ptr<Model>> Copy(const at::Device& device, at::ScalarType dtype) const;
+  // Moves and casts every parameter in place (their gradients are dropped). Same errors as Copy.
+  Status To(const at::Device& device, at::ScalarType dtype);
+  at::Device device() const { return embed_.device(); }
+  at::ScalarType dtype() const { return embed_.scalar_type(); }
 
   // Writes `dir/config.json` and `dir/model.safetensors` (sharded above `max_shard_bytes`) with
-  // Hugging Face names; tied models have no lm_head.weight. Creates `dir` if needed.
+  // Hugging Face names, in fp32 from any device; tied models have no lm_head.weight. Creates
+  // `dir` if needed.
   Status Save(const std::string& dir, uint64_t max_shard_bytes = 5ull << 30) const;
 
   const ModelConfig& config() const { return config_; }

@@ -20,10 +20,17 @@ target_link_libraries(grpo_weight_sync PUBLIC grpo_common_base torch)
 
 if(GRPO_WITH_GLOO)
   find_path(GRPO_GLOO_INCLUDE_DIR gloo/context.h)
-  if(NOT GRPO_GLOO_INCLUDE_DIR)
+  if(NOT GRPO_GLOO_INCLUDE_DIR AND NOT GRPO_BUILD_SERVICES)
+    # The libtorch-only build (GPU machines without libgloo-dev): the fake and NCCL only.
+    message(STATUS "Gloo weight sync: not built (no gloo/context.h; GRPO_BUILD_SERVICES=OFF)")
+    set(GRPO_WITH_GLOO OFF)
+  elseif(NOT GRPO_GLOO_INCLUDE_DIR)
     message(FATAL_ERROR "Gloo headers not found: apt-get install libgloo-dev "
                         "(deploy/setup.sh), or configure with -DGRPO_WITH_GLOO=OFF")
   endif()
+endif()
+if(GRPO_WITH_GLOO)
+  set_property(GLOBAL PROPERTY GRPO_GLOO_BUILT ON)  # tests/CMakeLists.txt registers its tests
   # ProcessGroupGloo.hpp is guarded by USE_C10D_GLOO (libtorch was built with it).
   target_compile_definitions(grpo_weight_sync PRIVATE USE_C10D_GLOO GRPO_HAVE_GLOO)
   target_include_directories(grpo_weight_sync SYSTEM PRIVATE ${GRPO_GLOO_INCLUDE_DIR})

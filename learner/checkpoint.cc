@@ -102,8 +102,17 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
   if (ec) return Status::Internal("cannot create " + tmp_dir.string() + ": " + ec.message());
 
   RETURN_IF_ERROR(trainer.policy().Save(tmp_dir.string()));
+  common::NamedTensors optimizer_state;  // on the CPU whatever the trainer's device
+  try {
+    for (const auto& [name, t] : trainer.optimizer().StateDict()) {
+      optimizer_state.emplace_back(name, t.to(at::kCPU));
+    }
+  } catch (const c10::Error& e) {
+    return Status::Internal("copying the optimizer state: " +
+                            std::string(e.what_without_backtrace()));
+  }
   RETURN_IF_ERROR(common::WriteSafetensors((tmp_dir / "optimizer.safetensors").string(),
-                                           trainer.optimizer().StateDict()));
+                                           optimizer_state));
   nlohmann::json state;
   state["global_step"] = trainer.global_step();
   state["policy_version"] = trainer.policy_version();

@@ -11,6 +11,7 @@
 #include <optional>
 #include <sstream>
 
+#include "common/device.h"
 #include "common/safetensors.h"
 #include "learner/advantages.h"
 #include "learner/chunked_logprobs.h"
@@ -76,6 +77,10 @@ nlohmann::json StepMetrics::ToJson() const {
     j["is_ratio/mean"] = is_ratio_mean;
     j["is_ratio/max"] = is_ratio_max;
   }
+  if (has_logprob_mismatch) {
+    j["logprob_mismatch/mean"] = logprob_mismatch_mean;
+    j["logprob_mismatch/max"] = logprob_mismatch_max;
+  }
   j["staleness"] = staleness_mean;
   j["sequences"] = sequences;
   j["completion_tokens"] = completion_tokens;
@@ -112,6 +117,7 @@ struct GrpoTrainer::OpenStep {
   GrpoLossMetrics lm;
   double step_completion_tokens = 0;  // dapo's normaliser (unmasked completion tokens)
   double clipped = 0, staleness_sum = 0, entropy_mean_sum = 0;
+  double mismatch_sum = 0, mismatch_max = 0, mismatch_tokens = 0;
   int64_t all_tokens = 0;
   // With dumps on: this batch's micro-batches of the step ([b0, b1) rows) and their log-probs.
   std::vector<std::pair<int64_t, int64_t>> dump_rows;
@@ -171,6 +177,17 @@ static MicroBatch MakeMicroBatch(const std::vector<const std::vector<int32_t>*>&
   mb.labels = at::from_blob(labels.data(), {b, C}, i64).clone();
   mb.completion_mask = at::from_blob(cmask.data(), {b, C}, f32).clone();
   if (with_beh) mb.beh = at::from_blob(beh.data(), {b, C}, f32).clone();
+  return mb;
+}
+
+// The same micro-batch on `device` (no copy on the CPU).
+static MicroBatch OnDevice(MicroBatch mb, const at::Device& device) {
+  if (device.is_cpu()) return mb;
+  mb.ids = mb.ids.to(device);
+  mb.attention_mask = mb.attention_mask.to(device);
+  mb.labels = mb.labels.to(device);
+  mb.completion_mask = mb.completion_mask.to(device);
+  if (mb.beh.defined()) mb.beh = mb.beh.to(device);
   return mb;
 }
 
@@ -255,15 +272,53 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(
   RETURN_IF_ERROR(lc.Validate());
   ASSIGN_OR_RETURN(LrSchedule schedule, ParseLrSchedule(config.lr_scheduler_type));
 
+  if (config.bf16 && policy->dtype() != at::kFloat) {
+    return Status::InvalidArgument(std::string("config key 'bf16' needs fp32 master weights, but "
+                                               "the policy is ") +
+                                   c10::toString(policy->dtype()));
+  }
+  const at::ScalarType compute_dtype = common::ComputeDtype(config.bf16);
+  if (reference) RETURN_IF_ERROR(reference->To(policy->device(), compute_dtype));
+
   std::unique_ptr<GrpoTrainer> t(
       new GrpoTrainer(config, lc, policy, std::move(reference)));
   t->schedule_ = schedule;
   policy->SetRequiresGrad(true);
+  if (config.bf16) {
+    ASSIGN_OR_RETURN(t->compute_, policy->Copy(policy->device(), compute_dtype));
+    t->compute_->SetRequiresGrad(true);
+  }
   if (t->reference_) t->reference_->SetRequiresGrad(false);
   t->optimizer_ = std::make_unique<AdamW>(
       policy->NamedParameters(),
       AdamWOptions{config.adam_beta1, config.adam_beta2, config.adam_epsilon, config.weight_decay});
   return t;
+}
+
+void GrpoTrainer::MoveComputeGradsToMaster() {
+  if (!compute_) return;
+  at::NoGradGuard no_grad;
+  const std::vector<at::Tensor> master = policy_->Parameters();
+  const std::vector<at::Tensor> compute = compute_->Parameters();
+  for (size_t i = 0; i < master.size(); ++i) {
+    const at::Tensor& g = compute[i].grad();
+    if (!g.defined()) continue;
+    at::Tensor m = master[i];
+    if (m.grad().defined()) {
+      m.mutable_grad().add_(g.to(at::kFloat));
+    } else {
+      m.mutable_grad() = g.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    }
+    compute[i].mutable_grad().zero_();
+  }
+}
+
+void GrpoTrainer::RefreshComputeCopy() {
+  if (!compute_) return;
+  at::NoGradGuard no_grad;
+  const std::vector<at::Tensor> master = policy_->Parameters();
+  std::vector<at::Tensor> compute = compute_->Parameters();
+  for (size_t i = 0; i < master.size(); ++i) compute[i].copy_(master[i]);
 }
 
 Status GrpoTrainer::ValidateGroup(const RolloutGroup& g, RejectReason* reason) const {
@@ -405,6 +460,13 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
   const int64_t open_micro = open_ ? open_->micro : 0;
   const bool need_old =
       off_policy || open_micro + config_.num_iterations * num_micro > ga;
+  const at::Device device = policy_->device();
+  try {
+    RefreshComputeCopy();  // the master may have changed since (checkpoint restore)
+  } catch (const c10::Error& e) {
+    return Status::Internal(std::string("bf16 compute copy: ") + e.what_without_backtrace());
+  }
+  const common::Model& compute = compute_model();
   int64_t cmax = 0;
   for (const auto* c : batch.completions) cmax = std::max<int64_t>(cmax, c->token_ids.size());
 
@@ -415,13 +477,14 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
       at::Tensor out = at::zeros({N, cmax}, at::kFloat);
       for (int64_t m = 0; m < num_micro; ++m) {
         const int64_t b0 = m * bs, b1 = std::min(N, b0 + bs);
-        MicroBatch mb = MakeMicroBatch(batch.prompts, batch.completions, b0, b1, false, false);
+        MicroBatch mb = OnDevice(
+            MakeMicroBatch(batch.prompts, batch.completions, b0, b1, false, false), device);
         at::Tensor lp = CompletionLogprobs(model, mb, config_, nullptr);
         out.narrow(0, b0, b1 - b0).narrow(1, 0, lp.size(1)).copy_(lp);
       }
       return out;
     };
-    if (need_old) batch.old = no_grad_logprobs(*policy_);
+    if (need_old) batch.old = no_grad_logprobs(compute);
     if (reference_) batch.ref = no_grad_logprobs(*reference_);
   } catch (const c10::Error& e) {
     return Status::Internal(std::string("old/ref log-probs: ") + e.what_without_backtrace());
@@ -479,37 +542,67 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
       os.sm.reward_fn_std = adv.reward_fn_std;
       try {
         if (os.micro == 0) optimizer_->ZeroGrad();
-        MicroBatch mb = MakeMicroBatch(batch.prompts, batch.completions, b0, b1, batch.has_beh,
-                                       config_.mask_truncated_completions);
+        MicroBatch mb = OnDevice(MakeMicroBatch(batch.prompts, batch.completions, b0, b1,
+                                                batch.has_beh, config_.mask_truncated_completions),
+                                 device);
         at::Tensor entropy, logp;
         const int64_t C = mb.labels.size(1);
         GrpoLossInputs in;
         in.mask = mb.completion_mask;
-        in.advantages = batch.advantages.narrow(0, b0, b1 - b0);
-        if (batch.old.defined()) in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C);
-        if (batch.ref.defined()) in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C);
+        in.advantages = batch.advantages.narrow(0, b0, b1 - b0).to(device);
+        if (batch.old.defined()) {
+          in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
+        }
+        if (batch.ref.defined()) {
+          in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
+        }
         if (batch.has_beh) in.beh = mb.beh;
         GrpoLossOutput out;
         if (loss_config_.importance_sampling_level == ImportanceSamplingLevel::kToken) {
-          ASSIGN_OR_RETURN(out, FusedMicroBatchBackward(*policy_, mb, config_, step_loss_config,
+          ASSIGN_OR_RETURN(out, FusedMicroBatchBackward(compute, mb, config_, step_loss_config,
                                                         norm, in, &logp, &entropy));
         } else {  // sequence-level ratios couple a sequence's tokens: autograd through them
-          logp = CompletionLogprobs(*policy_, mb, config_, &entropy);
+          logp = CompletionLogprobs(compute, mb, config_, &entropy);
           in.logp = logp;
           ASSIGN_OR_RETURN(out, ComputeGrpoLoss(step_loss_config, in, norm));
           out.loss.backward();
         }
+        MoveComputeGradsToMaster();
         os.lm.Merge(out.metrics);
-        // TRL: the step's entropy is the mean over micro-batches of each one's token mean.
-        const double mb_tokens = mb.completion_mask.sum().item<double>();
-        os.entropy_mean_sum +=
-            (entropy * mb.completion_mask).sum().item<double>() / std::max(1.0, mb_tokens);
+        // One host read per micro-batch: TRL's entropy (the mean over micro-batches of each
+        // one's token mean) and the |behaviour - old| sums over the real completion tokens.
+        std::vector<at::Tensor> stats = {mb.completion_mask.sum(),
+                                         (entropy * mb.completion_mask).sum()};
+        if (batch.has_beh) {
+          at::NoGradGuard no_grad;
+          const at::Tensor real =
+              mb.attention_mask.narrow(1, mb.prompt_len, C).to(at::kFloat);  // [b, C]
+          const at::Tensor old = in.old.defined() ? in.old : logp.detach();
+          const at::Tensor diff = (mb.beh - old.to(at::kFloat)).abs() * real;
+          stats.push_back(diff.sum());
+          stats.push_back(diff.max());
+          stats.push_back(real.sum());
+        }
+        const at::Tensor host = at::stack(stats).to(at::kCPU);
+        const float* hs = host.data_ptr<float>();
+        const double mb_tokens = hs[0];
+        os.entropy_mean_sum += static_cast<double>(hs[1]) / std::max(1.0, mb_tokens);
+        if (batch.has_beh) {
+          os.mismatch_sum += hs[2];
+          os.mismatch_max = std::max(os.mismatch_max, static_cast<double>(hs[3]));
+          os.mismatch_tokens += hs[4];
+        }
         if (!config_.dump_batches_dir.empty()) {
           os.dump_rows.push_back({b0, b1});
-          os.dump_logp.push_back(logp.detach());
+          os.dump_logp.push_back(logp.detach().to(at::kCPU));
         }
       } catch (const c10::Error& e) {
         optimizer_->ZeroGrad();
+        if (compute_) {
+          for (at::Tensor& p : compute_->Parameters()) {
+            if (p.grad().defined()) p.mutable_grad().zero_();
+          }
+        }
         open_.reset();
         return Status::Internal(std::string("training step: ") + e.what_without_backtrace());
       }
@@ -571,6 +664,7 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(const Batch* batch, int64_t diviso
         LearningRateAt(schedule_, config_.learning_rate, global_step_, warmup, total_steps);
     optimizer_->Step(sm.learning_rate);
     optimizer_->ZeroGrad();
+    RefreshComputeCopy();
   } catch (const c10::Error& e) {
     optimizer_->ZeroGrad();
     open_.reset();
@@ -596,7 +690,10 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(const Batch* batch, int64_t diviso
   sm.entropy = os.micro > 0 ? os.entropy_mean_sum / static_cast<double>(os.micro) : 0.0;
   sm.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - os.start).count();
   sm.tokens_per_second = static_cast<double>(os.all_tokens) / std::max(1e-9, sm.step_seconds);
-  sm.peak_memory_bytes = PeakResidentBytes();
+  sm.has_logprob_mismatch = os.mismatch_tokens > 0;
+  sm.logprob_mismatch_mean = os.mismatch_sum / std::max(1.0, os.mismatch_tokens);
+  sm.logprob_mismatch_max = os.mismatch_max;
+  sm.peak_memory_bytes = common::PeakMemoryBytes(policy_->device());
   sm.micro_batches = os.micro;
   if (batch != nullptr && !config_.dump_batches_dir.empty() && !os.dump_rows.empty()) {
     os.sm = sm;

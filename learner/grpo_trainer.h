@@ -61,10 +61,16 @@ struct StepMetrics {
   double kl = 0;
   bool has_is_ratio = false;
   double is_ratio_mean = 0, is_ratio_max = 0;
+  // |behaviour - old| log-prob over the step's completion tokens (nats): the rollout/learner
+  // numerical mismatch when the groups are on-policy (worker and learner run the same model
+  // code: ~0 in fp32, bf16 rounding in bf16); policy drift too for stale groups. Set when the
+  // groups carry behaviour log-probs. `old` is the no-grad pass when one runs, else logp.detach().
+  bool has_logprob_mismatch = false;
+  double logprob_mismatch_mean = 0, logprob_mismatch_max = 0;
   double staleness_mean = 0;
   int64_t sequences = 0, completion_tokens = 0;
   double step_seconds = 0, tokens_per_second = 0;
-  int64_t peak_memory_bytes = 0;
+  int64_t peak_memory_bytes = 0;  // CUDA caching allocator's peak on CUDA, else VmHWM
   int64_t micro_batches = 0;  // in this step (gradient_accumulation_steps but for a flush)
 
   nlohmann::json ToJson() const;
@@ -80,11 +86,19 @@ struct GenerationBatchResult {
 
 // Not thread-safe: one training thread owns it, except that ValidateGroup and policy_version()
 // may run on other threads concurrently with training (a service validates groups at ingest).
-// The policy is borrowed and updated in place.
+// The policy is borrowed and updated in place. Everything runs on the policy's device.
+// With `bf16` the policy is the fp32 master: the trainer owns a bf16 compute copy that runs
+// every forward and backward (old/ref log-probs too); its gradients are added into the
+// master's fp32 .grad after each micro-batch, AdamW (fp32 state) steps the master, and the copy
+// is refreshed from the master after each step and at the start of each generation batch (so
+// a master changed from outside, e.g. by a checkpoint restore, is picked up). Log-softmax, the
+// loss and the advantages are fp32 in both modes.
 class GrpoTrainer {
  public:
   // `reference` is required when beta != 0 and must be absent otherwise (no reference model
-  // is built when beta is 0). InvalidArgument naming the option on a bad config.
+  // is built when beta is 0); it is moved to the policy's device and the compute dtype.
+  // InvalidArgument naming the option on a bad config, and for bf16 with a policy that is not
+  // fp32 (the master weights must be).
   ~GrpoTrainer();
   static StatusOr<std::unique_ptr<GrpoTrainer>> Create(const common::GrpoConfig& config,
                                                        common::Model* policy,
@@ -114,6 +128,8 @@ class GrpoTrainer {
   int64_t policy_version() const { return policy_version_; }
   const common::GrpoConfig& config() const { return config_; }
   common::Model& policy() { return *policy_; }
+  // The model that runs forward/backward: the bf16 copy with `bf16`, else the policy.
+  const common::Model& compute_model() const { return compute_ ? *compute_ : *policy_; }
   AdamW& optimizer() { return *optimizer_; }
   // The learner process id (64-bit hex) written into batch dumps as learner_incarnation, next to
   // each row's policy_incarnation (the chaos test checks that they agree).
@@ -136,9 +152,15 @@ class GrpoTrainer {
   Status DumpRows(const Batch& batch, const OpenStep& step, int64_t step_number,
                   const char* suffix) const;
 
+  // Adds the compute copy's gradients into the master's fp32 .grad and zeroes them (bf16 only).
+  void MoveComputeGradsToMaster();
+  // Copies the master weights into the compute copy (bf16 only).
+  void RefreshComputeCopy();
+
   common::GrpoConfig config_;
   GrpoLossConfig loss_config_;
   common::Model* policy_;
+  std::unique_ptr<common::Model> compute_;  // bf16 compute copy, or null (fp32)
   std::unique_ptr<common::Model> reference_;
   std::unique_ptr<AdamW> optimizer_;
   LrSchedule schedule_ = LrSchedule::kLinear;
@@ -148,7 +170,8 @@ class GrpoTrainer {
   std::string dump_incarnation_;
 };
 
-// Peak resident set of this process (VmHWM), in bytes; 0 when unknown.
+// Peak resident set of this process (VmHWM), in bytes; 0 when unknown. (The trainer's
+// peak_memory_bytes is common::PeakMemoryBytes(device): this on CPU.)
 int64_t PeakResidentBytes();
 
 }  // namespace grpo::learner

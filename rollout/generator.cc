@@ -133,6 +133,10 @@ Status GeneratorOptions::Validate() const {
   for (const auto& s : stop_strings) {
     if (s.empty()) return Status::InvalidArgument("stop_strings: empty stop string");
   }
+  if (stop_check_interval < 0) {
+    return Status::InvalidArgument("stop_check_interval must be >= 0 (0 = auto), got " +
+                                   std::to_string(stop_check_interval));
+  }
   return Status::OK();
 }
 
@@ -305,44 +309,77 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
     at::Tensor logits =
         stepper->Start(prompt_ids.to(device), prompt_mask.to(device), g, max_len + max_new);
 
+    // Decode in windows of `interval` steps: every row (finished or not) steps inside a window;
+    // at its end one host copy of the window's tokens and log-probs decides which rows stop
+    // where (the same per-token rules as interval 1) and the finished rows leave the batch.
+    int64_t interval = options_.stop_check_interval;
+    if (interval == 0) interval = device.is_cuda() ? kDefaultCudaStopCheckInterval : 1;
+    if (!options_.stop_strings.empty()) interval = 1;
+    const bool greedy = options_.sampling.greedy();
     std::vector<int64_t> active(num_rows);  // current stepper row -> row id
     for (int64_t r = 0; r < num_rows; ++r) active[r] = r;
-    for (int64_t step = 0; step < max_new; ++step) {
-      ASSIGN_OR_RETURN(SampleOutput sample, Sample(logits, seen, options_.sampling, active_gens));
-      if (seen.defined()) seen.scatter_(1, sample.tokens.unsqueeze(1), true);
-      const at::Tensor tokens = sample.tokens.to(at::kCPU);
-      const at::Tensor logprobs = sample.logprobs.to(at::kCPU, at::kFloat);
+    for (int64_t step = 0; step < max_new;) {
+      const int64_t w = std::min(interval, max_new - step);
+      const int64_t num_active = static_cast<int64_t>(active.size());
+      // The window's uniforms [A, w], row a's values in its stream's order, in one transfer.
+      at::Tensor uniforms;
+      if (!greedy) {
+        at::Tensor host = at::empty(
+            {num_active, w}, at::TensorOptions().dtype(at::kDouble).pinned_memory(device.is_cuda()));
+        double* u = host.data_ptr<double>();
+        for (int64_t a = 0; a < num_active; ++a) {
+          for (int64_t j = 0; j < w; ++j) u[a * w + j] = NextUniform(active_gens[a]);
+        }
+        uniforms = host.to(device, /*non_blocking=*/true);
+      }
+      std::vector<at::Tensor> window_tokens, window_logprobs;  // w x [A] on the device
+      for (int64_t j = 0; j < w; ++j) {
+        ASSIGN_OR_RETURN(SampleOutput sample,
+                         SampleWithUniforms(logits, seen, options_.sampling,
+                                            greedy ? at::Tensor() : uniforms.select(1, j)));
+        if (seen.defined()) seen.scatter_(1, sample.tokens.unsqueeze(1), true);
+        window_tokens.push_back(sample.tokens);
+        window_logprobs.push_back(sample.logprobs);
+        if (j + 1 < w) logits = stepper->Step(sample.tokens);
+      }
+      step += w;
+      const at::Tensor tokens = at::stack(window_tokens, 1).to(at::kCPU);             // [A, w]
+      const at::Tensor logprobs = at::stack(window_logprobs, 1).to(at::kCPU, at::kFloat);
       const int64_t* tok = tokens.data_ptr<int64_t>();
       const float* lp = logprobs.data_ptr<float>();
       std::vector<int64_t> keep;  // stepper rows that go on
-      for (size_t a = 0; a < active.size(); ++a) {
+      for (int64_t a = 0; a < num_active; ++a) {
         Completion& c = rows[active[a]].completion;
-        c.token_ids.push_back(static_cast<int32_t>(tok[a]));
-        c.logprobs.push_back(lp[a]);
-        ++result.num_completion_tokens;
-        bool done = stop_ids.count(tok[a]) > 0;
-        if (!done && !options_.stop_strings.empty()) {
-          ASSIGN_OR_RETURN(std::string text, DecodeKnown(*tokenizer_, c.token_ids));
-          const size_t pos = FindStop(text, options_.stop_strings);
-          if (pos != std::string::npos) {
-            c.text = text.substr(0, pos);
-            rows[active[a]].text_set = true;
+        bool done = false;
+        for (int64_t j = 0; j < w && !done; ++j) {
+          const int64_t t = tok[a * w + j];
+          c.token_ids.push_back(static_cast<int32_t>(t));
+          c.logprobs.push_back(lp[a * w + j]);
+          ++result.num_completion_tokens;
+          done = stop_ids.count(t) > 0;
+          if (!done && !options_.stop_strings.empty()) {
+            ASSIGN_OR_RETURN(std::string text, DecodeKnown(*tokenizer_, c.token_ids));
+            const size_t pos = FindStop(text, options_.stop_strings);
+            if (pos != std::string::npos) {
+              c.text = text.substr(0, pos);
+              rows[active[a]].text_set = true;
+              done = true;
+            }
+          }
+          if (!done && static_cast<int64_t>(c.token_ids.size()) == max_new) {
+            c.truncated = true;
             done = true;
           }
         }
-        if (!done && static_cast<int64_t>(c.token_ids.size()) == max_new) {
-          c.truncated = true;
-          done = true;
-        }
-        if (!done) keep.push_back(static_cast<int64_t>(a));
+        if (!done) keep.push_back(a);
       }
       if (keep.empty()) break;
-      at::Tensor next = tokens;
-      if (keep.size() < active.size()) {
-        const at::Tensor keep_t = at::tensor(keep, at::kLong);
-        RETURN_IF_ERROR(stepper->Keep(keep_t.to(device)));
-        if (seen.defined()) seen = seen.index_select(0, keep_t.to(device));
-        next = tokens.index_select(0, keep_t);
+      at::Tensor next = window_tokens.back();  // [A] on the device
+      if (static_cast<int64_t>(keep.size()) < num_active) {
+        const at::Tensor keep_t = at::tensor(keep, at::kLong).to(device);
+        RETURN_IF_ERROR(stepper->Keep(keep_t));
+        if (seen.defined()) seen = seen.index_select(0, keep_t);
+        next = next.index_select(0, keep_t);
         std::vector<int64_t> still;
         std::vector<at::Generator> still_gens;
         for (int64_t a : keep) {
@@ -352,7 +389,7 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
         active = std::move(still);
         active_gens = std::move(still_gens);
       }
-      logits = stepper->Step(next.to(device));
+      logits = stepper->Step(next);
     }
 
     // Texts, then hand the rows to their groups.

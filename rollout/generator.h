@@ -18,6 +18,9 @@
 
 namespace grpo::rollout {
 
+// Stop-check interval on a GPU: one host sync per 16 tokens instead of one per token.
+inline constexpr int64_t kDefaultCudaStopCheckInterval = 16;
+
 struct GeneratorOptions {
   SamplingParams sampling;
   int64_t num_generations = 8;          // G: completions per prompt
@@ -33,6 +36,12 @@ struct GeneratorOptions {
   // to the one that completed the stop string; `text` is cut before it.
   std::vector<std::string> stop_strings;
   uint64_t seed = 42;  // with (prompt index, generation index) seeds each row's sampler
+  // Decode steps between stop checks (the one device-to-host copy of the tokens, log-probs and
+  // finished rows): 0 = auto, 1 on the CPU and kDefaultCudaStopCheckInterval on a GPU. Rows
+  // that finish inside a window keep decoding until its end and their extra tokens are dropped,
+  // so the groups are the same for every interval (up to the numerics of a larger batch).
+  // stop_strings need the text of every token: they force 1.
+  int64_t stop_check_interval = 0;
 
   // Sampling keys, num_generations, lengths, truncate_prompt and seed from a GrpoConfig.
   static GeneratorOptions FromConfig(const common::GrpoConfig& config);
@@ -55,6 +64,9 @@ struct GenerateResult {
 // and unchanged, for as long as a Generator may use it.
 std::shared_ptr<const common::Model> BorrowModel(const common::Model& model);
 
+// Runs on the policy's device in its dtype (logits are upcast to fp32 for sampling); the
+// per-row random streams are CPU generators whose uniforms are copied to the device once per
+// stop-check window.
 // Thread-safe: Generate may run concurrently from several threads (each call owns its KV
 // cache) and concurrently with SetPolicy.
 //

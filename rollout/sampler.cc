@@ -129,11 +129,33 @@ double NextUniform(at::Generator& gen) {
 StatusOr<SampleOutput> Sample(const at::Tensor& logits, const at::Tensor& seen,
                               const SamplingParams& params, std::vector<at::Generator>& gens) {
   RETURN_IF_ERROR(ValidateLogits(logits, seen));
+  const int64_t b = logits.size(0);
+  if (params.greedy()) return SampleWithUniforms(logits, seen, params, at::Tensor());
+  if (static_cast<int64_t>(gens.size()) != b) {
+    return Status::InvalidArgument("sampler: " + std::to_string(gens.size()) +
+                                   " generators for " + std::to_string(b) + " rows");
+  }
+  try {
+    std::vector<double> u(b);
+    for (int64_t i = 0; i < b; ++i) u[i] = NextUniform(gens[i]);
+    return SampleWithUniforms(logits, seen, params,
+                              at::tensor(u, at::kDouble).to(logits.device()));
+  } catch (const c10::Error& e) {
+    return Status::Internal(std::string("sampler: ") + e.what_without_backtrace());
+  }
+}
+
+StatusOr<SampleOutput> SampleWithUniforms(const at::Tensor& logits, const at::Tensor& seen,
+                                          const SamplingParams& params,
+                                          const at::Tensor& uniforms) {
+  RETURN_IF_ERROR(ValidateLogits(logits, seen));
   try {
     const int64_t b = logits.size(0), v = logits.size(1);
-    if (static_cast<int64_t>(gens.size()) != b && !params.greedy()) {
-      return Status::InvalidArgument("sampler: " + std::to_string(gens.size()) +
-                                     " generators for " + std::to_string(b) + " rows");
+    if (!params.greedy() &&
+        (!uniforms.defined() || uniforms.dim() != 1 || uniforms.size(0) != b ||
+         uniforms.scalar_type() != at::kDouble || uniforms.device() != logits.device())) {
+      return Status::InvalidArgument("sampler: uniforms must be [" + std::to_string(b) +
+                                     "] float64 on the logits' device");
     }
     at::NoGradGuard no_grad;
     SampleOutput out;
@@ -142,10 +164,7 @@ StatusOr<SampleOutput> Sample(const at::Tensor& logits, const at::Tensor& seen,
       out.tokens = processed.argmax(1);
     } else {
       at::Tensor cdf = processed.softmax(1).to(at::kDouble).cumsum(1);  // [B, V]
-      std::vector<double> u(b);
-      for (int64_t i = 0; i < b; ++i) u[i] = NextUniform(gens[i]);
-      at::Tensor target = at::tensor(u, at::kDouble).to(cdf.device()).unsqueeze(1) *
-                          cdf.narrow(1, v - 1, 1);  // [B, 1]
+      at::Tensor target = uniforms.unsqueeze(1) * cdf.narrow(1, v - 1, 1);  // [B, 1]
       // First index with cdf > target: a token of zero probability is never chosen.
       out.tokens = at::searchsorted(cdf, target, /*out_int32=*/false, /*right=*/true)
                        .squeeze(1)

@@ -63,4 +63,12 @@ struct SampleOutput {
 StatusOr<SampleOutput> Sample(const at::Tensor& logits, const at::Tensor& seen,
                               const SamplingParams& params, std::vector<at::Generator>& gens);
 
+// The same draw with the uniforms given: uniforms [B] float64 on the logits' device, row b's
+// value being what NextUniform(gens[b]) would return (undefined when greedy). Lets a caller on
+// a GPU draw several steps' uniforms at once and copy them in one transfer (no host sync per
+// token). InvalidArgument on bad shapes or a missing uniforms tensor when not greedy.
+StatusOr<SampleOutput> SampleWithUniforms(const at::Tensor& logits, const at::Tensor& seen,
+                                          const SamplingParams& params,
+                                          const at::Tensor& uniforms);
+
 }  // namespace grpo::rollout

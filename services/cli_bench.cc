@@ -2,6 +2,7 @@
 // own baseline measured in the same run; memory rows run each configuration in a fresh
 // process (this binary, re-executed with --child).
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <sstream>
 #include <unistd.h>
 
+#include "common/device.h"
 #include "common/model.h"
 #include "common/model_config.h"
 #include "learner/chunked_logprobs.h"
@@ -116,12 +118,16 @@ using bench::ProcStatusBytes;
 // One child configuration of logprob_memory: forward + backward of the log-probs of G
 // sequences; "chunked" in micro-batches of `micro` with accumulation, "naive" all at once
 // (TRL's original get_per_token_logps: whole-batch logits, log_softmax, gather).
+// On a GPU (device auto) the model runs there and the peak is the CUDA caching allocator's.
 json LogprobMemoryChild(const std::string& impl, int64_t G, int64_t micro, int reps) {
   auto model = BenchModel();
+  auto resolved = common::ResolveDevice("auto");
+  const at::Device device = resolved.ok() ? *resolved : at::Device(at::kCPU);
+  if (Status s = model->To(device, at::kFloat); !s.ok()) return {{"error", s.ToString()}};
   model->SetRequiresGrad(true);
   const int64_t V = model->config().vocab_size;
-  at::Tensor ids = RandomIds(G, V, 1);
-  at::Tensor adv = at::randn({G});
+  at::Tensor ids = RandomIds(G, V, 1).to(device);
+  at::Tensor adv = at::randn({G}).to(device);
   auto step = [&] {
     for (auto& p : model->Parameters()) {  // as AdamW::ZeroGrad: in place, memory kept
       if (p.grad().defined()) p.mutable_grad().zero_();
@@ -157,14 +163,22 @@ json LogprobMemoryChild(const std::string& impl, int64_t G, int64_t micro, int r
         loss.backward();
       }
     }
+    if (device.is_cuda()) c10::cuda::device_synchronize();  // the timing covers the kernels
   };
   // Peak RSS counts from here: model and its gradients exist after one step.
   step();
-  std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to the current RSS
-  const int64_t base = ProcStatusBytes("VmRSS");
+  int64_t base = 0;
+  if (device.is_cuda()) {
+    common::ResetPeakMemory(device);
+    base = common::CurrentMemoryBytes(device);
+  } else {
+    std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to the current RSS
+    base = ProcStatusBytes("VmRSS");
+  }
   Timing t = TimeIt(reps, step);
-  const int64_t peak = ProcStatusBytes("VmHWM") - base;
-  return {{"bench", "logprob_memory"}, {"impl", impl},        {"G", G},
+  const int64_t peak =
+      (device.is_cuda() ? common::PeakMemoryBytes(device) : ProcStatusBytes("VmHWM")) - base;
+  return {{"bench", "logprob_memory"}, {"impl", impl},        {"G", G}, {"device", device.str()},
           {"micro_batch", impl == "chunked" ? micro : G},     {"peak_mib", peak / 1048576.0},
           {"step_s_median", t.median}, {"step_s_min", t.min}, {"step_s_max", t.max}};
 }

@@ -16,6 +16,7 @@
 
 #include "common/chat_template.h"
 #include "common/config.h"
+#include "common/device.h"
 #include "common/logging.h"
 #include "common/model.h"
 #include "common/model_config.h"
@@ -99,7 +100,10 @@ int RunTrainLocal(const TrainLocalOptions& o) {
       if (!s.ok()) return fail(s);
     }
   }
-  auto model_or = common::Model::Load(model_dir);
+  // `device`; with `bf16` the trainer keeps this fp32 master and trains a bf16 copy.
+  auto device = common::ResolveDevice(cfg.device);
+  if (!device.ok()) return fail(device.status(), 2);
+  auto model_or = common::Model::Load(model_dir, *device);
   if (!model_or.ok()) return fail(model_or.status());
   std::shared_ptr<common::Model> model = std::move(model_or).value();
   auto tok_or = common::LoadTokenizer(model_dir);
@@ -133,7 +137,7 @@ int RunTrainLocal(const TrainLocalOptions& o) {
   // service builds it).
   std::unique_ptr<common::Model> reference;
   if (cfg.beta != 0.0) {
-    auto ref_or = common::Model::Load(model_dir);
+    auto ref_or = common::Model::Load(model_dir, *device);
     if (!ref_or.ok()) return fail(ref_or.status().WithContext("reference model"));
     reference = std::move(ref_or).value();
   }
@@ -145,7 +149,9 @@ int RunTrainLocal(const TrainLocalOptions& o) {
     std::cerr << "resumed from " << *restored << " at step " << trainer.global_step() << "\n";
   }
 
-  auto gen_or = rollout::Generator::Create(rollout::BorrowModel(*model), trainer.policy_version(),
+  // Generation runs on the trainer's compute model: the bf16 copy with `bf16`, else the policy.
+  auto gen_or = rollout::Generator::Create(rollout::BorrowModel(trainer.compute_model()),
+                                           trainer.policy_version(),
                                            rollout::GeneratorOptions::FromConfig(cfg), &tok);
   if (!gen_or.ok()) return fail(gen_or.status(), 2);
   rollout::Generator& gen = **gen_or;
@@ -171,7 +177,7 @@ int RunTrainLocal(const TrainLocalOptions& o) {
       indices.push_back(cursor);  // seeds: a new sample of the same prompt each time round
     }
     const auto t0 = std::chrono::steady_clock::now();
-    Status s = gen.SetPolicy(rollout::BorrowModel(*model), trainer.policy_version());
+    Status s = gen.SetPolicy(rollout::BorrowModel(trainer.compute_model()), trainer.policy_version());
     if (!s.ok()) return fail(s);
     auto generated = gen.Generate(batch_prompts, indices);
     if (!generated.ok()) return fail(generated.status());

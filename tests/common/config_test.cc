@@ -162,5 +162,44 @@ TEST(Config, NetworkExposureKeysDefaultToTodaysBehaviourAndAreChecked) {
   }
 }
 
+TEST(Config, DeviceDefaultsToAutoAndBf16ToFalse) {
+  GrpoConfig c;
+  EXPECT_EQ(c.device, "auto");
+  EXPECT_FALSE(c.bf16);
+  EXPECT_EQ(c.ToJson().at("device"), "auto");
+  EXPECT_EQ(c.ToJson().at("bf16"), false);
+}
+
+TEST(Config, DeviceAcceptsCpuCudaAndCudaIndex) {
+  auto c = ParseConfigYaml("device: cuda:1\nbf16: true\n", "run.yaml");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->device, "cuda:1");
+  EXPECT_TRUE(c->bf16);
+  for (const char* d : {"auto", "cpu", "cuda", "cuda:0", "cuda:15"}) {
+    GrpoConfig g;
+    EXPECT_TRUE(SetConfigValue(g, "device", d).ok()) << d;
+    EXPECT_EQ(g.device, d);
+    EXPECT_TRUE(g.Validate().ok()) << d;
+  }
+}
+
+TEST(Config, BadDeviceIsInvalidArgumentNamingTheKey) {
+  for (const char* d : {"gpu", "CUDA", "cuda:", "cuda:-1", "cuda:a", "cuda0", "tpu"}) {
+    GrpoConfig g;
+    const Status s = SetConfigValue(g, "device", d);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << d;
+    EXPECT_NE(s.message().find("'device'"), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find("cuda:N"), std::string::npos) << s.ToString();
+    EXPECT_EQ(g.device, "auto");
+  }
+  auto c = ParseConfigYaml("device: gpu\n", "run.yaml");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("run.yaml"), std::string::npos);
+  GrpoConfig direct;
+  direct.device = "metal";  // set around the parser
+  EXPECT_EQ(direct.Validate().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SetConfigValue(direct, "bf16", "maybe").code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace grpo::common

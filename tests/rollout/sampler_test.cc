@@ -220,5 +220,39 @@ TEST(Sampler, BadShapesAreInvalidArgument) {
       StatusCode::kInvalidArgument);
 }
 
+// The window form the generator uses on a GPU: the same uniforms give the same tokens and
+// log-probs as drawing them from the generators inside Sample.
+TEST(Sampler, GivenUniformsDrawWhatTheGeneratorsWould) {
+  const at::Tensor logits = at::randn({5, 40}, at::kFloat);
+  SamplingParams p;
+  p.temperature = 0.7;
+  p.top_k = 10;
+  std::vector<at::Generator> gens, copies;
+  for (int i = 0; i < 5; ++i) {
+    gens.push_back(MakeRowGenerator(3, i, 0));
+    copies.push_back(MakeRowGenerator(3, i, 0));
+  }
+  auto drawn = Sample(logits, at::Tensor(), p, gens);
+  ASSERT_TRUE(drawn.ok());
+  std::vector<double> u;
+  for (auto& g : copies) u.push_back(NextUniform(g));
+  auto given = SampleWithUniforms(logits, at::Tensor(), p, at::tensor(u, at::kDouble));
+  ASSERT_TRUE(given.ok());
+  EXPECT_TRUE(at::equal(drawn->tokens, given->tokens));
+  EXPECT_TRUE(at::equal(drawn->logprobs, given->logprobs));
+}
+
+TEST(Sampler, GivenUniformsMustBeOneFloat64PerRow) {
+  const at::Tensor logits = at::randn({3, 8}, at::kFloat);
+  SamplingParams p;
+  for (const at::Tensor& u : {at::Tensor(), at::rand({2}, at::kDouble), at::rand({3}, at::kFloat)}) {
+    auto r = SampleWithUniforms(logits, at::Tensor(), p, u);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  }
+  p.temperature = 0;  // greedy draws nothing
+  EXPECT_TRUE(SampleWithUniforms(logits, at::Tensor(), p, at::Tensor()).ok());
+}
+
 }  // namespace
 }  // namespace grpo::rollout

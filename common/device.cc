@@ -1,0 +1,76 @@
+#include "common/device.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "common/config.h"
+
+namespace grpo::common {
+namespace {
+
+int64_t ProcStatusBytes(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string prefix = std::string(field) + ":";
+  while (std::getline(in, line)) {
+    if (line.rfind(prefix, 0) == 0) {
+      std::istringstream ss(line.substr(prefix.size()));
+      int64_t kib = 0;
+      ss >> kib;
+      return kib * 1024;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+bool CudaAvailable() { return c10::cuda::device_count() > 0; }
+
+StatusOr<at::Device> ResolveDevice(std::string_view device) {
+  if (!IsDeviceSpelling(device)) {
+    return Status::InvalidArgument("config key 'device' must be auto, cpu, cuda or cuda:N, got '" +
+                                   std::string(device) + "'");
+  }
+  const int64_t visible = c10::cuda::device_count();
+  if (device == "cpu") return at::Device(at::kCPU);
+  if (device == "auto") return visible > 0 ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  const int64_t index = device == "cuda" ? 0 : std::stoll(std::string(device.substr(5)));
+  if (visible == 0) {
+    return Status::InvalidArgument("config key 'device' is '" + std::string(device) +
+                                   "' but no CUDA device is visible (use cpu or auto)");
+  }
+  if (index >= visible) {
+    return Status::InvalidArgument("config key 'device' is '" + std::string(device) + "' but only " +
+                                   std::to_string(visible) + " CUDA device(s) are visible");
+  }
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
+
+int64_t PeakMemoryBytes(const at::Device& device) {
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+        .peak;
+  }
+  return ProcStatusBytes("VmHWM");
+}
+
+int64_t CurrentMemoryBytes(const at::Device& device) {
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+        .current;
+  }
+  return ProcStatusBytes("VmRSS");
+}
+
+void ResetPeakMemory(const at::Device& device) {
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+}
+
+}  // namespace grpo::common

@@ -1,0 +1,34 @@
+// Device and precision of a run (the `device` and `bf16` config keys) resolved against the GPUs
+// this process can see, and the peak-memory reading that follows the device.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string_view>
+
+#include "common/status.h"
+
+namespace grpo::common {
+
+// "auto" -> cuda (device 0) when a CUDA device is visible, else cpu; "cpu"; "cuda" (device 0);
+// "cuda:N". InvalidArgument naming the key for any other spelling, for cuda when no CUDA device
+// is visible, and for cuda:N with N >= the number of visible devices.
+StatusOr<at::Device> ResolveDevice(std::string_view device);
+
+// The compute dtype of `bf16`: kBFloat16 or kFloat.
+inline at::ScalarType ComputeDtype(bool bf16) { return bf16 ? at::kBFloat16 : at::kFloat; }
+
+// True when libtorch sees at least one CUDA device.
+bool CudaAvailable();
+
+// Peak memory in bytes since the last ResetPeakMemory(device): on CUDA the caching allocator's
+// peak allocated bytes (c10::cuda::CUDACachingAllocator::getDeviceStats); on CPU the process's
+// peak resident set (VmHWM, not resettable). 0 when unknown.
+int64_t PeakMemoryBytes(const at::Device& device);
+// Current memory in bytes: CUDA allocated bytes, or the CPU resident set (VmRSS).
+int64_t CurrentMemoryBytes(const at::Device& device);
+// Resets the CUDA allocator's peak statistics of `device`; no-op on CPU.
+void ResetPeakMemory(const at::Device& device);
+
+}  // namespace grpo::common
