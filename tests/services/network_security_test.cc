@@ -222,6 +222,8 @@ class NetworkSecurityTest : public ::testing::Test {
     for (int i = 0; i < n; ++i) {
       req.add_lines(R"({"prompt": "item )" + std::to_string(i) + R"(: name a fruit"})");
     }
+    req.set_last(true);  // the learner stores a dataset only after its final message
+    req.set_total_lines(n);
     writer->Write(req);
     writer->WritesDone();
     return writer->Finish();
