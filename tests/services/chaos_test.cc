@@ -1,7 +1,8 @@
 // Chaos with real processes (issue 12 "Prove it"): a `grpo learner`, three `grpo rollout`
-// workers and `grpo submit` on loopback; faults drawn from a fixed seed for GRPO_CHAOS_SECONDS
-// (default 90, GRPO_CHAOS_STEPS 600; the soak runs 1200 with GRPO_CHAOS_STEPS=3000): learner SIGKILL (also right after
-// a pass boundary), learner SIGTERM, worker SIGKILL and SIGTERM (each restarted under its old
+// workers and `grpo submit` on loopback; faults drawn from a fixed seed (GRPO_CHAOS_SEED) for
+// GRPO_CHAOS_SECONDS or until the job's GRPO_CHAOS_STEPS are done (defaults 90 s, 600 steps; the
+// soak, chaos_soak_test, 1200 s and 9000 steps): learner SIGKILL (also right after a pass
+// boundary), learner SIGTERM, worker SIGKILL and SIGTERM (each restarted under its old
 // worker id), and worker SIGSTOP for longer than its leases. Then the job must finish, and the
 // invariants are checked from what the processes left behind, read independently of the code
 // under test: the batch dumps of the final history (which prompts each optimizer step trained,
