@@ -611,6 +611,28 @@ TEST(RolloutWorker, Bf16FollowsTheLearnerNotTheWorkersOwnConfig) {
   ExpectSameParameters(*worker->policy(), *fake.model);
 }
 
+TEST(RolloutWorker, ALearnerWhoseBf16ChangedAtReRegisterGetsItsWeightsFetchedAgainInBf16) {
+  FakeLearner fake;
+  fake.rows = {kPromptRow, kPromptRow};
+  fake.leases_per_call = 1;
+  fake.config["bf16"] = false;
+  fake.after_push = [](FakeLearner& f) {  // under f.mu
+    if (f.pushed.size() == 1) {
+      f.config["bf16"] = true;
+      f.unknown_worker = true;  // the next lease is NOT_FOUND: the worker registers again
+    }
+  };
+  FakeLearnerServer server(&fake);
+  auto worker = MakeWorker(Options(server.address()));
+  ASSERT_TRUE(worker->Run().ok());
+  ASSERT_NE(worker->policy(), nullptr);
+  EXPECT_EQ(worker->policy()->dtype(), at::kBFloat16);
+  std::lock_guard<std::mutex> lock(fake.mu);
+  EXPECT_EQ(fake.register_calls, 2);
+  EXPECT_EQ(fake.pushed.size(), 2u);
+  EXPECT_EQ(fake.weights_served, (std::vector<int64_t>{1, 1}));  // the fp32 copy was dropped
+}
+
 TEST(RolloutWorker, CudaDeviceWithoutAGpuIsAnErrorNamingTheKey) {
   if (common::CudaAvailable()) GTEST_SKIP() << "a CUDA device is visible";
   auto o = Options("127.0.0.1:1");
