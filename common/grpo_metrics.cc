@@ -84,6 +84,11 @@ StatusOr<LearnerMetrics> LearnerMetrics::Create(Registry& r,
   ASSIGN_OR_RETURN(m.is_ratio_max,
                    r.AddGauge("grpo_is_ratio_max",
                               "Largest importance-sampling ratio policy/behaviour, unitless."));
+  ASSIGN_OR_RETURN(m.logprob_mismatch,
+                   r.AddGauge("grpo_logprob_mismatch",
+                              "Mean or max over completion tokens of |behaviour - old| log-prob "
+                              "(worker vs learner), in nats.",
+                              {Label("stat", kLogprobMismatchStats)}));
   ASSIGN_OR_RETURN(m.grad_norm, r.AddGauge("grpo_grad_norm",
                                            "L2 norm of the gradient before clipping, unitless."));
   ASSIGN_OR_RETURN(m.learning_rate,

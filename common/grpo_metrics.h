@@ -31,6 +31,8 @@ inline constexpr std::array<std::string_view, 4> kLedgerStates = {"queued", "lea
                                                                   "rejected"};
 // Values of `region` on grpo_clip_ratio (GRPO_SPEC.md clip_ratio/{low,high,region}_mean).
 inline constexpr std::array<std::string_view, 3> kClipRegions = {"low", "high", "region"};
+// Values of `stat` on grpo_logprob_mismatch (StepMetrics logprob_mismatch/{mean,max}).
+inline constexpr std::array<std::string_view, 2> kLogprobMismatchStats = {"mean", "max"};
 // Values of `kind` on grpo_rollout_reward_errors_total.
 inline constexpr std::array<std::string_view, 2> kRewardErrorKinds = {"error", "timeout"};
 
@@ -71,6 +73,9 @@ struct LearnerMetrics {
   Gauge* is_ratio_mean = nullptr;
   // grpo_is_ratio_max
   Gauge* is_ratio_max = nullptr;
+  // grpo_logprob_mismatch{stat}: |behaviour - old| log-prob over completion tokens, nats
+  // (mean or max; 0 until a step whose groups carry behaviour log-probs)
+  Gauge* logprob_mismatch = nullptr;
   // grpo_grad_norm: L2 norm before clipping
   Gauge* grad_norm = nullptr;
   // grpo_learning_rate

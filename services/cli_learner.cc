@@ -7,6 +7,7 @@
 
 #include "common/byte_tokenizer.h"
 #include "common/config.h"
+#include "common/device.h"
 #include "common/http_exposer.h"
 #include "common/logging.h"
 #include "common/model.h"
@@ -59,15 +60,19 @@ int RunLearner(const LearnerOptions& o) {
                                         "reward function"),
                 2);
   }
+  // `device`, as train-local: the fp32 policy loads there (with `bf16` the trainer trains a bf16
+  // copy of it); LearnerServer::Create would move it there otherwise.
+  auto device = common::ResolveDevice(cfg.device);
+  if (!device.ok()) return fail(device.status(), 2);
   std::error_code ec;
   fs::create_directories(cfg.output_dir, ec);
   auto model_dir = ModelDir(cfg);
   if (!model_dir.ok()) return fail(model_dir.status());
-  auto policy = common::Model::Load(*model_dir);
+  auto policy = common::Model::Load(*model_dir, *device);
   if (!policy.ok()) return fail(policy.status());
   std::unique_ptr<common::Model> reference;
   if (cfg.beta != 0) {
-    auto ref = common::Model::Load(*model_dir);
+    auto ref = common::Model::Load(*model_dir, *device);
     if (!ref.ok()) return fail(ref.status());
     reference = std::move(ref).value();
   }

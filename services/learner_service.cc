@@ -16,6 +16,7 @@
 #include <random>
 #include <sstream>
 
+#include "common/device.h"
 #include "common/logging.h"
 #include "common/safetensors.h"
 #include "learner/grpo_trainer.h"
@@ -113,6 +114,8 @@ StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
     std::unique_ptr<common::Model> reference, LearnerServerOptions options) {
   RETURN_IF_ERROR(config.Validate());
   if (policy == nullptr) return Status::InvalidArgument("LearnerServer: no policy model");
+  // `device` is resolved before anything is opened: an unusable one fails Create naming the key.
+  ASSIGN_OR_RETURN(const at::Device device, common::ResolveDevice(config.device));
   if (config.grpc_port < 0 || config.grpc_port > 65535) {
     return Status::InvalidArgument("config key 'grpc_port' must be in [0, 65535], got " +
                                    std::to_string(config.grpc_port));
@@ -162,7 +165,10 @@ StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
   ledger_options.now_ms = s->options_.now_ms;
   ASSIGN_OR_RETURN(s->ledger_, learner::PromptLedger::Open(ledger_path, ledger_options));
 
+  // The policy trains on `device` in its own dtype (the fp32 master with `bf16`: GrpoTrainer
+  // builds the bf16 compute copy); PublishWeights snapshots it to the CPU.
   s->policy_ = std::move(policy);
+  RETURN_IF_ERROR(s->policy_->To(device, s->policy_->dtype()).WithContext("policy"));
   ASSIGN_OR_RETURN(s->trainer_,
                    learner::GrpoTrainer::Create(cfg, s->policy_.get(), std::move(reference)));
   s->trainer_->set_dump_incarnation(s->incarnation_);
@@ -1017,6 +1023,10 @@ void LearnerServer::RecordStepMetrics(const learner::StepMetrics& step) {
   if (step.has_is_ratio) {
     m.is_ratio_mean->Set(step.is_ratio_mean);
     m.is_ratio_max->Set(step.is_ratio_max);
+  }
+  if (step.has_logprob_mismatch) {
+    m.logprob_mismatch->Set({"mean"}, step.logprob_mismatch_mean);
+    m.logprob_mismatch->Set({"max"}, step.logprob_mismatch_max);
   }
   m.grad_norm->Set(step.grad_norm);
   m.learning_rate->Set(step.learning_rate);

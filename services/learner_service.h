@@ -140,9 +140,11 @@ struct LearnerServerOptions {
 // policy. Lifetime: Create -> Start -> (WaitForJobEnd) -> Stop; the destructor stops.
 class LearnerServer final : public v1::LearnerService::Service {
  public:
-  // Opens the ledger (config.ledger_path, default <output_dir>/ledger.sqlite), creates the
-  // trainer on `policy` (`reference` as GrpoTrainer::Create requires), restores the latest
-  // checkpoint when options.resume. InvalidArgument naming the key on a bad config.
+  // Opens the ledger (config.ledger_path, default <output_dir>/ledger.sqlite), moves `policy` to
+  // config.device in its own dtype (fp32 with `bf16`: the trainer trains a bf16 copy), creates the
+  // trainer on it (`reference` as GrpoTrainer::Create requires), restores the latest checkpoint
+  // when options.resume. InvalidArgument naming the key on a bad config, and for a `device`
+  // this process cannot use (common::ResolveDevice).
   static StatusOr<std::unique_ptr<LearnerServer>> Create(
       common::GrpoConfig config, std::unique_ptr<common::Model> policy,
       std::unique_ptr<common::Model> reference = nullptr, LearnerServerOptions options = {});

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "common/byte_tokenizer.h"
+#include "common/device.h"
 #include "common/logging.h"
 #include "services/auth.h"
 #include "services/convert.h"
@@ -96,6 +97,7 @@ const std::vector<std::string>& LearnerOwnedConfigKeys() {
                                                 "min_p",
                                                 "repetition_penalty",
                                                 "mask_truncated_completions",
+                                                "bf16",
                                                 "truncate_prompt",
                                                 "reward_funcs",
                                                 "reward_weights",
@@ -167,11 +169,14 @@ StatusOr<std::unique_ptr<RolloutWorker>> RolloutWorker::Create(RolloutWorkerOpti
   if (options.prompts_per_lease < 0) {
     return Status::InvalidArgument("prompts_per_lease must be >= 0");
   }
-  return std::unique_ptr<RolloutWorker>(new RolloutWorker(std::move(options)));
+  // `device` is the worker's own (never the learner's): resolved here, before any RPC.
+  ASSIGN_OR_RETURN(const at::Device device, common::ResolveDevice(options.config.device));
+  return std::unique_ptr<RolloutWorker>(new RolloutWorker(std::move(options), device));
 }
 
-RolloutWorker::RolloutWorker(RolloutWorkerOptions options)
+RolloutWorker::RolloutWorker(RolloutWorkerOptions options, at::Device device)
     : options_(std::move(options)),
+      device_(device),
       channel_(
           MakeLearnerChannel(options_.learner_address, options_.root_certs_pem, options_.backoff)),
       stub_(v1::LearnerService::NewStub(channel_)),
@@ -309,8 +314,11 @@ Status RolloutWorker::ApplyRegistration(const v1::RegisterResponse& r) {
   ASSIGN_OR_RETURN(rewards_, MakeRewardRunner(merged, options_.reward_options,
                                               options_.reward_auth_token, options_.reward_timeout));
 
-  if (r.model_config_json() != model_config_json_) {
-    // A different architecture: the current policy (if any) cannot serve it.
+  const std::shared_ptr<const common::Model> held = policy();
+  if (r.model_config_json() != model_config_json_ ||
+      (held != nullptr && held->dtype() != common::ComputeDtype(merged.bf16))) {
+    // A different architecture, or the learner's `bf16` changed: the current policy (if any)
+    // cannot serve it.
     generator_.reset();
     std::lock_guard<std::mutex> lock(mu_);
     policy_.reset();
@@ -402,12 +410,18 @@ Status RolloutWorker::SyncWeights(int64_t min_version) {
   std::shared_ptr<const common::Model> fresh;
   int64_t version = -1;
   const auto t0 = Clock::now();
+  const at::ScalarType dtype = common::ComputeDtype(config().bf16);
   RETURN_IF_ERROR(Retry("GetWeights", [&]() -> Status {
-    // A new instance every time: the generator may still use the old one.
+    // A new instance every time: the generator may still use the old one. Weights arrive into
+    // a CPU fp32 model (the learner publishes fp32; a Gloo receiver's buffers follow the
+    // model's dtypes), then generation gets its own copy on `device` in the compute dtype.
     ASSIGN_OR_RETURN(std::unique_ptr<common::Model> model,
                      common::Model::InitRandom(model_config_, config().seed));
     ASSIGN_OR_RETURN(version,
                      receiver_->Receive(min_version, *model, options_.timeouts.get_weights));
+    if (device_ != model->device() || dtype != model->dtype()) {
+      ASSIGN_OR_RETURN(model, model->Copy(device_, dtype));
+    }
     fresh = std::move(model);
     return Status::OK();
   }));

@@ -87,8 +87,9 @@ struct RolloutWorkerOptions {
   std::string reward_auth_token;
   std::string root_certs_pem;   // empty = insecure channel
   std::string worker_id;        // empty = the learner assigns one
-  // The worker's own configuration: weight_sync_backend, model_name_or_path (tokenizer) ... The
-  // generation and reward keys of Register's config_json override it (LearnerOwnedConfigKeys).
+  // The worker's own configuration: device, weight_sync_backend, model_name_or_path
+  // (tokenizer) ... The generation, precision (bf16) and reward keys of Register's config_json
+  // override it (LearnerOwnedConfigKeys); `device` is always this one's.
   common::GrpoConfig config;
   // Prompts per LeasePrompts call; 0 = generation batch / num_generations (at least 1).
   int64_t prompts_per_lease = 0;
@@ -135,7 +136,8 @@ struct WorkerStats {
   int64_t reward_timeouts = 0;
 };
 
-// The generation and reward keys a worker takes from the learner's config_json.
+// The generation, precision (bf16) and reward keys a worker takes from the learner's
+// config_json. Not `device`: a worker's GPU is its own.
 const std::vector<std::string>& LearnerOwnedConfigKeys();
 // `local` with LearnerOwnedConfigKeys() taken from `config_json` (a GrpoConfig as JSON; other and
 // unknown keys are ignored; model_name_or_path only when `local`'s is empty).
@@ -161,7 +163,8 @@ std::shared_ptr<grpc::Channel> MakeLearnerChannel(const std::string& address,
 // after lease_seconds and the learner queues them again.
 class RolloutWorker {
  public:
-  // InvalidArgument for an empty learner_address. Makes the channel; no RPC yet.
+  // InvalidArgument for an empty learner_address, and naming the key for a `device` that
+  // cannot be used here (common::ResolveDevice). Makes the channel; no RPC yet.
   static StatusOr<std::unique_ptr<RolloutWorker>> Create(RolloutWorkerOptions options);
   ~RolloutWorker();
 
@@ -172,7 +175,8 @@ class RolloutWorker {
   Status Run();
 
   WorkerStats stats() const;
-  // The policy the next round generates with (null before the first weights), and its version.
+  // The policy the next round generates with (null before the first weights), and its version:
+  // on config.device, in bf16 when the learner's `bf16` is true, else fp32.
   std::shared_ptr<const common::Model> policy() const;
   int64_t policy_version() const { return policy_version_.load(); }
   std::string worker_id() const;
@@ -181,7 +185,7 @@ class RolloutWorker {
   common::GrpoConfig config() const;
 
  private:
-  explicit RolloutWorker(RolloutWorkerOptions options);
+  RolloutWorker(RolloutWorkerOptions options, at::Device device);
 
   bool Stopping() const;
   // Sleeps up to `d`; false (early) when stopping.
@@ -210,6 +214,7 @@ class RolloutWorker {
   int64_t PromptsPerLease() const;
 
   const RolloutWorkerOptions options_;
+  const at::Device device_;  // options_.config.device, resolved: where generation runs
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::LearnerService::Stub> stub_;  // thread-safe
   Backoff backoff_;                                 // main thread only

@@ -55,6 +55,8 @@ std::string PopulatedExposition() {
   l.entropy->Set(1.7);
   l.is_ratio_mean->Set(1.01);
   l.is_ratio_max->Set(2.9);
+  l.logprob_mismatch->Set({"mean"}, 0.004);
+  l.logprob_mismatch->Set({"max"}, 0.06);
   l.grad_norm->Set(0.8);
   l.learning_rate->Set(1e-6);
   l.tokens_per_second->Set(1234.5);
@@ -95,6 +97,7 @@ TEST(GrpoMetrics, DefinesExactlyTheIssueSixFamilies) {
       {"grpo_entropy", "gauge"},
       {"grpo_is_ratio_mean", "gauge"},
       {"grpo_is_ratio_max", "gauge"},
+      {"grpo_logprob_mismatch", "gauge"},
       {"grpo_grad_norm", "gauge"},
       {"grpo_learning_rate", "gauge"},
       {"grpo_learner_tokens_per_second", "gauge"},
@@ -136,6 +139,16 @@ TEST(GrpoMetrics, LabelsTakeOnlyTheirFixedValues) {
   l.groups_rejected->Increment({"prompt 17"});
   EXPECT_EQ(l.reward_fn_mean->dropped(), 1u);
   EXPECT_EQ(l.groups_rejected->dropped(), 1u);
+}
+
+TEST(GrpoMetrics, LogprobMismatchIsLabelledMeanAndMaxOnly) {
+  Registry r;
+  LearnerMetrics l = LearnerMetrics::Create(r, kRewardFuncs).value();
+  const std::string text = r.Expose();
+  EXPECT_NE(text.find("grpo_logprob_mismatch{stat=\"mean\"} 0\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("grpo_logprob_mismatch{stat=\"max\"} 0\n"), std::string::npos) << text;
+  l.logprob_mismatch->Set({"p99"}, 1);  // not a declared stat: dropped
+  EXPECT_EQ(l.logprob_mismatch->dropped(), 1u);
 }
 
 TEST(GrpoMetrics, RefusesRepeatedOrEmptyRewardFunctionNames) {

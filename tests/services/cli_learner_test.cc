@@ -137,4 +137,15 @@ TEST_F(CliLearnerTest, LearnerRefusesAConfigWithoutRewardFunctions) {
   EXPECT_NE(ReadFile(dir_ / "err").find("reward_funcs"), std::string::npos);
 }
 
+TEST_F(CliLearnerTest, LearnerOnCudaWithoutAGpuExitsTwoNamingTheKey) {
+  // Whether a GPU is visible is libtorch's answer; nvidia-smi stands in for it in this binary.
+  if (std::system("nvidia-smi -L >/dev/null 2>&1") == 0) GTEST_SKIP() << "a GPU is visible";
+  int rc = 0;
+  RunCommand(GrpoBin() + " learner --output_dir " + (dir_ / "out").string() +
+                 " --grpc_port 0 --reward_funcs length --device cuda 2>" + (dir_ / "err").string(),
+             &rc);
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(ReadFile(dir_ / "err").find("'device'"), std::string::npos) << ReadFile(dir_ / "err");
+}
+
 }  // namespace

@@ -197,6 +197,23 @@ TEST_F(LearnerMetricsTest, AfterAStepTheFamiliesHoldThatStepsMetrics) {
   EXPECT_EQ(m.weight_sync_bytes->Value(), bytes);
 }
 
+TEST_F(LearnerMetricsTest, LogprobMismatchGaugesHoldTheStepsMeanAndMax) {
+  StartServer();
+  const auto& gauge = *server_->metrics().logprob_mismatch;
+  const std::map<std::string, double> step = TrainOneStep();
+  // TinyGroup's behaviour log-probs are fixed numbers, far from the policy's: both are > 0.
+  ASSERT_TRUE(step.count("logprob_mismatch/mean"));
+  ASSERT_TRUE(step.count("logprob_mismatch/max"));
+  EXPECT_GT(step.at("logprob_mismatch/mean"), 0);
+  EXPECT_GE(step.at("logprob_mismatch/max"), step.at("logprob_mismatch/mean"));
+  EXPECT_DOUBLE_EQ(gauge.Value({"mean"}), step.at("logprob_mismatch/mean"));
+  EXPECT_DOUBLE_EQ(gauge.Value({"max"}), step.at("logprob_mismatch/max"));
+  const std::string text = server_->metrics_registry().Expose();
+  EXPECT_NE(text.find("grpo_logprob_mismatch{stat=\"mean\"} "), std::string::npos) << text;
+  EXPECT_NE(text.find("grpo_logprob_mismatch{stat=\"max\"} "), std::string::npos) << text;
+  EXPECT_EQ(gauge.dropped(), 0u);
+}
+
 TEST_F(LearnerMetricsTest, ACheckpointIsTimed) {
   config_.save_steps = 1;
   StartServer();

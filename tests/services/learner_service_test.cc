@@ -16,6 +16,7 @@
 #include <limits>
 #include <thread>
 
+#include "common/device.h"
 #include "common/model.h"
 #include "common/model_config.h"
 #include "services/auth.h"
@@ -349,6 +350,76 @@ TEST_F(LearnerServiceTest, AGenerationBatchTrainsAStepAndGetWeightsStreamsTheNew
   EXPECT_EQ(job.state(), "running");
   EXPECT_EQ(job.prompts().trained(), 2);
   EXPECT_TRUE(job.last_metrics().count("loss"));
+}
+
+class LearnerServiceBf16Test : public LearnerServiceTest {
+ protected:
+  // Starts the server on config_ and trains one step on the same two groups; returns the step's
+  // metrics (Job.last_metrics) and the published version-1 weights.
+  std::pair<std::map<std::string, double>, Reassembled> TrainOneStep() {
+    StartServer();
+    Submit(Prompts(4));
+    const auto leases = Lease(2);
+    EXPECT_EQ(
+        Push({Group(leases.leases(0), 1.0, 0.0), Group(leases.leases(1), 0.0, 1.0)}).accepted(), 2);
+    EXPECT_TRUE(WaitFor([&] { return server_->published_version() >= 1; }));
+    v1::GetWeightsRequest req;
+    req.set_min_version(1);
+    auto ctx = Ctx();
+    auto reader = stub_->GetWeights(ctx.get(), req);
+    Reassembled r = ReadWeights(reader.get(), kDefaultWeightChunkBytes);  // checks F32 chunks
+    EXPECT_TRUE(reader->Finish().ok());
+    v1::Job job;
+    EXPECT_TRUE(stub_->GetJob(Ctx().get(), v1::GetJobRequest(), &job).ok());
+    return {{job.last_metrics().begin(), job.last_metrics().end()}, std::move(r)};
+  }
+};
+
+TEST_F(LearnerServiceBf16Test, Bf16TrainsAStepInBf16AndPublishesFp32MasterWeights) {
+  config_.output_dir = (dir_ / "fp32").string();
+  const auto [fp32_metrics, fp32_weights] = TrainOneStep();
+  server_.reset();
+  config_.output_dir = (dir_ / "bf16").string();
+  config_.bf16 = true;
+  const auto [metrics, weights] = TrainOneStep();
+  ASSERT_TRUE(metrics.count("entropy"));
+  ASSERT_TRUE(fp32_metrics.count("entropy"));
+  // Forward/backward ran in bf16: the same step on the same groups and weights reads other
+  // log-probs than in fp32 (bf16 keeps 8 significant bits).
+  EXPECT_NE(metrics.at("entropy"), fp32_metrics.at("entropy"));
+  EXPECT_NE(metrics.at("logprob_mismatch/mean"), fp32_metrics.at("logprob_mismatch/mean"));
+
+  // The master stays fp32 on the configured device (cpu here) and GetWeights streams it (F32
+  // chunks, checked by ReadWeights) bit for bit; the step moved it off the initial weights.
+  const common::Model& master = server_->policy();
+  EXPECT_EQ(master.dtype(), at::kFloat);
+  EXPECT_TRUE(master.device().is_cpu());
+  EXPECT_EQ(weights.version, 1);
+  const auto initial = common::Model::InitRandom(*common::ModelConfigPreset("tiny"), 7).value();
+  const auto params = master.NamedParameters(), init = initial->NamedParameters();
+  ASSERT_EQ(weights.order.size(), params.size());
+  bool moved = false;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& [name, t] = params[i];
+    const at::Tensor want = t.detach().contiguous();
+    ASSERT_EQ(weights.bytes.at(name).size(), want.numel() * sizeof(float)) << name;
+    EXPECT_EQ(std::memcmp(weights.bytes.at(name).data(), want.data_ptr(), want.nbytes()), 0)
+        << name;
+    moved = moved || !at::equal(want, init[i].second);
+  }
+  EXPECT_TRUE(moved);
+}
+
+TEST_F(LearnerServiceTest, CudaDeviceWithoutAGpuIsAnErrorNamingTheKey) {
+  if (common::CudaAvailable()) GTEST_SKIP() << "a CUDA device is visible";
+  config_.device = "cuda";
+  auto model = common::Model::InitRandom(*common::ModelConfigPreset("tiny"), 7);
+  ASSERT_TRUE(model.ok());
+  auto server = LearnerServer::Create(config_, std::move(model).value(), nullptr, options_);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(server.status().message().find("'device'"), std::string::npos)
+      << server.status().ToString();
 }
 
 TEST_F(LearnerServiceTest, GetWeightsForAnUnpublishedVersionTimesOutAtTheDeadline) {

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "common/byte_tokenizer.h"
+#include "common/device.h"
 #include "common/model.h"
 #include "common/model_config.h"
 #include "grpo/v1/learner.grpc.pb.h"
@@ -533,6 +534,116 @@ TEST(RolloutWorker, UnknownModelVocabularyWithoutTokenizerIsAnError) {
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
 }
 
+// The worker's sampler seed of a lease: FNV-1a of the lease id, shifted right by 2 (as
+// rollout_worker.cc derives it), so a test can replay a worker's generation.
+int64_t LeaseSeedIndex(std::string_view lease_id) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : lease_id) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h >> 2);
+}
+
+// What a Generator over `model` produces for the one prompt of kPromptRow under "lease-0".
+common::RolloutGroup Replay(std::shared_ptr<const common::Model> model,
+                            const common::GrpoConfig& config) {
+  common::ByteTokenizer tok;
+  auto gen = rollout::Generator::Create(std::move(model), 1,
+                                        rollout::GeneratorOptions::FromConfig(config), &tok);
+  EXPECT_TRUE(gen.ok()) << gen.status().ToString();
+  auto out = (*gen)->Generate({tok.Encode("Say hi.").value()}, {LeaseSeedIndex("lease-0")});
+  EXPECT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->groups.size(), 1u);
+  EXPECT_TRUE(out->groups[0].ok());
+  return std::move(out->groups[0]).value();
+}
+
+TEST(RolloutWorker, WithTheLearnersBf16ItGeneratesWithABf16CopyOfTheWeights) {
+  FakeLearner fake;
+  fake.rows = {kPromptRow};
+  fake.config["bf16"] = true;
+  FakeLearnerServer server(&fake);
+  auto worker = MakeWorker(Options(server.address()));
+  ASSERT_TRUE(worker->Run().ok());
+  EXPECT_TRUE(worker->config().bf16);
+  ASSERT_NE(worker->policy(), nullptr);
+  EXPECT_EQ(worker->policy()->dtype(), at::kBFloat16);
+  EXPECT_TRUE(worker->policy()->device().is_cpu());
+  // The learner's fp32 weights rounded to bf16, bit for bit.
+  ExpectSameParameters(*worker->policy(), *fake.model->Copy(at::kCPU, at::kBFloat16).value());
+
+  // The pushed group is what a bf16 generator gives for that lease, not what an fp32 one does.
+  const common::GrpoConfig config = worker->config();
+  const common::RolloutGroup bf16 =
+      Replay(fake.model->Copy(at::kCPU, at::kBFloat16).value(), config);
+  const common::RolloutGroup fp32 = Replay(fake.model, config);
+  std::lock_guard<std::mutex> lock(fake.mu);
+  ASSERT_EQ(fake.pushed.size(), 1u);
+  const v1::RolloutGroup& got = fake.pushed[0];
+  ASSERT_EQ(got.completions_size(), static_cast<int>(bf16.completions.size()));
+  bool differs_from_fp32 = false;
+  for (int i = 0; i < got.completions_size(); ++i) {
+    const auto& c = got.completions(i);
+    EXPECT_EQ(std::vector<int32_t>(c.token_ids().begin(), c.token_ids().end()),
+              bf16.completions[i].token_ids);
+    EXPECT_EQ(std::vector<float>(c.logprobs().begin(), c.logprobs().end()),
+              bf16.completions[i].logprobs);
+    differs_from_fp32 =
+        differs_from_fp32 || std::vector<float>(c.logprobs().begin(), c.logprobs().end()) !=
+                                 fp32.completions[i].logprobs;
+  }
+  EXPECT_TRUE(differs_from_fp32);
+}
+
+TEST(RolloutWorker, Bf16FollowsTheLearnerNotTheWorkersOwnConfig) {
+  FakeLearner fake;
+  fake.rows = {kPromptRow};
+  fake.config["bf16"] = false;
+  FakeLearnerServer server(&fake);
+  auto o = Options(server.address());
+  o.config.bf16 = true;
+  auto worker = MakeWorker(o);
+  ASSERT_TRUE(worker->Run().ok());
+  EXPECT_FALSE(worker->config().bf16);
+  ASSERT_NE(worker->policy(), nullptr);
+  EXPECT_EQ(worker->policy()->dtype(), at::kFloat);
+  ExpectSameParameters(*worker->policy(), *fake.model);
+}
+
+TEST(RolloutWorker, ALearnerWhoseBf16ChangedAtReRegisterGetsItsWeightsFetchedAgainInBf16) {
+  FakeLearner fake;
+  fake.rows = {kPromptRow, kPromptRow};
+  fake.leases_per_call = 1;
+  fake.config["bf16"] = false;
+  fake.after_push = [](FakeLearner& f) {  // under f.mu
+    if (f.pushed.size() == 1) {
+      f.config["bf16"] = true;
+      f.unknown_worker = true;  // the next lease is NOT_FOUND: the worker registers again
+    }
+  };
+  FakeLearnerServer server(&fake);
+  auto worker = MakeWorker(Options(server.address()));
+  ASSERT_TRUE(worker->Run().ok());
+  ASSERT_NE(worker->policy(), nullptr);
+  EXPECT_EQ(worker->policy()->dtype(), at::kBFloat16);
+  std::lock_guard<std::mutex> lock(fake.mu);
+  EXPECT_EQ(fake.register_calls, 2);
+  EXPECT_EQ(fake.pushed.size(), 2u);
+  EXPECT_EQ(fake.weights_served, (std::vector<int64_t>{1, 1}));  // the fp32 copy was dropped
+}
+
+TEST(RolloutWorker, CudaDeviceWithoutAGpuIsAnErrorNamingTheKey) {
+  if (common::CudaAvailable()) GTEST_SKIP() << "a CUDA device is visible";
+  auto o = Options("127.0.0.1:1");
+  o.config.device = "cuda";
+  auto worker = RolloutWorker::Create(o);
+  ASSERT_FALSE(worker.ok());
+  EXPECT_EQ(worker.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(worker.status().message().find("'device'"), std::string::npos)
+      << worker.status().ToString();
+}
+
 // --- Pieces.
 
 TEST(Backoff, GrowsExponentiallyWithinJitterAndStaysCapped) {
@@ -583,6 +694,18 @@ TEST(MergeLearnerConfig, TakesGenerationKeysOnlyAndValidates) {
   EXPECT_EQ(MergeLearnerConfig(local, R"({"temperature": "hot"})").status().code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(MergeLearnerConfig(local, "[1]").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(MergeLearnerConfig, DeviceStaysTheWorkersAndBf16IsTheLearners) {
+  common::GrpoConfig local;
+  local.device = "cpu";
+  common::GrpoConfig learner;
+  learner.device = "cuda:3";
+  learner.bf16 = true;
+  auto merged = MergeLearnerConfig(local, learner.ToJson().dump());
+  ASSERT_TRUE(merged.ok()) << merged.status().ToString();
+  EXPECT_EQ(merged->device, "cpu");
+  EXPECT_TRUE(merged->bf16);
 }
 
 TEST(PromptText, PromptStringOrChatMlMessages) {
