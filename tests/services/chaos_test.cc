@@ -89,8 +89,8 @@ std::optional<StepDump> ReadStep(const fs::path& dump_dir, int64_t step, std::st
   for (int64_t r = 0; r < rows; ++r) {
     std::string text;
     for (int64_t c = 0; c < cols; ++c) {
-      const bool real = mask.floats.empty() ? mask.ints[r * cols + c] != 0
-                                            : mask.floats[r * cols + c] != 0;
+      const bool real =
+          mask.floats.empty() ? mask.ints[r * cols + c] != 0 : mask.floats[r * cols + c] != 0;
       const int64_t id = ids.ints[r * cols + c];
       if (real && id >= 0 && id < 256) text.push_back(static_cast<char>(id));
     }
@@ -111,9 +111,11 @@ class ChaosTest : public FaultToleranceTest {
   static constexpr int kWorkers = 3;
 
   std::vector<std::string> LearnerConfig(int64_t max_steps) const {
-    return {"--lease_seconds", std::to_string(kLeaseSeconds), "--max_steps",
-            std::to_string(max_steps), "--save_steps", "3", "--save_total_limit", "2",
-            "--max_staleness", std::to_string(kMaxStaleness)};
+    return {"--lease_seconds",    std::to_string(kLeaseSeconds),
+            "--max_steps",        std::to_string(max_steps),
+            "--save_steps",       "3",
+            "--save_total_limit", "2",
+            "--max_staleness",    std::to_string(kMaxStaleness)};
   }
 
   // Worker `w` (0..kWorkers-1) again under its worker id; a new process name each time.
@@ -121,11 +123,11 @@ class ChaosTest : public FaultToleranceTest {
     const std::string id = std::string("worker-") + static_cast<char>('a' + w);
     const std::string name = id + "." + std::to_string(++spawned_[id]);
     worker_names_[w] = name;
-    ASSERT_GT(children_->Spawn(name, {GrpoBin(), "--log_level", "info", "rollout",
-                                      "--learner_address", "127.0.0.1:" + std::to_string(port),
-                                      "--metrics_port", "0", "--auth_token_file",
-                                      (dir_ / "token").string(), "--worker_id", id}),
-              0);
+    ASSERT_GT(
+        children_->Spawn(name, {GrpoBin(), "--log_level", "info", "rollout", "--learner_address",
+                                "127.0.0.1:" + std::to_string(port), "--metrics_port", "0",
+                                "--auth_token_file", (dir_ / "token").string(), "--worker_id", id}),
+        0);
   }
 
   int StartLearnerIncarnation(int port, int64_t max_steps) {
@@ -164,8 +166,7 @@ TEST_F(ChaosTest, RandomFaultsLoseNothingTrainNothingTwiceAndTheJobFinishes) {
   bool finished_early = false;
   std::optional<int> learner_exit;  // set when the job ended during the chaos
   while (std::chrono::steady_clock::now() < chaos_end && !HasFatalFailure()) {
-    std::this_thread::sleep_for(milliseconds(
-        std::uniform_int_distribution<int>(1500, 4000)(rng)));
+    std::this_thread::sleep_for(milliseconds(std::uniform_int_distribution<int>(1500, 4000)(rng)));
     learner_exit = children_->Wait(learner_name_, milliseconds(0));
     if (learner_exit.has_value()) {
       finished_early = true;  // the job ended (max_steps) during the chaos
@@ -215,8 +216,7 @@ TEST_F(ChaosTest, RandomFaultsLoseNothingTrainNothingTwiceAndTheJobFinishes) {
   std::string summary;
   for (const auto& [what, n] : injected) summary += "  " + what + ": " + std::to_string(n) + "\n";
   std::cerr << "chaos (seed " << seed << ", " << chaos_seconds << " s, " << learners_
-            << " learner processes" << (finished_early ? ", the job ended during it" : "")
-            << "):\n"
+            << " learner processes" << (finished_early ? ", the job ended during it" : "") << "):\n"
             << summary;
 
   // The job finishes with every process up.
@@ -243,7 +243,7 @@ TEST_F(ChaosTest, RandomFaultsLoseNothingTrainNothingTwiceAndTheJobFinishes) {
 
   // The final history, from the dumps: every row's weights were published by the learner that
   // trained it, within max_staleness.
-  std::map<std::string, int> trained;                 // marker -> sequences
+  std::map<std::string, int> trained;                     // marker -> sequences
   std::map<int64_t, std::multiset<std::string>> by_step;  // step -> markers (one per prompt)
   for (int64_t step = 1; step <= max_steps; ++step) {
     std::string error;

@@ -77,7 +77,7 @@ inline void WriteDataset(const fs::path& path, int n) {
 }
 
 inline std::unique_ptr<grpc::ClientContext> Ctx(const std::string& token = kToken,
-                                         std::chrono::milliseconds timeout = kCallTimeout) {
+                                                std::chrono::milliseconds timeout = kCallTimeout) {
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->set_deadline(std::chrono::system_clock::now() + timeout);
   if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
@@ -313,6 +313,5 @@ class FaultToleranceTest : public ::testing::Test {
   std::unique_ptr<Children> children_;
   int metrics_port_ = 0;
 };
-
 
 }  // namespace grpo::testing::faults
