@@ -46,7 +46,7 @@ struct GrpoConfig {
   std::vector<double> reward_weights;  // empty = all 1
   std::string scale_rewards = "group";  // group | batch | none
 
-  // Loss (GRPO_SPEC.md).
+  // Loss (docs/GRPO_SPEC.md).
   std::string loss_type = "dapo";  // grpo | bnpo | dr_grpo | dapo
   double epsilon = 0.2;
   std::optional<double> epsilon_high;  // defaults to epsilon
@@ -55,8 +55,9 @@ struct GrpoConfig {
   std::string importance_sampling_level = "token";        // token | sequence
   std::string importance_sampling_correction = "token_truncate";  // none | token_truncate | token_mask
   double importance_sampling_cap = 3.0;
-  // Policy versions a group may lag the learner (ARCHITECTURE.md async training): 1 lets workers
-  // generate with version v while the learner trains v -> v+1; 0 is fully synchronous.
+  // Policy versions a group may lag the learner (docs/ARCHITECTURE.md "Async training and
+  // staleness"): 1 lets workers generate with version v while the learner trains v -> v+1; 0 is
+  // fully synchronous.
   int64_t max_staleness = 1;
 
   // Batching (TRL semantics; see README "num_iterations and the generation batch").

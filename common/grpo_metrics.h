@@ -1,4 +1,4 @@
-// The project's metric families, defined in this one place (STYLE.md rule 9; GRPO_SPEC.md
+// The project's metric families, defined in this one place (STYLE.md rule 9; docs/GRPO_SPEC.md
 // "Metrics per optimizer step"). Each process creates one LearnerMetrics or WorkerMetrics
 // against its Registry at start-up and updates the families through the pointers, which the
 // registry owns (they live as long as it does). Every label takes values from a fixed set below
@@ -29,7 +29,7 @@ inline constexpr std::array<std::string_view, 17> kRejectReasons = {
 // Values of `state` on grpo_ledger_prompts (the prompt ledger's states).
 inline constexpr std::array<std::string_view, 4> kLedgerStates = {"queued", "leased", "trained",
                                                                   "rejected"};
-// Values of `region` on grpo_clip_ratio (GRPO_SPEC.md clip_ratio/{low,high,region}_mean).
+// Values of `region` on grpo_clip_ratio (docs/GRPO_SPEC.md clip_ratio/{low,high,region}_mean).
 inline constexpr std::array<std::string_view, 3> kClipRegions = {"low", "high", "region"};
 // Values of `stat` on grpo_logprob_mismatch (StepMetrics logprob_mismatch/{mean,max}).
 inline constexpr std::array<std::string_view, 2> kLogprobMismatchStats = {"mean", "max"};

@@ -54,7 +54,7 @@ StatusOr<ModelConfig> LoadModelConfig(const std::string& path);
 
 // "tiny": qwen2-style, vocab 259 (byte tokenizer: 256 bytes + <|endoftext|>=256,
 // <|im_start|>=257, <|im_end|>=258; eos 258), hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 176,
-// tied, max_position 512. "bench": BENCHMARKS.md's bench model. NotFound for any other name.
+// tied, max_position 512. "bench": docs/BENCHMARKS.md's bench model. NotFound for any other name.
 StatusOr<ModelConfig> ModelConfigPreset(std::string_view name);
 
 }  // namespace grpo::common

@@ -1,12 +1,13 @@
-// NcclWeightSync: WeightSync between GPUs through the NCCL API directly (ARCHITECTURE.md "Weight
-// sync"). The communicator is non-blocking (ncclCommInitRankConfig with blocking = 0); every
-// collective is waited for against its deadline by polling ncclCommGetAsyncError and
-// cudaStreamQuery, and ncclCommAbort tears the group down on a timeout, so a dead peer costs
-// one deadline, not a hang. The NCCL unique id travels through the c10d Store under
-// "grpo/weight_sync/<epoch>/". Needs no CUDA libtorch: tensors only lend their data_ptr(),
-// which must point to CUDA device (or managed) memory of `device`; the tensor's own device
-// field is not consulted (a CPU-only libtorch can describe device memory with at::from_blob).
-// Built only where CUDA and NCCL are found (target grpo_nccl_sync).
+// NcclWeightSync: WeightSync between GPUs through the NCCL API directly
+// (docs/ARCHITECTURE.md "Weight sync"). The communicator is non-blocking
+// (ncclCommInitRankConfig with blocking = 0); every collective is waited for against its
+// deadline by polling ncclCommGetAsyncError and cudaStreamQuery, and ncclCommAbort tears the
+// group down on a timeout, so a dead peer costs one deadline, not a hang. The NCCL unique id
+// travels through the c10d Store under "grpo/weight_sync/<epoch>/". Needs no CUDA libtorch:
+// tensors only lend their data_ptr(), which must point to CUDA device (or managed) memory of
+// `device`; the tensor's own device field is not consulted (a CPU-only libtorch can describe
+// device memory with at::from_blob). Built only where CUDA and NCCL are found (target
+// grpo_nccl_sync).
 #pragma once
 
 #include <cstdint>

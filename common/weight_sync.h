@@ -1,5 +1,5 @@
 // WeightSync: the versioned weight broadcast from the learner (rank 0) to rollout workers
-// (ranks 1..N-1), ARCHITECTURE.md "Weight sync". Backends: GlooWeightSync (CPU, c10d),
+// (ranks 1..N-1), docs/ARCHITECTURE.md "Weight sync". Backends: GlooWeightSync (CPU, c10d),
 // NcclWeightSync (GPU), FakeWeightSync (in-process, for tests of callers).
 //
 // One version: Begin(v) -> Broadcast(tensors) (one or more calls) -> Commit(). Every call is a

@@ -119,7 +119,7 @@ StatusOr<AdvantageResult> Compute(const at::Tensor& rewards_per_fn,
     if (!kp[i] || !scorable[i]) continue;
     const int64_t g = group[i];
     const double scale_std = config.scale_rewards == ScaleRewards::kBatch ? batch_std : g_std[g];
-    if (g_all_equal[g]) continue;  // A = 0 exactly (GRPO_SPEC.md)
+    if (g_all_equal[g]) continue;  // A = 0 exactly (docs/GRPO_SPEC.md)
     double a = rew[i] - g_mean[g];
     if (config.scale_rewards != ScaleRewards::kNone) a /= scale_std + kAdvantageStdEpsilon;
     adv[i] = a;

@@ -1,4 +1,4 @@
-// Rewards and group-relative advantages (GRPO_SPEC.md "Rewards and advantages").
+// Rewards and group-relative advantages (docs/GRPO_SPEC.md "Rewards and advantages").
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,7 +22,7 @@ enum class ScaleRewards {
 StatusOr<ScaleRewards> ParseScaleRewards(std::string_view name);
 std::string_view ScaleRewardsName(ScaleRewards s);
 
-// Added to the std before dividing (GRPO_SPEC.md, TRL).
+// Added to the std before dividing (docs/GRPO_SPEC.md, TRL).
 inline constexpr double kAdvantageStdEpsilon = 1e-4;
 
 struct AdvantageConfig {

@@ -1,4 +1,4 @@
-// Memory-flat per-token log-probs from hidden states (GRPO_SPEC.md "Memory contract").
+// Memory-flat per-token log-probs from hidden states (docs/GRPO_SPEC.md "Memory contract").
 #pragma once
 
 #include <ATen/ATen.h>

@@ -270,7 +270,7 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
         break;
     }
 
-    // Metrics (GRPO_SPEC.md, TRL 1.16): clip flags on the ratio the loss uses (after the delta
+    // Metrics (docs/GRPO_SPEC.md, TRL 1.16): clip flags on the ratio the loss uses (after the delta
     // clamp); means over this micro-batch's masked tokens, or over its sequences with
     // sequence-level importance sampling (one flag per sequence).
     at::Tensor stats;

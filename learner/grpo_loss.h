@@ -1,4 +1,4 @@
-// The clipped GRPO loss of one micro-batch (GRPO_SPEC.md "Per-token loss", "Aggregation",
+// The clipped GRPO loss of one micro-batch (docs/GRPO_SPEC.md "Per-token loss", "Aggregation",
 // "Off-policy correction", "Metrics per optimizer step").
 #pragma once
 
@@ -17,7 +17,7 @@ namespace grpo::learner {
 enum class LossType { kGrpo, kBnpo, kDrGrpo, kDapo };
 // TRL `importance_sampling_level`: token (GRPO) or sequence (GSPO).
 enum class ImportanceSamplingLevel { kToken, kSequence };
-// `importance_sampling_correction` (GRPO_SPEC.md "Off-policy correction").
+// `importance_sampling_correction` (docs/GRPO_SPEC.md "Off-policy correction").
 enum class ImportanceSamplingCorrection { kNone, kTokenTruncate, kTokenMask };
 
 // Parse the config spellings; InvalidArgument naming the value and the choices otherwise.
@@ -45,7 +45,8 @@ struct GrpoLossConfig {
   Status Validate() const;
 };
 
-// The per-step divisor of GRPO_SPEC.md "Aggregation": the same for every micro-batch of a step.
+// The per-step divisor of docs/GRPO_SPEC.md "Aggregation": the same for every micro-batch of a
+// step.
 struct LossNormaliser {
   // dapo: completion tokens of the whole optimizer step (all micro-batches; summed over the
   // data-parallel ranks and divided by the rank count). Must be > 0 for dapo.

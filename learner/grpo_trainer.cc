@@ -456,7 +456,8 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
   const bool off_policy =
       std::any_of(batch.staleness.begin(), batch.staleness.end(), [](int64_t s) { return s > 0; });
   // `old` = logp.detach() only when no optimizer step falls between this batch's generation and
-  // its last micro-batch: on-policy and every pass of it inside the step now open (GRPO_SPEC.md).
+  // its last micro-batch: on-policy and every pass of it inside the step now open
+  // (docs/GRPO_SPEC.md "Per-token loss").
   const int64_t open_micro = open_ ? open_->micro : 0;
   const bool need_old =
       off_policy || open_micro + config_.num_iterations * num_micro > ga;

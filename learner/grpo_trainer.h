@@ -1,4 +1,4 @@
-// GrpoTrainer: trains a policy on generation batches of rollout groups (GRPO_SPEC.md; TRL
+// GrpoTrainer: trains a policy on generation batches of rollout groups (docs/GRPO_SPEC.md; TRL
 // GRPOTrainer semantics for num_iterations, steps_per_generation and
 // gradient_accumulation_steps; see README "num_iterations and the generation batch").
 // Memory-flat: each micro-batch runs forward -> chunked log-probs -> loss -> backward on its
@@ -111,7 +111,7 @@ class GrpoTrainer {
   // Trains on one generation batch: refuses invalid groups (counted), computes advantages,
   // then num_iterations passes over its micro-batches, an optimizer step every
   // gradient_accumulation_steps micro-batches. Every step's gradient is the sum of its
-  // micro-batches' (GRPO_SPEC.md "Aggregation"). When the batch ends inside a step (its
+  // micro-batches' (docs/GRPO_SPEC.md "Aggregation"). When the batch ends inside a step (its
   // micro-batches x num_iterations not a multiple of gradient_accumulation_steps) the step stays
   // open and the next batch completes it, as in TRL; it is never a shorter step divided by the
   // full count. An error discards the open step and leaves the optimizer and model as they were

@@ -1,4 +1,4 @@
-// PromptLedger: the durable record of every prompt's state (ARCHITECTURE.md "A prompt is in
+// PromptLedger: the durable record of every prompt's state (docs/ARCHITECTURE.md "A prompt is in
 // exactly one state" and "State and files"). SQLite in WAL mode; every mutating call is one
 // transaction, so the state after reopening the file equals the state after the last call that
 // returned OK. No gRPC here: services/ maps these calls onto the wire.

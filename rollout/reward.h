@@ -1,5 +1,6 @@
 // Reward functions scored in-process by rollout workers, and RewardRunner, which applies several
-// of them to a group with reward_weights and a deadline per call (GRPO_SPEC.md "Rewards").
+// of them to a group with reward_weights and a deadline per call (docs/GRPO_SPEC.md "Rewards
+// and advantages").
 #pragma once
 
 #include <atomic>
@@ -104,7 +105,7 @@ class RewardRunner {
   RewardCallReport ScoreGroup(common::RolloutGroup& group, const std::string& prompt_text,
                               const nlohmann::json& row) const;
 
-  // sum_k w_k * rewards[k], nulls as 0 (GRPO_SPEC.md).
+  // sum_k w_k * rewards[k], nulls as 0 (docs/GRPO_SPEC.md).
   double WeightedReward(const common::Completion& completion) const;
 
   std::vector<std::string> names() const;

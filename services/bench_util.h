@@ -16,7 +16,7 @@ namespace grpo::services::bench {
 
 using Clock = std::chrono::steady_clock;
 
-inline constexpr int64_t kPromptLen = 64;       // BENCHMARKS.md: prompt 64 tokens
+inline constexpr int64_t kPromptLen = 64;       // docs/BENCHMARKS.md: prompt 64 tokens
 inline constexpr int64_t kCompletionLen = 128;  // completion 128 tokens
 inline constexpr int64_t kBenchGenerations = 16;  // G of learner_step / decode
 
@@ -47,7 +47,7 @@ Timing TimeIt(int reps, Fn fn) {
   return Summarize(std::move(t));
 }
 
-// The bench model of BENCHMARKS.md (preset "bench", seed 0); `layers` > 0 overrides its depth.
+// The bench model of docs/BENCHMARKS.md (preset "bench", seed 0); `layers` > 0 overrides its depth.
 std::unique_ptr<common::Model> BenchModel(int64_t layers = 0);
 
 // Random prompt + completion ids [n, kPromptLen + kCompletionLen].

@@ -17,7 +17,7 @@ void AddModelToolCommands(CLI::App& app, CliAction* action);
 void AddTrainLocalCommand(CLI::App& app, CliAction* action);
 // generate: the rollout engine as a JSON Lines tool.
 void AddGenerateCommand(CLI::App& app, CliAction* action);
-// bench: the benchmarks of ../shared/BENCHMARKS.md.
+// bench: the benchmarks of docs/BENCHMARKS.md.
 void AddBenchCommand(CLI::App& app, CliAction* action);
 // rollout (a worker against a learner) and reward-server (RewardService over built-ins).
 void AddRolloutCommands(CLI::App& app, CliAction* action);

@@ -1,4 +1,4 @@
-// grpo bench <name> [--json]: the benchmarks of ../shared/BENCHMARKS.md. Each row carries its
+// grpo bench <name> [--json]: the benchmarks of docs/BENCHMARKS.md. Each row carries its
 // own baseline measured in the same run; memory rows run each configuration in a fresh
 // process (this binary, re-executed with --child).
 #include <ATen/ATen.h>
@@ -393,15 +393,15 @@ int ExecPeerTrl(const std::vector<std::string>& flags) {
 }  // namespace
 
 void AddBenchCommand(CLI::App& app, CliAction* action) {
-  auto* cmd = app.add_subcommand("bench", "Benchmarks of ../shared/BENCHMARKS.md: "
-                                          "logprob_memory | learner_step | decode | "
-                                          "weight_sync | ingest | e2e | peer_trl");
+  auto* cmd = app.add_subcommand("bench", "Benchmarks (method: docs/BENCHMARKS.md in the "
+                                          "repository): logprob_memory | learner_step | "
+                                          "decode | weight_sync | ingest | e2e | peer_trl");
   struct Opts {
     std::string name;
     bool json = false, child = false;
     std::string impl = "chunked";
     int64_t G = 4, micro = 4;
-    int reps = 5;  // BENCHMARKS.md: median of at least 5
+    int reps = 5;  // docs/BENCHMARKS.md: median of at least 5
     std::vector<int64_t> gs = {4, 8, 16, 32, 64};
     int64_t workers = 0, steps = 0, groups = 0;
     bool gradient_checkpointing = false;

@@ -1,4 +1,4 @@
-// grpo bench weight_sync | ingest | e2e: the service benchmarks of ../shared/BENCHMARKS.md.
+// grpo bench weight_sync | ingest | e2e: the service benchmarks of docs/BENCHMARKS.md.
 // Every one runs a real LearnerServer in this process on loopback; "workers" are threads of
 // this process with their own gRPC channels (and, for Gloo, their own TCP connections), so
 // every byte crosses a real socket. Each row carries its baseline measured in the same run.

@@ -1,4 +1,4 @@
-// GlooWeightReceiver: the worker side of the Gloo weight sync (ARCHITECTURE.md
+// GlooWeightReceiver: the worker side of the Gloo weight sync (docs/ARCHITECTURE.md
 // "Weight sync"). A background thread joins the group of the current epoch
 // through the learner's Store RPC (GrpcStore; its rank is its line in the
 // epoch's roster), receives every version the learner broadcasts into fresh

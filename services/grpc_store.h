@@ -1,5 +1,5 @@
 // GrpcStore: a c10d::Store over the learner's Store RPC (learner.proto), the
-// rendezvous store of the weight-sync group (ARCHITECTURE.md "Weight sync").
+// rendezvous store of the weight-sync group (docs/ARCHITECTURE.md "Weight sync").
 // Every call carries the auth token and the group epoch and has a deadline;
 // keys live in the learner's per-epoch key space, so a store of a past epoch
 // fails every call (FailedPrecondition) instead of mixing groups.

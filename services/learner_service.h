@@ -1,5 +1,5 @@
 // LearnerServer: the learner process's gRPC face (grpo.v1.LearnerService, proto/grpo/v1/
-// learner.proto) and the training loop behind it (ARCHITECTURE.md "The flow of one training
+// learner.proto) and the training loop behind it (docs/ARCHITECTURE.md "The flow of one training
 // step"). It owns the prompt ledger, the policy, the GrpoTrainer, a bounded buffer of accepted
 // rollout groups, the worker registry, the published weights, the job state, WatchJob
 // subscribers and the c10d rendezvous store.
@@ -185,7 +185,7 @@ class LearnerServer final : public v1::LearnerService::Service {
   // Gloo versions committed to the group, and failed groups/broadcasts (each bumped the epoch).
   int64_t gloo_syncs() const { return gloo_syncs_.load(); }
   int64_t gloo_sync_failures() const { return gloo_sync_failures_.load(); }
-  // The registry holding the learner's families (GRPO_SPEC.md "Metrics per optimizer step"),
+  // The registry holding the learner's families (docs/GRPO_SPEC.md "Metrics per optimizer step"),
   // for an HttpExposer and tests; updated after each step, on ingest, publish and checkpoint.
   const common::Registry& metrics_registry() const { return *registry_; }
   const common::LearnerMetrics& metrics() const { return metrics_; }

@@ -1,6 +1,6 @@
 """grpo bench peer_trl: the same GRPO job in TRL (GRPOTrainer, transformers generation, CPU) and in
 grpo-serve, same model directory, task, config and seed, measured side by side in one run
-(../shared/BENCHMARKS.md). Run through `grpo bench peer_trl [--json] [--fast]`, or directly with
+(docs/BENCHMARKS.md). Run through `grpo bench peer_trl [--json] [--fast]`, or directly with
 the venv's Python (GRPO_BIN names the grpo binary; default <source>/build/services/grpo).
 
 Rows (ratio = ours / TRL, measured in this run):
@@ -39,7 +39,7 @@ THREADS = int(os.environ.get("GRPO_BENCH_THREADS", os.cpu_count() or 1))
 DEMO_QUESTIONS = ["Say hi.", "Name a colour.", "Count to three.", "Pick a number.",
                   "Greet me.", "Name a fruit.", "Say yes or no.", "Name an animal."]
 TARGET_LENGTH = 8
-PROMPT_LEN, COMPLETION_LEN = 64, 128  # the bench model's shapes (BENCHMARKS.md)
+PROMPT_LEN, COMPLETION_LEN = 64, 128  # the bench model's shapes (docs/BENCHMARKS.md)
 
 
 def chat_prompt(question):

@@ -208,7 +208,7 @@ TEST(GlooWeightSync, RejectsBadArgumentsWithoutARendezvous) {
 // to 2 receivers over loopback, against one memcpy of the same bytes. Not a unit test:
 // ./gloo_weight_sync_test --gtest_also_run_disabled_tests --gtest_filter='*DISABLED_*'
 TEST(GlooWeightSyncBench, DISABLED_BroadcastBenchModelToTwoReceiversVsMemcpy) {
-  // The bench model of BENCHMARKS.md: Qwen2-style, vocab 32768, hidden 256, 4 layers, 4 heads
+  // The bench model of docs/BENCHMARKS.md: Qwen2-style, vocab 32768, hidden 256, 4 layers, 4 heads
   // (2 KV heads of 64), MLP 704, tied embeddings: ~11.3 M fp32 parameters.
   auto layout = [](bool zeros) {
     NamedTensors t;

@@ -193,7 +193,7 @@ TEST(ModelConfig, PresetsMatchTheDocumentedModels) {
   EXPECT_TRUE(bench->tie_word_embeddings);
   auto m = Model::InitRandom(*bench, 1);
   ASSERT_TRUE(m.ok());
-  // BENCHMARKS.md: "about 11 M parameters".
+  // docs/BENCHMARKS.md: "about 11 M parameters".
   EXPECT_NEAR(static_cast<double>((*m)->NumParameters()), 11e6, 1e6);
 
   EXPECT_EQ(ModelConfigPreset("huge").status().code(), StatusCode::kNotFound);
@@ -731,7 +731,7 @@ TEST(ModelBench, DISABLED_BenchPresetForwardThroughput) {
     hidden_s.push_back(std::chrono::duration<double>(t1 - t0).count());
     total_s.push_back(std::chrono::duration<double>(t2 - t0).count());
   }
-  // BENCHMARKS.md: the compute ceiling, 1024x1024 fp32 mm, measured in the same run.
+  // docs/BENCHMARKS.md: the compute ceiling, 1024x1024 fp32 mm, measured in the same run.
   at::Tensor a = at::randn({1024, 1024}), bm = at::randn({1024, 1024}), c = at::empty({1024, 1024});
   std::vector<double> mm_s;
   for (int rep = 0; rep < 11; ++rep) {

@@ -1,6 +1,6 @@
 // deploy/docker-compose.yml, deploy/prometheus/prometheus.yml, deploy/config.yaml and
 // deploy/Dockerfile, checked statically (no Docker engine runs here): docker-compose and
-// promtool validate their files; the services agree with ARCHITECTURE.md "Ports and
+// promtool validate their files; the services agree with docs/ARCHITECTURE.md "Ports and
 // endpoints"; the compose healthcheck works against the real HttpExposer; the runtime image
 // installs a package for every shared library of the built `grpo`.
 #include <gtest/gtest.h>

@@ -1,6 +1,6 @@
 // deploy/k8s/ (kustomize), checked statically with yaml-cpp: every resource file exists and
 // parses; selectors match pod labels; container, probe, Service and annotation ports agree
-// with ARCHITECTURE.md "Ports and endpoints" (learner gRPC 50051 + metrics 9400, worker
+// with docs/ARCHITECTURE.md "Ports and endpoints" (learner gRPC 50051 + metrics 9400, worker
 // metrics 9401); volumes, the ConfigMap and the Secret fit together.
 #include <gtest/gtest.h>
 #include <yaml-cpp/yaml.h>

@@ -1,5 +1,5 @@
 // Advantages and the GRPO loss against hand-computed numbers and against tests/reference/
-// grpo_ref.py, an independent PyTorch transcription of GRPO_SPEC.md; and the property that one
+// grpo_ref.py, an independent PyTorch transcription of docs/GRPO_SPEC.md; and the property that one
 // optimizer step's gradient does not depend on its micro-batch split.
 #include "learner/grpo_loss.h"
 
@@ -677,7 +677,8 @@ INSTANTIATE_TEST_SUITE_P(EveryLossType, StepGradient,
                          [](const auto& info) { return std::string(LossTypeName(info.param)); });
 
 TEST(GrpoLoss, BnpoNormalisesPerMicroBatchSoUnequalLengthsChangeTheStep) {
-  // Documented TRL behaviour (GRPO_SPEC.md Aggregation: sum / sum m per micro-batch, then / GA).
+  // Documented TRL behaviour (docs/GRPO_SPEC.md "Aggregation": sum / sum m per micro-batch,
+  // then / GA).
   const GrpoLossConfig cfg = FullConfig(LossType::kBnpo, ImportanceSamplingLevel::kToken);
   const StepResult one = RunStep(cfg, 1, VaryingMask(), true);
   const StepResult eight = RunStep(cfg, 8, VaryingMask(), true);

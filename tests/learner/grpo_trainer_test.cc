@@ -280,7 +280,7 @@ TEST(GrpoTrainer, BatchDumpHoldsInputsAndMetrics) {
   EXPECT_DOUBLE_EQ(metrics["loss"].get<double>(), r->steps[0].loss);
 }
 
-// GRPO_SPEC.md: `old = logp.detach()` only when no optimizer step falls inside the generation
+// docs/GRPO_SPEC.md: `old = logp.detach()` only when no optimizer step falls inside the generation
 // batch. Here the batch is 2 micro-batches with gradient_accumulation_steps 1 (TRL:
 // steps_per_generation 2), num_iterations 1, on-policy: step 2 runs after step 1 moved the
 // policy, so its ratio must be exp(logp - old) with old from the batch's start. With
@@ -312,7 +312,7 @@ TEST(GrpoTrainer, BatchSpanningTwoStepsUsesOldLogprobsFromItsStart) {
 }
 
 // An optimizer step is always gradient_accumulation_steps micro-batches, spanning generation
-// batches when it must (GRPO_SPEC.md, TRL): the same four micro-batches (one group each) fed
+// batches when it must (docs/GRPO_SPEC.md, TRL): the same four micro-batches (one group each) fed
 // as generation batches of 1, 2 or 4 micro-batches (steps_per_generation 1, 2, 4) against 2
 // accumulation steps give two steps of 2 micro-batches each, and the first step's loss and
 // gradient norm do not depend on the split. (steps_per_generation 1 used to take four

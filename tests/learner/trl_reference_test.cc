@@ -3,7 +3,7 @@
 // tests/reference/trl_grpo_ref.py loads the weights that step started from with transformers and
 // runs `trl.GRPOTrainer._compute_loss` (and its `_get_per_token_logps_and_entropies`) on the
 // dumped batch. The step's loss, gradient norm and logged metrics must be TRL's
-// (GRPO_SPEC.md "Per-token loss", "Aggregation", "Metrics per optimizer step").
+// (docs/GRPO_SPEC.md "Per-token loss", "Aggregation", "Metrics per optimizer step").
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -67,7 +67,7 @@ void PrintTo(const TrlCase& c, std::ostream* os) { *os << c.Name(); }
 // Every loss type, with and without KL, one and two passes over the batch; plus two-sided
 // clipping (delta < 1 + epsilon_high, so TRL never flags a high clip) and sequence-level
 // importance sampling (GSPO, a smaller step so that not every sequence is clipped); and steps of
-// two micro-batches (GRPO_SPEC.md "Aggregation"; TRL logs metrics per micro-batch).
+// two micro-batches (docs/GRPO_SPEC.md "Aggregation"; TRL logs metrics per micro-batch).
 std::vector<TrlCase> AllCases() {
   std::vector<TrlCase> cases;
   for (const char* lt : {"grpo", "bnpo", "dr_grpo", "dapo"}) {

@@ -1,4 +1,4 @@
-"""Independent PyTorch transcription of GRPO_SPEC.md (rewards, advantages, the per-token loss,
+"""Independent PyTorch transcription of docs/GRPO_SPEC.md (rewards, advantages, the per-token loss,
 aggregation, importance-sampling correction and the clip metrics), for the unit tests that need
 arbitrary tensors in and out. Written from the spec and TRL 1.16, not from the C++ code; run with
 the project's venv Python. TRL's own code checks the same loss on real batches in
