@@ -1,4 +1,4 @@
-// The project's metric families, defined in this one place (STYLE.md rule 9; docs/GRPO_SPEC.md
+// The project's metric families, defined in this one place (docs/GRPO_SPEC.md
 // "Metrics per optimizer step"). Each process creates one LearnerMetrics or WorkerMetrics
 // against its Registry at start-up and updates the families through the pointers, which the
 // registry owns (they live as long as it does). Every label takes values from a fixed set below

@@ -2,7 +2,7 @@
 //   GET /metrics  200, `text/plain; version=0.0.4; charset=utf-8`, body Registry::Expose()
 //   GET /healthz  200 "ok", or 503 with the health callback's message
 // 404 for other paths, 405 for other methods. Every socket read and write has a deadline
-// (STYLE.md rule 5), so an idle or slow client cannot hold the server.
+// (house rule: every network wait has one), so an idle or slow client cannot hold the server.
 #pragma once
 
 #include <chrono>
