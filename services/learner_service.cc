@@ -264,9 +264,15 @@ Status LearnerServer::Stop(bool checkpoint) {
   if (sync_thread_.joinable()) sync_thread_.join();
 
   Status result;
-  if (checkpoint && trainer_->open_step_micro_batches() > 0) {
+  bool done = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done = state_ == JobState::kDone;
+  }
+  if (checkpoint && !done && trainer_->open_step_micro_batches() > 0) {
     // Stopping inside an optimizer step: take it with the micro-batches it has (the ledger
-    // already recorded its groups under that step), so that the checkpoint holds them.
+    // already recorded its groups under that step), so that the checkpoint holds them. Not at
+    // max_steps: the job ended there, and its open step's groups went back to the queue.
     auto flushed = trainer_->FlushPartialStep();
     if (flushed.ok() && flushed->has_value()) {
       RecordStepMetrics(**flushed);
