@@ -684,7 +684,11 @@ void RolloutWorker::HeartbeatLoop() {
       if (response.shutdown()) learner_shutdown_ = true;
       {
         std::lock_guard<std::mutex> relock(mu_);
-        if (response.learner_incarnation() != learner_incarnation_) needs_register_ = true;
+        // Another learner process answers (it restarted): register again and take its weights.
+        if (!response.learner_incarnation().empty() &&
+            response.learner_incarnation() != learner_incarnation_) {
+          needs_register_ = true;
+        }
       }
     } else {
       counters_.heartbeat_failures += 1;
