@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <iterator>
 #include <optional>
-#include <tuple>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string_view>
@@ -832,32 +831,33 @@ StatusOr<RollbackResult> PromptLedger::RollbackTo(int64_t step) {
   // step moved them on): back to the earliest pass they owe. Leased rows are left to their
   // lease; MarkTrained takes the owed pass after it.
   ASSIGN_OR_RETURN(const int64_t job_pass, JobPass(path_, db_));
-  std::vector<std::pair<std::string, int64_t>> owe;
+  struct Owing {
+    std::string id, state;
+    int64_t pass = 0, first_pass = 0;
+  };
+  std::vector<Owing> rows;
   {
     ASSIGN_OR_RETURN(Statement select,
                      Statement::Prepare(path_, db_,
-                                        "SELECT id, pass, first_pass FROM prompts "
+                                        "SELECT id, state, pass, first_pass FROM prompts "
                                         "WHERE state IN ('QUEUED', 'TRAINED') AND "
                                         "trained_passes < pass - first_pass + (state = 'TRAINED')"));
-    std::vector<std::tuple<std::string, int64_t, int64_t>> rows;
     while (true) {
       ASSIGN_OR_RETURN(bool has_row, select.Step());
       if (!has_row) break;
-      rows.emplace_back(select.Text(0), select.Int(1), select.Int(2));
-    }
-    for (const auto& [id, pass, first_pass] : rows) {
-      ASSIGN_OR_RETURN(std::vector<int64_t> trained, TrainedPasses(path_, db_, id));
-      const int64_t missing = FirstMissingPass(trained, first_pass, job_pass);
-      if (missing >= 0 && missing < pass + 1) owe.emplace_back(id, missing);
+      rows.push_back({select.Text(0), select.Text(1), select.Int(2), select.Int(3)});
     }
   }
-  for (const auto& [id, pass] : owe) {
-    ASSIGN_OR_RETURN(std::optional<RowState> row, ReadRow(path_, db_, id));
-    if (row && (row->state == "QUEUED" ? pass < row->pass : true)) {
-      if (row->state == "TRAINED") ++result.requeued;
-      RETURN_IF_ERROR(QueueRow(path_, db_, id, pass, now));
-      ++result.moved_back;
-    }
+  for (const Owing& row : rows) {
+    ASSIGN_OR_RETURN(std::vector<int64_t> trained, TrainedPasses(path_, db_, row.id));
+    const int64_t missing = FirstMissingPass(trained, row.first_pass, job_pass);
+    // A queued row moves back only to an earlier pass; a trained one to any pass it owes.
+    const bool move = row.state == "QUEUED" ? missing >= 0 && missing < row.pass
+                                            : missing >= 0 && missing <= row.pass;
+    if (!move) continue;
+    if (row.state == "TRAINED") ++result.requeued;
+    RETURN_IF_ERROR(QueueRow(path_, db_, row.id, missing, now));
+    ++result.moved_back;
   }
   RETURN_IF_ERROR(txn.Commit());
   return result;
@@ -941,10 +941,7 @@ StatusOr<LedgerCounts> PromptLedger::CountsForDataset(const std::string& dataset
 
 StatusOr<LedgerCounts> PromptLedger::CountsLocked(const std::string* dataset_id) {
   LedgerCounts counts;
-  ASSIGN_OR_RETURN(Statement job, Statement::Prepare(path_, db_, "SELECT pass FROM job"));
-  ASSIGN_OR_RETURN(bool has_job, job.Step());
-  if (!has_job) return Status::DataLoss("prompt ledger " + path_ + ": job row is missing");
-  counts.pass = job.Int(0);
+  ASSIGN_OR_RETURN(counts.pass, JobPass(path_, db_));
 
   ASSIGN_OR_RETURN(Statement select,
                    Statement::Prepare(path_, db_,

@@ -123,11 +123,7 @@ class ChaosTest : public FaultToleranceTest {
     const std::string id = std::string("worker-") + static_cast<char>('a' + w);
     const std::string name = id + "." + std::to_string(++spawned_[id]);
     worker_names_[w] = name;
-    ASSERT_GT(
-        children_->Spawn(name, {GrpoBin(), "--log_level", "info", "rollout", "--learner_address",
-                                "127.0.0.1:" + std::to_string(port), "--metrics_port", "0",
-                                "--auth_token_file", (dir_ / "token").string(), "--worker_id", id}),
-        0);
+    StartWorker(name, port, {}, id);
   }
 
   int StartLearnerIncarnation(int port, int64_t max_steps) {

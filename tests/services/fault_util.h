@@ -274,7 +274,9 @@ class FaultToleranceTest : public ::testing::Test {
     return line["port"].get<int>();
   }
 
-  void StartWorker(const std::string& name, int port, std::vector<std::string> extra = {}) {
+  // `grpo rollout` as process `name`, with worker id `worker_id` (default: `name`).
+  void StartWorker(const std::string& name, int port, std::vector<std::string> extra = {},
+                   const std::string& worker_id = "") {
     std::vector<std::string> args = {GrpoBin(),
                                      "--log_level",
                                      "info",
@@ -286,7 +288,7 @@ class FaultToleranceTest : public ::testing::Test {
                                      "--auth_token_file",
                                      (dir_ / "token").string(),
                                      "--worker_id",
-                                     name};
+                                     worker_id.empty() ? name : worker_id};
     args.insert(args.end(), extra.begin(), extra.end());
     ASSERT_GT(children_->Spawn(name, args), 0);
   }
