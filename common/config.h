@@ -94,7 +94,10 @@ struct GrpoConfig {
   int64_t metrics_port = 9400;
   std::string ledger_path;  // default: <output_dir>/ledger.sqlite
   double lease_seconds = 300.0;
-  std::string weight_sync_backend = "gloo";  // gloo | nccl | grpc
+  // gloo | nccl | cuda_ipc | auto | grpc (docs/ARCHITECTURE.md "Weight sync"): the worker's
+  // request; the learner assigns at Register (auto: cuda_ipc on its GPU, nccl on another GPU,
+  // gloo on the CPU).
+  std::string weight_sync_backend = "gloo";
   int64_t weight_sync_steps = 1;
   std::string auth_token_file;
   // TLS (off unless set). The learner serves TLS with tls_cert_file + tls_key_file (PEM, both or

@@ -56,7 +56,7 @@ step() {
 # The device-generic tests (run on the GPU machine too: they must pass there) and the benches.
 GENERIC_TESTS="config_test model_test chunked_logprobs_test optimizer_test grpo_trainer_test
   rollout_sampler_test rollout_generator_test device_test precision_test"
-GPU_TESTS_DEFAULT="cuda_parity_test nccl_weight_sync_test"
+GPU_TESTS_DEFAULT="cuda_parity_test nccl_weight_sync_test cuda_ipc_weight_sync_test"
 TARGETS="$GENERIC_TESTS cuda_parity_test grpo_gpu_bench"
 GPU_BUILT=""
 
@@ -130,6 +130,8 @@ if [ -n "$BIN" ]; then
   SMALL=$( [ $HAVE_GPU = 1 ] || echo --small)
   step bench "$T_BENCH" bash -c "set -o pipefail; \"$BIN/grpo_gpu_bench\" $SMALL | tee \"$LOGS/bench.jsonl\""
   step hf_generate "$T_HF" bash -c "set -o pipefail; PYTHONUNBUFFERED=1 \"$PY\" \"$ROOT/tests/bench/hf_generate_bench.py\" $SMALL | tee -a \"$LOGS/bench.jsonl\""
+  # The CUDA-IPC sync time of a 0.6B-sized model is measured inside its two-process test.
+  grep -h '^{"bench": "cuda_ipc_sync"' "$LOGS/cuda_ipc_weight_sync_test.log" >>"$LOGS/bench.jsonl" 2>/dev/null || true
 fi
 
 # The one JSON summary line.
@@ -181,6 +183,11 @@ if "decode" in bench and "hf_generate" in bench and "tokens_per_second" in bench
     bench["decode"]["speedup_vs_hf_generate"] = (
         bench["decode"]["tokens_per_second"] / bench["hf_generate"]["tokens_per_second"])
     bench["decode"]["goal_speedup_vs_hf_generate"] = 2.0
+# CUDA-IPC sync of the 0.6B model against a learner step of the same shape (goal <= 5%).
+if "cuda_ipc_sync" in bench and "learner_step" in bench and bench["learner_step"].get("step_seconds"):
+    bench["cuda_ipc_sync"]["fraction_of_learner_step"] = (
+        bench["cuda_ipc_sync"]["seconds_median"] / bench["learner_step"]["step_seconds"])
+    bench["cuda_ipc_sync"]["goal_fraction_of_learner_step"] = 0.05
 print(json.dumps({
     "gpu_check": "ok" if steps and not failed and not missing and all(s["rc"] == 0 for s in steps) else "failed",
     "gpu": os.environ.get("GPU_NAME"), "mode": os.environ.get("MODE"),

@@ -1,7 +1,7 @@
 // WeightReceiver: where a rollout worker gets a policy version's weights from. Implementations:
 // services::GrpcWeightReceiver (the learner's chunked GetWeights stream, the fallback that always
-// works) and, later, a c10d receiver (Gloo on CPU, NCCL on GPU) beside the learner's WeightSync.
-// Header only and free of gRPC, so a c10d receiver can live in rollout/.
+// works) and rollout::GroupWeightReceiver (the learner's weight-sync group: Gloo, NCCL or CUDA
+// IPC, rollout/group_weight_receiver.h). Header only and free of gRPC.
 #pragma once
 
 #include <chrono>
@@ -16,6 +16,15 @@ namespace grpo::rollout {
 // Deadline for receiving every tensor of one policy version.
 inline constexpr std::chrono::milliseconds kDefaultWeightReceiveTimeout{300000};
 
+// What the learner said of this worker's weight-sync group at its last Register/Heartbeat.
+struct GroupMembership {
+  std::string worker_id;
+  int64_t epoch = 0;  // 0: not registered yet
+  // The backend the learner assigned at Register (common/weight_sync/group.h AssignBackend);
+  // empty from a learner that does not assign (then: the one the worker asked for).
+  std::string backend;
+};
+
 // Not thread-safe: one Receive at a time (a worker's main loop calls it between rounds).
 class WeightReceiver {
  public:
@@ -29,12 +38,13 @@ class WeightReceiver {
   virtual StatusOr<int64_t> Receive(int64_t min_version, common::Model& model,
                                     std::chrono::milliseconds timeout) = 0;
 
-  // "grpc", "gloo", "nccl": what to report in logs and on Register.
+  // "grpc", "gloo", "nccl", "cuda_ipc", "auto": what the worker asks for on Register.
   virtual std::string backend() const = 0;
 
-  // The worker's id and the weight-sync group epoch, after every Register and Heartbeat. Called
-  // from the worker's heartbeat thread too: receivers that use it make it thread-safe.
-  virtual void SetGroup(const std::string& /*worker_id*/, int64_t /*group_epoch*/) {}
+  // The worker's id, the weight-sync group epoch and the backend the learner assigned, after
+  // every Register and Heartbeat. Called from the worker's heartbeat thread too: receivers that
+  // use it make it thread-safe.
+  virtual void SetGroup(const GroupMembership& /*membership*/) {}
 };
 
 }  // namespace grpo::rollout

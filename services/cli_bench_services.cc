@@ -25,7 +25,8 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/gloo_weight_sync.h"
+#include "common/weight_sync/epoch_store.h"
+#include "common/weight_sync/gloo_weight_sync.h"
 #include "common/metrics.h"
 #include "common/model.h"
 #include "common/model_config.h"
@@ -218,9 +219,9 @@ int RunWeightSync(const ServiceBenchOptions& o) {
   const auto setup_t0 = Clock::now();
   for (int i = 0; i < workers; ++i) {
     threads.emplace_back([&, i] {
-      auto store = GrpcStore::Connect(OwnChannel(address, i), "", epoch,
-                                      std::chrono::duration_cast<std::chrono::milliseconds>(
-                                          kSyncTimeout));
+      const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(kSyncTimeout);
+      auto store = c10::make_intrusive<common::C10dEpochStore>(
+          GrpcEpochStore::Connect(OwnChannel(address, i), "", timeout), epoch, timeout);
       auto sync = common::CreateGlooWeightSync(store, i + 1, workers + 1, epoch, gopts);
       if (!sync.ok()) {
         worker_status[i] = sync.status();
@@ -244,8 +245,9 @@ int RunWeightSync(const ServiceBenchOptions& o) {
   double setup_s = 0;
   std::vector<double> gloo_samples;
   {
-    auto store = server->LocalStore(
-        epoch, std::chrono::duration_cast<std::chrono::milliseconds>(kSyncTimeout));
+    auto store = c10::make_intrusive<common::C10dEpochStore>(
+        server->epoch_store(), epoch,
+        std::chrono::duration_cast<std::chrono::milliseconds>(kSyncTimeout));
     auto sync = common::CreateGlooWeightSync(store, 0, workers + 1, epoch, gopts);
     setup_s = Seconds(setup_t0);
     if (!sync.ok()) {
@@ -682,8 +684,8 @@ StatusOr<E2eResult> RunE2eOnce(int64_t max_staleness, int64_t num_iterations, in
     wo.metrics_registry = registries.back().get();
     wo.backoff.initial = 5ms;
     wo.backoff.max = 100ms;
-    wo.gloo.hostname = "127.0.0.1";
-    wo.gloo.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(kSyncTimeout);
+    wo.weight_group.hostname = "127.0.0.1";
+    wo.weight_group.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(kSyncTimeout);
     ASSIGN_OR_RETURN(auto w, RolloutWorker::Create(std::move(wo)));
     rollout_workers.push_back(std::move(w));
   }

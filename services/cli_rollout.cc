@@ -55,7 +55,9 @@ int RunRollout(const RolloutCliOptions& o) {
     return code;
   };
   common::GrpoConfig cfg;
-  cfg.weight_sync_backend = "grpc";  // the only worker-side receiver so far
+  // GetWeights unless the config or --weight_sync_backend asks for a group (gloo, nccl,
+  // cuda_ipc, auto): a one-off worker needs no rendezvous.
+  cfg.weight_sync_backend = "grpc";
   if (Status s = common::ApplyConfigOverrides(cfg, o.overrides); !s.ok()) return fail(s, 2);
   cfg.learner_address = o.learner_address;
   if (Status s = cfg.Validate(); !s.ok()) return fail(s, 2);
@@ -92,7 +94,7 @@ int RunRollout(const RolloutCliOptions& o) {
   wo.learner_address = cfg.learner_address;
   wo.auth_token = *token;
   wo.reward_auth_token = *reward_token;
-  wo.gloo.hostname = cfg.weight_sync_hostname;
+  wo.weight_group.hostname = cfg.weight_sync_hostname;
   wo.root_certs_pem = *root_certs;
   wo.worker_id = o.worker_id;
   wo.config = cfg;

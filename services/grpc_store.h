@@ -1,8 +1,9 @@
-// GrpcStore: a c10d::Store over the learner's Store RPC (learner.proto), the
-// rendezvous store of the weight-sync group (docs/ARCHITECTURE.md "Weight sync").
-// Every call carries the auth token and the group epoch and has a deadline;
-// keys live in the learner's per-epoch key space, so a store of a past epoch
-// fails every call (FailedPrecondition) instead of mixing groups.
+// GrpcEpochStore: a worker's EpochStore (common/weight_sync/epoch_store.h) over the learner's
+// Store RPC (learner.proto), the rendezvous store of the weight-sync groups
+// (docs/ARCHITECTURE.md "Weight sync"). Every call carries the auth token and the group epoch
+// and has a deadline; the learner serves its InMemoryEpochStore behind the RPC, so a call of a
+// past epoch fails (FailedPrecondition) instead of mixing groups. c10d gets it through
+// common::C10dEpochStore.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -12,79 +13,57 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
 #include "common/status.h"
+#include "common/weight_sync/epoch_store.h"
 #include "grpo/v1/learner.grpc.pb.h"
 
 namespace grpo::services {
 
-// The default deadline of a store call (a GET or wait waits this long for its
-// keys).
+// The deadline of a store call that does not wait.
 inline constexpr std::chrono::milliseconds kDefaultGrpcStoreTimeout{60'000};
-// Added to a waiting call's RPC deadline so the server's own timeout answers
-// first.
+// Added to a waiting call's RPC deadline so the server's own timeout answers first.
 inline constexpr std::chrono::milliseconds kStoreRpcSlack{2000};
 
-// The weight-sync group's keys (per epoch): the roster (worker ids of
-// ranks 1..N, one a line) and the announcement of the k-th version of the epoch
-// (its policy version, decimal), written by the learner before it calls Begin.
-inline constexpr const char *kWeightSyncRosterKey = "grpo/gloo/roster";
-inline constexpr const char *kWeightSyncVersionKeyPrefix = "grpo/gloo/version/";
-
 // One Store RPC: (request, response, deadline of the call) -> status.
-using StoreCall =
-    std::function<Status(const v1::StoreRequest &, v1::StoreResponse *,
-                         std::chrono::milliseconds deadline)>;
+using StoreCall = std::function<Status(const v1::StoreRequest&, v1::StoreResponse*,
+                                       std::chrono::milliseconds deadline)>;
 
-// Thread-safe (c10d calls it from several threads). The c10d overrides throw
-// c10::Error carrying the Status text (c10d's contract); the Status methods
-// below do not throw.
-class GrpcStore final : public c10d::Store {
-public:
-  // `call` reaches the learner (a Stub through Connect, or the server
-  // in-process).
-  GrpcStore(StoreCall call, int64_t epoch, std::chrono::milliseconds timeout);
+// Thread-safe. Errors: the learner's (see common::EpochStore), Unavailable when it is gone,
+// Unimplemented from a learner without the Store RPC.
+class GrpcEpochStore final : public common::EpochStore {
+ public:
+  // `call` reaches the learner (a Stub through Connect, or a server in-process in tests).
+  explicit GrpcEpochStore(StoreCall call,
+                          std::chrono::milliseconds timeout = kDefaultGrpcStoreTimeout);
   // A store over LearnerService.Store on `channel`; `auth_token` may be empty.
-  static c10::intrusive_ptr<GrpcStore>
-  Connect(std::shared_ptr<grpc::Channel> channel, std::string auth_token,
-          int64_t epoch,
-          std::chrono::milliseconds timeout = kDefaultGrpcStoreTimeout);
+  static std::shared_ptr<GrpcEpochStore> Connect(
+      std::shared_ptr<grpc::Channel> channel, std::string auth_token,
+      std::chrono::milliseconds timeout = kDefaultGrpcStoreTimeout);
 
-  int64_t epoch() const { return epoch_; }
+  StatusOr<std::string> Get(int64_t epoch, const std::string& key,
+                            std::chrono::milliseconds timeout) override;
+  Status Set(int64_t epoch, const std::string& key, const std::string& value) override;
+  StatusOr<int64_t> Add(int64_t epoch, const std::string& key, int64_t delta) override;
+  StatusOr<bool> Check(int64_t epoch, const std::vector<std::string>& keys) override;
+  StatusOr<bool> Delete(int64_t epoch, const std::string& key) override;
+  StatusOr<int64_t> NumKeys(int64_t epoch) override;
+  StatusOr<std::string> CompareSet(int64_t epoch, const std::string& key,
+                                   const std::string& expected, const std::string& desired,
+                                   bool* swapped) override;
 
-  // Waits for `key` up to `timeout`: DeadlineExceeded then, FailedPrecondition
-  // when the epoch ended, Unavailable when the learner is gone or stopping.
-  StatusOr<std::string> Get(const std::string &key,
-                            std::chrono::milliseconds timeout);
-  Status Set(const std::string &key, const std::string &value);
-  StatusOr<int64_t> Add(const std::string &key, int64_t delta);
-
-  // --- c10d::Store.
-  void set(const std::string &key, const std::vector<uint8_t> &value) override;
-  std::vector<uint8_t> compareSet(const std::string &key,
-                                  const std::vector<uint8_t> &expected,
-                                  const std::vector<uint8_t> &desired) override;
-  std::vector<uint8_t>
-  get(const std::string &key) override; // waits up to getTimeout()
-  int64_t add(const std::string &key, int64_t value) override;
-  bool deleteKey(const std::string &key) override;
-  bool check(const std::vector<std::string> &keys) override;
-  int64_t getNumKeys() override;
-  void wait(const std::vector<std::string> &keys) override;
-  void wait(const std::vector<std::string> &keys,
-            const std::chrono::milliseconds &timeout) override;
-  // A second client of the same store (same call, epoch and timeout); libtorch 2.x's c10d
-  // clones a store for each thread that talks to it.
-  c10::intrusive_ptr<c10d::Store> clone() override;
-
-private:
-  StatusOr<v1::StoreResponse> Call(v1::StoreRequest request,
+ private:
+  StatusOr<v1::StoreResponse> Call(int64_t epoch, v1::StoreRequest request,
                                    std::chrono::milliseconds deadline);
 
   const StoreCall call_;
-  const int64_t epoch_;
+  const std::chrono::milliseconds timeout_;
 };
 
-} // namespace grpo::services
+// The Store RPC's body on the learner: `request` against `store` (`cancelled` may be empty:
+// in-process calls). Statuses are the store's.
+Status ServeStoreRequest(common::InMemoryEpochStore& store, const v1::StoreRequest& request,
+                         v1::StoreResponse* response, const std::function<bool()>& cancelled);
+
+}  // namespace grpo::services

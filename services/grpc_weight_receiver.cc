@@ -3,8 +3,11 @@
 #include <cstring>
 #include <exception>
 
+#include "common/weight_sync/backends.h"
+#include "common/weight_sync/group.h"
 #include "services/auth.h"
 #include "services/convert.h"
+#include "services/grpc_store.h"
 
 namespace grpo::services {
 
@@ -123,6 +126,30 @@ StatusOr<int64_t> GrpcWeightReceiver::Receive(int64_t min_version, common::Model
                                                            std::to_string(assembler.version())));
   last_bytes_ = assembler.bytes_received();
   return assembler.version();
+}
+
+StatusOr<std::unique_ptr<rollout::WeightReceiver>> MakeWeightReceiver(
+    std::shared_ptr<grpc::Channel> channel, const std::string& auth_token,
+    const std::string& backend, int64_t chunk_bytes, const WeightGroupOptions& group,
+    const at::Device& device) {
+  auto grpc_receiver = std::make_unique<GrpcWeightReceiver>(channel, auth_token, chunk_bytes);
+  if (backend == common::kBackendGrpc) return std::unique_ptr<rollout::WeightReceiver>(std::move(grpc_receiver));
+  if (!common::IsWeightSyncBackendName(backend)) {
+    return Status::InvalidArgument("config key 'weight_sync_backend': unknown backend '" +
+                                   backend + "' (grpc, gloo, nccl, cuda_ipc or auto)");
+  }
+  common::WeightSyncBackendOptions o;
+  o.timeout = group.timeout;
+  o.hostname = group.hostname;
+  o.cuda_device = std::max(0, common::CudaOrdinal(device.str()));
+  rollout::GroupWeightReceiverOptions r;
+  r.requested_backend = backend;
+  r.timeout = group.timeout;
+  r.version_wait = group.version_wait;
+  r.device = device;
+  return std::unique_ptr<rollout::WeightReceiver>(std::make_unique<rollout::GroupWeightReceiver>(
+      GrpcEpochStore::Connect(std::move(channel), auth_token, group.timeout),
+      std::move(grpc_receiver), common::BuiltinWeightSyncFactory(o), r));
 }
 
 }  // namespace grpo::services

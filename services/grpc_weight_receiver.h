@@ -1,6 +1,7 @@
 // The gRPC weight path of a rollout worker: LearnerService.GetWeights streams a policy version as
 // chunks of its tensors; WeightAssembler puts them back together and GrpcWeightReceiver loads
-// them into a fresh Model.
+// them into a fresh Model. MakeWeightReceiver builds a worker's receiver for its
+// weight_sync_backend (a group receiver over the learner's Store RPC, GetWeights behind it).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -14,6 +15,7 @@
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "grpo/v1/learner.grpc.pb.h"
+#include "rollout/group_weight_receiver.h"
 #include "rollout/weight_receiver.h"
 
 namespace grpo::services {
@@ -74,5 +76,23 @@ class GrpcWeightReceiver final : public rollout::WeightReceiver {
   const int64_t chunk_bytes_;
   int64_t last_bytes_ = 0;
 };
+
+// How a worker's group receiver joins the learner's weight-sync groups.
+struct WeightGroupOptions {
+  // Deadline of the rendezvous and of each collective (the learner's weight_sync_timeout).
+  std::chrono::milliseconds timeout = common::kDefaultBroadcastTimeout;
+  // Receive waits this long for the group's copy of a version before it uses GetWeights.
+  std::chrono::milliseconds version_wait = rollout::kDefaultGroupVersionWait;
+  std::string hostname;  // gloo: the address this rank listens on (empty: the hostname)
+};
+
+// The receiver of a worker whose weight_sync_backend is `backend`: "grpc" is a
+// GrpcWeightReceiver; gloo, nccl, cuda_ipc and auto are a rollout::GroupWeightReceiver over the
+// learner's Store RPC (GrpcEpochStore) with the built-in backends, receiving on `device` (the
+// GPU backends) and falling back to GetWeights. InvalidArgument for another name.
+StatusOr<std::unique_ptr<rollout::WeightReceiver>> MakeWeightReceiver(
+    std::shared_ptr<grpc::Channel> channel, const std::string& auth_token,
+    const std::string& backend, int64_t chunk_bytes, const WeightGroupOptions& group,
+    const at::Device& device);
 
 }  // namespace grpo::services

@@ -83,11 +83,6 @@ std::map<std::string, double> FlattenMetrics(const learner::StepMetrics& step) {
   return out;
 }
 
-Status CheckStoreKey(const std::string& key) {
-  if (key.empty()) return Status::InvalidArgument("Store: empty key");
-  return Status::OK();
-}
-
 }  // namespace
 
 std::string_view JobStateName(JobState state) {
@@ -126,6 +121,7 @@ StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
   if (!options.now_ms) options.now_ms = SystemNowMs;
   std::unique_ptr<LearnerServer> s(new LearnerServer(std::move(config), std::move(options)));
   s->incarnation_ = NewIncarnation();
+  s->endpoint_ = common::LocalSyncEndpoint(device.str());
   const common::GrpoConfig& cfg = s->config_;
   s->registry_ = s->options_.metrics_registry;
   if (s->registry_ == nullptr) {
@@ -238,7 +234,9 @@ Status LearnerServer::Start() {
   }
   started_ok_ = true;
   train_thread_ = std::thread([this] { TrainLoop(); });
-  sync_thread_ = std::thread([this] { WeightSyncLoop(); });
+  for (size_t i = 0; i < common::GroupBackends().size(); ++i) {
+    sync_threads_.emplace_back([this, i] { WeightSyncLoop(i); });
+  }
   GRPO_LOG_INFO("learner: serving on port {} (step {}, policy version {})", port_,
                 trainer_->global_step(), trainer_->policy_version());
   return Status::OK();
@@ -255,13 +253,11 @@ Status LearnerServer::Stop(bool checkpoint) {
   train_cv_.notify_all();
   room_cv_.notify_all();
   state_cv_.notify_all();
-  {
-    std::lock_guard<std::mutex> lock(store_mu_);
-    store_stopping_ = true;
-  }
-  store_cv_.notify_all();
+  epoch_store_->Stop();
   if (train_thread_.joinable()) train_thread_.join();
-  if (sync_thread_.joinable()) sync_thread_.join();
+  for (std::thread& t : sync_threads_) {
+    if (t.joinable()) t.join();
+  }
 
   Status result;
   bool done = false;
@@ -479,7 +475,7 @@ void LearnerServer::DropDeadWorkersLocked() {
   std::sort(by_rank.begin(), by_rank.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
   for (size_t i = 0; i < by_rank.size(); ++i) by_rank[i].second->rank = static_cast<int32_t>(i + 1);
-  group_epoch_.fetch_add(1);
+  epoch_store_->Advance();
 }
 
 void LearnerServer::TrainBatch(std::vector<BufferedGroup> batch) {
@@ -606,11 +602,29 @@ void LearnerServer::RequeueUntrained(const learner::TrainedGroup& key, std::stri
 Status LearnerServer::PublishWeights() {
   const auto publish_start = Clock::now();
   auto snap = std::make_shared<WeightSnapshot>();
+  // A copy on the GPU too while a worker gets its weights over a GPU backend (NCCL, CUDA IPC):
+  // it costs one model's memory there, so only then.
+  bool on_device = false;
+  if (!policy_->device().is_cpu()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, w] : workers_) {
+      on_device = on_device || w.assigned_backend == common::kBackendNccl ||
+                  w.assigned_backend == common::kBackendCudaIpc;
+    }
+  }
   try {
     at::NoGradGuard no_grad;
     snap->version = trainer_->policy_version();
     for (const auto& [name, t] : policy_->NamedParameters()) {
-      snap->tensors.emplace_back(name, t.detach().to(at::kCPU).contiguous().clone());
+      if (on_device) {
+        at::Tensor copy = t.detach().contiguous().clone();
+        // The CPU copy is made from the device copy and waits for it, so both are complete
+        // when the snapshot is published.
+        snap->tensors.emplace_back(name, copy.to(at::kCPU));
+        snap->device_tensors.emplace_back(name, std::move(copy));
+      } else {
+        snap->tensors.emplace_back(name, t.detach().to(at::kCPU).contiguous().clone());
+      }
     }
   } catch (const c10::Error& e) {
     return Status::Internal(std::string("snapshot weights: ") + e.what_without_backtrace());
@@ -628,84 +642,52 @@ Status LearnerServer::PublishWeights() {
   return Status::OK();
 }
 
-// The weight-sync group of one epoch: the roster (worker ids of ranks 1..N, one a line) is in
-// the store under kWeightSyncRosterKey; version k of the epoch is announced under
-// kWeightSyncVersionKeyPrefix + k before the learner calls Begin (see GlooWeightReceiver).
-void LearnerServer::WeightSyncLoop() {
-  std::unique_ptr<common::WeightSync> sync;
-  c10::intrusive_ptr<GrpcStore> store;
-  int64_t last_sent = -1, seq = 0;
-  common::GlooWeightSyncOptions sync_options;
-  sync_options.sync.timeout = options_.weight_sync_timeout;
-  sync_options.hostname = options_.weight_sync_hostname.empty() ? config_.weight_sync_hostname
-                                                                : options_.weight_sync_hostname;
-  const auto fail = [&](int64_t epoch, const Status& s) {
-    GRPO_LOG_WARN("learner: gloo weight sync at epoch {} failed ({}); rebuilding the group",
-                  epoch, s.ToString());
-    if (sync) sync->Abort();
-    sync.reset();
-    gloo_sync_failures_ += 1;
-    int64_t expected = epoch;
-    group_epoch_.compare_exchange_strong(expected, epoch + 1);
-  };
+void LearnerServer::WeightSyncLoop(size_t index) {
+  const std::string backend(common::GroupBackends()[index]);
+  common::WeightSyncFactory factory = options_.weight_sync_factory;
+  if (!factory) {
+    common::WeightSyncBackendOptions o;
+    o.timeout = options_.weight_sync_timeout;
+    o.hostname = options_.weight_sync_hostname.empty() ? config_.weight_sync_hostname
+                                                       : options_.weight_sync_hostname;
+    o.cuda_device = std::max(0, common::CudaOrdinal(policy_->device().str()));
+    factory = common::BuiltinWeightSyncFactory(o);
+  }
+  learner::WeightPublisher publisher(backend, epoch_store_, std::move(factory),
+                                     options_.weight_sync_timeout);
+  GroupStats& stats = group_stats_[index];
   while (true) {
     std::shared_ptr<const WeightSnapshot> snap;
-    std::vector<std::pair<int32_t, std::string>> gloo_workers;  // (rank, id)
+    std::vector<std::pair<int32_t, std::string>> by_rank;
     {
       std::unique_lock<std::mutex> lock(mu_);
       state_cv_.wait_for(lock, kWaitPollInterval);
       if (stopping_) break;
       snap = weights_;
       for (const auto& [id, w] : workers_) {
-        if (w.backend == "gloo") gloo_workers.emplace_back(w.rank, id);
+        if (w.assigned_backend == backend) by_rank.emplace_back(w.rank, id);
       }
     }
-    const int64_t epoch = group_epoch_.load();
-    if (gloo_workers.empty() || (sync && sync->epoch() != epoch)) {
-      if (sync) sync->Abort();
-      sync.reset();
-      if (gloo_workers.empty()) continue;
-    }
-    if (!sync) {
-      std::sort(gloo_workers.begin(), gloo_workers.end());
-      std::string roster;
-      for (const auto& [rank, id] : gloo_workers) roster += id + "\n";
-      store = LocalStore(epoch, options_.weight_sync_timeout);
-      Status s = store->Set(kWeightSyncRosterKey, roster);
-      if (s.ok()) {
-        const int world = static_cast<int>(gloo_workers.size()) + 1;
-        auto created = common::CreateGlooWeightSync(store, 0, world, epoch, sync_options);
-        s = created.status();
-        if (created.ok()) sync = std::move(created).value();
-      }
-      if (!s.ok()) {
-        fail(epoch, s);
-        continue;
-      }
-      GRPO_LOG_INFO("learner: gloo weight-sync group of {} ranks at epoch {}",
-                    gloo_workers.size() + 1, epoch);
-      seq = 0;
-      last_sent = -1;
-    }
-    if (!snap || snap->version <= last_sent) continue;
-    const auto t0 = Clock::now();
-    common::NamedTensors tensors = snap->tensors;  // shares the immutable snapshot's storage
-    Status s = store->Set(kWeightSyncVersionKeyPrefix + std::to_string(seq),
-                          std::to_string(snap->version));
-    if (s.ok()) s = sync->Begin(snap->version);
-    if (s.ok()) s = sync->Broadcast(tensors);
-    if (s.ok()) s = sync->Commit();
-    if (!s.ok()) {
-      fail(epoch, s);
-      continue;
-    }
-    ++seq;
-    last_sent = snap->version;
-    gloo_syncs_ += 1;
-    GRPO_LOG_INFO("learner: policy version {} broadcast over gloo (epoch {}) in {:.3f} s",
-                  snap->version, epoch, std::chrono::duration<double>(Clock::now() - t0).count());
+    std::sort(by_rank.begin(), by_rank.end());
+    std::vector<std::string> members;
+    for (auto& [rank, id] : by_rank) members.push_back(std::move(id));
+    (void)publisher.Sync(members, snap);  // a failure is logged and ends the epoch
+    stats.syncs = publisher.syncs();
+    stats.failures = publisher.failures();
   }
-  if (sync) sync->Abort();
+  publisher.Close();
+}
+
+int64_t LearnerServer::group_syncs(std::string_view backend) const {
+  const auto& all = common::GroupBackends();
+  const auto it = std::find(all.begin(), all.end(), backend);
+  return it == all.end() ? 0 : group_stats_[it - all.begin()].syncs.load();
+}
+
+int64_t LearnerServer::group_sync_failures(std::string_view backend) const {
+  const auto& all = common::GroupBackends();
+  const auto it = std::find(all.begin(), all.end(), backend);
+  return it == all.end() ? 0 : group_stats_[it - all.begin()].failures.load();
 }
 
 Status LearnerServer::Checkpoint() {
@@ -862,25 +844,38 @@ grpc::Status LearnerServer::Register(grpc::ServerContext* context,
                     "returned to the queue",
                     id, *moved);
     }
+    const common::SyncEndpoint worker_end{common::CudaOrdinal(request->device()) >= 0,
+                                          request->gpu_uuid()};
+    const common::BackendAssignment assigned = common::AssignBackend(
+        request->weight_sync_backend(), endpoint_, worker_end, [&](std::string_view b) {
+          return options_.weight_sync_factory ? true : common::WeightSyncBackendBuilt(b);
+        });
     auto it = workers_.find(id);
     if (it == workers_.end()) {
       Worker w;
       w.rank = static_cast<int32_t>(workers_.size() + 1);
       it = workers_.emplace(id, w).first;
-      group_epoch_.fetch_add(1);  // the group gains a rank: rebuilt under a new epoch
-      GRPO_LOG_INFO("learner: worker {} ({}:{}) registered as rank {}", id, request->hostname(),
-                    request->pid(), w.rank);
+      epoch_store_->Advance();  // the group gains a rank: rebuilt under a new epoch
+      GRPO_LOG_INFO("learner: worker {} ({}:{}, {}) registered as rank {}; weight sync {}{}", id,
+                    request->hostname(), request->pid(),
+                    request->device().empty() ? "cpu" : request->device(), w.rank,
+                    assigned.backend, assigned.note.empty() ? "" : " (" + assigned.note + ")");
+    } else if (it->second.assigned_backend != assigned.backend) {
+      epoch_store_->Advance();  // it leaves one group for another
     }
     Worker& w = it->second;
     w.hostname = request->hostname();
     w.pid = request->pid();
     w.backend = request->weight_sync_backend();
+    w.assigned_backend = assigned.backend;
     w.last_seen = Clock::now();
     response->set_worker_id(id);
     response->set_rank(w.rank);
     response->set_world_size(static_cast<int32_t>(workers_.size() + 1));
-    response->set_group_epoch(group_epoch_.load());
+    response->set_group_epoch(epoch_store_->epoch());
     response->set_policy_version(weights_ ? weights_->version : 0);
+    response->set_weight_sync_backend(assigned.backend);
+    response->set_weight_sync_note(assigned.note);
     response->set_config_json(config_json);
     response->set_heartbeat_interval_ms(options_.heartbeat_interval.count());
     response->set_model_config_json(model_config);
@@ -903,7 +898,7 @@ grpc::Status LearnerServer::Heartbeat(grpc::ServerContext* context,
     it->second.last_seen = Clock::now();
     it->second.weight_version = request->weight_version();
     response->set_policy_version(weights_ ? weights_->version : 0);
-    response->set_group_epoch(group_epoch_.load());
+    response->set_group_epoch(epoch_store_->epoch());
     response->set_shutdown(TerminalLocked());
     response->set_learner_incarnation(incarnation_);
     return grpc::Status::OK;
@@ -1408,139 +1403,9 @@ grpc::Status LearnerServer::CancelJob(grpc::ServerContext* context,
 grpc::Status LearnerServer::Store(grpc::ServerContext* context, const v1::StoreRequest* request,
                                   v1::StoreResponse* response) {
   if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
-  return HandleStore(request, response, context);
-}
-
-c10::intrusive_ptr<GrpcStore> LearnerServer::LocalStore(int64_t epoch,
-                                                        std::chrono::milliseconds timeout) {
-  StoreCall call = [this](const v1::StoreRequest& request, v1::StoreResponse* response,
-                          std::chrono::milliseconds /*deadline: GET bounds itself*/) {
-    return FromGrpcStatus(HandleStore(&request, response, nullptr));
-  };
-  return c10::make_intrusive<GrpcStore>(std::move(call), epoch, timeout);
-}
-
-grpc::Status LearnerServer::HandleStore(const v1::StoreRequest* request,
-                                        v1::StoreResponse* response,
-                                        grpc::ServerContext* context) {
   return Guarded("Store", [&]() -> grpc::Status {
-    const int64_t epoch = request->group_epoch();
-    const int64_t current = group_epoch_.load();
-    if (epoch != current) {
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          "Store: group_epoch " + std::to_string(epoch) + " is not the current " +
-                              std::to_string(current) + ": Register again");
-    }
-    const std::string& key = request->key();
-    std::unique_lock<std::mutex> lock(store_mu_);
-    // Keys of older epochs are dead: their group was rebuilt.
-    while (!store_.empty() && store_.begin()->first < current) store_.erase(store_.begin());
-    auto& kv = store_[epoch];
-    auto check_room = [&]() -> grpc::Status {
-      if (kv.size() >= kMaxStoreKeysPerEpoch && kv.count(key) == 0) {
-        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "Store: too many keys");
-      }
-      return grpc::Status::OK;
-    };
-    switch (request->op()) {
-      case v1::StoreRequest::SET: {
-        if (Status s = CheckStoreKey(key); !s.ok()) return ToGrpcStatus(s);
-        if (grpc::Status s = check_room(); !s.ok()) return s;
-        kv[key] = request->value();
-        response->set_ok(true);
-        store_cv_.notify_all();
-        return grpc::Status::OK;
-      }
-      case v1::StoreRequest::GET: {
-        if (Status s = CheckStoreKey(key); !s.ok()) return ToGrpcStatus(s);
-        const auto timeout =
-            request->timeout_ms() > 0
-                ? std::min(std::chrono::milliseconds(request->timeout_ms()), kMaxStoreTimeout)
-                : kDefaultStoreTimeout;
-        const auto deadline = Clock::now() + timeout;
-        while (true) {
-          if (group_epoch_.load() != epoch) {
-            return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                                "Store: group_epoch " + std::to_string(epoch) +
-                                    " ended while waiting for '" + key + "'");
-          }
-          auto& live = store_[epoch];
-          if (auto it = live.find(key); it != live.end()) {
-            response->set_value(it->second);
-            response->set_ok(true);
-            return grpc::Status::OK;
-          }
-          if (store_stopping_) {
-            return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the learner is shutting down");
-          }
-          if (context != nullptr && context->IsCancelled()) return grpc::Status::CANCELLED;
-          const auto now = Clock::now();
-          if (now >= deadline) {
-            return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                                "Store: key '" + key + "' not set within " +
-                                    std::to_string(timeout.count()) + " ms");
-          }
-          store_cv_.wait_for(lock, std::min<Clock::duration>(kWaitPollInterval, deadline - now));
-        }
-      }
-      case v1::StoreRequest::ADD: {
-        if (Status s = CheckStoreKey(key); !s.ok()) return ToGrpcStatus(s);
-        if (grpc::Status s = check_room(); !s.ok()) return s;
-        int64_t value = 0;
-        if (auto it = kv.find(key); it != kv.end()) {
-          const std::string& v = it->second;
-          auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), value);
-          if (ec != std::errc() || p != v.data() + v.size()) {
-            return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                "Store ADD: key '" + key + "' does not hold an integer");
-          }
-        }
-        value += request->add();
-        kv[key] = std::to_string(value);
-        response->set_number(value);
-        response->set_value(kv[key]);
-        response->set_ok(true);
-        store_cv_.notify_all();
-        return grpc::Status::OK;
-      }
-      case v1::StoreRequest::CHECK: {
-        bool all = true;
-        for (const auto& k : request->keys()) all = all && kv.count(k) > 0;
-        if (!key.empty()) all = all && kv.count(key) > 0;
-        response->set_ok(all);
-        return grpc::Status::OK;
-      }
-      case v1::StoreRequest::DELETE: {
-        if (Status s = CheckStoreKey(key); !s.ok()) return ToGrpcStatus(s);
-        response->set_ok(kv.erase(key) > 0);
-        return grpc::Status::OK;
-      }
-      case v1::StoreRequest::NUM_KEYS: {
-        response->set_number(static_cast<int64_t>(kv.size()));
-        response->set_ok(true);
-        return grpc::Status::OK;
-      }
-      case v1::StoreRequest::COMPARE_SET: {
-        // c10d compareSet: set when the current value equals `expected` (absent counts as
-        // equal to an empty `expected`); returns the value now stored.
-        if (Status s = CheckStoreKey(key); !s.ok()) return ToGrpcStatus(s);
-        auto it = kv.find(key);
-        const bool matches =
-            it == kv.end() ? request->expected().empty() : it->second == request->expected();
-        if (matches) {
-          if (grpc::Status s = check_room(); !s.ok()) return s;
-          kv[key] = request->value();
-          store_cv_.notify_all();
-          response->set_value(request->value());
-        } else {
-          response->set_value(it == kv.end() ? request->expected() : it->second);
-        }
-        response->set_ok(matches);
-        return grpc::Status::OK;
-      }
-      default:
-        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "Store: unknown op");
-    }
+    return ToGrpcStatus(ServeStoreRequest(*epoch_store_, *request, response,
+                                          [context] { return context->IsCancelled(); }));
   });
 }
 

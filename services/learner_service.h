@@ -57,15 +57,17 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/gloo_weight_sync.h"
 #include "common/grpo_metrics.h"
 #include "common/metrics.h"
 #include "common/model.h"
 #include "common/rollout_types.h"
 #include "common/status.h"
+#include "common/weight_sync/backends.h"
+#include "common/weight_sync/epoch_store.h"
 #include "grpo/v1/learner.grpc.pb.h"
 #include "learner/grpo_trainer.h"
 #include "learner/prompt_ledger.h"
+#include "learner/weight_publisher.h"
 #include "services/grpc_store.h"
 
 namespace grpo::services {
@@ -81,10 +83,6 @@ inline constexpr std::chrono::milliseconds kDefaultLeaseRetryAfter{250};
 // LeasePrompts while the buffer is full waits up to this long for room (a long poll: the call
 // returns as soon as the trainer takes a batch), never past the call's deadline minus a margin.
 inline constexpr std::chrono::milliseconds kLeaseLongPoll{3000};
-// Store GET without timeout_ms waits this long (c10d's Store::kDefaultTimeout); no wait is
-// longer than kMaxStoreTimeout.
-inline constexpr std::chrono::milliseconds kDefaultStoreTimeout{300'000};
-inline constexpr std::chrono::milliseconds kMaxStoreTimeout{3'600'000};
 // GetWeights for a version not published yet waits this long at most (or the call's deadline).
 inline constexpr std::chrono::milliseconds kDefaultGetWeightsWait{60'000};
 // In-flight calls get this long to finish when the server stops.
@@ -100,7 +98,6 @@ inline constexpr size_t kWatchQueueCapacity = 1024;
 inline constexpr int64_t kMaxLeasesPerCall = 1024;
 inline constexpr int kMaxBadGroupAttempts = 3;
 inline constexpr int64_t kMaxDatasetBytes = 1ll << 30;
-inline constexpr size_t kMaxStoreKeysPerEpoch = 1 << 16;
 // The final checkpoint (max_steps, stop) is tried this often before the job fails.
 inline constexpr int kFinalCheckpointAttempts = 3;
 
@@ -121,11 +118,14 @@ struct LearnerServerOptions {
   int64_t buffer_capacity_groups = 0;
   // Restore the latest checkpoint under output_dir (and requeue what it does not hold).
   bool resume = true;
-  // Gloo weight sync (workers that register with weight_sync_backend "gloo"): the deadline of
-  // each rendezvous/collective, and the address the learner's rank listens on (empty: the
+  // Weight-sync groups (workers assigned gloo, nccl or cuda_ipc at Register): the deadline of
+  // each rendezvous/collective, and the address the learner's Gloo rank listens on (empty: the
   // machine's hostname unless config.weight_sync_hostname names one; "127.0.0.1" for loopback).
   std::chrono::milliseconds weight_sync_timeout = common::kDefaultBroadcastTimeout;
   std::string weight_sync_hostname;
+  // The backends' factory; empty = the built-in ones (common::BuiltinWeightSyncFactory). A test
+  // injects the in-process fake; then every group backend counts as built.
+  common::WeightSyncFactory weight_sync_factory;
   // Tests only: called before each checkpoint save with its step; an error fails that save as a
   // full disk would (fault injection).
   std::function<Status(int64_t step)> TEST_checkpoint_fault;
@@ -170,21 +170,20 @@ class LearnerServer final : public v1::LearnerService::Service {
   const std::string& incarnation() const { return incarnation_; }
   JobState job_state() const;
   int64_t published_version() const;
-  int64_t group_epoch() const { return group_epoch_.load(); }
+  int64_t group_epoch() const { return epoch_store_->epoch(); }
   learner::PromptLedger& ledger() { return *ledger_; }
   // Groups refused by PushRollouts (and by the trainer later) since start, by reason.
   std::map<std::string, int64_t> RefusedCounts() const;
   // The live policy. Read it only while training is idle (tests).
   const common::Model& policy() const { return *policy_; }
   int64_t generation_batch_groups() const { return batch_groups_; }
-  // An in-process c10d store over the same per-epoch key space as the Store RPC (the learner's
-  // side of the rendezvous; no auth). Calls fail once `epoch` is no longer current.
-  c10::intrusive_ptr<GrpcStore> LocalStore(int64_t epoch,
-                                           std::chrono::milliseconds timeout =
-                                               kDefaultGrpcStoreTimeout);
-  // Gloo versions committed to the group, and failed groups/broadcasts (each bumped the epoch).
-  int64_t gloo_syncs() const { return gloo_syncs_.load(); }
-  int64_t gloo_sync_failures() const { return gloo_sync_failures_.load(); }
+  // The rendezvous store the Store RPC serves (the learner's side of it; no auth). Its epoch is
+  // the weight-sync group epoch.
+  const std::shared_ptr<common::InMemoryEpochStore>& epoch_store() const { return epoch_store_; }
+  // Versions committed to `backend`'s group (gloo, nccl, cuda_ipc), and its failed
+  // joins/broadcasts (each ended an epoch).
+  int64_t group_syncs(std::string_view backend) const;
+  int64_t group_sync_failures(std::string_view backend) const;
   // The registry holding the learner's families (docs/GRPO_SPEC.md "Metrics per optimizer step"),
   // for an HttpExposer and tests; updated after each step, on ingest, publish and checkpoint.
   const common::Registry& metrics_registry() const { return *registry_; }
@@ -225,15 +224,18 @@ class LearnerServer final : public v1::LearnerService::Service {
   struct Worker {
     std::string hostname;
     int32_t pid = 0;
-    std::string backend;
+    std::string backend;           // asked for at Register
+    std::string assigned_backend;  // common::AssignBackend's answer
     int32_t rank = 0;
     int64_t weight_version = -1;
     std::chrono::steady_clock::time_point last_seen;
   };
-  // An immutable copy of the policy's tensors (CPU, contiguous), shared with GetWeights calls.
-  struct WeightSnapshot {
-    int64_t version = 0;
-    common::NamedTensors tensors;
+  // An immutable copy of the policy's tensors, shared with GetWeights calls and the publishers.
+  using WeightSnapshot = learner::WeightSnapshot;
+  // One group backend's counters (its publisher's, copied after each round).
+  struct GroupStats {
+    std::atomic<int64_t> syncs{0};
+    std::atomic<int64_t> failures{0};
   };
   struct Subscriber {
     std::condition_variable cv;
@@ -257,13 +259,10 @@ class LearnerServer final : public v1::LearnerService::Service {
   void DropDeadWorkersLocked();  // REQUIRES(mu_)
   void TrainBatch(std::vector<BufferedGroup> batch);
   Status PublishWeights();
-  // The weight-sync thread: forms the Gloo group of the current epoch (learner + gloo workers,
-  // roster in the store) and broadcasts each newly published version; on failure aborts and
-  // bumps the epoch.
-  void WeightSyncLoop();
-  // The Store RPC's body; `context` is null for in-process calls (LocalStore).
-  grpc::Status HandleStore(const v1::StoreRequest* request, v1::StoreResponse* response,
-                           grpc::ServerContext* context);
+  // One weight-sync thread per group backend (`index` into common::GroupBackends()): its
+  // WeightPublisher serves the workers assigned that backend, broadcasting each newly
+  // published version.
+  void WeightSyncLoop(size_t index);
   Status Checkpoint();
   // Checkpoint, tried `attempts` times with backoff (the final save at max_steps and at stop).
   Status CheckpointWithRetry(int attempts);
@@ -313,11 +312,14 @@ class LearnerServer final : public v1::LearnerService::Service {
 
   std::unique_ptr<grpc::Server> server_;
   std::thread train_thread_;
-  std::thread sync_thread_;  // WeightSyncLoop
-  std::atomic<int64_t> gloo_syncs_{0};
-  std::atomic<int64_t> gloo_sync_failures_{0};
+  std::vector<std::thread> sync_threads_;  // WeightSyncLoop, one per group backend
+  GroupStats group_stats_[3];              // by index into common::GroupBackends()
   int port_ = 0;
-  std::atomic<int64_t> group_epoch_{1};
+  // The rendezvous store; its epoch is the group epoch (bumped when the roster changes or a
+  // group fails).
+  const std::shared_ptr<common::InMemoryEpochStore> epoch_store_ =
+      std::make_shared<common::InMemoryEpochStore>();
+  common::SyncEndpoint endpoint_;  // where the policy lives (AssignBackend); set by Create
 
   mutable std::mutex mu_;
   // Serialises LeasePrompts from its budget to its ledger write, so that concurrent calls do not
@@ -349,11 +351,6 @@ class LearnerServer final : public v1::LearnerService::Service {
   std::shared_ptr<const WeightSnapshot> weights_;       // GUARDED_BY(mu_)
   std::list<std::shared_ptr<Subscriber>> subscribers_;  // GUARDED_BY(mu_)
 
-  // The rendezvous store: epoch -> key -> value.
-  std::mutex store_mu_;
-  std::condition_variable store_cv_;
-  std::map<int64_t, std::map<std::string, std::string>> store_;  // GUARDED_BY(store_mu_)
-  bool store_stopping_ = false;                                  // GUARDED_BY(store_mu_)
 };
 
 }  // namespace grpo::services

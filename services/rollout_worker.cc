@@ -10,6 +10,7 @@
 #include "common/byte_tokenizer.h"
 #include "common/device.h"
 #include "common/logging.h"
+#include "common/weight_sync/backends.h"
 #include "services/auth.h"
 #include "services/convert.h"
 #include "services/grpc_weight_receiver.h"
@@ -186,18 +187,17 @@ RolloutWorker::RolloutWorker(RolloutWorkerOptions options, at::Device device)
   if (options_.make_weight_receiver) {
     receiver_ = options_.make_weight_receiver(channel_);
   }
-  if (receiver_ == nullptr && options_.config.weight_sync_backend == "gloo") {
-    GlooWeightReceiverOptions gloo = options_.gloo;
-    gloo.chunk_bytes = options_.weights_chunk_bytes;
-    receiver_ = std::make_unique<GlooWeightReceiver>(channel_, options_.auth_token, gloo);
-  }
   if (receiver_ == nullptr) {
-    if (options_.config.weight_sync_backend != "grpc") {
-      GRPO_LOG_WARN("weight_sync_backend {} has no worker-side receiver yet; using grpc",
-                    options_.config.weight_sync_backend);
+    auto made = MakeWeightReceiver(channel_, options_.auth_token,
+                                   options_.config.weight_sync_backend,
+                                   options_.weights_chunk_bytes, options_.weight_group, device_);
+    if (made.ok()) {
+      receiver_ = std::move(made).value();
+    } else {
+      GRPO_LOG_WARN("{}; using grpc", made.status().ToString());
+      receiver_ = std::make_unique<GrpcWeightReceiver>(channel_, options_.auth_token,
+                                                       options_.weights_chunk_bytes);
     }
-    receiver_ = std::make_unique<GrpcWeightReceiver>(channel_, options_.auth_token,
-                                                     options_.weights_chunk_bytes);
   }
 }
 
@@ -277,6 +277,8 @@ Status RolloutWorker::RegisterOnce(v1::RegisterResponse* response) {
   request.set_hostname(Hostname());
   request.set_pid(static_cast<int32_t>(getpid()));
   request.set_weight_sync_backend(receiver_->backend());
+  request.set_device(device_.str());
+  if (device_.is_cuda()) request.set_gpu_uuid(common::LocalSyncEndpoint(device_.str()).gpu_uuid);
   return FromGrpcStatus(stub_->Register(&context, request, response)).WithContext("Register");
 }
 
@@ -362,9 +364,17 @@ Status RolloutWorker::ApplyRegistration(const v1::RegisterResponse& r) {
       if (policy_incarnation_ != learner_incarnation_) policy_version_ = -1;
     }
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    assigned_backend_ = r.weight_sync_backend();
+  }
+  if (!r.weight_sync_note().empty()) {
+    GRPO_LOG_INFO("weight sync: asked for {}, the learner assigned {}: {}", receiver_->backend(),
+                  r.weight_sync_backend(), r.weight_sync_note());
+  }
   rank_ = r.rank();
   group_epoch_ = r.group_epoch();
-  receiver_->SetGroup(r.worker_id(), r.group_epoch());
+  receiver_->SetGroup({r.worker_id(), r.group_epoch(), r.weight_sync_backend()});
   NoteLearnerVersion(r.policy_version());
   needs_register_ = false;
   counters_.registrations += 1;
@@ -413,10 +423,11 @@ Status RolloutWorker::SyncWeights(int64_t min_version) {
   const at::ScalarType dtype = common::ComputeDtype(config().bf16);
   RETURN_IF_ERROR(Retry("GetWeights", [&]() -> Status {
     // A new instance every time: the generator may still use the old one. Weights arrive into
-    // a CPU fp32 model (the learner publishes fp32; a Gloo receiver's buffers follow the
-    // model's dtypes), then generation gets its own copy on `device` in the compute dtype.
+    // an fp32 model on `device` (the learner publishes fp32; a group receiver's buffers follow
+    // the model's dtypes, on the GPU for NCCL and CUDA IPC), then generation gets its own copy
+    // in the compute dtype.
     ASSIGN_OR_RETURN(std::unique_ptr<common::Model> model,
-                     common::Model::InitRandom(model_config_, config().seed));
+                     common::Model::InitRandom(model_config_, config().seed, device_));
     ASSIGN_OR_RETURN(version,
                      receiver_->Receive(min_version, *model, options_.timeouts.get_weights));
     if (device_ != model->device() || dtype != model->dtype()) {
@@ -666,6 +677,7 @@ void RolloutWorker::HeartbeatLoop() {
     heartbeat_cv_.wait_for(lock, heartbeat_interval_, [&] { return heartbeat_stop_; });
     if (heartbeat_stop_) break;
     const std::string id = worker_id_;
+    const std::string assigned = assigned_backend_;
     lock.unlock();
     grpc::ClientContext context;
     SetDeadline(context, options_.timeouts.heartbeat);
@@ -680,7 +692,7 @@ void RolloutWorker::HeartbeatLoop() {
       counters_.heartbeats += 1;
       NoteLearnerVersion(response.policy_version());
       group_epoch_ = response.group_epoch();
-      receiver_->SetGroup(id, response.group_epoch());
+      receiver_->SetGroup({id, response.group_epoch(), assigned});
       if (response.shutdown()) learner_shutdown_ = true;
       {
         std::lock_guard<std::mutex> relock(mu_);

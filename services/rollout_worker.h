@@ -31,7 +31,7 @@
 #include "rollout/generator.h"
 #include "rollout/reward.h"
 #include "rollout/weight_receiver.h"
-#include "services/gloo_weight_receiver.h"
+#include "services/grpc_weight_receiver.h"
 
 namespace grpo::services {
 
@@ -109,12 +109,13 @@ struct RolloutWorkerOptions {
   // Borrowed; may be null. The worker adds common::WorkerMetrics to it at its first Register
   // (the reward_fn label values are the learner's reward_funcs) and keeps them updated.
   common::Registry* metrics_registry = nullptr;
-  // How the worker takes weights; null = by config.weight_sync_backend: "gloo" is a
-  // GlooWeightReceiver (options below; GetWeights as its fallback), "grpc" GetWeights only,
-  // "nccl" falls back to grpc with a warning (no worker-side receiver yet).
+  // How the worker takes weights; null = by config.weight_sync_backend (MakeWeightReceiver):
+  // "grpc" is GetWeights only; gloo, nccl, cuda_ipc and auto join the learner's weight-sync
+  // group of the backend the learner assigns at Register (options below), with GetWeights as
+  // the fallback.
   std::function<std::unique_ptr<rollout::WeightReceiver>(std::shared_ptr<grpc::Channel>)>
       make_weight_receiver;
-  GlooWeightReceiverOptions gloo;  // chunk_bytes is taken from weights_chunk_bytes
+  WeightGroupOptions weight_group;
 };
 
 // Counters since Create (a consistent-enough snapshot; each field is read atomically).
@@ -221,6 +222,7 @@ class RolloutWorker {
 
   // Main thread only (Run).
   std::unique_ptr<rollout::WeightReceiver> receiver_;
+  std::string assigned_backend_;  // GUARDED_BY(mu_): the learner's answer at the last Register
   std::unique_ptr<common::Tokenizer> tokenizer_;
   std::unique_ptr<rollout::RewardRunner> rewards_;
   std::unique_ptr<rollout::Generator> generator_;  // null until the first weights

@@ -1,5 +1,5 @@
 // GlooWeightSync over loopback TCP: the ranks are threads of this process sharing a HashStore.
-#include "common/gloo_weight_sync.h"
+#include "common/weight_sync/gloo_weight_sync.h"
 
 #include <gtest/gtest.h>
 
@@ -11,7 +11,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <vector>
 
-#include "common/weight_sync.h"
+#include "common/weight_sync/weight_sync.h"
 #include "tests/common/weight_sync_test_util.h"
 
 namespace grpo::common {

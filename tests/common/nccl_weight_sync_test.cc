@@ -2,7 +2,7 @@
 // visible). One GPU cannot hold two NCCL ranks, so the group tests use world_size 1 (init,
 // bucketed broadcast, commit, abort) and a missing second rank (the deadline path).
 // Tensors describe device memory through at::from_blob: libtorch here may be CPU-only.
-#include "common/nccl_weight_sync.h"
+#include "common/weight_sync/nccl_weight_sync.h"
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -14,7 +14,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <vector>
 
-#include "common/weight_sync.h"
+#include "common/weight_sync/weight_sync.h"
 #include "tests/common/weight_sync_test_util.h"
 
 namespace grpo::common {

@@ -1,6 +1,6 @@
 // The backend-independent weight-sync protocol (bucket plan, fingerprint, checksum) and the
 // in-process FakeWeightSync that runs it.
-#include "common/weight_sync.h"
+#include "common/weight_sync/weight_sync.h"
 
 #include <gtest/gtest.h>
 
@@ -8,8 +8,8 @@
 #include <memory>
 #include <vector>
 
-#include "common/fake_weight_sync.h"
-#include "common/weight_sync_protocol.h"
+#include "common/weight_sync/fake_weight_sync.h"
+#include "common/weight_sync/weight_sync_protocol.h"
 #include "tests/common/weight_sync_test_util.h"
 
 namespace grpo::common {

@@ -1,6 +1,6 @@
-// The Gloo weight sync end to end: GrpcStore against a real LearnerServer, then
+// The Gloo weight sync end to end: GrpcEpochStore against a real LearnerServer, then
 // a learner and two RolloutWorkers (threads of this process) with
-// weight_sync_backend "gloo" on loopback.
+// weight_sync_backend "gloo" (or "auto", which the learner on the CPU assigns gloo) on loopback.
 #include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -26,7 +26,9 @@
 #include "common/model_config.h"
 #include "services/auth.h"
 #include "services/convert.h"
-#include "services/gloo_weight_receiver.h"
+#include "common/weight_sync/epoch_store.h"
+#include "rollout/group_weight_receiver.h"
+#include "services/grpc_weight_receiver.h"
 #include "services/grpc_store.h"
 #include "services/learner_service.h"
 #include "services/rollout_worker.h"
@@ -152,7 +154,7 @@ protected:
 
   struct RunningWorker {
     std::atomic<bool> stop{false};
-    GlooWeightReceiver *receiver = nullptr; // owned by `worker`
+    rollout::GroupWeightReceiver *receiver = nullptr; // owned by `worker`
     std::unique_ptr<RolloutWorker> worker;
     Status result;
     std::thread thread;
@@ -163,24 +165,27 @@ protected:
     }
   };
 
-  RunningWorker &StartWorker(const std::string &hostname = "127.0.0.1") {
+  RunningWorker &StartWorker(const std::string &hostname = "127.0.0.1",
+                             const std::string &backend = "gloo") {
     auto rw = std::make_unique<RunningWorker>();
     RolloutWorkerOptions o;
     o.learner_address = address();
-    o.config.weight_sync_backend = "gloo";
+    o.config.weight_sync_backend = backend;
     o.prompts_per_lease = 2;
     o.reward_options = {{"length", {{"target_length", 3}}}};
     o.backoff.initial = 5ms;
     o.backoff.max = 50ms;
     o.stop = &rw->stop;
     RunningWorker *raw = rw.get();
-    o.make_weight_receiver = [raw, hostname](std::shared_ptr<grpc::Channel> channel) {
-      GlooWeightReceiverOptions g;
+    o.make_weight_receiver = [raw, hostname, backend](std::shared_ptr<grpc::Channel> channel) {
+      WeightGroupOptions g;
       g.timeout = kSyncTimeout;
       g.hostname = hostname;
-      auto r = std::make_unique<GlooWeightReceiver>(std::move(channel), "", g);
-      raw->receiver = r.get();
-      return std::unique_ptr<rollout::WeightReceiver>(std::move(r));
+      auto r = MakeWeightReceiver(std::move(channel), "", backend, 0, g, at::kCPU);
+      EXPECT_TRUE(r.ok()) << r.status().ToString();
+      raw->receiver = dynamic_cast<rollout::GroupWeightReceiver *>(r->get());
+      EXPECT_NE(raw->receiver, nullptr);
+      return std::move(r).value();
     };
     auto w = RolloutWorker::Create(std::move(o));
     EXPECT_TRUE(w.ok()) << w.status().ToString();
@@ -197,10 +202,11 @@ protected:
 };
 
 TEST_F(GlooWeightSyncE2eTest,
-       GrpcStoreSetsGetsAddsAndSharesTheLearnersKeySpace) {
+       GrpcEpochStoreSetsGetsAddsAndSharesTheLearnersKeySpace) {
   StartLearner(100);
   const int64_t epoch = server_->group_epoch();
-  auto store = GrpcStore::Connect(channel_, "", epoch, 2s);
+  auto store = c10::make_intrusive<common::C10dEpochStore>(
+      GrpcEpochStore::Connect(channel_, "", 2s), epoch, 2s);
   store->set("a", {'x', 'y'});
   EXPECT_EQ(store->get("a"), (std::vector<uint8_t>{'x', 'y'}));
   EXPECT_EQ(store->add("n", 2), 2);
@@ -209,7 +215,7 @@ TEST_F(GlooWeightSyncE2eTest,
   EXPECT_FALSE(store->check({"a", "missing"}));
   EXPECT_EQ(store->getNumKeys(), 2);
   // The learner's in-process store sees the same keys.
-  auto local = server_->LocalStore(epoch);
+  auto local = c10::make_intrusive<common::C10dEpochStore>(server_->epoch_store(), epoch, 60s);
   EXPECT_EQ(local->get("a"), (std::vector<uint8_t>{'x', 'y'}));
   local->set("b", {'1'});
   store->wait({"a", "b"}, 1s);
@@ -222,15 +228,17 @@ TEST_F(GlooWeightSyncE2eTest,
 }
 
 TEST_F(GlooWeightSyncE2eTest,
-       GrpcStoreWaitForAMissingKeyFailsWithinItsDeadline) {
+       GrpcEpochStoreWaitForAMissingKeyFailsWithinItsDeadline) {
   StartLearner(100);
-  auto store = GrpcStore::Connect(channel_, "", server_->group_epoch(), 2s);
+  const int64_t epoch = server_->group_epoch();
+  auto grpc_store = GrpcEpochStore::Connect(channel_, "", 2s);
+  auto store = c10::make_intrusive<common::C10dEpochStore>(grpc_store, epoch, 2s);
   auto start = Clock::now();
   EXPECT_THROW(store->wait({"never"}, 500ms), c10::Error);
   EXPECT_LT(Clock::now() - start, 2s);
   EXPECT_GE(Clock::now() - start, 400ms);
   start = Clock::now();
-  StatusOr<std::string> v = store->Get("never", 300ms);
+  StatusOr<std::string> v = grpc_store->Get(epoch, "never", 300ms);
   EXPECT_EQ(v.status().code(), StatusCode::kDeadlineExceeded)
       << v.status().ToString();
   EXPECT_LT(Clock::now() - start, 2s);
@@ -240,11 +248,13 @@ TEST_F(GlooWeightSyncE2eTest,
   EXPECT_LT(Clock::now() - start, 5s);
 }
 
-TEST_F(GlooWeightSyncE2eTest, GrpcStoreOfAPastEpochIsFailedPrecondition) {
+TEST_F(GlooWeightSyncE2eTest, GrpcEpochStoreOfAPastEpochIsFailedPrecondition) {
   StartLearner(100);
-  auto store = GrpcStore::Connect(channel_, "", server_->group_epoch() + 7, 1s);
-  const Status s = store->Set("a", "b");
+  auto grpc_store = GrpcEpochStore::Connect(channel_, "", 1s);
+  const Status s = grpc_store->Set(server_->group_epoch() + 7, "a", "b");
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  auto store =
+      c10::make_intrusive<common::C10dEpochStore>(grpc_store, server_->group_epoch() + 7, 1s);
   EXPECT_THROW(store->set("a", {'b'}), c10::Error);
 }
 
@@ -344,18 +354,68 @@ TEST_F(GlooWeightSyncE2eTest,
     std::printf("worker: %lld versions over gloo, %lld installs from gloo, "
                 "%lld from grpc\n",
                 static_cast<long long>(w->receiver->versions_received()),
-                static_cast<long long>(w->receiver->installs_from_gloo()),
-                static_cast<long long>(w->receiver->installs_from_grpc()));
+                static_cast<long long>(w->receiver->installs_from_group()),
+                static_cast<long long>(w->receiver->installs_from_fallback()));
   }
-  EXPECT_GE(server_->gloo_syncs(), 1);
+  EXPECT_GE(server_->group_syncs("gloo"), 1);
   // A worker that generated with a later version took it from the group at
   // least once.
-  EXPECT_GE(a.receiver->installs_from_gloo() + b.receiver->installs_from_gloo(),
+  EXPECT_GE(a.receiver->installs_from_group() + b.receiver->installs_from_group(),
             1);
   for (RunningWorker *w : {&a, &b}) {
     w->thread.join();
     EXPECT_TRUE(w->result.ok()) << w->result.ToString();
   }
+}
+
+// Issue 15 §2: the learner assigns the backend at Register. On the CPU, auto is gloo; a GPU
+// backend asked for by a CPU worker (or of a CPU learner) is refused with a reason and the
+// worker takes GetWeights.
+TEST_F(GlooWeightSyncE2eTest, RegisterAssignsTheBackendTheTwoEndsCanServe) {
+  StartLearner(/*max_steps=*/100);
+  auto stub = v1::LearnerService::NewStub(channel_);
+  struct Case {
+    std::string asked, device, want;
+    bool note;
+  };
+  const std::vector<Case> cases = {
+      {"gloo", "cpu", "gloo", false},        {"grpc", "cpu", "grpc", false},
+      {"auto", "cpu", "gloo", true},         {"nccl", "cpu", "grpc", true},
+      {"cuda_ipc", "cpu", "grpc", true},     {"nccl", "cuda:0", "grpc", true},
+      {"auto", "cuda:0", "gloo", true},      {"", "", "grpc", false},
+  };
+  int n = 0;
+  for (const Case &c : cases) {
+    grpc::ClientContext ctx;
+    v1::RegisterRequest req;
+    req.set_worker_id("assign-" + std::to_string(n++));
+    req.set_weight_sync_backend(c.asked);
+    req.set_device(c.device);
+    if (c.device != "cpu" && !c.device.empty()) req.set_gpu_uuid("GPU-not-the-learners");
+    v1::RegisterResponse resp;
+    ASSERT_TRUE(stub->Register(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.weight_sync_backend(), c.want) << c.asked << " on " << c.device;
+    EXPECT_EQ(!resp.weight_sync_note().empty(), c.note)
+        << c.asked << " on " << c.device << ": '" << resp.weight_sync_note() << "'";
+  }
+}
+
+TEST_F(GlooWeightSyncE2eTest, AnAutoWorkerOnTheCpuReceivesOverTheGlooGroup) {
+  StartLearner(/*max_steps=*/4);
+  RunningWorker &a = StartWorker("127.0.0.1", "auto");
+  ASSERT_TRUE(WaitFor([&] { return a.receiver && a.receiver->groups_joined() >= 1; }, 60s));
+  EXPECT_EQ(a.receiver->assigned_backend(), "gloo");
+  EXPECT_EQ(a.receiver->backend(), "auto");
+  SubmitPrompts(32);
+  ASSERT_TRUE(server_->WaitForJobEnd(120s));
+  ASSERT_EQ(server_->job_state(), JobState::kDone);
+  const int64_t latest = server_->published_version();
+  ASSERT_TRUE(WaitFor([&] { return a.receiver->latest().first == latest; }, 30s))
+      << "worker got " << a.receiver->latest().first << ", learner published " << latest;
+  EXPECT_TRUE(BitEqual(a.receiver->latest().second, server_->policy().NamedParameters()));
+  EXPECT_GE(server_->group_syncs("gloo"), 1);
+  a.thread.join();
+  EXPECT_TRUE(a.result.ok()) << a.result.ToString();
 }
 
 TEST_F(GlooWeightSyncE2eTest,
@@ -376,7 +436,7 @@ TEST_F(GlooWeightSyncE2eTest,
       },
       60s));
   const int64_t epoch_before = server_->group_epoch();
-  const int64_t failures_before = server_->gloo_sync_failures();
+  const int64_t failures_before = server_->group_sync_failures("gloo");
   const int64_t a_received_before = a.receiver->versions_received();
   // The victim stops and its receiver goes away (its gloo connections close).
   victim.stop = true;
@@ -394,7 +454,7 @@ TEST_F(GlooWeightSyncE2eTest,
               static_cast<long long>(server_->group_epoch()),
               std::chrono::duration<double>(Clock::now() - t_stop).count(),
               static_cast<long long>(failures_before),
-              static_cast<long long>(server_->gloo_sync_failures()));
+              static_cast<long long>(server_->group_sync_failures("gloo")));
   EXPECT_EQ(server_->job_state(), JobState::kRunning);
   // Training continues and the remaining worker keeps receiving over gloo at a
   // new epoch.

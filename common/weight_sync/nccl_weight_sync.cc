@@ -1,4 +1,4 @@
-#include "common/nccl_weight_sync.h"
+#include "common/weight_sync/nccl_weight_sync.h"
 
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
@@ -14,7 +14,8 @@
 #include <vector>
 
 #include "common/logging.h"
-#include "common/weight_sync_protocol.h"
+#include "common/weight_sync/cuda_util.h"
+#include "common/weight_sync/weight_sync_protocol.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
 #error "NcclWeightSync needs NCCL >= 2.14 (non-blocking communicators, ncclCommGetAsyncError)"
@@ -27,11 +28,6 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kPollInterval = std::chrono::microseconds(20);
 constexpr const char* kUniqueIdKey = "nccl_unique_id";
 
-Status CudaError(cudaError_t e, const std::string& what) {
-  return Status::Unavailable(what + ": CUDA error " + cudaGetErrorName(e) + " (" +
-                             cudaGetErrorString(e) + ")");
-}
-
 Status NcclError(ncclResult_t r, ncclComm_t comm, const std::string& what) {
   std::string m = what + ": NCCL " + ncclGetErrorString(r);
   if (comm != nullptr) {
@@ -40,12 +36,6 @@ Status NcclError(ncclResult_t r, ncclComm_t comm, const std::string& what) {
   }
   return Status::Unavailable(m);
 }
-
-#define GRPO_CUDA_RETURN(expr, what)                                           \
-  do {                                                                         \
-    cudaError_t grpo_cuda_err_ = (expr);                                       \
-    if (grpo_cuda_err_ != cudaSuccess) return CudaError(grpo_cuda_err_, what); \
-  } while (0)
 
 std::string Ms(std::chrono::milliseconds d) { return std::to_string(d.count()) + " ms"; }
 
@@ -66,23 +56,17 @@ Status WaitComm(ncclComm_t comm, Clock::time_point deadline, std::chrono::millis
   }
 }
 
-// Polls `stream` until its work is done, watching the communicator for asynchronous errors
-// (a peer's failure) meanwhile. DeadlineExceeded past `deadline`.
+// Waits for `stream`'s work, watching the communicator for asynchronous errors (a peer's
+// failure) meanwhile. DeadlineExceeded past `deadline`.
 Status WaitStream(ncclComm_t comm, cudaStream_t stream, Clock::time_point deadline,
                   std::chrono::milliseconds timeout, const std::string& what) {
-  for (;;) {
-    const cudaError_t q = cudaStreamQuery(stream);
-    if (q != cudaSuccess && q != cudaErrorNotReady) return CudaError(q, what);
+  return WaitCudaStream(stream, deadline, timeout, what, [&]() -> Status {
     ncclResult_t async = ncclSuccess;
     ncclResult_t r = ncclCommGetAsyncError(comm, &async);
     if (r != ncclSuccess) return NcclError(r, comm, what);
     if (async != ncclSuccess && async != ncclInProgress) return NcclError(async, comm, what);
-    if (q == cudaSuccess) return Status::OK();
-    if (Clock::now() >= deadline) {
-      return Status::DeadlineExceeded(what + " not complete after " + Ms(timeout));
-    }
-    std::this_thread::sleep_for(kPollInterval);
-  }
+    return Status::OK();
+  });
 }
 
 // Issues an NCCL call on a non-blocking communicator and waits until it is enqueued.
@@ -182,20 +166,7 @@ class NcclWeightSync final : public CollectiveWeightSync {
 
   Status CheckTensorMemory(const std::string& name, const at::Tensor& t) override {
     if (t.nbytes() == 0) return Status::OK();
-    cudaPointerAttributes attr{};
-    const cudaError_t e = cudaPointerGetAttributes(&attr, t.data_ptr());
-    if (e != cudaSuccess) {
-      cudaGetLastError();  // clear the runtime's last error
-      return Status::InvalidArgument("tensor '" + name + "': not CUDA memory (" +
-                                     cudaGetErrorString(e) + ")");
-    }
-    const bool ok = attr.type == cudaMemoryTypeManaged ||
-                    (attr.type == cudaMemoryTypeDevice && attr.device == device_);
-    if (!ok) {
-      return Status::InvalidArgument("tensor '" + name + "' is not in device memory of GPU " +
-                                     std::to_string(device_));
-    }
-    return Status::OK();
+    return CheckCudaPointer(t.data_ptr(), device_, name);
   }
 
   StatusOr<uint8_t*> Staging(int64_t bytes) override {
@@ -224,6 +195,12 @@ class NcclWeightSync final : public CollectiveWeightSync {
   }
 
   bool host_memory() const override { return false; }
+
+  Status PrepareMemory() override {
+    RETURN_IF_ERROR(Ready());
+    GRPO_CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy), "waiting for libtorch's stream");
+    return Status::OK();
+  }
 
   void AbortBackend() override {
     cudaSetDevice(device_);

@@ -1,9 +1,9 @@
-#include "common/fake_weight_sync.h"
+#include "common/weight_sync/fake_weight_sync.h"
 
 #include <cstring>
 #include <string>
 
-#include "common/weight_sync_protocol.h"
+#include "common/weight_sync/weight_sync_protocol.h"
 
 namespace grpo::common {
 

@@ -1,7 +1,7 @@
 // The backend-independent half of WeightSync: the bucket plan, the layout fingerprint, the
 // checksum, and CollectiveWeightSync, which runs the Begin/Broadcast/Commit protocol on top of
 // a few collective primitives a backend provides (Gloo, NCCL, the in-process fake).
-// Internal to the weight-sync backends; callers use common/weight_sync.h.
+// Internal to the weight-sync backends; callers use common/weight_sync/weight_sync.h.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,7 +12,7 @@
 
 #include "common/safetensors.h"
 #include "common/status.h"
-#include "common/weight_sync.h"
+#include "common/weight_sync/weight_sync.h"
 
 namespace grpo::common {
 
@@ -47,7 +47,7 @@ uint64_t LayoutFingerprint(const NamedTensors& tensors);
 // corruption and misordering, not adversaries).
 uint64_t ChecksumBytes(const void* data, int64_t bytes, uint64_t seed);
 
-// Runs the protocol of common/weight_sync.h over a backend's primitives. Each primitive is one
+// Runs the protocol of common/weight_sync/weight_sync.h over a backend's primitives. Each primitive is one
 // collective bounded by options().timeout; when one fails the group is aborted (AbortBackend)
 // and every later call returns Aborted. Not thread-safe (see WeightSync).
 class CollectiveWeightSync : public WeightSync {
@@ -85,6 +85,11 @@ class CollectiveWeightSync : public WeightSync {
   virtual Status CopyBytes(void* dst, const void* src, int64_t bytes) = 0;
   // Waits (against the deadline) for copies still in flight; a no-op for synchronous backends.
   virtual Status Synchronize() = 0;
+  // Called once per Broadcast, after the layout check and before the first byte moves: a GPU
+  // backend waits here for work that libtorch queued on its own stream (the tensors' last
+  // writes, or their allocation from memory freed there), since the backend's stream is not
+  // ordered after libtorch's.
+  virtual Status PrepareMemory() { return Status::OK(); }
   // True when the bytes are readable by the host (so Commit can checksum them).
   virtual bool host_memory() const = 0;
   // Tears the backend down; must be idempotent. Called by Abort() and on any primitive's

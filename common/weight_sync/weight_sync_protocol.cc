@@ -1,4 +1,4 @@
-#include "common/weight_sync_protocol.h"
+#include "common/weight_sync/weight_sync_protocol.h"
 
 #include <algorithm>
 #include <cstring>
@@ -212,7 +212,8 @@ Status CollectiveWeightSync::Broadcast(NamedTensors& tensors) {
                                    " differ from the publisher's (" + std::to_string(all[3]) +
                                    " tensors, " + std::to_string(all[2]) + " bytes)");
   }
-  s = BroadcastBuckets(tensors);
+  s = PrepareMemory();
+  if (s.ok()) s = BroadcastBuckets(tensors);
   if (!s.ok()) return Fail(s, "Broadcast");
   bytes_ += total;
   return Status::OK();

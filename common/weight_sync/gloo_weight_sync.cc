@@ -1,4 +1,4 @@
-#include "common/gloo_weight_sync.h"
+#include "common/weight_sync/gloo_weight_sync.h"
 
 #include <c10/util/Exception.h>
 
@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/weight_sync_protocol.h"
+#include "common/weight_sync/weight_sync_protocol.h"
 
 namespace grpo::common {
 namespace {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "common/weight_sync.h"
+#include "common/weight_sync/weight_sync.h"
 
 namespace grpo::common {
 

@@ -1,0 +1,96 @@
+#include "learner/weight_publisher.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <utility>
+
+#include "common/logging.h"
+#include "common/weight_sync/group.h"
+
+namespace grpo::learner {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+}  // namespace
+
+WeightPublisher::WeightPublisher(std::string backend,
+                                 std::shared_ptr<common::InMemoryEpochStore> store,
+                                 common::WeightSyncFactory factory,
+                                 std::chrono::milliseconds timeout)
+    : backend_(std::move(backend)),
+      store_(std::move(store)),
+      factory_(std::move(factory)),
+      timeout_(timeout) {}
+
+WeightPublisher::~WeightPublisher() { Close(); }
+
+void WeightPublisher::Close() {
+  if (sync_) sync_->Abort();
+  sync_.reset();
+  group_store_.reset();
+  roster_.clear();
+}
+
+int64_t WeightPublisher::group_epoch() const { return sync_ ? sync_->epoch() : 0; }
+
+Status WeightPublisher::Fail(int64_t epoch, const Status& s, const char* what) {
+  GRPO_LOG_WARN("learner: {} weight sync at epoch {} failed ({}: {}); rebuilding the group",
+                backend_, epoch, what, s.ToString());
+  Close();
+  failures_ += 1;
+  store_->AdvanceFrom(epoch);
+  return s;
+}
+
+Status WeightPublisher::Sync(const std::vector<std::string>& members,
+                             const std::shared_ptr<const WeightSnapshot>& weights) {
+  const int64_t epoch = store_->epoch();
+  if (members.empty() || (sync_ && (sync_->epoch() != epoch || roster_ != members))) Close();
+  if (members.empty()) return Status::OK();
+  if (!sync_ && formed_epoch_ == epoch) {
+    // A second group in one epoch would reuse the first one's rendezvous keys: end the epoch
+    // (every member rebuilds) and form the group in the next one.
+    store_->AdvanceFrom(epoch);
+    return Status::OK();
+  }
+  if (!sync_) {
+    formed_epoch_ = epoch;
+    // The roster first: a worker learns its rank from it, then joins.
+    const std::shared_ptr<common::EpochStore> shared = store_;
+    Status s = store_->Set(epoch, common::RosterKey(backend_), common::FormatRoster(members));
+    if (!s.ok()) return Fail(epoch, s, "roster");
+    group_store_ = c10::make_intrusive<c10d::PrefixStore>(
+        common::GroupPrefix(backend_),
+        c10::make_intrusive<common::C10dEpochStore>(shared, epoch, timeout_));
+    const int world = static_cast<int>(members.size()) + 1;
+    auto created = factory_(backend_, group_store_, 0, world, epoch);
+    if (!created.ok()) return Fail(epoch, created.status(), "join");
+    sync_ = std::move(created).value();
+    roster_ = members;
+    seq_ = 0;
+    last_sent_ = -1;
+    GRPO_LOG_INFO("learner: {} weight-sync group of {} ranks at epoch {}", backend_, world, epoch);
+  }
+  if (!weights || weights->version <= last_sent_) return Status::OK();
+  const bool on_device = backend_ != common::kBackendGloo;
+  // A version snapshotted before this group had members has no device copy: the members get
+  // it with GetWeights (their receiver's fallback) and the group carries the next one.
+  if (on_device && weights->device_tensors.empty()) return Status::OK();
+  const auto t0 = Clock::now();
+  // Shares the immutable snapshot's storage.
+  common::NamedTensors tensors = on_device ? weights->device_tensors : weights->tensors;
+  Status s = store_->Set(epoch, common::VersionKey(backend_, seq_), std::to_string(weights->version));
+  if (s.ok()) s = sync_->Begin(weights->version);
+  if (s.ok()) s = sync_->Broadcast(tensors);
+  if (s.ok()) s = sync_->Commit();
+  if (!s.ok()) return Fail(epoch, s, "broadcast");
+  ++seq_;
+  last_sent_ = weights->version;
+  syncs_ += 1;
+  last_sync_seconds_ = std::chrono::duration<double>(Clock::now() - t0).count();
+  GRPO_LOG_INFO("learner: policy version {} broadcast over {} (epoch {}) in {:.3f} s",
+                weights->version, backend_, epoch, last_sync_seconds_);
+  return Status::OK();
+}
+
+}  // namespace grpo::learner

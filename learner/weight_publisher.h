@@ -1,0 +1,81 @@
+// WeightPublisher: the learner's end of one backend's weight-sync group (docs/ARCHITECTURE.md
+// "Weight sync"). The learner is rank 0; the workers assigned to the backend are ranks 1..N in
+// roster order. Each round (the learner's weight-sync thread calls Sync) it (re)forms the group
+// when the epoch changed, writes the roster, and broadcasts the newest published version:
+// announce it under VersionKey, then Begin/Broadcast/Commit. Any failure aborts the group and
+// ends its epoch in the store, so every member (the other backends' too) rebuilds under a new
+// one; a worker that missed a version fetches it with GetWeights. The backend is a factory
+// argument (common/weight_sync/backends.h): Gloo, NCCL and CUDA IPC run the same code here.
+// No gRPC: the store is the learner's InMemoryEpochStore.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "common/weight_sync/backends.h"
+#include "common/weight_sync/epoch_store.h"
+#include "common/weight_sync/weight_sync.h"
+
+namespace grpo::learner {
+
+// One published policy version, immutable once published. `tensors` are CPU (GetWeights,
+// Gloo); `device_tensors` are the same values on the learner's GPU when the policy lives on
+// one (NCCL, CUDA IPC), else empty.
+struct WeightSnapshot {
+  int64_t version = 0;
+  common::NamedTensors tensors;
+  common::NamedTensors device_tensors;
+};
+
+// Not thread-safe: one thread (the learner's weight-sync thread) drives a publisher.
+class WeightPublisher {
+ public:
+  // `backend` is gloo, nccl or cuda_ipc; `factory` creates rank 0 of it.
+  WeightPublisher(std::string backend, std::shared_ptr<common::InMemoryEpochStore> store,
+                  common::WeightSyncFactory factory, std::chrono::milliseconds timeout);
+  ~WeightPublisher();
+
+  const std::string& backend() const { return backend_; }
+
+  // One round. `members`: the worker ids assigned to this backend, in rank order (empty: the
+  // group is torn down). Broadcasts `weights` when it is newer than the last version this
+  // group committed (GPU backends: when it has device_tensors). OK when nothing was to be done or the version was committed; the error of
+  // a failed join or broadcast otherwise (the group is then aborted and its epoch ended).
+  Status Sync(const std::vector<std::string>& members,
+              const std::shared_ptr<const WeightSnapshot>& weights);
+
+  // Tears the group down (peers see their next collective fail).
+  void Close();
+
+  // Versions committed to a group, and failed joins/broadcasts (each ended an epoch).
+  int64_t syncs() const { return syncs_; }
+  int64_t failures() const { return failures_; }
+  // The epoch of the live group, 0 when none.
+  int64_t group_epoch() const;
+  // Seconds the last committed broadcast took (announce to Commit).
+  double last_sync_seconds() const { return last_sync_seconds_; }
+
+ private:
+  Status Fail(int64_t epoch, const Status& s, const char* what);
+
+  const std::string backend_;
+  const std::shared_ptr<common::InMemoryEpochStore> store_;
+  const common::WeightSyncFactory factory_;
+  const std::chrono::milliseconds timeout_;
+  std::unique_ptr<common::WeightSync> sync_;
+  c10::intrusive_ptr<c10d::Store> group_store_;  // of sync_'s epoch, scoped to GroupPrefix
+  std::vector<std::string> roster_;              // sync_'s members
+  int64_t formed_epoch_ = 0;                      // the epoch of the last group formed
+  int64_t seq_ = 0;                              // versions announced in sync_'s epoch
+  int64_t last_sent_ = -1;
+  int64_t syncs_ = 0;
+  int64_t failures_ = 0;
+  double last_sync_seconds_ = 0;
+};
+
+}  // namespace grpo::learner

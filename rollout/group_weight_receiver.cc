@@ -1,0 +1,207 @@
+#include "rollout/group_weight_receiver.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <algorithm>
+#include <exception>
+
+#include "common/logging.h"
+#include "common/weight_sync/group.h"
+
+namespace grpo::rollout {
+namespace {
+
+// The group backend a membership names: the learner's assignment, or (from a learner that does
+// not assign) the requested one when it is a group backend. Empty: no group.
+std::string GroupBackendOf(const GroupMembership& m, const std::string& requested) {
+  const std::string& b = m.backend.empty() ? requested : m.backend;
+  const auto& all = common::GroupBackends();
+  return std::find(all.begin(), all.end(), b) != all.end() ? b : std::string();
+}
+
+}  // namespace
+
+GroupWeightReceiver::GroupWeightReceiver(std::shared_ptr<common::EpochStore> store,
+                                         std::unique_ptr<WeightReceiver> fallback,
+                                         common::WeightSyncFactory factory,
+                                         GroupWeightReceiverOptions options)
+    : store_(std::move(store)),
+      fallback_(std::move(fallback)),
+      factory_(std::move(factory)),
+      options_(std::move(options)) {}
+
+GroupWeightReceiver::~GroupWeightReceiver() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void GroupWeightReceiver::SetGroup(const GroupMembership& membership) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (membership_.worker_id == membership.worker_id && membership_.epoch == membership.epoch &&
+        membership_.backend == membership.backend) {
+      return;
+    }
+    membership_ = membership;
+  }
+  fallback_->SetGroup(membership);
+  cv_.notify_all();
+}
+
+std::string GroupWeightReceiver::assigned_backend() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (membership_.epoch == 0) return "";
+  const std::string b = GroupBackendOf(membership_, options_.requested_backend);
+  return b.empty() ? std::string(common::kBackendGrpc) : b;
+}
+
+std::pair<int64_t, common::NamedTensors> GroupWeightReceiver::latest() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {latest_version_, latest_};
+}
+
+bool GroupWeightReceiver::EpochIs(int64_t epoch) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !stop_ && membership_.epoch == epoch;
+}
+
+StatusOr<int64_t> GroupWeightReceiver::Receive(int64_t min_version, common::Model& model,
+                                               std::chrono::milliseconds timeout) {
+  if (!thread_.joinable()) {
+    for (const auto& [name, t] : model.NamedParameters()) {
+      layout_.push_back({name, t.sizes().vec(), t.scalar_type()});
+    }
+    thread_ = std::thread([this] { Loop(); });
+  }
+  int64_t version = -1;
+  common::NamedTensors tensors;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::min(options_.version_wait, timeout), [&] {
+      return latest_version_ >= min_version || !in_group_ || stop_;
+    });
+    if (latest_version_ >= min_version) {
+      version = latest_version_;
+      tensors = latest_;
+    }
+  }
+  if (version >= 0) {
+    RETURN_IF_ERROR(model.LoadStateFrom(tensors).WithContext("weights of version " +
+                                                             std::to_string(version)));
+    installs_from_group_ += 1;
+    return version;
+  }
+  ASSIGN_OR_RETURN(version, fallback_->Receive(min_version, model, timeout));
+  installs_from_fallback_ += 1;
+  return version;
+}
+
+StatusOr<std::string> GroupWeightReceiver::WaitForKey(const std::string& key, int64_t epoch) {
+  while (true) {
+    StatusOr<std::string> v = store_->Get(epoch, key, kGroupStorePollInterval);
+    if (v.ok() || v.status().code() != StatusCode::kDeadlineExceeded || !EpochIs(epoch)) return v;
+  }
+}
+
+void GroupWeightReceiver::Loop() {
+  int64_t done_epoch = 0;  // the last epoch served or given up on
+  while (true) {
+    GroupMembership m;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || (membership_.epoch > 0 && membership_.epoch != done_epoch); });
+      if (stop_) return;
+      m = membership_;
+    }
+    done_epoch = m.epoch;
+    const std::string backend = GroupBackendOf(m, options_.requested_backend);
+    if (backend.empty()) continue;  // the learner assigned GetWeights
+    Status s = ServeEpoch(m.epoch, m.worker_id, backend);
+    if (s.code() == StatusCode::kUnimplemented) {
+      GRPO_LOG_WARN("{} weight sync: {}; using GetWeights only", backend, s.ToString());
+      return;
+    }
+  }
+}
+
+Status GroupWeightReceiver::ServeEpoch(int64_t epoch, const std::string& id,
+                                       const std::string& backend) {
+  StatusOr<std::string> roster = WaitForKey(common::RosterKey(backend), epoch);
+  if (!roster.ok()) {
+    GRPO_LOG_DEBUG("{} weight sync: no group at epoch {}: {}", backend, epoch,
+                   roster.status().ToString());
+    return roster.status();
+  }
+  const std::vector<std::string> ids = common::ParseRoster(*roster);
+  const auto it = std::find(ids.begin(), ids.end(), id);
+  if (it == ids.end()) return Status::OK();  // not in this epoch's group: wait for the next
+  const int rank = static_cast<int>(it - ids.begin()) + 1;
+  const int world = static_cast<int>(ids.size()) + 1;
+  auto group_store = c10::make_intrusive<c10d::PrefixStore>(
+      common::GroupPrefix(backend),
+      c10::make_intrusive<common::C10dEpochStore>(store_, epoch, options_.timeout));
+  auto created = factory_(backend, group_store, rank, world, epoch);
+  if (!created.ok()) {
+    GRPO_LOG_WARN("{} weight sync: joining epoch {} as rank {}/{}: {}", backend, epoch, rank,
+                  world, created.status().ToString());
+    return created.status();
+  }
+  std::unique_ptr<common::WeightSync> sync = std::move(created).value();
+  groups_joined_ += 1;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_group_ = true;
+  }
+  GRPO_LOG_INFO("{} weight sync: joined epoch {} as rank {}/{}", backend, epoch, rank, world);
+  const at::Device device = backend == common::kBackendGloo ? at::Device(at::kCPU) : options_.device;
+  Status s;
+  for (int64_t seq = 0; s.ok(); ++seq) {
+    if (!EpochIs(epoch)) {
+      s = Status::Aborted("the epoch changed or the receiver is stopping");
+      break;
+    }
+    StatusOr<std::string> announced = WaitForKey(common::VersionKey(backend, seq), epoch);
+    if (!announced.ok()) {
+      s = announced.status();
+      break;
+    }
+    common::NamedTensors fresh;
+    try {
+      fresh.reserve(layout_.size());
+      for (const Slot& slot : layout_) {
+        fresh.emplace_back(slot.name, at::empty(slot.shape, at::TensorOptions()
+                                                                .dtype(slot.dtype)
+                                                                .device(device)));
+      }
+    } catch (const std::exception& e) {
+      s = Status::ResourceExhausted(backend + " weight sync: allocating: " + e.what());
+      break;
+    }
+    s = sync->Begin(common::kAnyVersion);
+    if (s.ok()) s = sync->Broadcast(fresh);
+    if (s.ok()) s = sync->Commit();
+    if (s.ok()) {
+      versions_received_ += 1;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        latest_version_ = sync->committed_version();
+        latest_ = std::move(fresh);
+      }
+      cv_.notify_all();
+    }
+  }
+  sync->Abort();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_group_ = false;
+  }
+  cv_.notify_all();
+  GRPO_LOG_INFO("{} weight sync: left epoch {}: {}", backend, epoch, s.ToString());
+  return s;
+}
+
+}  // namespace grpo::rollout

@@ -1,0 +1,113 @@
+// GroupWeightReceiver: a rollout worker's end of the learner's weight-sync group, for any
+// group backend (docs/ARCHITECTURE.md "Weight sync"). A background thread joins the group of
+// the current epoch through the learner's EpochStore (its rank is its line in the backend's
+// roster, common/weight_sync/group.h), receives every version the learner broadcasts into
+// fresh tensors and keeps the latest. Receive installs that one when it is new enough, and
+// otherwise falls back to the `fallback` receiver (GetWeights). A failed collective or a new
+// epoch makes the thread leave the group and rejoin at the next epoch. The backend is the one
+// the learner assigned at Register (SetGroup); the transport is a factory argument
+// (common/weight_sync/backends.h), so Gloo, NCCL and CUDA IPC share this code. No gRPC.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "common/weight_sync/backends.h"
+#include "common/weight_sync/epoch_store.h"
+#include "common/weight_sync/weight_sync.h"
+#include "rollout/weight_receiver.h"
+
+namespace grpo::rollout {
+
+// Receive waits this long for the group's copy of a version before it uses the fallback.
+inline constexpr std::chrono::milliseconds kDefaultGroupVersionWait{10'000};
+// The background thread's store waits (roster, next version) re-check the epoch this often.
+inline constexpr std::chrono::milliseconds kGroupStorePollInterval{1000};
+
+struct GroupWeightReceiverOptions {
+  // What the worker asks for at Register: gloo, nccl, cuda_ipc or auto (backend()).
+  std::string requested_backend = "gloo";
+  // Deadline of the rendezvous and of each collective (the learner's weight_sync_timeout).
+  std::chrono::milliseconds timeout = common::kDefaultBroadcastTimeout;
+  std::chrono::milliseconds version_wait = kDefaultGroupVersionWait;
+  // Where the GPU backends (nccl, cuda_ipc) receive: this worker's CUDA device. Gloo receives
+  // into CPU tensors.
+  at::Device device = at::kCPU;
+};
+
+// Receive: one caller at a time (the worker's main thread). SetGroup and the counters: any
+// thread. The destructor stops the thread (within options.timeout at worst).
+class GroupWeightReceiver final : public WeightReceiver {
+ public:
+  GroupWeightReceiver(std::shared_ptr<common::EpochStore> store,
+                      std::unique_ptr<WeightReceiver> fallback, common::WeightSyncFactory factory,
+                      GroupWeightReceiverOptions options = {});
+  ~GroupWeightReceiver() override;
+  GroupWeightReceiver(const GroupWeightReceiver&) = delete;
+  GroupWeightReceiver& operator=(const GroupWeightReceiver&) = delete;
+
+  // The group's latest version when >= min_version (waits up to version_wait while in a
+  // group), else the fallback's Receive. Errors as the fallback / Model::LoadStateFrom.
+  StatusOr<int64_t> Receive(int64_t min_version, common::Model& model,
+                            std::chrono::milliseconds timeout) override;
+  std::string backend() const override { return options_.requested_backend; }
+  void SetGroup(const GroupMembership& membership) override;
+
+  // The backend of the group the thread serves ("" before the first Register; "grpc" when the
+  // learner assigned no group).
+  std::string assigned_backend() const;
+  int64_t versions_received() const { return versions_received_.load(); }  // over the group
+  int64_t installs_from_group() const { return installs_from_group_.load(); }
+  int64_t installs_from_fallback() const { return installs_from_fallback_.load(); }
+  int64_t groups_joined() const { return groups_joined_.load(); }
+  // The last version received over the group (-1 when none) and its tensors (never written
+  // again).
+  std::pair<int64_t, common::NamedTensors> latest() const;
+
+ private:
+  struct Slot {
+    std::string name;
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+  };
+
+  void Loop();
+  // Serves one epoch's group: joins when this worker is on the roster, then receives until a
+  // collective fails, the epoch changes or stop. The reason it left.
+  Status ServeEpoch(int64_t epoch, const std::string& id, const std::string& backend);
+  // Polls `key` at `epoch` until set, the epoch changes or stop: the value or the last error.
+  StatusOr<std::string> WaitForKey(const std::string& key, int64_t epoch);
+  bool EpochIs(int64_t epoch) const;
+
+  const std::shared_ptr<common::EpochStore> store_;
+  const std::unique_ptr<WeightReceiver> fallback_;  // main thread (Receive) only
+  const common::WeightSyncFactory factory_;
+  const GroupWeightReceiverOptions options_;
+  std::vector<Slot> layout_;  // set by the first Receive, before the thread starts
+  std::thread thread_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  GroupMembership membership_;   // GUARDED_BY(mu_)
+  bool stop_ = false;            // GUARDED_BY(mu_)
+  bool in_group_ = false;        // GUARDED_BY(mu_)
+  int64_t latest_version_ = -1;  // GUARDED_BY(mu_)
+  common::NamedTensors latest_;  // GUARDED_BY(mu_)
+
+  std::atomic<int64_t> versions_received_{0}, installs_from_group_{0}, installs_from_fallback_{0},
+      groups_joined_{0};
+};
+
+}  // namespace grpo::rollout

@@ -1,0 +1,272 @@
+// The learner's WeightPublisher and the workers' GroupWeightReceiver together, in one process,
+// without gRPC (issue 14 §3, issue 15 §2): the learner's InMemoryEpochStore directly, and the
+// in-process fake backend (the real Begin/Broadcast/Commit protocol over a fake transport)
+// through the same factory argument that takes Gloo, NCCL or CUDA IPC in production.
+#include "learner/weight_publisher.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/model.h"
+#include "common/model_config.h"
+#include "common/weight_sync/fake_weight_sync.h"
+#include "common/weight_sync/group.h"
+#include "rollout/group_weight_receiver.h"
+#include "tests/common/weight_sync_test_util.h"
+
+namespace grpo::learner {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kTimeout = 1500ms;
+
+// One fake hub per epoch (the world size of the group formed in it).
+class FakeGroups {
+ public:
+  common::WeightSyncFactory Factory() {
+    return [this](std::string_view, c10::intrusive_ptr<c10d::Store>, int rank, int world,
+                  int64_t epoch) -> StatusOr<std::unique_ptr<common::WeightSync>> {
+      std::shared_ptr<common::FakeWeightSyncHub> hub;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto& h = hubs_[epoch];
+        if (!h) h = std::make_shared<common::FakeWeightSyncHub>(world);
+        hub = h;
+      }
+      common::WeightSyncOptions o;
+      o.timeout = kTimeout;
+      return common::CreateFakeWeightSync(hub, rank, epoch, o);
+    };
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<int64_t, std::shared_ptr<common::FakeWeightSyncHub>> hubs_;
+};
+
+// A rejecting fallback: a test that reaches it did not get its weights over the group.
+class NoFallback final : public rollout::WeightReceiver {
+ public:
+  StatusOr<int64_t> Receive(int64_t, common::Model&, std::chrono::milliseconds) override {
+    calls += 1;
+    return Status::Unavailable("no GetWeights in this test");
+  }
+  std::string backend() const override { return "grpc"; }
+  int calls = 0;
+};
+
+std::unique_ptr<common::Model> TinyModel(uint64_t seed) {
+  auto config = common::ModelConfigPreset("tiny");
+  EXPECT_TRUE(config.ok());
+  auto model = common::Model::InitRandom(*config, seed);
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  return std::move(model).value();
+}
+
+// A snapshot of `model`'s parameters, each + `shift` (so every version has other bytes).
+std::shared_ptr<const WeightSnapshot> Snapshot(const common::Model& model, int64_t version,
+                                               float shift) {
+  auto snap = std::make_shared<WeightSnapshot>();
+  snap->version = version;
+  for (const auto& [name, t] : model.NamedParameters()) {
+    snap->tensors.emplace_back(name, (t.detach() + shift).contiguous());
+  }
+  return snap;
+}
+
+template <typename F>
+bool WaitFor(F f, std::chrono::milliseconds limit) {
+  const auto end = Clock::now() + limit;
+  while (Clock::now() < end) {
+    if (f()) return true;
+    std::this_thread::sleep_for(5ms);
+  }
+  return f();
+}
+
+struct Worker {
+  std::string id;
+  NoFallback* fallback = nullptr;  // owned by receiver
+  std::unique_ptr<rollout::GroupWeightReceiver> receiver;
+};
+
+Worker MakeWorker(const std::string& id, std::shared_ptr<common::InMemoryEpochStore> store,
+                  FakeGroups& groups, const std::string& requested = "gloo") {
+  Worker w;
+  w.id = id;
+  auto fallback = std::make_unique<NoFallback>();
+  w.fallback = fallback.get();
+  rollout::GroupWeightReceiverOptions o;
+  o.requested_backend = requested;
+  o.timeout = kTimeout;
+  o.version_wait = 5s;
+  w.receiver = std::make_unique<rollout::GroupWeightReceiver>(store, std::move(fallback),
+                                                              groups.Factory(), o);
+  return w;
+}
+
+// The publisher's thread: rounds until `done`.
+class PublisherThread {
+ public:
+  PublisherThread(WeightPublisher& p, std::function<std::vector<std::string>()> members,
+                  std::function<std::shared_ptr<const WeightSnapshot>()> weights)
+      : thread_([&p, this, members, weights] {
+          while (!stop_) {
+            (void)p.Sync(members(), weights());
+            std::this_thread::sleep_for(5ms);
+          }
+        }) {}
+  ~PublisherThread() {
+    stop_ = true;
+    thread_.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+TEST(WeightPublisher, TwoReceiversGetEachVersionBitEqualAndInstallIt) {
+  auto store = std::make_shared<common::InMemoryEpochStore>();
+  FakeGroups groups;
+  WeightPublisher publisher("gloo", store, groups.Factory(), kTimeout);
+  auto base = TinyModel(1);
+  std::mutex mu;
+  std::shared_ptr<const WeightSnapshot> current = Snapshot(*base, 1, 0.5f);
+  Worker a = MakeWorker("w-a", store, groups), b = MakeWorker("w-b", store, groups);
+  const int64_t epoch = store->Advance();  // the workers registered
+  for (Worker* w : {&a, &b}) w->receiver->SetGroup({w->id, epoch, "gloo"});
+  // The first Receive starts the thread (it needs the model's layout); the group has nothing
+  // yet, so a short call falls back (and this fallback refuses).
+  auto model_a = TinyModel(2), model_b = TinyModel(3);
+  EXPECT_FALSE(a.receiver->Receive(0, *model_a, 1ms).ok());
+  EXPECT_FALSE(b.receiver->Receive(0, *model_b, 1ms).ok());
+  PublisherThread run(
+      publisher, [] { return std::vector<std::string>{"w-a", "w-b"}; },
+      [&] {
+        std::lock_guard<std::mutex> lock(mu);
+        return current;
+      });
+  for (Worker* w : {&a, &b}) {
+    ASSERT_TRUE(WaitFor([&] { return w->receiver->latest().first == 1; }, 10s)) << w->id;
+    EXPECT_TRUE(testing::BitEqual(w->receiver->latest().second, current->tensors));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    current = Snapshot(*base, 2, -0.25f);
+  }
+  StatusOr<int64_t> got = a.receiver->Receive(2, *model_a, 10s);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(*got, 2);
+  EXPECT_TRUE(testing::BitEqual(model_a->NamedParameters(), current->tensors));
+  EXPECT_EQ(a.receiver->installs_from_group(), 1);
+  ASSERT_TRUE(WaitFor([&] { return b.receiver->latest().first == 2; }, 10s));
+  EXPECT_EQ(publisher.syncs(), 2);
+  EXPECT_EQ(publisher.failures(), 0);
+  EXPECT_EQ(publisher.group_epoch(), epoch);
+  EXPECT_EQ(a.receiver->assigned_backend(), "gloo");
+  EXPECT_EQ(a.receiver->groups_joined(), 1);
+}
+
+TEST(WeightPublisher, ALostReceiverEndsTheEpochAndTheOtherRejoinsTheNext) {
+  auto store = std::make_shared<common::InMemoryEpochStore>();
+  FakeGroups groups;
+  WeightPublisher publisher("gloo", store, groups.Factory(), kTimeout);
+  auto base = TinyModel(1);
+  Worker a = MakeWorker("w-a", store, groups), lost = MakeWorker("w-lost", store, groups);
+  const int64_t epoch = store->Advance();
+  auto model_a = TinyModel(2), model_lost = TinyModel(3);
+  for (Worker* w : {&a, &lost}) w->receiver->SetGroup({w->id, epoch, "gloo"});
+  (void)a.receiver->Receive(0, *model_a, 1ms);
+  (void)lost.receiver->Receive(0, *model_lost, 1ms);
+  ASSERT_TRUE(publisher.Sync({"w-a", "w-lost"}, Snapshot(*base, 1, 0)).ok());
+  ASSERT_TRUE(WaitFor([&] { return lost.receiver->latest().first == 1; }, 10s));
+  lost.receiver.reset();  // the process is gone; the learner has not noticed yet
+  const auto t0 = Clock::now();
+  const Status s = publisher.Sync({"w-a", "w-lost"}, Snapshot(*base, 2, 1));
+  EXPECT_FALSE(s.ok());
+  EXPECT_LT(Clock::now() - t0, kTimeout * 3);  // one deadline, not a hang
+  EXPECT_EQ(publisher.failures(), 1);
+  EXPECT_EQ(store->epoch(), epoch + 1);  // the failure ended the epoch
+  EXPECT_EQ(publisher.group_epoch(), 0);
+  // The learner drops the lost worker; the survivor hears the new epoch (heartbeat) and the
+  // next version reaches it there.
+  a.receiver->SetGroup({"w-a", epoch + 1, "gloo"});
+  auto snap3 = Snapshot(*base, 3, 2);
+  PublisherThread run(publisher, [] { return std::vector<std::string>{"w-a"}; },
+                      [&] { return snap3; });
+  ASSERT_TRUE(WaitFor([&] { return a.receiver->latest().first == 3; }, 10s));
+  StatusOr<int64_t> got = a.receiver->Receive(3, *model_a, 10s);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(*got, 3);
+  EXPECT_TRUE(testing::BitEqual(model_a->NamedParameters(), snap3->tensors));
+  EXPECT_EQ(a.receiver->groups_joined(), 2);
+  EXPECT_EQ(a.fallback->calls, 1);  // only the first, layout-taking call
+}
+
+TEST(WeightPublisher, ANewRosterInTheSameEpochMovesTheGroupToTheNextEpoch) {
+  auto store = std::make_shared<common::InMemoryEpochStore>();
+  FakeGroups groups;
+  WeightPublisher publisher("gloo", store, groups.Factory(), kTimeout);
+  auto base = TinyModel(1);
+  Worker a = MakeWorker("w-a", store, groups);
+  const int64_t epoch = store->Advance();
+  a.receiver->SetGroup({"w-a", epoch, "gloo"});
+  auto model = TinyModel(2);
+  (void)a.receiver->Receive(0, *model, 1ms);
+  ASSERT_TRUE(publisher.Sync({"w-a"}, Snapshot(*base, 1, 0)).ok());
+  EXPECT_EQ(*store->Get(epoch, common::RosterKey("gloo"), 1s), "w-a\n");
+  EXPECT_EQ(*store->Get(epoch, common::VersionKey("gloo", 0), 1s), "1");
+  // Another roster without a new epoch would reuse the group's keys: the publisher ends the
+  // epoch instead, and forms the group in the next one.
+  ASSERT_TRUE(publisher.Sync({"w-a", "w-b"}, Snapshot(*base, 1, 0)).ok());
+  EXPECT_EQ(store->epoch(), epoch + 1);
+  EXPECT_EQ(publisher.group_epoch(), 0);
+  // No members: nothing is formed, nothing fails.
+  ASSERT_TRUE(publisher.Sync({}, Snapshot(*base, 2, 0)).ok());
+  EXPECT_EQ(publisher.failures(), 0);
+}
+
+TEST(WeightPublisher, AGpuBackendSkipsAVersionWithoutADeviceCopy) {
+  auto store = std::make_shared<common::InMemoryEpochStore>();
+  FakeGroups groups;
+  WeightPublisher publisher("nccl", store, groups.Factory(), kTimeout);
+  auto base = TinyModel(1);
+  Worker a = MakeWorker("w-a", store, groups, "auto");
+  const int64_t epoch = store->Advance();
+  a.receiver->SetGroup({"w-a", epoch, "nccl"});
+  auto model = TinyModel(2);
+  (void)a.receiver->Receive(0, *model, 1ms);
+  // Formed, but a CPU-only snapshot is not sent (the worker takes GetWeights for it).
+  ASSERT_TRUE(publisher.Sync({"w-a"}, Snapshot(*base, 1, 0)).ok());
+  EXPECT_EQ(publisher.syncs(), 0);
+  EXPECT_EQ(publisher.group_epoch(), epoch);
+  EXPECT_EQ(a.receiver->assigned_backend(), "nccl");
+  EXPECT_EQ(a.receiver->backend(), "auto");
+}
+
+TEST(GroupWeightReceiver, AWorkerAssignedGrpcJoinsNoGroupAndFallsBackAtOnce) {
+  auto store = std::make_shared<common::InMemoryEpochStore>();
+  FakeGroups groups;
+  Worker a = MakeWorker("w-a", store, groups, "nccl");
+  a.receiver->SetGroup({"w-a", store->Advance(), "grpc"});
+  auto model = TinyModel(2);
+  const auto t0 = Clock::now();
+  EXPECT_FALSE(a.receiver->Receive(0, *model, 10s).ok());  // the fallback's refusal
+  EXPECT_LT(Clock::now() - t0, 3s);  // no version_wait (5 s) without a group
+  EXPECT_EQ(a.fallback->calls, 1);
+  EXPECT_EQ(a.receiver->assigned_backend(), "grpc");
+  EXPECT_EQ(a.receiver->groups_joined(), 0);
+}
+
+}  // namespace
+}  // namespace grpo::learner
