@@ -644,19 +644,10 @@ void RolloutWorker::CountRewardFailures(const rollout::RewardCallReport& report)
   for (size_t f = 0; f < report.seconds.size() && f < names.size(); ++f) {
     if (report.seconds[f]) metrics_->reward_duration->Observe({names[f]}, *report.seconds[f]);
   }
-  if (report.messages.empty()) return;
-  for (const auto& m : report.messages) {
-    // Messages are "<fn>: <what>"; a timeout says so in <what> (rollout/reward.cc).
-    std::string fn;
-    for (const auto& n : names) {
-      if (m.rfind(n + ": ", 0) == 0 && n.size() > fn.size()) fn = n;
-    }
-    bool timeout = report.errors == 0;
-    if (report.errors > 0 && report.timeouts > 0) {
-      timeout = m.find("no result within") != std::string::npos ||
-                m.find("past their deadline") != std::string::npos;
-    }
-    metrics_->reward_errors->Increment({fn, timeout ? "timeout" : "error"});
+  for (size_t f = 0; f < report.error_kinds.size() && f < names.size(); ++f) {
+    if (!report.error_kinds[f]) continue;
+    metrics_->reward_errors->Increment(
+        {names[f], std::string(rollout::RewardErrorKindName(*report.error_kinds[f]))});
   }
 }
 
