@@ -10,10 +10,10 @@
 #include "common/byte_tokenizer.h"
 #include "common/device.h"
 #include "common/logging.h"
+#include "rollout/produce.h"
 #include "services/auth.h"
 #include "services/convert.h"
 #include "services/grpc_weight_receiver.h"
-#include "services/prompt_text.h"
 #include "services/remote_reward.h"
 
 namespace grpo::services {
@@ -488,88 +488,67 @@ Status RolloutWorker::RunRound() {
   }
 
   // Prompts: row -> text -> ids. A bad row skips that prompt only.
-  struct Item {
-    const v1::Lease* lease;
-    std::string prompt_text;
-    nlohmann::json row;
-  };
-  std::vector<Item> items;
-  std::vector<std::vector<int32_t>> prompts;
-  std::vector<int64_t> seeds;
+  std::vector<const v1::Lease*> items;
+  std::vector<rollout::Prompt> prompts;
   int64_t last_deadline_ms = 0;
   for (const v1::Lease& lease : leased.leases()) {
     last_deadline_ms = std::max(last_deadline_ms, lease.deadline_unix_ms());
-    const auto skip = [&](const Status& why) {
+    auto prompt = rollout::PreparePromptFromJson(lease.row_json(), *tokenizer_);
+    if (!prompt.ok()) {
       counters_.prompts_failed += 1;
       GRPO_LOG_WARN("prompt {} (lease {}) skipped: {}", lease.prompt_id(), lease.lease_id(),
-                    why.ToString());
-    };
-    nlohmann::json row =
-        nlohmann::json::parse(lease.row_json(), nullptr, /*allow_exceptions=*/false);
-    if (row.is_discarded()) {
-      skip(Status::InvalidArgument("row_json is not JSON"));
+                    prompt.status().ToString());
       continue;
     }
-    auto text = PromptText(row);
-    if (!text.ok()) {
-      skip(text.status());
-      continue;
-    }
-    auto ids = tokenizer_->Encode(*text);
-    if (!ids.ok()) {
-      skip(ids.status());
-      continue;
-    }
-    items.push_back({&lease, std::move(text).value(), std::move(row)});
-    prompts.push_back(std::move(ids).value());
-    seeds.push_back(SeedIndex(lease.lease_id()));
+    items.push_back(&lease);
+    prompts.push_back(std::move(prompt).value());
+  }
+  std::vector<rollout::ProduceInput> inputs;
+  for (size_t i = 0; i < items.size(); ++i) {
+    inputs.push_back({&prompts[i], SeedIndex(items[i]->lease_id())});
   }
 
   std::vector<common::RolloutGroup> groups;
-  if (!prompts.empty()) {
-    const auto t0 = Clock::now();
+  if (!inputs.empty()) {
     // The weights are installed only between rounds (SyncWeights above), so the incarnation
     // read now is the one of the snapshot Generate takes.
     const std::string incarnation = [&] {
       std::lock_guard<std::mutex> lock(mu_);
       return policy_incarnation_;
     }();
-    auto generated = generator_->Generate(prompts, seeds);
-    if (!generated.ok()) {
+    auto produced = rollout::Produce(*generator_, rewards_.get(), inputs);
+    if (!produced.ok()) {
       SetLeasesHeld(0);
-      return generated.status().WithContext("Generate");
+      return produced.status().WithContext("Generate");
     }
-    counters_.completion_tokens += generated->num_completion_tokens;
-    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    counters_.completion_tokens += produced->num_completion_tokens;
+    const double seconds = produced->generate_seconds;
     if (metrics_) {
-      metrics_->tokens_generated->Increment(static_cast<double>(generated->num_completion_tokens));
+      metrics_->tokens_generated->Increment(static_cast<double>(produced->num_completion_tokens));
       // The groups of one call decode together: each gets an equal share of the call's time.
-      for (size_t i = 0; i < generated->groups.size(); ++i) {
+      for (size_t i = 0; i < produced->groups.size(); ++i) {
         metrics_->generation_duration->Observe(seconds /
-                                               static_cast<double>(generated->groups.size()));
+                                               static_cast<double>(produced->groups.size()));
       }
     }
     GRPO_LOG_DEBUG("generated {} groups ({} tokens) with policy version {} in {:.2f} s",
-                   prompts.size(), generated->num_completion_tokens, generated->policy_version,
+                   inputs.size(), produced->num_completion_tokens, produced->policy_version,
                    seconds);
-    for (size_t i = 0; i < generated->groups.size(); ++i) {
-      auto& g = generated->groups[i];
-      const Item& item = items[i];
-      if (!g.ok()) {
+    for (size_t i = 0; i < produced->groups.size(); ++i) {
+      rollout::ProducedGroup& p = produced->groups[i];
+      const v1::Lease& lease = *items[i];
+      if (!p.group.ok()) {
         counters_.prompts_failed += 1;
-        GRPO_LOG_WARN("prompt {} (lease {}) skipped: {}", item.lease->prompt_id(),
-                      item.lease->lease_id(), g.status().ToString());
+        GRPO_LOG_WARN("prompt {} (lease {}) skipped: {}", lease.prompt_id(), lease.lease_id(),
+                      p.group.status().ToString());
         continue;
       }
-      common::RolloutGroup group = std::move(g).value();
-      group.lease_id = item.lease->lease_id();
-      group.prompt_id = item.lease->prompt_id();
-      group.policy_version = generated->policy_version;
+      CountRewardFailures(p.rewards);
+      for (const auto& m : p.rewards.messages) GRPO_LOG_WARN("reward: {}", m);
+      common::RolloutGroup group = std::move(p.group).value();
+      group.lease_id = lease.lease_id();
+      group.prompt_id = lease.prompt_id();
       group.policy_incarnation = incarnation;
-      const rollout::RewardCallReport report =
-          rewards_->ScoreGroup(group, item.prompt_text, item.row);
-      CountRewardFailures(report);
-      for (const auto& m : report.messages) GRPO_LOG_WARN("reward: {}", m);
       groups.push_back(std::move(group));
     }
   }
