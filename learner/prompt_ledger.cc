@@ -10,6 +10,7 @@
 #include <string_view>
 #include <utility>
 
+#include "common/dataset_row.h"
 #include "common/sha256.h"
 
 namespace grpo::learner {
@@ -232,7 +233,7 @@ std::string_view Trim(std::string_view s) {
   return s.substr(b, s.find_last_not_of(kSpace) - b + 1);
 }
 
-// Empty when `line` is a valid prompt row, else why not.
+// Empty when `line` is a valid prompt row (common/dataset_row.h), else why not.
 std::string ValidateRow(std::string_view line) {
   nlohmann::json j;
   try {
@@ -240,33 +241,8 @@ std::string ValidateRow(std::string_view line) {
   } catch (const nlohmann::json::exception& e) {
     return std::string("not valid JSON (") + e.what() + ")";
   }
-  if (!j.is_object()) return "not a JSON object";
-  const auto prompt = j.find("prompt");
-  const auto messages = j.find("messages");
-  if (prompt == j.end() && messages == j.end()) return "needs a \"prompt\" or \"messages\" field";
-  if (prompt != j.end() &&
-      (!prompt->is_string() || prompt->get_ref<const std::string&>().empty())) {
-    return "\"prompt\" must be a non-empty string";
-  }
-  if (messages != j.end()) {
-    if (!messages->is_array() || messages->empty()) {
-      return "\"messages\" must be a non-empty array";
-    }
-    for (size_t i = 0; i < messages->size(); ++i) {
-      const nlohmann::json& m = (*messages)[i];
-      const std::string where = "messages[" + std::to_string(i) + "]";
-      if (!m.is_object()) return where + " must be an object";
-      const auto role = m.find("role");
-      const auto content = m.find("content");
-      if (role == m.end() || !role->is_string() || role->get_ref<const std::string&>().empty()) {
-        return where + " needs a non-empty string \"role\"";
-      }
-      if (content == m.end() || !content->is_string()) {
-        return where + " needs a string \"content\"";
-      }
-    }
-  }
-  return {};
+  const Status s = common::ValidateDatasetRow(j);
+  return s.ok() ? std::string() : s.message();
 }
 
 struct ParsedRow {

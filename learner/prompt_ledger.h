@@ -103,8 +103,9 @@ class PromptLedger {
   PromptLedger(const PromptLedger&) = delete;
   PromptLedger& operator=(const PromptLedger&) = delete;
 
-  // Adds one dataset of JSONL lines; each non-blank line must be a JSON object with a
-  // non-empty "prompt" string or a non-empty "messages" array of {"role", "content"} strings.
+  // Adds one dataset of JSONL lines; each non-blank line must be a prompt row
+  // (common::ValidateDatasetRow: a non-empty "prompt" string or a non-empty "messages" array of
+  // {"role", "content"} strings with a ChatML role).
   // Prompt ids are "<dataset_id>:<line index>" (0-based, blank lines skipped but counted).
   // A bad line rejects the whole submission: InvalidArgument naming the 1-based line; nothing
   // is stored. The same non-empty idempotency_key with the same lines returns the earlier

@@ -235,6 +235,10 @@ class JsonValidReward final : public RewardFunction {
 
 }  // namespace
 
+std::string_view RewardErrorKindName(RewardErrorKind kind) {
+  return kind == RewardErrorKind::kTimeout ? "timeout" : "error";
+}
+
 std::vector<std::string> BuiltinRewardFunctionNames() {
   return {"accuracy", "format", "json_valid", "length"};
 }
@@ -412,14 +416,17 @@ RewardCallReport RewardRunner::ScoreGroup(common::RolloutGroup& group,
   RewardCallReport report;
   const size_t n = group.completions.size(), k = functions_.size();
   report.seconds.assign(k, std::nullopt);
+  report.error_kinds.assign(k, std::nullopt);
   auto inputs = std::make_shared<std::vector<RewardInput>>();
   inputs->reserve(n);
   for (const auto& c : group.completions) {
     inputs->push_back({prompt_text, c.text, static_cast<int64_t>(c.token_ids.size()), row});
   }
-  const auto fail = [&](size_t f, bool timeout, const std::string& what) {
+  const auto fail = [&](size_t f, RewardErrorKind kind, const std::string& what) {
+    const bool timeout = kind == RewardErrorKind::kTimeout;
     (timeout ? report.timeouts : report.errors) += 1;
     (timeout ? *timeouts_ : *errors_) += 1;
+    report.error_kinds[f] = kind;
     report.messages.push_back(functions_[f]->name() + ": " + what);
   };
 
@@ -428,7 +435,7 @@ RewardCallReport RewardRunner::ScoreGroup(common::RolloutGroup& group,
   std::vector<std::future<Scores>> futures(k);
   for (size_t f = 0; f < k; ++f) {
     if (abandoned_[f]->load() >= kMaxAbandonedRewardCalls) {
-      fail(f, true,
+      fail(f, RewardErrorKind::kTimeout,
            std::to_string(kMaxAbandonedRewardCalls) +
                " earlier calls still running past their deadline; not started");
       continue;
@@ -452,7 +459,7 @@ RewardCallReport RewardRunner::ScoreGroup(common::RolloutGroup& group,
       calls[f] = std::move(call);
     } catch (const std::system_error& e) {  // could not start a thread
       futures[f] = {};
-      fail(f, false, std::string("cannot start: ") + e.what());
+      fail(f, RewardErrorKind::kError, std::string("cannot start: ") + e.what());
     }
   }
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
@@ -463,7 +470,8 @@ RewardCallReport RewardRunner::ScoreGroup(common::RolloutGroup& group,
       abandoned_[f]->fetch_add(1);
       int running = 0;
       if (calls[f]->state.compare_exchange_strong(running, 2)) {
-        fail(f, true, "no result within " + std::to_string(timeout_.count()) + " ms");
+        fail(f, RewardErrorKind::kTimeout,
+             "no result within " + std::to_string(timeout_.count()) + " ms");
         report.seconds[f] = std::chrono::duration<double>(timeout_).count();
         continue;
       }
@@ -473,16 +481,18 @@ RewardCallReport RewardRunner::ScoreGroup(common::RolloutGroup& group,
     try {
       Scores s = futures[f].get();
       if (s.size() != n) {
-        fail(f, false,
+        fail(f, RewardErrorKind::kError,
              "returned " + std::to_string(s.size()) + " scores for " + std::to_string(n) +
                  " completions");
         continue;
       }
       scores[f] = std::move(s);
+    } catch (const RewardError& e) {
+      fail(f, e.kind(), std::string("threw: ") + e.what());
     } catch (const std::exception& e) {
-      fail(f, false, std::string("threw: ") + e.what());
+      fail(f, RewardErrorKind::kError, std::string("threw: ") + e.what());
     } catch (...) {
-      fail(f, false, "threw a non-standard exception");
+      fail(f, RewardErrorKind::kError, "threw a non-standard exception");
     }
   }
   for (size_t i = 0; i < n; ++i) {

@@ -9,6 +9,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -32,13 +33,36 @@ struct RewardInput {
   nlohmann::json row;             // the dataset row's extra fields (object, or null)
 };
 
+// How one reward function's call on one group failed. The names are the values of the `kind`
+// label of grpo_rollout_reward_errors_total (common::kRewardErrorKinds).
+enum class RewardErrorKind {
+  kError,    // threw, returned the wrong number of scores, or could not be started
+  kTimeout,  // missed a deadline (the runner's, or one of its own such as an RPC deadline), or
+             // too many of its earlier calls were still running to start it
+};
+// "error" or "timeout".
+std::string_view RewardErrorKindName(RewardErrorKind kind);
+
+// What a RewardFunction's Score may throw to say which kind of failure it had (e.g. a remote
+// function whose RPC missed its deadline: kTimeout). Any other exception is a kError.
+class RewardError : public std::runtime_error {
+ public:
+  RewardError(RewardErrorKind kind, const std::string& what)
+      : std::runtime_error(what), kind_(kind) {}
+  RewardErrorKind kind() const { return kind_; }
+
+ private:
+  RewardErrorKind kind_;
+};
+
 // Score may be called from any thread, concurrently; implementations keep no mutable state.
 class RewardFunction {
  public:
   virtual ~RewardFunction() = default;
   virtual std::string name() const = 0;
   // One score per input, in order; nullopt = no reward for that sample. May throw:
-  // RewardRunner turns an exception into nulls for the group and counts it.
+  // RewardRunner turns an exception into nulls for the group and counts it (a RewardError by
+  // its kind, anything else as kError).
   virtual std::vector<std::optional<double>> Score(
       const std::vector<RewardInput>& inputs) const = 0;
 };
@@ -71,9 +95,11 @@ bool AnswersMatch(std::string_view predicted, std::string_view reference);
 
 // What went wrong in one RewardRunner::ScoreGroup call (one entry per failed function).
 struct RewardCallReport {
-  int64_t errors = 0;    // threw or returned the wrong number of scores
-  int64_t timeouts = 0;  // missed the deadline (or too many of its calls still running)
-  std::vector<std::string> messages;  // "<fn>: <what>"
+  int64_t errors = 0;                 // failures of kind kError
+  int64_t timeouts = 0;               // failures of kind kTimeout
+  std::vector<std::string> messages;  // "<fn>: <what>", one per failed function, in order
+  // Per function, in order: how its call failed; nullopt when it gave its scores.
+  std::vector<std::optional<RewardErrorKind>> error_kinds;
   // Per function, in order: seconds its Score call took, the timeout when it missed the
   // deadline; nullopt when it was not started.
   std::vector<std::optional<double>> seconds;
@@ -101,7 +127,8 @@ class RewardRunner {
   // Scores every completion of `group` (its text and token count) with every function, all
   // functions concurrently, and sets each Completion::rewards to one value per function (in
   // order). A function that throws, returns the wrong number of scores or misses the deadline
-  // gives nullopt for the whole group and is counted in the report and the totals. Never throws.
+  // gives nullopt for the whole group and is counted, by its RewardErrorKind, in the report and
+  // the totals. Never throws.
   RewardCallReport ScoreGroup(common::RolloutGroup& group, const std::string& prompt_text,
                               const nlohmann::json& row) const;
 

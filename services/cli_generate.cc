@@ -2,9 +2,8 @@
 // {"messages": [...]}, plus extra fields such as "answer" for rewards), one JSON object per
 // prompt out: its completions with token ids, text, behaviour log-probs, truncation and
 // rewards. A bad row gives {"error": "line N: ..."} in its place and the rest goes on.
-#include <nlohmann/json.hpp>
-
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -12,8 +11,8 @@
 #include "common/model.h"
 #include "common/tokenizer.h"
 #include "rollout/generator.h"
+#include "rollout/produce.h"
 #include "services/cli.h"
-#include "services/prompt_text.h"
 #include "services/remote_reward.h"
 
 namespace grpo::services {
@@ -67,38 +66,23 @@ int RunGenerate(const GenerateOptions& o) {
       failed = true;
       std::cout << json{{"error", "line " + std::to_string(n) + ": " + m}}.dump() << "\n";
     };
-    json row;
-    try {
-      row = json::parse(line);
-    } catch (const json::exception& e) {
-      error(std::string("invalid JSON: ") + e.what());
-      continue;
-    }
-    auto text = PromptText(row);
-    if (!text.ok()) {
-      error(text.status().message());
-      continue;
-    }
-    auto ids = (*tok)->Encode(*text);
-    if (!ids.ok()) {
-      error(ids.status().message());
+    auto prompt = rollout::PreparePromptFromJson(line, **tok);
+    if (!prompt.ok()) {
+      error(prompt.status().message());
       continue;
     }
     // The line number seeds the samplers: a row's completions do not depend on the others.
-    auto result = (*gen)->Generate({*ids}, {n});
+    auto result = rollout::Produce(**gen, rewards.get(), {{&*prompt, n}});
     if (!result.ok()) return fail(result.status(), 1);
-    auto& group = result->groups[0];
+    rollout::ProducedGroup& produced = result->groups[0];
+    auto& group = produced.group;
     if (!group.ok()) {
       error(group.status().message());
       continue;
     }
     json out = {{"prompt_ids", group->prompt_ids}, {"completions", json::array()}};
-    if (result->num_prompts_truncated > 0) out["prompt_truncated"] = true;
-    std::vector<std::string> reward_errors;
-    if (rewards) {
-      auto report = rewards->ScoreGroup(*group, *text, row);
-      reward_errors = report.messages;
-    }
+    if (produced.prompt_truncated) out["prompt_truncated"] = true;
+    const std::vector<std::string>& reward_errors = produced.rewards.messages;
     for (const auto& c : group->completions) {
       json rj = json::object();
       for (size_t k = 0; k < c.rewards.size(); ++k) {

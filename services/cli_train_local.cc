@@ -3,7 +3,6 @@
 // distributed system (issue 5) runs the same pieces as separate services; this is the most
 // end-to-end path that exists until then, and what deploy/demo.sh runs.
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -12,8 +11,10 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/byte_tokenizer.h"
 #include "common/chat_template.h"
 #include "common/config.h"
 #include "common/device.h"
@@ -21,25 +22,19 @@
 #include "common/model.h"
 #include "common/model_config.h"
 #include "common/tokenizer.h"
-#include "common/byte_tokenizer.h"
 #include "learner/checkpoint.h"
 #include "learner/grpo_trainer.h"
 #include "rollout/generator.h"
+#include "rollout/produce.h"
 #include "rollout/reward.h"
 #include "services/cli.h"
 #include "services/demo_task.h"
-#include "services/prompt_text.h"
 
 namespace grpo::services {
 namespace {
 
 using nlohmann::json;
 namespace fs = std::filesystem;
-
-struct Row {
-  std::string prompt_text;  // after the chat template
-  json row;                 // the dataset line (extra fields for rewards)
-};
 
 StatusOr<std::vector<json>> ReadJsonl(const std::string& path) {
   std::ifstream in(path);
@@ -58,12 +53,6 @@ StatusOr<std::vector<json>> ReadJsonl(const std::string& path) {
   }
   if (rows.empty()) return Status::InvalidArgument(path + ": no rows");
   return rows;
-}
-
-StatusOr<std::string> PromptText(const json& row, int64_t index) {
-  auto text = services::PromptText(row);
-  if (!text.ok()) return text.status().WithContext("dataset row " + std::to_string(index));
-  return text;
 }
 
 struct TrainLocalOptions {
@@ -118,15 +107,12 @@ int RunTrainLocal(const TrainLocalOptions& o) {
     if (!r.ok()) return fail(r.status(), 2);
     rows = std::move(r).value();
   }
-  std::vector<Row> data;
-  std::vector<std::vector<int32_t>> prompt_ids;
+  std::vector<rollout::Prompt> data;
   for (size_t i = 0; i < rows.size(); ++i) {
-    auto text = PromptText(rows[i], static_cast<int64_t>(i));
-    if (!text.ok()) return fail(text.status(), 2);
-    auto ids = tok.Encode(*text);
-    if (!ids.ok()) return fail(ids.status().WithContext("dataset row " + std::to_string(i)), 2);
-    data.push_back({*text, rows[i]});
-    prompt_ids.push_back(std::move(ids).value());
+    auto prompt = rollout::PreparePrompt(std::move(rows[i]), tok);
+    if (!prompt.ok())
+      return fail(prompt.status().WithContext("dataset row " + std::to_string(i)), 2);
+    data.push_back(std::move(prompt).value());
   }
 
   const json reward_options = DemoRewardOptions(static_cast<int64_t>(o.target_length));
@@ -169,32 +155,26 @@ int RunTrainLocal(const TrainLocalOptions& o) {
               << cfg.reward_funcs[0] << "\n";
   }
   while (trainer.global_step() < cfg.max_steps) {
-    std::vector<std::vector<int32_t>> batch_prompts;
-    std::vector<int64_t> indices;
+    std::vector<rollout::ProduceInput> batch;
     for (int64_t i = 0; i < prompts_per_batch; ++i, ++cursor) {
-      const int64_t r = cursor % static_cast<int64_t>(data.size());
-      batch_prompts.push_back(prompt_ids[r]);
-      indices.push_back(cursor);  // seeds: a new sample of the same prompt each time round
+      // The cursor seeds the samplers: a new sample of the same prompt each time round.
+      batch.push_back({&data[cursor % static_cast<int64_t>(data.size())], cursor});
     }
-    const auto t0 = std::chrono::steady_clock::now();
     Status s = gen.SetPolicy(rollout::BorrowModel(trainer.compute_model()), trainer.policy_version());
     if (!s.ok()) return fail(s);
-    auto generated = gen.Generate(batch_prompts, indices);
-    if (!generated.ok()) return fail(generated.status());
-    const double gen_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    auto produced = rollout::Produce(gen, rewards->get(), batch);
+    if (!produced.ok()) return fail(produced.status());
+    const double gen_seconds = produced->generate_seconds;
     std::vector<common::RolloutGroup> groups;
-    for (size_t i = 0; i < generated->groups.size(); ++i) {
-      auto& g = generated->groups[i];
-      if (!g.ok()) {
-        std::cerr << "prompt skipped: " << g.status().ToString() << "\n";
+    for (size_t i = 0; i < produced->groups.size(); ++i) {
+      rollout::ProducedGroup& p = produced->groups[i];
+      if (!p.group.ok()) {
+        std::cerr << "prompt skipped: " << p.group.status().ToString() << "\n";
         continue;
       }
-      const Row& row = data[indices[i] % data.size()];
-      common::RolloutGroup group = std::move(g).value();
-      group.prompt_id = std::to_string(indices[i]);
-      auto report = (*rewards)->ScoreGroup(group, row.prompt_text, row.row);
-      for (const auto& m : report.messages) std::cerr << "reward: " << m << "\n";
+      for (const auto& m : p.rewards.messages) std::cerr << "reward: " << m << "\n";
+      common::RolloutGroup group = std::move(p.group).value();
+      group.prompt_id = std::to_string(batch[i].seed_index);
       groups.push_back(std::move(group));
     }
     auto result = trainer.TrainGenerationBatch(groups);

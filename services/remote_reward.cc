@@ -66,13 +66,19 @@ std::vector<std::optional<double>> RemoteRewardFunction::Score(
   v1::ScoreResponse response;
   const grpc::Status status = stub_->Score(&context, request, &response);
   if (!status.ok()) {
-    throw std::runtime_error("Score on " + parsed_.address + " failed: " +
-                             std::to_string(status.error_code()) + " " + status.error_message());
+    // Its own deadline missed: a timeout of this function; any other RPC failure an error.
+    const rollout::RewardErrorKind kind = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
+                                              ? rollout::RewardErrorKind::kTimeout
+                                              : rollout::RewardErrorKind::kError;
+    throw rollout::RewardError(kind, "Score on " + parsed_.address +
+                                         " failed: " + std::to_string(status.error_code()) + " " +
+                                         status.error_message());
   }
   if (response.scores_size() != static_cast<int>(inputs.size())) {
-    throw std::runtime_error("Score on " + parsed_.address + " returned " +
-                             std::to_string(response.scores_size()) + " scores for " +
-                             std::to_string(inputs.size()) + " samples");
+    throw rollout::RewardError(rollout::RewardErrorKind::kError,
+                               "Score on " + parsed_.address + " returned " +
+                                   std::to_string(response.scores_size()) + " scores for " +
+                                   std::to_string(inputs.size()) + " samples");
   }
   std::vector<std::optional<double>> out;
   out.reserve(inputs.size());

@@ -20,7 +20,7 @@ namespace grpo::services {
 
 inline constexpr std::string_view kRemoteRewardPrefix = "remote:";
 // Deadline of one Score call; below rollout::kDefaultRewardTimeout so that a slow server shows
-// as an RPC error of this function rather than an abandoned call.
+// as a failed RPC of this function (a timeout) rather than an abandoned call.
 inline constexpr std::chrono::milliseconds kDefaultRemoteRewardTimeout{25000};
 
 struct RemoteRewardSpec {
@@ -31,8 +31,9 @@ struct RemoteRewardSpec {
 StatusOr<RemoteRewardSpec> ParseRemoteRewardSpec(std::string_view spec);
 
 // Calls RewardService.Score once per group. Thread-safe (the stub is). Score throws
-// std::runtime_error on an RPC failure or a wrong number of scores; RewardRunner turns that into
-// nulls for the group and counts an error.
+// rollout::RewardError on an RPC failure (kind kTimeout when the call missed its deadline,
+// kError otherwise) or a wrong number of scores (kError); RewardRunner turns that into nulls for
+// the group and counts it by kind.
 class RemoteRewardFunction final : public rollout::RewardFunction {
  public:
   // Connects lazily (no RPC here). InvalidArgument for a bad spec.

@@ -337,6 +337,49 @@ TEST(RewardRunner, TimeoutGivesNullsWithoutWaitingForTheFunction) {
   EXPECT_TRUE(WaitFor([&] { return runner->abandoned_in_flight() == 0; }));
 }
 
+// Throws a RewardError of the given kind: a function that says how it failed (as a remote
+// function whose RPC missed its deadline does).
+class KindedErrorReward final : public RewardFunction {
+ public:
+  explicit KindedErrorReward(RewardErrorKind kind) : kind_(kind) {}
+  std::string name() const override { return "kinded"; }
+  Scores Score(const std::vector<RewardInput>&) const override {
+    throw RewardError(kind_, "deadline of its own");
+  }
+
+ private:
+  RewardErrorKind kind_;
+};
+
+TEST(RewardRunner, EachFailedFunctionCarriesItsErrorKindInOrder) {
+  std::promise<void> release;
+  auto blocking = std::make_shared<BlockingReward>(release.get_future().share());
+  // 0 ok, 1 throws runtime_error, 2 misses the deadline, 3 RewardError(kTimeout),
+  // 4 wrong number of scores, 5 RewardError(kError).
+  auto runner = MakeRunner({Make("json_valid"), std::make_shared<ThrowingReward>(), blocking,
+                            std::make_shared<KindedErrorReward>(RewardErrorKind::kTimeout),
+                            std::make_shared<WrongSizeReward>(),
+                            std::make_shared<KindedErrorReward>(RewardErrorKind::kError)},
+                           {}, std::chrono::milliseconds(300));
+  common::RolloutGroup g = Group({{"{}", 1}, {"x", 1}});
+  const RewardCallReport report = runner->ScoreGroup(g, "p", json::object());
+  using K = RewardErrorKind;
+  const std::vector<std::optional<K>> want = {std::nullopt, K::kError, K::kTimeout,
+                                              K::kTimeout,  K::kError, K::kError};
+  EXPECT_EQ(report.error_kinds, want);
+  EXPECT_EQ(report.errors, 3);
+  EXPECT_EQ(report.timeouts, 2);
+  EXPECT_EQ(report.messages.size(), 5u);
+  EXPECT_EQ(runner->total_errors(), 3);
+  EXPECT_EQ(runner->total_timeouts(), 2);
+  EXPECT_EQ(g.completions[0].rewards,
+            (Scores{1.0, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt}));
+  EXPECT_EQ(RewardErrorKindName(K::kError), "error");
+  EXPECT_EQ(RewardErrorKindName(K::kTimeout), "timeout");
+  release.set_value();
+  EXPECT_TRUE(WaitFor([&] { return runner->abandoned_in_flight() == 0; }));
+}
+
 TEST(RewardRunner, StopsStartingAFunctionWithTooManyAbandonedCalls) {
   std::promise<void> release;
   auto blocking = std::make_shared<BlockingReward>(release.get_future().share());

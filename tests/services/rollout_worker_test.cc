@@ -14,12 +14,12 @@
 #include <thread>
 
 #include "common/byte_tokenizer.h"
+#include "common/dataset_row.h"
 #include "common/device.h"
 #include "common/model.h"
 #include "common/model_config.h"
 #include "grpo/v1/learner.grpc.pb.h"
 #include "services/grpc_weight_receiver.h"
-#include "services/prompt_text.h"
 #include "services/reward_server.h"
 
 namespace grpo::services {
@@ -709,14 +709,14 @@ TEST(MergeLearnerConfig, DeviceStaysTheWorkersAndBf16IsTheLearners) {
 }
 
 TEST(PromptText, PromptStringOrChatMlMessages) {
-  EXPECT_EQ(PromptText(json::parse(kPromptRow)).value(), "Say hi.");
-  EXPECT_EQ(PromptText(json::parse(kMessagesRow)).value(),
+  EXPECT_EQ(common::PromptText(json::parse(kPromptRow)).value(), "Say hi.");
+  EXPECT_EQ(common::PromptText(json::parse(kMessagesRow)).value(),
             "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n");
-  EXPECT_EQ(PromptText(json::parse(R"({"answer": 1})")).status().code(),
+  EXPECT_EQ(common::PromptText(json::parse(R"({"answer": 1})")).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(PromptText(json::parse(R"({"messages": [{"role": "user"}]})")).status().code(),
+  EXPECT_EQ(common::PromptText(json::parse(R"({"messages": [{"role": "user"}]})")).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(PromptText(json::parse("[]")).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(common::PromptText(json::parse("[]")).status().code(), StatusCode::kInvalidArgument);
 }
 
 // --- WeightAssembler.

@@ -1,0 +1,678 @@
+#include "rollout/rollout_loop.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <exception>
+#include <filesystem>
+
+#include "common/byte_tokenizer.h"
+#include "common/device.h"
+#include "common/logging.h"
+#include "common/weight_sync/backends.h"
+
+namespace grpo::rollout {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+// Slice of every interruptible wait: how late a stop request can be noticed.
+constexpr milliseconds kStopPollInterval{20};
+
+int64_t UnixMillis() {
+  return std::chrono::duration_cast<milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// FNV-1a of the lease id: the sampler seed index of a leased prompt, so its completions depend on
+// the lease only (not on the rest of the batch) and differ between two leases of one prompt.
+int64_t SeedIndex(std::string_view lease_id) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : lease_id) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h >> 2);
+}
+
+bool IsRetryable(StatusCode code) {
+  switch (code) {
+    case StatusCode::kUnavailable:
+    case StatusCode::kDeadlineExceeded:
+    case StatusCode::kResourceExhausted:
+    case StatusCode::kAborted:
+    case StatusCode::kInternal:
+    case StatusCode::kFailedPrecondition:
+    case StatusCode::kCancelled:
+      return true;
+    default:
+      return false;
+  }
+}
+
+std::string Hostname() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "";
+  return buf;
+}
+
+}  // namespace
+
+// --- Backoff
+
+Backoff::Backoff(BackoffOptions options, uint64_t seed) : options_(options), rng_(seed) {}
+
+milliseconds Backoff::Next() {
+  double base = static_cast<double>(options_.initial.count());
+  const double cap = static_cast<double>(options_.max.count());
+  for (int64_t i = 0; i < attempt_ && base < cap; ++i) base *= options_.multiplier;
+  ++attempt_;
+  const double j = std::clamp(options_.jitter, 0.0, 1.0);
+  std::uniform_real_distribution<double> factor(1.0 - j, 1.0 + j);
+  const double d = std::min(cap, base * factor(rng_));
+  return milliseconds(static_cast<int64_t>(std::max(0.0, d)));
+}
+
+// --- Config from the learner
+
+const std::vector<std::string>& LearnerOwnedConfigKeys() {
+  static const std::vector<std::string> keys = {"seed",
+                                                "num_generations",
+                                                "max_prompt_length",
+                                                "max_completion_length",
+                                                "temperature",
+                                                "top_p",
+                                                "top_k",
+                                                "min_p",
+                                                "repetition_penalty",
+                                                "mask_truncated_completions",
+                                                "bf16",
+                                                "truncate_prompt",
+                                                "reward_funcs",
+                                                "reward_weights",
+                                                "max_staleness",
+                                                "per_device_train_batch_size",
+                                                "gradient_accumulation_steps",
+                                                "steps_per_generation",
+                                                "lease_seconds"};
+  return keys;
+}
+
+StatusOr<common::GrpoConfig> MergeLearnerConfig(const common::GrpoConfig& local,
+                                                const std::string& config_json) {
+  common::GrpoConfig merged = local;
+  if (config_json.empty()) {
+    RETURN_IF_ERROR(merged.Validate().WithContext("worker config"));
+    return merged;
+  }
+  const nlohmann::json j = nlohmann::json::parse(config_json, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return Status::InvalidArgument("learner config_json is not a JSON object");
+  }
+  const auto text_of = [](const nlohmann::json& v) -> std::string {
+    if (v.is_null()) return "null";
+    if (v.is_string()) return v.get<std::string>();
+    if (v.is_array()) {
+      std::string out;
+      for (const auto& item : v) {
+        if (!out.empty()) out += ",";
+        out += item.is_string() ? item.get<std::string>() : item.dump();
+      }
+      return "[" + out + "]";
+    }
+    return v.dump();
+  };
+  for (const auto& key : LearnerOwnedConfigKeys()) {
+    if (!j.contains(key)) continue;
+    RETURN_IF_ERROR(
+        common::SetConfigValue(merged, key, text_of(j[key])).WithContext("learner config_json"));
+  }
+  if (merged.model_name_or_path.empty() && j.contains("model_name_or_path") &&
+      j["model_name_or_path"].is_string()) {
+    merged.model_name_or_path = j["model_name_or_path"].get<std::string>();
+  }
+  RETURN_IF_ERROR(merged.Validate().WithContext("learner config_json"));
+  return merged;
+}
+
+// --- RolloutLoop
+
+StatusOr<std::unique_ptr<RolloutLoop>> RolloutLoop::Create(RolloutLoopOptions options,
+                                                           LearnerLink* link,
+                                                           WeightReceiver* receiver) {
+  if (link == nullptr || receiver == nullptr) {
+    return Status::InvalidArgument("rollout loop needs a learner link and a weight receiver");
+  }
+  if (options.prompts_per_lease < 0) {
+    return Status::InvalidArgument("prompts_per_lease must be >= 0");
+  }
+  // `device` is the worker's own (never the learner's): resolved here, before any call.
+  ASSIGN_OR_RETURN(const at::Device device, common::ResolveDevice(options.config.device));
+  return std::unique_ptr<RolloutLoop>(new RolloutLoop(std::move(options), device, link, receiver));
+}
+
+RolloutLoop::RolloutLoop(RolloutLoopOptions options, at::Device device, LearnerLink* link,
+                         WeightReceiver* receiver)
+    : options_(std::move(options)),
+      device_(device),
+      link_(link),
+      backoff_(options_.backoff),
+      receiver_(receiver),
+      worker_id_(options_.worker_id),
+      config_(options_.config) {}
+
+RolloutLoop::~RolloutLoop() { StopHeartbeat(); }
+
+WorkerStats RolloutLoop::stats() const {
+  WorkerStats s;
+  s.registrations = counters_.registrations.load();
+  s.rounds = counters_.rounds.load();
+  s.leases = counters_.leases.load();
+  s.groups_pushed = counters_.groups_pushed.load();
+  s.groups_accepted = counters_.groups_accepted.load();
+  s.groups_rejected = counters_.groups_rejected.load();
+  s.groups_dropped = counters_.groups_dropped.load();
+  s.prompts_failed = counters_.prompts_failed.load();
+  s.completion_tokens = counters_.completion_tokens.load();
+  s.weight_fetches = counters_.weight_fetches.load();
+  s.rpc_retries = counters_.rpc_retries.load();
+  s.heartbeats = counters_.heartbeats.load();
+  s.heartbeat_failures = counters_.heartbeat_failures.load();
+  s.reward_errors = counters_.reward_errors.load();
+  s.reward_timeouts = counters_.reward_timeouts.load();
+  return s;
+}
+
+std::shared_ptr<const common::Model> RolloutLoop::policy() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return policy_;
+}
+
+std::string RolloutLoop::worker_id() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return worker_id_;
+}
+
+common::GrpoConfig RolloutLoop::config() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return config_;
+}
+
+bool RolloutLoop::Stopping() const { return options_.stop != nullptr && options_.stop->load(); }
+
+bool RolloutLoop::SleepUnlessStopping(milliseconds d) {
+  const auto end = Clock::now() + d;
+  while (!Stopping()) {
+    const auto now = Clock::now();
+    if (now >= end) return true;
+    std::this_thread::sleep_for(std::min<Clock::duration>(kStopPollInterval, end - now));
+  }
+  return false;
+}
+
+Status RolloutLoop::Retry(std::string_view what, const std::function<Status()>& attempt,
+                          const std::function<bool()>& give_up) {
+  backoff_.Reset();
+  while (true) {
+    if (Stopping()) return Status::Cancelled(std::string(what) + ": worker stopping");
+    Status s = attempt();
+    if (s.ok() || !IsRetryable(s.code())) return s;
+    if (give_up && give_up()) return s;
+    const milliseconds delay = backoff_.Next();
+    counters_.rpc_retries += 1;
+    GRPO_LOG_WARN("{} failed ({}); retry {} in {} ms", what, s.ToString(), backoff_.attempts(),
+                  delay.count());
+    if (!SleepUnlessStopping(delay)) {
+      return Status::Cancelled(std::string(what) + ": worker stopping");
+    }
+  }
+}
+
+Status RolloutLoop::ApplyRegistration(const Registration& r) {
+  ASSIGN_OR_RETURN(common::GrpoConfig merged, MergeLearnerConfig(options_.config, r.config_json));
+  const nlohmann::json mj =
+      nlohmann::json::parse(r.model_config_json, nullptr, /*allow_exceptions=*/false);
+  if (mj.is_discarded()) return Status::InvalidArgument("Register: model_config_json is not JSON");
+  ASSIGN_OR_RETURN(common::ModelConfig model_config,
+                   common::ModelConfig::FromJson(mj, "Register model_config_json"));
+
+  // The tokenizer is fixed for the worker's life (the vocabulary cannot change under a job).
+  if (tokenizer_ == nullptr) {
+    std::string path = options_.tokenizer_path;
+    if (path.empty() && !merged.model_name_or_path.empty() &&
+        std::filesystem::exists(std::filesystem::path(merged.model_name_or_path) /
+                                "tokenizer.json")) {
+      path = merged.model_name_or_path;
+    }
+    if (!path.empty()) {
+      ASSIGN_OR_RETURN(tokenizer_, common::LoadTokenizer(path));
+    } else if (model_config.vocab_size == common::ByteTokenizer::kVocabSize) {
+      tokenizer_ = std::make_unique<common::ByteTokenizer>();
+    } else {
+      return Status::FailedPrecondition("no tokenizer for a model with vocab_size " +
+                                        std::to_string(model_config.vocab_size) +
+                                        ": pass --tokenizer (a tokenizer.json or model directory)");
+    }
+  }
+  if (tokenizer_->vocab_size() > model_config.vocab_size) {
+    return Status::InvalidArgument("tokenizer has " + std::to_string(tokenizer_->vocab_size()) +
+                                   " tokens, the model's vocabulary " +
+                                   std::to_string(model_config.vocab_size));
+  }
+  if (options_.make_rewards) {
+    ASSIGN_OR_RETURN(rewards_, options_.make_rewards(merged));
+  } else {
+    ASSIGN_OR_RETURN(rewards_, RewardRunner::FromConfig(merged, options_.reward_options,
+                                                        options_.reward_timeout));
+  }
+
+  const std::shared_ptr<const common::Model> held = policy();
+  if (r.model_config_json != model_config_json_ ||
+      (held != nullptr && held->dtype() != common::ComputeDtype(merged.bf16))) {
+    // A different architecture, or the learner's `bf16` changed: the current policy (if any)
+    // cannot serve it.
+    generator_.reset();
+    std::lock_guard<std::mutex> lock(mu_);
+    policy_.reset();
+    policy_version_ = -1;
+  }
+  model_config_ = model_config;
+  model_config_json_ = r.model_config_json;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    worker_id_ = r.worker_id;
+    config_ = merged;
+    heartbeat_interval_ = r.heartbeat_interval_ms > 0 ? milliseconds(r.heartbeat_interval_ms)
+                                                      : kDefaultWorkerHeartbeatInterval;
+  }
+  if (generator_ != nullptr) {
+    // Options may have changed: a new generator over the same policy snapshot.
+    ASSIGN_OR_RETURN(generator_,
+                     Generator::Create(policy(), policy_version_.load(),
+                                       GeneratorOptions::FromConfig(merged), tokenizer_.get()));
+  }
+  if (options_.metrics_registry != nullptr && !metrics_) {
+    auto m = common::WorkerMetrics::Create(*options_.metrics_registry, merged.reward_funcs);
+    if (m.ok()) {
+      metrics_ = *m;
+    } else {
+      GRPO_LOG_WARN("worker metrics unavailable: {}", m.status().ToString());
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (r.learner_incarnation != learner_incarnation_) {
+      // A different learner process (a restart): its versions restart from its checkpoint, so
+      // what we hold under a version number is not its weights. Take its weights now.
+      if (!learner_incarnation_.empty()) {
+        GRPO_LOG_WARN("the learner restarted (incarnation {} -> {}): dropping policy version {}",
+                      learner_incarnation_, r.learner_incarnation, policy_version_.load());
+      }
+      learner_incarnation_ = r.learner_incarnation;
+      learner_version_ = r.policy_version;
+      if (policy_incarnation_ != learner_incarnation_) policy_version_ = -1;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    assigned_backend_ = r.weight_sync_backend;
+  }
+  if (!r.weight_sync_note.empty()) {
+    GRPO_LOG_INFO("weight sync: asked for {}, the learner assigned {}: {}", receiver_->backend(),
+                  r.weight_sync_backend, r.weight_sync_note);
+  }
+  rank_ = r.rank;
+  group_epoch_ = r.group_epoch;
+  receiver_->SetGroup({r.worker_id, r.group_epoch, r.weight_sync_backend});
+  NoteLearnerVersion(r.policy_version);
+  needs_register_ = false;
+  counters_.registrations += 1;
+  GRPO_LOG_INFO("registered as {} (rank {}/{}, epoch {}, policy version {})", r.worker_id, r.rank,
+                r.world_size, r.group_epoch, r.policy_version);
+  return Status::OK();
+}
+
+Status RolloutLoop::Register() {
+  RegisterRequest request;
+  request.worker_id = worker_id();
+  request.hostname = Hostname();
+  request.pid = static_cast<int32_t>(getpid());
+  request.weight_sync_backend = receiver_->backend();
+  request.device = device_.str();
+  if (device_.is_cuda()) request.gpu_uuid = common::LocalSyncEndpoint(device_.str()).gpu_uuid;
+  Registration registration;
+  RETURN_IF_ERROR(Retry("Register", [&]() -> Status {
+    ASSIGN_OR_RETURN(registration, link_->Register(request, options_.timeouts.register_call));
+    return Status::OK();
+  }));
+  return ApplyRegistration(registration);
+}
+
+void RolloutLoop::NoteLearnerVersion(int64_t version) {
+  int64_t seen = learner_version_.load();
+  while (version > seen && !learner_version_.compare_exchange_weak(seen, version)) {
+  }
+}
+
+Status RolloutLoop::InstallPolicy(std::shared_ptr<const common::Model> model, int64_t version) {
+  if (generator_ == nullptr) {
+    ASSIGN_OR_RETURN(generator_,
+                     Generator::Create(model, version, GeneratorOptions::FromConfig(config()),
+                                       tokenizer_.get()));
+  } else {
+    // Generation already running keeps its snapshot; the next Generate call takes this one.
+    RETURN_IF_ERROR(generator_->SetPolicy(model, version));
+  }
+  if (metrics_) metrics_->weight_version->Set(static_cast<double>(version));
+  std::lock_guard<std::mutex> lock(mu_);
+  policy_ = std::move(model);
+  policy_version_ = version;
+  policy_incarnation_ = learner_incarnation_;
+  return Status::OK();
+}
+
+Status RolloutLoop::SyncWeights(int64_t min_version) {
+  std::shared_ptr<const common::Model> fresh;
+  int64_t version = -1;
+  const auto t0 = Clock::now();
+  const at::ScalarType dtype = common::ComputeDtype(config().bf16);
+  RETURN_IF_ERROR(Retry("GetWeights", [&]() -> Status {
+    // A new instance every time: the generator may still use the old one. Weights arrive into
+    // an fp32 model on `device` (the learner publishes fp32; a group receiver's buffers follow
+    // the model's dtypes, on the GPU for NCCL and CUDA IPC), then generation gets its own copy
+    // in the compute dtype.
+    ASSIGN_OR_RETURN(std::unique_ptr<common::Model> model,
+                     common::Model::InitRandom(model_config_, config().seed, device_));
+    ASSIGN_OR_RETURN(version,
+                     receiver_->Receive(min_version, *model, options_.timeouts.get_weights));
+    if (device_ != model->device() || dtype != model->dtype()) {
+      ASSIGN_OR_RETURN(model, model->Copy(device_, dtype));
+    }
+    fresh = std::move(model);
+    return Status::OK();
+  }));
+  counters_.weight_fetches += 1;
+  NoteLearnerVersion(version);
+  GRPO_LOG_INFO("policy version {} received over {} in {:.2f} s", version, receiver_->backend(),
+                std::chrono::duration<double>(Clock::now() - t0).count());
+  return InstallPolicy(std::move(fresh), version);
+}
+
+int64_t RolloutLoop::PromptsPerLease() const {
+  if (options_.prompts_per_lease > 0) return options_.prompts_per_lease;
+  const common::GrpoConfig c = config();
+  const int64_t batch = c.per_device_train_batch_size * c.EffectiveStepsPerGeneration();
+  return std::max<int64_t>(1, batch / std::max<int64_t>(1, c.num_generations));
+}
+
+Status RolloutLoop::RunRound() {
+  if (learner_version_.load() > policy_version_.load()) {
+    RETURN_IF_ERROR(SyncWeights(learner_version_.load()));
+  }
+
+  LeaseReply leased;
+  Status s = Retry("LeasePrompts", [&]() -> Status {
+    ASSIGN_OR_RETURN(leased,
+                     link_->LeasePrompts(worker_id(), static_cast<int32_t>(PromptsPerLease()),
+                                         options_.timeouts.lease));
+    return Status::OK();
+  });
+  if (s.code() == StatusCode::kNotFound) {
+    GRPO_LOG_WARN("learner does not know this worker ({}); registering again", s.ToString());
+    needs_register_ = true;
+    return Status::OK();
+  }
+  RETURN_IF_ERROR(s);
+  NoteLearnerVersion(leased.policy_version);
+  if (leased.leases.empty()) {
+    if (leased.job_done) {
+      done_ = true;
+      return Status::OK();
+    }
+    const milliseconds wait =
+        leased.retry_after_ms > 0 ? milliseconds(leased.retry_after_ms) : kDefaultEmptyLeaseWait;
+    SleepUnlessStopping(wait);
+    return Status::OK();
+  }
+  counters_.rounds += 1;
+  counters_.leases += static_cast<int64_t>(leased.leases.size());
+  SetLeasesHeld(static_cast<int32_t>(leased.leases.size()));
+  if (leased.job_done) done_ = true;
+
+  // Newer weights exist: take them before generating (the leases have lease_seconds to live).
+  if (learner_version_.load() > policy_version_.load()) {
+    s = SyncWeights(learner_version_.load());
+    if (!s.ok()) {
+      SetLeasesHeld(0);
+      return s;
+    }
+  }
+
+  // Prompts: row -> text -> ids. A bad row skips that prompt only.
+  std::vector<const PromptLease*> items;
+  std::vector<Prompt> prompts;
+  int64_t last_deadline_ms = 0;
+  for (const PromptLease& lease : leased.leases) {
+    last_deadline_ms = std::max(last_deadline_ms, lease.deadline_unix_ms);
+    auto prompt = PreparePromptFromJson(lease.row_json, *tokenizer_);
+    if (!prompt.ok()) {
+      counters_.prompts_failed += 1;
+      GRPO_LOG_WARN("prompt {} (lease {}) skipped: {}", lease.prompt_id, lease.lease_id,
+                    prompt.status().ToString());
+      continue;
+    }
+    items.push_back(&lease);
+    prompts.push_back(std::move(prompt).value());
+  }
+  std::vector<ProduceInput> inputs;
+  for (size_t i = 0; i < items.size(); ++i) {
+    inputs.push_back({&prompts[i], SeedIndex(items[i]->lease_id)});
+  }
+
+  std::vector<common::RolloutGroup> groups;
+  if (!inputs.empty()) {
+    // The weights are installed only between rounds (SyncWeights above), so the incarnation
+    // read now is the one of the snapshot Generate takes.
+    const std::string incarnation = [&] {
+      std::lock_guard<std::mutex> lock(mu_);
+      return policy_incarnation_;
+    }();
+    auto produced = Produce(*generator_, rewards_.get(), inputs);
+    if (!produced.ok()) {
+      SetLeasesHeld(0);
+      return produced.status().WithContext("Generate");
+    }
+    counters_.completion_tokens += produced->num_completion_tokens;
+    const double seconds = produced->generate_seconds;
+    if (metrics_) {
+      metrics_->tokens_generated->Increment(static_cast<double>(produced->num_completion_tokens));
+      // The groups of one call decode together: each gets an equal share of the call's time.
+      for (size_t i = 0; i < produced->groups.size(); ++i) {
+        metrics_->generation_duration->Observe(seconds /
+                                               static_cast<double>(produced->groups.size()));
+      }
+    }
+    GRPO_LOG_DEBUG("generated {} groups ({} tokens) with policy version {} in {:.2f} s",
+                   inputs.size(), produced->num_completion_tokens, produced->policy_version,
+                   seconds);
+    for (size_t i = 0; i < produced->groups.size(); ++i) {
+      ProducedGroup& p = produced->groups[i];
+      const PromptLease& lease = *items[i];
+      if (!p.group.ok()) {
+        counters_.prompts_failed += 1;
+        GRPO_LOG_WARN("prompt {} (lease {}) skipped: {}", lease.prompt_id, lease.lease_id,
+                      p.group.status().ToString());
+        continue;
+      }
+      CountRewardFailures(p.rewards);
+      for (const auto& m : p.rewards.messages) GRPO_LOG_WARN("reward: {}", m);
+      common::RolloutGroup group = std::move(p.group).value();
+      group.lease_id = lease.lease_id;
+      group.prompt_id = lease.prompt_id;
+      group.policy_incarnation = incarnation;
+      groups.push_back(std::move(group));
+    }
+  }
+  s = groups.empty() ? Status::OK() : PushGroups(groups, last_deadline_ms);
+  SetLeasesHeld(0);
+  return s;
+}
+
+Status RolloutLoop::PushGroups(const std::vector<common::RolloutGroup>& groups,
+                               int64_t last_deadline_ms) {
+  const std::string id = worker_id();
+  const auto attempt = [&](milliseconds timeout) -> Status {
+    ASSIGN_OR_RETURN(const PushReply response, link_->PushGroups(id, groups, timeout));
+    counters_.groups_pushed += static_cast<int64_t>(groups.size());
+    if (metrics_) metrics_->groups_pushed->Increment(static_cast<double>(groups.size()));
+    counters_.groups_accepted += response.accepted;
+    counters_.groups_rejected += response.rejected;
+    if (response.rejected > 0) {
+      std::string reasons;
+      for (const auto& [reason, n] : response.rejected_by_reason) {
+        reasons += " " + reason + "=" + std::to_string(n);
+      }
+      GRPO_LOG_WARN("learner rejected {} of {} groups:{}", response.rejected, groups.size(),
+                    reasons);
+      for (const auto& m : response.messages) GRPO_LOG_WARN("  {}", m);
+    }
+    return Status::OK();
+  };
+  Status s;
+  if (Stopping()) {
+    s = attempt(options_.timeouts.stop_push);  // one try: the process is going away
+  } else {
+    // Worth retrying while some lease is still valid; after that the learner refuses them.
+    s = Retry(
+        "PushRollouts", [&] { return attempt(options_.timeouts.push); },
+        [&] { return last_deadline_ms > 0 && UnixMillis() > last_deadline_ms; });
+    if (s.code() == StatusCode::kCancelled && Stopping()) {
+      s = attempt(options_.timeouts.stop_push);
+    }
+  }
+  if (!s.ok()) {
+    counters_.groups_dropped += static_cast<int64_t>(groups.size());
+    GRPO_LOG_ERROR("{} groups dropped (their leases will expire): {}", groups.size(), s.ToString());
+  }
+  return Status::OK();  // a lost push costs its leases, not the worker
+}
+
+void RolloutLoop::SetLeasesHeld(int32_t n) {
+  leases_held_ = n;
+  if (metrics_) metrics_->leases_held->Set(n);
+}
+
+void RolloutLoop::CountRewardFailures(const RewardCallReport& report) {
+  counters_.reward_errors += report.errors;
+  counters_.reward_timeouts += report.timeouts;
+  if (!metrics_) return;
+  const std::vector<std::string> names = rewards_->names();
+  for (size_t f = 0; f < report.seconds.size() && f < names.size(); ++f) {
+    if (report.seconds[f]) metrics_->reward_duration->Observe({names[f]}, *report.seconds[f]);
+  }
+  for (size_t f = 0; f < report.error_kinds.size() && f < names.size(); ++f) {
+    if (!report.error_kinds[f]) continue;
+    metrics_->reward_errors->Increment(
+        {names[f], std::string(RewardErrorKindName(*report.error_kinds[f]))});
+  }
+}
+
+void RolloutLoop::HeartbeatLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!heartbeat_stop_) {
+    heartbeat_cv_.wait_for(lock, heartbeat_interval_, [&] { return heartbeat_stop_; });
+    if (heartbeat_stop_) break;
+    const std::string id = worker_id_;
+    const std::string assigned = assigned_backend_;
+    lock.unlock();
+    HeartbeatRequest request;
+    request.worker_id = id;
+    request.weight_version = policy_version_.load();
+    request.leases_held = leases_held_.load();
+    const StatusOr<HeartbeatReply> response =
+        link_->Heartbeat(request, options_.timeouts.heartbeat);
+    if (response.ok()) {
+      counters_.heartbeats += 1;
+      NoteLearnerVersion(response->policy_version);
+      group_epoch_ = response->group_epoch;
+      receiver_->SetGroup({id, response->group_epoch, assigned});
+      if (response->shutdown) learner_shutdown_ = true;
+      {
+        std::lock_guard<std::mutex> relock(mu_);
+        // Another learner process answers (it restarted): register again and take its weights.
+        if (!response->learner_incarnation.empty() &&
+            response->learner_incarnation != learner_incarnation_) {
+          needs_register_ = true;
+        }
+      }
+    } else {
+      counters_.heartbeat_failures += 1;
+      if (response.status().code() == StatusCode::kNotFound) needs_register_ = true;
+      GRPO_LOG_DEBUG("Heartbeat failed: {}", response.status().ToString());
+    }
+    lock.lock();
+  }
+}
+
+void RolloutLoop::StartHeartbeat() {
+  if (heartbeat_thread_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    heartbeat_stop_ = false;
+  }
+  heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+}
+
+void RolloutLoop::StopHeartbeat() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    heartbeat_stop_ = true;
+  }
+  heartbeat_cv_.notify_all();
+  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+}
+
+Status RolloutLoop::Run() {
+  const auto finish = [&](Status s) {
+    StopHeartbeat();
+    if (s.code() == StatusCode::kCancelled && Stopping()) s = Status::OK();
+    const WorkerStats st = stats();
+    GRPO_LOG_INFO(
+        "rollout worker exits ({}): {} rounds, {} groups pushed ({} accepted, {} rejected, {} "
+        "dropped), {} prompts failed, {} weight fetches, {} retries",
+        s.ok() ? "ok" : s.ToString(), st.rounds, st.groups_pushed, st.groups_accepted,
+        st.groups_rejected, st.groups_dropped, st.prompts_failed, st.weight_fetches,
+        st.rpc_retries);
+    return s;
+  };
+  try {
+    if (Status s = Register(); !s.ok()) return finish(s);
+    StartHeartbeat();
+    if (Status s = SyncWeights(std::max<int64_t>(0, learner_version_.load())); !s.ok()) {
+      return finish(s);
+    }
+    int64_t rounds_at_start = counters_.rounds.load();
+    while (!done_ && !Stopping() && !learner_shutdown_.load()) {
+      if (options_.max_rounds > 0 &&
+          counters_.rounds.load() - rounds_at_start >= options_.max_rounds) {
+        break;
+      }
+      if (needs_register_.load()) {
+        if (Status s = Register(); !s.ok()) return finish(s);
+        if (policy_version_.load() < 0) {
+          if (Status s = SyncWeights(std::max<int64_t>(0, learner_version_.load())); !s.ok()) {
+            return finish(s);
+          }
+        }
+      }
+      if (Status s = RunRound(); !s.ok()) return finish(s);
+    }
+    return finish(Status::OK());
+  } catch (const std::exception& e) {
+    return finish(Status::Internal(std::string("rollout loop: ") + e.what()));
+  }
+}
+
+}  // namespace grpo::rollout

@@ -1,0 +1,260 @@
+// RolloutLoop: the rollout worker's loop, free of gRPC. It registers through a LearnerLink,
+// takes the policy's weights through a WeightReceiver, then repeats: lease prompts -> produce
+// their groups (rollout/produce.h: row -> prompt text -> ids -> generate -> score) -> push the
+// groups, taking newer weights between rounds, while a heartbeat thread keeps the learner
+// informed. services::RolloutWorker runs it over gRPC; tests run it over FakeLearnerLink.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "common/config.h"
+#include "common/grpo_metrics.h"
+#include "common/metrics.h"
+#include "common/model.h"
+#include "common/model_config.h"
+#include "common/status.h"
+#include "common/tokenizer.h"
+#include "rollout/generator.h"
+#include "rollout/learner_link.h"
+#include "rollout/produce.h"
+#include "rollout/reward.h"
+#include "rollout/weight_receiver.h"
+
+namespace grpo::rollout {
+
+// Per-call deadlines (weights: kDefaultWeightReceiveTimeout in weight_receiver.h).
+inline constexpr std::chrono::milliseconds kDefaultRegisterTimeout{10000};
+inline constexpr std::chrono::milliseconds kDefaultHeartbeatTimeout{5000};
+inline constexpr std::chrono::milliseconds kDefaultLeaseTimeout{10000};
+// One push (every group of one round).
+inline constexpr std::chrono::milliseconds kDefaultPushTimeout{60000};
+// When stopping, the last push gets one attempt with this deadline.
+inline constexpr std::chrono::milliseconds kDefaultStopPushTimeout{10000};
+// Used when Register's heartbeat_interval_ms is 0.
+inline constexpr std::chrono::milliseconds kDefaultWorkerHeartbeatInterval{5000};
+// Wait before leasing again when the learner had no prompts and gave no retry_after_ms.
+inline constexpr std::chrono::milliseconds kDefaultEmptyLeaseWait{1000};
+
+// Capped exponential backoff with jitter between retries of a call.
+struct BackoffOptions {
+  std::chrono::milliseconds initial{100};
+  std::chrono::milliseconds max{10000};
+  double multiplier = 2.0;
+  double jitter = 0.2;  // each delay is scaled by a uniform factor in [1 - jitter, 1 + jitter]
+};
+
+// Not thread-safe.
+class Backoff {
+ public:
+  explicit Backoff(BackoffOptions options, uint64_t seed = std::random_device{}());
+  // The delay before the next attempt: initial * multiplier^n, jittered, never above max.
+  std::chrono::milliseconds Next();
+  void Reset() { attempt_ = 0; }
+  int64_t attempts() const { return attempt_; }
+
+ private:
+  BackoffOptions options_;
+  std::mt19937_64 rng_;
+  int64_t attempt_ = 0;
+};
+
+struct LinkTimeouts {
+  std::chrono::milliseconds register_call = kDefaultRegisterTimeout;
+  std::chrono::milliseconds heartbeat = kDefaultHeartbeatTimeout;
+  std::chrono::milliseconds lease = kDefaultLeaseTimeout;
+  std::chrono::milliseconds push = kDefaultPushTimeout;
+  std::chrono::milliseconds stop_push = kDefaultStopPushTimeout;
+  std::chrono::milliseconds get_weights = kDefaultWeightReceiveTimeout;
+};
+
+// Counters since Create (a consistent-enough snapshot; each field is read atomically).
+struct WorkerStats {
+  int64_t registrations = 0;
+  int64_t rounds = 0;  // lease rounds that returned prompts
+  int64_t leases = 0;  // leases received
+  int64_t groups_pushed = 0;
+  int64_t groups_accepted = 0;  // as acked by the learner
+  int64_t groups_rejected = 0;
+  int64_t groups_dropped = 0;  // generated but never acknowledged (push failed)
+  int64_t prompts_failed = 0;  // bad row, tokenizer error, too long with reject, empty ...
+  int64_t completion_tokens = 0;
+  int64_t weight_fetches = 0;
+  int64_t rpc_retries = 0;  // failed attempts that were retried
+  int64_t heartbeats = 0;
+  int64_t heartbeat_failures = 0;
+  int64_t reward_errors = 0;
+  int64_t reward_timeouts = 0;
+};
+
+// The generation, precision (bf16) and reward keys a worker takes from the learner's
+// config_json. Not `device`: a worker's GPU is its own.
+const std::vector<std::string>& LearnerOwnedConfigKeys();
+// `local` with LearnerOwnedConfigKeys() taken from `config_json` (a GrpoConfig as JSON; other and
+// unknown keys are ignored; model_name_or_path only when `local`'s is empty).
+// InvalidArgument naming the key on a malformed value, or when the result does not Validate.
+StatusOr<common::GrpoConfig> MergeLearnerConfig(const common::GrpoConfig& local,
+                                                const std::string& config_json);
+
+// The reward functions of a (merged) configuration.
+using RewardRunnerFactory =
+    std::function<StatusOr<std::unique_ptr<RewardRunner>>(const common::GrpoConfig& config)>;
+
+struct RolloutLoopOptions {
+  std::string worker_id;  // empty = the learner assigns one
+  // The worker's own configuration: device, model_name_or_path (tokenizer) ... The generation,
+  // precision (bf16) and reward keys of Register's config_json override it
+  // (LearnerOwnedConfigKeys); `device` is always this one's.
+  common::GrpoConfig config;
+  // Prompts per LeasePrompts call; 0 = generation batch / num_generations (at least 1).
+  int64_t prompts_per_lease = 0;
+  // tokenizer.json or a model directory. Empty: config.model_name_or_path when it holds one
+  // here, else the byte tokenizer when the model's vocabulary is its size (tiny models).
+  std::string tokenizer_path;
+  // Builds the reward functions at every Register; null = RewardRunner::FromConfig (built-ins
+  // only) with reward_options and reward_timeout. services:: passes one with remote functions.
+  RewardRunnerFactory make_rewards;
+  // Options of built-in reward functions by name, e.g. {"length": {"target_length": 8}}.
+  nlohmann::json reward_options = nlohmann::json::object();
+  std::chrono::milliseconds reward_timeout = kDefaultRewardTimeout;
+  BackoffOptions backoff;
+  LinkTimeouts timeouts;
+  // Borrowed; may be null. Once true (e.g. from a SIGTERM handler), the loop leases nothing
+  // more, pushes what it already generated (one attempt) and Run returns OK.
+  const std::atomic<bool>* stop = nullptr;
+  int64_t max_rounds = 0;  // lease rounds with prompts before Run returns; 0 = no limit
+  // Borrowed; may be null. The loop adds common::WorkerMetrics to it at its first Register
+  // (the reward_fn label values are the learner's reward_funcs) and keeps them updated.
+  common::Registry* metrics_registry = nullptr;
+};
+
+// Run is called once, from one thread; it starts and joins a heartbeat thread. The accessors
+// may be called from any thread.
+//
+// Failure handling: a call that fails with Unavailable, DeadlineExceeded, ResourceExhausted,
+// Aborted, Internal, FailedPrecondition or Cancelled is retried with Backoff until it succeeds or
+// the stop flag is set (a push only while some of its leases are still valid). NotFound from
+// Heartbeat or LeasePrompts (the learner forgot this worker, e.g. it restarted), or a heartbeat
+// naming another learner incarnation, means register again. Leases of prompts that fail (bad
+// row, too long with truncate_prompt=reject, empty) or of groups that cannot be pushed are not
+// released (the link has no such call): they expire after lease_seconds and the learner queues
+// them again.
+//
+// Weights: a new version is received into a fresh model (the generator may still use the old
+// one) and installed only between rounds, so a group never spans two versions; each group
+// carries the version and the learner incarnation of its weights.
+class RolloutLoop {
+ public:
+  // `link` and `receiver` are borrowed, not null, and must outlive the loop. InvalidArgument
+  // for a negative prompts_per_lease, and naming the key for a `device` that cannot be used
+  // here (common::ResolveDevice). No call to the learner yet.
+  static StatusOr<std::unique_ptr<RolloutLoop>> Create(RolloutLoopOptions options,
+                                                       LearnerLink* link,
+                                                       WeightReceiver* receiver);
+  ~RolloutLoop();
+
+  // Registers, takes the weights and runs rounds until the learner reports the job done (or
+  // shutdown), max_rounds, or the stop flag. OK then; otherwise the non-retryable error
+  // (Unauthenticated, InvalidArgument config, a model config without tokenizer, Internal from
+  // generation ...).
+  Status Run();
+
+  WorkerStats stats() const;
+  // The policy the next round generates with (null before the first weights), and its version:
+  // on config.device, in bf16 when the learner's `bf16` is true, else fp32.
+  std::shared_ptr<const common::Model> policy() const;
+  int64_t policy_version() const { return policy_version_.load(); }
+  std::string worker_id() const;
+  int32_t rank() const { return rank_.load(); }
+  // The merged generation config (after Register).
+  common::GrpoConfig config() const;
+
+ private:
+  RolloutLoop(RolloutLoopOptions options, at::Device device, LearnerLink* link,
+              WeightReceiver* receiver);
+
+  bool Stopping() const;
+  // Sleeps up to `d`; false (early) when stopping.
+  bool SleepUnlessStopping(std::chrono::milliseconds d);
+  // Runs `attempt` until OK, an error outside the retryable set, Stopping() (Cancelled) or
+  // `give_up()` (the last error). `what` names the call in logs.
+  Status Retry(std::string_view what, const std::function<Status()>& attempt,
+               const std::function<bool()>& give_up = {});
+
+  Status Register();  // with retries; (re)builds config, tokenizer, rewards, generator
+  Status ApplyRegistration(const Registration& registration);
+  Status SyncWeights(int64_t min_version);  // with retries; installs a new policy snapshot
+  Status InstallPolicy(std::shared_ptr<const common::Model> model, int64_t version);
+  // One lease round. Sets done_ when the learner has nothing more.
+  Status RunRound();
+  Status PushGroups(const std::vector<common::RolloutGroup>& groups, int64_t last_deadline_ms);
+  void HeartbeatLoop();
+  void StartHeartbeat();
+  void StopHeartbeat();
+  void NoteLearnerVersion(int64_t version);
+  void SetLeasesHeld(int32_t n);
+  // One ScoreGroup call's per-function latencies into grpo_rollout_reward_duration_seconds
+  // and its failures, by kind, into grpo_rollout_reward_errors_total.
+  void CountRewardFailures(const RewardCallReport& report);
+  int64_t PromptsPerLease() const;
+
+  const RolloutLoopOptions options_;
+  const at::Device device_;  // options_.config.device, resolved: where generation runs
+  LearnerLink* const link_;  // borrowed, thread-safe
+  Backoff backoff_;          // main thread only
+
+  // Main thread only (Run), except receiver_->SetGroup (thread-safe) from the heartbeat thread.
+  WeightReceiver* const receiver_;  // borrowed
+  std::unique_ptr<common::Tokenizer> tokenizer_;
+  std::unique_ptr<RewardRunner> rewards_;
+  std::unique_ptr<Generator> generator_;  // null until the first weights
+  common::ModelConfig model_config_;
+  std::string model_config_json_;                 // as last received, to notice a change
+  std::optional<common::WorkerMetrics> metrics_;  // when options_.metrics_registry is set
+  bool done_ = false;
+
+  mutable std::mutex mu_;
+  std::string worker_id_;                        // GUARDED_BY(mu_)
+  std::string assigned_backend_;  // GUARDED_BY(mu_): the learner's answer at the last Register
+  common::GrpoConfig config_;                    // GUARDED_BY(mu_)
+  std::shared_ptr<const common::Model> policy_;  // GUARDED_BY(mu_)
+  // GUARDED_BY(mu_)
+  std::chrono::milliseconds heartbeat_interval_ = kDefaultWorkerHeartbeatInterval;
+  bool heartbeat_stop_ = false;  // GUARDED_BY(mu_)
+  std::condition_variable heartbeat_cv_;
+  std::thread heartbeat_thread_;  // main thread only
+
+  std::atomic<int32_t> rank_{-1};
+  std::atomic<int64_t> group_epoch_{0};
+  std::atomic<int64_t> policy_version_{-1};   // the version generating now; -1 = none
+  std::atomic<int64_t> learner_version_{-1};  // the newest version the learner reported
+  // The learner process registered with, and the one whose weights generate now (groups carry
+  // it; a group of another learner's weights is refused). GUARDED_BY(mu_)
+  std::string learner_incarnation_;
+  std::string policy_incarnation_;
+  std::atomic<int32_t> leases_held_{0};
+  std::atomic<bool> learner_shutdown_{false};  // Heartbeat said shutdown
+  std::atomic<bool> needs_register_{false};    // the learner does not know this worker
+
+  struct Counters {
+    std::atomic<int64_t> registrations{0}, rounds{0}, leases{0}, groups_pushed{0},
+        groups_accepted{0}, groups_rejected{0}, groups_dropped{0}, prompts_failed{0},
+        completion_tokens{0}, weight_fetches{0}, rpc_retries{0}, heartbeats{0},
+        heartbeat_failures{0}, reward_errors{0}, reward_timeouts{0};
+  };
+  Counters counters_;
+};
+
+}  // namespace grpo::rollout

@@ -1,0 +1,349 @@
+// RolloutLoop (rollout/rollout_loop.h) through FakeLearnerLink and FakeWeightReceiver: the
+// worker's loop without a gRPC server. Expected ids are the byte tokenizer's bytes written out
+// by hand, rewards -|target - completion tokens| (the length reward), counts from the script of
+// each test.
+#include "rollout/rollout_loop.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <thread>
+
+#include "common/metrics.h"
+#include "common/model_config.h"
+#include "rollout/fake_learner_link.h"
+
+namespace grpo::rollout {
+namespace {
+
+using nlohmann::json;
+using std::chrono::milliseconds;
+
+constexpr int64_t kTargetLength = 3;
+constexpr int kGenerations = 4;
+const char* kPromptRow = R"({"prompt": "Say hi."})";
+const char* kMessagesRow = R"({"messages": [{"role": "user", "content": "Hi"}]})";
+
+std::shared_ptr<const common::Model> TinyModel(uint64_t seed) {
+  auto config = common::ModelConfigPreset("tiny");
+  EXPECT_TRUE(config.ok());
+  auto model = common::Model::InitRandom(*config, seed);
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  return std::shared_ptr<const common::Model>(std::move(model).value());
+}
+
+json LearnerConfig() {
+  return {{"num_generations", kGenerations},  {"max_prompt_length", 64},
+          {"max_completion_length", 6},       {"reward_funcs", json::array({"length"})},
+          {"per_device_train_batch_size", 8}, {"seed", 7}};
+}
+
+// A learner with `rows`, the tiny model as version 1, and the config above.
+struct Fixture {
+  FakeLearnerLink learner;
+  FakeWeightReceiver receiver{&learner};
+  explicit Fixture(std::vector<std::string> rows) {
+    learner.rows = std::move(rows);
+    learner.model = TinyModel(11);
+    learner.config_json = LearnerConfig().dump();
+  }
+};
+
+RolloutLoopOptions Options(const std::atomic<bool>* stop = nullptr) {
+  RolloutLoopOptions o;
+  o.prompts_per_lease = 2;
+  o.reward_options = {{"length", {{"target_length", kTargetLength}}}};
+  o.backoff.initial = milliseconds(2);
+  o.backoff.max = milliseconds(20);
+  o.stop = stop;
+  return o;
+}
+
+std::unique_ptr<RolloutLoop> MakeLoop(Fixture& f, RolloutLoopOptions o) {
+  auto loop = RolloutLoop::Create(std::move(o), &f.learner, &f.receiver);
+  EXPECT_TRUE(loop.ok()) << loop.status().ToString();
+  return std::move(loop).value();
+}
+
+std::vector<int32_t> Bytes(const std::string& s) {
+  std::vector<int32_t> out;
+  for (unsigned char c : s) out.push_back(c);
+  return out;
+}
+
+bool SameParameters(const common::Model& a, const common::Model& b) {
+  const auto pa = a.NamedParameters(), pb = b.NamedParameters();
+  if (pa.size() != pb.size()) return false;
+  for (size_t i = 0; i < pa.size(); ++i) {
+    const at::Tensor x = pa[i].second.contiguous(), y = pb[i].second.contiguous();
+    if (pa[i].first != pb[i].first || x.nbytes() != y.nbytes() ||
+        std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST(RolloutLoop, RegistersTakesWeightsAndPushesScoredGroupsUnderTheirLeases) {
+  Fixture f({kPromptRow, kMessagesRow});
+  auto loop = MakeLoop(f, Options());
+  ASSERT_TRUE(loop->Run().ok());
+
+  ASSERT_NE(loop->policy(), nullptr);
+  EXPECT_TRUE(SameParameters(*loop->policy(), *f.learner.model));
+  EXPECT_EQ(loop->policy_version(), 1);
+  EXPECT_EQ(loop->worker_id(), "worker-1");
+  EXPECT_EQ(loop->rank(), 1);
+  EXPECT_EQ(loop->config().num_generations, kGenerations);
+
+  std::lock_guard<std::mutex> lock(f.learner.mu);
+  ASSERT_EQ(f.learner.registers.size(), 1u);
+  EXPECT_EQ(f.learner.registers[0].weight_sync_backend, "fake");
+  EXPECT_EQ(f.learner.registers[0].worker_id, "");
+  EXPECT_GT(f.learner.registers[0].pid, 0);
+  EXPECT_EQ(f.learner.weights_served, std::vector<int64_t>{1});
+  ASSERT_EQ(f.learner.pushed.size(), 2u);
+  std::map<std::string, const common::RolloutGroup*> by_lease;
+  for (const auto& g : f.learner.pushed) by_lease[g.lease_id] = &g;
+  ASSERT_EQ(by_lease.count("lease-0"), 1u);
+  ASSERT_EQ(by_lease.count("lease-1"), 1u);
+  EXPECT_EQ(by_lease["lease-0"]->prompt_id, "prompt-0");
+  EXPECT_EQ(by_lease["lease-1"]->prompt_id, "prompt-1");
+  EXPECT_EQ(by_lease["lease-0"]->prompt_ids, Bytes("Say hi."));
+  std::vector<int32_t> chatml = {257};  // <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n
+  for (int32_t b : Bytes("user\nHi")) chatml.push_back(b);
+  chatml.push_back(258);
+  chatml.push_back('\n');
+  chatml.push_back(257);
+  for (int32_t b : Bytes("assistant\n")) chatml.push_back(b);
+  EXPECT_EQ(by_lease["lease-1"]->prompt_ids, chatml);
+  for (size_t i = 0; i < f.learner.pushed.size(); ++i) {
+    const common::RolloutGroup& g = f.learner.pushed[i];
+    EXPECT_EQ(f.learner.pushed_worker_ids[i], "worker-1");
+    EXPECT_EQ(g.policy_version, 1);
+    EXPECT_EQ(g.policy_incarnation, "inc-1");
+    ASSERT_EQ(g.completions.size(), static_cast<size_t>(kGenerations));
+    for (const auto& c : g.completions) {
+      ASSERT_GE(c.token_ids.size(), 1u);
+      ASSERT_LE(c.token_ids.size(), 6u);
+      ASSERT_EQ(c.rewards.size(), 1u);
+      const double n = static_cast<double>(c.token_ids.size());
+      EXPECT_EQ(c.rewards[0], std::optional<double>(-std::abs(kTargetLength - n)));
+    }
+  }
+  const WorkerStats st = loop->stats();
+  EXPECT_EQ(st.registrations, 1);
+  EXPECT_EQ(st.rounds, 1);
+  EXPECT_EQ(st.leases, 2);
+  EXPECT_EQ(st.groups_pushed, 2);
+  EXPECT_EQ(st.groups_accepted, 2);
+  EXPECT_EQ(st.weight_fetches, 1);
+  EXPECT_EQ(st.prompts_failed, 0);
+}
+
+TEST(RolloutLoop, BadPromptsAreSkippedAndCounted) {
+  Fixture f({R"({"prompt": "This prompt is far longer than sixteen bytes."})",
+             R"({"question": "no prompt key"})", "not json", R"({"prompt": ""})", kPromptRow});
+  json config = LearnerConfig();
+  config["truncate_prompt"] = "reject";
+  config["max_prompt_length"] = 16;
+  f.learner.config_json = config.dump();
+  f.learner.leases_per_call = 5;
+  auto o = Options();
+  o.prompts_per_lease = 5;
+  auto loop = MakeLoop(f, o);
+  ASSERT_TRUE(loop->Run().ok());
+  EXPECT_EQ(loop->stats().prompts_failed, 4);
+  EXPECT_EQ(loop->stats().leases, 5);
+  std::lock_guard<std::mutex> lock(f.learner.mu);
+  ASSERT_EQ(f.learner.pushed.size(), 1u);
+  EXPECT_EQ(f.learner.pushed[0].lease_id, "lease-4");
+}
+
+TEST(RolloutLoop, NewerPolicyVersionIsFetchedBeforeTheNextRound) {
+  Fixture f({kPromptRow, kMessagesRow, kPromptRow, kMessagesRow});
+  const std::shared_ptr<const common::Model> v2 = TinyModel(22);
+  f.learner.after_push = [v2](FakeLearnerLink& l) {
+    if (l.version == 1) {
+      l.version = 2;
+      l.model = v2;
+    }
+  };
+  auto loop = MakeLoop(f, Options());
+  ASSERT_TRUE(loop->Run().ok());
+  EXPECT_TRUE(SameParameters(*loop->policy(), *v2));
+  EXPECT_EQ(loop->policy_version(), 2);
+  EXPECT_EQ(loop->stats().weight_fetches, 2);
+  std::lock_guard<std::mutex> lock(f.learner.mu);
+  EXPECT_EQ(f.learner.weights_served, (std::vector<int64_t>{1, 2}));
+  ASSERT_EQ(f.learner.pushed.size(), 4u);
+  const std::vector<int64_t> want = {1, 1, 2, 2};
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(f.learner.pushed[i].policy_version, want[i]) << i;
+}
+
+TEST(RolloutLoop, AfterALearnerRestartItRegistersAgainAndTagsGroupsWithTheNewWeights) {
+  Fixture f({kPromptRow, kMessagesRow, kPromptRow, kMessagesRow});
+  f.learner.version = 3;
+  const std::shared_ptr<const common::Model> restored = TinyModel(33);
+  f.learner.after_push = [restored](FakeLearnerLink& l) {
+    if (l.incarnation == "inc-1") {
+      l.incarnation = "inc-2";
+      l.version = 1;
+      l.model = restored;
+      l.unknown_worker = true;
+    }
+  };
+  auto loop = MakeLoop(f, Options());
+  ASSERT_TRUE(loop->Run().ok());
+  EXPECT_TRUE(SameParameters(*loop->policy(), *restored));
+  EXPECT_EQ(loop->policy_version(), 1);
+  std::lock_guard<std::mutex> lock(f.learner.mu);
+  ASSERT_EQ(f.learner.registers.size(), 2u);
+  EXPECT_EQ(f.learner.registers[1].worker_id, "worker-1");  // registers again under its id
+  EXPECT_EQ(f.learner.weights_served, (std::vector<int64_t>{3, 1}));
+  ASSERT_EQ(f.learner.pushed.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(f.learner.pushed[i].policy_version, i < 2 ? 3 : 1) << i;
+    EXPECT_EQ(f.learner.pushed[i].policy_incarnation, i < 2 ? "inc-1" : "inc-2") << i;
+  }
+}
+
+TEST(RolloutLoop, RetriesUnavailableCallsWithBackoff) {
+  Fixture f({kPromptRow, kMessagesRow});
+  f.learner.unavailable_first_n = 4;
+  auto loop = MakeLoop(f, Options());
+  ASSERT_TRUE(loop->Run().ok());
+  EXPECT_GE(loop->stats().rpc_retries, 4);
+  std::lock_guard<std::mutex> lock(f.learner.mu);
+  EXPECT_EQ(f.learner.pushed.size(), 2u);
+  EXPECT_EQ(f.learner.registers.size(), 1u);
+}
+
+TEST(RolloutLoop, RejectedGroupsAreCountedAndAFailedPushDropsItsGroupsNotTheLoop) {
+  Fixture f({kPromptRow, kMessagesRow, kPromptRow});
+  f.learner.on_push =
+      [calls = 0](const std::vector<common::RolloutGroup>& groups) mutable -> StatusOr<PushReply> {
+    if (++calls == 1) {  // the first round's 2 groups: 1 accepted, 1 stale
+      PushReply r;
+      r.accepted = 1;
+      r.rejected = 1;
+      r.rejected_by_reason["stale"] = 1;
+      return r;
+    }
+    return Status::InvalidArgument("not retryable");  // the second round's 1 group is lost
+  };
+  auto loop = MakeLoop(f, Options());
+  ASSERT_TRUE(loop->Run().ok());
+  const WorkerStats st = loop->stats();
+  EXPECT_EQ(st.rounds, 2);
+  EXPECT_EQ(st.groups_pushed, 2);
+  EXPECT_EQ(st.groups_accepted, 1);
+  EXPECT_EQ(st.groups_rejected, 1);
+  EXPECT_EQ(st.groups_dropped, 1);
+  std::lock_guard<std::mutex> lock(f.learner.mu);
+  EXPECT_EQ(f.learner.push_calls, 2);  // InvalidArgument is not retried
+}
+
+// Throws RewardError(kTimeout): what a remote function whose RPC missed its deadline does.
+class TimingOutReward final : public RewardFunction {
+ public:
+  std::string name() const override { return "judge"; }
+  std::vector<std::optional<double>> Score(const std::vector<RewardInput>&) const override {
+    throw RewardError(RewardErrorKind::kTimeout, "Score deadline exceeded");
+  }
+};
+
+TEST(RolloutLoop, RewardFailuresAreCountedByTheirKindInStatsAndMetrics) {
+  Fixture f({kPromptRow, kMessagesRow});
+  json config = LearnerConfig();
+  config["reward_funcs"] = json::array({"length", "judge"});
+  f.learner.config_json = config.dump();
+  common::Registry registry;
+  auto o = Options();
+  o.metrics_registry = &registry;
+  o.make_rewards = [](const common::GrpoConfig& c) -> StatusOr<std::unique_ptr<RewardRunner>> {
+    EXPECT_EQ(c.reward_funcs, (std::vector<std::string>{"length", "judge"}));
+    auto length = MakeRewardFunction("length", {{"target_length", kTargetLength}});
+    if (!length.ok()) return length.status();
+    return RewardRunner::Create({std::move(length).value(), std::make_shared<TimingOutReward>()});
+  };
+  auto loop = MakeLoop(f, o);
+  ASSERT_TRUE(loop->Run().ok());
+  EXPECT_EQ(loop->stats().reward_timeouts, 2);  // one per group
+  EXPECT_EQ(loop->stats().reward_errors, 0);
+  const std::string text = registry.Expose();
+  EXPECT_NE(text.find("grpo_rollout_reward_errors_total{reward_fn=\"judge\",kind=\"timeout\"} 2\n"),
+            std::string::npos)
+      << text;
+  // Every (function, kind) series exists from the start; only judge's timeouts moved.
+  for (const char* zero :
+       {"{reward_fn=\"judge\",kind=\"error\"} 0\n", "{reward_fn=\"length\",kind=\"error\"} 0\n",
+        "{reward_fn=\"length\",kind=\"timeout\"} 0\n"}) {
+    EXPECT_NE(text.find(std::string("grpo_rollout_reward_errors_total") + zero), std::string::npos)
+        << zero << text;
+  }
+  EXPECT_NE(text.find("grpo_rollout_groups_pushed_total 2\n"), std::string::npos) << text;
+  std::lock_guard<std::mutex> lock(f.learner.mu);
+  ASSERT_EQ(f.learner.pushed.size(), 2u);
+  for (const auto& c : f.learner.pushed[0].completions) {
+    ASSERT_EQ(c.rewards.size(), 2u);
+    EXPECT_TRUE(c.rewards[0].has_value());
+    EXPECT_FALSE(c.rewards[1].has_value());  // the failed function gives null
+  }
+}
+
+TEST(RolloutLoop, HeartbeatsCarryTheVersionAndStopReturnsPromptlyWhileWaiting) {
+  Fixture f({});
+  f.learner.job_done_when_empty = false;
+  f.learner.retry_after_ms = 60000;
+  std::atomic<bool> stop{false};
+  auto loop = MakeLoop(f, Options(&stop));
+  Status result = Status::Internal("not returned");
+  std::thread t([&] { result = loop->Run(); });
+  for (int i = 0; i < 250; ++i) {
+    {
+      std::lock_guard<std::mutex> lock(f.learner.mu);
+      if (f.learner.lease_calls > 0 && f.learner.heartbeats.size() >= 2) break;
+    }
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  stop = true;
+  t.join();
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
+  EXPECT_TRUE(result.ok()) << result.ToString();
+  std::lock_guard<std::mutex> lock(f.learner.mu);
+  ASSERT_GE(f.learner.heartbeats.size(), 2u);
+  EXPECT_EQ(f.learner.heartbeats.back().worker_id, "worker-1");
+  EXPECT_EQ(f.learner.heartbeats.back().weight_version, 1);
+}
+
+TEST(RolloutLoop, HeartbeatShutdownEndsTheLoop) {
+  Fixture f({});
+  f.learner.job_done_when_empty = false;
+  f.learner.shutdown = true;
+  auto loop = MakeLoop(f, Options());
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(loop->Run().ok());
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+}
+
+TEST(RolloutLoop, CreateChecksItsArguments) {
+  FakeLearnerLink learner;
+  FakeWeightReceiver receiver(&learner);
+  EXPECT_EQ(RolloutLoop::Create(Options(), nullptr, &receiver).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(RolloutLoop::Create(Options(), &learner, nullptr).status().code(),
+            StatusCode::kInvalidArgument);
+  auto o = Options();
+  o.prompts_per_lease = -1;
+  EXPECT_EQ(RolloutLoop::Create(o, &learner, &receiver).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace grpo::rollout
