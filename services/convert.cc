@@ -53,3 +53,154 @@ Status FromGrpcStatus(const grpc::Status& status) {
 }
 
 }  // namespace grpo::services
+
+namespace grpo::services {
+
+common::RegisterRequest FromProto(const v1::RegisterRequest& r) {
+  common::RegisterRequest out;
+  out.worker_id = r.worker_id();
+  out.hostname = r.hostname();
+  out.pid = r.pid();
+  out.weight_sync_backend = r.weight_sync_backend();
+  out.device = r.device();
+  out.gpu_uuid = r.gpu_uuid();
+  return out;
+}
+
+void ToProto(const common::RegisterRequest& r, v1::RegisterRequest* out) {
+  out->set_worker_id(r.worker_id);
+  out->set_hostname(r.hostname);
+  out->set_pid(r.pid);
+  out->set_weight_sync_backend(r.weight_sync_backend);
+  out->set_device(r.device);
+  out->set_gpu_uuid(r.gpu_uuid);
+}
+
+common::Registration FromProto(const v1::RegisterResponse& r) {
+  common::Registration out;
+  out.worker_id = r.worker_id();
+  out.rank = r.rank();
+  out.world_size = r.world_size();
+  out.group_epoch = r.group_epoch();
+  out.policy_version = r.policy_version();
+  out.config_json = r.config_json();
+  out.heartbeat_interval_ms = r.heartbeat_interval_ms();
+  out.model_config_json = r.model_config_json();
+  out.learner_incarnation = r.learner_incarnation();
+  out.weight_sync_backend = r.weight_sync_backend();
+  out.weight_sync_note = r.weight_sync_note();
+  return out;
+}
+
+void ToProto(const common::Registration& r, v1::RegisterResponse* out) {
+  out->set_worker_id(r.worker_id);
+  out->set_rank(r.rank);
+  out->set_world_size(r.world_size);
+  out->set_group_epoch(r.group_epoch);
+  out->set_policy_version(r.policy_version);
+  out->set_config_json(r.config_json);
+  out->set_heartbeat_interval_ms(r.heartbeat_interval_ms);
+  out->set_model_config_json(r.model_config_json);
+  out->set_learner_incarnation(r.learner_incarnation);
+  out->set_weight_sync_backend(r.weight_sync_backend);
+  out->set_weight_sync_note(r.weight_sync_note);
+}
+
+common::HeartbeatRequest FromProto(const v1::HeartbeatRequest& r) {
+  common::HeartbeatRequest out;
+  out.worker_id = r.worker_id();
+  out.weight_version = r.weight_version();
+  out.leases_held = r.leases_held();
+  return out;
+}
+
+void ToProto(const common::HeartbeatRequest& r, v1::HeartbeatRequest* out) {
+  out->set_worker_id(r.worker_id);
+  out->set_weight_version(r.weight_version);
+  out->set_leases_held(r.leases_held);
+}
+
+common::HeartbeatReply FromProto(const v1::HeartbeatResponse& r) {
+  common::HeartbeatReply out;
+  out.policy_version = r.policy_version();
+  out.group_epoch = r.group_epoch();
+  out.shutdown = r.shutdown();
+  out.learner_incarnation = r.learner_incarnation();
+  return out;
+}
+
+void ToProto(const common::HeartbeatReply& r, v1::HeartbeatResponse* out) {
+  out->set_policy_version(r.policy_version);
+  out->set_group_epoch(r.group_epoch);
+  out->set_shutdown(r.shutdown);
+  out->set_learner_incarnation(r.learner_incarnation);
+}
+
+common::LeaseReply FromProto(const v1::LeasePromptsResponse& r) {
+  common::LeaseReply out;
+  out.leases.reserve(r.leases_size());
+  for (const v1::Lease& l : r.leases()) {
+    out.leases.push_back({l.lease_id(), l.prompt_id(), l.row_json(), l.deadline_unix_ms()});
+  }
+  out.policy_version = r.policy_version();
+  out.job_done = r.job_done();
+  out.retry_after_ms = r.retry_after_ms();
+  out.learner_incarnation = r.learner_incarnation();
+  return out;
+}
+
+void ToProto(const common::LeaseReply& r, v1::LeasePromptsResponse* out) {
+  for (const common::PromptLease& l : r.leases) {
+    v1::Lease* lease = out->add_leases();
+    lease->set_lease_id(l.lease_id);
+    lease->set_prompt_id(l.prompt_id);
+    lease->set_row_json(l.row_json);
+    lease->set_deadline_unix_ms(l.deadline_unix_ms);
+  }
+  out->set_policy_version(r.policy_version);
+  out->set_job_done(r.job_done);
+  out->set_retry_after_ms(r.retry_after_ms);
+  out->set_learner_incarnation(r.learner_incarnation);
+}
+
+common::PushReply FromProto(const v1::PushRolloutsResponse& r) {
+  common::PushReply out;
+  out.accepted = r.accepted();
+  out.rejected = r.rejected();
+  for (const auto& [reason, n] : r.rejected_by_reason()) out.rejected_by_reason[reason] = n;
+  out.messages.assign(r.messages().begin(), r.messages().end());
+  return out;
+}
+
+void ToProto(const common::PushReply& r, v1::PushRolloutsResponse* out) {
+  out->set_accepted(r.accepted);
+  out->set_rejected(r.rejected);
+  for (const auto& [reason, n] : r.rejected_by_reason) {
+    (*out->mutable_rejected_by_reason())[reason] = n;
+  }
+  for (const auto& m : r.messages) out->add_messages(m);
+}
+
+void ToProto(const learner::JobSnapshot& job, v1::Job* out) {
+  v1::LedgerCounts* c = out->mutable_prompts();
+  c->set_queued(job.queued);
+  c->set_leased(job.leased);
+  c->set_trained(job.trained);
+  c->set_rejected(job.rejected);
+  c->set_pass(job.pass);
+  out->set_state(std::string(learner::JobStateName(job.state)));
+  out->set_global_step(job.global_step);
+  out->set_max_steps(job.max_steps);
+  out->set_policy_version(job.policy_version);
+  out->set_workers(job.workers);
+  for (const auto& [k, v] : job.last_metrics) (*out->mutable_last_metrics())[k] = v;
+  out->set_message(job.message);
+}
+
+void ToProto(const learner::JobEvent& event, v1::JobEvent* out) {
+  ToProto(event.job, out->mutable_job());
+  out->set_step(event.step);
+  for (const auto& [k, v] : event.metrics) (*out->mutable_metrics())[k] = v;
+}
+
+}  // namespace grpo::services

@@ -4,9 +4,11 @@
 
 #include <grpcpp/support/status.h>
 
+#include "common/learner_protocol.h"
 #include "common/rollout_types.h"
 #include "common/status.h"
 #include "grpo/v1/learner.pb.h"
+#include "learner/job.h"
 
 namespace grpo::services {
 
@@ -17,5 +19,24 @@ common::RolloutGroup FromProto(const v1::RolloutGroup& group);
 // grpo::StatusCode values equal grpc::StatusCode's.
 grpc::Status ToGrpcStatus(const Status& status);
 Status FromGrpcStatus(const grpc::Status& status);
+
+// The worker-facing protocol (common/learner_protocol.h), both directions: the learner's shell
+// reads requests and writes replies, the worker's GrpcLearnerLink the reverse.
+common::RegisterRequest FromProto(const v1::RegisterRequest& request);
+void ToProto(const common::RegisterRequest& request, v1::RegisterRequest* out);
+common::Registration FromProto(const v1::RegisterResponse& response);
+void ToProto(const common::Registration& registration, v1::RegisterResponse* out);
+common::HeartbeatRequest FromProto(const v1::HeartbeatRequest& request);
+void ToProto(const common::HeartbeatRequest& request, v1::HeartbeatRequest* out);
+common::HeartbeatReply FromProto(const v1::HeartbeatResponse& response);
+void ToProto(const common::HeartbeatReply& reply, v1::HeartbeatResponse* out);
+common::LeaseReply FromProto(const v1::LeasePromptsResponse& response);
+void ToProto(const common::LeaseReply& reply, v1::LeasePromptsResponse* out);
+common::PushReply FromProto(const v1::PushRolloutsResponse& response);
+void ToProto(const common::PushReply& reply, v1::PushRolloutsResponse* out);
+
+// The job (learner/job.h): Job.state is the state's name (JobStateName).
+void ToProto(const learner::JobSnapshot& job, v1::Job* out);
+void ToProto(const learner::JobEvent& event, v1::JobEvent* out);
 
 }  // namespace grpo::services

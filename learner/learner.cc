@@ -1,0 +1,692 @@
+#include "learner/learner.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "common/device.h"
+#include "common/logging.h"
+#include "learner/admission.h"
+#include "learner/checkpoint.h"
+
+namespace grpo::learner {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+int64_t SystemNowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// A fresh learner incarnation id: 64 random bits, hex. Weights and groups carry it, so that a
+// group generated with a dead learner's weights is never taken for one of this learner's.
+std::string NewIncarnation() {
+  std::random_device rd;
+  const uint64_t bits = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(bits));
+  return buf;
+}
+
+// StepMetrics::ToJson numbers, by TRL name.
+std::map<std::string, double> FlattenMetrics(const StepMetrics& step) {
+  std::map<std::string, double> out;
+  const nlohmann::json j = step.ToJson();
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.value().is_number()) out[it.key()] = it.value().get<double>();
+  }
+  return out;
+}
+
+}  // namespace
+
+Learner::Learner(common::GrpoConfig config, LearnerOptions options)
+    : config_(std::move(config)), options_(std::move(options)) {}
+
+StatusOr<std::unique_ptr<Learner>> Learner::Create(common::GrpoConfig config,
+                                                   std::unique_ptr<common::Model> policy,
+                                                   std::unique_ptr<common::Model> reference,
+                                                   LearnerOptions options) {
+  RETURN_IF_ERROR(config.Validate());
+  if (policy == nullptr) return Status::InvalidArgument("Learner: no policy model");
+  // `device` is resolved before anything is opened: an unusable one fails Create naming the key.
+  ASSIGN_OR_RETURN(const at::Device device, common::ResolveDevice(config.device));
+  if (!(config.lease_seconds > 0)) {
+    return Status::InvalidArgument("config key 'lease_seconds' must be positive");
+  }
+  if (!options.now_ms) options.now_ms = SystemNowMs;
+  std::unique_ptr<Learner> s(new Learner(std::move(config), std::move(options)));
+  s->incarnation_ = NewIncarnation();
+  s->endpoint_ = common::LocalSyncEndpoint(device.str());
+  const common::GrpoConfig& cfg = s->config_;
+  s->registry_ = s->options_.metrics_registry;
+  if (s->registry_ == nullptr) {
+    s->own_registry_ = std::make_unique<common::Registry>();
+    s->registry_ = s->own_registry_.get();
+  }
+  ASSIGN_OR_RETURN(s->metrics_, common::LearnerMetrics::Create(*s->registry_, cfg.reward_funcs));
+  ASSIGN_OR_RETURN(s->batch_groups_, GenerationBatchGroups(cfg));
+  s->versions_per_batch_ = VersionsPerGenerationBatch(cfg);
+  s->buffer_capacity_ = s->options_.buffer_capacity_groups > 0
+                            ? std::max(s->options_.buffer_capacity_groups, s->batch_groups_)
+                            : 2 * s->batch_groups_;
+
+  std::error_code ec;
+  fs::create_directories(cfg.output_dir, ec);
+  if (ec) {
+    return Status::FailedPrecondition("cannot create output_dir " + cfg.output_dir + ": " +
+                                      ec.message());
+  }
+  const std::string ledger_path = cfg.ledger_path.empty()
+                                      ? (fs::path(cfg.output_dir) / "ledger.sqlite").string()
+                                      : cfg.ledger_path;
+  PromptLedgerOptions ledger_options;
+  ledger_options.now_ms = s->options_.now_ms;
+  ASSIGN_OR_RETURN(s->ledger_, PromptLedger::Open(ledger_path, ledger_options));
+
+  // The policy trains on `device` in its own dtype (the fp32 master with `bf16`: GrpoTrainer
+  // builds the bf16 compute copy); PublishWeights snapshots it to the CPU.
+  s->policy_ = std::move(policy);
+  RETURN_IF_ERROR(s->policy_->To(device, s->policy_->dtype()).WithContext("policy"));
+  ASSIGN_OR_RETURN(s->trainer_, GrpoTrainer::Create(cfg, s->policy_.get(), std::move(reference)));
+  s->trainer_->set_dump_incarnation(s->incarnation_);
+  if (s->options_.resume) RETURN_IF_ERROR(s->Resume());
+  s->global_step_ = s->trainer_->global_step();
+  s->last_saved_step_ = s->global_step_;
+  s->metrics_.policy_version->Set(static_cast<double>(s->trainer_->policy_version()));
+  if (s->global_step_ >= cfg.max_steps) {
+    s->state_ = JobState::kDone;
+    s->message_ = "max_steps reached";
+  }
+  return s;
+}
+
+Status Learner::Resume() {
+  const std::string& out = config_.output_dir;
+  auto restored = RestoreLatestCheckpoint(*trainer_, out);
+  if (restored.ok()) {
+    GRPO_LOG_INFO("learner: resumed from {} at step {}", *restored, trainer_->global_step());
+  } else if (restored.status().code() != StatusCode::kNotFound) {
+    return restored.status().WithContext("resume");
+  }
+  // The ledger follows the weights: what the restored step does not hold (trainings after it,
+  // groups accepted but never trained, pass boundaries crossed since) is undone.
+  ASSIGN_OR_RETURN(RollbackResult undone, ledger_->RollbackTo(trainer_->global_step()));
+  if (undone.requeued + undone.trainings_undone + undone.moved_back > 0) {
+    GRPO_LOG_INFO(
+        "learner: ledger rolled back to step {}: {} trainings undone, {} prompts requeued, {} "
+        "moved back to a pass they owe",
+        trainer_->global_step(), undone.trainings_undone, undone.requeued, undone.moved_back);
+  }
+  return Status::OK();
+}
+
+Learner::~Learner() {
+  (void)Stop(/*checkpoint=*/false);
+  EndLedger();
+}
+
+Status Learner::Start() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (started_) return Status::FailedPrecondition("Learner already started");
+    started_ = true;
+  }
+  RETURN_IF_ERROR(PublishWeights());
+  started_ok_ = true;
+  train_thread_ = std::thread([this] { TrainLoop(); });
+  for (size_t i = 0; i < common::GroupBackends().size(); ++i) {
+    sync_threads_.emplace_back([this, i] { WeightSyncLoop(i); });
+  }
+  return Status::OK();
+}
+
+Status Learner::Stop(bool checkpoint) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return Status::OK();
+    stopped_ = true;
+    stopping_ = true;
+    for (auto& sub : subscribers_) sub->cv.notify_all();
+  }
+  train_cv_.notify_all();
+  room_cv_.notify_all();
+  state_cv_.notify_all();
+  epoch_store_->Stop();
+  if (train_thread_.joinable()) train_thread_.join();
+  for (std::thread& t : sync_threads_) {
+    if (t.joinable()) t.join();
+  }
+
+  Status result;
+  bool done = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done = state_ == JobState::kDone;
+  }
+  if (checkpoint && !done && trainer_->open_step_micro_batches() > 0) {
+    // Stopping inside an optimizer step: take it with the micro-batches it has (the ledger
+    // already recorded its groups under that step), so that the checkpoint holds them. Not at
+    // max_steps: the job ended there, and its open step's groups went back to the queue.
+    auto flushed = trainer_->FlushPartialStep();
+    if (flushed.ok() && flushed->has_value()) {
+      RecordStepMetrics(**flushed);
+      std::lock_guard<std::mutex> lock(mu_);
+      global_step_ = trainer_->global_step();
+    } else if (!flushed.ok()) {
+      GRPO_LOG_WARN("learner: flush the open step at stop: {}", flushed.status().ToString());
+    }
+  }
+  bool need_save = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    need_save = checkpoint && global_step_ > last_saved_step_;
+  }
+  if (need_save) result = CheckpointWithRetry(kFinalCheckpointAttempts);
+  return result;
+}
+
+void Learner::EndLedger() {
+  int64_t saved = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stopped_ || ledger_ended_ || !started_ok_) return;
+    ledger_ended_ = true;
+    saved = last_saved_step_;
+  }
+  // After the last call: nothing can join the buffer any more.
+  EndLedgerAtStep(saved);
+}
+
+bool Learner::WaitForJobEnd(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return state_cv_.wait_for(lock, timeout, [this] { return TerminalLocked(); });
+}
+
+JobState Learner::job_state() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_;
+}
+
+int64_t Learner::published_version() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return weights_ ? weights_->version : -1;
+}
+
+std::map<std::string, int64_t> Learner::RefusedCounts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return refused_;
+}
+
+Status Learner::Health() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_ != JobState::kFailed) return Status::OK();
+  return Status::Unavailable("job failed: " + message_);
+}
+
+bool Learner::TerminalLocked() const { return IsTerminal(state_); }
+
+// ---------------------------------------------------------------------------------------------
+// Training thread.
+
+void Learner::TrainLoop() {
+  auto last_housekeep = Clock::now() - kHousekeepInterval;
+  while (true) {
+    std::vector<BufferedGroup> batch;
+    bool housekeep = false;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      train_cv_.wait_for(lock, kWaitPollInterval, [this] {
+        return stopping_ || housekeep_due_ ||
+               (!TerminalLocked() && static_cast<int64_t>(buffer_.size()) >= batch_groups_);
+      });
+      if (stopping_) return;
+      DropDeadWorkersLocked();
+      housekeep = housekeep_due_ || Clock::now() - last_housekeep >= kHousekeepInterval ||
+                  static_cast<int64_t>(buffer_.size()) >= batch_groups_;
+      housekeep_due_ = false;
+    }
+    if (housekeep) {
+      Housekeep();
+      last_housekeep = Clock::now();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      if (TerminalLocked() || static_cast<int64_t>(buffer_.size()) < batch_groups_) continue;
+      for (int64_t i = 0; i < batch_groups_; ++i) {
+        batch.push_back(std::move(buffer_.front()));
+        buffer_.pop_front();
+      }
+      metrics_.buffer_groups->Set(static_cast<double>(buffer_.size()));
+      training_ = true;
+    }
+    room_cv_.notify_all();
+    TrainBatch(std::move(batch));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      training_ = false;
+    }
+    room_cv_.notify_all();  // leases held back for staleness may go out now
+  }
+}
+
+void Learner::Housekeep() {
+  RefreshLedgerMetrics();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (TerminalLocked()) return;
+  }
+  auto counts = ledger_->Counts();
+  if (!counts.ok()) {
+    GRPO_LOG_WARN("learner: ledger counts: {}", counts.status().ToString());
+    return;
+  }
+  if (counts->queued + counts->leased == 0 && counts->trained > 0 && PassMayEnd()) {
+    // Every prompt of this pass is trained, rejected, or accepted into the one partial batch
+    // that trains next: the job needs more steps, so start the next pass (that partial batch
+    // trains together with its first groups, before any other optimizer step).
+    auto next = ledger_->StartNextPass(std::numeric_limits<int64_t>::max());
+    if (next.ok() && *next) {
+      GRPO_LOG_INFO("learner: pass {} done; starting pass {}", counts->pass, counts->pass + 1);
+      counts->queued = counts->trained;
+    } else if (!next.ok() && next.status().code() != StatusCode::kFailedPrecondition) {
+      GRPO_LOG_WARN("learner: start next pass: {}", next.status().ToString());
+    }
+  }
+  JobState want =
+      counts->queued + counts->leased > 0 ? JobState::kRunning : JobState::kWaitingForData;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (want == JobState::kWaitingForData && !buffer_.empty()) want = JobState::kRunning;
+    if (state_ == want || TerminalLocked()) return;
+  }
+  ChangeState(want, want == JobState::kRunning ? "" : "no prompts to lease");
+}
+
+bool Learner::PassMayEnd() {
+  std::vector<BufferedGroup> stale;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Groups being accepted, or a full batch waiting, would train after other steps: wait.
+    if (!accepting_ms_.empty() || training_) return false;
+    if (static_cast<int64_t>(buffer_.size()) >= batch_groups_) return false;
+    // The partial batch trains next, at the current policy version: a group already too stale
+    // for it goes back to its pass now, so that the pass is not left owing it.
+    for (auto it = buffer_.begin(); it != buffer_.end();) {
+      RejectReason reason = RejectReason::kGroupSize;
+      if (!trainer_->ValidateGroup(it->group, &reason).ok() &&
+          reason == RejectReason::kStale) {
+        stale.push_back(std::move(*it));
+        it = buffer_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    metrics_.buffer_groups->Set(static_cast<double>(buffer_.size()));
+  }
+  for (const auto& b : stale) {
+    RequeueUntrained({b.group.prompt_id, b.pass}, "stale at the end of its pass");
+    metrics_.groups_rejected->Increment({"stale"});
+    std::lock_guard<std::mutex> lock(mu_);
+    ++refused_["stale"];
+  }
+  return stale.empty();
+}
+
+void Learner::DropDeadWorkersLocked() {
+  const auto cutoff = Clock::now() - options_.heartbeat_interval * kHeartbeatsMissedBeforeDrop;
+  bool dropped = false;
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    if (it->second.last_seen < cutoff) {
+      // Its leases go back to the queue now rather than after lease_seconds (ledger_ has its
+      // own lock and never calls back into the server).
+      auto moved = ledger_->ExpireWorkerLeases(it->first);
+      GRPO_LOG_WARN("learner: worker {} missed its heartbeats; dropped from the group ({})",
+                    it->first,
+                    moved.ok() ? std::to_string(*moved) + " leases returned to the queue"
+                               : moved.status().ToString());
+      it = workers_.erase(it);
+      dropped = true;
+    } else {
+      ++it;
+    }
+  }
+  if (!dropped) return;
+  // Ranks stay 1..N in their old order; the group is rebuilt under a new epoch.
+  std::vector<std::pair<int32_t, Worker*>> by_rank;
+  for (auto& [id, w] : workers_) by_rank.emplace_back(w.rank, &w);
+  std::sort(by_rank.begin(), by_rank.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (size_t i = 0; i < by_rank.size(); ++i) by_rank[i].second->rank = static_cast<int32_t>(i + 1);
+  epoch_store_->Advance();
+}
+
+void Learner::TrainBatch(std::vector<BufferedGroup> batch) {
+  std::vector<common::RolloutGroup> groups;
+  std::vector<TrainedGroup> keys;  // (prompt, pass) of groups[i]
+  groups.reserve(batch.size());
+  for (auto& b : batch) {
+    keys.push_back({b.group.prompt_id, b.pass});
+    groups.push_back(std::move(b.group));
+  }
+  StatusOr<GenerationBatchResult> result = Status::Internal("not run");
+  try {
+    result = trainer_->TrainGenerationBatch(groups);
+  } catch (const c10::Error& e) {
+    result = Status::Internal(std::string("training: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    result = Status::Internal(std::string("training: ") + e.what());
+  }
+  if (!result.ok()) {
+    GRPO_LOG_ERROR("learner: {}", result.status().ToString());
+    for (const auto& k : keys) RequeueUntrained(k, "training failed");
+    ChangeState(JobState::kFailed, result.status().ToString());
+    return;
+  }
+  // Groups that went stale in the buffer were never trained: their prompts owe that pass.
+  std::vector<bool> refused(keys.size(), false);
+  for (const auto& [prompt_id, reason] : result->rejected) {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!refused[i] && keys[i].prompt_id == prompt_id) {
+        refused[i] = true;
+        RequeueUntrained(keys[i], RejectReasonName(reason));
+        break;
+      }
+    }
+    metrics_.groups_rejected->Increment({RejectReasonName(reason)});
+    std::lock_guard<std::mutex> lock(mu_);
+    ++refused_[std::string(RejectReasonName(reason))];
+  }
+  // The rest are in the weights after the step now taken, or after the next one when the batch
+  // ended inside an optimizer step (checkpoints are never taken inside one, see below).
+  const int64_t step = trainer_->global_step();
+  const bool open_step = trainer_->open_step_micro_batches() > 0;
+  {
+    std::vector<TrainedGroup> trained;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!refused[i]) trained.push_back(keys[i]);
+    }
+    auto marked = ledger_->MarkTrained(trained, open_step ? step + 1 : step);
+    if (!marked.ok()) {
+      GRPO_LOG_ERROR("learner: ledger: {}", marked.status().ToString());
+      metrics_.ledger_errors->Increment();
+    }
+  }
+  for (const auto& sm : result->steps) RecordStepMetrics(sm);
+  if (!result->steps.empty()) RefreshLedgerMetrics();
+
+  bool publish = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    global_step_ = step;
+    if (!result->steps.empty()) last_metrics_ = FlattenMetrics(result->steps.back());
+    publish = step - last_published_step_ >= std::max<int64_t>(1, config_.weight_sync_steps) ||
+              step >= config_.max_steps;
+  }
+  if (publish) {
+    if (Status s = PublishWeights(); !s.ok()) GRPO_LOG_ERROR("learner: publish: {}", s.ToString());
+  }
+  if (!result->steps.empty()) {
+    const JobSnapshot job = Snapshot();
+    for (const auto& sm : result->steps) {
+      JobEvent event;
+      event.job = job;
+      event.job.global_step = sm.step;
+      event.job.policy_version = sm.policy_version;
+      event.step = sm.step;
+      event.metrics = FlattenMetrics(sm);
+      Broadcast(event);
+    }
+  }
+  int64_t last_saved = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_saved = last_saved_step_;
+  }
+  const bool finished = step >= config_.max_steps;
+  if (finished) {
+    // The final weights: a failure is retried, and after the last attempt the job fails (the
+    // result cannot be kept). An optimizer step still open is not taken (TRL stops at max_steps
+    // too); its groups go back to the queue with the buffered ones.
+    if (step > last_saved) {
+      if (Status s = CheckpointWithRetry(kFinalCheckpointAttempts); !s.ok()) {
+        ChangeState(JobState::kFailed, "final checkpoint: " + s.ToString());
+        return;
+      }
+    }
+    EndLedgerAtStep(step);
+    ChangeState(JobState::kDone, "max_steps reached");
+    return;
+  }
+  // A periodic checkpoint waits for a boundary between optimizer steps: the ledger then knows
+  // exactly which groups its weights hold. A failed one is logged and counted, the previous
+  // checkpoint stays the one a restart uses, and the next batch tries again.
+  const bool save_due =
+      config_.save_steps > 0 && step / config_.save_steps > last_saved / config_.save_steps;
+  if (save_due && step > last_saved && !open_step) {
+    if (Status s = Checkpoint(); !s.ok()) {
+      GRPO_LOG_ERROR("learner: checkpoint at step {} failed ({}); training goes on and the next "
+                     "batch retries it",
+                     step, s.ToString());
+    }
+  }
+}
+
+void Learner::RequeueUntrained(const TrainedGroup& key, std::string_view why) {
+  auto moved = ledger_->RequeueTrained(key.prompt_id, key.pass);
+  if (!moved.ok()) {
+    // Never silent: the prompt would miss a pass.
+    GRPO_LOG_ERROR("learner: requeue {} (pass {}, {}): {}", key.prompt_id, key.pass, why,
+                   moved.status().ToString());
+    metrics_.ledger_errors->Increment();
+  }
+}
+
+Status Learner::PublishWeights() {
+  const auto publish_start = Clock::now();
+  auto snap = std::make_shared<WeightSnapshot>();
+  // A copy on the GPU too while a worker gets its weights over a GPU backend (NCCL, CUDA IPC):
+  // it costs one model's memory there, so only then.
+  bool on_device = false;
+  if (!policy_->device().is_cpu()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, w] : workers_) {
+      on_device = on_device || w.assigned_backend == common::kBackendNccl ||
+                  w.assigned_backend == common::kBackendCudaIpc;
+    }
+  }
+  try {
+    at::NoGradGuard no_grad;
+    snap->version = trainer_->policy_version();
+    for (const auto& [name, t] : policy_->NamedParameters()) {
+      if (on_device) {
+        at::Tensor copy = t.detach().contiguous().clone();
+        // The CPU copy is made from the device copy and waits for it, so both are complete
+        // when the snapshot is published.
+        snap->tensors.emplace_back(name, copy.to(at::kCPU));
+        snap->device_tensors.emplace_back(name, std::move(copy));
+      } else {
+        snap->tensors.emplace_back(name, t.detach().to(at::kCPU).contiguous().clone());
+      }
+    }
+  } catch (const c10::Error& e) {
+    return Status::Internal(std::string("snapshot weights: ") + e.what_without_backtrace());
+  }
+  // Observed before the version becomes visible: whoever sees published_version() >= v (under
+  // mu_) also sees this observation (learner_metrics_test raced with it when it came after).
+  metrics_.weight_sync_duration->Observe(
+      std::chrono::duration<double>(Clock::now() - publish_start).count());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    weights_ = std::move(snap);
+    last_published_step_ = global_step_;
+  }
+  state_cv_.notify_all();
+  return Status::OK();
+}
+
+void Learner::WeightSyncLoop(size_t index) {
+  const std::string backend(common::GroupBackends()[index]);
+  common::WeightSyncFactory factory = options_.weight_sync_factory;
+  if (!factory) {
+    common::WeightSyncBackendOptions o;
+    o.timeout = options_.weight_sync_timeout;
+    o.hostname = options_.weight_sync_hostname.empty() ? config_.weight_sync_hostname
+                                                       : options_.weight_sync_hostname;
+    o.cuda_device = std::max(0, common::CudaOrdinal(policy_->device().str()));
+    factory = common::BuiltinWeightSyncFactory(o);
+  }
+  WeightPublisher publisher(backend, epoch_store_, std::move(factory),
+                                     options_.weight_sync_timeout);
+  GroupStats& stats = group_stats_[index];
+  while (true) {
+    std::shared_ptr<const WeightSnapshot> snap;
+    std::vector<std::pair<int32_t, std::string>> by_rank;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      state_cv_.wait_for(lock, kWaitPollInterval);
+      if (stopping_) break;
+      snap = weights_;
+      for (const auto& [id, w] : workers_) {
+        if (w.assigned_backend == backend) by_rank.emplace_back(w.rank, id);
+      }
+    }
+    std::sort(by_rank.begin(), by_rank.end());
+    std::vector<std::string> members;
+    for (auto& [rank, id] : by_rank) members.push_back(std::move(id));
+    (void)publisher.Sync(members, snap);  // a failure is logged and ends the epoch
+    stats.syncs = publisher.syncs();
+    stats.failures = publisher.failures();
+  }
+  publisher.Close();
+}
+
+int64_t Learner::group_syncs(std::string_view backend) const {
+  const auto& all = common::GroupBackends();
+  const auto it = std::find(all.begin(), all.end(), backend);
+  return it == all.end() ? 0 : group_stats_[it - all.begin()].syncs.load();
+}
+
+int64_t Learner::group_sync_failures(std::string_view backend) const {
+  const auto& all = common::GroupBackends();
+  const auto it = std::find(all.begin(), all.end(), backend);
+  return it == all.end() ? 0 : group_stats_[it - all.begin()].failures.load();
+}
+
+Status Learner::Checkpoint() {
+  const auto save_start = Clock::now();
+  // No watermark is needed: the ledger records the step of every training (MarkTrained), so
+  // restoring this checkpoint rolls the ledger back to exactly what its weights hold.
+  const std::string name = "checkpoint-" + std::to_string(trainer_->global_step());
+  StatusOr<std::string> dir = Status::Internal("not run");
+  try {
+    const Status fault = options_.TEST_checkpoint_fault
+                             ? options_.TEST_checkpoint_fault(trainer_->global_step())
+                             : Status::OK();
+    if (fault.ok()) {
+      dir = SaveCheckpoint(*trainer_, config_.output_dir, options_.model_dir);
+    } else {
+      dir = fault;
+    }
+  } catch (const std::exception& e) {
+    dir = Status::Internal(std::string("save checkpoint: ") + e.what());
+  }
+  if (!dir.ok()) {
+    metrics_.checkpoint_failures->Increment();
+    return dir.status();
+  }
+  if (fs::path(*dir).filename().string() != name) {
+    return Status::Internal("checkpoint saved as " + *dir + ", expected " + name);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_saved_step_ = trainer_->global_step();
+  }
+  metrics_.checkpoint_duration->Observe(
+      std::chrono::duration<double>(Clock::now() - save_start).count());
+  GRPO_LOG_INFO("learner: saved {}", *dir);
+  for (const std::string& old : PruneCheckpoints(config_.output_dir,
+                                                          config_.save_total_limit)) {
+    GRPO_LOG_INFO("learner: removed {} (save_total_limit {})", old, config_.save_total_limit);
+  }
+  return Status::OK();
+}
+
+Status Learner::CheckpointWithRetry(int attempts) {
+  Status s;
+  auto delay = std::chrono::milliseconds(500);
+  for (int i = 0; i < attempts; ++i) {
+    s = Checkpoint();
+    if (s.ok()) return s;
+    GRPO_LOG_ERROR("learner: checkpoint attempt {}/{} failed: {}", i + 1, attempts, s.ToString());
+    if (i + 1 < attempts) {
+      std::this_thread::sleep_for(delay);
+      delay *= 2;
+    }
+  }
+  return s;
+}
+
+void Learner::EndLedgerAtStep(int64_t saved_step) {
+  std::deque<BufferedGroup> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dropped.swap(buffer_);
+    metrics_.buffer_groups->Set(0);
+  }
+  // Buffered groups were accepted but never trained, and trainings after the saved step are in
+  // no weights that outlive this process: the ledger says so (their prompts are QUEUED again).
+  auto undone = ledger_->RollbackTo(saved_step);
+  if (!undone.ok()) {
+    GRPO_LOG_ERROR("learner: ledger at job end: {}", undone.status().ToString());
+    return;
+  }
+  if (!dropped.empty() || undone->requeued > 0) {
+    GRPO_LOG_INFO("learner: {} buffered groups dropped at job end; {} prompts back to QUEUED",
+                  dropped.size(), undone->requeued);
+  }
+}
+
+void Learner::ChangeState(JobState state, const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (TerminalLocked() || state_ == state) return;
+    state_ = state;
+    message_ = message;
+  }
+  GRPO_LOG_INFO("learner: job {}{}{}", JobStateName(state), message.empty() ? "" : ": ", message);
+  state_cv_.notify_all();
+  room_cv_.notify_all();
+  train_cv_.notify_all();
+  JobEvent event;
+  event.job = Snapshot();
+  event.step = event.job.global_step;
+  Broadcast(event);
+}
+
+void Learner::Broadcast(const JobEvent& event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& sub : subscribers_) {
+    if (sub->dropped) continue;
+    if (sub->events.size() >= kWatchQueueCapacity) {
+      sub->dropped = true;  // never block training on a slow reader
+      sub->events.clear();
+    } else {
+      sub->events.push_back(event);
+    }
+    sub->cv.notify_all();
+  }
+}
+
+}  // namespace grpo::learner

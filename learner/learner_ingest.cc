@@ -1,0 +1,449 @@
+// learner::Learner, its outside: what workers and clients ask (registration, heartbeats, the
+// lease budget, the ingest policy, weights, datasets, the job and its events). The training
+// thread, checkpoints and publishing are in learner.cc.
+#include <algorithm>
+#include <cmath>
+
+#include "common/logging.h"
+#include "learner/admission.h"
+#include "learner/learner.h"
+
+namespace grpo::learner {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+}  // namespace
+
+JobSnapshot Learner::Snapshot() {
+  JobSnapshot job;
+  auto counts = ledger_->Counts();
+  if (counts.ok()) {
+    job.queued = counts->queued;
+    job.leased = counts->leased;
+    job.trained = counts->trained;
+    job.rejected = counts->rejected;
+    job.pass = counts->pass;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  job.state = state_;
+  job.global_step = global_step_;
+  job.max_steps = config_.max_steps;
+  job.policy_version = weights_ ? weights_->version : trainer_->policy_version();
+  job.workers = static_cast<int32_t>(workers_.size());
+  job.last_metrics = last_metrics_;
+  job.message = message_;
+  if (!counts.ok()) job.message += (job.message.empty() ? "" : "; ") + counts.status().ToString();
+  return job;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workers.
+
+StatusOr<common::Registration> Learner::Register(const common::RegisterRequest& request) {
+  const std::string model_config = policy_->config().ToJson().dump();
+  const std::string config_json = config_.ToJson().dump();
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string id = request.worker_id;
+  if (id.empty()) {
+    do {
+      id = "worker-" + std::to_string(next_worker_number_++);
+    } while (workers_.count(id) > 0);
+  }
+  // Leases granted to this id before now belong to a process that is gone (a worker leases
+  // only between registrations, never across one): back to the queue now, not after
+  // lease_seconds, so they neither wait nor block the staleness budget.
+  if (auto moved = ledger_->ExpireWorkerLeases(id); moved.ok() && *moved > 0) {
+    GRPO_LOG_INFO("learner: worker {} registered again: {} leases of its earlier process "
+                  "returned to the queue",
+                  id, *moved);
+  }
+  const common::SyncEndpoint worker_end{common::CudaOrdinal(request.device) >= 0,
+                                        request.gpu_uuid};
+  const common::BackendAssignment assigned = common::AssignBackend(
+      request.weight_sync_backend, endpoint_, worker_end, [&](std::string_view b) {
+        return options_.weight_sync_factory ? true : common::WeightSyncBackendBuilt(b);
+      });
+  auto it = workers_.find(id);
+  if (it == workers_.end()) {
+    Worker w;
+    w.rank = static_cast<int32_t>(workers_.size() + 1);
+    it = workers_.emplace(id, w).first;
+    epoch_store_->Advance();  // the group gains a rank: rebuilt under a new epoch
+    GRPO_LOG_INFO("learner: worker {} ({}:{}, {}) registered as rank {}; weight sync {}{}", id,
+                  request.hostname, request.pid, request.device.empty() ? "cpu" : request.device,
+                  w.rank, assigned.backend, assigned.note.empty() ? "" : " (" + assigned.note + ")");
+  } else if (it->second.assigned_backend != assigned.backend) {
+    epoch_store_->Advance();  // it leaves one group for another
+  }
+  Worker& w = it->second;
+  w.hostname = request.hostname;
+  w.pid = request.pid;
+  w.backend = request.weight_sync_backend;
+  w.assigned_backend = assigned.backend;
+  w.last_seen = Clock::now();
+  common::Registration r;
+  r.worker_id = id;
+  r.rank = w.rank;
+  r.world_size = static_cast<int32_t>(workers_.size() + 1);
+  r.group_epoch = epoch_store_->epoch();
+  r.policy_version = weights_ ? weights_->version : 0;
+  r.weight_sync_backend = assigned.backend;
+  r.weight_sync_note = assigned.note;
+  r.config_json = config_json;
+  r.heartbeat_interval_ms = options_.heartbeat_interval.count();
+  r.model_config_json = model_config;
+  r.learner_incarnation = incarnation_;
+  return r;
+}
+
+StatusOr<common::HeartbeatReply> Learner::Heartbeat(const common::HeartbeatRequest& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = workers_.find(request.worker_id);
+  if (it == workers_.end()) {
+    return Status::NotFound("unknown worker '" + request.worker_id + "': Register again");
+  }
+  it->second.last_seen = Clock::now();
+  it->second.weight_version = request.weight_version;
+  common::HeartbeatReply reply;
+  reply.policy_version = weights_ ? weights_->version : 0;
+  reply.group_epoch = epoch_store_->epoch();
+  reply.shutdown = TerminalLocked();
+  reply.learner_incarnation = incarnation_;
+  return reply;
+}
+
+StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
+                                                   int64_t max_prompts,
+                                                   Clock::time_point deadline,
+                                                   const std::function<bool()>& cancelled) {
+  if (worker_id.empty()) return Status::InvalidArgument("LeasePrompts: empty worker_id");
+  if (max_prompts <= 0) {
+    return Status::InvalidArgument("LeasePrompts: max_prompts must be positive");
+  }
+  common::LeaseReply reply;
+  reply.retry_after_ms = kDefaultLeaseRetryAfter.count();
+  reply.learner_incarnation = incarnation_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (workers_.count(worker_id) == 0 && !TerminalLocked()) {
+      // A learner that restarted does not know the worker: it must register again (and take
+      // this learner's weights) before it generates for it.
+      return Status::NotFound("unknown worker '" + worker_id + "': Register again");
+    }
+  }
+  // Lease only what can be trained within max_staleness and fits the buffer: a group generated
+  // now but trained too many versions later would be refused as stale, its generation wasted.
+  // While the budget is 0, wait for it (a long poll woken when the trainer takes or finishes a
+  // batch) instead of sending the worker to sleep for a fixed retry, so that generation resumes
+  // the moment a lease may go out.
+  std::lock_guard<std::mutex> lease_lock(lease_mu_);
+  int64_t budget = 0;
+  {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - Clock::now() - std::chrono::milliseconds(500));
+    const auto poll_end =
+        Clock::now() + std::max(std::chrono::milliseconds(0), std::min(kLeaseLongPoll, left));
+    while (true) {
+      auto counts = ledger_->Counts();
+      if (!counts.ok()) return counts.status();
+      std::unique_lock<std::mutex> lock(mu_);
+      reply.policy_version = weights_ ? weights_->version : 0;
+      if (TerminalLocked()) {
+        reply.job_done = true;
+        return reply;
+      }
+      if (stopping_) {
+        // Shutting down is not the end of the job: the worker waits and reconnects.
+        return Status::Unavailable("the learner is shutting down");
+      }
+      if (cancelled && cancelled()) return Status::Cancelled("LeasePrompts: cancelled");
+      LeaseBudgetInput in;
+      in.buffered = static_cast<int64_t>(buffer_.size() + accepting_ms_.size());
+      in.leased_out = counts->leased;
+      in.training = training_;
+      in.batch_groups = batch_groups_;
+      in.buffer_capacity = buffer_capacity_;
+      in.max_staleness = config_.max_staleness;
+      in.versions_per_batch = versions_per_batch_;
+      budget = LeaseBudget(in);
+      if (budget > 0 || Clock::now() >= poll_end) break;
+      room_cv_.wait_for(lock,
+                        std::min<Clock::duration>(kWaitPollInterval, poll_end - Clock::now()));
+    }
+    if (budget == 0) return reply;  // retry_after_ms is set
+  }
+  const int64_t n = std::min<int64_t>({max_prompts, kMaxLeasesPerCall, budget});
+  const auto duration =
+      std::chrono::milliseconds(std::max<int64_t>(1, std::llround(config_.lease_seconds * 1000)));
+  ASSIGN_OR_RETURN(std::vector<Lease> leases, ledger_->LeasePrompts(worker_id, n, duration));
+  if (cancelled && cancelled()) {
+    // Nobody will receive these leases: give them back at once.
+    for (const auto& l : leases) (void)ledger_->ReleaseLease(l.lease_id, l.prompt_id);
+    return Status::Cancelled("LeasePrompts: cancelled");
+  }
+  for (const auto& l : leases) {
+    reply.leases.push_back({l.lease_id, l.prompt_id, l.row_json, l.deadline_ms});
+  }
+  if (!leases.empty()) {
+    reply.retry_after_ms = 0;
+  } else {
+    std::lock_guard<std::mutex> lock(mu_);
+    housekeep_due_ = true;  // maybe the pass just ended
+    train_cv_.notify_all();
+  }
+  return reply;
+}
+
+void Learner::Refuse(PushTally* tally, const std::string& reason, const std::string& message) {
+  ++tally->reply.rejected;
+  ++tally->reply.rejected_by_reason[reason];
+  if (tally->reply.messages.size() < kMaxAckMessages) tally->reply.messages.push_back(message);
+  metrics_.groups_rejected->Increment({reason});
+  std::lock_guard<std::mutex> lock(mu_);
+  ++refused_[reason];
+}
+
+void Learner::RecordStepMetrics(const StepMetrics& step) {
+  const common::LearnerMetrics& m = metrics_;
+  m.optimizer_steps->Increment();
+  m.policy_version->Set(static_cast<double>(step.policy_version));
+  m.loss->Set(step.loss);
+  m.reward_mean->Set(step.reward);
+  m.reward_std->Set(step.reward_std);
+  for (size_t i = 0; i < step.reward_names.size(); ++i) {
+    const std::string& fn = step.reward_names[i];
+    if (i < step.reward_fn_mean.size()) m.reward_fn_mean->Set({fn}, step.reward_fn_mean[i]);
+    if (i < step.reward_fn_std.size()) m.reward_fn_std->Set({fn}, step.reward_fn_std[i]);
+  }
+  m.reward_zero_std_ratio->Set(step.frac_reward_zero_std);
+  m.completion_mean_length->Set(step.completions_mean_length);
+  m.completion_clipped_ratio->Set(step.completions_clipped_ratio);
+  m.kl->Set(step.has_kl ? step.kl : 0.0);
+  m.clip_ratio->Set({"low"}, step.clip_ratio_low);
+  m.clip_ratio->Set({"high"}, step.clip_ratio_high);
+  m.clip_ratio->Set({"region"}, step.clip_ratio_region);
+  m.entropy->Set(step.entropy);
+  if (step.has_is_ratio) {
+    m.is_ratio_mean->Set(step.is_ratio_mean);
+    m.is_ratio_max->Set(step.is_ratio_max);
+  }
+  if (step.has_logprob_mismatch) {
+    m.logprob_mismatch->Set({"mean"}, step.logprob_mismatch_mean);
+    m.logprob_mismatch->Set({"max"}, step.logprob_mismatch_max);
+  }
+  m.grad_norm->Set(step.grad_norm);
+  m.learning_rate->Set(step.learning_rate);
+  m.tokens_per_second->Set(step.tokens_per_second);
+  m.step_duration->Observe(step.step_seconds);
+  m.peak_memory->Set(static_cast<double>(step.peak_memory_bytes));
+}
+
+void Learner::RefreshLedgerMetrics() {
+  auto counts = ledger_->Counts();
+  if (!counts.ok()) return;  // Housekeep and Snapshot report ledger errors
+  metrics_.ledger_prompts->Set({"queued"}, static_cast<double>(counts->queued));
+  metrics_.ledger_prompts->Set({"leased"}, static_cast<double>(counts->leased));
+  metrics_.ledger_prompts->Set({"trained"}, static_cast<double>(counts->trained));
+  metrics_.ledger_prompts->Set({"rejected"}, static_cast<double>(counts->rejected));
+}
+
+void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()>& cancelled,
+                          PushTally* tally) {
+  const std::string& lease = group.lease_id;
+  const std::string& prompt = group.prompt_id;
+  const std::string what = "group for prompt '" + prompt + "'";
+  auto release = [&] {
+    if (Status s = ledger_->ReleaseLease(lease, prompt); !s.ok()) {
+      GRPO_LOG_DEBUG("learner: release {}: {}", prompt, s.ToString());
+    }
+  };
+  bool ended = false, stopping = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ended = TerminalLocked();
+    stopping = stopping_;
+  }
+  if (ended || stopping) {
+    release();  // a lease that is still ours goes back to the queue now
+    Refuse(tally, ended ? "job_ended" : "learner_stopping",
+           what + (ended ? ": the job has ended" : ": the learner is shutting down"));
+    return;
+  }
+  // 1. The lease.
+  auto record = ledger_->GetPrompt(prompt);
+  if (!record.ok() && record.status().code() != StatusCode::kNotFound) {
+    Refuse(tally, "ledger_error", what + ": " + record.status().ToString());
+    return;
+  }
+  if (!record.ok() || lease.empty() || record->state != PromptState::kLeased ||
+      record->lease_id != lease) {
+    Refuse(tally, "unknown_lease", what + ": unknown lease '" + lease + "'");
+    return;
+  }
+  if (record->lease_deadline_ms < ledger_->NowMs()) {
+    Refuse(tally, "expired_lease", what + ": lease '" + lease + "' expired");
+    return;
+  }
+  // 2. The policy: weights this learner published (a restarted learner's versions start again
+  //    from its checkpoint, so a dead learner's version numbers mean other weights).
+  if (group.policy_incarnation != incarnation_ ||
+      group.policy_version > trainer_->policy_version()) {
+    Refuse(tally, "unknown_policy",
+           what + ": policy version " + std::to_string(group.policy_version) + " of learner '" +
+               group.policy_incarnation + "' was not published by this learner ('" +
+               incarnation_ + "', at version " + std::to_string(trainer_->policy_version()) +
+               ")");
+    release();
+    return;
+  }
+  // 3. The content.
+  RejectReason reason = RejectReason::kGroupSize;
+  if (Status v = trainer_->ValidateGroup(group, &reason); !v.ok()) {
+    Refuse(tally, std::string(RejectReasonName(reason)), v.message());
+    bool reject_prompt = reason == RejectReason::kEmptyPrompt;
+    if (reason != RejectReason::kStale) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (++bad_group_attempts_[prompt] >= kMaxBadGroupAttempts) reject_prompt = true;
+      if (reject_prompt) bad_group_attempts_.erase(prompt);
+    }
+    if (reject_prompt) {
+      if (Status s = ledger_->RejectPrompt(lease, prompt, v.message()); !s.ok()) {
+        GRPO_LOG_DEBUG("learner: reject {}: {}", prompt, s.ToString());
+      }
+    } else {
+      release();
+    }
+    return;
+  }
+  if (config_.reward_funcs.empty() && !group.completions.empty()) {
+    const auto count = static_cast<int64_t>(group.completions[0].rewards.size());
+    std::unique_lock<std::mutex> lock(mu_);
+    if (reward_count_ >= 0 && count != reward_count_) {
+      lock.unlock();
+      Refuse(tally, "reward_count",
+             what + ": " + std::to_string(count) + " rewards per completion, earlier groups had " +
+                 std::to_string(reward_count_));
+      release();
+      return;
+    }
+  }
+  // 4. Room in the buffer (backpressure), reserved before the lease completes.
+  int64_t accepted_ms = 0;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto room = [this] {
+      return stopping_ || TerminalLocked() ||
+             static_cast<int64_t>(buffer_.size() + accepting_ms_.size()) < buffer_capacity_;
+    };
+    if (!tally->buffer_timed_out) {
+      const auto deadline = Clock::now() + options_.push_buffer_wait;
+      while (!room() && Clock::now() < deadline && !(cancelled && cancelled())) {
+        room_cv_.wait_for(lock,
+                          std::min<Clock::duration>(kWaitPollInterval, deadline - Clock::now()));
+      }
+    }
+    if (stopping_ || TerminalLocked()) {
+      const bool ended = TerminalLocked();
+      lock.unlock();
+      release();
+      Refuse(tally, ended ? "job_ended" : "learner_stopping",
+             what + (ended ? ": the job has ended" : ": the learner is shutting down"));
+      return;
+    }
+    if (!room()) {
+      tally->buffer_timed_out = true;
+      lock.unlock();
+      release();
+      Refuse(tally, "buffer_full", what + ": the learner's buffer stayed full");
+      return;
+    }
+    accepted_ms = ledger_->NowMs();
+    accepting_ms_.insert(accepted_ms);
+  }
+  // 5. Complete the lease, then buffer the group.
+  Status done = ledger_->CompleteLease(lease, prompt);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    accepting_ms_.erase(accepting_ms_.find(accepted_ms));
+    if (done.ok()) {
+      if (reward_count_ < 0 && !group.completions.empty()) {
+        reward_count_ = static_cast<int64_t>(group.completions[0].rewards.size());
+      }
+      metrics_.staleness->Observe(
+          static_cast<double>(trainer_->policy_version() - group.policy_version));
+      buffer_.push_back(BufferedGroup{std::move(group), record->pass, accepted_ms});
+      bad_group_attempts_.erase(prompt);
+      ++tally->reply.accepted;
+      metrics_.groups_accepted->Increment();
+      metrics_.buffer_groups->Set(static_cast<double>(buffer_.size()));
+    }
+  }
+  if (!done.ok()) {
+    room_cv_.notify_all();
+    Refuse(tally, "expired_lease", what + ": " + done.message());
+    return;
+  }
+  train_cv_.notify_all();
+}
+
+StatusOr<std::shared_ptr<const WeightSnapshot>> Learner::WaitForWeights(
+    int64_t min_version, const std::function<bool()>& cancelled) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto deadline = Clock::now() + kDefaultGetWeightsWait;
+  auto ready = [&] { return stopping_ || (weights_ && weights_->version >= min_version); };
+  while (!ready() && Clock::now() < deadline && !(cancelled && cancelled())) {
+    state_cv_.wait_for(lock, kWaitPollInterval);
+  }
+  if (!weights_ || weights_->version < min_version) {
+    return Status::DeadlineExceeded("policy version " + std::to_string(min_version) +
+                                    " not published (at " +
+                                    std::to_string(weights_ ? weights_->version : -1) + ")");
+  }
+  return weights_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Clients.
+
+StatusOr<DatasetInfo> Learner::AddDataset(const std::string& idempotency_key,
+                                          const std::vector<std::string>& lines) {
+  ASSIGN_OR_RETURN(DatasetInfo info, ledger_->AddDataset(idempotency_key, lines));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    housekeep_due_ = true;
+  }
+  train_cv_.notify_all();
+  return info;
+}
+
+void Learner::Cancel(const std::string& reason) {
+  ChangeState(JobState::kCancelled, reason.empty() ? "cancelled by a client" : reason);
+}
+
+std::shared_ptr<Learner::Subscriber> Learner::Subscribe() {
+  auto sub = std::make_shared<Subscriber>();
+  std::lock_guard<std::mutex> lock(mu_);
+  subscribers_.push_back(sub);
+  return sub;
+}
+
+void Learner::Unsubscribe(const std::shared_ptr<Subscriber>& subscriber) {
+  std::lock_guard<std::mutex> lock(mu_);
+  subscribers_.remove(subscriber);
+}
+
+Status Learner::NextEvents(Subscriber& sub, std::chrono::milliseconds wait,
+                           std::deque<JobEvent>* events) {
+  std::unique_lock<std::mutex> lock(mu_);
+  sub.cv.wait_for(lock, wait, [&] { return stopping_ || sub.dropped || !sub.events.empty(); });
+  if (sub.dropped) {
+    return Status::ResourceExhausted("the watcher fell too far behind; watch again");
+  }
+  events->swap(sub.events);
+  sub.events.clear();
+  if (events->empty() && stopping_) return Status::Unavailable("the learner is shutting down");
+  return Status::OK();
+}
+
+}  // namespace grpo::learner

@@ -1,0 +1,339 @@
+// learner::Learner without a gRPC server (issue 14 §1): the admission arithmetic and lease
+// budget by hand, registration and heartbeats, the verdicts of the ingest policy, the job state
+// machine, and a kill between accepting a group and checkpointing it.
+#include "learner/learner.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/model_config.h"
+#include "learner/admission.h"
+
+namespace grpo::learner {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+template <typename F>
+bool WaitFor(F f, std::chrono::milliseconds limit) {
+  const auto end = Clock::now() + limit;
+  while (Clock::now() < end) {
+    if (f()) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return f();
+}
+
+// A generation batch of 2 groups of 2 completions, one optimizer step per batch; max_staleness
+// stays at its default (1).
+common::GrpoConfig TinyConfig(const fs::path& dir) {
+  common::GrpoConfig c;
+  c.output_dir = dir.string();
+  c.num_generations = 2;
+  c.per_device_train_batch_size = 4;
+  c.gradient_accumulation_steps = 1;
+  c.max_prompt_length = 32;
+  c.max_completion_length = 8;
+  c.learning_rate = 1e-2;
+  c.lr_scheduler_type = "constant";
+  c.max_steps = 100;
+  c.save_steps = 0;
+  c.lease_seconds = 60;
+  return c;
+}
+
+// A well-formed group for the tiny model (vocab 259) under `lease`.
+common::RolloutGroup TinyGroup(const common::PromptLease& lease, int64_t policy_version,
+                               const std::string& incarnation, double r0 = 1, double r1 = 0) {
+  common::RolloutGroup g;
+  g.policy_incarnation = incarnation;
+  g.prompt_id = lease.prompt_id;
+  g.lease_id = lease.lease_id;
+  g.policy_version = policy_version;
+  g.prompt_ids = {115, 97, 121};
+  for (double r : {r0, r1}) {
+    common::Completion c;
+    c.token_ids = {104, 105, 258};
+    c.logprobs = {-1.5f, -2.0f, -0.5f};
+    c.rewards = {r};
+    g.completions.push_back(c);
+  }
+  return g;
+}
+
+std::vector<std::string> Prompts(int n) {
+  std::vector<std::string> lines;
+  for (int i = 0; i < n; ++i) lines.push_back(R"({"prompt": "say )" + std::to_string(i) + R"("})");
+  return lines;
+}
+
+class LearnerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("learner_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    config_ = TinyConfig(dir_);
+  }
+  void TearDown() override {
+    learner_.reset();
+    fs::remove_all(dir_);
+  }
+
+  std::unique_ptr<Learner> Make() {
+    auto model = common::Model::InitRandom(*common::ModelConfigPreset("tiny"), 7);
+    EXPECT_TRUE(model.ok());
+    auto l = Learner::Create(config_, std::move(model).value(), nullptr, options_);
+    EXPECT_TRUE(l.ok()) << l.status().ToString();
+    return l.ok() ? std::move(l).value() : nullptr;
+  }
+  void Start() {
+    learner_ = Make();
+    ASSERT_NE(learner_, nullptr);
+    ASSERT_TRUE(learner_->Start().ok());
+  }
+  common::Registration RegisterW1() {
+    common::RegisterRequest r;
+    r.worker_id = "w1";
+    r.weight_sync_backend = "grpc";
+    auto reg = learner_->Register(r);
+    EXPECT_TRUE(reg.ok()) << reg.status().ToString();
+    return *reg;
+  }
+  std::vector<common::PromptLease> Lease(int64_t n, std::chrono::milliseconds wait = 700ms) {
+    auto r = learner_->LeasePrompts("w1", n, Clock::now() + wait, {});
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? r->leases : std::vector<common::PromptLease>{};
+  }
+
+  fs::path dir_;
+  common::GrpoConfig config_;
+  LearnerOptions options_;
+  std::unique_ptr<Learner> learner_;
+};
+
+TEST(Admission, GenerationBatchArithmeticAndTheLeaseBudgetByHand) {
+  common::GrpoConfig c;
+  c.num_generations = 2;
+  c.per_device_train_batch_size = 4;
+  c.gradient_accumulation_steps = 2;  // steps_per_generation defaults to it
+  c.num_iterations = 2;
+  EXPECT_EQ(*GenerationBatchGroups(c), 4);      // 4 x 2 completions / 2
+  EXPECT_EQ(VersionsPerGenerationBatch(c), 2);  // ceil(2 / 2) x 2 passes
+  c.steps_per_generation = 3;
+  c.num_iterations = 1;
+  EXPECT_EQ(*GenerationBatchGroups(c), 6);      // 4 x 3 / 2
+  EXPECT_EQ(VersionsPerGenerationBatch(c), 2);  // ceil(3 / 2)
+  c.num_generations = 16;
+  EXPECT_EQ(GenerationBatchGroups(c).status().code(), StatusCode::kInvalidArgument);
+
+  LeaseBudgetInput in;
+  in.batch_groups = 4;
+  in.buffer_capacity = 8;
+  in.max_staleness = 0;  // one batch may be in flight: 4 groups
+  in.buffered = 1;
+  in.leased_out = 2;
+  EXPECT_EQ(LeaseBudget(in), 1);
+  in.training = true;  // the batch in training is the one allowed
+  EXPECT_EQ(LeaseBudget(in), 0);
+  in.training = false;
+  in.max_staleness = 2;  // three batches: 12 groups
+  in.buffered = 3;
+  EXPECT_EQ(LeaseBudget(in), 7);
+  in.versions_per_batch = 2;  // 2 / 2 = one batch ahead: 8 groups
+  EXPECT_EQ(LeaseBudget(in), 3);
+  in.buffered = 8;  // a full buffer
+  EXPECT_EQ(LeaseBudget(in), 0);
+}
+
+TEST_F(LearnerTest, RegistrationHeartbeatsAndBadLeaseCalls) {
+  Start();
+  common::RegisterRequest r;
+  r.weight_sync_backend = "grpc";
+  auto first = learner_->Register(r);
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(first->worker_id, "worker-1");
+  EXPECT_EQ(first->rank, 1);
+  EXPECT_EQ(first->world_size, 2);
+  EXPECT_EQ(first->group_epoch, 2);  // epoch 1 ended: the group gained a rank
+  EXPECT_EQ(first->weight_sync_backend, "grpc");
+  EXPECT_EQ(first->learner_incarnation, learner_->incarnation());
+  const common::Registration w1 = RegisterW1();
+  EXPECT_EQ(w1.rank, 2);
+  EXPECT_EQ(w1.group_epoch, 3);
+  r.worker_id = "w1";
+  auto again = learner_->Register(r);  // the same worker again: same rank, same epoch
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->rank, 2);
+  EXPECT_EQ(again->group_epoch, 3);
+
+  common::HeartbeatRequest hb;
+  hb.worker_id = "w1";
+  auto beat = learner_->Heartbeat(hb);
+  ASSERT_TRUE(beat.ok());
+  EXPECT_EQ(beat->group_epoch, 3);
+  EXPECT_FALSE(beat->shutdown);
+  hb.worker_id = "nobody";
+  EXPECT_EQ(learner_->Heartbeat(hb).status().code(), StatusCode::kNotFound);
+
+  const auto soon = Clock::now() + 1s;
+  EXPECT_EQ(learner_->LeasePrompts("nobody", 1, soon, {}).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(learner_->LeasePrompts("", 1, soon, {}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(learner_->LeasePrompts("w1", 0, soon, {}).status().code(),
+            StatusCode::kInvalidArgument);
+  auto none = learner_->LeasePrompts("w1", 5, soon, {});  // no dataset yet
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->leases.empty());
+  EXPECT_EQ(none->retry_after_ms, kDefaultLeaseRetryAfter.count());
+}
+
+// max_staleness 1, one version per batch, 2 groups per batch: 2 x 2 = 4 groups may be out.
+TEST_F(LearnerTest, TheLeaseBudgetBoundsWhatIsOut) {
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(10)).ok());
+  EXPECT_EQ(Lease(100).size(), 4u);
+  const auto t0 = Clock::now();
+  EXPECT_TRUE(Lease(100, 700ms).empty());  // a long poll until 500 ms before the deadline
+  EXPECT_GE(Clock::now() - t0, 150ms);
+  EXPECT_EQ(learner_->ledger().Counts()->leased, 4);
+}
+
+TEST_F(LearnerTest, TheIngestPolicysVerdicts) {
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(10)).ok());
+  const std::vector<common::PromptLease> leases = Lease(4);
+  ASSERT_EQ(leases.size(), 4u);
+  const std::string inc = learner_->incarnation();
+  PushTally tally;
+  common::PromptLease bogus = leases[0];
+  bogus.lease_id = "not-a-lease";
+  learner_->AcceptGroup(TinyGroup(bogus, 0, inc), {}, &tally);
+  learner_->AcceptGroup(TinyGroup(leases[0], 0, "another-learner"), {}, &tally);
+  learner_->AcceptGroup(TinyGroup(leases[1], 5, inc), {}, &tally);  // a version not published
+  EXPECT_EQ(tally.reply.accepted, 0);
+  EXPECT_EQ(tally.reply.rejected, 3);
+  EXPECT_EQ(tally.reply.rejected_by_reason["unknown_lease"], 1);
+  EXPECT_EQ(tally.reply.rejected_by_reason["unknown_policy"], 2);
+  EXPECT_EQ(tally.reply.messages.size(), 3u);
+  // unknown_policy released both leases: they are queued again.
+  EXPECT_EQ(learner_->ledger().Counts()->leased, 2);
+  // Two good groups make a generation batch: one optimizer step.
+  PushTally good;
+  learner_->AcceptGroup(TinyGroup(leases[2], 0, inc), {}, &good);
+  learner_->AcceptGroup(TinyGroup(leases[3], 0, inc, 0, 1), {}, &good);
+  EXPECT_EQ(good.reply.accepted, 2);
+  EXPECT_EQ(good.reply.rejected, 0);
+  ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().global_step == 1; }, 30s));
+  EXPECT_TRUE(WaitFor([&] { return learner_->published_version() == 1; }, 10s));
+  // The lease was completed: a second push of it is unknown_lease.
+  PushTally twice;
+  learner_->AcceptGroup(TinyGroup(leases[2], 0, inc), {}, &twice);
+  EXPECT_EQ(twice.reply.rejected_by_reason["unknown_lease"], 1);
+  EXPECT_EQ(learner_->RefusedCounts()["unknown_policy"], 2);
+}
+
+TEST_F(LearnerTest, TheJobStateMachine) {
+  config_.max_steps = 1;
+  Start();
+  EXPECT_EQ(learner_->Snapshot().state, JobState::kWaitingForData);
+  auto sub = learner_->Subscribe();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(4)).ok());
+  ASSERT_TRUE(WaitFor([&] { return learner_->job_state() == JobState::kRunning; }, 10s));
+  const std::vector<common::PromptLease> leases = Lease(2);
+  ASSERT_EQ(leases.size(), 2u);
+  PushTally tally;
+  for (const auto& l : leases) {
+    learner_->AcceptGroup(TinyGroup(l, 0, learner_->incarnation()), {}, &tally);
+  }
+  ASSERT_TRUE(learner_->WaitForJobEnd(30s));
+  const JobSnapshot done = learner_->Snapshot();
+  EXPECT_EQ(done.state, JobState::kDone);
+  EXPECT_EQ(done.message, "max_steps reached");
+  EXPECT_EQ(done.global_step, 1);
+  EXPECT_EQ(done.max_steps, 1);
+  EXPECT_EQ(done.workers, 1);
+  EXPECT_EQ(done.trained, 2);  // the two groups the step holds (its checkpoint was saved)
+  // The events said so, in order: running, the step (with metrics), done.
+  std::deque<JobEvent> events, more;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        (void)learner_->NextEvents(*sub, 10ms, &more);
+        events.insert(events.end(), more.begin(), more.end());
+        more.clear();
+        return !events.empty() && events.back().job.state == JobState::kDone;
+      },
+      10s));
+  ASSERT_GE(events.size(), 3u);
+  EXPECT_EQ(events.front().job.state, JobState::kRunning);
+  bool step_event = false;
+  for (const auto& e : events) step_event = step_event || (e.step == 1 && !e.metrics.empty());
+  EXPECT_TRUE(step_event);
+  // After the end: nothing more is leased, heartbeats say shut down, a cancel changes nothing.
+  auto after = learner_->LeasePrompts("w1", 2, Clock::now() + 1s, {});
+  ASSERT_TRUE(after.ok());
+  EXPECT_TRUE(after->job_done);
+  common::HeartbeatRequest hb;
+  hb.worker_id = "w1";
+  EXPECT_TRUE(learner_->Heartbeat(hb)->shutdown);
+  learner_->Cancel("too late");
+  EXPECT_EQ(learner_->job_state(), JobState::kDone);
+  learner_->Unsubscribe(sub);
+}
+
+TEST_F(LearnerTest, ACancelEndsTheJobAndIsTerminal) {
+  Start();
+  RegisterW1();
+  learner_->Cancel("");
+  EXPECT_EQ(learner_->job_state(), JobState::kCancelled);
+  EXPECT_EQ(learner_->Snapshot().message, "cancelled by a client");
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(2)).ok());
+  EXPECT_TRUE(learner_->LeasePrompts("w1", 2, Clock::now() + 1s, {})->job_done);
+}
+
+// A learner killed after it accepted a group (the prompt is TRAINED: accepted) and before any
+// checkpoint holds it: the next learner on the same directory gives the prompt back.
+TEST_F(LearnerTest, AKillBetweenAcceptAndCheckpointRequeuesTheGroup) {
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(3)).ok());
+  const std::vector<common::PromptLease> leases = Lease(1);
+  ASSERT_EQ(leases.size(), 1u);
+  PushTally tally;
+  learner_->AcceptGroup(TinyGroup(leases[0], 0, learner_->incarnation()), {}, &tally);
+  ASSERT_EQ(tally.reply.accepted, 1);  // one of a batch of two: buffered, not trained
+  auto accepted = learner_->ledger().GetPrompt(leases[0].prompt_id);
+  ASSERT_TRUE(accepted.ok());
+  EXPECT_EQ(accepted->state, PromptState::kTrained);
+  // The kill: the threads stop and the process ends without its job-end bookkeeping (a
+  // killed process runs no destructor, so the object is leaked on purpose).
+  ASSERT_TRUE(learner_->Stop(/*checkpoint=*/false).ok());
+  Learner* killed = learner_.release();
+  (void)killed;
+  std::unique_ptr<Learner> next = Make();
+  ASSERT_NE(next, nullptr);
+  auto back = next->ledger().GetPrompt(leases[0].prompt_id);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->state, PromptState::kQueued);
+  const auto counts = next->ledger().Counts();
+  EXPECT_EQ(counts->queued, 3);
+  EXPECT_EQ(counts->trained, 0);
+  EXPECT_EQ(next->Snapshot().global_step, 0);
+}
+
+}  // namespace
+}  // namespace grpo::learner
