@@ -59,13 +59,12 @@ bool ParseInts(const std::string& s, std::vector<int64_t>* out) {
   return true;
 }
 
-class CudaIpcWeightSync final : public CollectiveWeightSync {
+class CudaIpcWeightSync final : public DeviceMemoryWeightSync {
  public:
   CudaIpcWeightSync(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                     int64_t epoch, const CudaIpcWeightSyncOptions& options)
-      : CollectiveWeightSync(rank, world_size, epoch, options.sync),
-        store_(std::move(store)),
-        device_(options.device) {}
+      : DeviceMemoryWeightSync(rank, world_size, epoch, options.sync, options.device),
+        store_(std::move(store)) {}
   ~CudaIpcWeightSync() override { AbortBackend(); }
 
   Status Init(Clock::time_point deadline) {
@@ -157,42 +156,13 @@ class CudaIpcWeightSync final : public CollectiveWeightSync {
     return DeleteKeys(keys);
   }
 
-  Status CheckTensorMemory(const std::string& name, const at::Tensor& t) override {
-    if (t.nbytes() == 0) return Status::OK();
-    return CheckCudaPointer(t.data_ptr(), device_, name);
-  }
-
-  StatusOr<uint8_t*> Staging(int64_t bytes) override {
-    if (staging_bytes_ < bytes) {
-      RETURN_IF_ERROR(Synchronize());  // the stream may still read the old buffer
-      if (staging_ != nullptr) cudaFree(staging_);
-      staging_ = nullptr;
-      staging_bytes_ = 0;
-      GRPO_CUDA_RETURN(cudaMalloc(&staging_, bytes), "cudaMalloc staging");
-      staging_bytes_ = bytes;
-    }
-    return staging_;
-  }
-
-  Status CopyBytes(void* dst, const void* src, int64_t bytes) override {
-    GRPO_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
-                     "cudaMemcpyAsync D2D");
-    return Status::OK();
-  }
-
   Status Synchronize() override {
     RETURN_IF_ERROR(Ready());
     return WaitCudaStream(stream_, Clock::now() + options().timeout, options().timeout,
                           "copies");
   }
 
-  Status PrepareMemory() override {
-    RETURN_IF_ERROR(Ready());
-    GRPO_CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy), "waiting for libtorch's stream");
-    return Status::OK();
-  }
 
-  bool host_memory() const override { return false; }
 
   void AbortBackend() override {
     if (torn_down_) return;
@@ -210,15 +180,13 @@ class CudaIpcWeightSync final : public CollectiveWeightSync {
     mapped_ = nullptr;
     if (buffer_ != nullptr) cudaFree(buffer_);
     buffer_ = nullptr;
-    if (staging_ != nullptr) cudaFree(staging_);
-    staging_ = nullptr;
-    staging_bytes_ = 0;
+    FreeStaging();
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     stream_ = nullptr;
   }
 
  private:
-  Status Ready() {
+  Status Ready() override {
     if (torn_down_ || stream_ == nullptr) return Status::Aborted("cuda_ipc group is gone");
     GRPO_CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
     return Status::OK();
@@ -305,15 +273,11 @@ class CudaIpcWeightSync final : public CollectiveWeightSync {
   }
 
   c10::intrusive_ptr<c10d::Store> store_;
-  const int device_;
   bool torn_down_ = false;
   int64_t round_ = 0;  // collectives so far (the same count on every rank)
-  cudaStream_t stream_ = nullptr;
   void* buffer_ = nullptr;  // rank 0: the exported buffer
   void* mapped_ = nullptr;  // receivers: rank 0's buffer, mapped
   int64_t buffer_bytes_ = 0;
-  uint8_t* staging_ = nullptr;
-  int64_t staging_bytes_ = 0;
 };
 
 }  // namespace

@@ -61,4 +61,38 @@ StatusOr<std::string> CudaDeviceUuid(int device) {
   return std::string(text);
 }
 
+Status DeviceMemoryWeightSync::CheckTensorMemory(const std::string& name, const at::Tensor& t) {
+  if (t.nbytes() == 0) return Status::OK();
+  return CheckCudaPointer(t.data_ptr(), device_, name);
+}
+
+StatusOr<uint8_t*> DeviceMemoryWeightSync::Staging(int64_t bytes) {
+  if (staging_bytes_ < bytes) {
+    // The stream may still use the old buffer (an unpack in flight).
+    RETURN_IF_ERROR(Synchronize());
+    FreeStaging();
+    GRPO_CUDA_RETURN(cudaMalloc(&staging_, bytes), "cudaMalloc staging");
+    staging_bytes_ = bytes;
+  }
+  return staging_;
+}
+
+Status DeviceMemoryWeightSync::CopyBytes(void* dst, const void* src, int64_t bytes) {
+  GRPO_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
+                   "cudaMemcpyAsync D2D");
+  return Status::OK();
+}
+
+Status DeviceMemoryWeightSync::PrepareMemory() {
+  RETURN_IF_ERROR(Ready());
+  GRPO_CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy), "waiting for libtorch's stream");
+  return Status::OK();
+}
+
+void DeviceMemoryWeightSync::FreeStaging() {
+  if (staging_ != nullptr) cudaFree(staging_);
+  staging_ = nullptr;
+  staging_bytes_ = 0;
+}
+
 }  // namespace grpo::common

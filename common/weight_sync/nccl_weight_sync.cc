@@ -79,10 +79,10 @@ Status Enqueue(ncclComm_t comm, Clock::time_point deadline, std::chrono::millise
   return Status::OK();
 }
 
-class NcclWeightSync final : public CollectiveWeightSync {
+class NcclWeightSync final : public DeviceMemoryWeightSync {
  public:
   NcclWeightSync(int rank, int world_size, int64_t epoch, const NcclWeightSyncOptions& options)
-      : CollectiveWeightSync(rank, world_size, epoch, options.sync), device_(options.device) {}
+      : DeviceMemoryWeightSync(rank, world_size, epoch, options.sync, options.device) {}
 
   ~NcclWeightSync() override {
     if (comm_ != nullptr) {
@@ -164,43 +164,13 @@ class NcclWeightSync final : public CollectiveWeightSync {
     return Status::OK();
   }
 
-  Status CheckTensorMemory(const std::string& name, const at::Tensor& t) override {
-    if (t.nbytes() == 0) return Status::OK();
-    return CheckCudaPointer(t.data_ptr(), device_, name);
-  }
-
-  StatusOr<uint8_t*> Staging(int64_t bytes) override {
-    if (staging_bytes_ < bytes) {
-      // The stream may still use the old buffer (an unpack in flight).
-      RETURN_IF_ERROR(Synchronize());
-      if (staging_ != nullptr) cudaFree(staging_);
-      staging_ = nullptr;
-      staging_bytes_ = 0;
-      GRPO_CUDA_RETURN(cudaMalloc(&staging_, bytes), "cudaMalloc staging");
-      staging_bytes_ = bytes;
-    }
-    return staging_;
-  }
-
-  Status CopyBytes(void* dst, const void* src, int64_t bytes) override {
-    GRPO_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
-                     "cudaMemcpyAsync D2D");
-    return Status::OK();
-  }
-
   Status Synchronize() override {
     RETURN_IF_ERROR(Ready());
     return WaitStream(comm_, stream_, Clock::now() + options().timeout, options().timeout,
                       "copies");
   }
 
-  bool host_memory() const override { return false; }
 
-  Status PrepareMemory() override {
-    RETURN_IF_ERROR(Ready());
-    GRPO_CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy), "waiting for libtorch's stream");
-    return Status::OK();
-  }
 
   void AbortBackend() override {
     cudaSetDevice(device_);
@@ -208,9 +178,7 @@ class NcclWeightSync final : public CollectiveWeightSync {
       ncclCommAbort(comm_);  // also stops kernels of this comm still waiting on peers
       comm_ = nullptr;
     }
-    if (staging_ != nullptr) cudaFree(staging_);
-    staging_ = nullptr;
-    staging_bytes_ = 0;
+    FreeStaging();
     if (dev_ints_ != nullptr) cudaFree(dev_ints_);
     dev_ints_ = nullptr;
     if (host_ints_ != nullptr) cudaFreeHost(host_ints_);
@@ -222,17 +190,13 @@ class NcclWeightSync final : public CollectiveWeightSync {
  private:
   static constexpr size_t kMaxInts = 8;  // longest all-gather row of the protocol
 
-  Status Ready() {
+  Status Ready() override {
     if (comm_ == nullptr) return Status::Aborted("nccl communicator is gone");
     GRPO_CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
     return Status::OK();
   }
 
-  const int device_;
   ncclComm_t comm_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  uint8_t* staging_ = nullptr;
-  int64_t staging_bytes_ = 0;
   int64_t* dev_ints_ = nullptr;   // [kMaxInts send | kMaxInts * world recv]
   int64_t* host_ints_ = nullptr;  // pinned, same layout
 };

@@ -15,6 +15,7 @@
 
 #include "common/model_config.h"
 #include "learner/admission.h"
+#include "tests/learner/tiny_config.h"
 
 namespace grpo::learner {
 namespace {
@@ -31,24 +32,6 @@ bool WaitFor(F f, std::chrono::milliseconds limit) {
     std::this_thread::sleep_for(10ms);
   }
   return f();
-}
-
-// A generation batch of 2 groups of 2 completions, one optimizer step per batch; max_staleness
-// stays at its default (1).
-common::GrpoConfig TinyConfig(const fs::path& dir) {
-  common::GrpoConfig c;
-  c.output_dir = dir.string();
-  c.num_generations = 2;
-  c.per_device_train_batch_size = 4;
-  c.gradient_accumulation_steps = 1;
-  c.max_prompt_length = 32;
-  c.max_completion_length = 8;
-  c.learning_rate = 1e-2;
-  c.lr_scheduler_type = "constant";
-  c.max_steps = 100;
-  c.save_steps = 0;
-  c.lease_seconds = 60;
-  return c;
 }
 
 // A well-formed group for the tiny model (vocab 259) under `lease`.
@@ -84,7 +67,7 @@ class LearnerTest : public ::testing::Test {
             ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
-    config_ = TinyConfig(dir_);
+    config_ = testing::TinyLearnerConfig(dir_);
   }
   void TearDown() override {
     learner_.reset();

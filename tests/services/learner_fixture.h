@@ -19,6 +19,7 @@
 #include "common/model_config.h"
 #include "services/auth.h"
 #include "services/learner_service.h"
+#include "tests/learner/tiny_config.h"
 #include "tests/services/learner_test_util.h"
 
 namespace grpo::services::testing {
@@ -29,19 +30,8 @@ using std::chrono::milliseconds;
 inline constexpr auto kCallTimeout = std::chrono::seconds(10);
 
 inline common::GrpoConfig TinyConfig(const fs::path& dir) {
-  common::GrpoConfig c;
-  c.output_dir = dir.string();
+  common::GrpoConfig c = grpo::testing::TinyLearnerConfig(dir);
   c.grpc_port = 0;
-  c.num_generations = 2;
-  c.per_device_train_batch_size = 4;  // generation batch = 2 groups of 2 -> one step
-  c.gradient_accumulation_steps = 1;
-  c.max_prompt_length = 32;
-  c.max_completion_length = 8;
-  c.learning_rate = 1e-2;
-  c.lr_scheduler_type = "constant";
-  c.max_steps = 100;
-  c.save_steps = 0;
-  c.lease_seconds = 60;
   return c;
 }
 
