@@ -346,30 +346,17 @@ bool Learner::PassMayEnd() {
 
 void Learner::DropDeadWorkersLocked() {
   const auto cutoff = Clock::now() - options_.heartbeat_interval * kHeartbeatsMissedBeforeDrop;
-  bool dropped = false;
-  for (auto it = workers_.begin(); it != workers_.end();) {
-    if (it->second.last_seen < cutoff) {
-      // Its leases go back to the queue now rather than after lease_seconds (ledger_ has its
-      // own lock and never calls back into the server).
-      auto moved = ledger_->ExpireWorkerLeases(it->first);
-      GRPO_LOG_WARN("learner: worker {} missed its heartbeats; dropped from the group ({})",
-                    it->first,
-                    moved.ok() ? std::to_string(*moved) + " leases returned to the queue"
-                               : moved.status().ToString());
-      it = workers_.erase(it);
-      dropped = true;
-    } else {
-      ++it;
-    }
+  const std::vector<std::string> dropped = workers_.DropSilentSince(cutoff);
+  for (const std::string& id : dropped) {
+    // Its leases go back to the queue now rather than after lease_seconds (ledger_ has its
+    // own lock and never calls back into the learner).
+    auto moved = ledger_->ExpireWorkerLeases(id);
+    GRPO_LOG_WARN("learner: worker {} missed its heartbeats; dropped from the group ({})", id,
+                  moved.ok() ? std::to_string(*moved) + " leases returned to the queue"
+                             : moved.status().ToString());
   }
-  if (!dropped) return;
-  // Ranks stay 1..N in their old order; the group is rebuilt under a new epoch.
-  std::vector<std::pair<int32_t, Worker*>> by_rank;
-  for (auto& [id, w] : workers_) by_rank.emplace_back(w.rank, &w);
-  std::sort(by_rank.begin(), by_rank.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
-  for (size_t i = 0; i < by_rank.size(); ++i) by_rank[i].second->rank = static_cast<int32_t>(i + 1);
-  epoch_store_->Advance();
+  // The group is rebuilt under a new epoch.
+  if (!dropped.empty()) epoch_store_->Advance();
 }
 
 void Learner::TrainBatch(std::vector<BufferedGroup> batch) {
@@ -501,10 +488,7 @@ Status Learner::PublishWeights() {
   bool on_device = false;
   if (!policy_->device().is_cpu()) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [id, w] : workers_) {
-      on_device = on_device || w.assigned_backend == common::kBackendNccl ||
-                  w.assigned_backend == common::kBackendCudaIpc;
-    }
+    on_device = workers_.AnyAssigned({common::kBackendNccl, common::kBackendCudaIpc});
   }
   try {
     at::NoGradGuard no_grad;
@@ -552,19 +536,14 @@ void Learner::WeightSyncLoop(size_t index) {
   GroupStats& stats = group_stats_[index];
   while (true) {
     std::shared_ptr<const WeightSnapshot> snap;
-    std::vector<std::pair<int32_t, std::string>> by_rank;
+    std::vector<std::string> members;
     {
       std::unique_lock<std::mutex> lock(mu_);
       state_cv_.wait_for(lock, kWaitPollInterval);
       if (stopping_) break;
       snap = weights_;
-      for (const auto& [id, w] : workers_) {
-        if (w.assigned_backend == backend) by_rank.emplace_back(w.rank, id);
-      }
+      members = workers_.Members(backend);
     }
-    std::sort(by_rank.begin(), by_rank.end());
-    std::vector<std::string> members;
-    for (auto& [rank, id] : by_rank) members.push_back(std::move(id));
     (void)publisher.Sync(members, snap);  // a failure is logged and ends the epoch
     stats.syncs = publisher.syncs();
     stats.failures = publisher.failures();

@@ -68,6 +68,7 @@
 #include "learner/job.h"
 #include "learner/prompt_ledger.h"
 #include "learner/weight_publisher.h"
+#include "learner/worker_registry.h"
 
 namespace grpo::learner {
 
@@ -234,15 +235,6 @@ class Learner {
     int64_t pass = 0;         // the ledger pass it was leased in
     int64_t accepted_ms = 0;  // ledger clock, taken before CompleteLease
   };
-  struct Worker {
-    std::string hostname;
-    int32_t pid = 0;
-    std::string backend;           // asked for at Register
-    std::string assigned_backend;  // common::AssignBackend's answer
-    int32_t rank = 0;
-    int64_t weight_version = -1;
-    std::chrono::steady_clock::time_point last_seen;
-  };
   // One group backend's counters (its publisher's, copied after each round).
   struct GroupStats {
     std::atomic<int64_t> syncs{0};
@@ -334,8 +326,7 @@ class Learner {
   std::multiset<int64_t> accepting_ms_;                 // GUARDED_BY(mu_): accepts in flight
   std::map<std::string, int> bad_group_attempts_;       // GUARDED_BY(mu_): by prompt id
   std::map<std::string, int64_t> refused_;              // GUARDED_BY(mu_): by reason
-  std::map<std::string, Worker> workers_;               // GUARDED_BY(mu_): by worker id
-  int64_t next_worker_number_ = 1;                      // GUARDED_BY(mu_)
+  WorkerRegistry workers_;                              // GUARDED_BY(mu_)
   std::shared_ptr<const WeightSnapshot> weights_;       // GUARDED_BY(mu_)
   std::list<std::shared_ptr<Subscriber>> subscribers_;  // GUARDED_BY(mu_)
 };

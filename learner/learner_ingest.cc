@@ -30,7 +30,7 @@ JobSnapshot Learner::Snapshot() {
   job.global_step = global_step_;
   job.max_steps = config_.max_steps;
   job.policy_version = weights_ ? weights_->version : trainer_->policy_version();
-  job.workers = static_cast<int32_t>(workers_.size());
+  job.workers = workers_.size();
   job.last_metrics = last_metrics_;
   job.message = message_;
   if (!counts.ok()) job.message += (job.message.empty() ? "" : "; ") + counts.status().ToString();
@@ -44,48 +44,36 @@ StatusOr<common::Registration> Learner::Register(const common::RegisterRequest& 
   const std::string model_config = policy_->config().ToJson().dump();
   const std::string config_json = config_.ToJson().dump();
   std::lock_guard<std::mutex> lock(mu_);
-  std::string id = request.worker_id;
-  if (id.empty()) {
-    do {
-      id = "worker-" + std::to_string(next_worker_number_++);
-    } while (workers_.count(id) > 0);
-  }
-  // Leases granted to this id before now belong to a process that is gone (a worker leases
-  // only between registrations, never across one): back to the queue now, not after
-  // lease_seconds, so they neither wait nor block the staleness budget.
-  if (auto moved = ledger_->ExpireWorkerLeases(id); moved.ok() && *moved > 0) {
-    GRPO_LOG_INFO("learner: worker {} registered again: {} leases of its earlier process "
-                  "returned to the queue",
-                  id, *moved);
-  }
   const common::SyncEndpoint worker_end{common::CudaOrdinal(request.device) >= 0,
                                         request.gpu_uuid};
   const common::BackendAssignment assigned = common::AssignBackend(
       request.weight_sync_backend, endpoint_, worker_end, [&](std::string_view b) {
         return options_.weight_sync_factory ? true : common::WeightSyncBackendBuilt(b);
       });
-  auto it = workers_.find(id);
-  if (it == workers_.end()) {
-    Worker w;
-    w.rank = static_cast<int32_t>(workers_.size() + 1);
-    it = workers_.emplace(id, w).first;
+  const WorkerRegistry::Registered w =
+      workers_.Register(request.worker_id, request.hostname, request.pid,
+                        request.weight_sync_backend, assigned.backend, Clock::now());
+  // Leases granted to this id before now belong to a process that is gone (a worker leases
+  // only between registrations, never across one): back to the queue now, not after
+  // lease_seconds, so they neither wait nor block the staleness budget.
+  if (auto moved = ledger_->ExpireWorkerLeases(w.worker_id); moved.ok() && *moved > 0) {
+    GRPO_LOG_INFO("learner: worker {} registered again: {} leases of its earlier process "
+                  "returned to the queue",
+                  w.worker_id, *moved);
+  }
+  if (w.is_new) {
     epoch_store_->Advance();  // the group gains a rank: rebuilt under a new epoch
-    GRPO_LOG_INFO("learner: worker {} ({}:{}, {}) registered as rank {}; weight sync {}{}", id,
-                  request.hostname, request.pid, request.device.empty() ? "cpu" : request.device,
-                  w.rank, assigned.backend, assigned.note.empty() ? "" : " (" + assigned.note + ")");
-  } else if (it->second.assigned_backend != assigned.backend) {
+    GRPO_LOG_INFO("learner: worker {} ({}:{}, {}) registered as rank {}; weight sync {}{}",
+                  w.worker_id, request.hostname, request.pid,
+                  request.device.empty() ? "cpu" : request.device, w.rank, assigned.backend,
+                  assigned.note.empty() ? "" : " (" + assigned.note + ")");
+  } else if (w.backend_changed) {
     epoch_store_->Advance();  // it leaves one group for another
   }
-  Worker& w = it->second;
-  w.hostname = request.hostname;
-  w.pid = request.pid;
-  w.backend = request.weight_sync_backend;
-  w.assigned_backend = assigned.backend;
-  w.last_seen = Clock::now();
   common::Registration r;
-  r.worker_id = id;
+  r.worker_id = w.worker_id;
   r.rank = w.rank;
-  r.world_size = static_cast<int32_t>(workers_.size() + 1);
+  r.world_size = workers_.size() + 1;
   r.group_epoch = epoch_store_->epoch();
   r.policy_version = weights_ ? weights_->version : 0;
   r.weight_sync_backend = assigned.backend;
@@ -99,12 +87,9 @@ StatusOr<common::Registration> Learner::Register(const common::RegisterRequest& 
 
 StatusOr<common::HeartbeatReply> Learner::Heartbeat(const common::HeartbeatRequest& request) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = workers_.find(request.worker_id);
-  if (it == workers_.end()) {
+  if (!workers_.Heartbeat(request.worker_id, request.weight_version, Clock::now())) {
     return Status::NotFound("unknown worker '" + request.worker_id + "': Register again");
   }
-  it->second.last_seen = Clock::now();
-  it->second.weight_version = request.weight_version;
   common::HeartbeatReply reply;
   reply.policy_version = weights_ ? weights_->version : 0;
   reply.group_epoch = epoch_store_->epoch();
@@ -126,7 +111,7 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
   reply.learner_incarnation = incarnation_;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (workers_.count(worker_id) == 0 && !TerminalLocked()) {
+    if (!workers_.Contains(worker_id) && !TerminalLocked()) {
       // A learner that restarted does not know the worker: it must register again (and take
       // this learner's weights) before it generates for it.
       return Status::NotFound("unknown worker '" + worker_id + "': Register again");

@@ -15,6 +15,7 @@
 
 #include "common/model_config.h"
 #include "learner/admission.h"
+#include "learner/worker_registry.h"
 #include "tests/learner/tiny_config.h"
 
 namespace grpo::learner {
@@ -138,6 +139,39 @@ TEST(Admission, GenerationBatchArithmeticAndTheLeaseBudgetByHand) {
   EXPECT_EQ(LeaseBudget(in), 3);
   in.buffered = 8;  // a full buffer
   EXPECT_EQ(LeaseBudget(in), 0);
+}
+
+TEST(WorkerRegistry, RanksStayDenseInRegistrationOrderAndRostersFollowTheBackend) {
+  WorkerRegistry reg;
+  const auto t0 = Clock::now();
+  auto a = reg.Register("", "h", 1, "auto", "gloo", t0);
+  EXPECT_EQ(a.worker_id, "worker-1");
+  EXPECT_EQ(a.rank, 1);
+  EXPECT_TRUE(a.is_new);
+  reg.Register("worker-2", "h", 2, "gloo", "gloo", t0);  // takes the next generated id's name
+  auto c = reg.Register("", "h", 3, "grpc", "grpc", t0);
+  EXPECT_EQ(c.worker_id, "worker-3");  // worker-2 was taken
+  EXPECT_EQ(c.rank, 3);
+  auto d = reg.Register("d", "h", 4, "gloo", "gloo", t0 + 10s);
+  EXPECT_EQ(d.rank, 4);
+  auto again = reg.Register("worker-1", "h", 5, "auto", "nccl", t0 + 10s);
+  EXPECT_FALSE(again.is_new);
+  EXPECT_TRUE(again.backend_changed);
+  EXPECT_EQ(again.rank, 1);
+  EXPECT_EQ(reg.Members("gloo"), (std::vector<std::string>{"worker-2", "d"}));
+  EXPECT_TRUE(reg.AnyAssigned({"nccl", "cuda_ipc"}));
+  EXPECT_TRUE(reg.Heartbeat("worker-3", 7, t0 + 10s));
+  EXPECT_FALSE(reg.Heartbeat("nobody", 7, t0 + 10s));
+  // worker-2 was last seen at t0: dropped; d moves from rank 4 to 3, worker-3 from 3 to 2.
+  EXPECT_EQ(reg.DropSilentSince(t0 + 5s), (std::vector<std::string>{"worker-2"}));
+  EXPECT_EQ(reg.size(), 3);
+  EXPECT_EQ(reg.Find("worker-1")->rank, 1);
+  EXPECT_EQ(reg.Find("worker-3")->rank, 2);
+  EXPECT_EQ(reg.Find("worker-3")->weight_version, 7);
+  EXPECT_EQ(reg.Find("d")->rank, 3);
+  EXPECT_EQ(reg.Members("gloo"), (std::vector<std::string>{"d"}));
+  EXPECT_FALSE(reg.Contains("worker-2"));
+  EXPECT_TRUE(reg.DropSilentSince(t0).empty());
 }
 
 TEST_F(LearnerTest, RegistrationHeartbeatsAndBadLeaseCalls) {
