@@ -115,7 +115,7 @@ TEST(CudaParity, Bf16CheckpointOnCudaRoundTrips) {
   CheckBf16CheckpointRoundTrip(kCuda);
 }
 
-// The demo task's shape (services/demo_task.cc: TRL's length reward with target 8 tokens, its
+// The demo task's shape (services/cli/demo_task.cc: TRL's length reward with target 8 tokens, its
 // batching, Dr. GRPO scaling, cosine schedule, 60 steps) on the tiny preset initialised from
 // scratch as `grpo demo` does, trained in bf16 on CUDA with generation on the bf16 compute
 // copy: the mean reward of the last 10 steps must beat the first 10 by 2 tokens.

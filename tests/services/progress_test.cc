@@ -1,5 +1,5 @@
 // The `grpo submit --follow` progress line: expected strings and ETAs worked out by hand.
-#include "services/progress.h"
+#include "services/cli/progress.h"
 
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
 // grpo demo: the distributed system on one machine. Starts a learner and N
 // rollout workers as separate processes on loopback (with a generated auth
-// token), submits the built-in task (services/demo_task.h), follows the job
+// token), submits the built-in task (services/cli/demo_task.h), follows the job
 // over WatchJob and ends with the reward curve. Every child runs in one process
 // group and is killed and reaped on exit, error or Ctrl-C.
 #include <fcntl.h>
@@ -29,8 +29,8 @@
 
 #include "common/config.h"
 #include "common/status.h"
-#include "services/cli.h"
-#include "services/demo_task.h"
+#include "services/cli/cli.h"
+#include "services/cli/demo_task.h"
 #include "services/learner_client.h"
 
 namespace grpo::services {

@@ -1,4 +1,4 @@
-#include "services/progress.h"
+#include "services/cli/progress.h"
 
 #include <algorithm>
 #include <cmath>

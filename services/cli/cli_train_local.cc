@@ -27,8 +27,8 @@
 #include "rollout/generator.h"
 #include "rollout/produce.h"
 #include "rollout/reward.h"
-#include "services/cli.h"
-#include "services/demo_task.h"
+#include "services/cli/cli.h"
+#include "services/cli/demo_task.h"
 
 namespace grpo::services {
 namespace {

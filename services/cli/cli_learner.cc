@@ -12,7 +12,7 @@
 #include "common/logging.h"
 #include "common/model.h"
 #include "common/model_config.h"
-#include "services/cli.h"
+#include "services/cli/cli.h"
 #include "services/learner_service.h"
 
 namespace grpo::services {

@@ -17,10 +17,10 @@
 #include "common/config.h"
 #include "grpo/v1/learner.grpc.pb.h"
 #include "services/auth.h"
-#include "services/cli.h"
+#include "services/cli/cli.h"
 #include "services/convert.h"
 #include "services/learner_client.h"
-#include "services/progress.h"
+#include "services/cli/progress.h"
 
 namespace grpo::services {
 namespace {

@@ -24,8 +24,8 @@
 #include "learner/chunked_logprobs.h"
 #include "learner/grpo_trainer.h"
 #include "rollout/generator.h"
-#include "services/bench_util.h"
-#include "services/cli.h"
+#include "services/cli/bench_util.h"
+#include "services/cli/cli.h"
 
 namespace grpo::services {
 

@@ -17,7 +17,7 @@
 #include "common/metrics.h"
 #include "rollout/reward.h"
 #include "services/auth.h"
-#include "services/cli.h"
+#include "services/cli/cli.h"
 #include "services/reward_server.h"
 #include "services/rollout_worker.h"
 

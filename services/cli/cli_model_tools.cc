@@ -16,7 +16,7 @@
 #include "common/model_config.h"
 #include "common/tokenizer.h"
 #include "learner/chunked_logprobs.h"
-#include "services/cli.h"
+#include "services/cli/cli.h"
 
 namespace grpo::services {
 namespace {

@@ -1,4 +1,4 @@
-#include "services/demo_task.h"
+#include "services/cli/demo_task.h"
 
 #include <algorithm>
 #include <cmath>

@@ -12,7 +12,7 @@
 
 #include "common/config.h"
 #include "common/logging.h"
-#include "services/cli.h"
+#include "services/cli/cli.h"
 
 namespace {
 

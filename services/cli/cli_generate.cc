@@ -12,7 +12,7 @@
 #include "common/tokenizer.h"
 #include "rollout/generator.h"
 #include "rollout/produce.h"
-#include "services/cli.h"
+#include "services/cli/cli.h"
 #include "services/remote_reward.h"
 
 namespace grpo::services {
