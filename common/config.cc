@@ -477,7 +477,7 @@ Status GrpoConfig::Validate() const {
                         "must be at least 1"));
   RETURN_IF_ERROR(Check(!steps_per_generation || *steps_per_generation >= 1,
                         "steps_per_generation", "must be at least 1"));
-  const int64_t gen_batch = per_device_train_batch_size * EffectiveStepsPerGeneration();
+  const int64_t gen_batch = GenerationBatchSize();
   RETURN_IF_ERROR(Check(gen_batch % num_generations == 0, "num_generations",
                         "must divide the generation batch per_device_train_batch_size x "
                         "steps_per_generation = " +

@@ -127,6 +127,23 @@ struct GrpoConfig {
   int64_t EffectiveStepsPerGeneration() const {
     return steps_per_generation.value_or(gradient_accumulation_steps);
   }
+  // The generation batch (docs/GRPO_SPEC.md "num_iterations and the generation batch"), the one
+  // home of its arithmetic: completions (per_device_train_batch_size x steps_per_generation),
+  // prompts = groups (completions / num_generations; Validate checks that it divides), and the
+  // optimizer steps (policy versions) it makes: ceil(steps_per_generation /
+  // gradient_accumulation_steps) per pass, num_iterations passes, at least 1.
+  int64_t GenerationBatchSize() const {
+    return per_device_train_batch_size * EffectiveStepsPerGeneration();
+  }
+  int64_t GenerationBatchGroups() const {
+    return num_generations > 0 ? GenerationBatchSize() / num_generations : 0;
+  }
+  int64_t VersionsPerGenerationBatch() const {
+    const int64_t spg = EffectiveStepsPerGeneration();
+    const int64_t gas = gradient_accumulation_steps > 0 ? gradient_accumulation_steps : 1;
+    const int64_t v = (spg + gas - 1) / gas * num_iterations;
+    return v > 1 ? v : 1;
+  }
   double EffectiveEpsilonHigh() const { return epsilon_high.value_or(epsilon); }
 
   // Cross-field and range checks (e.g. num_generations >= 2, loss_type known). The message

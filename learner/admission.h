@@ -1,5 +1,5 @@
-// Admission: the generation-batch arithmetic and the lease budget, as pure functions in one
-// place (docs/GRPO_SPEC.md "num_iterations and the generation batch"). The staleness rule of a
+// Admission: the lease budget, a pure function (the generation-batch arithmetic it takes is
+// GrpoConfig's: GenerationBatchGroups, VersionsPerGenerationBatch). The staleness rule of a
 // group that arrives is GrpoTrainer::ValidateGroup's (policy_version - group version <=
 // max_staleness); the budget below keeps leases inside that same bound.
 #pragma once
@@ -11,22 +11,14 @@
 
 namespace grpo::learner {
 
-// Prompts (groups) per generation batch: per_device_train_batch_size x steps_per_generation
-// completions / num_generations. InvalidArgument when num_generations exceeds the batch.
-StatusOr<int64_t> GenerationBatchGroups(const common::GrpoConfig& config);
-
-// Optimizer steps (policy versions) one generation batch makes: ceil(steps_per_generation /
-// gradient_accumulation_steps) per pass, num_iterations passes; at least 1.
-int64_t VersionsPerGenerationBatch(const common::GrpoConfig& config);
-
 struct LeaseBudgetInput {
   int64_t buffered = 0;      // groups in the buffer and being accepted
   int64_t leased_out = 0;    // leases granted, not yet pushed
   bool training = false;     // a batch is being trained now
-  int64_t batch_groups = 1;  // GenerationBatchGroups
+  int64_t batch_groups = 1;  // GrpoConfig::GenerationBatchGroups
   int64_t buffer_capacity = 2;
   int64_t max_staleness = 0;
-  int64_t versions_per_batch = 1;  // VersionsPerGenerationBatch
+  int64_t versions_per_batch = 1;  // GrpoConfig::VersionsPerGenerationBatch
 };
 
 // Groups that may be leased now (>= 0) so that none of them goes stale: a group leased now is

@@ -75,8 +75,13 @@ StatusOr<std::unique_ptr<Learner>> Learner::Create(common::GrpoConfig config,
     s->registry_ = s->own_registry_.get();
   }
   ASSIGN_OR_RETURN(s->metrics_, common::LearnerMetrics::Create(*s->registry_, cfg.reward_funcs));
-  ASSIGN_OR_RETURN(s->batch_groups_, GenerationBatchGroups(cfg));
-  s->versions_per_batch_ = VersionsPerGenerationBatch(cfg);
+  s->batch_groups_ = cfg.GenerationBatchGroups();
+  if (s->batch_groups_ < 1) {
+    return Status::InvalidArgument(
+        "config key 'num_generations' exceeds the generation batch "
+        "(per_device_train_batch_size * steps_per_generation)");
+  }
+  s->versions_per_batch_ = cfg.VersionsPerGenerationBatch();
   s->buffer_capacity_ = s->options_.buffer_capacity_groups > 0
                             ? std::max(s->options_.buffer_capacity_groups, s->batch_groups_)
                             : 2 * s->batch_groups_;

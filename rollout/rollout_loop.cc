@@ -403,8 +403,7 @@ Status RolloutLoop::SyncWeights(int64_t min_version) {
 int64_t RolloutLoop::PromptsPerLease() const {
   if (options_.prompts_per_lease > 0) return options_.prompts_per_lease;
   const common::GrpoConfig c = config();
-  const int64_t batch = c.per_device_train_batch_size * c.EffectiveStepsPerGeneration();
-  return std::max<int64_t>(1, batch / std::max<int64_t>(1, c.num_generations));
+  return std::max<int64_t>(1, c.GenerationBatchGroups());
 }
 
 Status RolloutLoop::RunRound() {

@@ -647,12 +647,8 @@ StatusOr<E2eResult> RunE2eOnce(int64_t max_staleness, int64_t num_iterations, in
   cfg.grpc_port = 0;
   cfg.metrics_port = 0;
   RETURN_IF_ERROR(cfg.Validate());
-  // Optimizer steps per generation batch: ceil(steps_per_generation / gradient_accumulation)
-  // per pass (TRL semantics; 1 for the demo), num_iterations passes.
-  const int64_t spg = cfg.EffectiveStepsPerGeneration(), gas = cfg.gradient_accumulation_steps;
-  const int64_t steps_per_batch = (spg + gas - 1) / gas * num_iterations;
-  const int64_t batch_groups =
-      cfg.per_device_train_batch_size * cfg.EffectiveStepsPerGeneration() / cfg.num_generations;
+  const int64_t steps_per_batch = cfg.VersionsPerGenerationBatch();
+  const int64_t batch_groups = cfg.GenerationBatchGroups();
   ASSIGN_OR_RETURN(common::ModelConfig preset, common::ModelConfigPreset("tiny"));
   ASSIGN_OR_RETURN(auto model, common::Model::InitRandom(preset, cfg.seed));
   const auto t_start = Clock::now();

@@ -142,9 +142,8 @@ int RunTrainLocal(const TrainLocalOptions& o) {
   if (!gen_or.ok()) return fail(gen_or.status(), 2);
   rollout::Generator& gen = **gen_or;
 
-  const int64_t gen_batch = cfg.per_device_train_batch_size * cfg.EffectiveStepsPerGeneration();
   const int64_t prompts_per_batch =
-      o.prompts_per_step > 0 ? o.prompts_per_step : gen_batch / cfg.num_generations;
+      o.prompts_per_step > 0 ? o.prompts_per_step : cfg.GenerationBatchGroups();
   std::vector<double> curve;
   int64_t cursor = trainer.global_step() * prompts_per_batch;
   const auto t_start = std::chrono::steady_clock::now();

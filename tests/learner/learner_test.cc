@@ -113,14 +113,15 @@ TEST(Admission, GenerationBatchArithmeticAndTheLeaseBudgetByHand) {
   c.per_device_train_batch_size = 4;
   c.gradient_accumulation_steps = 2;  // steps_per_generation defaults to it
   c.num_iterations = 2;
-  EXPECT_EQ(*GenerationBatchGroups(c), 4);      // 4 x 2 completions / 2
-  EXPECT_EQ(VersionsPerGenerationBatch(c), 2);  // ceil(2 / 2) x 2 passes
+  EXPECT_EQ(c.GenerationBatchSize(), 8);         // 4 x steps_per_generation 2
+  EXPECT_EQ(c.GenerationBatchGroups(), 4);       // 8 completions / 2
+  EXPECT_EQ(c.VersionsPerGenerationBatch(), 2);  // ceil(2 / 2) x 2 passes
   c.steps_per_generation = 3;
   c.num_iterations = 1;
-  EXPECT_EQ(*GenerationBatchGroups(c), 6);      // 4 x 3 / 2
-  EXPECT_EQ(VersionsPerGenerationBatch(c), 2);  // ceil(3 / 2)
+  EXPECT_EQ(c.GenerationBatchGroups(), 6);       // 4 x 3 / 2
+  EXPECT_EQ(c.VersionsPerGenerationBatch(), 2);  // ceil(3 / 2)
   c.num_generations = 16;
-  EXPECT_EQ(GenerationBatchGroups(c).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.GenerationBatchGroups(), 0);  // Validate refuses it; the Learner too
 
   LeaseBudgetInput in;
   in.batch_groups = 4;
