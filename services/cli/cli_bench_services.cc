@@ -110,9 +110,13 @@ common::GrpoConfig BenchServiceConfig(const std::string& dir) {
   return c;
 }
 
-StatusOr<std::unique_ptr<LearnerServer>> StartLearner(common::GrpoConfig cfg,
-                                                      std::unique_ptr<common::Model> model) {
+// `heartbeat_interval`: the ingest bench's workers do not heartbeat (they only lease and push),
+// so it gives them one long enough that the learner keeps them registered.
+StatusOr<std::unique_ptr<LearnerServer>> StartLearner(
+    common::GrpoConfig cfg, std::unique_ptr<common::Model> model,
+    std::chrono::milliseconds heartbeat_interval = learner::kDefaultHeartbeatInterval) {
   LearnerServerOptions options;
+  options.heartbeat_interval = heartbeat_interval;
   options.bind_address = "127.0.0.1";
   options.resume = false;
   options.weight_sync_timeout = kSyncTimeout;
@@ -132,12 +136,18 @@ Status SubmitRows(v1::LearnerService::Stub& stub, const std::vector<std::string>
   for (size_t i = 0; i < lines.size(); ++i) {
     req.add_lines(lines[i]);
     if (req.lines_size() == 256 || i + 1 == lines.size()) {
+      // The last message says so, with the line count: the learner commits a dataset only
+      // whole (SubmitDatasetRequest.last, total_lines).
+      if (i + 1 == lines.size()) {
+        req.set_last(true);
+        req.set_total_lines(static_cast<int64_t>(lines.size()));
+      }
       if (!writer->Write(req)) break;
       req.Clear();
     }
   }
   writer->WritesDone();
-  return FromGrpcStatus(writer->Finish());
+  return FromGrpcStatus(writer->Finish()).WithContext("SubmitDataset");
 }
 
 int64_t TotalBytes(const common::NamedTensors& t) {
@@ -208,7 +218,7 @@ int RunWeightSync(const ServiceBenchOptions& o) {
   });
 
   // --- Gloo: the learner is rank 0 on its in-process store, each worker thread rank i on a
-  // GrpcStore over the learner's Store RPC (the production rendezvous), data over loopback TCP.
+  // GrpcEpochStore over the learner's Store RPC (the production rendezvous), data over loopback TCP.
   const int64_t epoch = server->group_epoch();
   common::GlooWeightSyncOptions gopts;
   gopts.sync.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(kSyncTimeout);
@@ -351,7 +361,7 @@ int RunWeightSync(const ServiceBenchOptions& o) {
                "over loopback TCP; median of "
             << reps << " after a warm-up\n"
             << "  gloo: c10d ProcessGroupGloo broadcast, rendezvous over the learner's Store RPC "
-               "(GrpcStore), checksum verified at Commit; group setup "
+               "(GrpcEpochStore), checksum verified at Commit; group setup "
             << std::setprecision(2) << setup_s << " s (not in the time)\n"
             << "  grpc_getweights: LearnerService.GetWeights stream (" << kDefaultWeightChunkBytes / 1048576
             << " MiB chunks), reassembled and loaded into each worker's model\n"
@@ -444,7 +454,7 @@ int RunIngest(const ServiceBenchOptions& o) {
   common::GrpoConfig cfg = BenchServiceConfig(dir.path());
   cfg.steps_per_generation = kIngestNoTrainSteps;
   cfg.max_staleness = 1 << 20;
-  auto server_or = StartLearner(cfg, BenchModel());
+  auto server_or = StartLearner(cfg, BenchModel(), std::chrono::hours(1));
   if (!server_or.ok()) return Fail("ingest", server_or.status());
   std::unique_ptr<LearnerServer> server = std::move(server_or).value();
   const std::string address = "127.0.0.1:" + std::to_string(server->port());
@@ -471,10 +481,20 @@ int RunIngest(const ServiceBenchOptions& o) {
       auto stub = v1::LearnerService::NewStub(OwnChannel(address, w));
       std::mt19937_64 wrng(100 + w);
       std::vector<common::RolloutGroup> groups;
+      const std::string worker_id = "bench-worker-" + std::to_string(w);
       Status st = Status::OK();
+      {
+        // A worker leases only once registered, and its groups carry the learner's incarnation.
+        v1::RegisterRequest req;
+        req.set_worker_id(worker_id);
+        req.set_weight_sync_backend("grpc");
+        v1::RegisterResponse resp;
+        auto ctx = Ctx();
+        st = FromGrpcStatus(stub->Register(ctx.get(), req, &resp)).WithContext("Register");
+      }
       while (st.ok() && static_cast<int64_t>(groups.size()) < per_worker_total) {
         v1::LeasePromptsRequest req;
-        req.set_worker_id("bench-worker-" + std::to_string(w));
+        req.set_worker_id(worker_id);
         req.set_max_prompts(static_cast<int32_t>(
             std::min<int64_t>(per_worker_total - static_cast<int64_t>(groups.size()), 1024)));
         v1::LeasePromptsResponse resp;
@@ -485,6 +505,7 @@ int RunIngest(const ServiceBenchOptions& o) {
         }
         for (const auto& l : resp.leases()) {
           groups.push_back(BenchGroup(wrng, vocab, l.prompt_id(), l.lease_id()));
+          groups.back().policy_incarnation = server->incarnation();
         }
       }
       for (int r = 0; r < reps + 1; ++r) {
