@@ -222,6 +222,34 @@ TEST_F(CliTools, TrainLocalWithBetaBuildsTheReferenceModel) {
   EXPECT_GT(steps[1]["kl"].get<double>(), 1e-7);
 }
 
+// The service benchmarks against a real in-process learner: they broke silently once when the
+// protocol changed (issue 12: workers register before leasing, uploads end with `last`).
+TEST_F(CliTools, ServiceBenchmarksRunAgainstARealLearner) {
+  int rc = 0;
+  // stdout holds the JSON rows; the learner's logs go to stderr.
+  const auto e2e = Lines(RunCommand(GrpoBin() + " bench e2e --steps 4 --json 2>/dev/null", &rc));
+  ASSERT_EQ(rc, 0);
+  ASSERT_EQ(e2e.size(), 3u);
+  // sync and async train the 4 steps asked for; num_iterations 4 makes 4 steps per batch.
+  EXPECT_EQ(e2e[0]["mode"], "sync");
+  EXPECT_EQ(e2e[0]["steps"], 4);
+  EXPECT_EQ(e2e[1]["steps"], 4);
+  EXPECT_EQ(e2e[2]["steps"], 16);
+  EXPECT_EQ(e2e[0]["stale_groups_refused"], 0);  // max_staleness 0 leases nothing stale
+  for (const auto& row : e2e) EXPECT_GT(row["steps_per_second"].get<double>(), 0) << row;
+
+  const auto ingest = Lines(
+      RunCommand(GrpoBin() + " bench ingest --groups 8 --reps 1 --json 2>/dev/null", &rc));
+  ASSERT_EQ(rc, 0);
+  bool pushed = false;
+  for (const auto& row : ingest) {
+    if (row.value("impl", "") != "grpc_push") continue;
+    pushed = true;
+    EXPECT_GT(row["groups_per_second"].get<double>(), 0) << row;
+  }
+  EXPECT_TRUE(pushed) << "no grpc_push row";
+}
+
 TEST_F(CliTools, ConfigNamesAnUnknownKey) {
   int rc;
   RunCommand(GrpoBin() + " config --num_generaton 4 2>/dev/null", &rc);
