@@ -1,5 +1,5 @@
 // Helpers shared by the `grpo bench` benchmarks (services/cli/cli_bench.cc and
-// services/cli/cli_bench_services.cc): timing, the bench model, one learner step.
+// services/cli/bench_*.cc): timing, the bench model, one learner step.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -60,7 +60,7 @@ at::Tensor RandomIds(int64_t n, int64_t vocab, uint64_t seed);
 Timing LearnerStepTiming(int reps, int64_t micro, bool gradient_checkpointing = false,
                          double* peak_mib = nullptr, int64_t layers = 0);
 
-// grpo bench weight_sync | ingest | e2e (services/cli/cli_bench_services.cc).
+// grpo bench weight_sync | ingest | e2e (services/cli/bench_weight_sync.cc, bench_ingest.cc, bench_e2e.cc).
 struct ServiceBenchOptions {
   bool json = false;
   int reps = 5;
