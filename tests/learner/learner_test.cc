@@ -35,23 +35,11 @@ bool WaitFor(F f, std::chrono::milliseconds limit) {
   return f();
 }
 
-// A well-formed group for the tiny model (vocab 259) under `lease`.
+// TinyRolloutGroup under `lease`.
 common::RolloutGroup TinyGroup(const common::PromptLease& lease, int64_t policy_version,
                                const std::string& incarnation, double r0 = 1, double r1 = 0) {
-  common::RolloutGroup g;
-  g.policy_incarnation = incarnation;
-  g.prompt_id = lease.prompt_id;
-  g.lease_id = lease.lease_id;
-  g.policy_version = policy_version;
-  g.prompt_ids = {115, 97, 121};
-  for (double r : {r0, r1}) {
-    common::Completion c;
-    c.token_ids = {104, 105, 258};
-    c.logprobs = {-1.5f, -2.0f, -0.5f};
-    c.rewards = {r};
-    g.completions.push_back(c);
-  }
-  return g;
+  return testing::TinyRolloutGroup(lease.prompt_id, lease.lease_id, policy_version, r0, r1,
+                                   incarnation);
 }
 
 std::vector<std::string> Prompts(int n) {

@@ -4,7 +4,10 @@
 
 #include <filesystem>
 
+#include <string>
+
 #include "common/config.h"
+#include "common/rollout_types.h"
 
 namespace grpo::testing {
 
@@ -22,6 +25,28 @@ inline common::GrpoConfig TinyLearnerConfig(const std::filesystem::path& dir) {
   c.save_steps = 0;
   c.lease_seconds = 60;
   return c;
+}
+
+// A well-formed group for the tiny model (vocab 259) under (prompt_id, lease_id): 2 completions
+// of 3 tokens with behaviour log-probs, one reward each. `incarnation` is the learner's.
+inline common::RolloutGroup TinyRolloutGroup(const std::string& prompt_id,
+                                             const std::string& lease_id, int64_t policy_version,
+                                             double reward0, double reward1,
+                                             const std::string& incarnation) {
+  common::RolloutGroup g;
+  g.policy_incarnation = incarnation;
+  g.prompt_id = prompt_id;
+  g.lease_id = lease_id;
+  g.policy_version = policy_version;
+  g.prompt_ids = {115, 97, 121};
+  for (double r : {reward0, reward1}) {
+    common::Completion c;
+    c.token_ids = {104, 105, 258};
+    c.logprobs = {-1.5f, -2.0f, -0.5f};
+    c.rewards = {r};
+    g.completions.push_back(c);
+  }
+  return g;
 }
 
 }  // namespace grpo::testing

@@ -19,6 +19,7 @@
 #include "services/convert.h"
 #include "tests/services/learner_test_util.h"
 #include "services/learner_service.h"
+#include "tests/learner/tiny_config.h"
 #include "tests/services/http_test_util.h"
 
 namespace grpo::services {
@@ -37,18 +38,8 @@ class LearnerMetricsTest : public ::testing::Test {
             ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
-    config_.output_dir = dir_.string();
+    config_ = grpo::testing::TinyLearnerConfig(dir_);
     config_.grpc_port = 0;
-    config_.num_generations = 2;
-    config_.per_device_train_batch_size = 4;  // generation batch = 2 groups of 2 -> one step
-    config_.gradient_accumulation_steps = 1;
-    config_.max_prompt_length = 32;
-    config_.max_completion_length = 8;
-    config_.learning_rate = 1e-2;
-    config_.lr_scheduler_type = "constant";
-    config_.max_steps = 100;
-    config_.save_steps = 0;
-    config_.lease_seconds = 60;
     config_.reward_funcs = {"length"};
   }
   void TearDown() override {

@@ -7,6 +7,7 @@
 #include "common/rollout_types.h"
 #include "grpo/v1/learner.pb.h"
 #include "services/convert.h"
+#include "tests/learner/tiny_config.h"
 
 namespace grpo::services::testing {
 
@@ -15,21 +16,10 @@ namespace grpo::services::testing {
 // `incarnation` is the learner's (RegisterResponse.learner_incarnation / incarnation()).
 inline v1::RolloutGroup TinyGroup(const v1::Lease& lease, int64_t policy_version, double reward0,
                                   double reward1, const std::string& incarnation) {
-  common::RolloutGroup g;
-  g.policy_incarnation = incarnation;
-  g.prompt_id = lease.prompt_id();
-  g.lease_id = lease.lease_id();
-  g.policy_version = policy_version;
-  g.prompt_ids = {115, 97, 121};
-  for (double r : {reward0, reward1}) {
-    common::Completion c;
-    c.token_ids = {104, 105, 258};
-    c.logprobs = {-1.5f, -2.0f, -0.5f};
-    c.rewards = {r};
-    g.completions.push_back(c);
-  }
   v1::RolloutGroup out;
-  ToProto(g, &out);
+  ToProto(grpo::testing::TinyRolloutGroup(lease.prompt_id(), lease.lease_id(), policy_version,
+                                          reward0, reward1, incarnation),
+          &out);
   out.set_worker_id("w1");
   return out;
 }
