@@ -9,6 +9,7 @@
 // No gRPC: the store is the learner's InMemoryEpochStore.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -52,9 +53,10 @@ class WeightPublisher {
   // Tears the group down (peers see their next collective fail).
   void Close();
 
-  // Versions committed to a group, and failed joins/broadcasts (each ended an epoch).
-  int64_t syncs() const { return syncs_; }
-  int64_t failures() const { return failures_; }
+  // Versions committed to a group, and failed joins/broadcasts (each ended an epoch). Safe to
+  // read from any thread; a peer can hold a version before Sync has counted it.
+  int64_t syncs() const { return syncs_.load(); }
+  int64_t failures() const { return failures_.load(); }
   // The epoch of the live group, 0 when none.
   int64_t group_epoch() const;
   // Seconds the last committed broadcast took (announce to Commit).
@@ -73,8 +75,8 @@ class WeightPublisher {
   int64_t formed_epoch_ = 0;                      // the epoch of the last group formed
   int64_t seq_ = 0;                              // versions announced in sync_'s epoch
   int64_t last_sent_ = -1;
-  int64_t syncs_ = 0;
-  int64_t failures_ = 0;
+  std::atomic<int64_t> syncs_{0};
+  std::atomic<int64_t> failures_{0};
   double last_sync_seconds_ = 0;
 };
 

@@ -170,6 +170,9 @@ TEST(WeightPublisher, TwoReceiversGetEachVersionBitEqualAndInstallIt) {
   EXPECT_TRUE(testing::BitEqual(model_a->NamedParameters(), current->tensors));
   EXPECT_EQ(a.receiver->installs_from_group(), 1);
   ASSERT_TRUE(WaitFor([&] { return b.receiver->latest().first == 2; }, 10s));
+  // A receiver holds version 2 once Commit is through on its side, which can be before the
+  // publisher's Sync returns and counts it.
+  ASSERT_TRUE(WaitFor([&] { return publisher.syncs() >= 2; }, 10s));
   EXPECT_EQ(publisher.syncs(), 2);
   EXPECT_EQ(publisher.failures(), 0);
   EXPECT_EQ(publisher.group_epoch(), epoch);
