@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/process.h"
 #include "tests/test_util.h"
 
 namespace grpo::testing {
@@ -42,80 +43,39 @@ inline std::string Tail(const std::filesystem::path& p, size_t n = 4000) {
   return s.size() > n ? s.substr(s.size() - n) : s;
 }
 
-// Children by name, each started in a process group of its own with stdout and stderr in
-// <dir>/<name>.out and <dir>/<name>.err. The destructor SIGKILLs every group still running and
-// reaps it, so no test leaves a process behind. Not thread-safe.
+// Children by name over common::ProcessSupervisor (the demo's supervisor too), each in a process
+// group of its own with stdout and stderr in <dir>/<name>.out and <dir>/<name>.err. The
+// destructor SIGKILLs every group still running and reaps it, so no test leaves a process
+// behind. Not thread-safe.
 class Children {
  public:
   explicit Children(std::filesystem::path dir) : dir_(std::move(dir)) {}
-  ~Children() { KillAll(); }
   Children(const Children&) = delete;
   Children& operator=(const Children&) = delete;
 
-  // Starts argv[0] (a path) with `args`; returns the pid, or -1 when fork fails. A name reused
-  // after its process ended overwrites its logs (pass a new name to keep them).
+  // Starts argv[0] (a path) with `args`; returns the pid, or -1 when it could not start. A name
+  // reused after its process ended overwrites its logs (pass a new name to keep them).
   pid_t Spawn(const std::string& name, std::vector<std::string> args) {
-    const std::string out = Out(name).string(), err = Err(name).string();
-    const pid_t pid = fork();
-    if (pid == 0) {
-      setpgid(0, 0);
-      const int o = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      const int e = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      dup2(o, 1);
-      dup2(e, 2);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    if (pid > 0) {
-      setpgid(pid, pid);  // also from the parent: no race with an early Signal
-      pids_[name] = pid;
-    }
-    return pid;
+    common::ProcessSpec spec;
+    spec.argv = std::move(args);
+    spec.stdout_path = Out(name).string();
+    spec.stderr_path = Err(name).string();
+    auto p = supervisor_.Spawn(name, std::move(spec));
+    return p.ok() ? (*p)->pid : -1;
   }
 
   // Sends `sig` to the child's process group; false when it is not running.
-  bool Signal(const std::string& name, int sig) {
-    auto it = pids_.find(name);
-    return it != pids_.end() && ::kill(-it->second, sig) == 0;
-  }
+  bool Signal(const std::string& name, int sig) { return supervisor_.Signal(name, sig); }
 
   // Waits for the child to exit; its exit code, 128 + signal when killed, or nullopt when it is
-  // still running after `timeout` (or unknown).
+  // still running after `timeout` (or was never started).
   std::optional<int> Wait(const std::string& name, std::chrono::milliseconds timeout) {
-    auto it = pids_.find(name);
-    if (it == pids_.end()) return std::nullopt;
-    std::optional<int> code;
-    WaitUntil(
-        [&] {
-          int status = 0;
-          if (waitpid(it->second, &status, WNOHANG) != it->second) return false;
-          code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-          return true;
-        },
-        timeout, std::chrono::milliseconds(20));
-    if (code) {
-      ::kill(-it->second, SIGKILL);  // anything the child left in its group
-      pids_.erase(it);
-    }
-    return code;
+    return supervisor_.Wait(name, timeout);
   }
 
   // SIGKILL and reap; returns once the child is gone.
-  void Kill(const std::string& name) {
-    auto it = pids_.find(name);
-    if (it == pids_.end()) return;
-    ::kill(-it->second, SIGKILL);
-    ::kill(it->second, SIGKILL);
-    waitpid(it->second, nullptr, 0);
-    pids_.erase(it);
-  }
-
-  void KillAll() {
-    while (!pids_.empty()) Kill(pids_.rbegin()->first);
-  }
+  void Kill(const std::string& name) { supervisor_.Kill(name); }
+  void KillAll() { supervisor_.StopAll(std::chrono::milliseconds(0)); }
 
   // The first stdout line of `name` parsed as JSON (servers print {"port": N, ...} there), waiting
   // up to `timeout`; null when it did not come or the child died.
@@ -139,7 +99,7 @@ class Children {
 
  private:
   std::filesystem::path dir_;
-  std::map<std::string, pid_t> pids_;
+  common::ProcessSupervisor supervisor_;
 };
 
 // One tensor of a safetensors file, widened: integers to int64, floats to double.
