@@ -181,6 +181,44 @@ void ToProto(const common::PushReply& r, v1::PushRolloutsResponse* out) {
   for (const auto& m : r.messages) out->add_messages(m);
 }
 
+v1::JobState ToProto(learner::JobState state) {
+  switch (state) {
+    case learner::JobState::kWaitingForData:
+      return v1::JOB_STATE_WAITING_FOR_DATA;
+    case learner::JobState::kRunning:
+      return v1::JOB_STATE_RUNNING;
+    case learner::JobState::kDone:
+      return v1::JOB_STATE_DONE;
+    case learner::JobState::kCancelled:
+      return v1::JOB_STATE_CANCELLED;
+    case learner::JobState::kFailed:
+      return v1::JOB_STATE_FAILED;
+  }
+  return v1::JOB_STATE_UNSPECIFIED;
+}
+
+std::optional<learner::JobState> FromProto(v1::JobState state) {
+  switch (state) {
+    case v1::JOB_STATE_WAITING_FOR_DATA:
+      return learner::JobState::kWaitingForData;
+    case v1::JOB_STATE_RUNNING:
+      return learner::JobState::kRunning;
+    case v1::JOB_STATE_DONE:
+      return learner::JobState::kDone;
+    case v1::JOB_STATE_CANCELLED:
+      return learner::JobState::kCancelled;
+    case v1::JOB_STATE_FAILED:
+      return learner::JobState::kFailed;
+    default:
+      return std::nullopt;
+  }
+}
+
+std::string_view JobStateName(v1::JobState state) {
+  const std::optional<learner::JobState> s = FromProto(state);
+  return s ? learner::JobStateName(*s) : "unspecified";
+}
+
 void ToProto(const learner::JobSnapshot& job, v1::Job* out) {
   v1::LedgerCounts* c = out->mutable_prompts();
   c->set_queued(job.queued);
@@ -188,7 +226,7 @@ void ToProto(const learner::JobSnapshot& job, v1::Job* out) {
   c->set_trained(job.trained);
   c->set_rejected(job.rejected);
   c->set_pass(job.pass);
-  out->set_state(std::string(learner::JobStateName(job.state)));
+  out->set_state(ToProto(job.state));
   out->set_global_step(job.global_step);
   out->set_max_steps(job.max_steps);
   out->set_policy_version(job.policy_version);

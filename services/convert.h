@@ -4,6 +4,9 @@
 
 #include <grpcpp/support/status.h>
 
+#include <optional>
+#include <string_view>
+
 #include "common/learner_protocol.h"
 #include "common/rollout_types.h"
 #include "common/status.h"
@@ -35,7 +38,12 @@ void ToProto(const common::LeaseReply& reply, v1::LeasePromptsResponse* out);
 common::PushReply FromProto(const v1::PushRolloutsResponse& response);
 void ToProto(const common::PushReply& reply, v1::PushRolloutsResponse* out);
 
-// The job (learner/job.h): Job.state is the state's name (JobStateName).
+// The job (learner/job.h). A state the learner did not set (JOB_STATE_UNSPECIFIED, or one this
+// build does not know) is nullopt.
+v1::JobState ToProto(learner::JobState state);
+std::optional<learner::JobState> FromProto(v1::JobState state);
+// learner::JobStateName of a wire state; "unspecified" for nullopt.
+std::string_view JobStateName(v1::JobState state);
 void ToProto(const learner::JobSnapshot& job, v1::Job* out);
 void ToProto(const learner::JobEvent& event, v1::JobEvent* out);
 

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <iomanip>
+#include <optional>
 #include <sstream>
 
 #include "common/sha256.h"
@@ -111,7 +112,7 @@ void WatchCanceller::Attach(grpc::ClientContext *context) {
     context_->TryCancel();
 }
 
-StatusOr<std::string>
+StatusOr<learner::JobState>
 FollowJob(const LearnerClient &client, double watch_timeout_seconds,
           const std::function<void(const v1::JobEvent &)> &on_event,
           WatchCanceller *canceller) {
@@ -121,9 +122,9 @@ FollowJob(const LearnerClient &client, double watch_timeout_seconds,
       canceller->Attach(ctx.get());
     auto reader = client.stub->WatchJob(ctx.get(), v1::WatchJobRequest());
     v1::JobEvent e;
-    std::string state;
+    std::optional<learner::JobState> state;
     while (reader->Read(&e)) {
-      state = e.job().state();
+      state = FromProto(e.job().state());
       on_event(e);
     }
     grpc::Status s = reader->Finish();
@@ -135,7 +136,9 @@ FollowJob(const LearnerClient &client, double watch_timeout_seconds,
       continue; // dropped: rewatch
     if (!s.ok())
       return FromGrpcStatus(s);
-    return state;
+    if (!state)
+      return Status::Internal("the job stream ended without a known job state");
+    return *state;
   }
 }
 
@@ -170,7 +173,7 @@ std::string StepTableRow(const v1::JobEvent &e) {
 }
 
 std::string JobStateLine(const v1::JobEvent &e) {
-  return "job " + e.job().state() + " at step " +
+  return "job " + std::string(JobStateName(e.job().state())) + " at step " +
          std::to_string(e.job().global_step()) + "/" +
          std::to_string(e.job().max_steps()) +
          (e.job().message().empty() ? "" : ": " + e.job().message());

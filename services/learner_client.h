@@ -16,6 +16,7 @@
 
 #include "common/status.h"
 #include "grpo/v1/learner.grpc.pb.h"
+#include "learner/job.h"
 
 namespace grpo::services {
 
@@ -75,10 +76,10 @@ private:
 
 // Streams WatchJob until the job ends, calling `on_event` for every event (a
 // step event has metrics; a state change has none). Re-watches when the learner
-// dropped a slow watcher. Returns the job's final state ("done", "cancelled",
-// "failed"); the stream's error otherwise, Cancelled after `canceller` (may be
-// null) cancelled it.
-StatusOr<std::string>
+// dropped a slow watcher. Returns the job's final state (done, cancelled or
+// failed); the stream's error otherwise, Cancelled after `canceller` (may be
+// null) cancelled it, Internal when the stream ended without a known state.
+StatusOr<learner::JobState>
 FollowJob(const LearnerClient &client, double watch_timeout_seconds,
           const std::function<void(const v1::JobEvent &)> &on_event,
           WatchCanceller *canceller = nullptr);

@@ -147,7 +147,7 @@ StatusOr<E2eResult> RunE2eOnce(int64_t max_staleness, int64_t num_iterations, in
     return std::make_pair(s, c);
   };
   LearnerClient client{v1::LearnerService::NewStub(OwnChannel(address, 998)), ""};
-  StatusOr<std::string> final_state = Status::Internal("not watched");
+  StatusOr<JobState> final_state = Status::Internal("not watched");
   std::thread watcher([&] {
     final_state = FollowJob(client, 3600, [&](const v1::JobEvent& e) {
       if (e.metrics().empty()) return;

@@ -88,7 +88,7 @@ void PrintJob(const v1::Job& job, bool json) {
     return;
   }
   const auto& p = job.prompts();
-  std::cout << "state    " << job.state()
+  std::cout << "state    " << JobStateName(job.state())
             << (job.message().empty() ? "" : " (" + job.message() + ")") << "\n"
             << "step     " << job.global_step() << " / " << job.max_steps() << "\n"
             << "policy   version " << job.policy_version() << ", " << job.workers() << " workers\n"
@@ -166,7 +166,7 @@ int Watch(const Client& c, const ClientOptions& o) {
   });
   clear_bar();
   if (!state.ok()) return Fail("watch", state.status());
-  return *state == "failed" ? 1 : 0;
+  return *state == learner::JobState::kFailed ? 1 : 0;
 }
 
 int RunSubmit(const ClientOptions& o) {

@@ -3,11 +3,8 @@
 // token), submits the built-in task (services/cli/demo_task.h), follows the job
 // over WatchJob and ends with the reward curve. Every child runs in one process
 // group and is killed and reaped on exit, error or Ctrl-C.
-#include <fcntl.h>
 #include <poll.h>
-#include <sys/prctl.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -28,6 +25,7 @@
 #include <vector>
 
 #include "common/config.h"
+#include "common/process.h"
 #include "common/status.h"
 #include "services/cli/cli.h"
 #include "services/cli/demo_task.h"
@@ -64,15 +62,8 @@ struct DemoOptions {
   int64_t target_length = kDemoTargetLength;
 };
 
-// One child process. exit_code: the exit status, or 128 + signal; -1 while
-// running.
-struct Child {
-  std::string name;
-  std::string log; // its stderr (and stdout, unless piped)
-  pid_t pid = -1;
-  int exit_code = -1;
-  bool reaped = false;
-};
+// One child process (common/process.h); its log is spec.stderr_path.
+using Child = common::Process;
 
 std::string LogTail(const std::string &path) {
   std::ifstream in(path);
@@ -94,147 +85,30 @@ std::string Describe(const Child &c) {
       << (c.exit_code > 128
               ? "was killed by signal " + std::to_string(c.exit_code - 128)
               : "exited with code " + std::to_string(c.exit_code))
-      << "; its log is " << c.log;
-  const std::string tail = LogTail(c.log);
+      << "; its log is " << c.spec.stderr_path;
+  const std::string tail = LogTail(c.spec.stderr_path);
   if (!tail.empty())
     out << ", ending:\n" << tail;
   return out.str();
 }
 
-// The demo's children, all in one process group. Not thread-safe: one thread at
-// a time (the monitor thread while it runs, the main thread otherwise). The
-// destructor stops and reaps all.
-class ChildGroup {
-public:
-  ChildGroup() = default;
-  ChildGroup(const ChildGroup &) = delete;
-  ChildGroup &operator=(const ChildGroup &) = delete;
-  ~ChildGroup() { StopAll(); }
-
-  // Runs `/proc/self/exe args...` with stderr (and stdout unless `stdout_pipe`)
-  // appended to `log`; with `stdout_pipe`, *stdout_pipe gets the read end of
-  // its stdout. The child dies with the demo (PR_SET_PDEATHSIG) and joins the
-  // group.
-  StatusOr<Child *> Spawn(const std::string &name,
-                          const std::vector<std::string> &args,
-                          const std::string &log, int *stdout_pipe = nullptr) {
-    std::vector<std::string> argv_s = {"/proc/self/exe"};
-    argv_s.insert(argv_s.end(), args.begin(), args.end());
-    std::vector<char *> argv;
-    for (auto &a : argv_s)
-      argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const int log_fd =
-        ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (log_fd < 0)
-      return Status::Internal("cannot create " + log + ": " +
-                              std::strerror(errno));
-    int pipe_fds[2] = {-1, -1};
-    if (stdout_pipe != nullptr && ::pipe2(pipe_fds, O_CLOEXEC) != 0) {
-      ::close(log_fd);
-      return Status::Internal(std::string("pipe: ") + std::strerror(errno));
-    }
-    const pid_t parent = ::getpid();
-    const pid_t pgid = pgid_;
-    const pid_t pid = ::fork();
-    if (pid == 0) { // child: async-signal-safe calls only
-      ::setpgid(0, pgid);
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent)
-        ::_exit(127);
-      const int null_fd = ::open("/dev/null", O_RDONLY);
-      if (null_fd >= 0)
-        ::dup2(null_fd, 0);
-      ::dup2(stdout_pipe != nullptr ? pipe_fds[1] : log_fd, 1);
-      ::dup2(log_fd, 2);
-      ::execv(argv[0], argv.data());
-      const char msg[] = "grpo demo: exec /proc/self/exe failed\n";
-      (void)!::write(2, msg, sizeof(msg) - 1);
-      ::_exit(127);
-    }
-    ::close(log_fd);
-    if (stdout_pipe != nullptr)
-      ::close(pipe_fds[1]);
-    if (pid < 0) {
-      if (stdout_pipe != nullptr)
-        ::close(pipe_fds[0]);
-      return Status::Internal(std::string("fork: ") + std::strerror(errno));
-    }
-    ::setpgid(pid, pgid); // also here: no race with kill(-pgid) below
-    if (pgid_ == 0)
-      pgid_ = pid;
-    if (stdout_pipe != nullptr)
-      *stdout_pipe = pipe_fds[0];
-    auto child = std::make_unique<Child>();
-    child->name = name;
-    child->log = log;
-    child->pid = pid;
-    children_.push_back(std::move(child));
-    return children_.back().get();
-  }
-
-  // Reaps children that exited, without blocking; returns them.
-  std::vector<Child *> Reap() {
-    std::vector<Child *> exited;
-    for (auto &c : children_) {
-      if (c->reaped)
-        continue;
-      int status = 0;
-      if (::waitpid(c->pid, &status, WNOHANG) != c->pid)
-        continue;
-      c->reaped = true;
-      c->exit_code =
-          WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      exited.push_back(c.get());
-    }
-    return exited;
-  }
-
-  bool AllReaped() const {
-    for (const auto &c : children_) {
-      if (!c->reaped)
-        return false;
-    }
-    return true;
-  }
-
-  // Waits up to `timeout` for every child to exit; true when all did.
-  bool WaitAll(std::chrono::milliseconds timeout) {
-    const auto until = Clock::now() + timeout;
-    while (Reap(), !AllReaped() && Clock::now() < until)
-      std::this_thread::sleep_for(kChildPoll);
-    return AllReaped();
-  }
-
-  // SIGTERM to the group, kDefaultChildKillGrace, then SIGKILL; reaps every
-  // child.
-  void StopAll() {
-    Reap();
-    if (AllReaped() || pgid_ == 0)
-      return;
-    ::kill(-pgid_, SIGTERM);
-    if (WaitAll(kDefaultChildKillGrace))
-      return;
-    ::kill(-pgid_, SIGKILL);
-    for (auto &c : children_) {
-      if (c->reaped)
-        continue;
-      int status = 0;
-      ::waitpid(c->pid, &status, 0);
-      c->reaped = true;
-      c->exit_code =
-          WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    }
-  }
-
-  const std::vector<std::unique_ptr<Child>> &children() const {
-    return children_;
-  }
-
-private:
-  pid_t pgid_ = 0; // the first child's pid
-  std::vector<std::unique_ptr<Child>> children_;
-};
+// Runs `/proc/self/exe args...` in the demo's one process group, dying with the demo
+// (PR_SET_PDEATHSIG), stderr (and stdout unless `pipe_stdout`) in `log`; with `pipe_stdout`,
+// the child's stdout_fd reads its stdout.
+StatusOr<Child *> SpawnGrpo(common::ProcessSupervisor &group,
+                            const std::string &name,
+                            const std::vector<std::string> &args,
+                            const std::string &log, bool pipe_stdout = false) {
+  common::ProcessSpec spec;
+  spec.argv = {"/proc/self/exe"};
+  spec.argv.insert(spec.argv.end(), args.begin(), args.end());
+  spec.stdout_path = log;
+  spec.stderr_path = log;
+  spec.pipe_stdout = pipe_stdout;
+  spec.own_group = false;
+  spec.die_with_parent = true;
+  return group.Spawn(name, std::move(spec));
+}
 
 // A random hex token in `path` (mode 0600).
 Status WriteAuthToken(const std::string &path) {
@@ -258,7 +132,8 @@ Status WriteAuthToken(const std::string &path) {
 
 // Reads the learner's {"port": N} line from `fd`; fails when the learner exits
 // first, on a signal, or after kDefaultLearnerStartTimeout.
-StatusOr<int> ReadLearnerPort(int fd, ChildGroup &group, const Child &learner) {
+StatusOr<int> ReadLearnerPort(int fd, common::ProcessSupervisor &group,
+                              const Child &learner) {
   const auto until = Clock::now() + kDefaultLearnerStartTimeout;
   std::string buf;
   while (Clock::now() < until) {
@@ -291,7 +166,7 @@ StatusOr<int> ReadLearnerPort(int fd, ChildGroup &group, const Child &learner) {
   return Status::DeadlineExceeded(
       "the learner printed no port within " +
       std::to_string(kDefaultLearnerStartTimeout.count()) + " s; its log is " +
-      learner.log);
+      learner.spec.stderr_path);
 }
 
 int RunDemo(const DemoOptions &o) {
@@ -360,13 +235,14 @@ int RunDemo(const DemoOptions &o) {
     return 128 + g_signal;
   };
 
-  ChildGroup group;
-  int learner_out = -1;
-  auto learner = group.Spawn(
-      "learner", {"--log_level", "info", "learner", "--config", config_path},
-      (dir / "learner.log").string(), &learner_out);
+  // Stopped on every way out: SIGTERM, kDefaultChildKillGrace, then SIGKILL.
+  common::ProcessSupervisor group(kDefaultChildKillGrace);
+  auto learner = SpawnGrpo(
+      group, "learner", {"--log_level", "info", "learner", "--config", config_path},
+      (dir / "learner.log").string(), /*pipe_stdout=*/true);
   if (!learner.ok())
     return fail(learner.status());
+  const int learner_out = (*learner)->stdout_fd;
   auto port = ReadLearnerPort(learner_out, group, **learner);
   if (!port.ok()) {
     if (g_signal != 0)
@@ -376,7 +252,7 @@ int RunDemo(const DemoOptions &o) {
   const std::string address = "127.0.0.1:" + std::to_string(*port);
   for (int64_t i = 0; i < o.workers; ++i) {
     const std::string name = "rollout-" + std::to_string(i);
-    auto worker = group.Spawn(name,
+    auto worker = SpawnGrpo(group, name,
                               {"--log_level", "info", "rollout",
                                "--learner_address", address, "--worker_id",
                                name, "--metrics_port", "0", "--reward_options",
@@ -408,7 +284,7 @@ int RunDemo(const DemoOptions &o) {
                                kDefaultCallTimeoutSeconds);
   if (!submitted.ok()) {
     group.Reap();
-    for (const auto &c : group.children()) {
+    for (const auto &c : group.processes()) {
       if (c->reaped)
         return fail(Status::Unavailable(Describe(*c)));
     }
@@ -432,7 +308,7 @@ int RunDemo(const DemoOptions &o) {
           died = c;
       }
       bool workers_left = false;
-      for (const auto &c : group.children()) {
+      for (const auto &c : group.processes()) {
         if (c->name != "learner" && !c->reaped)
           workers_left = true;
       }
@@ -485,14 +361,14 @@ int RunDemo(const DemoOptions &o) {
   // The job ended: the children exit on their own (workers see shutdown, the
   // learner checkpoints); the ones that do not are stopped.
   const bool exited = group.WaitAll(kDefaultChildExitWait);
-  group.StopAll();
+  group.StopAll(kDefaultChildKillGrace);
   bool children_ok = exited;
   json processes = json::array();
-  for (const auto &c : group.children()) {
+  for (const auto &c : group.processes()) {
     processes.push_back({{"name", c->name},
                          {"pid", c->pid},
                          {"exit_code", c->exit_code},
-                         {"log", c->log}});
+                         {"log", c->spec.stderr_path}});
     if (c->exit_code != 0) {
       children_ok = false;
       std::cerr << "grpo demo: " << Describe(*c) << "\n";
@@ -503,7 +379,7 @@ int RunDemo(const DemoOptions &o) {
   const CurveSummary c = SummarizeCurve(curve);
   if (o.json) {
     std::cout << json{{"summary", true},
-                      {"job_state", *state},
+                      {"job_state", std::string(JobStateName(*state))},
                       {"steps", c.steps},
                       {"seconds", seconds},
                       {"train_seconds", train_seconds},
@@ -517,7 +393,7 @@ int RunDemo(const DemoOptions &o) {
   } else {
     if (!curve.empty())
       std::cout << "\nmean reward per step\n" << TextPlot(curve) << "\n";
-    std::cout << "job " << *state << ": " << c.steps << " steps in "
+    std::cout << "job " << JobStateName(*state) << ": " << c.steps << " steps in "
               << std::fixed << std::setprecision(0) << train_seconds << " s ("
               << seconds << " s in all)\n";
     if (c.steps > 0) {
@@ -535,7 +411,7 @@ int RunDemo(const DemoOptions &o) {
   }
   std::cout << std::flush;
   ::close(learner_out);
-  return *state == "done" && children_ok ? 0 : 1;
+  return *state == learner::JobState::kDone && children_ok ? 0 : 1;
 }
 
 } // namespace

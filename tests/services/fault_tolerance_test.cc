@@ -332,7 +332,7 @@ class LearnerWireTest : public ::testing::Test {
     EXPECT_TRUE(HealthServing(port_)) << Tail(children_->Err("learner"));
     auto job = GetJob(*stub_);
     ASSERT_TRUE(job.has_value()) << Tail(children_->Err("learner"));
-    EXPECT_EQ(job->state(), "running");
+    EXPECT_EQ(job->state(), v1::JOB_STATE_RUNNING);
     EXPECT_EQ(job->prompts().queued() + job->prompts().leased() + job->prompts().trained() +
                   job->prompts().rejected(),
               kPrompts);

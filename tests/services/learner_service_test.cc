@@ -34,6 +34,30 @@ using testing::LearnerServiceTest;
 using testing::TinyConfig;
 using testing::kCallTimeout;
 
+// Job.state on the wire is the JobState enum: each learner state has its own value, and a value
+// the learner did not set (or a newer build's) reads as no state, never as a wrong one.
+TEST(JobStateWire, EachStateHasItsEnumValueAndUnknownValuesReadAsNone) {
+  const std::pair<learner::JobState, v1::JobState> pairs[] = {
+      {learner::JobState::kWaitingForData, v1::JOB_STATE_WAITING_FOR_DATA},
+      {learner::JobState::kRunning, v1::JOB_STATE_RUNNING},
+      {learner::JobState::kDone, v1::JOB_STATE_DONE},
+      {learner::JobState::kCancelled, v1::JOB_STATE_CANCELLED},
+      {learner::JobState::kFailed, v1::JOB_STATE_FAILED},
+  };
+  for (const auto& [domain, wire] : pairs) {
+    EXPECT_EQ(ToProto(domain), wire);
+    EXPECT_EQ(FromProto(wire), domain);
+  }
+  EXPECT_EQ(FromProto(v1::JOB_STATE_UNSPECIFIED), std::nullopt);
+  EXPECT_EQ(FromProto(static_cast<v1::JobState>(42)), std::nullopt);
+  EXPECT_EQ(JobStateName(v1::JOB_STATE_WAITING_FOR_DATA), "waiting_for_data");
+  EXPECT_EQ(JobStateName(v1::JOB_STATE_UNSPECIFIED), "unspecified");
+  // A Job message from an older learner (field 1, a string) carries no state here.
+  v1::Job old;
+  old.ParseFromString(std::string("\x0a\x04done", 6));
+  EXPECT_EQ(old.state(), v1::JOB_STATE_UNSPECIFIED);
+}
+
 TEST_F(LearnerServiceTest, RefusesCallsWithoutTheTokenAndAcceptsThemWithIt) {
   const fs::path token_file = dir_ / "token";
   std::ofstream(token_file) << "s3cret\n";
@@ -50,7 +74,7 @@ TEST_F(LearnerServiceTest, RefusesCallsWithoutTheTokenAndAcceptsThemWithIt) {
   token_ = "s3cret";
   s = stub_->GetJob(Ctx().get(), v1::GetJobRequest(), &job);
   EXPECT_TRUE(s.ok()) << s.error_message();
-  EXPECT_EQ(job.state(), "waiting_for_data");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_WAITING_FOR_DATA);
 }
 
 // TLS with a certificate made here by openssl: a client that verifies against it gets through,
@@ -81,7 +105,7 @@ TEST_F(LearnerServiceTest, ServesTlsToClientsThatTrustItsCertificate) {
   ASSERT_TRUE(ca.ok()) << ca.status().ToString();
   auto [ok_status, job] = get_job(MakeChannel(address, *ca));
   EXPECT_TRUE(ok_status.ok()) << ok_status.error_message();
-  EXPECT_EQ(job.state(), "waiting_for_data");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_WAITING_FOR_DATA);
 
   EXPECT_FALSE(get_job(MakeChannel(address)).first.ok());  // plaintext
   auto other = ReadPemFile((dir_ / "other.pem").string(), "tls_ca_file");
@@ -347,7 +371,7 @@ TEST_F(LearnerServiceTest, AGenerationBatchTrainsAStepAndGetWeightsStreamsTheNew
   ASSERT_TRUE(stub_->GetJob(Ctx().get(), v1::GetJobRequest(), &job).ok());
   EXPECT_EQ(job.global_step(), 1);
   EXPECT_EQ(job.policy_version(), 1);
-  EXPECT_EQ(job.state(), "running");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
   EXPECT_EQ(job.prompts().trained(), 2);
   EXPECT_TRUE(job.last_metrics().count("loss"));
 }
@@ -482,7 +506,7 @@ TEST_F(LearnerServiceTest, ReachingMaxStepsEndsTheJobForWorkersAndWatchers) {
   auto reader = stub_->WatchJob(ctx.get(), v1::WatchJobRequest());
   v1::JobEvent e;
   ASSERT_TRUE(reader->Read(&e));
-  EXPECT_EQ(e.job().state(), "done");
+  EXPECT_EQ(e.job().state(), v1::JOB_STATE_DONE);
   EXPECT_FALSE(reader->Read(&e));
   EXPECT_TRUE(reader->Finish().ok());
 }
@@ -494,7 +518,7 @@ TEST_F(LearnerServiceTest, CancelJobStopsLeasing) {
   req.set_reason("operator said so");
   v1::Job job;
   ASSERT_TRUE(stub_->CancelJob(Ctx().get(), req, &job).ok());
-  EXPECT_EQ(job.state(), "cancelled");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_CANCELLED);
   EXPECT_EQ(job.message(), "operator said so");
   const auto resp = Lease(1);
   EXPECT_TRUE(resp.job_done());
