@@ -23,7 +23,7 @@ struct GrpoConfig {
   uint64_t seed = 42;
 
   // Device and precision (TRL/transformers names). `device`: auto | cpu | cuda | cuda:N; "auto"
-  // is "cuda" when a GPU is visible, else "cpu" (common/device.h resolves it; Validate checks the
+  // is "cuda" when a GPU is visible, else "cpu" (common/model/device.h resolves it; Validate checks the
   // spelling only). `bf16`: train in bf16 with fp32 master weights and fp32 optimizer state;
   // log-softmax, the loss and the advantages stay fp32; generation runs in bf16.
   std::string device = "auto";

@@ -53,7 +53,7 @@ struct HeartbeatReply {
 struct PromptLease {
   std::string lease_id;
   std::string prompt_id;
-  std::string row_json;  // the dataset row (common/dataset_row.h)
+  std::string row_json;  // the dataset row (common/tokenizer/dataset_row.h)
   int64_t deadline_unix_ms = 0;
 };
 

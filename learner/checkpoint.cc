@@ -10,7 +10,7 @@
 #include <sstream>
 
 #include "common/logging.h"
-#include "common/safetensors.h"
+#include "common/model/safetensors.h"
 #include "common/sha256.h"
 
 namespace grpo::learner {

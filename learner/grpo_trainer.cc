@@ -11,8 +11,8 @@
 #include <optional>
 #include <sstream>
 
-#include "common/device.h"
-#include "common/safetensors.h"
+#include "common/model/device.h"
+#include "common/model/safetensors.h"
 #include "learner/advantages.h"
 #include "learner/chunked_logprobs.h"
 

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/model.h"
+#include "common/model/model.h"
 #include "common/rollout_types.h"
 #include "common/status.h"
 #include "learner/grpo_loss.h"

@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "common/device.h"
+#include "common/model/device.h"
 #include "common/logging.h"
 #include "learner/admission.h"
 #include "learner/checkpoint.h"

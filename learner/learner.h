@@ -56,10 +56,10 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/grpo_metrics.h"
+#include "common/metrics/grpo_metrics.h"
 #include "common/learner_protocol.h"
-#include "common/metrics.h"
-#include "common/model.h"
+#include "common/metrics/metrics.h"
+#include "common/model/model.h"
 #include "common/rollout_types.h"
 #include "common/status.h"
 #include "common/weight_sync/backends.h"

@@ -10,7 +10,7 @@
 #include <string>
 #include <string_view>
 
-#include "common/safetensors.h"
+#include "common/model/safetensors.h"
 #include "common/status.h"
 
 namespace grpo::learner {

@@ -10,7 +10,7 @@
 #include <string_view>
 #include <utility>
 
-#include "common/dataset_row.h"
+#include "common/tokenizer/dataset_row.h"
 #include "common/sha256.h"
 #include "learner/prompt_ledger_sql.h"
 
@@ -99,7 +99,7 @@ std::string_view Trim(std::string_view s) {
   return s.substr(b, s.find_last_not_of(kSpace) - b + 1);
 }
 
-// Empty when `line` is a valid prompt row (common/dataset_row.h), else why not.
+// Empty when `line` is a valid prompt row (common/tokenizer/dataset_row.h), else why not.
 std::string ValidateRow(std::string_view line) {
   nlohmann::json j;
   try {

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "common/safetensors.h"
+#include "common/model/safetensors.h"
 #include "common/status.h"
 #include "common/weight_sync/backends.h"
 #include "common/weight_sync/epoch_store.h"

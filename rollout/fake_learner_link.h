@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "common/model.h"
+#include "common/model/model.h"
 #include "common/rollout_types.h"
 #include "rollout/learner_link.h"
 #include "rollout/weight_receiver.h"

@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/model.h"
+#include "common/model/model.h"
 #include "common/rollout_types.h"
 #include "common/status.h"
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 #include "rollout/sampler.h"
 
 namespace grpo::rollout {

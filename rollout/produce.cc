@@ -3,7 +3,7 @@
 #include <chrono>
 #include <utility>
 
-#include "common/dataset_row.h"
+#include "common/tokenizer/dataset_row.h"
 
 namespace grpo::rollout {
 

@@ -12,7 +12,7 @@
 
 #include "common/rollout_types.h"
 #include "common/status.h"
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 #include "rollout/generator.h"
 #include "rollout/reward.h"
 
@@ -25,7 +25,7 @@ struct Prompt {
   nlohmann::json row;        // the whole row: RewardInput::row of its completions
 };
 
-// Row -> text -> ids. InvalidArgument from the row schema (common/dataset_row.h), else the
+// Row -> text -> ids. InvalidArgument from the row schema (common/tokenizer/dataset_row.h), else the
 // tokenizer's error.
 StatusOr<Prompt> PreparePrompt(nlohmann::json row, const common::Tokenizer& tokenizer);
 // The same from a row's JSON text (a dataset line, a lease's row_json); InvalidArgument when it

@@ -6,8 +6,8 @@
 #include <exception>
 #include <filesystem>
 
-#include "common/byte_tokenizer.h"
-#include "common/device.h"
+#include "common/tokenizer/byte_tokenizer.h"
+#include "common/model/device.h"
 #include "common/logging.h"
 #include "common/weight_sync/backends.h"
 

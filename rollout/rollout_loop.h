@@ -21,12 +21,12 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/grpo_metrics.h"
-#include "common/metrics.h"
-#include "common/model.h"
-#include "common/model_config.h"
+#include "common/metrics/grpo_metrics.h"
+#include "common/metrics/metrics.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
 #include "common/status.h"
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 #include "rollout/generator.h"
 #include "rollout/learner_link.h"
 #include "rollout/produce.h"

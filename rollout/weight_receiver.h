@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common/model.h"
+#include "common/model/model.h"
 #include "common/status.h"
 
 namespace grpo::rollout {

@@ -12,7 +12,7 @@
 #include <memory>
 #include <string>
 
-#include "common/safetensors.h"
+#include "common/model/safetensors.h"
 #include "common/status.h"
 #include "grpo/v1/learner.grpc.pb.h"
 #include "rollout/group_weight_receiver.h"

@@ -7,7 +7,7 @@
 #include <deque>
 
 #include "common/logging.h"
-#include "common/safetensors.h"
+#include "common/model/safetensors.h"
 #include "services/auth.h"
 #include "services/convert.h"
 #include "services/grpc_store.h"

@@ -17,9 +17,9 @@
 #include <string_view>
 
 #include "common/config.h"
-#include "common/grpo_metrics.h"
-#include "common/metrics.h"
-#include "common/model.h"
+#include "common/metrics/grpo_metrics.h"
+#include "common/metrics/metrics.h"
+#include "common/model/model.h"
 #include "common/status.h"
 #include "common/weight_sync/epoch_store.h"
 #include "grpo/v1/learner.grpc.pb.h"

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "common/device.h"
+#include "common/model/device.h"
 #include "common/logging.h"
 #include "services/auth.h"
 #include "services/convert.h"

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/metrics.h"
-#include "common/model.h"
+#include "common/metrics/metrics.h"
+#include "common/model/model.h"
 #include "common/status.h"
 #include "rollout/reward.h"
 #include "rollout/rollout_loop.h"

@@ -14,8 +14,8 @@
 #include <memory>
 #include <vector>
 
-#include "common/model.h"
-#include "common/model_config.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
 #include "learner/checkpoint.h"
 #include "learner/grpo_trainer.h"
 #include "rollout/generator.h"

@@ -40,7 +40,7 @@ bool WeightSyncBackendBuilt(std::string_view backend);
 // which option builds it), InvalidArgument for a name that is not a group backend.
 WeightSyncFactory BuiltinWeightSyncFactory(WeightSyncBackendOptions options);
 
-// Where this process computes, for AssignBackend: `device` as common/device.h resolves it
+// Where this process computes, for AssignBackend: `device` as common/model/device.h resolves it
 // ("cpu", "cuda:N"). A CUDA device's UUID needs the CUDA runtime (built with the NCCL
 // backend); without it the UUID is empty and AssignBackend never sees two ends on one GPU.
 SyncEndpoint LocalSyncEndpoint(const std::string& device);

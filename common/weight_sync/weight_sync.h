@@ -12,7 +12,7 @@
 #include <chrono>
 #include <cstdint>
 
-#include "common/safetensors.h"
+#include "common/model/safetensors.h"
 #include "common/status.h"
 
 namespace grpo::common {

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "common/safetensors.h"
+#include "common/model/safetensors.h"
 #include "common/status.h"
 #include "common/weight_sync/weight_sync.h"
 

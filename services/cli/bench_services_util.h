@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/model.h"
-#include "common/safetensors.h"
+#include "common/model/model.h"
+#include "common/model/safetensors.h"
 #include "common/status.h"
 #include "grpo/v1/learner.grpc.pb.h"
 #include "services/cli/bench_util.h"

@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "common/model.h"
+#include "common/model/model.h"
 
 namespace grpo::services::bench {
 

@@ -18,9 +18,9 @@
 #include <sstream>
 #include <unistd.h>
 
-#include "common/device.h"
-#include "common/model.h"
-#include "common/model_config.h"
+#include "common/model/device.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
 #include "learner/chunked_logprobs.h"
 #include "learner/grpo_trainer.h"
 #include "rollout/generator.h"

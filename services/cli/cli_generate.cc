@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/model.h"
-#include "common/tokenizer.h"
+#include "common/model/model.h"
+#include "common/tokenizer/tokenizer.h"
 #include "rollout/generator.h"
 #include "rollout/produce.h"
 #include "services/cli/cli.h"

@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "common/byte_tokenizer.h"
-#include "common/model.h"
-#include "common/model_config.h"
-#include "common/tokenizer.h"
+#include "common/tokenizer/byte_tokenizer.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
+#include "common/tokenizer/tokenizer.h"
 #include "learner/chunked_logprobs.h"
 #include "services/cli/cli.h"
 

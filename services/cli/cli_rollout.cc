@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/http_exposer.h"
+#include "common/metrics/http_exposer.h"
 #include "common/logging.h"
-#include "common/metrics.h"
+#include "common/metrics/metrics.h"
 #include "rollout/reward.h"
 #include "services/auth.h"
 #include "services/cli/cli.h"

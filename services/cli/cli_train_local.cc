@@ -14,14 +14,14 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "common/byte_tokenizer.h"
-#include "common/chat_template.h"
+#include "common/tokenizer/byte_tokenizer.h"
+#include "common/tokenizer/chat_template.h"
 #include "common/config.h"
-#include "common/device.h"
+#include "common/model/device.h"
 #include "common/logging.h"
-#include "common/model.h"
-#include "common/model_config.h"
-#include "common/tokenizer.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
+#include "common/tokenizer/tokenizer.h"
 #include "learner/checkpoint.h"
 #include "learner/grpo_trainer.h"
 #include "rollout/generator.h"

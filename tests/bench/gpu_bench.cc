@@ -21,9 +21,9 @@
 #include <iostream>
 #include <string>
 
-#include "common/device.h"
-#include "common/model.h"
-#include "common/model_config.h"
+#include "common/model/device.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
 #include "learner/grpo_trainer.h"
 #include "rollout/generator.h"
 

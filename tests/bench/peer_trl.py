@@ -43,7 +43,7 @@ PROMPT_LEN, COMPLETION_LEN = 64, 128  # the bench model's shapes (docs/BENCHMARK
 
 
 def chat_prompt(question):
-    # common/chat_template.cc: ChatML with the generation prompt.
+    # common/tokenizer/chat_template.cc: ChatML with the generation prompt.
     return "<|im_start|>user\n" + question + "<|im_end|>\n<|im_start|>assistant\n"
 
 

@@ -1,7 +1,7 @@
-// Device resolution and the model's device/dtype placement (common/device.h, Model::Copy/To).
+// Device resolution and the model's device/dtype placement (common/model/device.h, Model::Copy/To).
 // References: the fp32 CPU model (checked against transformers in model_test) and libtorch's
 // own fp32 -> bf16 rounding.
-#include "common/device.h"
+#include "common/model/device.h"
 
 #include <gtest/gtest.h>
 

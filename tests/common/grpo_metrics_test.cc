@@ -1,6 +1,6 @@
-// The project's metric families (common/grpo_metrics.h): the exact set of names and types,
+// The project's metric families (common/metrics/grpo_metrics.h): the exact set of names and types,
 // and Prometheus' own linter (`promtool check metrics`) finds no problem with any of them.
-#include "common/grpo_metrics.h"
+#include "common/metrics/grpo_metrics.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

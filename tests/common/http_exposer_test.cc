@@ -1,5 +1,5 @@
 // HttpExposer over a real loopback socket, spoken to by a raw-socket HTTP client.
-#include "common/http_exposer.h"
+#include "common/metrics/http_exposer.h"
 
 #include <arpa/inet.h>
 #include <dirent.h>

@@ -1,7 +1,7 @@
 // The Prometheus registry: exact text exposition format 0.0.4 (expected text written by hand
 // from https://prometheus.io/docs/instrumenting/exposition_formats/), label sets, escaping,
 // refusals and concurrent updates.
-#include "common/metrics.h"
+#include "common/metrics/metrics.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "common/model.h"
+#include "common/model/model.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -18,8 +18,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "common/model_config.h"
-#include "common/safetensors.h"
+#include "common/model/model_config.h"
+#include "common/model/safetensors.h"
 #include "tests/test_util.h"
 
 namespace grpo::common {

@@ -1,6 +1,6 @@
-// common/safetensors: files are hand-built byte by byte here, or written/read by the independent
+// common/model/safetensors: files are hand-built byte by byte here, or written/read by the independent
 // Python implementation in tests/reference/safetensors_ref.py (struct + json + numpy).
-#include "common/safetensors.h"
+#include "common/model/safetensors.h"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>

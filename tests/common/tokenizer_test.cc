@@ -1,7 +1,7 @@
 // common/tokenizer: ByteTokenizer and BpeTokenizer against hand-derived ids on tiny hand-written
 // tokenizer.json files, and the real Qwen3 tokenizer (tests/data/qwen3-tokenizer/) against Hugging
 // Face's own `tokenizers` library (tests/reference/qwen3_ids.py).
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -19,9 +19,9 @@
 #include <thread>
 #include <vector>
 
-#include "common/bpe_tokenizer.h"
-#include "common/byte_tokenizer.h"
-#include "common/chat_template.h"
+#include "common/tokenizer/bpe_tokenizer.h"
+#include "common/tokenizer/byte_tokenizer.h"
+#include "common/tokenizer/chat_template.h"
 #include "tests/test_util.h"
 
 namespace grpo::common {

@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/safetensors.h"
+#include "common/model/safetensors.h"
 
 namespace grpo::testing {
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/http_exposer.h"
+#include "common/metrics/http_exposer.h"
 #include "tests/deploy/deploy_test_util.h"
 
 namespace grpo::testing {

@@ -12,7 +12,7 @@
 #include <sstream>
 #include <string>
 
-#include "common/grpo_metrics.h"
+#include "common/metrics/grpo_metrics.h"
 #include "tests/test_util.h"
 
 namespace grpo::testing {

@@ -20,7 +20,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
 
-#include "common/device.h"
+#include "common/model/device.h"
 #include "common/weight_sync/weight_sync.h"
 #include "common/weight_sync/weight_sync_protocol.h"
 #include "tests/common/weight_sync_test_util.h"

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "../precision_test_util.h"
-#include "common/device.h"
+#include "common/model/device.h"
 
 namespace grpo::testing {
 namespace {

@@ -6,9 +6,9 @@
 #include <filesystem>
 #include <random>
 
-#include "common/model.h"
-#include "common/model_config.h"
-#include "common/safetensors.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
+#include "common/model/safetensors.h"
 
 namespace grpo::learner {
 namespace {

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/model_config.h"
+#include "common/model/model_config.h"
 #include "learner/admission.h"
 #include "learner/worker_registry.h"
 #include "tests/learner/tiny_config.h"

@@ -22,9 +22,9 @@
 #include <string>
 #include <vector>
 
-#include "common/model.h"
-#include "common/model_config.h"
-#include "common/safetensors.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
+#include "common/model/safetensors.h"
 #include "learner/grpo_trainer.h"
 #include "tests/test_util.h"
 

@@ -14,8 +14,8 @@
 #include <thread>
 #include <vector>
 
-#include "common/model.h"
-#include "common/model_config.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
 #include "common/weight_sync/fake_weight_sync.h"
 #include "common/weight_sync/group.h"
 #include "rollout/group_weight_receiver.h"

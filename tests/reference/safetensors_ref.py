@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Independent safetensors reader/writer for cross-checking common/safetensors.cc.
+"""Independent safetensors reader/writer for cross-checking common/model/safetensors.cc.
 
 Parses and writes the format with struct + json + numpy only (no `safetensors` package, no
 torch), following https://github.com/huggingface/safetensors: 8-byte little-endian header length

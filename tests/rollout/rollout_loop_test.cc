@@ -13,8 +13,8 @@
 #include <map>
 #include <thread>
 
-#include "common/metrics.h"
-#include "common/model_config.h"
+#include "common/metrics/metrics.h"
+#include "common/model/model_config.h"
 #include "rollout/fake_learner_link.h"
 
 namespace grpo::rollout {

@@ -22,8 +22,8 @@
 #include <thread>
 #include <vector>
 
-#include "common/model.h"
-#include "common/model_config.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
 #include "services/auth.h"
 #include "services/convert.h"
 #include "common/weight_sync/epoch_store.h"

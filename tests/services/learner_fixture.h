@@ -15,8 +15,8 @@
 #include <thread>
 #include <vector>
 
-#include "common/model.h"
-#include "common/model_config.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
 #include "services/auth.h"
 #include "services/learner_service.h"
 #include "tests/learner/tiny_config.h"

@@ -1,4 +1,4 @@
-// LearnerServer's Prometheus families (common/grpo_metrics.h): after a step they hold that
+// LearnerServer's Prometheus families (common/metrics/grpo_metrics.h): after a step they hold that
 // step's StepMetrics, refusals count by reason, the ledger gauges follow the ledger, and the
 // live /metrics passes `promtool check metrics`.
 #include <gtest/gtest.h>
@@ -12,9 +12,9 @@
 #include <functional>
 #include <thread>
 
-#include "common/http_exposer.h"
-#include "common/model.h"
-#include "common/model_config.h"
+#include "common/metrics/http_exposer.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
 #include "services/auth.h"
 #include "services/convert.h"
 #include "tests/services/learner_test_util.h"

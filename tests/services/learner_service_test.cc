@@ -16,9 +16,9 @@
 #include <limits>
 #include <thread>
 
-#include "common/device.h"
-#include "common/model.h"
-#include "common/model_config.h"
+#include "common/model/device.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
 #include "services/auth.h"
 #include "services/convert.h"
 #include "tests/services/learner_test_util.h"

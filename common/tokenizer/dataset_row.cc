@@ -1,8 +1,8 @@
-#include "common/dataset_row.h"
+#include "common/tokenizer/dataset_row.h"
 
 #include <vector>
 
-#include "common/chat_template.h"
+#include "common/tokenizer/chat_template.h"
 
 namespace grpo::common {
 

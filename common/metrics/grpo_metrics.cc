@@ -1,4 +1,4 @@
-#include "common/grpo_metrics.h"
+#include "common/metrics/grpo_metrics.h"
 
 #include <set>
 #include <utility>

@@ -12,7 +12,7 @@
 #include <string>
 
 #include "common/config.h"
-#include "common/metrics.h"
+#include "common/metrics/metrics.h"
 #include "common/status.h"
 
 namespace grpo::common {

@@ -10,7 +10,7 @@
 #include <string_view>
 #include <vector>
 
-#include "common/metrics.h"
+#include "common/metrics/metrics.h"
 #include "common/status.h"
 
 namespace grpo::common {

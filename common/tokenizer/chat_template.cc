@@ -1,4 +1,4 @@
-#include "common/chat_template.h"
+#include "common/tokenizer/chat_template.h"
 
 namespace grpo::common {
 

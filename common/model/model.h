@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "common/model_config.h"
-#include "common/safetensors.h"
+#include "common/model/model_config.h"
+#include "common/model/safetensors.h"
 #include "common/status.h"
 
 namespace grpo::common {

@@ -1,4 +1,4 @@
-#include "common/tokenizer_util.h"
+#include "common/tokenizer/tokenizer_util.h"
 
 #include <array>
 #include <cerrno>

@@ -1,4 +1,4 @@
-#include "common/metrics.h"
+#include "common/metrics/metrics.h"
 
 #include <algorithm>
 #include <charconv>

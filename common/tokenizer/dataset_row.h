@@ -16,7 +16,7 @@ namespace grpo::common {
 //   "prompt": a non-empty string, used as it is; or
 //   "messages": a non-empty array of {"role", "content"} objects (string values; role one of
 //     system, user, assistant, tool), formatted with the ChatML template and the generation
-//     prompt (common/chat_template.h).
+//     prompt (common/tokenizer/chat_template.h).
 // When both keys are present both must be valid, and "prompt" is used. Other keys (e.g.
 // "answer") are for reward functions and are not looked at. InvalidArgument saying what is
 // wrong otherwise (not an object, neither key, an empty prompt, no messages, a malformed

@@ -1,8 +1,8 @@
-#include "common/byte_tokenizer.h"
+#include "common/tokenizer/byte_tokenizer.h"
 
 #include <nlohmann/json.hpp>
 
-#include "common/tokenizer_util.h"
+#include "common/tokenizer/tokenizer_util.h"
 
 namespace grpo::common {
 

@@ -1,4 +1,4 @@
-#include "common/model.h"
+#include "common/model/model.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>

@@ -1,4 +1,4 @@
-#include "common/bpe_tokenizer.h"
+#include "common/tokenizer/bpe_tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
@@ -13,8 +13,8 @@
 #include <unordered_map>
 #include <utility>
 
-#include "common/added_tokens.h"
-#include "common/tokenizer_util.h"
+#include "common/tokenizer/added_tokens.h"
+#include "common/tokenizer/tokenizer_util.h"
 
 namespace grpo::common {
 namespace {

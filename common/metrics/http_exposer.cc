@@ -1,4 +1,4 @@
-#include "common/http_exposer.h"
+#include "common/metrics/http_exposer.h"
 
 #include <algorithm>
 #include <atomic>

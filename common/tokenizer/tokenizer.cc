@@ -1,10 +1,10 @@
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "common/bpe_tokenizer.h"
-#include "common/tokenizer_util.h"
+#include "common/tokenizer/bpe_tokenizer.h"
+#include "common/tokenizer/tokenizer_util.h"
 
 namespace grpo::common {
 namespace {

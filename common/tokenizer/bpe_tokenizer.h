@@ -13,7 +13,7 @@
 #include <string_view>
 #include <vector>
 
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 
 namespace grpo::common {
 

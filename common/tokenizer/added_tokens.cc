@@ -1,10 +1,10 @@
-#include "common/added_tokens.h"
+#include "common/tokenizer/added_tokens.h"
 
 #include <unicode/uchar.h>
 
 #include <algorithm>
 
-#include "common/tokenizer_util.h"
+#include "common/tokenizer/tokenizer_util.h"
 
 namespace grpo::common::internal {
 namespace {

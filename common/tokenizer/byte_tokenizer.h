@@ -9,8 +9,8 @@
 #include <string_view>
 #include <vector>
 
-#include "common/added_tokens.h"
-#include "common/tokenizer.h"
+#include "common/tokenizer/added_tokens.h"
+#include "common/tokenizer/tokenizer.h"
 
 namespace grpo::common {
 

@@ -1,4 +1,4 @@
-#include "common/device.h"
+#include "common/model/device.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
