@@ -112,8 +112,7 @@ struct Field {
 };
 
 template <typename M>
-Field MakeField(std::string name, M GrpoConfig::*member,
-                std::vector<std::string> allowed = {}) {
+Field MakeField(std::string name, M GrpoConfig::*member, std::vector<std::string> allowed = {}) {
   Field f;
   f.name = name;
   f.get = [member](const GrpoConfig& c) -> nlohmann::json {
@@ -249,8 +248,7 @@ const std::vector<Field>& Fields() {
       MakeField("epsilon_high", &C::epsilon_high),
       MakeField("delta", &C::delta),
       MakeField("beta", &C::beta),
-      MakeField("importance_sampling_level", &C::importance_sampling_level,
-                {"token", "sequence"}),
+      MakeField("importance_sampling_level", &C::importance_sampling_level, {"token", "sequence"}),
       MakeField("importance_sampling_correction", &C::importance_sampling_correction,
                 {"none", "token_truncate", "token_mask"}),
       MakeField("importance_sampling_cap", &C::importance_sampling_cap),
@@ -295,8 +293,7 @@ const std::vector<Field>& Fields() {
       MakeField("grpc_max_threads", &C::grpc_max_threads),
       MakeField("metrics_max_connections", &C::metrics_max_connections),
       MakeField("metrics_io_timeout_seconds", &C::metrics_io_timeout_seconds),
-      MakeField("log_level", &C::log_level,
-                {"trace", "debug", "info", "warn", "error", "off"}),
+      MakeField("log_level", &C::log_level, {"trace", "debug", "info", "warn", "error", "off"}),
   };
   return fields;
 }
@@ -450,40 +447,36 @@ Status GrpoConfig::Validate() const {
                         "must be at least 2 (GRPO compares completions within a group)"));
   RETURN_IF_ERROR(Check(num_iterations >= 1, "num_iterations", "must be at least 1"));
   RETURN_IF_ERROR(Check(max_prompt_length >= 1, "max_prompt_length", "must be at least 1"));
-  RETURN_IF_ERROR(
-      Check(max_completion_length >= 1, "max_completion_length", "must be at least 1"));
+  RETURN_IF_ERROR(Check(max_completion_length >= 1, "max_completion_length", "must be at least 1"));
   RETURN_IF_ERROR(Check(temperature >= 0, "temperature", "must be >= 0 (0 = greedy)"));
   RETURN_IF_ERROR(Check(top_p > 0 && top_p <= 1, "top_p", "must be in (0, 1]"));
   RETURN_IF_ERROR(Check(top_k >= 0, "top_k", "must be >= 0 (0 = off)"));
   RETURN_IF_ERROR(Check(!min_p || (*min_p >= 0 && *min_p <= 1), "min_p", "must be in [0, 1]"));
   RETURN_IF_ERROR(Check(repetition_penalty > 0, "repetition_penalty", "must be > 0"));
-  RETURN_IF_ERROR(Check(reward_weights.empty() || reward_weights.size() == reward_funcs.size(),
-                        "reward_weights",
-                        "must have one weight per reward function (" +
-                            std::to_string(reward_funcs.size()) + ")"));
+  RETURN_IF_ERROR(Check(
+      reward_weights.empty() || reward_weights.size() == reward_funcs.size(), "reward_weights",
+      "must have one weight per reward function (" + std::to_string(reward_funcs.size()) + ")"));
   RETURN_IF_ERROR(Check(epsilon >= 0, "epsilon", "must be >= 0"));
   RETURN_IF_ERROR(Check(!epsilon_high || *epsilon_high >= 0, "epsilon_high", "must be >= 0"));
   RETURN_IF_ERROR(Check(!delta || *delta > 1, "delta", "must be > 1 when set"));
   RETURN_IF_ERROR(Check(beta >= 0, "beta", "must be >= 0"));
-  RETURN_IF_ERROR(
-      Check(importance_sampling_cap >= 1, "importance_sampling_cap", "must be >= 1"));
+  RETURN_IF_ERROR(Check(importance_sampling_cap >= 1, "importance_sampling_cap", "must be >= 1"));
   RETURN_IF_ERROR(Check(max_staleness >= 0, "max_staleness", "must be >= 0"));
   RETURN_IF_ERROR(Check(tls_cert_file.empty() == tls_key_file.empty(),
                         tls_cert_file.empty() ? "tls_key_file" : "tls_cert_file",
                         "needs tls_cert_file and tls_key_file together"));
-  RETURN_IF_ERROR(Check(per_device_train_batch_size >= 1, "per_device_train_batch_size",
+  RETURN_IF_ERROR(
+      Check(per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be at least 1"));
+  RETURN_IF_ERROR(
+      Check(gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be at least 1"));
+  RETURN_IF_ERROR(Check(!steps_per_generation || *steps_per_generation >= 1, "steps_per_generation",
                         "must be at least 1"));
-  RETURN_IF_ERROR(Check(gradient_accumulation_steps >= 1, "gradient_accumulation_steps",
-                        "must be at least 1"));
-  RETURN_IF_ERROR(Check(!steps_per_generation || *steps_per_generation >= 1,
-                        "steps_per_generation", "must be at least 1"));
   const int64_t gen_batch = GenerationBatchSize();
   RETURN_IF_ERROR(Check(gen_batch % num_generations == 0, "num_generations",
                         "must divide the generation batch per_device_train_batch_size x "
                         "steps_per_generation = " +
                             std::to_string(gen_batch)));
-  RETURN_IF_ERROR(
-      Check(logprob_chunk_tokens >= 1, "logprob_chunk_tokens", "must be at least 1"));
+  RETURN_IF_ERROR(Check(logprob_chunk_tokens >= 1, "logprob_chunk_tokens", "must be at least 1"));
   RETURN_IF_ERROR(Check(learning_rate >= 0, "learning_rate", "must be >= 0"));
   RETURN_IF_ERROR(Check(adam_beta1 >= 0 && adam_beta1 < 1, "adam_beta1", "must be in [0, 1)"));
   RETURN_IF_ERROR(Check(adam_beta2 >= 0 && adam_beta2 < 1, "adam_beta2", "must be in [0, 1)"));
@@ -491,8 +484,8 @@ Status GrpoConfig::Validate() const {
   RETURN_IF_ERROR(Check(weight_decay >= 0, "weight_decay", "must be >= 0"));
   RETURN_IF_ERROR(Check(max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 = no clipping)"));
   RETURN_IF_ERROR(Check(warmup_steps >= 0, "warmup_steps", "must be >= 0"));
-  RETURN_IF_ERROR(Check(warmup_ratio >= 0 && warmup_ratio <= 1, "warmup_ratio",
-                        "must be in [0, 1]"));
+  RETURN_IF_ERROR(
+      Check(warmup_ratio >= 0 && warmup_ratio <= 1, "warmup_ratio", "must be in [0, 1]"));
   RETURN_IF_ERROR(Check(max_steps >= 1, "max_steps", "must be at least 1"));
   RETURN_IF_ERROR(Check(save_steps >= 0, "save_steps", "must be >= 0 (0 = only at the end)"));
   RETURN_IF_ERROR(

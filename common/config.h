@@ -4,9 +4,8 @@
 // An unknown key or a value of the wrong type is InvalidArgument naming the key (and the file).
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -23,8 +22,8 @@ struct GrpoConfig {
   uint64_t seed = 42;
 
   // Device and precision (TRL/transformers names). `device`: auto | cpu | cuda | cuda:N; "auto"
-  // is "cuda" when a GPU is visible, else "cpu" (common/model/device.h resolves it; Validate checks the
-  // spelling only). `bf16`: train in bf16 with fp32 master weights and fp32 optimizer state;
+  // is "cuda" when a GPU is visible, else "cpu" (common/model/device.h resolves it; Validate checks
+  // the spelling only). `bf16`: train in bf16 with fp32 master weights and fp32 optimizer state;
   // log-softmax, the loss and the advantages stay fp32; generation runs in bf16.
   std::string device = "auto";
   bool bf16 = false;
@@ -43,7 +42,7 @@ struct GrpoConfig {
 
   // Rewards.
   std::vector<std::string> reward_funcs;
-  std::vector<double> reward_weights;  // empty = all 1
+  std::vector<double> reward_weights;   // empty = all 1
   std::string scale_rewards = "group";  // group | batch | none
 
   // Loss (docs/GRPO_SPEC.md).
@@ -52,8 +51,9 @@ struct GrpoConfig {
   std::optional<double> epsilon_high;  // defaults to epsilon
   std::optional<double> delta;         // two-sided clipping when set
   double beta = 0.0;
-  std::string importance_sampling_level = "token";        // token | sequence
-  std::string importance_sampling_correction = "token_truncate";  // none | token_truncate | token_mask
+  std::string importance_sampling_level = "token";  // token | sequence
+  std::string importance_sampling_correction =
+      "token_truncate";  // none | token_truncate | token_mask
   double importance_sampling_cap = 3.0;
   // Policy versions a group may lag the learner (docs/ARCHITECTURE.md "Async training and
   // staleness"): 1 lets workers generate with version v while the learner trains v -> v+1; 0 is

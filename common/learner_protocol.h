@@ -16,9 +16,10 @@ struct RegisterRequest {
   std::string worker_id;  // empty: the learner assigns one
   std::string hostname;
   int32_t pid = 0;
-  std::string weight_sync_backend;  // WeightReceiver::backend(): grpc | gloo | nccl | cuda_ipc | auto
-  std::string device;               // where the worker generates: "cpu", "cuda:N"
-  std::string gpu_uuid;             // on a GPU: its UUID (a worker on the learner's GPU: cuda_ipc)
+  std::string
+      weight_sync_backend;  // WeightReceiver::backend(): grpc | gloo | nccl | cuda_ipc | auto
+  std::string device;       // where the worker generates: "cpu", "cuda:N"
+  std::string gpu_uuid;     // on a GPU: its UUID (a worker on the learner's GPU: cuda_ipc)
 };
 
 struct Registration {
@@ -27,10 +28,10 @@ struct Registration {
   int32_t world_size = 0;
   int64_t group_epoch = 0;
   int64_t policy_version = 0;
-  std::string config_json;        // the learner's GrpoConfig as JSON (MergeLearnerConfig)
+  std::string config_json;            // the learner's GrpoConfig as JSON (MergeLearnerConfig)
   int64_t heartbeat_interval_ms = 0;  // 0 = the worker's default
-  std::string model_config_json;  // the policy's config.json
-  std::string learner_incarnation;  // this learner process's id
+  std::string model_config_json;      // the policy's config.json
+  std::string learner_incarnation;    // this learner process's id
   // The weight-sync backend the learner assigned (empty from an older learner) and why when it
   // is not the one asked for.
   std::string weight_sync_backend;

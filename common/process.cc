@@ -19,8 +19,8 @@ constexpr std::chrono::milliseconds kPoll{20};
 
 // O_CLOEXEC: a log of one child must not stay open in the next one.
 int OpenOutput(const std::string& path) {
-  return ::open(path.empty() ? "/dev/null" : path.c_str(),
-                O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  return ::open(path.empty() ? "/dev/null" : path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
+                0644);
 }
 
 Status Errno(const std::string& what) {
@@ -64,8 +64,8 @@ StatusOr<Process*> ProcessSupervisor::Spawn(const std::string& name, ProcessSpec
     }
   }
   int err_fd = -1;
-  const bool one_log = !spec.pipe_stdout && !spec.stderr_path.empty() &&
-                       spec.stderr_path == spec.stdout_path;
+  const bool one_log =
+      !spec.pipe_stdout && !spec.stderr_path.empty() && spec.stderr_path == spec.stdout_path;
   if (!one_log) {
     err_fd = OpenOutput(spec.stderr_path);
     if (err_fd < 0) {

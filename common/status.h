@@ -39,19 +39,29 @@ class [[nodiscard]] Status {
 
   static Status OK() { return Status(); }
   static Status Cancelled(std::string m) { return {StatusCode::kCancelled, std::move(m)}; }
-  static Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
-  static Status DeadlineExceeded(std::string m) { return {StatusCode::kDeadlineExceeded, std::move(m)}; }
+  static Status InvalidArgument(std::string m) {
+    return {StatusCode::kInvalidArgument, std::move(m)};
+  }
+  static Status DeadlineExceeded(std::string m) {
+    return {StatusCode::kDeadlineExceeded, std::move(m)};
+  }
   static Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
   static Status AlreadyExists(std::string m) { return {StatusCode::kAlreadyExists, std::move(m)}; }
-  static Status ResourceExhausted(std::string m) { return {StatusCode::kResourceExhausted, std::move(m)}; }
-  static Status FailedPrecondition(std::string m) { return {StatusCode::kFailedPrecondition, std::move(m)}; }
+  static Status ResourceExhausted(std::string m) {
+    return {StatusCode::kResourceExhausted, std::move(m)};
+  }
+  static Status FailedPrecondition(std::string m) {
+    return {StatusCode::kFailedPrecondition, std::move(m)};
+  }
   static Status Aborted(std::string m) { return {StatusCode::kAborted, std::move(m)}; }
   static Status OutOfRange(std::string m) { return {StatusCode::kOutOfRange, std::move(m)}; }
   static Status Unimplemented(std::string m) { return {StatusCode::kUnimplemented, std::move(m)}; }
   static Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
   static Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
   static Status DataLoss(std::string m) { return {StatusCode::kDataLoss, std::move(m)}; }
-  static Status Unauthenticated(std::string m) { return {StatusCode::kUnauthenticated, std::move(m)}; }
+  static Status Unauthenticated(std::string m) {
+    return {StatusCode::kUnauthenticated, std::move(m)};
+  }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }
@@ -73,7 +83,7 @@ template <typename T>
 class [[nodiscard]] StatusOr {
  public:
   StatusOr(Status status) : v_(std::move(status)) { assert(!std::get<Status>(v_).ok()); }  // NOLINT
-  StatusOr(T value) : v_(std::move(value)) {}                                                // NOLINT
+  StatusOr(T value) : v_(std::move(value)) {}                                              // NOLINT
 
   bool ok() const { return std::holds_alternative<T>(v_); }
   const Status& status() const {
@@ -81,9 +91,18 @@ class [[nodiscard]] StatusOr {
     return ok() ? kOk : std::get<Status>(v_);
   }
 
-  T& value() & { assert(ok()); return std::get<T>(v_); }
-  const T& value() const& { assert(ok()); return std::get<T>(v_); }
-  T&& value() && { assert(ok()); return std::get<T>(std::move(v_)); }
+  T& value() & {
+    assert(ok());
+    return std::get<T>(v_);
+  }
+  const T& value() const& {
+    assert(ok());
+    return std::get<T>(v_);
+  }
+  T&& value() && {
+    assert(ok());
+    return std::get<T>(std::move(v_));
+  }
   T& operator*() & { return value(); }
   const T& operator*() const& { return value(); }
   T* operator->() { return &value(); }
@@ -98,9 +117,9 @@ class [[nodiscard]] StatusOr {
 #define GRPO_CONCAT_INNER_(a, b) a##b
 #define GRPO_CONCAT_(a, b) GRPO_CONCAT_INNER_(a, b)
 
-#define RETURN_IF_ERROR(expr)                  \
-  do {                                         \
-    ::grpo::Status grpo_status_ = (expr);      \
+#define RETURN_IF_ERROR(expr)                    \
+  do {                                           \
+    ::grpo::Status grpo_status_ = (expr);        \
     if (!grpo_status_.ok()) return grpo_status_; \
   } while (0)
 

@@ -30,6 +30,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   python3 python3-venv
   openssl
+  clang-format-14
   prometheus docker-compose
 )
 

@@ -41,7 +41,7 @@ struct AdvantageResult {
   at::Tensor keep;        // [N] bool: false where some reward was +-inf (sample dropped)
   int64_t num_dropped = 0;
   int64_t num_unscorable = 0;  // kept samples whose every reward function returned null
-  int64_t num_groups = 0;  // groups with at least one kept sample
+  int64_t num_groups = 0;      // groups with at least one kept sample
   // TRL metric names in comments. Means/stds over kept samples.
   double reward_mean = 0.0;           // `reward`
   double reward_std = 0.0;            // `reward_std`: unbiased std of the batch's rewards (TRL

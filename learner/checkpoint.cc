@@ -18,9 +18,9 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kSums = "SHA256SUMS";
-constexpr const char* kTokenizerFiles[] = {"tokenizer.json", "tokenizer_config.json",
-                                           "special_tokens_map.json", "vocab.json", "merges.txt",
-                                           "generation_config.json"};
+constexpr const char* kTokenizerFiles[] = {
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "merges.txt",     "generation_config.json"};
 
 Status FsyncPath(const fs::path& p, bool directory) {
   int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
@@ -111,8 +111,8 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
     return Status::Internal("copying the optimizer state: " +
                             std::string(e.what_without_backtrace()));
   }
-  RETURN_IF_ERROR(common::WriteSafetensors((tmp_dir / "optimizer.safetensors").string(),
-                                           optimizer_state));
+  RETURN_IF_ERROR(
+      common::WriteSafetensors((tmp_dir / "optimizer.safetensors").string(), optimizer_state));
   nlohmann::json state;
   state["global_step"] = trainer.global_step();
   state["policy_version"] = trainer.policy_version();
@@ -230,12 +230,13 @@ Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
   common::NamedTensors live = trainer.policy().NamedParameters();
   common::NamedTensors ordered;
   for (const auto& [name, p] : live) {
-    auto it = std::find_if(state.begin(), state.end(), [&](const auto& kv) { return kv.first == name; });
+    auto it =
+        std::find_if(state.begin(), state.end(), [&](const auto& kv) { return kv.first == name; });
     if (it == state.end()) return Status::DataLoss(dir + ": model.safetensors lacks " + name);
     ordered.emplace_back(name, it->second);
   }
-  ASSIGN_OR_RETURN(auto opt_file,
-                   common::SafetensorsFile::Open((fs::path(dir) / "optimizer.safetensors").string()));
+  ASSIGN_OR_RETURN(auto opt_file, common::SafetensorsFile::Open(
+                                      (fs::path(dir) / "optimizer.safetensors").string()));
   common::NamedTensors opt_state;
   for (const auto& name : opt_file->Names()) {
     ASSIGN_OR_RETURN(at::Tensor t, opt_file->Get(name));
@@ -267,8 +268,7 @@ Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
   return Status::OK();
 }
 
-StatusOr<std::string> RestoreLatestCheckpoint(GrpoTrainer& trainer,
-                                              const std::string& output_dir) {
+StatusOr<std::string> RestoreLatestCheckpoint(GrpoTrainer& trainer, const std::string& output_dir) {
   std::vector<std::string> candidates;
   std::ifstream latest(fs::path(output_dir) / kLatestFile);
   std::string name;

@@ -120,7 +120,7 @@ class FusedLogprobsLossFunction : public torch::autograd::Function<FusedLogprobs
       const at::Tensor lab = labels.narrow(0, s, c).unsqueeze(1);
       // One [c, V] buffer, transformed in place: logits -> log-softmax -> softmax -> dL/dz;
       // row blocks keep the temporaries of the exp-sums and the entropy small.
-      at::Tensor z = ChunkLogits(h, weight, dt, temperature);  // [c, V]
+      at::Tensor z = ChunkLogits(h, weight, dt, temperature);        // [c, V]
       const at::Tensor m = std::get<0>(z.max(1, /*keepdim=*/true));  // [c, 1]
       z.sub_(m);
       at::Tensor sum_exp = at::empty({c, 1}, opts);
@@ -128,7 +128,7 @@ class FusedLogprobsLossFunction : public torch::autograd::Function<FusedLogprobs
         const int64_t k = std::min(kRowBlock, c - r);
         sum_exp.narrow(0, r, k).copy_(z.narrow(0, r, k).exp().sum(1, /*keepdim=*/true));
       }
-      z.sub_(sum_exp.log());                                  // log p
+      z.sub_(sum_exp.log());  // log p
       const at::Tensor lp = z.gather(1, lab).squeeze(1);
       logp.narrow(0, s, c).copy_(lp);
       if (with_entropy) {
@@ -165,8 +165,8 @@ class FusedLogprobsLossFunction : public torch::autograd::Function<FusedLogprobs
       if (ctx->needs_input_grad(0)) grad_hidden = saved[0] * g.to(saved[0].scalar_type());
       if (ctx->needs_input_grad(1)) grad_weight = saved[1] * g.to(saved[1].scalar_type());
     }
-    return {grad_hidden, grad_weight, at::Tensor(), at::Tensor(),
-            at::Tensor(),  at::Tensor(),  at::Tensor()};
+    return {grad_hidden,  grad_weight,  at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

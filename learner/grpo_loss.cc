@@ -132,7 +132,9 @@ double PerMicroBatchMean(double sum, int64_t micro_batches) {
 }
 }  // namespace
 
-double GrpoLossMetrics::ClipLowMean() const { return PerMicroBatchMean(clip_low_sum, micro_batches); }
+double GrpoLossMetrics::ClipLowMean() const {
+  return PerMicroBatchMean(clip_low_sum, micro_batches);
+}
 double GrpoLossMetrics::ClipHighMean() const {
   return PerMicroBatchMean(clip_high_sum, micro_batches);
 }
@@ -301,10 +303,9 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
     mt.loss = s[0];
     mt.tokens = s[1];
     mt.micro_batches = 1;
-    const double flag_den =
-        config.importance_sampling_level == ImportanceSamplingLevel::kSequence
-            ? static_cast<double>(b)
-            : std::max(1.0, s[1]);
+    const double flag_den = config.importance_sampling_level == ImportanceSamplingLevel::kSequence
+                                ? static_cast<double>(b)
+                                : std::max(1.0, s[1]);
     mt.clip_low_sum = s[2] / flag_den;
     mt.clip_high_sum = s[3] / flag_den;
     mt.clip_region_sum = s[4] / flag_den;
@@ -332,14 +333,15 @@ StatusOr<TokenLossGrad> GrpoTokenLossGrad(const GrpoLossConfig& config, GrpoLoss
   const int64_t b = in.mask.size(0), t = in.mask.size(1);
   // Values outside the chunk: finite, otherwise irrelevant.
   const at::Tensor placeholder =
-      (in.old.defined() ? in.old.contiguous() : at::zeros({b, t}, in.mask.options().dtype(at::kFloat)))
+      (in.old.defined() ? in.old.contiguous()
+                        : at::zeros({b, t}, in.mask.options().dtype(at::kFloat)))
           .reshape({-1});
   return TokenLossGrad([config, in, normaliser, error, placeholder, b, t](
                            int64_t start, const at::Tensor& lp) -> at::Tensor {
     at::AutoGradMode grad_mode(true);
     const int64_t n = b * t, c = lp.size(0);
-    TORCH_CHECK(start >= 0 && start + c <= n, "GrpoTokenLossGrad: chunk [", start, ", ",
-                start + c, ") outside ", n, " tokens");
+    TORCH_CHECK(start >= 0 && start + c <= n, "GrpoTokenLossGrad: chunk [", start, ", ", start + c,
+                ") outside ", n, " tokens");
     at::Tensor leaf = lp.detach().clone().requires_grad_(true);
     const at::Tensor rest = placeholder.to(lp.scalar_type());
     GrpoLossInputs chunk_in = in;

@@ -1,6 +1,7 @@
 #include "learner/grpo_trainer.h"
 
 #include <ATen/core/grad_mode.h>
+
 #include <algorithm>
 #include <charconv>
 #include <chrono>
@@ -22,16 +23,26 @@ using common::RolloutGroup;
 
 std::string_view RejectReasonName(RejectReason reason) {
   switch (reason) {
-    case RejectReason::kGroupSize: return "group_size";
-    case RejectReason::kEmptyPrompt: return "empty_prompt";
-    case RejectReason::kEmptyCompletion: return "empty_completion";
-    case RejectReason::kCompletionTooLong: return "completion_too_long";
-    case RejectReason::kTokenOutOfVocab: return "token_out_of_vocab";
-    case RejectReason::kLogprobLength: return "logprob_length";
-    case RejectReason::kRewardCount: return "reward_count";
-    case RejectReason::kNonFiniteReward: return "non_finite_reward";
-    case RejectReason::kRewardOutOfRange: return "reward_out_of_range";
-    case RejectReason::kStale: return "stale";
+    case RejectReason::kGroupSize:
+      return "group_size";
+    case RejectReason::kEmptyPrompt:
+      return "empty_prompt";
+    case RejectReason::kEmptyCompletion:
+      return "empty_completion";
+    case RejectReason::kCompletionTooLong:
+      return "completion_too_long";
+    case RejectReason::kTokenOutOfVocab:
+      return "token_out_of_vocab";
+    case RejectReason::kLogprobLength:
+      return "logprob_length";
+    case RejectReason::kRewardCount:
+      return "reward_count";
+    case RejectReason::kNonFiniteReward:
+      return "non_finite_reward";
+    case RejectReason::kRewardOutOfRange:
+      return "reward_out_of_range";
+    case RejectReason::kStale:
+      return "stale";
   }
   return "unknown";
 }
@@ -96,8 +107,8 @@ struct GrpoTrainer::Batch {
   std::vector<const std::vector<int32_t>*> prompts;
   std::vector<const common::Completion*> completions;
   std::vector<int64_t> staleness;
-  at::Tensor advantages;  // [N] float32
-  at::Tensor rewards;     // [N] float64
+  at::Tensor advantages;          // [N] float32
+  at::Tensor rewards;             // [N] float64
   at::Tensor rewards_per_func;    // [N, K] float64, NaN = null
   std::vector<int64_t> versions;  // [N] the policy version each sequence was generated with
   std::vector<const std::string*> incarnations;  // [N] the learner that published it
@@ -142,8 +153,7 @@ struct MicroBatch {
 
 static MicroBatch MakeMicroBatch(const std::vector<const std::vector<int32_t>*>& prompts,
                                  const std::vector<const common::Completion*>& completions,
-                                 int64_t begin, int64_t end, bool with_beh,
-                                 bool mask_truncated) {
+                                 int64_t begin, int64_t end, bool with_beh, bool mask_truncated) {
   MicroBatch mb;
   const int64_t b = end - begin;
   for (int64_t i = begin; i < end; ++i) {
@@ -217,20 +227,17 @@ static at::Tensor CompletionLogprobs(const common::Model& model, const MicroBatc
 // log-probs, entropy and the loss gradient of the LM head in one pass over each chunk of
 // logits (FusedTokenLogprobsLoss with GrpoTokenLossGrad), so backward recomputes no logits.
 // Returns the micro-batch's loss output (value and metrics) after running its backward.
-static StatusOr<GrpoLossOutput> FusedMicroBatchBackward(const common::Model& model,
-                                                        const MicroBatch& mb,
-                                                        const common::GrpoConfig& config,
-                                                        const GrpoLossConfig& loss_config,
-                                                        const LossNormaliser& norm,
-                                                        GrpoLossInputs in, at::Tensor* logp,
-                                                        at::Tensor* entropy) {
+static StatusOr<GrpoLossOutput> FusedMicroBatchBackward(
+    const common::Model& model, const MicroBatch& mb, const common::GrpoConfig& config,
+    const GrpoLossConfig& loss_config, const LossNormaliser& norm, GrpoLossInputs in,
+    at::Tensor* logp, at::Tensor* entropy) {
   const at::Tensor h = CompletionHidden(model, mb, config);
   Status grad_status;
   ASSIGN_OR_RETURN(const TokenLossGrad token_grad,
                    GrpoTokenLossGrad(loss_config, in, norm, &grad_status));
-  at::Tensor anchor = FusedTokenLogprobsLoss(h, model.LmHeadWeight(), mb.labels, token_grad, logp,
-                                             config.logprob_chunk_tokens,
-                                             SamplingTemperature(config), entropy);
+  at::Tensor anchor =
+      FusedTokenLogprobsLoss(h, model.LmHeadWeight(), mb.labels, token_grad, logp,
+                             config.logprob_chunk_tokens, SamplingTemperature(config), entropy);
   RETURN_IF_ERROR(grad_status);
   in.logp = *logp;  // without gradient: the value and the metrics
   ASSIGN_OR_RETURN(GrpoLossOutput out, ComputeGrpoLoss(loss_config, in, norm));
@@ -280,8 +287,7 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(
   const at::ScalarType compute_dtype = common::ComputeDtype(config.bf16);
   if (reference) RETURN_IF_ERROR(reference->To(policy->device(), compute_dtype));
 
-  std::unique_ptr<GrpoTrainer> t(
-      new GrpoTrainer(config, lc, policy, std::move(reference)));
+  std::unique_ptr<GrpoTrainer> t(new GrpoTrainer(config, lc, policy, std::move(reference)));
   t->schedule_ = schedule;
   policy->SetRequiresGrad(true);
   if (config.bf16) {
@@ -328,16 +334,16 @@ Status GrpoTrainer::ValidateGroup(const RolloutGroup& g, RejectReason* reason) c
   };
   const int64_t vocab = policy_->config().vocab_size;
   if (static_cast<int64_t>(g.completions.size()) != config_.num_generations) {
-    return reject(RejectReason::kGroupSize,
-                  std::to_string(g.completions.size()) + " completions, expected num_generations " +
-                      std::to_string(config_.num_generations));
+    return reject(RejectReason::kGroupSize, std::to_string(g.completions.size()) +
+                                                " completions, expected num_generations " +
+                                                std::to_string(config_.num_generations));
   }
   if (g.prompt_ids.empty()) return reject(RejectReason::kEmptyPrompt, "empty prompt");
   for (int32_t id : g.prompt_ids) {
     if (id < 0 || id >= vocab) {
-      return reject(RejectReason::kTokenOutOfVocab,
-                    "prompt token id " + std::to_string(id) + " outside the vocabulary [0, " +
-                        std::to_string(vocab) + ")");
+      return reject(RejectReason::kTokenOutOfVocab, "prompt token id " + std::to_string(id) +
+                                                        " outside the vocabulary [0, " +
+                                                        std::to_string(vocab) + ")");
     }
   }
   if (g.policy_version < policy_version_ - config_.max_staleness) {
@@ -359,9 +365,9 @@ Status GrpoTrainer::ValidateGroup(const RolloutGroup& g, RejectReason* reason) c
     }
     for (int32_t id : c.token_ids) {
       if (id < 0 || id >= vocab) {
-        return reject(RejectReason::kTokenOutOfVocab,
-                      which + "token id " + std::to_string(id) + " outside the vocabulary [0, " +
-                          std::to_string(vocab) + ")");
+        return reject(RejectReason::kTokenOutOfVocab, which + "token id " + std::to_string(id) +
+                                                          " outside the vocabulary [0, " +
+                                                          std::to_string(vocab) + ")");
       }
     }
     if (!c.logprobs.empty() && c.logprobs.size() != c.token_ids.size()) {
@@ -371,9 +377,9 @@ Status GrpoTrainer::ValidateGroup(const RolloutGroup& g, RejectReason* reason) c
     }
     const size_t want = config_.reward_funcs.empty() ? k0 : config_.reward_funcs.size();
     if (c.rewards.size() != want || want == 0) {
-      return reject(RejectReason::kRewardCount,
-                    which + std::to_string(c.rewards.size()) + " rewards, expected " +
-                        std::to_string(std::max<size_t>(want, 1)));
+      return reject(RejectReason::kRewardCount, which + std::to_string(c.rewards.size()) +
+                                                    " rewards, expected " +
+                                                    std::to_string(std::max<size_t>(want, 1)));
     }
     for (const auto& r : c.rewards) {
       if (r && !std::isfinite(*r)) {
@@ -382,10 +388,10 @@ Status GrpoTrainer::ValidateGroup(const RolloutGroup& g, RejectReason* reason) c
       if (r && std::fabs(*r) > kMaxAbsReward) {
         // Finite but so large that the group's variance (and with it every advantage of the
         // batch) overflows: bad input for this sample, refused like a non-finite one.
-        return reject(RejectReason::kRewardOutOfRange,
-                      which + "reward " + std::to_string(*r) + " outside [-" +
-                          std::to_string(kMaxAbsReward) + ", " + std::to_string(kMaxAbsReward) +
-                          "]");
+        return reject(RejectReason::kRewardOutOfRange, which + "reward " + std::to_string(*r) +
+                                                           " outside [-" +
+                                                           std::to_string(kMaxAbsReward) + ", " +
+                                                           std::to_string(kMaxAbsReward) + "]");
       }
     }
     for (float lp : c.logprobs) {
@@ -459,8 +465,7 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
   // its last micro-batch: on-policy and every pass of it inside the step now open
   // (docs/GRPO_SPEC.md "Per-token loss").
   const int64_t open_micro = open_ ? open_->micro : 0;
-  const bool need_old =
-      off_policy || open_micro + config_.num_iterations * num_micro > ga;
+  const bool need_old = off_policy || open_micro + config_.num_iterations * num_micro > ga;
   const at::Device device = policy_->device();
   try {
     RefreshComputeCopy();  // the master may have changed since (checkpoint restore)
@@ -639,9 +644,9 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(const Batch* batch, int64_t diviso
   const bool dapo = loss_config_.loss_type == LossType::kDapo;
   // grpo / bnpo / dr_grpo divided each micro-batch by gradient_accumulation_steps; a partial
   // step (FlushPartialStep) divides by its own count instead.
-  const double scale =
-      dapo ? 1.0 / std::max(1.0, os.step_completion_tokens)
-           : static_cast<double>(config_.gradient_accumulation_steps) / static_cast<double>(divisor);
+  const double scale = dapo ? 1.0 / std::max(1.0, os.step_completion_tokens)
+                            : static_cast<double>(config_.gradient_accumulation_steps) /
+                                  static_cast<double>(divisor);
   try {
     if (scale != 1.0) {
       at::NoGradGuard no_grad;
@@ -659,8 +664,8 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(const Batch* batch, int64_t diviso
     const int64_t total_steps = config_.max_steps;
     const int64_t warmup = config_.warmup_steps > 0
                                ? config_.warmup_steps
-                               : static_cast<int64_t>(std::ceil(
-                                     config_.warmup_ratio * static_cast<double>(total_steps)));
+                               : static_cast<int64_t>(std::ceil(config_.warmup_ratio *
+                                                                static_cast<double>(total_steps)));
     sm.learning_rate =
         LearningRateAt(schedule_, config_.learning_rate, global_step_, warmup, total_steps);
     optimizer_->Step(sm.learning_rate);
@@ -689,7 +694,8 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(const Batch* batch, int64_t diviso
   sm.is_ratio_mean = os.lm.IsRatioMean();
   sm.is_ratio_max = os.lm.is_ratio_max;
   sm.entropy = os.micro > 0 ? os.entropy_mean_sum / static_cast<double>(os.micro) : 0.0;
-  sm.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - os.start).count();
+  sm.step_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - os.start).count();
   sm.tokens_per_second = static_cast<double>(os.all_tokens) / std::max(1e-9, sm.step_seconds);
   sm.has_logprob_mismatch = os.mismatch_tokens > 0;
   sm.logprob_mismatch_mean = os.mismatch_sum / std::max(1.0, os.mismatch_tokens);
@@ -719,8 +725,8 @@ Status GrpoTrainer::DumpRows(const Batch& batch, const OpenStep& os, int64_t ste
     prompts.push_back(batch.prompts[r]);
     completions.push_back(batch.completions[r]);
   }
-  MicroBatch mb = MakeMicroBatch(prompts, completions, 0, n, batch.has_beh,
-                                 config_.mask_truncated_completions);
+  MicroBatch mb =
+      MakeMicroBatch(prompts, completions, 0, n, batch.has_beh, config_.mask_truncated_completions);
   const int64_t P = mb.prompt_len, C = mb.completion_len;
   const at::Tensor index = at::tensor(rows, at::kLong);
   common::NamedTensors t;
@@ -774,7 +780,8 @@ Status GrpoTrainer::DumpRows(const Batch& batch, const OpenStep& os, int64_t ste
                                    {"config", config_.ToJson().dump()},
                                    {"micro_batch_sizes", [&] {
                                       nlohmann::json sizes = nlohmann::json::array();
-                                      for (const auto& [b0, b1] : os.dump_rows) sizes.push_back(b1 - b0);
+                                      for (const auto& [b0, b1] : os.dump_rows)
+                                        sizes.push_back(b1 - b0);
                                       return sizes.dump();
                                     }()}});
 }

@@ -7,12 +7,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
 
 #include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,7 +28,7 @@ namespace grpo::learner {
 
 // Why a group was refused at ingest (labels of grpo_groups_rejected_total).
 enum class RejectReason {
-  kGroupSize,         // not num_generations completions
+  kGroupSize,  // not num_generations completions
   kEmptyPrompt,
   kEmptyCompletion,
   kCompletionTooLong,  // longer than max_completion_length
@@ -71,7 +71,7 @@ struct StepMetrics {
   int64_t sequences = 0, completion_tokens = 0;
   double step_seconds = 0, tokens_per_second = 0;
   int64_t peak_memory_bytes = 0;  // CUDA caching allocator's peak on CUDA, else VmHWM
-  int64_t micro_batches = 0;  // in this step (gradient_accumulation_steps but for a flush)
+  int64_t micro_batches = 0;      // in this step (gradient_accumulation_steps but for a flush)
 
   nlohmann::json ToJson() const;
 };

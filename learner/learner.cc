@@ -11,8 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "common/model/device.h"
 #include "common/logging.h"
+#include "common/model/device.h"
 #include "learner/admission.h"
 #include "learner/checkpoint.h"
 
@@ -330,8 +330,7 @@ bool Learner::PassMayEnd() {
     // for it goes back to its pass now, so that the pass is not left owing it.
     for (auto it = buffer_.begin(); it != buffer_.end();) {
       RejectReason reason = RejectReason::kGroupSize;
-      if (!trainer_->ValidateGroup(it->group, &reason).ok() &&
-          reason == RejectReason::kStale) {
+      if (!trainer_->ValidateGroup(it->group, &reason).ok() && reason == RejectReason::kStale) {
         stale.push_back(std::move(*it));
         it = buffer_.erase(it);
       } else {
@@ -468,9 +467,10 @@ void Learner::TrainBatch(std::vector<BufferedGroup> batch) {
       config_.save_steps > 0 && step / config_.save_steps > last_saved / config_.save_steps;
   if (save_due && step > last_saved && !open_step) {
     if (Status s = Checkpoint(); !s.ok()) {
-      GRPO_LOG_ERROR("learner: checkpoint at step {} failed ({}); training goes on and the next "
-                     "batch retries it",
-                     step, s.ToString());
+      GRPO_LOG_ERROR(
+          "learner: checkpoint at step {} failed ({}); training goes on and the next "
+          "batch retries it",
+          step, s.ToString());
     }
   }
 }
@@ -537,7 +537,7 @@ void Learner::WeightSyncLoop(size_t index) {
     factory = common::BuiltinWeightSyncFactory(o);
   }
   WeightPublisher publisher(backend, epoch_store_, std::move(factory),
-                                     options_.weight_sync_timeout);
+                            options_.weight_sync_timeout);
   GroupStats& stats = group_stats_[index];
   while (true) {
     std::shared_ptr<const WeightSnapshot> snap;
@@ -600,8 +600,7 @@ Status Learner::Checkpoint() {
   metrics_.checkpoint_duration->Observe(
       std::chrono::duration<double>(Clock::now() - save_start).count());
   GRPO_LOG_INFO("learner: saved {}", *dir);
-  for (const std::string& old : PruneCheckpoints(config_.output_dir,
-                                                          config_.save_total_limit)) {
+  for (const std::string& old : PruneCheckpoints(config_.output_dir, config_.save_total_limit)) {
     GRPO_LOG_INFO("learner: removed {} (save_total_limit {})", old, config_.save_total_limit);
   }
   return Status::OK();

@@ -56,8 +56,8 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/metrics/grpo_metrics.h"
 #include "common/learner_protocol.h"
+#include "common/metrics/grpo_metrics.h"
 #include "common/metrics/metrics.h"
 #include "common/model/model.h"
 #include "common/rollout_types.h"
@@ -278,16 +278,16 @@ class Learner {
 
   const common::GrpoConfig config_;
   const LearnerOptions options_;
-  std::string incarnation_;  // NewIncarnation() at Create: this process's id for its weights
-  bool started_ok_ = false;  // Start succeeded (the training thread ran)
-  int64_t batch_groups_ = 0;     // groups per generation batch
-  int64_t buffer_capacity_ = 0;  // groups
+  std::string incarnation_;         // NewIncarnation() at Create: this process's id for its weights
+  bool started_ok_ = false;         // Start succeeded (the training thread ran)
+  int64_t batch_groups_ = 0;        // groups per generation batch
+  int64_t buffer_capacity_ = 0;     // groups
   int64_t versions_per_batch_ = 1;  // optimizer steps (policy versions) per generation batch
 
-  std::unique_ptr<PromptLedger> ledger_;           // thread-safe
-  std::unique_ptr<common::Model> policy_;          // the training thread writes it
-  std::unique_ptr<GrpoTrainer> trainer_;           // training thread (ValidateGroup: any)
-  std::unique_ptr<common::Registry> own_registry_;   // when options_.metrics_registry is null
+  std::unique_ptr<PromptLedger> ledger_;            // thread-safe
+  std::unique_ptr<common::Model> policy_;           // the training thread writes it
+  std::unique_ptr<GrpoTrainer> trainer_;            // training thread (ValidateGroup: any)
+  std::unique_ptr<common::Registry> own_registry_;  // when options_.metrics_registry is null
   common::Registry* registry_ = nullptr;
   common::LearnerMetrics metrics_;  // families are thread-safe
 

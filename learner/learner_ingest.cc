@@ -44,8 +44,7 @@ StatusOr<common::Registration> Learner::Register(const common::RegisterRequest& 
   const std::string model_config = policy_->config().ToJson().dump();
   const std::string config_json = config_.ToJson().dump();
   std::lock_guard<std::mutex> lock(mu_);
-  const common::SyncEndpoint worker_end{common::CudaOrdinal(request.device) >= 0,
-                                        request.gpu_uuid};
+  const common::SyncEndpoint worker_end{common::CudaOrdinal(request.device) >= 0, request.gpu_uuid};
   const common::BackendAssignment assigned = common::AssignBackend(
       request.weight_sync_backend, endpoint_, worker_end, [&](std::string_view b) {
         return options_.weight_sync_factory ? true : common::WeightSyncBackendBuilt(b);
@@ -57,9 +56,10 @@ StatusOr<common::Registration> Learner::Register(const common::RegisterRequest& 
   // only between registrations, never across one): back to the queue now, not after
   // lease_seconds, so they neither wait nor block the staleness budget.
   if (auto moved = ledger_->ExpireWorkerLeases(w.worker_id); moved.ok() && *moved > 0) {
-    GRPO_LOG_INFO("learner: worker {} registered again: {} leases of its earlier process "
-                  "returned to the queue",
-                  w.worker_id, *moved);
+    GRPO_LOG_INFO(
+        "learner: worker {} registered again: {} leases of its earlier process "
+        "returned to the queue",
+        w.worker_id, *moved);
   }
   if (w.is_new) {
     epoch_store_->Advance();  // the group gains a rank: rebuilt under a new epoch
@@ -99,8 +99,7 @@ StatusOr<common::HeartbeatReply> Learner::Heartbeat(const common::HeartbeatReque
 }
 
 StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
-                                                   int64_t max_prompts,
-                                                   Clock::time_point deadline,
+                                                   int64_t max_prompts, Clock::time_point deadline,
                                                    const std::function<bool()>& cancelled) {
   if (worker_id.empty()) return Status::InvalidArgument("LeasePrompts: empty worker_id");
   if (max_prompts <= 0) {
@@ -276,9 +275,8 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
       group.policy_version > trainer_->policy_version()) {
     Refuse(tally, "unknown_policy",
            what + ": policy version " + std::to_string(group.policy_version) + " of learner '" +
-               group.policy_incarnation + "' was not published by this learner ('" +
-               incarnation_ + "', at version " + std::to_string(trainer_->policy_version()) +
-               ")");
+               group.policy_incarnation + "' was not published by this learner ('" + incarnation_ +
+               "', at version " + std::to_string(trainer_->policy_version()) + ")");
     release();
     return;
   }

@@ -1,6 +1,7 @@
 #include "learner/optimizer.h"
 
 #include <ATen/core/grad_mode.h>
+
 #include <cmath>
 #include <numbers>
 #include <sstream>
@@ -116,7 +117,8 @@ StatusOr<LrSchedule> ParseLrSchedule(std::string_view name) {
 double LearningRateAt(LrSchedule schedule, double base_lr, int64_t step, int64_t warmup_steps,
                       int64_t total_steps) {
   if (step < warmup_steps) {
-    return base_lr * static_cast<double>(step) / static_cast<double>(std::max<int64_t>(1, warmup_steps));
+    return base_lr * static_cast<double>(step) /
+           static_cast<double>(std::max<int64_t>(1, warmup_steps));
   }
   const double progress = static_cast<double>(step - warmup_steps) /
                           static_cast<double>(std::max<int64_t>(1, total_steps - warmup_steps));

@@ -4,14 +4,14 @@
 
 #include <algorithm>
 #include <iterator>
-#include <optional>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string_view>
 #include <utility>
 
-#include "common/tokenizer/dataset_row.h"
 #include "common/sha256.h"
+#include "common/tokenizer/dataset_row.h"
 #include "learner/prompt_ledger_sql.h"
 
 namespace grpo::learner {

@@ -68,7 +68,7 @@ struct PromptRecord {
 struct LedgerCounts {
   int64_t queued = 0, leased = 0, trained = 0, rejected = 0;
   int64_t accepted = 0;  // of `trained`: accepted, in no weights yet
-  int64_t pass = 0;  // the job's current 0-based pass
+  int64_t pass = 0;      // the job's current 0-based pass
   int64_t total() const { return queued + leased + trained + rejected; }
 };
 

@@ -153,7 +153,6 @@ inline StatusOr<PromptState> ParseState(std::string_view s) {
   return Status::DataLoss("unknown prompt state '" + std::string(s) + "'");
 }
 
-
 // One UPDATE in its own transaction, its parameters set by `bind`; returns the rows it changed.
 // The caller holds the ledger's mutex.
 template <typename Bind>

@@ -86,8 +86,7 @@ Status QueueRow(const std::string& path, sqlite3* db, const std::string& prompt_
 
 }  // namespace
 
-StatusOr<int64_t> PromptLedger::MarkTrained(const std::vector<TrainedGroup>& groups,
-                                            int64_t step) {
+StatusOr<int64_t> PromptLedger::MarkTrained(const std::vector<TrainedGroup>& groups, int64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t now = options_.now_ms();
   Transaction txn(path_, db_);
@@ -125,8 +124,7 @@ StatusOr<int64_t> PromptLedger::MarkTrained(const std::vector<TrainedGroup>& gro
     ASSIGN_OR_RETURN(std::optional<RowState> row, ReadRow(path_, db_, id));
     if (!row || row->state == "REJECTED") continue;
     ASSIGN_OR_RETURN(std::vector<int64_t> trained, TrainedPasses(path_, db_, id));
-    const bool row_pass_trained =
-        std::binary_search(trained.begin(), trained.end(), row->pass);
+    const bool row_pass_trained = std::binary_search(trained.begin(), trained.end(), row->pass);
     if (row->state == "TRAINED" && !row->has_trained_step && row_pass_trained) {
       set_step.Reset();
       RETURN_IF_ERROR(set_step.Bind(1, step).Bind(2, now).Bind(3, id).Run());
@@ -145,10 +143,9 @@ StatusOr<int64_t> PromptLedger::MarkTrained(const std::vector<TrainedGroup>& gro
   if (!duplicates.empty()) {
     std::string list;
     for (size_t i = 0; i < duplicates.size() && i < 8; ++i) list += (i ? ", " : "") + duplicates[i];
-    return Status::FailedPrecondition("prompt ledger " + path_ + ": " +
-                                      std::to_string(duplicates.size()) +
-                                      " groups were trained in a pass that already had one: " +
-                                      list);
+    return Status::FailedPrecondition(
+        "prompt ledger " + path_ + ": " + std::to_string(duplicates.size()) +
+        " groups were trained in a pass that already had one: " + list);
   }
   return marked;
 }
@@ -246,11 +243,12 @@ StatusOr<RollbackResult> PromptLedger::RollbackTo(int64_t step) {
   };
   std::vector<Owing> rows;
   {
-    ASSIGN_OR_RETURN(Statement select,
-                     Statement::Prepare(path_, db_,
-                                        "SELECT id, state, pass, first_pass FROM prompts "
-                                        "WHERE state IN ('QUEUED', 'TRAINED') AND "
-                                        "trained_passes < pass - first_pass + (state = 'TRAINED')"));
+    ASSIGN_OR_RETURN(
+        Statement select,
+        Statement::Prepare(path_, db_,
+                           "SELECT id, state, pass, first_pass FROM prompts "
+                           "WHERE state IN ('QUEUED', 'TRAINED') AND "
+                           "trained_passes < pass - first_pass + (state = 'TRAINED')"));
     while (true) {
       ASSIGN_OR_RETURN(bool has_row, select.Step());
       if (!has_row) break;

@@ -79,7 +79,8 @@ Status WeightPublisher::Sync(const std::vector<std::string>& members,
   const auto t0 = Clock::now();
   // Shares the immutable snapshot's storage.
   common::NamedTensors tensors = on_device ? weights->device_tensors : weights->tensors;
-  Status s = store_->Set(epoch, common::VersionKey(backend_, seq_), std::to_string(weights->version));
+  Status s =
+      store_->Set(epoch, common::VersionKey(backend_, seq_), std::to_string(weights->version));
   if (s.ok()) s = sync_->Begin(weights->version);
   if (s.ok()) s = sync_->Broadcast(tensors);
   if (s.ok()) s = sync_->Commit();

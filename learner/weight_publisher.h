@@ -45,8 +45,9 @@ class WeightPublisher {
 
   // One round. `members`: the worker ids assigned to this backend, in rank order (empty: the
   // group is torn down). Broadcasts `weights` when it is newer than the last version this
-  // group committed (GPU backends: when it has device_tensors). OK when nothing was to be done or the version was committed; the error of
-  // a failed join or broadcast otherwise (the group is then aborted and its epoch ended).
+  // group committed (GPU backends: when it has device_tensors). OK when nothing was to be done or
+  // the version was committed; the error of a failed join or broadcast otherwise (the group is then
+  // aborted and its epoch ended).
   Status Sync(const std::vector<std::string>& members,
               const std::shared_ptr<const WeightSnapshot>& weights);
 
@@ -72,7 +73,7 @@ class WeightPublisher {
   std::unique_ptr<common::WeightSync> sync_;
   c10::intrusive_ptr<c10d::Store> group_store_;  // of sync_'s epoch, scoped to GroupPrefix
   std::vector<std::string> roster_;              // sync_'s members
-  int64_t formed_epoch_ = 0;                      // the epoch of the last group formed
+  int64_t formed_epoch_ = 0;                     // the epoch of the last group formed
   int64_t seq_ = 0;                              // versions announced in sync_'s epoch
   int64_t last_sent_ = -1;
   std::atomic<int64_t> syncs_{0};

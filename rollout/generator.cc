@@ -1,6 +1,7 @@
 #include "rollout/generator.h"
 
 #include <ATen/core/grad_mode.h>
+
 #include <algorithm>
 #include <exception>
 #include <string>
@@ -324,8 +325,9 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
       // The window's uniforms [A, w], row a's values in its stream's order, in one transfer.
       at::Tensor uniforms;
       if (!greedy) {
-        at::Tensor host = at::empty(
-            {num_active, w}, at::TensorOptions().dtype(at::kDouble).pinned_memory(device.is_cuda()));
+        at::Tensor host =
+            at::empty({num_active, w},
+                      at::TensorOptions().dtype(at::kDouble).pinned_memory(device.is_cuda()));
         double* u = host.data_ptr<double>();
         for (int64_t a = 0; a < num_active; ++a) {
           for (int64_t j = 0; j < w; ++j) u[a * w + j] = NextUniform(active_gens[a]);
@@ -343,7 +345,7 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
         if (j + 1 < w) logits = stepper->Step(sample.tokens);
       }
       step += w;
-      const at::Tensor tokens = at::stack(window_tokens, 1).to(at::kCPU);             // [A, w]
+      const at::Tensor tokens = at::stack(window_tokens, 1).to(at::kCPU);  // [A, w]
       const at::Tensor logprobs = at::stack(window_logprobs, 1).to(at::kCPU, at::kFloat);
       const int64_t* tok = tokens.data_ptr<int64_t>();
       const float* lp = logprobs.data_ptr<float>();

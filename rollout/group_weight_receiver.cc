@@ -1,9 +1,8 @@
 #include "rollout/group_weight_receiver.h"
 
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-
 #include <algorithm>
 #include <exception>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "common/logging.h"
 #include "common/weight_sync/group.h"
@@ -81,17 +80,16 @@ StatusOr<int64_t> GroupWeightReceiver::Receive(int64_t min_version, common::Mode
   common::NamedTensors tensors;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, std::min(options_.version_wait, timeout), [&] {
-      return latest_version_ >= min_version || !in_group_ || stop_;
-    });
+    cv_.wait_for(lock, std::min(options_.version_wait, timeout),
+                 [&] { return latest_version_ >= min_version || !in_group_ || stop_; });
     if (latest_version_ >= min_version) {
       version = latest_version_;
       tensors = latest_;
     }
   }
   if (version >= 0) {
-    RETURN_IF_ERROR(model.LoadStateFrom(tensors).WithContext("weights of version " +
-                                                             std::to_string(version)));
+    RETURN_IF_ERROR(
+        model.LoadStateFrom(tensors).WithContext("weights of version " + std::to_string(version)));
     installs_from_group_ += 1;
     return version;
   }
@@ -113,7 +111,8 @@ void GroupWeightReceiver::Loop() {
     GroupMembership m;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || (membership_.epoch > 0 && membership_.epoch != done_epoch); });
+      cv_.wait(lock,
+               [&] { return stop_ || (membership_.epoch > 0 && membership_.epoch != done_epoch); });
       if (stop_) return;
       m = membership_;
     }
@@ -146,8 +145,8 @@ Status GroupWeightReceiver::ServeEpoch(int64_t epoch, const std::string& id,
       c10::make_intrusive<common::C10dEpochStore>(store_, epoch, options_.timeout));
   auto created = factory_(backend, group_store, rank, world, epoch);
   if (!created.ok()) {
-    GRPO_LOG_WARN("{} weight sync: joining epoch {} as rank {}/{}: {}", backend, epoch, rank,
-                  world, created.status().ToString());
+    GRPO_LOG_WARN("{} weight sync: joining epoch {} as rank {}/{}: {}", backend, epoch, rank, world,
+                  created.status().ToString());
     return created.status();
   }
   std::unique_ptr<common::WeightSync> sync = std::move(created).value();
@@ -157,7 +156,8 @@ Status GroupWeightReceiver::ServeEpoch(int64_t epoch, const std::string& id,
     in_group_ = true;
   }
   GRPO_LOG_INFO("{} weight sync: joined epoch {} as rank {}/{}", backend, epoch, rank, world);
-  const at::Device device = backend == common::kBackendGloo ? at::Device(at::kCPU) : options_.device;
+  const at::Device device =
+      backend == common::kBackendGloo ? at::Device(at::kCPU) : options_.device;
   Status s;
   for (int64_t seq = 0; s.ok(); ++seq) {
     if (!EpochIs(epoch)) {
@@ -173,9 +173,8 @@ Status GroupWeightReceiver::ServeEpoch(int64_t epoch, const std::string& id,
     try {
       fresh.reserve(layout_.size());
       for (const Slot& slot : layout_) {
-        fresh.emplace_back(slot.name, at::empty(slot.shape, at::TensorOptions()
-                                                                .dtype(slot.dtype)
-                                                                .device(device)));
+        fresh.emplace_back(
+            slot.name, at::empty(slot.shape, at::TensorOptions().dtype(slot.dtype).device(device)));
       }
     } catch (const std::exception& e) {
       s = Status::ResourceExhausted(backend + " weight sync: allocating: " + e.what());

@@ -1,8 +1,8 @@
 // LearnerLink: what a rollout worker asks of its learner (LearnerService in learner.proto, less
 // the weights, which come through a WeightReceiver, and the rendezvous store), over the plain
-// structs of common/learner_protocol.h. Implementations: services::GrpcLearnerLink (the gRPC client) and FakeLearnerLink
-// (rollout/fake_learner_link.h, in memory, for tests of RolloutLoop). Header only and free of
-// gRPC and protobuf.
+// structs of common/learner_protocol.h. Implementations: services::GrpcLearnerLink (the gRPC
+// client) and FakeLearnerLink (rollout/fake_learner_link.h, in memory, for tests of RolloutLoop).
+// Header only and free of gRPC and protobuf.
 #pragma once
 
 #include <chrono>
@@ -22,8 +22,8 @@ using common::HeartbeatRequest;
 using common::LeaseReply;
 using common::PromptLease;
 using common::PushReply;
-using common::Registration;
 using common::RegisterRequest;
+using common::Registration;
 
 // Thread-safe: the worker calls Heartbeat from its heartbeat thread while its main thread calls
 // the others. Every call gets its deadline; errors are Status codes as the learner gave them

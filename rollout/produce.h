@@ -25,8 +25,8 @@ struct Prompt {
   nlohmann::json row;        // the whole row: RewardInput::row of its completions
 };
 
-// Row -> text -> ids. InvalidArgument from the row schema (common/tokenizer/dataset_row.h), else the
-// tokenizer's error.
+// Row -> text -> ids. InvalidArgument from the row schema (common/tokenizer/dataset_row.h), else
+// the tokenizer's error.
 StatusOr<Prompt> PreparePrompt(nlohmann::json row, const common::Tokenizer& tokenizer);
 // The same from a row's JSON text (a dataset line, a lease's row_json); InvalidArgument when it
 // is not JSON.

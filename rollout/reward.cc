@@ -447,10 +447,12 @@ RewardCallReport RewardRunner::ScoreGroup(common::RolloutGroup& group,
         const auto t0 = std::chrono::steady_clock::now();
         try {
           Scores result = fn->Score(*inputs);
-          call->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          call->seconds =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
           call->promise.set_value(std::move(result));
         } catch (...) {
-          call->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          call->seconds =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
           call->promise.set_exception(std::current_exception());
         }
         int running = 0;

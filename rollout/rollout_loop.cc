@@ -6,9 +6,9 @@
 #include <exception>
 #include <filesystem>
 
-#include "common/tokenizer/byte_tokenizer.h"
-#include "common/model/device.h"
 #include "common/logging.h"
+#include "common/model/device.h"
+#include "common/tokenizer/byte_tokenizer.h"
 #include "common/weight_sync/backends.h"
 
 namespace grpo::rollout {

@@ -161,8 +161,7 @@ class RolloutLoop {
   // for a negative prompts_per_lease, and naming the key for a `device` that cannot be used
   // here (common::ResolveDevice). No call to the learner yet.
   static StatusOr<std::unique_ptr<RolloutLoop>> Create(RolloutLoopOptions options,
-                                                       LearnerLink* link,
-                                                       WeightReceiver* receiver);
+                                                       LearnerLink* link, WeightReceiver* receiver);
   ~RolloutLoop();
 
   // Registers, takes the weights and runs rounds until the learner reports the job done (or
@@ -226,9 +225,9 @@ class RolloutLoop {
   bool done_ = false;
 
   mutable std::mutex mu_;
-  std::string worker_id_;                        // GUARDED_BY(mu_)
+  std::string worker_id_;         // GUARDED_BY(mu_)
   std::string assigned_backend_;  // GUARDED_BY(mu_): the learner's answer at the last Register
-  common::GrpoConfig config_;                    // GUARDED_BY(mu_)
+  common::GrpoConfig config_;     // GUARDED_BY(mu_)
   std::shared_ptr<const common::Model> policy_;  // GUARDED_BY(mu_)
   // GUARDED_BY(mu_)
   std::chrono::milliseconds heartbeat_interval_ = kDefaultWorkerHeartbeatInterval;

@@ -1,7 +1,7 @@
 #include "rollout/sampler.h"
 
-#include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
 
 #include <cmath>
 #include <limits>
@@ -132,14 +132,13 @@ StatusOr<SampleOutput> Sample(const at::Tensor& logits, const at::Tensor& seen,
   const int64_t b = logits.size(0);
   if (params.greedy()) return SampleWithUniforms(logits, seen, params, at::Tensor());
   if (static_cast<int64_t>(gens.size()) != b) {
-    return Status::InvalidArgument("sampler: " + std::to_string(gens.size()) +
-                                   " generators for " + std::to_string(b) + " rows");
+    return Status::InvalidArgument("sampler: " + std::to_string(gens.size()) + " generators for " +
+                                   std::to_string(b) + " rows");
   }
   try {
     std::vector<double> u(b);
     for (int64_t i = 0; i < b; ++i) u[i] = NextUniform(gens[i]);
-    return SampleWithUniforms(logits, seen, params,
-                              at::tensor(u, at::kDouble).to(logits.device()));
+    return SampleWithUniforms(logits, seen, params, at::tensor(u, at::kDouble).to(logits.device()));
   } catch (const c10::Error& e) {
     return Status::Internal(std::string("sampler: ") + e.what_without_backtrace());
   }
@@ -163,7 +162,7 @@ StatusOr<SampleOutput> SampleWithUniforms(const at::Tensor& logits, const at::Te
     if (params.greedy()) {
       out.tokens = processed.argmax(1);
     } else {
-      at::Tensor cdf = processed.softmax(1).to(at::kDouble).cumsum(1);  // [B, V]
+      at::Tensor cdf = processed.softmax(1).to(at::kDouble).cumsum(1);      // [B, V]
       at::Tensor target = uniforms.unsqueeze(1) * cdf.narrow(1, v - 1, 1);  // [B, 1]
       // First index with cdf > target: a token of zero probability is never chosen.
       out.tokens = at::searchsorted(cdf, target, /*out_int32=*/false, /*right=*/true)

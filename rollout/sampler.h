@@ -68,7 +68,6 @@ StatusOr<SampleOutput> Sample(const at::Tensor& logits, const at::Tensor& seen,
 // a GPU draw several steps' uniforms at once and copy them in one transfer (no host sync per
 // token). InvalidArgument on bad shapes or a missing uniforms tensor when not greedy.
 StatusOr<SampleOutput> SampleWithUniforms(const at::Tensor& logits, const at::Tensor& seen,
-                                          const SamplingParams& params,
-                                          const at::Tensor& uniforms);
+                                          const SamplingParams& params, const at::Tensor& uniforms);
 
 }  // namespace grpo::rollout

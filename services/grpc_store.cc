@@ -145,8 +145,8 @@ Status ServeStoreRequest(common::InMemoryEpochStore& store, const v1::StoreReque
     }
     case v1::StoreRequest::COMPARE_SET: {
       bool swapped = false;
-      ASSIGN_OR_RETURN(std::string now, store.CompareSet(epoch, key, request.expected(),
-                                                         request.value(), &swapped));
+      ASSIGN_OR_RETURN(std::string now,
+                       store.CompareSet(epoch, key, request.expected(), request.value(), &swapped));
       response->set_value(std::move(now));
       response->set_ok(swapped);
       return Status::OK();

@@ -133,10 +133,11 @@ StatusOr<std::unique_ptr<rollout::WeightReceiver>> MakeWeightReceiver(
     const std::string& backend, int64_t chunk_bytes, const WeightGroupOptions& group,
     const at::Device& device) {
   auto grpc_receiver = std::make_unique<GrpcWeightReceiver>(channel, auth_token, chunk_bytes);
-  if (backend == common::kBackendGrpc) return std::unique_ptr<rollout::WeightReceiver>(std::move(grpc_receiver));
+  if (backend == common::kBackendGrpc)
+    return std::unique_ptr<rollout::WeightReceiver>(std::move(grpc_receiver));
   if (!common::IsWeightSyncBackendName(backend)) {
-    return Status::InvalidArgument("config key 'weight_sync_backend': unknown backend '" +
-                                   backend + "' (grpc, gloo, nccl, cuda_ipc or auto)");
+    return Status::InvalidArgument("config key 'weight_sync_backend': unknown backend '" + backend +
+                                   "' (grpc, gloo, nccl, cuda_ipc or auto)");
   }
   common::WeightSyncBackendOptions o;
   o.timeout = group.timeout;

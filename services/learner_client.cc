@@ -20,14 +20,12 @@ double Metric(const v1::JobEvent &e, const char *name) {
   return it == e.metrics().end() ? 0.0 : it->second;
 }
 
-} // namespace
+}  // namespace
 
-std::unique_ptr<grpc::ClientContext>
-LearnerClient::Context(double seconds) const {
+std::unique_ptr<grpc::ClientContext> LearnerClient::Context(double seconds) const {
   auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(
-      std::chrono::system_clock::now() +
-      std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
   AddAuth(*ctx, token);
   return ctx;
 }
@@ -37,8 +35,7 @@ StatusOr<LearnerClient> ConnectLearner(const std::string &address,
                                        const std::string &tls_ca_file) {
   LearnerClient c;
   ASSIGN_OR_RETURN(c.token, ReadAuthToken(auth_token_file));
-  ASSIGN_OR_RETURN(const std::string root_certs,
-                   ReadPemFile(tls_ca_file, "tls_ca_file"));
+  ASSIGN_OR_RETURN(const std::string root_certs, ReadPemFile(tls_ca_file, "tls_ca_file"));
   c.stub = v1::LearnerService::NewStub(MakeChannel(address, root_certs));
   return c;
 }
@@ -55,15 +52,13 @@ std::string DatasetContentKey(const std::vector<std::string> &lines) {
   return "sha256:" + hasher.HexDigest();
 }
 
-StatusOr<v1::SubmitDatasetResponse>
-SubmitLines(const LearnerClient &client, std::istream &jsonl,
-            const std::string &idempotency_key, const std::string &name,
-            double timeout_seconds) {
+StatusOr<v1::SubmitDatasetResponse> SubmitLines(const LearnerClient &client, std::istream &jsonl,
+                                                const std::string &idempotency_key,
+                                                const std::string &name, double timeout_seconds) {
   std::vector<std::string> lines;
   for (std::string line; std::getline(jsonl, line);) lines.push_back(std::move(line));
   if (jsonl.bad()) return Status::Internal("SubmitDataset: cannot read the input");
-  const std::string key =
-      idempotency_key.empty() ? DatasetContentKey(lines) : idempotency_key;
+  const std::string key = idempotency_key.empty() ? DatasetContentKey(lines) : idempotency_key;
 
   auto ctx = client.Context(timeout_seconds);
   v1::SubmitDatasetResponse response;
@@ -88,16 +83,14 @@ SubmitLines(const LearnerClient &client, std::istream &jsonl,
   if (write_ok) write_ok = writer->Write(msg);
   writer->WritesDone();
   grpc::Status s = writer->Finish();
-  if (!s.ok())
-    return FromGrpcStatus(s);
+  if (!s.ok()) return FromGrpcStatus(s);
   return response;
 }
 
 void WatchCanceller::Cancel() {
   std::lock_guard<std::mutex> lock(mu_);
   cancelled_ = true;
-  if (context_ != nullptr)
-    context_->TryCancel();
+  if (context_ != nullptr) context_->TryCancel();
 }
 
 bool WatchCanceller::cancelled() const {
@@ -108,18 +101,15 @@ bool WatchCanceller::cancelled() const {
 void WatchCanceller::Attach(grpc::ClientContext *context) {
   std::lock_guard<std::mutex> lock(mu_);
   context_ = context;
-  if (cancelled_ && context_ != nullptr)
-    context_->TryCancel();
+  if (cancelled_ && context_ != nullptr) context_->TryCancel();
 }
 
-StatusOr<learner::JobState>
-FollowJob(const LearnerClient &client, double watch_timeout_seconds,
-          const std::function<void(const v1::JobEvent &)> &on_event,
-          WatchCanceller *canceller) {
+StatusOr<learner::JobState> FollowJob(const LearnerClient &client, double watch_timeout_seconds,
+                                      const std::function<void(const v1::JobEvent &)> &on_event,
+                                      WatchCanceller *canceller) {
   while (true) {
     auto ctx = client.Context(watch_timeout_seconds);
-    if (canceller != nullptr)
-      canceller->Attach(ctx.get());
+    if (canceller != nullptr) canceller->Attach(ctx.get());
     auto reader = client.stub->WatchJob(ctx.get(), v1::WatchJobRequest());
     v1::JobEvent e;
     std::optional<learner::JobState> state;
@@ -128,55 +118,46 @@ FollowJob(const LearnerClient &client, double watch_timeout_seconds,
       on_event(e);
     }
     grpc::Status s = reader->Finish();
-    if (canceller != nullptr)
-      canceller->Attach(nullptr);
-    if (canceller != nullptr && canceller->cancelled())
-      return Status::Cancelled("watch cancelled");
-    if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED)
-      continue; // dropped: rewatch
-    if (!s.ok())
-      return FromGrpcStatus(s);
-    if (!state)
-      return Status::Internal("the job stream ended without a known job state");
+    if (canceller != nullptr) canceller->Attach(nullptr);
+    if (canceller != nullptr && canceller->cancelled()) return Status::Cancelled("watch cancelled");
+    if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) continue;  // dropped: rewatch
+    if (!s.ok()) return FromGrpcStatus(s);
+    if (!state) return Status::Internal("the job stream ended without a known job state");
     return *state;
   }
 }
 
 nlohmann::json StepJson(const v1::JobEvent &e) {
   nlohmann::json j = nlohmann::json::object();
-  for (const auto &[k, v] : e.metrics())
-    j[k] = v;
+  for (const auto &[k, v] : e.metrics()) j[k] = v;
   j["step"] = e.step();
   return j;
 }
 
 std::string StepTableHeader() {
   std::ostringstream out;
-  out << std::setw(6) << "step" << std::setw(10) << "reward" << std::setw(11)
-      << "reward_std" << std::setw(10) << "loss" << std::setw(10) << "kl"
-      << std::setw(10) << "grad_norm" << std::setw(8) << "len" << std::setw(10)
-      << "tok/s"
+  out << std::setw(6) << "step" << std::setw(10) << "reward" << std::setw(11) << "reward_std"
+      << std::setw(10) << "loss" << std::setw(10) << "kl" << std::setw(10) << "grad_norm"
+      << std::setw(8) << "len" << std::setw(10) << "tok/s"
       << "\n";
   return out.str();
 }
 
 std::string StepTableRow(const v1::JobEvent &e) {
   std::ostringstream out;
-  out << std::fixed << std::setw(6) << e.step() << std::setprecision(4)
-      << std::setw(10) << Metric(e, "reward") << std::setw(11)
-      << Metric(e, "reward_std") << std::setw(10) << Metric(e, "loss")
-      << std::setw(10) << Metric(e, "kl") << std::setw(10)
+  out << std::fixed << std::setw(6) << e.step() << std::setprecision(4) << std::setw(10)
+      << Metric(e, "reward") << std::setw(11) << Metric(e, "reward_std") << std::setw(10)
+      << Metric(e, "loss") << std::setw(10) << Metric(e, "kl") << std::setw(10)
       << Metric(e, "grad_norm") << std::setprecision(1) << std::setw(8)
-      << Metric(e, "completions/mean_length") << std::setw(10)
-      << Metric(e, "tokens_per_second") << "\n";
+      << Metric(e, "completions/mean_length") << std::setw(10) << Metric(e, "tokens_per_second")
+      << "\n";
   return out.str();
 }
 
 std::string JobStateLine(const v1::JobEvent &e) {
   return "job " + std::string(JobStateName(e.job().state())) + " at step " +
-         std::to_string(e.job().global_step()) + "/" +
-         std::to_string(e.job().max_steps()) +
+         std::to_string(e.job().global_step()) + "/" + std::to_string(e.job().max_steps()) +
          (e.job().message().empty() ? "" : ": " + e.job().message());
 }
 
-} // namespace grpo::services
+}  // namespace grpo::services

@@ -5,12 +5,12 @@
 #pragma once
 
 #include <grpcpp/grpcpp.h>
-#include <nlohmann/json.hpp>
 
 #include <functional>
 #include <istream>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -54,24 +54,23 @@ StatusOr<LearnerClient> ConnectLearner(const std::string &address,
 // lines (each prefixed by its 64-bit length), so resubmitting the same file adds nothing.
 std::string DatasetContentKey(const std::vector<std::string> &lines);
 
-StatusOr<v1::SubmitDatasetResponse>
-SubmitLines(const LearnerClient &client, std::istream &jsonl,
-            const std::string &idempotency_key, const std::string &name,
-            double timeout_seconds);
+StatusOr<v1::SubmitDatasetResponse> SubmitLines(const LearnerClient &client, std::istream &jsonl,
+                                                const std::string &idempotency_key,
+                                                const std::string &name, double timeout_seconds);
 
 // Lets another thread end a FollowJob early (FollowJob then returns Cancelled).
 // Thread-safe.
 class WatchCanceller {
-public:
+ public:
   void Cancel();
   bool cancelled() const;
   // Used by FollowJob: the context of the stream being read, or null.
   void Attach(grpc::ClientContext *context);
 
-private:
+ private:
   mutable std::mutex mu_;
-  bool cancelled_ = false;                 // GUARDED_BY(mu_)
-  grpc::ClientContext *context_ = nullptr; // GUARDED_BY(mu_)
+  bool cancelled_ = false;                  // GUARDED_BY(mu_)
+  grpc::ClientContext *context_ = nullptr;  // GUARDED_BY(mu_)
 };
 
 // Streams WatchJob until the job ends, calling `on_event` for every event (a
@@ -79,10 +78,9 @@ private:
 // dropped a slow watcher. Returns the job's final state (done, cancelled or
 // failed); the stream's error otherwise, Cancelled after `canceller` (may be
 // null) cancelled it, Internal when the stream ended without a known state.
-StatusOr<learner::JobState>
-FollowJob(const LearnerClient &client, double watch_timeout_seconds,
-          const std::function<void(const v1::JobEvent &)> &on_event,
-          WatchCanceller *canceller = nullptr);
+StatusOr<learner::JobState> FollowJob(const LearnerClient &client, double watch_timeout_seconds,
+                                      const std::function<void(const v1::JobEvent &)> &on_event,
+                                      WatchCanceller *canceller = nullptr);
 
 // A step event as one JSON object: its metrics (TRL names) and "step".
 nlohmann::json StepJson(const v1::JobEvent &event);
@@ -93,4 +91,4 @@ std::string StepTableRow(const v1::JobEvent &event);
 // message".
 std::string JobStateLine(const v1::JobEvent &event);
 
-} // namespace grpo::services
+}  // namespace grpo::services

@@ -46,8 +46,9 @@ grpc::Status Guarded(const char* rpc, F&& body) {
 // one has the system clock's maximum, capped here at a day).
 Clock::time_point SteadyDeadline(const grpc::ServerContext& context) {
   const auto left = context.deadline() - std::chrono::system_clock::now();
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                            std::min<std::chrono::system_clock::duration>(left, std::chrono::hours(24)));
+  return Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(
+             std::min<std::chrono::system_clock::duration>(left, std::chrono::hours(24)));
 }
 
 }  // namespace
@@ -67,8 +68,7 @@ StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
   ASSIGN_OR_RETURN(s->auth_token_, ReadAuthToken(config.auth_token_file));
   ASSIGN_OR_RETURN(s->server_credentials_, ServerCredentials(config, s->auth_token_));
   ASSIGN_OR_RETURN(s->learner_, learner::Learner::Create(std::move(config), std::move(policy),
-                                                         std::move(reference),
-                                                         std::move(options)));
+                                                         std::move(reference), std::move(options)));
   return s;
 }
 

@@ -82,9 +82,7 @@ class LearnerServer final : public v1::LearnerService::Service {
   // kDefaultShutdownGrace) and ends the ledger. Idempotent; returns the checkpoint error if any.
   Status Stop(bool checkpoint);
   // Blocks until the job is done, cancelled or failed, or `timeout` passes; true if it ended.
-  bool WaitForJobEnd(std::chrono::milliseconds timeout) {
-    return learner_->WaitForJobEnd(timeout);
-  }
+  bool WaitForJobEnd(std::chrono::milliseconds timeout) { return learner_->WaitForJobEnd(timeout); }
 
   int port() const { return port_; }  // the bound port, after Start
   learner::Learner& engine() { return *learner_; }

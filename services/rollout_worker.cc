@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "common/model/device.h"
 #include "common/logging.h"
+#include "common/model/device.h"
 #include "services/auth.h"
 #include "services/convert.h"
 #include "services/grpc_weight_receiver.h"
@@ -66,9 +66,9 @@ RolloutWorker::RolloutWorker(RolloutWorkerOptions options)
   if (receiver_ == nullptr) {
     // Where the group receiver receives (GPU backends); a bad `device` fails the loop's Create.
     const StatusOr<at::Device> device = common::ResolveDevice(options_.config.device);
-    auto made = MakeWeightReceiver(channel_, options_.auth_token,
-                                   options_.config.weight_sync_backend, options_.weights_chunk_bytes,
-                                   options_.weight_group, device.ok() ? *device : at::kCPU);
+    auto made = MakeWeightReceiver(
+        channel_, options_.auth_token, options_.config.weight_sync_backend,
+        options_.weights_chunk_bytes, options_.weight_group, device.ok() ? *device : at::kCPU);
     if (made.ok()) {
       receiver_ = std::move(made).value();
     } else {

@@ -22,8 +22,8 @@
 #include "rollout/reward.h"
 #include "rollout/rollout_loop.h"
 #include "rollout/weight_receiver.h"
-#include "services/grpc_weight_receiver.h"
 #include "services/grpc_learner_link.h"
+#include "services/grpc_weight_receiver.h"
 
 namespace grpo::services {
 
@@ -40,8 +40,8 @@ struct RolloutWorkerOptions {
   std::string auth_token;       // empty = no auth
   // Sent to remote reward servers (reward_auth_token_file), never auth_token; empty = none.
   std::string reward_auth_token;
-  std::string root_certs_pem;   // empty = insecure channel
-  std::string worker_id;        // empty = the learner assigns one
+  std::string root_certs_pem;  // empty = insecure channel
+  std::string worker_id;       // empty = the learner assigns one
   // The worker's own configuration: device, weight_sync_backend, model_name_or_path
   // (tokenizer) ... The generation, precision (bf16) and reward keys of Register's config_json
   // override it (LearnerOwnedConfigKeys); `device` is always this one's.

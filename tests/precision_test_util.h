@@ -127,7 +127,9 @@ inline at::Tensor SequenceLogprobs(const common::Model& model, const at::Tensor&
   const at::Tensor x = ids.to(model.device());
   const at::Tensor hidden = model.ForwardHidden(x, at::ones_like(x));
   const at::Tensor logits = model.Logits(hidden.narrow(1, 0, ids.size(1) - 1)).to(at::kFloat);
-  return logits.log_softmax(-1).gather(-1, x.narrow(1, 1, ids.size(1) - 1).unsqueeze(-1)).squeeze(-1);
+  return logits.log_softmax(-1)
+      .gather(-1, x.narrow(1, 1, ids.size(1) - 1).unsqueeze(-1))
+      .squeeze(-1);
 }
 
 inline at::Tensor PrecisionIds() {

@@ -4,18 +4,17 @@
 #pragma once
 
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
-#include <memory>
 #include <filesystem>
 #include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
-
-#include <sys/wait.h>
-#include <unistd.h>
 
 namespace grpo::testing {
 
@@ -78,9 +77,8 @@ inline nlohmann::json RunReference(const std::string& script, const nlohmann::js
   fs::create_directories(dir);
   const fs::path in = dir / "in.json", out = dir / "out.json";
   std::ofstream(in) << input.dump();
-  const std::string cmd = "'" + ReferencePython() + "' " + SourceDir() +
-                          "/tests/reference/" + script + " < " + in.string() + " > " +
-                          out.string();
+  const std::string cmd = "'" + ReferencePython() + "' " + SourceDir() + "/tests/reference/" +
+                          script + " < " + in.string() + " > " + out.string();
   const int rc = std::system(cmd.c_str());
   EXPECT_EQ(rc, 0) << "reference failed: " << cmd;
   std::ifstream f(out);

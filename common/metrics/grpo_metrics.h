@@ -20,12 +20,11 @@ namespace grpo::common {
 // service (job over, ledger read failed, buffer stayed full, weights this learner did not
 // publish, learner shutting down).
 inline constexpr std::array<std::string_view, 17> kRejectReasons = {
-    "group_size",          "empty_prompt",       "empty_completion",
-    "completion_too_long", "token_out_of_vocab", "logprob_length",
-    "reward_count",        "non_finite_reward",  "reward_out_of_range",
-    "stale",               "unknown_lease",      "expired_lease",
-    "job_ended",           "ledger_error",       "buffer_full",
-    "unknown_policy",      "learner_stopping"};
+    "group_size",          "empty_prompt",   "empty_completion", "completion_too_long",
+    "token_out_of_vocab",  "logprob_length", "reward_count",     "non_finite_reward",
+    "reward_out_of_range", "stale",          "unknown_lease",    "expired_lease",
+    "job_ended",           "ledger_error",   "buffer_full",      "unknown_policy",
+    "learner_stopping"};
 // Values of `state` on grpo_ledger_prompts (the prompt ledger's states).
 inline constexpr std::array<std::string_view, 4> kLedgerStates = {"queued", "leased", "trained",
                                                                   "rejected"};

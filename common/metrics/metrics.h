@@ -1,8 +1,9 @@
 // A small Prometheus registry: counters, gauges and fixed-bucket histograms, exposed in the
-// text exposition format 0.0.4. Families are created once per process (common/metrics/grpo_metrics.h
-// holds the project's families, in one place). Every label declares its allowed values up
-// front, so series are a fixed, small set: never prompt text, ids or tokens. All series exist
-// (at 0) from creation on, and an update with a value outside the set is dropped and counted.
+// text exposition format 0.0.4. Families are created once per process
+// (common/metrics/grpo_metrics.h holds the project's families, in one place). Every label declares
+// its allowed values up front, so series are a fixed, small set: never prompt text, ids or tokens.
+// All series exist (at 0) from creation on, and an update with a value outside the set is dropped
+// and counted.
 #pragma once
 
 #include <atomic>

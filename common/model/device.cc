@@ -45,8 +45,9 @@ StatusOr<at::Device> ResolveDevice(std::string_view device) {
                                    "' but no CUDA device is visible (use cpu or auto)");
   }
   if (index >= visible) {
-    return Status::InvalidArgument("config key 'device' is '" + std::string(device) + "' but only " +
-                                   std::to_string(visible) + " CUDA device(s) are visible");
+    return Status::InvalidArgument("config key 'device' is '" + std::string(device) +
+                                   "' but only " + std::to_string(visible) +
+                                   " CUDA device(s) are visible");
   }
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
 }

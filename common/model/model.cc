@@ -154,8 +154,7 @@ NamedTensors Placed(const NamedTensors& params, const at::Device& device, at::Sc
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Model>> Model::Copy(const at::Device& device,
-                                             at::ScalarType dtype) const {
+StatusOr<std::unique_ptr<Model>> Model::Copy(const at::Device& device, at::ScalarType dtype) const {
   RETURN_IF_ERROR(CheckPlacement("Model::Copy", dtype));
   try {
     at::NoGradGuard no_grad;
@@ -180,8 +179,7 @@ Status Model::To(const at::Device& device, at::ScalarType dtype) {
 }
 
 StatusOr<std::unique_ptr<Model>> Model::InitRandom(const ModelConfig& config, uint64_t seed,
-                                                   const at::Device& device,
-                                                   at::ScalarType dtype) {
+                                                   const at::Device& device, at::ScalarType dtype) {
   RETURN_IF_ERROR(config.Validate("InitRandom config"));
   RETURN_IF_ERROR(CheckPlacement("Model::InitRandom", dtype));
   try {
@@ -349,7 +347,8 @@ at::Tensor Model::RmsNorm(const at::Tensor& x, const at::Tensor& w) const {
   }
   // Half precision: the statistics and the scaling in fp32, then back (transformers' order).
   const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + config_.rms_norm_eps);
+  const at::Tensor normed =
+      xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + config_.rms_norm_eps);
   return w * normed.to(x.scalar_type());
 }
 
@@ -383,9 +382,9 @@ at::Tensor Model::Attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 const std::vector<at::Tensor Model::Layer::*>& Model::LayerFields() {
   static const std::vector<at::Tensor Layer::*> fields = {
-      &Layer::input_norm, &Layer::q_w,    &Layer::q_b,       &Layer::k_w,    &Layer::k_b,
-      &Layer::v_w,        &Layer::v_b,    &Layer::o_w,       &Layer::o_b,    &Layer::q_norm,
-      &Layer::k_norm,     &Layer::post_norm, &Layer::gate_w, &Layer::up_w,   &Layer::down_w};
+      &Layer::input_norm, &Layer::q_w,       &Layer::q_b,    &Layer::k_w,  &Layer::k_b,
+      &Layer::v_w,        &Layer::v_b,       &Layer::o_w,    &Layer::o_b,  &Layer::q_norm,
+      &Layer::k_norm,     &Layer::post_norm, &Layer::gate_w, &Layer::up_w, &Layer::down_w};
   return fields;
 }
 
@@ -393,8 +392,7 @@ const std::vector<at::Tensor Model::Layer::*>& Model::LayerFields() {
 // saved input under grad mode (on detached leaves) and differentiates that. The model and layer
 // travel as integers because autograd's saved_data holds IValues; the Model outlives the graph
 // (the trainer owns both). Inputs: {x, cos, sin, blocked, the layer's defined weights...}.
-class CheckpointedLayerFunction
-    : public torch::autograd::Function<CheckpointedLayerFunction> {
+class CheckpointedLayerFunction : public torch::autograd::Function<CheckpointedLayerFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 at::TensorList inputs, int64_t model_address,
@@ -404,8 +402,8 @@ class CheckpointedLayerFunction
     ctx->saved_data["layer"] = layer;
     ctx->save_for_backward(inputs.vec());
     const size_t li = static_cast<size_t>(layer);
-    return {model->LayerForward(model->layers_[li], li, inputs[0], inputs[1], inputs[2],
-                                inputs[3], nullptr)};
+    return {model->LayerForward(model->layers_[li], li, inputs[0], inputs[1], inputs[2], inputs[3],
+                                nullptr)};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -488,8 +486,7 @@ at::Tensor Model::Forward(const at::Tensor& ids, const at::Tensor& positions,
       for (auto field : LayerFields()) {
         if ((layers_[li].*field).defined()) inputs.push_back(layers_[li].*field);
       }
-      x = CheckpointedLayerFunction::apply(at::TensorList(inputs),
-                                           reinterpret_cast<int64_t>(this),
+      x = CheckpointedLayerFunction::apply(at::TensorList(inputs), reinterpret_cast<int64_t>(this),
                                            static_cast<int64_t>(li))[0];
     } else {
       x = LayerForward(layers_[li], li, x, cos, sin, blocked, cache);

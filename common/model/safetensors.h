@@ -1,7 +1,7 @@
 // safetensors (https://github.com/huggingface/safetensors) read and write.
 // Format: 8-byte little-endian header length N, N bytes of JSON
-// {"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {str: str}},
-// then the data buffer; offsets are relative to the start of the buffer.
+// {"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {str:
+// str}}, then the data buffer; offsets are relative to the start of the buffer.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -27,8 +27,8 @@ using WeightSyncFactory = std::function<StatusOr<std::unique_ptr<WeightSync>>(
 
 struct WeightSyncBackendOptions {
   std::chrono::milliseconds timeout = kDefaultBroadcastTimeout;  // of every collective
-  std::string hostname;     // gloo: the address this rank listens on (empty: the hostname)
-  int cuda_device = 0;      // nccl, cuda_ipc: this rank's CUDA device ordinal
+  std::string hostname;  // gloo: the address this rank listens on (empty: the hostname)
+  int cuda_device = 0;   // nccl, cuda_ipc: this rank's CUDA device ordinal
   int64_t bucket_bytes = kDefaultBucketBytes;  // gloo, nccl
   int64_t ipc_bucket_bytes = 256ll << 20;      // cuda_ipc (kDefaultCudaIpcBucketBytes)
 };

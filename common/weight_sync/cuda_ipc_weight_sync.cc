@@ -61,8 +61,8 @@ bool ParseInts(const std::string& s, std::vector<int64_t>* out) {
 
 class CudaIpcWeightSync final : public DeviceMemoryWeightSync {
  public:
-  CudaIpcWeightSync(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
-                    int64_t epoch, const CudaIpcWeightSyncOptions& options)
+  CudaIpcWeightSync(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, int64_t epoch,
+                    const CudaIpcWeightSyncOptions& options)
       : DeviceMemoryWeightSync(rank, world_size, epoch, options.sync, options.device),
         store_(std::move(store)) {}
   ~CudaIpcWeightSync() override { AbortBackend(); }
@@ -146,8 +146,8 @@ class CudaIpcWeightSync final : public DeviceMemoryWeightSync {
       std::vector<int64_t> row;
       RETURN_IF_ERROR(WaitKey(key, &text, deadline, "all-gather " + round));
       if (!ParseInts(text, &row) || row.size() != mine.size()) {
-        return Status::Internal("all-gather " + round + ": rank " + std::to_string(r) +
-                                " sent '" + text + "'");
+        return Status::Internal("all-gather " + round + ": rank " + std::to_string(r) + " sent '" +
+                                text + "'");
       }
       all->insert(all->end(), row.begin(), row.end());
     }
@@ -158,11 +158,8 @@ class CudaIpcWeightSync final : public DeviceMemoryWeightSync {
 
   Status Synchronize() override {
     RETURN_IF_ERROR(Ready());
-    return WaitCudaStream(stream_, Clock::now() + options().timeout, options().timeout,
-                          "copies");
+    return WaitCudaStream(stream_, Clock::now() + options().timeout, options().timeout, "copies");
   }
-
-
 
   void AbortBackend() override {
     if (torn_down_) return;
@@ -274,7 +271,7 @@ class CudaIpcWeightSync final : public DeviceMemoryWeightSync {
 
   c10::intrusive_ptr<c10d::Store> store_;
   bool torn_down_ = false;
-  int64_t round_ = 0;  // collectives so far (the same count on every rank)
+  int64_t round_ = 0;       // collectives so far (the same count on every rank)
   void* buffer_ = nullptr;  // rank 0: the exported buffer
   void* mapped_ = nullptr;  // receivers: rank 0's buffer, mapped
   int64_t buffer_bytes_ = 0;

@@ -17,11 +17,10 @@ namespace grpo::common {
 // Unavailable("<what>: CUDA error <name> (<text>)").
 Status CudaError(cudaError_t e, const std::string& what);
 
-#define GRPO_CUDA_RETURN(expr, what)                                                    \
-  do {                                                                                  \
-    cudaError_t grpo_cuda_err_ = (expr);                                                \
-    if (grpo_cuda_err_ != cudaSuccess) return ::grpo::common::CudaError(grpo_cuda_err_, \
-                                                                        what);          \
+#define GRPO_CUDA_RETURN(expr, what)                                                           \
+  do {                                                                                         \
+    cudaError_t grpo_cuda_err_ = (expr);                                                       \
+    if (grpo_cuda_err_ != cudaSuccess) return ::grpo::common::CudaError(grpo_cuda_err_, what); \
   } while (0)
 
 // Polls `stream` until its work is done: DeadlineExceeded past `deadline`. `also` (may be

@@ -76,8 +76,8 @@ Status InMemoryEpochStore::CheckEpochLocked(int64_t epoch, const std::string& ke
 
 Status InMemoryEpochStore::CheckRoomLocked(const std::string& key) const {
   if (kv_.size() >= kMaxEpochStoreKeys && kv_.count(key) == 0) {
-    return Status::ResourceExhausted("Store: too many keys (" +
-                                     std::to_string(kMaxEpochStoreKeys) + ") in one epoch");
+    return Status::ResourceExhausted("Store: too many keys (" + std::to_string(kMaxEpochStoreKeys) +
+                                     ") in one epoch");
   }
   return Status::OK();
 }

@@ -54,8 +54,8 @@ class EpochStore {
   // counts as equal to an empty `expected`). Returns the value stored now (`expected` when the
   // key is absent and was not set); *swapped says whether it was set.
   virtual StatusOr<std::string> CompareSet(int64_t epoch, const std::string& key,
-                                           const std::string& expected,
-                                           const std::string& desired, bool* swapped) = 0;
+                                           const std::string& expected, const std::string& desired,
+                                           bool* swapped) = 0;
 };
 
 // The learner's store: the keys of the current epoch only (older ones are dropped when the
@@ -98,9 +98,9 @@ class InMemoryEpochStore final : public EpochStore {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  int64_t epoch_ = 1;                        // GUARDED_BY(mu_)
-  std::map<std::string, std::string> kv_;    // GUARDED_BY(mu_): the current epoch's keys
-  bool stopping_ = false;                    // GUARDED_BY(mu_)
+  int64_t epoch_ = 1;                      // GUARDED_BY(mu_)
+  std::map<std::string, std::string> kv_;  // GUARDED_BY(mu_): the current epoch's keys
+  bool stopping_ = false;                  // GUARDED_BY(mu_)
 };
 
 // A c10d::Store over one epoch of an EpochStore, for Gloo's and NCCL's rendezvous. The c10d

@@ -81,7 +81,6 @@ class GlooWeightSync final : public HostMemoryWeightSync {
     return Status::OK();
   }
 
-
   // Destroying the process group joins its worker threads (an op in flight ends by gloo's own
   // timeout, the same deadline) and closes the connections, so peers fail fast.
   void AbortBackend() override {

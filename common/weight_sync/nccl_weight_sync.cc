@@ -170,8 +170,6 @@ class NcclWeightSync final : public DeviceMemoryWeightSync {
                       "copies");
   }
 
-
-
   void AbortBackend() override {
     cudaSetDevice(device_);
     if (comm_ != nullptr) {

@@ -271,8 +271,8 @@ Status CollectiveWeightSync::Commit() {
 
 Status HostMemoryWeightSync::CheckTensorMemory(const std::string& name, const at::Tensor& t) {
   if (!t.device().is_cpu()) {
-    return Status::InvalidArgument("tensor '" + name + "' is on " + t.device().str() +
-                                   "; the " + backend_name() + " weight sync takes CPU tensors");
+    return Status::InvalidArgument("tensor '" + name + "' is on " + t.device().str() + "; the " +
+                                   backend_name() + " weight sync takes CPU tensors");
   }
   return Status::OK();
 }

@@ -47,9 +47,9 @@ uint64_t LayoutFingerprint(const NamedTensors& tensors);
 // corruption and misordering, not adversaries).
 uint64_t ChecksumBytes(const void* data, int64_t bytes, uint64_t seed);
 
-// Runs the protocol of common/weight_sync/weight_sync.h over a backend's primitives. Each primitive is one
-// collective bounded by options().timeout; when one fails the group is aborted (AbortBackend)
-// and every later call returns Aborted. Not thread-safe (see WeightSync).
+// Runs the protocol of common/weight_sync/weight_sync.h over a backend's primitives. Each primitive
+// is one collective bounded by options().timeout; when one fails the group is aborted
+// (AbortBackend) and every later call returns Aborted. Not thread-safe (see WeightSync).
 class CollectiveWeightSync : public WeightSync {
  public:
   Status Begin(int64_t version) final;

@@ -1,7 +1,6 @@
 // grpo bench e2e (docs/BENCHMARKS.md); shared helpers in bench_services_util.h.
 #include <ATen/ATen.h>
 #include <grpcpp/grpcpp.h>
-#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include <atomic>
@@ -15,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <string>
@@ -22,17 +22,17 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/weight_sync/epoch_store.h"
-#include "common/weight_sync/gloo_weight_sync.h"
 #include "common/metrics/metrics.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
 #include "common/rollout_types.h"
+#include "common/weight_sync/epoch_store.h"
+#include "common/weight_sync/gloo_weight_sync.h"
 #include "services/auth.h"
 #include "services/cli/bench_services_util.h"
 #include "services/cli/bench_util.h"
-#include "services/convert.h"
 #include "services/cli/demo_task.h"
+#include "services/convert.h"
 #include "services/grpc_store.h"
 #include "services/grpc_weight_receiver.h"
 #include "services/learner_client.h"
@@ -69,9 +69,9 @@ struct E2eResult {
   int64_t max_staleness = 0, num_iterations = 1, steps = 0, steps_per_batch = 0;
   int64_t batches_timed = 0;
   double steps_per_second = 0;
-  Timing batch_interval;    // between generation-batch completions, after the first
-  double t_step = 0;        // mean train time per optimizer step (StepMetrics.step_seconds)
-  double g_batch = 0;       // one worker's generation time per generation batch
+  Timing batch_interval;  // between generation-batch completions, after the first
+  double t_step = 0;      // mean train time per optimizer step (StepMetrics.step_seconds)
+  double g_batch = 0;     // one worker's generation time per generation batch
   double wall_s = 0;
   double reward_first = 0, reward_last = 0;
   int64_t stale_refused = 0;
@@ -204,7 +204,8 @@ StatusOr<E2eResult> RunE2eOnce(int64_t max_staleness, int64_t num_iterations, in
         "); raise --steps (each batch is " + std::to_string(steps_per_batch) + " steps)");
   }
   std::vector<double> intervals;
-  for (size_t i = 1; i < batch_end.size(); ++i) intervals.push_back(batch_end[i] - batch_end[i - 1]);
+  for (size_t i = 1; i < batch_end.size(); ++i)
+    intervals.push_back(batch_end[i] - batch_end[i - 1]);
   r.batches_timed = static_cast<int64_t>(intervals.size());
   r.batch_interval = Summarize(intervals);
   r.steps_per_second = static_cast<double>(steps_per_batch * intervals.size()) /
@@ -246,9 +247,9 @@ int RunE2e(const ServiceBenchOptions& o) {
   for (const Plan& p : plans) {
     auto r = RunE2eOnce(p.staleness, p.iterations, p.steps, workers);
     if (!r.ok()) {
-      return Fail("e2e", r.status().WithContext(
-                             "max_staleness " + std::to_string(p.staleness) +
-                             ", num_iterations " + std::to_string(p.iterations)));
+      return Fail("e2e",
+                  r.status().WithContext("max_staleness " + std::to_string(p.staleness) +
+                                         ", num_iterations " + std::to_string(p.iterations)));
     }
     results.push_back(std::move(r).value());
   }
@@ -307,9 +308,10 @@ int RunE2e(const ServiceBenchOptions& o) {
             << " RolloutWorker thread(s) over loopback (gRPC + gloo weight sync); the first "
                "generation batch of each run is the warm-up\n"
             << "  g = generation time per generation batch (workers' generation histogram, / "
-            << workers << " workers), t = train time per step (StepMetrics.step_seconds), "
-               "T = t x steps per batch; all on the same " << std::thread::hardware_concurrency()
-            << " cores\n"
+            << workers
+            << " workers), t = train time per step (StepMetrics.step_seconds), "
+               "T = t x steps per batch; all on the same "
+            << std::thread::hardware_concurrency() << " cores\n"
             << "  batch s = time between generation-batch completions; eff = this run's own ideal "
                "period (sync g+T, async max(g,T)) / its mean period; refused = stale groups\n";
   std::cout << std::left << std::setw(7) << "mode" << std::right << std::setw(10) << "staleness"
@@ -327,8 +329,7 @@ int RunE2e(const ServiceBenchOptions& o) {
               << r.t_step << std::setw(9) << r.stale_refused << std::setprecision(2) << std::setw(7)
               << OwnIdealBatch(r, workers) /
                      (static_cast<double>(r.steps_per_batch) / r.steps_per_second)
-              << std::setprecision(1)
-              << std::setw(8) << r.wall_s << "\n";
+              << std::setprecision(1) << std::setw(8) << r.wall_s << "\n";
   }
   std::cout << std::setprecision(3) << "  ideal async speed-up (g+T)/max(g,T) with g = " << g
             << " s, T = " << T << " s per generation batch (sync run): " << std::setprecision(2)

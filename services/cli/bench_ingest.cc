@@ -1,7 +1,6 @@
 // grpo bench ingest (docs/BENCHMARKS.md); shared helpers in bench_services_util.h.
 #include <ATen/ATen.h>
 #include <grpcpp/grpcpp.h>
-#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include <atomic>
@@ -15,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <string>
@@ -22,17 +22,17 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/weight_sync/epoch_store.h"
-#include "common/weight_sync/gloo_weight_sync.h"
 #include "common/metrics/metrics.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
 #include "common/rollout_types.h"
+#include "common/weight_sync/epoch_store.h"
+#include "common/weight_sync/gloo_weight_sync.h"
 #include "services/auth.h"
 #include "services/cli/bench_services_util.h"
 #include "services/cli/bench_util.h"
-#include "services/convert.h"
 #include "services/cli/demo_task.h"
+#include "services/convert.h"
 #include "services/grpc_store.h"
 #include "services/grpc_weight_receiver.h"
 #include "services/learner_client.h"
@@ -249,8 +249,10 @@ int RunIngest(const ServiceBenchOptions& o) {
                {"vs_grpc_push", serial_per_group / per_group},
                {"vs_step", serial_per_group * groups_per_step / step.median}};
   rows.push_back(srow);
-  json lrow = {{"bench", "ingest"}, {"impl", "learner_step"},
-               {"G", kBenchGenerations}, {"micro_batch", o.micro}};
+  json lrow = {{"bench", "ingest"},
+               {"impl", "learner_step"},
+               {"G", kBenchGenerations},
+               {"micro_batch", o.micro}};
   Merge(lrow, TimingJson(step));
   rows.push_back(lrow);
   if (o.json) {
@@ -262,20 +264,19 @@ int RunIngest(const ServiceBenchOptions& o) {
             << " steps never fills) from " << workers
             << " workers = threads of this process with their own channels over loopback TCP\n"
             << "  group: G=" << kBenchGenerations << " x " << kCompletionLen
-            << " tokens + log-probs, prompt " << kPromptLen << ", 1 reward, text; "
-            << wire_bytes << " bytes on the wire; " << kIngestGroupsPerPush
-            << " groups per stream, " << per_worker << " groups per worker per repetition; "
+            << " tokens + log-probs, prompt " << kPromptLen << ", 1 reward, text; " << wire_bytes
+            << " bytes on the wire; " << kIngestGroupsPerPush << " groups per stream, "
+            << per_worker << " groups per worker per repetition; "
             << "median of " << reps << " after a warm-up\n"
             << "  a generation batch of the bench = 1 group (16 completions) = 1 learner step of "
-            << std::setprecision(3) << step.median << " s (min " << step.min << ", max "
-            << step.max << ")\n";
+            << std::setprecision(3) << step.median << " s (min " << step.min << ", max " << step.max
+            << ")\n";
   std::cout << "  grpc_push:      " << std::setprecision(1) << groups_per_rep / wall.median
             << " groups/s (min " << groups_per_rep / wall.max << ", max "
             << groups_per_rep / wall.min << "), " << std::setprecision(1)
-            << groups_per_rep * wire_bytes / wall.median / 1e6 << " MB/s; "
-            << std::setprecision(2) << 1e3 * per_group
-            << " ms per generation batch = " << std::setprecision(3) << 100 * per_group / step.median
-            << "% of a learner step (goal <= 2%)\n"
+            << groups_per_rep * wire_bytes / wall.median / 1e6 << " MB/s; " << std::setprecision(2)
+            << 1e3 * per_group << " ms per generation batch = " << std::setprecision(3)
+            << 100 * per_group / step.median << "% of a learner step (goal <= 2%)\n"
             << "                  one PushRollouts call of " << kIngestGroupsPerPush
             << " groups: " << std::setprecision(2) << 1e3 * push.median << " ms (min "
             << 1e3 * push.min << ", max " << 1e3 * push.max << ") while " << workers

@@ -16,8 +16,8 @@ namespace grpo::services::bench {
 
 using Clock = std::chrono::steady_clock;
 
-inline constexpr int64_t kPromptLen = 64;       // docs/BENCHMARKS.md: prompt 64 tokens
-inline constexpr int64_t kCompletionLen = 128;  // completion 128 tokens
+inline constexpr int64_t kPromptLen = 64;         // docs/BENCHMARKS.md: prompt 64 tokens
+inline constexpr int64_t kCompletionLen = 128;    // completion 128 tokens
 inline constexpr int64_t kBenchGenerations = 16;  // G of learner_step / decode
 
 inline double Seconds(Clock::time_point t0) {
@@ -60,14 +60,15 @@ at::Tensor RandomIds(int64_t n, int64_t vocab, uint64_t seed);
 Timing LearnerStepTiming(int reps, int64_t micro, bool gradient_checkpointing = false,
                          double* peak_mib = nullptr, int64_t layers = 0);
 
-// grpo bench weight_sync | ingest | e2e (services/cli/bench_weight_sync.cc, bench_ingest.cc, bench_e2e.cc).
+// grpo bench weight_sync | ingest | e2e (services/cli/bench_weight_sync.cc, bench_ingest.cc,
+// bench_e2e.cc).
 struct ServiceBenchOptions {
   bool json = false;
   int reps = 5;
-  int64_t micro = 4;     // learner step micro-batch
-  int64_t workers = 0;   // 0 = the bench's default
-  int64_t steps = 0;     // e2e: optimizer steps per run with num_iterations 1; 0 = default
-  int64_t groups = 0;    // ingest: groups per worker per repetition; 0 = default
+  int64_t micro = 4;    // learner step micro-batch
+  int64_t workers = 0;  // 0 = the bench's default
+  int64_t steps = 0;    // e2e: optimizer steps per run with num_iterations 1; 0 = default
+  int64_t groups = 0;   // ingest: groups per worker per repetition; 0 = default
 };
 int BenchWeightSync(const ServiceBenchOptions& o);
 int BenchIngest(const ServiceBenchOptions& o);

@@ -1,7 +1,6 @@
 // grpo bench weight_sync (docs/BENCHMARKS.md); shared helpers in bench_services_util.h.
 #include <ATen/ATen.h>
 #include <grpcpp/grpcpp.h>
-#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include <atomic>
@@ -15,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <string>
@@ -22,17 +22,17 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/weight_sync/epoch_store.h"
-#include "common/weight_sync/gloo_weight_sync.h"
 #include "common/metrics/metrics.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
 #include "common/rollout_types.h"
+#include "common/weight_sync/epoch_store.h"
+#include "common/weight_sync/gloo_weight_sync.h"
 #include "services/auth.h"
 #include "services/cli/bench_services_util.h"
 #include "services/cli/bench_util.h"
-#include "services/convert.h"
 #include "services/cli/demo_task.h"
+#include "services/convert.h"
 #include "services/grpc_store.h"
 #include "services/grpc_weight_receiver.h"
 #include "services/learner_client.h"
@@ -84,7 +84,8 @@ int RunWeightSync(const ServiceBenchOptions& o) {
   });
 
   // --- Gloo: the learner is rank 0 on its in-process store, each worker thread rank i on a
-  // GrpcEpochStore over the learner's Store RPC (the production rendezvous), data over loopback TCP.
+  // GrpcEpochStore over the learner's Store RPC (the production rendezvous), data over loopback
+  // TCP.
   const int64_t epoch = server->group_epoch();
   common::GlooWeightSyncOptions gopts;
   gopts.sync.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(kSyncTimeout);
@@ -156,8 +157,7 @@ int RunWeightSync(const ServiceBenchOptions& o) {
   std::vector<std::unique_ptr<GrpcWeightReceiver>> receivers;
   std::vector<std::unique_ptr<common::Model>> models;
   for (int i = 0; i < workers; ++i) {
-    receivers.push_back(
-        std::make_unique<GrpcWeightReceiver>(OwnChannel(address, 100 + i), ""));
+    receivers.push_back(std::make_unique<GrpcWeightReceiver>(OwnChannel(address, 100 + i), ""));
     auto m = common::Model::InitRandom(server->policy().config(), 1000 + i);
     if (!m.ok()) return Fail("weight_sync", m.status());
     models.push_back(std::move(m).value());
@@ -185,8 +185,8 @@ int RunWeightSync(const ServiceBenchOptions& o) {
   const double gb = static_cast<double>(bytes) / 1e9;
   const double memcpy_gbps = gb / memcpy_t.median;
   std::vector<json> rows;
-  json mrow = {{"bench", "weight_sync"}, {"impl", "memcpy"}, {"bytes", bytes},
-               {"gbps", memcpy_gbps}};
+  json mrow = {
+      {"bench", "weight_sync"}, {"impl", "memcpy"}, {"bytes", bytes}, {"gbps", memcpy_gbps}};
   Merge(mrow, TimingJson(memcpy_t));
   rows.push_back(mrow);
   auto sync_row = [&](const std::string& impl, const Timing& t, bool equal) {
@@ -212,8 +212,10 @@ int RunWeightSync(const ServiceBenchOptions& o) {
   json rrow = sync_row("grpc_getweights", grpc_t, grpc_equal);
   rrow["chunk_bytes"] = kDefaultWeightChunkBytes;
   rows.push_back(rrow);
-  json srow = {{"bench", "weight_sync"}, {"impl", "learner_step"},
-               {"G", kBenchGenerations}, {"micro_batch", o.micro}};
+  json srow = {{"bench", "weight_sync"},
+               {"impl", "learner_step"},
+               {"G", kBenchGenerations},
+               {"micro_batch", o.micro}};
   Merge(srow, TimingJson(step));
   rows.push_back(srow);
 
@@ -223,13 +225,15 @@ int RunWeightSync(const ServiceBenchOptions& o) {
   }
   std::cout << "weight_sync: bench model (" << std::fixed << std::setprecision(1)
             << static_cast<double>(bytes) / 1048576.0 << " MiB fp32) from the learner to "
-            << workers << " workers = threads of this process, each with its own connections "
+            << workers
+            << " workers = threads of this process, each with its own connections "
                "over loopback TCP; median of "
             << reps << " after a warm-up\n"
             << "  gloo: c10d ProcessGroupGloo broadcast, rendezvous over the learner's Store RPC "
                "(GrpcEpochStore), checksum verified at Commit; group setup "
             << std::setprecision(2) << setup_s << " s (not in the time)\n"
-            << "  grpc_getweights: LearnerService.GetWeights stream (" << kDefaultWeightChunkBytes / 1048576
+            << "  grpc_getweights: LearnerService.GetWeights stream ("
+            << kDefaultWeightChunkBytes / 1048576
             << " MiB chunks), reassembled and loaded into each worker's model\n"
             << "  step: one learner step of the bench model (G=16, micro-batch " << o.micro
             << "), median " << std::setprecision(3) << step.median << " s (min " << step.min

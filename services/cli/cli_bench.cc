@@ -3,20 +3,20 @@
 // process (this binary, re-executed with --child).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <nlohmann/json.hpp>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <random>
-#include <cstdlib>
-#include <filesystem>
 #include <sstream>
-#include <unistd.h>
 
 #include "common/model/device.h"
 #include "common/model/model.h"
@@ -82,7 +82,7 @@ Timing LearnerStepTiming(int reps, int64_t micro, bool gradient_checkpointing, d
     auto r = trainer->TrainGenerationBatch({g});
     if (!r.ok() || r->steps.size() != 1) std::abort();
   };
-  step();                                           // optimizer state and gradients exist now
+  step();                                         // optimizer state and gradients exist now
   std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to the current RSS
   const int64_t base = ProcStatusBytes("VmRSS");
   const Timing t = TimeIt(reps, step);
@@ -94,7 +94,6 @@ Timing LearnerStepTiming(int reps, int64_t micro, bool gradient_checkpointing, d
 
 namespace {
 
-using nlohmann::json;
 using bench::BenchModel;
 using bench::Clock;
 using bench::kCompletionLen;
@@ -103,6 +102,7 @@ using bench::RandomIds;
 using bench::Seconds;
 using bench::TimeIt;
 using bench::Timing;
+using nlohmann::json;
 
 // The same-run compute ceiling: fp32 1024x1024 matmul, GFLOP/s, the best of 5 (a ceiling is
 // what the machine can do; a median taken under load read so low that a step reported 1.29x
@@ -154,8 +154,7 @@ json LogprobMemoryChild(const std::string& impl, int64_t G, int64_t micro, int r
           return g.narrow(0, s, lp.size(0));
         };
         at::Tensor logp;
-        learner::FusedTokenLogprobsLoss(h, model->LmHeadWeight(), labels, token_grad, &logp,
-                                        1024)
+        learner::FusedTokenLogprobsLoss(h, model->LmHeadWeight(), labels, token_grad, &logp, 1024)
             .backward();
       } else {
         at::Tensor lp = learner::NaiveTokenLogprobs(h, model->LmHeadWeight(), labels);
@@ -178,9 +177,15 @@ json LogprobMemoryChild(const std::string& impl, int64_t G, int64_t micro, int r
   Timing t = TimeIt(reps, step);
   const int64_t peak =
       (device.is_cuda() ? common::PeakMemoryBytes(device) : ProcStatusBytes("VmHWM")) - base;
-  return {{"bench", "logprob_memory"}, {"impl", impl},        {"G", G}, {"device", device.str()},
-          {"micro_batch", impl == "chunked" ? micro : G},     {"peak_mib", peak / 1048576.0},
-          {"step_s_median", t.median}, {"step_s_min", t.min}, {"step_s_max", t.max}};
+  return {{"bench", "logprob_memory"},
+          {"impl", impl},
+          {"G", G},
+          {"device", device.str()},
+          {"micro_batch", impl == "chunked" ? micro : G},
+          {"peak_mib", peak / 1048576.0},
+          {"step_s_median", t.median},
+          {"step_s_min", t.min},
+          {"step_s_max", t.max}};
 }
 
 json RunChild(const std::string& args) {
@@ -199,8 +204,8 @@ int BenchLogprobMemory(bool as_json, int64_t micro, int reps, const std::vector<
   for (int64_t G : gs) {
     for (const char* impl : {"chunked", "chunked_batch_G", "naive"}) {
       json r = RunChild(std::string("logprob_memory --child --impl ") + impl + " --G " +
-                        std::to_string(G) + " --micro_batch " + std::to_string(micro) +
-                        " --reps " + std::to_string(reps));
+                        std::to_string(G) + " --micro_batch " + std::to_string(micro) + " --reps " +
+                        std::to_string(reps));
       if (r.contains("error")) {
         std::cerr << r["error"] << "\n";
         return 1;
@@ -221,17 +226,20 @@ int BenchLogprobMemory(bool as_json, int64_t micro, int reps, const std::vector<
     json& cg = find("chunked_batch_G", G);
     cg["vs_naive_memory"] = cg["peak_mib"].get<double>() / nv["peak_mib"].get<double>();
     cg["vs_naive_speed"] = nv["step_s_median"].get<double>() / cg["step_s_median"].get<double>();
-    cg["vs_G4_memory"] =
-        cg["peak_mib"].get<double>() / find("chunked_batch_G", gs.front())["peak_mib"].get<double>();
-    c["vs_G4_memory"] = c["peak_mib"].get<double>() / find("chunked", gs.front())["peak_mib"].get<double>();
-    nv["vs_G4_memory"] = nv["peak_mib"].get<double>() / find("naive", gs.front())["peak_mib"].get<double>();
+    cg["vs_G4_memory"] = cg["peak_mib"].get<double>() /
+                         find("chunked_batch_G", gs.front())["peak_mib"].get<double>();
+    c["vs_G4_memory"] =
+        c["peak_mib"].get<double>() / find("chunked", gs.front())["peak_mib"].get<double>();
+    nv["vs_G4_memory"] =
+        nv["peak_mib"].get<double>() / find("naive", gs.front())["peak_mib"].get<double>();
   }
   if (as_json) {
     for (auto& r : rows) std::cout << r.dump() << "\n";
     return 0;
   }
   std::cout << "logprob_memory: bench model (vocab 32768), prompt 64 + completion 128 tokens; "
-               "chunked = the learner's fused path at micro-batch " << micro
+               "chunked = the learner's fused path at micro-batch "
+            << micro
             << ", chunked_batch_G = the same path over all G at once (as naive); "
                "peak = VmHWM - RSS before the step\n";
   std::cout << std::left << std::setw(17) << "impl" << std::setw(5) << "G" << std::right
@@ -264,29 +272,36 @@ int BenchLearnerStep(bool as_json, int reps, int64_t micro, bool gradient_checkp
   // recompute under gradient checkpointing is not counted (it is overhead, not model work).
   const auto& mc = model->config();
   const double n = static_cast<double>(model->NumParameters());
-  const double flops = 6 * n * tokens +
-                       12.0 * mc.num_hidden_layers * 16 * std::pow(kPromptLen + kCompletionLen, 2) *
-                           mc.hidden_size;
+  const double flops = 6 * n * tokens + 12.0 * mc.num_hidden_layers * 16 *
+                                            std::pow(kPromptLen + kCompletionLen, 2) *
+                                            mc.hidden_size;
   const double gflops = flops / t.median / 1e9;
-  json row = {{"bench", "learner_step"},  {"G", 16},
-              {"micro_batch", micro},     {"gradient_checkpointing", gradient_checkpointing},
+  json row = {{"bench", "learner_step"},
+              {"G", 16},
+              {"micro_batch", micro},
+              {"gradient_checkpointing", gradient_checkpointing},
               {"layers", model->config().num_hidden_layers},
-              {"peak_mib", peak_mib},     {"tokens_per_second", tokens / t.median},
-              {"step_s_median", t.median}, {"step_s_min", t.min},
-              {"step_s_max", t.max},      {"gflops", gflops},
-              {"gemm_ceiling_gflops", ceiling}, {"vs_ceiling", gflops / ceiling}};
+              {"peak_mib", peak_mib},
+              {"tokens_per_second", tokens / t.median},
+              {"step_s_median", t.median},
+              {"step_s_min", t.min},
+              {"step_s_max", t.max},
+              {"gflops", gflops},
+              {"gemm_ceiling_gflops", ceiling},
+              {"vs_ceiling", gflops / ceiling}};
   if (as_json) {
     std::cout << row.dump() << "\n";
   } else {
     std::cout << "learner_step: bench model (" << model->config().num_hidden_layers
               << " layers), 16 x (64 + 128) tokens, micro-batch " << micro
-              << (gradient_checkpointing ? ", gradient checkpointing" : "") << "\n  "
-              << std::fixed << std::setprecision(1) << peak_mib
-              << " MiB peak above the resident set after the first step\n  " << std::fixed << std::setprecision(0) << tokens / t.median
-              << " tokens/s, step " << std::setprecision(2) << t.median << " s (min " << t.min
-              << ", max " << t.max << "), " << std::setprecision(1) << gflops << " GFLOP/s = "
-              << std::setprecision(0) << 100 * gflops / ceiling << "% of the " << std::setprecision(1)
-              << ceiling << " GFLOP/s GEMM ceiling\n";
+              << (gradient_checkpointing ? ", gradient checkpointing" : "") << "\n  " << std::fixed
+              << std::setprecision(1) << peak_mib
+              << " MiB peak above the resident set after the first step\n  " << std::fixed
+              << std::setprecision(0) << tokens / t.median << " tokens/s, step "
+              << std::setprecision(2) << t.median << " s (min " << t.min << ", max " << t.max
+              << "), " << std::setprecision(1) << gflops << " GFLOP/s = " << std::setprecision(0)
+              << 100 * gflops / ceiling << "% of the " << std::setprecision(1) << ceiling
+              << " GFLOP/s GEMM ceiling\n";
   }
   return 0;
 }
@@ -323,30 +338,43 @@ int BenchDecode(bool as_json, int reps) {
   // Forward FLOPs of the cached path: 2 N per generated token + 2 N per prompt token.
   const double n = static_cast<double>(snap->NumParameters());
   const double gflops = (2 * n * (tokens + 4 * kPromptLen)) / cached.median / 1e9;
-  std::vector<json> rows = {
-      {{"bench", "decode"}, {"impl", "kv_cache_shared_prefill"}, {"tokens", tokens},
-       {"tokens_per_second", tokens / cached.median}, {"s_median", cached.median},
-       {"s_min", cached.min}, {"s_max", cached.max}, {"vs_recompute", recompute.median / cached.median},
-       {"gflops", gflops}, {"gemm_ceiling_gflops", ceiling}, {"vs_ceiling", gflops / ceiling}},
-      {{"bench", "decode"}, {"impl", "kv_cache_per_row_prefill"}, {"tokens_per_second", tokens / per_row_t.median},
-       {"s_median", per_row_t.median}, {"vs_shared", cached.median / per_row_t.median}},
-      {{"bench", "decode"}, {"impl", "recompute"}, {"tokens_per_second", tokens / recompute.median},
-       {"s_median", recompute.median}}};
+  std::vector<json> rows = {{{"bench", "decode"},
+                             {"impl", "kv_cache_shared_prefill"},
+                             {"tokens", tokens},
+                             {"tokens_per_second", tokens / cached.median},
+                             {"s_median", cached.median},
+                             {"s_min", cached.min},
+                             {"s_max", cached.max},
+                             {"vs_recompute", recompute.median / cached.median},
+                             {"gflops", gflops},
+                             {"gemm_ceiling_gflops", ceiling},
+                             {"vs_ceiling", gflops / ceiling}},
+                            {{"bench", "decode"},
+                             {"impl", "kv_cache_per_row_prefill"},
+                             {"tokens_per_second", tokens / per_row_t.median},
+                             {"s_median", per_row_t.median},
+                             {"vs_shared", cached.median / per_row_t.median}},
+                            {{"bench", "decode"},
+                             {"impl", "recompute"},
+                             {"tokens_per_second", tokens / recompute.median},
+                             {"s_median", recompute.median}}};
   if (as_json) {
     for (auto& r : rows) std::cout << r.dump() << "\n";
     return 0;
   }
   std::cout << "decode: bench model, 4 prompts x G=16, prompt 64, completion 128 (" << tokens
-            << " tokens)\n" << std::fixed;
+            << " tokens)\n"
+            << std::fixed;
   for (auto& r : rows) {
     std::cout << "  " << std::left << std::setw(26) << r["impl"].get<std::string>() << std::right
               << std::setprecision(0) << std::setw(9) << r["tokens_per_second"].get<double>()
               << " tokens/s  " << std::setprecision(2) << r["s_median"].get<double>() << " s\n";
   }
   std::cout << "  KV cache vs recompute: " << std::setprecision(1)
-            << rows[0]["vs_recompute"].get<double>() << "x; shared prefill vs per-row prefill: "
-            << per_row_t.median / cached.median << "x; " << gflops << " GFLOP/s = "
-            << std::setprecision(0) << 100 * gflops / ceiling << "% of the GEMM ceiling\n";
+            << rows[0]["vs_recompute"].get<double>()
+            << "x; shared prefill vs per-row prefill: " << per_row_t.median / cached.median << "x; "
+            << gflops << " GFLOP/s = " << std::setprecision(0) << 100 * gflops / ceiling
+            << "% of the GEMM ceiling\n";
   return 0;
 }
 
@@ -360,7 +388,8 @@ int ExecPeerTrl(const std::vector<std::string>& flags) {
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   const fs::path rel = "tests/bench/peer_trl.py";
   std::vector<fs::path> roots;
-  if (const char* d = std::getenv("GRPO_SOURCE_DIR"); d != nullptr && *d != '\0') roots.push_back(d);
+  if (const char* d = std::getenv("GRPO_SOURCE_DIR"); d != nullptr && *d != '\0')
+    roots.push_back(d);
   roots.push_back(fs::path(__FILE__).parent_path().parent_path());
   if (!ec) roots.push_back(exe.parent_path().parent_path().parent_path());
   fs::path script;
@@ -393,9 +422,10 @@ int ExecPeerTrl(const std::vector<std::string>& flags) {
 }  // namespace
 
 void AddBenchCommand(CLI::App& app, CliAction* action) {
-  auto* cmd = app.add_subcommand("bench", "Benchmarks (method: docs/BENCHMARKS.md in the "
-                                          "repository): logprob_memory | learner_step | "
-                                          "decode | weight_sync | ingest | e2e | peer_trl");
+  auto* cmd = app.add_subcommand("bench",
+                                 "Benchmarks (method: docs/BENCHMARKS.md in the "
+                                 "repository): logprob_memory | learner_step | "
+                                 "decode | weight_sync | ingest | e2e | peer_trl");
   struct Opts {
     std::string name;
     bool json = false, child = false;
@@ -420,7 +450,8 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   cmd->add_option("--G", o->gs, "logprob_memory: num_generations values");
   cmd->add_flag("--gradient_checkpointing", o->gradient_checkpointing,
                 "learner_step: recompute each decoder layer in backward");
-  cmd->add_option("--layers", o->layers, "learner_step: decoder layers (default: the bench model's 4)");
+  cmd->add_option("--layers", o->layers,
+                  "learner_step: decoder layers (default: the bench model's 4)");
   cmd->add_flag("--child", o->child, "internal: one logprob_memory configuration");
   cmd->add_option("--impl", o->impl, "internal: chunked | chunked_batch_G | naive");
   cmd->add_option("--workers", o->workers,
@@ -436,7 +467,8 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
       if (o->json) flags.push_back("--json");
       if (o->fast) flags.push_back("--fast");
       if (cmd->count("--reps") > 0) flags.insert(flags.end(), {"--reps", std::to_string(o->reps)});
-      if (cmd->count("--steps") > 0) flags.insert(flags.end(), {"--steps", std::to_string(o->steps)});
+      if (cmd->count("--steps") > 0)
+        flags.insert(flags.end(), {"--steps", std::to_string(o->steps)});
       if (cmd->count("--G") > 0) {
         flags.push_back("--G");
         for (int64_t g : o->gs) flags.push_back(std::to_string(g));
@@ -466,7 +498,8 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
         }
         return BenchLogprobMemory(o->json, o->micro, o->reps, o->gs);
       }
-      if (o->name == "learner_step") return BenchLearnerStep(o->json, o->reps, o->micro, o->gradient_checkpointing, o->layers);
+      if (o->name == "learner_step")
+        return BenchLearnerStep(o->json, o->reps, o->micro, o->gradient_checkpointing, o->layers);
       return BenchDecode(o->json, o->reps);
     };
   });

@@ -18,9 +18,9 @@
 #include "grpo/v1/learner.grpc.pb.h"
 #include "services/auth.h"
 #include "services/cli/cli.h"
+#include "services/cli/progress.h"
 #include "services/convert.h"
 #include "services/learner_client.h"
-#include "services/cli/progress.h"
 
 namespace grpo::services {
 namespace {
@@ -174,9 +174,8 @@ int RunSubmit(const ClientOptions& o) {
   if (!c.ok()) return Fail("submit", c.status());
   std::ifstream in(o.dataset);
   if (!in) return Fail("submit", Status::NotFound("cannot read dataset " + o.dataset));
-  auto submitted =
-      SubmitLines(*c, in, o.idempotency_key, o.name.empty() ? o.dataset : o.name,
-                  o.timeout_seconds);
+  auto submitted = SubmitLines(*c, in, o.idempotency_key, o.name.empty() ? o.dataset : o.name,
+                               o.timeout_seconds);
   if (!submitted.ok()) return Fail("submit", submitted.status());
   const v1::SubmitDatasetResponse& response = *submitted;
   if (o.json) {

@@ -56,7 +56,7 @@ extern "C" void OnDemoSignal(int sig) { g_signal = sig; }
 
 struct DemoOptions {
   std::vector<std::string> overrides;
-  std::string output_dir; // empty = a fresh temp dir
+  std::string output_dir;  // empty = a fresh temp dir
   int64_t workers = 2;
   bool json = false;
   int64_t target_length = kDemoTargetLength;
@@ -70,35 +70,30 @@ std::string LogTail(const std::string &path) {
   std::deque<std::string> lines;
   for (std::string line; std::getline(in, line);) {
     lines.push_back(line);
-    if (lines.size() > kLogTailLines)
-      lines.pop_front();
+    if (lines.size() > kLogTailLines) lines.pop_front();
   }
   std::string out;
-  for (const auto &l : lines)
-    out += "    " + l + "\n";
+  for (const auto &l : lines) out += "    " + l + "\n";
   return out;
 }
 
 std::string Describe(const Child &c) {
   std::ostringstream out;
   out << c.name << " (pid " << c.pid << ") "
-      << (c.exit_code > 128
-              ? "was killed by signal " + std::to_string(c.exit_code - 128)
-              : "exited with code " + std::to_string(c.exit_code))
+      << (c.exit_code > 128 ? "was killed by signal " + std::to_string(c.exit_code - 128)
+                            : "exited with code " + std::to_string(c.exit_code))
       << "; its log is " << c.spec.stderr_path;
   const std::string tail = LogTail(c.spec.stderr_path);
-  if (!tail.empty())
-    out << ", ending:\n" << tail;
+  if (!tail.empty()) out << ", ending:\n" << tail;
   return out.str();
 }
 
 // Runs `/proc/self/exe args...` in the demo's one process group, dying with the demo
 // (PR_SET_PDEATHSIG), stderr (and stdout unless `pipe_stdout`) in `log`; with `pipe_stdout`,
 // the child's stdout_fd reads its stdout.
-StatusOr<Child *> SpawnGrpo(common::ProcessSupervisor &group,
-                            const std::string &name,
-                            const std::vector<std::string> &args,
-                            const std::string &log, bool pipe_stdout = false) {
+StatusOr<Child *> SpawnGrpo(common::ProcessSupervisor &group, const std::string &name,
+                            const std::vector<std::string> &args, const std::string &log,
+                            bool pipe_stdout = false) {
   common::ProcessSpec spec;
   spec.argv = {"/proc/self/exe"};
   spec.argv.insert(spec.argv.end(), args.begin(), args.end());
@@ -118,13 +113,11 @@ Status WriteAuthToken(const std::string &path) {
     return Status::Internal("cannot read /dev/urandom");
   }
   std::ostringstream hex;
-  for (unsigned char b : bytes)
-    hex << std::hex << std::setw(2) << std::setfill('0') << int{b};
+  for (unsigned char b : bytes) hex << std::hex << std::setw(2) << std::setfill('0') << int{b};
   {
     std::ofstream out(path, std::ios::trunc);
     out << hex.str() << "\n";
-    if (!out)
-      return Status::Internal("cannot write " + path);
+    if (!out) return Status::Internal("cannot write " + path);
   }
   ::chmod(path.c_str(), 0600);
   return Status::OK();
@@ -132,41 +125,32 @@ Status WriteAuthToken(const std::string &path) {
 
 // Reads the learner's {"port": N} line from `fd`; fails when the learner exits
 // first, on a signal, or after kDefaultLearnerStartTimeout.
-StatusOr<int> ReadLearnerPort(int fd, common::ProcessSupervisor &group,
-                              const Child &learner) {
+StatusOr<int> ReadLearnerPort(int fd, common::ProcessSupervisor &group, const Child &learner) {
   const auto until = Clock::now() + kDefaultLearnerStartTimeout;
   std::string buf;
   while (Clock::now() < until) {
-    if (g_signal != 0)
-      return Status::Cancelled("interrupted");
+    if (g_signal != 0) return Status::Cancelled("interrupted");
     const size_t nl = buf.find('\n');
     if (nl != std::string::npos) {
-      const json j =
-          json::parse(buf.substr(0, nl), nullptr, /*allow_exceptions=*/false);
-      if (j.is_object() && j.contains("port") &&
-          j["port"].is_number_integer()) {
+      const json j = json::parse(buf.substr(0, nl), nullptr, /*allow_exceptions=*/false);
+      if (j.is_object() && j.contains("port") && j["port"].is_number_integer()) {
         return j["port"].get<int>();
       }
-      return Status::Internal("unexpected first line from the learner: " +
-                              buf.substr(0, nl));
+      return Status::Internal("unexpected first line from the learner: " + buf.substr(0, nl));
     }
     pollfd p{fd, POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(kChildPoll.count())) > 0) {
       char chunk[256];
       const ssize_t n = ::read(fd, chunk, sizeof(chunk));
-      if (n > 0)
-        buf.append(chunk, static_cast<size_t>(n));
-      if (n == 0)
-        std::this_thread::sleep_for(kChildPoll); // closed: the exit shows below
+      if (n > 0) buf.append(chunk, static_cast<size_t>(n));
+      if (n == 0) std::this_thread::sleep_for(kChildPoll);  // closed: the exit shows below
     }
     group.Reap();
-    if (learner.reaped)
-      return Status::Unavailable(Describe(learner));
+    if (learner.reaped) return Status::Unavailable(Describe(learner));
   }
-  return Status::DeadlineExceeded(
-      "the learner printed no port within " +
-      std::to_string(kDefaultLearnerStartTimeout.count()) + " s; its log is " +
-      learner.spec.stderr_path);
+  return Status::DeadlineExceeded("the learner printed no port within " +
+                                  std::to_string(kDefaultLearnerStartTimeout.count()) +
+                                  " s; its log is " + learner.spec.stderr_path);
 }
 
 int RunDemo(const DemoOptions &o) {
@@ -180,47 +164,38 @@ int RunDemo(const DemoOptions &o) {
   common::GrpoConfig cfg = DemoTaskConfig();
   cfg.max_staleness = 1;
   cfg.save_steps = 30;
-  if (Status s = common::ApplyConfigOverrides(cfg, o.overrides); !s.ok())
-    return fail(s, 2);
-  if (Status s = cfg.Validate(); !s.ok())
-    return fail(s, 2);
+  if (Status s = common::ApplyConfigOverrides(cfg, o.overrides); !s.ok()) return fail(s, 2);
+  if (Status s = cfg.Validate(); !s.ok()) return fail(s, 2);
   if (cfg.reward_funcs.empty()) {
-    return fail(Status::InvalidArgument(
-                    "config key 'reward_funcs' must name at least one "
-                    "reward function"),
+    return fail(Status::InvalidArgument("config key 'reward_funcs' must name at least one "
+                                        "reward function"),
                 2);
   }
-  if (o.workers < 1)
-    return fail(Status::InvalidArgument("--workers must be >= 1"), 2);
+  if (o.workers < 1) return fail(Status::InvalidArgument("--workers must be >= 1"), 2);
 
   // Output dir, token, and the learner's config (JSON is YAML) in it.
   std::string out_dir = o.output_dir;
   std::error_code ec;
   if (out_dir.empty()) {
-    std::string tmpl =
-        (fs::temp_directory_path() / "grpo-demo-XXXXXX").string();
+    std::string tmpl = (fs::temp_directory_path() / "grpo-demo-XXXXXX").string();
     if (::mkdtemp(tmpl.data()) == nullptr) {
-      return fail(
-          Status::Internal(std::string("mkdtemp: ") + std::strerror(errno)));
+      return fail(Status::Internal(std::string("mkdtemp: ") + std::strerror(errno)));
     }
     out_dir = tmpl;
   } else if (fs::create_directories(out_dir, ec); ec) {
-    return fail(
-        Status::Internal("cannot create " + out_dir + ": " + ec.message()));
+    return fail(Status::Internal("cannot create " + out_dir + ": " + ec.message()));
   }
   const fs::path dir(out_dir);
   cfg.output_dir = out_dir;
   cfg.auth_token_file = (dir / "auth_token").string();
   cfg.grpc_port = 0;
   cfg.metrics_port = 0;
-  if (Status s = WriteAuthToken(cfg.auth_token_file); !s.ok())
-    return fail(s);
+  if (Status s = WriteAuthToken(cfg.auth_token_file); !s.ok()) return fail(s);
   const std::string config_path = (dir / "learner_config.yaml").string();
   {
     std::ofstream out(config_path, std::ios::trunc);
     out << cfg.ToJson().dump(2) << "\n";
-    if (!out)
-      return fail(Status::Internal("cannot write " + config_path));
+    if (!out) return fail(Status::Internal("cannot write " + config_path));
   }
 
   struct sigaction sa {};
@@ -230,63 +205,53 @@ int RunDemo(const DemoOptions &o) {
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGHUP, &sa, nullptr);
   auto interrupted = [&] {
-    std::cerr << "grpo demo: signal " << g_signal
-              << ": stopping the children\n";
+    std::cerr << "grpo demo: signal " << g_signal << ": stopping the children\n";
     return 128 + g_signal;
   };
 
   // Stopped on every way out: SIGTERM, kDefaultChildKillGrace, then SIGKILL.
   common::ProcessSupervisor group(kDefaultChildKillGrace);
-  auto learner = SpawnGrpo(
-      group, "learner", {"--log_level", "info", "learner", "--config", config_path},
-      (dir / "learner.log").string(), /*pipe_stdout=*/true);
-  if (!learner.ok())
-    return fail(learner.status());
+  auto learner =
+      SpawnGrpo(group, "learner", {"--log_level", "info", "learner", "--config", config_path},
+                (dir / "learner.log").string(), /*pipe_stdout=*/true);
+  if (!learner.ok()) return fail(learner.status());
   const int learner_out = (*learner)->stdout_fd;
   auto port = ReadLearnerPort(learner_out, group, **learner);
   if (!port.ok()) {
-    if (g_signal != 0)
-      return interrupted();
+    if (g_signal != 0) return interrupted();
     return fail(port.status().WithContext("starting the learner"));
   }
   const std::string address = "127.0.0.1:" + std::to_string(*port);
   for (int64_t i = 0; i < o.workers; ++i) {
     const std::string name = "rollout-" + std::to_string(i);
-    auto worker = SpawnGrpo(group, name,
-                              {"--log_level", "info", "rollout",
-                               "--learner_address", address, "--worker_id",
-                               name, "--metrics_port", "0", "--reward_options",
-                               DemoRewardOptions(o.target_length).dump(),
-                               "--auth_token_file", cfg.auth_token_file},
-                              (dir / (name + ".log")).string());
-    if (!worker.ok())
-      return fail(worker.status());
+    auto worker = SpawnGrpo(
+        group, name,
+        {"--log_level", "info", "rollout", "--learner_address", address, "--worker_id", name,
+         "--metrics_port", "0", "--reward_options", DemoRewardOptions(o.target_length).dump(),
+         "--auth_token_file", cfg.auth_token_file},
+        (dir / (name + ".log")).string());
+    if (!worker.ok()) return fail(worker.status());
   }
   if (!o.json) {
     std::cout << "grpo demo: learner on " << address << " + " << o.workers
-              << " rollout workers (logs, checkpoints and token in " << out_dir
-              << ")\n"
-              << "task: answer in about " << o.target_length
-              << " tokens (reward " << cfg.reward_funcs[0] << "), "
-              << cfg.max_steps << " optimizer steps, " << cfg.num_generations
-              << " generations per prompt\n"
+              << " rollout workers (logs, checkpoints and token in " << out_dir << ")\n"
+              << "task: answer in about " << o.target_length << " tokens (reward "
+              << cfg.reward_funcs[0] << "), " << cfg.max_steps << " optimizer steps, "
+              << cfg.num_generations << " generations per prompt\n"
               << std::flush;
   }
 
   auto client = ConnectLearner(address, cfg.auth_token_file);
-  if (!client.ok())
-    return fail(client.status());
+  if (!client.ok()) return fail(client.status());
   std::ostringstream rows;
-  for (const json &row : BuiltinDataset())
-    rows << row.dump() << "\n";
+  for (const json &row : BuiltinDataset()) rows << row.dump() << "\n";
   std::istringstream jsonl(rows.str());
-  auto submitted = SubmitLines(*client, jsonl, "grpo-demo", "builtin-demo-task",
-                               kDefaultCallTimeoutSeconds);
+  auto submitted =
+      SubmitLines(*client, jsonl, "grpo-demo", "builtin-demo-task", kDefaultCallTimeoutSeconds);
   if (!submitted.ok()) {
     group.Reap();
     for (const auto &c : group.processes()) {
-      if (c->reaped)
-        return fail(Status::Unavailable(Describe(*c)));
+      if (c->reaped) return fail(Status::Unavailable(Describe(*c)));
     }
     return fail(submitted.status().WithContext("submitting the dataset"));
   }
@@ -296,7 +261,7 @@ int RunDemo(const DemoOptions &o) {
   // child dies early.
   WatchCanceller canceller;
   std::atomic<bool> watching{true};
-  const Child *died = nullptr; // written by the monitor, read after join
+  const Child *died = nullptr;  // written by the monitor, read after join
   std::thread monitor([&] {
     while (watching.load()) {
       if (g_signal != 0) {
@@ -304,13 +269,11 @@ int RunDemo(const DemoOptions &o) {
         return;
       }
       for (Child *c : group.Reap()) {
-        if (died == nullptr && c->exit_code != 0)
-          died = c;
+        if (died == nullptr && c->exit_code != 0) died = c;
       }
       bool workers_left = false;
       for (const auto &c : group.processes()) {
-        if (c->name != "learner" && !c->reaped)
-          workers_left = true;
+        if (c->name != "learner" && !c->reaped) workers_left = true;
       }
       if (died != nullptr || !workers_left) {
         canceller.Cancel();
@@ -333,8 +296,7 @@ int RunDemo(const DemoOptions &o) {
         if (o.json) {
           std::cout << StepJson(e).dump() << "\n" << std::flush;
         } else {
-          if (!header)
-            std::cout << StepTableHeader();
+          if (!header) std::cout << StepTableHeader();
           header = true;
           std::cout << StepTableRow(e) << std::flush;
         }
@@ -342,20 +304,15 @@ int RunDemo(const DemoOptions &o) {
       &canceller);
   watching.store(false);
   monitor.join();
-  const double train_seconds =
-      std::chrono::duration<double>(Clock::now() - t_submit).count();
-  if (g_signal != 0)
-    return interrupted();
-  if (died != nullptr)
-    return fail(Status::Aborted(Describe(*died)));
+  const double train_seconds = std::chrono::duration<double>(Clock::now() - t_submit).count();
+  if (g_signal != 0) return interrupted();
+  if (died != nullptr) return fail(Status::Aborted(Describe(*died)));
   if (!state.ok()) {
     if (state.status().code() == StatusCode::kCancelled) {
-      return fail(Status::Aborted(
-          "every rollout worker exited before the job ended; logs in " +
-          out_dir));
+      return fail(
+          Status::Aborted("every rollout worker exited before the job ended; logs in " + out_dir));
     }
-    return fail(state.status().WithContext("watching the job (logs in " +
-                                           out_dir + ")"));
+    return fail(state.status().WithContext("watching the job (logs in " + out_dir + ")"));
   }
 
   // The job ended: the children exit on their own (workers see shutdown, the
@@ -374,8 +331,7 @@ int RunDemo(const DemoOptions &o) {
       std::cerr << "grpo demo: " << Describe(*c) << "\n";
     }
   }
-  const double seconds =
-      std::chrono::duration<double>(Clock::now() - t_start).count();
+  const double seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
   const CurveSummary c = SummarizeCurve(curve);
   if (o.json) {
     std::cout << json{{"summary", true},
@@ -391,21 +347,17 @@ int RunDemo(const DemoOptions &o) {
                      .dump()
               << "\n";
   } else {
-    if (!curve.empty())
-      std::cout << "\nmean reward per step\n" << TextPlot(curve) << "\n";
-    std::cout << "job " << JobStateName(*state) << ": " << c.steps << " steps in "
-              << std::fixed << std::setprecision(0) << train_seconds << " s ("
-              << seconds << " s in all)\n";
+    if (!curve.empty()) std::cout << "\nmean reward per step\n" << TextPlot(curve) << "\n";
+    std::cout << "job " << JobStateName(*state) << ": " << c.steps << " steps in " << std::fixed
+              << std::setprecision(0) << train_seconds << " s (" << seconds << " s in all)\n";
     if (c.steps > 0) {
-      std::cout << "reward: first " << c.window << " steps "
-                << std::setprecision(3) << c.first << ", last " << c.window
-                << " steps " << c.last << " (" << std::setprecision(1)
+      std::cout << "reward: first " << c.window << " steps " << std::setprecision(3) << c.first
+                << ", last " << c.window << " steps " << c.last << " (" << std::setprecision(1)
                 << c.gain_in_std_errors << " standard errors)\n";
     }
     std::cout << "processes:";
     for (const auto &p : processes) {
-      std::cout << " " << p["name"].get<std::string>() << " exit "
-                << p["exit_code"].get<int>();
+      std::cout << " " << p["name"].get<std::string>() << " exit " << p["exit_code"].get<int>();
     }
     std::cout << "\npolicy checkpoints, logs and config in " << out_dir << "\n";
   }
@@ -414,22 +366,19 @@ int RunDemo(const DemoOptions &o) {
   return *state == learner::JobState::kDone && children_ok ? 0 : 1;
 }
 
-} // namespace
+}  // namespace
 
 void AddDemoCommand(CLI::App &app, CliAction *action) {
-  auto *cmd =
-      app.add_subcommand("demo", "Run the distributed system on this machine: "
+  auto *cmd = app.add_subcommand("demo",
+                                 "Run the distributed system on this machine: "
                                  "a learner and rollout workers as separate "
                                  "processes on loopback learn the built-in "
                                  "task; config keys as --key value");
   auto o = std::make_shared<DemoOptions>();
-  cmd->add_option("--workers", o->workers, "rollout worker processes")
-      ->capture_default_str();
-  cmd->add_option(
-      "--output_dir", o->output_dir,
-      "checkpoints, logs, token and config (default: a fresh temp dir)");
-  cmd->add_option("--target_length", o->target_length,
-                  "the length reward's target (tokens)")
+  cmd->add_option("--workers", o->workers, "rollout worker processes")->capture_default_str();
+  cmd->add_option("--output_dir", o->output_dir,
+                  "checkpoints, logs, token and config (default: a fresh temp dir)");
+  cmd->add_option("--target_length", o->target_length, "the length reward's target (tokens)")
       ->capture_default_str();
   cmd->add_flag("--json", o->json,
                 "one JSON object per optimizer step (as `grpo submit --json "
@@ -443,4 +392,4 @@ void AddDemoCommand(CLI::App &app, CliAction *action) {
   });
 }
 
-} // namespace grpo::services
+}  // namespace grpo::services

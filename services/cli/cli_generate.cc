@@ -46,8 +46,8 @@ int RunGenerate(const GenerateOptions& o) {
   auto tok = common::LoadTokenizer(o.model_dir);
   if (!tok.ok()) return fail(tok.status(), 1);
   std::shared_ptr<const common::Model> policy = std::move(model).value();
-  auto gen = rollout::Generator::Create(policy, 0, rollout::GeneratorOptions::FromConfig(cfg),
-                                        tok->get());
+  auto gen =
+      rollout::Generator::Create(policy, 0, rollout::GeneratorOptions::FromConfig(cfg), tok->get());
   if (!gen.ok()) return fail(gen.status(), 2);
   std::unique_ptr<rollout::RewardRunner> rewards;
   if (!cfg.reward_funcs.empty()) {
@@ -103,9 +103,10 @@ int RunGenerate(const GenerateOptions& o) {
 }  // namespace
 
 void AddGenerateCommand(CLI::App& app, CliAction* action) {
-  auto* cmd = app.add_subcommand(
-      "generate", "JSON Lines prompts in, num_generations completions per prompt out (ids, "
-                  "text, behaviour log-probs, rewards); config keys as --key value");
+  auto* cmd =
+      app.add_subcommand("generate",
+                         "JSON Lines prompts in, num_generations completions per prompt out (ids, "
+                         "text, behaviour log-probs, rewards); config keys as --key value");
   auto o = std::make_shared<GenerateOptions>();
   cmd->add_option("--model", o->model_dir, "Hugging Face model directory")->required();
   cmd->add_option("--reward_options", o->reward_options,

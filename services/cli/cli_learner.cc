@@ -5,13 +5,13 @@
 #include <iostream>
 #include <thread>
 
-#include "common/tokenizer/byte_tokenizer.h"
 #include "common/config.h"
-#include "common/model/device.h"
-#include "common/metrics/http_exposer.h"
 #include "common/logging.h"
+#include "common/metrics/http_exposer.h"
+#include "common/model/device.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
+#include "common/tokenizer/byte_tokenizer.h"
 #include "services/cli/cli.h"
 #include "services/learner_service.h"
 

@@ -1,19 +1,19 @@
 // grpo tokenize | logprobs | init-model: tools on the model layer. They read JSON Lines on
 // stdin and write one JSON object per input line on stdout, in order; a bad line gives
 // {"error": "line N: ..."} in its place, the rest goes on, and the exit code is then 2.
-#include <ATen/core/grad_mode.h>
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
+#include <ATen/core/grad_mode.h>
 
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
-#include "common/tokenizer/byte_tokenizer.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
+#include "common/tokenizer/byte_tokenizer.h"
 #include "common/tokenizer/tokenizer.h"
 #include "learner/chunked_logprobs.h"
 #include "services/cli/cli.h"
@@ -201,8 +201,9 @@ void AddModelToolCommands(CLI::App& app, CliAction* action) {
   }
   {
     auto* cmd = app.add_subcommand(
-        "init-model", "Write a randomly initialised model in Hugging Face layout (config.json, "
-                      "model.safetensors, tokenizer)");
+        "init-model",
+        "Write a randomly initialised model in Hugging Face layout (config.json, "
+        "model.safetensors, tokenizer)");
     auto preset = std::make_shared<std::string>("tiny");
     auto config = std::make_shared<std::string>();
     auto out = std::make_shared<std::string>();

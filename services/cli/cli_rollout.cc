@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/metrics/http_exposer.h"
 #include "common/logging.h"
+#include "common/metrics/http_exposer.h"
 #include "common/metrics/metrics.h"
 #include "rollout/reward.h"
 #include "services/auth.h"

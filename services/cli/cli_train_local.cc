@@ -14,13 +14,13 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "common/tokenizer/byte_tokenizer.h"
-#include "common/tokenizer/chat_template.h"
 #include "common/config.h"
-#include "common/model/device.h"
 #include "common/logging.h"
+#include "common/model/device.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
+#include "common/tokenizer/byte_tokenizer.h"
+#include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "learner/checkpoint.h"
 #include "learner/grpo_trainer.h"
@@ -57,7 +57,7 @@ StatusOr<std::vector<json>> ReadJsonl(const std::string& path) {
 
 struct TrainLocalOptions {
   std::vector<std::string> overrides;
-  std::string dataset;  // JSON Lines; empty = built-in task
+  std::string dataset;           // JSON Lines; empty = built-in task
   int64_t prompts_per_step = 0;  // 0 = from the generation batch size
   bool json_lines = false;
   double target_length = kDemoTargetLength;
@@ -148,10 +148,10 @@ int RunTrainLocal(const TrainLocalOptions& o) {
   int64_t cursor = trainer.global_step() * prompts_per_batch;
   const auto t_start = std::chrono::steady_clock::now();
   if (!o.json_lines) {
-    std::cout << "training a " << model->NumParameters() << "-parameter " << model->config().model_type
-              << " policy: " << prompts_per_batch << " prompts x " << cfg.num_generations
-              << " generations per batch, " << cfg.max_steps << " optimizer steps, reward "
-              << cfg.reward_funcs[0] << "\n";
+    std::cout << "training a " << model->NumParameters() << "-parameter "
+              << model->config().model_type << " policy: " << prompts_per_batch << " prompts x "
+              << cfg.num_generations << " generations per batch, " << cfg.max_steps
+              << " optimizer steps, reward " << cfg.reward_funcs[0] << "\n";
   }
   while (trainer.global_step() < cfg.max_steps) {
     std::vector<rollout::ProduceInput> batch;
@@ -159,7 +159,8 @@ int RunTrainLocal(const TrainLocalOptions& o) {
       // The cursor seeds the samplers: a new sample of the same prompt each time round.
       batch.push_back({&data[cursor % static_cast<int64_t>(data.size())], cursor});
     }
-    Status s = gen.SetPolicy(rollout::BorrowModel(trainer.compute_model()), trainer.policy_version());
+    Status s =
+        gen.SetPolicy(rollout::BorrowModel(trainer.compute_model()), trainer.policy_version());
     if (!s.ok()) return fail(s);
     auto produced = rollout::Produce(gen, rewards->get(), batch);
     if (!produced.ok()) return fail(produced.status());
@@ -211,21 +212,19 @@ int RunTrainLocal(const TrainLocalOptions& o) {
   const CurveSummary c = SummarizeCurve(curve);
   const size_t n = c.steps, k = c.window;
   const double first = c.first, last = c.last;
-  json summary = {{"summary", true},
-                  {"steps", n},
-                  {"seconds", seconds},
-                  {"reward_first", first},
-                  {"reward_last", last},
-                  {"reward_gain_in_std_errors", c.gain_in_std_errors},
+  json summary = {{"summary", true},         {"steps", n},
+                  {"seconds", seconds},      {"reward_first", first},
+                  {"reward_last", last},     {"reward_gain_in_std_errors", c.gain_in_std_errors},
                   {"checkpoint", *final_dir}};
   if (o.json_lines) {
     std::cout << summary.dump() << "\n";
   } else if (n > 0) {
-    std::cout << "\nmean reward per step\n" << TextPlot(curve) << "\n"
+    std::cout << "\nmean reward per step\n"
+              << TextPlot(curve) << "\n"
               << "reward: first " << k << " steps " << std::setprecision(3) << first << ", last "
               << k << " steps " << last << " (" << std::setprecision(1)
-              << summary["reward_gain_in_std_errors"].get<double>() << " standard errors), "
-              << n << " steps in " << std::setprecision(0) << seconds << " s\n"
+              << summary["reward_gain_in_std_errors"].get<double>() << " standard errors), " << n
+              << " steps in " << std::setprecision(0) << seconds << " s\n"
               << "policy saved to " << *final_dir << " (Hugging Face layout)\n";
   }
   return 0;

@@ -10,13 +10,11 @@ namespace grpo::services {
 using nlohmann::json;
 
 std::vector<json> BuiltinDataset() {
-  const char *questions[] = {
-      "Say hi.",   "Name a colour.", "Count to three.", "Pick a number.",
-      "Greet me.", "Name a fruit.",  "Say yes or no.",  "Name an animal."};
+  const char *questions[] = {"Say hi.",   "Name a colour.", "Count to three.", "Pick a number.",
+                             "Greet me.", "Name a fruit.",  "Say yes or no.",  "Name an animal."};
   std::vector<json> rows;
   for (const char *q : questions) {
-    rows.push_back(
-        {{"messages", json::array({{{"role", "user"}, {"content", q}}})}});
+    rows.push_back({{"messages", json::array({{{"role", "user"}, {"content", q}}})}});
   }
   return rows;
 }
@@ -46,15 +44,12 @@ json DemoRewardOptions(int64_t target_length) {
 }
 
 std::string TextPlot(const std::vector<double> &y, int width, int height) {
-  if (y.empty())
-    return "";
+  if (y.empty()) return "";
   const int cols = std::min<int>(width, static_cast<int>(y.size()));
   std::vector<double> v(cols, 0.0);
   for (int c = 0; c < cols; ++c) {
-    const size_t b = y.size() * c / cols,
-                 e = std::max(b + 1, y.size() * (c + 1) / cols);
-    for (size_t i = b; i < e; ++i)
-      v[c] += y[i];
+    const size_t b = y.size() * c / cols, e = std::max(b + 1, y.size() * (c + 1) / cols);
+    for (size_t i = b; i < e; ++i) v[c] += y[i];
     v[c] /= static_cast<double>(e - b);
   }
   const double lo = *std::min_element(v.begin(), v.end());
@@ -65,30 +60,27 @@ std::string TextPlot(const std::vector<double> &y, int width, int height) {
     const double level = lo + span * r / (height - 1);
     out << std::setw(9) << std::fixed << std::setprecision(2) << level << " |";
     for (int c = 0; c < cols; ++c) {
-      const int row =
-          static_cast<int>(std::lround((v[c] - lo) / span * (height - 1)));
+      const int row = static_cast<int>(std::lround((v[c] - lo) / span * (height - 1)));
       out << (row == r ? '*' : (row > r ? ':' : ' '));
     }
     out << "\n";
   }
   out << std::string(10, ' ') << '+' << std::string(cols, '-') << "\n"
-      << std::string(11, ' ') << "step 1"
-      << std::string(std::max(0, cols - 12), ' ') << y.size() << "\n";
+      << std::string(11, ' ') << "step 1" << std::string(std::max(0, cols - 12), ' ') << y.size()
+      << "\n";
   return out.str();
 }
 
 double Mean(const std::vector<double> &v, size_t b, size_t e) {
   double s = 0;
-  for (size_t i = b; i < e; ++i)
-    s += v[i];
+  for (size_t i = b; i < e; ++i) s += v[i];
   return e > b ? s / static_cast<double>(e - b) : 0.0;
 }
 
 double StdErr(const std::vector<double> &v, size_t b, size_t e) {
   const double m = Mean(v, b, e);
   double s = 0;
-  for (size_t i = b; i < e; ++i)
-    s += (v[i] - m) * (v[i] - m);
+  for (size_t i = b; i < e; ++i) s += (v[i] - m) * (v[i] - m);
   const double n = static_cast<double>(e - b);
   return n > 1 ? std::sqrt(s / (n - 1) / n) : 0.0;
 }
@@ -97,16 +89,15 @@ CurveSummary SummarizeCurve(const std::vector<double> &curve) {
   CurveSummary r;
   const size_t n = curve.size();
   r.steps = n;
-  if (n == 0)
-    return r;
+  if (n == 0) return r;
   const size_t k = std::max<size_t>(1, std::min<size_t>(10, n / 3));
   r.window = k;
   r.first = Mean(curve, 0, k);
   r.last = Mean(curve, n - k, n);
-  const double se = std::sqrt(std::pow(StdErr(curve, 0, k), 2) +
-                              std::pow(StdErr(curve, n - k, n), 2));
+  const double se =
+      std::sqrt(std::pow(StdErr(curve, 0, k), 2) + std::pow(StdErr(curve, n - k, n), 2));
   r.gain_in_std_errors = se > 0 ? (r.last - r.first) / se : 0.0;
   return r;
 }
 
-} // namespace grpo::services
+}  // namespace grpo::services

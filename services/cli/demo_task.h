@@ -5,10 +5,9 @@
 // end with.
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <cstddef>
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -34,8 +33,7 @@ nlohmann::json DemoRewardOptions(int64_t target_length = kDemoTargetLength);
 
 // A text plot of y over steps: `height` rows, one column per bucket of steps
 // (at most `width`).
-std::string TextPlot(const std::vector<double> &y, int width = 60,
-                     int height = 12);
+std::string TextPlot(const std::vector<double> &y, int width = 60, int height = 12);
 
 // Mean and standard error of the mean of v[b, e); 0 when the range is empty (or
 // has one value).
@@ -47,9 +45,8 @@ double StdErr(const std::vector<double> &v, size_t b, size_t e);
 struct CurveSummary {
   size_t steps = 0, window = 0;
   double first = 0, last = 0;
-  double gain_in_std_errors =
-      0; // (last - first) / sqrt(se_first^2 + se_last^2); 0 if se = 0
+  double gain_in_std_errors = 0;  // (last - first) / sqrt(se_first^2 + se_last^2); 0 if se = 0
 };
 CurveSummary SummarizeCurve(const std::vector<double> &curve);
 
-} // namespace grpo::services
+}  // namespace grpo::services

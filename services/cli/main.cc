@@ -1,13 +1,12 @@
 // `grpo`: the one executable of grpo-serve. Containers run it with different subcommands.
 #include <ATen/Parallel.h>
-#include <CLI/CLI.hpp>
+#include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdlib>
 #include <iostream>
-#include <thread>
-
-#include <unistd.h>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/config.h"
@@ -21,8 +20,9 @@ constexpr const char* kVersion = "0.1.0";
 // `grpo config [--config FILE] [--key value ...]`: the effective configuration as JSON, after
 // validation. Users check what a run will use; deployments lint their YAML with it.
 void AddConfigCommand(CLI::App& app, grpo::services::CliAction* action) {
-  auto* cmd = app.add_subcommand("config", "Print the effective configuration (YAML file plus "
-                                           "--key value overrides) as JSON, after validation");
+  auto* cmd = app.add_subcommand("config",
+                                 "Print the effective configuration (YAML file plus "
+                                 "--key value overrides) as JSON, after validation");
   cmd->allow_extras();
   cmd->footer("Keys:\n" + grpo::common::ConfigHelp());
   cmd->callback([cmd, action] {

@@ -13,12 +13,12 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "common/model/device.h"
@@ -131,8 +131,8 @@ void LearnerStep(const at::Device& d, bool small, double matmul_tflops) {
   const int64_t g = 8, prompts = small ? 1 : 4, micro = small ? 4 : 8;
   const int64_t prompt = small ? 16 : 128, completion = small ? 32 : 896;
   const int64_t ga = prompts * g / micro;  // one optimizer step per generation batch
-  auto trainer = grpo::learner::GrpoTrainer::Create(TrainerConfig(d, g, micro, ga), model->get(),
-                                                    nullptr);
+  auto trainer =
+      grpo::learner::GrpoTrainer::Create(TrainerConfig(d, g, micro, ga), model->get(), nullptr);
   if (!trainer.ok()) throw std::runtime_error(trainer.status().ToString());
   const auto groups = RandomGroups(prompts, g, prompt, completion, cfg.vocab_size);
   auto warm = (*trainer)->TrainGenerationBatch(groups);  // allocator and kernel warm-up
@@ -152,13 +152,18 @@ void LearnerStep(const at::Device& d, bool small, double matmul_tflops) {
   // the attention scores and values: 12 * layers * heads * head_dim * T^2 / 2 per sequence
   // (causal) for forward + backward.
   const double seq = static_cast<double>(prompt + completion);
-  const double attn = 12.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim *
-                      seq * seq / 2.0 * static_cast<double>(prompts * g);
+  const double attn = 12.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq *
+                      seq / 2.0 * static_cast<double>(prompts * g);
   const double flops = 6.0 * params * tokens + attn;
   const double achieved = flops / step_s / 1e12;
-  Emit({{"bench", "learner_step"}, {"params", params}, {"tokens", tokens}, {"step_seconds", step_s},
-        {"achieved_tflops", achieved}, {"baseline_matmul_bf16_tflops", matmul_tflops},
-        {"mfu", achieved / matmul_tflops}, {"goal_mfu", 0.35},
+  Emit({{"bench", "learner_step"},
+        {"params", params},
+        {"tokens", tokens},
+        {"step_seconds", step_s},
+        {"achieved_tflops", achieved},
+        {"baseline_matmul_bf16_tflops", matmul_tflops},
+        {"mfu", achieved / matmul_tflops},
+        {"goal_mfu", 0.35},
         {"peak_memory_bytes", grpo::common::PeakMemoryBytes(d)}});
 }
 
@@ -195,9 +200,15 @@ void Decode(const at::Device& d, bool small, double hbm_bytes_per_s) {
   const double kv_bytes = rows * (prompt + max_new / 2.0) * 2.0 * cfg.num_hidden_layers *
                           cfg.num_key_value_heads * cfg.head_dim * 2.0;
   const double bound = hbm_bytes_per_s > 0 ? rows * hbm_bytes_per_s / (weight_bytes + kv_bytes) : 0;
-  Emit({{"bench", "decode"}, {"prompts", prompts}, {"G", g}, {"prompt_tokens", prompt},
-        {"max_new_tokens", max_new}, {"completion_tokens", tokens}, {"seconds", s},
-        {"tokens_per_second", tokens / s}, {"baseline_hbm_bound_tokens_per_second", bound},
+  Emit({{"bench", "decode"},
+        {"prompts", prompts},
+        {"G", g},
+        {"prompt_tokens", prompt},
+        {"max_new_tokens", max_new},
+        {"completion_tokens", tokens},
+        {"seconds", s},
+        {"tokens_per_second", tokens / s},
+        {"baseline_hbm_bound_tokens_per_second", bound},
         {"hbm_bytes_per_second", hbm_bytes_per_s}});
 }
 
@@ -223,8 +234,8 @@ void LogprobMemory(const at::Device& d, bool small) {
   for (int64_t g : {4, 16, 64}) {
     auto model = Model::InitRandom(cfg, 3, d, at::kFloat);
     if (!model.ok()) throw std::runtime_error(model.status().ToString());
-    auto trainer = grpo::learner::GrpoTrainer::Create(TrainerConfig(d, g, 4, g / 4), model->get(),
-                                                      nullptr);
+    auto trainer =
+        grpo::learner::GrpoTrainer::Create(TrainerConfig(d, g, 4, g / 4), model->get(), nullptr);
     if (!trainer.ok()) throw std::runtime_error(trainer.status().ToString());
     const auto groups = RandomGroups(1, g, small ? 16 : 64, small ? 32 : 512, cfg.vocab_size);
     Sync(d);
@@ -240,9 +251,11 @@ void LogprobMemory(const at::Device& d, bool small) {
     if (g == 64) peak64 = peak;
     rows.push_back({{"G", g}, {"peak_bytes_above_start", peak}, {"step_seconds", s}});
   }
-  Emit({{"bench", "logprob_memory"}, {"rows", rows},
+  Emit({{"bench", "logprob_memory"},
+        {"rows", rows},
         {"peak_ratio_G64_over_G4", peak4 > 0 ? static_cast<double>(peak64) / peak4 : 0.0},
-        {"goal_ratio", 1.10}, {"device", d.str()},
+        {"goal_ratio", 1.10},
+        {"device", d.str()},
         {"note", d.is_cuda() ? "CUDA caching allocator peak" : "CPU: VmHWM, not reset per G"}});
 }
 
@@ -261,7 +274,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const at::Device d = grpo::common::CudaAvailable() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  const at::Device d =
+      grpo::common::CudaAvailable() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
   auto want = [&](const char* name) { return o.only.empty() || o.only == name; };
   try {
     double tflops = 0, bw = 0;

@@ -83,7 +83,7 @@ TEST(Config, CommandLineOverridesFileWhateverTheOrder) {
   Status s = ApplyConfigOverrides(
       c, {"--num_generations", "16", "--config", path, "--temperature=0.7", "--top-k", "5"});
   ASSERT_TRUE(s.ok()) << s.ToString();
-  EXPECT_EQ(c.num_generations, 16);      // flag beats file
+  EXPECT_EQ(c.num_generations, 16);          // flag beats file
   EXPECT_DOUBLE_EQ(c.learning_rate, 0.001);  // file beats default
   EXPECT_DOUBLE_EQ(c.temperature, 0.7);
   EXPECT_EQ(c.top_k, 5);  // dashes accepted as underscores

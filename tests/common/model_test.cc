@@ -230,11 +230,10 @@ void ExpectMatchesHfReference(const std::string& model_type) {
     for (int64_t j = 0; j < t; ++j) weights[i][j] = 0.25 + 0.1 * i - 0.05 * j;
   }
   WriteText(dir / "input.json",
-            json({{"input_ids", ids}, {"attention_mask", mask}, {"loss_weights", weights}})
-                .dump());
-  const std::string cmd = "'" + grpo::testing::ReferencePython() + "' '" + script.string() +
-                          "' '" + dir.path() + "' '" + (dir / "input.json") +
-                          "' '" + (dir / "ref.json") + "'";
+            json({{"input_ids", ids}, {"attention_mask", mask}, {"loss_weights", weights}}).dump());
+  const std::string cmd = "'" + grpo::testing::ReferencePython() + "' '" + script.string() + "' '" +
+                          dir.path() + "' '" + (dir / "input.json") + "' '" + (dir / "ref.json") +
+                          "'";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   json ref = json::parse(ReadText(dir / "ref.json"));
   ASSERT_EQ(ref["shape"], json({b, t, v}));
@@ -347,8 +346,8 @@ void ExpectCheckpointedGradientsMatch(const std::string& model_type) {
   const int64_t v = model->config().vocab_size;
   at::Tensor ids = at::randint(1, v, {3, 6}, at::kLong);
   at::Tensor mask = at::ones({3, 6}, at::kLong);
-  mask[1].narrow(0, 0, 2).zero_();  // left padding
-  mask[2].narrow(0, 4, 2).zero_();  // right padding
+  mask[1].narrow(0, 0, 2).zero_();            // left padding
+  mask[2].narrow(0, 4, 2).zero_();            // right padding
   at::Tensor weights = at::randn({3, 6, v});  // a loss that reaches every logit differently
 
   auto grads = [&](bool checkpoint) {

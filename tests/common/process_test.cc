@@ -24,8 +24,9 @@ using Clock = std::chrono::steady_clock;
 class ProcessSupervisorTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("grpo_process_test_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() /
+           ("grpo_process_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -125,9 +126,9 @@ TEST_F(ProcessSupervisorTest, AProgramThatCannotBeExecutedExits127AndSaysSo) {
 TEST_F(ProcessSupervisorTest, ASignalReachesTheChildsWholeGroupAndTheCodeIs128PlusIt) {
   ProcessSupervisor sup;
   // The child starts a grandchild in its group and waits on it.
-  ASSERT_TRUE(sup.Spawn("a", Sh("sleep 100 & echo $! > " + (dir_ / "grandchild").string() +
-                                 "; wait"))
-                  .ok());
+  ASSERT_TRUE(
+      sup.Spawn("a", Sh("sleep 100 & echo $! > " + (dir_ / "grandchild").string() + "; wait"))
+          .ok());
   const pid_t grandchild = PidFrom("grandchild");
   ASSERT_GT(grandchild, 0);
   EXPECT_TRUE(Alive(grandchild));
@@ -193,7 +194,7 @@ TEST_F(ProcessSupervisorTest, ChildrenOutsideTheirOwnGroupShareOneThatStopAllSig
 TEST_F(ProcessSupervisorTest, KillIsImmediateAndTakesTheGroupWithIt) {
   ProcessSupervisor sup;
   ASSERT_TRUE(sup.Spawn("a", Sh("trap '' TERM; sleep 100 & echo $! > " +
-                                 (dir_ / "grandchild").string() + "; wait"))
+                                (dir_ / "grandchild").string() + "; wait"))
                   .ok());
   const pid_t grandchild = PidFrom("grandchild");
   ASSERT_GT(grandchild, 0);

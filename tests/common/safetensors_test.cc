@@ -1,5 +1,5 @@
-// common/model/safetensors: files are hand-built byte by byte here, or written/read by the independent
-// Python implementation in tests/reference/safetensors_ref.py (struct + json + numpy).
+// common/model/safetensors: files are hand-built byte by byte here, or written/read by the
+// independent Python implementation in tests/reference/safetensors_ref.py (struct + json + numpy).
 #include "common/model/safetensors.h"
 
 #include <gtest/gtest.h>
@@ -22,7 +22,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
-
 
 // ---- byte helpers -------------------------------------------------------------------------
 
@@ -627,8 +626,8 @@ std::string ReferenceScript() {
 
 // Runs safetensors_ref.py `command` `target` and parses its stdout; fails the test on error.
 json RunReference(const std::string& command, const std::string& target) {
-  const std::string cmd =
-      "'" + grpo::testing::ReferencePython() + "' '" + ReferenceScript() + "' " + command + " '" + target + "'";
+  const std::string cmd = "'" + grpo::testing::ReferencePython() + "' '" + ReferenceScript() +
+                          "' " + command + " '" + target + "'";
   FILE* pipe = ::popen(cmd.c_str(), "r");
   EXPECT_NE(pipe, nullptr) << cmd;
   if (pipe == nullptr) return json();
@@ -641,7 +640,7 @@ json RunReference(const std::string& command, const std::string& target) {
   return json::parse(out, nullptr, /*allow_exceptions=*/false);
 }
 
-#define SKIP_WITHOUT_PYTHON() \
+#define SKIP_WITHOUT_PYTHON()                             \
   ASSERT_TRUE(grpo::testing::ReferencePythonHas("numpy")) \
       << grpo::testing::ReferencePython() << " cannot import numpy (deploy/setup.sh)"
 

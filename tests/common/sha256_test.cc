@@ -20,7 +20,8 @@ TEST(Sha256, MatchesPublishedVectors) {
 TEST(Sha256, IncrementalUpdatesEqualOneShot) {
   const std::string text = "The quick brown fox jumps over the lazy dog, many times over.";
   Sha256 h;
-  for (size_t i = 0; i < text.size(); i += 7) h.Update(text.data() + i, std::min<size_t>(7, text.size() - i));
+  for (size_t i = 0; i < text.size(); i += 7)
+    h.Update(text.data() + i, std::min<size_t>(7, text.size() - i));
   EXPECT_EQ(h.HexDigest(), Sha256Hex(text));
 }
 

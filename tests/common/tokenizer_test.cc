@@ -580,9 +580,10 @@ std::vector<CorpusEntry> QwenCorpus() {
   add("Call 555-0100 in 2024-06-30T12:34:56Z; version v1.2.3-rc4; ½ ¾ ² ⅷ");
   add("我爱自然语言处理。東京は日本の首都です。안녕하세요 세계! 中文，标点；符号：“引号”");
   add("مرحبا بالعالم، كيف حالك اليوم؟ ١٢٣٤ والأرقام 5678");
-  add("Family: 👨‍👩‍👧‍👦, flags 🇯🇵🇺🇸, skin 👍🏽, heart ❤️, keycap 1️⃣ and "
-      "🏳️‍🌈 "
-      "done");
+  // clang-format counts these clusters' width differently on each pass (it never settles).
+  // clang-format off
+  add("Family: 👨‍👩‍👧‍👦, flags 🇯🇵🇺🇸, skin 👍🏽, heart ❤️, keycap 1️⃣ and 🏳️‍🌈 done");
+  // clang-format on
   add("Café résumé naïve façade coöperate Ünïcödé — “quotes” ‘single’ … «guillemets»");
   corpus.push_back({"Cafe\xCC\x81 re\xCC\x81sume\xCC\x81 n\xCC\x83o", "Café résumé ño"});  // NFD
   corpus.push_back({"q\xCC\x87\xCC\xA3", "q\xCC\xA3\xCC\x87"});  // NFC reorders the two marks

@@ -192,7 +192,8 @@ TEST(DeployDockerfile, TwoDebianStagesNonRootUserAndGrpoEntrypoint) {
   EXPECT_NE(d.find("\nENTRYPOINT [\"grpo\"]\n"), std::string::npos);
   const std::vector<std::string> pkgs = RuntimePackages(d);
   EXPECT_TRUE(Contains(pkgs, "libgrpc++1.51")) << "runtime packages parsed wrong";
-  EXPECT_FALSE(Contains(pkgs, "libtorch1.13")) << "one libtorch: the wheel's, copied from the builder";
+  EXPECT_FALSE(Contains(pkgs, "libtorch1.13"))
+      << "one libtorch: the wheel's, copied from the builder";
   for (const char* dir : {"/opt/grpo-serve/venv/lib/python3.11/site-packages/torch/lib",
                           "/opt/grpo-serve/venv/lib/python3.11/site-packages/nvidia"}) {
     EXPECT_NE(d.find(std::string("COPY --from=builder ") + dir + " " + dir), std::string::npos)

@@ -65,9 +65,9 @@ uint64_t Checksum(const NamedTensors& host) {
 NamedTensors BenchLayout(bool zeros) {
   NamedTensors out;
   for (int64_t i = 0; i < kBenchTensors; ++i) {
-    at::Tensor t = at::empty({kBenchElements}, at::TensorOptions()
-                                                   .dtype(at::kBFloat16)
-                                                   .device(at::Device(at::kCUDA, 0)));
+    at::Tensor t =
+        at::empty({kBenchElements},
+                  at::TensorOptions().dtype(at::kBFloat16).device(at::Device(at::kCUDA, 0)));
     t.fill_(zeros ? 0.0 : static_cast<double>(i + 1));
     out.emplace_back("layers." + std::to_string(i) + ".weight", t);
   }
@@ -173,9 +173,10 @@ TEST(CudaIpcWeightSync, SyncTimeOfAQwen3_0_6BSizedModelInBf16) {
   }
   std::sort(seconds.begin(), seconds.end());
   const double median = seconds[seconds.size() / 2];
-  std::printf("{\"bench\": \"cuda_ipc_sync\", \"bytes\": %lld, \"seconds_median\": %.4f, "
-              "\"gb_per_s\": %.1f, \"reps\": %zu}\n",
-              static_cast<long long>(bytes), median, bytes / median / 1e9, seconds.size());
+  std::printf(
+      "{\"bench\": \"cuda_ipc_sync\", \"bytes\": %lld, \"seconds_median\": %.4f, "
+      "\"gb_per_s\": %.1f, \"reps\": %zu}\n",
+      static_cast<long long>(bytes), median, bytes / median / 1e9, seconds.size());
   RecordProperty("cuda_ipc_sync_seconds", std::to_string(median));
   EXPECT_EQ(child.Wait(), 0);
 }

@@ -47,8 +47,9 @@ TEST(CudaParity, Fp32LearnerStepEqualsTheCpu) {
   const auto groups = GeneratedGroups(*cpu, 4, 4, 12);
   common::GrpoConfig cfg = PrecisionTrainerConfig();
   cfg.adam_epsilon = 1.0;
-  cfg.learning_rate = 1.0;  // delta = g / (|g| + 1) ~ g: above fp32 resolution of the weights  // the update tracks the gradient (see precision_test)
-  cfg.num_iterations = 2;  // the no-grad `old` pass too (one step of 4 micro-batches)
+  cfg.learning_rate = 1.0;  // delta = g / (|g| + 1) ~ g: above fp32 resolution of the weights  //
+                            // the update tracks the gradient (see precision_test)
+  cfg.num_iterations = 2;   // the no-grad `old` pass too (one step of 4 micro-batches)
   cfg.gradient_accumulation_steps = 4;
   learner::StepMetrics cpu_metrics, cuda_metrics;
   const auto cpu_delta = OneStepDelta(*cpu, cfg, groups, &cpu_metrics);

@@ -156,7 +156,8 @@ struct AdvCase {
 };
 
 TEST(Advantages, MatchReferenceForEveryScaling) {
-  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch")) << grpo::testing::ReferencePython() << " cannot import torch (deploy/setup.sh)";
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch"))
+      << grpo::testing::ReferencePython() << " cannot import torch (deploy/setup.sh)";
   const std::vector<AdvCase> cases = {
       {{{1}, {0}, {0}, {1}}, 4, {}, {}},
       {{{1}, {1}, {0}, {0}, {2}, {2}, {2}, {5}}, 4, {}, {}},  // ties
@@ -314,10 +315,14 @@ TEST(GrpoLoss, ClipFlagsUseTheRatioAfterTheDeltaClamp) {
 // where one mean over the step's 4 tokens would give 0.25.
 TEST(GrpoLossMetrics, StepMeansAreMeansOfMicroBatchMeans) {
   GrpoLossConfig cfg;
-  GrpoLossInputs a{.logp = D2({{0.0}}).requires_grad_(true), .old = D2({{-0.5}}),
-                   .advantages = D({1.0}), .mask = D2({{1}})};
-  GrpoLossInputs b{.logp = D2({{0.0, 0.0, 0.0}}).requires_grad_(true), .old = D2({{0.0, 0.0, 0.0}}),
-                   .advantages = D({1.0}), .mask = D2({{1, 1, 1}})};
+  GrpoLossInputs a{.logp = D2({{0.0}}).requires_grad_(true),
+                   .old = D2({{-0.5}}),
+                   .advantages = D({1.0}),
+                   .mask = D2({{1}})};
+  GrpoLossInputs b{.logp = D2({{0.0, 0.0, 0.0}}).requires_grad_(true),
+                   .old = D2({{0.0, 0.0, 0.0}}),
+                   .advantages = D({1.0}),
+                   .mask = D2({{1, 1, 1}})};
   auto ma = ComputeGrpoLoss(cfg, a, {.step_completion_tokens = 4});
   auto mb = ComputeGrpoLoss(cfg, b, {.step_completion_tokens = 4});
   ASSERT_TRUE(ma.ok() && mb.ok());
@@ -437,7 +442,8 @@ struct LossVariant {
 };
 
 TEST(GrpoLoss, MatchesReferenceForEveryLossTypeAndOption) {
-  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch")) << grpo::testing::ReferencePython() << " cannot import torch (deploy/setup.sh)";
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch"))
+      << grpo::testing::ReferencePython() << " cannot import torch (deploy/setup.sh)";
   at::manual_seed(7);
   const auto opts = at::dtype(at::kDouble);
   const int64_t b = 4, t = 6;

@@ -197,7 +197,7 @@ TEST(GrpoTrainer, BadGroupsAreRejectedWithReasonsAndTheRestTrains) {
   auto groups = MakeGroups(7, 4, 11, /*version=*/0);
   groups[0].completions[1].rewards = {std::nan("")};
   groups[1].completions[2].token_ids.clear();
-  groups[2].completions[0].token_ids.assign(17, 3);  // max_completion_length 16
+  groups[2].completions[0].token_ids.assign(17, 3);   // max_completion_length 16
   groups[3].completions[3].token_ids.push_back(259);  // vocab 259
   groups[4].completions[0].logprobs = {-0.5f};        // tokens != log-probs
   groups[5].completions.pop_back();                   // 3 of 4

@@ -195,8 +195,7 @@ TEST_F(LearnerTest, RegistrationHeartbeatsAndBadLeaseCalls) {
 
   const auto soon = Clock::now() + 1s;
   EXPECT_EQ(learner_->LeasePrompts("nobody", 1, soon, {}).status().code(), StatusCode::kNotFound);
-  EXPECT_EQ(learner_->LeasePrompts("", 1, soon, {}).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(learner_->LeasePrompts("", 1, soon, {}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(learner_->LeasePrompts("w1", 0, soon, {}).status().code(),
             StatusCode::kInvalidArgument);
   auto none = learner_->LeasePrompts("w1", 5, soon, {});  // no dataset yet

@@ -35,7 +35,8 @@ TEST(AdamW, DecoupledWeightDecayShrinksWeightsWithoutGradientScale) {
 }
 
 TEST(AdamW, MatchesTorchAdamWWithClippingOverSeveralSteps) {
-  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch")) << grpo::testing::ReferencePython() << " cannot import torch (deploy/setup.sh)";
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch"))
+      << grpo::testing::ReferencePython() << " cannot import torch (deploy/setup.sh)";
   std::vector<std::vector<double>> init = {{0.1, -0.2, 0.3}, {1.0, 2.0}};
   std::vector<std::vector<std::vector<double>>> grads = {
       {{0.5, -1.0, 0.25}, {3.0, -0.1}},
@@ -59,14 +60,13 @@ TEST(AdamW, MatchesTorchAdamWWithClippingOverSeveralSteps) {
     norms.push_back(ClipGradNorm(params, max_norm));
     opt.Step(lrs[s]);
   }
-  auto ref = grpo::testing::RunReference(
-      "adamw_ref.py", {{"params", init},
-                       {"grads", grads},
-                       {"lr", lrs},
-                       {"betas", {o.beta1, o.beta2}},
-                       {"eps", o.eps},
-                       {"weight_decay", o.weight_decay},
-                       {"max_grad_norm", max_norm}});
+  auto ref = grpo::testing::RunReference("adamw_ref.py", {{"params", init},
+                                                          {"grads", grads},
+                                                          {"lr", lrs},
+                                                          {"betas", {o.beta1, o.beta2}},
+                                                          {"eps", o.eps},
+                                                          {"weight_decay", o.weight_decay},
+                                                          {"max_grad_norm", max_norm}});
   ASSERT_FALSE(ref.is_null());
   for (size_t i = 0; i < params.size(); ++i) {
     for (size_t j = 0; j < init[i].size(); ++j) {
@@ -127,8 +127,8 @@ TEST(LrSchedule, WarmupThenLinearOrCosineDecayAsTransformers) {
   EXPECT_DOUBLE_EQ(LearningRateAt(LrSchedule::kLinear, 1.0, 6, 2, 10), 0.5);
   EXPECT_DOUBLE_EQ(LearningRateAt(LrSchedule::kLinear, 1.0, 10, 2, 10), 0.0);
   EXPECT_NEAR(LearningRateAt(LrSchedule::kCosine, 1.0, 6, 2, 10), 0.5, 1e-12);  // cos(pi/2)
-  EXPECT_NEAR(LearningRateAt(LrSchedule::kCosine, 1.0, 4, 2, 10),
-              0.5 * (1 + std::cos(M_PI * 0.25)), 1e-12);
+  EXPECT_NEAR(LearningRateAt(LrSchedule::kCosine, 1.0, 4, 2, 10), 0.5 * (1 + std::cos(M_PI * 0.25)),
+              1e-12);
   EXPECT_DOUBLE_EQ(LearningRateAt(LrSchedule::kConstant, 0.3, 7, 2, 10), 0.3);
   EXPECT_FALSE(ParseLrSchedule("exponential").ok());
 }

@@ -103,8 +103,8 @@ TEST(LogprobMismatch, Fp32WorkerAgainstBf16LearnerShowsTheRounding) {
   cfg.bf16 = true;
   StepMetrics sm;
   ASSERT_FALSE(OneStepDelta(*master, cfg, groups, &sm).empty());
-  std::printf("fp32 worker, bf16 learner mismatch: mean %.3g max %.3g\n",
-              sm.logprob_mismatch_mean, sm.logprob_mismatch_max);
+  std::printf("fp32 worker, bf16 learner mismatch: mean %.3g max %.3g\n", sm.logprob_mismatch_mean,
+              sm.logprob_mismatch_max);
   EXPECT_GT(sm.logprob_mismatch_max, 100 * kFp32MismatchBound);
   EXPECT_LT(sm.logprob_mismatch_max, kBf16MismatchBound);
 }

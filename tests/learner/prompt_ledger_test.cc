@@ -372,7 +372,7 @@ TEST_F(PromptLedgerTest, ReleaseReturnsPromptToQueueWithoutAnAttempt) {
 TEST_F(PromptLedgerTest, ExpiringAWorkersLeasesRequeuesOnlyItsPromptsWithAnAttempt) {
   auto ledger = OpenLedger();
   ASSERT_TRUE(ledger->AddDataset("a", Rows(5)).ok());
-  auto gone = ledger->LeasePrompts("w-gone", 2, milliseconds(60'000));  // ds-1:0, ds-1:1
+  auto gone = ledger->LeasePrompts("w-gone", 2, milliseconds(60'000));    // ds-1:0, ds-1:1
   auto alive = ledger->LeasePrompts("w-alive", 2, milliseconds(60'000));  // ds-1:2, ds-1:3
   ASSERT_TRUE(gone.ok() && gone->size() == 2 && alive.ok() && alive->size() == 2);
   auto moved = ledger->ExpireWorkerLeases("w-gone");

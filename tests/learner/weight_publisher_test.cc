@@ -151,7 +151,10 @@ TEST(WeightPublisher, TwoReceiversGetEachVersionBitEqualAndInstallIt) {
   EXPECT_FALSE(a.receiver->Receive(0, *model_a, 1ms).ok());
   EXPECT_FALSE(b.receiver->Receive(0, *model_b, 1ms).ok());
   PublisherThread run(
-      publisher, [] { return std::vector<std::string>{"w-a", "w-b"}; },
+      publisher,
+      [] {
+        return std::vector<std::string>{"w-a", "w-b"};
+      },
       [&] {
         std::lock_guard<std::mutex> lock(mu);
         return current;
@@ -205,8 +208,8 @@ TEST(WeightPublisher, ALostReceiverEndsTheEpochAndTheOtherRejoinsTheNext) {
   // next version reaches it there.
   a.receiver->SetGroup({"w-a", epoch + 1, "gloo"});
   auto snap3 = Snapshot(*base, 3, 2);
-  PublisherThread run(publisher, [] { return std::vector<std::string>{"w-a"}; },
-                      [&] { return snap3; });
+  PublisherThread run(
+      publisher, [] { return std::vector<std::string>{"w-a"}; }, [&] { return snap3; });
   ASSERT_TRUE(WaitFor([&] { return a.receiver->latest().first == 3; }, 10s));
   StatusOr<int64_t> got = a.receiver->Receive(3, *model_a, 10s);
   ASSERT_TRUE(got.ok()) << got.status().ToString();
@@ -265,7 +268,7 @@ TEST(GroupWeightReceiver, AWorkerAssignedGrpcJoinsNoGroupAndFallsBackAtOnce) {
   auto model = TinyModel(2);
   const auto t0 = Clock::now();
   EXPECT_FALSE(a.receiver->Receive(0, *model, 10s).ok());  // the fallback's refusal
-  EXPECT_LT(Clock::now() - t0, 3s);  // no version_wait (5 s) without a group
+  EXPECT_LT(Clock::now() - t0, 3s);                        // no version_wait (5 s) without a group
   EXPECT_EQ(a.fallback->calls, 1);
   EXPECT_EQ(a.receiver->assigned_backend(), "grpc");
   EXPECT_EQ(a.receiver->groups_joined(), 0);

@@ -8,8 +8,8 @@
 #include <set>
 #include <thread>
 
-#include "common/tokenizer/byte_tokenizer.h"
 #include "common/model/model_config.h"
+#include "common/tokenizer/byte_tokenizer.h"
 
 namespace grpo::rollout {
 namespace {

@@ -1,6 +1,7 @@
 // The rollout pipeline (rollout/produce.h) and the dataset row schema it builds prompts with
-// (common/tokenizer/dataset_row.h). Expected ids, texts and rewards are written out by hand here: byte
-// tokenizer ids are the bytes (specials 257 <|im_start|>, 258 <|im_end|>), the length reward is
+// (common/tokenizer/dataset_row.h). Expected ids, texts and rewards are written out by hand here:
+// byte tokenizer ids are the bytes (specials 257 <|im_start|>, 258 <|im_end|>), the length reward
+// is
 // -|target - completion tokens|.
 #include "rollout/produce.h"
 
@@ -13,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "common/tokenizer/byte_tokenizer.h"
-#include "common/tokenizer/dataset_row.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
+#include "common/tokenizer/byte_tokenizer.h"
+#include "common/tokenizer/dataset_row.h"
 
 namespace grpo::rollout {
 namespace {

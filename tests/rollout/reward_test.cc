@@ -306,8 +306,8 @@ class SlowReward final : public RewardFunction {
 TEST(RewardRunner, ReportsEachFunctionsLatencyAndTheTimeoutForAMissedDeadline) {
   std::promise<void> release;
   auto blocking = std::make_shared<BlockingReward>(release.get_future().share());
-  auto runner = MakeRunner({std::make_shared<SlowReward>(80), blocking}, {},
-                           std::chrono::milliseconds(400));
+  auto runner =
+      MakeRunner({std::make_shared<SlowReward>(80), blocking}, {}, std::chrono::milliseconds(400));
   common::RolloutGroup g = Group({{"{}", 1}});
   const RewardCallReport report = runner->ScoreGroup(g, "p", json::object());
   ASSERT_EQ(report.seconds.size(), 2u);

@@ -245,7 +245,8 @@ TEST(Sampler, GivenUniformsDrawWhatTheGeneratorsWould) {
 TEST(Sampler, GivenUniformsMustBeOneFloat64PerRow) {
   const at::Tensor logits = at::randn({3, 8}, at::kFloat);
   SamplingParams p;
-  for (const at::Tensor& u : {at::Tensor(), at::rand({2}, at::kDouble), at::rand({3}, at::kFloat)}) {
+  for (const at::Tensor& u :
+       {at::Tensor(), at::rand({2}, at::kDouble), at::rand({3}, at::kFloat)}) {
     auto r = SampleWithUniforms(logits, at::Tensor(), p, u);
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);

@@ -85,7 +85,8 @@ class CliLearnerTest : public ::testing::Test {
 
   std::string Client(const std::string& cmd, const std::string& flags, int* rc,
                      bool with_token = true) {
-    std::string line = GrpoBin() + " " + cmd + " --learner_address 127.0.0.1:" + std::to_string(port_) +
+    std::string line = GrpoBin() + " " + cmd +
+                       " --learner_address 127.0.0.1:" + std::to_string(port_) +
                        " --timeout_seconds 10 " + flags;
     if (with_token) line += " --auth_token_file " + (dir_ / "token").string();
     return RunCommand(line + " 2>" + (dir_ / "client.err").string(), rc);

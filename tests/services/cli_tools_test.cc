@@ -1,6 +1,5 @@
 // The `grpo` model tools as users run them: a real process, JSON Lines in and out.
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <cstdio>
@@ -8,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "tests/test_util.h"
@@ -41,8 +41,8 @@ class CliTools : public ::testing::Test {
 std::string CliTools::dir_;
 
 TEST_F(CliTools, InitModelWritesHuggingFaceLayout) {
-  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json",
-                        "tokenizer_config.json"}) {
+  for (const char* f :
+       {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}) {
     EXPECT_TRUE(fs::exists(fs::path(dir_) / f)) << f;
   }
   std::ifstream in(fs::path(dir_) / "config.json");
@@ -53,27 +53,33 @@ TEST_F(CliTools, InitModelWritesHuggingFaceLayout) {
 
 TEST_F(CliTools, TokenizeGivesBytesAndSpecialsAndDecodesBack) {
   const std::string in = dir_ + "/tok_in.jsonl";
-  std::ofstream(in) << R"({"text": "<|im_start|>hi\n"})" << "\n" << R"({"text": 5})" << "\n";
+  std::ofstream(in) << R"({"text": "<|im_start|>hi\n"})"
+                    << "\n"
+                    << R"({"text": 5})"
+                    << "\n";
   int rc;
   auto out = Lines(RunCommand(GrpoBin() + " tokenize --tokenizer " + dir_ + " < " + in, &rc));
   EXPECT_EQ(rc, 2);  // line 2 is bad
   ASSERT_EQ(out.size(), 2u);
   EXPECT_EQ(out[0]["ids"], json({257, 'h', 'i', '\n'}));
   EXPECT_NE(out[1]["error"].get<std::string>().find("line 2"), std::string::npos);
-  std::ofstream(in) << R"({"ids": [257, 104, 105, 10]})" << "\n";
+  std::ofstream(in) << R"({"ids": [257, 104, 105, 10]})"
+                    << "\n";
   out = Lines(RunCommand(GrpoBin() + " tokenize --decode --tokenizer " + dir_ + " < " + in, &rc));
   EXPECT_EQ(rc, 0);
   EXPECT_EQ(out[0]["text"], "<|im_start|>hi\n");
 }
 
 TEST_F(CliTools, LogprobsMatchIndependentReferenceModel) {
-  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch")) << grpo::testing::ReferencePython() << " cannot import torch (deploy/setup.sh)";
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch"))
+      << grpo::testing::ReferencePython() << " cannot import torch (deploy/setup.sh)";
   const std::vector<std::vector<int>> seqs = {{257, 72, 101, 108, 108, 111, 258}, {10, 20, 30}};
   const std::string in = dir_ + "/lp_in.jsonl";
   {
     std::ofstream f(in);
     for (const auto& s : seqs) f << json{{"ids", s}}.dump() << "\n";
-    f << R"({"ids": [1, 99999]})" << "\n";
+    f << R"({"ids": [1, 99999]})"
+      << "\n";
   }
   int rc;
   auto out = Lines(RunCommand(GrpoBin() + " logprobs --model " + dir_ + " < " + in, &rc));
@@ -84,7 +90,8 @@ TEST_F(CliTools, LogprobsMatchIndependentReferenceModel) {
     const auto& s = seqs[b];
     // Reference logits of this sequence alone, log-softmax computed here.
     const std::string ref_in = dir_ + "/ref_in.json", ref_out = dir_ + "/ref_out.json";
-    std::ofstream(ref_in) << json{{"input_ids", {s}}, {"attention_mask", {std::vector<int>(s.size(), 1)}}}.dump();
+    std::ofstream(ref_in)
+        << json{{"input_ids", {s}}, {"attention_mask", {std::vector<int>(s.size(), 1)}}}.dump();
     const std::string cmd = "'" + grpo::testing::ReferencePython() + "' " +
                             grpo::testing::SourceDir() + "/tests/reference/hf_model_ref.py " +
                             dir_ + " " + ref_in + " " + ref_out;
@@ -107,9 +114,12 @@ TEST_F(CliTools, LogprobsMatchIndependentReferenceModel) {
 
 TEST_F(CliTools, GenerateGivesGroupsWithLogprobsAndRewardsPerRow) {
   const std::string in = dir_ + "/gen_in.jsonl";
-  std::ofstream(in) << R"({"prompt": "hi", "answer": "3"})" << "\n"
-                    << R"({"messages": [{"role": "user", "content": "2+1?"}]})" << "\n"
-                    << R"({"nope": 1})" << "\n";
+  std::ofstream(in) << R"({"prompt": "hi", "answer": "3"})"
+                    << "\n"
+                    << R"({"messages": [{"role": "user", "content": "2+1?"}]})"
+                    << "\n"
+                    << R"({"nope": 1})"
+                    << "\n";
   int rc;
   auto out = Lines(RunCommand(GrpoBin() + " generate --model " + dir_ +
                                   " --num_generations 3 --max_completion_length 6"
@@ -145,17 +155,18 @@ TEST_F(CliTools, LearnerCheckpointLoadsInTransformersWithSameIdsAndLogprobs) {
       << grpo::testing::ReferencePython() << " cannot import transformers (deploy/setup.sh)";
   const std::string out_dir = dir_ + "/trained";
   int rc;
-  const std::string train = RunCommand(GrpoBin() + " train-local --json --max_steps 2 --seed 3" +
-                                           " --model_name_or_path " + dir_ +
-                                           " --output_dir " + out_dir + " 2>/dev/null",
-                                       &rc);
+  const std::string train =
+      RunCommand(GrpoBin() + " train-local --json --max_steps 2 --seed 3" +
+                     " --model_name_or_path " + dir_ + " --output_dir " + out_dir + " 2>/dev/null",
+                 &rc);
   ASSERT_EQ(rc, 0) << train;
   const std::vector<json> lines = Lines(train);
   ASSERT_FALSE(lines.empty());
   const std::string ckpt = lines.back()["checkpoint"].get<std::string>();
   ASSERT_TRUE(fs::exists(fs::path(ckpt) / "model.safetensors")) << ckpt;
 
-  const std::vector<std::string> texts = {"<|im_start|>user\nhi there<|im_end|>", "2+2=4, caf\u00e9"};
+  const std::vector<std::string> texts = {"<|im_start|>user\nhi there<|im_end|>",
+                                          "2+2=4, caf\u00e9"};
   const std::string tok_in = dir_ + "/ckpt_tok_in.jsonl";
   {
     std::ofstream f(tok_in);
@@ -177,10 +188,10 @@ TEST_F(CliTools, LearnerCheckpointLoadsInTransformersWithSameIdsAndLogprobs) {
   for (size_t b = 0; b < texts.size(); ++b) {
     const std::vector<int> ids = ours[b]["ids"].get<std::vector<int>>();
     const std::string ref_in = dir_ + "/ckpt_ref_in.json", ref_out = dir_ + "/ckpt_ref_out.json";
-    std::ofstream(ref_in) << json{{"input_ids", {ids}},
-                                  {"attention_mask", {std::vector<int>(ids.size(), 1)}},
-                                  {"texts", {texts[b]}}}
-                                 .dump();
+    std::ofstream(ref_in) << json{
+        {"input_ids", {ids}},
+        {"attention_mask", {std::vector<int>(ids.size(), 1)}},
+        {"texts", {texts[b]}}}.dump();
     const std::string cmd = "'" + grpo::testing::ReferencePython() + "' " +
                             grpo::testing::SourceDir() + "/tests/reference/hf_model_ref.py " +
                             ckpt + " " + ref_in + " " + ref_out + " 2>/dev/null";
@@ -190,8 +201,7 @@ TEST_F(CliTools, LearnerCheckpointLoadsInTransformersWithSameIdsAndLogprobs) {
     EXPECT_EQ(ref["token_ids"][0].get<std::vector<int>>(), ids) << texts[b];
     ASSERT_EQ(our_lp[b]["logprobs"].size(), ids.size());
     for (size_t t = 1; t < ids.size(); ++t) {
-      EXPECT_NEAR(our_lp[b]["logprobs"][t].get<double>(), ref["logprobs"][0][t].get<double>(),
-                  1e-4)
+      EXPECT_NEAR(our_lp[b]["logprobs"][t].get<double>(), ref["logprobs"][0][t].get<double>(), 1e-4)
           << "text " << b << " t " << t;
     }
   }
@@ -204,10 +214,10 @@ TEST_F(CliTools, LearnerCheckpointLoadsInTransformersWithSameIdsAndLogprobs) {
 // demo's learning rate it is orders of magnitude larger.
 TEST_F(CliTools, TrainLocalWithBetaBuildsTheReferenceModel) {
   int rc;
-  const std::string out = RunCommand(GrpoBin() + " train-local --json --max_steps 2 --beta 0.04" +
-                                         " --model_name_or_path " + dir_ + " --output_dir " +
-                                         dir_ + "/beta-run 2>&1",
-                                     &rc);
+  const std::string out =
+      RunCommand(GrpoBin() + " train-local --json --max_steps 2 --beta 0.04" +
+                     " --model_name_or_path " + dir_ + " --output_dir " + dir_ + "/beta-run 2>&1",
+                 &rc);
   ASSERT_EQ(rc, 0) << out;
   std::vector<json> steps;
   std::istringstream ss(out);
@@ -238,8 +248,8 @@ TEST_F(CliTools, ServiceBenchmarksRunAgainstARealLearner) {
   EXPECT_EQ(e2e[0]["stale_groups_refused"], 0);  // max_staleness 0 leases nothing stale
   for (const auto& row : e2e) EXPECT_GT(row["steps_per_second"].get<double>(), 0) << row;
 
-  const auto ingest = Lines(
-      RunCommand(GrpoBin() + " bench ingest --groups 8 --reps 1 --json 2>/dev/null", &rc));
+  const auto ingest =
+      Lines(RunCommand(GrpoBin() + " bench ingest --groups 8 --reps 1 --json 2>/dev/null", &rc));
   ASSERT_EQ(rc, 0);
   bool pushed = false;
   for (const auto& row : ingest) {
@@ -254,7 +264,8 @@ TEST_F(CliTools, ConfigNamesAnUnknownKey) {
   int rc;
   RunCommand(GrpoBin() + " config --num_generaton 4 2>/dev/null", &rc);
   EXPECT_EQ(rc, 2);
-  auto out = json::parse(RunCommand(GrpoBin() + " config --num_generations 4 --per_device_train_batch_size 4", &rc));
+  auto out = json::parse(
+      RunCommand(GrpoBin() + " config --num_generations 4 --per_device_train_batch_size 4", &rc));
   EXPECT_EQ(rc, 0);
   EXPECT_EQ(out["num_generations"], 4);
 }

@@ -77,9 +77,10 @@ TEST(DemoStability, TrainLocalReachesTheOptimumAndStaysThere) {
                          << " (mean length " << WindowMean(length, worst_at, worst_at + kWindow)
                          << ")";
   EXPECT_GT(WindowMean(reward, reward.size() - 200, reward.size()), -1.0);
-  std::printf("DemoStability: optimum (50-step mean > -1) by step %zu; worst later 50-step mean "
-              "%.3f at step %zu; last 200 steps %.3f\n",
-              reached, worst, worst_at, WindowMean(reward, reward.size() - 200, reward.size()));
+  std::printf(
+      "DemoStability: optimum (50-step mean > -1) by step %zu; worst later 50-step mean "
+      "%.3f at step %zu; last 200 steps %.3f\n",
+      reached, worst, worst_at, WindowMean(reward, reward.size() - 200, reward.size()));
 }
 
 }  // namespace

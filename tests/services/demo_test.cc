@@ -30,8 +30,7 @@ using nlohmann::json;
 
 double Mean(const std::vector<double> &v) {
   double s = 0;
-  for (double x : v)
-    s += x;
+  for (double x : v) s += x;
   return s / static_cast<double>(v.size());
 }
 
@@ -39,14 +38,13 @@ double Mean(const std::vector<double> &v) {
 double StdErr(const std::vector<double> &v) {
   const double m = Mean(v);
   double s = 0;
-  for (double x : v)
-    s += (x - m) * (x - m);
+  for (double x : v) s += (x - m) * (x - m);
   const double n = static_cast<double>(v.size());
   return std::sqrt(s / (n - 1) / n);
 }
 
 class DemoTest : public ::testing::Test {
-protected:
+ protected:
   void SetUp() override {
     dir_ = fs::temp_directory_path() /
            ("demo_test_" + std::to_string(::getpid()) + "_" +
@@ -62,11 +60,10 @@ TEST_F(DemoTest, LearnsTheBuiltinTaskAndLeavesNoProcessBehind) {
   constexpr int kSteps = 30;
   constexpr size_t kWindow = 8;
   int rc = -1;
-  const std::string out =
-      RunCommand(GrpoBin() + " demo --json --workers 2 --seed 1 --max_steps " +
-                     std::to_string(kSteps) + " --output_dir " + dir_.string() +
-                     " 2>" + (dir_.string() + ".stderr"),
-                 &rc);
+  const std::string out = RunCommand(GrpoBin() + " demo --json --workers 2 --seed 1 --max_steps " +
+                                         std::to_string(kSteps) + " --output_dir " + dir_.string() +
+                                         " 2>" + (dir_.string() + ".stderr"),
+                                     &rc);
   std::ifstream err_in(dir_.string() + ".stderr");
   std::stringstream err;
   err << err_in.rdbuf();
@@ -77,26 +74,22 @@ TEST_F(DemoTest, LearnsTheBuiltinTaskAndLeavesNoProcessBehind) {
   json summary;
   std::istringstream lines(out);
   for (std::string line; std::getline(lines, line);) {
-    const json j = json::parse(line); // every stdout line is one JSON object
+    const json j = json::parse(line);  // every stdout line is one JSON object
     if (j.contains("summary")) {
       summary = j;
       continue;
     }
     ASSERT_TRUE(j.contains("step") && j.contains("reward")) << line;
-    EXPECT_EQ(j["step"].get<int64_t>(),
-              static_cast<int64_t>(rewards.size()) + 1)
-        << line;
+    EXPECT_EQ(j["step"].get<int64_t>(), static_cast<int64_t>(rewards.size()) + 1) << line;
     rewards.push_back(j["reward"].get<double>());
   }
   ASSERT_EQ(rewards.size(), static_cast<size_t>(kSteps)) << out;
 
   const std::vector<double> first(rewards.begin(), rewards.begin() + kWindow);
   const std::vector<double> last(rewards.end() - kWindow, rewards.end());
-  const double se =
-      std::sqrt(std::pow(StdErr(first), 2) + std::pow(StdErr(last), 2));
+  const double se = std::sqrt(std::pow(StdErr(first), 2) + std::pow(StdErr(last), 2));
   EXPECT_GT(Mean(last) - Mean(first), 3 * se)
-      << "first " << Mean(first) << ", last " << Mean(last) << ", se " << se
-      << "\n"
+      << "first " << Mean(first) << ", last " << Mean(last) << ", se " << se << "\n"
       << out;
 
   ASSERT_TRUE(summary.is_object()) << out;
@@ -106,22 +99,18 @@ TEST_F(DemoTest, LearnsTheBuiltinTaskAndLeavesNoProcessBehind) {
     EXPECT_EQ(p["exit_code"].get<int>(), 0) << p.dump();
     const pid_t pid = p["pid"].get<pid_t>();
     errno = 0;
-    EXPECT_EQ(::kill(pid, 0), -1)
-        << p["name"] << " (pid " << pid << ") is still running";
+    EXPECT_EQ(::kill(pid, 0), -1) << p["name"] << " (pid " << pid << ") is still running";
     EXPECT_EQ(errno, ESRCH) << p["name"];
   }
 }
 
 TEST_F(DemoTest, BadOverrideFailsFastNamingTheKey) {
   int rc = -1;
-  const std::string out =
-      RunCommand(GrpoBin() + " demo --num_generations 1 --output_dir " +
-                     dir_.string() + " 2>&1",
-                 &rc);
+  const std::string out = RunCommand(
+      GrpoBin() + " demo --num_generations 1 --output_dir " + dir_.string() + " 2>&1", &rc);
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("num_generations"), std::string::npos) << out;
-  EXPECT_FALSE(fs::exists(dir_ / "learner.log"))
-      << "no process should have started";
+  EXPECT_FALSE(fs::exists(dir_ / "learner.log")) << "no process should have started";
 }
 
-} // namespace
+}  // namespace

@@ -26,11 +26,10 @@
 #include <vector>
 
 #include "grpo/v1/learner.grpc.pb.h"
+#include "tests/services/fault_util.h"
 #include "tests/services/http_test_util.h"
 #include "tests/services/process_util.h"
 #include "tests/test_util.h"
-
-#include "tests/services/fault_util.h"
 
 namespace {
 
@@ -102,10 +101,10 @@ TEST_F(FaultToleranceTest, KilledWorkersLeasesExpireAndEveryPromptTrainsOnce) {
 // checkpoint, and killed with SIGKILL. With `crash_before_publish` the ledger is then made to
 // hold what a crash between PromptLedger::MarkTrained (step S+1's groups recorded as trained)
 // and checkpoint S+1 leaves: one more prompt recorded as trained at step S+1, which no saved
-// weights hold. The restart must roll that back (PromptLedger::RollbackTo). A new learner starts on the same port and
-// output_dir; the workers, which retry on their own, reconnect; the job runs to max_steps. Every
-// prompt of the pass must be trained exactly once over the final history: the dead learner's steps
-// up to the checkpoint, then the new learner's.
+// weights hold. The restart must roll that back (PromptLedger::RollbackTo). A new learner starts on
+// the same port and output_dir; the workers, which retry on their own, reconnect; the job runs to
+// max_steps. Every prompt of the pass must be trained exactly once over the final history: the dead
+// learner's steps up to the checkpoint, then the new learner's.
 class LearnerRestartTest : public FaultToleranceTest {
  protected:
   static constexpr int kPrompts = 12;
@@ -129,8 +128,12 @@ class LearnerRestartTest : public FaultToleranceTest {
         "BEGIN; "
         "CREATE TEMP TABLE pick AS SELECT id FROM prompts WHERE state = 'QUEUED' AND pass = 0 "
         "ORDER BY seq LIMIT 1; "
-        "INSERT INTO trainings (prompt_id, pass, step) SELECT id, 0, " + s + " FROM pick; "
-        "UPDATE prompts SET state = 'TRAINED', trained_step = " + s + ", trained_passes = 1 "
+        "INSERT INTO trainings (prompt_id, pass, step) SELECT id, 0, " +
+        s +
+        " FROM pick; "
+        "UPDATE prompts SET state = 'TRAINED', trained_step = " +
+        s +
+        ", trained_passes = 1 "
         "WHERE id IN (SELECT id FROM pick); "
         "COMMIT;";
     char* msg = nullptr;
@@ -185,8 +188,7 @@ class LearnerRestartTest : public FaultToleranceTest {
     ASSERT_TRUE(ledger.has_value()) << error;
     ASSERT_EQ(ledger->job_pass, 0) << "killed too late: every prompt was already accepted";
     if (crash_before_publish) {
-      ASSERT_TRUE(RecordTrainedAt(out_dir() / "ledger.sqlite", resumed_step + 1, &error))
-          << error;
+      ASSERT_TRUE(RecordTrainedAt(out_dir() / "ledger.sqlite", resumed_step + 1, &error)) << error;
     }
     // Steps after the checkpoint were the dead learner's; its steps up to it are history.
     std::map<int64_t, std::string> kept;

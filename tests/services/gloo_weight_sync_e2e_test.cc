@@ -24,12 +24,12 @@
 
 #include "common/model/model.h"
 #include "common/model/model_config.h"
-#include "services/auth.h"
-#include "services/convert.h"
 #include "common/weight_sync/epoch_store.h"
 #include "rollout/group_weight_receiver.h"
-#include "services/grpc_weight_receiver.h"
+#include "services/auth.h"
+#include "services/convert.h"
 #include "services/grpc_store.h"
+#include "services/grpc_weight_receiver.h"
 #include "services/learner_service.h"
 #include "services/rollout_worker.h"
 
@@ -40,16 +40,14 @@ namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-constexpr auto kSyncTimeout =
-    3s; // the learner's and the workers' collective deadline
+constexpr auto kSyncTimeout = 3s;  // the learner's and the workers' collective deadline
 
 common::GrpoConfig TinyConfig(const fs::path &dir, int64_t max_steps) {
   common::GrpoConfig c;
   c.output_dir = dir.string();
   c.grpc_port = 0;
   c.num_generations = 2;
-  c.per_device_train_batch_size =
-      4; // generation batch = 2 groups of 2 -> one step
+  c.per_device_train_batch_size = 4;  // generation batch = 2 groups of 2 -> one step
   c.gradient_accumulation_steps = 1;
   c.max_prompt_length = 32;
   c.max_completion_length = 8;
@@ -64,15 +62,12 @@ common::GrpoConfig TinyConfig(const fs::path &dir, int64_t max_steps) {
 }
 
 bool BitEqual(const common::NamedTensors &a, const common::NamedTensors &b) {
-  if (a.size() != b.size())
-    return false;
+  if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i) {
     const at::Tensor x = a[i].second.contiguous(), y = b[i].second.contiguous();
-    if (a[i].first != b[i].first || x.nbytes() != y.nbytes() ||
-        x.scalar_type() != y.scalar_type())
+    if (a[i].first != b[i].first || x.nbytes() != y.nbytes() || x.scalar_type() != y.scalar_type())
       return false;
-    if (std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) != 0)
-      return false;
+    if (std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) != 0) return false;
   }
   return true;
 }
@@ -81,15 +76,14 @@ template <typename Pred>
 bool WaitFor(Pred pred, std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   while (!pred()) {
-    if (Clock::now() >= deadline)
-      return false;
+    if (Clock::now() >= deadline) return false;
     std::this_thread::sleep_for(20ms);
   }
   return true;
 }
 
 class GlooWeightSyncE2eTest : public ::testing::Test {
-protected:
+ protected:
   void SetUp() override {
     dir_ = fs::temp_directory_path() /
            ("gloo_e2e_test_" + std::to_string(::getpid()) + "_" +
@@ -99,23 +93,19 @@ protected:
   }
   void TearDown() override {
     workers_.clear();
-    if (server_)
-      (void)server_->Stop(false);
+    if (server_) (void)server_->Stop(false);
     server_.reset();
     fs::remove_all(dir_);
   }
 
   // `config_hostname` non-empty: the Gloo address comes from config key
   // weight_sync_hostname, not from LearnerServerOptions.
-  void StartLearner(int64_t max_steps,
-                    std::chrono::milliseconds heartbeat_interval = 200ms,
+  void StartLearner(int64_t max_steps, std::chrono::milliseconds heartbeat_interval = 200ms,
                     const std::string &config_hostname = "") {
-    auto model =
-        common::Model::InitRandom(*common::ModelConfigPreset("tiny"), 7);
+    auto model = common::Model::InitRandom(*common::ModelConfigPreset("tiny"), 7);
     ASSERT_TRUE(model.ok()) << model.status().ToString();
     LearnerServerOptions options;
-    options.heartbeat_interval =
-        heartbeat_interval; // dropped after 5 missed heartbeats
+    options.heartbeat_interval = heartbeat_interval;  // dropped after 5 missed heartbeats
     options.weight_sync_timeout = kSyncTimeout;
     common::GrpoConfig config = TinyConfig(dir_, max_steps);
     if (config_hostname.empty()) {
@@ -123,16 +113,13 @@ protected:
     } else {
       config.weight_sync_hostname = config_hostname;
     }
-    auto server = LearnerServer::Create(config, std::move(model).value(),
-                                        nullptr, options);
+    auto server = LearnerServer::Create(config, std::move(model).value(), nullptr, options);
     ASSERT_TRUE(server.ok()) << server.status().ToString();
     server_ = std::move(server).value();
     ASSERT_TRUE(server_->Start().ok());
     channel_ = MakeChannel(address());
   }
-  std::string address() const {
-    return "127.0.0.1:" + std::to_string(server_->port());
-  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(server_->port()); }
 
   void SubmitPrompts(int n) {
     auto stub = v1::LearnerService::NewStub(channel_);
@@ -142,8 +129,7 @@ protected:
     auto writer = stub->SubmitDataset(&ctx, &response);
     v1::SubmitDatasetRequest req;
     req.set_name("e2e");
-    for (int i = 0; i < n; ++i)
-      req.add_lines(R"({"prompt": "say )" + std::to_string(i) + R"("})");
+    for (int i = 0; i < n; ++i) req.add_lines(R"({"prompt": "say )" + std::to_string(i) + R"("})");
     req.set_last(true);
     req.set_total_lines(n);
     ASSERT_TRUE(writer->Write(req));
@@ -154,14 +140,13 @@ protected:
 
   struct RunningWorker {
     std::atomic<bool> stop{false};
-    rollout::GroupWeightReceiver *receiver = nullptr; // owned by `worker`
+    rollout::GroupWeightReceiver *receiver = nullptr;  // owned by `worker`
     std::unique_ptr<RolloutWorker> worker;
     Status result;
     std::thread thread;
     ~RunningWorker() {
       stop = true;
-      if (thread.joinable())
-        thread.join();
+      if (thread.joinable()) thread.join();
     }
   };
 
@@ -201,8 +186,7 @@ protected:
   std::vector<std::unique_ptr<RunningWorker>> workers_;
 };
 
-TEST_F(GlooWeightSyncE2eTest,
-       GrpcEpochStoreSetsGetsAddsAndSharesTheLearnersKeySpace) {
+TEST_F(GlooWeightSyncE2eTest, GrpcEpochStoreSetsGetsAddsAndSharesTheLearnersKeySpace) {
   StartLearner(100);
   const int64_t epoch = server_->group_epoch();
   auto store = c10::make_intrusive<common::C10dEpochStore>(
@@ -222,13 +206,11 @@ TEST_F(GlooWeightSyncE2eTest,
   EXPECT_TRUE(store->deleteKey("b"));
   EXPECT_FALSE(store->check({"b"}));
   // compareSet: set when the current value matches.
-  EXPECT_EQ(store->compareSet("a", {'x', 'y'}, {'z'}),
-            (std::vector<uint8_t>{'z'}));
+  EXPECT_EQ(store->compareSet("a", {'x', 'y'}, {'z'}), (std::vector<uint8_t>{'z'}));
   EXPECT_EQ(store->compareSet("a", {'q'}, {'w'}), (std::vector<uint8_t>{'z'}));
 }
 
-TEST_F(GlooWeightSyncE2eTest,
-       GrpcEpochStoreWaitForAMissingKeyFailsWithinItsDeadline) {
+TEST_F(GlooWeightSyncE2eTest, GrpcEpochStoreWaitForAMissingKeyFailsWithinItsDeadline) {
   StartLearner(100);
   const int64_t epoch = server_->group_epoch();
   auto grpc_store = GrpcEpochStore::Connect(channel_, "", 2s);
@@ -239,8 +221,7 @@ TEST_F(GlooWeightSyncE2eTest,
   EXPECT_GE(Clock::now() - start, 400ms);
   start = Clock::now();
   StatusOr<std::string> v = grpc_store->Get(epoch, "never", 300ms);
-  EXPECT_EQ(v.status().code(), StatusCode::kDeadlineExceeded)
-      << v.status().ToString();
+  EXPECT_EQ(v.status().code(), StatusCode::kDeadlineExceeded) << v.status().ToString();
   EXPECT_LT(Clock::now() - start, 2s);
   // get() waits the store's own timeout (2 s), not forever.
   start = Clock::now();
@@ -261,8 +242,7 @@ TEST_F(GlooWeightSyncE2eTest, GrpcEpochStoreOfAPastEpochIsFailedPrecondition) {
 // This machine's first IPv4 address that is not loopback, if it has one.
 std::optional<std::string> NonLoopbackIpv4() {
   ifaddrs *ifs = nullptr;
-  if (::getifaddrs(&ifs) != 0)
-    return std::nullopt;
+  if (::getifaddrs(&ifs) != 0) return std::nullopt;
   std::optional<std::string> found;
   for (ifaddrs *i = ifs; i != nullptr && !found; i = i->ifa_next) {
     if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET ||
@@ -270,8 +250,7 @@ std::optional<std::string> NonLoopbackIpv4() {
       continue;
     char buf[INET_ADDRSTRLEN];
     const auto *a = reinterpret_cast<const sockaddr_in *>(i->ifa_addr);
-    if (::inet_ntop(AF_INET, &a->sin_addr, buf, sizeof(buf)))
-      found = buf;
+    if (::inet_ntop(AF_INET, &a->sin_addr, buf, sizeof(buf))) found = buf;
   }
   ::freeifaddrs(ifs);
   return found;
@@ -282,7 +261,7 @@ int ListenersOn(const std::string &ip) {
   in_addr a{};
   ::inet_pton(AF_INET, ip.c_str(), &a);
   char hex[9];
-  std::snprintf(hex, sizeof(hex), "%08X", a.s_addr); // /proc/net/tcp's byte order
+  std::snprintf(hex, sizeof(hex), "%08X", a.s_addr);  // /proc/net/tcp's byte order
   int n = 0;
   for (const char *table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
     std::ifstream in(table);
@@ -293,8 +272,7 @@ int ListenersOn(const std::string &ip) {
       std::string slot, local, remote, state;
       ss >> slot >> local >> remote >> state;
       const std::string addr = local.substr(0, local.find(':'));
-      if (state == "0A" && (addr == hex || addr == "0000000000000000FFFF0000" +
-                                                      std::string(hex)))
+      if (state == "0A" && (addr == hex || addr == "0000000000000000FFFF0000" + std::string(hex)))
         ++n;
     }
   }
@@ -307,20 +285,16 @@ int ListenersOn(const std::string &ip) {
 // the learner's rank and the worker's (both in this process) listen there.
 TEST_F(GlooWeightSyncE2eTest, LearnersGlooRankListensOnTheConfiguredHostname) {
   const auto ip = NonLoopbackIpv4();
-  if (!ip)
-    GTEST_SKIP() << "this machine has no non-loopback IPv4 address";
+  if (!ip) GTEST_SKIP() << "this machine has no non-loopback IPv4 address";
   const int before = ListenersOn(*ip);
   StartLearner(/*max_steps=*/100, 200ms, /*config_hostname=*/*ip);
   RunningWorker &a = StartWorker(*ip);
-  ASSERT_TRUE(WaitFor(
-      [&] { return a.receiver && a.receiver->groups_joined() >= 1; }, 60s));
+  ASSERT_TRUE(WaitFor([&] { return a.receiver && a.receiver->groups_joined() >= 1; }, 60s));
   RecordProperty("new_listeners_on_address", ListenersOn(*ip) - before);
-  EXPECT_GE(ListenersOn(*ip) - before, 2)
-      << "the learner's Gloo rank does not listen on " << *ip;
+  EXPECT_GE(ListenersOn(*ip) - before, 2) << "the learner's Gloo rank does not listen on " << *ip;
 }
 
-TEST_F(GlooWeightSyncE2eTest,
-       TwoWorkersReceiveTheLatestVersionBitEqualOverGloo) {
+TEST_F(GlooWeightSyncE2eTest, TwoWorkersReceiveTheLatestVersionBitEqualOverGloo) {
   StartLearner(/*max_steps=*/6);
   RunningWorker &a = StartWorker();
   RunningWorker &b = StartWorker();
@@ -340,29 +314,26 @@ TEST_F(GlooWeightSyncE2eTest,
   // The last version is broadcast after the job ended: both receivers get it.
   for (RunningWorker *w : {&a, &b}) {
     ASSERT_NE(w->receiver, nullptr);
-    EXPECT_TRUE(
-        WaitFor([&] { return w->receiver->latest().first == latest; }, 30s))
-        << "worker got " << w->receiver->latest().first
-        << ", learner published " << latest;
+    EXPECT_TRUE(WaitFor([&] { return w->receiver->latest().first == latest; }, 30s))
+        << "worker got " << w->receiver->latest().first << ", learner published " << latest;
   }
-  const common::NamedTensors learner_params =
-      server_->policy().NamedParameters();
+  const common::NamedTensors learner_params = server_->policy().NamedParameters();
   for (RunningWorker *w : {&a, &b}) {
     EXPECT_TRUE(BitEqual(w->receiver->latest().second, learner_params));
     EXPECT_GE(w->receiver->versions_received(), 1);
     EXPECT_GE(w->receiver->groups_joined(), 1);
-    std::printf("worker: %lld versions over gloo, %lld installs from gloo, "
-                "%lld from grpc\n",
-                static_cast<long long>(w->receiver->versions_received()),
-                static_cast<long long>(w->receiver->installs_from_group()),
-                static_cast<long long>(w->receiver->installs_from_fallback()));
+    std::printf(
+        "worker: %lld versions over gloo, %lld installs from gloo, "
+        "%lld from grpc\n",
+        static_cast<long long>(w->receiver->versions_received()),
+        static_cast<long long>(w->receiver->installs_from_group()),
+        static_cast<long long>(w->receiver->installs_from_fallback()));
   }
   // The learner counts a sync when its Sync returns, which can be after the receivers hold it.
   EXPECT_TRUE(WaitFor([&] { return server_->group_syncs("gloo") >= 1; }, 10s));
   // A worker that generated with a later version took it from the group at
   // least once.
-  EXPECT_GE(a.receiver->installs_from_group() + b.receiver->installs_from_group(),
-            1);
+  EXPECT_GE(a.receiver->installs_from_group() + b.receiver->installs_from_group(), 1);
   for (RunningWorker *w : {&a, &b}) {
     w->thread.join();
     EXPECT_TRUE(w->result.ok()) << w->result.ToString();
@@ -380,10 +351,10 @@ TEST_F(GlooWeightSyncE2eTest, RegisterAssignsTheBackendTheTwoEndsCanServe) {
     bool note;
   };
   const std::vector<Case> cases = {
-      {"gloo", "cpu", "gloo", false},        {"grpc", "cpu", "grpc", false},
-      {"auto", "cpu", "gloo", true},         {"nccl", "cpu", "grpc", true},
-      {"cuda_ipc", "cpu", "grpc", true},     {"nccl", "cuda:0", "grpc", true},
-      {"auto", "cuda:0", "gloo", true},      {"", "", "grpc", false},
+      {"gloo", "cpu", "gloo", false},    {"grpc", "cpu", "grpc", false},
+      {"auto", "cpu", "gloo", true},     {"nccl", "cpu", "grpc", true},
+      {"cuda_ipc", "cpu", "grpc", true}, {"nccl", "cuda:0", "grpc", true},
+      {"auto", "cuda:0", "gloo", true},  {"", "", "grpc", false},
   };
   int n = 0;
   for (const Case &c : cases) {
@@ -419,8 +390,7 @@ TEST_F(GlooWeightSyncE2eTest, AnAutoWorkerOnTheCpuReceivesOverTheGlooGroup) {
   EXPECT_TRUE(a.result.ok()) << a.result.ToString();
 }
 
-TEST_F(GlooWeightSyncE2eTest,
-       StoppedWorkerBumpsTheEpochAndTheOtherKeepsReceiving) {
+TEST_F(GlooWeightSyncE2eTest, StoppedWorkerBumpsTheEpochAndTheOtherKeepsReceiving) {
   // Heartbeats drop a silent worker after 5 s: the broadcast notices first. The job has no
   // step limit that it could reach before the group is rebuilt (the tiny model trains ~100
   // steps/s); the test cancels it once the remaining worker receives at the new epoch.
@@ -431,8 +401,7 @@ TEST_F(GlooWeightSyncE2eTest,
   // Both are in the group and took a version over gloo.
   ASSERT_TRUE(WaitFor(
       [&] {
-        return a.receiver && victim.receiver &&
-               a.receiver->versions_received() >= 1 &&
+        return a.receiver && victim.receiver && a.receiver->versions_received() >= 1 &&
                victim.receiver->versions_received() >= 1;
       },
       60s));
@@ -447,15 +416,14 @@ TEST_F(GlooWeightSyncE2eTest,
   // The group is rebuilt at a new epoch within a bounded time: either the next broadcast
   // fails within its deadline or the missed heartbeats drop the worker first (5 x 1 s),
   // whichever comes first; both bump the epoch.
-  ASSERT_TRUE(WaitFor([&] { return server_->group_epoch() > epoch_before; },
-                      kSyncTimeout + 8s));
-  std::printf("epoch %lld -> %lld %.2f s after the stop; broadcast failures "
-              "%lld -> %lld\n",
-              static_cast<long long>(epoch_before),
-              static_cast<long long>(server_->group_epoch()),
-              std::chrono::duration<double>(Clock::now() - t_stop).count(),
-              static_cast<long long>(failures_before),
-              static_cast<long long>(server_->group_sync_failures("gloo")));
+  ASSERT_TRUE(WaitFor([&] { return server_->group_epoch() > epoch_before; }, kSyncTimeout + 8s));
+  std::printf(
+      "epoch %lld -> %lld %.2f s after the stop; broadcast failures "
+      "%lld -> %lld\n",
+      static_cast<long long>(epoch_before), static_cast<long long>(server_->group_epoch()),
+      std::chrono::duration<double>(Clock::now() - t_stop).count(),
+      static_cast<long long>(failures_before),
+      static_cast<long long>(server_->group_sync_failures("gloo")));
   EXPECT_EQ(server_->job_state(), JobState::kRunning);
   // Training continues and the remaining worker keeps receiving over gloo at a
   // new epoch.
@@ -485,5 +453,5 @@ TEST_F(GlooWeightSyncE2eTest,
   EXPECT_TRUE(a.result.ok()) << a.result.ToString();
 }
 
-} // namespace
-} // namespace grpo::services
+}  // namespace
+}  // namespace grpo::services

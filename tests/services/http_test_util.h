@@ -34,8 +34,8 @@ inline std::optional<HttpResponse> HttpGet(uint16_t port, const std::string& tar
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   std::string raw;
   if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string request = "GET " + target +
-                                " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    const std::string request =
+        "GET " + target + " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
     if (::send(fd, request.data(), request.size(), MSG_NOSIGNAL) ==
         static_cast<ssize_t>(request.size())) {
       char buf[8192];

@@ -17,10 +17,10 @@
 #include "common/model/model_config.h"
 #include "services/auth.h"
 #include "services/convert.h"
-#include "tests/services/learner_test_util.h"
 #include "services/learner_service.h"
 #include "tests/learner/tiny_config.h"
 #include "tests/services/http_test_util.h"
+#include "tests/services/learner_test_util.h"
 
 namespace grpo::services {
 namespace {
@@ -54,8 +54,8 @@ class LearnerMetricsTest : public ::testing::Test {
     ASSERT_TRUE(server.ok()) << server.status().ToString();
     server_ = std::move(server).value();
     ASSERT_TRUE(server_->Start().ok());
-    stub_ = v1::LearnerService::NewStub(
-        MakeChannel("127.0.0.1:" + std::to_string(server_->port())));
+    stub_ =
+        v1::LearnerService::NewStub(MakeChannel("127.0.0.1:" + std::to_string(server_->port())));
   }
 
   std::unique_ptr<grpc::ClientContext> Ctx() {
@@ -116,8 +116,7 @@ class LearnerMetricsTest : public ::testing::Test {
     Submit(4);
     const auto leases = Lease(2);
     EXPECT_EQ(leases.leases_size(), 2);
-    const auto ack =
-        Push({Group(leases.leases(0), 1.0, 0.0), Group(leases.leases(1), 0.25, 0.25)});
+    const auto ack = Push({Group(leases.leases(0), 1.0, 0.0), Group(leases.leases(1), 0.25, 0.25)});
     EXPECT_EQ(ack.accepted(), 2);
     EXPECT_TRUE(WaitFor([&] { return server_->published_version() >= 1; }));
     v1::Job job;

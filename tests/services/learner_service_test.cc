@@ -21,18 +21,17 @@
 #include "common/model/model_config.h"
 #include "services/auth.h"
 #include "services/convert.h"
-#include "tests/services/learner_test_util.h"
-
 #include "tests/services/learner_fixture.h"
+#include "tests/services/learner_test_util.h"
 
 namespace grpo::services {
 namespace {
 
 namespace fs = std::filesystem;
 using std::chrono::milliseconds;
+using testing::kCallTimeout;
 using testing::LearnerServiceTest;
 using testing::TinyConfig;
-using testing::kCallTimeout;
 
 // Job.state on the wire is the JobState enum: each learner state has its own value, and a value
 // the learner did not set (or a newer build's) reads as no state, never as a wrong one.
@@ -81,10 +80,11 @@ TEST_F(LearnerServiceTest, RefusesCallsWithoutTheTokenAndAcceptsThemWithIt) {
 // a plaintext client and a client trusting another CA do not.
 TEST_F(LearnerServiceTest, ServesTlsToClientsThatTrustItsCertificate) {
   auto make_cert = [&](const std::string& name) {
-    const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
-                            " -addext subjectAltName=DNS:localhost -keyout " +
-                            (dir_ / (name + ".key")).string() + " -out " +
-                            (dir_ / (name + ".pem")).string() + " 2>/dev/null";
+    const std::string cmd =
+        "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
+        " -addext subjectAltName=DNS:localhost -keyout " +
+        (dir_ / (name + ".key")).string() + " -out " + (dir_ / (name + ".pem")).string() +
+        " 2>/dev/null";
     return std::system(cmd.c_str()) == 0;
   };
   if (std::system("command -v openssl >/dev/null") != 0) GTEST_SKIP() << "openssl not installed";
@@ -97,8 +97,8 @@ TEST_F(LearnerServiceTest, ServesTlsToClientsThatTrustItsCertificate) {
 
   auto get_job = [&](const std::shared_ptr<grpc::Channel>& channel) {
     v1::Job job;
-    grpc::Status s = v1::LearnerService::NewStub(channel)->GetJob(
-        Ctx(milliseconds(3000)).get(), v1::GetJobRequest(), &job);
+    grpc::Status s = v1::LearnerService::NewStub(channel)->GetJob(Ctx(milliseconds(3000)).get(),
+                                                                  v1::GetJobRequest(), &job);
     return std::make_pair(s, job);
   };
   auto ca = ReadPemFile((dir_ / "server.pem").string(), "tls_ca_file");
@@ -163,8 +163,7 @@ TEST(LearnerTlsConfig, CertWithoutKeyAndMissingFilesAreNamed) {
   auto creds = ServerCredentials(c);
   ASSERT_FALSE(creds.ok());
   EXPECT_EQ(creds.status().code(), StatusCode::kNotFound);
-  EXPECT_NE(creds.status().message().find("tls_cert_file /nonexistent/cert.pem"),
-            std::string::npos)
+  EXPECT_NE(creds.status().message().find("tls_cert_file /nonexistent/cert.pem"), std::string::npos)
       << creds.status().message();
 }
 

@@ -110,8 +110,8 @@ struct DumpTensor {
 };
 
 // Reads a safetensors file by its format (8-byte little-endian header length, JSON header, data),
-// independently of common/model/safetensors.h. Tensors of dtype I64, I32, F64 and F32 only; nullopt when
-// the file is missing or malformed.
+// independently of common/model/safetensors.h. Tensors of dtype I64, I32, F64 and F32 only; nullopt
+// when the file is missing or malformed.
 inline std::optional<std::map<std::string, DumpTensor>> ReadSafetensors(
     const std::filesystem::path& path) {
   const std::string bytes = ReadFile(path);

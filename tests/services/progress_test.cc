@@ -41,7 +41,7 @@ TEST(Progress, EtaExtrapolatesTheRateSinceTheWatchBegan) {
   // Joined at step 5 (t = 100 s): 5 -> 8 in 30 s is 0.1 steps/s, 2 left -> 20 s.
   EXPECT_DOUBLE_EQ(*EstimateSecondsLeft(At(5, 10), 100, At(8, 10), 130), 20.0);
   EXPECT_FALSE(EstimateSecondsLeft(At(3, 10), 0, At(3, 10), 50).has_value());  // no progress
-  EXPECT_DOUBLE_EQ(*EstimateSecondsLeft(At(3, 10), 0, At(10, 10), 50), 0.0);    // done
+  EXPECT_DOUBLE_EQ(*EstimateSecondsLeft(At(3, 10), 0, At(10, 10), 50), 0.0);   // done
 }
 
 TEST(Progress, LineShowsBarPromptsStepRewardAndEta) {

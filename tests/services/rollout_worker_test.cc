@@ -13,11 +13,11 @@
 #include <set>
 #include <thread>
 
-#include "common/tokenizer/byte_tokenizer.h"
-#include "common/tokenizer/dataset_row.h"
 #include "common/model/device.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
+#include "common/tokenizer/byte_tokenizer.h"
+#include "common/tokenizer/dataset_row.h"
 #include "grpo/v1/learner.grpc.pb.h"
 #include "services/grpc_weight_receiver.h"
 #include "services/reward_server.h"
