@@ -28,6 +28,7 @@ PACKAGES=(
   nlohmann-json3-dev libspdlog-dev libfmt-dev libcli11-dev libyaml-cpp-dev
   libsqlite3-dev libpcre2-dev libicu-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
+  clang-14  # thread_safety_test: clang -Wthread-safety checks the lock annotations
   python3 python3-venv
   openssl
   clang-format-14

@@ -106,6 +106,8 @@ StatusOr<std::unique_ptr<Learner>> Learner::Create(common::GrpoConfig config,
   ASSIGN_OR_RETURN(s->trainer_, GrpoTrainer::Create(cfg, s->policy_.get(), std::move(reference)));
   s->trainer_->set_dump_incarnation(s->incarnation_);
   if (s->options_.resume) RETURN_IF_ERROR(s->Resume());
+  // No other thread sees the learner yet; the lock costs nothing and keeps the rule simple.
+  common::MutexLock lock(&s->mu_);
   s->global_step_ = s->trainer_->global_step();
   s->last_saved_step_ = s->global_step_;
   s->metrics_.policy_version->Set(static_cast<double>(s->trainer_->policy_version()));
@@ -143,7 +145,7 @@ Learner::~Learner() {
 
 Status Learner::Start() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     if (started_) return Status::FailedPrecondition("Learner already started");
     started_ = true;
   }
@@ -158,15 +160,15 @@ Status Learner::Start() {
 
 Status Learner::Stop(bool checkpoint) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     if (stopped_) return Status::OK();
     stopped_ = true;
     stopping_ = true;
-    for (auto& sub : subscribers_) sub->cv.notify_all();
+    for (auto& sub : subscribers_) sub->cv.NotifyAll();
   }
-  train_cv_.notify_all();
-  room_cv_.notify_all();
-  state_cv_.notify_all();
+  train_cv_.NotifyAll();
+  room_cv_.NotifyAll();
+  state_cv_.NotifyAll();
   epoch_store_->Stop();
   if (train_thread_.joinable()) train_thread_.join();
   for (std::thread& t : sync_threads_) {
@@ -176,7 +178,7 @@ Status Learner::Stop(bool checkpoint) {
   Status result;
   bool done = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     done = state_ == JobState::kDone;
   }
   if (checkpoint && !done && trainer_->open_step_micro_batches() > 0) {
@@ -186,7 +188,7 @@ Status Learner::Stop(bool checkpoint) {
     auto flushed = trainer_->FlushPartialStep();
     if (flushed.ok() && flushed->has_value()) {
       RecordStepMetrics(**flushed);
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(&mu_);
       global_step_ = trainer_->global_step();
     } else if (!flushed.ok()) {
       GRPO_LOG_WARN("learner: flush the open step at stop: {}", flushed.status().ToString());
@@ -194,7 +196,7 @@ Status Learner::Stop(bool checkpoint) {
   }
   bool need_save = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     need_save = checkpoint && global_step_ > last_saved_step_;
   }
   if (need_save) result = CheckpointWithRetry(kFinalCheckpointAttempts);
@@ -204,7 +206,7 @@ Status Learner::Stop(bool checkpoint) {
 void Learner::EndLedger() {
   int64_t saved = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     if (!stopped_ || ledger_ended_ || !started_ok_) return;
     ledger_ended_ = true;
     saved = last_saved_step_;
@@ -214,27 +216,31 @@ void Learner::EndLedger() {
 }
 
 bool Learner::WaitForJobEnd(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  return state_cv_.wait_for(lock, timeout, [this] { return TerminalLocked(); });
+  common::MutexLock lock(&mu_);
+  const auto deadline = Clock::now() + timeout;  // as wait_for: from when the lock is held
+  while (!TerminalLocked()) {
+    if (!state_cv_.WaitUntil(&mu_, deadline)) return TerminalLocked();
+  }
+  return true;
 }
 
 JobState Learner::job_state() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   return state_;
 }
 
 int64_t Learner::published_version() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   return weights_ ? weights_->version : -1;
 }
 
 std::map<std::string, int64_t> Learner::RefusedCounts() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   return refused_;
 }
 
 Status Learner::Health() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   if (state_ != JobState::kFailed) return Status::OK();
   return Status::Unavailable("job failed: " + message_);
 }
@@ -250,11 +256,12 @@ void Learner::TrainLoop() {
     std::vector<BufferedGroup> batch;
     bool housekeep = false;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      train_cv_.wait_for(lock, kWaitPollInterval, [this] {
-        return stopping_ || housekeep_due_ ||
-               (!TerminalLocked() && static_cast<int64_t>(buffer_.size()) >= batch_groups_);
-      });
+      common::MutexLock lock(&mu_);
+      const auto deadline = Clock::now() + kWaitPollInterval;
+      while (!stopping_ && !housekeep_due_ &&
+             !(!TerminalLocked() && static_cast<int64_t>(buffer_.size()) >= batch_groups_)) {
+        if (!train_cv_.WaitUntil(&mu_, deadline)) break;
+      }
       if (stopping_) return;
       DropDeadWorkersLocked();
       housekeep = housekeep_due_ || Clock::now() - last_housekeep >= kHousekeepInterval ||
@@ -266,7 +273,7 @@ void Learner::TrainLoop() {
       last_housekeep = Clock::now();
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(&mu_);
       if (stopping_) return;
       if (TerminalLocked() || static_cast<int64_t>(buffer_.size()) < batch_groups_) continue;
       for (int64_t i = 0; i < batch_groups_; ++i) {
@@ -276,20 +283,20 @@ void Learner::TrainLoop() {
       metrics_.buffer_groups->Set(static_cast<double>(buffer_.size()));
       training_ = true;
     }
-    room_cv_.notify_all();
+    room_cv_.NotifyAll();
     TrainBatch(std::move(batch));
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(&mu_);
       training_ = false;
     }
-    room_cv_.notify_all();  // leases held back for staleness may go out now
+    room_cv_.NotifyAll();  // leases held back for staleness may go out now
   }
 }
 
 void Learner::Housekeep() {
   RefreshLedgerMetrics();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     if (TerminalLocked()) return;
   }
   auto counts = ledger_->Counts();
@@ -312,7 +319,7 @@ void Learner::Housekeep() {
   JobState want =
       counts->queued + counts->leased > 0 ? JobState::kRunning : JobState::kWaitingForData;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     if (want == JobState::kWaitingForData && !buffer_.empty()) want = JobState::kRunning;
     if (state_ == want || TerminalLocked()) return;
   }
@@ -322,7 +329,7 @@ void Learner::Housekeep() {
 bool Learner::PassMayEnd() {
   std::vector<BufferedGroup> stale;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     // Groups being accepted, or a full batch waiting, would train after other steps: wait.
     if (!accepting_ms_.empty() || training_) return false;
     if (static_cast<int64_t>(buffer_.size()) >= batch_groups_) return false;
@@ -342,7 +349,7 @@ bool Learner::PassMayEnd() {
   for (const auto& b : stale) {
     RequeueUntrained({b.group.prompt_id, b.pass}, "stale at the end of its pass");
     metrics_.groups_rejected->Increment({"stale"});
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     ++refused_["stale"];
   }
   return stale.empty();
@@ -396,7 +403,7 @@ void Learner::TrainBatch(std::vector<BufferedGroup> batch) {
       }
     }
     metrics_.groups_rejected->Increment({RejectReasonName(reason)});
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     ++refused_[std::string(RejectReasonName(reason))];
   }
   // The rest are in the weights after the step now taken, or after the next one when the batch
@@ -419,7 +426,7 @@ void Learner::TrainBatch(std::vector<BufferedGroup> batch) {
 
   bool publish = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     global_step_ = step;
     if (!result->steps.empty()) last_metrics_ = FlattenMetrics(result->steps.back());
     publish = step - last_published_step_ >= std::max<int64_t>(1, config_.weight_sync_steps) ||
@@ -442,7 +449,7 @@ void Learner::TrainBatch(std::vector<BufferedGroup> batch) {
   }
   int64_t last_saved = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     last_saved = last_saved_step_;
   }
   const bool finished = step >= config_.max_steps;
@@ -492,7 +499,7 @@ Status Learner::PublishWeights() {
   // it costs one model's memory there, so only then.
   bool on_device = false;
   if (!policy_->device().is_cpu()) {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     on_device = workers_.AnyAssigned({common::kBackendNccl, common::kBackendCudaIpc});
   }
   try {
@@ -517,11 +524,11 @@ Status Learner::PublishWeights() {
   metrics_.weight_sync_duration->Observe(
       std::chrono::duration<double>(Clock::now() - publish_start).count());
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     weights_ = std::move(snap);
     last_published_step_ = global_step_;
   }
-  state_cv_.notify_all();
+  state_cv_.NotifyAll();
   return Status::OK();
 }
 
@@ -543,8 +550,8 @@ void Learner::WeightSyncLoop(size_t index) {
     std::shared_ptr<const WeightSnapshot> snap;
     std::vector<std::string> members;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      state_cv_.wait_for(lock, kWaitPollInterval);
+      common::MutexLock lock(&mu_);
+      state_cv_.WaitFor(&mu_, kWaitPollInterval);
       if (stopping_) break;
       snap = weights_;
       members = workers_.Members(backend);
@@ -594,7 +601,7 @@ Status Learner::Checkpoint() {
     return Status::Internal("checkpoint saved as " + *dir + ", expected " + name);
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     last_saved_step_ = trainer_->global_step();
   }
   metrics_.checkpoint_duration->Observe(
@@ -624,7 +631,7 @@ Status Learner::CheckpointWithRetry(int attempts) {
 void Learner::EndLedgerAtStep(int64_t saved_step) {
   std::deque<BufferedGroup> dropped;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     dropped.swap(buffer_);
     metrics_.buffer_groups->Set(0);
   }
@@ -643,15 +650,15 @@ void Learner::EndLedgerAtStep(int64_t saved_step) {
 
 void Learner::ChangeState(JobState state, const std::string& message) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     if (TerminalLocked() || state_ == state) return;
     state_ = state;
     message_ = message;
   }
   GRPO_LOG_INFO("learner: job {}{}{}", JobStateName(state), message.empty() ? "" : ": ", message);
-  state_cv_.notify_all();
-  room_cv_.notify_all();
-  train_cv_.notify_all();
+  state_cv_.NotifyAll();
+  room_cv_.NotifyAll();
+  train_cv_.NotifyAll();
   JobEvent event;
   event.job = Snapshot();
   event.step = event.job.global_step;
@@ -659,7 +666,7 @@ void Learner::ChangeState(JobState state, const std::string& message) {
 }
 
 void Learner::Broadcast(const JobEvent& event) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   for (auto& sub : subscribers_) {
     if (sub->dropped) continue;
     if (sub->events.size() >= kWatchQueueCapacity) {
@@ -668,7 +675,7 @@ void Learner::Broadcast(const JobEvent& event) {
     } else {
       sub->events.push_back(event);
     }
-    sub->cv.notify_all();
+    sub->cv.NotifyAll();
   }
 }
 

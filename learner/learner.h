@@ -41,14 +41,12 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <list>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <string_view>
@@ -60,8 +58,10 @@
 #include "common/metrics/grpo_metrics.h"
 #include "common/metrics/metrics.h"
 #include "common/model/model.h"
+#include "common/mutex.h"
 #include "common/rollout_types.h"
 #include "common/status.h"
+#include "common/thread_annotations.h"
 #include "common/weight_sync/backends.h"
 #include "common/weight_sync/epoch_store.h"
 #include "learner/grpo_trainer.h"
@@ -136,10 +136,13 @@ struct PushTally {
 class Learner {
  public:
   // A job-event subscriber (Subscribe / NextEvents / Unsubscribe).
+  // Its fields are guarded by the learner's mu_; clang's analysis cannot name the lock of the
+  // enclosing object from a nested struct (GUARDED_BY(mu_) here would mean a Subscriber's own
+  // mu_), so this stays a comment and NextEvents / Broadcast are where to look.
   struct Subscriber {
-    std::condition_variable cv;
-    std::deque<JobEvent> events;  // GUARDED_BY(mu_)
-    bool dropped = false;         // GUARDED_BY(mu_): fell kWatchQueueCapacity behind
+    common::CondVar cv;
+    std::deque<JobEvent> events;  // guarded by Learner::mu_
+    bool dropped = false;         // guarded by Learner::mu_: fell kWatchQueueCapacity behind
   };
 
   // Opens the ledger (config.ledger_path, default <output_dir>/ledger.sqlite), moves `policy` to
@@ -157,23 +160,23 @@ class Learner {
 
   // Publishes the initial weights and starts the training and weight-sync threads.
   // FailedPrecondition when called twice.
-  Status Start();
+  Status Start() EXCLUDES(mu_);
   // Stops the threads (training stops after the current generation batch); with `checkpoint`,
   // takes an open optimizer step short and saves a checkpoint when steps were taken since the
   // last one. Idempotent; returns the checkpoint error if any. EndLedger must follow once no
   // more groups can arrive (the shell calls it after its server stopped).
-  Status Stop(bool checkpoint);
+  Status Stop(bool checkpoint) EXCLUDES(mu_);
   // Job end at stop: drops the buffer and rolls the ledger back to the last saved step.
-  void EndLedger();
+  void EndLedger() EXCLUDES(mu_);
   // Blocks until the job is done, cancelled or failed, or `timeout` passes; true if it ended.
-  bool WaitForJobEnd(std::chrono::milliseconds timeout);
+  bool WaitForJobEnd(std::chrono::milliseconds timeout) EXCLUDES(mu_);
 
   // --- What workers ask (common/learner_protocol.h).
   // Registers (or re-registers) a worker: a new id joins the weight-sync group under a new
   // epoch, leases of its earlier process go back to the queue, its backend is assigned.
-  StatusOr<common::Registration> Register(const common::RegisterRequest& request);
+  StatusOr<common::Registration> Register(const common::RegisterRequest& request) EXCLUDES(mu_);
   // NotFound for a worker this learner does not know (Register again).
-  StatusOr<common::HeartbeatReply> Heartbeat(const common::HeartbeatRequest& request);
+  StatusOr<common::HeartbeatReply> Heartbeat(const common::HeartbeatRequest& request) EXCLUDES(mu_);
   // Leases at most `max_prompts` prompts within the lease budget (max_staleness and the buffer;
   // LeaseBudget), waiting up to kLeaseLongPoll (and no later than 500 ms before `deadline`) for
   // budget. InvalidArgument for an empty id or a non-positive count, NotFound for an unknown
@@ -181,39 +184,40 @@ class Learner {
   // meanwhile go back at once).
   StatusOr<common::LeaseReply> LeasePrompts(const std::string& worker_id, int64_t max_prompts,
                                             std::chrono::steady_clock::time_point deadline,
-                                            const std::function<bool()>& cancelled);
+                                            const std::function<bool()>& cancelled)
+      EXCLUDES(lease_mu_, mu_);
   // The ingest policy above for one group; its verdict goes into `tally`. `cancelled` ends a
   // wait for buffer room.
   void AcceptGroup(common::RolloutGroup group, const std::function<bool()>& cancelled,
-                   PushTally* tally);
+                   PushTally* tally) EXCLUDES(mu_);
   // The newest published weights once their version is >= min_version (waits up to
   // kDefaultGetWeightsWait): DeadlineExceeded otherwise.
   StatusOr<std::shared_ptr<const WeightSnapshot>> WaitForWeights(
-      int64_t min_version, const std::function<bool()>& cancelled);
+      int64_t min_version, const std::function<bool()>& cancelled) EXCLUDES(mu_);
 
   // --- What clients ask.
   StatusOr<DatasetInfo> AddDataset(const std::string& idempotency_key,
-                                   const std::vector<std::string>& lines);
-  JobSnapshot Snapshot();
+                                   const std::vector<std::string>& lines) EXCLUDES(mu_);
+  JobSnapshot Snapshot() EXCLUDES(mu_);
   // Ends the job as cancelled (unless it already ended).
-  void Cancel(const std::string& reason);
-  std::shared_ptr<Subscriber> Subscribe();
-  void Unsubscribe(const std::shared_ptr<Subscriber>& subscriber);
+  void Cancel(const std::string& reason) EXCLUDES(mu_);
+  std::shared_ptr<Subscriber> Subscribe() EXCLUDES(mu_);
+  void Unsubscribe(const std::shared_ptr<Subscriber>& subscriber) EXCLUDES(mu_);
   // The events queued for `subscriber`, waiting up to `wait` for one: OK (maybe none),
   // ResourceExhausted when it fell too far behind, Unavailable when the learner stops.
   Status NextEvents(Subscriber& subscriber, std::chrono::milliseconds wait,
-                    std::deque<JobEvent>* events);
+                    std::deque<JobEvent>* events) EXCLUDES(mu_);
 
   // --- State.
   // This process's learner_incarnation (Registration): groups must carry it.
   const std::string& incarnation() const { return incarnation_; }
   const common::GrpoConfig& config() const { return config_; }
-  JobState job_state() const;
-  int64_t published_version() const;
+  JobState job_state() const EXCLUDES(mu_);
+  int64_t published_version() const EXCLUDES(mu_);
   int64_t group_epoch() const { return epoch_store_->epoch(); }
   PromptLedger& ledger() { return *ledger_; }
   // Groups refused by AcceptGroup (and by the trainer later) since start, by reason.
-  std::map<std::string, int64_t> RefusedCounts() const;
+  std::map<std::string, int64_t> RefusedCounts() const EXCLUDES(mu_);
   // The live policy. Read it only while training is idle (tests).
   const common::Model& policy() const { return *policy_; }
   int64_t generation_batch_groups() const { return batch_groups_; }
@@ -227,7 +231,7 @@ class Learner {
   const common::Registry& metrics_registry() const { return *registry_; }
   const common::LearnerMetrics& metrics() const { return metrics_; }
   // For /healthz: OK unless the job failed; then Unavailable with the failure message.
-  Status Health() const;
+  Status Health() const EXCLUDES(mu_);
 
  private:
   struct BufferedGroup {
@@ -244,37 +248,38 @@ class Learner {
   Learner(common::GrpoConfig config, LearnerOptions options);
 
   Status Resume();
-  void TrainLoop();
+  void TrainLoop() EXCLUDES(mu_);
   // Ledger bookkeeping between batches: job state, next pass. Training thread.
-  void Housekeep();
-  void DropDeadWorkersLocked();  // REQUIRES(mu_)
-  void TrainBatch(std::vector<BufferedGroup> batch);
-  Status PublishWeights();
+  void Housekeep() EXCLUDES(mu_);
+  void DropDeadWorkersLocked() REQUIRES(mu_);
+  void TrainBatch(std::vector<BufferedGroup> batch) EXCLUDES(mu_);
+  Status PublishWeights() EXCLUDES(mu_);
   // One weight-sync thread per group backend (`index` into common::GroupBackends()): its
   // WeightPublisher serves the workers assigned that backend, broadcasting each newly
   // published version.
-  void WeightSyncLoop(size_t index);
-  Status Checkpoint();
+  void WeightSyncLoop(size_t index) EXCLUDES(mu_);
+  Status Checkpoint() EXCLUDES(mu_);
   // Checkpoint, tried `attempts` times with backoff (the final save at max_steps and at stop).
-  Status CheckpointWithRetry(int attempts);
+  Status CheckpointWithRetry(int attempts) EXCLUDES(mu_);
   // Job end (max_steps, or stop): drops the buffer and rolls the ledger back to `saved_step`,
   // so that no prompt stays TRAINED that no saved weights hold.
-  void EndLedgerAtStep(int64_t saved_step);
+  void EndLedgerAtStep(int64_t saved_step) EXCLUDES(mu_);
   // A group accepted as (prompt, pass) was not trained: the ledger queues the pass again; a
   // failure is logged as an error and counted (grpo_ledger_errors_total), never silent.
   void RequeueUntrained(const TrainedGroup& key, std::string_view why);
   // Housekeep, before a pass boundary: true when nothing of the pass is being accepted or
   // trained and the buffer holds less than one batch (which trains next, before any other
   // step); buffered groups already too stale for that batch are requeued first (then false).
-  bool PassMayEnd();
+  bool PassMayEnd() EXCLUDES(mu_);
   // Moves the job to `state` unless it already ended; tells subscribers.
-  void ChangeState(JobState state, const std::string& message);
-  void Broadcast(const JobEvent& event);
-  void Refuse(PushTally* tally, const std::string& reason, const std::string& message);
+  void ChangeState(JobState state, const std::string& message) EXCLUDES(mu_);
+  void Broadcast(const JobEvent& event) EXCLUDES(mu_);
+  void Refuse(PushTally* tally, const std::string& reason, const std::string& message)
+      EXCLUDES(mu_);
   // Metric updates: one optimizer step's values; the ledger's prompts by state.
   void RecordStepMetrics(const StepMetrics& step);
   void RefreshLedgerMetrics();
-  bool TerminalLocked() const;  // REQUIRES(mu_)
+  bool TerminalLocked() const REQUIRES(mu_);
 
   const common::GrpoConfig config_;
   const LearnerOptions options_;
@@ -300,35 +305,35 @@ class Learner {
       std::make_shared<common::InMemoryEpochStore>();
   common::SyncEndpoint endpoint_;  // where the policy lives (AssignBackend); set by Create
 
-  mutable std::mutex mu_;
+  mutable common::Mutex mu_;
   // Serialises LeasePrompts from its budget to its ledger write, so that concurrent calls do not
   // both spend the same lease budget. Taken before mu_, never while holding it.
-  std::mutex lease_mu_;
-  std::condition_variable train_cv_;            // training thread: a batch is ready, or stop
-  std::condition_variable room_cv_;             // AcceptGroup: room in the buffer
-  std::condition_variable state_cv_;            // job state or published weights changed
-  bool started_ = false;                        // GUARDED_BY(mu_)
-  bool stopping_ = false;                       // GUARDED_BY(mu_)
-  bool training_ = false;                       // GUARDED_BY(mu_): a batch is being trained
-  bool stopped_ = false;                        // GUARDED_BY(mu_)
-  bool ledger_ended_ = false;                   // GUARDED_BY(mu_): EndLedger ran
-  JobState state_ = JobState::kWaitingForData;  // GUARDED_BY(mu_)
-  std::string message_;                         // GUARDED_BY(mu_)
-  int64_t global_step_ = 0;                     // GUARDED_BY(mu_)
-  int64_t last_saved_step_ = 0;                 // GUARDED_BY(mu_)
-  int64_t last_published_step_ = -1;            // GUARDED_BY(mu_)
-  bool housekeep_due_ = true;                   // GUARDED_BY(mu_)
+  common::Mutex lease_mu_ ACQUIRED_BEFORE(mu_);
+  common::CondVar train_cv_;  // training thread: a batch is ready, or stop
+  common::CondVar room_cv_;   // AcceptGroup: room in the buffer
+  common::CondVar state_cv_;  // job state or published weights changed
+  bool started_ GUARDED_BY(mu_) = false;
+  bool stopping_ GUARDED_BY(mu_) = false;
+  bool training_ GUARDED_BY(mu_) = false;  // a batch is being trained
+  bool stopped_ GUARDED_BY(mu_) = false;
+  bool ledger_ended_ GUARDED_BY(mu_) = false;  // EndLedger ran
+  JobState state_ GUARDED_BY(mu_) = JobState::kWaitingForData;
+  std::string message_ GUARDED_BY(mu_);
+  int64_t global_step_ GUARDED_BY(mu_) = 0;
+  int64_t last_saved_step_ GUARDED_BY(mu_) = 0;
+  int64_t last_published_step_ GUARDED_BY(mu_) = -1;
+  bool housekeep_due_ GUARDED_BY(mu_) = true;
   // Rewards per completion of every accepted group, when reward_funcs does not fix it: the
   // trainer needs one count per generation batch. -1 until the first group.
-  int64_t reward_count_ = -1;                           // GUARDED_BY(mu_)
-  std::map<std::string, double> last_metrics_;          // GUARDED_BY(mu_)
-  std::deque<BufferedGroup> buffer_;                    // GUARDED_BY(mu_)
-  std::multiset<int64_t> accepting_ms_;                 // GUARDED_BY(mu_): accepts in flight
-  std::map<std::string, int> bad_group_attempts_;       // GUARDED_BY(mu_): by prompt id
-  std::map<std::string, int64_t> refused_;              // GUARDED_BY(mu_): by reason
-  WorkerRegistry workers_;                              // GUARDED_BY(mu_)
-  std::shared_ptr<const WeightSnapshot> weights_;       // GUARDED_BY(mu_)
-  std::list<std::shared_ptr<Subscriber>> subscribers_;  // GUARDED_BY(mu_)
+  int64_t reward_count_ GUARDED_BY(mu_) = -1;
+  std::map<std::string, double> last_metrics_ GUARDED_BY(mu_);
+  std::deque<BufferedGroup> buffer_ GUARDED_BY(mu_);
+  std::multiset<int64_t> accepting_ms_ GUARDED_BY(mu_);            // accepts in flight
+  std::map<std::string, int> bad_group_attempts_ GUARDED_BY(mu_);  // by prompt id
+  std::map<std::string, int64_t> refused_ GUARDED_BY(mu_);         // by reason
+  WorkerRegistry workers_ GUARDED_BY(mu_);
+  std::shared_ptr<const WeightSnapshot> weights_ GUARDED_BY(mu_);
+  std::list<std::shared_ptr<Subscriber>> subscribers_ GUARDED_BY(mu_);
 };
 
 }  // namespace grpo::learner

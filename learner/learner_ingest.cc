@@ -25,7 +25,7 @@ JobSnapshot Learner::Snapshot() {
     job.rejected = counts->rejected;
     job.pass = counts->pass;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   job.state = state_;
   job.global_step = global_step_;
   job.max_steps = config_.max_steps;
@@ -43,7 +43,7 @@ JobSnapshot Learner::Snapshot() {
 StatusOr<common::Registration> Learner::Register(const common::RegisterRequest& request) {
   const std::string model_config = policy_->config().ToJson().dump();
   const std::string config_json = config_.ToJson().dump();
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   const common::SyncEndpoint worker_end{common::CudaOrdinal(request.device) >= 0, request.gpu_uuid};
   const common::BackendAssignment assigned = common::AssignBackend(
       request.weight_sync_backend, endpoint_, worker_end, [&](std::string_view b) {
@@ -86,7 +86,7 @@ StatusOr<common::Registration> Learner::Register(const common::RegisterRequest& 
 }
 
 StatusOr<common::HeartbeatReply> Learner::Heartbeat(const common::HeartbeatRequest& request) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   if (!workers_.Heartbeat(request.worker_id, request.weight_version, Clock::now())) {
     return Status::NotFound("unknown worker '" + request.worker_id + "': Register again");
   }
@@ -109,7 +109,7 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
   reply.retry_after_ms = kDefaultLeaseRetryAfter.count();
   reply.learner_incarnation = incarnation_;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     if (!workers_.Contains(worker_id) && !TerminalLocked()) {
       // A learner that restarted does not know the worker: it must register again (and take
       // this learner's weights) before it generates for it.
@@ -121,7 +121,7 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
   // While the budget is 0, wait for it (a long poll woken when the trainer takes or finishes a
   // batch) instead of sending the worker to sleep for a fixed retry, so that generation resumes
   // the moment a lease may go out.
-  std::lock_guard<std::mutex> lease_lock(lease_mu_);
+  common::MutexLock lease_lock(&lease_mu_);
   int64_t budget = 0;
   {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -131,7 +131,7 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
     while (true) {
       auto counts = ledger_->Counts();
       if (!counts.ok()) return counts.status();
-      std::unique_lock<std::mutex> lock(mu_);
+      common::MutexLock lock(&mu_);
       reply.policy_version = weights_ ? weights_->version : 0;
       if (TerminalLocked()) {
         reply.job_done = true;
@@ -152,8 +152,7 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
       in.versions_per_batch = versions_per_batch_;
       budget = LeaseBudget(in);
       if (budget > 0 || Clock::now() >= poll_end) break;
-      room_cv_.wait_for(lock,
-                        std::min<Clock::duration>(kWaitPollInterval, poll_end - Clock::now()));
+      room_cv_.WaitFor(&mu_, std::min<Clock::duration>(kWaitPollInterval, poll_end - Clock::now()));
     }
     if (budget == 0) return reply;  // retry_after_ms is set
   }
@@ -172,9 +171,9 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
   if (!leases.empty()) {
     reply.retry_after_ms = 0;
   } else {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     housekeep_due_ = true;  // maybe the pass just ended
-    train_cv_.notify_all();
+    train_cv_.NotifyAll();
   }
   return reply;
 }
@@ -184,7 +183,7 @@ void Learner::Refuse(PushTally* tally, const std::string& reason, const std::str
   ++tally->reply.rejected_by_reason[reason];
   if (tally->reply.messages.size() < kMaxAckMessages) tally->reply.messages.push_back(message);
   metrics_.groups_rejected->Increment({reason});
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   ++refused_[reason];
 }
 
@@ -244,7 +243,7 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
   };
   bool ended = false, stopping = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     ended = TerminalLocked();
     stopping = stopping_;
   }
@@ -286,7 +285,7 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
     Refuse(tally, std::string(RejectReasonName(reason)), v.message());
     bool reject_prompt = reason == RejectReason::kEmptyPrompt;
     if (reason != RejectReason::kStale) {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(&mu_);
       if (++bad_group_attempts_[prompt] >= kMaxBadGroupAttempts) reject_prompt = true;
       if (reject_prompt) bad_group_attempts_.erase(prompt);
     }
@@ -301,53 +300,64 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
   }
   if (config_.reward_funcs.empty() && !group.completions.empty()) {
     const auto count = static_cast<int64_t>(group.completions[0].rewards.size());
-    std::unique_lock<std::mutex> lock(mu_);
-    if (reward_count_ >= 0 && count != reward_count_) {
-      lock.unlock();
+    int64_t earlier = -1;  // read under the lock, used after it (Refuse takes it again)
+    {
+      common::MutexLock lock(&mu_);
+      earlier = reward_count_;
+    }
+    if (earlier >= 0 && count != earlier) {
       Refuse(tally, "reward_count",
              what + ": " + std::to_string(count) + " rewards per completion, earlier groups had " +
-                 std::to_string(reward_count_));
+                 std::to_string(earlier));
       release();
       return;
     }
   }
   // 4. Room in the buffer (backpressure), reserved before the lease completes.
+  // The verdict is taken under the lock and acted on after it: release() and Refuse() must not
+  // run with mu_ held (Refuse takes it).
+  enum class Admit { kRoom, kEnded, kStopping, kFull };
+  Admit admit = Admit::kRoom;
   int64_t accepted_ms = 0;
   {
-    std::unique_lock<std::mutex> lock(mu_);
-    auto room = [this] {
-      return stopping_ || TerminalLocked() ||
-             static_cast<int64_t>(buffer_.size() + accepting_ms_.size()) < buffer_capacity_;
-    };
+    common::MutexLock lock(&mu_);
     if (!tally->buffer_timed_out) {
       const auto deadline = Clock::now() + options_.push_buffer_wait;
-      while (!room() && Clock::now() < deadline && !(cancelled && cancelled())) {
-        room_cv_.wait_for(lock,
-                          std::min<Clock::duration>(kWaitPollInterval, deadline - Clock::now()));
+      while (!stopping_ && !TerminalLocked() &&
+             static_cast<int64_t>(buffer_.size() + accepting_ms_.size()) >= buffer_capacity_ &&
+             Clock::now() < deadline && !(cancelled && cancelled())) {
+        room_cv_.WaitFor(&mu_,
+                         std::min<Clock::duration>(kWaitPollInterval, deadline - Clock::now()));
       }
     }
-    if (stopping_ || TerminalLocked()) {
-      const bool ended = TerminalLocked();
-      lock.unlock();
-      release();
-      Refuse(tally, ended ? "job_ended" : "learner_stopping",
-             what + (ended ? ": the job has ended" : ": the learner is shutting down"));
-      return;
+    if (TerminalLocked()) {
+      admit = Admit::kEnded;
+    } else if (stopping_) {
+      admit = Admit::kStopping;
+    } else if (static_cast<int64_t>(buffer_.size() + accepting_ms_.size()) >= buffer_capacity_) {
+      admit = Admit::kFull;
+    } else {
+      accepted_ms = ledger_->NowMs();
+      accepting_ms_.insert(accepted_ms);
     }
-    if (!room()) {
-      tally->buffer_timed_out = true;
-      lock.unlock();
-      release();
-      Refuse(tally, "buffer_full", what + ": the learner's buffer stayed full");
-      return;
-    }
-    accepted_ms = ledger_->NowMs();
-    accepting_ms_.insert(accepted_ms);
+  }
+  if (admit == Admit::kEnded || admit == Admit::kStopping) {
+    const bool ended = admit == Admit::kEnded;
+    release();
+    Refuse(tally, ended ? "job_ended" : "learner_stopping",
+           what + (ended ? ": the job has ended" : ": the learner is shutting down"));
+    return;
+  }
+  if (admit == Admit::kFull) {
+    tally->buffer_timed_out = true;
+    release();
+    Refuse(tally, "buffer_full", what + ": the learner's buffer stayed full");
+    return;
   }
   // 5. Complete the lease, then buffer the group.
   Status done = ledger_->CompleteLease(lease, prompt);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     accepting_ms_.erase(accepting_ms_.find(accepted_ms));
     if (done.ok()) {
       if (reward_count_ < 0 && !group.completions.empty()) {
@@ -363,20 +373,20 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
     }
   }
   if (!done.ok()) {
-    room_cv_.notify_all();
+    room_cv_.NotifyAll();
     Refuse(tally, "expired_lease", what + ": " + done.message());
     return;
   }
-  train_cv_.notify_all();
+  train_cv_.NotifyAll();
 }
 
 StatusOr<std::shared_ptr<const WeightSnapshot>> Learner::WaitForWeights(
     int64_t min_version, const std::function<bool()>& cancelled) {
-  std::unique_lock<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   const auto deadline = Clock::now() + kDefaultGetWeightsWait;
-  auto ready = [&] { return stopping_ || (weights_ && weights_->version >= min_version); };
-  while (!ready() && Clock::now() < deadline && !(cancelled && cancelled())) {
-    state_cv_.wait_for(lock, kWaitPollInterval);
+  while (!stopping_ && !(weights_ && weights_->version >= min_version) && Clock::now() < deadline &&
+         !(cancelled && cancelled())) {
+    state_cv_.WaitFor(&mu_, kWaitPollInterval);
   }
   if (!weights_ || weights_->version < min_version) {
     return Status::DeadlineExceeded("policy version " + std::to_string(min_version) +
@@ -393,10 +403,10 @@ StatusOr<DatasetInfo> Learner::AddDataset(const std::string& idempotency_key,
                                           const std::vector<std::string>& lines) {
   ASSIGN_OR_RETURN(DatasetInfo info, ledger_->AddDataset(idempotency_key, lines));
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     housekeep_due_ = true;
   }
-  train_cv_.notify_all();
+  train_cv_.NotifyAll();
   return info;
 }
 
@@ -406,20 +416,23 @@ void Learner::Cancel(const std::string& reason) {
 
 std::shared_ptr<Learner::Subscriber> Learner::Subscribe() {
   auto sub = std::make_shared<Subscriber>();
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   subscribers_.push_back(sub);
   return sub;
 }
 
 void Learner::Unsubscribe(const std::shared_ptr<Subscriber>& subscriber) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   subscribers_.remove(subscriber);
 }
 
 Status Learner::NextEvents(Subscriber& sub, std::chrono::milliseconds wait,
                            std::deque<JobEvent>* events) {
-  std::unique_lock<std::mutex> lock(mu_);
-  sub.cv.wait_for(lock, wait, [&] { return stopping_ || sub.dropped || !sub.events.empty(); });
+  common::MutexLock lock(&mu_);
+  const auto deadline = Clock::now() + wait;  // as wait_for: from when the lock is held
+  while (!stopping_ && !sub.dropped && sub.events.empty()) {
+    if (!sub.cv.WaitUntil(&mu_, deadline)) break;
+  }
   if (sub.dropped) {
     return Status::ResourceExhausted("the watcher fell too far behind; watch again");
   }

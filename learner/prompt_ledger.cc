@@ -151,7 +151,7 @@ StatusOr<std::unique_ptr<PromptLedger>> PromptLedger::Open(const std::string& pa
   }
   // Owns db from here on, so every early return closes it.
   std::unique_ptr<PromptLedger> ledger(new PromptLedger(path, db, std::move(options)));
-  std::lock_guard<std::mutex> lock(ledger->mu_);
+  common::MutexLock lock(&ledger->mu_);
   sqlite3_busy_timeout(db, static_cast<int>(ledger->options_.busy_timeout.count()));
 
   // WAL: readers never block the writer, and a commit is one append to the log.
@@ -239,7 +239,7 @@ StatusOr<DatasetInfo> PromptLedger::AddDataset(const std::string& idempotency_ke
   if (rows.empty()) return Status::InvalidArgument("dataset has no prompts");
   const std::string content_sha256 = hasher.HexDigest();
 
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   const int64_t now = options_.now_ms();
   Transaction txn(path_, db_);
   RETURN_IF_ERROR(txn.Begin());
@@ -322,7 +322,7 @@ StatusOr<std::vector<Lease>> PromptLedger::LeasePrompts(const std::string& worke
     return Status::InvalidArgument("LeasePrompts: lease_duration must be positive, got " +
                                    std::to_string(lease_duration.count()) + " ms");
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   const int64_t now = options_.now_ms();
   if (lease_duration.count() > std::numeric_limits<int64_t>::max() - now) {
     return Status::InvalidArgument("LeasePrompts: lease_duration overflows the deadline");
@@ -388,7 +388,7 @@ Status PromptLedger::ReleaseLease(const std::string& lease_id, const std::string
 
 Status PromptLedger::FinishLease(LeaseAction action, const std::string& lease_id,
                                  const std::string& prompt_id, const std::string& reason) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   const int64_t now = options_.now_ms();
   Transaction txn(path_, db_);
   RETURN_IF_ERROR(txn.Begin());

@@ -87,7 +87,7 @@ Status QueueRow(const std::string& path, sqlite3* db, const std::string& prompt_
 }  // namespace
 
 StatusOr<int64_t> PromptLedger::MarkTrained(const std::vector<TrainedGroup>& groups, int64_t step) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   const int64_t now = options_.now_ms();
   Transaction txn(path_, db_);
   RETURN_IF_ERROR(txn.Begin());
@@ -151,7 +151,7 @@ StatusOr<int64_t> PromptLedger::MarkTrained(const std::vector<TrainedGroup>& gro
 }
 
 StatusOr<bool> PromptLedger::RequeueTrained(const std::string& prompt_id, int64_t pass) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   const int64_t now = options_.now_ms();
   Transaction txn(path_, db_);
   RETURN_IF_ERROR(txn.Begin());
@@ -175,7 +175,7 @@ StatusOr<bool> PromptLedger::RequeueTrained(const std::string& prompt_id, int64_
 
 StatusOr<int64_t> PromptLedger::ExpireWorkerLeases(const std::string& worker_id,
                                                    const std::vector<std::string>& keep) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   const int64_t now = options_.now_ms();
   Transaction txn(path_, db_);
   RETURN_IF_ERROR(txn.Begin());
@@ -206,7 +206,7 @@ StatusOr<int64_t> PromptLedger::ExpireWorkerLeases(const std::string& worker_id,
 }
 
 StatusOr<RollbackResult> PromptLedger::RollbackTo(int64_t step) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   const int64_t now = options_.now_ms();
   Transaction txn(path_, db_);
   RETURN_IF_ERROR(txn.Begin());
@@ -275,7 +275,7 @@ StatusOr<bool> PromptLedger::StartNextPass(int64_t num_passes) {
     return Status::InvalidArgument("StartNextPass: num_passes must be >= 1, got " +
                                    std::to_string(num_passes));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   const int64_t now = options_.now_ms();
   Transaction txn(path_, db_);
   RETURN_IF_ERROR(txn.Begin());
@@ -318,7 +318,7 @@ StatusOr<bool> PromptLedger::StartNextPass(int64_t num_passes) {
 }
 
 StatusOr<std::vector<TrainingRecord>> PromptLedger::Trainings() {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Statement select,
                    Statement::Prepare(path_, db_,
                                       "SELECT prompt_id, pass, step FROM trainings "
@@ -333,12 +333,12 @@ StatusOr<std::vector<TrainingRecord>> PromptLedger::Trainings() {
 }
 
 StatusOr<LedgerCounts> PromptLedger::Counts() {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   return CountsLocked(nullptr);
 }
 
 StatusOr<LedgerCounts> PromptLedger::CountsForDataset(const std::string& dataset_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Statement find,
                    Statement::Prepare(path_, db_, "SELECT 1 FROM datasets WHERE id = ?"));
   ASSIGN_OR_RETURN(bool found, find.Bind(1, dataset_id).Step());
@@ -385,7 +385,7 @@ StatusOr<LedgerCounts> PromptLedger::CountsLocked(const std::string* dataset_id)
 }
 
 StatusOr<PromptRecord> PromptLedger::GetPrompt(const std::string& prompt_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Statement select,
                    Statement::Prepare(path_, db_,
                                       "SELECT id, dataset_id, row_json, state, lease_id, "

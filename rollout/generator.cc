@@ -161,7 +161,7 @@ StatusOr<std::unique_ptr<Generator>> Generator::Create(std::shared_ptr<const Mod
 
 Status Generator::SetPolicy(std::shared_ptr<const Model> policy, int64_t version) {
   if (!policy) return Status::InvalidArgument("SetPolicy: null policy");
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   if (policy->config().vocab_size != policy_->config().vocab_size) {
     return Status::InvalidArgument("SetPolicy: vocab_size " +
                                    std::to_string(policy->config().vocab_size) +
@@ -173,7 +173,7 @@ Status Generator::SetPolicy(std::shared_ptr<const Model> policy, int64_t version
 }
 
 int64_t Generator::policy_version() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   return version_;
 }
 
@@ -200,7 +200,7 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
   std::shared_ptr<const Model> model;
   GenerateResult result;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     model = policy_;
     result.policy_version = version_;
   }

@@ -5,14 +5,15 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "common/config.h"
 #include "common/model/model.h"
+#include "common/mutex.h"
 #include "common/rollout_types.h"
 #include "common/status.h"
+#include "common/thread_annotations.h"
 #include "common/tokenizer/tokenizer.h"
 #include "rollout/sampler.h"
 
@@ -85,8 +86,8 @@ class Generator {
 
   // Installs the policy for the NEXT Generate call. InvalidArgument for a null policy or one
   // with a different vocabulary size.
-  Status SetPolicy(std::shared_ptr<const common::Model> policy, int64_t version);
-  int64_t policy_version() const;
+  Status SetPolicy(std::shared_ptr<const common::Model> policy, int64_t version) EXCLUDES(mu_);
+  int64_t policy_version() const EXCLUDES(mu_);
   const GeneratorOptions& options() const { return options_; }
 
   // prompts: token ids per prompt. prompt_indices: per prompt, the index that seeds its rows'
@@ -111,14 +112,15 @@ class Generator {
         version_(version) {}
 
   StatusOr<GenerateResult> Run(const std::vector<std::vector<int32_t>>& prompts,
-                               const std::vector<int64_t>& prompt_indices, bool use_cache) const;
+                               const std::vector<int64_t>& prompt_indices, bool use_cache) const
+      EXCLUDES(mu_);
 
   const GeneratorOptions options_;
   const common::Tokenizer* const tokenizer_;  // borrowed, may be null
 
-  mutable std::mutex mu_;
-  std::shared_ptr<const common::Model> policy_;  // GUARDED_BY(mu_)
-  int64_t version_;                              // GUARDED_BY(mu_)
+  mutable common::Mutex mu_;
+  std::shared_ptr<const common::Model> policy_ GUARDED_BY(mu_);
+  int64_t version_ GUARDED_BY(mu_);
 };
 
 }  // namespace grpo::rollout

@@ -31,16 +31,16 @@ GroupWeightReceiver::GroupWeightReceiver(std::shared_ptr<common::EpochStore> sto
 
 GroupWeightReceiver::~GroupWeightReceiver() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   if (thread_.joinable()) thread_.join();
 }
 
 void GroupWeightReceiver::SetGroup(const GroupMembership& membership) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     if (membership_.worker_id == membership.worker_id && membership_.epoch == membership.epoch &&
         membership_.backend == membership.backend) {
       return;
@@ -48,23 +48,23 @@ void GroupWeightReceiver::SetGroup(const GroupMembership& membership) {
     membership_ = membership;
   }
   fallback_->SetGroup(membership);
-  cv_.notify_all();
+  cv_.NotifyAll();
 }
 
 std::string GroupWeightReceiver::assigned_backend() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   if (membership_.epoch == 0) return "";
   const std::string b = GroupBackendOf(membership_, options_.requested_backend);
   return b.empty() ? std::string(common::kBackendGrpc) : b;
 }
 
 std::pair<int64_t, common::NamedTensors> GroupWeightReceiver::latest() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   return {latest_version_, latest_};
 }
 
 bool GroupWeightReceiver::EpochIs(int64_t epoch) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   return !stop_ && membership_.epoch == epoch;
 }
 
@@ -79,9 +79,13 @@ StatusOr<int64_t> GroupWeightReceiver::Receive(int64_t min_version, common::Mode
   int64_t version = -1;
   common::NamedTensors tensors;
   {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, std::min(options_.version_wait, timeout),
-                 [&] { return latest_version_ >= min_version || !in_group_ || stop_; });
+    common::MutexLock lock(&mu_);
+    // As wait_for with a predicate: one deadline from when the lock is held.
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::min(options_.version_wait, timeout);
+    while (latest_version_ < min_version && in_group_ && !stop_) {
+      if (!cv_.WaitUntil(&mu_, deadline)) break;
+    }
     if (latest_version_ >= min_version) {
       version = latest_version_;
       tensors = latest_;
@@ -110,9 +114,8 @@ void GroupWeightReceiver::Loop() {
   while (true) {
     GroupMembership m;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock,
-               [&] { return stop_ || (membership_.epoch > 0 && membership_.epoch != done_epoch); });
+      common::MutexLock lock(&mu_);
+      while (!stop_ && !(membership_.epoch > 0 && membership_.epoch != done_epoch)) cv_.Wait(&mu_);
       if (stop_) return;
       m = membership_;
     }
@@ -152,7 +155,7 @@ Status GroupWeightReceiver::ServeEpoch(int64_t epoch, const std::string& id,
   std::unique_ptr<common::WeightSync> sync = std::move(created).value();
   groups_joined_ += 1;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     in_group_ = true;
   }
   GRPO_LOG_INFO("{} weight sync: joined epoch {} as rank {}/{}", backend, epoch, rank, world);
@@ -186,19 +189,19 @@ Status GroupWeightReceiver::ServeEpoch(int64_t epoch, const std::string& id,
     if (s.ok()) {
       versions_received_ += 1;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        common::MutexLock lock(&mu_);
         latest_version_ = sync->committed_version();
         latest_ = std::move(fresh);
       }
-      cv_.notify_all();
+      cv_.NotifyAll();
     }
   }
   sync->Abort();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     in_group_ = false;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   GRPO_LOG_INFO("{} weight sync: left epoch {}: {}", backend, epoch, s.ToString());
   return s;
 }

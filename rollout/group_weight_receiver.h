@@ -13,17 +13,17 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "common/model/safetensors.h"
+#include "common/mutex.h"
 #include "common/status.h"
+#include "common/thread_annotations.h"
 #include "common/weight_sync/backends.h"
 #include "common/weight_sync/epoch_store.h"
 #include "common/weight_sync/weight_sync.h"
@@ -61,20 +61,20 @@ class GroupWeightReceiver final : public WeightReceiver {
   // The group's latest version when >= min_version (waits up to version_wait while in a
   // group), else the fallback's Receive. Errors as the fallback / Model::LoadStateFrom.
   StatusOr<int64_t> Receive(int64_t min_version, common::Model& model,
-                            std::chrono::milliseconds timeout) override;
+                            std::chrono::milliseconds timeout) override EXCLUDES(mu_);
   std::string backend() const override { return options_.requested_backend; }
-  void SetGroup(const GroupMembership& membership) override;
+  void SetGroup(const GroupMembership& membership) override EXCLUDES(mu_);
 
   // The backend of the group the thread serves ("" before the first Register; "grpc" when the
   // learner assigned no group).
-  std::string assigned_backend() const;
+  std::string assigned_backend() const EXCLUDES(mu_);
   int64_t versions_received() const { return versions_received_.load(); }  // over the group
   int64_t installs_from_group() const { return installs_from_group_.load(); }
   int64_t installs_from_fallback() const { return installs_from_fallback_.load(); }
   int64_t groups_joined() const { return groups_joined_.load(); }
   // The last version received over the group (-1 when none) and its tensors (never written
   // again).
-  std::pair<int64_t, common::NamedTensors> latest() const;
+  std::pair<int64_t, common::NamedTensors> latest() const EXCLUDES(mu_);
 
  private:
   struct Slot {
@@ -83,13 +83,13 @@ class GroupWeightReceiver final : public WeightReceiver {
     at::ScalarType dtype;
   };
 
-  void Loop();
+  void Loop() EXCLUDES(mu_);
   // Serves one epoch's group: joins when this worker is on the roster, then receives until a
   // collective fails, the epoch changes or stop. The reason it left.
-  Status ServeEpoch(int64_t epoch, const std::string& id, const std::string& backend);
+  Status ServeEpoch(int64_t epoch, const std::string& id, const std::string& backend) EXCLUDES(mu_);
   // Polls `key` at `epoch` until set, the epoch changes or stop: the value or the last error.
-  StatusOr<std::string> WaitForKey(const std::string& key, int64_t epoch);
-  bool EpochIs(int64_t epoch) const;
+  StatusOr<std::string> WaitForKey(const std::string& key, int64_t epoch) EXCLUDES(mu_);
+  bool EpochIs(int64_t epoch) const EXCLUDES(mu_);
 
   const std::shared_ptr<common::EpochStore> store_;
   const std::unique_ptr<WeightReceiver> fallback_;  // main thread (Receive) only
@@ -98,13 +98,13 @@ class GroupWeightReceiver final : public WeightReceiver {
   std::vector<Slot> layout_;  // set by the first Receive, before the thread starts
   std::thread thread_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  GroupMembership membership_;   // GUARDED_BY(mu_)
-  bool stop_ = false;            // GUARDED_BY(mu_)
-  bool in_group_ = false;        // GUARDED_BY(mu_)
-  int64_t latest_version_ = -1;  // GUARDED_BY(mu_)
-  common::NamedTensors latest_;  // GUARDED_BY(mu_)
+  mutable common::Mutex mu_;
+  common::CondVar cv_;
+  GroupMembership membership_ GUARDED_BY(mu_);
+  bool stop_ GUARDED_BY(mu_) = false;
+  bool in_group_ GUARDED_BY(mu_) = false;
+  int64_t latest_version_ GUARDED_BY(mu_) = -1;
+  common::NamedTensors latest_ GUARDED_BY(mu_);
 
   std::atomic<int64_t> versions_received_{0}, installs_from_group_{0}, installs_from_fallback_{0},
       groups_joined_{0};

@@ -186,17 +186,17 @@ WorkerStats RolloutLoop::stats() const {
 }
 
 std::shared_ptr<const common::Model> RolloutLoop::policy() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   return policy_;
 }
 
 std::string RolloutLoop::worker_id() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   return worker_id_;
 }
 
 common::GrpoConfig RolloutLoop::config() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   return config_;
 }
 
@@ -274,14 +274,14 @@ Status RolloutLoop::ApplyRegistration(const Registration& r) {
     // A different architecture, or the learner's `bf16` changed: the current policy (if any)
     // cannot serve it.
     generator_.reset();
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     policy_.reset();
     policy_version_ = -1;
   }
   model_config_ = model_config;
   model_config_json_ = r.model_config_json;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     worker_id_ = r.worker_id;
     config_ = merged;
     heartbeat_interval_ = r.heartbeat_interval_ms > 0 ? milliseconds(r.heartbeat_interval_ms)
@@ -302,7 +302,7 @@ Status RolloutLoop::ApplyRegistration(const Registration& r) {
     }
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     if (r.learner_incarnation != learner_incarnation_) {
       // A different learner process (a restart): its versions restart from its checkpoint, so
       // what we hold under a version number is not its weights. Take its weights now.
@@ -316,7 +316,7 @@ Status RolloutLoop::ApplyRegistration(const Registration& r) {
     }
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     assigned_backend_ = r.weight_sync_backend;
   }
   if (!r.weight_sync_note.empty()) {
@@ -366,7 +366,7 @@ Status RolloutLoop::InstallPolicy(std::shared_ptr<const common::Model> model, in
     RETURN_IF_ERROR(generator_->SetPolicy(model, version));
   }
   if (metrics_) metrics_->weight_version->Set(static_cast<double>(version));
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   policy_ = std::move(model);
   policy_version_ = version;
   policy_incarnation_ = learner_incarnation_;
@@ -475,7 +475,7 @@ Status RolloutLoop::RunRound() {
     // The weights are installed only between rounds (SyncWeights above), so the incarnation
     // read now is the one of the snapshot Generate takes.
     const std::string incarnation = [&] {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(&mu_);
       return policy_incarnation_;
     }();
     auto produced = Produce(*generator_, rewards_.get(), inputs);
@@ -579,13 +579,19 @@ void RolloutLoop::CountRewardFailures(const RewardCallReport& report) {
 }
 
 void RolloutLoop::HeartbeatLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!heartbeat_stop_) {
-    heartbeat_cv_.wait_for(lock, heartbeat_interval_, [&] { return heartbeat_stop_; });
-    if (heartbeat_stop_) break;
-    const std::string id = worker_id_;
-    const std::string assigned = assigned_backend_;
-    lock.unlock();
+  while (true) {
+    std::string id, assigned;
+    {
+      common::MutexLock lock(&mu_);
+      // One heartbeat_interval_ from when the lock is held, as wait_for with a predicate.
+      const auto deadline = std::chrono::steady_clock::now() + heartbeat_interval_;
+      while (!heartbeat_stop_) {
+        if (!heartbeat_cv_.WaitUntil(&mu_, deadline)) break;
+      }
+      if (heartbeat_stop_) return;
+      id = worker_id_;
+      assigned = assigned_backend_;
+    }
     HeartbeatRequest request;
     request.worker_id = id;
     request.weight_version = policy_version_.load();
@@ -599,7 +605,7 @@ void RolloutLoop::HeartbeatLoop() {
       receiver_->SetGroup({id, response->group_epoch, assigned});
       if (response->shutdown) learner_shutdown_ = true;
       {
-        std::lock_guard<std::mutex> relock(mu_);
+        common::MutexLock lock(&mu_);
         // Another learner process answers (it restarted): register again and take its weights.
         if (!response->learner_incarnation.empty() &&
             response->learner_incarnation != learner_incarnation_) {
@@ -611,14 +617,13 @@ void RolloutLoop::HeartbeatLoop() {
       if (response.status().code() == StatusCode::kNotFound) needs_register_ = true;
       GRPO_LOG_DEBUG("Heartbeat failed: {}", response.status().ToString());
     }
-    lock.lock();
   }
 }
 
 void RolloutLoop::StartHeartbeat() {
   if (heartbeat_thread_.joinable()) return;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     heartbeat_stop_ = false;
   }
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
@@ -626,10 +631,10 @@ void RolloutLoop::StartHeartbeat() {
 
 void RolloutLoop::StopHeartbeat() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     heartbeat_stop_ = true;
   }
-  heartbeat_cv_.notify_all();
+  heartbeat_cv_.NotifyAll();
   if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
 }
 

@@ -7,11 +7,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -25,7 +23,9 @@
 #include "common/metrics/metrics.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
+#include "common/mutex.h"
 #include "common/status.h"
+#include "common/thread_annotations.h"
 #include "common/tokenizer/tokenizer.h"
 #include "rollout/generator.h"
 #include "rollout/learner_link.h"
@@ -173,12 +173,12 @@ class RolloutLoop {
   WorkerStats stats() const;
   // The policy the next round generates with (null before the first weights), and its version:
   // on config.device, in bf16 when the learner's `bf16` is true, else fp32.
-  std::shared_ptr<const common::Model> policy() const;
+  std::shared_ptr<const common::Model> policy() const EXCLUDES(mu_);
   int64_t policy_version() const { return policy_version_.load(); }
-  std::string worker_id() const;
+  std::string worker_id() const EXCLUDES(mu_);
   int32_t rank() const { return rank_.load(); }
   // The merged generation config (after Register).
-  common::GrpoConfig config() const;
+  common::GrpoConfig config() const EXCLUDES(mu_);
 
  private:
   RolloutLoop(RolloutLoopOptions options, at::Device device, LearnerLink* link,
@@ -193,15 +193,15 @@ class RolloutLoop {
                const std::function<bool()>& give_up = {});
 
   Status Register();  // with retries; (re)builds config, tokenizer, rewards, generator
-  Status ApplyRegistration(const Registration& registration);
+  Status ApplyRegistration(const Registration& registration) EXCLUDES(mu_);
   Status SyncWeights(int64_t min_version);  // with retries; installs a new policy snapshot
-  Status InstallPolicy(std::shared_ptr<const common::Model> model, int64_t version);
+  Status InstallPolicy(std::shared_ptr<const common::Model> model, int64_t version) EXCLUDES(mu_);
   // One lease round. Sets done_ when the learner has nothing more.
-  Status RunRound();
+  Status RunRound() EXCLUDES(mu_);
   Status PushGroups(const std::vector<common::RolloutGroup>& groups, int64_t last_deadline_ms);
-  void HeartbeatLoop();
-  void StartHeartbeat();
-  void StopHeartbeat();
+  void HeartbeatLoop() EXCLUDES(mu_);
+  void StartHeartbeat() EXCLUDES(mu_);
+  void StopHeartbeat() EXCLUDES(mu_);
   void NoteLearnerVersion(int64_t version);
   void SetLeasesHeld(int32_t n);
   // One ScoreGroup call's per-function latencies into grpo_rollout_reward_duration_seconds
@@ -224,15 +224,14 @@ class RolloutLoop {
   std::optional<common::WorkerMetrics> metrics_;  // when options_.metrics_registry is set
   bool done_ = false;
 
-  mutable std::mutex mu_;
-  std::string worker_id_;         // GUARDED_BY(mu_)
-  std::string assigned_backend_;  // GUARDED_BY(mu_): the learner's answer at the last Register
-  common::GrpoConfig config_;     // GUARDED_BY(mu_)
-  std::shared_ptr<const common::Model> policy_;  // GUARDED_BY(mu_)
-  // GUARDED_BY(mu_)
-  std::chrono::milliseconds heartbeat_interval_ = kDefaultWorkerHeartbeatInterval;
-  bool heartbeat_stop_ = false;  // GUARDED_BY(mu_)
-  std::condition_variable heartbeat_cv_;
+  mutable common::Mutex mu_;
+  std::string worker_id_ GUARDED_BY(mu_);
+  std::string assigned_backend_ GUARDED_BY(mu_);  // the learner's answer at the last Register
+  common::GrpoConfig config_ GUARDED_BY(mu_);
+  std::shared_ptr<const common::Model> policy_ GUARDED_BY(mu_);
+  std::chrono::milliseconds heartbeat_interval_ GUARDED_BY(mu_) = kDefaultWorkerHeartbeatInterval;
+  bool heartbeat_stop_ GUARDED_BY(mu_) = false;
+  common::CondVar heartbeat_cv_;
   std::thread heartbeat_thread_;  // main thread only
 
   std::atomic<int32_t> rank_{-1};
@@ -240,9 +239,9 @@ class RolloutLoop {
   std::atomic<int64_t> policy_version_{-1};   // the version generating now; -1 = none
   std::atomic<int64_t> learner_version_{-1};  // the newest version the learner reported
   // The learner process registered with, and the one whose weights generate now (groups carry
-  // it; a group of another learner's weights is refused). GUARDED_BY(mu_)
-  std::string learner_incarnation_;
-  std::string policy_incarnation_;
+  // it; a group of another learner's weights is refused).
+  std::string learner_incarnation_ GUARDED_BY(mu_);
+  std::string policy_incarnation_ GUARDED_BY(mu_);
   std::atomic<int32_t> leases_held_{0};
   std::atomic<bool> learner_shutdown_{false};  // Heartbeat said shutdown
   std::atomic<bool> needs_register_{false};    // the learner does not know this worker

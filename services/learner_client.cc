@@ -88,18 +88,18 @@ StatusOr<v1::SubmitDatasetResponse> SubmitLines(const LearnerClient &client, std
 }
 
 void WatchCanceller::Cancel() {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   cancelled_ = true;
   if (context_ != nullptr) context_->TryCancel();
 }
 
 bool WatchCanceller::cancelled() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   return cancelled_;
 }
 
 void WatchCanceller::Attach(grpc::ClientContext *context) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(&mu_);
   context_ = context;
   if (cancelled_ && context_ != nullptr) context_->TryCancel();
 }

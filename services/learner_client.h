@@ -9,12 +9,13 @@
 #include <functional>
 #include <istream>
 #include <memory>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
+#include "common/thread_annotations.h"
 #include "grpo/v1/learner.grpc.pb.h"
 #include "learner/job.h"
 
@@ -62,15 +63,15 @@ StatusOr<v1::SubmitDatasetResponse> SubmitLines(const LearnerClient &client, std
 // Thread-safe.
 class WatchCanceller {
  public:
-  void Cancel();
-  bool cancelled() const;
+  void Cancel() EXCLUDES(mu_);
+  bool cancelled() const EXCLUDES(mu_);
   // Used by FollowJob: the context of the stream being read, or null.
-  void Attach(grpc::ClientContext *context);
+  void Attach(grpc::ClientContext *context) EXCLUDES(mu_);
 
  private:
-  mutable std::mutex mu_;
-  bool cancelled_ = false;                  // GUARDED_BY(mu_)
-  grpc::ClientContext *context_ = nullptr;  // GUARDED_BY(mu_)
+  mutable common::Mutex mu_;
+  bool cancelled_ GUARDED_BY(mu_) = false;
+  grpc::ClientContext *context_ GUARDED_BY(mu_) = nullptr;
 };
 
 // Streams WatchJob until the job ends, calling `on_event` for every event (a

@@ -76,7 +76,7 @@ LearnerServer::~LearnerServer() { (void)Stop(/*checkpoint=*/false); }
 
 Status LearnerServer::Start() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     if (started_) return Status::FailedPrecondition("LearnerServer already started");
     started_ = true;
   }
@@ -117,7 +117,7 @@ Status LearnerServer::Start() {
 
 Status LearnerServer::Stop(bool checkpoint) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(&mu_);
     if (stopped_ || learner_ == nullptr) return Status::OK();  // (a failed Create)
     stopped_ = true;
   }

@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 
@@ -20,7 +19,9 @@
 #include "common/metrics/grpo_metrics.h"
 #include "common/metrics/metrics.h"
 #include "common/model/model.h"
+#include "common/mutex.h"
 #include "common/status.h"
+#include "common/thread_annotations.h"
 #include "common/weight_sync/epoch_store.h"
 #include "grpo/v1/learner.grpc.pb.h"
 #include "learner/job.h"
@@ -76,11 +77,11 @@ class LearnerServer final : public v1::LearnerService::Service {
   // With auth_token_file set, a call without the token is refused inside gRPC before its message
   // is read (TokenAuthProcessor; health Check/Watch are open); logs a WARNING when auth is off
   // and the address is not loopback. Unavailable when the port cannot be bound.
-  Status Start();
+  Status Start() EXCLUDES(mu_);
   // Stops training after the current generation batch, saves a checkpoint when `checkpoint`
   // and steps were taken since the last one, then shuts the server down (in-flight calls get
   // kDefaultShutdownGrace) and ends the ledger. Idempotent; returns the checkpoint error if any.
-  Status Stop(bool checkpoint);
+  Status Stop(bool checkpoint) EXCLUDES(mu_);
   // Blocks until the job is done, cancelled or failed, or `timeout` passes; true if it ended.
   bool WaitForJobEnd(std::chrono::milliseconds timeout) { return learner_->WaitForJobEnd(timeout); }
 
@@ -140,9 +141,9 @@ class LearnerServer final : public v1::LearnerService::Service {
   std::shared_ptr<grpc::ServerCredentials> server_credentials_;  // TLS or insecure
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
-  std::mutex mu_;
-  bool started_ = false;  // GUARDED_BY(mu_)
-  bool stopped_ = false;  // GUARDED_BY(mu_)
+  common::Mutex mu_;
+  bool started_ GUARDED_BY(mu_) = false;
+  bool stopped_ GUARDED_BY(mu_) = false;
 };
 
 }  // namespace grpo::services

@@ -297,7 +297,7 @@ Status Registry::CheckNew(const std::string& name, const std::string& help,
 
 StatusOr<Counter*> Registry::AddCounter(std::string name, std::string help,
                                         std::vector<LabelSpec> labels) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckNew(name, help, labels));
   if (!EndsWith(name, "_total")) {
     return Status::InvalidArgument("counter " + name + " must end in _total");
@@ -310,7 +310,7 @@ StatusOr<Counter*> Registry::AddCounter(std::string name, std::string help,
 
 StatusOr<Gauge*> Registry::AddGauge(std::string name, std::string help,
                                     std::vector<LabelSpec> labels) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckNew(name, help, labels));
   if (EndsWith(name, "_total")) {
     return Status::InvalidArgument("gauge " + name + " must not end in _total");
@@ -324,7 +324,7 @@ StatusOr<Gauge*> Registry::AddGauge(std::string name, std::string help,
 StatusOr<Histogram*> Registry::AddHistogram(std::string name, std::string help,
                                             std::vector<double> bounds,
                                             std::vector<LabelSpec> labels) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckNew(name, help, labels));
   for (std::string_view suffix : {"_total", "_bucket", "_sum", "_count"}) {
     if (EndsWith(name, suffix)) {
@@ -350,7 +350,7 @@ StatusOr<Histogram*> Registry::AddHistogram(std::string name, std::string help,
 
 std::string Registry::Expose() const {
   std::string out;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (const auto& [name, family] : families_) family->AppendExposition(&out);
   return out;
 }

@@ -11,12 +11,13 @@
 #include <initializer_list>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
+#include "common/thread_annotations.h"
 
 namespace grpo::common {
 
@@ -132,22 +133,23 @@ class Registry {
   // (> kMaxSeriesPerFamily), a counter name without `_total`, a histogram label `le`, or bad
   // bounds; AlreadyExists for a repeated family name.
   StatusOr<Counter*> AddCounter(std::string name, std::string help,
-                                std::vector<LabelSpec> labels = {});
-  StatusOr<Gauge*> AddGauge(std::string name, std::string help, std::vector<LabelSpec> labels = {});
+                                std::vector<LabelSpec> labels = {}) EXCLUDES(mu_);
+  StatusOr<Gauge*> AddGauge(std::string name, std::string help, std::vector<LabelSpec> labels = {})
+      EXCLUDES(mu_);
   StatusOr<Histogram*> AddHistogram(std::string name, std::string help, std::vector<double> bounds,
-                                    std::vector<LabelSpec> labels = {});
+                                    std::vector<LabelSpec> labels = {}) EXCLUDES(mu_);
 
   // Prometheus text format 0.0.4; families sorted by name, series in label declaration order.
-  std::string Expose() const;
+  std::string Expose() const EXCLUDES(mu_);
 
   static constexpr int64_t kMaxSeriesPerFamily = 1024;
 
  private:
   Status CheckNew(const std::string& name, const std::string& help,
-                  const std::vector<LabelSpec>& labels) const;  // requires mu_ held
+                  const std::vector<LabelSpec>& labels) const REQUIRES(mu_);
 
-  mutable std::mutex mu_;
-  std::map<std::string, std::unique_ptr<MetricFamily>> families_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::map<std::string, std::unique_ptr<MetricFamily>> families_ GUARDED_BY(mu_);
 };
 
 // Exposition helpers (exposed for tests). Numbers: shortest text that round-trips, `NaN`,

@@ -28,38 +28,38 @@ std::string FromBytes(const std::vector<uint8_t>& v) { return {v.begin(), v.end(
 // InMemoryEpochStore
 
 int64_t InMemoryEpochStore::epoch() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return epoch_;
 }
 
 bool InMemoryEpochStore::AdvanceFrom(int64_t from) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (epoch_ != from) return false;
     epoch_ += 1;
     kv_.clear();
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   return true;
 }
 
 int64_t InMemoryEpochStore::Advance() {
   int64_t now;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     now = ++epoch_;
     kv_.clear();
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   return now;
 }
 
 void InMemoryEpochStore::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
 }
 
 Status InMemoryEpochStore::CheckEpochLocked(int64_t epoch, const std::string& key,
@@ -92,7 +92,7 @@ StatusOr<std::string> InMemoryEpochStore::GetUnlessCancelled(
     const std::function<bool()>& cancelled) {
   timeout = std::clamp(timeout, std::chrono::milliseconds(0), kMaxEpochStoreTimeout);
   const auto deadline = Clock::now() + timeout;
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckEpochLocked(epoch, key, true));
   while (true) {
     if (epoch != epoch_) {
@@ -107,25 +107,25 @@ StatusOr<std::string> InMemoryEpochStore::GetUnlessCancelled(
       return Status::DeadlineExceeded("Store: key '" + key + "' not set within " +
                                       std::to_string(timeout.count()) + " ms");
     }
-    cv_.wait_for(lock, std::min<Clock::duration>(kCancelPoll, deadline - now));
+    cv_.WaitFor(&mu_, std::min<Clock::duration>(kCancelPoll, deadline - now));
   }
 }
 
 Status InMemoryEpochStore::Set(int64_t epoch, const std::string& key, const std::string& value) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckEpochLocked(epoch, key, true));
     RETURN_IF_ERROR(CheckRoomLocked(key));
     kv_[key] = value;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   return Status::OK();
 }
 
 StatusOr<int64_t> InMemoryEpochStore::Add(int64_t epoch, const std::string& key, int64_t delta) {
   int64_t value = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckEpochLocked(epoch, key, true));
     RETURN_IF_ERROR(CheckRoomLocked(key));
     if (auto it = kv_.find(key); it != kv_.end()) {
@@ -138,12 +138,12 @@ StatusOr<int64_t> InMemoryEpochStore::Add(int64_t epoch, const std::string& key,
     value += delta;
     kv_[key] = std::to_string(value);
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   return value;
 }
 
 StatusOr<bool> InMemoryEpochStore::Check(int64_t epoch, const std::vector<std::string>& keys) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckEpochLocked(epoch, "", false));
   for (const auto& k : keys) {
     if (kv_.count(k) == 0) return false;
@@ -152,13 +152,13 @@ StatusOr<bool> InMemoryEpochStore::Check(int64_t epoch, const std::vector<std::s
 }
 
 StatusOr<bool> InMemoryEpochStore::Delete(int64_t epoch, const std::string& key) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckEpochLocked(epoch, key, true));
   return kv_.erase(key) > 0;
 }
 
 StatusOr<int64_t> InMemoryEpochStore::NumKeys(int64_t epoch) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckEpochLocked(epoch, "", false));
   return static_cast<int64_t>(kv_.size());
 }
@@ -169,7 +169,7 @@ StatusOr<std::string> InMemoryEpochStore::CompareSet(int64_t epoch, const std::s
   std::string now;
   bool matches = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckEpochLocked(epoch, key, true));
     auto it = kv_.find(key);
     matches = it == kv_.end() ? expected.empty() : it->second == expected;
@@ -181,7 +181,7 @@ StatusOr<std::string> InMemoryEpochStore::CompareSet(int64_t epoch, const std::s
       now = it == kv_.end() ? expected : it->second;
     }
   }
-  if (matches) cv_.notify_all();
+  if (matches) cv_.NotifyAll();
   if (swapped != nullptr) *swapped = matches;
   return now;
 }

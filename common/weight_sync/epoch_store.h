@@ -8,17 +8,17 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
+#include "common/thread_annotations.h"
 
 namespace grpo::common {
 
@@ -65,42 +65,45 @@ class InMemoryEpochStore final : public EpochStore {
  public:
   InMemoryEpochStore() = default;
 
-  int64_t epoch() const;
+  int64_t epoch() const EXCLUDES(mu_);
   // Ends epoch `from` when it is still the current one (a failed group of that epoch; several
   // callers may report the same failure): true when this call advanced it.
-  bool AdvanceFrom(int64_t from);
+  bool AdvanceFrom(int64_t from) EXCLUDES(mu_);
   // Ends the current epoch (the roster changed) and returns the new one.
-  int64_t Advance();
+  int64_t Advance() EXCLUDES(mu_);
   // Every waiting and later GET returns Unavailable.
-  void Stop();
+  void Stop() EXCLUDES(mu_);
 
   // Get that also gives up (Cancelled) once `cancelled` returns true (checked every 100 ms):
   // the Store RPC's client went away.
   StatusOr<std::string> GetUnlessCancelled(int64_t epoch, const std::string& key,
                                            std::chrono::milliseconds timeout,
-                                           const std::function<bool()>& cancelled);
+                                           const std::function<bool()>& cancelled) EXCLUDES(mu_);
 
   StatusOr<std::string> Get(int64_t epoch, const std::string& key,
-                            std::chrono::milliseconds timeout) override;
-  Status Set(int64_t epoch, const std::string& key, const std::string& value) override;
-  StatusOr<int64_t> Add(int64_t epoch, const std::string& key, int64_t delta) override;
-  StatusOr<bool> Check(int64_t epoch, const std::vector<std::string>& keys) override;
-  StatusOr<bool> Delete(int64_t epoch, const std::string& key) override;
-  StatusOr<int64_t> NumKeys(int64_t epoch) override;
+                            std::chrono::milliseconds timeout) override EXCLUDES(mu_);
+  Status Set(int64_t epoch, const std::string& key, const std::string& value) override
+      EXCLUDES(mu_);
+  StatusOr<int64_t> Add(int64_t epoch, const std::string& key, int64_t delta) override
+      EXCLUDES(mu_);
+  StatusOr<bool> Check(int64_t epoch, const std::vector<std::string>& keys) override EXCLUDES(mu_);
+  StatusOr<bool> Delete(int64_t epoch, const std::string& key) override EXCLUDES(mu_);
+  StatusOr<int64_t> NumKeys(int64_t epoch) override EXCLUDES(mu_);
   StatusOr<std::string> CompareSet(int64_t epoch, const std::string& key,
                                    const std::string& expected, const std::string& desired,
-                                   bool* swapped) override;
+                                   bool* swapped) override EXCLUDES(mu_);
 
  private:
-  // OK when `epoch` is current and the store is running (mu_ held).
-  Status CheckEpochLocked(int64_t epoch, const std::string& key, bool key_needed) const;
-  Status CheckRoomLocked(const std::string& key) const;
+  // OK when `epoch` is current and the store is running.
+  Status CheckEpochLocked(int64_t epoch, const std::string& key, bool key_needed) const
+      REQUIRES(mu_);
+  Status CheckRoomLocked(const std::string& key) const REQUIRES(mu_);
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  int64_t epoch_ = 1;                      // GUARDED_BY(mu_)
-  std::map<std::string, std::string> kv_;  // GUARDED_BY(mu_): the current epoch's keys
-  bool stopping_ = false;                  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  CondVar cv_;
+  int64_t epoch_ GUARDED_BY(mu_) = 1;
+  std::map<std::string, std::string> kv_ GUARDED_BY(mu_);  // the current epoch's keys
+  bool stopping_ GUARDED_BY(mu_) = false;
 };
 
 // A c10d::Store over one epoch of an EpochStore, for Gloo's and NCCL's rendezvous. The c10d

@@ -9,16 +9,16 @@ namespace grpo::common {
 
 void FakeWeightSyncHub::AbortEpoch(int64_t epoch) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     aborted_.insert(epoch);
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
 }
 
 Status FakeWeightSyncHub::Exchange(int64_t epoch, int64_t seq, int rank, std::vector<uint8_t> mine,
                                    int ready, std::chrono::steady_clock::time_point deadline,
                                    std::vector<std::vector<uint8_t>>* rows) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const auto key = std::make_pair(epoch, seq);
   Round& round = rounds_[key];
   if (round.rows.empty()) {
@@ -28,7 +28,7 @@ Status FakeWeightSyncHub::Exchange(int64_t epoch, int64_t seq, int rank, std::ve
   round.rows[rank] = std::move(mine);
   round.in[rank] = true;
   ++round.arrived;
-  cv_.notify_all();
+  cv_.NotifyAll();
   // Rows 0..ready-1 must be in: rank 0's for a broadcast, everyone's for an all-gather.
   auto done = [&] {
     for (int r = 0; r < ready; ++r) {
@@ -36,13 +36,15 @@ Status FakeWeightSyncHub::Exchange(int64_t epoch, int64_t seq, int rank, std::ve
     }
     return true;
   };
-  cv_.wait_until(lock, deadline, [&] { return done() || aborted_.count(epoch); });
+  while (!done() && aborted_.count(epoch) == 0) {
+    if (!cv_.WaitUntil(&mu_, deadline)) break;  // timed out: the checks below tell why
+  }
   if (!done()) {
     if (aborted_.count(epoch) && std::chrono::steady_clock::now() < deadline) {
       return Status::Aborted("a peer aborted the group");
     }
     aborted_.insert(epoch);
-    cv_.notify_all();
+    cv_.NotifyAll();
     std::string missing;
     for (int r = 0; r < ready; ++r) {
       if (round.in[r]) continue;
