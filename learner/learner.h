@@ -215,12 +215,12 @@ class Learner {
   JobState job_state() const EXCLUDES(mu_);
   int64_t published_version() const EXCLUDES(mu_);
   int64_t group_epoch() const { return epoch_store_->epoch(); }
-  PromptLedger& ledger() { return *ledger_; }
+  // Tests only: the ledger itself (the interface is the calls above).
+  PromptLedger& TEST_ledger() { return *ledger_; }
   // Groups refused by AcceptGroup (and by the trainer later) since start, by reason.
   std::map<std::string, int64_t> RefusedCounts() const EXCLUDES(mu_);
-  // The live policy. Read it only while training is idle (tests).
+  // The live policy. Read it only while training is idle (tests, `grpo bench weight_sync`).
   const common::Model& policy() const { return *policy_; }
-  int64_t generation_batch_groups() const { return batch_groups_; }
   // The rendezvous store of the weight-sync groups; its epoch is the group epoch.
   const std::shared_ptr<common::InMemoryEpochStore>& epoch_store() const { return epoch_store_; }
   // Versions committed to `backend`'s group (gloo, nccl, cuda_ipc), and its failed

@@ -86,16 +86,14 @@ class LearnerServer final : public v1::LearnerService::Service {
   bool WaitForJobEnd(std::chrono::milliseconds timeout) { return learner_->WaitForJobEnd(timeout); }
 
   int port() const { return port_; }  // the bound port, after Start
-  learner::Learner& engine() { return *learner_; }
   // This process's learner_incarnation (RegisterResponse): groups must carry it.
   const std::string& incarnation() const { return learner_->incarnation(); }
   JobState job_state() const { return learner_->job_state(); }
   int64_t published_version() const { return learner_->published_version(); }
   int64_t group_epoch() const { return learner_->group_epoch(); }
-  learner::PromptLedger& ledger() { return learner_->ledger(); }
+  learner::PromptLedger& TEST_ledger() { return learner_->TEST_ledger(); }
   std::map<std::string, int64_t> RefusedCounts() const { return learner_->RefusedCounts(); }
   const common::Model& policy() const { return learner_->policy(); }
-  int64_t generation_batch_groups() const { return learner_->generation_batch_groups(); }
   const std::shared_ptr<common::InMemoryEpochStore>& epoch_store() const {
     return learner_->epoch_store();
   }

@@ -213,7 +213,7 @@ TEST_F(LearnerTest, TheLeaseBudgetBoundsWhatIsOut) {
   const auto t0 = Clock::now();
   EXPECT_TRUE(Lease(100, 700ms).empty());  // a long poll until 500 ms before the deadline
   EXPECT_GE(Clock::now() - t0, 150ms);
-  EXPECT_EQ(learner_->ledger().Counts()->leased, 4);
+  EXPECT_EQ(learner_->TEST_ledger().Counts()->leased, 4);
 }
 
 TEST_F(LearnerTest, TheIngestPolicysVerdicts) {
@@ -235,7 +235,7 @@ TEST_F(LearnerTest, TheIngestPolicysVerdicts) {
   EXPECT_EQ(tally.reply.rejected_by_reason["unknown_policy"], 2);
   EXPECT_EQ(tally.reply.messages.size(), 3u);
   // unknown_policy released both leases: they are queued again.
-  EXPECT_EQ(learner_->ledger().Counts()->leased, 2);
+  EXPECT_EQ(learner_->TEST_ledger().Counts()->leased, 2);
   // Two good groups make a generation batch: one optimizer step.
   PushTally good;
   learner_->AcceptGroup(TinyGroup(leases[2], 0, inc), {}, &good);
@@ -321,7 +321,7 @@ TEST_F(LearnerTest, AKillBetweenAcceptAndCheckpointRequeuesTheGroup) {
   PushTally tally;
   learner_->AcceptGroup(TinyGroup(leases[0], 0, learner_->incarnation()), {}, &tally);
   ASSERT_EQ(tally.reply.accepted, 1);  // one of a batch of two: buffered, not trained
-  auto accepted = learner_->ledger().GetPrompt(leases[0].prompt_id);
+  auto accepted = learner_->TEST_ledger().GetPrompt(leases[0].prompt_id);
   ASSERT_TRUE(accepted.ok());
   EXPECT_EQ(accepted->state, PromptState::kTrained);
   // The kill: the threads stop and the process ends without its job-end bookkeeping (a
@@ -331,10 +331,10 @@ TEST_F(LearnerTest, AKillBetweenAcceptAndCheckpointRequeuesTheGroup) {
   (void)killed;
   std::unique_ptr<Learner> next = Make();
   ASSERT_NE(next, nullptr);
-  auto back = next->ledger().GetPrompt(leases[0].prompt_id);
+  auto back = next->TEST_ledger().GetPrompt(leases[0].prompt_id);
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->state, PromptState::kQueued);
-  const auto counts = next->ledger().Counts();
+  const auto counts = next->TEST_ledger().Counts();
   EXPECT_EQ(counts->queued, 3);
   EXPECT_EQ(counts->trained, 0);
   EXPECT_EQ(next->Snapshot().global_step, 0);

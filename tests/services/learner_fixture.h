@@ -154,7 +154,7 @@ class LearnerServiceTest : public ::testing::Test {
   }
 
   learner::PromptState StateOf(const std::string& prompt_id) {
-    auto r = server_->ledger().GetPrompt(prompt_id);
+    auto r = server_->TEST_ledger().GetPrompt(prompt_id);
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     return r.ok() ? r->state : learner::PromptState::kRejected;
   }

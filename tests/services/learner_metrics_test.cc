@@ -236,7 +236,7 @@ TEST_F(LearnerMetricsTest, LedgerGaugesMatchTheLedger) {
   ASSERT_EQ(Push({Group(leases.leases(0), 1, 0)}).accepted(), 1);
   const auto& gauge = *server_->metrics().ledger_prompts;
   auto matches = [&] {
-    auto c = server_->ledger().Counts();
+    auto c = server_->TEST_ledger().Counts();
     return c.ok() && gauge.Value({"queued"}) == c->queued && gauge.Value({"leased"}) == c->leased &&
            gauge.Value({"trained"}) == c->trained && gauge.Value({"rejected"}) == c->rejected;
   };

@@ -34,7 +34,7 @@ class LearnerReliabilityTest : public LearnerServiceTest {
   // Ledger trainings of `prompt_id`, by pass.
   std::multiset<int64_t> TrainedPasses(const std::string& prompt_id) {
     std::multiset<int64_t> passes;
-    auto t = server_->ledger().Trainings();
+    auto t = server_->TEST_ledger().Trainings();
     EXPECT_TRUE(t.ok()) << t.status().ToString();
     if (t.ok()) {
       for (const auto& r : *t) {
@@ -138,7 +138,7 @@ TEST_F(LearnerReliabilityTest, GroupsBufferedWhenTheJobEndsAreQueuedAgainNotLeft
     }
   }
   EXPECT_EQ(trained + queued, 4);
-  EXPECT_EQ(server_->ledger().Counts()->accepted, 0);
+  EXPECT_EQ(server_->TEST_ledger().Counts()->accepted, 0);
   EXPECT_GE(ack.accepted(), 2);
 }
 
@@ -149,15 +149,15 @@ TEST_F(LearnerReliabilityTest, AnUploadWithoutItsFinalMessageStoresNothing) {
   grpc::Status s = RawSubmit(Prompts(5), /*last=*/false, 0, "k");
   EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
   EXPECT_NE(s.error_message().find("nothing stored"), std::string::npos) << s.error_message();
-  EXPECT_EQ(server_->ledger().Counts()->total(), 0);
+  EXPECT_EQ(server_->TEST_ledger().Counts()->total(), 0);
   // A final message that miscounts the lines stores nothing either.
   s = RawSubmit(Prompts(5), /*last=*/true, 7, "k");
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-  EXPECT_EQ(server_->ledger().Counts()->total(), 0);
+  EXPECT_EQ(server_->TEST_ledger().Counts()->total(), 0);
   // The same key is still free: the complete upload is stored once.
   s = RawSubmit(Prompts(5), /*last=*/true, 5, "k");
   EXPECT_TRUE(s.ok()) << s.error_message();
-  EXPECT_EQ(server_->ledger().Counts()->total(), 5);
+  EXPECT_EQ(server_->TEST_ledger().Counts()->total(), 5);
 }
 
 TEST_F(LearnerReliabilityTest, ALineThatIsNotUtf8RefusesTheWholeDatasetNamingTheLine) {
@@ -167,7 +167,7 @@ TEST_F(LearnerReliabilityTest, ALineThatIsNotUtf8RefusesTheWholeDatasetNamingThe
   grpc::Status s = RawSubmit(lines, true, 6);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
   EXPECT_NE(s.error_message().find("line 4"), std::string::npos) << s.error_message();
-  EXPECT_EQ(server_->ledger().Counts()->total(), 0);
+  EXPECT_EQ(server_->TEST_ledger().Counts()->total(), 0);
 }
 
 TEST_F(LearnerReliabilityTest, BlankLinesCountAgainstTheSizeLimit) {
@@ -178,7 +178,7 @@ TEST_F(LearnerReliabilityTest, BlankLinesCountAgainstTheSizeLimit) {
   lines.insert(lines.end(), 900, "");
   grpc::Status s = RawSubmit(lines, true, static_cast<int64_t>(lines.size()));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
-  EXPECT_EQ(server_->ledger().Counts()->total(), 0);
+  EXPECT_EQ(server_->TEST_ledger().Counts()->total(), 0);
 }
 
 TEST_F(LearnerReliabilityTest, ClientUploadCutByItsDeadlineStoresNothingAndARetryStoresItOnce) {
@@ -194,7 +194,7 @@ TEST_F(LearnerReliabilityTest, ClientUploadCutByItsDeadlineStoresNothingAndARetr
   ASSERT_FALSE(first.ok());
   // Give a commit that would (wrongly) still happen time to land.
   std::this_thread::sleep_for(milliseconds(1500));
-  EXPECT_EQ(server_->ledger().Counts()->total(), 0);
+  EXPECT_EQ(server_->TEST_ledger().Counts()->total(), 0);
   // Without a key the client derives it from the content: the retry and a resubmission of the
   // same file add the dataset once.
   std::istringstream retry(text);
@@ -207,7 +207,7 @@ TEST_F(LearnerReliabilityTest, ClientUploadCutByItsDeadlineStoresNothingAndARetr
   ASSERT_TRUE(third.ok()) << third.status().ToString();
   EXPECT_FALSE(third->created());
   EXPECT_EQ(third->dataset_id(), second->dataset_id());
-  EXPECT_EQ(server_->ledger().Counts()->total(), 200'000);
+  EXPECT_EQ(server_->TEST_ledger().Counts()->total(), 200'000);
 }
 
 // --- Item 6: a finite but huge reward is bad input for its group, not the end of the job.
@@ -287,7 +287,7 @@ TEST_F(LearnerReliabilityTest, AWorkerRegisteringAgainUnderItsIdGetsItsDeadProce
   for (const auto& l : leases.leases()) {
     EXPECT_EQ(StateOf(l.prompt_id()), PromptState::kQueued) << l.prompt_id();
   }
-  EXPECT_EQ(server_->ledger().Counts()->leased, 0);
+  EXPECT_EQ(server_->TEST_ledger().Counts()->leased, 0);
   // A group under a dead lease is refused.
   const auto ack = Push({Group(leases.leases(0))});
   EXPECT_EQ(ack.rejected_by_reason().at("unknown_lease"), 1);

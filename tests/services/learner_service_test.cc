@@ -175,7 +175,7 @@ TEST_F(LearnerServiceTest, SubmitDatasetIsIdempotentUnderAKey) {
   const auto again = Submit(Prompts(5), "key-1");
   EXPECT_EQ(again.dataset_id(), first.dataset_id());
   EXPECT_FALSE(again.created());
-  EXPECT_EQ(server_->ledger().Counts()->queued, 5);
+  EXPECT_EQ(server_->TEST_ledger().Counts()->queued, 5);
 }
 
 TEST_F(LearnerServiceTest, SubmitDatasetNamesTheBadLine) {
@@ -186,7 +186,7 @@ TEST_F(LearnerServiceTest, SubmitDatasetNamesTheBadLine) {
   Submit(lines, "", &s);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(s.error_message().find("line 3"), std::string::npos) << s.error_message();
-  EXPECT_EQ(server_->ledger().Counts()->total(), 0);
+  EXPECT_EQ(server_->TEST_ledger().Counts()->total(), 0);
 }
 
 TEST_F(LearnerServiceTest, LeasePromptsReturnsLeasesWithDeadlines) {
