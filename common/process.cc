@@ -179,12 +179,20 @@ bool ProcessSupervisor::WaitAll(std::chrono::milliseconds timeout) {
 void ProcessSupervisor::Kill(const std::string& name) {
   Process* p = Find(name);
   if (p == nullptr || p->reaped) return;
-  SignalProcess(*p, SIGKILL);
+  KillAndReap(*p);
+}
+
+void ProcessSupervisor::KillAndReap(Process& p) {
+  SignalProcess(p, SIGKILL);
   int status = 0;
-  if (::waitpid(p->pid, &status, 0) == p->pid) {
-    Finish(*p, status);
+  pid_t r;
+  do {
+    r = ::waitpid(p.pid, &status, 0);
+  } while (r < 0 && errno == EINTR);  // a signal to this process (the demo's Ctrl-C) is no exit
+  if (r == p.pid) {
+    Finish(p, status);
   } else {
-    p->reaped = true;  // not our child any more (ECHILD): nothing left to reap
+    p.reaped = true;  // not our child any more (ECHILD): nothing left to reap
   }
 }
 
@@ -198,14 +206,7 @@ void ProcessSupervisor::StopAll(std::chrono::milliseconds grace) {
     WaitAll(grace);
   }
   for (auto& p : processes_) {
-    if (p->reaped) continue;
-    SignalProcess(*p, SIGKILL);
-    int status = 0;
-    if (::waitpid(p->pid, &status, 0) == p->pid) {
-      Finish(*p, status);
-    } else {
-      p->reaped = true;  // not our child any more (ECHILD): nothing left to reap
-    }
+    if (!p->reaped) KillAndReap(*p);
   }
   if (shared_pgid_ != 0) ::kill(-shared_pgid_, SIGKILL);  // grandchildren in the shared group
 }

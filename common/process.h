@@ -87,6 +87,8 @@ class ProcessSupervisor {
  private:
   void SignalProcess(const Process& p, int sig) const;
   void Finish(Process& p, int wait_status);
+  // SIGKILL, then a blocking reap.
+  void KillAndReap(Process& p);
 
   const std::chrono::milliseconds stop_grace_;
   pid_t shared_pgid_ = 0;  // the first shared-group child's pid
