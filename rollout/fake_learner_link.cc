@@ -14,7 +14,7 @@ Status NotReady() { return Status::Unavailable("fake learner not ready"); }
 
 StatusOr<Registration> FakeLearnerLink::Register(const RegisterRequest& request,
                                                  std::chrono::milliseconds) {
-  std::lock_guard<std::mutex> lock(mu);
+  common::MutexLock lock(&mu);
   if (Unavailable()) return NotReady();
   if (model == nullptr) return Status::FailedPrecondition("fake learner has no model");
   registers.push_back(request);
@@ -34,7 +34,7 @@ StatusOr<Registration> FakeLearnerLink::Register(const RegisterRequest& request,
 
 StatusOr<HeartbeatReply> FakeLearnerLink::Heartbeat(const HeartbeatRequest& request,
                                                     std::chrono::milliseconds) {
-  std::lock_guard<std::mutex> lock(mu);
+  common::MutexLock lock(&mu);
   if (Unavailable()) return NotReady();
   if (unknown_worker) return Status::NotFound("unknown worker: Register again");
   heartbeats.push_back(request);
@@ -43,7 +43,7 @@ StatusOr<HeartbeatReply> FakeLearnerLink::Heartbeat(const HeartbeatRequest& requ
 
 StatusOr<LeaseReply> FakeLearnerLink::LeasePrompts(const std::string&, int32_t max_prompts,
                                                    std::chrono::milliseconds) {
-  std::lock_guard<std::mutex> lock(mu);
+  common::MutexLock lock(&mu);
   if (Unavailable()) return NotReady();
   ++lease_calls;
   if (unknown_worker) return Status::NotFound("unknown worker: Register again");
@@ -74,7 +74,7 @@ StatusOr<LeaseReply> FakeLearnerLink::LeasePrompts(const std::string&, int32_t m
 StatusOr<PushReply> FakeLearnerLink::PushGroups(const std::string& worker_id,
                                                 const std::vector<common::RolloutGroup>& groups,
                                                 std::chrono::milliseconds) {
-  std::lock_guard<std::mutex> lock(mu);
+  common::MutexLock lock(&mu);
   if (Unavailable()) return NotReady();
   ++push_calls;
   PushReply reply;
@@ -94,7 +94,7 @@ StatusOr<PushReply> FakeLearnerLink::PushGroups(const std::string& worker_id,
 
 StatusOr<int64_t> FakeWeightReceiver::Receive(int64_t min_version, common::Model& model,
                                               std::chrono::milliseconds) {
-  std::lock_guard<std::mutex> lock(learner_->mu);
+  common::MutexLock lock(&learner_->mu);
   if (learner_->model == nullptr) return Status::Unavailable("fake learner has no model");
   if (learner_->version < min_version) {
     return Status::Unavailable("fake learner is at version " + std::to_string(learner_->version));

@@ -8,11 +8,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "common/model/model.h"
+#include "common/mutex.h"
 #include "common/rollout_types.h"
 #include "rollout/learner_link.h"
 #include "rollout/weight_receiver.h"
@@ -23,37 +23,45 @@ namespace grpo::rollout {
 // `mu`, and read what was recorded under `mu`.
 class FakeLearnerLink final : public LearnerLink {
  public:
-  std::mutex mu;
+  common::Mutex mu;
 
-  // Behaviour. GUARDED_BY(mu)
-  std::vector<std::string> rows;    // row_json, leased in order as lease-<i> / prompt-<i>
-  int leases_per_call = 2;          // at most this many per LeasePrompts (and max_prompts)
-  bool job_done_when_empty = true;  // else an empty lease answers retry_after_ms
-  int64_t retry_after_ms = 20;
-  int64_t version = 1;                         // the learner's policy version
-  std::string incarnation = "inc-1";           // a restart changes it
-  std::string config_json = "{}";              // Registration::config_json
-  std::shared_ptr<const common::Model> model;  // its config is model_config_json; its
-                                               // parameters are the weights (FakeWeightReceiver)
-  int64_t heartbeat_interval_ms = 20;
-  int unavailable_first_n = 0;  // the first N calls of any kind fail with Unavailable
-  bool unknown_worker = false;  // Heartbeat and LeasePrompts are NotFound until the next Register
-  bool shutdown = false;        // Heartbeat answers shutdown
+  // Behaviour.
+  // row_json, leased in order as lease-<i> / prompt-<i>.
+  std::vector<std::string> rows GUARDED_BY(mu);
+  // At most this many per LeasePrompts (and max_prompts).
+  int leases_per_call GUARDED_BY(mu) = 2;
+  // Else an empty lease answers retry_after_ms.
+  bool job_done_when_empty GUARDED_BY(mu) = true;
+  int64_t retry_after_ms GUARDED_BY(mu) = 20;
+  int64_t version GUARDED_BY(mu) = 1;                // the learner's policy version
+  std::string incarnation GUARDED_BY(mu) = "inc-1";  // a restart changes it
+  std::string config_json GUARDED_BY(mu) = "{}";     // Registration::config_json
+  // Its config is model_config_json; its parameters are the weights (FakeWeightReceiver).
+  std::shared_ptr<const common::Model> model GUARDED_BY(mu);
+  int64_t heartbeat_interval_ms GUARDED_BY(mu) = 20;
+  // The first N calls of any kind fail with Unavailable.
+  int unavailable_first_n GUARDED_BY(mu) = 0;
+  // Heartbeat and LeasePrompts are NotFound until the next Register.
+  bool unknown_worker GUARDED_BY(mu) = false;
+  bool shutdown GUARDED_BY(mu) = false;  // Heartbeat answers shutdown
   // The push's answer; default: every group accepted. May fail (a Status) or reject some.
-  std::function<StatusOr<PushReply>(const std::vector<common::RolloutGroup>&)> on_push;
-  std::function<void(FakeLearnerLink&)> after_lease;  // under mu, after a lease that leased rows
-  std::function<void(FakeLearnerLink&)> after_push;   // under mu, after each accepted push
+  std::function<StatusOr<PushReply>(const std::vector<common::RolloutGroup>&)> on_push
+      GUARDED_BY(mu);
+  // Called under mu, after a lease that leased rows, and after each accepted push.
+  std::function<void(FakeLearnerLink&)> after_lease GUARDED_BY(mu);
+  std::function<void(FakeLearnerLink&)> after_push GUARDED_BY(mu);
 
-  // Recorded. GUARDED_BY(mu)
-  int calls = 0;
-  std::vector<RegisterRequest> registers;
-  std::vector<HeartbeatRequest> heartbeats;
-  int lease_calls = 0;
-  int push_calls = 0;
-  std::vector<common::RolloutGroup> pushed;  // of pushes that were answered OK
-  std::vector<std::string> pushed_worker_ids;
-  std::vector<int64_t> weights_served;  // versions, one per FakeWeightReceiver::Receive
-  size_t next_row = 0;
+  // Recorded.
+  int calls GUARDED_BY(mu) = 0;
+  std::vector<RegisterRequest> registers GUARDED_BY(mu);
+  std::vector<HeartbeatRequest> heartbeats GUARDED_BY(mu);
+  int lease_calls GUARDED_BY(mu) = 0;
+  int push_calls GUARDED_BY(mu) = 0;
+  std::vector<common::RolloutGroup> pushed GUARDED_BY(mu);  // of pushes that were answered OK
+  std::vector<std::string> pushed_worker_ids GUARDED_BY(mu);
+  // Versions, one per FakeWeightReceiver::Receive.
+  std::vector<int64_t> weights_served GUARDED_BY(mu);
+  size_t next_row GUARDED_BY(mu) = 0;
 
   StatusOr<Registration> Register(const RegisterRequest& request,
                                   std::chrono::milliseconds timeout) override;
@@ -66,7 +74,7 @@ class FakeLearnerLink final : public LearnerLink {
                                  std::chrono::milliseconds timeout) override;
 
  private:
-  bool Unavailable() { return calls++ < unavailable_first_n; }  // under mu
+  bool Unavailable() REQUIRES(mu) { return calls++ < unavailable_first_n; }
 };
 
 // Copies the fake learner's current model (FakeLearnerLink::model, fp32) into the worker's

@@ -100,7 +100,7 @@ TEST(RolloutLoop, RegistersTakesWeightsAndPushesScoredGroupsUnderTheirLeases) {
   EXPECT_EQ(loop->rank(), 1);
   EXPECT_EQ(loop->config().num_generations, kGenerations);
 
-  std::lock_guard<std::mutex> lock(f.learner.mu);
+  common::MutexLock lock(&f.learner.mu);
   ASSERT_EQ(f.learner.registers.size(), 1u);
   EXPECT_EQ(f.learner.registers[0].weight_sync_backend, "fake");
   EXPECT_EQ(f.learner.registers[0].worker_id, "");
@@ -159,7 +159,7 @@ TEST(RolloutLoop, BadPromptsAreSkippedAndCounted) {
   ASSERT_TRUE(loop->Run().ok());
   EXPECT_EQ(loop->stats().prompts_failed, 4);
   EXPECT_EQ(loop->stats().leases, 5);
-  std::lock_guard<std::mutex> lock(f.learner.mu);
+  common::MutexLock lock(&f.learner.mu);
   ASSERT_EQ(f.learner.pushed.size(), 1u);
   EXPECT_EQ(f.learner.pushed[0].lease_id, "lease-4");
 }
@@ -178,7 +178,7 @@ TEST(RolloutLoop, NewerPolicyVersionIsFetchedBeforeTheNextRound) {
   EXPECT_TRUE(SameParameters(*loop->policy(), *v2));
   EXPECT_EQ(loop->policy_version(), 2);
   EXPECT_EQ(loop->stats().weight_fetches, 2);
-  std::lock_guard<std::mutex> lock(f.learner.mu);
+  common::MutexLock lock(&f.learner.mu);
   EXPECT_EQ(f.learner.weights_served, (std::vector<int64_t>{1, 2}));
   ASSERT_EQ(f.learner.pushed.size(), 4u);
   const std::vector<int64_t> want = {1, 1, 2, 2};
@@ -201,7 +201,7 @@ TEST(RolloutLoop, AfterALearnerRestartItRegistersAgainAndTagsGroupsWithTheNewWei
   ASSERT_TRUE(loop->Run().ok());
   EXPECT_TRUE(SameParameters(*loop->policy(), *restored));
   EXPECT_EQ(loop->policy_version(), 1);
-  std::lock_guard<std::mutex> lock(f.learner.mu);
+  common::MutexLock lock(&f.learner.mu);
   ASSERT_EQ(f.learner.registers.size(), 2u);
   EXPECT_EQ(f.learner.registers[1].worker_id, "worker-1");  // registers again under its id
   EXPECT_EQ(f.learner.weights_served, (std::vector<int64_t>{3, 1}));
@@ -218,7 +218,7 @@ TEST(RolloutLoop, RetriesUnavailableCallsWithBackoff) {
   auto loop = MakeLoop(f, Options());
   ASSERT_TRUE(loop->Run().ok());
   EXPECT_GE(loop->stats().rpc_retries, 4);
-  std::lock_guard<std::mutex> lock(f.learner.mu);
+  common::MutexLock lock(&f.learner.mu);
   EXPECT_EQ(f.learner.pushed.size(), 2u);
   EXPECT_EQ(f.learner.registers.size(), 1u);
 }
@@ -244,7 +244,7 @@ TEST(RolloutLoop, RejectedGroupsAreCountedAndAFailedPushDropsItsGroupsNotTheLoop
   EXPECT_EQ(st.groups_accepted, 1);
   EXPECT_EQ(st.groups_rejected, 1);
   EXPECT_EQ(st.groups_dropped, 1);
-  std::lock_guard<std::mutex> lock(f.learner.mu);
+  common::MutexLock lock(&f.learner.mu);
   EXPECT_EQ(f.learner.push_calls, 2);  // InvalidArgument is not retried
 }
 
@@ -287,7 +287,7 @@ TEST(RolloutLoop, RewardFailuresAreCountedByTheirKindInStatsAndMetrics) {
         << zero << text;
   }
   EXPECT_NE(text.find("grpo_rollout_groups_pushed_total 2\n"), std::string::npos) << text;
-  std::lock_guard<std::mutex> lock(f.learner.mu);
+  common::MutexLock lock(&f.learner.mu);
   ASSERT_EQ(f.learner.pushed.size(), 2u);
   for (const auto& c : f.learner.pushed[0].completions) {
     ASSERT_EQ(c.rewards.size(), 2u);
@@ -306,7 +306,7 @@ TEST(RolloutLoop, HeartbeatsCarryTheVersionAndStopReturnsPromptlyWhileWaiting) {
   std::thread t([&] { result = loop->Run(); });
   for (int i = 0; i < 250; ++i) {
     {
-      std::lock_guard<std::mutex> lock(f.learner.mu);
+      common::MutexLock lock(&f.learner.mu);
       if (f.learner.lease_calls > 0 && f.learner.heartbeats.size() >= 2) break;
     }
     std::this_thread::sleep_for(milliseconds(20));
@@ -316,7 +316,7 @@ TEST(RolloutLoop, HeartbeatsCarryTheVersionAndStopReturnsPromptlyWhileWaiting) {
   t.join();
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
   EXPECT_TRUE(result.ok()) << result.ToString();
-  std::lock_guard<std::mutex> lock(f.learner.mu);
+  common::MutexLock lock(&f.learner.mu);
   ASSERT_GE(f.learner.heartbeats.size(), 2u);
   EXPECT_EQ(f.learner.heartbeats.back().worker_id, "worker-1");
   EXPECT_EQ(f.learner.heartbeats.back().weight_version, 1);
