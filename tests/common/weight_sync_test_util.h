@@ -46,13 +46,13 @@ inline common::NamedTensors MakeLayout(uint64_t seed, bool zeros) {
   };
 }
 
-// Same names, shapes, dtypes and bytes.
+// Same names, shapes, dtypes and bytes (of any tensors: the bytes are compared in row-major order).
 inline ::testing::AssertionResult BitEqual(const common::NamedTensors& a,
                                            const common::NamedTensors& b) {
   if (a.size() != b.size()) return ::testing::AssertionFailure() << "different counts";
   for (size_t i = 0; i < a.size(); ++i) {
-    const at::Tensor& x = a[i].second;
-    const at::Tensor& y = b[i].second;
+    const at::Tensor x = a[i].second.contiguous();
+    const at::Tensor y = b[i].second.contiguous();
     if (a[i].first != b[i].first || x.scalar_type() != y.scalar_type() || x.sizes() != y.sizes()) {
       return ::testing::AssertionFailure() << "layout differs at " << a[i].first;
     }

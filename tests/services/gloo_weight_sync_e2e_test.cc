@@ -32,6 +32,8 @@
 #include "services/grpc_weight_receiver.h"
 #include "services/learner_service.h"
 #include "services/rollout_worker.h"
+#include "tests/common/weight_sync_test_util.h"
+#include "tests/learner/tiny_config.h"
 
 namespace grpo::services {
 namespace {
@@ -42,35 +44,17 @@ using Clock = std::chrono::steady_clock;
 
 constexpr auto kSyncTimeout = 3s;  // the learner's and the workers' collective deadline
 
+// The shared tiny job over gRPC, with Gloo groups.
 common::GrpoConfig TinyConfig(const fs::path &dir, int64_t max_steps) {
-  common::GrpoConfig c;
-  c.output_dir = dir.string();
+  common::GrpoConfig c = grpo::testing::TinyLearnerConfig(dir);
   c.grpc_port = 0;
-  c.num_generations = 2;
-  c.per_device_train_batch_size = 4;  // generation batch = 2 groups of 2 -> one step
-  c.gradient_accumulation_steps = 1;
-  c.max_prompt_length = 32;
-  c.max_completion_length = 8;
-  c.learning_rate = 1e-2;
-  c.lr_scheduler_type = "constant";
   c.max_steps = max_steps;
-  c.save_steps = 0;
-  c.lease_seconds = 60;
   c.reward_funcs = {"length"};
   c.weight_sync_backend = "gloo";
   return c;
 }
 
-bool BitEqual(const common::NamedTensors &a, const common::NamedTensors &b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const at::Tensor x = a[i].second.contiguous(), y = b[i].second.contiguous();
-    if (a[i].first != b[i].first || x.nbytes() != y.nbytes() || x.scalar_type() != y.scalar_type())
-      return false;
-    if (std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) != 0) return false;
-  }
-  return true;
-}
+using grpo::testing::BitEqual;
 
 template <typename Pred>
 bool WaitFor(Pred pred, std::chrono::milliseconds timeout) {
