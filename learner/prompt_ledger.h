@@ -112,25 +112,27 @@ class PromptLedger {
   // is stored. The same non-empty idempotency_key with the same lines returns the earlier
   // dataset (created = false); with different lines, AlreadyExists. An empty key never dedups.
   StatusOr<DatasetInfo> AddDataset(const std::string& idempotency_key,
-                                   const std::vector<std::string>& jsonl_lines) EXCLUDES(mu_);
+                                   const std::vector<std::string>& jsonl_lines) GRPO_EXCLUDES(mu_);
 
   // Returns every LEASED prompt whose deadline has passed to QUEUED (attempts + 1), then leases
   // up to max_prompts QUEUED prompts, oldest first, each under a fresh lease id valid until
   // now + lease_duration. An empty result means nothing is queued. InvalidArgument on an empty
   // worker_id or a non-positive max_prompts or lease_duration.
   StatusOr<std::vector<Lease>> LeasePrompts(const std::string& worker_id, int64_t max_prompts,
-                                            std::chrono::milliseconds lease_duration) EXCLUDES(mu_);
+                                            std::chrono::milliseconds lease_duration)
+      GRPO_EXCLUDES(mu_);
 
   // The group pushed under this lease was accepted: LEASED -> TRAINED. FailedPrecondition
   // ("unknown or expired lease ...") unless the prompt is LEASED under exactly this lease id and
   // the lease has not expired; the prompt is then left as it was.
-  Status CompleteLease(const std::string& lease_id, const std::string& prompt_id) EXCLUDES(mu_);
+  Status CompleteLease(const std::string& lease_id, const std::string& prompt_id)
+      GRPO_EXCLUDES(mu_);
   // The prompt itself is bad: LEASED -> REJECTED with the reason. Same lease check.
   Status RejectPrompt(const std::string& lease_id, const std::string& prompt_id,
-                      const std::string& reason) EXCLUDES(mu_);
+                      const std::string& reason) GRPO_EXCLUDES(mu_);
   // The worker gives the prompt back unprocessed (shutting down): LEASED -> QUEUED, attempts
   // unchanged. Same lease check.
-  Status ReleaseLease(const std::string& lease_id, const std::string& prompt_id) EXCLUDES(mu_);
+  Status ReleaseLease(const std::string& lease_id, const std::string& prompt_id) GRPO_EXCLUDES(mu_);
 
   // A worker is gone (it missed its heartbeats), or registered again as a new process: every
   // prompt LEASED to it, except under the lease ids in `keep` (those a live worker still
@@ -138,7 +140,8 @@ class PromptLedger {
   // lease_seconds. A group pushed later under one of them is refused as an unknown lease.
   // Returns how many moved.
   StatusOr<int64_t> ExpireWorkerLeases(const std::string& worker_id,
-                                       const std::vector<std::string>& keep = {}) EXCLUDES(mu_);
+                                       const std::vector<std::string>& keep = {})
+      GRPO_EXCLUDES(mu_);
 
   // --- What the model holds (schema v2). A TRAINED prompt is first only *accepted* (its group
   // waits in the learner's buffer, trained_step NULL); MarkTrained records that an optimizer
@@ -147,18 +150,18 @@ class PromptLedger {
   // rest). A prompt that owes an earlier pass (see RequeueTrained) is queued for it next.
   // Returns how many trainings were recorded.
   StatusOr<int64_t> MarkTrained(const std::vector<TrainedGroup>& groups, int64_t step)
-      EXCLUDES(mu_);
+      GRPO_EXCLUDES(mu_);
   // An accepted group of (prompt, pass) was not trained (refused as stale, or the job ended):
   // the prompt is queued for that pass again, now when its row is free (accepted in `pass`,
   // done with its pass, or queued for a later one), else when its current pass is trained.
   // True unless the prompt was REJECTED (nothing is owed); NotFound for an unknown prompt,
   // FailedPrecondition when (prompt, pass) was already trained.
-  StatusOr<bool> RequeueTrained(const std::string& prompt_id, int64_t pass) EXCLUDES(mu_);
+  StatusOr<bool> RequeueTrained(const std::string& prompt_id, int64_t pass) GRPO_EXCLUDES(mu_);
   // Restore to the weights after optimizer step `step` (a checkpoint; 0 = the initial model;
   // INT64_MAX = keep every training, requeue only what is accepted): trainings after `step`
   // are undone, accepted and undone prompts go back to QUEUED in the earliest pass they owe
   // (a pass boundary after `step` is undone for them). Leased prompts keep their lease.
-  StatusOr<RollbackResult> RollbackTo(int64_t step) EXCLUDES(mu_);
+  StatusOr<RollbackResult> RollbackTo(int64_t step) GRPO_EXCLUDES(mu_);
 
   // Ends the current pass when every prompt is TRAINED (or accepted) or REJECTED in it and owes
   // no earlier pass: returns true after moving TRAINED -> QUEUED with pass + 1 (an accepted
@@ -166,16 +169,16 @@ class PromptLedger {
   // nothing) when the pass just finished was the last of num_passes. FailedPrecondition while
   // prompts are QUEUED, LEASED or owe a pass, or when the ledger holds no prompts;
   // InvalidArgument when num_passes < 1.
-  StatusOr<bool> StartNextPass(int64_t num_passes) EXCLUDES(mu_);
+  StatusOr<bool> StartNextPass(int64_t num_passes) GRPO_EXCLUDES(mu_);
 
   // Every recorded training, by step.
-  StatusOr<std::vector<TrainingRecord>> Trainings() EXCLUDES(mu_);
+  StatusOr<std::vector<TrainingRecord>> Trainings() GRPO_EXCLUDES(mu_);
 
   // Prompts per state over the whole ledger, or over one dataset (NotFound if unknown).
-  StatusOr<LedgerCounts> Counts() EXCLUDES(mu_);
-  StatusOr<LedgerCounts> CountsForDataset(const std::string& dataset_id) EXCLUDES(mu_);
+  StatusOr<LedgerCounts> Counts() GRPO_EXCLUDES(mu_);
+  StatusOr<LedgerCounts> CountsForDataset(const std::string& dataset_id) GRPO_EXCLUDES(mu_);
   // One prompt's full row; NotFound if unknown.
-  StatusOr<PromptRecord> GetPrompt(const std::string& prompt_id) EXCLUDES(mu_);
+  StatusOr<PromptRecord> GetPrompt(const std::string& prompt_id) GRPO_EXCLUDES(mu_);
 
   const std::string& path() const { return path_; }
   // The ledger's clock (unix ms): lease deadlines and updated_ms use it.
@@ -186,18 +189,18 @@ class PromptLedger {
 
   PromptLedger(std::string path, sqlite3* db, PromptLedgerOptions options);
 
-  Status Migrate() REQUIRES(mu_);
+  Status Migrate() GRPO_REQUIRES(mu_);
   Status FinishLease(LeaseAction action, const std::string& lease_id, const std::string& prompt_id,
-                     const std::string& reason) EXCLUDES(mu_);
-  StatusOr<LedgerCounts> CountsLocked(const std::string* dataset_id) REQUIRES(mu_);
-  std::string NewLeaseId() REQUIRES(mu_);
+                     const std::string& reason) GRPO_EXCLUDES(mu_);
+  StatusOr<LedgerCounts> CountsLocked(const std::string* dataset_id) GRPO_REQUIRES(mu_);
+  std::string NewLeaseId() GRPO_REQUIRES(mu_);
 
   const std::string path_;
   const PromptLedgerOptions options_;
   common::Mutex mu_;
   // Owned. Guarded itself, not only its pointee: every use of the handle is a call on it.
-  sqlite3* db_ GUARDED_BY(mu_);
-  std::random_device rd_ GUARDED_BY(mu_);  // lease ids
+  sqlite3* db_ GRPO_GUARDED_BY(mu_);
+  std::random_device rd_ GRPO_GUARDED_BY(mu_);  // lease ids
 };
 
 }  // namespace grpo::learner

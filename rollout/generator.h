@@ -86,8 +86,8 @@ class Generator {
 
   // Installs the policy for the NEXT Generate call. InvalidArgument for a null policy or one
   // with a different vocabulary size.
-  Status SetPolicy(std::shared_ptr<const common::Model> policy, int64_t version) EXCLUDES(mu_);
-  int64_t policy_version() const EXCLUDES(mu_);
+  Status SetPolicy(std::shared_ptr<const common::Model> policy, int64_t version) GRPO_EXCLUDES(mu_);
+  int64_t policy_version() const GRPO_EXCLUDES(mu_);
   const GeneratorOptions& options() const { return options_; }
 
   // prompts: token ids per prompt. prompt_indices: per prompt, the index that seeds its rows'
@@ -113,14 +113,14 @@ class Generator {
 
   StatusOr<GenerateResult> Run(const std::vector<std::vector<int32_t>>& prompts,
                                const std::vector<int64_t>& prompt_indices, bool use_cache) const
-      EXCLUDES(mu_);
+      GRPO_EXCLUDES(mu_);
 
   const GeneratorOptions options_;
   const common::Tokenizer* const tokenizer_;  // borrowed, may be null
 
   mutable common::Mutex mu_;
-  std::shared_ptr<const common::Model> policy_ GUARDED_BY(mu_);
-  int64_t version_ GUARDED_BY(mu_);
+  std::shared_ptr<const common::Model> policy_ GRPO_GUARDED_BY(mu_);
+  int64_t version_ GRPO_GUARDED_BY(mu_);
 };
 
 }  // namespace grpo::rollout

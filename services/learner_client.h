@@ -63,15 +63,15 @@ StatusOr<v1::SubmitDatasetResponse> SubmitLines(const LearnerClient &client, std
 // Thread-safe.
 class WatchCanceller {
  public:
-  void Cancel() EXCLUDES(mu_);
-  bool cancelled() const EXCLUDES(mu_);
+  void Cancel() GRPO_EXCLUDES(mu_);
+  bool cancelled() const GRPO_EXCLUDES(mu_);
   // Used by FollowJob: the context of the stream being read, or null.
-  void Attach(grpc::ClientContext *context) EXCLUDES(mu_);
+  void Attach(grpc::ClientContext *context) GRPO_EXCLUDES(mu_);
 
  private:
   mutable common::Mutex mu_;
-  bool cancelled_ GUARDED_BY(mu_) = false;
-  grpc::ClientContext *context_ GUARDED_BY(mu_) = nullptr;
+  bool cancelled_ GRPO_GUARDED_BY(mu_) = false;
+  grpc::ClientContext *context_ GRPO_GUARDED_BY(mu_) = nullptr;
 };
 
 // Streams WatchJob until the job ends, calling `on_event` for every event (a

@@ -77,11 +77,11 @@ class LearnerServer final : public v1::LearnerService::Service {
   // With auth_token_file set, a call without the token is refused inside gRPC before its message
   // is read (TokenAuthProcessor; health Check/Watch are open); logs a WARNING when auth is off
   // and the address is not loopback. Unavailable when the port cannot be bound.
-  Status Start() EXCLUDES(mu_);
+  Status Start() GRPO_EXCLUDES(mu_);
   // Stops training after the current generation batch, saves a checkpoint when `checkpoint`
   // and steps were taken since the last one, then shuts the server down (in-flight calls get
   // kDefaultShutdownGrace) and ends the ledger. Idempotent; returns the checkpoint error if any.
-  Status Stop(bool checkpoint) EXCLUDES(mu_);
+  Status Stop(bool checkpoint) GRPO_EXCLUDES(mu_);
   // Blocks until the job is done, cancelled or failed, or `timeout` passes; true if it ended.
   bool WaitForJobEnd(std::chrono::milliseconds timeout) { return learner_->WaitForJobEnd(timeout); }
 
@@ -140,8 +140,8 @@ class LearnerServer final : public v1::LearnerService::Service {
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   common::Mutex mu_;
-  bool started_ GUARDED_BY(mu_) = false;
-  bool stopped_ GUARDED_BY(mu_) = false;
+  bool started_ GRPO_GUARDED_BY(mu_) = false;
+  bool stopped_ GRPO_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace grpo::services

@@ -133,23 +133,23 @@ class Registry {
   // (> kMaxSeriesPerFamily), a counter name without `_total`, a histogram label `le`, or bad
   // bounds; AlreadyExists for a repeated family name.
   StatusOr<Counter*> AddCounter(std::string name, std::string help,
-                                std::vector<LabelSpec> labels = {}) EXCLUDES(mu_);
+                                std::vector<LabelSpec> labels = {}) GRPO_EXCLUDES(mu_);
   StatusOr<Gauge*> AddGauge(std::string name, std::string help, std::vector<LabelSpec> labels = {})
-      EXCLUDES(mu_);
+      GRPO_EXCLUDES(mu_);
   StatusOr<Histogram*> AddHistogram(std::string name, std::string help, std::vector<double> bounds,
-                                    std::vector<LabelSpec> labels = {}) EXCLUDES(mu_);
+                                    std::vector<LabelSpec> labels = {}) GRPO_EXCLUDES(mu_);
 
   // Prometheus text format 0.0.4; families sorted by name, series in label declaration order.
-  std::string Expose() const EXCLUDES(mu_);
+  std::string Expose() const GRPO_EXCLUDES(mu_);
 
   static constexpr int64_t kMaxSeriesPerFamily = 1024;
 
  private:
   Status CheckNew(const std::string& name, const std::string& help,
-                  const std::vector<LabelSpec>& labels) const REQUIRES(mu_);
+                  const std::vector<LabelSpec>& labels) const GRPO_REQUIRES(mu_);
 
   mutable Mutex mu_;
-  std::map<std::string, std::unique_ptr<MetricFamily>> families_ GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<MetricFamily>> families_ GRPO_GUARDED_BY(mu_);
 };
 
 // Exposition helpers (exposed for tests). Numbers: shortest text that round-trips, `NaN`,

@@ -65,45 +65,47 @@ class InMemoryEpochStore final : public EpochStore {
  public:
   InMemoryEpochStore() = default;
 
-  int64_t epoch() const EXCLUDES(mu_);
+  int64_t epoch() const GRPO_EXCLUDES(mu_);
   // Ends epoch `from` when it is still the current one (a failed group of that epoch; several
   // callers may report the same failure): true when this call advanced it.
-  bool AdvanceFrom(int64_t from) EXCLUDES(mu_);
+  bool AdvanceFrom(int64_t from) GRPO_EXCLUDES(mu_);
   // Ends the current epoch (the roster changed) and returns the new one.
-  int64_t Advance() EXCLUDES(mu_);
+  int64_t Advance() GRPO_EXCLUDES(mu_);
   // Every waiting and later GET returns Unavailable.
-  void Stop() EXCLUDES(mu_);
+  void Stop() GRPO_EXCLUDES(mu_);
 
   // Get that also gives up (Cancelled) once `cancelled` returns true (checked every 100 ms):
   // the Store RPC's client went away.
   StatusOr<std::string> GetUnlessCancelled(int64_t epoch, const std::string& key,
                                            std::chrono::milliseconds timeout,
-                                           const std::function<bool()>& cancelled) EXCLUDES(mu_);
+                                           const std::function<bool()>& cancelled)
+      GRPO_EXCLUDES(mu_);
 
   StatusOr<std::string> Get(int64_t epoch, const std::string& key,
-                            std::chrono::milliseconds timeout) override EXCLUDES(mu_);
+                            std::chrono::milliseconds timeout) override GRPO_EXCLUDES(mu_);
   Status Set(int64_t epoch, const std::string& key, const std::string& value) override
-      EXCLUDES(mu_);
+      GRPO_EXCLUDES(mu_);
   StatusOr<int64_t> Add(int64_t epoch, const std::string& key, int64_t delta) override
-      EXCLUDES(mu_);
-  StatusOr<bool> Check(int64_t epoch, const std::vector<std::string>& keys) override EXCLUDES(mu_);
-  StatusOr<bool> Delete(int64_t epoch, const std::string& key) override EXCLUDES(mu_);
-  StatusOr<int64_t> NumKeys(int64_t epoch) override EXCLUDES(mu_);
+      GRPO_EXCLUDES(mu_);
+  StatusOr<bool> Check(int64_t epoch, const std::vector<std::string>& keys) override
+      GRPO_EXCLUDES(mu_);
+  StatusOr<bool> Delete(int64_t epoch, const std::string& key) override GRPO_EXCLUDES(mu_);
+  StatusOr<int64_t> NumKeys(int64_t epoch) override GRPO_EXCLUDES(mu_);
   StatusOr<std::string> CompareSet(int64_t epoch, const std::string& key,
                                    const std::string& expected, const std::string& desired,
-                                   bool* swapped) override EXCLUDES(mu_);
+                                   bool* swapped) override GRPO_EXCLUDES(mu_);
 
  private:
   // OK when `epoch` is current and the store is running.
   Status CheckEpochLocked(int64_t epoch, const std::string& key, bool key_needed) const
-      REQUIRES(mu_);
-  Status CheckRoomLocked(const std::string& key) const REQUIRES(mu_);
+      GRPO_REQUIRES(mu_);
+  Status CheckRoomLocked(const std::string& key) const GRPO_REQUIRES(mu_);
 
   mutable Mutex mu_;
   CondVar cv_;
-  int64_t epoch_ GUARDED_BY(mu_) = 1;
-  std::map<std::string, std::string> kv_ GUARDED_BY(mu_);  // the current epoch's keys
-  bool stopping_ GUARDED_BY(mu_) = false;
+  int64_t epoch_ GRPO_GUARDED_BY(mu_) = 1;
+  std::map<std::string, std::string> kv_ GRPO_GUARDED_BY(mu_);  // the current epoch's keys
+  bool stopping_ GRPO_GUARDED_BY(mu_) = false;
 };
 
 // A c10d::Store over one epoch of an EpochStore, for Gloo's and NCCL's rendezvous. The c10d

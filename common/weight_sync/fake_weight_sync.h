@@ -27,7 +27,7 @@ class FakeWeightSyncHub {
 
   // Makes every pending and later collective of `epoch` fail with Aborted on every peer, as a
   // peer's crash does to a real group.
-  void AbortEpoch(int64_t epoch) EXCLUDES(mu_);
+  void AbortEpoch(int64_t epoch) GRPO_EXCLUDES(mu_);
 
   // One collective (internal to the fake): `rank` contributes `mine` to the `seq`-th collective
   // of `epoch` and waits until `ready` rows are in (1 = broadcast from rank 0, world_size =
@@ -35,7 +35,7 @@ class FakeWeightSyncHub {
   // `deadline`; Aborted when the epoch is aborted.
   Status Exchange(int64_t epoch, int64_t seq, int rank, std::vector<uint8_t> mine, int ready,
                   std::chrono::steady_clock::time_point deadline,
-                  std::vector<std::vector<uint8_t>>* rows) EXCLUDES(mu_);
+                  std::vector<std::vector<uint8_t>>* rows) GRPO_EXCLUDES(mu_);
 
  private:
   struct Round {
@@ -47,8 +47,8 @@ class FakeWeightSyncHub {
   const int world_size_;
   mutable Mutex mu_;
   CondVar cv_;
-  std::map<std::pair<int64_t, int64_t>, Round> rounds_ GUARDED_BY(mu_);  // by (epoch, seq)
-  std::set<int64_t> aborted_ GUARDED_BY(mu_);
+  std::map<std::pair<int64_t, int64_t>, Round> rounds_ GRPO_GUARDED_BY(mu_);  // by (epoch, seq)
+  std::set<int64_t> aborted_ GRPO_GUARDED_BY(mu_);
 };
 
 // A peer of `hub`'s group. InvalidArgument for a rank outside [0, world_size). No rendezvous:

@@ -9,9 +9,9 @@ namespace grpo::common {
 
 class Violation {
  public:
-  // Writes a GUARDED_BY member without its lock.
+  // Writes a GRPO_GUARDED_BY member without its lock.
   void Unlocked() { ++count_; }
-  // Calls a REQUIRES method without the lock.
+  // Calls a GRPO_REQUIRES method without the lock.
   int64_t CallsLockedHelper() { return CountLocked(); }
   // Correct use, so that the analysis is seen to accept what is right.
   int64_t Locked() {
@@ -20,10 +20,10 @@ class Violation {
   }
 
  private:
-  int64_t CountLocked() const REQUIRES(mu_) { return count_; }
+  int64_t CountLocked() const GRPO_REQUIRES(mu_) { return count_; }
 
   mutable Mutex mu_;
-  int64_t count_ GUARDED_BY(mu_) = 0;
+  int64_t count_ GRPO_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace grpo::common
