@@ -34,8 +34,10 @@ void WeightPublisher::Close() {
 int64_t WeightPublisher::group_epoch() const { return sync_ ? sync_->epoch() : 0; }
 
 Status WeightPublisher::Fail(int64_t epoch, const Status& s, const char* what) {
-  GRPO_LOG_WARN("learner: {} weight sync at epoch {} failed ({}: {}); rebuilding the group",
-                backend_, epoch, what, s.ToString());
+  const double seconds = std::chrono::duration<double>(Clock::now() - round_start_).count();
+  GRPO_LOG_WARN(
+      "learner: {} weight sync at epoch {} failed after {:.3f} s ({}: {}); rebuilding the group",
+      backend_, epoch, seconds, what, s.ToString());
   Close();
   failures_ += 1;
   store_->AdvanceFrom(epoch);
@@ -44,6 +46,7 @@ Status WeightPublisher::Fail(int64_t epoch, const Status& s, const char* what) {
 
 Status WeightPublisher::Sync(const std::vector<std::string>& members,
                              const std::shared_ptr<const WeightSnapshot>& weights) {
+  round_start_ = Clock::now();
   const int64_t epoch = store_->epoch();
   if (members.empty() || (sync_ && (sync_->epoch() != epoch || roster_ != members))) Close();
   if (members.empty()) return Status::OK();
@@ -80,7 +83,8 @@ Status WeightPublisher::Sync(const std::vector<std::string>& members,
   // Shares the immutable snapshot's storage.
   common::NamedTensors tensors = on_device ? weights->device_tensors : weights->tensors;
   Status s =
-      store_->Set(epoch, common::VersionKey(backend_, seq_), std::to_string(weights->version));
+      store_->Set(epoch, common::VersionKey(backend_, seq_),
+                  common::FormatVersionAnnouncement({weights->version, weights->incarnation}));
   if (s.ok()) s = sync_->Begin(weights->version);
   if (s.ok()) s = sync_->Broadcast(tensors);
   if (s.ok()) s = sync_->Commit();

@@ -2,11 +2,11 @@
 // "Weight sync"). The learner is rank 0; the workers assigned to the backend are ranks 1..N in
 // roster order. Each round (the learner's weight-sync thread calls Sync) it (re)forms the group
 // when the epoch changed, writes the roster, and broadcasts the newest published version:
-// announce it under VersionKey, then Begin/Broadcast/Commit. Any failure aborts the group and
-// ends its epoch in the store, so every member (the other backends' too) rebuilds under a new
-// one; a worker that missed a version fetches it with GetWeights. The backend is a factory
-// argument (common/weight_sync/backends.h): Gloo, NCCL and CUDA IPC run the same code here.
-// No gRPC: the store is the learner's InMemoryEpochStore.
+// announce it (version and incarnation) under VersionKey, then Begin/Broadcast/Commit. Any failure
+// aborts the group and ends its epoch in the store, so every member (the other backends' too)
+// rebuilds under a new one; a worker that missed a version fetches it with GetWeights. The backend
+// is a factory argument (common/weight_sync/backends.h): Gloo, NCCL and CUDA IPC run the same code
+// here. No gRPC: the store is the learner's InMemoryEpochStore.
 #pragma once
 
 #include <atomic>
@@ -29,6 +29,9 @@ namespace grpo::learner {
 // one (NCCL, CUDA IPC), else empty.
 struct WeightSnapshot {
   int64_t version = 0;
+  // The learner process that publishes it (Learner::incarnation()); announced with the version
+  // so that a receiver never takes it for another incarnation's version of the same number.
+  std::string incarnation;
   common::NamedTensors tensors;
   common::NamedTensors device_tensors;
 };
@@ -79,6 +82,7 @@ class WeightPublisher {
   std::atomic<int64_t> syncs_{0};
   std::atomic<int64_t> failures_{0};
   double last_sync_seconds_ = 0;
+  std::chrono::steady_clock::time_point round_start_;  // of the Sync in progress
 };
 
 }  // namespace grpo::learner

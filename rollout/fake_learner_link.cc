@@ -92,8 +92,8 @@ StatusOr<PushReply> FakeLearnerLink::PushGroups(const std::string& worker_id,
   return reply;
 }
 
-StatusOr<int64_t> FakeWeightReceiver::Receive(int64_t min_version, common::Model& model,
-                                              std::chrono::milliseconds) {
+StatusOr<ReceivedVersion> FakeWeightReceiver::Receive(int64_t min_version, common::Model& model,
+                                                      std::chrono::milliseconds) {
   common::MutexLock lock(&learner_->mu);
   if (learner_->model == nullptr) return Status::Unavailable("fake learner has no model");
   if (learner_->version < min_version) {
@@ -110,7 +110,7 @@ StatusOr<int64_t> FakeWeightReceiver::Receive(int64_t min_version, common::Model
     to[i].second.copy_(from[i].second);
   }
   learner_->weights_served.push_back(learner_->version);
-  return learner_->version;
+  return ReceivedVersion{learner_->version, learner_->incarnation};
 }
 
 }  // namespace grpo::rollout

@@ -27,41 +27,41 @@ class FakeLearnerLink final : public LearnerLink {
 
   // Behaviour.
   // row_json, leased in order as lease-<i> / prompt-<i>.
-  std::vector<std::string> rows GUARDED_BY(mu);
+  std::vector<std::string> rows GRPO_GUARDED_BY(mu);
   // At most this many per LeasePrompts (and max_prompts).
-  int leases_per_call GUARDED_BY(mu) = 2;
+  int leases_per_call GRPO_GUARDED_BY(mu) = 2;
   // Else an empty lease answers retry_after_ms.
-  bool job_done_when_empty GUARDED_BY(mu) = true;
-  int64_t retry_after_ms GUARDED_BY(mu) = 20;
-  int64_t version GUARDED_BY(mu) = 1;                // the learner's policy version
-  std::string incarnation GUARDED_BY(mu) = "inc-1";  // a restart changes it
-  std::string config_json GUARDED_BY(mu) = "{}";     // Registration::config_json
+  bool job_done_when_empty GRPO_GUARDED_BY(mu) = true;
+  int64_t retry_after_ms GRPO_GUARDED_BY(mu) = 20;
+  int64_t version GRPO_GUARDED_BY(mu) = 1;                // the learner's policy version
+  std::string incarnation GRPO_GUARDED_BY(mu) = "inc-1";  // a restart changes it
+  std::string config_json GRPO_GUARDED_BY(mu) = "{}";     // Registration::config_json
   // Its config is model_config_json; its parameters are the weights (FakeWeightReceiver).
-  std::shared_ptr<const common::Model> model GUARDED_BY(mu);
-  int64_t heartbeat_interval_ms GUARDED_BY(mu) = 20;
+  std::shared_ptr<const common::Model> model GRPO_GUARDED_BY(mu);
+  int64_t heartbeat_interval_ms GRPO_GUARDED_BY(mu) = 20;
   // The first N calls of any kind fail with Unavailable.
-  int unavailable_first_n GUARDED_BY(mu) = 0;
+  int unavailable_first_n GRPO_GUARDED_BY(mu) = 0;
   // Heartbeat and LeasePrompts are NotFound until the next Register.
-  bool unknown_worker GUARDED_BY(mu) = false;
-  bool shutdown GUARDED_BY(mu) = false;  // Heartbeat answers shutdown
+  bool unknown_worker GRPO_GUARDED_BY(mu) = false;
+  bool shutdown GRPO_GUARDED_BY(mu) = false;  // Heartbeat answers shutdown
   // The push's answer; default: every group accepted. May fail (a Status) or reject some.
   std::function<StatusOr<PushReply>(const std::vector<common::RolloutGroup>&)> on_push
-      GUARDED_BY(mu);
+      GRPO_GUARDED_BY(mu);
   // Called under mu, after a lease that leased rows, and after each accepted push.
-  std::function<void(FakeLearnerLink&)> after_lease GUARDED_BY(mu);
-  std::function<void(FakeLearnerLink&)> after_push GUARDED_BY(mu);
+  std::function<void(FakeLearnerLink&)> after_lease GRPO_GUARDED_BY(mu);
+  std::function<void(FakeLearnerLink&)> after_push GRPO_GUARDED_BY(mu);
 
   // Recorded.
-  int calls GUARDED_BY(mu) = 0;
-  std::vector<RegisterRequest> registers GUARDED_BY(mu);
-  std::vector<HeartbeatRequest> heartbeats GUARDED_BY(mu);
-  int lease_calls GUARDED_BY(mu) = 0;
-  int push_calls GUARDED_BY(mu) = 0;
-  std::vector<common::RolloutGroup> pushed GUARDED_BY(mu);  // of pushes that were answered OK
-  std::vector<std::string> pushed_worker_ids GUARDED_BY(mu);
+  int calls GRPO_GUARDED_BY(mu) = 0;
+  std::vector<RegisterRequest> registers GRPO_GUARDED_BY(mu);
+  std::vector<HeartbeatRequest> heartbeats GRPO_GUARDED_BY(mu);
+  int lease_calls GRPO_GUARDED_BY(mu) = 0;
+  int push_calls GRPO_GUARDED_BY(mu) = 0;
+  std::vector<common::RolloutGroup> pushed GRPO_GUARDED_BY(mu);  // of pushes that were answered OK
+  std::vector<std::string> pushed_worker_ids GRPO_GUARDED_BY(mu);
   // Versions, one per FakeWeightReceiver::Receive.
-  std::vector<int64_t> weights_served GUARDED_BY(mu);
-  size_t next_row GUARDED_BY(mu) = 0;
+  std::vector<int64_t> weights_served GRPO_GUARDED_BY(mu);
+  size_t next_row GRPO_GUARDED_BY(mu) = 0;
 
   StatusOr<Registration> Register(const RegisterRequest& request,
                                   std::chrono::milliseconds timeout) override;
@@ -74,17 +74,17 @@ class FakeLearnerLink final : public LearnerLink {
                                  std::chrono::milliseconds timeout) override;
 
  private:
-  bool Unavailable() REQUIRES(mu) { return calls++ < unavailable_first_n; }
+  bool Unavailable() GRPO_REQUIRES(mu) { return calls++ < unavailable_first_n; }
 };
 
 // Copies the fake learner's current model (FakeLearnerLink::model, fp32) into the worker's
-// model, bit for bit, and returns its version. Backend "fake". Not thread-safe, as the
-// interface says; the learner's state is read under its mutex.
+// model, bit for bit, and returns its version and incarnation. Backend "fake". Not thread-safe, as
+// the interface says; the learner's state is read under its mutex.
 class FakeWeightReceiver final : public WeightReceiver {
  public:
   explicit FakeWeightReceiver(FakeLearnerLink* learner) : learner_(learner) {}
-  StatusOr<int64_t> Receive(int64_t min_version, common::Model& model,
-                            std::chrono::milliseconds timeout) override;
+  StatusOr<ReceivedVersion> Receive(int64_t min_version, common::Model& model,
+                                    std::chrono::milliseconds timeout) override;
   std::string backend() const override { return "fake"; }
 
  private:

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <optional>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "common/logging.h"
@@ -42,8 +43,15 @@ void GroupWeightReceiver::SetGroup(const GroupMembership& membership) {
   {
     common::MutexLock lock(&mu_);
     if (membership_.worker_id == membership.worker_id && membership_.epoch == membership.epoch &&
-        membership_.backend == membership.backend) {
+        membership_.backend == membership.backend &&
+        membership_.learner_incarnation == membership.learner_incarnation) {
       return;
+    }
+    if (membership_.learner_incarnation != membership.learner_incarnation) {
+      // Another learner process: what the group gave us is of the one the worker left.
+      latest_version_ = -1;
+      latest_incarnation_.clear();
+      latest_.clear();
     }
     membership_ = membership;
   }
@@ -63,66 +71,81 @@ std::pair<int64_t, common::NamedTensors> GroupWeightReceiver::latest() const {
   return {latest_version_, latest_};
 }
 
-bool GroupWeightReceiver::EpochIs(int64_t epoch) const {
+bool GroupWeightReceiver::StillServing(const GroupMembership& m) const {
   common::MutexLock lock(&mu_);
-  return !stop_ && membership_.epoch == epoch;
+  return !stop_ && membership_.epoch == m.epoch &&
+         membership_.learner_incarnation == m.learner_incarnation;
 }
 
-StatusOr<int64_t> GroupWeightReceiver::Receive(int64_t min_version, common::Model& model,
-                                               std::chrono::milliseconds timeout) {
+bool GroupWeightReceiver::UsableLocked(int64_t min_version) const {
+  // A kept version of another incarnation never counts (SetGroup clears it; this holds it
+  // against a thread that kept one just before the membership moved).
+  return latest_version_ >= min_version && latest_incarnation_ == membership_.learner_incarnation;
+}
+
+StatusOr<ReceivedVersion> GroupWeightReceiver::Receive(int64_t min_version, common::Model& model,
+                                                       std::chrono::milliseconds timeout) {
   if (!thread_.joinable()) {
     for (const auto& [name, t] : model.NamedParameters()) {
       layout_.push_back({name, t.sizes().vec(), t.scalar_type()});
     }
     thread_ = std::thread([this] { Loop(); });
   }
-  int64_t version = -1;
+  ReceivedVersion got;
   common::NamedTensors tensors;
   {
     common::MutexLock lock(&mu_);
     // As wait_for with a predicate: one deadline from when the lock is held.
     const auto deadline =
         std::chrono::steady_clock::now() + std::min(options_.version_wait, timeout);
-    while (latest_version_ < min_version && in_group_ && !stop_) {
+    while (!UsableLocked(min_version) && in_group_ && !stop_) {
       if (!cv_.WaitUntil(&mu_, deadline)) break;
     }
-    if (latest_version_ >= min_version) {
-      version = latest_version_;
+    if (UsableLocked(min_version)) {
+      got = {latest_version_, latest_incarnation_};
       tensors = latest_;
     }
   }
-  if (version >= 0) {
-    RETURN_IF_ERROR(
-        model.LoadStateFrom(tensors).WithContext("weights of version " + std::to_string(version)));
+  if (got.version >= 0) {
+    RETURN_IF_ERROR(model.LoadStateFrom(tensors).WithContext("weights of version " +
+                                                             std::to_string(got.version)));
     installs_from_group_ += 1;
-    return version;
+    return got;
   }
-  ASSIGN_OR_RETURN(version, fallback_->Receive(min_version, model, timeout));
+  ASSIGN_OR_RETURN(got, fallback_->Receive(min_version, model, timeout));
   installs_from_fallback_ += 1;
-  return version;
+  return got;
 }
 
-StatusOr<std::string> GroupWeightReceiver::WaitForKey(const std::string& key, int64_t epoch) {
+StatusOr<std::string> GroupWeightReceiver::WaitForKey(const std::string& key,
+                                                      const GroupMembership& m) {
   while (true) {
-    StatusOr<std::string> v = store_->Get(epoch, key, kGroupStorePollInterval);
-    if (v.ok() || v.status().code() != StatusCode::kDeadlineExceeded || !EpochIs(epoch)) return v;
+    StatusOr<std::string> v = store_->Get(m.epoch, key, kGroupStorePollInterval);
+    if (v.ok() || v.status().code() != StatusCode::kDeadlineExceeded || !StillServing(m)) {
+      return v;
+    }
   }
 }
 
 void GroupWeightReceiver::Loop() {
-  int64_t done_epoch = 0;  // the last epoch served or given up on
+  // The last (incarnation, epoch) served or given up on: a restarted learner numbers its
+  // epochs anew, so an epoch number alone does not name a group.
+  std::pair<std::string, int64_t> done{"", 0};
   while (true) {
     GroupMembership m;
     {
       common::MutexLock lock(&mu_);
-      while (!stop_ && !(membership_.epoch > 0 && membership_.epoch != done_epoch)) cv_.Wait(&mu_);
+      while (!stop_ && !(membership_.epoch > 0 && std::make_pair(membership_.learner_incarnation,
+                                                                 membership_.epoch) != done)) {
+        cv_.Wait(&mu_);
+      }
       if (stop_) return;
       m = membership_;
     }
-    done_epoch = m.epoch;
+    done = {m.learner_incarnation, m.epoch};
     const std::string backend = GroupBackendOf(m, options_.requested_backend);
     if (backend.empty()) continue;  // the learner assigned GetWeights
-    Status s = ServeEpoch(m.epoch, m.worker_id, backend);
+    Status s = ServeEpoch(m, backend);
     if (s.code() == StatusCode::kUnimplemented) {
       GRPO_LOG_WARN("{} weight sync: {}; using GetWeights only", backend, s.ToString());
       return;
@@ -130,16 +153,16 @@ void GroupWeightReceiver::Loop() {
   }
 }
 
-Status GroupWeightReceiver::ServeEpoch(int64_t epoch, const std::string& id,
-                                       const std::string& backend) {
-  StatusOr<std::string> roster = WaitForKey(common::RosterKey(backend), epoch);
+Status GroupWeightReceiver::ServeEpoch(const GroupMembership& m, const std::string& backend) {
+  const int64_t epoch = m.epoch;
+  StatusOr<std::string> roster = WaitForKey(common::RosterKey(backend), m);
   if (!roster.ok()) {
     GRPO_LOG_DEBUG("{} weight sync: no group at epoch {}: {}", backend, epoch,
                    roster.status().ToString());
     return roster.status();
   }
   const std::vector<std::string> ids = common::ParseRoster(*roster);
-  const auto it = std::find(ids.begin(), ids.end(), id);
+  const auto it = std::find(ids.begin(), ids.end(), m.worker_id);
   if (it == ids.end()) return Status::OK();  // not in this epoch's group: wait for the next
   const int rank = static_cast<int>(it - ids.begin()) + 1;
   const int world = static_cast<int>(ids.size()) + 1;
@@ -163,13 +186,26 @@ Status GroupWeightReceiver::ServeEpoch(int64_t epoch, const std::string& id,
       backend == common::kBackendGloo ? at::Device(at::kCPU) : options_.device;
   Status s;
   for (int64_t seq = 0; s.ok(); ++seq) {
-    if (!EpochIs(epoch)) {
-      s = Status::Aborted("the epoch changed or the receiver is stopping");
+    if (!StillServing(m)) {
+      s = Status::Aborted("the epoch or the learner changed, or the receiver is stopping");
       break;
     }
-    StatusOr<std::string> announced = WaitForKey(common::VersionKey(backend, seq), epoch);
+    StatusOr<std::string> announced = WaitForKey(common::VersionKey(backend, seq), m);
     if (!announced.ok()) {
       s = announced.status();
+      break;
+    }
+    const std::optional<common::VersionAnnouncement> a =
+        common::ParseVersionAnnouncement(*announced);
+    if (!a) {
+      s = Status::DataLoss("malformed version announcement '" + *announced + "'");
+      break;
+    }
+    // Empty on either side: an older learner, which does not say.
+    const std::string incarnation = a->incarnation.empty() ? m.learner_incarnation : a->incarnation;
+    if (!m.learner_incarnation.empty() && incarnation != m.learner_incarnation) {
+      s = Status::Aborted("version " + std::to_string(a->version) + " announced by learner " +
+                          incarnation + ", registered with " + m.learner_incarnation);
       break;
     }
     common::NamedTensors fresh;
@@ -190,8 +226,13 @@ Status GroupWeightReceiver::ServeEpoch(int64_t epoch, const std::string& id,
       versions_received_ += 1;
       {
         common::MutexLock lock(&mu_);
-        latest_version_ = sync->committed_version();
-        latest_ = std::move(fresh);
+        // Kept only while the membership is still this incarnation's (it may have moved while
+        // the collective ran).
+        if (membership_.learner_incarnation == incarnation) {
+          latest_version_ = sync->committed_version();
+          latest_incarnation_ = incarnation;
+          latest_ = std::move(fresh);
+        }
       }
       cv_.NotifyAll();
     }

@@ -2,11 +2,14 @@
 // group backend (docs/ARCHITECTURE.md "Weight sync"). A background thread joins the group of
 // the current epoch through the learner's EpochStore (its rank is its line in the backend's
 // roster, common/weight_sync/group.h), receives every version the learner broadcasts into
-// fresh tensors and keeps the latest. Receive installs that one when it is new enough, and
-// otherwise falls back to the `fallback` receiver (GetWeights). A failed collective or a new
-// epoch makes the thread leave the group and rejoin at the next epoch. The backend is the one
-// the learner assigned at Register (SetGroup); the transport is a factory argument
-// (common/weight_sync/backends.h), so Gloo, NCCL and CUDA IPC share this code. No gRPC.
+// fresh tensors and keeps the latest, tagged with the learner incarnation that announced it.
+// Receive installs that one when it is new enough and of the membership's incarnation, and
+// otherwise falls back to the `fallback` receiver (GetWeights). A membership of another
+// incarnation (the learner restarted) discards the kept version and ends the group served: a
+// version of a learner the worker has left is never delivered (its numbers restart). A failed
+// collective or a new epoch makes the thread leave the group and rejoin at the next epoch. The
+// backend is the one the learner assigned at Register (SetGroup); the transport is a factory
+// argument (common/weight_sync/backends.h), so Gloo, NCCL and CUDA IPC share this code. No gRPC.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -58,23 +61,24 @@ class GroupWeightReceiver final : public WeightReceiver {
   GroupWeightReceiver(const GroupWeightReceiver&) = delete;
   GroupWeightReceiver& operator=(const GroupWeightReceiver&) = delete;
 
-  // The group's latest version when >= min_version (waits up to version_wait while in a
-  // group), else the fallback's Receive. Errors as the fallback / Model::LoadStateFrom.
-  StatusOr<int64_t> Receive(int64_t min_version, common::Model& model,
-                            std::chrono::milliseconds timeout) override EXCLUDES(mu_);
+  // The group's latest version when >= min_version and of the membership's incarnation (waits
+  // up to version_wait while in a group), else the fallback's Receive. Errors as the fallback /
+  // Model::LoadStateFrom.
+  StatusOr<ReceivedVersion> Receive(int64_t min_version, common::Model& model,
+                                    std::chrono::milliseconds timeout) override GRPO_EXCLUDES(mu_);
   std::string backend() const override { return options_.requested_backend; }
-  void SetGroup(const GroupMembership& membership) override EXCLUDES(mu_);
+  void SetGroup(const GroupMembership& membership) override GRPO_EXCLUDES(mu_);
 
   // The backend of the group the thread serves ("" before the first Register; "grpc" when the
   // learner assigned no group).
-  std::string assigned_backend() const EXCLUDES(mu_);
+  std::string assigned_backend() const GRPO_EXCLUDES(mu_);
   int64_t versions_received() const { return versions_received_.load(); }  // over the group
   int64_t installs_from_group() const { return installs_from_group_.load(); }
   int64_t installs_from_fallback() const { return installs_from_fallback_.load(); }
   int64_t groups_joined() const { return groups_joined_.load(); }
-  // The last version received over the group (-1 when none) and its tensors (never written
-  // again).
-  std::pair<int64_t, common::NamedTensors> latest() const EXCLUDES(mu_);
+  // The last version kept from the group (-1 when none: none received, or the membership moved
+  // to another learner incarnation since) and its tensors (never written again).
+  std::pair<int64_t, common::NamedTensors> latest() const GRPO_EXCLUDES(mu_);
 
  private:
   struct Slot {
@@ -83,13 +87,19 @@ class GroupWeightReceiver final : public WeightReceiver {
     at::ScalarType dtype;
   };
 
-  void Loop() EXCLUDES(mu_);
+  void Loop() GRPO_EXCLUDES(mu_);
   // Serves one epoch's group: joins when this worker is on the roster, then receives until a
-  // collective fails, the epoch changes or stop. The reason it left.
-  Status ServeEpoch(int64_t epoch, const std::string& id, const std::string& backend) EXCLUDES(mu_);
-  // Polls `key` at `epoch` until set, the epoch changes or stop: the value or the last error.
-  StatusOr<std::string> WaitForKey(const std::string& key, int64_t epoch) EXCLUDES(mu_);
-  bool EpochIs(int64_t epoch) const EXCLUDES(mu_);
+  // collective fails, the epoch or incarnation changes, a version of another incarnation is
+  // announced, or stop. The reason it left.
+  Status ServeEpoch(const GroupMembership& m, const std::string& backend) GRPO_EXCLUDES(mu_);
+  // Polls `key` at m's epoch until set, the membership changes or stop: the value or the last
+  // error.
+  StatusOr<std::string> WaitForKey(const std::string& key, const GroupMembership& m)
+      GRPO_EXCLUDES(mu_);
+  // The kept version is >= min_version and of the membership's incarnation.
+  bool UsableLocked(int64_t min_version) const GRPO_REQUIRES(mu_);
+  // The membership is still m's epoch of m's learner incarnation, and not stopping.
+  bool StillServing(const GroupMembership& m) const GRPO_EXCLUDES(mu_);
 
   const std::shared_ptr<common::EpochStore> store_;
   const std::unique_ptr<WeightReceiver> fallback_;  // main thread (Receive) only
@@ -100,11 +110,12 @@ class GroupWeightReceiver final : public WeightReceiver {
 
   mutable common::Mutex mu_;
   common::CondVar cv_;
-  GroupMembership membership_ GUARDED_BY(mu_);
-  bool stop_ GUARDED_BY(mu_) = false;
-  bool in_group_ GUARDED_BY(mu_) = false;
-  int64_t latest_version_ GUARDED_BY(mu_) = -1;
-  common::NamedTensors latest_ GUARDED_BY(mu_);
+  GroupMembership membership_ GRPO_GUARDED_BY(mu_);
+  bool stop_ GRPO_GUARDED_BY(mu_) = false;
+  bool in_group_ GRPO_GUARDED_BY(mu_) = false;
+  int64_t latest_version_ GRPO_GUARDED_BY(mu_) = -1;
+  std::string latest_incarnation_ GRPO_GUARDED_BY(mu_);  // the learner that announced latest_
+  common::NamedTensors latest_ GRPO_GUARDED_BY(mu_);
 
   std::atomic<int64_t> versions_received_{0}, installs_from_group_{0}, installs_from_fallback_{0},
       groups_joined_{0};

@@ -311,9 +311,10 @@ Status RolloutLoop::ApplyRegistration(const Registration& r) {
                       learner_incarnation_, r.learner_incarnation, policy_version_.load());
       }
       learner_incarnation_ = r.learner_incarnation;
-      learner_version_ = r.policy_version;
       if (policy_incarnation_ != learner_incarnation_) policy_version_ = -1;
     }
+    // The registration is the learner's word on its version (NoteLearnerVersion only raises it).
+    learner_version_ = r.policy_version;
   }
   {
     common::MutexLock lock(&mu_);
@@ -325,8 +326,7 @@ Status RolloutLoop::ApplyRegistration(const Registration& r) {
   }
   rank_ = r.rank;
   group_epoch_ = r.group_epoch;
-  receiver_->SetGroup({r.worker_id, r.group_epoch, r.weight_sync_backend});
-  NoteLearnerVersion(r.policy_version);
+  receiver_->SetGroup({r.worker_id, r.group_epoch, r.weight_sync_backend, r.learner_incarnation});
   needs_register_ = false;
   counters_.registrations += 1;
   GRPO_LOG_INFO("registered as {} (rank {}/{}, epoch {}, policy version {})", r.worker_id, r.rank,
@@ -356,7 +356,9 @@ void RolloutLoop::NoteLearnerVersion(int64_t version) {
   }
 }
 
-Status RolloutLoop::InstallPolicy(std::shared_ptr<const common::Model> model, int64_t version) {
+Status RolloutLoop::InstallPolicy(std::shared_ptr<const common::Model> model,
+                                  const ReceivedVersion& received) {
+  const int64_t version = received.version;
   if (generator_ == nullptr) {
     ASSIGN_OR_RETURN(generator_,
                      Generator::Create(model, version, GeneratorOptions::FromConfig(config()),
@@ -369,13 +371,17 @@ Status RolloutLoop::InstallPolicy(std::shared_ptr<const common::Model> model, in
   common::MutexLock lock(&mu_);
   policy_ = std::move(model);
   policy_version_ = version;
-  policy_incarnation_ = learner_incarnation_;
+  // Groups carry the incarnation that published these weights, not the one registered with:
+  // the learner then refuses nothing it published, and the worker refetches (NeedsWeights)
+  // when the two differ.
+  policy_incarnation_ = received.incarnation;
+  if (policy_incarnation_ == learner_incarnation_) NoteLearnerVersion(version);
   return Status::OK();
 }
 
 Status RolloutLoop::SyncWeights(int64_t min_version) {
   std::shared_ptr<const common::Model> fresh;
-  int64_t version = -1;
+  ReceivedVersion received;
   const auto t0 = Clock::now();
   const at::ScalarType dtype = common::ComputeDtype(config().bf16);
   RETURN_IF_ERROR(Retry("GetWeights", [&]() -> Status {
@@ -385,7 +391,7 @@ Status RolloutLoop::SyncWeights(int64_t min_version) {
     // in the compute dtype.
     ASSIGN_OR_RETURN(std::unique_ptr<common::Model> model,
                      common::Model::InitRandom(model_config_, config().seed, device_));
-    ASSIGN_OR_RETURN(version,
+    ASSIGN_OR_RETURN(received,
                      receiver_->Receive(min_version, *model, options_.timeouts.get_weights));
     if (device_ != model->device() || dtype != model->dtype()) {
       ASSIGN_OR_RETURN(model, model->Copy(device_, dtype));
@@ -394,10 +400,14 @@ Status RolloutLoop::SyncWeights(int64_t min_version) {
     return Status::OK();
   }));
   counters_.weight_fetches += 1;
-  NoteLearnerVersion(version);
-  GRPO_LOG_INFO("policy version {} received over {} in {:.2f} s", version, receiver_->backend(),
+  GRPO_LOG_INFO("policy version {} (learner {}) received over {} in {:.2f} s", received.version,
+                received.incarnation.empty() ? "?" : received.incarnation, receiver_->backend(),
                 std::chrono::duration<double>(Clock::now() - t0).count());
-  return InstallPolicy(std::move(fresh), version);
+  {
+    common::MutexLock lock(&mu_);
+    if (received.incarnation.empty()) received.incarnation = learner_incarnation_;
+  }
+  return InstallPolicy(std::move(fresh), received);
 }
 
 int64_t RolloutLoop::PromptsPerLease() const {
@@ -406,9 +416,17 @@ int64_t RolloutLoop::PromptsPerLease() const {
   return std::max<int64_t>(1, c.GenerationBatchGroups());
 }
 
+bool RolloutLoop::NeedsWeights() const {
+  if (policy_version_.load() < 0 || learner_version_.load() > policy_version_.load()) return true;
+  common::MutexLock lock(&mu_);
+  // Weights of a learner process the worker has left: their version numbers are not this one's.
+  return !policy_incarnation_.empty() && !learner_incarnation_.empty() &&
+         policy_incarnation_ != learner_incarnation_;
+}
+
 Status RolloutLoop::RunRound() {
-  if (learner_version_.load() > policy_version_.load()) {
-    RETURN_IF_ERROR(SyncWeights(learner_version_.load()));
+  if (NeedsWeights()) {
+    RETURN_IF_ERROR(SyncWeights(std::max<int64_t>(0, learner_version_.load())));
   }
 
   LeaseReply leased;
@@ -424,6 +442,15 @@ Status RolloutLoop::RunRound() {
     return Status::OK();
   }
   RETURN_IF_ERROR(s);
+  {
+    common::MutexLock lock(&mu_);
+    if (!leased.learner_incarnation.empty() && leased.learner_incarnation != learner_incarnation_) {
+      // Another learner process answered (it restarted): register with it first. Its leases
+      // are valid; they are returned at once when this worker registers again.
+      needs_register_ = true;
+      return Status::OK();
+    }
+  }
   NoteLearnerVersion(leased.policy_version);
   if (leased.leases.empty()) {
     if (leased.job_done) {
@@ -441,8 +468,8 @@ Status RolloutLoop::RunRound() {
   if (leased.job_done) done_ = true;
 
   // Newer weights exist: take them before generating (the leases have lease_seconds to live).
-  if (learner_version_.load() > policy_version_.load()) {
-    s = SyncWeights(learner_version_.load());
+  if (NeedsWeights()) {
+    s = SyncWeights(std::max<int64_t>(0, learner_version_.load()));
     if (!s.ok()) {
       SetLeasesHeld(0);
       return s;
@@ -536,6 +563,14 @@ Status RolloutLoop::PushGroups(const std::vector<common::RolloutGroup>& groups,
       GRPO_LOG_WARN("learner rejected {} of {} groups:{}", response.rejected, groups.size(),
                     reasons);
       for (const auto& m : response.messages) GRPO_LOG_WARN("  {}", m);
+      const auto unknown = response.rejected_by_reason.find("unknown_policy");
+      if (unknown != response.rejected_by_reason.end() && unknown->second > 0) {
+        // The learner did not publish these weights (it restarted, or they are of a version
+        // above its own): generating more with them is refused too. Register again (a restart
+        // this worker has not noticed yet) and take its weights before the next round.
+        policy_version_ = -1;
+        needs_register_ = true;
+      }
     }
     return Status::OK();
   };
@@ -580,7 +615,7 @@ void RolloutLoop::CountRewardFailures(const RewardCallReport& report) {
 
 void RolloutLoop::HeartbeatLoop() {
   while (true) {
-    std::string id, assigned;
+    std::string id, assigned, registered_with;
     {
       common::MutexLock lock(&mu_);
       // One heartbeat_interval_ from when the lock is held, as wait_for with a predicate.
@@ -591,6 +626,7 @@ void RolloutLoop::HeartbeatLoop() {
       if (heartbeat_stop_) return;
       id = worker_id_;
       assigned = assigned_backend_;
+      registered_with = learner_incarnation_;
     }
     HeartbeatRequest request;
     request.worker_id = id;
@@ -600,18 +636,17 @@ void RolloutLoop::HeartbeatLoop() {
         link_->Heartbeat(request, options_.timeouts.heartbeat);
     if (response.ok()) {
       counters_.heartbeats += 1;
+      if (response->shutdown) learner_shutdown_ = true;
+      if (!response->learner_incarnation.empty() &&
+          response->learner_incarnation != registered_with) {
+        // Another learner process answers (it restarted): its versions and epochs are numbered
+        // anew, so nothing of this answer is noted. Register again and take its weights.
+        needs_register_ = true;
+        continue;
+      }
       NoteLearnerVersion(response->policy_version);
       group_epoch_ = response->group_epoch;
-      receiver_->SetGroup({id, response->group_epoch, assigned});
-      if (response->shutdown) learner_shutdown_ = true;
-      {
-        common::MutexLock lock(&mu_);
-        // Another learner process answers (it restarted): register again and take its weights.
-        if (!response->learner_incarnation.empty() &&
-            response->learner_incarnation != learner_incarnation_) {
-          needs_register_ = true;
-        }
-      }
+      receiver_->SetGroup({id, response->group_epoch, assigned, registered_with});
     } else {
       counters_.heartbeat_failures += 1;
       if (response.status().code() == StatusCode::kNotFound) needs_register_ = true;

@@ -173,12 +173,12 @@ class RolloutLoop {
   WorkerStats stats() const;
   // The policy the next round generates with (null before the first weights), and its version:
   // on config.device, in bf16 when the learner's `bf16` is true, else fp32.
-  std::shared_ptr<const common::Model> policy() const EXCLUDES(mu_);
+  std::shared_ptr<const common::Model> policy() const GRPO_EXCLUDES(mu_);
   int64_t policy_version() const { return policy_version_.load(); }
-  std::string worker_id() const EXCLUDES(mu_);
+  std::string worker_id() const GRPO_EXCLUDES(mu_);
   int32_t rank() const { return rank_.load(); }
   // The merged generation config (after Register).
-  common::GrpoConfig config() const EXCLUDES(mu_);
+  common::GrpoConfig config() const GRPO_EXCLUDES(mu_);
 
  private:
   RolloutLoop(RolloutLoopOptions options, at::Device device, LearnerLink* link,
@@ -193,15 +193,19 @@ class RolloutLoop {
                const std::function<bool()>& give_up = {});
 
   Status Register();  // with retries; (re)builds config, tokenizer, rewards, generator
-  Status ApplyRegistration(const Registration& registration) EXCLUDES(mu_);
+  Status ApplyRegistration(const Registration& registration) GRPO_EXCLUDES(mu_);
   Status SyncWeights(int64_t min_version);  // with retries; installs a new policy snapshot
-  Status InstallPolicy(std::shared_ptr<const common::Model> model, int64_t version) EXCLUDES(mu_);
+  Status InstallPolicy(std::shared_ptr<const common::Model> model, const ReceivedVersion& received)
+      GRPO_EXCLUDES(mu_);
+  // No weights yet, newer ones at the learner, or weights of a learner incarnation the worker
+  // has left.
+  bool NeedsWeights() const GRPO_EXCLUDES(mu_);
   // One lease round. Sets done_ when the learner has nothing more.
-  Status RunRound() EXCLUDES(mu_);
+  Status RunRound() GRPO_EXCLUDES(mu_);
   Status PushGroups(const std::vector<common::RolloutGroup>& groups, int64_t last_deadline_ms);
-  void HeartbeatLoop() EXCLUDES(mu_);
-  void StartHeartbeat() EXCLUDES(mu_);
-  void StopHeartbeat() EXCLUDES(mu_);
+  void HeartbeatLoop() GRPO_EXCLUDES(mu_);
+  void StartHeartbeat() GRPO_EXCLUDES(mu_);
+  void StopHeartbeat() GRPO_EXCLUDES(mu_);
   void NoteLearnerVersion(int64_t version);
   void SetLeasesHeld(int32_t n);
   // One ScoreGroup call's per-function latencies into grpo_rollout_reward_duration_seconds
@@ -225,12 +229,13 @@ class RolloutLoop {
   bool done_ = false;
 
   mutable common::Mutex mu_;
-  std::string worker_id_ GUARDED_BY(mu_);
-  std::string assigned_backend_ GUARDED_BY(mu_);  // the learner's answer at the last Register
-  common::GrpoConfig config_ GUARDED_BY(mu_);
-  std::shared_ptr<const common::Model> policy_ GUARDED_BY(mu_);
-  std::chrono::milliseconds heartbeat_interval_ GUARDED_BY(mu_) = kDefaultWorkerHeartbeatInterval;
-  bool heartbeat_stop_ GUARDED_BY(mu_) = false;
+  std::string worker_id_ GRPO_GUARDED_BY(mu_);
+  std::string assigned_backend_ GRPO_GUARDED_BY(mu_);  // the learner's answer at the last Register
+  common::GrpoConfig config_ GRPO_GUARDED_BY(mu_);
+  std::shared_ptr<const common::Model> policy_ GRPO_GUARDED_BY(mu_);
+  std::chrono::milliseconds heartbeat_interval_ GRPO_GUARDED_BY(mu_) =
+      kDefaultWorkerHeartbeatInterval;
+  bool heartbeat_stop_ GRPO_GUARDED_BY(mu_) = false;
   common::CondVar heartbeat_cv_;
   std::thread heartbeat_thread_;  // main thread only
 
@@ -240,8 +245,8 @@ class RolloutLoop {
   std::atomic<int64_t> learner_version_{-1};  // the newest version the learner reported
   // The learner process registered with, and the one whose weights generate now (groups carry
   // it; a group of another learner's weights is refused).
-  std::string learner_incarnation_ GUARDED_BY(mu_);
-  std::string policy_incarnation_ GUARDED_BY(mu_);
+  std::string learner_incarnation_ GRPO_GUARDED_BY(mu_);
+  std::string policy_incarnation_ GRPO_GUARDED_BY(mu_);
   std::atomic<int32_t> leases_held_{0};
   std::atomic<bool> learner_shutdown_{false};  // Heartbeat said shutdown
   std::atomic<bool> needs_register_{false};    // the learner does not know this worker

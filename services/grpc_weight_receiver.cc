@@ -20,8 +20,11 @@ Status WeightAssembler::Add(const v1::WeightChunk& chunk) {
   if (last_seen_) return bad("arrived after the last chunk");
   if (version_ < 0) {
     version_ = chunk.version();
+    incarnation_ = chunk.incarnation();
   } else if (chunk.version() != version_) {
     return bad("version changed mid-stream from " + std::to_string(version_));
+  } else if (chunk.incarnation() != incarnation_) {
+    return bad("learner incarnation changed mid-stream from '" + incarnation_ + "'");
   }
   if (name.empty()) {
     // A bare terminator is allowed: no data, just `last`.
@@ -98,14 +101,24 @@ GrpcWeightReceiver::GrpcWeightReceiver(std::shared_ptr<grpc::Channel> channel,
       auth_token_(std::move(auth_token)),
       chunk_bytes_(chunk_bytes) {}
 
-StatusOr<int64_t> GrpcWeightReceiver::Receive(int64_t min_version, common::Model& model,
-                                              std::chrono::milliseconds timeout) {
+void GrpcWeightReceiver::SetGroup(const rollout::GroupMembership& membership) {
+  common::MutexLock lock(&mu_);
+  registered_with_ = membership.learner_incarnation;
+}
+
+StatusOr<rollout::ReceivedVersion> GrpcWeightReceiver::Receive(int64_t min_version,
+                                                               common::Model& model,
+                                                               std::chrono::milliseconds timeout) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + timeout);
   AddAuth(context, auth_token_);
   v1::GetWeightsRequest request;
   request.set_min_version(min_version);
   request.set_chunk_bytes(chunk_bytes_);
+  {
+    common::MutexLock lock(&mu_);
+    request.set_incarnation(registered_with_);
+  }
   std::unique_ptr<grpc::ClientReader<v1::WeightChunk>> reader =
       stub_->GetWeights(&context, request);
   WeightAssembler assembler;
@@ -125,7 +138,7 @@ StatusOr<int64_t> GrpcWeightReceiver::Receive(int64_t min_version, common::Model
   RETURN_IF_ERROR(model.LoadStateFrom(tensors).WithContext("weights of version " +
                                                            std::to_string(assembler.version())));
   last_bytes_ = assembler.bytes_received();
-  return assembler.version();
+  return rollout::ReceivedVersion{assembler.version(), assembler.incarnation()};
 }
 
 StatusOr<std::unique_ptr<rollout::WeightReceiver>> MakeWeightReceiver(

@@ -13,7 +13,9 @@
 #include <string>
 
 #include "common/model/safetensors.h"
+#include "common/mutex.h"
 #include "common/status.h"
+#include "common/thread_annotations.h"
 #include "grpo/v1/learner.grpc.pb.h"
 #include "rollout/group_weight_receiver.h"
 #include "rollout/weight_receiver.h"
@@ -22,19 +24,21 @@ namespace grpo::services {
 
 // Reassembles one GetWeights stream. Chunks of different tensors may interleave and a tensor's
 // chunks may come in any order; the first chunk of a tensor (in stream order) must carry its
-// name, dtype, shape and tensor_bytes, and later ones the same name and version. Data is
-// little-endian, as in safetensors. Not thread-safe.
+// name, dtype, shape and tensor_bytes, and later ones the same name, version and incarnation. Data
+// is little-endian, as in safetensors. Not thread-safe.
 class WeightAssembler {
  public:
-  // DataLoss naming the tensor for: a version change mid-stream, a chunk out of the tensor's
-  // bounds, bytes received twice (count beyond tensor_bytes), tensor_bytes that do not match
-  // shape x dtype, an unknown dtype, or a chunk after `last`.
+  // DataLoss naming the tensor for: a version or learner-incarnation change mid-stream, a chunk out
+  // of the tensor's bounds, bytes received twice (count beyond tensor_bytes), tensor_bytes that do
+  // not match shape x dtype, an unknown dtype, or a chunk after `last`.
   Status Add(const v1::WeightChunk& chunk);
   // After the stream ended: the tensors in order of first appearance, with the version.
   // DataLoss when `last` never came or a tensor is incomplete.
   StatusOr<common::NamedTensors> Finish();
 
   int64_t version() const { return version_; }
+  // The learner_incarnation that published the version (WeightChunk.incarnation).
+  const std::string& incarnation() const { return incarnation_; }
   int64_t bytes_received() const { return bytes_received_; }
 
  private:
@@ -44,6 +48,7 @@ class WeightAssembler {
   };
 
   int64_t version_ = -1;  // -1 = no chunk yet
+  std::string incarnation_;
   bool last_seen_ = false;
   int64_t bytes_received_ = 0;
   std::vector<std::string> order_;
@@ -62,11 +67,15 @@ class GrpcWeightReceiver final : public rollout::WeightReceiver {
   GrpcWeightReceiver(std::shared_ptr<grpc::Channel> channel, std::string auth_token,
                      int64_t chunk_bytes = 0);
 
-  // Streams GetWeights(min_version) under `timeout`, reassembles and Model::LoadStateFrom's.
+  // Streams GetWeights(min_version) under `timeout`, reassembles and Model::LoadStateFrom's;
+  // the version with the incarnation its chunks carry (the learner that serves it now).
   // gRPC errors keep their code (Unavailable etc.); see WeightAssembler and LoadStateFrom.
-  StatusOr<int64_t> Receive(int64_t min_version, common::Model& model,
-                            std::chrono::milliseconds timeout) override;
+  StatusOr<rollout::ReceivedVersion> Receive(int64_t min_version, common::Model& model,
+                                             std::chrono::milliseconds timeout) override;
   std::string backend() const override { return "grpc"; }
+  // Remembers the learner incarnation registered with: its requests say whose numbering
+  // min_version is in (GetWeightsRequest.incarnation).
+  void SetGroup(const rollout::GroupMembership& membership) override;
 
   int64_t last_bytes() const { return last_bytes_; }  // bytes of the last successful Receive
 
@@ -75,6 +84,8 @@ class GrpcWeightReceiver final : public rollout::WeightReceiver {
   const std::string auth_token_;
   const int64_t chunk_bytes_;
   int64_t last_bytes_ = 0;
+  common::Mutex mu_;  // SetGroup may come from the worker's heartbeat thread
+  std::string registered_with_ GRPO_GUARDED_BY(mu_);
 };
 
 // How a worker's group receiver joins the learner's weight-sync groups.

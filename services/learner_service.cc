@@ -198,8 +198,9 @@ grpc::Status LearnerServer::GetWeights(grpc::ServerContext* context,
     const int64_t chunk = request->chunk_bytes() > 0
                               ? std::min<int64_t>(request->chunk_bytes(), kDefaultWeightChunkBytes)
                               : kDefaultWeightChunkBytes;
-    auto weights = learner_->WaitForWeights(request->min_version(),
-                                            [context] { return context->IsCancelled(); });
+    auto weights = learner_->WaitForWeights(
+        request->min_version(), [context] { return context->IsCancelled(); },
+        request->incarnation());
     if (!weights.ok()) return ToGrpcStatus(weights.status());
     const std::shared_ptr<const learner::WeightSnapshot> snap = *weights;
     v1::WeightChunk msg;

@@ -41,6 +41,29 @@ std::vector<std::string> ParseRoster(const std::string& text) {
   return ids;
 }
 
+std::string FormatVersionAnnouncement(const VersionAnnouncement& a) {
+  return a.incarnation.empty() ? std::to_string(a.version)
+                               : std::to_string(a.version) + " " + a.incarnation;
+}
+
+std::optional<VersionAnnouncement> ParseVersionAnnouncement(const std::string& text) {
+  const size_t space = text.find(' ');
+  const std::string number = text.substr(0, space);
+  if (number.empty() || number.size() > 19 ||
+      number.find_first_not_of("0123456789") != std::string::npos) {
+    return std::nullopt;
+  }
+  VersionAnnouncement a;
+  a.version = std::stoll(number);
+  if (space != std::string::npos) {
+    a.incarnation = text.substr(space + 1);
+    if (a.incarnation.empty() || a.incarnation.find_first_of(" \n") != std::string::npos) {
+      return std::nullopt;
+    }
+  }
+  return a;
+}
+
 BackendAssignment AssignBackend(std::string_view requested, const SyncEndpoint& learner,
                                 const SyncEndpoint& worker,
                                 const std::function<bool(std::string_view)>& built) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -29,8 +30,10 @@ const std::vector<std::string_view>& GroupBackends();
 // Keys of one backend's group, inside an epoch of the EpochStore:
 //   roster        "grpo/<backend>/roster": the worker ids of ranks 1..N, one a line (the
 //                 learner writes it before it creates its rank 0);
-//   version k     "grpo/<backend>/version/<k>": the policy version (decimal) of the k-th
-//                 broadcast of the epoch, written before the publisher's Begin;
+//   version k     "grpo/<backend>/version/<k>": the announcement of the epoch's k-th
+//                 broadcast, written before the publisher's Begin: the policy version and the
+//                 incarnation of the learner process that publishes it
+//                 (FormatVersionAnnouncement);
 //   group prefix  "grpo/<backend>/group": the backend's own rendezvous keys (a c10d
 //                 PrefixStore), so two backends' groups of one epoch never share a key.
 std::string RosterKey(std::string_view backend);
@@ -40,6 +43,17 @@ std::string GroupPrefix(std::string_view backend);
 std::string FormatRoster(const std::vector<std::string>& worker_ids);
 // The non-empty lines, in order (rank = index + 1).
 std::vector<std::string> ParseRoster(const std::string& text);
+
+// A broadcast's announcement (the VersionKey value): the policy version and the incarnation of
+// the learner that publishes it. Weights carry the incarnation end to end: a restarted learner's
+// versions restart from its checkpoint, so a version number alone names no weights.
+struct VersionAnnouncement {
+  int64_t version = -1;
+  std::string incarnation;  // empty from an older learner (the value was the version alone)
+};
+std::string FormatVersionAnnouncement(const VersionAnnouncement& a);
+// Reads "<version>" or "<version> <incarnation>"; nullopt when malformed.
+std::optional<VersionAnnouncement> ParseVersionAnnouncement(const std::string& text);
 
 // Where one end of a weight sync computes: on a GPU (with the GPU's UUID, as
 // cudaDeviceProp::uuid / nvidia-smi -L give it) or on the CPU.

@@ -178,6 +178,24 @@ TEST(WeightSyncGroup, KeysAndRosterHaveOneSpelling) {
   EXPECT_FALSE(LocalSyncEndpoint("cpu").cuda);
 }
 
+// Issue 22 item 1: an announcement names the learner incarnation beside the version, and an
+// older learner's bare version still reads.
+TEST(WeightSyncGroup, AVersionAnnouncementCarriesItsLearnerIncarnation) {
+  EXPECT_EQ(FormatVersionAnnouncement({804, "9f3a1c"}), "804 9f3a1c");
+  EXPECT_EQ(FormatVersionAnnouncement({7, ""}), "7");
+  const auto a = ParseVersionAnnouncement("804 9f3a1c");
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->version, 804);
+  EXPECT_EQ(a->incarnation, "9f3a1c");
+  const auto bare = ParseVersionAnnouncement("12");
+  ASSERT_TRUE(bare.has_value());
+  EXPECT_EQ(bare->version, 12);
+  EXPECT_EQ(bare->incarnation, "");
+  for (const char* bad : {"", " 12", "x12", "12 ", "12 a b", "-3 a", "99999999999999999999 a"}) {
+    EXPECT_FALSE(ParseVersionAnnouncement(bad).has_value()) << "'" << bad << "'";
+  }
+}
+
 // The rule of AssignBackend, case by case (group.h).
 TEST(WeightSyncGroup, AssignBackendServesWhatTheTwoEndsCan) {
   const SyncEndpoint cpu;

@@ -56,7 +56,8 @@ class FakeGroups {
 // A rejecting fallback: a test that reaches it did not get its weights over the group.
 class NoFallback final : public rollout::WeightReceiver {
  public:
-  StatusOr<int64_t> Receive(int64_t, common::Model&, std::chrono::milliseconds) override {
+  StatusOr<rollout::ReceivedVersion> Receive(int64_t, common::Model&,
+                                             std::chrono::milliseconds) override {
     calls += 1;
     return Status::Unavailable("no GetWeights in this test");
   }
@@ -167,9 +168,9 @@ TEST(WeightPublisher, TwoReceiversGetEachVersionBitEqualAndInstallIt) {
     std::lock_guard<std::mutex> lock(mu);
     current = Snapshot(*base, 2, -0.25f);
   }
-  StatusOr<int64_t> got = a.receiver->Receive(2, *model_a, 10s);
+  StatusOr<rollout::ReceivedVersion> got = a.receiver->Receive(2, *model_a, 10s);
   ASSERT_TRUE(got.ok()) << got.status().ToString();
-  EXPECT_EQ(*got, 2);
+  EXPECT_EQ(got->version, 2);
   EXPECT_TRUE(testing::BitEqual(model_a->NamedParameters(), current->tensors));
   EXPECT_EQ(a.receiver->installs_from_group(), 1);
   ASSERT_TRUE(WaitFor([&] { return b.receiver->latest().first == 2; }, 10s));
@@ -211,9 +212,9 @@ TEST(WeightPublisher, ALostReceiverEndsTheEpochAndTheOtherRejoinsTheNext) {
   PublisherThread run(
       publisher, [] { return std::vector<std::string>{"w-a"}; }, [&] { return snap3; });
   ASSERT_TRUE(WaitFor([&] { return a.receiver->latest().first == 3; }, 10s));
-  StatusOr<int64_t> got = a.receiver->Receive(3, *model_a, 10s);
+  StatusOr<rollout::ReceivedVersion> got = a.receiver->Receive(3, *model_a, 10s);
   ASSERT_TRUE(got.ok()) << got.status().ToString();
-  EXPECT_EQ(*got, 3);
+  EXPECT_EQ(got->version, 3);
   EXPECT_TRUE(testing::BitEqual(model_a->NamedParameters(), snap3->tensors));
   EXPECT_EQ(a.receiver->groups_joined(), 2);
   EXPECT_EQ(a.fallback->calls, 1);  // only the first, layout-taking call
@@ -272,6 +273,89 @@ TEST(GroupWeightReceiver, AWorkerAssignedGrpcJoinsNoGroupAndFallsBackAtOnce) {
   EXPECT_EQ(a.fallback->calls, 1);
   EXPECT_EQ(a.receiver->assigned_backend(), "grpc");
   EXPECT_EQ(a.receiver->groups_joined(), 0);
+}
+
+// GetWeights from the learner that answers now: loads `tensors` as `version` of `incarnation`.
+class ServingFallback final : public rollout::WeightReceiver {
+ public:
+  ServingFallback(common::NamedTensors tensors, int64_t version, std::string incarnation)
+      : tensors_(std::move(tensors)), version_(version), incarnation_(std::move(incarnation)) {}
+  StatusOr<rollout::ReceivedVersion> Receive(int64_t min_version, common::Model& model,
+                                             std::chrono::milliseconds) override {
+    calls += 1;
+    if (version_ < min_version) return Status::Unavailable("not there yet");
+    RETURN_IF_ERROR(model.LoadStateFrom(tensors_));
+    return rollout::ReceivedVersion{version_, incarnation_};
+  }
+  std::string backend() const override { return "grpc"; }
+  int calls = 0;
+
+ private:
+  common::NamedTensors tensors_;
+  int64_t version_;
+  std::string incarnation_;
+};
+
+// Issue 22 item 1, the race of the chaos harness through the fakes: the worker's group
+// receiver holds version 804 of the dead learner A; the worker registers with the restarted
+// learner B at version 800 (its epochs numbered anew: the same epoch number here). Receive(800)
+// must give B's 800 (GetWeights), never A's 804, which B would refuse as unknown_policy forever.
+TEST(GroupWeightReceiver, AVersionOfALearnerTheWorkerLeftIsNeverDelivered) {
+  auto store = std::make_shared<common::InMemoryEpochStore>();
+  FakeGroups groups;
+  auto base = TinyModel(3);
+  auto dead = std::make_shared<WeightSnapshot>(*Snapshot(*base, 804, 1.0f));
+  dead->incarnation = "A";
+  const auto restored = Snapshot(*base, 800, 2.0f);  // B's weights, other bytes
+
+  auto fallback = std::make_unique<ServingFallback>(restored->tensors, 800, "B");
+  ServingFallback* served = fallback.get();
+  rollout::GroupWeightReceiverOptions o;
+  o.timeout = kTimeout;
+  o.version_wait = 5s;
+  rollout::GroupWeightReceiver receiver(store, std::move(fallback), groups.Factory(), o);
+  receiver.SetGroup({"a", store->epoch(), "gloo", "A"});
+  auto first = TinyModel(5);
+  (void)receiver.Receive(0, *first, 1ms);  // starts the thread (GetWeights answers meanwhile)
+  {
+    WeightPublisher publisher("gloo", store, groups.Factory(), kTimeout);
+    PublisherThread thread(
+        publisher, [] { return std::vector<std::string>{"a"}; }, [&] { return dead; });
+    ASSERT_TRUE(WaitFor([&] { return receiver.latest().first == 804; }, 10s));
+  }  // A dies
+
+  receiver.SetGroup({"a", store->epoch(), "gloo", "B"});
+  EXPECT_EQ(receiver.latest().first, -1) << "A's version is kept after the worker left A";
+  auto model = TinyModel(6);
+  const int calls_before = served->calls;
+  StatusOr<rollout::ReceivedVersion> got = receiver.Receive(800, *model, 2s);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->version, 800);
+  EXPECT_EQ(got->incarnation, "B");
+  EXPECT_EQ(served->calls, calls_before + 1);
+  EXPECT_TRUE(grpo::testing::BitEqual(model->NamedParameters(), restored->tensors));
+}
+
+// A broadcast announced by another incarnation than the worker's membership is not taken, even
+// over the store of the epoch the worker was told to join.
+TEST(GroupWeightReceiver, ABroadcastAnnouncedByAnotherIncarnationIsNotKept) {
+  auto store = std::make_shared<common::InMemoryEpochStore>();
+  FakeGroups groups;
+  auto base = TinyModel(3);
+  auto other = std::make_shared<WeightSnapshot>(*Snapshot(*base, 5, 1.0f));
+  other->incarnation = "A";
+  Worker a = MakeWorker("a", store, groups);
+  a.receiver->SetGroup({"a", store->epoch(), "gloo", "B"});
+  auto model = TinyModel(5);
+  (void)a.receiver->Receive(0, *model, 1ms);
+  WeightPublisher publisher("gloo", store, groups.Factory(), kTimeout);
+  PublisherThread thread(
+      publisher, [] { return std::vector<std::string>{"a"}; }, [&] { return other; });
+  // The receiver joins, reads the announcement and leaves instead of receiving.
+  ASSERT_TRUE(WaitFor([&] { return a.receiver->groups_joined() >= 1; }, 10s));
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(a.receiver->versions_received(), 0);
+  EXPECT_EQ(a.receiver->latest().first, -1);
 }
 
 }  // namespace

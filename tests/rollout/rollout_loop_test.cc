@@ -212,6 +212,67 @@ TEST(RolloutLoop, AfterALearnerRestartItRegistersAgainAndTagsGroupsWithTheNewWei
   }
 }
 
+// Issue 22 item 1: groups refused as unknown_policy (weights the learner did not publish, here
+// a version above its own) make the worker take the learner's weights before it generates
+// again, instead of regenerating with them until the learner passes that version.
+TEST(RolloutLoop, GroupsRefusedAsUnknownPolicyMakeItTakeTheLearnersWeights) {
+  Fixture f({kPromptRow, kMessagesRow, kPromptRow, kMessagesRow});
+  f.learner.version = 5;
+  const std::shared_ptr<const common::Model> v4 = TinyModel(44);
+  f.learner.on_push = [&f, v4](const std::vector<common::RolloutGroup>& groups) {
+    PushReply r;
+    f.learner.mu.AssertHeld();  // on_push runs under mu
+    if (f.learner.version == 5) {
+      // The learner turns out to be at 4: version 5 is not one it published.
+      f.learner.version = 4;
+      f.learner.model = v4;
+      r.rejected = static_cast<int64_t>(groups.size());
+      r.rejected_by_reason["unknown_policy"] = r.rejected;
+    } else {
+      r.accepted = static_cast<int64_t>(groups.size());
+    }
+    return StatusOr<PushReply>(r);
+  };
+  auto loop = MakeLoop(f, Options());
+  ASSERT_TRUE(loop->Run().ok());
+  EXPECT_EQ(loop->policy_version(), 4);
+  EXPECT_TRUE(SameParameters(*loop->policy(), *v4));
+  common::MutexLock lock(&f.learner.mu);
+  EXPECT_EQ(f.learner.weights_served, (std::vector<int64_t>{5, 4}));
+  ASSERT_EQ(f.learner.pushed.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(f.learner.pushed[i].policy_version, i < 2 ? 5 : 4) << i;
+  }
+}
+
+// The incarnation a group carries is the one whose weights generated it, as the receiver
+// reported it, not the one the worker registered with.
+TEST(RolloutLoop, GroupsCarryTheIncarnationThatPublishedTheirWeights) {
+  Fixture f({kPromptRow, kMessagesRow});
+  class OtherLearnersWeights final : public WeightReceiver {
+   public:
+    explicit OtherLearnersWeights(FakeLearnerLink* l) : inner_(l) {}
+    StatusOr<ReceivedVersion> Receive(int64_t min_version, common::Model& model,
+                                      std::chrono::milliseconds timeout) override {
+      ASSIGN_OR_RETURN(ReceivedVersion v, inner_.Receive(min_version, model, timeout));
+      v.incarnation = "inc-0";  // a learner process the worker never registered with
+      return v;
+    }
+    std::string backend() const override { return "fake"; }
+
+   private:
+    FakeWeightReceiver inner_;
+  } receiver(&f.learner);
+  RolloutLoopOptions o = Options();
+  o.max_rounds = 1;
+  auto loop = RolloutLoop::Create(std::move(o), &f.learner, &receiver);
+  ASSERT_TRUE(loop.ok()) << loop.status().ToString();
+  ASSERT_TRUE((*loop)->Run().ok());
+  common::MutexLock lock(&f.learner.mu);
+  ASSERT_FALSE(f.learner.pushed.empty());
+  for (const auto& g : f.learner.pushed) EXPECT_EQ(g.policy_incarnation, "inc-0");
+}
+
 TEST(RolloutLoop, RetriesUnavailableCallsWithBackoff) {
   Fixture f({kPromptRow, kMessagesRow});
   f.learner.unavailable_first_n = 4;
