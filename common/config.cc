@@ -281,6 +281,7 @@ const std::vector<Field>& Fields() {
       MakeField("weight_sync_backend", &C::weight_sync_backend,
                 {"gloo", "nccl", "cuda_ipc", "auto", "grpc"}),
       MakeField("weight_sync_steps", &C::weight_sync_steps),
+      MakeField("weight_sync_timeout_seconds", &C::weight_sync_timeout_seconds),
       MakeField("auth_token_file", &C::auth_token_file),
       MakeField("tls_cert_file", &C::tls_cert_file),
       MakeField("tls_key_file", &C::tls_key_file),
@@ -505,6 +506,8 @@ Status GrpoConfig::Validate() const {
   RETURN_IF_ERROR(
       Check(metrics_io_timeout_seconds > 0, "metrics_io_timeout_seconds", "must be > 0"));
   RETURN_IF_ERROR(Check(lease_seconds > 0, "lease_seconds", "must be > 0"));
+  RETURN_IF_ERROR(Check(weight_sync_timeout_seconds > 0 && weight_sync_timeout_seconds <= 3600,
+                        "weight_sync_timeout_seconds", "must be in (0, 3600]"));
   RETURN_IF_ERROR(Check(weight_sync_steps >= 1, "weight_sync_steps", "must be at least 1"));
   return Status::OK();
 }

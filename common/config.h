@@ -99,6 +99,12 @@ struct GrpoConfig {
   // gloo on the CPU).
   std::string weight_sync_backend = "gloo";
   int64_t weight_sync_steps = 1;
+  // The deadline of each weight-sync rendezvous and collective, in seconds: a worker that stalls
+  // a broadcast (stopped, swapping, partitioned but connected) costs its group at most this
+  // once, and is then left out of the group until it heartbeats again. Well under
+  // lease_seconds; above the workers' heartbeat interval (2 s), so that a live worker is never
+  // taken for a stalled one.
+  double weight_sync_timeout_seconds = 10.0;
   std::string auth_token_file;
   // TLS (off unless set). The learner serves TLS with tls_cert_file + tls_key_file (PEM, both or
   // neither); clients (workers, `grpo submit`) verify the learner against tls_ca_file (PEM).

@@ -65,7 +65,12 @@ StatusOr<std::unique_ptr<Learner>> Learner::Create(common::GrpoConfig config,
     return Status::InvalidArgument("config key 'lease_seconds' must be positive");
   }
   if (!options.now_ms) options.now_ms = SystemNowMs;
+  if (options.weight_sync_timeout.count() <= 0) {
+    options.weight_sync_timeout = std::chrono::milliseconds(
+        static_cast<int64_t>(std::ceil(config.weight_sync_timeout_seconds * 1000.0)));
+  }
   std::unique_ptr<Learner> s(new Learner(std::move(config), std::move(options)));
+  s->mu_.TrackHoldTime();  // grpo_learner_lock_max_hold_seconds: no RPC should wait on I/O
   s->incarnation_ = NewIncarnation();
   s->endpoint_ = common::LocalSyncEndpoint(device.str());
   const common::GrpoConfig& cfg = s->config_;
@@ -166,6 +171,7 @@ Status Learner::Stop(bool checkpoint) {
     stopping_ = true;
     for (auto& sub : subscribers_) sub->cv.NotifyAll();
   }
+  GRPO_LOG_INFO("learner: the longest hold of the state lock was {:.6f} s", mu_.max_hold_seconds());
   train_cv_.NotifyAll();
   room_cv_.NotifyAll();
   state_cv_.NotifyAll();
@@ -255,6 +261,7 @@ void Learner::TrainLoop() {
   while (true) {
     std::vector<BufferedGroup> batch;
     bool housekeep = false;
+    std::vector<std::string> dropped;
     {
       common::MutexLock lock(&mu_);
       const auto deadline = Clock::now() + kWaitPollInterval;
@@ -263,11 +270,12 @@ void Learner::TrainLoop() {
         if (!train_cv_.WaitUntil(&mu_, deadline)) break;
       }
       if (stopping_) return;
-      DropDeadWorkersLocked();
+      dropped = DropDeadWorkersLocked();
       housekeep = housekeep_due_ || Clock::now() - last_housekeep >= kHousekeepInterval ||
                   static_cast<int64_t>(buffer_.size()) >= batch_groups_;
       housekeep_due_ = false;
     }
+    ReturnLeasesOfDropped(dropped);
     if (housekeep) {
       Housekeep();
       last_housekeep = Clock::now();
@@ -355,19 +363,23 @@ bool Learner::PassMayEnd() {
   return stale.empty();
 }
 
-void Learner::DropDeadWorkersLocked() {
+std::vector<std::string> Learner::DropDeadWorkersLocked() {
   const auto cutoff = Clock::now() - options_.heartbeat_interval * kHeartbeatsMissedBeforeDrop;
   const std::vector<std::string> dropped = workers_.DropSilentSince(cutoff);
+  // The group is rebuilt under a new epoch.
+  if (!dropped.empty()) epoch_store_->Advance();
+  return dropped;
+}
+
+void Learner::ReturnLeasesOfDropped(const std::vector<std::string>& dropped) {
   for (const std::string& id : dropped) {
     // Its leases go back to the queue now rather than after lease_seconds (ledger_ has its
-    // own lock and never calls back into the learner).
+    // own lock and never calls back into the learner; called without mu_: a commit is fsynced).
     auto moved = ledger_->ExpireWorkerLeases(id);
     GRPO_LOG_WARN("learner: worker {} missed its heartbeats; dropped from the group ({})", id,
                   moved.ok() ? std::to_string(*moved) + " leases returned to the queue"
                              : moved.status().ToString());
   }
-  // The group is rebuilt under a new epoch.
-  if (!dropped.empty()) epoch_store_->Advance();
 }
 
 void Learner::TrainBatch(std::vector<BufferedGroup> batch) {
@@ -505,6 +517,7 @@ Status Learner::PublishWeights() {
   try {
     at::NoGradGuard no_grad;
     snap->version = trainer_->policy_version();
+    snap->incarnation = incarnation_;
     for (const auto& [name, t] : policy_->NamedParameters()) {
       if (on_device) {
         at::Tensor copy = t.detach().contiguous().clone();
@@ -556,11 +569,32 @@ void Learner::WeightSyncLoop(size_t index) {
       snap = weights_;
       members = workers_.Members(backend);
     }
-    (void)publisher.Sync(members, snap);  // a failure is logged and ends the epoch
+    // A failure is logged and ends the epoch. Only a deadline that expired is a stall: an epoch
+    // that ended under a rendezvous (a registration) or a peer that closed its connections (it
+    // died) fails at once, and says nothing of who is silent.
+    const Status synced = publisher.Sync(members, snap);
+    if (synced.code() == StatusCode::kDeadlineExceeded) SuspendStalledMembers(backend, members);
     stats.syncs = publisher.syncs();
     stats.failures = publisher.failures();
   }
   publisher.Close();
+}
+
+void Learner::SuspendStalledMembers(const std::string& backend,
+                                    const std::vector<std::string>& members) {
+  // A live worker heartbeats every heartbeat_interval; one not heard from for 1.5 of them when
+  // the collective gave up is taken for the one that stalled it (the deadline is above that:
+  // a peer stopped before the collective began is always caught; one stopped in its last 1.5
+  // intervals only by the next failure, a second deadline at most).
+  const auto cutoff = Clock::now() - options_.heartbeat_interval * 3 / 2;
+  common::MutexLock lock(&mu_);
+  const std::vector<std::string> out = workers_.SuspendSilentSince(members, cutoff);
+  for (const std::string& id : out) {
+    GRPO_LOG_WARN(
+        "learner: worker {} sent no heartbeat while the {} weight sync waited for it; left out "
+        "of the group until it heartbeats again",
+        id, backend);
+  }
 }
 
 int64_t Learner::group_syncs(std::string_view backend) const {

@@ -112,7 +112,8 @@ struct LearnerOptions {
   // Weight-sync groups (workers assigned gloo, nccl or cuda_ipc at Register): the deadline of
   // each rendezvous/collective, and the address the learner's Gloo rank listens on (empty: the
   // machine's hostname unless config.weight_sync_hostname names one; "127.0.0.1" for loopback).
-  std::chrono::milliseconds weight_sync_timeout = common::kDefaultBroadcastTimeout;
+  // 0 = the config's weight_sync_timeout_seconds.
+  std::chrono::milliseconds weight_sync_timeout{0};
   std::string weight_sync_hostname;
   // The backends' factory; empty = the built-in ones (common::BuiltinWeightSyncFactory). A test
   // injects the in-process fake; then every group backend counts as built.
@@ -137,7 +138,7 @@ class Learner {
  public:
   // A job-event subscriber (Subscribe / NextEvents / Unsubscribe).
   // Its fields are guarded by the learner's mu_; clang's analysis cannot name the lock of the
-  // enclosing object from a nested struct (GUARDED_BY(mu_) here would mean a Subscriber's own
+  // enclosing object from a nested struct (GRPO_GUARDED_BY(mu_) here would mean a Subscriber's own
   // mu_), so this stays a comment and NextEvents / Broadcast are where to look.
   struct Subscriber {
     common::CondVar cv;
@@ -160,23 +161,25 @@ class Learner {
 
   // Publishes the initial weights and starts the training and weight-sync threads.
   // FailedPrecondition when called twice.
-  Status Start() EXCLUDES(mu_);
+  Status Start() GRPO_EXCLUDES(mu_);
   // Stops the threads (training stops after the current generation batch); with `checkpoint`,
   // takes an open optimizer step short and saves a checkpoint when steps were taken since the
   // last one. Idempotent; returns the checkpoint error if any. EndLedger must follow once no
   // more groups can arrive (the shell calls it after its server stopped).
-  Status Stop(bool checkpoint) EXCLUDES(mu_);
+  Status Stop(bool checkpoint) GRPO_EXCLUDES(mu_);
   // Job end at stop: drops the buffer and rolls the ledger back to the last saved step.
-  void EndLedger() EXCLUDES(mu_);
+  void EndLedger() GRPO_EXCLUDES(mu_);
   // Blocks until the job is done, cancelled or failed, or `timeout` passes; true if it ended.
-  bool WaitForJobEnd(std::chrono::milliseconds timeout) EXCLUDES(mu_);
+  bool WaitForJobEnd(std::chrono::milliseconds timeout) GRPO_EXCLUDES(mu_);
 
   // --- What workers ask (common/learner_protocol.h).
   // Registers (or re-registers) a worker: a new id joins the weight-sync group under a new
   // epoch, leases of its earlier process go back to the queue, its backend is assigned.
-  StatusOr<common::Registration> Register(const common::RegisterRequest& request) EXCLUDES(mu_);
+  StatusOr<common::Registration> Register(const common::RegisterRequest& request)
+      GRPO_EXCLUDES(mu_);
   // NotFound for a worker this learner does not know (Register again).
-  StatusOr<common::HeartbeatReply> Heartbeat(const common::HeartbeatRequest& request) EXCLUDES(mu_);
+  StatusOr<common::HeartbeatReply> Heartbeat(const common::HeartbeatRequest& request)
+      GRPO_EXCLUDES(mu_);
   // Leases at most `max_prompts` prompts within the lease budget (max_staleness and the buffer;
   // LeaseBudget), waiting up to kLeaseLongPoll (and no later than 500 ms before `deadline`) for
   // budget. InvalidArgument for an empty id or a non-positive count, NotFound for an unknown
@@ -185,40 +188,43 @@ class Learner {
   StatusOr<common::LeaseReply> LeasePrompts(const std::string& worker_id, int64_t max_prompts,
                                             std::chrono::steady_clock::time_point deadline,
                                             const std::function<bool()>& cancelled)
-      EXCLUDES(lease_mu_, mu_);
+      GRPO_EXCLUDES(lease_mu_, mu_);
   // The ingest policy above for one group; its verdict goes into `tally`. `cancelled` ends a
   // wait for buffer room.
   void AcceptGroup(common::RolloutGroup group, const std::function<bool()>& cancelled,
-                   PushTally* tally) EXCLUDES(mu_);
+                   PushTally* tally) GRPO_EXCLUDES(mu_);
   // The newest published weights once their version is >= min_version (waits up to
-  // kDefaultGetWeightsWait): DeadlineExceeded otherwise.
+  // kDefaultGetWeightsWait): DeadlineExceeded otherwise. A min_version of another learner
+  // incarnation (`incarnation` non-empty and not this one: a worker that has not seen the
+  // restart) names none of this learner's versions: the newest is served at once.
   StatusOr<std::shared_ptr<const WeightSnapshot>> WaitForWeights(
-      int64_t min_version, const std::function<bool()>& cancelled) EXCLUDES(mu_);
+      int64_t min_version, const std::function<bool()>& cancelled,
+      const std::string& incarnation = "") GRPO_EXCLUDES(mu_);
 
   // --- What clients ask.
   StatusOr<DatasetInfo> AddDataset(const std::string& idempotency_key,
-                                   const std::vector<std::string>& lines) EXCLUDES(mu_);
-  JobSnapshot Snapshot() EXCLUDES(mu_);
+                                   const std::vector<std::string>& lines) GRPO_EXCLUDES(mu_);
+  JobSnapshot Snapshot() GRPO_EXCLUDES(mu_);
   // Ends the job as cancelled (unless it already ended).
-  void Cancel(const std::string& reason) EXCLUDES(mu_);
-  std::shared_ptr<Subscriber> Subscribe() EXCLUDES(mu_);
-  void Unsubscribe(const std::shared_ptr<Subscriber>& subscriber) EXCLUDES(mu_);
+  void Cancel(const std::string& reason) GRPO_EXCLUDES(mu_);
+  std::shared_ptr<Subscriber> Subscribe() GRPO_EXCLUDES(mu_);
+  void Unsubscribe(const std::shared_ptr<Subscriber>& subscriber) GRPO_EXCLUDES(mu_);
   // The events queued for `subscriber`, waiting up to `wait` for one: OK (maybe none),
   // ResourceExhausted when it fell too far behind, Unavailable when the learner stops.
   Status NextEvents(Subscriber& subscriber, std::chrono::milliseconds wait,
-                    std::deque<JobEvent>* events) EXCLUDES(mu_);
+                    std::deque<JobEvent>* events) GRPO_EXCLUDES(mu_);
 
   // --- State.
   // This process's learner_incarnation (Registration): groups must carry it.
   const std::string& incarnation() const { return incarnation_; }
   const common::GrpoConfig& config() const { return config_; }
-  JobState job_state() const EXCLUDES(mu_);
-  int64_t published_version() const EXCLUDES(mu_);
+  JobState job_state() const GRPO_EXCLUDES(mu_);
+  int64_t published_version() const GRPO_EXCLUDES(mu_);
   int64_t group_epoch() const { return epoch_store_->epoch(); }
   // Tests only: the ledger itself (the interface is the calls above).
   PromptLedger& TEST_ledger() { return *ledger_; }
   // Groups refused by AcceptGroup (and by the trainer later) since start, by reason.
-  std::map<std::string, int64_t> RefusedCounts() const EXCLUDES(mu_);
+  std::map<std::string, int64_t> RefusedCounts() const GRPO_EXCLUDES(mu_);
   // The live policy. Read it only while training is idle (tests, `grpo bench weight_sync`).
   const common::Model& policy() const { return *policy_; }
   // The rendezvous store of the weight-sync groups; its epoch is the group epoch.
@@ -231,7 +237,7 @@ class Learner {
   const common::Registry& metrics_registry() const { return *registry_; }
   const common::LearnerMetrics& metrics() const { return metrics_; }
   // For /healthz: OK unless the job failed; then Unavailable with the failure message.
-  Status Health() const EXCLUDES(mu_);
+  Status Health() const GRPO_EXCLUDES(mu_);
 
  private:
   struct BufferedGroup {
@@ -248,38 +254,47 @@ class Learner {
   Learner(common::GrpoConfig config, LearnerOptions options);
 
   Status Resume();
-  void TrainLoop() EXCLUDES(mu_);
+  void TrainLoop() GRPO_EXCLUDES(mu_);
   // Ledger bookkeeping between batches: job state, next pass. Training thread.
-  void Housekeep() EXCLUDES(mu_);
-  void DropDeadWorkersLocked() REQUIRES(mu_);
-  void TrainBatch(std::vector<BufferedGroup> batch) EXCLUDES(mu_);
-  Status PublishWeights() EXCLUDES(mu_);
+  void Housekeep() GRPO_EXCLUDES(mu_);
+  // Drops the workers that missed their heartbeats (the epoch advances); their ids, whose
+  // leases ReturnLeasesOfDropped then returns, without mu_ (the ledger's commit is fsynced).
+  std::vector<std::string> DropDeadWorkersLocked() GRPO_REQUIRES(mu_);
+  void ReturnLeasesOfDropped(const std::vector<std::string>& dropped) GRPO_EXCLUDES(mu_);
+  // Register's decisions under mu_ (roster, backend, epoch); the caller does the ledger I/O.
+  common::Registration RegisterWorker(const common::RegisterRequest& request) GRPO_EXCLUDES(mu_);
+  // After a sync whose deadline expired: leaves out of the group the members not heard from for
+  // 1.5 heartbeat intervals (WorkerRegistry::SuspendSilentSince), until they heartbeat again.
+  void SuspendStalledMembers(const std::string& backend, const std::vector<std::string>& members)
+      GRPO_EXCLUDES(mu_);
+  void TrainBatch(std::vector<BufferedGroup> batch) GRPO_EXCLUDES(mu_);
+  Status PublishWeights() GRPO_EXCLUDES(mu_);
   // One weight-sync thread per group backend (`index` into common::GroupBackends()): its
   // WeightPublisher serves the workers assigned that backend, broadcasting each newly
   // published version.
-  void WeightSyncLoop(size_t index) EXCLUDES(mu_);
-  Status Checkpoint() EXCLUDES(mu_);
+  void WeightSyncLoop(size_t index) GRPO_EXCLUDES(mu_);
+  Status Checkpoint() GRPO_EXCLUDES(mu_);
   // Checkpoint, tried `attempts` times with backoff (the final save at max_steps and at stop).
-  Status CheckpointWithRetry(int attempts) EXCLUDES(mu_);
+  Status CheckpointWithRetry(int attempts) GRPO_EXCLUDES(mu_);
   // Job end (max_steps, or stop): drops the buffer and rolls the ledger back to `saved_step`,
   // so that no prompt stays TRAINED that no saved weights hold.
-  void EndLedgerAtStep(int64_t saved_step) EXCLUDES(mu_);
+  void EndLedgerAtStep(int64_t saved_step) GRPO_EXCLUDES(mu_);
   // A group accepted as (prompt, pass) was not trained: the ledger queues the pass again; a
   // failure is logged as an error and counted (grpo_ledger_errors_total), never silent.
   void RequeueUntrained(const TrainedGroup& key, std::string_view why);
   // Housekeep, before a pass boundary: true when nothing of the pass is being accepted or
   // trained and the buffer holds less than one batch (which trains next, before any other
   // step); buffered groups already too stale for that batch are requeued first (then false).
-  bool PassMayEnd() EXCLUDES(mu_);
+  bool PassMayEnd() GRPO_EXCLUDES(mu_);
   // Moves the job to `state` unless it already ended; tells subscribers.
-  void ChangeState(JobState state, const std::string& message) EXCLUDES(mu_);
-  void Broadcast(const JobEvent& event) EXCLUDES(mu_);
+  void ChangeState(JobState state, const std::string& message) GRPO_EXCLUDES(mu_);
+  void Broadcast(const JobEvent& event) GRPO_EXCLUDES(mu_);
   void Refuse(PushTally* tally, const std::string& reason, const std::string& message)
-      EXCLUDES(mu_);
+      GRPO_EXCLUDES(mu_);
   // Metric updates: one optimizer step's values; the ledger's prompts by state.
   void RecordStepMetrics(const StepMetrics& step);
   void RefreshLedgerMetrics();
-  bool TerminalLocked() const REQUIRES(mu_);
+  bool TerminalLocked() const GRPO_REQUIRES(mu_);
 
   const common::GrpoConfig config_;
   const LearnerOptions options_;
@@ -308,32 +323,32 @@ class Learner {
   mutable common::Mutex mu_;
   // Serialises LeasePrompts from its budget to its ledger write, so that concurrent calls do not
   // both spend the same lease budget. Taken before mu_, never while holding it.
-  common::Mutex lease_mu_ ACQUIRED_BEFORE(mu_);
+  common::Mutex lease_mu_ GRPO_ACQUIRED_BEFORE(mu_);
   common::CondVar train_cv_;  // training thread: a batch is ready, or stop
   common::CondVar room_cv_;   // AcceptGroup: room in the buffer
   common::CondVar state_cv_;  // job state or published weights changed
-  bool started_ GUARDED_BY(mu_) = false;
-  bool stopping_ GUARDED_BY(mu_) = false;
-  bool training_ GUARDED_BY(mu_) = false;  // a batch is being trained
-  bool stopped_ GUARDED_BY(mu_) = false;
-  bool ledger_ended_ GUARDED_BY(mu_) = false;  // EndLedger ran
-  JobState state_ GUARDED_BY(mu_) = JobState::kWaitingForData;
-  std::string message_ GUARDED_BY(mu_);
-  int64_t global_step_ GUARDED_BY(mu_) = 0;
-  int64_t last_saved_step_ GUARDED_BY(mu_) = 0;
-  int64_t last_published_step_ GUARDED_BY(mu_) = -1;
-  bool housekeep_due_ GUARDED_BY(mu_) = true;
+  bool started_ GRPO_GUARDED_BY(mu_) = false;
+  bool stopping_ GRPO_GUARDED_BY(mu_) = false;
+  bool training_ GRPO_GUARDED_BY(mu_) = false;  // a batch is being trained
+  bool stopped_ GRPO_GUARDED_BY(mu_) = false;
+  bool ledger_ended_ GRPO_GUARDED_BY(mu_) = false;  // EndLedger ran
+  JobState state_ GRPO_GUARDED_BY(mu_) = JobState::kWaitingForData;
+  std::string message_ GRPO_GUARDED_BY(mu_);
+  int64_t global_step_ GRPO_GUARDED_BY(mu_) = 0;
+  int64_t last_saved_step_ GRPO_GUARDED_BY(mu_) = 0;
+  int64_t last_published_step_ GRPO_GUARDED_BY(mu_) = -1;
+  bool housekeep_due_ GRPO_GUARDED_BY(mu_) = true;
   // Rewards per completion of every accepted group, when reward_funcs does not fix it: the
   // trainer needs one count per generation batch. -1 until the first group.
-  int64_t reward_count_ GUARDED_BY(mu_) = -1;
-  std::map<std::string, double> last_metrics_ GUARDED_BY(mu_);
-  std::deque<BufferedGroup> buffer_ GUARDED_BY(mu_);
-  std::multiset<int64_t> accepting_ms_ GUARDED_BY(mu_);            // accepts in flight
-  std::map<std::string, int> bad_group_attempts_ GUARDED_BY(mu_);  // by prompt id
-  std::map<std::string, int64_t> refused_ GUARDED_BY(mu_);         // by reason
-  WorkerRegistry workers_ GUARDED_BY(mu_);
-  std::shared_ptr<const WeightSnapshot> weights_ GUARDED_BY(mu_);
-  std::list<std::shared_ptr<Subscriber>> subscribers_ GUARDED_BY(mu_);
+  int64_t reward_count_ GRPO_GUARDED_BY(mu_) = -1;
+  std::map<std::string, double> last_metrics_ GRPO_GUARDED_BY(mu_);
+  std::deque<BufferedGroup> buffer_ GRPO_GUARDED_BY(mu_);
+  std::multiset<int64_t> accepting_ms_ GRPO_GUARDED_BY(mu_);            // accepts in flight
+  std::map<std::string, int> bad_group_attempts_ GRPO_GUARDED_BY(mu_);  // by prompt id
+  std::map<std::string, int64_t> refused_ GRPO_GUARDED_BY(mu_);         // by reason
+  WorkerRegistry workers_ GRPO_GUARDED_BY(mu_);
+  std::shared_ptr<const WeightSnapshot> weights_ GRPO_GUARDED_BY(mu_);
+  std::list<std::shared_ptr<Subscriber>> subscribers_ GRPO_GUARDED_BY(mu_);
 };
 
 }  // namespace grpo::learner

@@ -43,6 +43,23 @@ JobSnapshot Learner::Snapshot() {
 StatusOr<common::Registration> Learner::Register(const common::RegisterRequest& request) {
   const std::string model_config = policy_->config().ToJson().dump();
   const std::string config_json = config_.ToJson().dump();
+  common::Registration r = RegisterWorker(request);
+  // Leases granted to this id before now belong to a process that is gone (a worker leases
+  // only between registrations, never across one): back to the queue now, not after
+  // lease_seconds, so they neither wait nor block the staleness budget. After mu_: the ledger
+  // has its own lock, and its commit is fsynced.
+  if (auto moved = ledger_->ExpireWorkerLeases(r.worker_id); moved.ok() && *moved > 0) {
+    GRPO_LOG_INFO(
+        "learner: worker {} registered again: {} leases of its earlier process "
+        "returned to the queue",
+        r.worker_id, *moved);
+  }
+  r.config_json = config_json;
+  r.model_config_json = model_config;
+  return r;
+}
+
+common::Registration Learner::RegisterWorker(const common::RegisterRequest& request) {
   common::MutexLock lock(&mu_);
   const common::SyncEndpoint worker_end{common::CudaOrdinal(request.device) >= 0, request.gpu_uuid};
   const common::BackendAssignment assigned = common::AssignBackend(
@@ -52,15 +69,6 @@ StatusOr<common::Registration> Learner::Register(const common::RegisterRequest& 
   const WorkerRegistry::Registered w =
       workers_.Register(request.worker_id, request.hostname, request.pid,
                         request.weight_sync_backend, assigned.backend, Clock::now());
-  // Leases granted to this id before now belong to a process that is gone (a worker leases
-  // only between registrations, never across one): back to the queue now, not after
-  // lease_seconds, so they neither wait nor block the staleness budget.
-  if (auto moved = ledger_->ExpireWorkerLeases(w.worker_id); moved.ok() && *moved > 0) {
-    GRPO_LOG_INFO(
-        "learner: worker {} registered again: {} leases of its earlier process "
-        "returned to the queue",
-        w.worker_id, *moved);
-  }
   if (w.is_new) {
     epoch_store_->Advance();  // the group gains a rank: rebuilt under a new epoch
     GRPO_LOG_INFO("learner: worker {} ({}:{}, {}) registered as rank {}; weight sync {}{}",
@@ -78,17 +86,21 @@ StatusOr<common::Registration> Learner::Register(const common::RegisterRequest& 
   r.policy_version = weights_ ? weights_->version : 0;
   r.weight_sync_backend = assigned.backend;
   r.weight_sync_note = assigned.note;
-  r.config_json = config_json;
   r.heartbeat_interval_ms = options_.heartbeat_interval.count();
-  r.model_config_json = model_config;
   r.learner_incarnation = incarnation_;
   return r;
 }
 
 StatusOr<common::HeartbeatReply> Learner::Heartbeat(const common::HeartbeatRequest& request) {
   common::MutexLock lock(&mu_);
+  const WorkerEntry* entry = workers_.Find(request.worker_id);
+  const bool was_suspended = entry != nullptr && entry->suspended;
   if (!workers_.Heartbeat(request.worker_id, request.weight_version, Clock::now())) {
     return Status::NotFound("unknown worker '" + request.worker_id + "': Register again");
+  }
+  if (was_suspended) {
+    GRPO_LOG_INFO("learner: worker {} heartbeats again; it rejoins the weight-sync group",
+                  request.worker_id);
   }
   common::HeartbeatReply reply;
   reply.policy_version = weights_ ? weights_->version : 0;
@@ -223,6 +235,7 @@ void Learner::RecordStepMetrics(const StepMetrics& step) {
 }
 
 void Learner::RefreshLedgerMetrics() {
+  metrics_.lock_max_hold->Set(mu_.max_hold_seconds());
   auto counts = ledger_->Counts();
   if (!counts.ok()) return;  // Housekeep and Snapshot report ledger errors
   metrics_.ledger_prompts->Set({"queued"}, static_cast<double>(counts->queued));
@@ -381,7 +394,8 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
 }
 
 StatusOr<std::shared_ptr<const WeightSnapshot>> Learner::WaitForWeights(
-    int64_t min_version, const std::function<bool()>& cancelled) {
+    int64_t min_version, const std::function<bool()>& cancelled, const std::string& incarnation) {
+  if (!incarnation.empty() && incarnation != incarnation_) min_version = 0;
   common::MutexLock lock(&mu_);
   const auto deadline = Clock::now() + kDefaultGetWeightsWait;
   while (!stopping_ && !(weights_ && weights_->version >= min_version) && Clock::now() < deadline &&

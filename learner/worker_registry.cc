@@ -32,6 +32,7 @@ WorkerRegistry::Registered WorkerRegistry::Register(const std::string& worker_id
   w.requested_backend = requested_backend;
   w.assigned_backend = assigned_backend;
   w.last_seen = now;
+  w.suspended = false;
   out.rank = w.rank;
   return out;
 }
@@ -42,7 +43,20 @@ bool WorkerRegistry::Heartbeat(const std::string& worker_id, int64_t weight_vers
   if (it == workers_.end()) return false;
   it->second.last_seen = now;
   it->second.weight_version = weight_version;
+  it->second.suspended = false;
   return true;
+}
+
+std::vector<std::string> WorkerRegistry::SuspendSilentSince(
+    const std::vector<std::string>& members, std::chrono::steady_clock::time_point cutoff) {
+  std::vector<std::string> suspended;
+  for (const std::string& id : members) {
+    auto it = workers_.find(id);
+    if (it == workers_.end() || it->second.suspended || it->second.last_seen >= cutoff) continue;
+    it->second.suspended = true;
+    suspended.push_back(id);
+  }
+  return suspended;
 }
 
 std::vector<std::string> WorkerRegistry::DropSilentSince(
@@ -69,7 +83,7 @@ std::vector<std::string> WorkerRegistry::DropSilentSince(
 std::vector<std::string> WorkerRegistry::Members(std::string_view backend) const {
   std::vector<std::pair<int32_t, std::string>> by_rank;
   for (const auto& [id, w] : workers_) {
-    if (w.assigned_backend == backend) by_rank.emplace_back(w.rank, id);
+    if (w.assigned_backend == backend && !w.suspended) by_rank.emplace_back(w.rank, id);
   }
   std::sort(by_rank.begin(), by_rank.end());
   std::vector<std::string> ids;

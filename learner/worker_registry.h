@@ -21,6 +21,9 @@ struct WorkerEntry {
   int32_t rank = 0;
   int64_t weight_version = -1;
   std::chrono::steady_clock::time_point last_seen;
+  // Left out of the weight-sync groups (Members) since it stalled one; its next Register or
+  // Heartbeat ends that.
+  bool suspended = false;
 };
 
 class WorkerRegistry {
@@ -43,7 +46,12 @@ class WorkerRegistry {
   bool Contains(const std::string& worker_id) const { return workers_.count(worker_id) > 0; }
   // Drops the workers last seen before `cutoff` and closes the ranks' gaps; their ids.
   std::vector<std::string> DropSilentSince(std::chrono::steady_clock::time_point cutoff);
-  // The workers assigned `backend`, in rank order (a group's roster).
+  // Of `members`, the workers last seen before `cutoff` (none of whose heartbeats arrived while
+  // a failed collective waited for them) are suspended: left out of Members until their next
+  // Register or Heartbeat. Their ids.
+  std::vector<std::string> SuspendSilentSince(const std::vector<std::string>& members,
+                                              std::chrono::steady_clock::time_point cutoff);
+  // The workers assigned `backend` and not suspended, in rank order (a group's roster).
   std::vector<std::string> Members(std::string_view backend) const;
   // True when some worker is assigned one of `backends`.
   bool AnyAssigned(const std::vector<std::string_view>& backends) const;

@@ -138,6 +138,10 @@ StatusOr<LearnerMetrics> LearnerMetrics::Create(Registry& r,
                                 "Ledger updates after training that failed, in updates."));
   ASSIGN_OR_RETURN(m.peak_memory, r.AddGauge("grpo_peak_memory_bytes",
                                              "Peak memory of the learner process, in bytes."));
+  ASSIGN_OR_RETURN(m.lock_max_hold,
+                   r.AddGauge("grpo_learner_lock_max_hold_seconds",
+                              "The longest time one holder kept the learner's state lock since "
+                              "the process started, in seconds."));
   return m;
 }
 

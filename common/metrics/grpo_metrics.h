@@ -105,6 +105,9 @@ struct LearnerMetrics {
   Counter* ledger_errors = nullptr;
   // grpo_peak_memory_bytes: peak resident set (or device memory)
   Gauge* peak_memory = nullptr;
+  // grpo_learner_lock_max_hold_seconds: the longest one holder kept the learner's state lock
+  // since the process started, in seconds (RPCs that need it wait that long)
+  Gauge* lock_max_hold = nullptr;
 };
 
 // A rollout worker's families.

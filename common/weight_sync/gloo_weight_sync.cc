@@ -1,14 +1,17 @@
 #include "common/weight_sync/gloo_weight_sync.h"
 
 #include <c10/util/Exception.h>
+#include <signal.h>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #ifdef GRPO_HAVE_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
 
+#include <csignal>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,6 +47,20 @@ Status FromException(const std::exception& e, Clock::time_point start,
     return Status::DeadlineExceeded(m + " (deadline " + std::to_string(timeout.count()) + " ms)");
   }
   return Status::Unavailable(m);
+}
+
+// Gloo writes to its sockets without MSG_NOSIGNAL: a write to a peer that closed the group (a
+// rank that aborted, or rank 0 while this one was stopped) raised SIGPIPE and killed the process
+// (gloo_weight_sync_test, gloo_stall_test). The first group makes SIGPIPE ignored, so the write
+// fails with EPIPE and the collective with an error, unless the process chose a handler itself.
+void IgnoreSigpipeOnce() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+      std::signal(SIGPIPE, SIG_IGN);
+    }
+  });
 }
 
 class GlooWeightSync final : public HostMemoryWeightSync {
@@ -126,6 +143,7 @@ StatusOr<std::unique_ptr<WeightSync>> CreateGlooWeightSync(c10::intrusive_ptr<c1
   }
   if (options.sync.bucket_bytes <= 0) return Status::InvalidArgument("bucket_bytes must be > 0");
   if (options.sync.timeout.count() <= 0) return Status::InvalidArgument("timeout must be > 0");
+  IgnoreSigpipeOnce();
   const auto start = Clock::now();
   const std::string op = "gloo rendezvous (epoch " + std::to_string(epoch) + ", rank " +
                          std::to_string(rank) + "/" + std::to_string(world_size) + ")";

@@ -22,8 +22,10 @@ struct GlooWeightSyncOptions {
 };
 
 // Joins the group: blocks until all `world_size` ranks have joined through `store` or
-// options.sync.timeout passes (DeadlineExceeded). InvalidArgument for a bad rank/world/option;
-// Unavailable when the transport cannot be set up. `store` is shared with the caller.
+// options.sync.timeout passes (DeadlineExceeded). The first call makes the process ignore
+// SIGPIPE when it has the default disposition (Gloo's writes to a closed peer raise it).
+// InvalidArgument for a bad rank/world/option; Unavailable when the transport cannot be set up.
+// `store` is shared with the caller.
 StatusOr<std::unique_ptr<WeightSync>> CreateGlooWeightSync(c10::intrusive_ptr<c10d::Store> store,
                                                            int rank, int world_size, int64_t epoch,
                                                            const GlooWeightSyncOptions& options);

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <csignal>
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -68,6 +69,10 @@ static void ReexecWithRuntimeSettingsOnce(char** argv) {
 
 int main(int argc, char** argv) {
   ReexecWithRuntimeSettingsOnce(argv);
+  // A write to a peer that closed its socket is an error to handle, not a signal that kills the
+  // process: Gloo writes without MSG_NOSIGNAL, so a worker continued after a SIGSTOP outlasted
+  // its group (the learner closed it) died of SIGPIPE (gloo_stall_test, chaos_test).
+  std::signal(SIGPIPE, SIG_IGN);
   CLI::App app{"grpo-serve: distributed GRPO fine-tuning of language models"};
   app.set_version_flag("--version", kVersion);
   std::string log_level = "warn";

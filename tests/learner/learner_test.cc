@@ -163,6 +163,30 @@ TEST(WorkerRegistry, RanksStayDenseInRegistrationOrderAndRostersFollowTheBackend
   EXPECT_TRUE(reg.DropSilentSince(t0).empty());
 }
 
+// Issue 22 item 2: a worker that stalled a collective (no heartbeat since the cutoff) leaves
+// the roster until its next heartbeat or Register; live ones and other backends stay.
+TEST(WorkerRegistry, AStalledMemberLeavesTheRosterUntilItHeartbeatsAgain) {
+  WorkerRegistry reg;
+  const auto t0 = Clock::now();
+  reg.Register("a", "h", 1, "gloo", "gloo", t0);
+  reg.Register("b", "h", 2, "gloo", "gloo", t0);
+  reg.Register("c", "h", 3, "gloo", "gloo", t0);
+  EXPECT_TRUE(reg.Heartbeat("a", 1, t0 + 4s));  // a and c heartbeat; b is stopped
+  EXPECT_TRUE(reg.Heartbeat("c", 1, t0 + 4s));
+  EXPECT_EQ(reg.SuspendSilentSince({"a", "b", "c"}, t0 + 3s), (std::vector<std::string>{"b"}));
+  EXPECT_EQ(reg.Members("gloo"), (std::vector<std::string>{"a", "c"}));
+  EXPECT_TRUE(reg.Find("b")->suspended);
+  EXPECT_EQ(reg.size(), 3);  // still registered: its leases and rank stay
+  // Suspending again changes nothing and names nobody.
+  EXPECT_TRUE(reg.SuspendSilentSince({"a", "b", "c"}, t0 + 3s).empty());
+  EXPECT_TRUE(reg.Heartbeat("b", 1, t0 + 9s));
+  EXPECT_EQ(reg.Members("gloo"), (std::vector<std::string>{"a", "b", "c"}));
+  // A Register ends a suspension too.
+  EXPECT_EQ(reg.SuspendSilentSince({"c"}, t0 + 5s), (std::vector<std::string>{"c"}));
+  reg.Register("c", "h", 4, "gloo", "gloo", t0 + 10s);
+  EXPECT_EQ(reg.Members("gloo"), (std::vector<std::string>{"a", "b", "c"}));
+}
+
 TEST_F(LearnerTest, RegistrationHeartbeatsAndBadLeaseCalls) {
   Start();
   common::RegisterRequest r;
