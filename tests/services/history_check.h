@@ -1,0 +1,169 @@
+// The guarantees of README "Fault tolerance" checked on what a finished job left behind, read
+// independently of the code under test: the batch dumps of the final history (which prompts
+// each optimizer step trained, with which policy version and learner incarnation), the ledger
+// file (SQLite, read-only). Shared by chaos_test and elastic_workers_test.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <regex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "tests/services/fault_util.h"
+
+namespace grpo::testing::faults {
+
+// The ledger's record of trainings: (prompt marker, pass, step), read with SQLite's C API.
+struct Training {
+  std::string marker;
+  int64_t pass = 0, step = 0;
+};
+
+inline std::vector<Training> ReadTrainings(const fs::path& ledger, std::string* error) {
+  std::vector<Training> out;
+  sqlite3* db = nullptr;
+  if (sqlite3_open_v2(ledger.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) != SQLITE_OK) {
+    *error = "open " + ledger.string();
+    sqlite3_close(db);
+    return out;
+  }
+  sqlite3_stmt* st = nullptr;
+  const char* sql =
+      "SELECT p.row_json, t.pass, t.step FROM trainings t JOIN prompts p ON p.id = t.prompt_id";
+  if (sqlite3_prepare_v2(db, sql, -1, &st, nullptr) != SQLITE_OK) {
+    *error = sqlite3_errmsg(db);
+  } else {
+    const std::regex marker("item [0-9][0-9]");
+    while (sqlite3_step(st) == SQLITE_ROW) {
+      const std::string row(reinterpret_cast<const char*>(sqlite3_column_text(st, 0)));
+      std::smatch m;
+      Training t;
+      t.marker = std::regex_search(row, m, marker) ? m.str() : "?";
+      t.pass = sqlite3_column_int64(st, 1);
+      t.step = sqlite3_column_int64(st, 2);
+      out.push_back(t);
+    }
+  }
+  sqlite3_finalize(st);
+  sqlite3_close(db);
+  return out;
+}
+
+// One step's dump: the marker, policy version and policy incarnation of each row, and the
+// incarnation of the learner that trained it.
+struct StepDump {
+  std::vector<std::string> markers;
+  std::vector<int64_t> versions, incarnations;
+  int64_t learner_incarnation = 0;
+};
+
+inline std::optional<StepDump> ReadStep(const fs::path& dump_dir, int64_t step,
+                                        std::string* error) {
+  const auto dump = ReadSafetensors(DumpPath(dump_dir, step));
+  if (!dump) {
+    *error = "no readable dump of step " + std::to_string(step);
+    return std::nullopt;
+  }
+  for (const char* name : {"prompt_ids", "prompt_mask", "policy_version", "policy_incarnation",
+                           "learner_incarnation"}) {
+    if (dump->count(name) == 0) {
+      *error = "step " + std::to_string(step) + ": no tensor " + name;
+      return std::nullopt;
+    }
+  }
+  StepDump out;
+  const auto& ids = dump->at("prompt_ids");
+  const auto& mask = dump->at("prompt_mask");
+  const int64_t rows = ids.shape.at(0), cols = ids.shape.at(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::string text;
+    for (int64_t c = 0; c < cols; ++c) {
+      const bool real =
+          mask.floats.empty() ? mask.ints[r * cols + c] != 0 : mask.floats[r * cols + c] != 0;
+      const int64_t id = ids.ints[r * cols + c];
+      if (real && id >= 0 && id < 256) text.push_back(static_cast<char>(id));
+    }
+    const size_t at = text.find("item ");
+    out.markers.push_back(at == std::string::npos ? "?" : text.substr(at, 7));
+  }
+  out.versions = dump->at("policy_version").ints;
+  out.incarnations = dump->at("policy_incarnation").ints;
+  out.learner_incarnation = dump->at("learner_incarnation").ints.at(0);
+  return out;
+}
+
+// Over the dumps of steps 1..max_steps and the ledger of a job on `prompts` prompts (the
+// dataset of WriteDataset): every row's weights were published by the learner process that
+// trained it, within max_staleness; every prompt trained once per completed pass and at most
+// once in the current one; the ledger's trainings agree with the dumps step by step, one per
+// (prompt, pass), passes in order. Adds failures; returns the passes completed (-1 when the
+// files cannot be read).
+inline int64_t ExpectHistoryHolds(const fs::path& out_dir, const fs::path& dump_dir,
+                                  int64_t max_steps, int prompts, int64_t max_staleness) {
+  // The final history, from the dumps: every row's weights were published by the learner that
+  // trained it, within max_staleness.
+  std::map<std::string, int> trained;                     // marker -> sequences
+  std::map<int64_t, std::multiset<std::string>> by_step;  // step -> markers (one per prompt)
+  for (int64_t step = 1; step <= max_steps; ++step) {
+    std::string error;
+    const auto d = ReadStep(dump_dir, step, &error);
+    if (!d.has_value()) {
+      ADD_FAILURE() << error;
+      return -1;
+    }
+    EXPECT_NE(d->learner_incarnation, 0) << "step " << step;
+    for (size_t r = 0; r < d->markers.size(); ++r) {
+      EXPECT_EQ(d->incarnations[r], d->learner_incarnation)
+          << "step " << step << " row " << r << ": weights of another learner process";
+      const int64_t staleness = (step - 1) - d->versions[r];
+      EXPECT_GE(staleness, 0) << "step " << step << " row " << r << ": version " << d->versions[r]
+                              << " not published before the step";
+      EXPECT_LE(staleness, max_staleness) << "step " << step << " row " << r;
+      ++trained[d->markers[r]];
+      if (r % kGenerations == 0) by_step[step].insert(d->markers[r]);
+    }
+  }
+  // Every prompt trained once per completed pass, and at most once in the last one.
+  std::string error;
+  const auto ledger = ReadLedger(out_dir / "ledger.sqlite", &error);
+  if (!ledger.has_value()) {
+    ADD_FAILURE() << error;
+    return -1;
+  }
+  const int64_t passes_done = ledger->job_pass;
+  int64_t total = 0;
+  for (int i = 0; i < prompts; ++i) {
+    const int times = trained[Marker(i)] / kGenerations;
+    EXPECT_EQ(trained[Marker(i)] % kGenerations, 0) << Marker(i);
+    EXPECT_GE(times, passes_done) << Marker(i) << " missed a completed pass";
+    EXPECT_LE(times, passes_done + 1) << Marker(i) << " trained twice in a pass";
+    total += times;
+  }
+  // At most a full batch per step (the trainer may refuse a group that went stale in the buffer;
+  // its prompt is then trained later in its pass).
+  EXPECT_LE(total, max_steps * kPromptsPerStep);
+  EXPECT_GE(total, prompts * passes_done);
+  EXPECT_EQ(trained.size(), static_cast<size_t>(prompts)) << "an unknown prompt was trained";
+  for (const auto& [id, row] : ledger->prompts) EXPECT_NE(row.state, "REJECTED") << id;
+
+  // The ledger's record agrees with the dumps step by step, one training per (prompt, pass),
+  // passes 0, 1, ... in order for each prompt.
+  const auto trainings = ReadTrainings(out_dir / "ledger.sqlite", &error);
+  EXPECT_TRUE(error.empty()) << error;
+  std::map<int64_t, std::multiset<std::string>> ledger_by_step;
+  std::map<std::string, std::set<int64_t>> passes_of;
+  for (const Training& t : trainings) {
+    ledger_by_step[t.step].insert(t.marker);
+    EXPECT_TRUE(passes_of[t.marker].insert(t.pass).second) << t.marker << " pass " << t.pass;
+  }
+  EXPECT_EQ(ledger_by_step, by_step);
+  for (const auto& [marker, passes] : passes_of) {
+    EXPECT_EQ(static_cast<int64_t>(passes.size()), *passes.rbegin() + 1)
+        << marker << " skipped a pass";
+  }
+  return passes_done;
+}
+
+}  // namespace grpo::testing::faults
