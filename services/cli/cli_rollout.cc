@@ -109,9 +109,17 @@ int RunRollout(const RolloutCliOptions& o) {
   InstallStopHandlers();
   const Status s = (*worker)->Run();
   if (!s.ok()) {
-    const bool bad_input = s.code() == StatusCode::kInvalidArgument ||
-                           s.code() == StatusCode::kFailedPrecondition ||
-                           s.code() == StatusCode::kUnauthenticated;
+    // Not retried (rollout/retry_policy.h): the learner, or a proxy before it, refused the token.
+    const bool refused =
+        s.code() == StatusCode::kUnauthenticated || s.code() == StatusCode::kPermissionDenied;
+    if (refused) {
+      return fail(s.WithContext("the learner at " + cfg.learner_address +
+                                " refused this worker's credentials (auth_token_file '" +
+                                cfg.auth_token_file + "'); not retried"),
+                  2);
+    }
+    const bool bad_input =
+        s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kFailedPrecondition;
     return fail(s, bad_input ? 2 : 1);
   }
   return 0;
