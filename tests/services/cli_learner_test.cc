@@ -122,6 +122,27 @@ TEST_F(CliLearnerTest, SubmitStatusAndCancelEndTheLearner) {
   EXPECT_EQ(WaitExit(milliseconds(15000)), 0) << ReadFile(dir_ / "learner.err");
 }
 
+// A dataset name and a cancel reason come from clients: each stays one line of the learner's log,
+// its newline escaped, so a client cannot forge a log line.
+TEST_F(CliLearnerTest, ClientStringsWithANewlineStayOneLineOfTheLearnersLog) {
+  StartLearner();
+  int rc = 0;
+  Client("submit",
+         "--dataset " + (dir_ / "data.jsonl").string() + " --name \"$(printf 'a\\nFAKE line')\"",
+         &rc);
+  ASSERT_EQ(rc, 0) << ReadFile(dir_ / "client.err");
+  Client("cancel", "--reason \"$(printf 'r\\nFAKE reason')\"", &rc);
+  ASSERT_EQ(rc, 0) << ReadFile(dir_ / "client.err");
+  EXPECT_EQ(WaitExit(milliseconds(15000)), 0) << ReadFile(dir_ / "learner.err");
+  const std::string log = ReadFile(dir_ / "learner.err");
+  EXPECT_NE(log.find(R"('a\nFAKE line')"), std::string::npos) << log;
+  EXPECT_NE(log.find(R"(cancelled: r\nFAKE reason)"), std::string::npos) << log;
+  std::istringstream lines(log);
+  for (std::string line; std::getline(lines, line);) {
+    EXPECT_NE(line.rfind("FAKE", 0), 0u) << "a forged line: " << line;
+  }
+}
+
 TEST_F(CliLearnerTest, SigtermStopsTheLearnerCleanly) {
   StartLearner();
   ASSERT_TRUE(children_->Signal("learner", SIGTERM));
