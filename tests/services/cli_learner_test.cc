@@ -184,6 +184,16 @@ TEST_F(CliLearnerTest, ATokenFileWithAByteMetadataCannotCarryIsAnArgumentErrorNa
   }
 }
 
+TEST_F(CliLearnerTest, ADirectoryAsTheDatasetIsAnArgumentErrorNamingIt) {
+  int rc = 0;
+  RunCommand(GrpoBin() + " submit --learner_address 127.0.0.1:1 --timeout_seconds 5 --dataset " +
+                 dir_.string() + " 2>" + (dir_ / "err").string(),
+             &rc);
+  const std::string err = ReadFile(dir_ / "err");
+  EXPECT_EQ(rc, 2) << err;
+  EXPECT_NE(err.find("--dataset " + dir_.string() + " is a directory"), std::string::npos) << err;
+}
+
 TEST_F(CliLearnerTest, SigtermStopsTheLearnerCleanly) {
   StartLearner();
   ASSERT_TRUE(children_->Signal("learner", SIGTERM));
