@@ -3,6 +3,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <string>
 #include <string_view>
 
 #include "common/status.h"
@@ -12,6 +13,12 @@ namespace grpo::common {
 // level: trace|debug|info|warn|error|off. Logs go to stderr so stdout stays machine-readable.
 // Returns InvalidArgument naming the level when it is unknown.
 Status InitLogging(std::string_view level);
+
+// `text` for a log line when it comes from outside (a dataset name, a worker id or hostname, a
+// cancel reason): printable ASCII as it is, a backslash doubled, \n \r \t by name and every other
+// byte as \xHH (lower-case hex; non-ASCII too, so no C1 control or U+2028 reaches the log raw).
+// The result is one line that cannot forge another or carry a terminal escape sequence.
+std::string EscapeForLog(std::string_view text);
 
 }  // namespace grpo::common
 

@@ -8,6 +8,8 @@ std::string_view StatusCodeName(StatusCode code) {
       return "OK";
     case StatusCode::kCancelled:
       return "CANCELLED";
+    case StatusCode::kUnknown:
+      return "UNKNOWN";
     case StatusCode::kInvalidArgument:
       return "INVALID_ARGUMENT";
     case StatusCode::kDeadlineExceeded:
@@ -16,6 +18,8 @@ std::string_view StatusCodeName(StatusCode code) {
       return "NOT_FOUND";
     case StatusCode::kAlreadyExists:
       return "ALREADY_EXISTS";
+    case StatusCode::kPermissionDenied:
+      return "PERMISSION_DENIED";
     case StatusCode::kResourceExhausted:
       return "RESOURCE_EXHAUSTED";
     case StatusCode::kFailedPrecondition:
@@ -35,7 +39,7 @@ std::string_view StatusCodeName(StatusCode code) {
     case StatusCode::kUnauthenticated:
       return "UNAUTHENTICATED";
   }
-  return "UNKNOWN";
+  return "UNKNOWN";  // a value outside the enum (a cast gone wrong)
 }
 
 std::string Status::ToString() const {

@@ -1,5 +1,5 @@
 // Status and StatusOr<T>: the error vocabulary at every boundary (LevelDB/Ray style).
-// Codes map one-to-one onto grpc::StatusCode (services/grpc_status.h does the mapping).
+// Codes map one-to-one onto grpc::StatusCode (services/convert.h does the mapping).
 #pragma once
 
 #include <cassert>
@@ -11,14 +11,18 @@
 
 namespace grpo {
 
-// Values equal grpc::StatusCode's so the mapping is a cast; keep the list short.
+// gRPC's 17 codes with gRPC's numbers (static_asserts in services/convert.cc tie them), so that
+// every status a peer or proxy sends has a value here; add no codes of our own. A number outside
+// 0..16 from the wire reads as kUnknown (services::FromGrpcStatus).
 enum class StatusCode : int {
   kOk = 0,
   kCancelled = 1,
+  kUnknown = 2,  // what a proxy answers for an HTTP error it cannot map (e.g. 500)
   kInvalidArgument = 3,
   kDeadlineExceeded = 4,
   kNotFound = 5,
   kAlreadyExists = 6,
+  kPermissionDenied = 7,
   kResourceExhausted = 8,
   kFailedPrecondition = 9,
   kAborted = 10,
@@ -39,6 +43,7 @@ class [[nodiscard]] Status {
 
   static Status OK() { return Status(); }
   static Status Cancelled(std::string m) { return {StatusCode::kCancelled, std::move(m)}; }
+  static Status Unknown(std::string m) { return {StatusCode::kUnknown, std::move(m)}; }
   static Status InvalidArgument(std::string m) {
     return {StatusCode::kInvalidArgument, std::move(m)};
   }
@@ -47,6 +52,9 @@ class [[nodiscard]] Status {
   }
   static Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
   static Status AlreadyExists(std::string m) { return {StatusCode::kAlreadyExists, std::move(m)}; }
+  static Status PermissionDenied(std::string m) {
+    return {StatusCode::kPermissionDenied, std::move(m)};
+  }
   static Status ResourceExhausted(std::string m) {
     return {StatusCode::kResourceExhausted, std::move(m)};
   }

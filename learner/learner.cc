@@ -376,7 +376,8 @@ void Learner::ReturnLeasesOfDropped(const std::vector<std::string>& dropped) {
     // Its leases go back to the queue now rather than after lease_seconds (ledger_ has its
     // own lock and never calls back into the learner; called without mu_: a commit is fsynced).
     auto moved = ledger_->ExpireWorkerLeases(id);
-    GRPO_LOG_WARN("learner: worker {} missed its heartbeats; dropped from the group ({})", id,
+    GRPO_LOG_WARN("learner: worker {} missed its heartbeats; dropped from the group ({})",
+                  common::EscapeForLog(id),
                   moved.ok() ? std::to_string(*moved) + " leases returned to the queue"
                              : moved.status().ToString());
   }
@@ -593,7 +594,7 @@ void Learner::SuspendStalledMembers(const std::string& backend,
     GRPO_LOG_WARN(
         "learner: worker {} sent no heartbeat while the {} weight sync waited for it; left out "
         "of the group until it heartbeats again",
-        id, backend);
+        common::EscapeForLog(id), backend);
   }
 }
 
@@ -689,7 +690,9 @@ void Learner::ChangeState(JobState state, const std::string& message) {
     state_ = state;
     message_ = message;
   }
-  GRPO_LOG_INFO("learner: job {}{}{}", JobStateName(state), message.empty() ? "" : ": ", message);
+  // The message may be a client's cancel reason.
+  GRPO_LOG_INFO("learner: job {}{}{}", JobStateName(state), message.empty() ? "" : ": ",
+                common::EscapeForLog(message));
   state_cv_.NotifyAll();
   room_cv_.NotifyAll();
   train_cv_.NotifyAll();

@@ -52,7 +52,7 @@ StatusOr<common::Registration> Learner::Register(const common::RegisterRequest& 
     GRPO_LOG_INFO(
         "learner: worker {} registered again: {} leases of its earlier process "
         "returned to the queue",
-        r.worker_id, *moved);
+        common::EscapeForLog(r.worker_id), *moved);
   }
   r.config_json = config_json;
   r.model_config_json = model_config;
@@ -71,10 +71,13 @@ common::Registration Learner::RegisterWorker(const common::RegisterRequest& requ
                         request.weight_sync_backend, assigned.backend, Clock::now());
   if (w.is_new) {
     epoch_store_->Advance();  // the group gains a rank: rebuilt under a new epoch
+    // Everything but the rank and the assigned backend comes from the worker.
     GRPO_LOG_INFO("learner: worker {} ({}:{}, {}) registered as rank {}; weight sync {}{}",
-                  w.worker_id, request.hostname, request.pid,
-                  request.device.empty() ? "cpu" : request.device, w.rank, assigned.backend,
-                  assigned.note.empty() ? "" : " (" + assigned.note + ")");
+                  common::EscapeForLog(w.worker_id), common::EscapeForLog(request.hostname),
+                  request.pid,
+                  request.device.empty() ? "cpu" : common::EscapeForLog(request.device), w.rank,
+                  assigned.backend,
+                  assigned.note.empty() ? "" : " (" + common::EscapeForLog(assigned.note) + ")");
   } else if (w.backend_changed) {
     epoch_store_->Advance();  // it leaves one group for another
   }
@@ -100,7 +103,7 @@ StatusOr<common::HeartbeatReply> Learner::Heartbeat(const common::HeartbeatReque
   }
   if (was_suspended) {
     GRPO_LOG_INFO("learner: worker {} heartbeats again; it rejoins the weight-sync group",
-                  request.worker_id);
+                  common::EscapeForLog(request.worker_id));
   }
   common::HeartbeatReply reply;
   reply.policy_version = weights_ ? weights_->version : 0;
@@ -251,7 +254,8 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
   const std::string what = "group for prompt '" + prompt + "'";
   auto release = [&] {
     if (Status s = ledger_->ReleaseLease(lease, prompt); !s.ok()) {
-      GRPO_LOG_DEBUG("learner: release {}: {}", prompt, s.ToString());
+      GRPO_LOG_DEBUG("learner: release {}: {}", common::EscapeForLog(prompt),
+                     common::EscapeForLog(s.ToString()));  // it names the pushed lease
     }
   };
   bool ended = false, stopping = false;
@@ -304,7 +308,8 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
     }
     if (reject_prompt) {
       if (Status s = ledger_->RejectPrompt(lease, prompt, v.message()); !s.ok()) {
-        GRPO_LOG_DEBUG("learner: reject {}: {}", prompt, s.ToString());
+        GRPO_LOG_DEBUG("learner: reject {}: {}", common::EscapeForLog(prompt),
+                       common::EscapeForLog(s.ToString()));
       }
     } else {
       release();

@@ -10,6 +10,7 @@
 #include "common/model/device.h"
 #include "common/tokenizer/byte_tokenizer.h"
 #include "common/weight_sync/backends.h"
+#include "rollout/retry_policy.h"
 
 namespace grpo::rollout {
 namespace {
@@ -35,21 +36,6 @@ int64_t SeedIndex(std::string_view lease_id) {
     h *= 1099511628211ull;
   }
   return static_cast<int64_t>(h >> 2);
-}
-
-bool IsRetryable(StatusCode code) {
-  switch (code) {
-    case StatusCode::kUnavailable:
-    case StatusCode::kDeadlineExceeded:
-    case StatusCode::kResourceExhausted:
-    case StatusCode::kAborted:
-    case StatusCode::kInternal:
-    case StatusCode::kFailedPrecondition:
-    case StatusCode::kCancelled:
-      return true;
-    default:
-      return false;
-  }
 }
 
 std::string Hostname() {

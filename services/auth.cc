@@ -4,6 +4,8 @@
 #include <grpcpp/resource_quota.h>
 
 #include <cctype>
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -63,17 +65,32 @@ class ProcessedInsecureServerCredentials final : public grpc::ServerCredentials 
 
 }  // namespace
 
-StatusOr<std::string> ReadAuthToken(const std::string& path) {
+StatusOr<std::string> ReadAuthToken(const std::string& path, const char* key) {
   if (path.empty()) return std::string();
-  std::ifstream in(path);
-  if (!in) return Status::NotFound("cannot read auth_token_file " + path);
+  const std::string what = std::string(key) + " " + path;
+  if (std::error_code ec; std::filesystem::is_directory(path, ec)) {
+    return Status::InvalidArgument(what + " is a directory, not a token file");
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::NotFound("cannot read " + what);
   std::stringstream ss;
   ss << in.rdbuf();
   std::string token = ss.str();
   while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) {
     token.pop_back();
   }
-  if (token.empty()) return Status::InvalidArgument("auth_token_file " + path + " is empty");
+  if (token.empty()) return Status::InvalidArgument(what + " is empty");
+  // What gRPC accepts in a non-binary metadata value (grpc_header_nonbin_value_is_legal).
+  for (size_t i = 0; i < token.size(); ++i) {
+    const auto c = static_cast<unsigned char>(token[i]);
+    if (c < 0x20 || c > 0x7e) {
+      char byte[8];
+      std::snprintf(byte, sizeof(byte), "0x%02x", c);
+      return Status::InvalidArgument(what + " holds byte " + byte + " at offset " +
+                                     std::to_string(i) +
+                                     ": a token must be printable ASCII (gRPC metadata)");
+    }
+  }
   return token;
 }
 

@@ -14,9 +14,11 @@
 
 namespace grpo::services {
 
-// Reads the token (trailing whitespace stripped). Empty path = no auth (empty token).
-// NotFound / InvalidArgument (empty file) naming the path otherwise.
-StatusOr<std::string> ReadAuthToken(const std::string& path);
+// Reads the token of config key `key` from `path` (trailing whitespace stripped). Empty path = no
+// auth (empty token). NotFound when the file cannot be read; InvalidArgument when it is empty or
+// holds a byte that gRPC metadata cannot carry (outside printable ASCII 0x20-0x7e: gRPC aborts
+// the process on such a value), naming the key, the path and the byte's offset, never the token.
+StatusOr<std::string> ReadAuthToken(const std::string& path, const char* key = "auth_token_file");
 
 // Server side: OK when `token` is empty (auth off) or the call carries it; UNAUTHENTICATED
 // otherwise. Constant-time comparison. Handlers keep calling it as defence in depth behind the

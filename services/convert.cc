@@ -1,5 +1,8 @@
 #include "services/convert.h"
 
+#include <iterator>
+#include <string>
+
 namespace grpo::services {
 
 void ToProto(const common::RolloutGroup& group, v1::RolloutGroup* out) {
@@ -42,14 +45,63 @@ common::RolloutGroup FromProto(const v1::RolloutGroup& group) {
   return g;
 }
 
+namespace {
+
+// Every gRPC code beside ours, at the index of its number (grpc/impl/codegen/status_code_enum.h).
+struct CodePair {
+  grpc::StatusCode grpc;
+  StatusCode ours;
+};
+constexpr CodePair kCodes[] = {
+    {grpc::StatusCode::OK, StatusCode::kOk},
+    {grpc::StatusCode::CANCELLED, StatusCode::kCancelled},
+    {grpc::StatusCode::UNKNOWN, StatusCode::kUnknown},
+    {grpc::StatusCode::INVALID_ARGUMENT, StatusCode::kInvalidArgument},
+    {grpc::StatusCode::DEADLINE_EXCEEDED, StatusCode::kDeadlineExceeded},
+    {grpc::StatusCode::NOT_FOUND, StatusCode::kNotFound},
+    {grpc::StatusCode::ALREADY_EXISTS, StatusCode::kAlreadyExists},
+    {grpc::StatusCode::PERMISSION_DENIED, StatusCode::kPermissionDenied},
+    {grpc::StatusCode::RESOURCE_EXHAUSTED, StatusCode::kResourceExhausted},
+    {grpc::StatusCode::FAILED_PRECONDITION, StatusCode::kFailedPrecondition},
+    {grpc::StatusCode::ABORTED, StatusCode::kAborted},
+    {grpc::StatusCode::OUT_OF_RANGE, StatusCode::kOutOfRange},
+    {grpc::StatusCode::UNIMPLEMENTED, StatusCode::kUnimplemented},
+    {grpc::StatusCode::INTERNAL, StatusCode::kInternal},
+    {grpc::StatusCode::UNAVAILABLE, StatusCode::kUnavailable},
+    {grpc::StatusCode::DATA_LOSS, StatusCode::kDataLoss},
+    {grpc::StatusCode::UNAUTHENTICATED, StatusCode::kUnauthenticated},
+};
+constexpr int kNumCodes = static_cast<int>(std::size(kCodes));
+
+// Row i holds number i on both sides: the table is gRPC's whole list, in order, and our values
+// are gRPC's (what common/status.h promises without seeing gRPC).
+constexpr bool EveryRowHoldsItsIndex() {
+  for (int i = 0; i < kNumCodes; ++i) {
+    if (static_cast<int>(kCodes[i].grpc) != i || static_cast<int>(kCodes[i].ours) != i) {
+      return false;
+    }
+  }
+  return true;
+}
+static_assert(EveryRowHoldsItsIndex(), "kCodes must list codes 0..16 in order, ours equal gRPC's");
+static_assert(kNumCodes == static_cast<int>(grpc::StatusCode::UNAUTHENTICATED) + 1,
+              "gRPC's last code is UNAUTHENTICATED (16)");
+
+}  // namespace
+
 grpc::Status ToGrpcStatus(const Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message());
+  const int n = static_cast<int>(status.code());
+  const grpc::StatusCode code = n > 0 && n < kNumCodes ? kCodes[n].grpc : grpc::StatusCode::UNKNOWN;
+  return grpc::Status(code, status.message());
 }
 
 Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return Status::OK();
-  return Status(static_cast<StatusCode>(status.error_code()), status.error_message());
+  const int n = static_cast<int>(status.error_code());
+  if (n > 0 && n < kNumCodes) return Status(kCodes[n].ours, status.error_message());
+  // A number this build does not know (a newer peer, a broken proxy) is no code of ours.
+  return Status::Unknown(status.error_message() + " (gRPC status code " + std::to_string(n) + ")");
 }
 
 }  // namespace grpo::services

@@ -19,7 +19,9 @@ void ToProto(const common::RolloutGroup& group, v1::RolloutGroup* out);
 // Structural conversion only (the learner validates content): never fails.
 common::RolloutGroup FromProto(const v1::RolloutGroup& group);
 
-// grpo::StatusCode values equal grpc::StatusCode's.
+// Code for code (grpo::StatusCode numbers are gRPC's, checked at compile time in convert.cc);
+// the message is kept. A gRPC number outside 0..16 reads as kUnknown, its number appended to the
+// message; a grpo::StatusCode outside the enum is sent as UNKNOWN.
 grpc::Status ToGrpcStatus(const Status& status);
 Status FromGrpcStatus(const grpc::Status& status);
 

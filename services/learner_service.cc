@@ -289,8 +289,9 @@ grpc::Status LearnerServer::SubmitDataset(grpc::ServerContext* context,
     }
     auto info = learner_->AddDataset(key, lines);
     if (!info.ok()) return ToGrpcStatus(info.status());
-    GRPO_LOG_INFO("learner: dataset {} '{}': {} prompts{}", info->dataset_id, name,
-                  info->prompt_count, info->created ? "" : " (seen before)");
+    GRPO_LOG_INFO("learner: dataset {} '{}': {} prompts{}", info->dataset_id,
+                  common::EscapeForLog(name), info->prompt_count,
+                  info->created ? "" : " (seen before)");
     response->set_dataset_id(info->dataset_id);
     response->set_prompt_count(info->prompt_count);
     response->set_created(info->created);

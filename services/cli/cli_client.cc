@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -170,10 +171,15 @@ int Watch(const Client& c, const ClientOptions& o) {
 }
 
 int RunSubmit(const ClientOptions& o) {
+  // A directory opens as a stream and fails only when read: refuse it as the argument it is.
+  if (std::error_code ec; std::filesystem::is_directory(o.dataset, ec)) {
+    return Fail("submit", Status::InvalidArgument("--dataset " + o.dataset +
+                                                  " is a directory, not a JSON Lines file"));
+  }
   auto c = Connect(o);
   if (!c.ok()) return Fail("submit", c.status());
   std::ifstream in(o.dataset);
-  if (!in) return Fail("submit", Status::NotFound("cannot read dataset " + o.dataset));
+  if (!in) return Fail("submit", Status::NotFound("cannot read --dataset " + o.dataset));
   auto submitted = SubmitLines(*c, in, o.idempotency_key, o.name.empty() ? o.dataset : o.name,
                                o.timeout_seconds);
   if (!submitted.ok()) return Fail("submit", submitted.status());

@@ -66,9 +66,8 @@ int RunRollout(const RolloutCliOptions& o) {
   }
   auto token = ReadAuthToken(cfg.auth_token_file);
   if (!token.ok()) return fail(token.status(), 2);
-  auto reward_token = ReadAuthToken(cfg.reward_auth_token_file);
-  if (!reward_token.ok())
-    return fail(reward_token.status().WithContext("reward_auth_token_file"), 2);
+  auto reward_token = ReadAuthToken(cfg.reward_auth_token_file, "reward_auth_token_file");
+  if (!reward_token.ok()) return fail(reward_token.status(), 2);
   auto root_certs = ReadPemFile(cfg.tls_ca_file, "tls_ca_file");
   if (!root_certs.ok()) return fail(root_certs.status(), 2);
   const nlohmann::json reward_options =
@@ -109,9 +108,17 @@ int RunRollout(const RolloutCliOptions& o) {
   InstallStopHandlers();
   const Status s = (*worker)->Run();
   if (!s.ok()) {
-    const bool bad_input = s.code() == StatusCode::kInvalidArgument ||
-                           s.code() == StatusCode::kFailedPrecondition ||
-                           s.code() == StatusCode::kUnauthenticated;
+    // Not retried (rollout/retry_policy.h): the learner, or a proxy before it, refused the token.
+    const bool refused =
+        s.code() == StatusCode::kUnauthenticated || s.code() == StatusCode::kPermissionDenied;
+    if (refused) {
+      return fail(s.WithContext("the learner at " + cfg.learner_address +
+                                " refused this worker's credentials (auth_token_file '" +
+                                cfg.auth_token_file + "'); not retried"),
+                  2);
+    }
+    const bool bad_input =
+        s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kFailedPrecondition;
     return fail(s, bad_input ? 2 : 1);
   }
   return 0;
@@ -135,8 +142,8 @@ int RunRewardServer(const RewardServerCliOptions& o) {
   if (options.is_discarded() || !options.is_object()) {
     return fail(Status::InvalidArgument("--reward_options must be a JSON object"), 2);
   }
-  auto token = ReadAuthToken(o.reward_auth_token_file);
-  if (!token.ok()) return fail(token.status().WithContext("reward_auth_token_file"), 2);
+  auto token = ReadAuthToken(o.reward_auth_token_file, "--reward_auth_token_file");
+  if (!token.ok()) return fail(token.status(), 2);
   if (token->empty() && !IsLoopbackAddress(o.host)) {
     GRPO_LOG_WARN(
         "reward server: WARNING: auth is off (no --reward_auth_token_file) and it listens on {}: "

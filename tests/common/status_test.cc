@@ -38,8 +38,10 @@ TEST(Status, FactoriesCarryCodeAndMessage) {
 
 TEST(Status, CodesEqualGrpcNumbering) {
   // grpc::StatusCode values, from grpc/impl/codegen/status_code_enum.h.
+  EXPECT_EQ(static_cast<int>(StatusCode::kUnknown), 2);
   EXPECT_EQ(static_cast<int>(StatusCode::kInvalidArgument), 3);
   EXPECT_EQ(static_cast<int>(StatusCode::kDeadlineExceeded), 4);
+  EXPECT_EQ(static_cast<int>(StatusCode::kPermissionDenied), 7);
   EXPECT_EQ(static_cast<int>(StatusCode::kFailedPrecondition), 9);
   EXPECT_EQ(static_cast<int>(StatusCode::kUnavailable), 14);
   EXPECT_EQ(static_cast<int>(StatusCode::kUnauthenticated), 16);

@@ -122,6 +122,78 @@ TEST_F(CliLearnerTest, SubmitStatusAndCancelEndTheLearner) {
   EXPECT_EQ(WaitExit(milliseconds(15000)), 0) << ReadFile(dir_ / "learner.err");
 }
 
+// A dataset name and a cancel reason come from clients: each stays one line of the learner's log,
+// its newline escaped, so a client cannot forge a log line.
+TEST_F(CliLearnerTest, ClientStringsWithANewlineStayOneLineOfTheLearnersLog) {
+  StartLearner();
+  int rc = 0;
+  Client("submit",
+         "--dataset " + (dir_ / "data.jsonl").string() + " --name \"$(printf 'a\\nFAKE line')\"",
+         &rc);
+  ASSERT_EQ(rc, 0) << ReadFile(dir_ / "client.err");
+  Client("cancel", "--reason \"$(printf 'r\\nFAKE reason')\"", &rc);
+  ASSERT_EQ(rc, 0) << ReadFile(dir_ / "client.err");
+  EXPECT_EQ(WaitExit(milliseconds(15000)), 0) << ReadFile(dir_ / "learner.err");
+  const std::string log = ReadFile(dir_ / "learner.err");
+  EXPECT_NE(log.find(R"('a\nFAKE line')"), std::string::npos) << log;
+  EXPECT_NE(log.find(R"(cancelled: r\nFAKE reason)"), std::string::npos) << log;
+  std::istringstream lines(log);
+  for (std::string line; std::getline(lines, line);) {
+    EXPECT_NE(line.rfind("FAKE", 0), 0u) << "a forged line: " << line;
+  }
+}
+
+// gRPC aborts a process that sends a metadata value outside printable ASCII (a NUL, an escape), so
+// every command that reads a token file refuses such a file as a bad argument, naming it.
+TEST_F(CliLearnerTest, ATokenFileWithAByteMetadataCannotCarryIsAnArgumentErrorNamingIt) {
+  const std::string nul = (dir_ / "nul_token").string();
+  std::ofstream(nul) << std::string("tok\0en\n", 7);
+  const std::string esc = (dir_ / "esc_token").string();
+  std::ofstream(esc) << "tok\x1b[0men\n";
+  const std::string nowhere = " --learner_address 127.0.0.1:1 --timeout_seconds 5";
+  const std::string data = " --dataset " + (dir_ / "data.jsonl").string();
+  const std::string learner = " --output_dir " + (dir_ / "out").string() +
+                              " --grpc_port 0 --metrics_port 0 --reward_funcs length";
+  struct Case {
+    std::string command;  // before the token option
+    std::string option;
+    std::string file;
+    std::string byte;
+  };
+  const Case cases[] = {
+      {"status" + nowhere, "--auth_token_file", nul, "0x00"},
+      {"status" + nowhere, "--auth_token_file", esc, "0x1b"},
+      {"submit" + nowhere + data, "--auth_token_file", nul, "0x00"},
+      {"learner" + learner, "--auth_token_file", nul, "0x00"},
+      {"rollout --learner_address 127.0.0.1:1 --metrics_port 0", "--auth_token_file", nul, "0x00"},
+      {"rollout --learner_address 127.0.0.1:1 --metrics_port 0", "--reward_auth_token_file", nul,
+       "0x00"},
+      {"reward-server --reward_funcs length --host 127.0.0.1 --port 0", "--reward_auth_token_file",
+       nul, "0x00"},
+  };
+  for (const Case& c : cases) {
+    int rc = 0;
+    // `timeout`: a server that took the token would serve until killed.
+    RunCommand("timeout 20 " + GrpoBin() + " " + c.command + " " + c.option + " " + c.file + " 2>" +
+                   (dir_ / "err").string(),
+               &rc);
+    const std::string err = ReadFile(dir_ / "err");
+    EXPECT_EQ(rc, 2) << c.command << ": " << err;
+    EXPECT_NE(err.find(c.file), std::string::npos) << c.command << ": " << err;
+    EXPECT_NE(err.find("holds byte " + c.byte), std::string::npos) << c.command << ": " << err;
+  }
+}
+
+TEST_F(CliLearnerTest, ADirectoryAsTheDatasetIsAnArgumentErrorNamingIt) {
+  int rc = 0;
+  RunCommand(GrpoBin() + " submit --learner_address 127.0.0.1:1 --timeout_seconds 5 --dataset " +
+                 dir_.string() + " 2>" + (dir_ / "err").string(),
+             &rc);
+  const std::string err = ReadFile(dir_ / "err");
+  EXPECT_EQ(rc, 2) << err;
+  EXPECT_NE(err.find("--dataset " + dir_.string() + " is a directory"), std::string::npos) << err;
+}
+
 TEST_F(CliLearnerTest, SigtermStopsTheLearnerCleanly) {
   StartLearner();
   ASSERT_TRUE(children_->Signal("learner", SIGTERM));

@@ -57,6 +57,33 @@ TEST(JobStateWire, EachStateHasItsEnumValueAndUnknownValuesReadAsNone) {
   EXPECT_EQ(old.state(), v1::JOB_STATE_UNSPECIFIED);
 }
 
+// Every gRPC code crosses the boundary as itself, both ways, with its message; a number outside
+// gRPC's 0..16 (a newer peer, a broken proxy) reads as UNKNOWN, never as a value outside the enum.
+TEST(StatusWire, EveryGrpcCodeRoundTripsAndAnUnknownNumberReadsAsUnknown) {
+  for (int n = 1; n <= 16; ++n) {
+    const Status ours = FromGrpcStatus(grpc::Status(static_cast<grpc::StatusCode>(n), "m"));
+    EXPECT_EQ(static_cast<int>(ours.code()), n);
+    EXPECT_EQ(ours.message(), "m");
+    const grpc::Status back = ToGrpcStatus(ours);
+    EXPECT_EQ(static_cast<int>(back.error_code()), n);
+    EXPECT_EQ(back.error_message(), "m");
+  }
+  EXPECT_TRUE(FromGrpcStatus(grpc::Status::OK).ok());
+  EXPECT_TRUE(ToGrpcStatus(Status::OK()).ok());
+  EXPECT_EQ(FromGrpcStatus(grpc::Status(grpc::StatusCode::UNKNOWN, "proxy")).code(),
+            StatusCode::kUnknown);
+  EXPECT_EQ(FromGrpcStatus(grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "403")).code(),
+            StatusCode::kPermissionDenied);
+  for (int n : {17, 42, -1}) {
+    const Status s = FromGrpcStatus(grpc::Status(static_cast<grpc::StatusCode>(n), "odd"));
+    EXPECT_EQ(s.code(), StatusCode::kUnknown) << n;
+    EXPECT_EQ(s.message(), "odd (gRPC status code " + std::to_string(n) + ")");
+    EXPECT_EQ(s.ToString().rfind("UNKNOWN: ", 0), 0u) << s.ToString();
+  }
+  EXPECT_EQ(ToGrpcStatus(Status(static_cast<StatusCode>(99), "bad cast")).error_code(),
+            grpc::StatusCode::UNKNOWN);
+}
+
 TEST_F(LearnerServiceTest, RefusesCallsWithoutTheTokenAndAcceptsThemWithIt) {
   const fs::path token_file = dir_ / "token";
   std::ofstream(token_file) << "s3cret\n";

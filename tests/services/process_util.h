@@ -45,8 +45,10 @@ inline std::string Tail(const std::filesystem::path& p, size_t n = 4000) {
 
 // Children by name over common::ProcessSupervisor (the demo's supervisor too), each in a process
 // group of its own with stdout and stderr in <dir>/<name>.out and <dir>/<name>.err. The
-// destructor SIGKILLs every group still running and reaps it, so no test leaves a process
-// behind. Not thread-safe.
+// destructor SIGKILLs every group still running and reaps it, and a test process that dies
+// without it (CTest's timeout, Ctrl-C, a crash) takes its children with it (die_with_parent), so
+// no test leaves a process behind. Not thread-safe; call Spawn from the test's main thread: the
+// kernel kills a child when the thread that spawned it exits (PR_SET_PDEATHSIG).
 class Children {
  public:
   explicit Children(std::filesystem::path dir) : dir_(std::move(dir)) {}
@@ -60,6 +62,7 @@ class Children {
     spec.argv = std::move(args);
     spec.stdout_path = Out(name).string();
     spec.stderr_path = Err(name).string();
+    spec.die_with_parent = true;
     auto p = supervisor_.Spawn(name, std::move(spec));
     return p.ok() ? (*p)->pid : -1;
   }
