@@ -403,7 +403,55 @@ Status GrpoTrainer::ValidateGroup(const RolloutGroup& g, RejectReason* reason) c
   return Status::OK();
 }
 
+namespace {
+
+// Runs `body`, with a libtorch or standard exception turned into Internal (the edge of learner/).
+template <typename Body>
+auto CatchAsStatus(Body&& body) -> decltype(body()) {
+  try {
+    return body();
+  } catch (const c10::Error& e) {
+    return Status::Internal(std::string("training step: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("training step: ") + e.what());
+  }
+}
+
+}  // namespace
+
 StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
+    const std::vector<RolloutGroup>& groups) {
+  auto result = CatchAsStatus([&] { return TrainGenerationBatchOrFail(groups); });
+  if (!result.ok()) DiscardOpenStep();
+  return result;
+}
+
+StatusOr<std::optional<StepMetrics>> GrpoTrainer::FlushPartialStep() {
+  auto result = CatchAsStatus([&] { return FlushPartialStepOrFail(); });
+  if (!result.ok()) DiscardOpenStep();
+  return result;
+}
+
+void GrpoTrainer::DiscardOpenStep() {
+  open_.reset();
+  try {
+    ZeroGrads();
+  } catch (const c10::Error&) {
+    // The device failed: nothing more to do here. The next step zeroes the gradients before its
+    // first backward (ZeroGrads), so none of this one's can reach it.
+  }
+}
+
+void GrpoTrainer::ZeroGrads() {
+  optimizer_->ZeroGrad();
+  if (!compute_) return;
+  at::NoGradGuard no_grad;
+  for (at::Tensor& p : compute_->Parameters()) {
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+}
+
+StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
     const std::vector<RolloutGroup>& groups) {
   GenerationBatchResult result;
   Batch batch;
@@ -546,71 +594,61 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
       os.sm.reward_names = reward_names;
       os.sm.reward_fn_mean = adv.reward_fn_mean;
       os.sm.reward_fn_std = adv.reward_fn_std;
-      try {
-        if (os.micro == 0) optimizer_->ZeroGrad();
-        MicroBatch mb = OnDevice(MakeMicroBatch(batch.prompts, batch.completions, b0, b1,
-                                                batch.has_beh, config_.mask_truncated_completions),
-                                 device);
-        at::Tensor entropy, logp;
-        const int64_t C = mb.labels.size(1);
-        GrpoLossInputs in;
-        in.mask = mb.completion_mask;
-        in.advantages = batch.advantages.narrow(0, b0, b1 - b0).to(device);
-        if (batch.old.defined()) {
-          in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
-        }
-        if (batch.ref.defined()) {
-          in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
-        }
-        if (batch.has_beh) in.beh = mb.beh;
-        GrpoLossOutput out;
-        if (loss_config_.importance_sampling_level == ImportanceSamplingLevel::kToken) {
-          ASSIGN_OR_RETURN(out, FusedMicroBatchBackward(compute, mb, config_, step_loss_config,
-                                                        norm, in, &logp, &entropy));
-        } else {  // sequence-level ratios couple a sequence's tokens: autograd through them
-          logp = CompletionLogprobs(compute, mb, config_, &entropy);
-          in.logp = logp;
-          ASSIGN_OR_RETURN(out, ComputeGrpoLoss(step_loss_config, in, norm));
-          out.loss.backward();
-        }
-        MoveComputeGradsToMaster();
-        os.lm.Merge(out.metrics);
-        // One host read per micro-batch: TRL's entropy (the mean over micro-batches of each
-        // one's token mean) and the |behaviour - old| sums over the real completion tokens.
-        std::vector<at::Tensor> stats = {mb.completion_mask.sum(),
-                                         (entropy * mb.completion_mask).sum()};
-        if (batch.has_beh) {
-          at::NoGradGuard no_grad;
-          const at::Tensor real =
-              mb.attention_mask.narrow(1, mb.prompt_len, C).to(at::kFloat);  // [b, C]
-          const at::Tensor old = in.old.defined() ? in.old : logp.detach();
-          const at::Tensor diff = (mb.beh - old.to(at::kFloat)).abs() * real;
-          stats.push_back(diff.sum());
-          stats.push_back(diff.max());
-          stats.push_back(real.sum());
-        }
-        const at::Tensor host = at::stack(stats).to(at::kCPU);
-        const float* hs = host.data_ptr<float>();
-        const double mb_tokens = hs[0];
-        os.entropy_mean_sum += static_cast<double>(hs[1]) / std::max(1.0, mb_tokens);
-        if (batch.has_beh) {
-          os.mismatch_sum += hs[2];
-          os.mismatch_max = std::max(os.mismatch_max, static_cast<double>(hs[3]));
-          os.mismatch_tokens += hs[4];
-        }
-        if (!config_.dump_batches_dir.empty()) {
-          os.dump_rows.push_back({b0, b1});
-          os.dump_logp.push_back(logp.detach().to(at::kCPU));
-        }
-      } catch (const c10::Error& e) {
-        optimizer_->ZeroGrad();
-        if (compute_) {
-          for (at::Tensor& p : compute_->Parameters()) {
-            if (p.grad().defined()) p.mutable_grad().zero_();
-          }
-        }
-        open_.reset();
-        return Status::Internal(std::string("training step: ") + e.what_without_backtrace());
+      if (os.micro == 0) ZeroGrads();
+      MicroBatch mb = OnDevice(MakeMicroBatch(batch.prompts, batch.completions, b0, b1,
+                                              batch.has_beh, config_.mask_truncated_completions),
+                               device);
+      at::Tensor entropy, logp;
+      const int64_t C = mb.labels.size(1);
+      GrpoLossInputs in;
+      in.mask = mb.completion_mask;
+      in.advantages = batch.advantages.narrow(0, b0, b1 - b0).to(device);
+      if (batch.old.defined()) {
+        in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
+      }
+      if (batch.ref.defined()) {
+        in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
+      }
+      if (batch.has_beh) in.beh = mb.beh;
+      GrpoLossOutput out;
+      if (loss_config_.importance_sampling_level == ImportanceSamplingLevel::kToken) {
+        ASSIGN_OR_RETURN(out, FusedMicroBatchBackward(compute, mb, config_, step_loss_config, norm,
+                                                      in, &logp, &entropy));
+      } else {  // sequence-level ratios couple a sequence's tokens: autograd through them
+        logp = CompletionLogprobs(compute, mb, config_, &entropy);
+        in.logp = logp;
+        ASSIGN_OR_RETURN(out, ComputeGrpoLoss(step_loss_config, in, norm));
+        out.loss.backward();
+      }
+      MoveComputeGradsToMaster();
+      if (TEST_micro_batch_fault_) RETURN_IF_ERROR(TEST_micro_batch_fault_(it * num_micro + m));
+      os.lm.Merge(out.metrics);
+      // One host read per micro-batch: TRL's entropy (the mean over micro-batches of each
+      // one's token mean) and the |behaviour - old| sums over the real completion tokens.
+      std::vector<at::Tensor> stats = {mb.completion_mask.sum(),
+                                       (entropy * mb.completion_mask).sum()};
+      if (batch.has_beh) {
+        at::NoGradGuard no_grad;
+        const at::Tensor real =
+            mb.attention_mask.narrow(1, mb.prompt_len, C).to(at::kFloat);  // [b, C]
+        const at::Tensor old = in.old.defined() ? in.old : logp.detach();
+        const at::Tensor diff = (mb.beh - old.to(at::kFloat)).abs() * real;
+        stats.push_back(diff.sum());
+        stats.push_back(diff.max());
+        stats.push_back(real.sum());
+      }
+      const at::Tensor host = at::stack(stats).to(at::kCPU);
+      const float* hs = host.data_ptr<float>();
+      const double mb_tokens = hs[0];
+      os.entropy_mean_sum += static_cast<double>(hs[1]) / std::max(1.0, mb_tokens);
+      if (batch.has_beh) {
+        os.mismatch_sum += hs[2];
+        os.mismatch_max = std::max(os.mismatch_max, static_cast<double>(hs[3]));
+        os.mismatch_tokens += hs[4];
+      }
+      if (!config_.dump_batches_dir.empty()) {
+        os.dump_rows.push_back({b0, b1});
+        os.dump_logp.push_back(logp.detach().to(at::kCPU));
       }
       if (++os.micro < ga) continue;
       ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(&batch, ga));
@@ -629,7 +667,7 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
 
 int64_t GrpoTrainer::open_step_micro_batches() const { return open_ ? open_->micro : 0; }
 
-StatusOr<std::optional<StepMetrics>> GrpoTrainer::FlushPartialStep() {
+StatusOr<std::optional<StepMetrics>> GrpoTrainer::FlushPartialStepOrFail() {
   if (!open_ || open_->micro == 0) {
     open_.reset();
     return std::optional<StepMetrics>();
@@ -647,35 +685,27 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(const Batch* batch, int64_t diviso
   const double scale = dapo ? 1.0 / std::max(1.0, os.step_completion_tokens)
                             : static_cast<double>(config_.gradient_accumulation_steps) /
                                   static_cast<double>(divisor);
-  try {
-    if (scale != 1.0) {
-      at::NoGradGuard no_grad;
-      for (at::Tensor& p : policy_->Parameters()) {
-        if (p.grad().defined()) p.mutable_grad().mul_(scale);
-      }
+  if (scale != 1.0) {
+    at::NoGradGuard no_grad;
+    for (at::Tensor& p : policy_->Parameters()) {
+      if (p.grad().defined()) p.mutable_grad().mul_(scale);
     }
-    sm.grad_norm = ClipGradNorm(policy_->Parameters(), config_.max_grad_norm);
-    if (!std::isfinite(sm.grad_norm)) {
-      optimizer_->ZeroGrad();
-      open_.reset();
-      return Status::Internal("non-finite gradient norm at step " +
-                              std::to_string(global_step_ + 1) + "; step skipped");
-    }
-    const int64_t total_steps = config_.max_steps;
-    const int64_t warmup = config_.warmup_steps > 0
-                               ? config_.warmup_steps
-                               : static_cast<int64_t>(std::ceil(config_.warmup_ratio *
-                                                                static_cast<double>(total_steps)));
-    sm.learning_rate =
-        LearningRateAt(schedule_, config_.learning_rate, global_step_, warmup, total_steps);
-    optimizer_->Step(sm.learning_rate);
-    optimizer_->ZeroGrad();
-    RefreshComputeCopy();
-  } catch (const c10::Error& e) {
-    optimizer_->ZeroGrad();
-    open_.reset();
-    return Status::Internal(std::string("training step: ") + e.what_without_backtrace());
   }
+  sm.grad_norm = ClipGradNorm(policy_->Parameters(), config_.max_grad_norm);
+  if (!std::isfinite(sm.grad_norm)) {
+    return Status::Internal("non-finite gradient norm at step " + std::to_string(global_step_ + 1) +
+                            "; step skipped");
+  }
+  const int64_t total_steps = config_.max_steps;
+  const int64_t warmup = config_.warmup_steps > 0
+                             ? config_.warmup_steps
+                             : static_cast<int64_t>(std::ceil(config_.warmup_ratio *
+                                                              static_cast<double>(total_steps)));
+  sm.learning_rate =
+      LearningRateAt(schedule_, config_.learning_rate, global_step_, warmup, total_steps);
+  optimizer_->Step(sm.learning_rate);
+  optimizer_->ZeroGrad();
+  RefreshComputeCopy();
   ++global_step_;
   ++policy_version_;
   sm.step = global_step_;

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -114,12 +115,15 @@ class GrpoTrainer {
   // micro-batches' (docs/GRPO_SPEC.md "Aggregation"). When the batch ends inside a step (its
   // micro-batches x num_iterations not a multiple of gradient_accumulation_steps) the step stays
   // open and the next batch completes it, as in TRL; it is never a shorter step divided by the
-  // full count. An error discards the open step and leaves the optimizer and model as they were
-  // before it.
+  // full count. An error (a Status, or an exception from libtorch, returned as Internal)
+  // discards the open step, also one carried over from an earlier batch: its gradient and
+  // counters are dropped, so no later step holds any of it. The model and optimizer are then
+  // those of the last step taken (steps this call completed before the error stay taken).
   StatusOr<GenerationBatchResult> TrainGenerationBatch(
       const std::vector<common::RolloutGroup>& groups);
   // Takes the open step, if any, with the micro-batches it has (normalised by their own count;
-  // at the end of a job). nullopt when no step is open.
+  // at the end of a job). nullopt when no step is open. An error discards the open step, as in
+  // TrainGenerationBatch.
   StatusOr<std::optional<StepMetrics>> FlushPartialStep();
   // Micro-batches back-propagated into the open step (0 when none is open).
   int64_t open_step_micro_batches() const;
@@ -139,6 +143,12 @@ class GrpoTrainer {
     global_step_ = global_step;
     policy_version_ = policy_version;
   }
+  // Tests only: called after each micro-batch's backward with its index in the call's stream of
+  // micro-batches (0-based, over all num_iterations passes); an error fails the call there, as a
+  // micro-batch that fails after its gradient reached .grad would (fault injection).
+  void TEST_set_micro_batch_fault(std::function<Status(int64_t micro_batch)> fault) {
+    TEST_micro_batch_fault_ = std::move(fault);
+  }
 
  private:
   struct Batch;  // flattened sequences of a generation batch
@@ -146,6 +156,15 @@ class GrpoTrainer {
               std::unique_ptr<common::Model> reference);
 
   struct OpenStep;  // the optimizer step being accumulated
+  // TrainGenerationBatch and FlushPartialStep without the discard on error.
+  StatusOr<GenerationBatchResult> TrainGenerationBatchOrFail(
+      const std::vector<common::RolloutGroup>& groups);
+  StatusOr<std::optional<StepMetrics>> FlushPartialStepOrFail();
+  // Drops the open step: its counters and every gradient (master and compute copy). The one
+  // cleanup of every error path.
+  void DiscardOpenStep();
+  // Zeroes the gradients of the master and of the compute copy.
+  void ZeroGrads();
   // Steps the optimizer on the open step's gradient; `divisor` micro-batches (the accumulation
   // count, or fewer for a flush). Dumps the step when `batch` is given and dumps are on.
   StatusOr<StepMetrics> FinishStep(const Batch* batch, int64_t divisor);
@@ -168,6 +187,7 @@ class GrpoTrainer {
   std::atomic<int64_t> policy_version_{0};  // read by ValidateGroup on other threads
   std::unique_ptr<OpenStep> open_;
   std::string dump_incarnation_;
+  std::function<Status(int64_t)> TEST_micro_batch_fault_;
 };
 
 // Peak resident set of this process (VmHWM), in bytes; 0 when unknown. (The trainer's

@@ -363,5 +363,107 @@ TEST(GrpoTrainer, StepsSpanGenerationBatchesAndDoNotDependOnStepsPerGeneration) 
   EXPECT_NEAR(one.steps[1].grad_norm, two.steps[1].grad_norm, 1e-5 * two.steps[1].grad_norm);
 }
 
+std::vector<at::Tensor> Weights(common::Model& model) {
+  std::vector<at::Tensor> out;
+  for (auto& p : model.Parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+bool BitEqual(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!at::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+// The header's contract for an error inside a step: the step is discarded whole. A failure at
+// the third of three micro-batches of one step (two micro-batches' gradient and the third's
+// already in .grad, the step's counters counting two), then a good batch: its step must be
+// exactly the step of a fresh trainer (same initial weights) that never saw the failed batch.
+TEST(GrpoTrainer, AnErrorInsideAStepLeavesNothingOfItForTheNextStep) {
+  common::GrpoConfig cfg = BaseConfig();
+  cfg.per_device_train_batch_size = 4;  // one group per micro-batch
+  cfg.gradient_accumulation_steps = 3;  // a batch of 3 groups is one step
+  const auto failing = MakeGroups(3, 4, 31), good = MakeGroups(3, 4, 37);
+
+  auto model = TinyModel();
+  const auto initial = Weights(*model);
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr);
+  ASSERT_TRUE(trainer.ok());
+  (*trainer)->TEST_set_micro_batch_fault([](int64_t micro_batch) {
+    return micro_batch == 2 ? Status::Internal("injected micro-batch failure") : Status::OK();
+  });
+  auto failed = (*trainer)->TrainGenerationBatch(failing);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_NE(failed.status().message().find("injected micro-batch failure"), std::string::npos);
+  EXPECT_EQ((*trainer)->open_step_micro_batches(), 0);
+  EXPECT_EQ((*trainer)->global_step(), 0);
+  EXPECT_TRUE(BitEqual(Weights(*model), initial));
+  (*trainer)->TEST_set_micro_batch_fault(nullptr);
+  auto r = (*trainer)->TrainGenerationBatch(good);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->steps.size(), 1u);
+
+  auto fresh_model = TinyModel();
+  auto fresh = GrpoTrainer::Create(cfg, fresh_model.get(), nullptr);
+  ASSERT_TRUE(fresh.ok());
+  auto expected = (*fresh)->TrainGenerationBatch(good);
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+  ASSERT_EQ(expected->steps.size(), 1u);
+
+  EXPECT_GT(expected->steps[0].grad_norm, 0.0);
+  EXPECT_EQ(r->steps[0].loss, expected->steps[0].loss);
+  EXPECT_EQ(r->steps[0].grad_norm, expected->steps[0].grad_norm);
+  EXPECT_EQ(r->steps[0].micro_batches, 3);
+  EXPECT_EQ(r->steps[0].sequences, expected->steps[0].sequences);
+  EXPECT_EQ(r->steps[0].completion_tokens, expected->steps[0].completion_tokens);
+  EXPECT_TRUE(BitEqual(Weights(*model), Weights(*fresh_model)));
+}
+
+// An error discards the open step also when an earlier generation batch opened it: here batch A
+// (one micro-batch of a 2-micro-batch step) opens step 1, batch B fails in its micro-batch, and
+// step 1 is then C + D only: the same step as a fresh trainer's on C and D.
+TEST(GrpoTrainer, AnErrorDiscardsTheOpenStepCarriedOverFromTheBatchBefore) {
+  common::GrpoConfig cfg = BaseConfig();
+  cfg.per_device_train_batch_size = 4;
+  cfg.gradient_accumulation_steps = 2;
+  cfg.steps_per_generation = 1;  // a generation batch of one group: one micro-batch
+  const auto groups = MakeGroups(4, 4, 41);
+  const std::vector<RolloutGroup> a = {groups[0]}, b = {groups[1]}, c = {groups[2]},
+                                  d = {groups[3]};
+
+  auto model = TinyModel();
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr);
+  ASSERT_TRUE(trainer.ok());
+  auto ra = (*trainer)->TrainGenerationBatch(a);
+  ASSERT_TRUE(ra.ok()) << ra.status().ToString();
+  EXPECT_TRUE(ra->steps.empty());
+  EXPECT_EQ((*trainer)->open_step_micro_batches(), 1);
+  (*trainer)->TEST_set_micro_batch_fault(
+      [](int64_t) { return Status::Internal("injected micro-batch failure"); });
+  EXPECT_FALSE((*trainer)->TrainGenerationBatch(b).ok());
+  EXPECT_EQ((*trainer)->open_step_micro_batches(), 0);
+  (*trainer)->TEST_set_micro_batch_fault(nullptr);
+  ASSERT_TRUE((*trainer)->TrainGenerationBatch(c).ok());
+  auto rd = (*trainer)->TrainGenerationBatch(d);
+  ASSERT_TRUE(rd.ok()) << rd.status().ToString();
+  ASSERT_EQ(rd->steps.size(), 1u);
+
+  auto fresh_model = TinyModel();
+  auto fresh = GrpoTrainer::Create(cfg, fresh_model.get(), nullptr);
+  ASSERT_TRUE(fresh.ok());
+  ASSERT_TRUE((*fresh)->TrainGenerationBatch(c).ok());
+  auto expected = (*fresh)->TrainGenerationBatch(d);
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+  ASSERT_EQ(expected->steps.size(), 1u);
+
+  EXPECT_GT(expected->steps[0].grad_norm, 0.0);
+  EXPECT_EQ(rd->steps[0].loss, expected->steps[0].loss);
+  EXPECT_EQ(rd->steps[0].grad_norm, expected->steps[0].grad_norm);
+  EXPECT_EQ(rd->steps[0].sequences, 8);
+  EXPECT_TRUE(BitEqual(Weights(*model), Weights(*fresh_model)));
+}
+
 }  // namespace
 }  // namespace grpo::learner
