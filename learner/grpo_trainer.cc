@@ -119,6 +119,21 @@ struct GrpoTrainer::Batch {
   int64_t size() const { return static_cast<int64_t>(completions.size()); }
 };
 
+// The rows of an open step for its batch dump, copied out of their generation batches (a step
+// may span batches, and a batch's groups live only as long as its TrainGenerationBatch call),
+// in stream order: a row per sequence, a tensor per micro-batch.
+struct GrpoTrainer::StepDump {
+  std::vector<std::vector<int32_t>> prompts;    // [S]
+  std::vector<common::Completion> completions;  // [S]
+  std::vector<int64_t> versions, incarnations;  // [S] policy version, policy incarnation bits
+  std::vector<at::Tensor> rewards;              // [b] float64
+  std::vector<at::Tensor> rewards_per_func;     // [b, K] float64
+  std::vector<at::Tensor> advantages;           // [b] float32
+  std::vector<at::Tensor> old;                  // [b, Cmax] or undefined (old = logp there)
+  std::vector<at::Tensor> ref;                  // [b, Cmax] or undefined (beta == 0)
+  std::vector<at::Tensor> logp;                 // [b, C] as the micro-batch trained on them
+};
+
 // An optimizer step whose micro-batches have been back-propagated (their gradient is in the
 // parameters' .grad) but not yet stepped: it may span generation batches.
 struct GrpoTrainer::OpenStep {
@@ -130,9 +145,7 @@ struct GrpoTrainer::OpenStep {
   double clipped = 0, staleness_sum = 0, entropy_mean_sum = 0;
   double mismatch_sum = 0, mismatch_max = 0, mismatch_tokens = 0;
   int64_t all_tokens = 0;
-  // With dumps on: this batch's micro-batches of the step ([b0, b1) rows) and their log-probs.
-  std::vector<std::pair<int64_t, int64_t>> dump_rows;
-  std::vector<at::Tensor> dump_logp;
+  StepDump dump;  // with dumps on
 };
 
 GrpoTrainer::~GrpoTrainer() = default;
@@ -646,21 +659,11 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
         os.mismatch_max = std::max(os.mismatch_max, static_cast<double>(hs[3]));
         os.mismatch_tokens += hs[4];
       }
-      if (!config_.dump_batches_dir.empty()) {
-        os.dump_rows.push_back({b0, b1});
-        os.dump_logp.push_back(logp.detach().to(at::kCPU));
-      }
+      if (!config_.dump_batches_dir.empty()) AppendDumpRows(batch, b0, b1, logp, &os.dump);
       if (++os.micro < ga) continue;
-      ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(&batch, ga));
+      ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(ga));
       result.steps.push_back(std::move(sm));
     }
-  }
-  // Rows of this batch in a step still open are dumped with that step's later rows: keep the
-  // batch alive for it by dumping them now, under the step's number-to-be, when dumps are on.
-  if (open_ && !config_.dump_batches_dir.empty() && !open_->dump_rows.empty()) {
-    RETURN_IF_ERROR(DumpRows(batch, *open_, global_step_ + 1, "-part"));
-    open_->dump_rows.clear();
-    open_->dump_logp.clear();
   }
   return result;
 }
@@ -672,11 +675,11 @@ StatusOr<std::optional<StepMetrics>> GrpoTrainer::FlushPartialStepOrFail() {
     open_.reset();
     return std::optional<StepMetrics>();
   }
-  ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(nullptr, open_->micro));
+  ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(open_->micro));
   return std::optional<StepMetrics>(std::move(sm));
 }
 
-StatusOr<StepMetrics> GrpoTrainer::FinishStep(const Batch* batch, int64_t divisor) {
+StatusOr<StepMetrics> GrpoTrainer::FinishStep(int64_t divisor) {
   OpenStep& os = *open_;
   StepMetrics sm = os.sm;
   const bool dapo = loss_config_.loss_type == LossType::kDapo;
@@ -732,88 +735,113 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(const Batch* batch, int64_t diviso
   sm.logprob_mismatch_max = os.mismatch_max;
   sm.peak_memory_bytes = common::PeakMemoryBytes(policy_->device());
   sm.micro_batches = os.micro;
-  if (batch != nullptr && !config_.dump_batches_dir.empty() && !os.dump_rows.empty()) {
+  if (!config_.dump_batches_dir.empty() && !os.dump.prompts.empty()) {
     os.sm = sm;
-    RETURN_IF_ERROR(DumpRows(*batch, os, sm.step, ""));
+    RETURN_IF_ERROR(DumpStep(os, sm.step));
   }
   open_.reset();
   return sm;
 }
 
-Status GrpoTrainer::DumpRows(const Batch& batch, const OpenStep& os, int64_t step,
-                             const char* suffix) const {
-  // The step's micro-batches of this batch, in stream order (a pass of num_iterations > 1 in
-  // the same step repeats rows, each with its own log-probs).
-  std::vector<int64_t> rows;
-  for (const auto& [b0, b1] : os.dump_rows) {
-    for (int64_t r = b0; r < b1; ++r) rows.push_back(r);
+namespace {
+
+// A 64-bit hex incarnation id as int64 bits; 0 when there is none.
+int64_t IncarnationBits(const std::string& hex) {
+  uint64_t v = 0;
+  const auto [p, ec] = std::from_chars(hex.data(), hex.data() + hex.size(), v, 16);
+  return ec == std::errc() && p == hex.data() + hex.size() ? static_cast<int64_t>(v) : 0;
+}
+
+// Pieces [b_i, w_i] stacked into [sum b_i, width] of `dtype`: each cut at `width`, or filled up
+// to it with `pad` on the right.
+at::Tensor CatPadded(const std::vector<at::Tensor>& pieces, int64_t width, double pad,
+                     at::ScalarType dtype) {
+  int64_t rows = 0;
+  for (const at::Tensor& p : pieces) rows += p.size(0);
+  at::Tensor out = at::full({rows, width}, pad, at::TensorOptions().dtype(dtype));
+  int64_t at_row = 0;
+  for (const at::Tensor& p : pieces) {
+    const int64_t w = std::min(width, p.size(1));
+    out.narrow(0, at_row, p.size(0)).narrow(1, 0, w).copy_(p.narrow(1, 0, w));
+    at_row += p.size(0);
   }
-  const int64_t n = static_cast<int64_t>(rows.size());
+  return out;
+}
+
+}  // namespace
+
+void GrpoTrainer::AppendDumpRows(const Batch& batch, int64_t b0, int64_t b1, const at::Tensor& logp,
+                                 StepDump* dump) {
+  for (int64_t r = b0; r < b1; ++r) {
+    dump->prompts.push_back(*batch.prompts[r]);
+    dump->completions.push_back(*batch.completions[r]);
+    dump->versions.push_back(batch.versions[r]);
+    dump->incarnations.push_back(IncarnationBits(*batch.incarnations[r]));
+  }
+  const int64_t b = b1 - b0;
+  dump->rewards.push_back(batch.rewards.narrow(0, b0, b));
+  dump->rewards_per_func.push_back(batch.rewards_per_func.narrow(0, b0, b));
+  dump->advantages.push_back(batch.advantages.narrow(0, b0, b));
+  dump->old.push_back(batch.old.defined() ? batch.old.narrow(0, b0, b) : at::Tensor());
+  dump->ref.push_back(batch.ref.defined() ? batch.ref.narrow(0, b0, b) : at::Tensor());
+  dump->logp.push_back(logp.detach().to(at::kCPU));
+}
+
+Status GrpoTrainer::DumpStep(const OpenStep& os, int64_t step) const {
+  // The step's micro-batches in stream order (a pass of num_iterations > 1 in the same step
+  // repeats rows, each with its own log-probs), from every generation batch the step spans.
+  const StepDump& d = os.dump;
+  const int64_t n = static_cast<int64_t>(d.prompts.size());
   std::vector<const std::vector<int32_t>*> prompts;
   std::vector<const common::Completion*> completions;
-  for (int64_t r : rows) {
-    prompts.push_back(batch.prompts[r]);
-    completions.push_back(batch.completions[r]);
+  bool with_beh = true;
+  for (int64_t i = 0; i < n; ++i) {
+    prompts.push_back(&d.prompts[i]);
+    completions.push_back(&d.completions[i]);
+    with_beh = with_beh && !d.completions[i].logprobs.empty();
   }
   MicroBatch mb =
-      MakeMicroBatch(prompts, completions, 0, n, batch.has_beh, config_.mask_truncated_completions);
+      MakeMicroBatch(prompts, completions, 0, n, with_beh, config_.mask_truncated_completions);
   const int64_t P = mb.prompt_len, C = mb.completion_len;
-  const at::Tensor index = at::tensor(rows, at::kLong);
   common::NamedTensors t;
   t.emplace_back("prompt_ids", mb.ids.narrow(1, 0, P).contiguous());
   t.emplace_back("prompt_mask", mb.attention_mask.narrow(1, 0, P).contiguous());
   t.emplace_back("completion_ids", mb.labels);
   t.emplace_back("completion_mask", mb.completion_mask);
-  t.emplace_back("rewards", batch.rewards.index_select(0, index).contiguous());
-  t.emplace_back("rewards_per_func", batch.rewards_per_func.index_select(0, index).contiguous());
-  t.emplace_back("advantages", batch.advantages.index_select(0, index).contiguous());
-  std::vector<int64_t> version(n), truncated(n);
-  for (int64_t i = 0; i < n; ++i) {
-    version[i] = batch.versions[rows[i]];
-    truncated[i] = completions[i]->truncated ? 1 : 0;
-  }
-  t.emplace_back("policy_version", at::tensor(version, at::kLong));
-  // Incarnations (64-bit hex ids; 0 when none): each row's weights and the training learner's.
-  const auto incarnation_bits = [](const std::string& hex) {
-    uint64_t v = 0;
-    const auto [p, ec] = std::from_chars(hex.data(), hex.data() + hex.size(), v, 16);
-    return ec == std::errc() && p == hex.data() + hex.size() ? static_cast<int64_t>(v) : 0;
-  };
-  std::vector<int64_t> incarnation(n);
-  for (int64_t i = 0; i < n; ++i) incarnation[i] = incarnation_bits(*batch.incarnations[rows[i]]);
-  t.emplace_back("policy_incarnation", at::tensor(incarnation, at::kLong));
+  t.emplace_back("rewards", at::cat(d.rewards));
+  int64_t K = 0;  // the same in one generation batch; NaN (null) fills a batch with fewer
+  for (const at::Tensor& r : d.rewards_per_func) K = std::max<int64_t>(K, r.size(1));
+  t.emplace_back("rewards_per_func", CatPadded(d.rewards_per_func, K, std::nan(""), at::kDouble));
+  t.emplace_back("advantages", at::cat(d.advantages));
+  std::vector<int64_t> truncated(n);
+  for (int64_t i = 0; i < n; ++i) truncated[i] = d.completions[i].truncated ? 1 : 0;
+  t.emplace_back("policy_version", at::tensor(d.versions, at::kLong));
+  // Incarnations (64-bit ids; 0 when none): each row's weights and the training learner's.
+  t.emplace_back("policy_incarnation", at::tensor(d.incarnations, at::kLong));
   t.emplace_back("learner_incarnation",
-                 at::tensor(std::vector<int64_t>{incarnation_bits(dump_incarnation_)}, at::kLong));
+                 at::tensor(std::vector<int64_t>{IncarnationBits(dump_incarnation_)}, at::kLong));
   t.emplace_back("truncated", at::tensor(truncated, at::kLong));
-  if (batch.old.defined()) {
-    t.emplace_back("old_logprobs", batch.old.index_select(0, index).narrow(1, 0, C).contiguous());
+  // `old` where a batch computed it; a batch that did not used logp.detach() as `old`.
+  if (std::any_of(d.old.begin(), d.old.end(), [](const at::Tensor& o) { return o.defined(); })) {
+    std::vector<at::Tensor> old;
+    for (size_t m = 0; m < d.old.size(); ++m)
+      old.push_back(d.old[m].defined() ? d.old[m] : d.logp[m]);
+    t.emplace_back("old_logprobs", CatPadded(old, C, 0.0, at::kFloat));
   }
-  if (batch.ref.defined()) {
-    t.emplace_back("ref_logprobs", batch.ref.index_select(0, index).narrow(1, 0, C).contiguous());
-  }
+  if (d.ref.front().defined()) t.emplace_back("ref_logprobs", CatPadded(d.ref, C, 0.0, at::kFloat));
   if (mb.beh.defined()) t.emplace_back("behaviour_logprobs", mb.beh);
-  at::Tensor logp = at::zeros({n, C}, at::kFloat);
-  int64_t at_row = 0;
-  for (const at::Tensor& lp : os.dump_logp) {
-    logp.narrow(0, at_row, lp.size(0)).narrow(1, 0, lp.size(1)).copy_(lp);
-    at_row += lp.size(0);
-  }
-  t.emplace_back("logprobs", logp);
-  t.emplace_back("logprobs_first_micro_batch", os.dump_logp.front().contiguous());
+  t.emplace_back("logprobs", CatPadded(d.logp, C, 0.0, at::kFloat));
+  t.emplace_back("logprobs_first_micro_batch", d.logp.front().contiguous());
+  nlohmann::json sizes = nlohmann::json::array();
+  for (const at::Tensor& lp : d.logp) sizes.push_back(lp.size(0));
   std::error_code ec;
   std::filesystem::create_directories(config_.dump_batches_dir, ec);
   char name[64];
-  std::snprintf(name, sizeof(name), "step-%08lld%s.safetensors", static_cast<long long>(step),
-                suffix);
+  std::snprintf(name, sizeof(name), "step-%08lld.safetensors", static_cast<long long>(step));
   return common::WriteSafetensors(config_.dump_batches_dir + "/" + name, t,
                                   {{"metrics", os.sm.ToJson().dump()},
                                    {"config", config_.ToJson().dump()},
-                                   {"micro_batch_sizes", [&] {
-                                      nlohmann::json sizes = nlohmann::json::array();
-                                      for (const auto& [b0, b1] : os.dump_rows)
-                                        sizes.push_back(b1 - b0);
-                                      return sizes.dump();
-                                    }()}});
+                                   {"micro_batch_sizes", sizes.dump()}});
 }
 
 }  // namespace grpo::learner
