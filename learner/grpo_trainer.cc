@@ -768,6 +768,22 @@ at::Tensor CatPadded(const std::vector<at::Tensor>& pieces, int64_t width, doubl
   return out;
 }
 
+// The step a batch dump's file name belongs to: `step-<digits>` followed by `.safetensors` or
+// `-part.safetensors` (and anything after it, e.g. `.tmp`); nullopt for any other name.
+std::optional<int64_t> DumpFileStep(std::string_view name) {
+  constexpr std::string_view kPrefix = "step-";
+  if (name.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
+  name.remove_prefix(kPrefix.size());
+  int64_t step = 0;
+  const auto [p, ec] = std::from_chars(name.data(), name.data() + name.size(), step);
+  if (ec != std::errc() || p == name.data()) return std::nullopt;
+  const std::string_view rest(p, name.data() + name.size() - p);
+  for (std::string_view suffix : {".safetensors", "-part.safetensors"}) {
+    if (rest.substr(0, suffix.size()) == suffix) return step;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 void GrpoTrainer::AppendDumpRows(const Batch& batch, int64_t b0, int64_t b1, const at::Tensor& logp,
@@ -842,6 +858,28 @@ Status GrpoTrainer::DumpStep(const OpenStep& os, int64_t step) const {
                                   {{"metrics", os.sm.ToJson().dump()},
                                    {"config", config_.ToJson().dump()},
                                    {"micro_batch_sizes", sizes.dump()}});
+}
+
+StatusOr<int64_t> GrpoTrainer::RemoveDumpsAfter(int64_t step) const {
+  namespace fs = std::filesystem;
+  if (config_.dump_batches_dir.empty()) return int64_t{0};
+  std::error_code ec;
+  std::vector<fs::path> obsolete;
+  for (fs::directory_iterator it(config_.dump_batches_dir, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::optional<int64_t> of = DumpFileStep(it->path().filename().string());
+    if (of && *of > step) obsolete.push_back(it->path());
+  }
+  if (ec && ec != std::errc::no_such_file_or_directory) {
+    return Status::Internal("cannot list dump_batches_dir " + config_.dump_batches_dir + ": " +
+                            ec.message());
+  }
+  for (const fs::path& path : obsolete) {
+    if (!fs::remove(path, ec) && ec) {
+      return Status::Internal("cannot remove batch dump " + path.string() + ": " + ec.message());
+    }
+  }
+  return static_cast<int64_t>(obsolete.size());
 }
 
 }  // namespace grpo::learner

@@ -129,6 +129,12 @@ class GrpoTrainer {
   StatusOr<std::optional<StepMetrics>> FlushPartialStep();
   // Micro-batches back-propagated into the open step (0 when none is open).
   int64_t open_step_micro_batches() const;
+  // Removes the batch dumps of steps after `step` from dump_batches_dir (`step-N.safetensors`,
+  // `step-N-part.safetensors` of older versions, and their `.tmp` files, for N > step): a trainer
+  // restored at `step` redoes those steps, and no file of a dead learner's step may stand beside
+  // the redone one. Returns the number removed; 0 when dumps are off or the directory does not
+  // exist; Internal naming the file when one cannot be removed.
+  StatusOr<int64_t> RemoveDumpsAfter(int64_t step) const;
 
   int64_t global_step() const { return global_step_; }
   int64_t policy_version() const { return policy_version_; }

@@ -594,5 +594,33 @@ TEST(GrpoTrainer, AFlushedStepIsDumpedAsItsStepFile) {
               1e-6 * expected->steps[0].grad_norm);
 }
 
+// A trainer restored at step S redoes the steps after S: their dumps (and part files of older
+// versions, and unfinished .tmp files) go; steps up to S and other files stay.
+TEST(GrpoTrainer, RemoveDumpsAfterRemovesTheStepsAfterItOnly) {
+  common::GrpoConfig cfg = BaseConfig();
+  cfg.dump_batches_dir = ::testing::TempDir() + "/grpo_remove_dumps_test";
+  std::filesystem::remove_all(cfg.dump_batches_dir);
+  auto model = TinyModel();
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr);
+  ASSERT_TRUE(trainer.ok());
+  auto none = (*trainer)->RemoveDumpsAfter(0);  // no directory yet
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_EQ(*none, 0);
+  std::filesystem::create_directories(cfg.dump_batches_dir);
+  for (const char* name : {"step-00000001.safetensors", "step-00000002-part.safetensors",
+                           "step-00000002.safetensors", "step-00000003-part.safetensors",
+                           "step-00000003.safetensors", "step-00000004.safetensors.tmp",
+                           "step-123456789.safetensors", "notes.txt", "step-x.safetensors"}) {
+    std::ofstream(cfg.dump_batches_dir + "/" + name) << "x";
+  }
+  auto removed = (*trainer)->RemoveDumpsAfter(2);
+  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
+  EXPECT_EQ(*removed, 4);
+  EXPECT_EQ(FilesIn(cfg.dump_batches_dir),
+            (std::vector<std::string>{"notes.txt", "step-00000001.safetensors",
+                                      "step-00000002-part.safetensors", "step-00000002.safetensors",
+                                      "step-x.safetensors"}));
+}
+
 }  // namespace
 }  // namespace grpo::learner

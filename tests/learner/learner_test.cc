@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -109,6 +111,10 @@ class LearnerTest : public ::testing::Test {
     for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename());
     std::sort(names.begin(), names.end());
     return names;
+  }
+  static std::string Bytes(const fs::path& file) {
+    std::ifstream in(file, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
   }
 
   fs::path dir_;
@@ -360,6 +366,38 @@ TEST_F(LearnerTest, AKillBetweenAcceptAndCheckpointRequeuesTheGroup) {
   EXPECT_EQ(counts->queued, 3);
   EXPECT_EQ(counts->trained, 0);
   EXPECT_EQ(next->Snapshot().global_step, 0);
+}
+
+// README "Batch dumps": a restarted learner redoes the steps after its checkpoint, so the dead
+// learner's dumps of those steps go when it restores (a reader would otherwise see a step of the
+// dead learner, or rows twice); the steps its checkpoint holds are history and stay untouched.
+TEST_F(LearnerTest, ARestartRemovesTheDumpsOfStepsItsCheckpointDoesNotHold) {
+  const fs::path dumps = dir_ / "dumps";
+  config_.dump_batches_dir = dumps.string();
+  config_.save_steps = 2;
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(10)).ok());
+  for (int64_t step = 1; step <= 3; ++step) {
+    PushOneBatch();
+    ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().global_step == step; }, 30s)) << step;
+  }
+  ASSERT_EQ(FilesIn(dumps),
+            (std::vector<std::string>{"step-00000001.safetensors", "step-00000002.safetensors",
+                                      "step-00000003.safetensors"}));
+  const std::string step1 = Bytes(dumps / "step-00000001.safetensors");
+  const std::string step2 = Bytes(dumps / "step-00000002.safetensors");
+  // The kill after step 3, before its checkpoint (as in AKillBetweenAcceptAndCheckpoint...).
+  ASSERT_TRUE(learner_->Stop(/*checkpoint=*/false).ok());
+  Learner* killed = learner_.release();
+  (void)killed;
+  std::unique_ptr<Learner> next = Make();
+  ASSERT_NE(next, nullptr);
+  ASSERT_EQ(next->Snapshot().global_step, 2);  // restored checkpoint-2
+  EXPECT_EQ(FilesIn(dumps),
+            (std::vector<std::string>{"step-00000001.safetensors", "step-00000002.safetensors"}));
+  EXPECT_EQ(Bytes(dumps / "step-00000001.safetensors"), step1);
+  EXPECT_EQ(Bytes(dumps / "step-00000002.safetensors"), step2);
 }
 
 // A learner stopped (SIGTERM) inside an optimizer step takes the step short and saves it: the
