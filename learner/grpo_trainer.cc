@@ -119,6 +119,21 @@ struct GrpoTrainer::Batch {
   int64_t size() const { return static_cast<int64_t>(completions.size()); }
 };
 
+// The rows of an open step for its batch dump, copied out of their generation batches (a step
+// may span batches, and a batch's groups live only as long as its TrainGenerationBatch call),
+// in stream order: a row per sequence, a tensor per micro-batch.
+struct GrpoTrainer::StepDump {
+  std::vector<std::vector<int32_t>> prompts;    // [S]
+  std::vector<common::Completion> completions;  // [S]
+  std::vector<int64_t> versions, incarnations;  // [S] policy version, policy incarnation bits
+  std::vector<at::Tensor> rewards;              // [b] float64
+  std::vector<at::Tensor> rewards_per_func;     // [b, K] float64
+  std::vector<at::Tensor> advantages;           // [b] float32
+  std::vector<at::Tensor> old;                  // [b, Cmax] or undefined (old = logp there)
+  std::vector<at::Tensor> ref;                  // [b, Cmax] or undefined (beta == 0)
+  std::vector<at::Tensor> logp;                 // [b, C] as the micro-batch trained on them
+};
+
 // An optimizer step whose micro-batches have been back-propagated (their gradient is in the
 // parameters' .grad) but not yet stepped: it may span generation batches.
 struct GrpoTrainer::OpenStep {
@@ -130,9 +145,7 @@ struct GrpoTrainer::OpenStep {
   double clipped = 0, staleness_sum = 0, entropy_mean_sum = 0;
   double mismatch_sum = 0, mismatch_max = 0, mismatch_tokens = 0;
   int64_t all_tokens = 0;
-  // With dumps on: this batch's micro-batches of the step ([b0, b1) rows) and their log-probs.
-  std::vector<std::pair<int64_t, int64_t>> dump_rows;
-  std::vector<at::Tensor> dump_logp;
+  StepDump dump;  // with dumps on
 };
 
 GrpoTrainer::~GrpoTrainer() = default;
@@ -403,7 +416,55 @@ Status GrpoTrainer::ValidateGroup(const RolloutGroup& g, RejectReason* reason) c
   return Status::OK();
 }
 
+namespace {
+
+// Runs `body`, with a libtorch or standard exception turned into Internal (the edge of learner/).
+template <typename Body>
+auto CatchAsStatus(Body&& body) -> decltype(body()) {
+  try {
+    return body();
+  } catch (const c10::Error& e) {
+    return Status::Internal(std::string("training step: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("training step: ") + e.what());
+  }
+}
+
+}  // namespace
+
 StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
+    const std::vector<RolloutGroup>& groups) {
+  auto result = CatchAsStatus([&] { return TrainGenerationBatchOrFail(groups); });
+  if (!result.ok()) DiscardOpenStep();
+  return result;
+}
+
+StatusOr<std::optional<StepMetrics>> GrpoTrainer::FlushPartialStep() {
+  auto result = CatchAsStatus([&] { return FlushPartialStepOrFail(); });
+  if (!result.ok()) DiscardOpenStep();
+  return result;
+}
+
+void GrpoTrainer::DiscardOpenStep() {
+  open_.reset();
+  try {
+    ZeroGrads();
+  } catch (const c10::Error&) {
+    // The device failed: nothing more to do here. The next step zeroes the gradients before its
+    // first backward (ZeroGrads), so none of this one's can reach it.
+  }
+}
+
+void GrpoTrainer::ZeroGrads() {
+  optimizer_->ZeroGrad();
+  if (!compute_) return;
+  at::NoGradGuard no_grad;
+  for (at::Tensor& p : compute_->Parameters()) {
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+}
+
+StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
     const std::vector<RolloutGroup>& groups) {
   GenerationBatchResult result;
   Batch batch;
@@ -546,99 +607,79 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
       os.sm.reward_names = reward_names;
       os.sm.reward_fn_mean = adv.reward_fn_mean;
       os.sm.reward_fn_std = adv.reward_fn_std;
-      try {
-        if (os.micro == 0) optimizer_->ZeroGrad();
-        MicroBatch mb = OnDevice(MakeMicroBatch(batch.prompts, batch.completions, b0, b1,
-                                                batch.has_beh, config_.mask_truncated_completions),
-                                 device);
-        at::Tensor entropy, logp;
-        const int64_t C = mb.labels.size(1);
-        GrpoLossInputs in;
-        in.mask = mb.completion_mask;
-        in.advantages = batch.advantages.narrow(0, b0, b1 - b0).to(device);
-        if (batch.old.defined()) {
-          in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
-        }
-        if (batch.ref.defined()) {
-          in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
-        }
-        if (batch.has_beh) in.beh = mb.beh;
-        GrpoLossOutput out;
-        if (loss_config_.importance_sampling_level == ImportanceSamplingLevel::kToken) {
-          ASSIGN_OR_RETURN(out, FusedMicroBatchBackward(compute, mb, config_, step_loss_config,
-                                                        norm, in, &logp, &entropy));
-        } else {  // sequence-level ratios couple a sequence's tokens: autograd through them
-          logp = CompletionLogprobs(compute, mb, config_, &entropy);
-          in.logp = logp;
-          ASSIGN_OR_RETURN(out, ComputeGrpoLoss(step_loss_config, in, norm));
-          out.loss.backward();
-        }
-        MoveComputeGradsToMaster();
-        os.lm.Merge(out.metrics);
-        // One host read per micro-batch: TRL's entropy (the mean over micro-batches of each
-        // one's token mean) and the |behaviour - old| sums over the real completion tokens.
-        std::vector<at::Tensor> stats = {mb.completion_mask.sum(),
-                                         (entropy * mb.completion_mask).sum()};
-        if (batch.has_beh) {
-          at::NoGradGuard no_grad;
-          const at::Tensor real =
-              mb.attention_mask.narrow(1, mb.prompt_len, C).to(at::kFloat);  // [b, C]
-          const at::Tensor old = in.old.defined() ? in.old : logp.detach();
-          const at::Tensor diff = (mb.beh - old.to(at::kFloat)).abs() * real;
-          stats.push_back(diff.sum());
-          stats.push_back(diff.max());
-          stats.push_back(real.sum());
-        }
-        const at::Tensor host = at::stack(stats).to(at::kCPU);
-        const float* hs = host.data_ptr<float>();
-        const double mb_tokens = hs[0];
-        os.entropy_mean_sum += static_cast<double>(hs[1]) / std::max(1.0, mb_tokens);
-        if (batch.has_beh) {
-          os.mismatch_sum += hs[2];
-          os.mismatch_max = std::max(os.mismatch_max, static_cast<double>(hs[3]));
-          os.mismatch_tokens += hs[4];
-        }
-        if (!config_.dump_batches_dir.empty()) {
-          os.dump_rows.push_back({b0, b1});
-          os.dump_logp.push_back(logp.detach().to(at::kCPU));
-        }
-      } catch (const c10::Error& e) {
-        optimizer_->ZeroGrad();
-        if (compute_) {
-          for (at::Tensor& p : compute_->Parameters()) {
-            if (p.grad().defined()) p.mutable_grad().zero_();
-          }
-        }
-        open_.reset();
-        return Status::Internal(std::string("training step: ") + e.what_without_backtrace());
+      if (os.micro == 0) ZeroGrads();
+      MicroBatch mb = OnDevice(MakeMicroBatch(batch.prompts, batch.completions, b0, b1,
+                                              batch.has_beh, config_.mask_truncated_completions),
+                               device);
+      at::Tensor entropy, logp;
+      const int64_t C = mb.labels.size(1);
+      GrpoLossInputs in;
+      in.mask = mb.completion_mask;
+      in.advantages = batch.advantages.narrow(0, b0, b1 - b0).to(device);
+      if (batch.old.defined()) {
+        in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
       }
+      if (batch.ref.defined()) {
+        in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
+      }
+      if (batch.has_beh) in.beh = mb.beh;
+      GrpoLossOutput out;
+      if (loss_config_.importance_sampling_level == ImportanceSamplingLevel::kToken) {
+        ASSIGN_OR_RETURN(out, FusedMicroBatchBackward(compute, mb, config_, step_loss_config, norm,
+                                                      in, &logp, &entropy));
+      } else {  // sequence-level ratios couple a sequence's tokens: autograd through them
+        logp = CompletionLogprobs(compute, mb, config_, &entropy);
+        in.logp = logp;
+        ASSIGN_OR_RETURN(out, ComputeGrpoLoss(step_loss_config, in, norm));
+        out.loss.backward();
+      }
+      MoveComputeGradsToMaster();
+      if (TEST_micro_batch_fault_) RETURN_IF_ERROR(TEST_micro_batch_fault_(it * num_micro + m));
+      os.lm.Merge(out.metrics);
+      // One host read per micro-batch: TRL's entropy (the mean over micro-batches of each
+      // one's token mean) and the |behaviour - old| sums over the real completion tokens.
+      std::vector<at::Tensor> stats = {mb.completion_mask.sum(),
+                                       (entropy * mb.completion_mask).sum()};
+      if (batch.has_beh) {
+        at::NoGradGuard no_grad;
+        const at::Tensor real =
+            mb.attention_mask.narrow(1, mb.prompt_len, C).to(at::kFloat);  // [b, C]
+        const at::Tensor old = in.old.defined() ? in.old : logp.detach();
+        const at::Tensor diff = (mb.beh - old.to(at::kFloat)).abs() * real;
+        stats.push_back(diff.sum());
+        stats.push_back(diff.max());
+        stats.push_back(real.sum());
+      }
+      const at::Tensor host = at::stack(stats).to(at::kCPU);
+      const float* hs = host.data_ptr<float>();
+      const double mb_tokens = hs[0];
+      os.entropy_mean_sum += static_cast<double>(hs[1]) / std::max(1.0, mb_tokens);
+      if (batch.has_beh) {
+        os.mismatch_sum += hs[2];
+        os.mismatch_max = std::max(os.mismatch_max, static_cast<double>(hs[3]));
+        os.mismatch_tokens += hs[4];
+      }
+      if (!config_.dump_batches_dir.empty()) AppendDumpRows(batch, b0, b1, logp, &os.dump);
       if (++os.micro < ga) continue;
-      ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(&batch, ga));
+      ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(ga));
       result.steps.push_back(std::move(sm));
     }
-  }
-  // Rows of this batch in a step still open are dumped with that step's later rows: keep the
-  // batch alive for it by dumping them now, under the step's number-to-be, when dumps are on.
-  if (open_ && !config_.dump_batches_dir.empty() && !open_->dump_rows.empty()) {
-    RETURN_IF_ERROR(DumpRows(batch, *open_, global_step_ + 1, "-part"));
-    open_->dump_rows.clear();
-    open_->dump_logp.clear();
   }
   return result;
 }
 
 int64_t GrpoTrainer::open_step_micro_batches() const { return open_ ? open_->micro : 0; }
 
-StatusOr<std::optional<StepMetrics>> GrpoTrainer::FlushPartialStep() {
+StatusOr<std::optional<StepMetrics>> GrpoTrainer::FlushPartialStepOrFail() {
   if (!open_ || open_->micro == 0) {
     open_.reset();
     return std::optional<StepMetrics>();
   }
-  ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(nullptr, open_->micro));
+  ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(open_->micro));
   return std::optional<StepMetrics>(std::move(sm));
 }
 
-StatusOr<StepMetrics> GrpoTrainer::FinishStep(const Batch* batch, int64_t divisor) {
+StatusOr<StepMetrics> GrpoTrainer::FinishStep(int64_t divisor) {
   OpenStep& os = *open_;
   StepMetrics sm = os.sm;
   const bool dapo = loss_config_.loss_type == LossType::kDapo;
@@ -647,35 +688,27 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(const Batch* batch, int64_t diviso
   const double scale = dapo ? 1.0 / std::max(1.0, os.step_completion_tokens)
                             : static_cast<double>(config_.gradient_accumulation_steps) /
                                   static_cast<double>(divisor);
-  try {
-    if (scale != 1.0) {
-      at::NoGradGuard no_grad;
-      for (at::Tensor& p : policy_->Parameters()) {
-        if (p.grad().defined()) p.mutable_grad().mul_(scale);
-      }
+  if (scale != 1.0) {
+    at::NoGradGuard no_grad;
+    for (at::Tensor& p : policy_->Parameters()) {
+      if (p.grad().defined()) p.mutable_grad().mul_(scale);
     }
-    sm.grad_norm = ClipGradNorm(policy_->Parameters(), config_.max_grad_norm);
-    if (!std::isfinite(sm.grad_norm)) {
-      optimizer_->ZeroGrad();
-      open_.reset();
-      return Status::Internal("non-finite gradient norm at step " +
-                              std::to_string(global_step_ + 1) + "; step skipped");
-    }
-    const int64_t total_steps = config_.max_steps;
-    const int64_t warmup = config_.warmup_steps > 0
-                               ? config_.warmup_steps
-                               : static_cast<int64_t>(std::ceil(config_.warmup_ratio *
-                                                                static_cast<double>(total_steps)));
-    sm.learning_rate =
-        LearningRateAt(schedule_, config_.learning_rate, global_step_, warmup, total_steps);
-    optimizer_->Step(sm.learning_rate);
-    optimizer_->ZeroGrad();
-    RefreshComputeCopy();
-  } catch (const c10::Error& e) {
-    optimizer_->ZeroGrad();
-    open_.reset();
-    return Status::Internal(std::string("training step: ") + e.what_without_backtrace());
   }
+  sm.grad_norm = ClipGradNorm(policy_->Parameters(), config_.max_grad_norm);
+  if (!std::isfinite(sm.grad_norm)) {
+    return Status::Internal("non-finite gradient norm at step " + std::to_string(global_step_ + 1) +
+                            "; step skipped");
+  }
+  const int64_t total_steps = config_.max_steps;
+  const int64_t warmup = config_.warmup_steps > 0
+                             ? config_.warmup_steps
+                             : static_cast<int64_t>(std::ceil(config_.warmup_ratio *
+                                                              static_cast<double>(total_steps)));
+  sm.learning_rate =
+      LearningRateAt(schedule_, config_.learning_rate, global_step_, warmup, total_steps);
+  optimizer_->Step(sm.learning_rate);
+  optimizer_->ZeroGrad();
+  RefreshComputeCopy();
   ++global_step_;
   ++policy_version_;
   sm.step = global_step_;
@@ -702,88 +735,151 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(const Batch* batch, int64_t diviso
   sm.logprob_mismatch_max = os.mismatch_max;
   sm.peak_memory_bytes = common::PeakMemoryBytes(policy_->device());
   sm.micro_batches = os.micro;
-  if (batch != nullptr && !config_.dump_batches_dir.empty() && !os.dump_rows.empty()) {
+  if (!config_.dump_batches_dir.empty() && !os.dump.prompts.empty()) {
     os.sm = sm;
-    RETURN_IF_ERROR(DumpRows(*batch, os, sm.step, ""));
+    RETURN_IF_ERROR(DumpStep(os, sm.step));
   }
   open_.reset();
   return sm;
 }
 
-Status GrpoTrainer::DumpRows(const Batch& batch, const OpenStep& os, int64_t step,
-                             const char* suffix) const {
-  // The step's micro-batches of this batch, in stream order (a pass of num_iterations > 1 in
-  // the same step repeats rows, each with its own log-probs).
-  std::vector<int64_t> rows;
-  for (const auto& [b0, b1] : os.dump_rows) {
-    for (int64_t r = b0; r < b1; ++r) rows.push_back(r);
+namespace {
+
+// A 64-bit hex incarnation id as int64 bits; 0 when there is none.
+int64_t IncarnationBits(const std::string& hex) {
+  uint64_t v = 0;
+  const auto [p, ec] = std::from_chars(hex.data(), hex.data() + hex.size(), v, 16);
+  return ec == std::errc() && p == hex.data() + hex.size() ? static_cast<int64_t>(v) : 0;
+}
+
+// Pieces [b_i, w_i] stacked into [sum b_i, width] of `dtype`: each cut at `width`, or filled up
+// to it with `pad` on the right.
+at::Tensor CatPadded(const std::vector<at::Tensor>& pieces, int64_t width, double pad,
+                     at::ScalarType dtype) {
+  int64_t rows = 0;
+  for (const at::Tensor& p : pieces) rows += p.size(0);
+  at::Tensor out = at::full({rows, width}, pad, at::TensorOptions().dtype(dtype));
+  int64_t at_row = 0;
+  for (const at::Tensor& p : pieces) {
+    const int64_t w = std::min(width, p.size(1));
+    out.narrow(0, at_row, p.size(0)).narrow(1, 0, w).copy_(p.narrow(1, 0, w));
+    at_row += p.size(0);
   }
-  const int64_t n = static_cast<int64_t>(rows.size());
+  return out;
+}
+
+// The step a batch dump's file name belongs to: `step-<digits>` followed by `.safetensors` or
+// `-part.safetensors` (and anything after it, e.g. `.tmp`); nullopt for any other name.
+std::optional<int64_t> DumpFileStep(std::string_view name) {
+  constexpr std::string_view kPrefix = "step-";
+  if (name.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
+  name.remove_prefix(kPrefix.size());
+  int64_t step = 0;
+  const auto [p, ec] = std::from_chars(name.data(), name.data() + name.size(), step);
+  if (ec != std::errc() || p == name.data()) return std::nullopt;
+  const std::string_view rest(p, name.data() + name.size() - p);
+  for (std::string_view suffix : {".safetensors", "-part.safetensors"}) {
+    if (rest.substr(0, suffix.size()) == suffix) return step;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+void GrpoTrainer::AppendDumpRows(const Batch& batch, int64_t b0, int64_t b1, const at::Tensor& logp,
+                                 StepDump* dump) {
+  for (int64_t r = b0; r < b1; ++r) {
+    dump->prompts.push_back(*batch.prompts[r]);
+    dump->completions.push_back(*batch.completions[r]);
+    dump->versions.push_back(batch.versions[r]);
+    dump->incarnations.push_back(IncarnationBits(*batch.incarnations[r]));
+  }
+  const int64_t b = b1 - b0;
+  dump->rewards.push_back(batch.rewards.narrow(0, b0, b));
+  dump->rewards_per_func.push_back(batch.rewards_per_func.narrow(0, b0, b));
+  dump->advantages.push_back(batch.advantages.narrow(0, b0, b));
+  dump->old.push_back(batch.old.defined() ? batch.old.narrow(0, b0, b) : at::Tensor());
+  dump->ref.push_back(batch.ref.defined() ? batch.ref.narrow(0, b0, b) : at::Tensor());
+  dump->logp.push_back(logp.detach().to(at::kCPU));
+}
+
+Status GrpoTrainer::DumpStep(const OpenStep& os, int64_t step) const {
+  // The step's micro-batches in stream order (a pass of num_iterations > 1 in the same step
+  // repeats rows, each with its own log-probs), from every generation batch the step spans.
+  const StepDump& d = os.dump;
+  const int64_t n = static_cast<int64_t>(d.prompts.size());
   std::vector<const std::vector<int32_t>*> prompts;
   std::vector<const common::Completion*> completions;
-  for (int64_t r : rows) {
-    prompts.push_back(batch.prompts[r]);
-    completions.push_back(batch.completions[r]);
+  bool with_beh = true;
+  for (int64_t i = 0; i < n; ++i) {
+    prompts.push_back(&d.prompts[i]);
+    completions.push_back(&d.completions[i]);
+    with_beh = with_beh && !d.completions[i].logprobs.empty();
   }
   MicroBatch mb =
-      MakeMicroBatch(prompts, completions, 0, n, batch.has_beh, config_.mask_truncated_completions);
+      MakeMicroBatch(prompts, completions, 0, n, with_beh, config_.mask_truncated_completions);
   const int64_t P = mb.prompt_len, C = mb.completion_len;
-  const at::Tensor index = at::tensor(rows, at::kLong);
   common::NamedTensors t;
   t.emplace_back("prompt_ids", mb.ids.narrow(1, 0, P).contiguous());
   t.emplace_back("prompt_mask", mb.attention_mask.narrow(1, 0, P).contiguous());
   t.emplace_back("completion_ids", mb.labels);
   t.emplace_back("completion_mask", mb.completion_mask);
-  t.emplace_back("rewards", batch.rewards.index_select(0, index).contiguous());
-  t.emplace_back("rewards_per_func", batch.rewards_per_func.index_select(0, index).contiguous());
-  t.emplace_back("advantages", batch.advantages.index_select(0, index).contiguous());
-  std::vector<int64_t> version(n), truncated(n);
-  for (int64_t i = 0; i < n; ++i) {
-    version[i] = batch.versions[rows[i]];
-    truncated[i] = completions[i]->truncated ? 1 : 0;
-  }
-  t.emplace_back("policy_version", at::tensor(version, at::kLong));
-  // Incarnations (64-bit hex ids; 0 when none): each row's weights and the training learner's.
-  const auto incarnation_bits = [](const std::string& hex) {
-    uint64_t v = 0;
-    const auto [p, ec] = std::from_chars(hex.data(), hex.data() + hex.size(), v, 16);
-    return ec == std::errc() && p == hex.data() + hex.size() ? static_cast<int64_t>(v) : 0;
-  };
-  std::vector<int64_t> incarnation(n);
-  for (int64_t i = 0; i < n; ++i) incarnation[i] = incarnation_bits(*batch.incarnations[rows[i]]);
-  t.emplace_back("policy_incarnation", at::tensor(incarnation, at::kLong));
+  t.emplace_back("rewards", at::cat(d.rewards));
+  int64_t K = 0;  // the same in one generation batch; NaN (null) fills a batch with fewer
+  for (const at::Tensor& r : d.rewards_per_func) K = std::max<int64_t>(K, r.size(1));
+  t.emplace_back("rewards_per_func", CatPadded(d.rewards_per_func, K, std::nan(""), at::kDouble));
+  t.emplace_back("advantages", at::cat(d.advantages));
+  std::vector<int64_t> truncated(n);
+  for (int64_t i = 0; i < n; ++i) truncated[i] = d.completions[i].truncated ? 1 : 0;
+  t.emplace_back("policy_version", at::tensor(d.versions, at::kLong));
+  // Incarnations (64-bit ids; 0 when none): each row's weights and the training learner's.
+  t.emplace_back("policy_incarnation", at::tensor(d.incarnations, at::kLong));
   t.emplace_back("learner_incarnation",
-                 at::tensor(std::vector<int64_t>{incarnation_bits(dump_incarnation_)}, at::kLong));
+                 at::tensor(std::vector<int64_t>{IncarnationBits(dump_incarnation_)}, at::kLong));
   t.emplace_back("truncated", at::tensor(truncated, at::kLong));
-  if (batch.old.defined()) {
-    t.emplace_back("old_logprobs", batch.old.index_select(0, index).narrow(1, 0, C).contiguous());
+  // `old` where a batch computed it; a batch that did not used logp.detach() as `old`.
+  if (std::any_of(d.old.begin(), d.old.end(), [](const at::Tensor& o) { return o.defined(); })) {
+    std::vector<at::Tensor> old;
+    for (size_t m = 0; m < d.old.size(); ++m)
+      old.push_back(d.old[m].defined() ? d.old[m] : d.logp[m]);
+    t.emplace_back("old_logprobs", CatPadded(old, C, 0.0, at::kFloat));
   }
-  if (batch.ref.defined()) {
-    t.emplace_back("ref_logprobs", batch.ref.index_select(0, index).narrow(1, 0, C).contiguous());
-  }
+  if (d.ref.front().defined()) t.emplace_back("ref_logprobs", CatPadded(d.ref, C, 0.0, at::kFloat));
   if (mb.beh.defined()) t.emplace_back("behaviour_logprobs", mb.beh);
-  at::Tensor logp = at::zeros({n, C}, at::kFloat);
-  int64_t at_row = 0;
-  for (const at::Tensor& lp : os.dump_logp) {
-    logp.narrow(0, at_row, lp.size(0)).narrow(1, 0, lp.size(1)).copy_(lp);
-    at_row += lp.size(0);
-  }
-  t.emplace_back("logprobs", logp);
-  t.emplace_back("logprobs_first_micro_batch", os.dump_logp.front().contiguous());
+  t.emplace_back("logprobs", CatPadded(d.logp, C, 0.0, at::kFloat));
+  t.emplace_back("logprobs_first_micro_batch", d.logp.front().contiguous());
+  nlohmann::json sizes = nlohmann::json::array();
+  for (const at::Tensor& lp : d.logp) sizes.push_back(lp.size(0));
   std::error_code ec;
   std::filesystem::create_directories(config_.dump_batches_dir, ec);
   char name[64];
-  std::snprintf(name, sizeof(name), "step-%08lld%s.safetensors", static_cast<long long>(step),
-                suffix);
+  std::snprintf(name, sizeof(name), "step-%08lld.safetensors", static_cast<long long>(step));
   return common::WriteSafetensors(config_.dump_batches_dir + "/" + name, t,
                                   {{"metrics", os.sm.ToJson().dump()},
                                    {"config", config_.ToJson().dump()},
-                                   {"micro_batch_sizes", [&] {
-                                      nlohmann::json sizes = nlohmann::json::array();
-                                      for (const auto& [b0, b1] : os.dump_rows)
-                                        sizes.push_back(b1 - b0);
-                                      return sizes.dump();
-                                    }()}});
+                                   {"micro_batch_sizes", sizes.dump()}});
+}
+
+StatusOr<int64_t> GrpoTrainer::RemoveDumpsAfter(int64_t step) const {
+  namespace fs = std::filesystem;
+  if (config_.dump_batches_dir.empty()) return int64_t{0};
+  std::error_code ec;
+  std::vector<fs::path> obsolete;
+  for (fs::directory_iterator it(config_.dump_batches_dir, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::optional<int64_t> of = DumpFileStep(it->path().filename().string());
+    if (of && *of > step) obsolete.push_back(it->path());
+  }
+  if (ec && ec != std::errc::no_such_file_or_directory) {
+    return Status::Internal("cannot list dump_batches_dir " + config_.dump_batches_dir + ": " +
+                            ec.message());
+  }
+  for (const fs::path& path : obsolete) {
+    if (!fs::remove(path, ec) && ec) {
+      return Status::Internal("cannot remove batch dump " + path.string() + ": " + ec.message());
+    }
+  }
+  return static_cast<int64_t>(obsolete.size());
 }
 
 }  // namespace grpo::learner

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -114,15 +115,26 @@ class GrpoTrainer {
   // micro-batches' (docs/GRPO_SPEC.md "Aggregation"). When the batch ends inside a step (its
   // micro-batches x num_iterations not a multiple of gradient_accumulation_steps) the step stays
   // open and the next batch completes it, as in TRL; it is never a shorter step divided by the
-  // full count. An error discards the open step and leaves the optimizer and model as they were
-  // before it.
+  // full count. An error (a Status, or an exception from libtorch, returned as Internal)
+  // discards the open step, also one carried over from an earlier batch: its gradient, counters
+  // and dump rows are dropped, so no later step holds any of it. The model and optimizer are then
+  // those of the last step taken (steps this call completed before the error stay taken, and so
+  // does a step whose dump could not be written). With dump_batches_dir, each step is written
+  // when it is taken, all its rows in one `step-<8 digits>.safetensors` (README "Batch dumps").
   StatusOr<GenerationBatchResult> TrainGenerationBatch(
       const std::vector<common::RolloutGroup>& groups);
   // Takes the open step, if any, with the micro-batches it has (normalised by their own count;
-  // at the end of a job). nullopt when no step is open.
+  // at the end of a job), and dumps it as any other step. nullopt when no step is open. An error
+  // discards the open step, as in TrainGenerationBatch.
   StatusOr<std::optional<StepMetrics>> FlushPartialStep();
   // Micro-batches back-propagated into the open step (0 when none is open).
   int64_t open_step_micro_batches() const;
+  // Removes the batch dumps of steps after `step` from dump_batches_dir (`step-N.safetensors`,
+  // `step-N-part.safetensors` of older versions, and their `.tmp` files, for N > step): a trainer
+  // restored at `step` redoes those steps, and no file of a dead learner's step may stand beside
+  // the redone one. Returns the number removed; 0 when dumps are off or the directory does not
+  // exist; Internal naming the file when one cannot be removed.
+  StatusOr<int64_t> RemoveDumpsAfter(int64_t step) const;
 
   int64_t global_step() const { return global_step_; }
   int64_t policy_version() const { return policy_version_; }
@@ -139,6 +151,12 @@ class GrpoTrainer {
     global_step_ = global_step;
     policy_version_ = policy_version;
   }
+  // Tests only: called after each micro-batch's backward with its index in the call's stream of
+  // micro-batches (0-based, over all num_iterations passes); an error fails the call there, as a
+  // micro-batch that fails after its gradient reached .grad would (fault injection).
+  void TEST_set_micro_batch_fault(std::function<Status(int64_t micro_batch)> fault) {
+    TEST_micro_batch_fault_ = std::move(fault);
+  }
 
  private:
   struct Batch;  // flattened sequences of a generation batch
@@ -146,11 +164,25 @@ class GrpoTrainer {
               std::unique_ptr<common::Model> reference);
 
   struct OpenStep;  // the optimizer step being accumulated
+  struct StepDump;  // the open step's rows for its batch dump
+  // TrainGenerationBatch and FlushPartialStep without the discard on error.
+  StatusOr<GenerationBatchResult> TrainGenerationBatchOrFail(
+      const std::vector<common::RolloutGroup>& groups);
+  StatusOr<std::optional<StepMetrics>> FlushPartialStepOrFail();
+  // Drops the open step: its counters and dump rows, and every gradient (master and compute
+  // copy). The one cleanup of every error path.
+  void DiscardOpenStep();
+  // Zeroes the gradients of the master and of the compute copy.
+  void ZeroGrads();
   // Steps the optimizer on the open step's gradient; `divisor` micro-batches (the accumulation
-  // count, or fewer for a flush). Dumps the step when `batch` is given and dumps are on.
-  StatusOr<StepMetrics> FinishStep(const Batch* batch, int64_t divisor);
-  Status DumpRows(const Batch& batch, const OpenStep& step, int64_t step_number,
-                  const char* suffix) const;
+  // count, or fewer for a flush). Dumps the step when dumps are on.
+  StatusOr<StepMetrics> FinishStep(int64_t divisor);
+  // Copies rows [b0, b1) of `batch`, one micro-batch trained with log-probs `logp` ([b, C]),
+  // into the open step's dump.
+  static void AppendDumpRows(const Batch& batch, int64_t b0, int64_t b1, const at::Tensor& logp,
+                             StepDump* dump);
+  // Writes `step-<8 digits>.safetensors` of the open step (README "Batch dumps").
+  Status DumpStep(const OpenStep& step, int64_t step_number) const;
 
   // Adds the compute copy's gradients into the master's fp32 .grad and zeroes them (bf16 only).
   void MoveComputeGradsToMaster();
@@ -168,6 +200,7 @@ class GrpoTrainer {
   std::atomic<int64_t> policy_version_{0};  // read by ValidateGroup on other threads
   std::unique_ptr<OpenStep> open_;
   std::string dump_incarnation_;
+  std::function<Status(int64_t)> TEST_micro_batch_fault_;
 };
 
 // Peak resident set of this process (VmHWM), in bytes; 0 when unknown. (The trainer's

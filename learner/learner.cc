@@ -140,6 +140,12 @@ Status Learner::Resume() {
         "moved back to a pass they owe",
         trainer_->global_step(), undone.trainings_undone, undone.requeued, undone.moved_back);
   }
+  // So do the batch dumps: a dead learner's steps after the restored one are redone.
+  ASSIGN_OR_RETURN(const int64_t removed, trainer_->RemoveDumpsAfter(trainer_->global_step()));
+  if (removed > 0) {
+    GRPO_LOG_INFO("learner: removed {} batch dump files of steps after {}", removed,
+                  trainer_->global_step());
+  }
   return Status::OK();
 }
 

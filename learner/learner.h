@@ -28,8 +28,9 @@
 // optimizer steps, so "the weights after step S hold these groups" is exact. On start, after
 // RestoreLatestCheckpoint at step S, PromptLedger::RollbackTo(S) undoes every training after S,
 // requeues accepted groups and moves prompts back to any pass they owe (a pass boundary after S
-// is undone for them): nothing trained is lost and nothing is trained twice in a pass. At job
-// end (max_steps, stop) the buffer is dropped and the ledger rolled back to the saved step.
+// is undone for them): nothing trained is lost and nothing is trained twice in a pass; the
+// batch dumps of steps after S are removed (GrpoTrainer::RemoveDumpsAfter). At job end
+// (max_steps, stop) the buffer is dropped and the ledger rolled back to the saved step.
 // Leases of a dead learner stay valid until their deadline (a worker that outlived it may still
 // push; its groups of the dead learner's weights are refused as unknown_policy, the prompt
 // released).

@@ -2,8 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "common/model/model.h"
@@ -361,6 +363,263 @@ TEST(GrpoTrainer, StepsSpanGenerationBatchesAndDoNotDependOnStepsPerGeneration) 
   EXPECT_GT(two.steps[0].grad_norm, 0.0);
   EXPECT_NEAR(one.steps[1].loss, two.steps[1].loss, 1e-5 * std::abs(two.steps[1].loss));
   EXPECT_NEAR(one.steps[1].grad_norm, two.steps[1].grad_norm, 1e-5 * two.steps[1].grad_norm);
+}
+
+std::vector<at::Tensor> Weights(common::Model& model) {
+  std::vector<at::Tensor> out;
+  for (auto& p : model.Parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+bool BitEqual(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!at::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+// The files in `dir`, by name.
+std::vector<std::string> FilesIn(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Every tensor of two batch dumps equal (same names, shapes, dtypes and values; NaN == NaN).
+void ExpectSameDumpTensors(const std::string& path, const std::string& reference) {
+  auto a = common::SafetensorsFile::Open(path);
+  auto b = common::SafetensorsFile::Open(reference);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  std::vector<std::string> names_a = (*a)->Names(), names_b = (*b)->Names();
+  std::sort(names_a.begin(), names_a.end());
+  std::sort(names_b.begin(), names_b.end());
+  ASSERT_EQ(names_a, names_b);
+  for (const std::string& name : names_a) {
+    auto ta = (*a)->Get(name);
+    auto tb = (*b)->Get(name);
+    ASSERT_TRUE(ta.ok() && tb.ok()) << name;
+    EXPECT_EQ(ta->sizes(), tb->sizes()) << name;
+    EXPECT_EQ(ta->scalar_type(), tb->scalar_type()) << name;
+    if (ta->sizes() == tb->sizes()) {
+      EXPECT_TRUE(at::equal(ta->nan_to_num(-7.0), tb->nan_to_num(-7.0))) << name;
+    }
+  }
+}
+
+// The header's contract for an error inside a step: the step is discarded whole. A failure at
+// the third of three micro-batches of one step (two micro-batches' gradient and the third's
+// already in .grad, the step's counters counting two), then a good batch: its step must be
+// exactly the step of a fresh trainer (same initial weights) that never saw the failed batch.
+TEST(GrpoTrainer, AnErrorInsideAStepLeavesNothingOfItForTheNextStep) {
+  common::GrpoConfig cfg = BaseConfig();
+  cfg.per_device_train_batch_size = 4;  // one group per micro-batch
+  cfg.gradient_accumulation_steps = 3;  // a batch of 3 groups is one step
+  const auto failing = MakeGroups(3, 4, 31), good = MakeGroups(3, 4, 37);
+
+  auto model = TinyModel();
+  const auto initial = Weights(*model);
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr);
+  ASSERT_TRUE(trainer.ok());
+  (*trainer)->TEST_set_micro_batch_fault([](int64_t micro_batch) {
+    return micro_batch == 2 ? Status::Internal("injected micro-batch failure") : Status::OK();
+  });
+  auto failed = (*trainer)->TrainGenerationBatch(failing);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_NE(failed.status().message().find("injected micro-batch failure"), std::string::npos);
+  EXPECT_EQ((*trainer)->open_step_micro_batches(), 0);
+  EXPECT_EQ((*trainer)->global_step(), 0);
+  EXPECT_TRUE(BitEqual(Weights(*model), initial));
+  (*trainer)->TEST_set_micro_batch_fault(nullptr);
+  auto r = (*trainer)->TrainGenerationBatch(good);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->steps.size(), 1u);
+
+  auto fresh_model = TinyModel();
+  auto fresh = GrpoTrainer::Create(cfg, fresh_model.get(), nullptr);
+  ASSERT_TRUE(fresh.ok());
+  auto expected = (*fresh)->TrainGenerationBatch(good);
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+  ASSERT_EQ(expected->steps.size(), 1u);
+
+  EXPECT_GT(expected->steps[0].grad_norm, 0.0);
+  EXPECT_EQ(r->steps[0].loss, expected->steps[0].loss);
+  EXPECT_EQ(r->steps[0].grad_norm, expected->steps[0].grad_norm);
+  EXPECT_EQ(r->steps[0].micro_batches, 3);
+  EXPECT_EQ(r->steps[0].sequences, expected->steps[0].sequences);
+  EXPECT_EQ(r->steps[0].completion_tokens, expected->steps[0].completion_tokens);
+  EXPECT_TRUE(BitEqual(Weights(*model), Weights(*fresh_model)));
+}
+
+// An error discards the open step also when an earlier generation batch opened it: here batch A
+// (one micro-batch of a 2-micro-batch step) opens step 1, batch B fails in its micro-batch, and
+// step 1 is then C + D only: the same step, and the same dump, as a fresh trainer's on C and D.
+TEST(GrpoTrainer, AnErrorDiscardsTheOpenStepCarriedOverFromTheBatchBefore) {
+  common::GrpoConfig cfg = BaseConfig();
+  cfg.per_device_train_batch_size = 4;
+  cfg.gradient_accumulation_steps = 2;
+  cfg.steps_per_generation = 1;  // a generation batch of one group: one micro-batch
+  const auto groups = MakeGroups(4, 4, 41);
+  const std::vector<RolloutGroup> a = {groups[0]}, b = {groups[1]}, c = {groups[2]},
+                                  d = {groups[3]};
+  const std::string dir = ::testing::TempDir() + "/grpo_discard_carried_test";
+  std::filesystem::remove_all(dir);
+
+  auto model = TinyModel();
+  cfg.dump_batches_dir = dir + "/after_failure";
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr);
+  ASSERT_TRUE(trainer.ok());
+  auto ra = (*trainer)->TrainGenerationBatch(a);
+  ASSERT_TRUE(ra.ok()) << ra.status().ToString();
+  EXPECT_TRUE(ra->steps.empty());
+  EXPECT_EQ((*trainer)->open_step_micro_batches(), 1);
+  (*trainer)->TEST_set_micro_batch_fault(
+      [](int64_t) { return Status::Internal("injected micro-batch failure"); });
+  EXPECT_FALSE((*trainer)->TrainGenerationBatch(b).ok());
+  EXPECT_EQ((*trainer)->open_step_micro_batches(), 0);
+  (*trainer)->TEST_set_micro_batch_fault(nullptr);
+  ASSERT_TRUE((*trainer)->TrainGenerationBatch(c).ok());
+  auto rd = (*trainer)->TrainGenerationBatch(d);
+  ASSERT_TRUE(rd.ok()) << rd.status().ToString();
+  ASSERT_EQ(rd->steps.size(), 1u);
+
+  auto fresh_model = TinyModel();
+  cfg.dump_batches_dir = dir + "/fresh";
+  auto fresh = GrpoTrainer::Create(cfg, fresh_model.get(), nullptr);
+  ASSERT_TRUE(fresh.ok());
+  ASSERT_TRUE((*fresh)->TrainGenerationBatch(c).ok());
+  auto expected = (*fresh)->TrainGenerationBatch(d);
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+  ASSERT_EQ(expected->steps.size(), 1u);
+
+  EXPECT_GT(expected->steps[0].grad_norm, 0.0);
+  EXPECT_EQ(rd->steps[0].loss, expected->steps[0].loss);
+  EXPECT_EQ(rd->steps[0].grad_norm, expected->steps[0].grad_norm);
+  EXPECT_EQ(rd->steps[0].sequences, 8);
+  EXPECT_TRUE(BitEqual(Weights(*model), Weights(*fresh_model)));
+  // Nothing of A or B in the dumps either: step 1's one file holds the rows of C and D.
+  EXPECT_EQ(FilesIn(dir + "/after_failure"),
+            (std::vector<std::string>{"step-00000001.safetensors"}));
+  ExpectSameDumpTensors(dir + "/after_failure/step-00000001.safetensors",
+                        dir + "/fresh/step-00000001.safetensors");
+}
+
+// README "Batch dumps": one file per optimizer step, also for a step that spans generation
+// batches. Two batches of one micro-batch each make one step of two; its file holds both
+// batches' rows in training order, as the same step trained from one batch of both groups does.
+TEST(GrpoTrainer, AStepSpanningGenerationBatchesIsDumpedAsOneFile) {
+  common::GrpoConfig cfg = BaseConfig();
+  cfg.per_device_train_batch_size = 4;
+  cfg.gradient_accumulation_steps = 2;
+  const auto groups = MakeGroups(2, 4, 43);
+  const std::string dir = ::testing::TempDir() + "/grpo_span_dump_test";
+  std::filesystem::remove_all(dir);
+
+  auto model = TinyModel();
+  cfg.steps_per_generation = 1;  // one group per generation batch
+  cfg.dump_batches_dir = dir + "/spanning";
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr);
+  ASSERT_TRUE(trainer.ok());
+  ASSERT_TRUE((*trainer)->TrainGenerationBatch({groups[0]}).ok());
+  auto r = (*trainer)->TrainGenerationBatch({groups[1]});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->steps.size(), 1u);
+
+  auto one_model = TinyModel();
+  cfg.steps_per_generation = 2;  // both groups in one generation batch: the same step
+  cfg.dump_batches_dir = dir + "/one_batch";
+  auto one = GrpoTrainer::Create(cfg, one_model.get(), nullptr);
+  ASSERT_TRUE(one.ok());
+  auto expected = (*one)->TrainGenerationBatch(groups);
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+  ASSERT_EQ(expected->steps.size(), 1u);
+
+  EXPECT_EQ(FilesIn(dir + "/spanning"), (std::vector<std::string>{"step-00000001.safetensors"}));
+  ExpectSameDumpTensors(dir + "/spanning/step-00000001.safetensors",
+                        dir + "/one_batch/step-00000001.safetensors");
+  auto f = common::SafetensorsFile::Open(dir + "/spanning/step-00000001.safetensors");
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(nlohmann::json::parse((*f)->metadata().at("micro_batch_sizes")),
+            nlohmann::json::array({4, 4}));
+  EXPECT_NEAR(nlohmann::json::parse((*f)->metadata().at("metrics"))["loss"].get<double>(),
+              expected->steps[0].loss, 1e-6 * std::abs(expected->steps[0].loss) + 1e-9);
+}
+
+// A step flushed short (FlushPartialStep: a learner stopping inside a step) is dumped like any
+// other, to `step-<8 digits>.safetensors`. Its one micro-batch, normalised by its own count, is
+// the step that gradient_accumulation_steps 1 takes on the same group.
+TEST(GrpoTrainer, AFlushedStepIsDumpedAsItsStepFile) {
+  common::GrpoConfig cfg = BaseConfig();
+  cfg.per_device_train_batch_size = 4;
+  cfg.steps_per_generation = 1;
+  const auto groups = MakeGroups(1, 4, 47);
+  const std::string dir = ::testing::TempDir() + "/grpo_flush_dump_test";
+  std::filesystem::remove_all(dir);
+
+  auto model = TinyModel();
+  cfg.gradient_accumulation_steps = 2;
+  cfg.dump_batches_dir = dir + "/flushed";
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr);
+  ASSERT_TRUE(trainer.ok());
+  auto r = (*trainer)->TrainGenerationBatch(groups);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(r->steps.empty());
+  auto flushed = (*trainer)->FlushPartialStep();
+  ASSERT_TRUE(flushed.ok()) << flushed.status().ToString();
+  ASSERT_TRUE(flushed->has_value());
+
+  auto whole_model = TinyModel();
+  cfg.gradient_accumulation_steps = 1;
+  cfg.dump_batches_dir = dir + "/whole";
+  auto whole = GrpoTrainer::Create(cfg, whole_model.get(), nullptr);
+  ASSERT_TRUE(whole.ok());
+  auto expected = (*whole)->TrainGenerationBatch(groups);
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+  ASSERT_EQ(expected->steps.size(), 1u);
+
+  EXPECT_EQ(FilesIn(dir + "/flushed"), (std::vector<std::string>{"step-00000001.safetensors"}));
+  ExpectSameDumpTensors(dir + "/flushed/step-00000001.safetensors",
+                        dir + "/whole/step-00000001.safetensors");
+  auto f = common::SafetensorsFile::Open(dir + "/flushed/step-00000001.safetensors");
+  ASSERT_TRUE(f.ok());
+  const auto metrics = nlohmann::json::parse((*f)->metadata().at("metrics"));
+  EXPECT_EQ(metrics["micro_batches"].get<int64_t>(), 1);
+  EXPECT_NEAR(metrics["loss"].get<double>(), expected->steps[0].loss,
+              1e-6 * std::abs(expected->steps[0].loss) + 1e-9);
+  EXPECT_NEAR(metrics["grad_norm"].get<double>(), expected->steps[0].grad_norm,
+              1e-6 * expected->steps[0].grad_norm);
+}
+
+// A trainer restored at step S redoes the steps after S: their dumps (and part files of older
+// versions, and unfinished .tmp files) go; steps up to S and other files stay.
+TEST(GrpoTrainer, RemoveDumpsAfterRemovesTheStepsAfterItOnly) {
+  common::GrpoConfig cfg = BaseConfig();
+  cfg.dump_batches_dir = ::testing::TempDir() + "/grpo_remove_dumps_test";
+  std::filesystem::remove_all(cfg.dump_batches_dir);
+  auto model = TinyModel();
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr);
+  ASSERT_TRUE(trainer.ok());
+  auto none = (*trainer)->RemoveDumpsAfter(0);  // no directory yet
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_EQ(*none, 0);
+  std::filesystem::create_directories(cfg.dump_batches_dir);
+  for (const char* name : {"step-00000001.safetensors", "step-00000002-part.safetensors",
+                           "step-00000002.safetensors", "step-00000003-part.safetensors",
+                           "step-00000003.safetensors", "step-00000004.safetensors.tmp",
+                           "step-123456789.safetensors", "notes.txt", "step-x.safetensors"}) {
+    std::ofstream(cfg.dump_batches_dir + "/" + name) << "x";
+  }
+  auto removed = (*trainer)->RemoveDumpsAfter(2);
+  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
+  EXPECT_EQ(*removed, 4);
+  EXPECT_EQ(FilesIn(cfg.dump_batches_dir),
+            (std::vector<std::string>{"notes.txt", "step-00000001.safetensors",
+                                      "step-00000002-part.safetensors", "step-00000002.safetensors",
+                                      "step-x.safetensors"}));
 }
 
 }  // namespace

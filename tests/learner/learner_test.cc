@@ -6,14 +6,19 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "common/model/model_config.h"
+#include "common/model/safetensors.h"
 #include "learner/admission.h"
 #include "learner/worker_registry.h"
 #include "tests/learner/tiny_config.h"
@@ -87,6 +92,29 @@ class LearnerTest : public ::testing::Test {
     auto r = learner_->LeasePrompts("w1", n, Clock::now() + wait, {});
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     return r.ok() ? r->leases : std::vector<common::PromptLease>{};
+  }
+
+  // Leases two prompts and pushes their groups (one generation batch) at the published version.
+  void PushOneBatch() {
+    const std::vector<common::PromptLease> leases = Lease(2);
+    ASSERT_EQ(leases.size(), 2u);
+    PushTally tally;
+    for (const auto& l : leases) {
+      learner_->AcceptGroup(TinyGroup(l, learner_->published_version(), learner_->incarnation()),
+                            {}, &tally);
+    }
+    ASSERT_EQ(tally.reply.accepted, 2);
+  }
+  // The files of `dir`, by name.
+  static std::vector<std::string> FilesIn(const fs::path& dir) {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+  static std::string Bytes(const fs::path& file) {
+    std::ifstream in(file, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
   }
 
   fs::path dir_;
@@ -362,6 +390,69 @@ TEST_F(LearnerTest, AKillBetweenAcceptAndCheckpointRequeuesTheGroup) {
   EXPECT_EQ(counts->queued, 3);
   EXPECT_EQ(counts->trained, 0);
   EXPECT_EQ(next->Snapshot().global_step, 0);
+}
+
+// README "Batch dumps": a restarted learner redoes the steps after its checkpoint, so the dead
+// learner's dumps of those steps go when it restores (a reader would otherwise see a step of the
+// dead learner, or rows twice); the steps its checkpoint holds are history and stay untouched.
+TEST_F(LearnerTest, ARestartRemovesTheDumpsOfStepsItsCheckpointDoesNotHold) {
+  const fs::path dumps = dir_ / "dumps";
+  config_.dump_batches_dir = dumps.string();
+  config_.save_steps = 2;
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(10)).ok());
+  for (int64_t step = 1; step <= 3; ++step) {
+    PushOneBatch();
+    ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().global_step == step; }, 30s)) << step;
+  }
+  ASSERT_EQ(FilesIn(dumps),
+            (std::vector<std::string>{"step-00000001.safetensors", "step-00000002.safetensors",
+                                      "step-00000003.safetensors"}));
+  const std::string step1 = Bytes(dumps / "step-00000001.safetensors");
+  const std::string step2 = Bytes(dumps / "step-00000002.safetensors");
+  // The kill after step 3, before its checkpoint (as in AKillBetweenAcceptAndCheckpoint...).
+  ASSERT_TRUE(learner_->Stop(/*checkpoint=*/false).ok());
+  Learner* killed = learner_.release();
+  (void)killed;
+  std::unique_ptr<Learner> next = Make();
+  ASSERT_NE(next, nullptr);
+  ASSERT_EQ(next->Snapshot().global_step, 2);  // restored checkpoint-2
+  EXPECT_EQ(FilesIn(dumps),
+            (std::vector<std::string>{"step-00000001.safetensors", "step-00000002.safetensors"}));
+  EXPECT_EQ(Bytes(dumps / "step-00000001.safetensors"), step1);
+  EXPECT_EQ(Bytes(dumps / "step-00000002.safetensors"), step2);
+}
+
+// A learner stopped (SIGTERM) inside an optimizer step takes the step short and saves it: the
+// step is in the history, so its dump is `step-<8 digits>.safetensors` with the rows it took.
+TEST_F(LearnerTest, AStopInsideAStepDumpsTheFlushedStep) {
+  const fs::path dumps = dir_ / "dumps";
+  config_.dump_batches_dir = dumps.string();
+  config_.gradient_accumulation_steps = 2;  // a step is two generation batches of one
+  config_.steps_per_generation = 1;         // micro-batch (2 groups of 2) each
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(4)).ok());
+  PushOneBatch();
+  // Trained into the open step 1 (the ledger records its groups under the step to come).
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto trainings = learner_->TEST_ledger().Trainings();
+        return trainings.ok() && trainings->size() == 2u;
+      },
+      30s));
+  EXPECT_EQ(learner_->Snapshot().global_step, 0);
+  ASSERT_TRUE(learner_->Stop(/*checkpoint=*/true).ok());
+  EXPECT_EQ(learner_->Snapshot().global_step, 1);
+  EXPECT_TRUE(fs::exists(dir_ / "checkpoint-1"));
+  ASSERT_EQ(FilesIn(dumps), (std::vector<std::string>{"step-00000001.safetensors"}));
+  auto f = common::SafetensorsFile::Open((dumps / "step-00000001.safetensors").string());
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  auto ids = (*f)->Get("completion_ids");
+  ASSERT_TRUE(ids.ok());
+  EXPECT_EQ(ids->size(0), 4);  // the 2 groups of 2 it took
+  EXPECT_EQ(nlohmann::json::parse((*f)->metadata().at("metrics"))["micro_batches"], 1);
 }
 
 }  // namespace

@@ -190,16 +190,16 @@ class LearnerRestartTest : public FaultToleranceTest {
     if (crash_before_publish) {
       ASSERT_TRUE(RecordTrainedAt(out_dir() / "ledger.sqlite", resumed_step + 1, &error)) << error;
     }
-    // Steps after the checkpoint were the dead learner's; its steps up to it are history.
+    // Steps after the checkpoint were the dead learner's: the restarted learner removes their
+    // dumps and redoes them. Its steps up to the checkpoint are history.
     std::map<int64_t, std::string> kept;
-    for (int64_t step = 1; step <= kSteps + 1; ++step) {
-      if (step <= resumed_step) {
-        kept[step] = ReadFile(DumpPath(dump_dir(), step));
-        ASSERT_FALSE(kept[step].empty()) << "no dump of checkpointed step " << step;
-      } else {
-        fs::remove(DumpPath(dump_dir(), step));
-      }
+    for (int64_t step = 1; step <= resumed_step; ++step) {
+      kept[step] = ReadFile(DumpPath(dump_dir(), step));
+      ASSERT_FALSE(kept[step].empty()) << "no dump of checkpointed step " << step;
     }
+    const auto dead = ReadSafetensors(DumpPath(dump_dir(), resumed_step));
+    ASSERT_TRUE(dead.has_value());
+    const int64_t dead_incarnation = dead->at("learner_incarnation").ints.at(0);
 
     ASSERT_EQ(StartLearner("learner-restarted", port, config), port);
     const auto exit_code = children_->Wait("learner-restarted", kJobTimeout);
@@ -227,6 +227,13 @@ class LearnerRestartTest : public FaultToleranceTest {
         << Tail(children_->Err("learner-restarted"));
     for (const auto& [step, bytes] : kept) {
       EXPECT_EQ(ReadFile(DumpPath(dump_dir(), step)), bytes) << "step " << step << " was retrained";
+    }
+    // Every step after the checkpoint is the restarted learner's: no dump of the dead one's is
+    // left.
+    for (int64_t step = resumed_step + 1; step <= kSteps; ++step) {
+      const auto redone = ReadSafetensors(DumpPath(dump_dir(), step));
+      ASSERT_TRUE(redone.has_value()) << "no dump of step " << step;
+      EXPECT_NE(redone->at("learner_incarnation").ints.at(0), dead_incarnation) << "step " << step;
     }
     const json final_state = json::parse(
         ReadFile(out_dir() / ("checkpoint-" + std::to_string(kSteps)) / "trainer_state.json"),
