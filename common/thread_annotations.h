@@ -2,7 +2,7 @@
 // checked by `clang -Wthread-safety` (the thread_safety_test target, CI), no-ops elsewhere. Put
 // them on members and methods of classes that lock common::Mutex (common/mutex.h): std::mutex
 // in libstdc++ carries no annotations, so the analysis cannot see through it. Prefixed GRPO_:
-// Abseil's unprefixed GUARDED_BY & co. arrive with gRPC's headers, and one name for two macros
+// Abseil's unprefixed GRPO_GUARDED_BY & co. arrive with gRPC's headers, and one name for two macros
 // warned "redefined" in every services/ unit.
 #pragma once
 

@@ -21,32 +21,6 @@ namespace grpo::learner {
 
 using common::RolloutGroup;
 
-std::string_view RejectReasonName(RejectReason reason) {
-  switch (reason) {
-    case RejectReason::kGroupSize:
-      return "group_size";
-    case RejectReason::kEmptyPrompt:
-      return "empty_prompt";
-    case RejectReason::kEmptyCompletion:
-      return "empty_completion";
-    case RejectReason::kCompletionTooLong:
-      return "completion_too_long";
-    case RejectReason::kTokenOutOfVocab:
-      return "token_out_of_vocab";
-    case RejectReason::kLogprobLength:
-      return "logprob_length";
-    case RejectReason::kRewardCount:
-      return "reward_count";
-    case RejectReason::kNonFiniteReward:
-      return "non_finite_reward";
-    case RejectReason::kRewardOutOfRange:
-      return "reward_out_of_range";
-    case RejectReason::kStale:
-      return "stale";
-  }
-  return "unknown";
-}
-
 int64_t PeakResidentBytes() {
   std::ifstream in("/proc/self/status");
   std::string line;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/config.h"
+#include "common/group_refusal.h"
 #include "common/model/model.h"
 #include "common/rollout_types.h"
 #include "common/status.h"
@@ -27,20 +28,12 @@
 
 namespace grpo::learner {
 
-// Why a group was refused at ingest (labels of grpo_groups_rejected_total).
-enum class RejectReason {
-  kGroupSize,  // not num_generations completions
-  kEmptyPrompt,
-  kEmptyCompletion,
-  kCompletionTooLong,  // longer than max_completion_length
-  kTokenOutOfVocab,
-  kLogprobLength,     // behaviour log-probs not one per completion token
-  kRewardCount,       // not one reward per reward function
-  kNonFiniteReward,   // NaN or +-inf reward (null is fine: it counts as 0)
-  kRewardOutOfRange,  // |reward| > kMaxAbsReward (its square, summed, would overflow)
-  kStale,             // policy_version older than max_staleness allows
-};
-std::string_view RejectReasonName(RejectReason reason);
+// Why a group was refused at ingest: the trainer's reasons are the first ten of the one table
+// (common/group_refusal.h), from kGroupSize to kStale.
+using RejectReason = common::GroupRefusal;
+constexpr std::string_view RejectReasonName(RejectReason reason) {
+  return common::GroupRefusalName(reason);
+}
 
 // The largest |reward| taken: weighted sums, means and variances of a generation batch of such
 // rewards stay finite in double (1e15^2 * 1e6 rows is far below DBL_MAX).

@@ -362,9 +362,10 @@ bool Learner::PassMayEnd() {
   }
   for (const auto& b : stale) {
     RequeueUntrained({b.group.prompt_id, b.pass}, "stale at the end of its pass");
-    metrics_.groups_rejected->Increment({"stale"});
+    const std::string_view stale = common::GroupRefusalName(common::GroupRefusal::kStale);
+    metrics_.groups_rejected->Increment({stale});
     common::MutexLock lock(&mu_);
-    ++refused_["stale"];
+    ++refused_[std::string(stale)];
   }
   return stale.empty();
 }

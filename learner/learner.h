@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "common/config.h"
+#include "common/group_refusal.h"
 #include "common/learner_protocol.h"
 #include "common/metrics/grpo_metrics.h"
 #include "common/metrics/metrics.h"
@@ -290,7 +291,7 @@ class Learner {
   // Moves the job to `state` unless it already ended; tells subscribers.
   void ChangeState(JobState state, const std::string& message) GRPO_EXCLUDES(mu_);
   void Broadcast(const JobEvent& event) GRPO_EXCLUDES(mu_);
-  void Refuse(PushTally* tally, const std::string& reason, const std::string& message)
+  void Refuse(PushTally* tally, common::GroupRefusal reason, const std::string& message)
       GRPO_EXCLUDES(mu_);
   // Metric updates: one optimizer step's values; the ledger's prompts by state.
   void RecordStepMetrics(const StepMetrics& step);

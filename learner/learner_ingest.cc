@@ -193,7 +193,8 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
   return reply;
 }
 
-void Learner::Refuse(PushTally* tally, const std::string& reason, const std::string& message) {
+void Learner::Refuse(PushTally* tally, common::GroupRefusal why, const std::string& message) {
+  const std::string reason(common::GroupRefusalName(why));
   ++tally->reply.rejected;
   ++tally->reply.rejected_by_reason[reason];
   if (tally->reply.messages.size() < kMaxAckMessages) tally->reply.messages.push_back(message);
@@ -266,30 +267,30 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
   }
   if (ended || stopping) {
     release();  // a lease that is still ours goes back to the queue now
-    Refuse(tally, ended ? "job_ended" : "learner_stopping",
+    Refuse(tally, ended ? common::GroupRefusal::kJobEnded : common::GroupRefusal::kLearnerStopping,
            what + (ended ? ": the job has ended" : ": the learner is shutting down"));
     return;
   }
   // 1. The lease.
   auto record = ledger_->GetPrompt(prompt);
   if (!record.ok() && record.status().code() != StatusCode::kNotFound) {
-    Refuse(tally, "ledger_error", what + ": " + record.status().ToString());
+    Refuse(tally, common::GroupRefusal::kLedgerError, what + ": " + record.status().ToString());
     return;
   }
   if (!record.ok() || lease.empty() || record->state != PromptState::kLeased ||
       record->lease_id != lease) {
-    Refuse(tally, "unknown_lease", what + ": unknown lease '" + lease + "'");
+    Refuse(tally, common::GroupRefusal::kUnknownLease, what + ": unknown lease '" + lease + "'");
     return;
   }
   if (record->lease_deadline_ms < ledger_->NowMs()) {
-    Refuse(tally, "expired_lease", what + ": lease '" + lease + "' expired");
+    Refuse(tally, common::GroupRefusal::kExpiredLease, what + ": lease '" + lease + "' expired");
     return;
   }
   // 2. The policy: weights this learner published (a restarted learner's versions start again
   //    from its checkpoint, so a dead learner's version numbers mean other weights).
   if (group.policy_incarnation != incarnation_ ||
       group.policy_version > trainer_->policy_version()) {
-    Refuse(tally, "unknown_policy",
+    Refuse(tally, common::GroupRefusal::kUnknownPolicy,
            what + ": policy version " + std::to_string(group.policy_version) + " of learner '" +
                group.policy_incarnation + "' was not published by this learner ('" + incarnation_ +
                "', at version " + std::to_string(trainer_->policy_version()) + ")");
@@ -299,7 +300,7 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
   // 3. The content.
   RejectReason reason = RejectReason::kGroupSize;
   if (Status v = trainer_->ValidateGroup(group, &reason); !v.ok()) {
-    Refuse(tally, std::string(RejectReasonName(reason)), v.message());
+    Refuse(tally, reason, v.message());
     bool reject_prompt = reason == RejectReason::kEmptyPrompt;
     if (reason != RejectReason::kStale) {
       common::MutexLock lock(&mu_);
@@ -324,7 +325,7 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
       earlier = reward_count_;
     }
     if (earlier >= 0 && count != earlier) {
-      Refuse(tally, "reward_count",
+      Refuse(tally, common::GroupRefusal::kRewardCount,
              what + ": " + std::to_string(count) + " rewards per completion, earlier groups had " +
                  std::to_string(earlier));
       release();
@@ -362,14 +363,14 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
   if (admit == Admit::kEnded || admit == Admit::kStopping) {
     const bool ended = admit == Admit::kEnded;
     release();
-    Refuse(tally, ended ? "job_ended" : "learner_stopping",
+    Refuse(tally, ended ? common::GroupRefusal::kJobEnded : common::GroupRefusal::kLearnerStopping,
            what + (ended ? ": the job has ended" : ": the learner is shutting down"));
     return;
   }
   if (admit == Admit::kFull) {
     tally->buffer_timed_out = true;
     release();
-    Refuse(tally, "buffer_full", what + ": the learner's buffer stayed full");
+    Refuse(tally, common::GroupRefusal::kBufferFull, what + ": the learner's buffer stayed full");
     return;
   }
   // 5. Complete the lease, then buffer the group.
@@ -392,7 +393,7 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
   }
   if (!done.ok()) {
     room_cv_.NotifyAll();
-    Refuse(tally, "expired_lease", what + ": " + done.message());
+    Refuse(tally, common::GroupRefusal::kExpiredLease, what + ": " + done.message());
     return;
   }
   train_cv_.NotifyAll();

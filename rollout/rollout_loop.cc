@@ -6,6 +6,7 @@
 #include <exception>
 #include <filesystem>
 
+#include "common/group_refusal.h"
 #include "common/logging.h"
 #include "common/model/device.h"
 #include "common/tokenizer/byte_tokenizer.h"
@@ -549,7 +550,8 @@ Status RolloutLoop::PushGroups(const std::vector<common::RolloutGroup>& groups,
       GRPO_LOG_WARN("learner rejected {} of {} groups:{}", response.rejected, groups.size(),
                     reasons);
       for (const auto& m : response.messages) GRPO_LOG_WARN("  {}", m);
-      const auto unknown = response.rejected_by_reason.find("unknown_policy");
+      const auto unknown = response.rejected_by_reason.find(
+          std::string(common::GroupRefusalName(common::GroupRefusal::kUnknownPolicy)));
       if (unknown != response.rejected_by_reason.end() && unknown->second > 0) {
         // The learner did not publish these weights (it restarted, or they are of a version
         // above its own): generating more with them is refused too. Register again (a restart

@@ -10,21 +10,14 @@
 #include <string_view>
 #include <vector>
 
+#include "common/group_refusal.h"
 #include "common/metrics/metrics.h"
 #include "common/status.h"
 
 namespace grpo::common {
 
-// Values of `reason` on grpo_groups_rejected_total; the first ten are
-// learner::RejectReasonName's, the lease ones come from the ledger, the rest from the learner
-// service (job over, ledger read failed, buffer stayed full, weights this learner did not
-// publish, learner shutting down).
-inline constexpr std::array<std::string_view, 17> kRejectReasons = {
-    "group_size",          "empty_prompt",   "empty_completion", "completion_too_long",
-    "token_out_of_vocab",  "logprob_length", "reward_count",     "non_finite_reward",
-    "reward_out_of_range", "stale",          "unknown_lease",    "expired_lease",
-    "job_ended",           "ledger_error",   "buffer_full",      "unknown_policy",
-    "learner_stopping"};
+// Values of `reason` on grpo_groups_rejected_total: the one table of refusal reasons.
+inline constexpr const auto& kRejectReasons = kGroupRefusalNames;
 // Values of `state` on grpo_ledger_prompts (the prompt ledger's states).
 inline constexpr std::array<std::string_view, 4> kLedgerStates = {"queued", "leased", "trained",
                                                                   "rejected"};
