@@ -100,6 +100,7 @@ TEST(GrpoMetrics, DefinesExactlyTheIssueSixFamilies) {
       {"grpo_logprob_mismatch", "gauge"},
       {"grpo_grad_norm", "gauge"},
       {"grpo_learning_rate", "gauge"},
+      {"grpo_learner_lock_max_hold_seconds", "gauge"},
       {"grpo_learner_tokens_per_second", "gauge"},
       {"grpo_step_duration_seconds", "histogram"},
       {"grpo_buffer_groups", "gauge"},
