@@ -42,10 +42,10 @@ std::string EscapeHelp(std::string_view help) {
   return out;
 }
 
-// Adds one prometheus-cpp family of `T` with every series of `family`, in series index order.
-// Runs after the registry's own checks, so prometheus-cpp's exceptions (bad names, unsorted
-// buckets) cannot happen; one that does anyway becomes an Internal status.
-// `labels_of(i)` gives series i's labels.
+// Registers the prometheus-cpp family `name` and appends its `series_count` series to `series`,
+// in index order (`labels_of(i)` gives series i's labels; `args` go to every series, e.g. the
+// bucket bounds). Runs after the registry's own checks, so prometheus-cpp's exceptions (bad
+// names, unsorted buckets) cannot happen; one that does anyway becomes an Internal status.
 template <typename T, typename Builder, typename LabelsOf, typename... SeriesArgs>
 Status AddSeries(Builder builder, prometheus::Registry& registry, const std::string& name,
                  const std::string& help, int64_t series_count, const LabelsOf& labels_of,
@@ -53,8 +53,9 @@ Status AddSeries(Builder builder, prometheus::Registry& registry, const std::str
   try {
     auto& family = builder.Name(name).Help(EscapeHelp(help)).Register(registry);
     series->reserve(static_cast<size_t>(series_count));
-    for (int64_t i = 0; i < series_count; ++i)
+    for (int64_t i = 0; i < series_count; ++i) {
       series->push_back(&family.Add(labels_of(i), args...));
+    }
   } catch (const std::exception& e) {
     return Status::Internal(name + ": prometheus-cpp refused the family: " + e.what());
   }
