@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything grpo-serve needs. Idempotent: a second run installs nothing.
-#   1. Debian packages: compilers, gRPC, Gloo's headers, SQLite, the test and deploy tools.
+#   1. Debian packages: compilers, gRPC, Gloo's headers, SQLite, prometheus-cpp, the test and
+#      deploy tools.
 #   2. A virtual environment the project owns, outside the clone so that clones and CI share it
 #      ($GRPO_VENV, default /opt/grpo-serve/venv), with PyTorch's own libtorch (the `torch`
 #      wheel, pinned below; its CUDA build, which links and runs on machines without a GPU) and
@@ -25,6 +26,7 @@ PACKAGES=(
   libgloo-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libboost-dev libboost-system-dev
+  prometheus-cpp-dev  # common/metrics: the registry, families and text exposition
   nlohmann-json3-dev libspdlog-dev libfmt-dev libcli11-dev libyaml-cpp-dev
   libsqlite3-dev libpcre2-dev libicu-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev

@@ -1,24 +1,21 @@
 #include "common/metrics/metrics.h"
 
+#include <prometheus/check_names.h>
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/metric_family.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
 #include <algorithm>
-#include <charconv>
 #include <cmath>
+#include <exception>
 #include <set>
 #include <utility>
 
 namespace grpo::common {
 namespace {
-
-bool IsNameStart(char c, bool allow_colon) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || (allow_colon && c == ':');
-}
-
-bool IsValidName(std::string_view name, bool allow_colon) {
-  if (name.empty() || !IsNameStart(name[0], allow_colon)) return false;
-  if (name.size() >= 2 && name[0] == '_' && name[1] == '_') return false;  // reserved
-  return std::all_of(name.begin(), name.end(),
-                     [&](char c) { return IsNameStart(c, allow_colon) || (c >= '0' && c <= '9'); });
-}
 
 bool EndsWith(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
@@ -33,69 +30,39 @@ int64_t SeriesCount(const std::vector<LabelSpec>& labels) {
   return n;
 }
 
-template <typename T>
-std::unique_ptr<std::atomic<T>[]> ZeroedAtomics(int64_t n) {
-  auto a = std::make_unique<std::atomic<T>[]>(static_cast<size_t>(std::max<int64_t>(n, 1)));
-  for (int64_t i = 0; i < n; ++i) a[i].store(T{}, std::memory_order_relaxed);
-  return a;
-}
-
-void AtomicAdd(std::atomic<double>& a, double delta) {
-  a.fetch_add(delta, std::memory_order_relaxed);
-}
-
-void AppendSample(std::string* out, const std::string& name, std::string_view suffix,
-                  const std::string& labels, double value) {
-  out->append(name).append(suffix).append(labels).append(" ");
-  out->append(FormatMetricValue(value)).append("\n");
-}
-
-}  // namespace
-
-std::string FormatMetricValue(double value) {
-  if (std::isnan(value)) return "NaN";
-  if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
-  char buf[64];
-  // Whole numbers (counts) print without an exponent: 400000, not 4e+05.
-  const bool whole = std::abs(value) < 1e15 && value == std::trunc(value);
-  const auto [end, ec] =
-      whole ? std::to_chars(buf, buf + sizeof(buf), value, std::chars_format::fixed)
-            : std::to_chars(buf, buf + sizeof(buf), value);
-  if (ec != std::errc()) return "NaN";  // unreachable: 64 chars hold any double
-  return std::string(buf, end);
-}
-
-std::string EscapeLabelValue(std::string_view value) {
-  std::string out;
-  out.reserve(value.size());
-  for (char c : value) {
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '"') {
-      out += "\\\"";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
+// prometheus-cpp (1.0.1, and 1.3.0 still) writes HELP verbatim; the text format wants `\` and
+// newline escaped there. Newlines are refused by the registry, so `\` is the one to escape.
 std::string EscapeHelp(std::string_view help) {
   std::string out;
   out.reserve(help.size());
   for (char c : help) {
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else {
-      out += c;
-    }
+    if (c == '\\') out += '\\';
+    out += c;
   }
   return out;
 }
+
+// Registers the prometheus-cpp family `name` and appends its `series_count` series to `series`,
+// in index order (`labels_of(i)` gives series i's labels; `args` go to every series, e.g. the
+// bucket bounds). Runs after the registry's own checks, so prometheus-cpp's exceptions (bad
+// names, unsorted buckets) cannot happen; one that does anyway becomes an Internal status.
+template <typename T, typename Builder, typename LabelsOf, typename... SeriesArgs>
+Status AddSeries(Builder builder, prometheus::Registry& registry, const std::string& name,
+                 const std::string& help, int64_t series_count, const LabelsOf& labels_of,
+                 std::vector<T*>* series, const SeriesArgs&... args) {
+  try {
+    auto& family = builder.Name(name).Help(EscapeHelp(help)).Register(registry);
+    series->reserve(static_cast<size_t>(series_count));
+    for (int64_t i = 0; i < series_count; ++i) {
+      series->push_back(&family.Add(labels_of(i), args...));
+    }
+  } catch (const std::exception& e) {
+    return Status::Internal(name + ": prometheus-cpp refused the family: " + e.what());
+  }
+  return Status::OK();
+}
+
+}  // namespace
 
 // --- MetricFamily ---
 
@@ -127,84 +94,75 @@ int64_t MetricFamily::SeriesIndex(LabelValues values) const {
   return index;
 }
 
-std::string MetricFamily::LabelText(int64_t index, std::string_view extra) const {
-  if (labels_.empty() && extra.empty()) return "";
-  std::vector<size_t> picks(labels_.size());
+std::map<std::string, std::string> MetricFamily::SeriesLabels(int64_t index) const {
+  std::map<std::string, std::string> out;
   for (size_t i = labels_.size(); i-- > 0;) {
     const auto n = static_cast<int64_t>(labels_[i].values.size());
-    picks[i] = static_cast<size_t>(index % n);
+    out[labels_[i].name] = labels_[i].values[static_cast<size_t>(index % n)];
     index /= n;
   }
-  std::string out = "{";
-  for (size_t i = 0; i < labels_.size(); ++i) {
-    if (i > 0) out += ",";
-    out += labels_[i].name + "=\"" + EscapeLabelValue(labels_[i].values[picks[i]]) + "\"";
-  }
-  if (!extra.empty()) {
-    if (!labels_.empty()) out += ",";
-    out += extra;
-  }
-  out += "}";
   return out;
 }
 
-void MetricFamily::AppendExposition(std::string* out) const {
-  if (series_count_ == 0) return;
-  static constexpr std::string_view kTypeNames[] = {"counter", "gauge", "histogram"};
-  out->append("# HELP ").append(name_).append(" ").append(EscapeHelp(help_)).append("\n");
-  out->append("# TYPE ").append(name_).append(" ");
-  out->append(kTypeNames[static_cast<int>(type_)]).append("\n");
-  AppendSamples(out);
+void MetricFamily::Arrange(prometheus::MetricFamily* collected) const {
+  // Declared position of every label, and of every value within its label.
+  std::vector<std::pair<int64_t, prometheus::ClientMetric>> ordered;
+  ordered.reserve(collected->metric.size());
+  for (prometheus::ClientMetric& m : collected->metric) {
+    std::vector<prometheus::ClientMetric::Label> labels;
+    labels.reserve(labels_.size());
+    int64_t index = 0;
+    for (const LabelSpec& spec : labels_) {
+      const auto label = std::find_if(m.label.begin(), m.label.end(),
+                                      [&](const auto& l) { return l.name == spec.name; });
+      if (label == m.label.end()) continue;  // unreachable: every series has every label
+      const auto value = std::find(spec.values.begin(), spec.values.end(), label->value);
+      index = index * static_cast<int64_t>(spec.values.size()) + (value - spec.values.begin());
+      labels.push_back(std::move(*label));
+    }
+    m.label = std::move(labels);
+    ordered.emplace_back(index, std::move(m));
+  }
+  std::sort(ordered.begin(), ordered.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  collected->metric.clear();
+  for (auto& [index, m] : ordered) collected->metric.push_back(std::move(m));
 }
 
 // --- Counter ---
 
 Counter::Counter(std::string name, std::string help, std::vector<LabelSpec> labels)
-    : MetricFamily(std::move(name), std::move(help), MetricType::kCounter, std::move(labels)),
-      values_(ZeroedAtomics<double>(series_count())) {}
+    : MetricFamily(std::move(name), std::move(help), MetricType::kCounter, std::move(labels)) {}
 
 void Counter::Increment(LabelValues values, double delta) {
   if (!std::isfinite(delta) || delta < 0) return;
   const int64_t i = SeriesIndex(values);
-  if (i >= 0) AtomicAdd(values_[i], delta);
+  if (i >= 0) series_[static_cast<size_t>(i)]->Increment(delta);
 }
 
 double Counter::Value(LabelValues values) const {
   const int64_t i = SeriesIndex(values);
-  return i >= 0 ? values_[i].load(std::memory_order_relaxed) : 0.0;
-}
-
-void Counter::AppendSamples(std::string* out) const {
-  for (int64_t i = 0; i < series_count(); ++i) {
-    AppendSample(out, name(), "", LabelText(i), values_[i].load(std::memory_order_relaxed));
-  }
+  return i >= 0 ? series_[static_cast<size_t>(i)]->Value() : 0.0;
 }
 
 // --- Gauge ---
 
 Gauge::Gauge(std::string name, std::string help, std::vector<LabelSpec> labels)
-    : MetricFamily(std::move(name), std::move(help), MetricType::kGauge, std::move(labels)),
-      values_(ZeroedAtomics<double>(series_count())) {}
+    : MetricFamily(std::move(name), std::move(help), MetricType::kGauge, std::move(labels)) {}
 
 void Gauge::Set(LabelValues values, double value) {
   const int64_t i = SeriesIndex(values);
-  if (i >= 0) values_[i].store(value, std::memory_order_relaxed);
+  if (i >= 0) series_[static_cast<size_t>(i)]->Set(value);
 }
 
 void Gauge::Add(LabelValues values, double delta) {
   const int64_t i = SeriesIndex(values);
-  if (i >= 0) AtomicAdd(values_[i], delta);
+  if (i >= 0) series_[static_cast<size_t>(i)]->Increment(delta);
 }
 
 double Gauge::Value(LabelValues values) const {
   const int64_t i = SeriesIndex(values);
-  return i >= 0 ? values_[i].load(std::memory_order_relaxed) : 0.0;
-}
-
-void Gauge::AppendSamples(std::string* out) const {
-  for (int64_t i = 0; i < series_count(); ++i) {
-    AppendSample(out, name(), "", LabelText(i), values_[i].load(std::memory_order_relaxed));
-  }
+  return i >= 0 ? series_[static_cast<size_t>(i)]->Value() : 0.0;
 }
 
 // --- Histogram ---
@@ -212,58 +170,36 @@ void Gauge::AppendSamples(std::string* out) const {
 Histogram::Histogram(std::string name, std::string help, std::vector<LabelSpec> labels,
                      std::vector<double> bounds)
     : MetricFamily(std::move(name), std::move(help), MetricType::kHistogram, std::move(labels)),
-      bounds_(std::move(bounds)),
-      buckets_(ZeroedAtomics<uint64_t>(series_count() * static_cast<int64_t>(bounds_.size() + 1))),
-      sums_(ZeroedAtomics<double>(series_count())) {}
+      bounds_(std::move(bounds)) {}
 
 void Histogram::Observe(LabelValues values, double value) {
   if (std::isnan(value)) return;
   const int64_t i = SeriesIndex(values);
-  if (i < 0) return;
-  const size_t bucket = static_cast<size_t>(
-      std::lower_bound(bounds_.begin(), bounds_.end(), value) - bounds_.begin());
-  buckets_[i * static_cast<int64_t>(bounds_.size() + 1) + bucket].fetch_add(
-      1, std::memory_order_relaxed);
-  AtomicAdd(sums_[i], value);
+  if (i >= 0) series_[static_cast<size_t>(i)]->Observe(value);
 }
 
 uint64_t Histogram::Count(LabelValues values) const {
   const int64_t i = SeriesIndex(values);
-  if (i < 0) return 0;
-  uint64_t n = 0;
-  for (size_t b = 0; b <= bounds_.size(); ++b) {
-    n += buckets_[i * static_cast<int64_t>(bounds_.size() + 1) + b].load(std::memory_order_relaxed);
-  }
-  return n;
+  return i >= 0 ? series_[static_cast<size_t>(i)]->Collect().histogram.sample_count : 0;
 }
 
 double Histogram::Sum(LabelValues values) const {
   const int64_t i = SeriesIndex(values);
-  return i >= 0 ? sums_[i].load(std::memory_order_relaxed) : 0.0;
-}
-
-void Histogram::AppendSamples(std::string* out) const {
-  const size_t nb = bounds_.size() + 1;
-  for (int64_t i = 0; i < series_count(); ++i) {
-    // Read each bucket once so the cumulative counts and _count agree in this exposition.
-    uint64_t cumulative = 0;
-    for (size_t b = 0; b < nb; ++b) {
-      cumulative += buckets_[i * static_cast<int64_t>(nb) + b].load(std::memory_order_relaxed);
-      const std::string le = b < bounds_.size() ? FormatMetricValue(bounds_[b]) : "+Inf";
-      AppendSample(out, name(), "_bucket", LabelText(i, "le=\"" + le + "\""),
-                   static_cast<double>(cumulative));
-    }
-    const std::string labels = LabelText(i);
-    AppendSample(out, name(), "_sum", labels, sums_[i].load(std::memory_order_relaxed));
-    AppendSample(out, name(), "_count", labels, static_cast<double>(cumulative));
-  }
+  return i >= 0 ? series_[static_cast<size_t>(i)]->Collect().histogram.sample_sum : 0.0;
 }
 
 // --- Registry ---
 
+// Throw: a second family of one name is a bug to report (CheckNew does), not one to merge.
+Registry::Registry()
+    : prometheus_(
+          std::make_unique<prometheus::Registry>(prometheus::Registry::InsertBehavior::Throw)) {}
+
+Registry::~Registry() = default;
+
 Status Registry::CheckNew(const std::string& name, const std::string& help,
                           const std::vector<LabelSpec>& labels) const {
-  if (!IsValidName(name, /*allow_colon=*/true)) {
+  if (!prometheus::CheckMetricName(name)) {
     return Status::InvalidArgument("metric name \"" + name + "\" is not [a-zA-Z_:][a-zA-Z0-9_:]*");
   }
   if (families_.count(name) > 0) {
@@ -274,7 +210,7 @@ Status Registry::CheckNew(const std::string& name, const std::string& help,
   }
   std::set<std::string> keys;
   for (const LabelSpec& l : labels) {
-    if (!IsValidName(l.name, /*allow_colon=*/false)) {
+    if (!prometheus::CheckLabelName(l.name)) {
       return Status::InvalidArgument(name + ": label name \"" + l.name + "\" is invalid");
     }
     if (!keys.insert(l.name).second) {
@@ -303,6 +239,9 @@ StatusOr<Counter*> Registry::AddCounter(std::string name, std::string help,
     return Status::InvalidArgument("counter " + name + " must end in _total");
   }
   std::unique_ptr<Counter> family(new Counter(name, std::move(help), std::move(labels)));
+  RETURN_IF_ERROR(AddSeries(
+      prometheus::BuildCounter(), *prometheus_, name, family->help(), family->series_count(),
+      [&](int64_t i) { return family->SeriesLabels(i); }, &family->series_));
   Counter* raw = family.get();
   families_.emplace(std::move(name), std::move(family));
   return raw;
@@ -316,6 +255,9 @@ StatusOr<Gauge*> Registry::AddGauge(std::string name, std::string help,
     return Status::InvalidArgument("gauge " + name + " must not end in _total");
   }
   std::unique_ptr<Gauge> family(new Gauge(name, std::move(help), std::move(labels)));
+  RETURN_IF_ERROR(AddSeries(
+      prometheus::BuildGauge(), *prometheus_, name, family->help(), family->series_count(),
+      [&](int64_t i) { return family->SeriesLabels(i); }, &family->series_));
   Gauge* raw = family.get();
   families_.emplace(std::move(name), std::move(family));
   return raw;
@@ -343,16 +285,25 @@ StatusOr<Histogram*> Registry::AddHistogram(std::string name, std::string help,
   }
   std::unique_ptr<Histogram> family(
       new Histogram(name, std::move(help), std::move(labels), std::move(bounds)));
+  const prometheus::Histogram::BucketBoundaries& buckets = family->bounds();
+  RETURN_IF_ERROR(AddSeries(
+      prometheus::BuildHistogram(), *prometheus_, name, family->help(), family->series_count(),
+      [&](int64_t i) { return family->SeriesLabels(i); }, &family->series_, buckets));
   Histogram* raw = family.get();
   families_.emplace(std::move(name), std::move(family));
   return raw;
 }
 
 std::string Registry::Expose() const {
-  std::string out;
   MutexLock lock(&mu_);
-  for (const auto& [name, family] : families_) family->AppendExposition(&out);
-  return out;
+  std::vector<prometheus::MetricFamily> collected = prometheus_->Collect();
+  for (prometheus::MetricFamily& f : collected) {
+    const auto family = families_.find(f.name);
+    if (family != families_.end()) family->second->Arrange(&f);
+  }
+  std::sort(collected.begin(), collected.end(),
+            [](const auto& a, const auto& b) { return a.name < b.name; });
+  return prometheus::TextSerializer().Serialize(collected);
 }
 
 }  // namespace grpo::common

@@ -1,9 +1,10 @@
-// A small Prometheus registry: counters, gauges and fixed-bucket histograms, exposed in the
-// text exposition format 0.0.4. Families are created once per process
-// (common/metrics/grpo_metrics.h holds the project's families, in one place). Every label declares
-// its allowed values up front, so series are a fixed, small set: never prompt text, ids or tokens.
-// All series exist (at 0) from creation on, and an update with a value outside the set is dropped
-// and counted.
+// The project's Prometheus registry: counters, gauges and fixed-bucket histograms on
+// prometheus-cpp's core (its Registry, Family<T> and TextSerializer: text exposition format
+// 0.0.4). Families are created once per process (common/metrics/grpo_metrics.h holds the
+// project's families, in one place). What this layer adds to prometheus-cpp: every label declares
+// its allowed values up front, so series are a fixed, small set (never prompt text, ids or
+// tokens); all series exist (at 0) from creation on; an update with a value outside the set is
+// dropped and counted; names, help and buckets are validated into a Status, not an exception.
 #pragma once
 
 #include <atomic>
@@ -19,6 +20,14 @@
 #include "common/status.h"
 #include "common/thread_annotations.h"
 
+namespace prometheus {
+class Counter;
+class Gauge;
+class Histogram;
+class Registry;
+struct MetricFamily;
+}  // namespace prometheus
+
 namespace grpo::common {
 
 // One label key and the values it may take.
@@ -32,7 +41,8 @@ using LabelValues = std::initializer_list<std::string_view>;
 
 enum class MetricType { kCounter, kGauge, kHistogram };
 
-// Base of the three family kinds. Thread-safe: updates are lock-free atomics.
+// Base of the three family kinds. Thread-safe: updates go to prometheus-cpp's series (atomics;
+// a histogram's series takes its own short lock), the drop count is an atomic.
 class MetricFamily {
  public:
   virtual ~MetricFamily() = default;
@@ -46,24 +56,26 @@ class MetricFamily {
   // Updates dropped because their label values were not in the declared sets.
   uint64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
 
-  // Appends this family's HELP, TYPE and sample lines; nothing when it has no series.
-  void AppendExposition(std::string* out) const;
-
  protected:
   MetricFamily(std::string name, std::string help, MetricType type, std::vector<LabelSpec> labels);
   // Index of the series with these values, or -1 (and counts a drop) when not allowed.
   int64_t SeriesIndex(LabelValues values) const;
+  // Number of series: the product of the label value set sizes.
   int64_t series_count() const { return series_count_; }
-  // `{k="v",...}` of series `index` plus `extra` (already formatted, e.g. `le="0.5"`).
-  std::string LabelText(int64_t index, std::string_view extra = {}) const;
-  virtual void AppendSamples(std::string* out) const = 0;
+  // Label name -> value of series `index` (row-major over the declared sets, last label fastest).
+  std::map<std::string, std::string> SeriesLabels(int64_t index) const;
 
  private:
+  friend class Registry;
+  // Puts the collected series of this family in declaration order, each with its labels in
+  // declaration order (prometheus-cpp collects them in hash order, labels sorted by name).
+  void Arrange(prometheus::MetricFamily* collected) const;
+
   const std::string name_;
   const std::string help_;
   const MetricType type_;
   const std::vector<LabelSpec> labels_;
-  const int64_t series_count_;  // product of the label value set sizes
+  const int64_t series_count_;
   mutable std::atomic<uint64_t> dropped_{0};
 };
 
@@ -79,8 +91,7 @@ class Counter final : public MetricFamily {
  private:
   friend class Registry;
   Counter(std::string name, std::string help, std::vector<LabelSpec> labels);
-  void AppendSamples(std::string* out) const override;
-  std::unique_ptr<std::atomic<double>[]> values_;
+  std::vector<prometheus::Counter*> series_;  // by series index; owned by the prometheus registry
 };
 
 // A value that goes up and down.
@@ -95,8 +106,7 @@ class Gauge final : public MetricFamily {
  private:
   friend class Registry;
   Gauge(std::string name, std::string help, std::vector<LabelSpec> labels);
-  void AppendSamples(std::string* out) const override;
-  std::unique_ptr<std::atomic<double>[]> values_;
+  std::vector<prometheus::Gauge*> series_;
 };
 
 // Fixed buckets (finite, strictly increasing upper bounds; `+Inf` is implicit). Exposes
@@ -114,17 +124,16 @@ class Histogram final : public MetricFamily {
   friend class Registry;
   Histogram(std::string name, std::string help, std::vector<LabelSpec> labels,
             std::vector<double> bounds);
-  void AppendSamples(std::string* out) const override;
   const std::vector<double> bounds_;
-  // Per series: bounds_.size() + 1 non-cumulative bucket counts (last = above every bound).
-  std::unique_ptr<std::atomic<uint64_t>[]> buckets_;
-  std::unique_ptr<std::atomic<double>[]> sums_;
+  std::vector<prometheus::Histogram*> series_;
 };
 
-// Owns the families; pointers it returns live as long as the registry. Thread-safe.
+// Owns the families (and the prometheus::Registry holding their series); pointers it returns
+// live as long as the registry. Thread-safe.
 class Registry {
  public:
-  Registry() = default;
+  Registry();
+  ~Registry();
   Registry(const Registry&) = delete;
   Registry& operator=(const Registry&) = delete;
 
@@ -139,7 +148,9 @@ class Registry {
   StatusOr<Histogram*> AddHistogram(std::string name, std::string help, std::vector<double> bounds,
                                     std::vector<LabelSpec> labels = {}) GRPO_EXCLUDES(mu_);
 
-  // Prometheus text format 0.0.4; families sorted by name, series in label declaration order.
+  // Prometheus text format 0.0.4, written by prometheus::TextSerializer: families sorted by
+  // name, series and their labels in declaration order; a family without series is left out.
+  // Values carry 16 significant digits (prometheus-cpp's precision), NaN is written `Nan`.
   std::string Expose() const GRPO_EXCLUDES(mu_);
 
   static constexpr int64_t kMaxSeriesPerFamily = 1024;
@@ -149,13 +160,9 @@ class Registry {
                   const std::vector<LabelSpec>& labels) const GRPO_REQUIRES(mu_);
 
   mutable Mutex mu_;
+  // Holds every series; its own lock guards its family list.
+  const std::unique_ptr<prometheus::Registry> prometheus_ GRPO_GUARDED_BY(mu_);
   std::map<std::string, std::unique_ptr<MetricFamily>> families_ GRPO_GUARDED_BY(mu_);
 };
-
-// Exposition helpers (exposed for tests). Numbers: shortest text that round-trips, `NaN`,
-// `+Inf`, `-Inf`. Label values escape `\`, `"` and newline; help text escapes `\` and newline.
-std::string FormatMetricValue(double value);
-std::string EscapeLabelValue(std::string_view value);
-std::string EscapeHelp(std::string_view help);
 
 }  // namespace grpo::common
