@@ -34,7 +34,7 @@ void WeightPublisher::Close() {
 int64_t WeightPublisher::group_epoch() const { return sync_ ? sync_->epoch() : 0; }
 
 Status WeightPublisher::Fail(int64_t epoch, const Status& s, const char* what) {
-  const double seconds = std::chrono::duration<double>(Clock::now() - round_start_).count();
+  const double seconds = std::chrono::duration<double>(Clock::now() - phase_start_).count();
   GRPO_LOG_WARN(
       "learner: {} weight sync at epoch {} failed after {:.3f} s ({}: {}); rebuilding the group",
       backend_, epoch, seconds, what, s.ToString());
@@ -46,7 +46,7 @@ Status WeightPublisher::Fail(int64_t epoch, const Status& s, const char* what) {
 
 Status WeightPublisher::Sync(const std::vector<std::string>& members,
                              const std::shared_ptr<const WeightSnapshot>& weights) {
-  round_start_ = Clock::now();
+  phase_start_ = Clock::now();
   const int64_t epoch = store_->epoch();
   if (members.empty() || (sync_ && (sync_->epoch() != epoch || roster_ != members))) Close();
   if (members.empty()) return Status::OK();
@@ -80,6 +80,7 @@ Status WeightPublisher::Sync(const std::vector<std::string>& members,
   // it with GetWeights (their receiver's fallback) and the group carries the next one.
   if (on_device && weights->device_tensors.empty()) return Status::OK();
   const auto t0 = Clock::now();
+  phase_start_ = t0;  // a failure below is timed from the announcement, not from the join
   // Shares the immutable snapshot's storage.
   common::NamedTensors tensors = on_device ? weights->device_tensors : weights->tensors;
   Status s =

@@ -82,7 +82,9 @@ class WeightPublisher {
   std::atomic<int64_t> syncs_{0};
   std::atomic<int64_t> failures_{0};
   double last_sync_seconds_ = 0;
-  std::chrono::steady_clock::time_point round_start_;  // of the Sync in progress
+  // Of the blocking phase in progress (the join, or the version's broadcast): what a failure's
+  // log line times, each phase being bounded by one deadline.
+  std::chrono::steady_clock::time_point phase_start_;
 };
 
 }  // namespace grpo::learner

@@ -40,7 +40,8 @@ std::optional<double> MetricValue(int metrics_port, const std::string& series) {
 }
 
 // The longest weight-sync round any learner log reports, committed ("broadcast over gloo ...
-// in X s") or failed ("failed after X s"), in seconds; and how many rounds failed.
+// in X s") or failed ("failed after X s", timed from the start of the phase that failed: the join
+// or the broadcast, each bounded by one deadline), in seconds; and how many rounds failed.
 struct SyncRounds {
   double longest = 0;
   int failed = 0;
