@@ -145,7 +145,7 @@ TEST(WeightPublisher, TwoReceiversGetEachVersionBitEqualAndInstallIt) {
   std::shared_ptr<const WeightSnapshot> current = Snapshot(*base, 1, 0.5f);
   Worker a = MakeWorker("w-a", store, groups), b = MakeWorker("w-b", store, groups);
   const int64_t epoch = store->Advance();  // the workers registered
-  for (Worker* w : {&a, &b}) w->receiver->SetGroup({w->id, epoch, "gloo"});
+  for (Worker* w : {&a, &b}) w->receiver->SetGroup({w->id, epoch, "gloo", ""});
   // The first Receive starts the thread (it needs the model's layout); the group has nothing
   // yet, so a short call falls back (and this fallback refuses).
   auto model_a = TinyModel(2), model_b = TinyModel(3);
@@ -192,7 +192,7 @@ TEST(WeightPublisher, ALostReceiverEndsTheEpochAndTheOtherRejoinsTheNext) {
   Worker a = MakeWorker("w-a", store, groups), lost = MakeWorker("w-lost", store, groups);
   const int64_t epoch = store->Advance();
   auto model_a = TinyModel(2), model_lost = TinyModel(3);
-  for (Worker* w : {&a, &lost}) w->receiver->SetGroup({w->id, epoch, "gloo"});
+  for (Worker* w : {&a, &lost}) w->receiver->SetGroup({w->id, epoch, "gloo", ""});
   (void)a.receiver->Receive(0, *model_a, 1ms);
   (void)lost.receiver->Receive(0, *model_lost, 1ms);
   ASSERT_TRUE(publisher.Sync({"w-a", "w-lost"}, Snapshot(*base, 1, 0)).ok());
@@ -207,7 +207,7 @@ TEST(WeightPublisher, ALostReceiverEndsTheEpochAndTheOtherRejoinsTheNext) {
   EXPECT_EQ(publisher.group_epoch(), 0);
   // The learner drops the lost worker; the survivor hears the new epoch (heartbeat) and the
   // next version reaches it there.
-  a.receiver->SetGroup({"w-a", epoch + 1, "gloo"});
+  a.receiver->SetGroup({"w-a", epoch + 1, "gloo", ""});
   auto snap3 = Snapshot(*base, 3, 2);
   PublisherThread run(
       publisher, [] { return std::vector<std::string>{"w-a"}; }, [&] { return snap3; });
@@ -227,7 +227,7 @@ TEST(WeightPublisher, ANewRosterInTheSameEpochMovesTheGroupToTheNextEpoch) {
   auto base = TinyModel(1);
   Worker a = MakeWorker("w-a", store, groups);
   const int64_t epoch = store->Advance();
-  a.receiver->SetGroup({"w-a", epoch, "gloo"});
+  a.receiver->SetGroup({"w-a", epoch, "gloo", ""});
   auto model = TinyModel(2);
   (void)a.receiver->Receive(0, *model, 1ms);
   ASSERT_TRUE(publisher.Sync({"w-a"}, Snapshot(*base, 1, 0)).ok());
@@ -250,7 +250,7 @@ TEST(WeightPublisher, AGpuBackendSkipsAVersionWithoutADeviceCopy) {
   auto base = TinyModel(1);
   Worker a = MakeWorker("w-a", store, groups, "auto");
   const int64_t epoch = store->Advance();
-  a.receiver->SetGroup({"w-a", epoch, "nccl"});
+  a.receiver->SetGroup({"w-a", epoch, "nccl", ""});
   auto model = TinyModel(2);
   (void)a.receiver->Receive(0, *model, 1ms);
   // Formed, but a CPU-only snapshot is not sent (the worker takes GetWeights for it).
@@ -265,7 +265,7 @@ TEST(GroupWeightReceiver, AWorkerAssignedGrpcJoinsNoGroupAndFallsBackAtOnce) {
   auto store = std::make_shared<common::InMemoryEpochStore>();
   FakeGroups groups;
   Worker a = MakeWorker("w-a", store, groups, "nccl");
-  a.receiver->SetGroup({"w-a", store->Advance(), "grpc"});
+  a.receiver->SetGroup({"w-a", store->Advance(), "grpc", ""});
   auto model = TinyModel(2);
   const auto t0 = Clock::now();
   EXPECT_FALSE(a.receiver->Receive(0, *model, 10s).ok());  // the fallback's refusal
