@@ -259,6 +259,8 @@ const std::vector<Field>& Fields() {
       MakeField("num_iterations", &C::num_iterations),
       MakeField("logprob_chunk_tokens", &C::logprob_chunk_tokens),
       MakeField("gradient_checkpointing", &C::gradient_checkpointing),
+      MakeField("fsdp", &C::fsdp),
+      MakeField("rank_timeout_seconds", &C::rank_timeout_seconds),
       MakeField("learning_rate", &C::learning_rate),
       MakeField("adam_beta1", &C::adam_beta1),
       MakeField("adam_beta2", &C::adam_beta2),
@@ -508,8 +510,52 @@ Status GrpoConfig::Validate() const {
   RETURN_IF_ERROR(Check(lease_seconds > 0, "lease_seconds", "must be > 0"));
   RETURN_IF_ERROR(Check(weight_sync_timeout_seconds > 0 && weight_sync_timeout_seconds <= 3600,
                         "weight_sync_timeout_seconds", "must be in (0, 3600]"));
+  if (auto fsdp_spec = ParseFsdp(fsdp); !fsdp_spec.ok()) return fsdp_spec.status();
+  RETURN_IF_ERROR(Check(rank_timeout_seconds > 0 && rank_timeout_seconds <= 86400,
+                        "rank_timeout_seconds", "must be in (0, 86400]"));
   RETURN_IF_ERROR(Check(weight_sync_steps >= 1, "weight_sync_steps", "must be at least 1"));
   return Status::OK();
+}
+
+StatusOr<FsdpSpec> ParseFsdp(std::string_view text) {
+  FsdpSpec spec;
+  bool have_mode = false;
+  std::string words(text);
+  std::istringstream in(words);
+  std::string word;
+  int count = 0;
+  while (in >> word) {
+    ++count;
+    if (word == "offload" && !spec.offload) {
+      spec.offload = true;
+    } else if (!have_mode && (word == "no_shard" || word == "shard_grad_op" || word == "full_shard")) {
+      have_mode = true;
+      spec.mode = word == "no_shard"        ? FsdpMode::kNoShard
+                  : word == "shard_grad_op" ? FsdpMode::kShardGradOp
+                                            : FsdpMode::kFullShard;
+    } else {
+      return Status::InvalidArgument(
+          "config key 'fsdp': '" + words +
+          "' is not one of no_shard, shard_grad_op, full_shard, optionally with ' offload'");
+    }
+  }
+  if (count == 0) {
+    return Status::InvalidArgument(
+        "config key 'fsdp' is empty: use no_shard, shard_grad_op or full_shard");
+  }
+  return spec;
+}
+
+const char* FsdpModeName(FsdpMode mode) {
+  switch (mode) {
+    case FsdpMode::kNoShard:
+      return "no_shard";
+    case FsdpMode::kShardGradOp:
+      return "shard_grad_op";
+    case FsdpMode::kFullShard:
+      return "full_shard";
+  }
+  return "no_shard";
 }
 
 nlohmann::json GrpoConfig::ToJson() const {

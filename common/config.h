@@ -68,6 +68,17 @@ struct GrpoConfig {
   int64_t logprob_chunk_tokens = 1024;  // tokens per LM-head chunk (memory-flat log-probs)
   bool gradient_checkpointing = false;
 
+  // Learner ranks (README "Learner ranks"; the world itself comes from torchrun's RANK /
+  // WORLD_SIZE). `fsdp` in the Hugging Face Trainer's words: no_shard (DDP: gradients
+  // all-reduced), shard_grad_op (ZeRO-2), full_shard (ZeRO-3 / FSDP), each optionally followed
+  // by " offload" (AdamW state and fp32 master weights in host memory). ParseFsdp reads it.
+  std::string fsdp = "no_shard";
+  // The deadline of every collective among learner ranks, in seconds: a rank that died or
+  // stalled makes the others fail within it (and exit for the orchestrator to restart the
+  // group). It bounds the wait of the fastest rank for the slowest one in a step, so it must
+  // exceed the longest micro-batch imbalance.
+  double rank_timeout_seconds = 600.0;
+
   // Optimizer and schedule.
   double learning_rate = 1e-6;
   double adam_beta1 = 0.9;
@@ -158,6 +169,17 @@ struct GrpoConfig {
   // Every key with its current value (null for unset optionals).
   nlohmann::json ToJson() const;
 };
+
+// The sharding modes of `fsdp` (README "Learner ranks").
+enum class FsdpMode { kNoShard, kShardGradOp, kFullShard };
+struct FsdpSpec {
+  FsdpMode mode = FsdpMode::kNoShard;
+  bool offload = false;
+};
+// "no_shard" | "shard_grad_op" | "full_shard", optionally followed by " offload" (also alone:
+// "offload" = "no_shard offload"); InvalidArgument naming the key otherwise.
+StatusOr<FsdpSpec> ParseFsdp(std::string_view text);
+const char* FsdpModeName(FsdpMode mode);
 
 // Parses YAML text; `source` names it in errors (a file path, or "<string>").
 StatusOr<GrpoConfig> ParseConfigYaml(std::string_view yaml_text, std::string_view source,
