@@ -239,11 +239,26 @@ GrpoTrainer::GrpoTrainer(common::GrpoConfig config, GrpoLossConfig loss_config,
       policy_(policy),
       reference_(std::move(reference)) {}
 
-StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(
-    const common::GrpoConfig& config, common::Model* policy,
-    std::unique_ptr<common::Model> reference) {
+StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoConfig& config,
+                                                           common::Model* policy,
+                                                           std::unique_ptr<common::Model> reference,
+                                                           distributed::Collectives* ranks) {
   RETURN_IF_ERROR(config.Validate());
   if (policy == nullptr) return Status::InvalidArgument("GrpoTrainer: no policy model");
+  const int world = ranks != nullptr ? ranks->world_size() : 1;
+  ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(config.fsdp));
+  if (world > 1 && fsdp.mode != common::FsdpMode::kNoShard) {
+    return Status::Unimplemented(std::string("config key 'fsdp': ") +
+                                 common::FsdpModeName(fsdp.mode) +
+                                 " is not built yet; learner ranks run no_shard (DDP)");
+  }
+  if (fsdp.offload && !policy->device().is_cpu()) {
+    return Status::Unimplemented("config key 'fsdp': offload to host memory is not built yet");
+  }
+  if (world > 1 && !config.dump_batches_dir.empty()) {
+    return Status::Unimplemented("config key 'dump_batches_dir': batch dumps at WORLD_SIZE " +
+                                 std::to_string(world) + " are not written yet");
+  }
   if (config.beta != 0 && reference == nullptr) {
     return Status::InvalidArgument("config key 'beta' is " + std::to_string(config.beta) +
                                    ": a reference model is required");
@@ -275,6 +290,7 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(
   if (reference) RETURN_IF_ERROR(reference->To(policy->device(), compute_dtype));
 
   std::unique_ptr<GrpoTrainer> t(new GrpoTrainer(config, lc, policy, std::move(reference)));
+  if (ranks != nullptr) t->ranks_ = ranks;
   t->schedule_ = schedule;
   policy->SetRequiresGrad(true);
   if (config.bf16) {
@@ -492,7 +508,8 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
   batch.rewards_per_func = rewards;
 
   const int64_t bs = config_.per_device_train_batch_size;
-  const int64_t ga = config_.gradient_accumulation_steps;
+  const int64_t ga = step_micro_batches();  // over all ranks
+  const int64_t world = ranks_->world_size();
   const int64_t num_micro = (N + bs - 1) / bs;
   const bool off_policy =
       std::any_of(batch.staleness.begin(), batch.staleness.end(), [](int64_t s) { return s > 0; });
@@ -501,6 +518,15 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
   // (docs/GRPO_SPEC.md "Per-token loss").
   const int64_t open_micro = open_ ? open_->micro : 0;
   const bool need_old = off_policy || open_micro + config_.num_iterations * num_micro > ga;
+  // The rank that back-propagates micro-batch m of pass `it`: its position in its step's
+  // stream, modulo the world size (a step's micro-batches are dealt round-robin).
+  auto owner = [&](int64_t it, int64_t m) {
+    return ((open_micro + it * num_micro + m) % ga) % world;
+  };
+  std::vector<bool> mine(num_micro, false);  // trained here in some pass
+  for (int64_t it = 0; it < config_.num_iterations; ++it) {
+    for (int64_t m = 0; m < num_micro; ++m) mine[m] = mine[m] || owner(it, m) == ranks_->rank();
+  }
   const at::Device device = policy_->device();
   try {
     RefreshComputeCopy();  // the master may have changed since (checkpoint restore)
@@ -517,6 +543,7 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       at::NoGradGuard no_grad;
       at::Tensor out = at::zeros({N, cmax}, at::kFloat);
       for (int64_t m = 0; m < num_micro; ++m) {
+        if (!mine[m]) continue;  // another rank's
         const int64_t b0 = m * bs, b1 = std::min(N, b0 + bs);
         MicroBatch mb = OnDevice(
             MakeMicroBatch(batch.prompts, batch.completions, b0, b1, false, false), device);
@@ -582,6 +609,12 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       os.sm.reward_fn_mean = adv.reward_fn_mean;
       os.sm.reward_fn_std = adv.reward_fn_std;
       if (os.micro == 0) ZeroGrads();
+      if (owner(it, m) != ranks_->rank()) {  // another rank back-propagates this one
+        if (++os.micro < ga) continue;
+        ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(ga));
+        result.steps.push_back(std::move(sm));
+        continue;
+      }
       MicroBatch mb = OnDevice(MakeMicroBatch(batch.prompts, batch.completions, b0, b1,
                                               batch.has_beh, config_.mask_truncated_completions),
                                device);
@@ -653,15 +686,94 @@ StatusOr<std::optional<StepMetrics>> GrpoTrainer::FlushPartialStepOrFail() {
   return std::optional<StepMetrics>(std::move(sm));
 }
 
+Status GrpoTrainer::ReduceOverRanks(OpenStep& os) {
+  if (ranks_->world_size() == 1) return Status::OK();
+  const std::string at_step = " of step " + std::to_string(global_step_ + 1);
+  // Every parameter takes part, with a zero gradient where this rank back-propagated nothing.
+  std::vector<at::Tensor> grads;
+  for (at::Tensor& p : policy_->Parameters()) {
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    grads.push_back(p.grad());
+  }
+  RETURN_IF_ERROR(distributed::BucketedAllReduceSum(
+      *ranks_, grads, distributed::kDefaultBucketBytes, "all-reduce of the gradients" + at_step));
+  GrpoLossMetrics& lm = os.lm;
+  std::vector<double> sums = {lm.loss,
+                              lm.tokens,
+                              static_cast<double>(lm.micro_batches),
+                              lm.clip_low_sum,
+                              lm.clip_high_sum,
+                              lm.clip_region_sum,
+                              lm.kl_sum,
+                              lm.is_ratio_sum,
+                              lm.is_ratio_tokens,
+                              lm.has_kl ? 1.0 : 0.0,
+                              lm.has_is_ratio ? 1.0 : 0.0,
+                              os.entropy_mean_sum,
+                              os.mismatch_sum,
+                              os.mismatch_tokens};
+  std::vector<double> maxima = {lm.is_ratio_max, os.mismatch_max};
+  std::vector<at::Tensor> sum_t = {at::tensor(sums, at::kDouble)};
+  std::vector<at::Tensor> max_t = {at::tensor(maxima, at::kDouble)};
+  RETURN_IF_ERROR(ranks_->AllReduceSum(sum_t, "all-reduce of the metrics" + at_step));
+  RETURN_IF_ERROR(ranks_->AllReduceMax(max_t, "all-reduce of the metric maxima" + at_step));
+  const double* v = sum_t[0].data_ptr<double>();
+  lm.loss = v[0];
+  lm.tokens = v[1];
+  lm.micro_batches = static_cast<int64_t>(std::llround(v[2]));
+  lm.clip_low_sum = v[3];
+  lm.clip_high_sum = v[4];
+  lm.clip_region_sum = v[5];
+  lm.kl_sum = v[6];
+  lm.is_ratio_sum = v[7];
+  lm.is_ratio_tokens = v[8];
+  lm.has_kl = v[9] > 0;
+  lm.has_is_ratio = v[10] > 0;
+  os.entropy_mean_sum = v[11];
+  os.mismatch_sum = v[12];
+  os.mismatch_tokens = v[13];
+  lm.is_ratio_max = max_t[0].data_ptr<double>()[0];
+  os.mismatch_max = max_t[0].data_ptr<double>()[1];
+  return Status::OK();
+}
+
+Status GrpoTrainer::SyncFromRankZero() {
+  if (ranks_->world_size() == 1) return Status::OK();
+  at::NoGradGuard no_grad;
+  RETURN_IF_ERROR(distributed::BucketedBroadcast(*ranks_, policy_->Parameters(),
+                                                 distributed::kDefaultBucketBytes,
+                                                 "broadcast of rank 0's weights"));
+  common::NamedTensors state = optimizer_->StateDict();
+  std::vector<at::Tensor> floats, others;
+  for (auto& [name, t] : state) {
+    t = t.contiguous().clone();
+    (t.scalar_type() == at::kFloat ? floats : others).push_back(t);
+  }
+  RETURN_IF_ERROR(distributed::BucketedBroadcast(*ranks_, floats, distributed::kDefaultBucketBytes,
+                                                 "broadcast of rank 0's AdamW state"));
+  std::vector<at::Tensor> counters = {
+      at::tensor(std::vector<int64_t>{global_step_, policy_version_.load()}, at::kLong)};
+  for (const at::Tensor& t : others) counters.push_back(t);
+  RETURN_IF_ERROR(ranks_->Broadcast(counters, "broadcast of rank 0's step counters"));
+  RETURN_IF_ERROR(optimizer_->LoadStateDict(state));
+  const int64_t* c = counters[0].data_ptr<int64_t>();
+  RestoreCounters(c[0], c[1]);
+  open_.reset();
+  ZeroGrads();
+  RefreshComputeCopy();
+  return Status::OK();
+}
+
 StatusOr<StepMetrics> GrpoTrainer::FinishStep(int64_t divisor) {
   OpenStep& os = *open_;
   StepMetrics sm = os.sm;
   const bool dapo = loss_config_.loss_type == LossType::kDapo;
   // grpo / bnpo / dr_grpo divided each micro-batch by gradient_accumulation_steps; a partial
   // step (FlushPartialStep) divides by its own count instead.
-  const double scale = dapo ? 1.0 / std::max(1.0, os.step_completion_tokens)
-                            : static_cast<double>(config_.gradient_accumulation_steps) /
-                                  static_cast<double>(divisor);
+  RETURN_IF_ERROR(ReduceOverRanks(os));
+  const double scale =
+      dapo ? 1.0 / std::max(1.0, os.step_completion_tokens)
+           : static_cast<double>(step_micro_batches()) / static_cast<double>(divisor);
   if (scale != 1.0) {
     at::NoGradGuard no_grad;
     for (at::Tensor& p : policy_->Parameters()) {

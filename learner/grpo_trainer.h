@@ -23,6 +23,7 @@
 #include "common/model/model.h"
 #include "common/rollout_types.h"
 #include "common/status.h"
+#include "learner/distributed/collectives.h"
 #include "learner/grpo_loss.h"
 #include "learner/optimizer.h"
 
@@ -94,9 +95,19 @@ class GrpoTrainer {
   // InvalidArgument naming the option on a bad config, and for bf16 with a policy that is not
   // fp32 (the master weights must be).
   ~GrpoTrainer();
+  // `ranks` (borrowed; null = this process alone) makes it one of the learner's data-parallel
+  // ranks (README "Learner ranks"): every rank gets the same generation batches and takes the
+  // same steps, each back-propagating its share of every step's micro-batches (the step's
+  // stream position modulo the world size), with gradient_accumulation_steps per rank: a step
+  // is gradient_accumulation_steps x world_size micro-batches, the one step a single rank with
+  // that accumulation takes. FinishStep sums gradients and metrics over the ranks, so every
+  // collective is matched however few micro-batches a rank has. Unimplemented for an `fsdp`
+  // mode other than no_shard at world size > 1, for offload on a GPU, and for dumps at world
+  // size > 1 (not built yet).
   static StatusOr<std::unique_ptr<GrpoTrainer>> Create(const common::GrpoConfig& config,
                                                        common::Model* policy,
-                                                       std::unique_ptr<common::Model> reference);
+                                                       std::unique_ptr<common::Model> reference,
+                                                       distributed::Collectives* ranks = nullptr);
 
   // OK when the group can be trained on now; otherwise InvalidArgument whose message says why,
   // and `*reason` (when given) the reason's code.
@@ -128,6 +139,17 @@ class GrpoTrainer {
   // the redone one. Returns the number removed; 0 when dumps are off or the directory does not
   // exist; Internal naming the file when one cannot be removed.
   StatusOr<int64_t> RemoveDumpsAfter(int64_t step) const;
+
+  // Rank 0's weights, AdamW state and counters into every rank's (at start and after rank 0
+  // restored a checkpoint: the other ranks then hold what rank 0 holds). OK at world size 1.
+  Status SyncFromRankZero();
+  int world_size() const { return ranks_->world_size(); }
+  int rank() const { return ranks_->rank(); }
+  // Micro-batches of one optimizer step over all ranks: gradient_accumulation_steps x
+  // world_size.
+  int64_t step_micro_batches() const {
+    return config_.gradient_accumulation_steps * ranks_->world_size();
+  }
 
   int64_t global_step() const { return global_step_; }
   int64_t policy_version() const { return policy_version_; }
@@ -167,6 +189,8 @@ class GrpoTrainer {
   void DiscardOpenStep();
   // Zeroes the gradients of the master and of the compute copy.
   void ZeroGrads();
+  // Sums the open step's gradients and metrics over the ranks (nothing at world size 1).
+  Status ReduceOverRanks(OpenStep& step);
   // Steps the optimizer on the open step's gradient; `divisor` micro-batches (the accumulation
   // count, or fewer for a flush). Dumps the step when dumps are on.
   StatusOr<StepMetrics> FinishStep(int64_t divisor);
@@ -188,6 +212,8 @@ class GrpoTrainer {
   std::unique_ptr<common::Model> compute_;  // bf16 compute copy, or null (fp32)
   std::unique_ptr<common::Model> reference_;
   std::unique_ptr<AdamW> optimizer_;
+  distributed::SingleRank single_rank_;
+  distributed::Collectives* ranks_ = &single_rank_;  // never null
   LrSchedule schedule_ = LrSchedule::kLinear;
   int64_t global_step_ = 0;
   std::atomic<int64_t> policy_version_{0};  // read by ValidateGroup on other threads

@@ -1,0 +1,162 @@
+#include "learner/distributed/collectives.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+
+namespace grpo::learner::distributed {
+
+namespace {
+
+// Buckets of consecutive tensors holding at most `bucket_bytes` each (a larger tensor alone).
+std::vector<std::vector<at::Tensor>> Buckets(const std::vector<at::Tensor>& tensors,
+                                             int64_t bucket_bytes) {
+  std::vector<std::vector<at::Tensor>> buckets;
+  int64_t bytes = 0;
+  for (const at::Tensor& t : tensors) {
+    const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
+    if (buckets.empty() || (bytes + n > bucket_bytes && !buckets.back().empty())) {
+      buckets.emplace_back();
+      bytes = 0;
+    }
+    buckets.back().push_back(t);
+    bytes += n;
+  }
+  return buckets;
+}
+
+// Runs `op` on each bucket flattened into one buffer, then copies the buffer back.
+template <typename Op>
+Status OverBuckets(const std::vector<at::Tensor>& tensors, int64_t bucket_bytes, Op op) {
+  at::NoGradGuard no_grad;
+  for (const std::vector<at::Tensor>& bucket : Buckets(tensors, bucket_bytes)) {
+    std::vector<at::Tensor> flat_views;
+    for (const at::Tensor& t : bucket) flat_views.push_back(t.reshape({-1}));
+    std::vector<at::Tensor> flat = {
+        bucket.size() == 1 && bucket[0].is_contiguous() ? flat_views[0] : at::cat(flat_views)};
+    RETURN_IF_ERROR(op(flat));
+    if (flat[0].data_ptr() == bucket[0].data_ptr()) continue;  // reduced in place
+    int64_t at_elem = 0;
+    for (const at::Tensor& t : bucket) {
+      const int64_t n = t.numel();
+      t.copy_(flat[0].narrow(0, at_elem, n).view(t.sizes()));
+      at_elem += n;
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status BucketedAllReduceSum(Collectives& collectives, const std::vector<at::Tensor>& tensors,
+                            int64_t bucket_bytes, const std::string& what) {
+  if (collectives.world_size() == 1 || tensors.empty()) return Status::OK();
+  return OverBuckets(tensors, bucket_bytes, [&](std::vector<at::Tensor>& flat) {
+    return collectives.AllReduceSum(flat, what);
+  });
+}
+
+Status BucketedBroadcast(Collectives& collectives, const std::vector<at::Tensor>& tensors,
+                         int64_t bucket_bytes, const std::string& what) {
+  if (collectives.world_size() == 1 || tensors.empty()) return Status::OK();
+  return OverBuckets(tensors, bucket_bytes, [&](std::vector<at::Tensor>& flat) {
+    return collectives.Broadcast(flat, what);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// FakeRankGroup
+
+class FakeRankGroup::Member final : public Collectives {
+ public:
+  Member(FakeRankGroup* group, int rank) : group_(group), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int world_size() const override { return group_->world_size(); }
+  Status AllReduceSum(std::vector<at::Tensor>& tensors, const std::string& what) override {
+    return group_->Join(rank_, Op::kSum, tensors, what);
+  }
+  Status AllReduceMax(std::vector<at::Tensor>& tensors, const std::string& what) override {
+    return group_->Join(rank_, Op::kMax, tensors, what);
+  }
+  Status Broadcast(std::vector<at::Tensor>& tensors, const std::string& what) override {
+    return group_->Join(rank_, Op::kBroadcast, tensors, what);
+  }
+
+ private:
+  FakeRankGroup* const group_;
+  const int rank_;
+};
+
+FakeRankGroup::FakeRankGroup(int world_size, std::chrono::milliseconds timeout)
+    : world_size_(world_size), timeout_(timeout) {
+  for (int r = 0; r < world_size; ++r) members_.push_back(std::make_unique<Member>(this, r));
+  common::MutexLock lock(&mu_);
+  joined_.assign(world_size, nullptr);
+}
+
+FakeRankGroup::~FakeRankGroup() = default;
+
+Collectives& FakeRankGroup::Rank(int r) { return *members_.at(r); }
+
+void FakeRankGroup::FailRank(int r) {
+  common::MutexLock lock(&mu_);
+  if (!failed_) {
+    failed_ = true;
+    left_rank_ = r;
+    failure_ = "rank " + std::to_string(r) + " left the group";
+  }
+  cv_.NotifyAll();
+}
+
+int64_t FakeRankGroup::completed() const {
+  common::MutexLock lock(&mu_);
+  return generation_;
+}
+
+Status FakeRankGroup::Join(int rank, Op op, std::vector<at::Tensor>& tensors,
+                           const std::string& what) {
+  common::MutexLock lock(&mu_);
+  const std::string who = "rank " + std::to_string(rank) + ": " + what;
+  if (failed_) {
+    return left_rank_ >= 0 ? Status::Unavailable(who + ": " + failure_)
+                           : Status::Aborted(who + ": the group failed earlier (" + failure_ + ")");
+  }
+  joined_[rank] = &tensors;
+  if (std::all_of(joined_.begin(), joined_.end(), [](const auto* t) { return t != nullptr; })) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (op == Op::kBroadcast) {
+        for (int r = 1; r < world_size_; ++r) (*joined_[r])[i].copy_((*joined_[0])[i]);
+        continue;
+      }
+      at::Tensor acc = (*joined_[0])[i].clone();
+      for (int r = 1; r < world_size_; ++r) {
+        acc = op == Op::kSum ? acc + (*joined_[r])[i] : at::maximum(acc, (*joined_[r])[i]);
+      }
+      for (int r = 0; r < world_size_; ++r) (*joined_[r])[i].copy_(acc);
+    }
+    joined_.assign(world_size_, nullptr);
+    ++generation_;
+    cv_.NotifyAll();
+    return Status::OK();
+  }
+  const int64_t mine = generation_;
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  while (generation_ == mine && !failed_) {
+    if (!cv_.WaitUntil(&mu_, deadline) && generation_ == mine && !failed_) {
+      int missing = 0;
+      while (missing < world_size_ && joined_[missing] != nullptr) ++missing;
+      failed_ = true;
+      failure_ = "rank " + std::to_string(missing) + " did not join " + what + " within " +
+                 std::to_string(timeout_.count()) + " ms";
+      cv_.NotifyAll();
+      return Status::DeadlineExceeded(who + ": " + failure_);
+    }
+  }
+  if (generation_ != mine) return Status::OK();
+  joined_[rank] = nullptr;
+  return left_rank_ >= 0 ? Status::Unavailable(who + ": " + failure_)
+                         : Status::DeadlineExceeded(who + ": " + failure_);
+}
+
+}  // namespace grpo::learner::distributed

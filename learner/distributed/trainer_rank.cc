@@ -1,0 +1,46 @@
+#include "learner/distributed/trainer_rank.h"
+
+#include "common/logging.h"
+#include "learner/distributed/group_codec.h"
+#include "learner/grpo_trainer.h"
+
+namespace grpo::learner::distributed {
+
+std::string EncodeCommand(RankCommand command, const std::vector<common::RolloutGroup>& groups) {
+  std::string out(1, static_cast<char>(command));
+  if (command == RankCommand::kTrain) out += EncodeGroups(groups);
+  return out;
+}
+
+Status ServeRankZero(RankGroup& group, GrpoTrainer& trainer) {
+  const std::string me = "learner rank " + std::to_string(group.rank());
+  while (true) {
+    ASSIGN_OR_RETURN(const std::string bytes, group.Next());
+    if (bytes.empty()) return Status::DataLoss(me + ": an empty command from rank 0");
+    switch (static_cast<RankCommand>(bytes[0])) {
+      case RankCommand::kSync:
+        RETURN_IF_ERROR(trainer.SyncFromRankZero());
+        GRPO_LOG_INFO("{}: at rank 0's step {}", me, trainer.global_step());
+        break;
+      case RankCommand::kTrain: {
+        ASSIGN_OR_RETURN(const std::vector<common::RolloutGroup> groups,
+                         DecodeGroups(bytes.substr(1)));
+        ASSIGN_OR_RETURN(const GenerationBatchResult result, trainer.TrainGenerationBatch(groups));
+        GRPO_LOG_INFO("{}: trained {} groups, {} steps, now at step {}", me, result.groups_trained,
+                      result.steps.size(), trainer.global_step());
+        break;
+      }
+      case RankCommand::kFlush:
+        RETURN_IF_ERROR(trainer.FlushPartialStep().status());
+        break;
+      case RankCommand::kStop:
+        GRPO_LOG_INFO("{}: rank 0 ended the job at step {}", me, trainer.global_step());
+        return Status::OK();
+      default:
+        return Status::DataLoss(me + ": unknown command " +
+                                std::to_string(static_cast<int>(bytes[0])) + " from rank 0");
+    }
+  }
+}
+
+}  // namespace grpo::learner::distributed

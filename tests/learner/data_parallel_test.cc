@@ -1,0 +1,494 @@
+// Learner ranks (README "Learner ranks"): N data-parallel ranks take the same optimizer steps
+// as one rank with N times the gradient accumulation. The single rank is the reference (its
+// numbers are TRL's: trl_reference_test); ranks are threads over FakeRankGroup, then real
+// processes over c10d (RankGroup: a TCPStore and ProcessGroupGloo on loopback), each started
+// from this binary. Faults: a rank that leaves, a rank that stalls past the deadline.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "common/model/model.h"
+#include "common/model/model_config.h"
+#include "common/model/safetensors.h"
+#include "common/process.h"
+#include "learner/distributed/collectives.h"
+#include "learner/distributed/group_codec.h"
+#include "learner/distributed/rank_group.h"
+#include "learner/grpo_trainer.h"
+
+namespace grpo::learner {
+namespace {
+
+using common::Completion;
+using common::RolloutGroup;
+using distributed::Collectives;
+using distributed::FakeRankGroup;
+
+std::unique_ptr<common::Model> TinyModel() {
+  auto cfg = common::ModelConfigPreset("tiny");
+  EXPECT_TRUE(cfg.ok());
+  auto m = common::Model::InitRandom(*cfg, 7);
+  EXPECT_TRUE(m.ok());
+  return std::move(m).value();
+}
+
+// `groups` groups of 4 completions of varied lengths and rewards, with behaviour log-probs.
+std::vector<RolloutGroup> MakeGroups(int groups, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> tok(0, 255), plen(2, 6), clen(1, 9);
+  std::uniform_real_distribution<double> rew(0.0, 1.0);
+  std::uniform_real_distribution<float> lp(-6.0f, -0.1f);
+  std::vector<RolloutGroup> out;
+  for (int g = 0; g < groups; ++g) {
+    RolloutGroup rg;
+    rg.prompt_id = "p" + std::to_string(seed) + "-" + std::to_string(g);
+    for (int i = plen(rng); i > 0; --i) rg.prompt_ids.push_back(tok(rng));
+    for (int j = 0; j < 4; ++j) {
+      Completion c;
+      for (int i = clen(rng); i > 0; --i) {
+        c.token_ids.push_back(tok(rng));
+        c.logprobs.push_back(lp(rng));
+      }
+      c.truncated = j == 3;
+      c.rewards = {rew(rng)};
+      rg.completions.push_back(c);
+    }
+    out.push_back(rg);
+  }
+  return out;
+}
+
+// Two generation batches: 4 groups (16 sequences: 8 micro-batches of 2), then 3 groups (12
+// sequences: 6 micro-batches) that leave a step open, taken by the flush. With 2 and 4 ranks a
+// step has 4 micro-batches in all, so the flush's 2 leave ranks with none (4 ranks) or one.
+std::vector<std::vector<RolloutGroup>> Batches() { return {MakeGroups(4, 11), MakeGroups(3, 12)}; }
+
+common::GrpoConfig RankConfig(const std::string& loss_type, int world_size) {
+  common::GrpoConfig c;
+  c.num_generations = 4;
+  c.per_device_train_batch_size = 2;
+  c.gradient_accumulation_steps = 4 / world_size;  // 4 micro-batches a step in all
+  c.steps_per_generation = 4;  // a rank's generation batch holds whole groups (8 completions)
+  c.num_iterations = 2;
+  c.max_completion_length = 16;
+  c.loss_type = loss_type;
+  c.learning_rate = 1e-2;
+  c.lr_scheduler_type = "linear";
+  c.max_steps = 50;
+  // AdamW divides each gradient element by its own RMS + eps: where an element's micro-batch
+  // terms cancel to ~0, the float32 rounding of a different summation order (ranks sum
+  // (g1 + g3) + (g2 + g4), one rank g1 + g2 + g3 + g4) is ~1e-10, and with eps 1e-8 AdamW turns
+  // it into a change of lr x 1e-2: 1.4e-4 norm-wise relative after 7 steps, measured. eps 1e-4
+  // keeps that amplification below the check (1.3e-6 measured) while the update stays AdamW's.
+  c.adam_epsilon = 1e-4;
+  c.max_grad_norm = 0.5;  // clipping on: the norm is of the summed gradient
+  c.beta = 0;
+  c.max_staleness = 10;  // the second batch (generated at version 0) trains after 4 steps
+  c.logprob_chunk_tokens = 5;
+  return c;
+}
+
+struct RunResult {
+  std::vector<StepMetrics> steps;
+  std::vector<at::Tensor> weights;
+  std::string error;
+};
+
+// Trains the batches and flushes, as rank `ranks->rank()` (or alone when null).
+RunResult Train(const common::GrpoConfig& cfg, Collectives* ranks) {
+  RunResult out;
+  auto model = TinyModel();
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr, ranks);
+  if (!trainer.ok()) {
+    out.error = trainer.status().ToString();
+    return out;
+  }
+  for (const auto& batch : Batches()) {
+    auto r = (*trainer)->TrainGenerationBatch(batch);
+    if (!r.ok()) {
+      out.error = r.status().ToString();
+      return out;
+    }
+    for (auto& s : r->steps) out.steps.push_back(s);
+  }
+  auto flushed = (*trainer)->FlushPartialStep();
+  if (!flushed.ok()) {
+    out.error = flushed.status().ToString();
+    return out;
+  }
+  if (flushed->has_value()) out.steps.push_back(**flushed);
+  for (const at::Tensor& p : model->Parameters()) out.weights.push_back(p.detach().clone());
+  return out;
+}
+
+// torch.testing.assert_close's rule, |a - b| <= atol + rtol |b|, with rtol 1e-5 and atol 1e-6:
+// a loss is a sum of terms of both signs (advantages sum to ~0 in a group), so its relative
+// rounding error can exceed its terms' (grpo's partial step 7: 6.6e-7 apart at -0.0378).
+bool Close(double a, double b) { return std::fabs(a - b) <= 1e-6 + 1e-5 * std::fabs(b); }
+
+// Every rank's steps and weights against the single rank's.
+void ExpectSameAsSingleRank(const RunResult& rank, const RunResult& single, int r) {
+  ASSERT_TRUE(rank.error.empty()) << "rank " << r << ": " << rank.error;
+  ASSERT_EQ(rank.steps.size(), single.steps.size()) << "rank " << r;
+  for (size_t s = 0; s < single.steps.size(); ++s) {
+    const StepMetrics& a = rank.steps[s];
+    const StepMetrics& b = single.steps[s];
+    EXPECT_EQ(a.step, b.step);
+    EXPECT_EQ(a.micro_batches, b.micro_batches) << "step " << b.step;
+    EXPECT_EQ(a.sequences, b.sequences) << "step " << b.step;
+    EXPECT_TRUE(Close(a.loss, b.loss))
+        << "rank " << r << " step " << b.step << ": " << a.loss << " vs " << b.loss;
+    EXPECT_TRUE(Close(a.grad_norm, b.grad_norm))
+        << "rank " << r << " step " << b.step << ": " << a.grad_norm << " vs " << b.grad_norm;
+    EXPECT_TRUE(Close(a.entropy, b.entropy)) << "step " << b.step;
+    EXPECT_NEAR(a.clip_ratio_region, b.clip_ratio_region, 1e-6) << "step " << b.step;
+    EXPECT_TRUE(Close(a.logprob_mismatch_mean, b.logprob_mismatch_mean)) << "step " << b.step;
+    EXPECT_TRUE(Close(a.is_ratio_max, b.is_ratio_max)) << "step " << b.step;
+  }
+  ASSERT_EQ(rank.weights.size(), single.weights.size());
+  for (size_t i = 0; i < single.weights.size(); ++i) {
+    const double scale = single.weights[i].norm().item<double>();  // norm-wise relative
+    const double diff = (rank.weights[i] - single.weights[i]).norm().item<double>();
+    EXPECT_LE(diff, 1e-5 * scale) << "rank " << r << " parameter " << i;
+    const double max_abs = single.weights[i].abs().max().item<double>();
+    const double max_diff = (rank.weights[i] - single.weights[i]).abs().max().item<double>();
+    EXPECT_LE(max_diff, 1e-5 * max_abs) << "rank " << r << " parameter " << i;
+  }
+}
+
+class DataParallel : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(DataParallel, RanksOverThreadsTakeTheSingleRanksSteps) {
+  const auto [loss_type, world] = GetParam();
+  const RunResult single = Train(RankConfig(loss_type, 1), nullptr);
+  ASSERT_TRUE(single.error.empty()) << single.error;
+  // 8 + 6 micro-batches x 2 iterations = 28 = 7 steps of 4.
+  ASSERT_EQ(single.steps.size(), 7u);
+  FakeRankGroup group(world, std::chrono::seconds(60));
+  std::vector<RunResult> results(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back(
+        [&, r] { results[r] = Train(RankConfig(loss_type, world), &group.Rank(r)); });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) ExpectSameAsSingleRank(results[r], single, r);
+}
+
+INSTANTIATE_TEST_SUITE_P(LossTypes, DataParallel,
+                         ::testing::Combine(::testing::Values("dapo", "grpo", "dr_grpo"),
+                                            ::testing::Values(2, 4)));
+
+TEST(DataParallelFaults, ARankThatLeavesFailsTheOthersStepAndTheGroupStaysFailed) {
+  FakeRankGroup group(2, std::chrono::seconds(60));
+  auto cfg = RankConfig("dapo", 2);
+  std::vector<Status> got(2);
+  std::thread rank1([&] {
+    auto model = TinyModel();
+    auto t = GrpoTrainer::Create(cfg, model.get(), nullptr, &group.Rank(1));
+    ASSERT_TRUE(t.ok());
+    group.FailRank(1);  // dies before its first step
+  });
+  rank1.join();
+  auto model = TinyModel();
+  auto t = GrpoTrainer::Create(cfg, model.get(), nullptr, &group.Rank(0));
+  ASSERT_TRUE(t.ok());
+  const auto start = std::chrono::steady_clock::now();
+  auto r = (*t)->TrainGenerationBatch(MakeGroups(4, 11));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("rank 1 left"), std::string::npos) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("all-reduce of the gradients of step 1"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  // The failed step is discarded: no step taken, nothing left open.
+  EXPECT_EQ((*t)->global_step(), 0);
+  EXPECT_EQ((*t)->open_step_micro_batches(), 0);
+}
+
+TEST(DataParallelFaults, ARankThatNeverJoinsFailsTheStepAtTheDeadline) {
+  FakeRankGroup group(2, std::chrono::milliseconds(300));
+  auto cfg = RankConfig("grpo", 2);
+  auto model = TinyModel();
+  auto t = GrpoTrainer::Create(cfg, model.get(), nullptr, &group.Rank(0));
+  ASSERT_TRUE(t.ok());
+  const auto start = std::chrono::steady_clock::now();
+  auto r = (*t)->TrainGenerationBatch(MakeGroups(4, 11));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("rank 1 did not join"), std::string::npos);
+  EXPECT_LT(s, 10.0);
+}
+
+TEST(DataParallelConfig, ShardingModesNotBuiltYetAndDumpsAreRefusedAtSeveralRanks) {
+  FakeRankGroup group(2, std::chrono::seconds(5));
+  auto model = TinyModel();
+  auto cfg = RankConfig("dapo", 2);
+  cfg.fsdp = "full_shard";
+  auto t = GrpoTrainer::Create(cfg, model.get(), nullptr, &group.Rank(0));
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(t.status().message().find("full_shard"), std::string::npos);
+  cfg.fsdp = "no_shard";
+  cfg.dump_batches_dir = "/tmp/unused";
+  t = GrpoTrainer::Create(cfg, model.get(), nullptr, &group.Rank(0));
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("dump_batches_dir"), std::string::npos);
+  // At one rank every mode is the identity.
+  cfg.dump_batches_dir.clear();
+  cfg.fsdp = "full_shard offload";
+  EXPECT_TRUE(GrpoTrainer::Create(cfg, model.get(), nullptr).ok());
+}
+
+TEST(GroupCodec, RoundTripsEveryFieldAndRefusesTruncatedBytes) {
+  std::vector<RolloutGroup> groups = MakeGroups(3, 5);
+  groups[1].lease_id = "lease-7";
+  groups[1].policy_version = 42;
+  groups[1].policy_incarnation = "00ff00ff00ff00ff";
+  groups[1].completions[2].rewards = {std::nullopt, 0.25};
+  groups[1].completions[2].text = "héllo";
+  const std::string bytes = distributed::EncodeGroups(groups);
+  auto back = distributed::DecodeGroups(bytes);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  ASSERT_EQ(back->size(), groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const RolloutGroup& a = (*back)[g];
+    const RolloutGroup& b = groups[g];
+    EXPECT_EQ(a.prompt_id, b.prompt_id);
+    EXPECT_EQ(a.lease_id, b.lease_id);
+    EXPECT_EQ(a.policy_version, b.policy_version);
+    EXPECT_EQ(a.policy_incarnation, b.policy_incarnation);
+    EXPECT_EQ(a.prompt_ids, b.prompt_ids);
+    ASSERT_EQ(a.completions.size(), b.completions.size());
+    for (size_t c = 0; c < b.completions.size(); ++c) {
+      EXPECT_EQ(a.completions[c].token_ids, b.completions[c].token_ids);
+      EXPECT_EQ(a.completions[c].logprobs, b.completions[c].logprobs);
+      EXPECT_EQ(a.completions[c].truncated, b.completions[c].truncated);
+      EXPECT_EQ(a.completions[c].rewards, b.completions[c].rewards);
+      EXPECT_EQ(a.completions[c].text, b.completions[c].text);
+    }
+  }
+  for (size_t cut : {size_t{0}, size_t{3}, bytes.size() / 2, bytes.size() - 1}) {
+    auto bad = distributed::DecodeGroups(bytes.substr(0, cut));
+    EXPECT_EQ(bad.status().code(), StatusCode::kDataLoss) << "cut at " << cut;
+  }
+  EXPECT_FALSE(distributed::DecodeGroups(bytes + "x").ok());
+}
+
+TEST(RankEnv, ReadsTorchrunsVariablesAndNamesABadOne) {
+  auto from = [](std::map<std::string, std::string> vars) {
+    return distributed::ParseRankEnv([vars](const char* name) -> const char* {
+      auto it = vars.find(name);
+      return it == vars.end() ? nullptr : it->second.c_str();
+    });
+  };
+  auto alone = from({});
+  ASSERT_TRUE(alone.ok());
+  EXPECT_EQ(alone->world_size, 1);
+  EXPECT_EQ(alone->rank, 0);
+  auto torchrun = from({{"RANK", "3"},
+                        {"WORLD_SIZE", "4"},
+                        {"LOCAL_RANK", "1"},
+                        {"MASTER_ADDR", "10.0.0.2"},
+                        {"MASTER_PORT", "29400"}});
+  ASSERT_TRUE(torchrun.ok()) << torchrun.status().ToString();
+  EXPECT_EQ(torchrun->rank, 3);
+  EXPECT_EQ(torchrun->world_size, 4);
+  EXPECT_EQ(torchrun->local_rank, 1);
+  EXPECT_EQ(torchrun->master_addr, "10.0.0.2");
+  EXPECT_EQ(torchrun->master_port, 29400);
+  // A Kubernetes indexed Job names the rank by its completion index.
+  auto indexed = from({{"JOB_COMPLETION_INDEX", "2"}, {"WORLD_SIZE", "3"}, {"MASTER_ADDR", "a"}});
+  ASSERT_TRUE(indexed.ok());
+  EXPECT_EQ(indexed->rank, 2);
+  struct Bad {
+    std::map<std::string, std::string> vars;
+    std::string names;
+  };
+  for (const Bad& bad : std::vector<Bad>{
+           {{{"WORLD_SIZE", "two"}}, "WORLD_SIZE"},
+           {{{"WORLD_SIZE", "2"}, {"RANK", "2"}, {"MASTER_ADDR", "a"}}, "RANK=2"},
+           {{{"WORLD_SIZE", "2"}, {"RANK", "1"}}, "MASTER_ADDR"},
+           {{{"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}}, "MASTER_PORT"},
+       }) {
+    auto r = from(bad.vars);
+    ASSERT_FALSE(r.ok()) << bad.names;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(bad.names), std::string::npos) << r.status().ToString();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real processes: this binary run as ranks (DataParallelChild.Rank with GRPO_DP_CHILD_OUT set).
+
+int FreePort() {
+  // The kernel's next ephemeral port is free now; a collision makes the rendezvous fail loudly.
+  static int next = 20000 + static_cast<int>(::getpid() % 20000);
+  return next += 7;
+}
+
+TEST(DataParallelChild, Rank) {
+  const char* out = std::getenv("GRPO_DP_CHILD_OUT");
+  if (out == nullptr) GTEST_SKIP() << "run by DataParallelProcesses as a rank";
+  const std::string loss_type = std::getenv("GRPO_DP_LOSS");
+  const std::string mode = std::getenv("GRPO_DP_MODE");
+  auto env = distributed::RankEnvFromEnvironment();
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  const int timeout_ms = std::atoi(std::getenv("GRPO_DP_TIMEOUT_MS"));
+  auto group = distributed::RankGroup::Join(*env, std::chrono::milliseconds(timeout_ms));
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  if (mode == "die" && env->rank == 1) std::_Exit(3);  // leaves before the first step
+  if (mode == "stall" && env->rank == 1) {
+    ::raise(SIGSTOP);  // the parent continues it after rank 0 failed
+    return;
+  }
+  const RunResult r = Train(RankConfig(loss_type, env->world_size), group->get());
+  nlohmann::json j;
+  j["error"] = r.error;
+  j["steps"] = nlohmann::json::array();
+  for (const StepMetrics& s : r.steps) j["steps"].push_back(s.ToJson());
+  common::NamedTensors weights;
+  for (size_t i = 0; i < r.weights.size(); ++i) {
+    weights.emplace_back("w" + std::to_string(i), r.weights[i]);
+  }
+  if (r.error.empty()) {
+    ASSERT_TRUE(common::WriteSafetensors(std::string(out) + ".safetensors", weights).ok());
+  }
+  std::ofstream(std::string(out) + ".json") << j.dump();
+}
+
+struct ChildRun {
+  std::vector<int> exit_codes;
+  std::vector<nlohmann::json> results;
+  std::vector<std::vector<at::Tensor>> weights;
+  double rank0_seconds = 0;
+};
+
+ChildRun RunRanks(int world, const std::string& loss_type, const std::string& mode,
+                  int timeout_ms) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("grpo_dp_" + std::to_string(::getpid()) + "_" + loss_type + "_" +
+                                   mode + "_" + std::to_string(world));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  common::ProcessSupervisor sup;
+  const int port = FreePort();
+  const auto start = std::chrono::steady_clock::now();
+  for (int r = 0; r < world; ++r) {
+    ::setenv("RANK", std::to_string(r).c_str(), 1);
+    ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+    ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+    ::setenv("GRPO_DP_CHILD_OUT", (dir / ("rank" + std::to_string(r))).c_str(), 1);
+    ::setenv("GRPO_DP_LOSS", loss_type.c_str(), 1);
+    ::setenv("GRPO_DP_MODE", mode.c_str(), 1);
+    ::setenv("GRPO_DP_TIMEOUT_MS", std::to_string(timeout_ms).c_str(), 1);
+    common::ProcessSpec spec;
+    spec.argv = {"/proc/self/exe", "--gtest_filter=DataParallelChild.Rank"};
+    spec.stdout_path = (dir / ("rank" + std::to_string(r) + ".log")).string();
+    spec.stderr_path = spec.stdout_path;
+    spec.die_with_parent = true;
+    EXPECT_TRUE(sup.Spawn("rank" + std::to_string(r), spec).ok());
+  }
+  for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GRPO_DP_CHILD_OUT",
+                        "GRPO_DP_LOSS", "GRPO_DP_MODE", "GRPO_DP_TIMEOUT_MS"}) {
+    ::unsetenv(v);
+  }
+  ChildRun run;
+  run.exit_codes.assign(world, -1);
+  const auto code0 = sup.Wait("rank0", std::chrono::seconds(120));
+  run.rank0_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (mode == "stall") sup.Signal("rank1", SIGCONT);
+  sup.WaitAll(std::chrono::seconds(60));
+  for (int r = 0; r < world; ++r) {
+    const auto* p = sup.Find("rank" + std::to_string(r));
+    run.exit_codes[r] = p != nullptr ? p->exit_code : -1;
+    std::ifstream in(dir / ("rank" + std::to_string(r) + ".json"));
+    nlohmann::json j;
+    if (in) in >> j;
+    run.results.push_back(j);
+    std::vector<at::Tensor> w;
+    auto file = common::SafetensorsFile::Open(
+        (dir / ("rank" + std::to_string(r) + ".safetensors")).string());
+    if (file.ok()) {
+      for (size_t i = 0; i < (*file)->Names().size(); ++i) {
+        w.push_back(*(*file)->Get("w" + std::to_string(i)));
+      }
+    }
+    run.weights.push_back(w);
+    if (run.exit_codes[r] != 0 || !j.is_object()) {
+      std::ifstream log(dir / ("rank" + std::to_string(r) + ".log"));
+      std::cerr << "rank " << r << " log:\n"
+                << std::string(std::istreambuf_iterator<char>(log), {});
+    }
+  }
+  (void)code0;
+  return run;
+}
+
+class DataParallelProcesses : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(DataParallelProcesses, RanksOverC10dTakeTheSingleRanksSteps) {
+  const auto [loss_type, world] = GetParam();
+  const RunResult single = Train(RankConfig(loss_type, 1), nullptr);
+  ASSERT_TRUE(single.error.empty()) << single.error;
+  const ChildRun run = RunRanks(world, loss_type, "train", 60'000);
+  for (int r = 0; r < world; ++r) {
+    ASSERT_EQ(run.exit_codes[r], 0) << "rank " << r;
+    ASSERT_TRUE(run.results[r].is_object()) << "rank " << r;
+    RunResult got;
+    got.error = run.results[r]["error"].get<std::string>();
+    for (const auto& s : run.results[r]["steps"]) {
+      StepMetrics m;
+      m.step = s["step"];
+      m.micro_batches = s["micro_batches"];
+      m.sequences = s["sequences"];
+      m.loss = s["loss"];
+      m.grad_norm = s["grad_norm"];
+      m.entropy = s["entropy"];
+      m.clip_ratio_region = s["clip_ratio/region_mean"];
+      m.logprob_mismatch_mean = s.value("logprob_mismatch/mean", 0.0);
+      m.is_ratio_max = s.value("is_ratio/max", 0.0);
+      got.steps.push_back(m);
+    }
+    got.weights = run.weights[r];
+    ExpectSameAsSingleRank(got, single, r);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(LossTypes, DataParallelProcesses,
+                         ::testing::Values(std::make_tuple("dapo", 2), std::make_tuple("grpo", 4),
+                                           std::make_tuple("dr_grpo", 2)));
+
+TEST(DataParallelProcessFaults, ADeadRankFailsRankZerosFirstStepAtOnce) {
+  const ChildRun run = RunRanks(2, "dapo", "die", 20'000);
+  EXPECT_EQ(run.exit_codes[1], 3);
+  ASSERT_TRUE(run.results[0].is_object());
+  const std::string error = run.results[0]["error"];
+  EXPECT_NE(error.find("UNAVAILABLE"), std::string::npos) << error;
+  EXPECT_NE(error.find("all-reduce of the gradients of step 1"), std::string::npos) << error;
+  EXPECT_LT(run.rank0_seconds, 20.0) << error;  // a closed connection, not the deadline
+}
+
+TEST(DataParallelProcessFaults, AStoppedRankFailsRankZeroWithinTheDeadline) {
+  const ChildRun run = RunRanks(2, "dapo", "stall", 3'000);
+  ASSERT_TRUE(run.results[0].is_object());
+  const std::string error = run.results[0]["error"];
+  EXPECT_NE(error.find("DEADLINE_EXCEEDED"), std::string::npos) << error;
+  EXPECT_NE(error.find("rank_timeout_seconds"), std::string::npos) << error;
+  EXPECT_LT(run.rank0_seconds, 3.0 + 8.0) << error;  // rendezvous + one deadline + the step
+}
+
+}  // namespace
+}  // namespace grpo::learner
