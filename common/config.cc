@@ -195,7 +195,7 @@ Field MakeField(std::string name, M GrpoConfig::*member, std::vector<std::string
     f.set_list = [member, name](GrpoConfig& c, const std::vector<std::string>& items) -> Status {
       std::vector<double> out;
       for (const auto& s : items) {
-        double v;
+        double v = 0;
         RETURN_IF_ERROR(ParseDouble(name, s, &v));
         out.push_back(v);
       }
@@ -528,7 +528,8 @@ StatusOr<FsdpSpec> ParseFsdp(std::string_view text) {
     ++count;
     if (word == "offload" && !spec.offload) {
       spec.offload = true;
-    } else if (!have_mode && (word == "no_shard" || word == "shard_grad_op" || word == "full_shard")) {
+    } else if (!have_mode &&
+               (word == "no_shard" || word == "shard_grad_op" || word == "full_shard")) {
       have_mode = true;
       spec.mode = word == "no_shard"        ? FsdpMode::kNoShard
                   : word == "shard_grad_op" ? FsdpMode::kShardGradOp

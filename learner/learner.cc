@@ -80,7 +80,10 @@ StatusOr<std::unique_ptr<Learner>> Learner::Create(common::GrpoConfig config,
     s->registry_ = s->own_registry_.get();
   }
   ASSIGN_OR_RETURN(s->metrics_, common::LearnerMetrics::Create(*s->registry_, cfg.reward_funcs));
-  s->batch_groups_ = cfg.GenerationBatchGroups();
+  // A generation batch of every rank's share (TRL: per_device_train_batch_size x world size x
+  // steps_per_generation completions).
+  const int64_t world = s->options_.ranks != nullptr ? s->options_.ranks->world_size() : 1;
+  s->batch_groups_ = cfg.GenerationBatchGroups() * world;
   if (s->batch_groups_ < 1) {
     return Status::InvalidArgument(
         "config key 'num_generations' exceeds the generation batch "
@@ -108,9 +111,18 @@ StatusOr<std::unique_ptr<Learner>> Learner::Create(common::GrpoConfig config,
   // builds the bf16 compute copy); PublishWeights snapshots it to the CPU.
   s->policy_ = std::move(policy);
   RETURN_IF_ERROR(s->policy_->To(device, s->policy_->dtype()).WithContext("policy"));
-  ASSIGN_OR_RETURN(s->trainer_, GrpoTrainer::Create(cfg, s->policy_.get(), std::move(reference)));
+  ASSIGN_OR_RETURN(s->trainer_, GrpoTrainer::Create(cfg, s->policy_.get(), std::move(reference),
+                                                    s->options_.ranks));
   s->trainer_->set_dump_incarnation(s->incarnation_);
   if (s->options_.resume) RETURN_IF_ERROR(s->Resume());
+  if (s->options_.ranks != nullptr) {
+    // The other ranks start from what rank 0 holds now: its restored checkpoint, or its model.
+    s->rank_link_ = std::make_unique<distributed::RankZeroLink>(s->options_.ranks);
+    RETURN_IF_ERROR(s->rank_link_->Sync());
+    RETURN_IF_ERROR(s->trainer_->SyncFromRankZero());
+    GRPO_LOG_INFO("learner: rank 0 of {} learner ranks, at step {}", world,
+                  s->trainer_->global_step());
+  }
   // No other thread sees the learner yet; the lock costs nothing and keeps the rule simple.
   common::MutexLock lock(&s->mu_);
   s->global_step_ = s->trainer_->global_step();
@@ -197,7 +209,9 @@ Status Learner::Stop(bool checkpoint) {
     // Stopping inside an optimizer step: take it with the micro-batches it has (the ledger
     // already recorded its groups under that step), so that the checkpoint holds them. Not at
     // max_steps: the job ended there, and its open step's groups went back to the queue.
-    auto flushed = trainer_->FlushPartialStep();
+    const Status posted = rank_link_ ? rank_link_->Flush() : Status::OK();
+    auto flushed =
+        posted.ok() ? trainer_->FlushPartialStep() : StatusOr<std::optional<StepMetrics>>(posted);
     if (flushed.ok() && flushed->has_value()) {
       RecordStepMetrics(**flushed);
       common::MutexLock lock(&mu_);
@@ -205,6 +219,10 @@ Status Learner::Stop(bool checkpoint) {
     } else if (!flushed.ok()) {
       GRPO_LOG_WARN("learner: flush the open step at stop: {}", flushed.status().ToString());
     }
+  }
+  if (rank_link_) {
+    // The other ranks leave their loops (a rank already gone makes this fail: nothing to tell).
+    if (Status s = rank_link_->Stop(); !s.ok()) GRPO_LOG_WARN("learner: {}", s.ToString());
   }
   bool need_save = false;
   {
@@ -400,7 +418,9 @@ void Learner::TrainBatch(std::vector<BufferedGroup> batch) {
   }
   StatusOr<GenerationBatchResult> result = Status::Internal("not run");
   try {
-    result = trainer_->TrainGenerationBatch(groups);
+    const Status posted = rank_link_ ? rank_link_->Train(groups) : Status::OK();
+    result = posted.ok() ? trainer_->TrainGenerationBatch(groups)
+                         : StatusOr<GenerationBatchResult>(posted);
   } catch (const c10::Error& e) {
     result = Status::Internal(std::string("training: ") + e.what_without_backtrace());
   } catch (const std::exception& e) {

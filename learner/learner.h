@@ -66,6 +66,7 @@
 #include "common/thread_annotations.h"
 #include "common/weight_sync/backends.h"
 #include "common/weight_sync/epoch_store.h"
+#include "learner/distributed/trainer_rank.h"
 #include "learner/grpo_trainer.h"
 #include "learner/job.h"
 #include "learner/prompt_ledger.h"
@@ -126,6 +127,10 @@ struct LearnerOptions {
   // Borrowed, must outlive the learner; the learner adds common::LearnerMetrics to it. Null = the
   // learner owns a registry of its own (metrics_registry()).
   common::Registry* metrics_registry = nullptr;
+  // Learner ranks (README "Learner ranks"): the group this learner is rank 0 of, borrowed (must
+  // outlive the learner); null = a learner of one rank. Every rank trains each generation batch
+  // (world size x the one of a rank: TRL's), rank 0 telling the others what to train.
+  distributed::RankGroup* ranks = nullptr;
 };
 
 // The tally of one push (a stream of groups from one worker).
@@ -306,9 +311,12 @@ class Learner {
   int64_t buffer_capacity_ = 0;     // groups
   int64_t versions_per_batch_ = 1;  // optimizer steps (policy versions) per generation batch
 
-  std::unique_ptr<PromptLedger> ledger_;            // thread-safe
-  std::unique_ptr<common::Model> policy_;           // the training thread writes it
-  std::unique_ptr<GrpoTrainer> trainer_;            // training thread (ValidateGroup: any)
+  std::unique_ptr<PromptLedger> ledger_;   // thread-safe
+  std::unique_ptr<common::Model> policy_;  // the training thread writes it
+  std::unique_ptr<GrpoTrainer> trainer_;   // training thread (ValidateGroup: any)
+  // Rank 0 posting to the other learner ranks; null alone. Used by the training thread (and by
+  // Create and Stop, when no training thread runs).
+  std::unique_ptr<distributed::RankZeroLink> rank_link_;
   std::unique_ptr<common::Registry> own_registry_;  // when options_.metrics_registry is null
   common::Registry* registry_ = nullptr;
   common::LearnerMetrics metrics_;  // families are thread-safe

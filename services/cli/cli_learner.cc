@@ -1,5 +1,6 @@
 // grpo learner: the learner service (services/learner_service.h) as a process. Runs until the
 // job ends (done, cancelled, failed) or SIGTERM/SIGINT, then checkpoints and exits.
+#include <cmath>
 #include <csignal>
 #include <filesystem>
 #include <iostream>
@@ -12,6 +13,9 @@
 #include "common/model/model.h"
 #include "common/model/model_config.h"
 #include "common/tokenizer/byte_tokenizer.h"
+#include "learner/distributed/rank_group.h"
+#include "learner/distributed/trainer_rank.h"
+#include "learner/grpo_trainer.h"
 #include "services/cli/cli.h"
 #include "services/learner_service.h"
 
@@ -46,6 +50,29 @@ StatusOr<std::string> ModelDir(const common::GrpoConfig& cfg) {
   return dir;
 }
 
+// A learner rank > 0 (README "Learner ranks"): a trainer that does what rank 0 says until the job
+// ends (exit 0) or the group fails (exit 1, for the orchestrator to restart the group).
+int RunTrainerRank(const common::GrpoConfig& cfg, std::unique_ptr<common::Model> policy,
+                   std::unique_ptr<common::Model> reference,
+                   learner::distributed::RankGroup& ranks) {
+  const std::string me = "grpo learner: rank " + std::to_string(ranks.rank()) + " of " +
+                         std::to_string(ranks.world_size());
+  auto trainer = learner::GrpoTrainer::Create(cfg, policy.get(), std::move(reference), &ranks);
+  if (!trainer.ok()) {
+    std::cerr << me << ": " << trainer.status().ToString() << "\n";
+    return trainer.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  std::cerr << me << ": training the generation batches rank 0 hands out\n";
+  if (Status s = learner::distributed::ServeRankZero(ranks, **trainer); !s.ok()) {
+    std::cerr << me << ": " << s.ToString()
+              << "; exiting 1 for the orchestrator to restart the learner group from its last "
+                 "checkpoint\n";
+    return 1;
+  }
+  std::cerr << me << ": the job ended\n";
+  return 0;
+}
+
 int RunLearner(const LearnerOptions& o) {
   auto fail = [](const Status& s, int code = 1) {
     std::cerr << "grpo learner: " << s.ToString() << "\n";
@@ -62,8 +89,44 @@ int RunLearner(const LearnerOptions& o) {
   }
   // `device`, as train-local: the fp32 policy loads there (with `bf16` the trainer trains a bf16
   // copy of it); LearnerServer::Create would move it there otherwise.
+  auto rank_env = learner::distributed::RankEnvFromEnvironment();
+  if (!rank_env.ok()) return fail(rank_env.status(), 2);
+  if (rank_env->world_size > 1 && (cfg.device == "cuda" || cfg.device == "auto")) {
+    // One GPU a rank, as torchrun's LOCAL_RANK says (on the CPU "auto" stays the CPU).
+    auto any = common::ResolveDevice(cfg.device);
+    if (any.ok() && any->is_cuda()) cfg.device = "cuda:" + std::to_string(rank_env->local_rank);
+  }
   auto device = common::ResolveDevice(cfg.device);
   if (!device.ok()) return fail(device.status(), 2);
+  std::unique_ptr<learner::distributed::RankGroup> ranks;
+  if (rank_env->world_size > 1) {
+    const auto timeout = std::chrono::milliseconds(
+        static_cast<int64_t>(std::ceil(cfg.rank_timeout_seconds * 1000.0)));
+    auto joined = learner::distributed::RankGroup::Join(*rank_env, timeout);
+    if (!joined.ok()) return fail(joined.status());
+    ranks = std::move(joined).value();
+    if (rank_env->rank > 0) {
+      // Rank 0 alone writes under output_dir (the initial model, checkpoints, the ledger); this
+      // rank's weights are rank 0's after the first command, whatever it starts from.
+      StatusOr<std::unique_ptr<common::Model>> policy = Status::Internal("no model");
+      if (cfg.model_name_or_path.empty()) {
+        auto preset = common::ModelConfigPreset("tiny");
+        if (!preset.ok()) return fail(preset.status());
+        policy = common::Model::InitRandom(*preset, cfg.seed);
+        if (policy.ok()) (void)(*policy)->To(*device, (*policy)->dtype());
+      } else {
+        policy = common::Model::Load(cfg.model_name_or_path, *device);
+      }
+      if (!policy.ok()) return fail(policy.status());
+      std::unique_ptr<common::Model> reference;
+      if (cfg.beta != 0) {
+        auto ref = (*policy)->Copy(*device, (*policy)->dtype());
+        if (!ref.ok()) return fail(ref.status());
+        reference = std::move(ref).value();
+      }
+      return RunTrainerRank(cfg, std::move(policy).value(), std::move(reference), *ranks);
+    }
+  }
   std::error_code ec;
   fs::create_directories(cfg.output_dir, ec);
   auto model_dir = ModelDir(cfg);
@@ -78,6 +141,7 @@ int RunLearner(const LearnerOptions& o) {
   }
   LearnerServerOptions options;
   options.model_dir = *model_dir;
+  options.ranks = ranks.get();
   auto server =
       LearnerServer::Create(cfg, std::move(policy).value(), std::move(reference), options);
   if (!server.ok()) {

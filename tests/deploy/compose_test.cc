@@ -102,6 +102,18 @@ TEST(DeployCompose, ServicesUseTheDefaultPortsVolumeAndSecret) {
     EXPECT_EQ(s["secrets"][0]["source"].as<std::string>(), "grpo_auth_token") << name;
   }
   EXPECT_EQ(workers, 2);
+  // Two learner ranks (README "Learner ranks"): the same command, torchrun's variables, rank 0
+  // at the rendezvous address both name.
+  const YAML::Node rank1 = services["learner-rank1"];
+  ASSERT_TRUE(rank1.IsDefined());
+  EXPECT_EQ(Strings(rank1["command"]), cmd);
+  for (const auto& [node, rank] : {std::pair{learner, "0"}, std::pair{rank1, "1"}}) {
+    const YAML::Node env = node["environment"];
+    EXPECT_EQ(env["RANK"].as<std::string>(), rank);
+    EXPECT_EQ(env["WORLD_SIZE"].as<std::string>(), "2");
+    EXPECT_EQ(env["MASTER_ADDR"].as<std::string>(), "learner");
+    EXPECT_EQ(env["MASTER_PORT"].as<std::string>(), "29500");
+  }
   EXPECT_TRUE(services["prometheus"].IsDefined());
   EXPECT_TRUE(services["grafana"].IsDefined());
   EXPECT_TRUE(services["learner"]["secrets"].IsDefined());

@@ -19,6 +19,7 @@
 #include "common/model/model_config.h"
 #include "common/model/safetensors.h"
 #include "common/process.h"
+#include "learner/checkpoint.h"
 #include "learner/distributed/collectives.h"
 #include "learner/distributed/group_codec.h"
 #include "learner/distributed/rank_group.h"
@@ -186,6 +187,87 @@ TEST_P(DataParallel, RanksOverThreadsTakeTheSingleRanksSteps) {
 INSTANTIATE_TEST_SUITE_P(LossTypes, DataParallel,
                          ::testing::Combine(::testing::Values("dapo", "grpo", "dr_grpo"),
                                             ::testing::Values(2, 4)));
+
+// Batches [first, last) of Batches() (and the flush after the last), as rank `ranks->rank()`:
+// restored from `restore_dir` first when given (rank 0 reads it, SyncFromRankZero hands it to
+// the others), and saved to `save_dir` after (by rank 0) when given.
+RunResult TrainPart(const common::GrpoConfig& cfg, Collectives* ranks, size_t first, size_t last,
+                    const std::string& restore_dir, const std::string& save_dir) {
+  RunResult out;
+  auto model = TinyModel();
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr, ranks);
+  if (!trainer.ok()) return {{}, {}, trainer.status().ToString()};
+  const int rank = ranks != nullptr ? ranks->rank() : 0;
+  if (!restore_dir.empty() && rank == 0) {
+    if (Status s = RestoreCheckpoint(**trainer, restore_dir); !s.ok())
+      return {{}, {}, s.ToString()};
+  }
+  if (Status s = (*trainer)->SyncFromRankZero(); !s.ok()) return {{}, {}, s.ToString()};
+  const auto batches = Batches();
+  for (size_t b = first; b < last; ++b) {
+    auto r = (*trainer)->TrainGenerationBatch(batches[b]);
+    if (!r.ok()) return {{}, {}, r.status().ToString()};
+    for (auto& st : r->steps) out.steps.push_back(st);
+  }
+  if (last == batches.size()) {
+    auto flushed = (*trainer)->FlushPartialStep();
+    if (!flushed.ok()) return {{}, {}, flushed.status().ToString()};
+    if (flushed->has_value()) out.steps.push_back(**flushed);
+  }
+  if (!save_dir.empty() && rank == 0) {
+    auto saved = SaveCheckpoint(**trainer, save_dir, "");
+    if (!saved.ok()) return {{}, {}, saved.status().ToString()};
+  }
+  for (const at::Tensor& p : model->Parameters()) out.weights.push_back(p.detach().clone());
+  return out;
+}
+
+// `world` thread ranks over a fake group, each running TrainPart.
+std::vector<RunResult> TrainPartOnRanks(int world, size_t first, size_t last,
+                                        const std::string& restore_dir,
+                                        const std::string& save_dir) {
+  FakeRankGroup group(world, std::chrono::seconds(60));
+  std::vector<RunResult> results(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      results[r] =
+          TrainPart(RankConfig("dapo", world), &group.Rank(r), first, last, restore_dir, save_dir);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return results;
+}
+
+// Checkpoints are rank 0's whole state: one saved at 2 ranks resumes at 1 and one saved at 1
+// resumes at 2, and the resumed steps are those of an uninterrupted single-rank run.
+TEST(DataParallelCheckpoints, ResumeAtAnotherWorldSizeTakesTheUninterruptedSteps) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("grpo_dp_ckpt_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const RunResult uninterrupted = Train(RankConfig("dapo", 1), nullptr);
+  ASSERT_TRUE(uninterrupted.error.empty()) << uninterrupted.error;
+  RunResult tail_of_reference = uninterrupted;
+  tail_of_reference.steps.erase(tail_of_reference.steps.begin(),
+                                tail_of_reference.steps.begin() + 4);  // batch 0 takes steps 1-4
+
+  // Saved at 2 ranks after batch 0, resumed at 1.
+  const std::vector<RunResult> two = TrainPartOnRanks(2, 0, 1, "", (dir / "at2").string());
+  ASSERT_TRUE(two[0].error.empty()) << two[0].error;
+  ASSERT_EQ(two[0].steps.size(), 4u);
+  const RunResult one =
+      TrainPart(RankConfig("dapo", 1), nullptr, 1, 2, (dir / "at2" / "checkpoint-4").string(), "");
+  ExpectSameAsSingleRank(one, tail_of_reference, 0);
+
+  // Saved at 1 rank after batch 0, resumed at 2.
+  const RunResult first =
+      TrainPart(RankConfig("dapo", 1), nullptr, 0, 1, "", (dir / "at1").string());
+  ASSERT_TRUE(first.error.empty()) << first.error;
+  const std::vector<RunResult> resumed =
+      TrainPartOnRanks(2, 1, 2, (dir / "at1" / "checkpoint-4").string(), "");
+  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
+  fs::remove_all(dir);
+}
 
 TEST(DataParallelFaults, ARankThatLeavesFailsTheOthersStepAndTheGroupStaysFailed) {
   FakeRankGroup group(2, std::chrono::seconds(60));

@@ -1,0 +1,152 @@
+// `grpo learner` as a group of two ranks (README "Learner ranks"), launched as torchrun would:
+// RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT. Rank 0 serves, both train, a worker generates; the
+// job runs to max_steps and both ranks exit 0. A rank killed mid-job fails the job: rank 0 exits
+// non-zero, naming the collective, for the orchestrator to restart the group.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "tests/services/http_test_util.h"
+#include "tests/services/process_util.h"
+#include "tests/test_util.h"
+
+namespace {
+
+using grpo::testing::Children;
+using grpo::testing::GrpoBin;
+using grpo::testing::ReadFile;
+using grpo::testing::RunCommand;
+using grpo::testing::WaitUntil;
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+class LearnerRanksTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("learner_ranks_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ofstream(dir_ / "token") << "tok-ranks\n";
+    std::ofstream data(dir_ / "data.jsonl");
+    for (int i = 0; i < 16; ++i)
+      data << R"({"prompt": "count )" << i << R"("})"
+           << "\n";
+    children_ = std::make_unique<Children>(dir_);
+  }
+  void TearDown() override {
+    children_.reset();
+    fs::remove_all(dir_);
+  }
+
+  // Both ranks of a world of two, rank 1 first (it waits for rank 0's store).
+  void StartRanks(int max_steps) {
+    const int master_port = grpo::testing::FreeLoopbackPort();
+    ASSERT_GT(master_port, 0);
+    for (int rank : {1, 0}) {
+      ::setenv("RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("WORLD_SIZE", "2", 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(master_port).c_str(), 1);
+      const pid_t pid =
+          children_->Spawn("rank" + std::to_string(rank), {GrpoBin(),
+                                                           "--log_level",
+                                                           "info",
+                                                           "learner",
+                                                           "--output_dir",
+                                                           (dir_ / "out").string(),
+                                                           "--grpc_port",
+                                                           "0",
+                                                           "--metrics_port",
+                                                           "0",
+                                                           "--auth_token_file",
+                                                           (dir_ / "token").string(),
+                                                           "--num_generations",
+                                                           "2",
+                                                           "--per_device_train_batch_size",
+                                                           "4",
+                                                           "--reward_funcs",
+                                                           "length",
+                                                           "--max_steps",
+                                                           std::to_string(max_steps),
+                                                           "--rank_timeout_seconds",
+                                                           "20",
+                                                           "--linger_seconds",
+                                                           "0"});
+      ASSERT_GT(pid, 0);
+    }
+    for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(v);
+    const nlohmann::json first = children_->FirstLine("rank0", seconds(60));
+    ASSERT_TRUE(first.is_object() && first.contains("port")) << "rank 0 did not report its port:\n"
+                                                             << Logs();
+    address_ = "127.0.0.1:" + std::to_string(first["port"].get<int>());
+    int rc = -1;
+    RunCommand(GrpoBin() + " submit --learner_address " + address_ + " --auth_token_file " +
+                   (dir_ / "token").string() + " --timeout_seconds 20 --dataset " +
+                   (dir_ / "data.jsonl").string() + " >" + (dir_ / "submit.out").string() + " 2>&1",
+               &rc);
+    ASSERT_EQ(rc, 0) << ReadFile(dir_ / "submit.out");
+    ASSERT_GT(children_->Spawn(
+                  "worker", {GrpoBin(), "rollout", "--learner_address", address_, "--metrics_port",
+                             "0", "--auth_token_file", (dir_ / "token").string()}),
+              0);
+  }
+
+  std::string Logs() const {
+    return "rank 0:\n" + grpo::testing::Tail(children_->Err("rank0")) + "\nrank 1:\n" +
+           grpo::testing::Tail(children_->Err("rank1")) + "\nworker:\n" +
+           grpo::testing::Tail(children_->Err("worker"));
+  }
+
+  fs::path dir_;
+  std::unique_ptr<Children> children_;
+  std::string address_;
+};
+
+TEST_F(LearnerRanksTest, TwoRanksTrainTheJobToMaxStepsAndBothExitZero) {
+  StartRanks(/*max_steps=*/3);
+  const auto rank0 = children_->Wait("rank0", seconds(240));
+  ASSERT_TRUE(rank0.has_value()) << "rank 0 still runs:\n" << Logs();
+  EXPECT_EQ(*rank0, 0) << Logs();
+  const auto rank1 = children_->Wait("rank1", seconds(30));
+  ASSERT_TRUE(rank1.has_value()) << Logs();
+  EXPECT_EQ(*rank1, 0) << Logs();
+  const std::string log0 = ReadFile(children_->Err("rank0"));
+  const std::string log1 = ReadFile(children_->Err("rank1"));
+  EXPECT_NE(log0.find("rank 0 of 2 learner ranks"), std::string::npos) << log0;
+  // Rank 1 trained every step with rank 0: a generation batch is 4 groups (2 a rank), one step.
+  EXPECT_NE(log1.find("now at step 3"), std::string::npos) << log1;
+  EXPECT_NE(log1.find("rank 0 ended the job at step 3"), std::string::npos) << log1;
+  // Rank 0 alone wrote the checkpoint.
+  EXPECT_TRUE(fs::exists(dir_ / "out" / "checkpoint-3")) << Logs();
+}
+
+TEST_F(LearnerRanksTest, AKilledRankFailsTheJobAndRankZeroExitsNonZeroNamingTheCollective) {
+  StartRanks(/*max_steps=*/1000);
+  ASSERT_TRUE(WaitUntil(
+      [&] { return ReadFile(children_->Err("rank1")).find("now at step 1") != std::string::npos; },
+      seconds(180)))
+      << Logs();
+  children_->Kill("rank1");
+  const auto start = std::chrono::steady_clock::now();
+  const auto rank0 = children_->Wait("rank0", seconds(60));
+  ASSERT_TRUE(rank0.has_value()) << "rank 0 did not end after rank 1 died:\n" << Logs();
+  EXPECT_EQ(*rank0, 1) << Logs();
+  // A closed connection fails the next step's all-reduce at once, well inside the deadline.
+  EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(40)) << Logs();
+  const std::string log0 = ReadFile(children_->Err("rank0"));
+  EXPECT_NE(log0.find("all-reduce of the gradients"), std::string::npos) << log0;
+  EXPECT_NE(log0.find("job failed"), std::string::npos) << log0;
+}
+
+}  // namespace
