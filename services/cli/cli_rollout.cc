@@ -1,6 +1,8 @@
 // grpo rollout: a rollout worker against a learner (services/rollout_worker.h).
 // grpo reward-server: built-in reward functions served over RewardService (reward.proto).
 #include <atomic>
+#include <chrono>
+#include <cmath>
 #include <csignal>
 #include <iostream>
 #include <map>
@@ -94,6 +96,11 @@ int RunRollout(const RolloutCliOptions& o) {
   wo.auth_token = *token;
   wo.reward_auth_token = *reward_token;
   wo.weight_group.hostname = cfg.weight_sync_hostname;
+  // The deadline of this worker's rendezvous and receives: the default (60 s) made a worker
+  // whose learner vanished inside a rendezvous take a minute to exit (chaos_test, gdb: the
+  // receiver's thread in gloo's Pair::waitUntilConnected while the destructor joined it).
+  wo.weight_group.timeout = std::chrono::milliseconds(
+      static_cast<int64_t>(std::ceil(cfg.weight_sync_timeout_seconds * 1000.0)));
   wo.root_certs_pem = *root_certs;
   wo.worker_id = o.worker_id;
   wo.config = cfg;

@@ -94,7 +94,9 @@ class ChaosTest : public FaultToleranceTest {
     worker_names_[w] = name;
     std::vector<std::string> extra;
     if (w < kGlooWorkers) {
-      extra = {"--weight_sync_backend", "gloo", "--weight_sync_hostname", "127.0.0.1"};
+      extra = {"--weight_sync_backend",         "gloo",
+               "--weight_sync_hostname",        "127.0.0.1",
+               "--weight_sync_timeout_seconds", std::to_string(kWeightSyncSeconds)};
     }
     StartWorker(name, port, extra, id);
   }
@@ -179,7 +181,8 @@ TEST_F(ChaosTest, RandomFaultsLoseNothingTrainNothingTwiceAndTheJobFinishes) {
       ScrapeLearner();
       children_->Signal(learner_name_, SIGTERM);
       if (!children_->Wait(learner_name_, seconds(60)).has_value()) {
-        ADD_FAILURE() << "the learner did not stop on SIGTERM\n" << Logs({learner_name_});
+        ADD_FAILURE() << "the learner did not stop on SIGTERM\n"
+                      << Logs({learner_name_}) << children_->Stacks(learner_name_);
         children_->Kill(learner_name_);
       }
       restart_learner();
@@ -192,7 +195,7 @@ TEST_F(ChaosTest, RandomFaultsLoseNothingTrainNothingTwiceAndTheJobFinishes) {
       children_->Signal(worker_names_[w], SIGTERM);
       if (!children_->Wait(worker_names_[w], seconds(60)).has_value()) {
         ADD_FAILURE() << worker_names_[w] << " did not stop on SIGTERM\n"
-                      << Logs({worker_names_[w]});
+                      << Logs({worker_names_[w]}) << children_->Stacks(worker_names_[w]);
         children_->Kill(worker_names_[w]);
       }
       SpawnWorker(w, port);
@@ -221,11 +224,13 @@ TEST_F(ChaosTest, RandomFaultsLoseNothingTrainNothingTwiceAndTheJobFinishes) {
   EXPECT_EQ(*code, 0) << Logs({learner_name_});
   for (const auto& name : worker_names_) {
     auto wc = children_->Wait(name, seconds(30));
+    std::string stacks;
     if (!wc) {
+      stacks = children_->Stacks(name);  // where it hangs, for the message below
       children_->Signal(name, SIGTERM);
       wc = children_->Wait(name, seconds(30));
     }
-    EXPECT_EQ(wc, std::optional<int>(0)) << Logs({name});
+    EXPECT_EQ(wc, std::optional<int>(0)) << Logs({name}) << stacks;
   }
 
   // Issue 22 items 1, 2 and 6: per learner process, the groups refused as unknown_policy (of

@@ -78,6 +78,18 @@ class Children {
 
   // SIGKILL and reap; returns once the child is gone.
   void Kill(const std::string& name) { supervisor_.Kill(name); }
+
+  // Every thread's stack of a child that still runs (gdb attached in batch mode), for the
+  // message of a test that found it hung; a line saying why when there is none.
+  std::string Stacks(const std::string& name) {
+    const common::Process* p = supervisor_.Find(name);
+    if (p == nullptr || p->reaped) return "(no stacks: " + name + " is not running)\n";
+    int rc = 0;
+    const std::string out = RunCommand("timeout 60 gdb -p " + std::to_string(p->pid) +
+                                           " -batch -ex 'thread apply all bt' 2>&1 | tail -c 30000",
+                                       &rc);
+    return out.empty() ? "(no stacks: gdb printed nothing)\n" : out;
+  }
   void KillAll() { supervisor_.StopAll(std::chrono::milliseconds(0)); }
 
   // The first stdout line of `name` parsed as JSON (servers print {"port": N, ...} there), waiting
