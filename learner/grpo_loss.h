@@ -48,10 +48,11 @@ struct GrpoLossConfig {
 // The per-step divisor of docs/GRPO_SPEC.md "Aggregation": the same for every micro-batch of a
 // step.
 struct LossNormaliser {
-  // dapo: completion tokens of the whole optimizer step (all micro-batches; summed over the
-  // data-parallel ranks and divided by the rank count). Must be > 0 for dapo.
+  // dapo: completion tokens of the whole optimizer step (all its micro-batches, on every learner
+  // rank: docs/GRPO_SPEC.md "Aggregation"). Must be > 0 for dapo.
   double step_completion_tokens = 0.0;
-  // grpo, bnpo, dr_grpo: the micro-batch loss is divided by this.
+  // grpo, bnpo, dr_grpo: the micro-batch loss is divided by this (the step's micro-batches over
+  // all learner ranks).
   int64_t gradient_accumulation_steps = 1;
 };
 

@@ -19,31 +19,32 @@
 #include "common/weight_sync/weight_sync_protocol.h"
 
 namespace grpo::common {
+
+std::string C10dErrorText(const std::exception& e) {
+  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
+  return e.what();
+}
+
+bool C10dErrorMentionsTimeout(const std::string& text) {
+  for (const char* needle : {"timed out", "Timed out", "timeout", "Timeout"}) {
+    if (text.find(needle) != std::string::npos) return true;
+  }
+  return false;
+}
+
 namespace {
 #ifdef GRPO_HAVE_GLOO
 
 using Clock = std::chrono::steady_clock;
 
-std::string WhatOf(const std::exception& e) {
-  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
-  return e.what();
-}
-
-bool MentionsTimeout(const std::string& m) {
-  for (const char* needle : {"timed out", "Timed out", "timeout", "Timeout"}) {
-    if (m.find(needle) != std::string::npos) return true;
-  }
-  return false;
-}
-
 // A failed collective or rendezvous: DeadlineExceeded when the deadline passed or gloo says it
 // timed out, else Unavailable (a peer closed its connection, the transport failed).
 Status FromException(const std::exception& e, Clock::time_point start,
                      std::chrono::milliseconds timeout, const std::string& op) {
-  const std::string what = WhatOf(e);
+  const std::string what = C10dErrorText(e);
   const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
   const std::string m = op + " failed after " + std::to_string(elapsed.count()) + " ms: " + what;
-  if (MentionsTimeout(what) || elapsed >= timeout) {
+  if (C10dErrorMentionsTimeout(what) || elapsed >= timeout) {
     return Status::DeadlineExceeded(m + " (deadline " + std::to_string(timeout.count()) + " ms)");
   }
   return Status::Unavailable(m);

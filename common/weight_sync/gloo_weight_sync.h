@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -34,5 +35,11 @@ StatusOr<std::unique_ptr<WeightSync>> CreateGlooWeightSync(c10::intrusive_ptr<c1
 StatusOr<std::unique_ptr<WeightSync>> CreateGlooWeightSync(
     c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, int64_t epoch,
     std::chrono::milliseconds timeout = kDefaultBroadcastTimeout);
+
+// The text of a c10d/gloo exception (c10::Error without its backtrace), and whether it says a
+// deadline passed: the two facts every caller of a c10d collective turns into a Status (here,
+// and the learner's rank group, learner/distributed/rank_group.cc).
+std::string C10dErrorText(const std::exception& e);
+bool C10dErrorMentionsTimeout(const std::string& text);
 
 }  // namespace grpo::common

@@ -15,6 +15,7 @@
 #endif
 
 #include "common/logging.h"
+#include "common/weight_sync/gloo_weight_sync.h"
 
 namespace grpo::learner::distributed {
 
@@ -75,17 +76,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string WhatOf(const std::exception& e) {
-  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
-  return e.what();
-}
-
-bool MentionsTimeout(const std::string& m) {
-  for (const char* needle : {"timed out", "Timed out", "timeout", "Timeout"}) {
-    if (m.find(needle) != std::string::npos) return true;
-  }
-  return false;
-}
+std::string WhatOf(const std::exception& e) { return common::C10dErrorText(e); }
+bool MentionsTimeout(const std::string& m) { return common::C10dErrorMentionsTimeout(m); }
 
 bool IsLoopback(const std::string& addr) {
   return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";

@@ -321,7 +321,7 @@ int BenchDecode(bool as_json, int reps) {
   o.num_generations = 16;
   o.max_completion_length = kCompletionLen;
   o.max_prompt_length = kPromptLen;
-  o.eos_token_ids = {snap->config().vocab_size - 1};  // practically never sampled
+  o.eos_token_ids = {static_cast<int32_t>(snap->config().vocab_size - 1)};  // ~never sampled
   o.seed = 7;
   auto gen = std::move(rollout::Generator::Create(snap, 0, o)).value();
   rollout::GeneratorOptions o1 = o;
@@ -333,8 +333,8 @@ int BenchDecode(bool as_json, int reps) {
   int64_t tokens = 0;
   Timing cached = TimeIt(reps, [&] { tokens = gen->Generate(prompts)->num_completion_tokens; });
   ceiling = std::max(ceiling, GemmCeilingGflops());
-  Timing per_row_t = TimeIt(reps, [&] { gen1->Generate(per_row); });
-  Timing recompute = TimeIt(1, [&] { gen->GenerateRecomputeBaseline(prompts); });
+  Timing per_row_t = TimeIt(reps, [&] { (void)gen1->Generate(per_row); });
+  Timing recompute = TimeIt(1, [&] { (void)gen->GenerateRecomputeBaseline(prompts); });
   // Forward FLOPs of the cached path: 2 N per generated token + 2 N per prompt token.
   const double n = static_cast<double>(snap->NumParameters());
   const double gflops = (2 * n * (tokens + 4 * kPromptLen)) / cached.median / 1e9;
