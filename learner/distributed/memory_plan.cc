@@ -176,20 +176,24 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   // Backward of one layer: the gradients of the probabilities and scores (fp32) or of the MLP's
   // [B, T, I] tensors, whichever is larger, the incoming and outgoing [B, T, D] gradients and a
   // weight's fresh gradient before it is added into .grad. A recomputed layer (checkpointing)
-  // holds its activations again and returns all its weights' gradients at once.
+  // holds its activations again and returns all its weights' gradients at once. With tied
+  // embeddings autograd holds the LM head's [V, D] gradient until the embedding's arrives (one
+  // AccumulateGrad, two inputs): through every layer's backward.
+  const int64_t vd = v * d;
   const int64_t widest = std::max(8 * scores, 3 * s * tokens * m.intermediate_size);
   const int64_t largest_layer_weight =
       std::max(m.intermediate_size, m.num_attention_heads * m.head_dim) * d;
-  p.layer_backward_no_checkpointing = widest + 2 * s * tokens * d + s * largest_layer_weight;
-  p.layer_backward_checkpointing = layer + widest + 2 * s * tokens * d + s * p.params.per_layer;
-  // The fused LM head (learner/chunked_logprobs.cc): per chunk one fp32 [c, V] buffer, plus the
-  // bf16 matmul output it is upcast from and the bf16 copy of dL/dz with bf16. Beside it the
-  // flattened hidden states and their gradient [N, D], the fp32 [V, D] weight-gradient
-  // accumulator (and its bf16 copy, saved for backward); backward scales the saved [V, D]
-  // gradient into a new tensor before .grad takes it.
-  p.logits_chunk = (cfg.bf16 ? 6 : 4) * p.chunk_tokens * v;
+  const int64_t held = (m.tie_word_embeddings ? s * vd : 0) + 2 * s * tokens * d;
+  p.layer_backward_no_checkpointing = widest + held + s * largest_layer_weight;
+  p.layer_backward_checkpointing = layer + widest + held + s * p.params.per_layer;
+  // The fused LM head (learner/chunked_logprobs.cc). Per chunk one fp32 [c, V] buffer and a
+  // [64, V] fp32 block of exp() beside it; with bf16 also the bf16 matmul output it is upcast
+  // from (and later the bf16 copy of dL/dz). Beside the chunks: the flattened hidden states and
+  // their gradient [N, D] and the fp32 [V, D] weight-gradient accumulator (and its bf16 copy,
+  // saved for backward); backward scales the saved [V, D] gradient into a new tensor.
+  const int64_t c = p.chunk_tokens;
+  p.logits_chunk = std::max(cfg.bf16 ? 6 * c * v : 0, 4 * c * v + 4 * std::min<int64_t>(64, c) * v);
   const int64_t hidden_n = 2 * s * p.completion_tokens * d;
-  const int64_t vd = v * d;
   p.lm_head_pass =
       std::max(hidden_n + 4 * vd + p.logits_chunk, hidden_n + (cfg.bf16 ? 6 * vd : 8 * vd));
   if (cfg.importance_sampling_level != "token") {
