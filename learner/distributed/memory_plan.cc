@@ -4,6 +4,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <sstream>
 #include <string_view>
 
@@ -93,6 +94,8 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(cfg.fsdp));
   MemoryPlan p;
   p.device = IsCuda(device) ? "cuda" : "cpu";
+  p.model_type = m.model_type;
+  p.vocab_size = m.vocab_size;
   p.world_size = world_size;
   p.fsdp = fsdp;
   p.bf16 = cfg.bf16;
@@ -161,6 +164,8 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   const int64_t d = m.hidden_size, v = m.vocab_size, l = m.num_hidden_layers;
   const int64_t h = m.num_attention_heads;
   p.micro_batch_rows = b;
+  p.prompt_length = cfg.max_prompt_length;
+  p.completion_length = cfg.max_completion_length;
   p.sequence_tokens = t;
   p.completion_tokens = b * cfg.max_completion_length;
   p.chunk_tokens = std::min(cfg.logprob_chunk_tokens, p.completion_tokens);
@@ -293,10 +298,12 @@ struct Candidate {
 };
 
 StatusOr<bool> CandidateFits(const common::ModelConfig& m, const Candidate& c,
-                             const std::string& device, int64_t device_bytes, MemoryPlan* out) {
+                             const std::string& device, int64_t device_bytes, int64_t host_bytes,
+                             MemoryPlan* out) {
   ASSIGN_OR_RETURN(MemoryPlan p, PlanMemory(m, c.config, c.world_size, device));
   *out = std::move(p);
-  return out->Fits(device_bytes);
+  const bool host_ok = host_bytes <= 0 || out->device != "cuda" || out->HostTotal() <= host_bytes;
+  return out->Fits(device_bytes) && host_ok;
 }
 
 // `base` with per_device_train_batch_size b (a divisor of the original), the accumulation (and
@@ -314,7 +321,7 @@ common::GrpoConfig WithBatch(const common::GrpoConfig& base, int64_t b) {
 // change that fits (the largest batch, the fewest ranks), else their extreme. Sets *fits.
 StatusOr<Suggestion> TryKnobs(const common::ModelConfig& m, const common::GrpoConfig& config,
                               int world_size, const std::string& device, int64_t device_bytes,
-                              unsigned mask, bool* fits) {
+                              int64_t host_bytes, unsigned mask, bool* fits) {
   ASSIGN_OR_RETURN(common::FsdpSpec fsdp, common::ParseFsdp(config.fsdp));
   Candidate base{config, world_size};
   if (mask & (1u << kCheckpointing)) base.config.gradient_checkpointing = true;
@@ -345,7 +352,7 @@ StatusOr<Suggestion> TryKnobs(const common::ModelConfig& m, const common::GrpoCo
       c.world_size = w2;
       if (mask & (1u << kBatch)) c.config = WithBatch(base.config, b);
       if (!c.config.Validate().ok()) continue;
-      ASSIGN_OR_RETURN(bool ok, CandidateFits(m, c, device, device_bytes, &best.plan));
+      ASSIGN_OR_RETURN(bool ok, CandidateFits(m, c, device, device_bytes, host_bytes, &best.plan));
       if (!ok) continue;
       *fits = true;
       if (mask & (1u << kCheckpointing)) best.changes.push_back({"gradient_checkpointing", "true"});
@@ -371,9 +378,12 @@ StatusOr<Suggestion> TryKnobs(const common::ModelConfig& m, const common::GrpoCo
 }  // namespace
 
 StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::GrpoConfig& config,
-                                int world_size, const std::string& device, int64_t device_bytes) {
-  ASSIGN_OR_RETURN(const MemoryPlan current, PlanMemory(m, config, world_size, device));
-  if (current.Fits(device_bytes)) return Suggestion{{}, current};
+                                int world_size, const std::string& device, int64_t device_bytes,
+                                int64_t host_bytes) {
+  MemoryPlan current;
+  ASSIGN_OR_RETURN(const bool fits_now, CandidateFits(m, Candidate{config, world_size}, device,
+                                                      device_bytes, host_bytes, &current));
+  if (fits_now) return Suggestion{{}, current};
   // Knobs that can change anything here.
   unsigned usable = 0;
   if (!config.gradient_checkpointing) usable |= 1u << kCheckpointing;
@@ -396,17 +406,31 @@ StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::Grpo
     }
     return false;
   });
+  // More ranks cost machines: every change without them first; then, of those with them, the
+  // one that needs the fewest ranks (fewest knobs, then the order, on a tie).
+  std::optional<Suggestion> with_ranks;
   for (unsigned mask : masks) {
     bool fits = false;
-    ASSIGN_OR_RETURN(Suggestion s,
-                     TryKnobs(m, config, world_size, device, device_bytes, mask, &fits));
-    if (fits) return s;
+    ASSIGN_OR_RETURN(Suggestion s, TryKnobs(m, config, world_size, device, device_bytes, host_bytes,
+                                            mask, &fits));
+    if (!fits) continue;
+    if (!(mask & (1u << kRanks))) return s;
+    if (!with_ranks || s.plan.world_size < with_ranks->plan.world_size) with_ranks = std::move(s);
   }
+  if (with_ranks) return *std::move(with_ranks);
+  // Nothing fits: say what every knob at its extreme still needs.
+  Candidate floor{WithBatch(config, 1), kMaxSuggestedWorldSize};
+  floor.config.gradient_checkpointing = true;
+  floor.config.fsdp = current.device == "cuda" ? "full_shard offload" : "full_shard";
+  MemoryPlan least;
+  RETURN_IF_ERROR(CandidateFits(m, floor, device, device_bytes, host_bytes, &least).status());
   return Status::NotFound(
-      "no change of gradient_checkpointing, per_device_train_batch_size, "
-      "fsdp (full_shard, offload) and up to " +
-      std::to_string(kMaxSuggestedWorldSize) + " ranks fits " + FormatBytes(device_bytes) +
-      " per rank");
+      "no change of gradient_checkpointing, per_device_train_batch_size, fsdp "
+      "and the ranks fits " +
+      FormatBytes(device_bytes) + " per rank: with checkpointing, 1 row, " + floor.config.fsdp +
+      " and " + std::to_string(kMaxSuggestedWorldSize) + " ranks a rank still needs " +
+      FormatBytes(least.Total()) + " (published weights " + FormatBytes(least.weight_snapshot) +
+      ")");
 }
 
 Status CheckFitsDevice(const common::ModelConfig& m, const common::GrpoConfig& config,
@@ -448,50 +472,55 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
   const std::string fsdp =
       std::string(common::FsdpModeName(p.fsdp.mode)) + (p.fsdp.offload ? " offload" : "");
   char params[32];
-  std::snprintf(params, sizeof(params), "%.3g M", static_cast<double>(p.params.total) / 1e6);
-  o << "memory plan per rank: " << params << " parameters, " << p.world_size << " rank(s) of "
-    << p.device << ", fsdp " << fsdp << ", " << cdt << "\n";
-  o << "micro-batch: " << p.micro_batch_rows << " rows x " << p.sequence_tokens << " tokens, "
-    << p.completion_tokens << " completion tokens, LM head in chunks of " << p.chunk_tokens
-    << ", gradient_checkpointing " << (p.gradient_checkpointing ? "on" : "off") << "\n\n";
+  const double n = static_cast<double>(p.params.total);
+  std::snprintf(params, sizeof(params), n >= 1e9 ? "%.2f B" : "%.1f M",
+                n >= 1e9 ? n / 1e9 : n / 1e6);
+  o << p.model_type << ", " << params << " parameters; " << p.world_size
+    << (p.world_size == 1 ? " rank" : " ranks") << " of " << p.device << ", fsdp " << fsdp << ", "
+    << cdt << ", gradient_checkpointing " << (p.gradient_checkpointing ? "on" : "off") << "\n";
+  o << "micro-batch: " << p.micro_batch_rows << " rows x " << p.sequence_tokens << " tokens ("
+    << p.prompt_length << " prompt + " << p.completion_length << " completion)\nthe LM head over "
+    << p.completion_tokens << " tokens in chunks of " << p.chunk_tokens << "\n\n";
   auto row = [&o](const std::string& name, int64_t bytes, const std::string& mark = "") {
     char line[160];
-    std::snprintf(line, sizeof(line), "  %-56s %12s %s\n", name.c_str(), FormatBytes(bytes).c_str(),
-                  mark.c_str());
+    std::snprintf(line, sizeof(line), "  %-58s %10s%s%s\n", name.c_str(),
+                  FormatBytes(bytes).c_str(), mark.empty() ? "" : "  ", mark.c_str());
     o << line;
   };
-  o << "model state\n";
-  row(std::string("parameters (") + cdt + (p.bf16 ? " compute copy)" : ")"), p.parameters);
+  o << "model state (per rank)\n";
+  row("parameters (" + cdt + (p.bf16 ? " compute copy)" : ")"), p.parameters);
   row("gradients (" + cdt + ")", p.gradients);
   if (p.bf16) {
     row("fp32 master weights", p.master_weights);
     row("fp32 master gradients", p.master_gradients);
   }
   row("AdamW state (2 fp32 moments)", p.adamw_state);
-  row("gathered layer (sharded ranks)", p.gathered_layer);
+  row("gathered layer (the largest unit whole, sharded ranks)", p.gathered_layer);
   row("reference model (beta != 0)", p.reference_model);
   o << "one micro-batch\n";
-  row("activations, checkpointing off", p.activations_no_checkpointing,
+  row("activations, gradient_checkpointing off", p.activations_no_checkpointing,
       p.gradient_checkpointing ? "" : "<- in effect");
-  row("activations, checkpointing on", p.activations_checkpointing,
+  row("activations, gradient_checkpointing on", p.activations_checkpointing,
       p.gradient_checkpointing ? "<- in effect" : "");
-  row("logits chunk [" + std::to_string(p.chunk_tokens) + " x V] fp32", p.logits_chunk);
-  row("LM-head pass (logits chunk + gradient buffers)", p.lm_head_pass);
+  row("logits chunk [" + std::to_string(p.chunk_tokens) + " x " + std::to_string(p.vocab_size) +
+          "] fp32",
+      p.logits_chunk);
+  row("LM-head pass (the chunk + [V, D] and [N, D] gradients)", p.lm_head_pass);
   row("backward of one layer", p.layer_backward());
-  row("micro-batch peak: activations + max(LM head, layer)", p.MicroBatchPeak());
+  row("peak: activations + max(LM-head pass, layer backward)", p.MicroBatchPeak());
   o << "other phases and the service\n";
   row("optimizer step (fp64 grad norm, AdamW temporaries)", p.optimizer_step);
-  row("published weights (fp32; twice while publishing)", p.weight_snapshot);
+  row("published weights here (fp32; 2x while publishing)", p.weight_snapshot);
   row("weight-sync bucket", p.weight_sync_bucket);
-  row(p.device == "cuda" ? "CUDA context and libraries" : "process (libraries, threads)",
+  row(p.device == "cuda" ? "CUDA context and libraries" : "the process (libraries, threads)",
       p.runtime);
   o << "\n";
-  row("total: state + max(micro-batch, step, publish) + rest", p.Total());
-  if (device_bytes > 0) row(p.device + " memory", device_bytes);
+  row("total: state + max(micro-batch, step, publish) + the rest", p.Total());
+  if (device_bytes > 0) row(p.device + " memory of a rank", device_bytes);
   if (p.device == "cuda") {
-    row("host memory beside it (offloaded, snapshots, process)", p.HostTotal());
+    row("host memory beside it (offloaded, 2 snapshots, process)", p.HostTotal());
   }
-  for (const std::string& n : p.notes) o << "note: " << n << "\n";
+  for (const std::string& note : p.notes) o << "note: " << note << "\n";
   return o.str();
 }
 

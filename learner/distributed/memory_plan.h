@@ -42,6 +42,8 @@ ParameterCounts CountParameters(const common::ModelConfig& model);
 // part of the device figures already).
 struct MemoryPlan {
   // What was planned.
+  std::string model_type;
+  int64_t vocab_size = 0;
   std::string device;  // "cpu" | "cuda"
   int world_size = 1;
   common::FsdpSpec fsdp;
@@ -49,6 +51,8 @@ struct MemoryPlan {
   bool gradient_checkpointing = false;
   bool reference = false;         // beta != 0
   int64_t micro_batch_rows = 0;   // per_device_train_batch_size
+  int64_t prompt_length = 0;      // max_prompt_length
+  int64_t completion_length = 0;  // max_completion_length
   int64_t sequence_tokens = 0;    // max_prompt_length + max_completion_length (padded rows)
   int64_t completion_tokens = 0;  // rows x max_completion_length: the LM head's tokens
   int64_t chunk_tokens = 0;       // min(logprob_chunk_tokens, completion_tokens)
@@ -127,10 +131,14 @@ struct Suggestion {
 // The smallest change that fits `device_bytes`: single changes first, in this order:
 // gradient_checkpointing on, a smaller per_device_train_batch_size (the largest divisor of it
 // that fits, gradient_accumulation_steps scaled to keep the optimizer batch), fsdp full_shard,
-// offload (CUDA only), more ranks (the fewest that fit); then combinations of them, fewest
-// knobs first in the same order. NotFound when none fits (up to kMaxSuggestedWorldSize ranks).
+// offload (CUDA only); then combinations of them, fewest knobs first in the same order; and
+// last, as machines cost most, more ranks alone or with the others: the fewest ranks that fit,
+// with the fewest other knobs. With host_bytes > 0 (CUDA) the host memory beside the GPU must
+// hold HostTotal too (offload moves state there). NotFound when none fits (up to
+// kMaxSuggestedWorldSize ranks). An empty suggestion when the config fits as it is.
 StatusOr<Suggestion> SuggestFix(const common::ModelConfig& model, const common::GrpoConfig& config,
-                                int world_size, const std::string& device, int64_t device_bytes);
+                                int world_size, const std::string& device, int64_t device_bytes,
+                                int64_t host_bytes = 0);
 
 // OK when the plan fits `device_bytes` (or device_bytes <= 0: unknown, nothing is checked);
 // FailedPrecondition otherwise, saying the predicted and available bytes and the change that

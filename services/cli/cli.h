@@ -5,6 +5,10 @@
 
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <string>
+
+#include "common/config.h"
+#include "common/status.h"
 
 namespace grpo::services {
 
@@ -28,5 +32,14 @@ void AddDemoCommand(CLI::App& app, CliAction* action);
 void AddLearnerCommands(CLI::App& app, CliAction* action);
 // submit, status, watch, cancel (registered by AddLearnerCommands).
 void AddClientCommands(CLI::App& app, CliAction* action);
+
+// plan: the memory plan of a learner rank (learner/distributed/memory_plan.h).
+void AddPlanCommand(CLI::App& app, CliAction* action);
+// The learner's start-up check (cli_plan.cc): the memory plan of `cfg` for `model_dir`'s
+// config.json with WORLD_SIZE ranks on `device` (cpu, cuda:N). FailedPrecondition naming the
+// change that fits when the device's memory is too small; NotFound / InvalidArgument for a
+// missing or bad config.json, a bad WORLD_SIZE or device.
+Status CheckLearnerMemoryPlan(const std::string& model_dir, const common::GrpoConfig& cfg,
+                              const std::string& device);
 
 }  // namespace grpo::services

@@ -131,6 +131,10 @@ int RunLearner(const LearnerOptions& o) {
   fs::create_directories(cfg.output_dir, ec);
   auto model_dir = ModelDir(cfg);
   if (!model_dir.ok()) return fail(model_dir.status());
+  // Refuse what cannot fit the device, naming the knob, before any weight is loaded (grpo plan).
+  if (Status s = CheckLearnerMemoryPlan(*model_dir, cfg, device->str()); !s.ok()) {
+    return fail(s, 2);
+  }
   auto policy = common::Model::Load(*model_dir, *device);
   if (!policy.ok()) return fail(policy.status());
   std::unique_ptr<common::Model> reference;
