@@ -220,6 +220,11 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
         "offload in fp32: AdamW state on the host; parameters and gradients stay on "
         "the device (they are the compute weights)");
   }
+  if (!cuda) {
+    // memory_plan_test: a step's VmHWM was 1.12-1.44x the plan with glibc's default mmap
+    // threshold, 0.98-1.02x with MALLOC_MMAP_THRESHOLD_=131072.
+    p.notes.push_back("cpu: live bytes; glibc keeps freed blocks, the resident set ran to 1.45x");
+  }
   if (!cuda && fsdp.offload) {
     p.notes.push_back("device cpu: offload changes nothing (the device memory is host memory)");
   }
