@@ -62,6 +62,11 @@ ParameterCounts CountParameters(const common::ModelConfig& m) {
   return c;
 }
 
+bool FsdpBuilt(const common::FsdpSpec& fsdp, int world_size, const std::string& device) {
+  if (world_size > 1 && fsdp.mode != FsdpMode::kNoShard) return false;
+  return !fsdp.offload || !IsCuda(device);
+}
+
 int64_t MemoryPlan::MicroBatchPeak() const {
   return activations() + std::max(lm_head_pass, layer_backward());
 }
@@ -117,7 +122,11 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   const int64_t adamw = shard(8 * n, sharded);
   // AdamW's step and the fp64 grad-norm copy (ClipGradNorm) take one tensor at a time: 8 bytes
   // per element of the largest (sqrt(v) and its quotient; or the fp64 copy).
-  const int64_t step = shard(8 * p.params.largest_tensor, sharded);
+  const int64_t temporaries = shard(8 * p.params.largest_tensor, sharded);
+  // Data parallel (no_shard at several ranks): the gradients are summed over the ranks in flat
+  // buckets before the step (learner/distributed/collectives.h BucketedAllReduceSum).
+  const int64_t all_reduce = fsdp.mode == FsdpMode::kNoShard && w > 1 ? kGradientBucketBytes : 0;
+  const int64_t step = std::max(temporaries, all_reduce);
   if (offload) {
     // ZeRO-Offload: the optimizer (its state, the fp32 master and its gradient) runs on the host.
     p.host_offloaded = 2 * master + adamw + step;
@@ -303,11 +312,13 @@ struct Candidate {
 };
 
 StatusOr<bool> CandidateFits(const common::ModelConfig& m, const Candidate& c,
-                             const std::string& device, int64_t device_bytes, int64_t host_bytes,
-                             MemoryPlan* out) {
+                             const std::string& device, int64_t device_bytes,
+                             const SuggestOptions& o, MemoryPlan* out) {
   ASSIGN_OR_RETURN(MemoryPlan p, PlanMemory(m, c.config, c.world_size, device));
   *out = std::move(p);
-  const bool host_ok = host_bytes <= 0 || out->device != "cuda" || out->HostTotal() <= host_bytes;
+  if (o.built_only && !FsdpBuilt(out->fsdp, c.world_size, device)) return false;
+  const bool host_ok =
+      o.host_bytes <= 0 || out->device != "cuda" || out->HostTotal() <= o.host_bytes;
   return out->Fits(device_bytes) && host_ok;
 }
 
@@ -326,7 +337,7 @@ common::GrpoConfig WithBatch(const common::GrpoConfig& base, int64_t b) {
 // change that fits (the largest batch, the fewest ranks), else their extreme. Sets *fits.
 StatusOr<Suggestion> TryKnobs(const common::ModelConfig& m, const common::GrpoConfig& config,
                               int world_size, const std::string& device, int64_t device_bytes,
-                              int64_t host_bytes, unsigned mask, bool* fits) {
+                              const SuggestOptions& o, unsigned mask, bool* fits) {
   ASSIGN_OR_RETURN(common::FsdpSpec fsdp, common::ParseFsdp(config.fsdp));
   Candidate base{config, world_size};
   if (mask & (1u << kCheckpointing)) base.config.gradient_checkpointing = true;
@@ -357,7 +368,7 @@ StatusOr<Suggestion> TryKnobs(const common::ModelConfig& m, const common::GrpoCo
       c.world_size = w2;
       if (mask & (1u << kBatch)) c.config = WithBatch(base.config, b);
       if (!c.config.Validate().ok()) continue;
-      ASSIGN_OR_RETURN(bool ok, CandidateFits(m, c, device, device_bytes, host_bytes, &best.plan));
+      ASSIGN_OR_RETURN(bool ok, CandidateFits(m, c, device, device_bytes, o, &best.plan));
       if (!ok) continue;
       *fits = true;
       if (mask & (1u << kCheckpointing)) best.changes.push_back({"gradient_checkpointing", "true"});
@@ -384,10 +395,10 @@ StatusOr<Suggestion> TryKnobs(const common::ModelConfig& m, const common::GrpoCo
 
 StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::GrpoConfig& config,
                                 int world_size, const std::string& device, int64_t device_bytes,
-                                int64_t host_bytes) {
+                                const SuggestOptions& o) {
   MemoryPlan current;
   ASSIGN_OR_RETURN(const bool fits_now, CandidateFits(m, Candidate{config, world_size}, device,
-                                                      device_bytes, host_bytes, &current));
+                                                      device_bytes, o, &current));
   if (fits_now) return Suggestion{{}, current};
   // Knobs that can change anything here.
   unsigned usable = 0;
@@ -416,8 +427,8 @@ StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::Grpo
   std::optional<Suggestion> with_ranks;
   for (unsigned mask : masks) {
     bool fits = false;
-    ASSIGN_OR_RETURN(Suggestion s, TryKnobs(m, config, world_size, device, device_bytes, host_bytes,
-                                            mask, &fits));
+    ASSIGN_OR_RETURN(Suggestion s,
+                     TryKnobs(m, config, world_size, device, device_bytes, o, mask, &fits));
     if (!fits) continue;
     if (!(mask & (1u << kRanks))) return s;
     if (!with_ranks || s.plan.world_size < with_ranks->plan.world_size) with_ranks = std::move(s);
@@ -428,10 +439,13 @@ StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::Grpo
   floor.config.gradient_checkpointing = true;
   floor.config.fsdp = current.device == "cuda" ? "full_shard offload" : "full_shard";
   MemoryPlan least;
-  RETURN_IF_ERROR(CandidateFits(m, floor, device, device_bytes, host_bytes, &least).status());
+  if (o.built_only) floor.config.fsdp = "no_shard";  // what runs at many ranks today
+  RETURN_IF_ERROR(CandidateFits(m, floor, device, device_bytes, SuggestOptions{}, &least).status());
   return Status::NotFound(
-      "no change of gradient_checkpointing, per_device_train_batch_size, fsdp "
-      "and the ranks fits " +
+      std::string(o.built_only ? "no change the trainer runs today (gradient_checkpointing, "
+                                 "per_device_train_batch_size, no_shard ranks) fits "
+                               : "no change of gradient_checkpointing, "
+                                 "per_device_train_batch_size, fsdp and the ranks fits ") +
       FormatBytes(device_bytes) + " per rank: with checkpointing, 1 row, " + floor.config.fsdp +
       " and " + std::to_string(kMaxSuggestedWorldSize) + " ranks a rank still needs " +
       FormatBytes(least.Total()) + " (published weights " + FormatBytes(least.weight_snapshot) +
@@ -447,11 +461,18 @@ Status CheckFitsDevice(const common::ModelConfig& m, const common::GrpoConfig& c
                     plan.device + " memory but has " + FormatBytes(device_bytes) + " (" +
                     std::to_string(world_size) + " rank(s), fsdp " + config.fsdp +
                     "; `grpo plan` prints the breakdown): ";
-  StatusOr<Suggestion> fix = SuggestFix(m, config, world_size, device, device_bytes);
+  SuggestOptions built;
+  built.built_only = true;
+  StatusOr<Suggestion> fix = SuggestFix(m, config, world_size, device, device_bytes, built);
   if (fix.ok()) {
     msg += fix->Text() + " (" + FormatBytes(fix->plan.Total()) + ")";
   } else {
     msg += fix.status().message();
+    StatusOr<Suggestion> later = SuggestFix(m, config, world_size, device, device_bytes);
+    if (later.ok()) {
+      msg += "; once fsdp sharding and offload are built: " + later->Text() + " (" +
+             FormatBytes(later->plan.Total()) + ")";
+    }
   }
   return Status::FailedPrecondition(msg);
 }
@@ -514,7 +535,7 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
   row("backward of one layer", p.layer_backward());
   row("peak: activations + max(LM-head pass, layer backward)", p.MicroBatchPeak());
   o << "other phases and the service\n";
-  row("optimizer step (fp64 grad norm, AdamW temporaries)", p.optimizer_step);
+  row("optimizer step (all-reduce bucket, fp64 norm, AdamW temps)", p.optimizer_step);
   row("published weights here (fp32; 2x while publishing)", p.weight_snapshot);
   row("weight-sync bucket", p.weight_sync_bucket);
   row(p.device == "cuda" ? "CUDA context and libraries" : "the process (libraries, threads)",
@@ -527,18 +548,6 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
   }
   for (const std::string& note : p.notes) o << "note: " << note << "\n";
   return o.str();
-}
-
-StatusOr<int> WorldSizeFromEnv() {
-  const char* text = std::getenv("WORLD_SIZE");
-  if (text == nullptr || *text == '\0') return 1;
-  char* end = nullptr;
-  const long v = std::strtol(text, &end, 10);
-  if (*end != '\0' || v < 1 || v > (1 << 20)) {
-    return Status::InvalidArgument("WORLD_SIZE must be a positive integer, got '" +
-                                   std::string(text) + "'");
-  }
-  return static_cast<int>(v);
 }
 
 }  // namespace grpo::learner::distributed

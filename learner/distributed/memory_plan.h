@@ -25,6 +25,9 @@ inline constexpr int64_t kHostRuntimeBytes = 384ll << 20;
 inline constexpr int64_t kCudaRuntimeBytes = 1ll << 30;
 // SuggestFix looks for a world size up to this many ranks.
 inline constexpr int kMaxSuggestedWorldSize = 1024;
+// The flat bucket of the data-parallel gradient all-reduce (distributed::kDefaultBucketBytes of
+// collectives.h, which this header does not include to stay free of libtorch).
+inline constexpr int64_t kGradientBucketBytes = 25ll << 20;
 
 // Parameter counts of a ModelConfig, as common::Model builds it (Model::ParameterShapes).
 struct ParameterCounts {
@@ -77,8 +80,9 @@ struct MemoryPlan {
   int64_t lm_head_pass = 0;  // logits chunk + the [V, D] and [N, D] gradient buffers at their peak
   int64_t layer_backward_no_checkpointing = 0;  // one layer's backward temporaries
   int64_t layer_backward_checkpointing = 0;     // + its recomputed activations
-  // The optimizer step (grad-norm clip in fp64 and AdamW's temporaries, one tensor at a time);
-  // never at the same time as a micro-batch.
+  // The optimizer step: the gradient all-reduce's bucket at several no_shard ranks, then the
+  // grad-norm clip in fp64 and AdamW's temporaries, one tensor at a time; never at the same time
+  // as a micro-batch.
   int64_t optimizer_step = 0;
 
   // Host memory beside a CUDA device: offloaded state, rank 0's CPU weight snapshots, a gloo or
@@ -128,21 +132,35 @@ struct Suggestion {
   std::string Text() const;  // "set gradient_checkpointing: true and fsdp: full_shard ..."
 };
 
+// Whether GrpoTrainer runs `fsdp` at `world_size` ranks on `device` today: no_shard at any
+// world size (DDP), shard_grad_op and full_shard at one rank (where they shard nothing), offload
+// on the CPU (where it changes nothing). GrpoTrainer::Create refuses the rest as Unimplemented;
+// the plan of every mode is ZeRO's arithmetic, built or not.
+bool FsdpBuilt(const common::FsdpSpec& fsdp, int world_size, const std::string& device);
+
+struct SuggestOptions {
+  // > 0 (CUDA): the host memory beside each GPU, which must hold HostTotal too (offload moves
+  // the optimizer's state there). 0: not checked.
+  int64_t host_bytes = 0;
+  // Only changes GrpoTrainer runs today (FsdpBuilt): what the learner's refusal may suggest.
+  bool built_only = false;
+};
+
 // The smallest change that fits `device_bytes`: single changes first, in this order:
 // gradient_checkpointing on, a smaller per_device_train_batch_size (the largest divisor of it
 // that fits, gradient_accumulation_steps scaled to keep the optimizer batch), fsdp full_shard,
 // offload (CUDA only); then combinations of them, fewest knobs first in the same order; and
 // last, as machines cost most, more ranks alone or with the others: the fewest ranks that fit,
-// with the fewest other knobs. With host_bytes > 0 (CUDA) the host memory beside the GPU must
-// hold HostTotal too (offload moves state there). NotFound when none fits (up to
-// kMaxSuggestedWorldSize ranks). An empty suggestion when the config fits as it is.
+// with the fewest other knobs. NotFound when none fits (up to kMaxSuggestedWorldSize ranks),
+// saying what a rank needs at best. An empty suggestion when the config fits as it is.
 StatusOr<Suggestion> SuggestFix(const common::ModelConfig& model, const common::GrpoConfig& config,
                                 int world_size, const std::string& device, int64_t device_bytes,
-                                int64_t host_bytes = 0);
+                                const SuggestOptions& options = {});
 
 // OK when the plan fits `device_bytes` (or device_bytes <= 0: unknown, nothing is checked);
 // FailedPrecondition otherwise, saying the predicted and available bytes and the change that
-// fits (SuggestFix). The learner calls it at start.
+// fits among those built today (SuggestFix with built_only), and the one that would once
+// sharding is built when that is all that fits. The learner calls it at start.
 Status CheckFitsDevice(const common::ModelConfig& model, const common::GrpoConfig& config,
                        int world_size, const std::string& device, int64_t device_bytes);
 
@@ -150,9 +168,5 @@ Status CheckFitsDevice(const common::ModelConfig& model, const common::GrpoConfi
 std::string FormatPlan(const MemoryPlan& plan, int64_t device_bytes);
 // "14.2 GiB", "512.0 MiB", "8.0 KiB", "12 B".
 std::string FormatBytes(int64_t bytes);
-
-// WORLD_SIZE of the environment (torchrun's), 1 when unset; InvalidArgument when it is not a
-// positive integer.
-StatusOr<int> WorldSizeFromEnv();
 
 }  // namespace grpo::learner::distributed

@@ -98,6 +98,10 @@ int RunLearner(const LearnerOptions& o) {
   }
   auto device = common::ResolveDevice(cfg.device);
   if (!device.ok()) return fail(device.status(), 2);
+  // Refuse what cannot fit the device, naming the knob, before any weight is loaded (grpo plan).
+  if (Status s = CheckLearnerMemoryPlan(cfg, rank_env->world_size, device->str()); !s.ok()) {
+    return fail(s, 2);
+  }
   std::unique_ptr<learner::distributed::RankGroup> ranks;
   if (rank_env->world_size > 1) {
     const auto timeout = std::chrono::milliseconds(
@@ -131,10 +135,6 @@ int RunLearner(const LearnerOptions& o) {
   fs::create_directories(cfg.output_dir, ec);
   auto model_dir = ModelDir(cfg);
   if (!model_dir.ok()) return fail(model_dir.status());
-  // Refuse what cannot fit the device, naming the knob, before any weight is loaded (grpo plan).
-  if (Status s = CheckLearnerMemoryPlan(*model_dir, cfg, device->str()); !s.ok()) {
-    return fail(s, 2);
-  }
   auto policy = common::Model::Load(*model_dir, *device);
   if (!policy.ok()) return fail(policy.status());
   std::unique_ptr<common::Model> reference;

@@ -2,6 +2,8 @@
 // from the model's config.json and the run's config, before anything is loaded, and the smallest
 // change that fits when it does not. Exit 0: fits; 1: does not fit; 2: bad input.
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -14,6 +16,7 @@
 #include "common/model/device.h"
 #include "common/model/model_config.h"
 #include "learner/distributed/memory_plan.h"
+#include "learner/distributed/rank_group.h"
 #include "services/cli/cli.h"
 
 namespace grpo::services {
@@ -45,11 +48,44 @@ StatusOr<common::ModelConfig> PlannedModel(const common::GrpoConfig& cfg, std::s
   return common::LoadModelConfig(*source);
 }
 
+// WORLD_SIZE as the learner reads it (distributed::ParseRankEnv), without the rendezvous
+// address a plan does not need.
+StatusOr<int> WorldSizeFromEnvironment() {
+  ASSIGN_OR_RETURN(const learner::distributed::RankEnv env,
+                   learner::distributed::ParseRankEnv([](const char* name) -> const char* {
+                     const char* value = std::getenv(name);
+                     if (value == nullptr && std::strcmp(name, "MASTER_ADDR") == 0) {
+                       return "127.0.0.1";
+                     }
+                     return value;
+                   }));
+  return env.world_size;
+}
+
 // "cpu" or "cuda" for the planner; "auto" is cuda where this machine sees a GPU.
 std::string PlannedDevice(const std::string& device) {
   if (device == "cpu") return "cpu";
   if (device == "auto") return common::CudaAvailable() ? "cuda" : "cpu";
   return "cuda";
+}
+
+std::string SuggestionText(const StatusOr<dist::Suggestion>& fix) {
+  if (!fix.ok()) return fix.status().message();
+  return fix->Text() + " (" + dist::FormatBytes(fix->plan.Total()) + " per rank)";
+}
+
+nlohmann::json SuggestionJson(const StatusOr<dist::Suggestion>& fix, const std::string& device) {
+  nlohmann::json s;
+  s["changes"] = nlohmann::json::array();
+  if (!fix.ok()) {
+    s["text"] = fix.status().message();
+    return s;
+  }
+  s["text"] = fix->Text();
+  for (const auto& c : fix->changes) s["changes"].push_back({{"key", c.key}, {"value", c.value}});
+  s["total_bytes"] = fix->plan.Total();
+  s["built"] = dist::FsdpBuilt(fix->plan.fsdp, fix->plan.world_size, device);
+  return s;
 }
 
 int64_t GiB(double gb) { return static_cast<int64_t>(std::llround(gb * (1ll << 30))); }
@@ -72,7 +108,7 @@ int RunPlan(const PlanOptions& o) {
   if (o.world_size) {
     world_size = *o.world_size;
   } else {
-    StatusOr<int> env = dist::WorldSizeFromEnv();
+    StatusOr<int> env = WorldSizeFromEnvironment();
     if (!env.ok()) return fail(env.status());
     world_size = *env;
   }
@@ -112,9 +148,19 @@ int RunPlan(const PlanOptions& o) {
   if (!plan.ok()) return fail(plan.status());
   const bool fits = plan->Fits(device_bytes);
   const bool host_fits = device == "cpu" || host_bytes <= 0 || plan->HostTotal() <= host_bytes;
-  std::optional<StatusOr<dist::Suggestion>> fix;
+  // Every knob, ZeRO's arithmetic; and, when that needs sharding or offload not built yet, the
+  // change the trainer runs today.
+  std::optional<StatusOr<dist::Suggestion>> fix, built_fix;
+  bool fix_built = true;
   if (!fits || !host_fits) {
-    fix = dist::SuggestFix(*model, cfg, world_size, device, device_bytes, host_bytes);
+    dist::SuggestOptions so;
+    so.host_bytes = host_bytes;
+    fix = dist::SuggestFix(*model, cfg, world_size, device, device_bytes, so);
+    fix_built = fix->ok() && dist::FsdpBuilt((*fix)->plan.fsdp, (*fix)->plan.world_size, device);
+    if (!fix_built) {
+      so.built_only = true;
+      built_fix = dist::SuggestFix(*model, cfg, world_size, device, device_bytes, so);
+    }
   }
 
   if (o.json) {
@@ -126,23 +172,8 @@ int RunPlan(const PlanOptions& o) {
       j["host_memory_bytes"] = host_bytes > 0 ? nlohmann::json(host_bytes) : nlohmann::json();
       j["host_fits"] = host_fits;
     }
-    if (fix) {
-      nlohmann::json s;
-      if (fix->ok()) {
-        s["text"] = (*fix)->Text();
-        s["changes"] = nlohmann::json::array();
-        for (const auto& c : (*fix)->changes) {
-          s["changes"].push_back({{"key", c.key}, {"value", c.value}});
-        }
-        s["total_bytes"] = (*fix)->plan.Total();
-      } else {
-        s["text"] = fix->status().message();
-        s["changes"] = nlohmann::json::array();
-      }
-      j["suggestion"] = s;
-    } else {
-      j["suggestion"] = nullptr;
-    }
+    j["suggestion"] = fix ? SuggestionJson(*fix, device) : nlohmann::json();
+    j["suggestion_built_today"] = built_fix ? SuggestionJson(*built_fix, device) : j["suggestion"];
     std::cout << j.dump(2) << "\n";
   } else {
     std::cout << "model: " << source << "\n" << dist::FormatPlan(*plan, device_bytes);
@@ -153,11 +184,14 @@ int RunPlan(const PlanOptions& o) {
     if (fits && host_fits) {
       std::cout << "fits: " << dist::FormatBytes(plan->Total()) << " of "
                 << dist::FormatBytes(device_bytes) << "\n";
-    } else if (fix->ok()) {
-      std::cout << "does not fit: " << (*fix)->Text() << " ("
-                << dist::FormatBytes((*fix)->plan.Total()) << " per rank)\n";
     } else {
-      std::cout << "does not fit: " << fix->status().message() << "\n";
+      std::cout << "does not fit: " << SuggestionText(*fix) << "\n";
+      if (!fix_built && fix->ok()) {
+        std::cout << "  (fsdp " << (*fix)->plan.ToJson()["fsdp"].get<std::string>() << " at "
+                  << (*fix)->plan.world_size
+                  << " rank(s) is not built yet; what the trainer runs today: "
+                  << SuggestionText(*built_fix) << ")\n";
+      }
     }
   }
   return fits && host_fits ? 0 : 1;
@@ -165,10 +199,10 @@ int RunPlan(const PlanOptions& o) {
 
 }  // namespace
 
-Status CheckLearnerMemoryPlan(const std::string& model_dir, const common::GrpoConfig& cfg,
+Status CheckLearnerMemoryPlan(const common::GrpoConfig& cfg, int world_size,
                               const std::string& device) {
-  ASSIGN_OR_RETURN(const common::ModelConfig model, common::LoadModelConfig(model_dir));
-  ASSIGN_OR_RETURN(const int world_size, dist::WorldSizeFromEnv());
+  std::string source;
+  ASSIGN_OR_RETURN(const common::ModelConfig model, PlannedModel(cfg, &source));
   ASSIGN_OR_RETURN(const at::Device d, common::ResolveDevice(device));
   return dist::CheckFitsDevice(model, cfg, world_size, d.is_cuda() ? "cuda" : "cpu",
                                common::TotalMemoryBytes(d));

@@ -178,8 +178,9 @@ INSTANTIATE_TEST_SUITE_P(
     EveryModeAndWorldSize, MemoryPlanState,
     ::testing::Values(
         StateCase{"no_shard", false, 1, 553'216, 553'216, 0, 0, 1'106'432, 0, 512'000, 0},
-        StateCase{"no_shard", false, 2, 553'216, 553'216, 0, 0, 1'106'432, 0, 512'000, 0},
-        StateCase{"no_shard", false, 4, 553'216, 553'216, 0, 0, 1'106'432, 0, 512'000, 0},
+        // Data parallel: the step also holds the 25 MiB gradient all-reduce bucket, the larger.
+        StateCase{"no_shard", false, 2, 553'216, 553'216, 0, 0, 1'106'432, 0, 25ll << 20, 0},
+        StateCase{"no_shard", false, 4, 553'216, 553'216, 0, 0, 1'106'432, 0, 25ll << 20, 0},
         StateCase{"shard_grad_op", false, 1, 553'216, 553'216, 0, 0, 1'106'432, 0, 512'000, 0},
         // 553,216 / 2 = 276,608; 1,106,432 / 2 = 553,216; 512,000 / 2 = 256,000
         StateCase{"shard_grad_op", false, 2, 553'216, 276'608, 0, 0, 553'216, 256'000, 256'000, 0},
@@ -418,8 +419,8 @@ TEST(SuggestFix, OffloadOnlyWhereTheHostHoldsIt) {
   cfg.bf16 = true;
   // Offloaded, a rank's host holds master, its gradient and AdamW (16 bytes per parameter, 122
   // GB) beside two fp32 snapshots (61 GB): a 1 TiB host does, a 64 GiB one does not.
-  auto roomy = SuggestFix(Qwen25_7B(), cfg, 1, "cuda", k80GiB, 1ll << 40);
-  auto tight = SuggestFix(Qwen25_7B(), cfg, 1, "cuda", k80GiB, 64ll << 30);
+  auto roomy = SuggestFix(Qwen25_7B(), cfg, 1, "cuda", k80GiB, SuggestOptions{1ll << 40});
+  auto tight = SuggestFix(Qwen25_7B(), cfg, 1, "cuda", k80GiB, SuggestOptions{64ll << 30});
   ASSERT_TRUE(roomy.ok() && tight.ok());
   EXPECT_EQ(roomy->Text(), "set gradient_checkpointing: true and fsdp: no_shard offload");
   EXPECT_LE(roomy->plan.HostTotal(), 1ll << 40);
@@ -433,24 +434,61 @@ TEST(SuggestFix, NotFoundWhenNothingFits) {
   EXPECT_EQ(fix.status().code(), StatusCode::kNotFound);
 }
 
+TEST(FsdpBuilt, FollowsWhatTheTrainerRunsToday) {
+  auto spec = [](const char* text) { return *common::ParseFsdp(text); };
+  EXPECT_TRUE(FsdpBuilt(spec("no_shard"), 8, "cuda"));  // DDP
+  EXPECT_TRUE(FsdpBuilt(spec("full_shard"), 1, "cuda"));
+  EXPECT_FALSE(FsdpBuilt(spec("full_shard"), 2, "cpu"));
+  EXPECT_FALSE(FsdpBuilt(spec("shard_grad_op"), 2, "cuda"));
+  EXPECT_TRUE(FsdpBuilt(spec("no_shard offload"), 4, "cpu"));
+  EXPECT_FALSE(FsdpBuilt(spec("no_shard offload"), 1, "cuda"));
+}
+
+TEST(SuggestFix, BuiltOnlyNeverSuggestsWhatTheTrainerRefuses) {
+  common::GrpoConfig cfg;
+  cfg.max_prompt_length = 1024;
+  cfg.max_completion_length = 1024;
+  auto off = PlanMemory(Bench(), cfg, 1, "cuda");
+  ASSERT_TRUE(off.ok());
+  // Half of the plan: checkpointing does it, built today.
+  SuggestOptions built;
+  built.built_only = true;
+  auto fix = SuggestFix(Bench(), cfg, 1, "cuda", off->Total() / 2, built);
+  ASSERT_TRUE(fix.ok()) << fix.status().ToString();
+  EXPECT_TRUE(FsdpBuilt(fix->plan.fsdp, fix->plan.world_size, "cuda"));
+  // The 7B model on 80 GiB needs offload or sharding, neither built: NotFound, built only.
+  common::GrpoConfig big;
+  big.bf16 = true;
+  EXPECT_EQ(SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, built).status().code(),
+            StatusCode::kNotFound);
+}
+
 TEST(CheckFitsDevice, RefusesNamingTheKnob) {
   common::GrpoConfig cfg;
   cfg.bf16 = true;
   Status s = CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", k80GiB);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(s.message().find("set "), std::string::npos) << s.message();
+  // Nothing built today fits; it says so, and what will once sharding and offload are built.
+  EXPECT_NE(s.message().find("no change the trainer runs today"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("once fsdp sharding and offload are built: set "
+                             "gradient_checkpointing: true and fsdp: no_shard offload"),
+            std::string::npos)
+      << s.message();
+  // A knob built today is named as it is.
+  common::GrpoConfig longer;
+  longer.max_prompt_length = 1024;
+  longer.max_completion_length = 1024;
+  auto off = PlanMemory(Bench(), longer, 1, "cuda");
+  longer.gradient_checkpointing = true;
+  auto on = PlanMemory(Bench(), longer, 1, "cuda");
+  longer.gradient_checkpointing = false;
+  ASSERT_TRUE(off.ok() && on.ok());
+  s = CheckFitsDevice(Bench(), longer, 1, "cuda", (off->Total() + on->Total()) / 2);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find(": set gradient_checkpointing: true ("), std::string::npos)
+      << s.message();
   EXPECT_TRUE(CheckFitsDevice(Small(), SmallRun(), 1, "cpu", 1ll << 30).ok());
   EXPECT_TRUE(CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", 0).ok());  // unknown: not checked
-}
-
-TEST(WorldSizeFromEnv, ReadsTorchrunsVariable) {
-  ::unsetenv("WORLD_SIZE");
-  EXPECT_EQ(*WorldSizeFromEnv(), 1);
-  ::setenv("WORLD_SIZE", "4", 1);
-  EXPECT_EQ(*WorldSizeFromEnv(), 4);
-  ::setenv("WORLD_SIZE", "four", 1);
-  EXPECT_EQ(WorldSizeFromEnv().status().code(), StatusCode::kInvalidArgument);
-  ::unsetenv("WORLD_SIZE");
 }
 
 // --- Measured: one real optimizer step on the CPU, in a fresh process.

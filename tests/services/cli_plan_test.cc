@@ -96,6 +96,10 @@ TEST_F(CliPlan, JsonCarriesEveryFigureAndTheSuggestion) {
   ASSERT_FALSE(j["suggestion"]["changes"].empty());
   EXPECT_EQ(j["suggestion"]["changes"][0]["key"], "gradient_checkpointing");
   EXPECT_LE(j["suggestion"]["total_bytes"].get<int64_t>(), 80ll << 30);
+  // Offload on a GPU is not built yet: what the trainer runs today is said beside it.
+  EXPECT_EQ(j["suggestion"]["built"], false);
+  ASSERT_TRUE(j["suggestion_built_today"].is_object());
+  EXPECT_TRUE(j["suggestion_built_today"]["changes"].empty());  // nothing built fits
 
   out = Plan("--model_name_or_path " + Model("bench") + " --device cpu --json", &rc);
   EXPECT_EQ(rc, 0) << out;
