@@ -70,6 +70,34 @@ int64_t CurrentMemoryBytes(const at::Device& device) {
   return ProcStatusBytes("VmRSS");
 }
 
+int64_t TotalMemoryBytes(const at::Device& device) {
+  if (device.is_cuda()) {
+    return static_cast<int64_t>(
+        c10::cuda::CUDACachingAllocator::get()->getMemoryInfo(device.index()).second);
+  }
+  int64_t total = 0;
+  {
+    std::ifstream in("/proc/meminfo");
+    std::string key;
+    int64_t kib = 0;
+    while (in >> key >> kib) {
+      if (key == "MemTotal:") {
+        total = kib * 1024;
+        break;
+      }
+      in.ignore(1 << 10, '\n');
+    }
+  }
+  // A container's limit: cgroup v2 ("max" when there is none), then v1 (a huge number then).
+  for (const char* path :
+       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(path);
+    int64_t limit = 0;
+    if (in >> limit && limit > 0 && (total == 0 || limit < total)) total = limit;
+  }
+  return total;
+}
+
 void ResetPeakMemory(const at::Device& device) {
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
 }

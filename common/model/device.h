@@ -28,6 +28,10 @@ bool CudaAvailable();
 int64_t PeakMemoryBytes(const at::Device& device);
 // Current memory in bytes: CUDA allocated bytes, or the CPU resident set (VmRSS).
 int64_t CurrentMemoryBytes(const at::Device& device);
+// The memory a run on `device` may use, in bytes: the GPU's total memory (cudaMemGetInfo), or on
+// the CPU MemTotal of /proc/meminfo, or the cgroup's memory limit when that is lower. 0 when
+// unknown.
+int64_t TotalMemoryBytes(const at::Device& device);
 // Resets the CUDA allocator's peak statistics of `device`; no-op on CPU.
 void ResetPeakMemory(const at::Device& device);
 

@@ -5,6 +5,10 @@
 
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <string>
+
+#include "common/config.h"
+#include "common/status.h"
 
 namespace grpo::services {
 
@@ -28,5 +32,14 @@ void AddDemoCommand(CLI::App& app, CliAction* action);
 void AddLearnerCommands(CLI::App& app, CliAction* action);
 // submit, status, watch, cancel (registered by AddLearnerCommands).
 void AddClientCommands(CLI::App& app, CliAction* action);
+
+// plan: the memory plan of a learner rank (learner/distributed/memory_plan.h).
+void AddPlanCommand(CLI::App& app, CliAction* action);
+// The learner's start-up check (cli_plan.cc): the memory plan of `cfg` for its model's
+// config.json (the tiny preset when model_name_or_path is empty) with `world_size` ranks on
+// `device` (cpu, cuda:N). FailedPrecondition naming the change that fits when the device's
+// memory is too small; NotFound / InvalidArgument for a missing or bad config.json or device.
+Status CheckLearnerMemoryPlan(const common::GrpoConfig& cfg, int world_size,
+                              const std::string& device);
 
 }  // namespace grpo::services

@@ -98,6 +98,10 @@ int RunLearner(const LearnerOptions& o) {
   }
   auto device = common::ResolveDevice(cfg.device);
   if (!device.ok()) return fail(device.status(), 2);
+  // Refuse what cannot fit the device, naming the knob, before any weight is loaded (grpo plan).
+  if (Status s = CheckLearnerMemoryPlan(cfg, rank_env->world_size, device->str()); !s.ok()) {
+    return fail(s, 2);
+  }
   std::unique_ptr<learner::distributed::RankGroup> ranks;
   if (rank_env->world_size > 1) {
     const auto timeout = std::chrono::milliseconds(

@@ -84,6 +84,7 @@ int main(int argc, char** argv) {
   grpo::services::AddModelToolCommands(app, &action);
   grpo::services::AddTrainLocalCommand(app, &action);
   grpo::services::AddLearnerCommands(app, &action);
+  grpo::services::AddPlanCommand(app, &action);
   grpo::services::AddBenchCommand(app, &action);
   grpo::services::AddGenerateCommand(app, &action);
   grpo::services::AddRolloutCommands(app, &action);

@@ -1,0 +1,553 @@
+#include "learner/distributed/memory_plan.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <sstream>
+#include <string_view>
+
+namespace grpo::learner::distributed {
+namespace {
+
+using common::FsdpMode;
+
+// The weight-sync buckets: common::kDefaultBucketBytes (gloo, nccl) and ipc_bucket_bytes
+// (cuda_ipc) of common/weight_sync/, and GetWeights' chunk (services/learner_service.h
+// kDefaultWeightChunkBytes). Copied, not included, to keep libtorch and gRPC out of this file;
+// memory_plan_test checks the first two against them.
+constexpr int64_t kBucketBytes = 16ll << 20;
+constexpr int64_t kCudaIpcBucketBytes = 256ll << 20;
+constexpr int64_t kGetWeightsChunkBytes = 4ll << 20;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool IsCuda(const std::string& device) { return device.rfind("cuda", 0) == 0; }
+
+// Saved-for-backward bytes of one decoder layer over one token, without checkpointing, read off
+// Model::LayerForward (s = bytes of the compute dtype). RmsNorm keeps 8 bytes per element beyond
+// its input in both precisions: fp32 x*rsqrt and the output; bf16 an fp32 copy of x, the bf16
+// normed value and the output.
+int64_t LayerTokenBytes(const common::ModelConfig& m, int64_t s) {
+  const int64_t d = m.hidden_size, q = m.num_attention_heads * m.head_dim;
+  const int64_t k = m.num_key_value_heads * m.head_dim, i = m.intermediate_size;
+  int64_t bytes = s * d + 8 * d;  // the layer's input; input_layernorm
+  // q: the projection, rotate_half(q) and the scaled, head-grouped copy Attend multiplies;
+  // k: the projection, rotate_half(k) and the roped copy in the score matmul; v: its copy in the
+  // value matmul.
+  bytes += s * (3 * q + 4 * k);
+  if (m.qk_norm) bytes += 8 * (q + k);  // q_norm, k_norm: RmsNorm over head_dim
+  bytes += s * q;                       // the attention output, o_proj's input
+  bytes += s * d + 8 * d;               // the residual after attention; post_attention_layernorm
+  bytes += 4 * s * i;                   // gate, silu(gate), up, silu(gate) * up
+  return bytes;
+}
+
+}  // namespace
+
+ParameterCounts CountParameters(const common::ModelConfig& m) {
+  const int64_t v = m.vocab_size, d = m.hidden_size, i = m.intermediate_size;
+  const int64_t q = m.num_attention_heads * m.head_dim, k = m.num_key_value_heads * m.head_dim;
+  ParameterCounts c;
+  c.embedding = v * d;
+  c.lm_head = m.tie_word_embeddings ? 0 : v * d;
+  c.per_layer = q * d + 2 * k * d + d * q + 3 * i * d + 2 * d;  // q k v o, mlp, 2 norms
+  if (m.attention_bias) c.per_layer += q + 2 * k;
+  if (m.o_proj_bias()) c.per_layer += d;
+  if (m.qk_norm) c.per_layer += 2 * m.head_dim;
+  c.total = c.embedding + c.lm_head + m.num_hidden_layers * c.per_layer + d;  // + model.norm
+  c.largest_tensor = std::max({v * d, i * d, q * d, k * d});
+  c.largest_unit = std::max(c.per_layer, v * d);
+  return c;
+}
+
+bool FsdpBuilt(const common::FsdpSpec& fsdp, int world_size, const std::string& device) {
+  if (world_size > 1 && fsdp.mode != FsdpMode::kNoShard) return false;
+  return !fsdp.offload || !IsCuda(device);
+}
+
+int64_t MemoryPlan::MicroBatchPeak() const {
+  return activations() + std::max(lm_head_pass, layer_backward());
+}
+
+int64_t MemoryPlan::ModelState() const {
+  return parameters + gradients + master_weights + master_gradients + adamw_state + gathered_layer +
+         reference_model;
+}
+
+int64_t MemoryPlan::TrainingPeak() const {
+  return ModelState() + std::max(MicroBatchPeak(), optimizer_step);
+}
+
+int64_t MemoryPlan::Total() const {
+  // Publishing copies the weights into a new snapshot while the last one is still held, on the
+  // training thread between steps: a phase of its own, like the optimizer step.
+  const int64_t phase = std::max({MicroBatchPeak(), optimizer_step, weight_snapshot});
+  return ModelState() + weight_snapshot + weight_sync_bucket + runtime + phase;
+}
+
+StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::GrpoConfig& cfg,
+                                int world_size, const std::string& device) {
+  if (world_size < 1) {
+    return Status::InvalidArgument("world_size must be at least 1, got " +
+                                   std::to_string(world_size));
+  }
+  if (device != "cpu" && !IsCuda(device)) {
+    return Status::InvalidArgument("memory plan: device must be cpu or cuda, got '" + device + "'");
+  }
+  ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(cfg.fsdp));
+  MemoryPlan p;
+  p.device = IsCuda(device) ? "cuda" : "cpu";
+  p.model_type = m.model_type;
+  p.vocab_size = m.vocab_size;
+  p.world_size = world_size;
+  p.fsdp = fsdp;
+  p.bf16 = cfg.bf16;
+  p.gradient_checkpointing = cfg.gradient_checkpointing;
+  p.reference = cfg.beta != 0;
+  p.params = CountParameters(m);
+  const bool cuda = p.device == "cuda";
+  const int64_t w = world_size, n = p.params.total, s = cfg.bf16 ? 2 : 4;
+  // ZeRO stages: shard_grad_op divides gradients and optimizer state (and the fp32 master) over
+  // the ranks, full_shard the parameters too; with one rank sharding is the identity.
+  const bool sharded = fsdp.mode != FsdpMode::kNoShard && w > 1;
+  const bool full = fsdp.mode == FsdpMode::kFullShard && w > 1;
+  const bool offload = fsdp.offload && cuda;
+  auto shard = [&](int64_t bytes, bool divided) { return divided ? CeilDiv(bytes, w) : bytes; };
+
+  p.parameters = shard(s * n, full);
+  p.gradients = shard(s * n, sharded);
+  const int64_t master = cfg.bf16 ? shard(4 * n, sharded) : 0;
+  const int64_t adamw = shard(8 * n, sharded);
+  // AdamW's step and the fp64 grad-norm copy (ClipGradNorm) take one tensor at a time: 8 bytes
+  // per element of the largest (sqrt(v) and its quotient; or the fp64 copy).
+  const int64_t temporaries = shard(8 * p.params.largest_tensor, sharded);
+  // Data parallel (no_shard at several ranks): the gradients are summed over the ranks in flat
+  // buckets before the step (learner/distributed/collectives.h BucketedAllReduceSum).
+  const int64_t all_reduce = fsdp.mode == FsdpMode::kNoShard && w > 1 ? kGradientBucketBytes : 0;
+  const int64_t step = std::max(temporaries, all_reduce);
+  if (offload) {
+    // ZeRO-Offload: the optimizer (its state, the fp32 master and its gradient) runs on the host.
+    p.host_offloaded = 2 * master + adamw + step;
+  } else {
+    p.master_weights = master;
+    p.master_gradients = master;
+    p.adamw_state = adamw;
+    p.optimizer_step = step;
+  }
+  if (full) {
+    p.gathered_layer = 2 * s * p.params.largest_unit;  // the unit's weights and its gradient
+  } else if (sharded) {
+    p.gathered_layer = s * p.params.largest_unit;  // its gradient, before the reduce-scatter
+  }
+  if (p.reference) p.reference_model = shard(s * n, full);
+
+  // Weights published for rollout workers (learner/learner.cc PublishWeights): fp32 CPU tensors
+  // always, and a copy on the GPU while a worker takes them over NCCL or CUDA IPC.
+  const std::string& backend = cfg.weight_sync_backend;
+  const bool gpu_backend = backend == "nccl" || backend == "cuda_ipc" || backend == "auto";
+  if (cuda) {
+    p.runtime = kCudaRuntimeBytes;
+    p.host_weight_snapshot = 2 * 4 * n;  // the published version and the next one being copied
+    if (gpu_backend) p.weight_snapshot = 4 * n;
+    if (backend == "cuda_ipc" || backend == "auto") {
+      p.weight_sync_bucket = kCudaIpcBucketBytes;
+    } else if (backend == "nccl") {
+      p.weight_sync_bucket = kBucketBytes;
+    }
+    p.host_other = kHostRuntimeBytes + (backend == "grpc" ? kGetWeightsChunkBytes
+                                        : gpu_backend     ? 0
+                                                          : kBucketBytes);
+  } else {
+    p.runtime = kHostRuntimeBytes;
+    p.weight_snapshot = 4 * n;
+    p.weight_sync_bucket = backend == "grpc" ? kGetWeightsChunkBytes : kBucketBytes;
+  }
+
+  // One micro-batch: rows padded to the longest prompt and completion (common::Model forward,
+  // GrpoTrainer's MakeMicroBatch); the worst case is both at their maximum.
+  const int64_t b = cfg.per_device_train_batch_size;
+  const int64_t t = cfg.max_prompt_length + cfg.max_completion_length;
+  const int64_t tokens = b * t;
+  const int64_t d = m.hidden_size, v = m.vocab_size, l = m.num_hidden_layers;
+  const int64_t h = m.num_attention_heads;
+  p.micro_batch_rows = b;
+  p.prompt_length = cfg.max_prompt_length;
+  p.completion_length = cfg.max_completion_length;
+  p.sequence_tokens = t;
+  p.completion_tokens = b * cfg.max_completion_length;
+  p.chunk_tokens = std::min(cfg.logprob_chunk_tokens, p.completion_tokens);
+  // Attention probabilities [B, H, T, T]: fp32 softmax output, plus its bf16 copy with bf16.
+  const int64_t scores = b * h * t * t;
+  const int64_t layer = tokens * LayerTokenBytes(m, s) + scores * (cfg.bf16 ? 6 : 4);
+  // Shared by every layer: the blocked-key mask [B, T, T] bool, cos and sin [B, T, 1, hd], the
+  // int64 ids, mask and labels. The final norm keeps the last hidden state and 8 bytes more.
+  const int64_t shared = b * t * t + 2 * tokens * m.head_dim * s + 3 * 8 * tokens;
+  const int64_t final_norm = tokens * (s * d + 8 * d);
+  p.activations_no_checkpointing = l * layer + shared + final_norm;
+  p.activations_checkpointing = l * tokens * s * d + shared + final_norm;
+  // Backward of one layer: the gradients of the probabilities and scores (fp32) or of the MLP's
+  // [B, T, I] tensors, whichever is larger, the incoming and outgoing [B, T, D] gradients and a
+  // weight's fresh gradient before it is added into .grad. A recomputed layer (checkpointing)
+  // holds its activations again and returns all its weights' gradients at once. With tied
+  // embeddings autograd holds the LM head's [V, D] gradient until the embedding's arrives (one
+  // AccumulateGrad, two inputs): through every layer's backward.
+  const int64_t vd = v * d;
+  const int64_t widest = std::max(8 * scores, 3 * s * tokens * m.intermediate_size);
+  const int64_t largest_layer_weight =
+      std::max(m.intermediate_size, m.num_attention_heads * m.head_dim) * d;
+  const int64_t held = (m.tie_word_embeddings ? s * vd : 0) + 2 * s * tokens * d;
+  p.layer_backward_no_checkpointing = widest + held + s * largest_layer_weight;
+  p.layer_backward_checkpointing = layer + widest + held + s * p.params.per_layer;
+  // The fused LM head (learner/chunked_logprobs.cc). Per chunk one fp32 [c, V] buffer and a
+  // [64, V] fp32 block of exp() beside it; with bf16 also the bf16 matmul output it is upcast
+  // from (and later the bf16 copy of dL/dz). Beside the chunks: the flattened hidden states and
+  // their gradient [N, D] and the fp32 [V, D] weight-gradient accumulator (and its bf16 copy,
+  // saved for backward); backward scales the saved [V, D] gradient into a new tensor.
+  const int64_t c = p.chunk_tokens;
+  p.logits_chunk = std::max(cfg.bf16 ? 6 * c * v : 0, 4 * c * v + 4 * std::min<int64_t>(64, c) * v);
+  const int64_t hidden_n = 2 * s * p.completion_tokens * d;
+  p.lm_head_pass =
+      std::max(hidden_n + 4 * vd + p.logits_chunk, hidden_n + (cfg.bf16 ? 6 * vd : 8 * vd));
+  if (cfg.importance_sampling_level != "token") {
+    p.notes.push_back(
+        "importance_sampling_level sequence: the LM head runs through autograd "
+        "(ChunkedTokenLogprobs); its buffers are planned as the fused path's, about the same");
+  }
+
+  if (!sharded && w > 1) {
+    p.notes.push_back("fsdp " + std::string(common::FsdpModeName(fsdp.mode)) + " with " +
+                      std::to_string(w) + " ranks: every rank holds the whole model state");
+  }
+  if (fsdp.mode != FsdpMode::kNoShard && w == 1) {
+    p.notes.push_back("fsdp " + std::string(common::FsdpModeName(fsdp.mode)) +
+                      " with 1 rank shards nothing (it is no_shard)");
+  }
+  if (offload && !cfg.bf16) {
+    p.notes.push_back(
+        "offload in fp32: AdamW state on the host; parameters and gradients stay on "
+        "the device (they are the compute weights)");
+  }
+  if (!cuda) {
+    // memory_plan_test: a step's VmHWM was 1.12-1.44x the plan with glibc's default mmap
+    // threshold, 0.98-1.02x with MALLOC_MMAP_THRESHOLD_=131072.
+    p.notes.push_back("cpu: live bytes; glibc keeps freed blocks, the resident set ran to 1.45x");
+  }
+  if (!cuda && fsdp.offload) {
+    p.notes.push_back("device cpu: offload changes nothing (the device memory is host memory)");
+  }
+  if (cuda && gpu_backend) {
+    p.notes.push_back("weight_sync_backend " + backend +
+                      ": a fp32 copy of the weights on the GPU for NCCL / CUDA IPC workers");
+  }
+  if (w > 1) p.notes.push_back("planned for rank 0, which also serves the weights");
+  return p;
+}
+
+nlohmann::json MemoryPlan::ToJson() const {
+  nlohmann::json j;
+  j["device"] = device;
+  j["world_size"] = world_size;
+  j["fsdp"] = std::string(common::FsdpModeName(fsdp.mode)) + (fsdp.offload ? " offload" : "");
+  j["bf16"] = bf16;
+  j["gradient_checkpointing"] = gradient_checkpointing;
+  j["micro_batch_rows"] = micro_batch_rows;
+  j["sequence_tokens"] = sequence_tokens;
+  j["completion_tokens"] = completion_tokens;
+  j["chunk_tokens"] = chunk_tokens;
+  j["num_parameters"] = params.total;
+  nlohmann::json c;
+  c["parameters"] = parameters;
+  c["gradients"] = gradients;
+  c["master_weights"] = master_weights;
+  c["master_gradients"] = master_gradients;
+  c["adamw_state"] = adamw_state;
+  c["gathered_layer"] = gathered_layer;
+  c["reference_model"] = reference_model;
+  c["weight_snapshot"] = weight_snapshot;
+  c["weight_sync_bucket"] = weight_sync_bucket;
+  c["runtime"] = runtime;
+  c["activations_no_checkpointing"] = activations_no_checkpointing;
+  c["activations_checkpointing"] = activations_checkpointing;
+  c["logits_chunk"] = logits_chunk;
+  c["lm_head_pass"] = lm_head_pass;
+  c["layer_backward"] = layer_backward();
+  c["micro_batch_peak"] = MicroBatchPeak();
+  c["optimizer_step"] = optimizer_step;
+  j["components"] = c;
+  j["model_state_bytes"] = ModelState();
+  j["training_peak_bytes"] = TrainingPeak();
+  j["total_bytes"] = Total();
+  j["host"] = {{"offloaded", host_offloaded},
+               {"weight_snapshot", host_weight_snapshot},
+               {"other", host_other},
+               {"total_bytes", HostTotal()}};
+  j["notes"] = notes;
+  return j;
+}
+
+std::string Suggestion::Text() const {
+  std::string out;
+  for (size_t i = 0; i < changes.size(); ++i) {
+    const ConfigChange& c = changes[i];
+    out += i == 0 ? "" : (i + 1 == changes.size() ? " and " : ", ");
+    if (c.key == "world_size") {
+      out += "run " + c.value + " ranks (world_size " + c.value + ")";
+    } else {
+      out += (i == 0 ? "set " : "") + c.key + ": " + c.value;
+    }
+  }
+  return out;
+}
+
+namespace {
+
+// The knobs SuggestFix turns, in its order of preference.
+enum Knob { kCheckpointing, kBatch, kFullShard, kOffload, kRanks, kNumKnobs };
+
+struct Candidate {
+  common::GrpoConfig config;
+  int world_size = 1;
+};
+
+StatusOr<bool> CandidateFits(const common::ModelConfig& m, const Candidate& c,
+                             const std::string& device, int64_t device_bytes,
+                             const SuggestOptions& o, MemoryPlan* out) {
+  ASSIGN_OR_RETURN(MemoryPlan p, PlanMemory(m, c.config, c.world_size, device));
+  *out = std::move(p);
+  if (o.built_only && !FsdpBuilt(out->fsdp, c.world_size, device)) return false;
+  const bool host_ok =
+      o.host_bytes <= 0 || out->device != "cuda" || out->HostTotal() <= o.host_bytes;
+  return out->Fits(device_bytes) && host_ok;
+}
+
+// `base` with per_device_train_batch_size b (a divisor of the original), the accumulation (and
+// steps_per_generation when set) scaled to keep the optimizer and generation batches.
+common::GrpoConfig WithBatch(const common::GrpoConfig& base, int64_t b) {
+  common::GrpoConfig c = base;
+  const int64_t k = base.per_device_train_batch_size / b;
+  c.per_device_train_batch_size = b;
+  c.gradient_accumulation_steps = base.gradient_accumulation_steps * k;
+  if (base.steps_per_generation) c.steps_per_generation = *base.steps_per_generation * k;
+  return c;
+}
+
+// Applies the knobs in `mask` to (config, world_size); the batch and the ranks take the least
+// change that fits (the largest batch, the fewest ranks), else their extreme. Sets *fits.
+StatusOr<Suggestion> TryKnobs(const common::ModelConfig& m, const common::GrpoConfig& config,
+                              int world_size, const std::string& device, int64_t device_bytes,
+                              const SuggestOptions& o, unsigned mask, bool* fits) {
+  ASSIGN_OR_RETURN(common::FsdpSpec fsdp, common::ParseFsdp(config.fsdp));
+  Candidate base{config, world_size};
+  if (mask & (1u << kCheckpointing)) base.config.gradient_checkpointing = true;
+  if (mask & (1u << kFullShard)) fsdp.mode = common::FsdpMode::kFullShard;
+  if (mask & (1u << kOffload)) fsdp.offload = true;
+  base.config.fsdp =
+      std::string(common::FsdpModeName(fsdp.mode)) + (fsdp.offload ? " offload" : "");
+  *fits = false;
+  Suggestion best;
+  // More ranks divide nothing without sharding.
+  if ((mask & (1u << kRanks)) && fsdp.mode == common::FsdpMode::kNoShard) return best;
+
+  std::vector<int> worlds = {world_size};
+  if (mask & (1u << kRanks)) {
+    worlds.clear();
+    for (int w2 = world_size + 1; w2 <= kMaxSuggestedWorldSize; ++w2) worlds.push_back(w2);
+  }
+  std::vector<int64_t> batches = {config.per_device_train_batch_size};
+  if (mask & (1u << kBatch)) {
+    batches.clear();
+    for (int64_t b = config.per_device_train_batch_size - 1; b >= 1; --b) {
+      if (config.per_device_train_batch_size % b == 0) batches.push_back(b);
+    }
+  }
+  for (int w2 : worlds) {
+    for (int64_t b : batches) {
+      Candidate c = base;
+      c.world_size = w2;
+      if (mask & (1u << kBatch)) c.config = WithBatch(base.config, b);
+      if (!c.config.Validate().ok()) continue;
+      ASSIGN_OR_RETURN(bool ok, CandidateFits(m, c, device, device_bytes, o, &best.plan));
+      if (!ok) continue;
+      *fits = true;
+      if (mask & (1u << kCheckpointing)) best.changes.push_back({"gradient_checkpointing", "true"});
+      if (mask & (1u << kBatch)) {
+        best.changes.push_back({"per_device_train_batch_size", std::to_string(b)});
+        best.changes.push_back(
+            {"gradient_accumulation_steps", std::to_string(c.config.gradient_accumulation_steps)});
+        if (c.config.steps_per_generation) {
+          best.changes.push_back(
+              {"steps_per_generation", std::to_string(*c.config.steps_per_generation)});
+        }
+      }
+      if (mask & ((1u << kFullShard) | (1u << kOffload))) {
+        best.changes.push_back({"fsdp", c.config.fsdp});
+      }
+      if (mask & (1u << kRanks)) best.changes.push_back({"world_size", std::to_string(w2)});
+      return best;
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::GrpoConfig& config,
+                                int world_size, const std::string& device, int64_t device_bytes,
+                                const SuggestOptions& o) {
+  MemoryPlan current;
+  ASSIGN_OR_RETURN(const bool fits_now, CandidateFits(m, Candidate{config, world_size}, device,
+                                                      device_bytes, o, &current));
+  if (fits_now) return Suggestion{{}, current};
+  // Knobs that can change anything here.
+  unsigned usable = 0;
+  if (!config.gradient_checkpointing) usable |= 1u << kCheckpointing;
+  if (config.per_device_train_batch_size > 1) usable |= 1u << kBatch;
+  if (current.fsdp.mode != common::FsdpMode::kFullShard) usable |= 1u << kFullShard;
+  if (!current.fsdp.offload && current.device == "cuda") usable |= 1u << kOffload;
+  usable |= 1u << kRanks;
+  // Subsets of the knobs, fewest first, then in the order of preference (the lowest knob first).
+  std::vector<unsigned> masks;
+  for (unsigned mask = 1; mask < (1u << kNumKnobs); ++mask) {
+    if ((mask & usable) == mask) masks.push_back(mask);
+  }
+  std::stable_sort(masks.begin(), masks.end(), [](unsigned a, unsigned b) {
+    const int pa = __builtin_popcount(a), pb = __builtin_popcount(b);
+    if (pa != pb) return pa < pb;
+    // Lexicographic over the knobs in order: the subset holding the earlier knob first.
+    for (int k = 0; k < kNumKnobs; ++k) {
+      const bool ia = a & (1u << k), ib = b & (1u << k);
+      if (ia != ib) return ia;
+    }
+    return false;
+  });
+  // More ranks cost machines: every change without them first; then, of those with them, the
+  // one that needs the fewest ranks (fewest knobs, then the order, on a tie).
+  std::optional<Suggestion> with_ranks;
+  for (unsigned mask : masks) {
+    bool fits = false;
+    ASSIGN_OR_RETURN(Suggestion s,
+                     TryKnobs(m, config, world_size, device, device_bytes, o, mask, &fits));
+    if (!fits) continue;
+    if (!(mask & (1u << kRanks))) return s;
+    if (!with_ranks || s.plan.world_size < with_ranks->plan.world_size) with_ranks = std::move(s);
+  }
+  if (with_ranks) return *std::move(with_ranks);
+  // Nothing fits: say what every knob at its extreme still needs.
+  Candidate floor{WithBatch(config, 1), kMaxSuggestedWorldSize};
+  floor.config.gradient_checkpointing = true;
+  floor.config.fsdp = current.device == "cuda" ? "full_shard offload" : "full_shard";
+  MemoryPlan least;
+  if (o.built_only) floor.config.fsdp = "no_shard";  // what runs at many ranks today
+  RETURN_IF_ERROR(CandidateFits(m, floor, device, device_bytes, SuggestOptions{}, &least).status());
+  return Status::NotFound(
+      std::string(o.built_only ? "no change the trainer runs today (gradient_checkpointing, "
+                                 "per_device_train_batch_size, no_shard ranks) fits "
+                               : "no change of gradient_checkpointing, "
+                                 "per_device_train_batch_size, fsdp and the ranks fits ") +
+      FormatBytes(device_bytes) + " per rank: with checkpointing, 1 row, " + floor.config.fsdp +
+      " and " + std::to_string(kMaxSuggestedWorldSize) + " ranks a rank still needs " +
+      FormatBytes(least.Total()) + " (published weights " + FormatBytes(least.weight_snapshot) +
+      ")");
+}
+
+Status CheckFitsDevice(const common::ModelConfig& m, const common::GrpoConfig& config,
+                       int world_size, const std::string& device, int64_t device_bytes) {
+  if (device_bytes <= 0) return Status::OK();
+  ASSIGN_OR_RETURN(const MemoryPlan plan, PlanMemory(m, config, world_size, device));
+  if (plan.Fits(device_bytes)) return Status::OK();
+  std::string msg = "memory plan: a rank needs " + FormatBytes(plan.Total()) + " of " +
+                    plan.device + " memory but has " + FormatBytes(device_bytes) + " (" +
+                    std::to_string(world_size) + " rank(s), fsdp " + config.fsdp +
+                    "; `grpo plan` prints the breakdown): ";
+  SuggestOptions built;
+  built.built_only = true;
+  StatusOr<Suggestion> fix = SuggestFix(m, config, world_size, device, device_bytes, built);
+  if (fix.ok()) {
+    msg += fix->Text() + " (" + FormatBytes(fix->plan.Total()) + ")";
+  } else {
+    msg += fix.status().message();
+    StatusOr<Suggestion> later = SuggestFix(m, config, world_size, device, device_bytes);
+    if (later.ok()) {
+      msg += "; once fsdp sharding and offload are built: " + later->Text() + " (" +
+             FormatBytes(later->plan.Total()) + ")";
+    }
+  }
+  return Status::FailedPrecondition(msg);
+}
+
+std::string FormatBytes(int64_t bytes) {
+  char buf[64];
+  const double b = static_cast<double>(bytes);
+  if (bytes >= (1ll << 30)) {
+    std::snprintf(buf, sizeof(buf), "%.1f GiB", b / (1ll << 30));
+  } else if (bytes >= (1ll << 20)) {
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", b / (1ll << 20));
+  } else if (bytes >= (1ll << 10)) {
+    std::snprintf(buf, sizeof(buf), "%.1f KiB", b / (1ll << 10));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%" PRId64 " B", bytes);
+  }
+  return buf;
+}
+
+std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
+  std::ostringstream o;
+  const std::string cdt = p.bf16 ? "bf16" : "fp32";
+  const std::string fsdp =
+      std::string(common::FsdpModeName(p.fsdp.mode)) + (p.fsdp.offload ? " offload" : "");
+  char params[32];
+  const double n = static_cast<double>(p.params.total);
+  std::snprintf(params, sizeof(params), n >= 1e9 ? "%.2f B" : "%.1f M",
+                n >= 1e9 ? n / 1e9 : n / 1e6);
+  o << p.model_type << ", " << params << " parameters; " << p.world_size
+    << (p.world_size == 1 ? " rank" : " ranks") << " of " << p.device << ", fsdp " << fsdp << ", "
+    << cdt << ", gradient_checkpointing " << (p.gradient_checkpointing ? "on" : "off") << "\n";
+  o << "micro-batch: " << p.micro_batch_rows << " rows x " << p.sequence_tokens << " tokens ("
+    << p.prompt_length << " prompt + " << p.completion_length << " completion)\nthe LM head over "
+    << p.completion_tokens << " tokens in chunks of " << p.chunk_tokens << "\n\n";
+  auto row = [&o](const std::string& name, int64_t bytes, const std::string& mark = "") {
+    char line[160];
+    std::snprintf(line, sizeof(line), "  %-58s %10s%s%s\n", name.c_str(),
+                  FormatBytes(bytes).c_str(), mark.empty() ? "" : "  ", mark.c_str());
+    o << line;
+  };
+  o << "model state (per rank)\n";
+  row("parameters (" + cdt + (p.bf16 ? " compute copy)" : ")"), p.parameters);
+  row("gradients (" + cdt + ")", p.gradients);
+  if (p.bf16) {
+    row("fp32 master weights", p.master_weights);
+    row("fp32 master gradients", p.master_gradients);
+  }
+  row("AdamW state (2 fp32 moments)", p.adamw_state);
+  row("gathered layer (the largest unit whole, sharded ranks)", p.gathered_layer);
+  row("reference model (beta != 0)", p.reference_model);
+  o << "one micro-batch\n";
+  row("activations, gradient_checkpointing off", p.activations_no_checkpointing,
+      p.gradient_checkpointing ? "" : "<- in effect");
+  row("activations, gradient_checkpointing on", p.activations_checkpointing,
+      p.gradient_checkpointing ? "<- in effect" : "");
+  row("logits chunk [" + std::to_string(p.chunk_tokens) + " x " + std::to_string(p.vocab_size) +
+          "] fp32",
+      p.logits_chunk);
+  row("LM-head pass (the chunk + [V, D] and [N, D] gradients)", p.lm_head_pass);
+  row("backward of one layer", p.layer_backward());
+  row("peak: activations + max(LM-head pass, layer backward)", p.MicroBatchPeak());
+  o << "other phases and the service\n";
+  row("optimizer step (all-reduce bucket, fp64 norm, AdamW temps)", p.optimizer_step);
+  row("published weights here (fp32; 2x while publishing)", p.weight_snapshot);
+  row("weight-sync bucket", p.weight_sync_bucket);
+  row(p.device == "cuda" ? "CUDA context and libraries" : "the process (libraries, threads)",
+      p.runtime);
+  o << "\n";
+  row("total: state + max(micro-batch, step, publish) + the rest", p.Total());
+  if (device_bytes > 0) row(p.device + " memory of a rank", device_bytes);
+  if (p.device == "cuda") {
+    row("host memory beside it (offloaded, 2 snapshots, process)", p.HostTotal());
+  }
+  for (const std::string& note : p.notes) o << "note: " << note << "\n";
+  return o.str();
+}
+
+}  // namespace grpo::learner::distributed

@@ -1,0 +1,172 @@
+// The memory planner behind `grpo plan` and the learner's start-up check: the peak memory of one
+// learner rank, from the model's config.json and the run's config alone (no weights loaded, no
+// libtorch). Pure arithmetic; every figure counts what the code of this repository allocates
+// (common/model/model.cc's forward, learner/chunked_logprobs.cc, learner/grpo_trainer.cc,
+// learner/optimizer.cc, learner/learner.cc's weight snapshots), and the sharding modes follow
+// ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+// Models", 2020): shard_grad_op = ZeRO-2, full_shard = ZeRO-3, offload = ZeRO-Offload.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "common/model/model_config.h"
+#include "common/status.h"
+
+namespace grpo::learner::distributed {
+
+// What the process needs beside its tensors. CPU: an idle `grpo learner` with the tiny model
+// (libtorch, gRPC, SQLite mapped in) measured 373 MiB resident. CUDA: the context, cuBLAS and its
+// workspace; an assumption (0.5-1 GiB is what PyTorch users report), not measured here.
+inline constexpr int64_t kHostRuntimeBytes = 384ll << 20;
+inline constexpr int64_t kCudaRuntimeBytes = 1ll << 30;
+// SuggestFix looks for a world size up to this many ranks.
+inline constexpr int kMaxSuggestedWorldSize = 1024;
+// The flat bucket of the data-parallel gradient all-reduce (distributed::kDefaultBucketBytes of
+// collectives.h, which this header does not include to stay free of libtorch).
+inline constexpr int64_t kGradientBucketBytes = 25ll << 20;
+
+// Parameter counts of a ModelConfig, as common::Model builds it (Model::ParameterShapes).
+struct ParameterCounts {
+  int64_t total = 0;
+  int64_t embedding = 0;       // [V, D]
+  int64_t lm_head = 0;         // [V, D] when untied, else 0 (the embedding is the LM head)
+  int64_t per_layer = 0;       // one decoder layer
+  int64_t largest_tensor = 0;  // the largest single parameter tensor
+  int64_t largest_unit = 0;    // the largest unit gathered whole: a layer or the [V, D] matrix
+};
+ParameterCounts CountParameters(const common::ModelConfig& model);
+
+// Bytes per rank. "Device" figures are on the rank's device (on the CPU that is host memory);
+// host_* figures are the host memory of the same rank beside it (CUDA only; on the CPU they are
+// part of the device figures already).
+struct MemoryPlan {
+  // What was planned.
+  std::string model_type;
+  int64_t vocab_size = 0;
+  std::string device;  // "cpu" | "cuda"
+  int world_size = 1;
+  common::FsdpSpec fsdp;
+  bool bf16 = false;
+  bool gradient_checkpointing = false;
+  bool reference = false;         // beta != 0
+  int64_t micro_batch_rows = 0;   // per_device_train_batch_size
+  int64_t prompt_length = 0;      // max_prompt_length
+  int64_t completion_length = 0;  // max_completion_length
+  int64_t sequence_tokens = 0;    // max_prompt_length + max_completion_length (padded rows)
+  int64_t completion_tokens = 0;  // rows x max_completion_length: the LM head's tokens
+  int64_t chunk_tokens = 0;       // min(logprob_chunk_tokens, completion_tokens)
+  ParameterCounts params;
+
+  // Model state, resident all run.
+  int64_t parameters = 0;          // compute dtype: the fp32 policy, or the bf16 copy with bf16
+  int64_t gradients = 0;           // their .grad (kept between steps: AdamW::ZeroGrad zeroes)
+  int64_t master_weights = 0;      // bf16: the fp32 master (the policy AdamW steps)
+  int64_t master_gradients = 0;    // bf16: the master's fp32 .grad (MoveComputeGradsToMaster)
+  int64_t adamw_state = 0;         // exp_avg + exp_avg_sq, fp32
+  int64_t gathered_layer = 0;      // sharded, world_size > 1: the largest unit whole (and its grad)
+  int64_t reference_model = 0;     // beta != 0: a frozen copy in the compute dtype
+  int64_t weight_snapshot = 0;     // published weights (fp32) held on this device
+  int64_t weight_sync_bucket = 0;  // one flat bucket of the weight-sync backend on this device
+  int64_t runtime = 0;             // kHostRuntimeBytes or kCudaRuntimeBytes
+
+  // One micro-batch (per_device_train_batch_size rows of sequence_tokens).
+  int64_t activations_no_checkpointing = 0;  // saved for backward, every layer whole
+  int64_t activations_checkpointing = 0;     // each layer's input only
+  int64_t logits_chunk = 0;                  // the [chunk, V] logits buffer(s) of the fused LM head
+  int64_t lm_head_pass = 0;  // logits chunk + the [V, D] and [N, D] gradient buffers at their peak
+  int64_t layer_backward_no_checkpointing = 0;  // one layer's backward temporaries
+  int64_t layer_backward_checkpointing = 0;     // + its recomputed activations
+  // The optimizer step: the gradient all-reduce's bucket at several no_shard ranks, then the
+  // grad-norm clip in fp64 and AdamW's temporaries, one tensor at a time; never at the same time
+  // as a micro-batch.
+  int64_t optimizer_step = 0;
+
+  // Host memory beside a CUDA device: offloaded state, rank 0's CPU weight snapshots, a gloo or
+  // grpc bucket and the process itself.
+  int64_t host_offloaded = 0;
+  int64_t host_weight_snapshot = 0;
+  int64_t host_other = 0;
+
+  std::vector<std::string> notes;  // assumptions that matter for this plan, one line each
+
+  int64_t activations() const {
+    return gradient_checkpointing ? activations_checkpointing : activations_no_checkpointing;
+  }
+  int64_t layer_backward() const {
+    return gradient_checkpointing ? layer_backward_checkpointing : layer_backward_no_checkpointing;
+  }
+  // activations + max(LM-head pass, the backward of one layer).
+  int64_t MicroBatchPeak() const;
+  // The state the trainer holds all run (parameters ... reference model).
+  int64_t ModelState() const;
+  // What GrpoTrainer alone peaks at: ModelState + max(MicroBatchPeak, optimizer_step).
+  int64_t TrainingPeak() const;
+  // The rank's predicted peak on its device: TrainingPeak + snapshot + bucket + runtime.
+  int64_t Total() const;
+  int64_t HostTotal() const { return host_offloaded + host_weight_snapshot + host_other; }
+  bool Fits(int64_t device_bytes) const { return Total() <= device_bytes; }
+
+  // Every figure by name (the JSON of `grpo plan --json`).
+  nlohmann::json ToJson() const;
+};
+
+// The plan of `config` for `model` on `world_size` ranks of `device` ("cpu", or "cuda"/"cuda:N";
+// resolve "auto" first). InvalidArgument naming the key for a bad fsdp, world_size < 1 or an
+// unknown device.
+StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& model, const common::GrpoConfig& config,
+                                int world_size, const std::string& device);
+
+// One change of a suggestion: a config key (or "world_size", which is WORLD_SIZE / --world_size)
+// and its new value as it would be written on the command line.
+struct ConfigChange {
+  std::string key;
+  std::string value;
+};
+struct Suggestion {
+  std::vector<ConfigChange> changes;
+  MemoryPlan plan;           // the plan with the changes applied
+  std::string Text() const;  // "set gradient_checkpointing: true and fsdp: full_shard ..."
+};
+
+// Whether GrpoTrainer runs `fsdp` at `world_size` ranks on `device` today: no_shard at any
+// world size (DDP), shard_grad_op and full_shard at one rank (where they shard nothing), offload
+// on the CPU (where it changes nothing). GrpoTrainer::Create refuses the rest as Unimplemented;
+// the plan of every mode is ZeRO's arithmetic, built or not.
+bool FsdpBuilt(const common::FsdpSpec& fsdp, int world_size, const std::string& device);
+
+struct SuggestOptions {
+  // > 0 (CUDA): the host memory beside each GPU, which must hold HostTotal too (offload moves
+  // the optimizer's state there). 0: not checked.
+  int64_t host_bytes = 0;
+  // Only changes GrpoTrainer runs today (FsdpBuilt): what the learner's refusal may suggest.
+  bool built_only = false;
+};
+
+// The smallest change that fits `device_bytes`: single changes first, in this order:
+// gradient_checkpointing on, a smaller per_device_train_batch_size (the largest divisor of it
+// that fits, gradient_accumulation_steps scaled to keep the optimizer batch), fsdp full_shard,
+// offload (CUDA only); then combinations of them, fewest knobs first in the same order; and
+// last, as machines cost most, more ranks alone or with the others: the fewest ranks that fit,
+// with the fewest other knobs. NotFound when none fits (up to kMaxSuggestedWorldSize ranks),
+// saying what a rank needs at best. An empty suggestion when the config fits as it is.
+StatusOr<Suggestion> SuggestFix(const common::ModelConfig& model, const common::GrpoConfig& config,
+                                int world_size, const std::string& device, int64_t device_bytes,
+                                const SuggestOptions& options = {});
+
+// OK when the plan fits `device_bytes` (or device_bytes <= 0: unknown, nothing is checked);
+// FailedPrecondition otherwise, saying the predicted and available bytes and the change that
+// fits among those built today (SuggestFix with built_only), and the one that would once
+// sharding is built when that is all that fits. The learner calls it at start.
+Status CheckFitsDevice(const common::ModelConfig& model, const common::GrpoConfig& config,
+                       int world_size, const std::string& device, int64_t device_bytes);
+
+// The human table of `grpo plan`: each component, the total, the device memory and the verdict.
+std::string FormatPlan(const MemoryPlan& plan, int64_t device_bytes);
+// "14.2 GiB", "512.0 MiB", "8.0 KiB", "12 B".
+std::string FormatBytes(int64_t bytes);
+
+}  // namespace grpo::learner::distributed

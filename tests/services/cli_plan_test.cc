@@ -1,0 +1,167 @@
+// `grpo plan` and the learner's start-up check as users run them: real processes, a model
+// directory holding config.json alone (the plan loads no weights).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "tests/test_util.h"
+
+namespace {
+
+using grpo::testing::GrpoBin;
+using grpo::testing::RunCommand;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// The bench preset's config.json and Qwen2.5-7B's (Hugging Face Qwen/Qwen2.5-7B).
+const char* kBenchConfig = R"({"model_type": "qwen2", "vocab_size": 32768, "hidden_size": 256,
+  "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 4,
+  "num_key_value_heads": 2, "tie_word_embeddings": true, "max_position_embeddings": 2048})";
+const char* k7BConfig = R"({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+  "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+  "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_act": "silu",
+  "max_position_embeddings": 131072, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+  "sliding_window": 131072, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+  "use_sliding_window": false})";
+
+class CliPlan : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("cli_plan_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "bench");
+    fs::create_directories(dir_ / "qwen2.5-7b");
+    std::ofstream(dir_ / "bench" / "config.json") << kBenchConfig;
+    std::ofstream(dir_ / "qwen2.5-7b" / "config.json") << k7BConfig;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // `grpo plan <args>` with stderr folded into the output.
+  std::string Plan(const std::string& args, int* rc, const std::string& env = "WORLD_SIZE=1") {
+    return RunCommand(env + " " + GrpoBin() + " plan " + args + " 2>&1", rc);
+  }
+  std::string Model(const char* name) const { return (dir_ / name).string(); }
+
+  fs::path dir_;
+};
+
+TEST_F(CliPlan, FitsExitsZeroWithTheBreakdown) {
+  int rc = -1;
+  const std::string out =
+      Plan("--model_name_or_path " + Model("bench") + " --device cpu --device_memory_gb 64", &rc);
+  EXPECT_EQ(rc, 0) << out;
+  for (const char* row : {"parameters (fp32)", "gradients (fp32)", "AdamW state", "gathered layer",
+                          "activations, gradient_checkpointing off",
+                          "activations, gradient_checkpointing on", "logits chunk [1024 x 32768]",
+                          "weight-sync bucket", "reference model", "total:", "fits: "}) {
+    EXPECT_NE(out.find(row), std::string::npos) << row << "\n" << out;
+  }
+}
+
+TEST_F(CliPlan, SevenBillionOnOne80GiBGpuDoesNotFitAndNamesTheKnob) {
+  int rc = -1;
+  const std::string out = Plan("--model_name_or_path " + Model("qwen2.5-7b") +
+                                   " --device cuda --bf16 true --device_memory_gb 80",
+                               &rc);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("does not fit: set gradient_checkpointing: true"), std::string::npos) << out;
+}
+
+TEST_F(CliPlan, JsonCarriesEveryFigureAndTheSuggestion) {
+  int rc = -1;
+  std::string out = Plan("--model_name_or_path " + Model("qwen2.5-7b") +
+                             " --device cuda --bf16 true --device_memory_gb 80 --json",
+                         &rc);
+  EXPECT_EQ(rc, 1) << out;
+  json j = json::parse(out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  for (const char* key :
+       {"parameters", "gradients", "master_weights", "master_gradients", "adamw_state",
+        "gathered_layer", "reference_model", "weight_snapshot", "weight_sync_bucket", "runtime",
+        "activations_no_checkpointing", "activations_checkpointing", "logits_chunk", "lm_head_pass",
+        "layer_backward", "micro_batch_peak", "optimizer_step"}) {
+    EXPECT_TRUE(j["components"].contains(key)) << key;
+  }
+  EXPECT_EQ(j["num_parameters"], 7'615'616'512);
+  EXPECT_EQ(j["fits"], false);
+  EXPECT_EQ(j["device_memory_bytes"], 80ll << 30);
+  EXPECT_GT(j["total_bytes"].get<int64_t>(), 80ll << 30);
+  ASSERT_TRUE(j["suggestion"].is_object());
+  ASSERT_FALSE(j["suggestion"]["changes"].empty());
+  EXPECT_EQ(j["suggestion"]["changes"][0]["key"], "gradient_checkpointing");
+  EXPECT_LE(j["suggestion"]["total_bytes"].get<int64_t>(), 80ll << 30);
+  // Offload on a GPU is not built yet: what the trainer runs today is said beside it.
+  EXPECT_EQ(j["suggestion"]["built"], false);
+  ASSERT_TRUE(j["suggestion_built_today"].is_object());
+  EXPECT_TRUE(j["suggestion_built_today"]["changes"].empty());  // nothing built fits
+
+  out = Plan("--model_name_or_path " + Model("bench") + " --device cpu --json", &rc);
+  EXPECT_EQ(rc, 0) << out;
+  j = json::parse(out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  EXPECT_EQ(j["fits"], true);
+  EXPECT_TRUE(j["suggestion"].is_null());
+  EXPECT_GT(j["device_memory_bytes"].get<int64_t>(), 0);  // this machine's memory
+}
+
+TEST_F(CliPlan, ConfigFileWorldSizeAndOverrides) {
+  std::ofstream(dir_ / "run.yaml") << "model_name_or_path: " << Model("qwen2.5-7b")
+                                   << "\nbf16: true\nfsdp: full_shard\ndevice: cuda\n";
+  int rc = -1;
+  const std::string cfg = "--config " + (dir_ / "run.yaml").string();
+  std::string out = Plan(cfg + " --device_memory_gb 80 --json", &rc, "WORLD_SIZE=8");
+  json j = json::parse(out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  EXPECT_EQ(j["world_size"], 8);
+  EXPECT_EQ(j["fsdp"], "full_shard");
+  EXPECT_EQ(j["bf16"], true);
+  // --world_size wins over WORLD_SIZE; --key value over the file.
+  out = Plan(cfg + " --device_memory_gb 80 --json --world_size 2 --gradient_checkpointing true",
+             &rc, "WORLD_SIZE=8");
+  j = json::parse(out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  EXPECT_EQ(j["world_size"], 2);
+  EXPECT_EQ(j["gradient_checkpointing"], true);
+}
+
+TEST_F(CliPlan, BadInputExitsTwoNamingIt) {
+  int rc = -1;
+  const std::string missing = (dir_ / "no-such-model").string();
+  std::string out = Plan("--model_name_or_path " + missing + " --device cpu", &rc);
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find(missing + "/config.json"), std::string::npos) << out;
+  out = Plan("--model_name_or_path " + Model("bench") + " --device cpu --fsdp zero3", &rc);
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("fsdp"), std::string::npos) << out;
+  out = Plan("--model_name_or_path " + Model("bench") + " --device cpu", &rc, "WORLD_SIZE=x");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("WORLD_SIZE"), std::string::npos) << out;
+  // cuda without a GPU here: the GPU's memory must be given.
+  out = Plan("--model_name_or_path " + Model("bench") + " --device cuda", &rc);
+  if (out.find("cuda memory of a rank") == std::string::npos) {  // no GPU visible
+    EXPECT_EQ(rc, 2) << out;
+    EXPECT_NE(out.find("--device_memory_gb"), std::string::npos) << out;
+  }
+}
+
+TEST_F(CliPlan, LearnerRefusesWhatCannotFitBeforeLoadingWeights) {
+  // 32k-token completions of a 7B model in fp32: terabytes of activations on any machine. The
+  // directory has no weights, so a learner that went on to load them would fail with exit 1.
+  int rc = -1;
+  const std::string out = RunCommand(
+      "WORLD_SIZE=1 " + GrpoBin() + " learner --model_name_or_path " + Model("qwen2.5-7b") +
+          " --device cpu --max_completion_length 32768 --reward_funcs length --output_dir " +
+          (dir_ / "out").string() + " --grpc_port 0 --metrics_port 0 2>&1",
+      &rc);
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("memory plan"), std::string::npos) << out;
+  EXPECT_NE(out.find("gradient_checkpointing"), std::string::npos) << out;  // the knob
+}
+
+}  // namespace
