@@ -192,7 +192,9 @@ inline void CheckBf16CheckpointRoundTrip(const at::Device& device) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_TRUE(at::equal(a[i].second.cpu(), b[i].second.cpu())) << a[i].first;
-    if (a[i].first != "step") EXPECT_EQ(b[i].second.device(), device) << b[i].first;
+    if (a[i].first != "step") {
+      EXPECT_EQ(b[i].second.device(), device) << b[i].first;
+    }
   }
   std::filesystem::remove_all(dir);
 }
