@@ -434,22 +434,26 @@ StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::Grpo
     if (!with_ranks || s.plan.world_size < with_ranks->plan.world_size) with_ranks = std::move(s);
   }
   if (with_ranks) return *std::move(with_ranks);
-  // Nothing fits: say what every knob at its extreme still needs.
-  Candidate floor{WithBatch(config, 1), kMaxSuggestedWorldSize};
+  // Nothing fits: say what every knob at its extreme still needs (today's trainer: more
+  // no_shard ranks divide nothing, so checkpointing and one row at these ranks).
+  Candidate floor{WithBatch(config, 1), o.built_only ? world_size : kMaxSuggestedWorldSize};
   floor.config.gradient_checkpointing = true;
-  floor.config.fsdp = current.device == "cuda" ? "full_shard offload" : "full_shard";
+  floor.config.fsdp = o.built_only               ? "no_shard"
+                      : current.device == "cuda" ? "full_shard offload"
+                                                 : "full_shard";
   MemoryPlan least;
-  if (o.built_only) floor.config.fsdp = "no_shard";  // what runs at many ranks today
   RETURN_IF_ERROR(CandidateFits(m, floor, device, device_bytes, SuggestOptions{}, &least).status());
-  return Status::NotFound(
-      std::string(o.built_only ? "no change the trainer runs today (gradient_checkpointing, "
-                                 "per_device_train_batch_size, no_shard ranks) fits "
-                               : "no change of gradient_checkpointing, "
-                                 "per_device_train_batch_size, fsdp and the ranks fits ") +
-      FormatBytes(device_bytes) + " per rank: with checkpointing, 1 row, " + floor.config.fsdp +
-      " and " + std::to_string(kMaxSuggestedWorldSize) + " ranks a rank still needs " +
-      FormatBytes(least.Total()) + " (published weights " + FormatBytes(least.weight_snapshot) +
-      ")");
+  std::string msg =
+      o.built_only ? "nothing the trainer runs today fits " + FormatBytes(device_bytes) +
+                         " per rank: with gradient_checkpointing and 1 row"
+                   : "no change fits " + FormatBytes(device_bytes) +
+                         " per rank: with gradient_checkpointing, 1 row, " + floor.config.fsdp +
+                         " and " + std::to_string(kMaxSuggestedWorldSize) + " ranks";
+  msg += " a rank still needs " + FormatBytes(least.Total());
+  if (least.weight_snapshot > 0) {
+    msg += " (the published weights " + FormatBytes(least.weight_snapshot) + ")";
+  }
+  return Status::NotFound(msg);
 }
 
 Status CheckFitsDevice(const common::ModelConfig& m, const common::GrpoConfig& config,
@@ -459,8 +463,8 @@ Status CheckFitsDevice(const common::ModelConfig& m, const common::GrpoConfig& c
   if (plan.Fits(device_bytes)) return Status::OK();
   std::string msg = "memory plan: a rank needs " + FormatBytes(plan.Total()) + " of " +
                     plan.device + " memory but has " + FormatBytes(device_bytes) + " (" +
-                    std::to_string(world_size) + " rank(s), fsdp " + config.fsdp +
-                    "; `grpo plan` prints the breakdown): ";
+                    std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks") +
+                    ", fsdp " + config.fsdp + "; `grpo plan` prints the breakdown): ";
   SuggestOptions built;
   built.built_only = true;
   StatusOr<Suggestion> fix = SuggestFix(m, config, world_size, device, device_bytes, built);

@@ -9,6 +9,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,31 @@ std::string PlannedDevice(const std::string& device) {
   if (device == "cpu") return "cpu";
   if (device == "auto") return common::CudaAvailable() ? "cuda" : "cpu";
   return "cuda";
+}
+
+// `text` broken at spaces into lines of at most 100 columns, the later ones indented by 2; a
+// figure stays with its unit ("146.9 GiB").
+std::string Wrapped(const std::string& text) {
+  constexpr size_t kWidth = 100;
+  std::vector<std::string> words;
+  std::istringstream in(text);
+  for (std::string w; in >> w;) {
+    const bool unit = w.rfind("GiB", 0) == 0 || w.rfind("MiB", 0) == 0 || w.rfind("KiB", 0) == 0;
+    if (unit && !words.empty()) {
+      words.back() += " " + w;
+    } else {
+      words.push_back(w);
+    }
+  }
+  std::string out, line;
+  for (const std::string& w : words) {
+    if (!line.empty() && line.size() + 1 + w.size() > kWidth) {
+      out += line + "\n";
+      line = " ";  // the space below makes the indent 2
+    }
+    line += (line.empty() ? "" : " ") + w;
+  }
+  return out + line + "\n";
 }
 
 std::string SuggestionText(const StatusOr<dist::Suggestion>& fix) {
@@ -185,12 +211,14 @@ int RunPlan(const PlanOptions& o) {
       std::cout << "fits: " << dist::FormatBytes(plan->Total()) << " of "
                 << dist::FormatBytes(device_bytes) << "\n";
     } else {
-      std::cout << "does not fit: " << SuggestionText(*fix) << "\n";
+      std::cout << Wrapped("does not fit: " + SuggestionText(*fix));
       if (!fix_built && fix->ok()) {
-        std::cout << "  (fsdp " << (*fix)->plan.ToJson()["fsdp"].get<std::string>() << " at "
-                  << (*fix)->plan.world_size
-                  << " rank(s) is not built yet; what the trainer runs today: "
-                  << SuggestionText(*built_fix) << ")\n";
+        const dist::MemoryPlan& p = (*fix)->plan;
+        std::cout << Wrapped(
+            "not built yet: fsdp " + p.ToJson()["fsdp"].get<std::string>() + " at " +
+            std::to_string(p.world_size) + (p.world_size == 1 ? " rank" : " ranks") + " on " +
+            p.device + " (GrpoTrainer refuses it)" +
+            (built_fix->ok() ? "; what runs today: " : "; ") + SuggestionText(*built_fix));
       }
     }
   }
