@@ -120,10 +120,14 @@ TEST(Bf16Training, MasterWeightsOptimizerStateAndGradientsStayFp32) {
   ASSERT_TRUE((*trainer)->TrainGenerationBatch(groups).ok());
   for (const auto& [name, p] : master->NamedParameters()) {
     EXPECT_EQ(p.scalar_type(), at::kFloat) << name;
-    if (p.grad().defined()) EXPECT_EQ(p.grad().scalar_type(), at::kFloat) << name;
+    if (p.grad().defined()) {
+      EXPECT_EQ(p.grad().scalar_type(), at::kFloat) << name;
+    }
   }
   for (const auto& [name, t] : (*trainer)->optimizer().StateDict()) {
-    if (name != "step") EXPECT_EQ(t.scalar_type(), at::kFloat) << name;
+    if (name != "step") {
+      EXPECT_EQ(t.scalar_type(), at::kFloat) << name;
+    }
   }
   // After the step the compute copy is the master rounded to bf16.
   const auto m = master->Parameters(), c = (*trainer)->compute_model().Parameters();
