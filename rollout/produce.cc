@@ -50,7 +50,7 @@ StatusOr<ProduceResult> Produce(const Generator& generator, const RewardRunner* 
   out.num_completion_tokens = generated.num_completion_tokens;
   out.groups.reserve(inputs.size());
   for (size_t i = 0; i < generated.groups.size(); ++i) {
-    ProducedGroup produced{std::move(generated.groups[i])};
+    ProducedGroup produced{std::move(generated.groups[i]), false, {}};
     if (produced.group.ok()) {
       common::RolloutGroup& group = *produced.group;
       group.policy_version = generated.policy_version;
