@@ -50,13 +50,36 @@ StatusOr<std::string> ModelDir(const common::GrpoConfig& cfg) {
   return dir;
 }
 
+// The policy (and the reference when beta != 0) of a learner rank > 0. Rank 0 alone writes under
+// output_dir (the initial model, checkpoints, the ledger), so without model_name_or_path this
+// rank builds the same tiny model in memory; its weights are rank 0's after the first command.
+Status LoadTrainerRankModels(const common::GrpoConfig& cfg, const at::Device& device,
+                             std::unique_ptr<common::Model>* policy,
+                             std::unique_ptr<common::Model>* reference) {
+  if (cfg.model_name_or_path.empty()) {
+    ASSIGN_OR_RETURN(const common::ModelConfig preset, common::ModelConfigPreset("tiny"));
+    ASSIGN_OR_RETURN(*policy, common::Model::InitRandom(preset, cfg.seed));
+    RETURN_IF_ERROR((*policy)->To(device, (*policy)->dtype()).WithContext("policy"));
+  } else {
+    ASSIGN_OR_RETURN(*policy, common::Model::Load(cfg.model_name_or_path, device));
+  }
+  if (cfg.beta != 0) {
+    ASSIGN_OR_RETURN(*reference, (*policy)->Copy(device, (*policy)->dtype()));
+  }
+  return Status::OK();
+}
+
 // A learner rank > 0 (README "Learner ranks"): a trainer that does what rank 0 says until the job
 // ends (exit 0) or the group fails (exit 1, for the orchestrator to restart the group).
-int RunTrainerRank(const common::GrpoConfig& cfg, std::unique_ptr<common::Model> policy,
-                   std::unique_ptr<common::Model> reference,
+int RunTrainerRank(const common::GrpoConfig& cfg, const at::Device& device,
                    learner::distributed::RankGroup& ranks) {
   const std::string me = "grpo learner: rank " + std::to_string(ranks.rank()) + " of " +
                          std::to_string(ranks.world_size());
+  std::unique_ptr<common::Model> policy, reference;
+  if (Status s = LoadTrainerRankModels(cfg, device, &policy, &reference); !s.ok()) {
+    std::cerr << me << ": " << s.ToString() << "\n";
+    return 1;
+  }
   auto trainer = learner::GrpoTrainer::Create(cfg, policy.get(), std::move(reference), &ranks);
   if (!trainer.ok()) {
     std::cerr << me << ": " << trainer.status().ToString() << "\n";
@@ -87,8 +110,6 @@ int RunLearner(const LearnerOptions& o) {
                                         "reward function"),
                 2);
   }
-  // `device`, as train-local: the fp32 policy loads there (with `bf16` the trainer trains a bf16
-  // copy of it); LearnerServer::Create would move it there otherwise.
   auto rank_env = learner::distributed::RankEnvFromEnvironment();
   if (!rank_env.ok()) return fail(rank_env.status(), 2);
   if (rank_env->world_size > 1 && (cfg.device == "cuda" || cfg.device == "auto")) {
@@ -96,6 +117,8 @@ int RunLearner(const LearnerOptions& o) {
     auto any = common::ResolveDevice(cfg.device);
     if (any.ok() && any->is_cuda()) cfg.device = "cuda:" + std::to_string(rank_env->local_rank);
   }
+  // `device`, as train-local: the fp32 policy loads there (with `bf16` the trainer trains a bf16
+  // copy of it); LearnerServer::Create would move it there otherwise.
   auto device = common::ResolveDevice(cfg.device);
   if (!device.ok()) return fail(device.status(), 2);
   // Refuse what cannot fit the device, naming the knob, before any weight is loaded (grpo plan).
@@ -109,27 +132,7 @@ int RunLearner(const LearnerOptions& o) {
     auto joined = learner::distributed::RankGroup::Join(*rank_env, timeout);
     if (!joined.ok()) return fail(joined.status());
     ranks = std::move(joined).value();
-    if (rank_env->rank > 0) {
-      // Rank 0 alone writes under output_dir (the initial model, checkpoints, the ledger); this
-      // rank's weights are rank 0's after the first command, whatever it starts from.
-      StatusOr<std::unique_ptr<common::Model>> policy = Status::Internal("no model");
-      if (cfg.model_name_or_path.empty()) {
-        auto preset = common::ModelConfigPreset("tiny");
-        if (!preset.ok()) return fail(preset.status());
-        policy = common::Model::InitRandom(*preset, cfg.seed);
-        if (policy.ok()) (void)(*policy)->To(*device, (*policy)->dtype());
-      } else {
-        policy = common::Model::Load(cfg.model_name_or_path, *device);
-      }
-      if (!policy.ok()) return fail(policy.status());
-      std::unique_ptr<common::Model> reference;
-      if (cfg.beta != 0) {
-        auto ref = (*policy)->Copy(*device, (*policy)->dtype());
-        if (!ref.ok()) return fail(ref.status());
-        reference = std::move(ref).value();
-      }
-      return RunTrainerRank(cfg, std::move(policy).value(), std::move(reference), *ranks);
-    }
+    if (rank_env->rank > 0) return RunTrainerRank(cfg, *device, *ranks);
   }
   std::error_code ec;
   fs::create_directories(cfg.output_dir, ec);
