@@ -108,11 +108,6 @@ void FakeRankGroup::FailRank(int r) {
   cv_.NotifyAll();
 }
 
-int64_t FakeRankGroup::completed() const {
-  common::MutexLock lock(&mu_);
-  return generation_;
-}
-
 Status FakeRankGroup::Join(int rank, Op op, std::vector<at::Tensor>& tensors,
                            const std::string& what) {
   common::MutexLock lock(&mu_);

@@ -76,8 +76,6 @@ class FakeRankGroup {
   Collectives& Rank(int r);
   int world_size() const { return world_size_; }
   void FailRank(int r);
-  // Collectives completed so far (one per call, counted once for all ranks).
-  int64_t completed() const;
 
  private:
   class Member;
@@ -91,7 +89,7 @@ class FakeRankGroup {
   common::CondVar cv_;
   // The collective being assembled: the tensors each rank passed (null = not joined yet).
   std::vector<std::vector<at::Tensor>*> joined_ GRPO_GUARDED_BY(mu_);
-  int64_t generation_ GRPO_GUARDED_BY(mu_) = 0;  // collectives completed
+  int64_t generation_ GRPO_GUARDED_BY(mu_) = 0;  // collectives completed (names a round)
   int left_rank_ GRPO_GUARDED_BY(mu_) = -1;      // a rank that left, or -1
   bool failed_ GRPO_GUARDED_BY(mu_) = false;
   std::string failure_ GRPO_GUARDED_BY(mu_);

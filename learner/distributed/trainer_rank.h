@@ -33,7 +33,6 @@ std::string EncodeCommand(RankCommand command,
 class RankZeroLink {
  public:
   explicit RankZeroLink(RankGroup* group) : group_(group) {}
-  RankGroup& group() { return *group_; }
   Status Sync() { return group_->Post(EncodeCommand(RankCommand::kSync)); }
   Status Train(const std::vector<common::RolloutGroup>& groups) {
     return group_->Post(EncodeCommand(RankCommand::kTrain, groups));
