@@ -93,6 +93,10 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
                                      const std::string& tokenizer_dir) {
   const fs::path out(output_dir);
   const std::string name = "checkpoint-" + std::to_string(trainer.global_step());
+  // First, before anything here can fail: sharded (shard_grad_op), this is a collective that
+  // every rank joins (RankCommand::kCheckpoint).
+  ASSIGN_OR_RETURN(const common::NamedTensors whole_state,
+                   trainer.optimizer().StateDict("gather of the AdamW state for " + name));
   const fs::path final_dir = out / name;
   const fs::path tmp_dir = out / (name + ".tmp");
   std::error_code ec;
@@ -104,7 +108,7 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
   RETURN_IF_ERROR(trainer.policy().Save(tmp_dir.string()));
   common::NamedTensors optimizer_state;  // on the CPU whatever the trainer's device
   try {
-    for (const auto& [name, t] : trainer.optimizer().StateDict()) {
+    for (const auto& [name, t] : whole_state) {
       optimizer_state.emplace_back(name, t.to(at::kCPU));
     }
   } catch (const c10::Error& e) {

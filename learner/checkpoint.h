@@ -21,6 +21,8 @@ inline constexpr const char* kLatestFile = "latest";
 
 // Saves the trainer's current state; returns the checkpoint directory. Files named in
 // `tokenizer_dir` (tokenizer.json, tokenizer_config.json ...) are copied when they exist.
+// Rank 0 writes; with a sharded optimizer every other rank calls
+// trainer.optimizer().StateDict() at the same time (the gather of AdamW's state).
 StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& output_dir,
                                      const std::string& tokenizer_dir);
 

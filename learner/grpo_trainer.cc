@@ -247,11 +247,6 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
   if (policy == nullptr) return Status::InvalidArgument("GrpoTrainer: no policy model");
   const int world = ranks != nullptr ? ranks->world_size() : 1;
   ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(config.fsdp));
-  if (world > 1 && fsdp.mode != common::FsdpMode::kNoShard) {
-    return Status::Unimplemented(std::string("config key 'fsdp': ") +
-                                 common::FsdpModeName(fsdp.mode) +
-                                 " is not built yet; learner ranks run no_shard (DDP)");
-  }
   if (fsdp.offload && !policy->device().is_cpu()) {
     return Status::Unimplemented("config key 'fsdp': offload to host memory is not built yet");
   }
@@ -298,9 +293,11 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
     t->compute_->SetRequiresGrad(true);
   }
   if (t->reference_) t->reference_->SetRequiresGrad(false);
-  t->optimizer_ = std::make_unique<AdamW>(
-      policy->NamedParameters(),
-      AdamWOptions{config.adam_beta1, config.adam_beta2, config.adam_epsilon, config.weight_decay});
+  ASSIGN_OR_RETURN(t->optimizer_,
+                   MakeStepOptimizer(fsdp, policy->NamedParameters(),
+                                     AdamWOptions{config.adam_beta1, config.adam_beta2,
+                                                  config.adam_epsilon, config.weight_decay},
+                                     t->ranks_));
   return t;
 }
 
@@ -609,8 +606,11 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       os.sm.reward_fn_mean = adv.reward_fn_mean;
       os.sm.reward_fn_std = adv.reward_fn_std;
       if (os.micro == 0) ZeroGrads();
+      const std::string at_micro = " of micro-batch " + std::to_string(os.micro + 1) + " of step " +
+                                   std::to_string(global_step_ + 1);
       if (owner(it, m) != ranks_->rank()) {  // another rank back-propagates this one
-        if (++os.micro < ga) continue;
+        RETURN_IF_ERROR(optimizer_->AfterMicroBatch(++os.micro, at_micro));
+        if (os.micro < ga) continue;
         ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(ga));
         result.steps.push_back(std::move(sm));
         continue;
@@ -642,6 +642,7 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       }
       MoveComputeGradsToMaster();
       if (TEST_micro_batch_fault_) RETURN_IF_ERROR(TEST_micro_batch_fault_(it * num_micro + m));
+      RETURN_IF_ERROR(optimizer_->AfterBackward(at_micro));
       os.lm.Merge(out.metrics);
       // One host read per micro-batch: TRL's entropy (the mean over micro-batches of each
       // one's token mean) and the |behaviour - old| sums over the real completion tokens.
@@ -667,7 +668,8 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
         os.mismatch_tokens += hs[4];
       }
       if (!config_.dump_batches_dir.empty()) AppendDumpRows(batch, b0, b1, logp, &os.dump);
-      if (++os.micro < ga) continue;
+      RETURN_IF_ERROR(optimizer_->AfterMicroBatch(++os.micro, at_micro));
+      if (os.micro < ga) continue;
       ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(ga));
       result.steps.push_back(std::move(sm));
     }
@@ -689,14 +691,7 @@ StatusOr<std::optional<StepMetrics>> GrpoTrainer::FlushPartialStepOrFail() {
 Status GrpoTrainer::ReduceOverRanks(OpenStep& os) {
   if (ranks_->world_size() == 1) return Status::OK();
   const std::string at_step = " of step " + std::to_string(global_step_ + 1);
-  // Every parameter takes part, with a zero gradient where this rank back-propagated nothing.
-  std::vector<at::Tensor> grads;
-  for (at::Tensor& p : policy_->Parameters()) {
-    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-    grads.push_back(p.grad());
-  }
-  RETURN_IF_ERROR(distributed::BucketedAllReduceSum(
-      *ranks_, grads, distributed::kDefaultBucketBytes, "all-reduce of the gradients" + at_step));
+  RETURN_IF_ERROR(optimizer_->ReduceGradients(os.micro, at_step));
   GrpoLossMetrics& lm = os.lm;
   std::vector<double> sums = {lm.loss,
                               lm.tokens,
@@ -743,19 +738,10 @@ Status GrpoTrainer::SyncFromRankZero() {
   RETURN_IF_ERROR(distributed::BucketedBroadcast(*ranks_, policy_->Parameters(),
                                                  distributed::kDefaultBucketBytes,
                                                  "broadcast of rank 0's weights"));
-  common::NamedTensors state = optimizer_->StateDict();
-  std::vector<at::Tensor> floats, others;
-  for (auto& [name, t] : state) {
-    t = t.contiguous().clone();
-    (t.scalar_type() == at::kFloat ? floats : others).push_back(t);
-  }
-  RETURN_IF_ERROR(distributed::BucketedBroadcast(*ranks_, floats, distributed::kDefaultBucketBytes,
-                                                 "broadcast of rank 0's AdamW state"));
+  RETURN_IF_ERROR(optimizer_->SyncFromRankZero("broadcast of rank 0's AdamW state"));
   std::vector<at::Tensor> counters = {
       at::tensor(std::vector<int64_t>{global_step_, policy_version_.load()}, at::kLong)};
-  for (const at::Tensor& t : others) counters.push_back(t);
   RETURN_IF_ERROR(ranks_->Broadcast(counters, "broadcast of rank 0's step counters"));
-  RETURN_IF_ERROR(optimizer_->LoadStateDict(state));
   const int64_t* c = counters[0].data_ptr<int64_t>();
   RestoreCounters(c[0], c[1]);
   open_.reset();
@@ -774,13 +760,9 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(int64_t divisor) {
   const double scale =
       dapo ? 1.0 / std::max(1.0, os.step_completion_tokens)
            : static_cast<double>(step_micro_batches()) / static_cast<double>(divisor);
-  if (scale != 1.0) {
-    at::NoGradGuard no_grad;
-    for (at::Tensor& p : policy_->Parameters()) {
-      if (p.grad().defined()) p.mutable_grad().mul_(scale);
-    }
-  }
-  sm.grad_norm = ClipGradNorm(policy_->Parameters(), config_.max_grad_norm);
+  const std::string at_step = " of step " + std::to_string(global_step_ + 1);
+  if (scale != 1.0) optimizer_->ScaleGradients(scale);
+  ASSIGN_OR_RETURN(sm.grad_norm, optimizer_->ClipGradNorm(config_.max_grad_norm, at_step));
   if (!std::isfinite(sm.grad_norm)) {
     return Status::Internal("non-finite gradient norm at step " + std::to_string(global_step_ + 1) +
                             "; step skipped");
@@ -792,7 +774,7 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(int64_t divisor) {
                                                               static_cast<double>(total_steps)));
   sm.learning_rate =
       LearningRateAt(schedule_, config_.learning_rate, global_step_, warmup, total_steps);
-  optimizer_->Step(sm.learning_rate);
+  RETURN_IF_ERROR(optimizer_->Step(sm.learning_rate, at_step));
   optimizer_->ZeroGrad();
   RefreshComputeCopy();
   ++global_step_;

@@ -26,6 +26,7 @@
 #include "learner/distributed/collectives.h"
 #include "learner/grpo_loss.h"
 #include "learner/optimizer.h"
+#include "learner/step_optimizer.h"
 
 namespace grpo::learner {
 
@@ -100,10 +101,12 @@ class GrpoTrainer {
   // same steps, each back-propagating its share of every step's micro-batches (the step's
   // stream position modulo the world size), with gradient_accumulation_steps per rank: a step
   // is gradient_accumulation_steps x world_size micro-batches, the one step a single rank with
-  // that accumulation takes. FinishStep sums gradients and metrics over the ranks, so every
-  // collective is matched however few micro-batches a rank has. Unimplemented for an `fsdp`
-  // mode other than no_shard at world size > 1, for offload on a GPU, and for dumps at world
-  // size > 1 (not built yet).
+  // that accumulation takes. The gradients are summed over the ranks as `fsdp` says
+  // (step_optimizer.h: an all-reduce at the step for no_shard; a reduce-scatter per round of
+  // micro-batches into 1/world_size shards for shard_grad_op), the metrics at the step, so
+  // every collective is matched however few micro-batches a rank has. Unimplemented for
+  // full_shard at world size > 1, for offload on a GPU, and for dumps at world size > 1 (not
+  // built yet).
   static StatusOr<std::unique_ptr<GrpoTrainer>> Create(const common::GrpoConfig& config,
                                                        common::Model* policy,
                                                        std::unique_ptr<common::Model> reference,
@@ -157,7 +160,8 @@ class GrpoTrainer {
   common::Model& policy() { return *policy_; }
   // The model that runs forward/backward: the bf16 copy with `bf16`, else the policy.
   const common::Model& compute_model() const { return compute_ ? *compute_ : *policy_; }
-  AdamW& optimizer() { return *optimizer_; }
+  // AdamW over the ranks as `fsdp` says; its StateDict is a collective when sharded.
+  StepOptimizer& optimizer() { return *optimizer_; }
   // The learner process id (64-bit hex) written into batch dumps as learner_incarnation, next to
   // each row's policy_incarnation (the chaos test checks that they agree).
   void set_dump_incarnation(std::string incarnation) { dump_incarnation_ = std::move(incarnation); }
@@ -189,7 +193,8 @@ class GrpoTrainer {
   void DiscardOpenStep();
   // Zeroes the gradients of the master and of the compute copy.
   void ZeroGrads();
-  // Sums the open step's gradients and metrics over the ranks (nothing at world size 1).
+  // Sums the open step's gradients (StepOptimizer::ReduceGradients) and metrics over the ranks
+  // (nothing at world size 1).
   Status ReduceOverRanks(OpenStep& step);
   // Steps the optimizer on the open step's gradient; `divisor` micro-batches (the accumulation
   // count, or fewer for a flush). Dumps the step when dumps are on.
@@ -211,7 +216,7 @@ class GrpoTrainer {
   common::Model* policy_;
   std::unique_ptr<common::Model> compute_;  // bf16 compute copy, or null (fp32)
   std::unique_ptr<common::Model> reference_;
-  std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<StepOptimizer> optimizer_;
   distributed::SingleRank single_rank_;
   distributed::Collectives* ranks_ = &single_rank_;  // never null
   LrSchedule schedule_ = LrSchedule::kLinear;

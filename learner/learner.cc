@@ -220,16 +220,17 @@ Status Learner::Stop(bool checkpoint) {
       GRPO_LOG_WARN("learner: flush the open step at stop: {}", flushed.status().ToString());
     }
   }
-  if (rank_link_) {
-    // The other ranks leave their loops (a rank already gone makes this fail: nothing to tell).
-    if (Status s = rank_link_->Stop(); !s.ok()) GRPO_LOG_WARN("learner: {}", s.ToString());
-  }
   bool need_save = false;
   {
     common::MutexLock lock(&mu_);
     need_save = checkpoint && global_step_ > last_saved_step_;
   }
   if (need_save) result = CheckpointWithRetry(kFinalCheckpointAttempts);
+  if (rank_link_) {
+    // After the last checkpoint, which the other ranks take part in when AdamW is sharded: they
+    // leave their loops (a rank already gone makes this fail: nothing to tell).
+    if (Status s = rank_link_->Stop(); !s.ok()) GRPO_LOG_WARN("learner: {}", s.ToString());
+  }
   return result;
 }
 
@@ -648,7 +649,10 @@ Status Learner::Checkpoint() {
                              ? options_.TEST_checkpoint_fault(trainer_->global_step())
                              : Status::OK();
     if (fault.ok()) {
-      dir = SaveCheckpoint(*trainer_, config_.output_dir, options_.model_dir);
+      // The other ranks join SaveCheckpoint's gather of a sharded AdamW state.
+      const Status posted = rank_link_ ? rank_link_->Checkpoint() : Status::OK();
+      dir = posted.ok() ? SaveCheckpoint(*trainer_, config_.output_dir, options_.model_dir)
+                        : StatusOr<std::string>(posted);
     } else {
       dir = fault;
     }

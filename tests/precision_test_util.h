@@ -188,7 +188,8 @@ inline void CheckBf16CheckpointRoundTrip(const at::Device& device) {
     EXPECT_EQ(f[i].device(), device);
     EXPECT_TRUE(at::equal(m[i].cpu(), f[i].cpu())) << i;
   }
-  const auto a = (*trainer)->optimizer().StateDict(), b = (*restored)->optimizer().StateDict();
+  const auto a = (*trainer)->optimizer().StateDict("test").value();
+  const auto b = (*restored)->optimizer().StateDict("test").value();
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_TRUE(at::equal(a[i].second.cpu(), b[i].second.cpu())) << a[i].first;

@@ -81,6 +81,15 @@ class FakeRankGroup::Member final : public Collectives {
   Status Broadcast(std::vector<at::Tensor>& tensors, const std::string& what) override {
     return group_->Join(rank_, Op::kBroadcast, tensors, what);
   }
+  Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output,
+                          const std::string& what) override {
+    std::vector<at::Tensor> pair = {input, output};
+    return group_->Join(rank_, Op::kReduceScatter, pair, what);
+  }
+  Status AllGather(const at::Tensor& input, at::Tensor& output, const std::string& what) override {
+    std::vector<at::Tensor> pair = {input, output};
+    return group_->Join(rank_, Op::kAllGather, pair, what);
+  }
 
  private:
   FakeRankGroup* const group_;
@@ -119,6 +128,22 @@ Status FakeRankGroup::Join(int rank, Op op, std::vector<at::Tensor>& tensors,
   joined_[rank] = &tensors;
   if (std::all_of(joined_.begin(), joined_.end(), [](const auto* t) { return t != nullptr; })) {
     at::NoGradGuard no_grad;
+    if (op == Op::kReduceScatter || op == Op::kAllGather) {
+      // {input, output} of every rank; n = the slice of one rank.
+      const int64_t n =
+          op == Op::kReduceScatter ? (*joined_[0])[1].numel() : (*joined_[0])[0].numel();
+      for (int r = 0; r < world_size_; ++r) {
+        at::Tensor out = (*joined_[r])[1];
+        if (op == Op::kAllGather) {
+          for (int q = 0; q < world_size_; ++q) out.narrow(0, q * n, n).copy_((*joined_[q])[0]);
+          continue;
+        }
+        at::Tensor acc = (*joined_[0])[0].narrow(0, r * n, n).clone();
+        for (int q = 1; q < world_size_; ++q) acc.add_((*joined_[q])[0].narrow(0, r * n, n));
+        out.copy_(acc);
+      }
+      tensors.clear();  // every rank's result is in place: nothing below
+    }
     for (size_t i = 0; i < tensors.size(); ++i) {
       if (op == Op::kBroadcast) {
         for (int r = 1; r < world_size_; ++r) (*joined_[r])[i].copy_((*joined_[0])[i]);

@@ -1,5 +1,6 @@
 // Collectives: what the trainer needs of the learner's rank group (docs/ARCHITECTURE.md
-// "Learner ranks"): sums and maxima over ranks, a broadcast from rank 0 and a barrier, each
+// "Learner ranks"): sums and maxima over ranks, a broadcast from rank 0, and ZeRO's
+// reduce-scatter and all-gather over flat buffers, each
 // bounded by the group's deadline and named, so that a failure says which collective of which
 // step failed. Three implementations: SingleRank (the identity: world size 1 costs nothing),
 // the c10d group of real processes (rank_group.h), and an in-process fake for tests whose
@@ -38,6 +39,14 @@ class Collectives {
   virtual Status AllReduceMax(std::vector<at::Tensor>& tensors, const std::string& what) = 0;
   // Rank 0's tensors into every other rank's (same shapes), in place.
   virtual Status Broadcast(std::vector<at::Tensor>& tensors, const std::string& what) = 0;
+  // ZeRO's pair, over flat contiguous tensors of one dtype and device whose `input` (of
+  // ReduceScatterSum) or `output` (of AllGather) has world_size x n elements and the other n.
+  // ReduceScatterSum: `output` = slice [rank n, (rank + 1) n) of the elementwise sum of every
+  // rank's `input`. AllGather: `output` = every rank's `input`, in rank order.
+  virtual Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output,
+                                  const std::string& what) = 0;
+  virtual Status AllGather(const at::Tensor& input, at::Tensor& output,
+                           const std::string& what) = 0;
 };
 
 // The identity: world size 1, rank 0; every collective returns at once.
@@ -52,6 +61,15 @@ class SingleRank final : public Collectives {
     return Status::OK();
   }
   Status Broadcast(std::vector<at::Tensor>&, const std::string&) override { return Status::OK(); }
+  Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output,
+                          const std::string&) override {
+    output.copy_(input);
+    return Status::OK();
+  }
+  Status AllGather(const at::Tensor& input, at::Tensor& output, const std::string&) override {
+    output.copy_(input);
+    return Status::OK();
+  }
 };
 
 // Sums `tensors` over the ranks in buckets of at most `bucket_bytes` (each bucket one flat
@@ -79,7 +97,7 @@ class FakeRankGroup {
 
  private:
   class Member;
-  enum class Op { kSum, kMax, kBroadcast };
+  enum class Op { kSum, kMax, kBroadcast, kReduceScatter, kAllGather };
   Status Join(int rank, Op op, std::vector<at::Tensor>& tensors, const std::string& what);
 
   const int world_size_;
@@ -87,7 +105,8 @@ class FakeRankGroup {
   std::vector<std::unique_ptr<Member>> members_;
   mutable common::Mutex mu_;
   common::CondVar cv_;
-  // The collective being assembled: the tensors each rank passed (null = not joined yet).
+  // The collective being assembled: the tensors each rank passed (null = not joined yet); for
+  // kReduceScatter and kAllGather, {input, output}.
   std::vector<std::vector<at::Tensor>*> joined_ GRPO_GUARDED_BY(mu_);
   int64_t generation_ GRPO_GUARDED_BY(mu_) = 0;  // collectives completed (names a round)
   int left_rank_ GRPO_GUARDED_BY(mu_) = -1;      // a rank that left, or -1

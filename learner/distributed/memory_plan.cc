@@ -63,7 +63,7 @@ ParameterCounts CountParameters(const common::ModelConfig& m) {
 }
 
 bool FsdpBuilt(const common::FsdpSpec& fsdp, int world_size, const std::string& device) {
-  if (world_size > 1 && fsdp.mode != FsdpMode::kNoShard) return false;
+  if (world_size > 1 && fsdp.mode == FsdpMode::kFullShard) return false;
   return !fsdp.offload || !IsCuda(device);
 }
 
@@ -140,6 +140,21 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     p.gathered_layer = 2 * s * p.params.largest_unit;  // the unit's weights and its gradient
   } else if (sharded) {
     p.gathered_layer = s * p.params.largest_unit;  // its gradient, before the reduce-scatter
+  }
+  if (fsdp.mode == FsdpMode::kShardGradOp && w > 1 && !offload) {
+    // shard_grad_op as built (sharded_adamw.h), not ZeRO-2's ideal: AdamW's state and the fp32
+    // gradient shard the rounds sum into are 1/W, but each micro-batch's whole .grad lives until
+    // its reduce-scatter after the backward (nothing is reduced layer by layer yet), and the
+    // weights (with bf16 the fp32 master and its .grad too) stay whole on every rank. The step:
+    // one flat bucket of the all-gather (at most 25 MiB, a larger tensor alone) and three of
+    // its chunks (the rank's weights, sqrt(v) and the denominator; the fp64 norm copy is two).
+    p.gradients = s * n + CeilDiv(4 * n, w);
+    p.master_weights = cfg.bf16 ? 4 * n : 0;
+    p.master_gradients = cfg.bf16 ? 4 * n : 0;
+    p.gathered_layer = 0;
+    const int64_t bucket =
+        std::max(std::min(kGradientBucketBytes, 4 * n), 4 * p.params.largest_tensor);
+    p.optimizer_step = bucket + 3 * CeilDiv(bucket, w);
   }
   if (p.reference) p.reference_model = shard(s * n, full);
 

@@ -63,7 +63,8 @@ struct MemoryPlan {
 
   // Model state, resident all run.
   int64_t parameters = 0;          // compute dtype: the fp32 policy, or the bf16 copy with bf16
-  int64_t gradients = 0;           // their .grad (kept between steps: AdamW::ZeroGrad zeroes)
+  int64_t gradients = 0;           // their .grad (kept between steps: AdamW::ZeroGrad zeroes;
+                                   // shard_grad_op: + the fp32 shard, see PlanMemory)
   int64_t master_weights = 0;      // bf16: the fp32 master (the policy AdamW steps)
   int64_t master_gradients = 0;    // bf16: the master's fp32 .grad (MoveComputeGradsToMaster)
   int64_t adamw_state = 0;         // exp_avg + exp_avg_sq, fp32
@@ -132,10 +133,11 @@ struct Suggestion {
   std::string Text() const;  // "set gradient_checkpointing: true and fsdp: full_shard ..."
 };
 
-// Whether GrpoTrainer runs `fsdp` at `world_size` ranks on `device` today: no_shard at any
-// world size (DDP), shard_grad_op and full_shard at one rank (where they shard nothing), offload
-// on the CPU (where it changes nothing). GrpoTrainer::Create refuses the rest as Unimplemented;
-// the plan of every mode is ZeRO's arithmetic, built or not.
+// Whether GrpoTrainer runs `fsdp` at `world_size` ranks on `device` today: no_shard (DDP) and
+// shard_grad_op (ZeRO-2) at any world size, full_shard at one rank (where it shards nothing),
+// offload on the CPU (where it changes nothing). GrpoTrainer::Create refuses the rest as
+// Unimplemented. The plan of shard_grad_op is what is built (PlanMemory); of full_shard and
+// offload, ZeRO's arithmetic.
 bool FsdpBuilt(const common::FsdpSpec& fsdp, int world_size, const std::string& device);
 
 struct SuggestOptions {

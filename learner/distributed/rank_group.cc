@@ -217,6 +217,22 @@ Status RankGroup::Broadcast(std::vector<at::Tensor>& tensors, const std::string&
       tensors, what, [&](std::vector<at::Tensor>& one) { return impl_->pg->broadcast(one, opts); });
 }
 
+Status RankGroup::ReduceScatterSum(const at::Tensor& input, at::Tensor& output,
+                                   const std::string& what) {
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  opts.timeout = impl_->timeout;
+  at::Tensor in = input;
+  return impl_->Run(what, [&] { return impl_->pg->_reduce_scatter_base(output, in, opts); });
+}
+
+Status RankGroup::AllGather(const at::Tensor& input, at::Tensor& output, const std::string& what) {
+  c10d::AllgatherOptions opts;
+  opts.timeout = impl_->timeout;
+  at::Tensor in = input;
+  return impl_->Run(what, [&] { return impl_->pg->_allgather_base(output, in, opts); });
+}
+
 Status RankGroup::Post(const std::string& command) {
   Impl& m = *impl_;
   if (m.env.rank != 0) return Status::FailedPrecondition("only rank 0 posts commands");
@@ -276,6 +292,12 @@ Status RankGroup::AllReduceMax(std::vector<at::Tensor>&, const std::string&) {
   return Status::Unimplemented("built without Gloo");
 }
 Status RankGroup::Broadcast(std::vector<at::Tensor>&, const std::string&) {
+  return Status::Unimplemented("built without Gloo");
+}
+Status RankGroup::ReduceScatterSum(const at::Tensor&, at::Tensor&, const std::string&) {
+  return Status::Unimplemented("built without Gloo");
+}
+Status RankGroup::AllGather(const at::Tensor&, at::Tensor&, const std::string&) {
   return Status::Unimplemented("built without Gloo");
 }
 Status RankGroup::Post(const std::string&) { return Status::Unimplemented("built without Gloo"); }

@@ -47,6 +47,9 @@ class RankGroup final : public Collectives {
   Status AllReduceSum(std::vector<at::Tensor>& tensors, const std::string& what) override;
   Status AllReduceMax(std::vector<at::Tensor>& tensors, const std::string& what) override;
   Status Broadcast(std::vector<at::Tensor>& tensors, const std::string& what) override;
+  Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output,
+                          const std::string& what) override;
+  Status AllGather(const at::Tensor& input, at::Tensor& output, const std::string& what) override;
 
   // Rank 0: the next command (bytes) for every other rank, in order. Commands read by every
   // rank are removed from the store.

@@ -15,7 +15,9 @@ std::string EncodeCommand(RankCommand command, const std::vector<common::Rollout
 Status ServeRankZero(RankGroup& group, GrpoTrainer& trainer) {
   const std::string me = "learner rank " + std::to_string(group.rank());
   while (true) {
-    ASSIGN_OR_RETURN(const std::string bytes, group.Next());
+    StatusOr<std::string> next = group.Next();
+    if (!next.ok()) return next.status();
+    const std::string& bytes = *next;
     if (bytes.empty()) return Status::DataLoss(me + ": an empty command from rank 0");
     switch (static_cast<RankCommand>(bytes[0])) {
       case RankCommand::kSync:
@@ -32,6 +34,13 @@ Status ServeRankZero(RankGroup& group, GrpoTrainer& trainer) {
       }
       case RankCommand::kFlush:
         RETURN_IF_ERROR(trainer.FlushPartialStep().status());
+        break;
+      case RankCommand::kCheckpoint:
+        // Rank 0 writes the checkpoint; a sharded AdamW state is gathered there from every rank.
+        RETURN_IF_ERROR(trainer.optimizer()
+                            .StateDict("gather of the AdamW state for checkpoint-" +
+                                       std::to_string(trainer.global_step()))
+                            .status());
         break;
       case RankCommand::kStop:
         GRPO_LOG_INFO("{}: rank 0 ended the job at step {}", me, trainer.global_step());

@@ -19,10 +19,11 @@ class GrpoTrainer;
 namespace grpo::learner::distributed {
 
 enum class RankCommand : uint8_t {
-  kSync = 1,   // GrpoTrainer::SyncFromRankZero (at start, after rank 0 restored a checkpoint)
-  kTrain = 2,  // TrainGenerationBatch on the groups that follow
-  kFlush = 3,  // FlushPartialStep
-  kStop = 4,   // the job is over: leave the loop
+  kSync = 1,        // GrpoTrainer::SyncFromRankZero (at start, after rank 0 restored a checkpoint)
+  kTrain = 2,       // TrainGenerationBatch on the groups that follow
+  kFlush = 3,       // FlushPartialStep
+  kStop = 4,        // the job is over: leave the loop
+  kCheckpoint = 5,  // rank 0 saves a checkpoint: join the gather of AdamW's state (sharded)
 };
 
 // The command's bytes; `groups` for kTrain.
@@ -39,6 +40,7 @@ class RankZeroLink {
   }
   Status Flush() { return group_->Post(EncodeCommand(RankCommand::kFlush)); }
   Status Stop() { return group_->Post(EncodeCommand(RankCommand::kStop)); }
+  Status Checkpoint() { return group_->Post(EncodeCommand(RankCommand::kCheckpoint)); }
 
  private:
   RankGroup* group_;

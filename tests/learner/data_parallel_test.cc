@@ -165,10 +165,17 @@ void ExpectSameAsSingleRank(const RunResult& rank, const RunResult& single, int 
   }
 }
 
-class DataParallel : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+common::GrpoConfig RankConfig(const std::string& loss_type, int world_size,
+                              const std::string& fsdp) {
+  common::GrpoConfig c = RankConfig(loss_type, world_size);
+  c.fsdp = fsdp;
+  return c;
+}
+
+class DataParallel : public ::testing::TestWithParam<std::tuple<std::string, int, std::string>> {};
 
 TEST_P(DataParallel, RanksOverThreadsTakeTheSingleRanksSteps) {
-  const auto [loss_type, world] = GetParam();
+  const auto [loss_type, world, fsdp] = GetParam();
   const RunResult single = Train(RankConfig(loss_type, 1), nullptr);
   ASSERT_TRUE(single.error.empty()) << single.error;
   // 8 + 6 micro-batches x 2 iterations = 28 = 7 steps of 4.
@@ -178,7 +185,7 @@ TEST_P(DataParallel, RanksOverThreadsTakeTheSingleRanksSteps) {
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back(
-        [&, r] { results[r] = Train(RankConfig(loss_type, world), &group.Rank(r)); });
+        [&, r] { results[r] = Train(RankConfig(loss_type, world, fsdp), &group.Rank(r)); });
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < world; ++r) ExpectSameAsSingleRank(results[r], single, r);
@@ -186,7 +193,74 @@ TEST_P(DataParallel, RanksOverThreadsTakeTheSingleRanksSteps) {
 
 INSTANTIATE_TEST_SUITE_P(LossTypes, DataParallel,
                          ::testing::Combine(::testing::Values("dapo", "grpo", "dr_grpo"),
-                                            ::testing::Values(2, 4)));
+                                            ::testing::Values(2, 4),
+                                            ::testing::Values("no_shard", "shard_grad_op")));
+
+// ZeRO-2's model state (Rajbhandari et al. 2020, fp32 here): the gradient and AdamW's two
+// moments, 12 bytes per parameter on one rank, become 12 x ceil(P / W) on each of W ranks (the
+// tiny model is one bucket: each rank owns ceil(P / W) of its elements), and no whole .grad is
+// left between steps.
+TEST(DataParallelSharding, EachRankHoldsItsShareOfTheGradientAndAdamWState) {
+  auto count = TinyModel();
+  int64_t P = 0;
+  for (const at::Tensor& p : count->Parameters()) P += p.numel();
+  for (const int world : {1, 2, 4}) {
+    FakeRankGroup group(world, std::chrono::seconds(60));
+    std::vector<int64_t> resident(world, -1);
+    std::vector<std::string> errors(world);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        auto model = TinyModel();
+        auto t = GrpoTrainer::Create(RankConfig("dapo", world, "shard_grad_op"), model.get(),
+                                     nullptr, &group.Rank(r));
+        if (!t.ok()) {
+          errors[r] = t.status().ToString();
+          return;
+        }
+        auto result = (*t)->TrainGenerationBatch(Batches()[0]);
+        if (!result.ok()) {
+          errors[r] = result.status().ToString();
+          return;
+        }
+        for (const at::Tensor& p : model->Parameters()) {
+          if (p.grad().defined() && world > 1) errors[r] = "a whole .grad left after the steps";
+        }
+        resident[r] = (*t)->optimizer().ResidentBytes();
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < world; ++r) {
+      ASSERT_TRUE(errors[r].empty()) << "world " << world << " rank " << r << ": " << errors[r];
+      EXPECT_EQ(resident[r], 12 * ((P + world - 1) / world)) << "world " << world << " rank " << r;
+    }
+  }
+}
+
+// The fake's reduce-scatter and all-gather, by hand: rank r passes [r, r+1, r+2, r+3] at 2 ranks.
+TEST(FakeRankGroupCollectives, ReduceScatterAndAllGatherByHand) {
+  FakeRankGroup group(2, std::chrono::seconds(10));
+  std::vector<at::Tensor> scattered(2), gathered(2);
+  std::vector<Status> status(4);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      const at::Tensor in = at::arange(4, at::kFloat) + r;
+      scattered[r] = at::zeros({2});
+      status[r] = group.Rank(r).ReduceScatterSum(in, scattered[r], "rs");
+      gathered[r] = at::zeros({4});
+      status[2 + r] = group.Rank(r).AllGather(scattered[r], gathered[r], "ag");
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const Status& st : status) ASSERT_TRUE(st.ok()) << st.ToString();
+  // Sum [0,1,2,3] + [1,2,3,4] = [1,3,5,7]: rank 0 keeps [1,3], rank 1 [5,7].
+  EXPECT_TRUE(at::equal(scattered[0], at::tensor({1.0f, 3.0f})));
+  EXPECT_TRUE(at::equal(scattered[1], at::tensor({5.0f, 7.0f})));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(at::equal(gathered[r], at::tensor({1.0f, 3.0f, 5.0f, 7.0f}))) << r;
+  }
+}
 
 // Batches [first, last) of Batches() (and the flush after the last), as rank `ranks->rank()`:
 // restored from `restore_dir` first when given (rank 0 reads it, SyncFromRankZero hands it to
@@ -217,6 +291,9 @@ RunResult TrainPart(const common::GrpoConfig& cfg, Collectives* ranks, size_t fi
   if (!save_dir.empty() && rank == 0) {
     auto saved = SaveCheckpoint(**trainer, save_dir, "");
     if (!saved.ok()) return {{}, {}, saved.status().ToString()};
+  } else if (!save_dir.empty()) {  // the gather of a sharded AdamW state (RankCommand::kCheckpoint)
+    auto state = (*trainer)->optimizer().StateDict("checkpoint");
+    if (!state.ok()) return {{}, {}, state.status().ToString()};
   }
   for (const at::Tensor& p : model->Parameters()) out.weights.push_back(p.detach().clone());
   return out;
@@ -224,15 +301,15 @@ RunResult TrainPart(const common::GrpoConfig& cfg, Collectives* ranks, size_t fi
 
 // `world` thread ranks over a fake group, each running TrainPart.
 std::vector<RunResult> TrainPartOnRanks(int world, size_t first, size_t last,
-                                        const std::string& restore_dir,
-                                        const std::string& save_dir) {
+                                        const std::string& restore_dir, const std::string& save_dir,
+                                        const std::string& fsdp = "no_shard") {
   FakeRankGroup group(world, std::chrono::seconds(60));
   std::vector<RunResult> results(world);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      results[r] =
-          TrainPart(RankConfig("dapo", world), &group.Rank(r), first, last, restore_dir, save_dir);
+      results[r] = TrainPart(RankConfig("dapo", world, fsdp), &group.Rank(r), first, last,
+                             restore_dir, save_dir);
     });
   }
   for (auto& t : threads) t.join();
@@ -265,6 +342,39 @@ TEST(DataParallelCheckpoints, ResumeAtAnotherWorldSizeTakesTheUninterruptedSteps
   ASSERT_TRUE(first.error.empty()) << first.error;
   const std::vector<RunResult> resumed =
       TrainPartOnRanks(2, 1, 2, (dir / "at1" / "checkpoint-4").string(), "");
+  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
+  fs::remove_all(dir);
+}
+
+// A sharded checkpoint is the whole state too (rank 0 gathers AdamW's shards): saved at 4
+// shard_grad_op ranks it resumes at 2 sharded ranks and at 1, and one saved at 1 resumes at 2
+// sharded ranks (each takes its shard of rank 0's restored state); every resumed run takes the
+// uninterrupted single rank's steps.
+TEST(DataParallelCheckpoints, ShardedStateResumesAtAnotherWorldSize) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("grpo_dp_zero_ckpt_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const RunResult uninterrupted = Train(RankConfig("dapo", 1), nullptr);
+  ASSERT_TRUE(uninterrupted.error.empty()) << uninterrupted.error;
+  RunResult tail_of_reference = uninterrupted;
+  tail_of_reference.steps.erase(tail_of_reference.steps.begin(),
+                                tail_of_reference.steps.begin() + 4);
+
+  const std::vector<RunResult> four =
+      TrainPartOnRanks(4, 0, 1, "", (dir / "at4").string(), "shard_grad_op");
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(four[r].error.empty()) << r << ": " << four[r].error;
+  const std::string at4 = (dir / "at4" / "checkpoint-4").string();
+  const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4, "", "shard_grad_op");
+  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(two[r], tail_of_reference, r);
+  ExpectSameAsSingleRank(TrainPart(RankConfig("dapo", 1), nullptr, 1, 2, at4, ""),
+                         tail_of_reference, 0);
+
+  const RunResult first =
+      TrainPart(RankConfig("dapo", 1), nullptr, 0, 1, "", (dir / "at1").string());
+  ASSERT_TRUE(first.error.empty()) << first.error;
+  const std::vector<RunResult> resumed =
+      TrainPartOnRanks(2, 1, 2, (dir / "at1" / "checkpoint-4").string(), "", "shard_grad_op");
   for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
   fs::remove_all(dir);
 }
@@ -311,7 +421,7 @@ TEST(DataParallelFaults, ARankThatNeverJoinsFailsTheStepAtTheDeadline) {
   EXPECT_LT(s, 10.0);
 }
 
-TEST(DataParallelConfig, ShardingModesNotBuiltYetAndDumpsAreRefusedAtSeveralRanks) {
+TEST(DataParallelConfig, FullShardAndDumpsAreRefusedAtSeveralRanks) {
   FakeRankGroup group(2, std::chrono::seconds(5));
   auto model = TinyModel();
   auto cfg = RankConfig("dapo", 2);
@@ -423,6 +533,7 @@ TEST(DataParallelChild, Rank) {
   if (out == nullptr) GTEST_SKIP() << "run by DataParallelProcesses as a rank";
   const std::string loss_type = std::getenv("GRPO_DP_LOSS");
   const std::string mode = std::getenv("GRPO_DP_MODE");
+  const std::string fsdp = std::getenv("GRPO_DP_FSDP");
   auto env = distributed::RankEnvFromEnvironment();
   ASSERT_TRUE(env.ok()) << env.status().ToString();
   const int timeout_ms = std::atoi(std::getenv("GRPO_DP_TIMEOUT_MS"));
@@ -433,7 +544,7 @@ TEST(DataParallelChild, Rank) {
     ::raise(SIGSTOP);  // the parent continues it after rank 0 failed
     return;
   }
-  const RunResult r = Train(RankConfig(loss_type, env->world_size), group->get());
+  const RunResult r = Train(RankConfig(loss_type, env->world_size, fsdp), group->get());
   nlohmann::json j;
   j["error"] = r.error;
   j["steps"] = nlohmann::json::array();
@@ -455,12 +566,12 @@ struct ChildRun {
   double rank0_seconds = 0;
 };
 
-ChildRun RunRanks(int world, const std::string& loss_type, const std::string& mode,
-                  int timeout_ms) {
+ChildRun RunRanks(int world, const std::string& loss_type, const std::string& mode, int timeout_ms,
+                  const std::string& fsdp = "no_shard") {
   namespace fs = std::filesystem;
   const fs::path dir =
       fs::temp_directory_path() / ("grpo_dp_" + std::to_string(::getpid()) + "_" + loss_type + "_" +
-                                   mode + "_" + std::to_string(world));
+                                   mode + "_" + std::to_string(world) + "_" + fsdp);
   fs::remove_all(dir);
   fs::create_directories(dir);
   common::ProcessSupervisor sup;
@@ -474,6 +585,7 @@ ChildRun RunRanks(int world, const std::string& loss_type, const std::string& mo
     ::setenv("GRPO_DP_CHILD_OUT", (dir / ("rank" + std::to_string(r))).c_str(), 1);
     ::setenv("GRPO_DP_LOSS", loss_type.c_str(), 1);
     ::setenv("GRPO_DP_MODE", mode.c_str(), 1);
+    ::setenv("GRPO_DP_FSDP", fsdp.c_str(), 1);
     ::setenv("GRPO_DP_TIMEOUT_MS", std::to_string(timeout_ms).c_str(), 1);
     common::ProcessSpec spec;
     spec.argv = {"/proc/self/exe", "--gtest_filter=DataParallelChild.Rank"};
@@ -483,7 +595,7 @@ ChildRun RunRanks(int world, const std::string& loss_type, const std::string& mo
     EXPECT_TRUE(sup.Spawn("rank" + std::to_string(r), spec).ok());
   }
   for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GRPO_DP_CHILD_OUT",
-                        "GRPO_DP_LOSS", "GRPO_DP_MODE", "GRPO_DP_TIMEOUT_MS"}) {
+                        "GRPO_DP_LOSS", "GRPO_DP_MODE", "GRPO_DP_FSDP", "GRPO_DP_TIMEOUT_MS"}) {
     ::unsetenv(v);
   }
   ChildRun run;
@@ -519,13 +631,14 @@ ChildRun RunRanks(int world, const std::string& loss_type, const std::string& mo
   return run;
 }
 
-class DataParallelProcesses : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+class DataParallelProcesses
+    : public ::testing::TestWithParam<std::tuple<std::string, int, std::string>> {};
 
 TEST_P(DataParallelProcesses, RanksOverC10dTakeTheSingleRanksSteps) {
-  const auto [loss_type, world] = GetParam();
+  const auto [loss_type, world, fsdp] = GetParam();
   const RunResult single = Train(RankConfig(loss_type, 1), nullptr);
   ASSERT_TRUE(single.error.empty()) << single.error;
-  const ChildRun run = RunRanks(world, loss_type, "train", 60'000);
+  const ChildRun run = RunRanks(world, loss_type, "train", 60'000, fsdp);
   for (int r = 0; r < world; ++r) {
     ASSERT_EQ(run.exit_codes[r], 0) << "rank " << r;
     ASSERT_TRUE(run.results[r].is_object()) << "rank " << r;
@@ -549,9 +662,14 @@ TEST_P(DataParallelProcesses, RanksOverC10dTakeTheSingleRanksSteps) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(LossTypes, DataParallelProcesses,
-                         ::testing::Values(std::make_tuple("dapo", 2), std::make_tuple("grpo", 4),
-                                           std::make_tuple("dr_grpo", 2)));
+INSTANTIATE_TEST_SUITE_P(
+    LossTypes, DataParallelProcesses,
+    ::testing::Values(std::make_tuple("dapo", 2, "no_shard"),
+                      std::make_tuple("grpo", 4, "no_shard"),
+                      std::make_tuple("dr_grpo", 2, "no_shard"),
+                      // ZeRO-2 over c10d's _reduce_scatter_base and _allgather_base (Gloo).
+                      std::make_tuple("dapo", 4, "shard_grad_op"),
+                      std::make_tuple("grpo", 2, "shard_grad_op")));
 
 TEST(DataParallelProcessFaults, ADeadRankFailsRankZerosFirstStepAtOnce) {
   const ChildRun run = RunRanks(2, "dapo", "die", 20'000);

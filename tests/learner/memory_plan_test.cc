@@ -182,10 +182,13 @@ INSTANTIATE_TEST_SUITE_P(
         StateCase{"no_shard", false, 2, 553'216, 553'216, 0, 0, 1'106'432, 0, 25ll << 20, 0},
         StateCase{"no_shard", false, 4, 553'216, 553'216, 0, 0, 1'106'432, 0, 25ll << 20, 0},
         StateCase{"shard_grad_op", false, 1, 553'216, 553'216, 0, 0, 1'106'432, 0, 512'000, 0},
-        // 553,216 / 2 = 276,608; 1,106,432 / 2 = 553,216; 512,000 / 2 = 256,000
-        StateCase{"shard_grad_op", false, 2, 553'216, 276'608, 0, 0, 553'216, 256'000, 256'000, 0},
-        // / 4: 138,304; 276,608; 128,000
-        StateCase{"shard_grad_op", false, 4, 553'216, 138'304, 0, 0, 276'608, 256'000, 128'000, 0},
+        // As built (learner/distributed/sharded_adamw.h): the micro-batch's whole gradient 4P
+        // plus the fp32 shard 4P / 2 = 276,608 -> 829,824; AdamW 8P / 2 = 553,216; nothing
+        // gathered; the step one bucket (the whole model, 4P < 25 MiB) and three of its halves:
+        // 553,216 + 3 x 276,608 = 1,383,040.
+        StateCase{"shard_grad_op", false, 2, 553'216, 829'824, 0, 0, 553'216, 0, 1'383'040, 0},
+        // / 4: 4P + 138,304 = 691,520; AdamW 276,608; step 553,216 + 3 x 138,304 = 968,128.
+        StateCase{"shard_grad_op", false, 4, 553'216, 691'520, 0, 0, 276'608, 0, 968'128, 0},
         StateCase{"full_shard", false, 1, 553'216, 553'216, 0, 0, 1'106'432, 0, 512'000, 0},
         StateCase{"full_shard", false, 2, 276'608, 276'608, 0, 0, 553'216, 512'000, 256'000, 0},
         StateCase{"full_shard", false, 4, 138'304, 138'304, 0, 0, 276'608, 512'000, 128'000, 0},
@@ -439,7 +442,8 @@ TEST(FsdpBuilt, FollowsWhatTheTrainerRunsToday) {
   EXPECT_TRUE(FsdpBuilt(spec("no_shard"), 8, "cuda"));  // DDP
   EXPECT_TRUE(FsdpBuilt(spec("full_shard"), 1, "cuda"));
   EXPECT_FALSE(FsdpBuilt(spec("full_shard"), 2, "cpu"));
-  EXPECT_FALSE(FsdpBuilt(spec("shard_grad_op"), 2, "cuda"));
+  EXPECT_TRUE(FsdpBuilt(spec("shard_grad_op"), 2, "cuda"));  // ZeRO-2
+  EXPECT_FALSE(FsdpBuilt(spec("shard_grad_op offload"), 2, "cuda"));
   EXPECT_TRUE(FsdpBuilt(spec("no_shard offload"), 4, "cpu"));
   EXPECT_FALSE(FsdpBuilt(spec("no_shard offload"), 1, "cuda"));
 }

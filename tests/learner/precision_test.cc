@@ -124,7 +124,9 @@ TEST(Bf16Training, MasterWeightsOptimizerStateAndGradientsStayFp32) {
       EXPECT_EQ(p.grad().scalar_type(), at::kFloat) << name;
     }
   }
-  for (const auto& [name, t] : (*trainer)->optimizer().StateDict()) {
+  const auto state = (*trainer)->optimizer().StateDict("test");
+  ASSERT_TRUE(state.ok()) << state.status().ToString();
+  for (const auto& [name, t] : *state) {
     if (name != "step") {
       EXPECT_EQ(t.scalar_type(), at::kFloat) << name;
     }

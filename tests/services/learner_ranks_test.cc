@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/model/safetensors.h"
 #include "tests/services/http_test_util.h"
 #include "tests/services/process_util.h"
 #include "tests/test_util.h"
@@ -49,8 +50,9 @@ class LearnerRanksTest : public ::testing::Test {
     fs::remove_all(dir_);
   }
 
-  // Both ranks of a world of two, rank 1 first (it waits for rank 0's store).
-  void StartRanks(int max_steps) {
+  // Both ranks of a world of two, rank 1 first (it waits for rank 0's store), with `extra`
+  // learner flags.
+  void StartRanks(int max_steps, const std::vector<std::string>& extra = {}) {
     const int master_port = grpo::testing::FreeLoopbackPort();
     ASSERT_GT(master_port, 0);
     for (int rank : {1, 0}) {
@@ -58,31 +60,32 @@ class LearnerRanksTest : public ::testing::Test {
       ::setenv("WORLD_SIZE", "2", 1);
       ::setenv("MASTER_ADDR", "127.0.0.1", 1);
       ::setenv("MASTER_PORT", std::to_string(master_port).c_str(), 1);
-      const pid_t pid =
-          children_->Spawn("rank" + std::to_string(rank), {GrpoBin(),
-                                                           "--log_level",
-                                                           "info",
-                                                           "learner",
-                                                           "--output_dir",
-                                                           (dir_ / "out").string(),
-                                                           "--grpc_port",
-                                                           "0",
-                                                           "--metrics_port",
-                                                           "0",
-                                                           "--auth_token_file",
-                                                           (dir_ / "token").string(),
-                                                           "--num_generations",
-                                                           "2",
-                                                           "--per_device_train_batch_size",
-                                                           "4",
-                                                           "--reward_funcs",
-                                                           "length",
-                                                           "--max_steps",
-                                                           std::to_string(max_steps),
-                                                           "--rank_timeout_seconds",
-                                                           "20",
-                                                           "--linger_seconds",
-                                                           "0"});
+      std::vector<std::string> argv = {GrpoBin(),
+                                       "--log_level",
+                                       "info",
+                                       "learner",
+                                       "--output_dir",
+                                       (dir_ / "out").string(),
+                                       "--grpc_port",
+                                       "0",
+                                       "--metrics_port",
+                                       "0",
+                                       "--auth_token_file",
+                                       (dir_ / "token").string(),
+                                       "--num_generations",
+                                       "2",
+                                       "--per_device_train_batch_size",
+                                       "4",
+                                       "--reward_funcs",
+                                       "length",
+                                       "--max_steps",
+                                       std::to_string(max_steps),
+                                       "--rank_timeout_seconds",
+                                       "20",
+                                       "--linger_seconds",
+                                       "0"};
+      argv.insert(argv.end(), extra.begin(), extra.end());
+      const pid_t pid = children_->Spawn("rank" + std::to_string(rank), argv);
       ASSERT_GT(pid, 0);
     }
     for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(v);
@@ -129,6 +132,40 @@ TEST_F(LearnerRanksTest, TwoRanksTrainTheJobToMaxStepsAndBothExitZero) {
   EXPECT_NE(log1.find("rank 0 ended the job at step 3"), std::string::npos) << log1;
   // Rank 0 alone wrote the checkpoint.
   EXPECT_TRUE(fs::exists(dir_ / "out" / "checkpoint-3")) << Logs();
+}
+
+// fsdp shard_grad_op (ZeRO-2): each rank holds half of AdamW's state, and every checkpoint (one
+// at step 2 by save_steps, the last at 3) holds the whole of it: rank 1 joins the gather of
+// each, and leaves only after the last. The saved moments have the parameters' shapes.
+TEST_F(LearnerRanksTest, ShardGradOpRanksWriteWholeCheckpoints) {
+  StartRanks(/*max_steps=*/3, {"--fsdp", "shard_grad_op", "--save_steps", "2"});
+  const auto rank0 = children_->Wait("rank0", seconds(240));
+  ASSERT_TRUE(rank0.has_value()) << "rank 0 still runs:\n" << Logs();
+  EXPECT_EQ(*rank0, 0) << Logs();
+  const auto rank1 = children_->Wait("rank1", seconds(30));
+  ASSERT_TRUE(rank1.has_value()) << Logs();
+  EXPECT_EQ(*rank1, 0) << Logs();
+  EXPECT_NE(ReadFile(children_->Err("rank1")).find("rank 0 ended the job at step 3"),
+            std::string::npos)
+      << Logs();
+  for (const char* name : {"checkpoint-2", "checkpoint-3"}) {
+    const fs::path ckpt = dir_ / "out" / name;
+    auto model = grpo::common::SafetensorsFile::Open((ckpt / "model.safetensors").string());
+    auto opt = grpo::common::SafetensorsFile::Open((ckpt / "optimizer.safetensors").string());
+    ASSERT_TRUE(model.ok() && opt.ok()) << name << "\n" << Logs();
+    ASSERT_FALSE((*model)->Names().empty());
+    for (const std::string& p : (*model)->Names()) {
+      const auto w = (*model)->Get(p);
+      ASSERT_TRUE(w.ok()) << p;
+      for (const char* prefix : {"exp_avg.", "exp_avg_sq."}) {
+        const auto m = (*opt)->Get(std::string(prefix) + p);
+        ASSERT_TRUE(m.ok()) << name << ": " << prefix << p;
+        EXPECT_EQ(m->sizes(), w->sizes()) << name << ": " << prefix << p;
+        // A moment after two or three steps of AdamW is not all zero (a missing shard would be).
+        EXPECT_GT(m->abs().sum().item<double>(), 0.0) << name << ": " << prefix << p;
+      }
+    }
+  }
 }
 
 TEST_F(LearnerRanksTest, AKilledRankFailsTheJobAndRankZeroExitsNonZeroNamingTheCollective) {

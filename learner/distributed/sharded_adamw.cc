@@ -1,0 +1,274 @@
+#include "learner/distributed/sharded_adamw.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <utility>
+
+namespace grpo::learner::distributed {
+
+ShardedAdamW::ShardedAdamW(common::NamedTensors params, AdamWOptions options, Collectives* ranks)
+    : params_(std::move(params)), options_(options), ranks_(ranks) {}
+
+StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(common::NamedTensors params,
+                                                             AdamWOptions options,
+                                                             Collectives* ranks,
+                                                             int64_t bucket_bytes) {
+  if (ranks == nullptr || ranks->world_size() < 1) {
+    return Status::InvalidArgument("ShardedAdamW: no rank group");
+  }
+  if (params.empty()) return Status::InvalidArgument("ShardedAdamW: no parameters");
+  if (bucket_bytes <= 0) return Status::InvalidArgument("ShardedAdamW: bucket_bytes must be > 0");
+  const at::Tensor& first = params.front().second;
+  for (const auto& [name, p] : params) {
+    if (!p.is_contiguous() || p.scalar_type() != first.scalar_type() ||
+        p.device() != first.device() || !at::isFloatingType(p.scalar_type())) {
+      return Status::InvalidArgument("ShardedAdamW: parameter '" + name +
+                                     "' is not contiguous floating point of the first's dtype "
+                                     "and device");
+    }
+  }
+  std::unique_ptr<ShardedAdamW> s(new ShardedAdamW(std::move(params), options, ranks));
+  const int64_t world = ranks->world_size();
+  const int64_t rank = ranks->rank();
+  const int64_t element = static_cast<int64_t>(first.element_size());
+  for (size_t i = 0; i < s->params_.size(); ++i) {
+    const int64_t n = s->params_[i].second.numel();
+    if (s->buckets_.empty() ||
+        ((s->buckets_.back().numel + n) * element > bucket_bytes && s->buckets_.back().numel > 0)) {
+      Bucket b;
+      b.first = i;
+      s->buckets_.push_back(b);
+    }
+    Bucket& b = s->buckets_.back();
+    b.param_offsets.push_back(b.numel);
+    b.numel += n;
+    b.last = i + 1;
+  }
+  for (Bucket& b : s->buckets_) {
+    b.chunk = (b.numel + world - 1) / world;
+    b.shard_offset = s->shard_numel_;
+    s->shard_numel_ += b.chunk;
+    const int64_t lo = rank * b.chunk, hi = std::min(b.numel, lo + b.chunk);
+    for (size_t i = b.first; i < b.last; ++i) {
+      const int64_t p0 = b.param_offsets[i - b.first];
+      const int64_t p1 = p0 + s->params_[i].second.numel();
+      const int64_t a = std::max(lo, p0), z = std::min(hi, p1);
+      if (a < z) b.mine.push_back({i, a - p0, a - lo, z - a});
+    }
+  }
+  const auto opts = first.options();
+  s->grad_shard_ = at::zeros({s->shard_numel_}, opts);
+  s->exp_avg_ = at::zeros({s->shard_numel_}, opts);
+  s->exp_avg_sq_ = at::zeros({s->shard_numel_}, opts);
+  return s;
+}
+
+template <typename Source>
+at::Tensor ShardedAdamW::PackBucket(const Bucket& b, Source source) const {
+  at::Tensor flat = at::zeros({b.chunk * ranks_->world_size()}, grad_shard_.options());
+  for (size_t i = b.first; i < b.last; ++i) {
+    const at::Tensor t = source(i);
+    if (!t.defined()) continue;
+    flat.narrow(0, b.param_offsets[i - b.first], t.numel()).copy_(t.reshape({-1}));
+  }
+  return flat;
+}
+
+Status ShardedAdamW::ReduceRound(const std::string& where) {
+  at::NoGradGuard no_grad;
+  for (const Bucket& b : buckets_) {
+    at::Tensor flat = PackBucket(b, [&](size_t i) { return params_[i].second.grad(); });
+    at::Tensor summed = at::empty({b.chunk}, grad_shard_.options());
+    RETURN_IF_ERROR(
+        ranks_->ReduceScatterSum(flat, summed, "reduce-scatter of the gradients" + where));
+    grad_shard_.narrow(0, b.shard_offset, b.chunk).add_(summed);
+  }
+  // Only the shard stays: the next backward allocates .grad afresh.
+  for (auto& [name, p] : params_) p.mutable_grad().reset();
+  round_reduced_ = true;
+  return Status::OK();
+}
+
+Status ShardedAdamW::AfterBackward(const std::string& where) { return ReduceRound(where); }
+
+Status ShardedAdamW::AfterMicroBatch(int64_t position, const std::string& where) {
+  if (position % ranks_->world_size() != 0) return Status::OK();
+  // The round's end: a rank that back-propagated nothing in it joins with zeros.
+  if (!round_reduced_) RETURN_IF_ERROR(ReduceRound(where));
+  round_reduced_ = false;
+  return Status::OK();
+}
+
+Status ShardedAdamW::ReduceGradients(int64_t micro_batches, const std::string& where) {
+  // A partial last round (a flushed step) ends here; a full one ended in AfterMicroBatch.
+  if (micro_batches % ranks_->world_size() == 0) return Status::OK();
+  return AfterMicroBatch(0, where);
+}
+
+void ShardedAdamW::ScaleGradients(double scale) {
+  at::NoGradGuard no_grad;
+  grad_shard_.mul_(scale);
+}
+
+StatusOr<double> ShardedAdamW::ClipGradNorm(double max_norm, const std::string& where) {
+  at::NoGradGuard no_grad;
+  // The padding is zero: the shards' squared norms sum to the whole gradient's. In fp64, one
+  // bucket's chunk at a time (the copy is twice the chunk).
+  at::Tensor local = at::zeros({1}, grad_shard_.options().dtype(at::kDouble));
+  for (const Bucket& b : buckets_) {
+    local.add_(grad_shard_.narrow(0, b.shard_offset, b.chunk).to(at::kDouble).square().sum());
+  }
+  std::vector<at::Tensor> sq = {local};
+  RETURN_IF_ERROR(ranks_->AllReduceSum(sq, "all-reduce of the gradient norm" + where));
+  const double total = std::sqrt(sq[0].item<double>());
+  if (max_norm > 0) {
+    const double coef = max_norm / (total + 1e-6);
+    if (coef < 1.0) grad_shard_.mul_(coef);
+  }
+  return total;
+}
+
+Status ShardedAdamW::Step(double lr, const std::string& where) {
+  at::NoGradGuard no_grad;
+  ++step_;
+  const double bias1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step_));
+  const double bias2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step_));
+  const double step_size = lr / bias1;
+  const double bias2_sqrt = std::sqrt(bias2);
+  for (const Bucket& b : buckets_) {
+    // This rank's chunk of the weights, updated as AdamW::Step updates a parameter.
+    at::Tensor p = at::zeros({b.chunk}, grad_shard_.options());
+    for (const Piece& piece : b.mine) {
+      p.narrow(0, piece.chunk_offset, piece.numel)
+          .copy_(
+              params_[piece.param].second.reshape({-1}).narrow(0, piece.param_offset, piece.numel));
+    }
+    const at::Tensor g = grad_shard_.narrow(0, b.shard_offset, b.chunk);
+    at::Tensor m = exp_avg_.narrow(0, b.shard_offset, b.chunk);
+    at::Tensor v = exp_avg_sq_.narrow(0, b.shard_offset, b.chunk);
+    if (options_.weight_decay != 0.0) p.mul_(1.0 - lr * options_.weight_decay);
+    m.lerp_(g, 1.0 - options_.beta1);
+    v.mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
+    at::Tensor denom = (v.sqrt() / bias2_sqrt).add_(options_.eps);
+    p.addcdiv_(m, denom, -step_size);
+    // Every rank's chunks into every rank's parameters.
+    at::Tensor whole = at::empty({b.chunk * ranks_->world_size()}, grad_shard_.options());
+    RETURN_IF_ERROR(ranks_->AllGather(p, whole, "all-gather of the weights" + where));
+    for (size_t i = b.first; i < b.last; ++i) {
+      at::Tensor& param = params_[i].second;
+      param.copy_(whole.narrow(0, b.param_offsets[i - b.first], param.numel()).view(param.sizes()));
+    }
+  }
+  return Status::OK();
+}
+
+void ShardedAdamW::ZeroGrad() {
+  at::NoGradGuard no_grad;
+  grad_shard_.zero_();
+  for (auto& [name, p] : params_) p.mutable_grad().reset();
+  round_reduced_ = false;
+}
+
+StatusOr<common::NamedTensors> ShardedAdamW::StateDict(const std::string& what) {
+  at::NoGradGuard no_grad;
+  const bool root = ranks_->rank() == 0;
+  std::vector<at::Tensor> avg(params_.size()), sq(params_.size());
+  for (auto [shard, out] : {std::pair{&exp_avg_, &avg}, std::pair{&exp_avg_sq_, &sq}}) {
+    for (const Bucket& b : buckets_) {
+      at::Tensor whole = at::empty({b.chunk * ranks_->world_size()}, grad_shard_.options());
+      RETURN_IF_ERROR(ranks_->AllGather(shard->narrow(0, b.shard_offset, b.chunk), whole, what));
+      if (!root) continue;
+      for (size_t i = b.first; i < b.last; ++i) {
+        const at::Tensor& p = params_[i].second;
+        (*out)[i] =
+            whole.narrow(0, b.param_offsets[i - b.first], p.numel()).view(p.sizes()).clone();
+      }
+    }
+  }
+  if (!root) return common::NamedTensors{};
+  common::NamedTensors state;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    state.emplace_back("exp_avg." + params_[i].first, avg[i]);
+    state.emplace_back("exp_avg_sq." + params_[i].first, sq[i]);
+  }
+  state.emplace_back("step", at::scalar_tensor(step_, at::kLong));
+  return state;
+}
+
+Status ShardedAdamW::LoadStateDict(const common::NamedTensors& state) {
+  auto find = [&](const std::string& name) -> const at::Tensor* {
+    for (const auto& [n, t] : state) {
+      if (n == name) return &t;
+    }
+    return nullptr;
+  };
+  const at::Tensor* step = find("step");
+  if (step == nullptr || step->numel() != 1) {
+    return Status::InvalidArgument("optimizer state: missing scalar 'step'");
+  }
+  common::NamedTensors whole;  // in StateDict's order
+  for (const auto& [name, p] : params_) {
+    for (const char* prefix : {"exp_avg.", "exp_avg_sq."}) {
+      const std::string key = prefix + name;
+      const at::Tensor* t = find(key);
+      if (t == nullptr) return Status::InvalidArgument("optimizer state: missing '" + key + "'");
+      if (t->sizes() != p.sizes()) {
+        std::ostringstream m;
+        m << "optimizer state: '" << key << "' has shape " << t->sizes() << ", expected "
+          << p.sizes();
+        return Status::InvalidArgument(m.str());
+      }
+      whole.emplace_back(key, t->to(p.device(), p.scalar_type()).contiguous());
+    }
+  }
+  at::NoGradGuard no_grad;
+  for (auto [shard, which] : {std::pair{&exp_avg_, 0}, std::pair{&exp_avg_sq_, 1}}) {
+    for (const Bucket& b : buckets_) {
+      for (const Piece& piece : b.mine) {
+        shard->narrow(0, b.shard_offset + piece.chunk_offset, piece.numel)
+            .copy_(whole[2 * piece.param + which].second.reshape({-1}).narrow(0, piece.param_offset,
+                                                                              piece.numel));
+      }
+    }
+  }
+  step_ = step->item<int64_t>();
+  whole.emplace_back("step", at::scalar_tensor(step_, at::kLong));
+  if (ranks_->rank() == 0) pending_ = std::move(whole);
+  return Status::OK();
+}
+
+Status ShardedAdamW::SyncFromRankZero(const std::string& what) {
+  at::NoGradGuard no_grad;
+  const bool root = ranks_->rank() == 0;
+  std::vector<at::Tensor> head = {
+      at::tensor(std::vector<int64_t>{root && !pending_.empty() ? 1 : 0, step_}, at::kLong)};
+  RETURN_IF_ERROR(ranks_->Broadcast(head, what + " (step)"));
+  const int64_t* h = head[0].data_ptr<int64_t>();
+  step_ = h[1];
+  if (h[0] == 0) return Status::OK();  // nothing restored: every shard is its rank's own
+  // Rank 0's restored state, bucket by bucket: each rank keeps its chunk.
+  for (auto [shard, which] : {std::pair{&exp_avg_, 0}, std::pair{&exp_avg_sq_, 1}}) {
+    for (const Bucket& b : buckets_) {
+      std::vector<at::Tensor> flat = {PackBucket(
+          b, [&](size_t i) { return root ? pending_[2 * i + which].second : at::Tensor(); })};
+      RETURN_IF_ERROR(ranks_->Broadcast(flat, what));
+      const int64_t lo = ranks_->rank() * b.chunk;
+      shard->narrow(0, b.shard_offset, b.chunk).copy_(flat[0].narrow(0, lo, b.chunk));
+    }
+  }
+  pending_.clear();
+  return Status::OK();
+}
+
+int64_t ShardedAdamW::ResidentBytes() const {
+  int64_t bytes = grad_shard_.nbytes() + exp_avg_.nbytes() + exp_avg_sq_.nbytes();
+  for (const auto& [name, p] : params_) {
+    if (p.grad().defined()) bytes += p.grad().nbytes();
+  }
+  return bytes;
+}
+
+}  // namespace grpo::learner::distributed

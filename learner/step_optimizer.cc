@@ -1,0 +1,123 @@
+#include "learner/step_optimizer.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <utility>
+#include <vector>
+
+#include "learner/distributed/sharded_adamw.h"
+
+namespace grpo::learner {
+
+namespace {
+
+// no_shard: every rank holds the whole gradient and the whole AdamW state (DDP). At one rank
+// every collective is skipped, so the single-process step is the one it always was.
+class ReplicatedAdamW final : public StepOptimizer {
+ public:
+  ReplicatedAdamW(common::NamedTensors params, AdamWOptions options,
+                  distributed::Collectives* ranks)
+      : params_(params), adamw_(std::move(params), options), ranks_(ranks) {}
+
+  Status AfterBackward(const std::string&) override { return Status::OK(); }
+  Status AfterMicroBatch(int64_t, const std::string&) override { return Status::OK(); }
+
+  Status ReduceGradients(int64_t, const std::string& where) override {
+    if (ranks_->world_size() == 1) return Status::OK();
+    // Every parameter takes part, with a zero gradient where this rank back-propagated nothing.
+    std::vector<at::Tensor> grads;
+    for (auto& [name, p] : params_) {
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+      grads.push_back(p.grad());
+    }
+    return distributed::BucketedAllReduceSum(*ranks_, grads, distributed::kDefaultBucketBytes,
+                                             "all-reduce of the gradients" + where);
+  }
+
+  void ScaleGradients(double scale) override {
+    at::NoGradGuard no_grad;
+    for (auto& [name, p] : params_) {
+      if (p.grad().defined()) p.mutable_grad().mul_(scale);
+    }
+  }
+
+  StatusOr<double> ClipGradNorm(double max_norm, const std::string&) override {
+    return learner::ClipGradNorm(Tensors(), max_norm);
+  }
+
+  Status Step(double lr, const std::string&) override {
+    adamw_.Step(lr);
+    return Status::OK();
+  }
+  void ZeroGrad() override { adamw_.ZeroGrad(); }
+  int64_t step_count() const override { return adamw_.step_count(); }
+
+  StatusOr<common::NamedTensors> StateDict(const std::string&) override {
+    if (ranks_->rank() != 0) return common::NamedTensors{};
+    return adamw_.StateDict();
+  }
+  Status LoadStateDict(const common::NamedTensors& state) override {
+    return adamw_.LoadStateDict(state);
+  }
+
+  Status SyncFromRankZero(const std::string& what) override {
+    if (ranks_->world_size() == 1) return Status::OK();
+    at::NoGradGuard no_grad;
+    common::NamedTensors state = adamw_.StateDict();
+    std::vector<at::Tensor> floats, others;
+    for (auto& [name, t] : state) {
+      t = t.contiguous().clone();
+      (t.scalar_type() == at::kFloat ? floats : others).push_back(t);
+    }
+    RETURN_IF_ERROR(
+        distributed::BucketedBroadcast(*ranks_, floats, distributed::kDefaultBucketBytes, what));
+    RETURN_IF_ERROR(ranks_->Broadcast(others, what + " (step)"));
+    return adamw_.LoadStateDict(state);
+  }
+
+  int64_t ResidentBytes() const override {
+    int64_t bytes = 0;
+    for (const auto& [name, p] : params_) {
+      if (p.grad().defined()) bytes += p.grad().nbytes();
+    }
+    for (const auto& [name, t] : adamw_.StateDict()) {
+      if (name != "step") bytes += t.nbytes();  // the moments
+    }
+    return bytes;
+  }
+
+ private:
+  std::vector<at::Tensor> Tensors() const {
+    std::vector<at::Tensor> out;
+    for (const auto& [name, p] : params_) out.push_back(p);
+    return out;
+  }
+
+  common::NamedTensors params_;
+  AdamW adamw_;
+  distributed::Collectives* ranks_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(const common::FsdpSpec& fsdp,
+                                                           common::NamedTensors params,
+                                                           AdamWOptions options,
+                                                           distributed::Collectives* ranks) {
+  const int world = ranks->world_size();
+  if (world == 1 || fsdp.mode == common::FsdpMode::kNoShard) {
+    return std::unique_ptr<StepOptimizer>(new ReplicatedAdamW(std::move(params), options, ranks));
+  }
+  if (fsdp.mode == common::FsdpMode::kShardGradOp) {
+    ASSIGN_OR_RETURN(auto sharded,
+                     distributed::ShardedAdamW::Create(std::move(params), options, ranks,
+                                                       distributed::kDefaultBucketBytes));
+    return std::unique_ptr<StepOptimizer>(std::move(sharded));
+  }
+  return Status::Unimplemented(std::string("config key 'fsdp': ") +
+                               common::FsdpModeName(fsdp.mode) +
+                               " is not built yet at several learner ranks; no_shard (DDP) and "
+                               "shard_grad_op (ZeRO-2) are");
+}
+
+}  // namespace grpo::learner
