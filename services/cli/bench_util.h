@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "common/model/model.h"
@@ -73,5 +74,20 @@ struct ServiceBenchOptions {
 int BenchWeightSync(const ServiceBenchOptions& o);
 int BenchIngest(const ServiceBenchOptions& o);
 int BenchE2e(const ServiceBenchOptions& o);
+
+// A field of /proc/self/status ("VmRSS", "VmHWM") in bytes; 0 when absent.
+int64_t ProcStatusBytes(const char* key);
+
+// grpo bench sharding (services/cli/bench_sharding.cc): the learner at world size 1, 2 and 4 for
+// each fsdp mode, each rank a process of this binary (`--child`).
+struct ShardingBenchOptions {
+  bool json = false;
+  int reps = 5;
+  bool child = false;    // internal: one rank of one configuration
+  int world_size = 1;    // internal (child)
+  std::string fsdp;      // internal (child)
+  std::string out_path;  // internal (child): rank 0's final weights
+};
+int BenchSharding(const ShardingBenchOptions& o);
 
 }  // namespace grpo::services::bench

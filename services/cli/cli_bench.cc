@@ -425,7 +425,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   auto* cmd = app.add_subcommand("bench",
                                  "Benchmarks (method: docs/BENCHMARKS.md in the "
                                  "repository): logprob_memory | learner_step | "
-                                 "decode | weight_sync | ingest | e2e | peer_trl");
+                                 "decode | weight_sync | ingest | e2e | sharding | peer_trl");
   struct Opts {
     std::string name;
     bool json = false, child = false;
@@ -437,13 +437,17 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
     bool gradient_checkpointing = false;
     int64_t layers = 0;
     bool fast = false;
+    int world_size = 1;
+    std::string fsdp = "no_shard", out;
   };
   auto o = std::make_shared<Opts>();
-  cmd->add_option("name", o->name,
-                  "logprob_memory | learner_step | decode | weight_sync | ingest | e2e | peer_trl")
+  cmd->add_option(
+         "name", o->name,
+         "logprob_memory | learner_step | decode | weight_sync | ingest | e2e | sharding | "
+         "peer_trl")
       ->required()
       ->check(CLI::IsMember({"logprob_memory", "learner_step", "decode", "weight_sync", "ingest",
-                             "e2e", "peer_trl"}));
+                             "e2e", "sharding", "peer_trl"}));
   cmd->add_flag("--json", o->json, "one JSON object per row");
   cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)");
   cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
@@ -452,7 +456,10 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
                 "learner_step: recompute each decoder layer in backward");
   cmd->add_option("--layers", o->layers,
                   "learner_step: decoder layers (default: the bench model's 4)");
-  cmd->add_flag("--child", o->child, "internal: one logprob_memory configuration");
+  cmd->add_flag("--child", o->child, "internal: one logprob_memory configuration, or one rank");
+  cmd->add_option("--world_size", o->world_size, "internal: sharding child's world size");
+  cmd->add_option("--fsdp", o->fsdp, "internal: sharding child's fsdp mode");
+  cmd->add_option("--out", o->out, "internal: sharding child's weights file");
   cmd->add_option("--impl", o->impl, "internal: chunked | chunked_batch_G | naive");
   cmd->add_option("--workers", o->workers,
                   "weight_sync, ingest (default 2), e2e (default 1): simulated workers");
@@ -490,6 +497,16 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
         if (o->name == "weight_sync") return bench::BenchWeightSync(so);
         if (o->name == "ingest") return bench::BenchIngest(so);
         return bench::BenchE2e(so);
+      }
+      if (o->name == "sharding") {
+        bench::ShardingBenchOptions so;
+        so.json = o->json;
+        so.reps = o->reps;
+        so.child = o->child;
+        so.world_size = o->world_size;
+        so.fsdp = o->fsdp;
+        so.out_path = o->out;
+        return bench::BenchSharding(so);
       }
       if (o->name == "logprob_memory") {
         if (o->child) {

@@ -1,0 +1,347 @@
+// grpo bench sharding [--json] [--reps N]: the learner at world size 1, 2 and 4 for each `fsdp`
+// mode (docs/BENCHMARKS.md "sharding"). Each configuration runs its ranks as fresh processes of
+// this binary (`bench sharding --child`, RANK/WORLD_SIZE/MASTER_* set as torchrun sets them,
+// ProcessGroupGloo on loopback); every configuration trains the same global step (16
+// completions of 64 + 128 tokens, 4 groups of 4, micro-batches of 2: gradient accumulation 8 / W
+// per rank) from the same weights, so rows compare one to another and to world size 1.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/model/safetensors.h"
+#include "learner/distributed/collectives.h"
+#include "learner/distributed/memory_plan.h"
+#include "learner/distributed/rank_group.h"
+#include "learner/grpo_trainer.h"
+#include "services/cli/bench_util.h"
+
+namespace grpo::services::bench {
+
+namespace {
+
+using nlohmann::json;
+namespace dist = learner::distributed;
+
+constexpr int kGroups = 4;
+constexpr int kGenerations = 4;
+constexpr int kMicro = 2;
+constexpr int kStepMicroBatches = kGroups * kGenerations / kMicro;  // over all ranks
+
+common::GrpoConfig ShardingConfig(int world, const std::string& fsdp) {
+  common::GrpoConfig c;
+  c.num_generations = kGenerations;
+  c.per_device_train_batch_size = kMicro;
+  c.gradient_accumulation_steps = kStepMicroBatches / world;
+  c.steps_per_generation = c.gradient_accumulation_steps;  // one step per generation batch
+  c.num_iterations = 1;
+  c.max_completion_length = kCompletionLen;
+  c.importance_sampling_correction = "none";
+  c.max_staleness = 1 << 20;
+  c.max_steps = 1 << 20;
+  c.fsdp = fsdp;
+  // As data_parallel_test, and for its reason: where an element's micro-batch terms cancel to
+  // ~0, AdamW with eps 1e-8 turns the float32 rounding of another summation order (over ranks)
+  // into a step of ~lr; the zero-initialised biases, made only of such steps, then differ by
+  // 4e-4 of themselves (measured). eps 1e-4 keeps AdamW's update and the comparison meaningful.
+  c.adam_epsilon = 1e-4;
+  return c;
+}
+
+std::vector<common::RolloutGroup> ShardingGroups(int64_t vocab) {
+  std::vector<common::RolloutGroup> groups;
+  for (int k = 0; k < kGroups; ++k) {
+    const at::Tensor ids = RandomIds(kGenerations, vocab, 100 + k);
+    common::RolloutGroup g;
+    g.prompt_id = "bench-" + std::to_string(k);
+    for (int64_t t = 0; t < kPromptLen; ++t) g.prompt_ids.push_back(ids[0][t].item<int32_t>());
+    for (int64_t j = 0; j < kGenerations; ++j) {
+      common::Completion c;
+      for (int64_t t = 0; t < kCompletionLen; ++t) {
+        c.token_ids.push_back(ids[j][kPromptLen + t].item<int32_t>());
+      }
+      c.rewards = {static_cast<double>((j + k) % 3)};
+      g.completions.push_back(c);
+    }
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
+// Forwards every collective to `inner`, adding its wall time to `seconds`.
+class TimedCollectives final : public dist::Collectives {
+ public:
+  explicit TimedCollectives(dist::Collectives* inner) : inner_(inner) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  Status AllReduceSum(std::vector<at::Tensor>& t, const std::string& w) override {
+    return Time([&] { return inner_->AllReduceSum(t, w); });
+  }
+  Status AllReduceMax(std::vector<at::Tensor>& t, const std::string& w) override {
+    return Time([&] { return inner_->AllReduceMax(t, w); });
+  }
+  Status Broadcast(std::vector<at::Tensor>& t, const std::string& w) override {
+    return Time([&] { return inner_->Broadcast(t, w); });
+  }
+  Status ReduceScatterSum(const at::Tensor& in, at::Tensor& out, const std::string& w) override {
+    return Time([&] { return inner_->ReduceScatterSum(in, out, w); });
+  }
+  Status AllGather(const at::Tensor& in, at::Tensor& out, const std::string& w) override {
+    return Time([&] { return inner_->AllGather(in, out, w); });
+  }
+  double seconds = 0;
+
+ private:
+  template <typename Fn>
+  Status Time(Fn fn) {
+    const auto t0 = Clock::now();
+    Status s = fn();
+    seconds += Seconds(t0);
+    return s;
+  }
+  dist::Collectives* inner_;
+};
+
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  if (fd >= 0) ::close(fd);
+  return port;
+}
+
+// One rank: trains a warm-up step and `reps` timed steps, prints one JSON line.
+int ShardingChild(const ShardingBenchOptions& o) {
+  const int world = o.world_size;
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  at::set_num_threads(static_cast<int>(std::max(1u, cores / static_cast<unsigned>(world))));
+  const int64_t base = ProcStatusBytes("VmRSS");  // before the model and the group
+  dist::SingleRank single;
+  std::unique_ptr<dist::RankGroup> group;
+  dist::Collectives* inner = &single;
+  if (world > 1) {
+    auto env = dist::RankEnvFromEnvironment();
+    if (!env.ok()) {
+      std::cerr << env.status().ToString() << "\n";
+      return 1;
+    }
+    auto joined = dist::RankGroup::Join(*env, std::chrono::seconds(300));
+    if (!joined.ok()) {
+      std::cerr << joined.status().ToString() << "\n";
+      return 1;
+    }
+    group = std::move(*joined);
+    inner = group.get();
+  }
+  TimedCollectives timed(inner);
+  auto model = BenchModel();
+  const auto groups = ShardingGroups(model->config().vocab_size);
+  auto trainer =
+      learner::GrpoTrainer::Create(ShardingConfig(world, o.fsdp), model.get(), nullptr, &timed);
+  if (!trainer.ok()) {
+    std::cerr << trainer.status().ToString() << "\n";
+    return 1;
+  }
+  std::vector<double> step_s, comm_s;
+  for (int i = 0; i <= o.reps; ++i) {  // step 0 is the warm-up
+    timed.seconds = 0;
+    auto r = (*trainer)->TrainGenerationBatch(groups);
+    if (!r.ok() || r->steps.size() != 1) {
+      std::cerr << (r.ok() ? "expected one step" : r.status().ToString()) << "\n";
+      return 1;
+    }
+    if (i == 0) continue;
+    step_s.push_back(r->steps[0].step_seconds);
+    comm_s.push_back(timed.seconds);
+  }
+  int64_t state = (*trainer)->optimizer().ResidentBytes();
+  for (const at::Tensor& p : model->Parameters()) state += p.nbytes();
+  if (timed.rank() == 0) {
+    common::NamedTensors weights = model->NamedParameters();
+    if (Status s = common::WriteSafetensors(o.out_path, weights); !s.ok()) {
+      std::cerr << s.ToString() << "\n";
+      return 1;
+    }
+  }
+  const Timing st = Summarize(step_s), ct = Summarize(comm_s);
+  std::cout << json{{"rank", timed.rank()},
+                    {"model_state_bytes", state},
+                    {"peak_bytes", ProcStatusBytes("VmHWM") - base},
+                    {"step_seconds", st.median},
+                    {"step_seconds_min", st.min},
+                    {"step_seconds_max", st.max},
+                    {"comm_seconds", ct.median}}
+                   .dump()
+            << "\n";
+  return 0;
+}
+
+// max over parameters of max|a - b| / max|b|; -1 when a file is missing.
+double MaxRelDiff(const std::string& a_path, const std::string& b_path) {
+  auto a = common::SafetensorsFile::Open(a_path);
+  auto b = common::SafetensorsFile::Open(b_path);
+  if (!a.ok() || !b.ok()) return -1;
+  double worst = 0;
+  for (const std::string& name : (*b)->Names()) {
+    auto x = (*a)->Get(name);
+    auto y = (*b)->Get(name);
+    if (!x.ok() || !y.ok()) return -1;
+    const double scale = std::max(1e-30, y->abs().max().item<double>());
+    worst = std::max(worst, (*x - *y).abs().max().item<double>() / scale);
+  }
+  return worst;
+}
+
+// The ZeRO paper's model-state bytes per rank (Rajbhandari et al. 2020, section 5, its K = 8
+// here: fp32 weights, fp32 gradient, two fp32 moments): DDP 16 psi; P_os+g (shard_grad_op)
+// 4 psi + 12 psi / N; P_os+g+p (full_shard) 16 psi / N.
+double ZeroFormulaBytes(const std::string& mode, int world, double psi) {
+  if (mode == "no_shard" || world == 1) return 16 * psi;
+  if (mode == "shard_grad_op") return 4 * psi + 12 * psi / world;
+  return 16 * psi / world;
+}
+
+}  // namespace
+
+int BenchSharding(const ShardingBenchOptions& o) {
+  if (o.child) return ShardingChild(o);
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("grpo_bench_sharding_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string exe = "/proc/" + std::to_string(::getpid()) + "/exe";
+  auto model = BenchModel();
+  const double psi = static_cast<double>(model->NumParameters());
+  const std::vector<std::pair<int, std::string>> configs = {
+      {1, "no_shard"}, {2, "no_shard"},      {2, "shard_grad_op"}, {2, "full_shard"},
+      {4, "no_shard"}, {4, "shard_grad_op"}, {4, "full_shard"}};
+  std::vector<json> rows;
+  for (const auto& [world, mode] : configs) {
+    const std::string weights = (dir / ("w" + std::to_string(world) + mode)).string();
+    json row = {{"bench", "sharding"}, {"world_size", world}, {"mode", mode}};
+    auto plan = dist::PlanMemory(model->config(), ShardingConfig(world, mode), world, "cpu");
+    row["predicted_peak_bytes_per_rank"] = plan.ok() ? plan->TrainingPeak() : -1;
+    row["zero_formula_model_state_bytes"] = ZeroFormulaBytes(mode, world, psi);
+    row["built"] = dist::FsdpBuilt(*common::ParseFsdp(mode), world, "cpu");
+    if (!row["built"].get<bool>()) {
+      rows.push_back(row);  // planned, not run: the trainer refuses it
+      continue;
+    }
+    std::cerr << "sharding: world size " << world << ", " << mode << " ...\n";
+    const int port = FreePort();
+    std::vector<std::unique_ptr<FILE, int (*)(FILE*)>> children;
+    for (int r = 0; r < world; ++r) {
+      const std::string cmd = "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
+                              " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " " +
+                              exe + " bench sharding --child --world_size " +
+                              std::to_string(world) + " --fsdp " + mode + " --reps " +
+                              std::to_string(o.reps) + " --out " + weights;
+      children.emplace_back(popen(cmd.c_str(), "r"), &pclose);
+    }
+    std::vector<json> ranks;
+    bool failed = false;
+    for (auto& child : children) {
+      std::string out;
+      char buf[4096];
+      size_t n;
+      while (child && (n = fread(buf, 1, sizeof(buf), child.get())) > 0) out.append(buf, n);
+      const int rc = child ? pclose(child.release()) : -1;
+      const size_t brace = out.rfind('{');
+      if (rc != 0 || brace == std::string::npos) {
+        failed = true;
+        continue;
+      }
+      ranks.push_back(json::parse(out.substr(brace)));
+    }
+    if (failed || static_cast<int>(ranks.size()) != world) {
+      std::cerr << "sharding: a rank of world size " << world << ", " << mode << " failed\n";
+      fs::remove_all(dir);
+      return 1;
+    }
+    int64_t state = 0, peak = 0;
+    double comm = 0;
+    for (const json& r : ranks) {
+      state = std::max(state, r["model_state_bytes"].get<int64_t>());
+      peak = std::max(peak, r["peak_bytes"].get<int64_t>());
+      comm = std::max(comm, r["comm_seconds"].get<double>());
+    }
+    row["model_state_bytes_per_rank"] = state;
+    row["peak_bytes_per_rank"] = peak;
+    row["step_seconds"] = ranks[0]["step_seconds"];
+    row["step_seconds_min"] = ranks[0]["step_seconds_min"];
+    row["step_seconds_max"] = ranks[0]["step_seconds_max"];
+    row["comm_seconds"] = comm;
+    row["max_rel_diff_vs_single_rank"] = MaxRelDiff(weights, (dir / "w1no_shard").string());
+    rows.push_back(row);
+  }
+  fs::remove_all(dir);
+  const json* one = nullptr;
+  for (const json& r : rows) {
+    if (r["world_size"] == 1) one = &r;
+  }
+  for (json& r : rows) {
+    if (!r.contains("step_seconds")) continue;
+    r["step_seconds_vs_single_rank"] =
+        r["step_seconds"].get<double>() / (*one)["step_seconds"].get<double>();
+    r["model_state_vs_zero_formula"] = r["model_state_bytes_per_rank"].get<double>() /
+                                       r["zero_formula_model_state_bytes"].get<double>();
+    r["peak_vs_predicted"] =
+        r["peak_bytes_per_rank"].get<double>() / r["predicted_peak_bytes_per_rank"].get<double>();
+  }
+  if (o.json) {
+    for (const json& r : rows) std::cout << r.dump() << "\n";
+    return 0;
+  }
+  auto mib = [](const json& v) { return v.get<double>() / 1048576.0; };
+  std::cout << "sharding: bench model (" << static_cast<int64_t>(psi)
+            << " parameters, fp32), one step = 16 x (64 + 128) tokens in micro-batches of 2, "
+               "Gloo on loopback, this machine's cores shared by the ranks\n"
+            << std::left << std::setw(6) << "ranks" << std::setw(15) << "fsdp" << std::right
+            << std::setw(12) << "state MiB" << std::setw(11) << "ZeRO MiB" << std::setw(11)
+            << "peak MiB" << std::setw(11) << "plan MiB" << std::setw(10) << "step s"
+            << std::setw(9) << "vs 1" << std::setw(10) << "comm s" << std::setw(12) << "max diff\n";
+  for (const json& r : rows) {
+    std::cout << std::left << std::setw(6) << r["world_size"].get<int>() << std::setw(15)
+              << r["mode"].get<std::string>() << std::right << std::fixed;
+    if (!r.contains("step_seconds")) {
+      std::cout << std::setw(12) << "-" << std::setprecision(1) << std::setw(11)
+                << mib(r["zero_formula_model_state_bytes"]) << std::setw(11) << "-" << std::setw(11)
+                << mib(r["predicted_peak_bytes_per_rank"]) << "   not built yet: planned only\n";
+      continue;
+    }
+    std::cout << std::setprecision(1) << std::setw(12) << mib(r["model_state_bytes_per_rank"])
+              << std::setw(11) << mib(r["zero_formula_model_state_bytes"]) << std::setw(11)
+              << mib(r["peak_bytes_per_rank"]) << std::setw(11)
+              << mib(r["predicted_peak_bytes_per_rank"]) << std::setprecision(3) << std::setw(10)
+              << r["step_seconds"].get<double>() << std::setprecision(2) << std::setw(9)
+              << r["step_seconds_vs_single_rank"].get<double>() << std::setprecision(3)
+              << std::setw(10) << r["comm_seconds"].get<double>() << std::scientific
+              << std::setprecision(1) << std::setw(11)
+              << r["max_rel_diff_vs_single_rank"].get<double>() << "\n";
+  }
+  return 0;
+}
+
+}  // namespace grpo::services::bench
