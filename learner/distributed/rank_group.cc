@@ -44,7 +44,8 @@ StatusOr<RankEnv> ParseRankEnv(const std::function<const char*(const char*)>& ge
     return Status::InvalidArgument("environment variable WORLD_SIZE must be at least 1");
   }
   ASSIGN_OR_RETURN(const int index, IntVar(getenv, "JOB_COMPLETION_INDEX", 0));
-  ASSIGN_OR_RETURN(env.rank, IntVar(getenv, "RANK", index));
+  ASSIGN_OR_RETURN(const int offset, IntVar(getenv, "GRPO_RANK_OFFSET", 0));
+  ASSIGN_OR_RETURN(env.rank, IntVar(getenv, "RANK", index + offset));
   ASSIGN_OR_RETURN(env.local_rank, IntVar(getenv, "LOCAL_RANK", env.rank));
   if (env.rank >= env.world_size) {
     return Status::InvalidArgument("environment variable RANK=" + std::to_string(env.rank) +

@@ -25,9 +25,11 @@ struct RankEnv {
   int master_port = 29500;  // torchrun's default
 };
 
-// The world from the environment: RANK (or, in a Kubernetes indexed Job, JOB_COMPLETION_INDEX),
-// WORLD_SIZE, LOCAL_RANK (default: RANK), MASTER_ADDR, MASTER_PORT, as torchrun, Kubeflow's
-// PyTorchJob and the manifests of deploy/k8s set them. Without WORLD_SIZE (or with 1) the world
+// The world from the environment: RANK (or, in a Kubernetes indexed Job, JOB_COMPLETION_INDEX
+// plus GRPO_RANK_OFFSET, default 0: deploy/k8s runs rank 0 in the learner's StatefulSet and
+// ranks 1.. as an indexed Job with offset 1), WORLD_SIZE, LOCAL_RANK (default: RANK),
+// MASTER_ADDR, MASTER_PORT, as torchrun, Kubeflow's PyTorchJob and the manifests of deploy/k8s
+// set them. Without WORLD_SIZE (or with 1) the world
 // is this one process. InvalidArgument naming the variable on a bad value (not a number, rank
 // outside the world, MASTER_ADDR missing at WORLD_SIZE > 1).
 StatusOr<RankEnv> ParseRankEnv(const std::function<const char*(const char*)>& getenv);

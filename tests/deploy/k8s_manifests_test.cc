@@ -18,6 +18,7 @@ namespace grpo::testing {
 namespace {
 
 constexpr int kGrpcPort = 50051, kLearnerMetricsPort = 9400, kWorkerMetricsPort = 9401;
+constexpr int kRendezvousPort = 29500;  // the learner ranks' (torchrun's default MASTER_PORT)
 
 struct Manifests {
   std::vector<std::string> files;
@@ -104,7 +105,10 @@ class K8sManifests : public ::testing::Test {
   std::vector<YAML::Node> Workloads() {
     std::vector<YAML::Node> out;
     for (const auto& [key, doc] : m_.by_key) {
-      if (key.rfind("StatefulSet/", 0) == 0 || key.rfind("Deployment/", 0) == 0) out.push_back(doc);
+      if (key.rfind("StatefulSet/", 0) == 0 || key.rfind("Deployment/", 0) == 0 ||
+          key.rfind("Job/", 0) == 0) {
+        out.push_back(doc);
+      }
     }
     return out;
   }
@@ -116,8 +120,8 @@ TEST_F(K8sManifests, EveryKustomizationResourceExistsAndHasAKnownKind) {
   for (const std::string& f : m_.files) {
     EXPECT_TRUE(std::filesystem::exists(RepoPath("deploy/k8s/" + f))) << f;
   }
-  const std::set<std::string> kinds = {"ConfigMap", "Secret", "Service", "StatefulSet",
-                                       "Deployment"};
+  const std::set<std::string> kinds = {"ConfigMap",   "Secret",     "Service",
+                                       "StatefulSet", "Deployment", "Job"};
   for (const auto& [key, doc] : m_.by_key) {
     EXPECT_TRUE(kinds.count(doc["kind"].as<std::string>())) << key;
     EXPECT_TRUE(doc["apiVersion"].IsDefined()) << key;
@@ -127,11 +131,12 @@ TEST_F(K8sManifests, EveryKustomizationResourceExistsAndHasAKnownKind) {
   EXPECT_EQ(keys, (std::set<std::string>{"ConfigMap/grpo-config", "Secret/grpo-auth",
                                          "Service/grpo-learner", "Service/grpo-learner-headless",
                                          "Service/grpo-rollout", "StatefulSet/grpo-learner",
-                                         "Deployment/grpo-rollout"}));
+                                         "Job/grpo-learner-ranks", "Deployment/grpo-rollout"}));
 }
 
 TEST_F(K8sManifests, WorkloadSelectorsMatchTheirPodTemplates) {
   for (const YAML::Node& w : Workloads()) {
+    if (w["kind"].as<std::string>() == "Job") continue;  // Kubernetes generates a Job's selector
     EXPECT_TRUE(Selects(StringMap(w["spec"]["selector"]["matchLabels"]),
                         StringMap(w["spec"]["template"]["metadata"]["labels"])))
         << w["metadata"]["name"];
@@ -168,8 +173,9 @@ TEST_F(K8sManifests, LearnerServesGrpcAndMetricsOnTheDefaultPorts) {
                 .as<std::string>(),
             "None");
   const YAML::Node c = Container(sts, "learner");
-  EXPECT_EQ(Ports(c),
-            (std::map<std::string, int>{{"grpc", kGrpcPort}, {"metrics", kLearnerMetricsPort}}));
+  EXPECT_EQ(Ports(c), (std::map<std::string, int>{{"grpc", kGrpcPort},
+                                                  {"metrics", kLearnerMetricsPort},
+                                                  {"rendezvous", kRendezvousPort}}));
   for (const char* probe : {"startupProbe", "readinessProbe", "livenessProbe"}) {
     EXPECT_EQ(c[probe]["grpc"]["port"].as<int>(), kGrpcPort) << probe;
   }
@@ -189,6 +195,51 @@ TEST_F(K8sManifests, LearnerServesGrpcAndMetricsOnTheDefaultPorts) {
                vm["mountPath"].as<std::string>() == "/var/lib/grpo";
   }
   EXPECT_TRUE(mounted) << "PVC " << claim << " not mounted at /var/lib/grpo";
+}
+
+// The learner group (README "Learner ranks"): rank 0 is the StatefulSet's pod, ranks 1 ..
+// WORLD_SIZE-1 the indexed Job's (RANK = JOB_COMPLETION_INDEX + GRPO_RANK_OFFSET, as
+// learner/distributed/rank_group.h reads them); both name the same world and meet at rank 0's
+// stable DNS name on its rendezvous port, which the headless Service publishes before the pod
+// is ready (rank 0 serves gRPC, its readiness, only after the ranks have met).
+TEST_F(K8sManifests, LearnerRanksMeetRankZeroAtItsHeadlessName) {
+  const YAML::Node& sts = Get("StatefulSet/grpo-learner");
+  const YAML::Node& job = Get("Job/grpo-learner-ranks");
+  ASSERT_TRUE(sts.IsDefined() && job.IsDefined());
+  auto env = [](const YAML::Node& c) {
+    std::map<std::string, std::string> out;
+    for (const auto& e : c["env"]) out[e["name"].as<std::string>()] = e["value"].as<std::string>();
+    return out;
+  };
+  const auto rank0 = env(Container(sts, "learner"));
+  const auto ranks = env(Container(job, "learner"));
+  EXPECT_EQ(rank0.at("RANK"), "0");
+  EXPECT_EQ(ranks.count("RANK"), 0u) << "the Job's ranks come from their completion index";
+  EXPECT_EQ(ranks.at("GRPO_RANK_OFFSET"), "1");
+  const int world = std::stoi(rank0.at("WORLD_SIZE"));
+  EXPECT_EQ(ranks.at("WORLD_SIZE"), rank0.at("WORLD_SIZE"));
+  EXPECT_EQ(job["spec"]["completionMode"].as<std::string>(), "Indexed");
+  EXPECT_EQ(job["spec"]["completions"].as<int>(), world - 1);
+  EXPECT_EQ(job["spec"]["parallelism"].as<int>(), world - 1);
+  EXPECT_EQ(job["spec"]["template"]["spec"]["restartPolicy"].as<std::string>(), "OnFailure");
+  const std::string headless = sts["spec"]["serviceName"].as<std::string>();
+  const std::string master = sts["metadata"]["name"].as<std::string>() + "-0." + headless;
+  for (const auto* e : {&rank0, &ranks}) {
+    EXPECT_EQ(e->at("MASTER_ADDR"), master);
+    EXPECT_EQ(e->at("MASTER_PORT"), rank0.at("MASTER_PORT"));
+    EXPECT_EQ(e->at("LOCAL_RANK"), "0");  // one device per pod
+  }
+  EXPECT_EQ(Ports(Container(sts, "learner")).at("rendezvous"), std::stoi(rank0.at("MASTER_PORT")));
+  const YAML::Node& svc = Get("Service/" + headless);
+  EXPECT_TRUE(svc["spec"]["publishNotReadyAddresses"].as<bool>());
+  bool rendezvous = false;
+  for (const auto& p : svc["spec"]["ports"]) {
+    rendezvous |= p["targetPort"].as<std::string>() == "rendezvous" &&
+                  p["port"].as<int>() == std::stoi(rank0.at("MASTER_PORT"));
+  }
+  EXPECT_TRUE(rendezvous) << headless << " does not publish the rendezvous port";
+  // The Job's pods train the same config and model as rank 0.
+  EXPECT_EQ(Args(Container(job, "learner")), Args(Container(sts, "learner")));
 }
 
 TEST_F(K8sManifests, WorkersServeMetricsAndHealthOn9401AndDialTheLearnerService) {

@@ -502,6 +502,14 @@ TEST(RankEnv, ReadsTorchrunsVariablesAndNamesABadOne) {
   auto indexed = from({{"JOB_COMPLETION_INDEX", "2"}, {"WORLD_SIZE", "3"}, {"MASTER_ADDR", "a"}});
   ASSERT_TRUE(indexed.ok());
   EXPECT_EQ(indexed->rank, 2);
+  // deploy/k8s: ranks 1.. are an indexed Job whose index 0 is rank 1.
+  auto offset = from({{"JOB_COMPLETION_INDEX", "1"},
+                      {"GRPO_RANK_OFFSET", "1"},
+                      {"WORLD_SIZE", "3"},
+                      {"MASTER_ADDR", "a"}});
+  ASSERT_TRUE(offset.ok());
+  EXPECT_EQ(offset->rank, 2);
+  EXPECT_EQ(offset->local_rank, 2);
   struct Bad {
     std::map<std::string, std::string> vars;
     std::string names;
@@ -510,6 +518,12 @@ TEST(RankEnv, ReadsTorchrunsVariablesAndNamesABadOne) {
            {{{"WORLD_SIZE", "two"}}, "WORLD_SIZE"},
            {{{"WORLD_SIZE", "2"}, {"RANK", "2"}, {"MASTER_ADDR", "a"}}, "RANK=2"},
            {{{"WORLD_SIZE", "2"}, {"RANK", "1"}}, "MASTER_ADDR"},
+           {{{"WORLD_SIZE", "2"},
+             {"JOB_COMPLETION_INDEX", "1"},
+             {"GRPO_RANK_OFFSET", "1"},
+             {"MASTER_ADDR", "a"}},
+            "RANK=2"},
+           {{{"WORLD_SIZE", "2"}, {"GRPO_RANK_OFFSET", "-1"}}, "GRPO_RANK_OFFSET"},
            {{{"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}}, "MASTER_PORT"},
        }) {
     auto r = from(bad.vars);
