@@ -295,6 +295,7 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
   if (t->reference_) t->reference_->SetRequiresGrad(false);
   ASSIGN_OR_RETURN(t->optimizer_,
                    MakeStepOptimizer(fsdp, policy->NamedParameters(),
+                                     t->compute_ ? t->compute_->Parameters() : policy->Parameters(),
                                      AdamWOptions{config.adam_beta1, config.adam_beta2,
                                                   config.adam_epsilon, config.weight_decay},
                                      t->ranks_));
@@ -631,6 +632,7 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       }
       if (batch.has_beh) in.beh = mb.beh;
       GrpoLossOutput out;
+      optimizer_->BeforeBackward(at_micro);
       if (loss_config_.importance_sampling_level == ImportanceSamplingLevel::kToken) {
         ASSIGN_OR_RETURN(out, FusedMicroBatchBackward(compute, mb, config_, step_loss_config, norm,
                                                       in, &logp, &entropy));

@@ -19,6 +19,7 @@ class ReplicatedAdamW final : public StepOptimizer {
                   distributed::Collectives* ranks)
       : params_(params), adamw_(std::move(params), options), ranks_(ranks) {}
 
+  void BeforeBackward(const std::string&) override {}
   Status AfterBackward(const std::string&) override { return Status::OK(); }
   Status AfterMicroBatch(int64_t, const std::string&) override { return Status::OK(); }
 
@@ -102,6 +103,7 @@ class ReplicatedAdamW final : public StepOptimizer {
 
 StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(const common::FsdpSpec& fsdp,
                                                            common::NamedTensors params,
+                                                           std::vector<at::Tensor> compute,
                                                            AdamWOptions options,
                                                            distributed::Collectives* ranks) {
   const int world = ranks->world_size();
@@ -109,9 +111,9 @@ StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(const common::FsdpSpe
     return std::unique_ptr<StepOptimizer>(new ReplicatedAdamW(std::move(params), options, ranks));
   }
   if (fsdp.mode == common::FsdpMode::kShardGradOp) {
-    ASSIGN_OR_RETURN(auto sharded,
-                     distributed::ShardedAdamW::Create(std::move(params), options, ranks,
-                                                       distributed::kDefaultBucketBytes));
+    ASSIGN_OR_RETURN(auto sharded, distributed::ShardedAdamW::Create(
+                                       std::move(params), std::move(compute), options, ranks,
+                                       distributed::kDefaultBucketBytes));
     return std::unique_ptr<StepOptimizer>(std::move(sharded));
   }
   return Status::Unimplemented(std::string("config key 'fsdp': ") +

@@ -3,10 +3,12 @@
 // and every mode at one rank, where sharding is the identity) sums the whole gradient over the
 // ranks with an all-reduce and runs AdamW on the whole model on every rank.
 // distributed::ShardedAdamW (shard_grad_op, ZeRO-2) keeps 1/world_size of the gradient and of
-// AdamW's state on each rank: reduce-scatter, AdamW on the shard, all-gather of the weights.
+// AdamW's state on each rank: reduce-scatter during backward, AdamW on the shard, all-gather of
+// the weights.
 //
 // The trainer's calls, in order, per step: ZeroGrad; for each micro-batch position of the step
-// (on every rank, whichever rank back-propagates it) AfterBackward on the rank that did, then
+// (on every rank, whichever rank back-propagates it) BeforeBackward and AfterBackward around the
+// backward on the rank that runs it, then
 // AfterMicroBatch everywhere; then ReduceGradients, ScaleGradients, ClipGradNorm, Step. Every
 // call that takes `where` or `what` may run a collective and must then be made on every rank;
 // a failed collective's Status names it: the implementation's collective followed by `where`
@@ -18,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/config.h"
 #include "common/model/safetensors.h"
@@ -31,7 +34,10 @@ class StepOptimizer {
  public:
   virtual ~StepOptimizer() = default;
 
-  // This rank's backward of a micro-batch has put its gradient into the parameters' .grad.
+  // This rank is about to back-propagate a micro-batch (collectives may run during it).
+  virtual void BeforeBackward(const std::string& where) = 0;
+  // This rank's backward of a micro-batch is done: its gradient is in the parameters' .grad, or
+  // already reduced (sharded).
   virtual Status AfterBackward(const std::string& where) = 0;
   // Micro-batch `position` (1-based) of the open step is done, here or on another rank.
   virtual Status AfterMicroBatch(int64_t position, const std::string& where) = 0;
@@ -67,9 +73,12 @@ class StepOptimizer {
 };
 
 // The StepOptimizer of `fsdp` at `ranks`' world size over `params` (borrowed: shared storage,
-// the fp32 master with bf16). Unimplemented for full_shard at several ranks (not built yet).
+// the fp32 master with bf16); `compute` are the tensors backward accumulates into, in the same
+// order (the bf16 copy's parameters, or `params`' own). Unimplemented for full_shard at several
+// ranks (not built yet).
 StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(const common::FsdpSpec& fsdp,
                                                            common::NamedTensors params,
+                                                           std::vector<at::Tensor> compute,
                                                            AdamWOptions options,
                                                            distributed::Collectives* ranks);
 

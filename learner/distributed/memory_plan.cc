@@ -142,18 +142,19 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     p.gathered_layer = s * p.params.largest_unit;  // its gradient, before the reduce-scatter
   }
   if (fsdp.mode == FsdpMode::kShardGradOp && w > 1 && !offload) {
-    // shard_grad_op as built (sharded_adamw.h), not ZeRO-2's ideal: AdamW's state and the fp32
-    // gradient shard the rounds sum into are 1/W, but each micro-batch's whole .grad lives until
-    // its reduce-scatter after the backward (nothing is reduced layer by layer yet), and the
-    // weights (with bf16 the fp32 master and its .grad too) stay whole on every rank. The step:
-    // one flat bucket of the all-gather (at most 25 MiB, a larger tensor alone) and three of
-    // its chunks (the rank's weights, sqrt(v) and the denominator; the fp64 norm copy is two).
-    p.gradients = s * n + CeilDiv(4 * n, w);
-    p.master_weights = cfg.bf16 ? 4 * n : 0;
-    p.master_gradients = cfg.bf16 ? 4 * n : 0;
-    p.gathered_layer = 0;
+    // shard_grad_op as built (sharded_adamw.h): AdamW's state and the fp32 gradient shard the
+    // rounds sum into are 1/W; during backward each tensor's fresh gradient is moved into its
+    // fp32 bucket and the bucket reduced once whole, so in flight are one tensor's gradient and
+    // one bucket (at most 25 MiB; a tensor alone needs no copy). The weights, and with bf16 the
+    // fp32 master, stay whole on every rank; the master has no .grad. The step: one flat bucket
+    // of the all-gather (a larger tensor alone) and three of its chunks (the rank's weights,
+    // sqrt(v) and the denominator; the fp64 norm copy is two).
     const int64_t bucket =
         std::max(std::min(kGradientBucketBytes, 4 * n), 4 * p.params.largest_tensor);
+    p.gradients = CeilDiv(4 * n, w);
+    p.master_weights = cfg.bf16 ? 4 * n : 0;
+    p.master_gradients = 0;
+    p.gathered_layer = s * p.params.largest_tensor + std::min(kGradientBucketBytes, 4 * n);
     p.optimizer_step = bucket + 3 * CeilDiv(bucket, w);
   }
   if (p.reference) p.reference_model = shard(s * n, full);

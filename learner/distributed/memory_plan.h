@@ -64,11 +64,12 @@ struct MemoryPlan {
   // Model state, resident all run.
   int64_t parameters = 0;          // compute dtype: the fp32 policy, or the bf16 copy with bf16
   int64_t gradients = 0;           // their .grad (kept between steps: AdamW::ZeroGrad zeroes;
-                                   // shard_grad_op: + the fp32 shard, see PlanMemory)
+                                   // shard_grad_op: the fp32 shard, see PlanMemory)
   int64_t master_weights = 0;      // bf16: the fp32 master (the policy AdamW steps)
   int64_t master_gradients = 0;    // bf16: the master's fp32 .grad (MoveComputeGradsToMaster)
   int64_t adamw_state = 0;         // exp_avg + exp_avg_sq, fp32
-  int64_t gathered_layer = 0;      // sharded, world_size > 1: the largest unit whole (and its grad)
+  int64_t gathered_layer = 0;      // full_shard: the largest unit whole and its grad;
+                                   // shard_grad_op: the gradient in flight in backward
   int64_t reference_model = 0;     // beta != 0: a frozen copy in the compute dtype
   int64_t weight_snapshot = 0;     // published weights (fp32) held on this device
   int64_t weight_sync_bucket = 0;  // one flat bucket of the weight-sync backend on this device

@@ -1,6 +1,8 @@
 #include "learner/distributed/sharded_adamw.h"
 
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <cmath>
@@ -9,10 +11,26 @@
 
 namespace grpo::learner::distributed {
 
-ShardedAdamW::ShardedAdamW(common::NamedTensors params, AdamWOptions options, Collectives* ranks)
-    : params_(std::move(params)), options_(options), ranks_(ranks) {}
+class ShardedAdamW::GradientReady final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  GradientReady(ShardedAdamW* owner, size_t i) : owner_(owner), i_(i) {}
+  void operator()(const torch::autograd::Variable&) override { owner_->OnGradientReady(i_); }
+
+ private:
+  ShardedAdamW* owner_;
+  size_t i_;
+};
+
+ShardedAdamW::ShardedAdamW(common::NamedTensors params, std::vector<at::Tensor> compute,
+                           AdamWOptions options, Collectives* ranks)
+    : params_(std::move(params)), compute_(std::move(compute)), options_(options), ranks_(ranks) {}
+
+ShardedAdamW::~ShardedAdamW() {
+  for (const at::Tensor& c : compute_) torch::autograd::impl::set_post_acc_grad_hooks(c, nullptr);
+}
 
 StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(common::NamedTensors params,
+                                                             std::vector<at::Tensor> compute,
                                                              AdamWOptions options,
                                                              Collectives* ranks,
                                                              int64_t bucket_bytes) {
@@ -30,7 +48,19 @@ StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(common::NamedTensor
                                      "and device");
     }
   }
-  std::unique_ptr<ShardedAdamW> s(new ShardedAdamW(std::move(params), options, ranks));
+  if (compute.size() != params.size()) {
+    return Status::InvalidArgument("ShardedAdamW: " + std::to_string(compute.size()) +
+                                   " compute tensors for " + std::to_string(params.size()) +
+                                   " parameters");
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (compute[i].sizes() != params[i].second.sizes()) {
+      return Status::InvalidArgument("ShardedAdamW: the compute tensor of '" + params[i].first +
+                                     "' has another shape");
+    }
+  }
+  std::unique_ptr<ShardedAdamW> s(
+      new ShardedAdamW(std::move(params), std::move(compute), options, ranks));
   const int64_t world = ranks->world_size();
   const int64_t rank = ranks->rank();
   const int64_t element = static_cast<int64_t>(first.element_size());
@@ -59,6 +89,16 @@ StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(common::NamedTensor
       if (a < z) b.mine.push_back({i, a - p0, a - lo, z - a});
     }
   }
+  for (size_t b = 0; b < s->buckets_.size(); ++b) {
+    for (size_t i = s->buckets_[b].first; i < s->buckets_[b].last; ++i) s->bucket_of_.push_back(b);
+  }
+  s->pending_round_.resize(s->buckets_.size());
+  s->arrived_.assign(s->params_.size(), false);
+  s->next_bucket_ = static_cast<int64_t>(s->buckets_.size()) - 1;
+  for (size_t i = 0; i < s->compute_.size(); ++i) {
+    torch::autograd::impl::set_post_acc_grad_hooks(s->compute_[i],
+                                                   std::make_unique<GradientReady>(s.get(), i));
+  }
   const auto opts = first.options();
   s->grad_shard_ = at::zeros({s->shard_numel_}, opts);
   s->exp_avg_ = at::zeros({s->shard_numel_}, opts);
@@ -77,20 +117,83 @@ at::Tensor ShardedAdamW::PackBucket(const Bucket& b, Source source) const {
   return flat;
 }
 
+void ShardedAdamW::OnGradientReady(size_t i) {
+  at::NoGradGuard no_grad;
+  const at::Tensor& c = compute_[i];
+  const at::Tensor grad = c.grad();
+  if (!grad.defined()) return;
+  const size_t b = bucket_of_[i];
+  const Bucket& bucket = buckets_[b];
+  Pending& p = pending_round_[b];
+  if (p.reduced) {  // cannot happen with one accumulation per tensor per backward
+    if (round_error_.ok()) {
+      round_error_ = Status::Internal("gradient of '" + params_[i].first +
+                                      "' arrived after its bucket was reduced" + where_);
+    }
+  } else {
+    const int64_t padded = bucket.chunk * ranks_->world_size();
+    if (!p.flat.defined() && bucket.last - bucket.first == 1 && grad.numel() == padded &&
+        grad.scalar_type() == grad_shard_.scalar_type() && grad.is_contiguous()) {
+      p.flat = grad.view({-1});  // a tensor alone that needs no padding: no copy
+    } else {
+      if (!p.flat.defined()) p.flat = at::zeros({padded}, grad_shard_.options());
+      p.flat.narrow(0, bucket.param_offsets[i - bucket.first], grad.numel())
+          .add_(grad.reshape({-1}));
+    }
+    if (!arrived_[i]) {
+      arrived_[i] = true;
+      ++p.arrived;
+    }
+  }
+  c.mutable_grad().reset();  // in its bucket now
+  ReduceReadyBuckets(/*all=*/false);
+}
+
+void ShardedAdamW::ReduceReadyBuckets(bool all) {
+  at::NoGradGuard no_grad;
+  for (; next_bucket_ >= 0; --next_bucket_) {
+    const Bucket& b = buckets_[next_bucket_];
+    Pending& p = pending_round_[next_bucket_];
+    if (!all && p.arrived < b.last - b.first) return;
+    if (!p.flat.defined())
+      p.flat = at::zeros({b.chunk * ranks_->world_size()}, grad_shard_.options());
+    at::Tensor summed = at::empty({b.chunk}, grad_shard_.options());
+    // After a failure the group is not used again: its later collectives fail at once.
+    Status s = ranks_->ReduceScatterSum(p.flat, summed, "reduce-scatter of the gradients" + where_);
+    if (s.ok()) {
+      grad_shard_.narrow(0, b.shard_offset, b.chunk).add_(summed);
+    } else if (round_error_.ok()) {
+      round_error_ = s;
+    }
+    p.flat.reset();
+    p.reduced = true;
+  }
+}
+
+void ShardedAdamW::ResetRound() {
+  for (Pending& p : pending_round_) p = Pending{};
+  arrived_.assign(params_.size(), false);
+  next_bucket_ = static_cast<int64_t>(buckets_.size()) - 1;
+}
+
 Status ShardedAdamW::ReduceRound(const std::string& where) {
   at::NoGradGuard no_grad;
-  for (const Bucket& b : buckets_) {
-    at::Tensor flat = PackBucket(b, [&](size_t i) { return params_[i].second.grad(); });
-    at::Tensor summed = at::empty({b.chunk}, grad_shard_.options());
-    RETURN_IF_ERROR(
-        ranks_->ReduceScatterSum(flat, summed, "reduce-scatter of the gradients" + where));
-    grad_shard_.narrow(0, b.shard_offset, b.chunk).add_(summed);
+  where_ = where;
+  // A gradient autograd did not hand to the hook (none expected) joins its bucket here.
+  for (size_t i = 0; i < compute_.size(); ++i) {
+    if (compute_[i].grad().defined()) OnGradientReady(i);
   }
-  // Only the shard stays: the next backward allocates .grad afresh.
+  ReduceReadyBuckets(/*all=*/true);
+  // With bf16 the master's .grad was never written; in fp32 the hook freed it.
   for (auto& [name, p] : params_) p.mutable_grad().reset();
+  ResetRound();
   round_reduced_ = true;
-  return Status::OK();
+  Status s = round_error_;
+  round_error_ = Status::OK();
+  return s;
 }
+
+void ShardedAdamW::BeforeBackward(const std::string& where) { where_ = where; }
 
 Status ShardedAdamW::AfterBackward(const std::string& where) { return ReduceRound(where); }
 
@@ -169,6 +272,9 @@ void ShardedAdamW::ZeroGrad() {
   at::NoGradGuard no_grad;
   grad_shard_.zero_();
   for (auto& [name, p] : params_) p.mutable_grad().reset();
+  for (const at::Tensor& c : compute_) c.mutable_grad().reset();
+  ResetRound();
+  round_error_ = Status::OK();
   round_reduced_ = false;
 }
 
@@ -267,6 +373,13 @@ int64_t ShardedAdamW::ResidentBytes() const {
   int64_t bytes = grad_shard_.nbytes() + exp_avg_.nbytes() + exp_avg_sq_.nbytes();
   for (const auto& [name, p] : params_) {
     if (p.grad().defined()) bytes += p.grad().nbytes();
+  }
+  for (size_t i = 0; i < compute_.size(); ++i) {
+    const at::Tensor& c = compute_[i];
+    if (c.grad().defined() && !c.is_same(params_[i].second)) bytes += c.grad().nbytes();
+  }
+  for (const Pending& p : pending_round_) {
+    if (p.flat.defined()) bytes += p.flat.nbytes();
   }
   return bytes;
 }

@@ -5,20 +5,25 @@
 // so each rank holds 1/world_size of the model's gradient and of AdamW's two moments, whatever
 // the layer sizes.
 //
-//  - After this rank's backward of a micro-batch, each bucket's gradient is reduce-scattered
-//    (summed over the ranks, each keeping its chunk) and added into the rank's fp32 gradient
-//    shard, and the parameters' .grad are freed: between micro-batches and between steps only
-//    the shard is resident. Micro-batches are dealt round-robin, so the ranks back-propagate
-//    one micro-batch each per round of world_size positions, and reduce-scatter together; a
-//    rank with none in a (partial) round joins with zeros at the round's end.
+//  - During this rank's backward of a micro-batch, each parameter's gradient is moved, as soon
+//    as autograd has accumulated it (a post-accumulate-grad hook on the tensor backward writes:
+//    the bf16 copy's with bf16), into its bucket's flat fp32 buffer and its .grad freed; a
+//    bucket whose gradients are all there is reduce-scattered at once (summed over the ranks,
+//    each keeping its chunk, added into the rank's fp32 gradient shard) and its buffer freed.
+//    Buckets are reduced in one fixed order, last to first (backward's order: the first
+//    layers' gradients come last), so every rank makes the same collectives in the same order;
+//    a bucket still incomplete (a parameter without a gradient) waits, and the end of the
+//    backward reduces the rest. So the whole gradient never exists: a few buckets at a time.
+//    Micro-batches are dealt round-robin, so the ranks back-propagate one micro-batch each per
+//    round of world_size positions, and reduce-scatter together; a rank with none in a
+//    (partial) round joins with zeros at the round's end.
 //  - The step: the gradient norm is an all-reduce of the shards' squared norms; AdamW (the
 //    same elementwise update as optimizer.h AdamW, with the same state) runs on the owned chunk
 //    of the weights, and each bucket's updated chunks are all-gathered into every rank's
 //    parameters.
 //
-// Not yet: the reduce-scatter waits for the end of the micro-batch's backward (the whole
-// gradient of one micro-batch exists on each rank until then; FSDP reduces layer by layer
-// during backward), and the parameters themselves stay whole on every rank (full_shard).
+// Not yet: the parameters themselves stay whole on every rank (full_shard), and so does the
+// fp32 master with bf16.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -39,11 +44,16 @@ namespace grpo::learner::distributed {
 class ShardedAdamW final : public StepOptimizer {
  public:
   // `params` borrowed (shared storage), contiguous, of one floating dtype and device;
-  // InvalidArgument otherwise. `ranks` borrowed, world size >= 1.
+  // InvalidArgument otherwise. `compute`: the tensors backward accumulates into, one per
+  // parameter in the same order and shapes (the parameters themselves in fp32); their hooks
+  // are removed with the optimizer. `ranks` borrowed, world size >= 1.
   static StatusOr<std::unique_ptr<ShardedAdamW>> Create(common::NamedTensors params,
+                                                        std::vector<at::Tensor> compute,
                                                         AdamWOptions options, Collectives* ranks,
                                                         int64_t bucket_bytes);
+  ~ShardedAdamW() override;
 
+  void BeforeBackward(const std::string& where) override;
   Status AfterBackward(const std::string& where) override;
   Status AfterMicroBatch(int64_t position, const std::string& where) override;
   Status ReduceGradients(int64_t micro_batches, const std::string& where) override;
@@ -77,19 +87,40 @@ class ShardedAdamW final : public StepOptimizer {
     std::vector<Piece> mine;             // this rank's chunk, piece by piece
   };
 
-  ShardedAdamW(common::NamedTensors params, AdamWOptions options, Collectives* ranks);
+  // A bucket's state in the round being reduced.
+  struct Pending {
+    at::Tensor flat;     // world_size x chunk, fp32: its gradients so far (undefined: none yet)
+    size_t arrived = 0;  // parameters whose gradient is in `flat`
+    bool reduced = false;
+  };
+  class GradientReady;  // the post-accumulate-grad hook of one compute tensor
+
+  ShardedAdamW(common::NamedTensors params, std::vector<at::Tensor> compute, AdamWOptions options,
+               Collectives* ranks);
+  // The hook: moves compute_[i]'s .grad into its bucket, frees it, reduces what is ready.
+  void OnGradientReady(size_t i);
+  // Reduce-scatters buckets from next_bucket_ down: those complete, or all with `all`.
+  void ReduceReadyBuckets(bool all);
   // The bucket's elements as one flat buffer of world_size x chunk (zero padding) built from
   // each parameter's `source(i)` (an undefined tensor counts as zeros).
   template <typename Source>
   at::Tensor PackBucket(const Bucket& b, Source source) const;
-  // Sums the round's gradients over the ranks into the shard: this rank's .grad (zeros when it
-  // back-propagated nothing in the round), then frees .grad.
+  // Ends the round: reduces every bucket not reduced yet (zeros for a rank that back-propagated
+  // nothing in it); the first error of any of the round's collectives.
   Status ReduceRound(const std::string& where);
+  void ResetRound();
 
   common::NamedTensors params_;
+  std::vector<at::Tensor> compute_;
   AdamWOptions options_;
   Collectives* ranks_;
   std::vector<Bucket> buckets_;
+  std::vector<size_t> bucket_of_;  // parameter -> bucket
+  std::vector<Pending> pending_round_;
+  std::vector<bool> arrived_;  // parameter's gradient in its bucket this round
+  int64_t next_bucket_ = -1;   // the next bucket to reduce (they go last to first)
+  std::string where_;          // names the collectives of the backward running now
+  Status round_error_;         // the first failure of a collective in the round
   int64_t shard_numel_ = 0;
   at::Tensor grad_shard_;  // fp32 [shard_numel_]: the step's summed gradient, this rank's part
   at::Tensor exp_avg_, exp_avg_sq_;  // fp32 [shard_numel_]

@@ -23,6 +23,7 @@
 #include "learner/distributed/collectives.h"
 #include "learner/distributed/group_codec.h"
 #include "learner/distributed/rank_group.h"
+#include "learner/distributed/sharded_adamw.h"
 #include "learner/grpo_trainer.h"
 
 namespace grpo::learner {
@@ -234,6 +235,81 @@ TEST(DataParallelSharding, EachRankHoldsItsShareOfTheGradientAndAdamWState) {
       ASSERT_TRUE(errors[r].empty()) << "world " << world << " rank " << r << ": " << errors[r];
       EXPECT_EQ(resident[r], 12 * ((P + world - 1) / world)) << "world " << world << " rank " << r;
     }
+  }
+}
+
+// One rank whose reduce-scatters record whether they ran inside backward() and how many bytes
+// of .grad were alive then.
+class RecordingRank final : public Collectives {
+ public:
+  explicit RecordingRank(const common::Model* model) : model_(model) {}
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  Status AllReduceSum(std::vector<at::Tensor>&, const std::string&) override {
+    return Status::OK();
+  }
+  Status AllReduceMax(std::vector<at::Tensor>&, const std::string&) override {
+    return Status::OK();
+  }
+  Status Broadcast(std::vector<at::Tensor>&, const std::string&) override { return Status::OK(); }
+  Status ReduceScatterSum(const at::Tensor& in, at::Tensor& out, const std::string&) override {
+    out.copy_(in);
+    int64_t live = 0;
+    for (const at::Tensor& p : model_->Parameters()) {
+      if (p.grad().defined()) live += p.grad().nbytes();
+    }
+    calls.push_back({in_backward, live});
+    return Status::OK();
+  }
+  Status AllGather(const at::Tensor& in, at::Tensor& out, const std::string&) override {
+    out.copy_(in);
+    return Status::OK();
+  }
+  bool in_backward = false;
+  std::vector<std::pair<bool, int64_t>> calls;
+
+ private:
+  const common::Model* model_;
+};
+
+// shard_grad_op moves each gradient into its bucket as autograd accumulates it and reduces a
+// bucket as soon as it is whole: with one parameter a bucket, every reduce-scatter runs inside
+// backward() (none is left for the end), and the whole gradient never exists, with and without
+// gradient checkpointing (whose recomputed layers accumulate in their own backward).
+TEST(DataParallelSharding, GradientsAreReducedBucketByBucketDuringBackward) {
+  auto model = TinyModel();
+  model->SetRequiresGrad(true);
+  int64_t whole = 0;
+  size_t tensors = 0;
+  for (const at::Tensor& p : model->Parameters()) {
+    whole += p.nbytes();
+    ++tensors;
+  }
+  RecordingRank rank(model.get());
+  auto opt = distributed::ShardedAdamW::Create(model->NamedParameters(), model->Parameters(), {},
+                                               &rank, /*bucket_bytes=*/1);
+  ASSERT_TRUE(opt.ok()) << opt.status().ToString();
+  at::Generator g = at::detail::createCPUGenerator(3);
+  const at::Tensor ids = at::randint(model->config().vocab_size, {2, 12}, g, at::kLong);
+  const at::Tensor mask = at::ones({2, 12}, at::kLong);
+  for (const bool checkpointing : {false, true}) {
+    (*opt)->ZeroGrad();
+    rank.calls.clear();
+    (*opt)->BeforeBackward(" of the test");
+    const at::Tensor loss =
+        model->Logits(model->ForwardHidden(ids, mask, checkpointing)).pow(2).mean();
+    rank.in_backward = true;
+    loss.backward();
+    rank.in_backward = false;
+    ASSERT_TRUE((*opt)->AfterBackward(" of the test").ok());
+    ASSERT_EQ(rank.calls.size(), tensors) << "checkpointing " << checkpointing;
+    int64_t most = 0;
+    for (const auto& [inside, live] : rank.calls) {
+      EXPECT_TRUE(inside) << "a bucket waited for the end of backward";
+      most = std::max(most, live);
+    }
+    EXPECT_LT(most, whole / 4) << "checkpointing " << checkpointing;
+    for (const at::Tensor& p : model->Parameters()) EXPECT_FALSE(p.grad().defined());
   }
 }
 

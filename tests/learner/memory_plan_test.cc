@@ -168,8 +168,8 @@ TEST_P(MemoryPlanState, MatchesZeroArithmetic) {
 }
 
 // fp32: parameters 4P = 553,216, gradients 4P, AdamW 8P = 1,106,432; the step's temporaries
-// 8U = 512,000 (the fp64 copy of the embedding's gradient). shard_grad_op divides gradients,
-// AdamW and the step by W and adds the unit's gradient (4U = 256,000); full_shard divides the
+// 8U = 512,000 (the fp64 copy of the embedding's gradient). shard_grad_op: as built, below;
+// full_shard divides the
 // parameters too and adds the unit's weights and gradient (2 x 4U = 512,000). One rank, or
 // no_shard: nothing divided.
 // bf16: parameters and gradients 2P = 276,608, master and its gradient 4P each, AdamW 8P; offload
@@ -182,13 +182,15 @@ INSTANTIATE_TEST_SUITE_P(
         StateCase{"no_shard", false, 2, 553'216, 553'216, 0, 0, 1'106'432, 0, 25ll << 20, 0},
         StateCase{"no_shard", false, 4, 553'216, 553'216, 0, 0, 1'106'432, 0, 25ll << 20, 0},
         StateCase{"shard_grad_op", false, 1, 553'216, 553'216, 0, 0, 1'106'432, 0, 512'000, 0},
-        // As built (learner/distributed/sharded_adamw.h): the micro-batch's whole gradient 4P
-        // plus the fp32 shard 4P / 2 = 276,608 -> 829,824; AdamW 8P / 2 = 553,216; nothing
-        // gathered; the step one bucket (the whole model, 4P < 25 MiB) and three of its halves:
-        // 553,216 + 3 x 276,608 = 1,383,040.
-        StateCase{"shard_grad_op", false, 2, 553'216, 829'824, 0, 0, 553'216, 0, 1'383'040, 0},
-        // / 4: 4P + 138,304 = 691,520; AdamW 276,608; step 553,216 + 3 x 138,304 = 968,128.
-        StateCase{"shard_grad_op", false, 4, 553'216, 691'520, 0, 0, 276'608, 0, 968'128, 0},
+        // As built (learner/distributed/sharded_adamw.h): the fp32 gradient shard 4P / 2 =
+        // 276,608; AdamW 8P / 2 = 553,216; in flight during backward one tensor's gradient and
+        // one bucket (here the whole model, 4P < 25 MiB): 4U + 4P = 256,000 + 553,216 =
+        // 809,216; the step one bucket and three of its halves: 553,216 + 3 x 276,608 =
+        // 1,383,040.
+        StateCase{"shard_grad_op", false, 2, 553'216, 276'608, 0, 0, 553'216, 809'216, 1'383'040,
+                  0},
+        // / 4: 138,304; AdamW 276,608; in flight 809,216; step 553,216 + 3 x 138,304 = 968,128.
+        StateCase{"shard_grad_op", false, 4, 553'216, 138'304, 0, 0, 276'608, 809'216, 968'128, 0},
         StateCase{"full_shard", false, 1, 553'216, 553'216, 0, 0, 1'106'432, 0, 512'000, 0},
         StateCase{"full_shard", false, 2, 276'608, 276'608, 0, 0, 553'216, 512'000, 256'000, 0},
         StateCase{"full_shard", false, 4, 138'304, 138'304, 0, 0, 276'608, 512'000, 128'000, 0},
