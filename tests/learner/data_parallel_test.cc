@@ -313,6 +313,61 @@ TEST(DataParallelSharding, GradientsAreReducedBucketByBucketDuringBackward) {
   }
 }
 
+// bf16: the hooks sit on the bf16 compute copy, whose gradients go into fp32 buckets (the fp32
+// master gets no .grad). One step from the same weights, so both runs' bf16 copies are the same
+// and only the fp32 summation order differs: loss, grad_norm and the updated master weights
+// equal one rank's with the same accumulation.
+TEST(DataParallelSharding, Bf16ShardedStepEqualsTheSingleRanks) {
+  auto one_step = [](int world, Collectives* ranks, std::vector<at::Tensor>* weights,
+                     StepMetrics* metrics, bool* grads_left) -> std::string {
+    common::GrpoConfig cfg = RankConfig("dapo", world, world > 1 ? "shard_grad_op" : "no_shard");
+    cfg.bf16 = true;
+    cfg.num_iterations = 1;
+    auto model = TinyModel();
+    auto t = GrpoTrainer::Create(cfg, model.get(), nullptr, ranks);
+    if (!t.ok()) return t.status().ToString();
+    auto r = (*t)->TrainGenerationBatch(MakeGroups(2, 11));  // 8 completions: 4 micro-batches
+    if (!r.ok()) return r.status().ToString();
+    if (r->steps.size() != 1) return "expected one step, got " + std::to_string(r->steps.size());
+    *metrics = r->steps[0];
+    for (const at::Tensor& p : model->Parameters()) weights->push_back(p.detach().clone());
+    *grads_left = false;
+    for (const at::Tensor& p : (*t)->compute_model().Parameters()) {
+      *grads_left = *grads_left || (world > 1 && p.grad().defined());
+    }
+    for (const at::Tensor& p : model->Parameters()) {
+      *grads_left = *grads_left || (world > 1 && p.grad().defined());
+    }
+    return "";
+  };
+  std::vector<at::Tensor> single_w;
+  StepMetrics single_m;
+  bool left = false;
+  ASSERT_EQ(one_step(1, nullptr, &single_w, &single_m, &left), "");
+  FakeRankGroup group(2, std::chrono::seconds(60));
+  std::vector<std::vector<at::Tensor>> w(2);
+  std::vector<StepMetrics> m(2);
+  std::vector<std::string> err(2);
+  bool lefts[2] = {false, false};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] { err[r] = one_step(2, &group.Rank(r), &w[r], &m[r], &lefts[r]); });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(err[r], "") << "rank " << r;
+    EXPECT_FALSE(lefts[r]) << "rank " << r << ": a whole .grad left after the step";
+    EXPECT_TRUE(Close(m[r].loss, single_m.loss)) << m[r].loss << " vs " << single_m.loss;
+    EXPECT_TRUE(Close(m[r].grad_norm, single_m.grad_norm))
+        << m[r].grad_norm << " vs " << single_m.grad_norm;
+    ASSERT_EQ(w[r].size(), single_w.size());
+    for (size_t i = 0; i < single_w.size(); ++i) {
+      const double diff = (w[r][i] - single_w[i]).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-5 * single_w[i].abs().max().item<double>()) << "rank " << r << " " << i;
+    }
+  }
+}
+
 // The fake's reduce-scatter and all-gather, by hand: rank r passes [r, r+1, r+2, r+3] at 2 ranks.
 TEST(FakeRankGroupCollectives, ReduceScatterAndAllGatherByHand) {
   FakeRankGroup group(2, std::chrono::seconds(10));
