@@ -52,7 +52,8 @@ common::NamedTensors AdamW::StateDict() const {
   return out;
 }
 
-Status AdamW::LoadStateDict(const common::NamedTensors& state) {
+StatusOr<AdamWStateView> MatchAdamWState(const common::NamedTensors& state,
+                                         const common::NamedTensors& params) {
   auto find = [&](const std::string& name) -> const at::Tensor* {
     for (const auto& [n, t] : state) {
       if (n == name) return &t;
@@ -63,27 +64,36 @@ Status AdamW::LoadStateDict(const common::NamedTensors& state) {
   if (step == nullptr || step->numel() != 1) {
     return Status::InvalidArgument("optimizer state: missing scalar 'step'");
   }
-  std::vector<const at::Tensor*> avg(params_.size()), sq(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    for (auto [prefix, dst] : {std::pair{"exp_avg.", &avg}, std::pair{"exp_avg_sq.", &sq}}) {
-      const std::string name = prefix + params_[i].first;
+  AdamWStateView view;
+  view.exp_avg.resize(params.size());
+  view.exp_avg_sq.resize(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    for (auto [prefix, dst] :
+         {std::pair{"exp_avg.", &view.exp_avg}, std::pair{"exp_avg_sq.", &view.exp_avg_sq}}) {
+      const std::string name = prefix + params[i].first;
       const at::Tensor* t = find(name);
       if (t == nullptr) return Status::InvalidArgument("optimizer state: missing '" + name + "'");
-      if (t->sizes() != params_[i].second.sizes()) {
+      if (t->sizes() != params[i].second.sizes()) {
         std::ostringstream m;
         m << "optimizer state: '" << name << "' has shape " << t->sizes() << ", expected "
-          << params_[i].second.sizes();
+          << params[i].second.sizes();
         return Status::InvalidArgument(m.str());
       }
       (*dst)[i] = t;
     }
   }
+  view.step = step->item<int64_t>();
+  return view;
+}
+
+Status AdamW::LoadStateDict(const common::NamedTensors& state) {
+  ASSIGN_OR_RETURN(const AdamWStateView view, MatchAdamWState(state, params_));
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
-    exp_avg_[i].copy_(*avg[i]);
-    exp_avg_sq_[i].copy_(*sq[i]);
+    exp_avg_[i].copy_(*view.exp_avg[i]);
+    exp_avg_sq_[i].copy_(*view.exp_avg_sq[i]);
   }
-  step_ = step->item<int64_t>();
+  step_ = view.step;
   return Status::OK();
 }
 

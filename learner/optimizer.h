@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/model/safetensors.h"
 #include "common/status.h"
@@ -49,6 +50,16 @@ class AdamW {
   std::vector<at::Tensor> exp_avg_sq_;
   int64_t step_ = 0;
 };
+
+// AdamW state (StateDict's names) matched to `params`: each parameter's two moments, checked to
+// have its shape, and the step. InvalidArgument naming the tensor on a missing name or a shape
+// mismatch. The pointers point into `state`.
+struct AdamWStateView {
+  std::vector<const at::Tensor*> exp_avg, exp_avg_sq;  // one per parameter
+  int64_t step = 0;
+};
+StatusOr<AdamWStateView> MatchAdamWState(const common::NamedTensors& state,
+                                         const common::NamedTensors& params);
 
 // Scales every gradient by min(1, max_norm / (total_norm + 1e-6)) as torch's
 // clip_grad_norm_ does, and returns the total L2 norm before clipping. max_norm <= 0 only

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <sstream>
 #include <utility>
 
 namespace grpo::learner::distributed {
@@ -305,30 +304,12 @@ StatusOr<common::NamedTensors> ShardedAdamW::StateDict(const std::string& what) 
 }
 
 Status ShardedAdamW::LoadStateDict(const common::NamedTensors& state) {
-  auto find = [&](const std::string& name) -> const at::Tensor* {
-    for (const auto& [n, t] : state) {
-      if (n == name) return &t;
-    }
-    return nullptr;
-  };
-  const at::Tensor* step = find("step");
-  if (step == nullptr || step->numel() != 1) {
-    return Status::InvalidArgument("optimizer state: missing scalar 'step'");
-  }
-  common::NamedTensors whole;  // in StateDict's order
-  for (const auto& [name, p] : params_) {
-    for (const char* prefix : {"exp_avg.", "exp_avg_sq."}) {
-      const std::string key = prefix + name;
-      const at::Tensor* t = find(key);
-      if (t == nullptr) return Status::InvalidArgument("optimizer state: missing '" + key + "'");
-      if (t->sizes() != p.sizes()) {
-        std::ostringstream m;
-        m << "optimizer state: '" << key << "' has shape " << t->sizes() << ", expected "
-          << p.sizes();
-        return Status::InvalidArgument(m.str());
-      }
-      whole.emplace_back(key, t->to(p.device(), p.scalar_type()).contiguous());
-    }
+  ASSIGN_OR_RETURN(const AdamWStateView view, MatchAdamWState(state, params_));
+  common::NamedTensors whole;  // in StateDict's order, on the parameters' device and dtype
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
+    whole.emplace_back("exp_avg." + name, view.exp_avg[i]->to(p.device(), p.scalar_type()));
+    whole.emplace_back("exp_avg_sq." + name, view.exp_avg_sq[i]->to(p.device(), p.scalar_type()));
   }
   at::NoGradGuard no_grad;
   for (auto [shard, which] : {std::pair{&exp_avg_, 0}, std::pair{&exp_avg_sq_, 1}}) {
@@ -340,7 +321,7 @@ Status ShardedAdamW::LoadStateDict(const common::NamedTensors& state) {
       }
     }
   }
-  step_ = step->item<int64_t>();
+  step_ = view.step;
   whole.emplace_back("step", at::scalar_tensor(step_, at::kLong));
   if (ranks_->rank() == 0) pending_ = std::move(whole);
   return Status::OK();
