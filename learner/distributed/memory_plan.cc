@@ -320,7 +320,9 @@ std::string Suggestion::Text() const {
 namespace {
 
 // The knobs SuggestFix turns, in its order of preference.
-enum Knob { kCheckpointing, kBatch, kFullShard, kOffload, kRanks, kNumKnobs };
+// shard_grad_op before full_shard: it gathers no weights (less communication), so it is the one
+// to take when both fit; at the ranks' own count full_shard usually needs fewer ranks.
+enum Knob { kCheckpointing, kBatch, kShardGradOp, kFullShard, kOffload, kRanks, kNumKnobs };
 
 struct Candidate {
   common::GrpoConfig config;
@@ -357,6 +359,7 @@ StatusOr<Suggestion> TryKnobs(const common::ModelConfig& m, const common::GrpoCo
   ASSIGN_OR_RETURN(common::FsdpSpec fsdp, common::ParseFsdp(config.fsdp));
   Candidate base{config, world_size};
   if (mask & (1u << kCheckpointing)) base.config.gradient_checkpointing = true;
+  if (mask & (1u << kShardGradOp)) fsdp.mode = common::FsdpMode::kShardGradOp;
   if (mask & (1u << kFullShard)) fsdp.mode = common::FsdpMode::kFullShard;
   if (mask & (1u << kOffload)) fsdp.offload = true;
   base.config.fsdp =
@@ -397,7 +400,7 @@ StatusOr<Suggestion> TryKnobs(const common::ModelConfig& m, const common::GrpoCo
               {"steps_per_generation", std::to_string(*c.config.steps_per_generation)});
         }
       }
-      if (mask & ((1u << kFullShard) | (1u << kOffload))) {
+      if (mask & ((1u << kShardGradOp) | (1u << kFullShard) | (1u << kOffload))) {
         best.changes.push_back({"fsdp", c.config.fsdp});
       }
       if (mask & (1u << kRanks)) best.changes.push_back({"world_size", std::to_string(w2)});
@@ -420,13 +423,15 @@ StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::Grpo
   unsigned usable = 0;
   if (!config.gradient_checkpointing) usable |= 1u << kCheckpointing;
   if (config.per_device_train_batch_size > 1) usable |= 1u << kBatch;
+  if (current.fsdp.mode == common::FsdpMode::kNoShard) usable |= 1u << kShardGradOp;
   if (current.fsdp.mode != common::FsdpMode::kFullShard) usable |= 1u << kFullShard;
   if (!current.fsdp.offload && current.device == "cuda") usable |= 1u << kOffload;
   usable |= 1u << kRanks;
   // Subsets of the knobs, fewest first, then in the order of preference (the lowest knob first).
   std::vector<unsigned> masks;
   for (unsigned mask = 1; mask < (1u << kNumKnobs); ++mask) {
-    if ((mask & usable) == mask) masks.push_back(mask);
+    const unsigned both = (1u << kShardGradOp) | (1u << kFullShard);  // one mode at a time
+    if ((mask & usable) == mask && (mask & both) != both) masks.push_back(mask);
   }
   std::stable_sort(masks.begin(), masks.end(), [](unsigned a, unsigned b) {
     const int pa = __builtin_popcount(a), pb = __builtin_popcount(b);
@@ -535,13 +540,17 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
   };
   o << "model state (per rank)\n";
   row("parameters (" + cdt + (p.bf16 ? " compute copy)" : ")"), p.parameters);
-  row("gradients (" + cdt + ")", p.gradients);
+  const bool zero2 = p.fsdp.mode == FsdpMode::kShardGradOp && p.world_size > 1;
+  row(zero2 ? std::string("gradients (the rank's fp32 shard)") : "gradients (" + cdt + ")",
+      p.gradients);
   if (p.bf16) {
     row("fp32 master weights", p.master_weights);
     row("fp32 master gradients", p.master_gradients);
   }
   row("AdamW state (2 fp32 moments)", p.adamw_state);
-  row("gathered layer (the largest unit whole, sharded ranks)", p.gathered_layer);
+  row(zero2 ? "gradient in flight in backward (one bucket + one tensor)"
+            : "gathered layer (the largest unit whole, sharded ranks)",
+      p.gathered_layer);
   row("reference model (beta != 0)", p.reference_model);
   o << "one micro-batch\n";
   row("activations, gradient_checkpointing off", p.activations_no_checkpointing,

@@ -462,10 +462,20 @@ TEST(SuggestFix, BuiltOnlyNeverSuggestsWhatTheTrainerRefuses) {
   auto fix = SuggestFix(Bench(), cfg, 1, "cuda", off->Total() / 2, built);
   ASSERT_TRUE(fix.ok()) << fix.status().ToString();
   EXPECT_TRUE(FsdpBuilt(fix->plan.fsdp, fix->plan.world_size, "cuda"));
-  // The 7B model on 80 GiB needs offload or sharding, neither built: NotFound, built only.
+  // The 7B model in bf16 (n = 7.62e9) on 80 GiB: shard_grad_op is built and fits at 3 ranks with
+  // checkpointing: bf16 weights 2n = 14.19 GiB, the fp32 shard 4n/3 = 9.46, the fp32 master
+  // whole 4n = 28.39, AdamW 8n/3 = 18.92, the gradient in flight 1.0 (the [V, D] LM head in
+  // bf16), the micro-batch 5.1, CUDA 1.0: 78.1 GiB. At 2 ranks the shard and AdamW are 14.19 and
+  // 28.39: 92.3 GiB, too much. full_shard (not built) would need fewer ranks, and is not named.
   common::GrpoConfig big;
   big.bf16 = true;
-  EXPECT_EQ(SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, built).status().code(),
+  auto zero2 = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, built);
+  ASSERT_TRUE(zero2.ok()) << zero2.status().ToString();
+  EXPECT_EQ(zero2->Text(),
+            "set gradient_checkpointing: true, fsdp: shard_grad_op and run 3 ranks (world_size 3)");
+  EXPECT_NEAR(zero2->plan.Total() / double(1ll << 30), 78.1, 0.2);
+  // On 40 GiB the whole bf16 weights and fp32 master alone (42.6 GiB) do not fit: NotFound.
+  EXPECT_EQ(SuggestFix(Qwen25_7B(), big, 1, "cuda", 40ll << 30, built).status().code(),
             StatusCode::kNotFound);
 }
 
@@ -474,7 +484,15 @@ TEST(CheckFitsDevice, RefusesNamingTheKnob) {
   cfg.bf16 = true;
   Status s = CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", k80GiB);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
-  // Nothing built today fits; it says so, and what will once sharding and offload are built.
+  // ZeRO-2 is built: the refusal names it (SuggestFix above derives the 3 ranks by hand).
+  EXPECT_NE(s.message().find(": set gradient_checkpointing: true, fsdp: shard_grad_op and run 3 "
+                             "ranks (world_size 3)"),
+            std::string::npos)
+      << s.message();
+  // On 40 GiB nothing built today fits; it says so, and what will once sharding and offload are
+  // built (offloaded, a rank needs 34.4 GiB).
+  s = CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", 40ll << 30);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("nothing the trainer runs today fits"), std::string::npos)
       << s.message();
   EXPECT_NE(s.message().find("once fsdp sharding and offload are built: set "
