@@ -42,14 +42,20 @@ void AdamW::ZeroGrad() {
   }
 }
 
-common::NamedTensors AdamW::StateDict() const {
+common::NamedTensors NameAdamWState(const common::NamedTensors& params,
+                                    const std::vector<at::Tensor>& exp_avg,
+                                    const std::vector<at::Tensor>& exp_avg_sq, int64_t step) {
   common::NamedTensors out;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    out.emplace_back("exp_avg." + params_[i].first, exp_avg_[i]);
-    out.emplace_back("exp_avg_sq." + params_[i].first, exp_avg_sq_[i]);
+  for (size_t i = 0; i < params.size(); ++i) {
+    out.emplace_back("exp_avg." + params[i].first, exp_avg[i]);
+    out.emplace_back("exp_avg_sq." + params[i].first, exp_avg_sq[i]);
   }
-  out.emplace_back("step", at::scalar_tensor(step_, at::kLong));
+  out.emplace_back("step", at::scalar_tensor(step, at::kLong));
   return out;
+}
+
+common::NamedTensors AdamW::StateDict() const {
+  return NameAdamWState(params_, exp_avg_, exp_avg_sq_, step_);
 }
 
 StatusOr<AdamWStateView> MatchAdamWState(const common::NamedTensors& state,

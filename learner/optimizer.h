@@ -51,6 +51,12 @@ class AdamW {
   int64_t step_ = 0;
 };
 
+// AdamW state named as StateDict names it (the checkpoint's optimizer.safetensors):
+// "exp_avg.<param>", "exp_avg_sq.<param>" for each of `params` in order, then "step".
+common::NamedTensors NameAdamWState(const common::NamedTensors& params,
+                                    const std::vector<at::Tensor>& exp_avg,
+                                    const std::vector<at::Tensor>& exp_avg_sq, int64_t step);
+
 // AdamW state (StateDict's names) matched to `params`: each parameter's two moments, checked to
 // have its shape, and the step. InvalidArgument naming the tensor on a missing name or a shape
 // mismatch. The pointers point into `state`.

@@ -294,23 +294,18 @@ StatusOr<common::NamedTensors> ShardedAdamW::StateDict(const std::string& what) 
     }
   }
   if (!root) return common::NamedTensors{};
-  common::NamedTensors state;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    state.emplace_back("exp_avg." + params_[i].first, avg[i]);
-    state.emplace_back("exp_avg_sq." + params_[i].first, sq[i]);
-  }
-  state.emplace_back("step", at::scalar_tensor(step_, at::kLong));
-  return state;
+  return NameAdamWState(params_, avg, sq, step_);
 }
 
 Status ShardedAdamW::LoadStateDict(const common::NamedTensors& state) {
   ASSIGN_OR_RETURN(const AdamWStateView view, MatchAdamWState(state, params_));
-  common::NamedTensors whole;  // in StateDict's order, on the parameters' device and dtype
+  std::vector<at::Tensor> avg, sq;  // on the parameters' device and dtype
   for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& [name, p] = params_[i];
-    whole.emplace_back("exp_avg." + name, view.exp_avg[i]->to(p.device(), p.scalar_type()));
-    whole.emplace_back("exp_avg_sq." + name, view.exp_avg_sq[i]->to(p.device(), p.scalar_type()));
+    const at::Tensor& p = params_[i].second;
+    avg.push_back(view.exp_avg[i]->to(p.device(), p.scalar_type()));
+    sq.push_back(view.exp_avg_sq[i]->to(p.device(), p.scalar_type()));
   }
+  common::NamedTensors whole = NameAdamWState(params_, avg, sq, view.step);  // StateDict's order
   at::NoGradGuard no_grad;
   for (auto [shard, which] : {std::pair{&exp_avg_, 0}, std::pair{&exp_avg_sq_, 1}}) {
     for (const Bucket& b : buckets_) {
@@ -322,7 +317,6 @@ Status ShardedAdamW::LoadStateDict(const common::NamedTensors& state) {
     }
   }
   step_ = view.step;
-  whole.emplace_back("step", at::scalar_tensor(step_, at::kLong));
   if (ranks_->rank() == 0) pending_ = std::move(whole);
   return Status::OK();
 }
