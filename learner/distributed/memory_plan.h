@@ -152,10 +152,11 @@ struct SuggestOptions {
 // The smallest change that fits `device_bytes`: single changes first, in this order:
 // gradient_checkpointing on, a smaller per_device_train_batch_size (the largest divisor of it
 // that fits, gradient_accumulation_steps scaled to keep the optimizer batch), fsdp
-// shard_grad_op, fsdp full_shard (one of the two), offload (CUDA only); then combinations of them, fewest knobs first in the same order; and
-// last, as machines cost most, more ranks alone or with the others: the fewest ranks that fit,
-// with the fewest other knobs. NotFound when none fits (up to kMaxSuggestedWorldSize ranks),
-// saying what a rank needs at best. An empty suggestion when the config fits as it is.
+// shard_grad_op, fsdp full_shard (one of the two), offload (CUDA only); then combinations of them,
+// fewest knobs first in the same order; and last, as machines cost most, more ranks alone or with
+// the others: the fewest ranks that fit, with the fewest other knobs. NotFound when none fits (up
+// to kMaxSuggestedWorldSize ranks), saying what a rank needs at best. An empty suggestion when the
+// config fits as it is.
 StatusOr<Suggestion> SuggestFix(const common::ModelConfig& model, const common::GrpoConfig& config,
                                 int world_size, const std::string& device, int64_t device_bytes,
                                 const SuggestOptions& options = {});
