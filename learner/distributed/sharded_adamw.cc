@@ -76,10 +76,11 @@ StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(common::NamedTensor
     b.numel += n;
     b.last = i + 1;
   }
+  int64_t shard_numel = 0;  // elements of this rank's shard: the sum of its chunks
   for (Bucket& b : s->buckets_) {
     b.chunk = (b.numel + world - 1) / world;
-    b.shard_offset = s->shard_numel_;
-    s->shard_numel_ += b.chunk;
+    b.shard_offset = shard_numel;
+    shard_numel += b.chunk;
     const int64_t lo = rank * b.chunk, hi = std::min(b.numel, lo + b.chunk);
     for (size_t i = b.first; i < b.last; ++i) {
       const int64_t p0 = b.param_offsets[i - b.first];
@@ -99,9 +100,9 @@ StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(common::NamedTensor
                                                    std::make_unique<GradientReady>(s.get(), i));
   }
   const auto opts = first.options();
-  s->grad_shard_ = at::zeros({s->shard_numel_}, opts);
-  s->exp_avg_ = at::zeros({s->shard_numel_}, opts);
-  s->exp_avg_sq_ = at::zeros({s->shard_numel_}, opts);
+  s->grad_shard_ = at::zeros({shard_numel}, opts);
+  s->exp_avg_ = at::zeros({shard_numel}, opts);
+  s->exp_avg_sq_ = at::zeros({shard_numel}, opts);
   return s;
 }
 
@@ -196,18 +197,22 @@ void ShardedAdamW::BeforeBackward(const std::string& where) { where_ = where; }
 
 Status ShardedAdamW::AfterBackward(const std::string& where) { return ReduceRound(where); }
 
-Status ShardedAdamW::AfterMicroBatch(int64_t position, const std::string& where) {
-  if (position % ranks_->world_size() != 0) return Status::OK();
-  // The round's end: a rank that back-propagated nothing in it joins with zeros.
+Status ShardedAdamW::EndRound(const std::string& where) {
+  // A rank that back-propagated nothing in the round joins with zeros.
   if (!round_reduced_) RETURN_IF_ERROR(ReduceRound(where));
   round_reduced_ = false;
   return Status::OK();
 }
 
+Status ShardedAdamW::AfterMicroBatch(int64_t position, const std::string& where) {
+  if (position % ranks_->world_size() != 0) return Status::OK();
+  return EndRound(where);
+}
+
 Status ShardedAdamW::ReduceGradients(int64_t micro_batches, const std::string& where) {
   // A partial last round (a flushed step) ends here; a full one ended in AfterMicroBatch.
   if (micro_batches % ranks_->world_size() == 0) return Status::OK();
-  return AfterMicroBatch(0, where);
+  return EndRound(where);
 }
 
 void ShardedAdamW::ScaleGradients(double scale) {

@@ -67,9 +67,6 @@ class ShardedAdamW final : public StepOptimizer {
   Status SyncFromRankZero(const std::string& what) override;
   int64_t ResidentBytes() const override;
 
-  // Elements of this rank's shard (the sum of its chunks, padding included).
-  int64_t shard_numel() const { return shard_numel_; }
-
  private:
   // A run of one parameter's elements inside this rank's chunk of a bucket.
   struct Piece {
@@ -108,6 +105,8 @@ class ShardedAdamW final : public StepOptimizer {
   // Ends the round: reduces every bucket not reduced yet (zeros for a rank that back-propagated
   // nothing in it); the first error of any of the round's collectives.
   Status ReduceRound(const std::string& where);
+  // The round of world_size positions is over: ReduceRound unless this rank's backward did.
+  Status EndRound(const std::string& where);
   void ResetRound();
 
   common::NamedTensors params_;
@@ -121,9 +120,10 @@ class ShardedAdamW final : public StepOptimizer {
   int64_t next_bucket_ = -1;   // the next bucket to reduce (they go last to first)
   std::string where_;          // names the collectives of the backward running now
   Status round_error_;         // the first failure of a collective in the round
-  int64_t shard_numel_ = 0;
-  at::Tensor grad_shard_;  // fp32 [shard_numel_]: the step's summed gradient, this rank's part
-  at::Tensor exp_avg_, exp_avg_sq_;  // fp32 [shard_numel_]
+  // fp32, the sum of this rank's chunks (padding included): the step's summed gradient, this
+  // rank's part, and AdamW's moments for it.
+  at::Tensor grad_shard_;
+  at::Tensor exp_avg_, exp_avg_sq_;
   int64_t step_ = 0;
   bool round_reduced_ = false;  // this rank reduce-scattered in the round now open
   // Rank 0 after LoadStateDict: the whole restored state, until SyncFromRankZero hands it out.
