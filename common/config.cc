@@ -13,6 +13,8 @@
 #include <sstream>
 #include <variant>
 
+#include "common/loss_type_names.h"
+
 namespace grpo::common {
 
 bool IsDeviceSpelling(std::string_view d) {
@@ -243,15 +245,25 @@ const std::vector<Field>& Fields() {
       MakeField("reward_funcs", &C::reward_funcs),
       MakeField("reward_weights", &C::reward_weights),
       MakeField("scale_rewards", &C::scale_rewards, {"group", "batch", "none"}),
-      MakeField("loss_type", &C::loss_type, {"grpo", "bnpo", "dr_grpo", "dapo"}),
+      MakeField("loss_type", &C::loss_type,
+                std::vector<std::string>(kLossTypeNames.begin(), kLossTypeNames.end())),
       MakeField("epsilon", &C::epsilon),
       MakeField("epsilon_high", &C::epsilon_high),
       MakeField("delta", &C::delta),
       MakeField("beta", &C::beta),
       MakeField("importance_sampling_level", &C::importance_sampling_level, {"token", "sequence"}),
       MakeField("importance_sampling_correction", &C::importance_sampling_correction,
-                {"none", "token_truncate", "token_mask"}),
+                {"none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"}),
       MakeField("importance_sampling_cap", &C::importance_sampling_cap),
+      MakeField("importance_sampling_min", &C::importance_sampling_min),
+      MakeField("use_bias_correction_kl", &C::use_bias_correction_kl),
+      MakeField("off_policy_mask_threshold", &C::off_policy_mask_threshold),
+      MakeField("sapo_temperature_pos", &C::sapo_temperature_pos),
+      MakeField("sapo_temperature_neg", &C::sapo_temperature_neg),
+      MakeField("vespo_k_pos", &C::vespo_k_pos),
+      MakeField("vespo_lambda_pos", &C::vespo_lambda_pos),
+      MakeField("vespo_k_neg", &C::vespo_k_neg),
+      MakeField("vespo_lambda_neg", &C::vespo_lambda_neg),
       MakeField("max_staleness", &C::max_staleness),
       MakeField("per_device_train_batch_size", &C::per_device_train_batch_size),
       MakeField("gradient_accumulation_steps", &C::gradient_accumulation_steps),
@@ -301,7 +313,18 @@ const std::vector<Field>& Fields() {
   return fields;
 }
 
+// TRL 1.16's names for keys this project spells its own way (its vLLM importance-sampling
+// settings apply here to the workers' behaviour log-probs): the same key under either name.
+constexpr std::pair<std::string_view, std::string_view> kTrlAliases[] = {
+    {"vllm_importance_sampling_mode", "importance_sampling_correction"},
+    {"vllm_importance_sampling_clip_max", "importance_sampling_cap"},
+    {"vllm_importance_sampling_clip_min", "importance_sampling_min"},
+};
+
 const Field* FindField(std::string_view key) {
+  for (const auto& [alias, name] : kTrlAliases) {
+    if (key == alias) key = name;
+  }
   for (const auto& f : Fields()) {
     if (f.name == key) return &f;
   }
@@ -464,6 +487,26 @@ Status GrpoConfig::Validate() const {
   RETURN_IF_ERROR(Check(!delta || *delta > 1, "delta", "must be > 1 when set"));
   RETURN_IF_ERROR(Check(beta >= 0, "beta", "must be >= 0"));
   RETURN_IF_ERROR(Check(importance_sampling_cap >= 1, "importance_sampling_cap", "must be >= 1"));
+  RETURN_IF_ERROR(Check(
+      !importance_sampling_min ||
+          (*importance_sampling_min >= 0 && *importance_sampling_min < importance_sampling_cap),
+      "importance_sampling_min", "must be in [0, importance_sampling_cap)"));
+  RETURN_IF_ERROR(Check(!off_policy_mask_threshold || *off_policy_mask_threshold >= 0,
+                        "off_policy_mask_threshold", "must be >= 0 when set"));
+  RETURN_IF_ERROR(Check(sapo_temperature_pos > 0 && sapo_temperature_neg > 0,
+                        sapo_temperature_pos > 0 ? "sapo_temperature_neg" : "sapo_temperature_pos",
+                        "must be > 0"));
+  RETURN_IF_ERROR(Check(vespo_k_pos >= 0 && vespo_k_neg >= 0,
+                        vespo_k_pos >= 0 ? "vespo_k_neg" : "vespo_k_pos", "must be >= 0"));
+  RETURN_IF_ERROR(Check(vespo_lambda_pos > 0 && vespo_lambda_neg > 0,
+                        vespo_lambda_pos > 0 ? "vespo_lambda_neg" : "vespo_lambda_pos",
+                        "must be > 0"));
+  RETURN_IF_ERROR(Check(loss_type != "vespo" || importance_sampling_correction == "none" ||
+                            importance_sampling_correction.rfind("token_", 0) == 0,
+                        "importance_sampling_correction",
+                        "must be none, token_truncate or token_mask with loss_type vespo (it "
+                        "folds token weights into its sequence weight), got " +
+                            importance_sampling_correction));
   RETURN_IF_ERROR(Check(max_staleness >= 0, "max_staleness", "must be >= 0"));
   RETURN_IF_ERROR(Check(tls_cert_file.empty() == tls_key_file.empty(),
                         tls_cert_file.empty() ? "tls_key_file" : "tls_cert_file",
@@ -576,6 +619,10 @@ std::string ConfigHelp() {
   std::string out;
   for (const auto& f : Fields()) {
     out += "  " + f.name + " (" + f.type + ", default " + f.get(defaults).dump() + ")\n";
+  }
+  out += "TRL's names accepted for the same keys:\n";
+  for (const auto& [alias, name] : kTrlAliases) {
+    out += "  " + std::string(alias) + " = " + std::string(name) + "\n";
   }
   return out;
 }

@@ -46,15 +46,21 @@ struct GrpoConfig {
   std::string scale_rewards = "group";  // group | batch | none
 
   // Loss (docs/GRPO_SPEC.md).
-  std::string loss_type = "dapo";  // grpo | bnpo | dr_grpo | dapo
+  std::string loss_type = "dapo";  // common/loss_type_names.h
   double epsilon = 0.2;
   std::optional<double> epsilon_high;  // defaults to epsilon
   std::optional<double> delta;         // two-sided clipping when set
   double beta = 0.0;
   std::string importance_sampling_level = "token";  // token | sequence
-  std::string importance_sampling_correction =
-      "token_truncate";  // none | token_truncate | token_mask
-  double importance_sampling_cap = 3.0;
+  // none | token_truncate | token_mask | sequence_truncate | sequence_mask (TRL's
+  // vllm_importance_sampling_mode and its default; the TRL names of these three are aliases).
+  std::string importance_sampling_correction = "sequence_mask";
+  double importance_sampling_cap = 3.0;             // C_max
+  std::optional<double> importance_sampling_min;    // C_min; unset = no lower bound (TRL)
+  bool use_bias_correction_kl = true;               // KL term x importance ratio (TRL's default)
+  std::optional<double> off_policy_mask_threshold;  // DeepSeek-V3.2 sequence mask; unset = off
+  double sapo_temperature_pos = 1.0, sapo_temperature_neg = 1.05;
+  double vespo_k_pos = 2.0, vespo_lambda_pos = 3.0, vespo_k_neg = 3.0, vespo_lambda_neg = 2.0;
   // Policy versions a group may lag the learner (docs/ARCHITECTURE.md "Async training and
   // staleness"): 1 lets workers generate with version v while the learner trains v -> v+1; 0 is
   // fully synchronous.

@@ -101,7 +101,7 @@ StatusOr<AdvantageResult> Compute(const at::Tensor& rewards_per_fn,
   }
   std::vector<double> g_mean(num_groups, 0.0), g_std(num_groups, 0.0);
   std::vector<bool> g_all_equal(num_groups, true);
-  int64_t groups_present = 0, groups_zero_std = 0;
+  int64_t groups_present = 0;
   for (int64_t g = 0; g < num_groups; ++g) {
     const auto& m = members[g];
     if (m.empty()) continue;
@@ -110,10 +110,20 @@ StatusOr<AdvantageResult> Compute(const at::Tensor& rewards_per_fn,
     g_std[g] = UnbiasedStd(m, g_mean[g]);
     const auto [lo, hi] = std::minmax_element(m.begin(), m.end());
     g_all_equal[g] = (*lo == *hi);
-    if (g_all_equal[g]) ++groups_zero_std;
   }
   const double batch_mean = Mean(kept_rewards);
   const double batch_std = UnbiasedStd(kept_rewards, batch_mean);
+  // TRL's frac_reward_zero_std: the share of all samples whose std (their group's, or the
+  // batch's with scale_rewards batch) is torch.isclose to 0 (|std| <= 1e-8). A std of fewer
+  // than two scored samples is NaN there (nanstd), never zero.
+  auto zero_std = [](size_t count, double std) { return count >= 2 && std <= 1e-8; };
+  int64_t samples_zero_std = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t g = group[i];
+    samples_zero_std += config.scale_rewards == ScaleRewards::kBatch
+                            ? zero_std(kept_rewards.size(), batch_std)
+                            : zero_std(members[g].size(), g_std[g]);
+  }
 
   for (int64_t i = 0; i < n; ++i) {
     if (!kp[i] || !scorable[i]) continue;
@@ -131,7 +141,7 @@ StatusOr<AdvantageResult> Compute(const at::Tensor& rewards_per_fn,
   out.reward_mean = scored > 0 ? batch_mean : kNaN;
   out.reward_std = scored > 1 ? batch_std : kNaN;
   out.frac_reward_zero_std =
-      groups_present > 0 ? static_cast<double>(groups_zero_std) / groups_present : kNaN;
+      n > 0 ? static_cast<double>(samples_zero_std) / static_cast<double>(n) : kNaN;
 
   for (int64_t j = 0; j < k; ++j) {
     std::vector<double> vals;

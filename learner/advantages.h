@@ -43,10 +43,12 @@ struct AdvantageResult {
   int64_t num_unscorable = 0;  // kept samples whose every reward function returned null
   int64_t num_groups = 0;      // groups with at least one kept sample
   // TRL metric names in comments. Means/stds over kept samples.
-  double reward_mean = 0.0;           // `reward`
-  double reward_std = 0.0;            // `reward_std`: unbiased std of the batch's rewards (TRL
-                                      // since its PR 4785); NaN with fewer than two
-  double frac_reward_zero_std = 0.0;  // `frac_reward_zero_std`: fraction of groups all-equal
+  double reward_mean = 0.0;  // `reward`
+  double reward_std = 0.0;   // `reward_std`: unbiased std of the batch's rewards (TRL
+                             // since its PR 4785); NaN with fewer than two
+  // TRL's `frac_reward_zero_std`: the share of samples whose group's std (the batch's with
+  // scale_rewards batch) is 0; a group of fewer than two scored samples has no std (TRL: NaN).
+  double frac_reward_zero_std = 0.0;
   // Per reward function, over kept samples with a non-null value (TRL nanmean / nanstd):
   std::vector<double> reward_fn_mean;  // `rewards/<fn>/mean`; NaN when no value at all
   std::vector<double> reward_fn_std;   // `rewards/<fn>/std`, unbiased; NaN when < 2 values

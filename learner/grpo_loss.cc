@@ -32,15 +32,6 @@ Status CheckBT(const at::Tensor& t, const char* name, int64_t b, int64_t tt,
 
 }  // namespace
 
-StatusOr<LossType> ParseLossType(std::string_view name) {
-  if (name == "grpo") return LossType::kGrpo;
-  if (name == "bnpo") return LossType::kBnpo;
-  if (name == "dr_grpo") return LossType::kDrGrpo;
-  if (name == "dapo") return LossType::kDapo;
-  return Status::InvalidArgument("unknown loss_type '" + std::string(name) +
-                                 "' (expected grpo|bnpo|dr_grpo|dapo)");
-}
-
 StatusOr<ImportanceSamplingLevel> ParseImportanceSamplingLevel(std::string_view name) {
   if (name == "token") return ImportanceSamplingLevel::kToken;
   if (name == "sequence") return ImportanceSamplingLevel::kSequence;
@@ -48,42 +39,8 @@ StatusOr<ImportanceSamplingLevel> ParseImportanceSamplingLevel(std::string_view 
                                  "' (expected token|sequence)");
 }
 
-StatusOr<ImportanceSamplingCorrection> ParseImportanceSamplingCorrection(std::string_view name) {
-  if (name == "none") return ImportanceSamplingCorrection::kNone;
-  if (name == "token_truncate") return ImportanceSamplingCorrection::kTokenTruncate;
-  if (name == "token_mask") return ImportanceSamplingCorrection::kTokenMask;
-  return Status::InvalidArgument("unknown importance_sampling_correction '" + std::string(name) +
-                                 "' (expected none|token_truncate|token_mask)");
-}
-
-std::string_view LossTypeName(LossType t) {
-  switch (t) {
-    case LossType::kGrpo:
-      return "grpo";
-    case LossType::kBnpo:
-      return "bnpo";
-    case LossType::kDrGrpo:
-      return "dr_grpo";
-    case LossType::kDapo:
-      return "dapo";
-  }
-  return "unknown";
-}
-
 std::string_view ImportanceSamplingLevelName(ImportanceSamplingLevel l) {
   return l == ImportanceSamplingLevel::kToken ? "token" : "sequence";
-}
-
-std::string_view ImportanceSamplingCorrectionName(ImportanceSamplingCorrection c) {
-  switch (c) {
-    case ImportanceSamplingCorrection::kNone:
-      return "none";
-    case ImportanceSamplingCorrection::kTokenTruncate:
-      return "token_truncate";
-    case ImportanceSamplingCorrection::kTokenMask:
-      return "token_mask";
-  }
-  return "unknown";
 }
 
 Status GrpoLossConfig::Validate() const {
@@ -104,11 +61,52 @@ Status GrpoLossConfig::Validate() const {
     return Status::InvalidArgument("importance_sampling_cap must be > 0, got " +
                                    std::to_string(importance_sampling_cap));
   }
+  if (importance_sampling_min &&
+      (!Finite(*importance_sampling_min) || *importance_sampling_min < 0.0 ||
+       *importance_sampling_min >= importance_sampling_cap)) {
+    return Status::InvalidArgument(
+        "importance_sampling_min must be in [0, importance_sampling_cap "
+        "= " +
+        std::to_string(importance_sampling_cap) + "), got " +
+        std::to_string(*importance_sampling_min));
+  }
+  if (off_policy_mask_threshold &&
+      (!Finite(*off_policy_mask_threshold) || *off_policy_mask_threshold < 0.0)) {
+    return Status::InvalidArgument("off_policy_mask_threshold must be >= 0, got " +
+                                   std::to_string(*off_policy_mask_threshold));
+  }
+  for (const auto& [name, v] : {std::pair{"sapo_temperature_pos", sapo_temperature_pos},
+                                std::pair{"sapo_temperature_neg", sapo_temperature_neg},
+                                std::pair{"vespo_lambda_pos", vespo_lambda_pos},
+                                std::pair{"vespo_lambda_neg", vespo_lambda_neg}}) {
+    if (!Finite(v) || v <= 0.0) {
+      return Status::InvalidArgument(std::string(name) + " must be > 0, got " + std::to_string(v));
+    }
+  }
+  for (const auto& [name, v] :
+       {std::pair{"vespo_k_pos", vespo_k_pos}, std::pair{"vespo_k_neg", vespo_k_neg}}) {
+    if (!Finite(v) || v < 0.0) {
+      return Status::InvalidArgument(std::string(name) + " must be >= 0, got " + std::to_string(v));
+    }
+  }
   if (max_completion_length < 1) {
     return Status::InvalidArgument("max_completion_length must be >= 1, got " +
                                    std::to_string(max_completion_length));
   }
+  if (loss_type == LossType::kVespo && IsSequenceLevel(importance_sampling_correction)) {
+    return Status::InvalidArgument(
+        "loss_type vespo folds token-level IS weights into its sequence weight: "
+        "importance_sampling_correction must be none, token_truncate or token_mask, got " +
+        std::string(ImportanceSamplingCorrectionName(importance_sampling_correction)));
+  }
   return Status::OK();
+}
+
+bool TokenSeparable(const GrpoLossConfig& config, bool has_old) {
+  return loss::ObjectiveOf(config.loss_type).token_separable &&
+         config.importance_sampling_level == ImportanceSamplingLevel::kToken &&
+         !config.off_policy_mask_threshold &&
+         (has_old || !IsSequenceLevel(config.importance_sampling_correction));
 }
 
 void GrpoLossMetrics::Merge(const GrpoLossMetrics& o) {
@@ -119,6 +117,7 @@ void GrpoLossMetrics::Merge(const GrpoLossMetrics& o) {
   clip_high_sum += o.clip_high_sum;
   clip_region_sum += o.clip_region_sum;
   kl_sum += o.kl_sum;
+  phi_sum += o.phi_sum;
   is_ratio_sum += o.is_ratio_sum;
   is_ratio_tokens += o.is_ratio_tokens;
   is_ratio_max = std::max(is_ratio_max, o.is_ratio_max);
@@ -142,6 +141,7 @@ double GrpoLossMetrics::ClipRegionMean() const {
   return PerMicroBatchMean(clip_region_sum, micro_batches);
 }
 double GrpoLossMetrics::KlMean() const { return PerMicroBatchMean(kl_sum, micro_batches); }
+double GrpoLossMetrics::PhiMean() const { return PerMicroBatchMean(phi_sum, micro_batches); }
 double GrpoLossMetrics::IsRatioMean() const {
   return is_ratio_tokens > 0 ? is_ratio_sum / is_ratio_tokens : 0.0;
 }
@@ -178,15 +178,8 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
         std::string(ImportanceSamplingCorrectionName(config.importance_sampling_correction)) +
         " needs behaviour log-probs (beh)");
   }
-  if (config.loss_type == LossType::kDapo) {
-    if (!Finite(normaliser.step_completion_tokens) || normaliser.step_completion_tokens <= 0.0) {
-      return Status::InvalidArgument("dapo needs step_completion_tokens > 0, got " +
-                                     std::to_string(normaliser.step_completion_tokens));
-    }
-  } else if (normaliser.gradient_accumulation_steps < 1) {
-    return Status::InvalidArgument("gradient_accumulation_steps must be >= 1, got " +
-                                   std::to_string(normaliser.gradient_accumulation_steps));
-  }
+  const loss::Objective& objective = loss::ObjectiveOf(config.loss_type);
+  RETURN_IF_ERROR(loss::CheckNormaliser(objective.aggregation, normaliser));
 
   try {
     const at::ScalarType dt = logp.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -222,70 +215,63 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
     }
 
     // Padding positions get log-ratio 0 through where (never 0 * inf).
-    at::Tensor log_ratio = at::where(valid, lp - old, zero);                  // [B, T]
+    const at::Tensor token_log_ratio = at::where(valid, lp - old, zero);      // [B, T]
     const at::Tensor seq_tokens = m.sum(1, /*keepdim=*/true).clamp_min(1.0);  // [B, 1]
-    if (config.importance_sampling_level == ImportanceSamplingLevel::kSequence) {
-      log_ratio = (log_ratio * m).sum(1, /*keepdim=*/true) / seq_tokens;  // [B, 1] (GSPO)
-    }
-    const at::Tensor ratio = at::exp(log_ratio);  // [B, T] or [B, 1]
-    const double eps_low = config.epsilon;
-    const double eps_high = config.EpsilonHigh();
-    const at::Tensor c2 = at::clamp(ratio, 1.0 - eps_low, 1.0 + eps_high);
-    const at::Tensor c1 = config.delta ? at::clamp_max(ratio, *config.delta) : ratio;
-    const at::Tensor a = adv.unsqueeze(1);                           // [B, 1]
-    at::Tensor per_token = -at::min(c1 * a, c2 * a).expand({b, t});  // [B, T]
+    const bool per_sequence =
+        config.importance_sampling_level == ImportanceSamplingLevel::kSequence;
+    const at::Tensor log_ratio =
+        per_sequence ? (token_log_ratio * m).sum(1, /*keepdim=*/true) / seq_tokens  // GSPO
+                     : token_log_ratio;
+    const at::Tensor a = adv.unsqueeze(1);  // [B, 1]
 
-    at::Tensor is_ratio;  // [B, T], detached
+    at::Tensor is_ratio;  // [B, T], detached: the metric, before any truncation
+    at::Tensor is_weights;
     if (beh.defined()) is_ratio = at::exp(at::where(valid, old - beh, zero));
     if (correct_is) {
-      const double cap = config.importance_sampling_cap;
-      const at::Tensor w =
-          config.importance_sampling_correction == ImportanceSamplingCorrection::kTokenTruncate
-              ? at::clamp_max(is_ratio, cap)
-              : is_ratio * (is_ratio <= cap).to(dt);  // token_mask keeps the ratio (TRL #4530)
-      per_token = per_token * w;
+      is_weights = loss::ImportanceSamplingWeights(config.importance_sampling_correction, old, beh,
+                                                   valid, config.importance_sampling_cap,
+                                                   config.importance_sampling_min);
     }
+
+    loss::ObjectiveInputs oin;
+    oin.logp = at::where(valid, lp, zero);
+    oin.log_ratio = token_log_ratio;
+    oin.ratio = at::exp(log_ratio);  // [B, T] or [B, 1]
+    oin.advantages = a;
+    oin.mask = m;
+    oin.is_weights = is_weights;
+    const loss::ObjectiveTerms terms = objective.terms(config, oin);
+    at::Tensor per_token = terms.per_token.expand({b, t});  // [B, T]
+    if (config.off_policy_mask_threshold) {
+      per_token = per_token * loss::OffPolicySequenceMask(a, lp, beh.defined() ? beh : old, m,
+                                                          valid, *config.off_policy_mask_threshold);
+    }
+    if (is_weights.defined() && !objective.folds_is_weights) per_token = per_token * is_weights;
     at::Tensor kl;  // [B, T]
     if (config.beta != 0.0) {
       const at::Tensor d = at::where(valid, ref - lp, zero);
       kl = at::exp(d) - d - 1.0;
+      if (config.use_bias_correction_kl) kl = kl * oin.ratio;  // before the delta clamp, as TRL
       per_token = per_token + config.beta * kl;
     }
 
     const at::Tensor masked = per_token * m;  // finite everywhere: padding terms are 0
-    at::Tensor loss;
-    switch (config.loss_type) {
-      case LossType::kGrpo:
-        loss = (masked.sum(1) / seq_tokens.squeeze(1)).mean() /
-               static_cast<double>(normaliser.gradient_accumulation_steps);
-        break;
-      case LossType::kBnpo:
-        loss = masked.sum() / m.sum().clamp_min(1.0) /
-               static_cast<double>(normaliser.gradient_accumulation_steps);
-        break;
-      case LossType::kDrGrpo:
-        loss = masked.sum() / (static_cast<double>(b) * config.max_completion_length *
-                               normaliser.gradient_accumulation_steps);
-        break;
-      case LossType::kDapo:
-        loss = masked.sum() / normaliser.step_completion_tokens;
-        break;
-    }
+    const at::Tensor loss = loss::AggregateMicroBatch(objective.aggregation, masked, m, seq_tokens,
+                                                      config.max_completion_length, normaliser);
 
-    // Metrics (docs/GRPO_SPEC.md, TRL 1.16): clip flags on the ratio the loss uses (after the delta
-    // clamp); means over this micro-batch's masked tokens, or over its sequences with
-    // sequence-level importance sampling (one flag per sequence).
+    // Metrics (docs/GRPO_SPEC.md, TRL 1.16): clip flags as the objective defines them; means over
+    // this micro-batch's masked tokens, or over its sequences when a flag is one per sequence.
     at::Tensor stats;
     {
       at::NoGradGuard no_grad;
-      const bool per_sequence =
-          config.importance_sampling_level == ImportanceSamplingLevel::kSequence;
-      const at::Tensor r = c1.detach();  // [B, T] or [B, 1]
-      const at::Tensor low = (r < 1.0 - eps_low) & (a < 0);
-      const at::Tensor high = (r > 1.0 + eps_high) & (a > 0);
-      const at::Tensor w = per_sequence ? at::ones({b, 1}, m.options()) : m;
-      std::vector<at::Tensor> parts = {loss.detach(), m.sum(), (low.to(dt) * w).sum(),
-                                       (high.to(dt) * w).sum(), ((low | high).to(dt) * w).sum()};
+      const at::Tensor none = at::zeros({b, 1}, at::kBool).to(device);
+      const at::Tensor low = terms.clip_low.defined() ? terms.clip_low : none;
+      const at::Tensor high = terms.clip_high.defined() ? terms.clip_high : none;
+      auto flag_sum = [&](const at::Tensor& f) {
+        return f.size(1) == 1 ? f.to(dt).sum() : (f.to(dt) * m).sum();
+      };
+      std::vector<at::Tensor> parts = {loss.detach(), m.sum(), flag_sum(low), flag_sum(high),
+                                       flag_sum(low | high)};
       parts.push_back(kl.defined() ? (kl.detach() * m).sum() : zero);
       if (is_ratio.defined()) {
         parts.push_back((is_ratio * m).sum());
@@ -294,6 +280,7 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
         parts.push_back(zero);
         parts.push_back(zero);
       }
+      parts.push_back(terms.phi.defined() ? terms.phi.sum() : zero);
       stats = at::stack(parts).to(at::kCPU, at::kDouble);
     }
     const double* s = stats.data_ptr<double>();
@@ -303,9 +290,9 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
     mt.loss = s[0];
     mt.tokens = s[1];
     mt.micro_batches = 1;
-    const double flag_den = config.importance_sampling_level == ImportanceSamplingLevel::kSequence
-                                ? static_cast<double>(b)
-                                : std::max(1.0, s[1]);
+    const bool flag_per_sequence = (terms.clip_high.defined() && terms.clip_high.size(1) == 1) ||
+                                   (!terms.clip_high.defined() && per_sequence);
+    const double flag_den = flag_per_sequence ? static_cast<double>(b) : std::max(1.0, s[1]);
     mt.clip_low_sum = s[2] / flag_den;
     mt.clip_high_sum = s[3] / flag_den;
     mt.clip_region_sum = s[4] / flag_den;
@@ -315,6 +302,7 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
     mt.is_ratio_sum = s[6];
     mt.is_ratio_tokens = is_ratio.defined() ? s[1] : 0.0;
     mt.is_ratio_max = s[7];
+    mt.phi_sum = s[8] / static_cast<double>(b);
     return out;
   } catch (const c10::Error& e) {
     return Status::Internal(std::string("grpo loss: ") + e.what_without_backtrace());
@@ -323,9 +311,10 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
 
 StatusOr<TokenLossGrad> GrpoTokenLossGrad(const GrpoLossConfig& config, GrpoLossInputs in,
                                           const LossNormaliser& normaliser, Status* error) {
-  if (config.importance_sampling_level != ImportanceSamplingLevel::kToken) {
+  if (!TokenSeparable(config, in.old.defined())) {
     return Status::InvalidArgument(
-        "the fused per-token loss gradient needs importance_sampling_level token");
+        "the fused per-token loss gradient needs a token-separable loss (loss/objectives.h: "
+        "token-level importance sampling, no off-policy mask, not vespo)");
   }
   if (error == nullptr || !in.mask.defined() || in.mask.dim() != 2) {
     return Status::InvalidArgument("GrpoTokenLossGrad: needs a [B, T] mask and an error slot");

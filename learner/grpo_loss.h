@@ -10,23 +10,18 @@
 
 #include "common/status.h"
 #include "learner/chunked_logprobs.h"
+#include "learner/loss/aggregation.h"
+#include "learner/loss/objectives.h"
+#include "learner/loss/off_policy.h"
 
 namespace grpo::learner {
 
-// TRL `loss_type`.
-enum class LossType { kGrpo, kBnpo, kDrGrpo, kDapo };
 // TRL `importance_sampling_level`: token (GRPO) or sequence (GSPO).
 enum class ImportanceSamplingLevel { kToken, kSequence };
-// `importance_sampling_correction` (docs/GRPO_SPEC.md "Off-policy correction").
-enum class ImportanceSamplingCorrection { kNone, kTokenTruncate, kTokenMask };
 
 // Parse the config spellings; InvalidArgument naming the value and the choices otherwise.
-StatusOr<LossType> ParseLossType(std::string_view name);  // grpo|bnpo|dr_grpo|dapo
 StatusOr<ImportanceSamplingLevel> ParseImportanceSamplingLevel(std::string_view name);
-StatusOr<ImportanceSamplingCorrection> ParseImportanceSamplingCorrection(std::string_view name);
-std::string_view LossTypeName(LossType t);
 std::string_view ImportanceSamplingLevelName(ImportanceSamplingLevel l);
-std::string_view ImportanceSamplingCorrectionName(ImportanceSamplingCorrection c);
 
 struct GrpoLossConfig {
   LossType loss_type = LossType::kDapo;
@@ -36,25 +31,31 @@ struct GrpoLossConfig {
   double beta = 0.0;                     // KL coefficient; != 0 needs ref log-probs
   ImportanceSamplingLevel importance_sampling_level = ImportanceSamplingLevel::kToken;
   ImportanceSamplingCorrection importance_sampling_correction = ImportanceSamplingCorrection::kNone;
-  double importance_sampling_cap = 3.0;
-  int64_t max_completion_length = 256;  // dr_grpo's denominator
+  double importance_sampling_cap = 3.0;             // C_max (TRL vllm_importance_sampling_clip_max)
+  std::optional<double> importance_sampling_min{};  // C_min (TRL ..._clip_min); unset: none
+  int64_t max_completion_length = 256;              // dr_grpo's denominator
+  // The KL term times the importance ratio (DeepSeek-V3.2, arXiv 2512.02556; TRL's default).
+  bool use_bias_correction_kl = true;
+  // DeepSeek-V3.2's off-policy sequence mask; unset = off (loss/off_policy.h).
+  std::optional<double> off_policy_mask_threshold{};
+  double sapo_temperature_pos = 1.0;                 // sapo: tau for A > 0
+  double sapo_temperature_neg = 1.05;                // sapo: tau for A <= 0
+  double vespo_k_pos = 2.0, vespo_lambda_pos = 3.0;  // vespo: A >= 0
+  double vespo_k_neg = 3.0, vespo_lambda_neg = 2.0;  // vespo: A < 0
 
   double EpsilonHigh() const { return epsilon_high.value_or(epsilon); }
   // InvalidArgument naming the option: epsilon in [0, 1], epsilon_high >= 0, delta > 1,
-  // beta >= 0, cap > 0, max_completion_length >= 1; all finite.
+  // beta >= 0, cap > 0, 0 <= importance_sampling_min < cap, off_policy_mask_threshold >= 0,
+  // sapo temperatures > 0, vespo k >= 0 and lambda > 0, max_completion_length >= 1, vespo with a
+  // token-level (or no) correction (TRL's rule); all finite.
   Status Validate() const;
 };
 
-// The per-step divisor of docs/GRPO_SPEC.md "Aggregation": the same for every micro-batch of a
-// step.
-struct LossNormaliser {
-  // dapo: completion tokens of the whole optimizer step (all its micro-batches, on every learner
-  // rank: docs/GRPO_SPEC.md "Aggregation"). Must be > 0 for dapo.
-  double step_completion_tokens = 0.0;
-  // grpo, bnpo, dr_grpo: the micro-batch loss is divided by this (the step's micro-batches over
-  // all learner ranks).
-  int64_t gradient_accumulation_steps = 1;
-};
+// Whether ComputeGrpoLoss's gradient w.r.t. logp is a sum of per-token terms, each depending on
+// its own token only, so that GrpoTokenLossGrad's per-chunk gradient is exact: the objective is
+// token-separable, importance sampling is token-level, no off-policy sequence mask, and a
+// sequence-level IS correction has `old` given (without it old = logp.detach() couples tokens).
+bool TokenSeparable(const GrpoLossConfig& config, bool has_old);
 
 // One micro-batch. All [B, T] tensors share logp's device. Values at padding positions
 // (mask == 0) are never used and may be anything, inf and NaN included.
@@ -84,6 +85,7 @@ struct GrpoLossMetrics {
   double is_ratio_sum = 0.0;     // sum of exp(old - beh) over tokens; only when beh is given
   double is_ratio_tokens = 0.0;  // tokens counted in is_ratio_sum
   double is_ratio_max = 0.0;     // max of exp(old - beh); 0 when none
+  double phi_sum = 0.0;          // vespo: mean over sequences of phi (per micro-batch, summed)
   bool has_kl = false;
   bool has_is_ratio = false;
 
@@ -95,6 +97,7 @@ struct GrpoLossMetrics {
   double ClipRegionMean() const;
   double KlMean() const;
   double IsRatioMean() const;
+  double PhiMean() const;  // `vespo/phi_seq_mean`
 };
 
 struct GrpoLossOutput {
@@ -113,9 +116,9 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
 // The per-token gradient dL/dlogp of ComputeGrpoLoss for FusedTokenLogprobsLoss: `in` without
 // logp ([B, T] shapes); a chunk's gradient is ComputeGrpoLoss's own (autograd) on log-probs
 // holding the chunk's values in place and finite placeholders elsewhere, which is exact because
-// with token-level importance sampling the loss is a sum of per-token terms. InvalidArgument for
-// sequence-level importance sampling. A loss error inside a chunk is stored in *error (the
-// chunk's gradient is then 0): check it after the fused call.
+// the loss is then a sum of per-token terms. InvalidArgument unless TokenSeparable. A loss error
+// inside a chunk is stored in *error (the chunk's gradient is then 0): check it after the fused
+// call.
 StatusOr<TokenLossGrad> GrpoTokenLossGrad(const GrpoLossConfig& config, GrpoLossInputs in,
                                           const LossNormaliser& normaliser, Status* error);
 

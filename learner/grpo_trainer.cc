@@ -54,9 +54,21 @@ nlohmann::json StepMetrics::ToJson() const {
   j["completions/mean_length"] = completions_mean_length;
   j["completions/clipped_ratio"] = completions_clipped_ratio;
   j["entropy"] = entropy;
-  j["clip_ratio/low_mean"] = clip_ratio_low;
-  j["clip_ratio/high_mean"] = clip_ratio_high;
-  j["clip_ratio/region_mean"] = clip_ratio_region;
+  switch (objective_metric) {  // what TRL 1.16 logs for the loss type
+    case loss::ObjectiveMetric::kClipRatios:
+      j["clip_ratio/low_mean"] = clip_ratio_low;
+      j["clip_ratio/high_mean"] = clip_ratio_high;
+      j["clip_ratio/region_mean"] = clip_ratio_region;
+      break;
+    case loss::ObjectiveMetric::kCispoClipRatio:
+      j["cispo_clip_ratio"] = clip_ratio_high;
+      break;
+    case loss::ObjectiveMetric::kVespoPhi:
+      j["vespo/phi_seq_mean"] = vespo_phi_mean;
+      break;
+    case loss::ObjectiveMetric::kNone:
+      break;
+  }
   if (has_kl) j["kl"] = kl;
   if (has_is_ratio) {
     j["is_ratio/mean"] = is_ratio_mean;
@@ -272,7 +284,16 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
   lc.delta = config.delta;
   lc.beta = config.beta;
   lc.importance_sampling_cap = config.importance_sampling_cap;
+  lc.importance_sampling_min = config.importance_sampling_min;
   lc.max_completion_length = config.max_completion_length;
+  lc.use_bias_correction_kl = config.use_bias_correction_kl;
+  lc.off_policy_mask_threshold = config.off_policy_mask_threshold;
+  lc.sapo_temperature_pos = config.sapo_temperature_pos;
+  lc.sapo_temperature_neg = config.sapo_temperature_neg;
+  lc.vespo_k_pos = config.vespo_k_pos;
+  lc.vespo_lambda_pos = config.vespo_lambda_pos;
+  lc.vespo_k_neg = config.vespo_k_neg;
+  lc.vespo_lambda_neg = config.vespo_lambda_neg;
   RETURN_IF_ERROR(lc.Validate());
   ASSIGN_OR_RETURN(LrSchedule schedule, ParseLrSchedule(config.lr_scheduler_type));
 
@@ -569,9 +590,10 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
   if (!batch.has_beh) {
     step_loss_config.importance_sampling_correction = ImportanceSamplingCorrection::kNone;
   }
-  // dapo divides by the completion tokens of the whole optimizer step, which may span
-  // generation batches: its micro-batches back-propagate the token sum and the step divides the
-  // accumulated gradient (and loss) by the step's tokens before clipping.
+  // A token-sum loss (dapo, cispo, vespo) divides by the completion tokens of the whole
+  // optimizer step, which may span generation batches: its micro-batches back-propagate the
+  // token sum and FinishStep divides the accumulated gradient (and loss) by
+  // loss::StepGradientScale before clipping.
   LossNormaliser norm;
   norm.gradient_accumulation_steps = ga;
   norm.step_completion_tokens = 1.0;
@@ -633,10 +655,10 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       if (batch.has_beh) in.beh = mb.beh;
       GrpoLossOutput out;
       optimizer_->BeforeBackward(at_micro);
-      if (loss_config_.importance_sampling_level == ImportanceSamplingLevel::kToken) {
+      if (TokenSeparable(step_loss_config, in.old.defined())) {
         ASSIGN_OR_RETURN(out, FusedMicroBatchBackward(compute, mb, config_, step_loss_config, norm,
                                                       in, &logp, &entropy));
-      } else {  // sequence-level ratios couple a sequence's tokens: autograd through them
+      } else {  // the loss couples a sequence's tokens (grpo_loss.h): autograd through them
         logp = CompletionLogprobs(compute, mb, config_, &entropy);
         in.logp = logp;
         ASSIGN_OR_RETURN(out, ComputeGrpoLoss(step_loss_config, in, norm));
@@ -702,6 +724,7 @@ Status GrpoTrainer::ReduceOverRanks(OpenStep& os) {
                               lm.clip_high_sum,
                               lm.clip_region_sum,
                               lm.kl_sum,
+                              lm.phi_sum,
                               lm.is_ratio_sum,
                               lm.is_ratio_tokens,
                               lm.has_kl ? 1.0 : 0.0,
@@ -722,13 +745,14 @@ Status GrpoTrainer::ReduceOverRanks(OpenStep& os) {
   lm.clip_high_sum = v[4];
   lm.clip_region_sum = v[5];
   lm.kl_sum = v[6];
-  lm.is_ratio_sum = v[7];
-  lm.is_ratio_tokens = v[8];
-  lm.has_kl = v[9] > 0;
-  lm.has_is_ratio = v[10] > 0;
-  os.entropy_mean_sum = v[11];
-  os.mismatch_sum = v[12];
-  os.mismatch_tokens = v[13];
+  lm.phi_sum = v[7];
+  lm.is_ratio_sum = v[8];
+  lm.is_ratio_tokens = v[9];
+  lm.has_kl = v[10] > 0;
+  lm.has_is_ratio = v[11] > 0;
+  os.entropy_mean_sum = v[12];
+  os.mismatch_sum = v[13];
+  os.mismatch_tokens = v[14];
   lm.is_ratio_max = max_t[0].data_ptr<double>()[0];
   os.mismatch_max = max_t[0].data_ptr<double>()[1];
   return Status::OK();
@@ -755,13 +779,10 @@ Status GrpoTrainer::SyncFromRankZero() {
 StatusOr<StepMetrics> GrpoTrainer::FinishStep(int64_t divisor) {
   OpenStep& os = *open_;
   StepMetrics sm = os.sm;
-  const bool dapo = loss_config_.loss_type == LossType::kDapo;
-  // grpo / bnpo / dr_grpo divided each micro-batch by gradient_accumulation_steps; a partial
-  // step (FlushPartialStep) divides by its own count instead.
   RETURN_IF_ERROR(ReduceOverRanks(os));
   const double scale =
-      dapo ? 1.0 / std::max(1.0, os.step_completion_tokens)
-           : static_cast<double>(step_micro_batches()) / static_cast<double>(divisor);
+      loss::StepGradientScale(loss::ObjectiveOf(loss_config_.loss_type).aggregation,
+                              os.step_completion_tokens, step_micro_batches(), divisor);
   const std::string at_step = " of step " + std::to_string(global_step_ + 1);
   if (scale != 1.0) optimizer_->ScaleGradients(scale);
   ASSIGN_OR_RETURN(sm.grad_norm, optimizer_->ClipGradNorm(config_.max_grad_norm, at_step));
@@ -791,6 +812,8 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(int64_t divisor) {
   sm.clip_ratio_low = os.lm.ClipLowMean();
   sm.clip_ratio_high = os.lm.ClipHighMean();
   sm.clip_ratio_region = os.lm.ClipRegionMean();
+  sm.objective_metric = loss::ObjectiveOf(loss_config_.loss_type).metric;
+  sm.vespo_phi_mean = os.lm.PhiMean();
   sm.has_kl = os.lm.has_kl;
   sm.kl = os.lm.KlMean();
   sm.has_is_ratio = os.lm.has_is_ratio;

@@ -52,7 +52,12 @@ struct StepMetrics {
   std::vector<double> reward_fn_mean, reward_fn_std;
   double completions_mean_length = 0, completions_clipped_ratio = 0;
   double entropy = 0;
+  // clip_ratio/{low,high,region}_mean; for cispo, high and region hold cispo_clip_ratio.
   double clip_ratio_low = 0, clip_ratio_high = 0, clip_ratio_region = 0;
+  // Which of the objective's metrics ToJson writes (TRL logs clip ratios for the clipped
+  // surrogate, cispo_clip_ratio for cispo, vespo/phi_seq_mean for vespo, none for sapo).
+  loss::ObjectiveMetric objective_metric = loss::ObjectiveMetric::kClipRatios;
+  double vespo_phi_mean = 0;
   bool has_kl = false;
   double kl = 0;
   bool has_is_ratio = false;

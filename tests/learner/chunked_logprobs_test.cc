@@ -204,15 +204,25 @@ TEST(FusedTokenLogprobsLoss, GradientsLossAndEntropyMatchAutogradThroughTheLoss)
   const at::Tensor ref = base + 0.2 * at::randn({b, t}, at::kDouble);
   const at::Tensor beh = old + 0.2 * at::randn({b, t}, at::kDouble);
 
-  for (LossType lt : {LossType::kGrpo, LossType::kBnpo, LossType::kDrGrpo, LossType::kDapo}) {
-    for (bool off_policy : {false, true}) {
+  // Every token-separable objective; on-policy, and off-policy with the KL term (bias-corrected)
+  // and a token-level, then a sequence-level IS correction (its weights come from old and beh,
+  // so they are constants of the chunk).
+  for (const loss::Objective& objective : loss::Objectives()) {
+    if (!objective.token_separable) continue;
+    const LossType lt = objective.type;
+    for (int mode : {0, 1, 2}) {
+      const bool off_policy = mode != 0;
       GrpoLossConfig cfg;
       cfg.loss_type = lt;
-      cfg.epsilon_high = 0.28;
+      cfg.epsilon_high = lt == LossType::kCispo ? 1.2 : 0.28;
       cfg.beta = off_policy ? 0.05 : 0.0;
       cfg.max_completion_length = t;
-      cfg.importance_sampling_correction = off_policy ? ImportanceSamplingCorrection::kTokenTruncate
-                                                      : ImportanceSamplingCorrection::kNone;
+      cfg.importance_sampling_correction = mode == 0 ? ImportanceSamplingCorrection::kNone
+                                           : mode == 1
+                                               ? ImportanceSamplingCorrection::kTokenTruncate
+                                               : ImportanceSamplingCorrection::kSequenceMask;
+      if (mode == 2) cfg.importance_sampling_min = 0.5;
+      ASSERT_TRUE(TokenSeparable(cfg, off_policy));
       LossNormaliser norm;
       norm.step_completion_tokens = 2.0 * mask.sum().item<double>();  // a 2-micro-batch step
       norm.gradient_accumulation_steps = 2;
@@ -224,7 +234,7 @@ TEST(FusedTokenLogprobsLoss, GradientsLossAndEntropyMatchAutogradThroughTheLoss)
         in.ref = ref;
         in.beh = beh;
       }
-      const std::string where = std::string(LossTypeName(lt)) + (off_policy ? " off" : " on");
+      const std::string where = std::string(LossTypeName(lt)) + " mode " + std::to_string(mode);
 
       // Reference: full logits, autograd through the loss.
       GrpoLossInputs ref_in = in;
@@ -260,16 +270,29 @@ TEST(FusedTokenLogprobsLoss, GradientsLossAndEntropyMatchAutogradThroughTheLoss)
   }
 }
 
-TEST(FusedTokenLogprobsLoss, SequenceLevelImportanceSamplingIsRefused) {
-  GrpoLossConfig cfg;
-  cfg.importance_sampling_level = ImportanceSamplingLevel::kSequence;
+// The fused path is refused where a token's gradient depends on other tokens' current values:
+// vespo's sequence weight, the off-policy sequence mask, GSPO's sequence ratio, and a
+// sequence-level IS correction whose `old` would be logp.detach().
+TEST(FusedTokenLogprobsLoss, IsRefusedWhereTheLossCouplesTokens) {
+  const at::Tensor mask = at::ones({2, 3}, at::kDouble);
   GrpoLossInputs in;
-  in.mask = at::ones({2, 3});
+  in.mask = mask;
+  in.advantages = at::tensor({1.0, -1.0}, at::kDouble);
+  const LossNormaliser norm{.step_completion_tokens = 6, .gradient_accumulation_steps = 1};
   Status error;
-  auto token_grad = GrpoTokenLossGrad(cfg, in, LossNormaliser{}, &error);
-  ASSERT_FALSE(token_grad.ok());
-  EXPECT_NE(token_grad.status().message().find("importance_sampling_level token"),
-            std::string::npos);
+  std::vector<GrpoLossConfig> coupled(4);
+  coupled[0].loss_type = LossType::kVespo;
+  coupled[1].off_policy_mask_threshold = 0.5;
+  coupled[2].importance_sampling_level = ImportanceSamplingLevel::kSequence;
+  coupled[3].importance_sampling_correction = ImportanceSamplingCorrection::kSequenceTruncate;
+  for (const GrpoLossConfig& cfg : coupled) {
+    EXPECT_FALSE(TokenSeparable(cfg, /*has_old=*/false));
+    const Status s = GrpoTokenLossGrad(cfg, in, norm, &error).status();
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("token-separable"), std::string::npos) << s.message();
+  }
+  EXPECT_TRUE(TokenSeparable(coupled[3], /*has_old=*/true));  // weights from old and beh alone
+  EXPECT_TRUE(TokenSeparable(GrpoLossConfig{}, false));
 }
 
 }  // namespace

@@ -73,6 +73,25 @@ TEST(Advantages, AllEqualGroupHasExactlyZeroAdvantageAndCountsInFracZeroStd) {
   EXPECT_DOUBLE_EQ(r->frac_reward_zero_std, 0.5);
 }
 
+// TRL's frac_reward_zero_std is a share of samples, and a group with fewer than two scored
+// samples has no std (nanstd: NaN, which isclose(., 0) is not). Group {2, null} has one scored
+// sample, group {1, 1} std 0: 2 of 4 samples. With scale_rewards batch the batch's std decides
+// for every sample: std{2, 1, 1} > 0, so none.
+TEST(Advantages, FracRewardZeroStdIsTrlsShareOfSamples) {
+  const at::Tensor rewards = D2({{2}, {kNaN}, {1}, {1}});
+  auto group = ComputeAdvantages(rewards, {.num_generations = 2});
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  EXPECT_DOUBLE_EQ(group->frac_reward_zero_std, 0.5);
+  auto batch =
+      ComputeAdvantages(rewards, {.num_generations = 2, .scale_rewards = ScaleRewards::kBatch});
+  ASSERT_TRUE(batch.ok());
+  EXPECT_DOUBLE_EQ(batch->frac_reward_zero_std, 0.0);
+  auto all_equal = ComputeAdvantages(D2({{1}, {1}, {1}, {1}}),
+                                     {.num_generations = 2, .scale_rewards = ScaleRewards::kBatch});
+  ASSERT_TRUE(all_equal.ok());
+  EXPECT_DOUBLE_EQ(all_equal->frac_reward_zero_std, 1.0);
+}
+
 TEST(Advantages, NoneScalingIsRewardMinusGroupMean) {
   auto r = ComputeAdvantages(D2({{1}, {0}, {0}, {3}}),
                              {.num_generations = 2, .scale_rewards = ScaleRewards::kNone});
@@ -171,6 +190,7 @@ TEST(Advantages, MatchReferenceForEveryScaling) {
        {},
        {}},
       {{{1}, {5}, {2}, {7}, {3}, {3}}, 0, {}, {2, 0, 2, 0, 9, 9}},  // explicit ids
+      {{{2}, {kNaN}, {1}, {1}, {kInf}, {4}}, 2, {}, {}},  // one scored sample; one dropped
   };
   const std::vector<ScaleRewards> modes = {ScaleRewards::kGroup, ScaleRewards::kBatch,
                                            ScaleRewards::kNone};
@@ -429,7 +449,18 @@ TEST(GrpoLossConfig, DefaultsAreTrlsAndNamesParse) {
   EXPECT_EQ(*ParseImportanceSamplingCorrection("token_mask"),
             ImportanceSamplingCorrection::kTokenMask);
   EXPECT_FALSE(ParseLossType("ppo").ok());
-  EXPECT_FALSE(ParseImportanceSamplingCorrection("sequence_mask").ok());
+  EXPECT_EQ(*ParseImportanceSamplingCorrection("sequence_mask"),
+            ImportanceSamplingCorrection::kSequenceMask);
+  EXPECT_FALSE(ParseImportanceSamplingCorrection("sequence").ok());
+  EXPECT_TRUE(c.use_bias_correction_kl);  // TRL 1.16's default
+  EXPECT_DOUBLE_EQ(c.sapo_temperature_pos, 1.0);
+  EXPECT_DOUBLE_EQ(c.sapo_temperature_neg, 1.05);
+  EXPECT_DOUBLE_EQ(c.vespo_k_pos, 2.0);
+  EXPECT_DOUBLE_EQ(c.vespo_lambda_pos, 3.0);
+  EXPECT_DOUBLE_EQ(c.vespo_k_neg, 3.0);
+  EXPECT_DOUBLE_EQ(c.vespo_lambda_neg, 2.0);
+  EXPECT_FALSE(c.off_policy_mask_threshold.has_value());
+  EXPECT_FALSE(c.importance_sampling_min.has_value());
 }
 
 // ---------------------------------------------------------------- loss vs reference
@@ -463,7 +494,9 @@ TEST(GrpoLoss, MatchesReferenceForEveryLossTypeAndOption) {
       {"plain", {}},
       {"on_policy", {}, true},
       {"eps_high_delta", {.epsilon_high = 0.28, .delta = 1.5}},
-      {"beta", {.beta = 0.04}},
+      // grpo_ref.py transcribes the plain k3 KL; trl_loss_test checks the bias-corrected one
+      // (TRL's default) with TRL's own code.
+      {"beta", {.beta = 0.04, .use_bias_correction_kl = false}},
       {"is_truncate",
        {.importance_sampling_correction = ISC::kTokenTruncate, .importance_sampling_cap = 1.5},
        false,
@@ -479,7 +512,8 @@ TEST(GrpoLoss, MatchesReferenceForEveryLossTypeAndOption) {
         .beta = 0.1,
         .importance_sampling_correction = ISC::kTokenTruncate,
         .importance_sampling_cap = 2.0,
-        .max_completion_length = 10},
+        .max_completion_length = 10,
+        .use_bias_correction_kl = false},
        false,
        true},
   };

@@ -52,6 +52,11 @@ struct TrlCase {
   std::optional<double> delta;
   double learning_rate = kLearningRate;
   int64_t gradient_accumulation_steps = 1;  // micro-batches per step (8 sequences in all)
+  // More settings by their TRL GRPOConfig names (ours accepts them: the same name or an alias),
+  // given to both trainers; `tag` names them in the case's name.
+  std::string tag;
+  json extra = json::object();
+  bool with_behaviour = false;  // completions carry behaviour log-probs (the workers' sampling)
 
   std::string Name() const {
     std::string n =
@@ -59,7 +64,11 @@ struct TrlCase {
     if (importance_sampling_level != "token") n += "_" + importance_sampling_level;
     if (delta) n += "_delta";
     if (gradient_accumulation_steps != 1) n += "_ga" + std::to_string(gradient_accumulation_steps);
+    if (!tag.empty()) n += "_" + tag;
     return n;
+  }
+  loss::ObjectiveMetric Metric() const {
+    return loss::ObjectiveOf(*ParseLossType(loss_type)).metric;
   }
 };
 void PrintTo(const TrlCase& c, std::ostream* os) { *os << c.Name(); }
@@ -81,6 +90,75 @@ std::vector<TrlCase> AllCases() {
   for (const char* lt : {"bnpo", "dapo"}) {
     cases.push_back({lt, 0.04, 2, "token", std::nullopt, kLearningRate, 2});
   }
+  // TRL 1.16's other objectives, through the trainer (vespo on the autograd path, the rest
+  // fused); the KL term at TRL's default (bias-corrected, above) and without the correction; the
+  // off-policy sequence mask; the importance-sampling correction on behaviour log-probs, at TRL's
+  // default mode and at two others.
+  const auto nullopt = std::nullopt;
+  cases.push_back({"cispo", 0.04, 2, "token", nullopt, kLearningRate});
+  cases.push_back({"sapo", 0.04, 2, "token", nullopt, kLearningRate});
+  cases.push_back({"sapo",
+                   0.0,
+                   2,
+                   "token",
+                   nullopt,
+                   kLearningRate,
+                   1,
+                   "temperatures",
+                   {{"sapo_temperature_pos", 0.7}, {"sapo_temperature_neg", 1.4}}});
+  cases.push_back({"luspo", 0.0, 2, "sequence", nullopt, kLearningRate / 4});
+  cases.push_back({"vespo", 0.0, 2, "token", nullopt, kLearningRate});
+  cases.push_back({"vespo",
+                   0.04,
+                   1,
+                   "token",
+                   nullopt,
+                   kLearningRate,
+                   1,
+                   "gamma",
+                   {{"vespo_k_pos", 1.5}, {"vespo_lambda_pos", 2.5}}});
+  cases.push_back({"dapo",
+                   0.04,
+                   2,
+                   "token",
+                   nullopt,
+                   kLearningRate,
+                   1,
+                   "kl_plain",
+                   {{"use_bias_correction_kl", false}}});
+  cases.push_back({"dapo",
+                   0.0,
+                   2,
+                   "token",
+                   nullopt,
+                   kLearningRate,
+                   1,
+                   "off_policy_mask",
+                   {{"off_policy_mask_threshold", 0.02}}});
+  cases.push_back(
+      {"dapo", 0.04, 1, "token", nullopt, kLearningRate, 1, "is_default", json::object(), true});
+  cases.push_back({"grpo",
+                   0.0,
+                   2,
+                   "token",
+                   nullopt,
+                   kLearningRate,
+                   1,
+                   "is_token_mask",
+                   {{"vllm_importance_sampling_mode", "token_mask"}},
+                   true});
+  cases.push_back({"dapo",
+                   0.0,
+                   2,
+                   "token",
+                   nullopt,
+                   kLearningRate,
+                   1,
+                   "is_sequence_truncate",
+                   {{"vllm_importance_sampling_mode", "sequence_truncate"},
+                    {"vllm_importance_sampling_clip_max", 2.0},
+                    {"vllm_importance_sampling_clip_min", 0.5}},
+                   true});
   return cases;
 }
 
@@ -117,7 +195,7 @@ std::unique_ptr<common::Model> RandomModel(uint64_t seed, double perturbation = 
 
 // Two groups of four completions: prompt and completion lengths vary, so rows are padded, and the
 // groups (the micro-batches of a two-micro-batch step) hold different numbers of tokens.
-std::vector<RolloutGroup> MakeGroups() {
+std::vector<RolloutGroup> MakeGroups(bool with_behaviour = false) {
   std::mt19937 rng(11);
   std::uniform_int_distribution<int> tok(0, 255), plen(2, 6), clen(1, 9);
   std::uniform_real_distribution<double> rew(0.0, 1.0);
@@ -135,6 +213,16 @@ std::vector<RolloutGroup> MakeGroups() {
     out.push_back(rg);
   }
   out[1].completions[0].token_ids.insert(out[1].completions[0].token_ids.end(), {17, 42, 99});
+  if (with_behaviour) {  // near the tiny model's log-probs of random tokens, not equal to them
+    std::mt19937 beh_rng(12);
+    std::uniform_real_distribution<float> lp(-6.5f, -4.5f);
+    for (RolloutGroup& g : out) {
+      for (Completion& c : g.completions) {
+        c.logprobs.clear();
+        for (size_t i = 0; i < c.token_ids.size(); ++i) c.logprobs.push_back(lp(beh_rng));
+      }
+    }
+  }
   return out;
 }
 
@@ -154,11 +242,18 @@ common::GrpoConfig ConfigFor(const TrlCase& c) {
   cfg.epsilon_high = kEpsilonHigh;
   cfg.delta = c.delta;
   cfg.importance_sampling_level = c.importance_sampling_level;
-  cfg.importance_sampling_correction = "none";
+  // TRL applies its correction only to vLLM's sampling log-probs, so only cases with behaviour
+  // log-probs have one; they get TRL's default mode unless `extra` names another.
+  cfg.importance_sampling_correction = c.with_behaviour ? "sequence_mask" : "none";
   cfg.learning_rate = c.learning_rate;
   cfg.lr_scheduler_type = "constant";
   cfg.max_grad_norm = 1.0;
   cfg.logprob_chunk_tokens = 7;  // several chunks per micro-batch
+  for (const auto& [key, value] : c.extra.items()) {
+    const Status s = common::SetConfigValue(
+        cfg, key, value.is_string() ? value.get<std::string>() : value.dump());
+    EXPECT_TRUE(s.ok()) << s.ToString();
+  }
   return cfg;
 }
 
@@ -175,6 +270,8 @@ json TrlSettings(const TrlCase& c) {
             {"per_device_train_batch_size", 8 / c.gradient_accumulation_steps},
             {"grad_norm", true}};
   j["delta"] = c.delta ? json(*c.delta) : json();
+  j["vllm_importance_sampling_mode"] = c.with_behaviour ? "sequence_mask" : "none";
+  j.update(c.extra);
   return j;
 }
 
@@ -191,7 +288,7 @@ struct StepComparison {
 // of the same batch (the first step does not depend on whether `old` was precomputed);
 // TrlScoresTokensAsOurLearnerDid checks that they score the tokens as step 2 did.
 std::vector<json> TrainCase(const TrlCase& c, const fs::path& dir) {
-  const std::vector<RolloutGroup> groups = MakeGroups();
+  const std::vector<RolloutGroup> groups = MakeGroups(c.with_behaviour);
   auto train = [&](int64_t iterations, const std::string& dump_dir,
                    const std::string& save_start_as) {
     auto policy = RandomModel(7);
@@ -362,12 +459,34 @@ TEST_P(TrlReference, KlEqualsTrls) {
   }
 }
 
-TEST_P(TrlReference, ClipRatiosEqualTrls) {
+// The objective's own metrics, under TRL's names: the clip ratios for the clipped surrogate,
+// cispo_clip_ratio, vespo/phi_seq_mean; sapo logs none. Ours has exactly the ones TRL logs.
+TEST_P(TrlReference, ObjectiveMetricsEqualTrls) {
   const auto steps = Steps();
   ASSERT_FALSE(steps.empty());
+  std::vector<std::string> keys;
+  switch (GetParam().Metric()) {
+    case loss::ObjectiveMetric::kClipRatios:
+      keys = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"};
+      break;
+    case loss::ObjectiveMetric::kCispoClipRatio:
+      keys = {"cispo_clip_ratio"};
+      break;
+    case loss::ObjectiveMetric::kVespoPhi:
+      keys = {"vespo/phi_seq_mean"};
+      break;
+    case loss::ObjectiveMetric::kNone:
+      break;
+  }
   for (size_t s = 0; s < steps.size(); ++s) {
-    for (const char* key :
-         {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}) {
+    for (const char* key : {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                            "cispo_clip_ratio", "vespo/phi_seq_mean"}) {
+      const bool ours_has = steps[s].ours.contains(key);
+      EXPECT_EQ(ours_has, steps[s].trl["metrics"].contains(key)) << key << " step " << s + 1;
+      EXPECT_EQ(ours_has, std::find(keys.begin(), keys.end(), key) != keys.end()) << key;
+    }
+    for (const std::string& key : keys) {
+      if (!steps[s].trl["metrics"].contains(key) || !steps[s].ours.contains(key)) continue;
       EXPECT_NEAR(steps[s].ours[key].get<double>(), steps[s].trl["metrics"][key].get<double>(),
                   1e-6)
           << key << " step " << s + 1;
@@ -386,7 +505,10 @@ TEST(TrlReferenceSetup, SecondPassClipsTokensOnBothSides) {
   ASSERT_TRUE(HasTrl()) << grpo::testing::ReferencePython()
                         << " cannot import trl (deploy/setup.sh)";
   for (const TrlCase& c : AllCases()) {
-    if (c.num_iterations != 2 || c.importance_sampling_level != "token" || c.delta) continue;
+    if (c.num_iterations != 2 || c.importance_sampling_level != "token" || c.delta ||
+        c.Metric() != loss::ObjectiveMetric::kClipRatios || !c.tag.empty()) {
+      continue;
+    }
     const auto& steps = Comparisons().at(c.Name());
     ASSERT_EQ(steps.size(), 2u);
     ASSERT_FALSE(steps[1].trl.is_null());

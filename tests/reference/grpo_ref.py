@@ -35,6 +35,25 @@ def nan_to_none(x):
     return None if isinstance(x, float) and math.isnan(x) else x
 
 
+def trl_frac_reward_zero_std(r, keep, gid, mode):
+    """TRL 1.16's frac_reward_zero_std (grpo_trainer.py, _generate_and_score_completions):
+    is_std_zero = isclose(std_rewards, 0) per sample, std_rewards the sample's group nanstd
+    (scale_rewards group|none) or the batch's nanstd (batch), averaged over all samples. TRL's
+    own nanstd; a sample dropped here (an infinite reward) is NaN for it."""
+    from trl.trainer.utils import nanstd
+
+    x = torch.where(keep, r, torch.full_like(r, math.nan))
+    if mode == "batch":
+        std = nanstd(x).expand_as(x)
+    else:
+        std = torch.empty_like(x)
+        for g in torch.unique(gid):
+            sel = gid == g
+            std[sel] = nanstd(x[sel])
+    # TRL takes .float() (float32); float64 here so the test can compare exactly.
+    return torch.isclose(std, torch.zeros_like(std)).double().mean().item()
+
+
 def advantages_case(case):
     raw = torch.tensor([[parse_reward(v) for v in row] for row in case["rewards"]])
     n, k = raw.shape
@@ -56,7 +75,6 @@ def advantages_case(case):
     adv = torch.zeros(n)
     std_used = torch.zeros(n)
     n_groups = 0
-    n_zero = 0
     for g in torch.unique(gid):
         sel = (gid == g) & scorable
         rg = r[sel]
@@ -66,7 +84,6 @@ def advantages_case(case):
         mean = rg.mean()
         std = rg.std() if rg.numel() >= 2 else torch.tensor(0.0)
         all_equal = bool((rg == rg[0]).all())
-        n_zero += int(all_equal)
         scale = std if mode in ("group", "none") else torch.tensor(batch_std)
         std_used[sel] = scale
         if all_equal:
@@ -90,7 +107,7 @@ def advantages_case(case):
         "num_groups": n_groups,
         "reward_mean": kept_r.mean().item() if kept_r.numel() else None,
         "reward_std": kept_r.std().item() if kept_r.numel() >= 2 else None,  # TRL PR 4785
-        "frac_reward_zero_std": n_zero / n_groups,
+        "frac_reward_zero_std": trl_frac_reward_zero_std(r, keep, gid, mode),
         "reward_fn_mean": [nan_to_none(x) for x in fn_mean],
         "reward_fn_std": [nan_to_none(x) for x in fn_std],
     }

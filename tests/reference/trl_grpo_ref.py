@@ -33,7 +33,17 @@ Input (stdin, or a file named as the only argument): one case object, or {"cases
    "importance_sampling_level": "token", "max_completion_length": 256, "temperature": 1.0,
    "gradient_accumulation_steps": 1, "per_device_train_batch_size": null,
    "steps_per_generation": null, "num_items_in_batch": null, "num_processes": 1,
-   "use_bias_correction_kl": false, "position_ids": "mask" | "trl", "grad_norm": true}
+   "use_bias_correction_kl": true, "off_policy_mask_threshold": null,
+   "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0, ...,
+   "vllm_importance_sampling_mode": "none", "vllm_importance_sampling_clip_max": 3.0,
+   "vllm_importance_sampling_clip_min": null, "position_ids": "mask" | "trl", "grad_norm": true}
+
+Behaviour log-probs: when the dump holds the workers' `behaviour_logprobs`, they play vLLM's
+sampling log-probs (`use_vllm` on, `sampling_per_token_logps`), and a mode other than "none"
+turns on TRL's importance-sampling correction with the ratio TRL computes in
+`_generate_and_score_completions`, transcribed in trl_loss_ref.py's `is_ratio` (`old` is the
+dump's, or TRL's own log-probs at the step's weights when the dump has none, as TRL under vLLM
+always computes them).
 Output (stdout): for each case (a list under "cases" when the input had one)
   {"loss": L, "metrics": {TRL metric name: value}, "grad_norm": ||grad L|| over the HF model's
    parameters (when asked), "per_token_logps": [[...]] TRL's log-probs of the first micro-batch,
@@ -52,6 +62,8 @@ from transformers.utils import logging as hf_logging
 
 from trl import GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
+
+from trl_loss_ref import is_ratio
 
 
 class _AcceleratorStub:
@@ -80,6 +92,7 @@ class TrainerStandIn:
     _compute_loss = GRPOTrainer._compute_loss
     _get_per_token_logps_and_entropies = GRPOTrainer._get_per_token_logps_and_entropies
     get_off_policy_mask = staticmethod(GRPOTrainer.get_off_policy_mask)
+    get_gamma_weights = staticmethod(GRPOTrainer.get_gamma_weights)
 
     def __init__(self, case, model):
         eps = float(case.get("epsilon", 0.2))
@@ -88,8 +101,14 @@ class TrainerStandIn:
         spg = case.get("steps_per_generation") or ga
         self.args = types.SimpleNamespace(
             delta=case.get("delta"),
-            use_bias_correction_kl=bool(case.get("use_bias_correction_kl", False)),
+            use_bias_correction_kl=bool(case.get("use_bias_correction_kl", True)),
             steps_per_generation=int(spg),
+            sapo_temperature_pos=float(case.get("sapo_temperature_pos", 1.0)),
+            sapo_temperature_neg=float(case.get("sapo_temperature_neg", 1.05)),
+            vespo_k_pos=float(case.get("vespo_k_pos", 2.0)),
+            vespo_lambda_pos=float(case.get("vespo_lambda_pos", 3.0)),
+            vespo_k_neg=float(case.get("vespo_k_neg", 3.0)),
+            vespo_lambda_neg=float(case.get("vespo_lambda_neg", 2.0)),
             report_to=[],
         )
         self.state = types.SimpleNamespace(global_step=0)  # read by @profiling_decorator
@@ -105,8 +124,8 @@ class TrainerStandIn:
         self.temperature = float(case.get("temperature", 1.0))
         self.current_gradient_accumulation_steps = ga
         self.top_entropy_quantile = 1.0
-        self.off_policy_mask_threshold = None
-        self.use_vllm = False
+        self.off_policy_mask_threshold = case.get("off_policy_mask_threshold")
+        self.use_vllm = False  # set per dump: behaviour log-probs play vLLM's
         self.vllm_importance_sampling_correction = False
         self.aux_loss_enabled = False
         self._entropy_bonus_enabled = False
@@ -159,6 +178,11 @@ def run_case(case):
         num_items = completion_mask.sum().item()
     num_items = torch.tensor(float(num_items))
 
+    beh = t.get("behaviour_logprobs")
+    mode = case.get("vllm_importance_sampling_mode", "none")
+    trainer.use_vllm = beh is not None
+    trainer.vllm_importance_sampling_correction = beh is not None and mode != "none"
+
     model.zero_grad(set_to_none=True)
     want_grad = bool(case.get("grad_norm", True))
     total_loss = 0.0
@@ -177,6 +201,32 @@ def run_case(case):
             inputs["old_per_token_logps"] = t["old_logprobs"][rows].to(torch.float32)
         if trainer.beta != 0.0:
             inputs["ref_per_token_logps"] = t["ref_logprobs"][rows].to(torch.float32)
+        if beh is not None:
+            inputs["sampling_per_token_logps"] = beh[rows].to(torch.float32)
+            if trainer.vllm_importance_sampling_correction:
+                old = inputs.get("old_per_token_logps")
+                if old is None:
+                    with torch.no_grad():
+                        old, _, _ = trainer._get_per_token_logps_and_entropies(
+                            forward,
+                            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+                            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+                            inputs["completion_ids"].size(1),
+                        )
+                inputs["importance_sampling_ratio"] = is_ratio(
+                    {
+                        "vllm_importance_sampling_mode": mode,
+                        "vllm_importance_sampling_clip_max": case.get(
+                            "vllm_importance_sampling_clip_max", 3.0
+                        ),
+                        "vllm_importance_sampling_clip_min": case.get(
+                            "vllm_importance_sampling_clip_min"
+                        ),
+                    },
+                    old,
+                    inputs["sampling_per_token_logps"],
+                    inputs["completion_mask"],
+                )
         if first_logps is None:
             with torch.no_grad():
                 logps, _, _ = trainer._get_per_token_logps_and_entropies(

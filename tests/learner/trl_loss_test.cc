@@ -1,0 +1,283 @@
+// ComputeGrpoLoss against TRL 1.16's own `_compute_loss` on arbitrary [B, T] log-probs
+// (tests/reference/trl_loss_ref.py binds it to a stand-in whose log-prob function returns ours):
+// every loss type of the objective table, token- and sequence-level importance sampling, each
+// option at TRL's default and at a non-default value. Loss, dL/dlogp and every metric TRL logs
+// for the loss type must equal ours (docs/GRPO_SPEC.md "Per-token loss", "Off-policy
+// correction").
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "learner/grpo_loss.h"
+#include "tests/test_util.h"
+
+namespace grpo::learner {
+namespace {
+
+using nlohmann::json;
+using ISC = ImportanceSamplingCorrection;
+
+json ToJson(const at::Tensor& t) {
+  const at::Tensor c = t.detach().to(at::kDouble).contiguous();
+  json out = json::array();
+  if (c.dim() == 1) {
+    for (int64_t i = 0; i < c.size(0); ++i) out.push_back(c[i].item<double>());
+  } else {
+    for (int64_t i = 0; i < c.size(0); ++i) out.push_back(ToJson(c[i]));
+  }
+  return out;
+}
+
+struct Variant {
+  std::string name;
+  std::function<void(GrpoLossConfig&)> set;
+  bool with_old = true;
+  bool with_beh = false;
+};
+
+// The variants every objective runs at both importance-sampling levels. "defaults" is TRL's
+// configuration; each other one changes one thing (or one family's parameters).
+std::vector<Variant> Variants() {
+  return {
+      {"defaults", [](GrpoLossConfig&) {}},
+      {"on_policy", [](GrpoLossConfig&) {}, false},
+      {"clip_higher_delta",
+       [](GrpoLossConfig& c) {
+         c.epsilon_high = 0.28;
+         c.delta = 1.5;
+       }},
+      {"kl_bias_corrected", [](GrpoLossConfig& c) { c.beta = 0.04; }},  // TRL's default
+      {"kl_plain",
+       [](GrpoLossConfig& c) {
+         c.beta = 0.04;
+         c.use_bias_correction_kl = false;
+       }},
+      {"is_sequence_mask",
+       [](GrpoLossConfig& c) { c.importance_sampling_correction = ISC::kSequenceMask; }, true,
+       true},  // TRL's default mode and bounds: cap 3, no lower bound
+      {"is_sequence_mask_on_policy",
+       [](GrpoLossConfig& c) { c.importance_sampling_correction = ISC::kSequenceMask; }, false,
+       true},
+      {"is_sequence_truncate",
+       [](GrpoLossConfig& c) {
+         c.importance_sampling_correction = ISC::kSequenceTruncate;
+         c.importance_sampling_cap = 2.0;
+         c.importance_sampling_min = 0.5;
+       },
+       true, true},
+      {"is_token_truncate",
+       [](GrpoLossConfig& c) {
+         c.importance_sampling_correction = ISC::kTokenTruncate;
+         c.importance_sampling_cap = 1.5;
+         c.importance_sampling_min = 0.8;
+       },
+       true, true},
+      {"is_token_mask",
+       [](GrpoLossConfig& c) {
+         c.importance_sampling_correction = ISC::kTokenMask;
+         c.importance_sampling_cap = 1.5;
+       },
+       true, true},
+      {"off_policy_mask_behaviour", [](GrpoLossConfig& c) { c.off_policy_mask_threshold = 0.1; },
+       true, true},
+      {"off_policy_mask_old", [](GrpoLossConfig& c) { c.off_policy_mask_threshold = 0.1; }},
+      {"objective_parameters",
+       [](GrpoLossConfig& c) {
+         c.epsilon_high = 1.3;  // cispo's epsilon_max
+         c.sapo_temperature_pos = 0.8;
+         c.sapo_temperature_neg = 1.3;
+         c.vespo_k_pos = 1.5;
+         c.vespo_lambda_pos = 2.5;
+         c.vespo_k_neg = 2.5;
+         c.vespo_lambda_neg = 1.5;
+       }},
+      {"everything",
+       [](GrpoLossConfig& c) {
+         c.beta = 0.1;
+         c.epsilon_high = 0.3;
+         c.importance_sampling_correction = ISC::kTokenTruncate;
+         c.importance_sampling_cap = 2.0;
+         c.off_policy_mask_threshold = 0.2;
+         c.max_completion_length = 10;
+       },
+       true, true},
+  };
+}
+
+// TRL's GRPOConfig spelling of `c`, for trl_loss_ref.py.
+json TrlConfig(const GrpoLossConfig& c) {
+  json j = {{"loss_type", std::string(LossTypeName(c.loss_type))},
+            {"epsilon", c.epsilon},
+            {"beta", c.beta},
+            {"importance_sampling_level",
+             std::string(ImportanceSamplingLevelName(c.importance_sampling_level))},
+            {"max_completion_length", c.max_completion_length},
+            {"use_bias_correction_kl", c.use_bias_correction_kl},
+            {"vllm_importance_sampling_mode",
+             std::string(ImportanceSamplingCorrectionName(c.importance_sampling_correction))},
+            {"vllm_importance_sampling_clip_max", c.importance_sampling_cap},
+            {"sapo_temperature_pos", c.sapo_temperature_pos},
+            {"sapo_temperature_neg", c.sapo_temperature_neg},
+            {"vespo_k_pos", c.vespo_k_pos},
+            {"vespo_lambda_pos", c.vespo_lambda_pos},
+            {"vespo_k_neg", c.vespo_k_neg},
+            {"vespo_lambda_neg", c.vespo_lambda_neg}};
+  j["epsilon_high"] = c.epsilon_high ? json(*c.epsilon_high) : json();
+  j["delta"] = c.delta ? json(*c.delta) : json();
+  j["vllm_importance_sampling_clip_min"] =
+      c.importance_sampling_min ? json(*c.importance_sampling_min) : json();
+  j["off_policy_mask_threshold"] =
+      c.off_policy_mask_threshold ? json(*c.off_policy_mask_threshold) : json();
+  return j;
+}
+
+// TRL casts the clip flags to float32 before taking their mean.
+constexpr double kFlag = 1e-7;
+
+struct Ours {
+  std::string name;
+  GrpoLossConfig config;
+  double loss = 0;
+  at::Tensor grad;
+  GrpoLossMetrics metrics;
+};
+
+TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch trl"))
+      << grpo::testing::ReferencePython() << " cannot import trl (deploy/setup.sh)";
+  at::manual_seed(7);
+  const auto opts = at::dtype(at::kDouble);
+  const int64_t b = 4, t = 6;
+  const at::Tensor logp0 = -at::rand({b, t}, opts) * 3 - 0.05;
+  at::Tensor old = logp0 + 0.5 * at::randn({b, t}, opts);
+  old[1] += 1.0;  // row 1 (A < 0) far off-policy: the off-policy mask drops it, its tokens clip
+  const at::Tensor beh = old + 0.5 * at::randn({b, t}, opts);
+  const at::Tensor ref = logp0 + 0.3 * at::randn({b, t}, opts);
+  const at::Tensor adv = at::tensor({1.3, -0.7, 0.4, -1.1}, opts);
+  // The last row is all masked (a truncated completion under mask_truncated_completions).
+  const std::vector<double> mask_values = {1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0,
+                                           1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  const at::Tensor mask = at::tensor(mask_values, opts).view({b, t});
+  const LossNormaliser norm{.step_completion_tokens = 25, .gradient_accumulation_steps = 3};
+
+  std::vector<Ours> ours;
+  json request = {{"cases", json::array()}};
+  for (const loss::Objective& objective : loss::Objectives()) {
+    for (auto level : {ImportanceSamplingLevel::kToken, ImportanceSamplingLevel::kSequence}) {
+      for (const Variant& v : Variants()) {
+        GrpoLossConfig cfg;
+        cfg.loss_type = objective.type;
+        cfg.importance_sampling_level = level;
+        v.set(cfg);
+        if (!cfg.Validate().ok()) {  // vespo with a sequence-level correction: refused (below)
+          EXPECT_EQ(objective.type, LossType::kVespo) << v.name;
+          continue;
+        }
+        at::Tensor logp = logp0.clone().requires_grad_(true);
+        GrpoLossInputs in{.logp = logp,
+                          .old = v.with_old ? old : at::Tensor(),
+                          .beh = v.with_beh ? beh : at::Tensor(),
+                          .ref = cfg.beta != 0 ? ref : at::Tensor(),
+                          .advantages = adv,
+                          .mask = mask};
+        auto out = ComputeGrpoLoss(cfg, in, norm);
+        const std::string name = std::string(objective.name) + "/" +
+                                 std::string(ImportanceSamplingLevelName(level)) + "/" + v.name;
+        ASSERT_TRUE(out.ok()) << name << ": " << out.status().ToString();
+        out->loss.backward();
+        ours.push_back({name, cfg, out->loss.item<double>(), logp.grad().clone(), out->metrics});
+        json c = {{"logp", ToJson(logp0)},
+                  {"advantages", ToJson(adv)},
+                  {"mask", ToJson(mask)},
+                  {"config", TrlConfig(cfg)},
+                  {"num_items_in_batch", norm.step_completion_tokens},
+                  {"gradient_accumulation_steps", norm.gradient_accumulation_steps}};
+        if (v.with_old) c["old"] = ToJson(old);
+        if (v.with_beh) c["beh"] = ToJson(beh);
+        if (cfg.beta != 0) c["ref"] = ToJson(ref);
+        request["cases"].push_back(c);
+      }
+    }
+  }
+  const json res = grpo::testing::RunReference("trl_loss_ref.py", request);
+  ASSERT_TRUE(res.is_object());
+  ASSERT_EQ(res["cases"].size(), ours.size());
+  std::map<std::string, double> trl_loss;
+  for (size_t i = 0; i < ours.size(); ++i) {
+    const Ours& o = ours[i];
+    SCOPED_TRACE(o.name);
+    const json& e = res["cases"][i];
+    const json& m = e["metrics"];
+    trl_loss[o.name] = e["loss"].get<double>();
+    EXPECT_NEAR(o.loss, e["loss"].get<double>(), 1e-10);
+    EXPECT_NEAR(o.metrics.loss, e["loss"].get<double>(), 1e-10);
+    for (int64_t r = 0; r < b; ++r) {
+      for (int64_t c = 0; c < t; ++c) {
+        EXPECT_NEAR(o.grad[r][c].item<double>(), e["grad"][r][c].get<double>(), 1e-10)
+            << "grad[" << r << "][" << c << "]";
+      }
+    }
+    ASSERT_EQ(o.metrics.has_kl, m.contains("kl"));
+    if (o.metrics.has_kl) EXPECT_NEAR(o.metrics.KlMean(), m["kl"].get<double>(), 1e-12);
+    switch (loss::ObjectiveOf(o.config.loss_type).metric) {
+      case loss::ObjectiveMetric::kClipRatios:
+        EXPECT_NEAR(o.metrics.ClipLowMean(), m.at("clip_ratio/low_mean").get<double>(), kFlag);
+        EXPECT_NEAR(o.metrics.ClipHighMean(), m.at("clip_ratio/high_mean").get<double>(), kFlag);
+        EXPECT_NEAR(o.metrics.ClipRegionMean(), m.at("clip_ratio/region_mean").get<double>(),
+                    kFlag);
+        break;
+      case loss::ObjectiveMetric::kCispoClipRatio:
+        EXPECT_NEAR(o.metrics.ClipHighMean(), m.at("cispo_clip_ratio").get<double>(), kFlag);
+        EXPECT_FALSE(m.contains("clip_ratio/high_mean"));
+        break;
+      case loss::ObjectiveMetric::kVespoPhi:
+        EXPECT_NEAR(o.metrics.PhiMean(), m.at("vespo/phi_seq_mean").get<double>(), 1e-12);
+        break;
+      case loss::ObjectiveMetric::kNone:
+        EXPECT_FALSE(m.contains("clip_ratio/high_mean"));
+        break;
+    }
+  }
+  // The comparisons mean something: each correction changes TRL's loss somewhere, and the
+  // clipped objectives clip on both sides.
+  for (const char* variant : {"kl_bias_corrected", "is_sequence_mask", "is_sequence_truncate",
+                              "is_token_truncate", "is_token_mask", "off_policy_mask_behaviour",
+                              "off_policy_mask_old", "objective_parameters"}) {
+    int changed = 0;
+    for (const loss::Objective& objective : loss::Objectives()) {
+      const std::string base = std::string(objective.name) + "/token/";
+      const double against =
+          trl_loss[base + (std::string(variant) == "kl_bias_corrected" ? "kl_plain" : "defaults")];
+      if (trl_loss.count(base + variant) && std::abs(trl_loss[base + variant] - against) > 1e-6) {
+        ++changed;
+      }
+    }
+    EXPECT_GE(changed, 4) << variant << " changes the loss of too few objectives";
+  }
+  double low = 0, high = 0;
+  for (const Ours& o : ours) {
+    low += o.metrics.ClipLowMean();
+    high += o.metrics.ClipHighMean();
+  }
+  EXPECT_GT(low, 0);
+  EXPECT_GT(high, 0);
+}
+
+TEST(TrlLoss, VespoRefusesSequenceLevelCorrectionAsTrlDoes) {
+  for (ISC mode : {ISC::kSequenceMask, ISC::kSequenceTruncate}) {
+    GrpoLossConfig cfg;
+    cfg.loss_type = LossType::kVespo;
+    cfg.importance_sampling_correction = mode;
+    const Status s = cfg.Validate();
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("vespo"), std::string::npos) << s.message();
+  }
+}
+
+}  // namespace
+}  // namespace grpo::learner
