@@ -1,5 +1,7 @@
 #include "rollout/reward.h"
 
+#include "rollout/soft_overlong_reward.h"
+
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
@@ -240,7 +242,7 @@ std::string_view RewardErrorKindName(RewardErrorKind kind) {
 }
 
 std::vector<std::string> BuiltinRewardFunctionNames() {
-  return {"accuracy", "format", "json_valid", "length"};
+  return {"accuracy", "format", "json_valid", "length", "soft_overlong_punishment"};
 }
 
 StatusOr<std::unique_ptr<RewardFunction>> MakeRewardFunction(std::string_view name,
@@ -287,6 +289,7 @@ StatusOr<std::unique_ptr<RewardFunction>> MakeRewardFunction(std::string_view na
     }
     return std::unique_ptr<RewardFunction>(new LengthReward(target, chars));
   }
+  if (name == "soft_overlong_punishment") return MakeSoftOverlongPunishment(options);
   std::string known;
   for (const auto& n : BuiltinRewardFunctionNames()) known += (known.empty() ? "" : ", ") + n;
   return Status::InvalidArgument("unknown reward function \"" + std::string(name) +
@@ -397,6 +400,11 @@ StatusOr<std::unique_ptr<RewardRunner>> RewardRunner::FromConfig(
     json options = json::object();
     if (options_by_name.is_object() && options_by_name.contains(name)) {
       options = options_by_name[name];
+    }
+    // DAPO's punishment is relative to the generation limit: the config's unless given.
+    if (name == "soft_overlong_punishment" && options.is_object() &&
+        !options.contains("max_completion_len")) {
+      options["max_completion_len"] = config.max_completion_length;
     }
     ASSIGN_OR_RETURN(std::unique_ptr<RewardFunction> fn, MakeRewardFunction(name, options));
     functions.push_back(std::move(fn));

@@ -79,6 +79,8 @@ class RewardFunction {
 //              -|target_length - length| (TRL's reward_len example; "chars" counts Unicode code
 //              points like Python's len(str), "tokens" uses RewardInput::completion_tokens).
 //   json_valid {}: 1.0 if the whole completion parses as JSON (nlohmann), else 0.0.
+//   soft_overlong_punishment {"max_completion_len", "soft_punish_cache"}: DAPO's soft overlong
+//              punishment, TRL's get_soft_overlong_punishment (rollout/soft_overlong_reward.h).
 // Unknown name: InvalidArgument listing the known names.
 StatusOr<std::unique_ptr<RewardFunction>> MakeRewardFunction(
     std::string_view name, const nlohmann::json& options = nlohmann::json::object());

@@ -226,10 +226,18 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   const int64_t hidden_n = 2 * s * p.completion_tokens * d;
   p.lm_head_pass =
       std::max(hidden_n + 4 * vd + p.logits_chunk, hidden_n + (cfg.bf16 ? 6 * vd : 8 * vd));
-  if (cfg.importance_sampling_level != "token") {
-    p.notes.push_back(
-        "importance_sampling_level sequence: the LM head runs through autograd "
-        "(ChunkedTokenLogprobs); its buffers are planned as the fused path's, about the same");
+  // A loss that couples a sequence's tokens is not token-separable (grpo_loss.h TokenSeparable;
+  // a sequence-level IS weight without `old` is decided per batch and not noted here).
+  const char* coupled = cfg.importance_sampling_level != "token"
+                            ? "importance_sampling_level sequence"
+                        : cfg.loss_type == "vespo"      ? "loss_type vespo"
+                        : cfg.off_policy_mask_threshold ? "off_policy_mask_threshold"
+                                                        : nullptr;
+  if (coupled != nullptr) {
+    p.notes.push_back(std::string(coupled) +
+                      ": the LM head runs through autograd "
+                      "(ChunkedTokenLogprobs); its buffers are planned as the fused path's, about "
+                      "the same");
   }
 
   if (!sharded && w > 1) {

@@ -10,6 +10,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "tests/test_util.h"
+
 namespace grpo::rollout {
 namespace {
 
@@ -169,6 +171,74 @@ TEST(JsonValidReward, OneIfTheWholeCompletionParses) {
       fn->Score({Input("{\"a\": [1, 2]}"), Input(" [1, 2] "), Input("42"), Input("{'a': 1}"),
                  Input(""), Input("```json\n{}\n```"), Input("{\"a\": 1} extra")});
   EXPECT_EQ(s, (Scores{1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0}));
+}
+
+common::RolloutGroup Group(const std::vector<std::pair<std::string, int>>& completions);
+
+// DAPO eq. 13 by hand: L_max 20, L_cache 5: 0 up to 15 tokens, then (15 - L) / 5, -1 past 20.
+TEST(SoftOverlongPunishment, ZeroThenLinearThenMinusOne) {
+  auto fn =
+      Make("soft_overlong_punishment", {{"max_completion_len", 20}, {"soft_punish_cache", 5}});
+  const Scores s = fn->Score({Input("x", {}, 0), Input("x", {}, 15), Input("x", {}, 16),
+                              Input("x", {}, 18), Input("x", {}, 20), Input("x", {}, 21)});
+  EXPECT_EQ(s, (Scores{0.0, 0.0, -0.2, -0.6, -1.0, -1.0}));
+}
+
+// TRL's own get_soft_overlong_punishment on every length around the window, for a cache of 0,
+// one token, DAPO's fifth (the default) and the whole length.
+TEST(SoftOverlongPunishment, EqualsTrls) {
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("trl"))
+      << grpo::testing::ReferencePython() << " cannot import trl (deploy/setup.sh)";
+  json request = {{"soft_overlong_punishment", json::array()}};
+  std::vector<std::vector<double>> ours;
+  std::vector<int64_t> lengths;
+  for (int64_t n = 0; n <= 40; ++n) lengths.push_back(n);
+  for (int64_t cache : {0, 1, 6, 32}) {
+    auto fn = Make("soft_overlong_punishment",
+                   cache == 6 ? json{{"max_completion_len", 32}}  // the default cache: 32 / 5
+                              : json{{"max_completion_len", 32}, {"soft_punish_cache", cache}});
+    std::vector<RewardInput> inputs;
+    for (int64_t n : lengths) inputs.push_back(Input("x", {}, n));
+    std::vector<double> row;
+    for (const auto& v : fn->Score(inputs)) row.push_back(*v);
+    ours.push_back(row);
+    request["soft_overlong_punishment"].push_back(
+        {{"max_completion_len", 32}, {"soft_punish_cache", cache}, {"lengths", lengths}});
+  }
+  const json trl = grpo::testing::RunReference("trl_rewards_ref.py", request);
+  ASSERT_TRUE(trl.is_object());
+  for (size_t c = 0; c < ours.size(); ++c) {
+    const auto want = trl["soft_overlong_punishment"][c].get<std::vector<double>>();
+    ASSERT_EQ(want.size(), ours[c].size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_DOUBLE_EQ(ours[c][i], want[i]) << "case " << c << " length " << lengths[i];
+    }
+  }
+}
+
+TEST(SoftOverlongPunishment, BadOptionsAreNamedAndTheConfigGivesTheLimit) {
+  EXPECT_NE(MakeRewardFunction("soft_overlong_punishment", json::object())
+                .status()
+                .message()
+                .find("max_completion_len"),
+            std::string::npos);
+  auto big = MakeRewardFunction("soft_overlong_punishment",
+                                {{"max_completion_len", 8}, {"soft_punish_cache", 9}});
+  EXPECT_NE(big.status().message().find("soft_punish_cache"), std::string::npos);
+  auto typo =
+      MakeRewardFunction("soft_overlong_punishment", {{"max_completion_len", 8}, {"cache", 2}});
+  EXPECT_NE(typo.status().message().find("\"cache\""), std::string::npos);
+
+  common::GrpoConfig config;
+  config.reward_funcs = {"soft_overlong_punishment"};
+  config.max_completion_length = 10;  // cache 10 / 5 = 2: 0 to 8 tokens, -0.5 at 9
+  auto runner = RewardRunner::FromConfig(config);
+  ASSERT_TRUE(runner.ok()) << runner.status().ToString();
+  common::RolloutGroup g = Group({{"x", 8}, {"x", 9}, {"x", 11}});
+  (void)(*runner)->ScoreGroup(g, "p", json::object());
+  EXPECT_EQ(g.completions[0].rewards, (Scores{0.0}));
+  EXPECT_EQ(g.completions[1].rewards, (Scores{-0.5}));
+  EXPECT_EQ(g.completions[2].rewards, (Scores{-1.0}));
 }
 
 TEST(MakeRewardFunction, UnknownNameListsKnownOnes) {
