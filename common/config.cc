@@ -245,6 +245,8 @@ const std::vector<Field>& Fields() {
       MakeField("reward_funcs", &C::reward_funcs),
       MakeField("reward_weights", &C::reward_weights),
       MakeField("scale_rewards", &C::scale_rewards, {"group", "batch", "none"}),
+      MakeField("multi_objective_aggregation", &C::multi_objective_aggregation,
+                {"sum_then_normalize", "normalize_then_sum"}),
       MakeField("loss_type", &C::loss_type,
                 std::vector<std::string>(kLossTypeNames.begin(), kLossTypeNames.end())),
       MakeField("epsilon", &C::epsilon),
@@ -258,6 +260,7 @@ const std::vector<Field>& Fields() {
       MakeField("importance_sampling_min", &C::importance_sampling_min),
       MakeField("use_bias_correction_kl", &C::use_bias_correction_kl),
       MakeField("off_policy_mask_threshold", &C::off_policy_mask_threshold),
+      MakeField("top_entropy_quantile", &C::top_entropy_quantile),
       MakeField("sapo_temperature_pos", &C::sapo_temperature_pos),
       MakeField("sapo_temperature_neg", &C::sapo_temperature_neg),
       MakeField("vespo_k_pos", &C::vespo_k_pos),
@@ -491,6 +494,8 @@ Status GrpoConfig::Validate() const {
       !importance_sampling_min ||
           (*importance_sampling_min >= 0 && *importance_sampling_min < importance_sampling_cap),
       "importance_sampling_min", "must be in [0, importance_sampling_cap)"));
+  RETURN_IF_ERROR(Check(top_entropy_quantile > 0 && top_entropy_quantile <= 1,
+                        "top_entropy_quantile", "must be in (0, 1]"));
   RETURN_IF_ERROR(Check(!off_policy_mask_threshold || *off_policy_mask_threshold >= 0,
                         "off_policy_mask_threshold", "must be >= 0 when set"));
   RETURN_IF_ERROR(Check(sapo_temperature_pos > 0 && sapo_temperature_neg > 0,

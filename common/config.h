@@ -44,6 +44,8 @@ struct GrpoConfig {
   std::vector<std::string> reward_funcs;
   std::vector<double> reward_weights;   // empty = all 1
   std::string scale_rewards = "group";  // group | batch | none
+  // sum_then_normalize | normalize_then_sum (GDPO); TRL's multi_objective_aggregation.
+  std::string multi_objective_aggregation = "sum_then_normalize";
 
   // Loss (docs/GRPO_SPEC.md).
   std::string loss_type = "dapo";  // common/loss_type_names.h
@@ -59,6 +61,7 @@ struct GrpoConfig {
   std::optional<double> importance_sampling_min;    // C_min; unset = no lower bound (TRL)
   bool use_bias_correction_kl = true;               // KL term x importance ratio (TRL's default)
   std::optional<double> off_policy_mask_threshold;  // DeepSeek-V3.2 sequence mask; unset = off
+  double top_entropy_quantile = 1.0;  // the 80/20 rule: < 1 trains the top tokens by entropy
   double sapo_temperature_pos = 1.0, sapo_temperature_neg = 1.05;
   double vespo_k_pos = 2.0, vespo_lambda_pos = 3.0, vespo_k_neg = 3.0, vespo_lambda_neg = 2.0;
   // Policy versions a group may lag the learner (docs/ARCHITECTURE.md "Async training and

@@ -46,6 +46,42 @@ Status CheckRewards(const at::Tensor& rewards_per_fn, const AdvantageConfig& con
   return Status::OK();
 }
 
+// GDPO's advantages (TRL's normalize_then_sum, grpo_trainer.py _generate_and_score_completions):
+// per function k and group g, z = (r - nanmean) / (nanstd + 1e-4), a std of fewer than two
+// values being NaN (then z is NaN, and nansum skips it); s_i = nansum_k w_k z_ik; then
+// A = (s - mean) / (std + 1e-4) over the scorable kept samples, 0 where that is NaN. Writes
+// *batch_std (NaN with fewer than two samples) for frac_reward_zero_std.
+void NormalizeThenSum(const double* rp, int64_t n, int64_t k, const std::vector<double>& weights,
+                      const std::vector<int64_t>& group, int64_t num_groups,
+                      const std::vector<bool>& usable, double* adv, double* batch_std) {
+  std::vector<double> sum(n, 0.0);
+  for (int64_t j = 0; j < k; ++j) {
+    std::vector<std::vector<double>> vals(num_groups);
+    for (int64_t i = 0; i < n; ++i) {
+      if (usable[i] && !std::isnan(rp[i * k + j])) vals[group[i]].push_back(rp[i * k + j]);
+    }
+    std::vector<double> mean(num_groups), std(num_groups);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      mean[g] = vals[g].empty() ? kNaN : Mean(vals[g]);
+      std[g] = vals[g].size() < 2 ? kNaN : UnbiasedStd(vals[g], mean[g]);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const double z = (rp[i * k + j] - mean[group[i]]) / (std[group[i]] + kAdvantageStdEpsilon);
+      if (usable[i] && !std::isnan(z)) sum[i] += weights[j] * z;
+    }
+  }
+  std::vector<double> scored;
+  for (int64_t i = 0; i < n; ++i) {
+    if (usable[i]) scored.push_back(sum[i]);
+  }
+  const double mean = Mean(scored);
+  *batch_std = scored.size() < 2 ? kNaN : UnbiasedStd(scored, mean);
+  for (int64_t i = 0; i < n; ++i) {
+    const double a = (sum[i] - mean) / (*batch_std + kAdvantageStdEpsilon);
+    adv[i] = usable[i] && !std::isnan(a) ? a : 0.0;
+  }
+}
+
 // group[i] in [0, num_groups) for every row.
 StatusOr<AdvantageResult> Compute(const at::Tensor& rewards_per_fn,
                                   const std::vector<int64_t>& group, int64_t num_groups,
@@ -118,14 +154,23 @@ StatusOr<AdvantageResult> Compute(const at::Tensor& rewards_per_fn,
   // than two scored samples is NaN there (nanstd), never zero.
   auto zero_std = [](size_t count, double std) { return count >= 2 && std <= 1e-8; };
   int64_t samples_zero_std = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t g = group[i];
-    samples_zero_std += config.scale_rewards == ScaleRewards::kBatch
-                            ? zero_std(kept_rewards.size(), batch_std)
-                            : zero_std(members[g].size(), g_std[g]);
+  if (config.multi_objective_aggregation == MultiObjectiveAggregation::kNormalizeThenSum) {
+    std::vector<bool> usable(n);
+    for (int64_t i = 0; i < n; ++i) usable[i] = kp[i] && scorable[i];
+    double gdpo_std = kNaN;
+    NormalizeThenSum(rp, n, k, weights, group, num_groups, usable, adv, &gdpo_std);
+    samples_zero_std = std::abs(gdpo_std) <= 1e-8 ? n : 0;  // NaN: never
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t g = group[i];
+      samples_zero_std += config.scale_rewards == ScaleRewards::kBatch
+                              ? zero_std(kept_rewards.size(), batch_std)
+                              : zero_std(members[g].size(), g_std[g]);
+    }
   }
 
   for (int64_t i = 0; i < n; ++i) {
+    if (config.multi_objective_aggregation == MultiObjectiveAggregation::kNormalizeThenSum) break;
     if (!kp[i] || !scorable[i]) continue;
     const int64_t g = group[i];
     const double scale_std = config.scale_rewards == ScaleRewards::kBatch ? batch_std : g_std[g];
@@ -161,6 +206,13 @@ StatusOr<AdvantageResult> Compute(const at::Tensor& rewards_per_fn,
 }
 
 }  // namespace
+
+StatusOr<MultiObjectiveAggregation> ParseMultiObjectiveAggregation(std::string_view name) {
+  if (name == "sum_then_normalize") return MultiObjectiveAggregation::kSumThenNormalize;
+  if (name == "normalize_then_sum") return MultiObjectiveAggregation::kNormalizeThenSum;
+  return Status::InvalidArgument("unknown multi_objective_aggregation '" + std::string(name) +
+                                 "' (expected sum_then_normalize|normalize_then_sum)");
+}
 
 StatusOr<ScaleRewards> ParseScaleRewards(std::string_view name) {
   if (name == "group") return ScaleRewards::kGroup;

@@ -25,15 +25,28 @@ std::string_view ScaleRewardsName(ScaleRewards s);
 // Added to the std before dividing (docs/GRPO_SPEC.md, TRL).
 inline constexpr double kAdvantageStdEpsilon = 1e-4;
 
+// TRL `multi_objective_aggregation`: how several reward functions become one advantage.
+enum class MultiObjectiveAggregation {
+  kSumThenNormalize,  // the weighted sum, then group-relative by scale_rewards (default)
+  // GDPO (arXiv 2601.05242): each function normalised within its group
+  // ((r_k - mean_group) / (std_group + 1e-4), NaN-aware), the weighted sum of those, then
+  // normalised over the whole batch ((s - mean) / (std + 1e-4)); scale_rewards is not used.
+  kNormalizeThenSum,
+};
+StatusOr<MultiObjectiveAggregation> ParseMultiObjectiveAggregation(std::string_view name);
+
 struct AdvantageConfig {
   int64_t num_generations = 8;  // G: consecutive rows form a group (ignored with explicit ids)
   ScaleRewards scale_rewards = ScaleRewards::kGroup;
   std::vector<double> reward_weights{};  // one per reward function; empty = all 1
+  MultiObjectiveAggregation multi_objective_aggregation =
+      MultiObjectiveAggregation::kSumThenNormalize;
 };
 
 // Everything is computed over the kept, scorable samples only (a sample is unscorable when every
 // reward function returned null: TRL's PR 5902). A group with fewer than two such samples has
-// std 0 (its advantages are 0). Groups whose kept rewards are all equal have A = 0 exactly.
+// std 0 (its advantages are 0). Groups whose kept rewards are all equal have A = 0 exactly
+// (sum_then_normalize; normalize_then_sum is TRL's formula throughout).
 struct AdvantageResult {
   at::Tensor rewards;     // [N] float64: sum_k w_k r_{i,k}, nulls as 0; 0 for dropped samples,
                           // NaN for unscorable ones

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "learner/loss/entropy_mask.h"
+
 namespace grpo::learner {
 namespace {
 
@@ -70,6 +72,10 @@ Status GrpoLossConfig::Validate() const {
         std::to_string(importance_sampling_cap) + "), got " +
         std::to_string(*importance_sampling_min));
   }
+  if (!Finite(top_entropy_quantile) || top_entropy_quantile <= 0.0 || top_entropy_quantile > 1.0) {
+    return Status::InvalidArgument("top_entropy_quantile must be in (0, 1], got " +
+                                   std::to_string(top_entropy_quantile));
+  }
   if (off_policy_mask_threshold &&
       (!Finite(*off_policy_mask_threshold) || *off_policy_mask_threshold < 0.0)) {
     return Status::InvalidArgument("off_policy_mask_threshold must be >= 0, got " +
@@ -105,7 +111,7 @@ Status GrpoLossConfig::Validate() const {
 bool TokenSeparable(const GrpoLossConfig& config, bool has_old) {
   return loss::ObjectiveOf(config.loss_type).token_separable &&
          config.importance_sampling_level == ImportanceSamplingLevel::kToken &&
-         !config.off_policy_mask_threshold &&
+         !config.off_policy_mask_threshold && config.top_entropy_quantile >= 1.0 &&
          (has_old || !IsSequenceLevel(config.importance_sampling_correction));
 }
 
@@ -162,6 +168,10 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
   if (in.old.defined()) RETURN_IF_ERROR(CheckBT(in.old, "old", b, t, device));
   if (in.beh.defined()) RETURN_IF_ERROR(CheckBT(in.beh, "beh", b, t, device));
   if (in.ref.defined()) RETURN_IF_ERROR(CheckBT(in.ref, "ref", b, t, device));
+  if (in.entropy.defined()) RETURN_IF_ERROR(CheckBT(in.entropy, "entropy", b, t, device));
+  if (config.top_entropy_quantile < 1.0 && !in.entropy.defined()) {
+    return Status::InvalidArgument("top_entropy_quantile < 1 needs the tokens' entropy");
+  }
   if (!in.advantages.defined() || in.advantages.dim() != 1 || in.advantages.size(0) != b ||
       !at::isFloatingType(in.advantages.scalar_type()) || in.advantages.device() != device) {
     return Status::InvalidArgument("advantages must be a floating [B] = [" + std::to_string(b) +
@@ -245,6 +255,10 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
     if (config.off_policy_mask_threshold) {
       per_token = per_token * loss::OffPolicySequenceMask(a, lp, beh.defined() ? beh : old, m,
                                                           valid, *config.off_policy_mask_threshold);
+    }
+    if (config.top_entropy_quantile < 1.0) {
+      per_token = per_token *
+                  loss::HighEntropyMask(in.entropy, valid, m, 1.0 - config.top_entropy_quantile);
     }
     if (is_weights.defined() && !objective.folds_is_weights) per_token = per_token * is_weights;
     at::Tensor kl;  // [B, T]

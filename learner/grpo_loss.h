@@ -38,6 +38,9 @@ struct GrpoLossConfig {
   bool use_bias_correction_kl = true;
   // DeepSeek-V3.2's off-policy sequence mask; unset = off (loss/off_policy.h).
   std::optional<double> off_policy_mask_threshold{};
+  // The 80/20 rule: the share of highest-entropy tokens that keep their policy gradient; 1 = all
+  // (loss/entropy_mask.h). < 1 needs the tokens' entropy.
+  double top_entropy_quantile = 1.0;
   double sapo_temperature_pos = 1.0;                 // sapo: tau for A > 0
   double sapo_temperature_neg = 1.05;                // sapo: tau for A <= 0
   double vespo_k_pos = 2.0, vespo_lambda_pos = 3.0;  // vespo: A >= 0
@@ -46,6 +49,7 @@ struct GrpoLossConfig {
   double EpsilonHigh() const { return epsilon_high.value_or(epsilon); }
   // InvalidArgument naming the option: epsilon in [0, 1], epsilon_high >= 0, delta > 1,
   // beta >= 0, cap > 0, 0 <= importance_sampling_min < cap, off_policy_mask_threshold >= 0,
+  // top_entropy_quantile in (0, 1],
   // sapo temperatures > 0, vespo k >= 0 and lambda > 0, max_completion_length >= 1, vespo with a
   // token-level (or no) correction (TRL's rule); all finite.
   Status Validate() const;
@@ -54,7 +58,8 @@ struct GrpoLossConfig {
 // Whether ComputeGrpoLoss's gradient w.r.t. logp is a sum of per-token terms, each depending on
 // its own token only, so that GrpoTokenLossGrad's per-chunk gradient is exact: the objective is
 // token-separable, importance sampling is token-level, no off-policy sequence mask, and a
-// sequence-level IS correction has `old` given (without it old = logp.detach() couples tokens).
+// sequence-level IS correction has `old` given (without it old = logp.detach() couples tokens),
+// and no entropy quantile (over the micro-batch's tokens).
 bool TokenSeparable(const GrpoLossConfig& config, bool has_old);
 
 // One micro-batch. All [B, T] tensors share logp's device. Values at padding positions
@@ -66,6 +71,7 @@ struct GrpoLossInputs {
   at::Tensor ref{};         // [B, T] reference log-probs; needed when beta != 0
   at::Tensor advantages{};  // [B]
   at::Tensor mask{};        // [B, T] completion mask, values 0 or 1
+  at::Tensor entropy{};     // [B, T] per-token entropy; needed when top_entropy_quantile < 1
 };
 
 // Sums and counts, so micro-batches (and ranks) aggregate exactly: Merge() them over a step,

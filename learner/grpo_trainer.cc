@@ -288,6 +288,7 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
   lc.max_completion_length = config.max_completion_length;
   lc.use_bias_correction_kl = config.use_bias_correction_kl;
   lc.off_policy_mask_threshold = config.off_policy_mask_threshold;
+  lc.top_entropy_quantile = config.top_entropy_quantile;
   lc.sapo_temperature_pos = config.sapo_temperature_pos;
   lc.sapo_temperature_neg = config.sapo_temperature_neg;
   lc.vespo_k_pos = config.vespo_k_pos;
@@ -521,6 +522,8 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
   ac.num_generations = G;
   ASSIGN_OR_RETURN(ac.scale_rewards, ParseScaleRewards(config_.scale_rewards));
   ac.reward_weights = config_.reward_weights;
+  ASSIGN_OR_RETURN(ac.multi_objective_aggregation,
+                   ParseMultiObjectiveAggregation(config_.multi_objective_aggregation));
   ASSIGN_OR_RETURN(AdvantageResult adv, ComputeAdvantages(rewards, ac));
   batch.advantages = adv.advantages.to(at::kFloat);
   batch.rewards = adv.rewards;
@@ -661,6 +664,7 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       } else {  // the loss couples a sequence's tokens (grpo_loss.h): autograd through them
         logp = CompletionLogprobs(compute, mb, config_, &entropy);
         in.logp = logp;
+        in.entropy = entropy;
         ASSIGN_OR_RETURN(out, ComputeGrpoLoss(step_loss_config, in, norm));
         out.loss.backward();
       }

@@ -82,6 +82,8 @@ common::GrpoConfig RankConfig(const std::string& loss_type, int world_size) {
   c.num_iterations = 2;
   c.max_completion_length = 16;
   c.loss_type = loss_type;
+  // vespo takes only a token-level correction (TRL's rule; the default is sequence_mask).
+  if (loss_type == "vespo") c.importance_sampling_correction = "token_truncate";
   c.learning_rate = 1e-2;
   c.lr_scheduler_type = "linear";
   c.max_steps = 50;
@@ -154,6 +156,7 @@ void ExpectSameAsSingleRank(const RunResult& rank, const RunResult& single, int 
     EXPECT_NEAR(a.clip_ratio_region, b.clip_ratio_region, 1e-6) << "step " << b.step;
     EXPECT_TRUE(Close(a.logprob_mismatch_mean, b.logprob_mismatch_mean)) << "step " << b.step;
     EXPECT_TRUE(Close(a.is_ratio_max, b.is_ratio_max)) << "step " << b.step;
+    EXPECT_TRUE(Close(a.vespo_phi_mean, b.vespo_phi_mean)) << "step " << b.step;
   }
   ASSERT_EQ(rank.weights.size(), single.weights.size());
   for (size_t i = 0; i < single.weights.size(); ++i) {
@@ -196,6 +199,11 @@ INSTANTIATE_TEST_SUITE_P(LossTypes, DataParallel,
                          ::testing::Combine(::testing::Values("dapo", "grpo", "dr_grpo"),
                                             ::testing::Values(2, 4),
                                             ::testing::Values("no_shard", "shard_grad_op")));
+// TRL 1.16's other objectives (learner/loss/objectives.h): their aggregations (sequence mean,
+// sequence sum, step tokens), vespo's autograd path and its phi metric, over 2 ranks.
+INSTANTIATE_TEST_SUITE_P(OtherObjectives, DataParallel,
+                         ::testing::Combine(::testing::Values("cispo", "sapo", "luspo", "vespo"),
+                                            ::testing::Values(2), ::testing::Values("no_shard")));
 
 // ZeRO-2's model state (Rajbhandari et al. 2020, fp32 here): the gradient and AdamW's two
 // moments, 12 bytes per parameter on one rank, become 12 x ceil(P / W) on each of W ranks (the

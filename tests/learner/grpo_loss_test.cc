@@ -196,29 +196,39 @@ TEST(Advantages, MatchReferenceForEveryScaling) {
                                            ScaleRewards::kNone};
   json req = {{"advantages", json::array()}};
   std::vector<AdvantageResult> got;
+  using MOA = MultiObjectiveAggregation;
+  std::vector<std::string> names;
   for (const auto& c : cases) {
-    for (ScaleRewards mode : modes) {
-      const AdvantageConfig cfg{
-          .num_generations = c.g, .scale_rewards = mode, .reward_weights = c.weights};
-      const at::Tensor r = D2(c.rewards);
-      auto res = c.group_ids.empty()
-                     ? ComputeAdvantages(r, cfg)
-                     : ComputeAdvantages(r, at::tensor(c.group_ids, at::kLong), cfg);
-      ASSERT_TRUE(res.ok()) << res.status().ToString();
-      got.push_back(*res);
-      json jc = {{"rewards", ToJson(r)},
-                 {"num_generations", c.g},
-                 {"scale_rewards", std::string(ScaleRewardsName(mode))}};
-      if (!c.weights.empty()) jc["weights"] = c.weights;
-      if (!c.group_ids.empty()) jc["group_ids"] = c.group_ids;
-      req["advantages"].push_back(jc);
-    }
+    for (ScaleRewards mode : modes)
+      for (MOA moa : {MOA::kSumThenNormalize, MOA::kNormalizeThenSum}) {
+        if (moa == MOA::kNormalizeThenSum && mode != ScaleRewards::kGroup) continue;  // not used
+        names.push_back("case " + std::to_string(&c - cases.data()) + " " +
+                        std::string(ScaleRewardsName(mode)) +
+                        (moa == MOA::kNormalizeThenSum ? " normalize_then_sum" : ""));
+        const AdvantageConfig cfg{.num_generations = c.g,
+                                  .scale_rewards = mode,
+                                  .reward_weights = c.weights,
+                                  .multi_objective_aggregation = moa};
+        const at::Tensor r = D2(c.rewards);
+        auto res = c.group_ids.empty()
+                       ? ComputeAdvantages(r, cfg)
+                       : ComputeAdvantages(r, at::tensor(c.group_ids, at::kLong), cfg);
+        ASSERT_TRUE(res.ok()) << res.status().ToString();
+        got.push_back(*res);
+        json jc = {{"rewards", ToJson(r)},
+                   {"num_generations", c.g},
+                   {"scale_rewards", std::string(ScaleRewardsName(mode))}};
+        if (moa == MOA::kNormalizeThenSum) jc["multi_objective_aggregation"] = "normalize_then_sum";
+        if (!c.weights.empty()) jc["weights"] = c.weights;
+        if (!c.group_ids.empty()) jc["group_ids"] = c.group_ids;
+        req["advantages"].push_back(jc);
+      }
   }
   const json ref = grpo::testing::RunReference("grpo_ref.py", req);
   ASSERT_FALSE(ref.is_null());
   ASSERT_EQ(ref["advantages"].size(), got.size());
   for (size_t i = 0; i < got.size(); ++i) {
-    SCOPED_TRACE("case " + std::to_string(i / 3) + " mode " + std::to_string(i % 3));
+    SCOPED_TRACE(names[i]);
     const json& e = ref["advantages"][i];
     const AdvantageResult& r = got[i];
     ASSERT_EQ(e["advantages"].size(), static_cast<size_t>(r.advantages.size(0)));

@@ -1,9 +1,9 @@
 // ComputeGrpoLoss against TRL 1.16's own `_compute_loss` on arbitrary [B, T] log-probs
 // (tests/reference/trl_loss_ref.py binds it to a stand-in whose log-prob function returns ours):
 // every loss type of the objective table, token- and sequence-level importance sampling, each
-// option at TRL's default and at a non-default value. Loss, dL/dlogp and every metric TRL logs
-// for the loss type must equal ours (docs/GRPO_SPEC.md "Per-token loss", "Off-policy
-// correction").
+// option at TRL's default and at a non-default value (the entropy quantile mask included). Loss,
+// dL/dlogp and every metric TRL logs for the loss type must equal ours (docs/GRPO_SPEC.md
+// "Per-token loss", "Off-policy correction").
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -86,6 +86,7 @@ std::vector<Variant> Variants() {
       {"off_policy_mask_behaviour", [](GrpoLossConfig& c) { c.off_policy_mask_threshold = 0.1; },
        true, true},
       {"off_policy_mask_old", [](GrpoLossConfig& c) { c.off_policy_mask_threshold = 0.1; }},
+      {"top_entropy_quantile", [](GrpoLossConfig& c) { c.top_entropy_quantile = 0.4; }},
       {"objective_parameters",
        [](GrpoLossConfig& c) {
          c.epsilon_high = 1.3;  // cispo's epsilon_max
@@ -126,7 +127,8 @@ json TrlConfig(const GrpoLossConfig& c) {
             {"vespo_k_pos", c.vespo_k_pos},
             {"vespo_lambda_pos", c.vespo_lambda_pos},
             {"vespo_k_neg", c.vespo_k_neg},
-            {"vespo_lambda_neg", c.vespo_lambda_neg}};
+            {"vespo_lambda_neg", c.vespo_lambda_neg},
+            {"top_entropy_quantile", c.top_entropy_quantile}};
   j["epsilon_high"] = c.epsilon_high ? json(*c.epsilon_high) : json();
   j["delta"] = c.delta ? json(*c.delta) : json();
   j["vllm_importance_sampling_clip_min"] =
@@ -159,6 +161,8 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
   const at::Tensor beh = old + 0.5 * at::randn({b, t}, opts);
   const at::Tensor ref = logp0 + 0.3 * at::randn({b, t}, opts);
   const at::Tensor adv = at::tensor({1.3, -0.7, 0.4, -1.1}, opts);
+  // Float32 as the model gives it (TRL takes the quantile in float32).
+  const at::Tensor entropy = (at::rand({b, t}, opts) * 4).to(at::kFloat).to(at::kDouble);
   // The last row is all masked (a truncated completion under mask_truncated_completions).
   const std::vector<double> mask_values = {1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0,
                                            1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
@@ -184,7 +188,8 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
                           .beh = v.with_beh ? beh : at::Tensor(),
                           .ref = cfg.beta != 0 ? ref : at::Tensor(),
                           .advantages = adv,
-                          .mask = mask};
+                          .mask = mask,
+                          .entropy = entropy};
         auto out = ComputeGrpoLoss(cfg, in, norm);
         const std::string name = std::string(objective.name) + "/" +
                                  std::string(ImportanceSamplingLevelName(level)) + "/" + v.name;
@@ -194,6 +199,7 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
         json c = {{"logp", ToJson(logp0)},
                   {"advantages", ToJson(adv)},
                   {"mask", ToJson(mask)},
+                  {"entropy", ToJson(entropy)},
                   {"config", TrlConfig(cfg)},
                   {"num_items_in_batch", norm.step_completion_tokens},
                   {"gradient_accumulation_steps", norm.gradient_accumulation_steps}};
@@ -245,9 +251,10 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
   }
   // The comparisons mean something: each correction changes TRL's loss somewhere, and the
   // clipped objectives clip on both sides.
-  for (const char* variant : {"kl_bias_corrected", "is_sequence_mask", "is_sequence_truncate",
-                              "is_token_truncate", "is_token_mask", "off_policy_mask_behaviour",
-                              "off_policy_mask_old", "objective_parameters"}) {
+  for (const char* variant :
+       {"kl_bias_corrected", "is_sequence_mask", "is_sequence_truncate", "is_token_truncate",
+        "is_token_mask", "off_policy_mask_behaviour", "off_policy_mask_old", "top_entropy_quantile",
+        "objective_parameters"}) {
     int changed = 0;
     for (const loss::Objective& objective : loss::Objectives()) {
       const std::string base = std::string(objective.name) + "/token/";

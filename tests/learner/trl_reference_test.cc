@@ -135,6 +135,15 @@ std::vector<TrlCase> AllCases() {
                    1,
                    "off_policy_mask",
                    {{"off_policy_mask_threshold", 0.02}}});
+  cases.push_back({"dapo",
+                   0.0,
+                   2,
+                   "token",
+                   nullopt,
+                   kLearningRate,
+                   1,
+                   "top_entropy",
+                   {{"top_entropy_quantile", 0.4}}});
   cases.push_back(
       {"dapo", 0.04, 1, "token", nullopt, kLearningRate, 1, "is_default", json::object(), true});
   cases.push_back({"grpo",

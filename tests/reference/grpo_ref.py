@@ -54,6 +54,30 @@ def trl_frac_reward_zero_std(r, keep, gid, mode):
     return torch.isclose(std, torch.zeros_like(std)).double().mean().item()
 
 
+def normalize_then_sum(raw, w, keep, scorable, gid):
+    """TRL 1.16's multi_objective_aggregation "normalize_then_sum" (GDPO), transcribed from
+    grpo_trainer.py _generate_and_score_completions with TRL's own nanstd: each function
+    normalised within its group, the weighted nansum, then normalised over the batch; a dropped
+    sample (infinite reward, which TRL never sees) is NaN throughout. Returns (advantages,
+    frac_reward_zero_std)."""
+    from trl.trainer.utils import nanstd
+
+    x = torch.where(keep[:, None], raw, torch.full_like(raw, math.nan))
+    z = torch.full_like(x, math.nan)
+    for g in torch.unique(gid):
+        sel = gid == g
+        grouped = x[sel]
+        mean_k = torch.nanmean(grouped, dim=0, keepdim=True)
+        std_k = nanstd(grouped, dim=0, keepdim=True)
+        z[sel] = (grouped - mean_k) / (std_k + STD_EPS)
+    rewards = (z * w[None, :]).nansum(dim=1)
+    rewards[~scorable] = math.nan
+    std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    adv = torch.nan_to_num((rewards - torch.nanmean(rewards)) / (std + STD_EPS), nan=0.0)
+    frac = torch.isclose(std, torch.zeros_like(std)).double().mean().item()
+    return adv, frac
+
+
 def advantages_case(case):
     raw = torch.tensor([[parse_reward(v) for v in row] for row in case["rewards"]])
     n, k = raw.shape
@@ -93,6 +117,10 @@ def advantages_case(case):
             a = a / (scale + STD_EPS)
         adv[sel] = a
 
+    frac = trl_frac_reward_zero_std(r, keep, gid, mode)
+    if case.get("multi_objective_aggregation", "sum_then_normalize") == "normalize_then_sum":
+        adv, frac = normalize_then_sum(raw, w, keep, scorable, gid)
+
     fn_mean, fn_std = [], []
     for j in range(k):
         col = raw[keep, j]
@@ -107,7 +135,7 @@ def advantages_case(case):
         "num_groups": n_groups,
         "reward_mean": kept_r.mean().item() if kept_r.numel() else None,
         "reward_std": kept_r.std().item() if kept_r.numel() >= 2 else None,  # TRL PR 4785
-        "frac_reward_zero_std": trl_frac_reward_zero_std(r, keep, gid, mode),
+        "frac_reward_zero_std": frac,
         "reward_fn_mean": [nan_to_none(x) for x in fn_mean],
         "reward_fn_std": [nan_to_none(x) for x in fn_std],
     }

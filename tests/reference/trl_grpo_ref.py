@@ -33,7 +33,7 @@ Input (stdin, or a file named as the only argument): one case object, or {"cases
    "importance_sampling_level": "token", "max_completion_length": 256, "temperature": 1.0,
    "gradient_accumulation_steps": 1, "per_device_train_batch_size": null,
    "steps_per_generation": null, "num_items_in_batch": null, "num_processes": 1,
-   "use_bias_correction_kl": true, "off_policy_mask_threshold": null,
+   "use_bias_correction_kl": true, "off_policy_mask_threshold": null, "top_entropy_quantile": 1.0,
    "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0, ...,
    "vllm_importance_sampling_mode": "none", "vllm_importance_sampling_clip_max": 3.0,
    "vllm_importance_sampling_clip_min": null, "position_ids": "mask" | "trl", "grad_norm": true}
@@ -82,6 +82,9 @@ class _AcceleratorStub:
     def reduce(self, t, reduction="sum"):
         return t
 
+    def pad_across_processes(self, t, dim=0, pad_index=0):
+        return t
+
     def autocast(self):
         return nullcontext()
 
@@ -93,6 +96,7 @@ class TrainerStandIn:
     _get_per_token_logps_and_entropies = GRPOTrainer._get_per_token_logps_and_entropies
     get_off_policy_mask = staticmethod(GRPOTrainer.get_off_policy_mask)
     get_gamma_weights = staticmethod(GRPOTrainer.get_gamma_weights)
+    get_high_entropy_mask = GRPOTrainer.get_high_entropy_mask
 
     def __init__(self, case, model):
         eps = float(case.get("epsilon", 0.2))
@@ -123,7 +127,7 @@ class TrainerStandIn:
         self.max_completion_length = int(case.get("max_completion_length", 256))
         self.temperature = float(case.get("temperature", 1.0))
         self.current_gradient_accumulation_steps = ga
-        self.top_entropy_quantile = 1.0
+        self.top_entropy_quantile = float(case.get("top_entropy_quantile", 1.0))
         self.off_policy_mask_threshold = case.get("off_policy_mask_threshold")
         self.use_vllm = False  # set per dump: behaviour log-probs play vLLM's
         self.vllm_importance_sampling_correction = False

@@ -1,11 +1,12 @@
 """TRL 1.16's own `GRPOTrainer._compute_loss` on arbitrary per-token log-probs.
 
 `_compute_loss` runs unchanged, bound to a stand-in for the trainer whose
-`_get_per_token_logps_and_entropies` returns the case's log-probs as a leaf tensor (entropies
-zero), so the loss, its gradient with respect to the log-probs and every metric TRL logs are
+`_get_per_token_logps_and_entropies` returns the case's log-probs as a leaf tensor (and its
+entropies, float32 as TRL's, or zeros), so the loss, its gradient with respect to the log-probs and every metric TRL logs are
 TRL's for any [B, T] inputs: every loss type, two-sided clipping, the KL term with and without
-`use_bias_correction_kl`, the off-policy sequence mask, and the importance-sampling correction.
-`get_off_policy_mask` and `get_gamma_weights` (vespo) are TRL's static methods.
+`use_bias_correction_kl`, the off-policy sequence mask, the entropy quantile mask and the
+importance-sampling correction. `get_off_policy_mask`, `get_gamma_weights` (vespo) and
+`get_high_entropy_mask` are TRL's.
 
 Written from TRL's source, not a function TRL exposes: the importance-sampling ratio. TRL
 computes it inside `_generate_and_score_completions` (trl/trainer/grpo_trainer.py, "Compute the
@@ -50,6 +51,9 @@ class _Accelerator:
     def reduce(self, t, reduction="sum"):
         return t
 
+    def pad_across_processes(self, t, dim=0, pad_index=0):
+        return t
+
     def autocast(self):
         return nullcontext()
 
@@ -58,10 +62,12 @@ class StandIn:
     _compute_loss = GRPOTrainer._compute_loss
     get_off_policy_mask = staticmethod(GRPOTrainer.get_off_policy_mask)
     get_gamma_weights = staticmethod(GRPOTrainer.get_gamma_weights)
+    get_high_entropy_mask = GRPOTrainer.get_high_entropy_mask
 
-    def __init__(self, case, logp_leaf):
+    def __init__(self, case, logp_leaf, entropy):
         c = case["config"]
         self._logp = logp_leaf
+        self._entropy = entropy
         eps = float(c.get("epsilon", 0.2))
         eps_high = c.get("epsilon_high")
         ga = int(case.get("gradient_accumulation_steps", 1))
@@ -87,7 +93,7 @@ class StandIn:
         self.importance_sampling_level = c.get("importance_sampling_level", "token")
         self.max_completion_length = int(c.get("max_completion_length", 256))
         self.current_gradient_accumulation_steps = ga
-        self.top_entropy_quantile = 1.0
+        self.top_entropy_quantile = float(c.get("top_entropy_quantile", 1.0))
         self.off_policy_mask_threshold = c.get("off_policy_mask_threshold")
         mode = c.get("vllm_importance_sampling_mode", "none")
         self.use_vllm = case.get("beh") is not None
@@ -98,7 +104,7 @@ class StandIn:
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                            **kwargs):
-        return self._logp, torch.zeros_like(self._logp), None
+        return self._logp, self._entropy, None
 
 
 def is_ratio(c, old, sampling, mask):
@@ -122,7 +128,8 @@ def run_case(case):
     logp = t("logp").requires_grad_(True)
     mask = t("mask").to(torch.int64)
     b, n = mask.shape
-    trainer = StandIn(case, logp)
+    entropy = t("entropy").float() if case.get("entropy") is not None else torch.zeros_like(logp)
+    trainer = StandIn(case, logp, entropy)
     inputs = {
         "prompt_ids": torch.zeros((b, 1), dtype=torch.int64),
         "prompt_mask": torch.ones((b, 1), dtype=torch.int64),
