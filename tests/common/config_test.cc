@@ -17,6 +17,51 @@ TEST(Config, DefaultsFollowTrl) {
   EXPECT_TRUE(c.Validate().ok()) << c.Validate().ToString();
 }
 
+// TRL 1.16 GRPOConfig's defaults for the loss keys of issue 23 (grpo_config.py).
+TEST(Config, TrlObjectiveDefaults) {
+  GrpoConfig c;
+  EXPECT_EQ(c.importance_sampling_correction, "sequence_mask");  // vllm_importance_sampling_mode
+  EXPECT_DOUBLE_EQ(c.importance_sampling_cap, 3.0);              // ..._clip_max
+  EXPECT_FALSE(c.importance_sampling_min.has_value());           // ..._clip_min
+  EXPECT_TRUE(c.use_bias_correction_kl);
+  EXPECT_FALSE(c.off_policy_mask_threshold.has_value());
+  EXPECT_DOUBLE_EQ(c.top_entropy_quantile, 1.0);
+  EXPECT_EQ(c.multi_objective_aggregation, "sum_then_normalize");
+  EXPECT_DOUBLE_EQ(c.sapo_temperature_pos, 1.0);
+  EXPECT_DOUBLE_EQ(c.sapo_temperature_neg, 1.05);
+}
+
+// TRL's spellings of the IS keys set ours, in YAML and on the command line, and --help lists
+// them; the rest of the new keys parse and are range-checked by name.
+TEST(Config, TrlAliasesSetTheSameKeys) {
+  auto c = ParseConfigYaml(
+      "vllm_importance_sampling_mode: token_mask\n"
+      "vllm_importance_sampling_clip_max: 2.5\n"
+      "vllm_importance_sampling_clip_min: 0.5\n"
+      "loss_type: vespo\n"
+      "top_entropy_quantile: 0.2\n"
+      "multi_objective_aggregation: normalize_then_sum\n",
+      "run.yaml");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->importance_sampling_correction, "token_mask");
+  EXPECT_DOUBLE_EQ(c->importance_sampling_cap, 2.5);
+  EXPECT_DOUBLE_EQ(*c->importance_sampling_min, 0.5);
+  EXPECT_TRUE(c->Validate().ok()) << c->Validate().ToString();
+  EXPECT_TRUE(SetConfigValue(*c, "vllm_importance_sampling_mode", "sequence_mask").ok());
+  EXPECT_EQ(c->importance_sampling_correction, "sequence_mask");
+  const Status vespo = c->Validate();  // vespo takes token-level weights only (TRL)
+  EXPECT_NE(vespo.message().find("importance_sampling_correction"), std::string::npos);
+  EXPECT_NE(ConfigHelp().find("vllm_importance_sampling_clip_min = importance_sampling_min"),
+            std::string::npos);
+  GrpoConfig d;
+  d.importance_sampling_min = 3.0;  // not below the cap
+  EXPECT_NE(d.Validate().message().find("importance_sampling_min"), std::string::npos);
+  d = GrpoConfig();
+  d.top_entropy_quantile = 0;
+  EXPECT_NE(d.Validate().message().find("top_entropy_quantile"), std::string::npos);
+  EXPECT_FALSE(SetConfigValue(d, "multi_objective_aggregation", "sum").ok());
+}
+
 TEST(Config, YamlSetsTypedKeys) {
   auto c = ParseConfigYaml(R"(
 num_generations: 16
