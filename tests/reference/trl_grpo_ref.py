@@ -53,7 +53,6 @@ import json
 import sys
 import types
 from collections import defaultdict
-from contextlib import nullcontext
 
 import torch
 from safetensors import safe_open
@@ -63,30 +62,7 @@ from transformers.utils import logging as hf_logging
 from trl import GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
-from trl_loss_ref import is_ratio
-
-
-class _AcceleratorStub:
-    """The single-process accelerate.Accelerator surface `_compute_loss` touches."""
-
-    num_processes = 1
-    is_main_process = True
-    sync_gradients = True
-
-    def gather(self, t):
-        return t
-
-    def gather_for_metrics(self, t):
-        return t
-
-    def reduce(self, t, reduction="sum"):
-        return t
-
-    def pad_across_processes(self, t, dim=0, pad_index=0):
-        return t
-
-    def autocast(self):
-        return nullcontext()
+from trl_loss_ref import SingleProcessAccelerator, is_ratio, trainer_args
 
 
 class TrainerStandIn:
@@ -103,20 +79,9 @@ class TrainerStandIn:
         eps_high = case.get("epsilon_high")
         ga = int(case.get("gradient_accumulation_steps", 1))
         spg = case.get("steps_per_generation") or ga
-        self.args = types.SimpleNamespace(
-            delta=case.get("delta"),
-            use_bias_correction_kl=bool(case.get("use_bias_correction_kl", True)),
-            steps_per_generation=int(spg),
-            sapo_temperature_pos=float(case.get("sapo_temperature_pos", 1.0)),
-            sapo_temperature_neg=float(case.get("sapo_temperature_neg", 1.05)),
-            vespo_k_pos=float(case.get("vespo_k_pos", 2.0)),
-            vespo_lambda_pos=float(case.get("vespo_lambda_pos", 3.0)),
-            vespo_k_neg=float(case.get("vespo_k_neg", 3.0)),
-            vespo_lambda_neg=float(case.get("vespo_lambda_neg", 2.0)),
-            report_to=[],
-        )
+        self.args = trainer_args(case, spg)
         self.state = types.SimpleNamespace(global_step=0)  # read by @profiling_decorator
-        self.accelerator = _AcceleratorStub()
+        self.accelerator = SingleProcessAccelerator()
         self.accelerator.num_processes = int(case.get("num_processes", 1))
         self.model = model  # `self.model.training` picks the train/eval branch
         self.beta = float(case.get("beta", 0.0))

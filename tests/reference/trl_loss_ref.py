@@ -37,7 +37,10 @@ import torch
 from trl import GRPOTrainer
 
 
-class _Accelerator:
+class SingleProcessAccelerator:
+    """The single-process accelerate.Accelerator surface `_compute_loss` touches (shared with
+    trl_grpo_ref.py)."""
+
     num_processes = 1
     is_main_process = True
     sync_gradients = True
@@ -58,6 +61,23 @@ class _Accelerator:
         return nullcontext()
 
 
+def trainer_args(c, steps_per_generation):
+    """The `self.args` fields `_compute_loss` reads, from GRPOConfig names in `c` (TRL's
+    defaults where absent; shared with trl_grpo_ref.py)."""
+    return types.SimpleNamespace(
+        delta=c.get("delta"),
+        use_bias_correction_kl=bool(c.get("use_bias_correction_kl", True)),
+        steps_per_generation=int(steps_per_generation),
+        sapo_temperature_pos=float(c.get("sapo_temperature_pos", 1.0)),
+        sapo_temperature_neg=float(c.get("sapo_temperature_neg", 1.05)),
+        vespo_k_pos=float(c.get("vespo_k_pos", 2.0)),
+        vespo_lambda_pos=float(c.get("vespo_lambda_pos", 3.0)),
+        vespo_k_neg=float(c.get("vespo_k_neg", 3.0)),
+        vespo_lambda_neg=float(c.get("vespo_lambda_neg", 2.0)),
+        report_to=[],
+    )
+
+
 class StandIn:
     _compute_loss = GRPOTrainer._compute_loss
     get_off_policy_mask = staticmethod(GRPOTrainer.get_off_policy_mask)
@@ -71,20 +91,9 @@ class StandIn:
         eps = float(c.get("epsilon", 0.2))
         eps_high = c.get("epsilon_high")
         ga = int(case.get("gradient_accumulation_steps", 1))
-        self.args = types.SimpleNamespace(
-            delta=c.get("delta"),
-            use_bias_correction_kl=bool(c.get("use_bias_correction_kl", True)),
-            steps_per_generation=ga,
-            sapo_temperature_pos=float(c.get("sapo_temperature_pos", 1.0)),
-            sapo_temperature_neg=float(c.get("sapo_temperature_neg", 1.05)),
-            vespo_k_pos=float(c.get("vespo_k_pos", 2.0)),
-            vespo_lambda_pos=float(c.get("vespo_lambda_pos", 3.0)),
-            vespo_k_neg=float(c.get("vespo_k_neg", 3.0)),
-            vespo_lambda_neg=float(c.get("vespo_lambda_neg", 2.0)),
-            report_to=[],
-        )
+        self.args = trainer_args(c, ga)
         self.state = types.SimpleNamespace(global_step=0)
-        self.accelerator = _Accelerator()
+        self.accelerator = SingleProcessAccelerator()
         self.model = types.SimpleNamespace(training=True)
         self.beta = float(c.get("beta", 0.0))
         self.loss_type = c["loss_type"]
