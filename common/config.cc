@@ -168,7 +168,7 @@ Field MakeField(std::string name, M GrpoConfig::*member, std::vector<std::string
         (c.*member).reset();
         return Status::OK();
       }
-      double v;
+      double v = 0.0;
       RETURN_IF_ERROR(ParseDouble(name, t, &v));
       c.*member = v;
       return Status::OK();

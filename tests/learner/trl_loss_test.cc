@@ -229,7 +229,9 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
       }
     }
     ASSERT_EQ(o.metrics.has_kl, m.contains("kl"));
-    if (o.metrics.has_kl) EXPECT_NEAR(o.metrics.KlMean(), m["kl"].get<double>(), 1e-12);
+    if (o.metrics.has_kl) {
+      EXPECT_NEAR(o.metrics.KlMean(), m["kl"].get<double>(), 1e-12);
+    }
     switch (loss::ObjectiveOf(o.config.loss_type).metric) {
       case loss::ObjectiveMetric::kClipRatios:
         EXPECT_NEAR(o.metrics.ClipLowMean(), m.at("clip_ratio/low_mean").get<double>(), kFlag);

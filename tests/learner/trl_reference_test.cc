@@ -54,7 +54,7 @@ struct TrlCase {
   int64_t gradient_accumulation_steps = 1;  // micro-batches per step (8 sequences in all)
   // More settings by their TRL GRPOConfig names (ours accepts them: the same name or an alias),
   // given to both trainers; `tag` names them in the case's name.
-  std::string tag;
+  std::string tag = "";
   json extra = json::object();
   bool with_behaviour = false;  // completions carry behaviour log-probs (the workers' sampling)
 
