@@ -322,6 +322,7 @@ constexpr std::pair<std::string_view, std::string_view> kTrlAliases[] = {
     {"vllm_importance_sampling_mode", "importance_sampling_correction"},
     {"vllm_importance_sampling_clip_max", "importance_sampling_cap"},
     {"vllm_importance_sampling_clip_min", "importance_sampling_min"},
+    {"vllm_importance_sampling_cap", "importance_sampling_cap"},  // TRL's deprecated name
 };
 
 const Field* FindField(std::string_view key) {

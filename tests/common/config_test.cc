@@ -53,6 +53,8 @@ TEST(Config, TrlAliasesSetTheSameKeys) {
   EXPECT_NE(vespo.message().find("importance_sampling_correction"), std::string::npos);
   EXPECT_NE(ConfigHelp().find("vllm_importance_sampling_clip_min = importance_sampling_min"),
             std::string::npos);
+  EXPECT_TRUE(SetConfigValue(*c, "vllm_importance_sampling_cap", "4").ok());  // deprecated in TRL
+  EXPECT_DOUBLE_EQ(c->importance_sampling_cap, 4.0);
   GrpoConfig d;
   d.importance_sampling_min = 3.0;  // not below the cap
   EXPECT_NE(d.Validate().message().find("importance_sampling_min"), std::string::npos);
