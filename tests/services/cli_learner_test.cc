@@ -24,6 +24,7 @@ namespace {
 
 using grpo::testing::Children;
 using grpo::testing::GrpoBin;
+using grpo::testing::LearnerCommand;
 using grpo::testing::ReadFile;
 using grpo::testing::RunCommand;
 
@@ -52,26 +53,9 @@ class CliLearnerTest : public ::testing::Test {
 
   // Starts `grpo learner` on a free port and waits for its {"port": N} line.
   void StartLearner() {
-    std::vector<std::string> args = {GrpoBin(),
-                                     "--log_level",
-                                     "info",
-                                     "learner",
-                                     "--output_dir",
-                                     (dir_ / "out").string(),
-                                     "--grpc_port",
-                                     "0",
-                                     "--metrics_port",
-                                     "0",
-                                     "--auth_token_file",
-                                     (dir_ / "token").string(),
-                                     "--num_generations",
-                                     "2",
-                                     "--per_device_train_batch_size",
-                                     "4",
-                                     "--reward_funcs",
-                                     "length",
-                                     "--linger_seconds",
-                                     "0"};
+    std::vector<std::string> args =
+        LearnerCommand(dir_, {"--auth_token_file", (dir_ / "token").string(), "--reward_funcs",
+                              "length", "--linger_seconds", "0"});
     children_ = std::make_unique<Children>(dir_);
     ASSERT_GT(children_->Spawn("learner", args), 0);
     const json first = children_->FirstLine("learner", std::chrono::seconds(20));

@@ -23,6 +23,7 @@ namespace {
 
 using grpo::testing::Children;
 using grpo::testing::GrpoBin;
+using grpo::testing::LearnerCommand;
 using grpo::testing::ReadFile;
 using grpo::testing::RunCommand;
 using grpo::testing::WaitUntil;
@@ -60,30 +61,10 @@ class LearnerRanksTest : public ::testing::Test {
       ::setenv("WORLD_SIZE", "2", 1);
       ::setenv("MASTER_ADDR", "127.0.0.1", 1);
       ::setenv("MASTER_PORT", std::to_string(master_port).c_str(), 1);
-      std::vector<std::string> argv = {GrpoBin(),
-                                       "--log_level",
-                                       "info",
-                                       "learner",
-                                       "--output_dir",
-                                       (dir_ / "out").string(),
-                                       "--grpc_port",
-                                       "0",
-                                       "--metrics_port",
-                                       "0",
-                                       "--auth_token_file",
-                                       (dir_ / "token").string(),
-                                       "--num_generations",
-                                       "2",
-                                       "--per_device_train_batch_size",
-                                       "4",
-                                       "--reward_funcs",
-                                       "length",
-                                       "--max_steps",
-                                       std::to_string(max_steps),
-                                       "--rank_timeout_seconds",
-                                       "20",
-                                       "--linger_seconds",
-                                       "0"};
+      std::vector<std::string> argv =
+          LearnerCommand(dir_, {"--auth_token_file", (dir_ / "token").string(), "--reward_funcs",
+                                "length", "--max_steps", std::to_string(max_steps),
+                                "--rank_timeout_seconds", "20", "--linger_seconds", "0"});
       argv.insert(argv.end(), extra.begin(), extra.end());
       const pid_t pid = children_->Spawn("rank" + std::to_string(rank), argv);
       ASSERT_GT(pid, 0);

@@ -40,6 +40,7 @@ namespace fs = std::filesystem;
 namespace v1 = grpo::v1;
 using grpo::testing::Children;
 using grpo::testing::GrpoBin;
+using grpo::testing::LearnerCommand;
 using grpo::testing::ReadFile;
 using grpo::testing::Tail;
 using grpo::testing::WaitUntil;
@@ -179,28 +180,9 @@ class NetworkSecurityTest : public ::testing::Test {
   // Starts `grpo learner` on free ports with `extra` keys; false (with its log) if it did not
   // print its ports.
   bool StartLearner(const std::vector<std::string>& extra) {
-    std::vector<std::string> args = {GrpoBin(),
-                                     "--log_level",
-                                     "info",
-                                     "learner",
-                                     "--output_dir",
-                                     (dir_ / "out").string(),
-                                     "--grpc_port",
-                                     "0",
-                                     "--metrics_port",
-                                     "0",
-                                     "--num_generations",
-                                     "2",
-                                     "--per_device_train_batch_size",
-                                     "4",
-                                     "--max_completion_length",
-                                     "8",
-                                     "--max_steps",
-                                     "1000",
-                                     "--save_steps",
-                                     "0",
-                                     "--linger_seconds",
-                                     "0"};
+    std::vector<std::string> args =
+        LearnerCommand(dir_, {"--max_completion_length", "8", "--max_steps", "1000", "--save_steps",
+                              "0", "--linger_seconds", "0"});
     args.insert(args.end(), extra.begin(), extra.end());
     learner_pid_ = children_->Spawn("learner", args);
     const json line = children_->FirstLine("learner", kStartTimeout);

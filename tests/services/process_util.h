@@ -26,6 +26,30 @@
 
 namespace grpo::testing {
 
+// The command line of `grpo learner` as the process tests run it: checkpoints under
+// `output_dir`/out, gRPC and metrics on free ports (its first stdout line names them), and the
+// small job they train (num_generations 2, micro-batch 4); `keys` (more `--key value` pairs)
+// follow.
+inline std::vector<std::string> LearnerCommand(const std::filesystem::path& output_dir,
+                                               const std::vector<std::string>& keys) {
+  std::vector<std::string> args = {GrpoBin(),
+                                   "--log_level",
+                                   "info",
+                                   "learner",
+                                   "--output_dir",
+                                   (output_dir / "out").string(),
+                                   "--grpc_port",
+                                   "0",
+                                   "--metrics_port",
+                                   "0",
+                                   "--num_generations",
+                                   "2",
+                                   "--per_device_train_batch_size",
+                                   "4"};
+  args.insert(args.end(), keys.begin(), keys.end());
+  return args;
+}
+
 // Polls `cond` every `every` until it holds or `timeout` passes; returns its last value.
 inline bool WaitUntil(const std::function<bool()>& cond, std::chrono::milliseconds timeout,
                       std::chrono::milliseconds every = std::chrono::milliseconds(50)) {

@@ -27,6 +27,7 @@ namespace {
 
 using grpo::testing::Children;
 using grpo::testing::GrpoBin;
+using grpo::testing::LearnerCommand;
 using grpo::testing::ReadFile;
 using grpo::testing::Tail;
 
@@ -110,28 +111,9 @@ TEST_F(PrometheusScrapeTest, PrometheusScrapesTheLearnerAndAWorker) {
   const std::string token = (dir_ / "token").string();
 
   // 1. The learner, on free gRPC and metrics ports.
-  Spawn("learner", {GrpoBin(),
-                    "learner",
-                    "--output_dir",
-                    (dir_ / "out").string(),
-                    "--grpc_port",
-                    "0",
-                    "--metrics_port",
-                    "0",
-                    "--auth_token_file",
-                    token,
-                    "--num_generations",
-                    "2",
-                    "--per_device_train_batch_size",
-                    "4",
-                    "--max_completion_length",
-                    "8",
-                    "--reward_funcs",
-                    "length",
-                    "--max_steps",
-                    "1000",
-                    "--linger_seconds",
-                    "0"});
+  Spawn("learner", LearnerCommand(dir_, {"--auth_token_file", token, "--max_completion_length", "8",
+                                         "--reward_funcs", "length", "--max_steps", "1000",
+                                         "--linger_seconds", "0"}));
   int grpc_port = 0, learner_metrics = 0;
   ASSERT_TRUE(WaitFor(
       [&] {

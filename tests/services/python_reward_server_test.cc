@@ -25,6 +25,7 @@ namespace fs = std::filesystem;
 using grpo::testing::Children;
 using grpo::testing::DumpPath;
 using grpo::testing::GrpoBin;
+using grpo::testing::LearnerCommand;
 using grpo::testing::ReadSafetensors;
 using grpo::testing::ReferencePython;
 using grpo::testing::SourceDir;
@@ -171,32 +172,12 @@ TEST_F(PythonRewardServerTest, AWorkerTrainsOnThePythonScoresOfItsCompletions) {
     for (int i = 0; i < kPrompts; ++i) data << R"({"prompt": "say something )" << i << "\"}\n";
   }
   const fs::path dumps = dir_ / "dumps";
-  children_->Spawn("learner", {GrpoBin(),
-                               "learner",
-                               "--output_dir",
-                               (dir_ / "out").string(),
-                               "--grpc_port",
-                               "0",
-                               "--metrics_port",
-                               "0",
-                               "--num_generations",
-                               "2",
-                               "--per_device_train_batch_size",
-                               "4",
-                               "--max_completion_length",
-                               "6",
-                               "--reward_funcs",
-                               "remote:codepoints@" + address_,
-                               "--max_steps",
-                               std::to_string(kSteps),
-                               "--save_steps",
-                               "0",
-                               "--max_staleness",
-                               "1000",
-                               "--dump_batches_dir",
-                               dumps.string(),
-                               "--linger_seconds",
-                               "3"});
+  children_->Spawn(
+      "learner",
+      LearnerCommand(
+          dir_, {"--max_completion_length", "6", "--reward_funcs", "remote:codepoints@" + address_,
+                 "--max_steps", std::to_string(kSteps), "--save_steps", "0", "--max_staleness",
+                 "1000", "--dump_batches_dir", dumps.string(), "--linger_seconds", "3"}));
   const json line = children_->FirstLine("learner", kStartTimeout);
   ASSERT_TRUE(line.is_object() && line.contains("port")) << Tail(children_->Err("learner"));
   const std::string learner = "127.0.0.1:" + std::to_string(line["port"].get<int>());
