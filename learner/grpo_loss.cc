@@ -236,11 +236,14 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
 
     at::Tensor is_ratio;  // [B, T], detached: the metric, before any truncation
     at::Tensor is_weights;
-    if (beh.defined()) is_ratio = at::exp(at::where(valid, old - beh, zero));
-    if (correct_is) {
-      is_weights = loss::ImportanceSamplingWeights(config.importance_sampling_correction, old, beh,
-                                                   valid, config.importance_sampling_cap,
-                                                   config.importance_sampling_min);
+    if (beh.defined()) {
+      const at::Tensor log_rho = at::where(valid, old - beh, zero);
+      is_ratio = at::exp(log_rho);
+      if (correct_is) {
+        is_weights = loss::ImportanceSamplingWeights(config.importance_sampling_correction, log_rho,
+                                                     config.importance_sampling_cap,
+                                                     config.importance_sampling_min);
+      }
     }
 
     loss::ObjectiveInputs oin;
@@ -304,8 +307,8 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
     mt.loss = s[0];
     mt.tokens = s[1];
     mt.micro_batches = 1;
-    const bool flag_per_sequence = (terms.clip_high.defined() && terms.clip_high.size(1) == 1) ||
-                                   (!terms.clip_high.defined() && per_sequence);
+    // One flag per sequence ([B, 1]: GSPO's ratio, or no flags at all) or one per token.
+    const bool flag_per_sequence = !terms.clip_high.defined() || terms.clip_high.size(1) == 1;
     const double flag_den = flag_per_sequence ? static_cast<double>(b) : std::max(1.0, s[1]);
     mt.clip_low_sum = s[2] / flag_den;
     mt.clip_high_sum = s[3] / flag_den;

@@ -226,12 +226,14 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   const int64_t hidden_n = 2 * s * p.completion_tokens * d;
   p.lm_head_pass =
       std::max(hidden_n + 4 * vd + p.logits_chunk, hidden_n + (cfg.bf16 ? 6 * vd : 8 * vd));
-  // A loss that couples a sequence's tokens is not token-separable (grpo_loss.h TokenSeparable;
-  // a sequence-level IS weight without `old` is decided per batch and not noted here).
+  // A loss that couples tokens leaves the fused path: grpo_loss.h TokenSeparable with `old`
+  // computed (without it a sequence-level IS weight is decided per batch), spelt from the config
+  // here to keep libtorch out of this file; memory_plan_test checks the two agree.
   const char* coupled = cfg.importance_sampling_level != "token"
                             ? "importance_sampling_level sequence"
                         : cfg.loss_type == "vespo"      ? "loss_type vespo"
                         : cfg.off_policy_mask_threshold ? "off_policy_mask_threshold"
+                        : cfg.top_entropy_quantile < 1  ? "top_entropy_quantile"
                                                         : nullptr;
   if (coupled != nullptr) {
     p.notes.push_back(std::string(coupled) +

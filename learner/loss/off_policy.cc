@@ -41,14 +41,12 @@ bool IsSequenceLevel(ImportanceSamplingCorrection c) {
 
 namespace loss {
 
-at::Tensor ImportanceSamplingWeights(ImportanceSamplingCorrection mode, const at::Tensor& old,
-                                     const at::Tensor& beh, const at::Tensor& valid, double cap,
-                                     std::optional<double> clip_min) {
+at::Tensor ImportanceSamplingWeights(ImportanceSamplingCorrection mode, const at::Tensor& log_rho,
+                                     double cap, std::optional<double> clip_min) {
   at::NoGradGuard no_grad;
-  const at::Tensor zero = at::zeros({}, old.options());
-  at::Tensor log_rho = at::where(valid, old - beh, zero);  // [B, T]
-  if (IsSequenceLevel(mode)) log_rho = log_rho.sum(1, /*keepdim=*/true);
-  const at::Tensor rho = at::exp(log_rho);
+  const at::Tensor zero = at::zeros({}, log_rho.options());
+  const at::Tensor rho =
+      at::exp(IsSequenceLevel(mode) ? log_rho.sum(1, /*keepdim=*/true) : log_rho);
   switch (mode) {
     case ImportanceSamplingCorrection::kTokenTruncate:
     case ImportanceSamplingCorrection::kSequenceTruncate:

@@ -29,14 +29,13 @@ bool IsSequenceLevel(ImportanceSamplingCorrection c);
 
 namespace loss {
 
-// The correction's weights, TRL's `importance_sampling_ratio` after its truncation or mask:
-// rho = exp(old - beh) per token (1 at padding: the log-difference there is 0), or
-// exp(sum_t (old - beh)) per sequence; `*_truncate` clamps rho to [clip_min, cap]
-// (clip_min unset: no lower bound), `*_mask` zeroes rho outside [clip_min, cap] and keeps it
-// inside. [B, T] for the token modes, [B, 1] for the sequence modes. `valid` is mask != 0.
-at::Tensor ImportanceSamplingWeights(ImportanceSamplingCorrection mode, const at::Tensor& old,
-                                     const at::Tensor& beh, const at::Tensor& valid, double cap,
-                                     std::optional<double> clip_min);
+// The correction's weights, TRL's `importance_sampling_ratio` after its truncation or mask,
+// from `log_rho` = old - beh per token, 0 at padding ([B, T], detached): rho = exp(log_rho) per
+// token (1 at padding), or exp(sum_t log_rho) per sequence; `*_truncate` clamps rho to
+// [clip_min, cap] (clip_min unset: no lower bound), `*_mask` zeroes rho outside [clip_min, cap]
+// and keeps it inside. [B, T] for the token modes, [B, 1] for the sequence modes.
+at::Tensor ImportanceSamplingWeights(ImportanceSamplingCorrection mode, const at::Tensor& log_rho,
+                                     double cap, std::optional<double> clip_min);
 
 // DeepSeek-V3.2's off-policy sequence mask (arXiv 2512.02556, eq. 9; TRL `get_off_policy_mask`):
 // 1 where A >= 0 or the sequence's mean over its tokens of (sampling - logp) is <= threshold,

@@ -266,6 +266,30 @@ TEST(MemoryPlanSmall, ReferenceModelWhenBetaIsNotZero) {
   EXPECT_EQ(with->reference_model, 2 * 138'304);  // a bf16 copy
 }
 
+// The plan notes the autograd LM-head path exactly where the trainer takes it: the plan spells
+// the rule from the config (no libtorch there), the trainer asks TokenSeparable.
+TEST(MemoryPlanSmall, NotesTheAutogradPathWhereTheTrainerTakesIt) {
+  std::vector<common::GrpoConfig> configs(6, SmallRun());
+  configs[1].importance_sampling_level = "sequence";
+  configs[2].loss_type = "vespo";
+  configs[3].off_policy_mask_threshold = 0.5;
+  configs[4].top_entropy_quantile = 0.2;
+  configs[5].loss_type = "cispo";  // token-separable: fused
+  for (const common::GrpoConfig& cfg : configs) {
+    auto plan = PlanMemory(Small(), cfg, 1, "cpu");
+    ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+    const bool noted = std::any_of(
+        plan->notes.begin(), plan->notes.end(),
+        [](const std::string& n) { return n.find("runs through autograd") != std::string::npos; });
+    GrpoLossConfig lc;
+    lc.loss_type = *ParseLossType(cfg.loss_type);
+    lc.importance_sampling_level = *ParseImportanceSamplingLevel(cfg.importance_sampling_level);
+    lc.off_policy_mask_threshold = cfg.off_policy_mask_threshold;
+    lc.top_entropy_quantile = cfg.top_entropy_quantile;
+    EXPECT_EQ(noted, !TokenSeparable(lc, /*has_old=*/true)) << cfg.loss_type;
+  }
+}
+
 TEST(MemoryPlanSmall, WeightSyncBucketsAreTheBackendsDefaults) {
   common::GrpoConfig cfg = SmallRun();
   auto gloo = PlanMemory(Small(), cfg, 1, "cpu");
