@@ -33,6 +33,7 @@ using common::Completion;
 using common::RolloutGroup;
 using distributed::Collectives;
 using distributed::FakeRankGroup;
+using distributed::SingleRank;
 
 std::unique_ptr<common::Model> TinyModel() {
   auto cfg = common::ModelConfigPreset("tiny");
@@ -248,30 +249,16 @@ TEST(DataParallelSharding, EachRankHoldsItsShareOfTheGradientAndAdamWState) {
 
 // One rank whose reduce-scatters record whether they ran inside backward() and how many bytes
 // of .grad were alive then.
-class RecordingRank final : public Collectives {
+class RecordingRank final : public SingleRank {
  public:
   explicit RecordingRank(const common::Model* model) : model_(model) {}
-  int rank() const override { return 0; }
-  int world_size() const override { return 1; }
-  Status AllReduceSum(std::vector<at::Tensor>&, const std::string&) override {
-    return Status::OK();
-  }
-  Status AllReduceMax(std::vector<at::Tensor>&, const std::string&) override {
-    return Status::OK();
-  }
-  Status Broadcast(std::vector<at::Tensor>&, const std::string&) override { return Status::OK(); }
-  Status ReduceScatterSum(const at::Tensor& in, at::Tensor& out, const std::string&) override {
-    out.copy_(in);
+  Status ReduceScatterSum(const at::Tensor& in, at::Tensor& out, const std::string& what) override {
     int64_t live = 0;
     for (const at::Tensor& p : model_->Parameters()) {
       if (p.grad().defined()) live += p.grad().nbytes();
     }
     calls.push_back({in_backward, live});
-    return Status::OK();
-  }
-  Status AllGather(const at::Tensor& in, at::Tensor& out, const std::string&) override {
-    out.copy_(in);
-    return Status::OK();
+    return SingleRank::ReduceScatterSum(in, out, what);
   }
   bool in_backward = false;
   std::vector<std::pair<bool, int64_t>> calls;

@@ -12,6 +12,7 @@
 
 #include "learner/advantages.h"
 #include "learner/chunked_logprobs.h"
+#include "tests/learner/tensor_json.h"
 #include "tests/test_util.h"
 
 namespace grpo::learner {
@@ -29,23 +30,7 @@ at::Tensor D2(const std::vector<std::vector<double>>& rows) {
   return at::stack(r);
 }
 
-// NaN -> null (a reward function's "no reward"), +-inf -> "inf" / "-inf".
-json Num(double v) {
-  if (std::isnan(v)) return nullptr;
-  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  return v;
-}
-
-json ToJson(const at::Tensor& t) {
-  const at::Tensor c = t.detach().to(at::kDouble).contiguous();
-  json out = json::array();
-  if (c.dim() == 1) {
-    for (int64_t i = 0; i < c.size(0); ++i) out.push_back(Num(c[i].item<double>()));
-  } else {
-    for (int64_t i = 0; i < c.size(0); ++i) out.push_back(ToJson(c[i]));
-  }
-  return out;
-}
+using grpo::testing::ToJson;
 
 double FromJson(const json& j) { return j.is_null() ? kNaN : j.get<double>(); }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "learner/grpo_loss.h"
+#include "tests/learner/tensor_json.h"
 #include "tests/test_util.h"
 
 namespace grpo::learner {
@@ -22,16 +23,7 @@ namespace {
 using nlohmann::json;
 using ISC = ImportanceSamplingCorrection;
 
-json ToJson(const at::Tensor& t) {
-  const at::Tensor c = t.detach().to(at::kDouble).contiguous();
-  json out = json::array();
-  if (c.dim() == 1) {
-    for (int64_t i = 0; i < c.size(0); ++i) out.push_back(c[i].item<double>());
-  } else {
-    for (int64_t i = 0; i < c.size(0); ++i) out.push_back(ToJson(c[i]));
-  }
-  return out;
-}
+using grpo::testing::ToJson;
 
 struct Variant {
   std::string name;
