@@ -268,6 +268,8 @@ const std::vector<Field>& Fields() {
       MakeField("vespo_k_neg", &C::vespo_k_neg),
       MakeField("vespo_lambda_neg", &C::vespo_lambda_neg),
       MakeField("max_staleness", &C::max_staleness),
+      MakeField("dynamic_sampling", &C::dynamic_sampling),
+      MakeField("max_num_gen_batches", &C::max_num_gen_batches),
       MakeField("per_device_train_batch_size", &C::per_device_train_batch_size),
       MakeField("gradient_accumulation_steps", &C::gradient_accumulation_steps),
       MakeField("steps_per_generation", &C::steps_per_generation),
@@ -514,6 +516,8 @@ Status GrpoConfig::Validate() const {
                         "folds token weights into its sequence weight), got " +
                             importance_sampling_correction));
   RETURN_IF_ERROR(Check(max_staleness >= 0, "max_staleness", "must be >= 0"));
+  RETURN_IF_ERROR(
+      Check(max_num_gen_batches >= 0, "max_num_gen_batches", "must be >= 0 (0 = no limit)"));
   RETURN_IF_ERROR(Check(tls_cert_file.empty() == tls_key_file.empty(),
                         tls_cert_file.empty() ? "tls_key_file" : "tls_cert_file",
                         "needs tls_cert_file and tls_key_file together"));

@@ -68,6 +68,12 @@ struct GrpoConfig {
   // staleness"): 1 lets workers generate with version v while the learner trains v -> v+1; 0 is
   // fully synchronous.
   int64_t max_staleness = 1;
+  // DAPO's dynamic sampling (learner/dynamic_sampling.h): groups whose rewards are all equal
+  // (zero advantage) are filtered at ingest, recorded as FILTERED for their pass, and more
+  // prompts are leased until the generation batch is full, or until max_num_gen_batches batches'
+  // worth of groups arrived for it (then it trains on what it has; 0 = no limit, veRL's).
+  bool dynamic_sampling = false;
+  int64_t max_num_gen_batches = 0;
 
   // Batching (TRL semantics; see README "num_iterations and the generation batch").
   int64_t per_device_train_batch_size = 8;

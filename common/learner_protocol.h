@@ -69,6 +69,9 @@ struct LeaseReply {
 struct PushReply {
   int64_t accepted = 0;
   int64_t rejected = 0;
+  // Received and recorded, not trained: dynamic sampling found no learning signal in them
+  // (all rewards equal). Not a fault of the worker; nothing to retry.
+  int64_t filtered = 0;
   std::map<std::string, int64_t> rejected_by_reason;
   std::vector<std::string> messages;  // the first few rejection messages
 };

@@ -44,7 +44,7 @@ struct JobSnapshot {
   int64_t policy_version = 0;
   int32_t workers = 0;
   // The ledger's prompts by state and its pass (zeros when the ledger could not be read).
-  int64_t queued = 0, leased = 0, trained = 0, rejected = 0, pass = 0;
+  int64_t queued = 0, leased = 0, trained = 0, rejected = 0, filtered = 0, pass = 0;
   std::map<std::string, double> last_metrics;  // TRL names: loss, reward, kl ...
 };
 

@@ -90,6 +90,8 @@ StatusOr<std::unique_ptr<Learner>> Learner::Create(common::GrpoConfig config,
         "(per_device_train_batch_size * steps_per_generation)");
   }
   s->versions_per_batch_ = cfg.VersionsPerGenerationBatch();
+  ASSIGN_OR_RETURN(s->aggregation_,
+                   ParseMultiObjectiveAggregation(cfg.multi_objective_aggregation));
   s->buffer_capacity_ = s->options_.buffer_capacity_groups > 0
                             ? std::max(s->options_.buffer_capacity_groups, s->batch_groups_)
                             : 2 * s->batch_groups_;
@@ -125,6 +127,7 @@ StatusOr<std::unique_ptr<Learner>> Learner::Create(common::GrpoConfig config,
   }
   // No other thread sees the learner yet; the lock costs nothing and keeps the rule simple.
   common::MutexLock lock(&s->mu_);
+  s->batch_fill_ = BatchFillCounter(s->batch_groups_, cfg.max_num_gen_batches);
   s->global_step_ = s->trainer_->global_step();
   s->last_saved_step_ = s->global_step_;
   s->metrics_.policy_version->Set(static_cast<double>(s->trainer_->policy_version()));
@@ -285,19 +288,19 @@ void Learner::TrainLoop() {
   auto last_housekeep = Clock::now() - kHousekeepInterval;
   while (true) {
     std::vector<BufferedGroup> batch;
+    BatchFill fill;
     bool housekeep = false;
     std::vector<std::string> dropped;
     {
       common::MutexLock lock(&mu_);
       const auto deadline = Clock::now() + kWaitPollInterval;
-      while (!stopping_ && !housekeep_due_ &&
-             !(!TerminalLocked() && static_cast<int64_t>(buffer_.size()) >= batch_groups_)) {
+      while (!stopping_ && !housekeep_due_ && !(!TerminalLocked() && BatchReadyLocked())) {
         if (!train_cv_.WaitUntil(&mu_, deadline)) break;
       }
       if (stopping_) return;
       dropped = DropDeadWorkersLocked();
       housekeep = housekeep_due_ || Clock::now() - last_housekeep >= kHousekeepInterval ||
-                  static_cast<int64_t>(buffer_.size()) >= batch_groups_;
+                  BatchReadyLocked();
       housekeep_due_ = false;
     }
     ReturnLeasesOfDropped(dropped);
@@ -308,16 +311,27 @@ void Learner::TrainLoop() {
     {
       common::MutexLock lock(&mu_);
       if (stopping_) return;
-      if (TerminalLocked() || static_cast<int64_t>(buffer_.size()) < batch_groups_) continue;
-      for (int64_t i = 0; i < batch_groups_; ++i) {
+      if (TerminalLocked() || !BatchReadyLocked()) continue;
+      // A full batch, or (dynamic sampling, after max_num_gen_batches batches' worth) what the
+      // buffer holds.
+      const int64_t take = std::min<int64_t>(batch_groups_, buffer_.size());
+      for (int64_t i = 0; i < take; ++i) {
         batch.push_back(std::move(buffer_.front()));
         buffer_.pop_front();
       }
+      fill = batch_fill_.Take(take);
       metrics_.buffer_groups->Set(static_cast<double>(buffer_.size()));
       training_ = true;
     }
     room_cv_.NotifyAll();
-    TrainBatch(std::move(batch));
+    if (fill.short_batch) {
+      metrics_.short_batches->Increment();
+      GRPO_LOG_WARN(
+          "learner: dynamic sampling: training a short batch of {} groups (of {}): {} groups "
+          "were filtered for it, max_num_gen_batches {} reached",
+          batch.size(), batch_groups_, fill.groups_filtered, config_.max_num_gen_batches);
+    }
+    TrainBatch(std::move(batch), fill);
     {
       common::MutexLock lock(&mu_);
       training_ = false;
@@ -337,14 +351,14 @@ void Learner::Housekeep() {
     GRPO_LOG_WARN("learner: ledger counts: {}", counts.status().ToString());
     return;
   }
-  if (counts->queued + counts->leased == 0 && counts->trained > 0 && PassMayEnd()) {
+  if (counts->queued + counts->leased == 0 && counts->done() > 0 && PassMayEnd()) {
     // Every prompt of this pass is trained, rejected, or accepted into the one partial batch
     // that trains next: the job needs more steps, so start the next pass (that partial batch
     // trains together with its first groups, before any other optimizer step).
     auto next = ledger_->StartNextPass(std::numeric_limits<int64_t>::max());
     if (next.ok() && *next) {
       GRPO_LOG_INFO("learner: pass {} done; starting pass {}", counts->pass, counts->pass + 1);
-      counts->queued = counts->trained;
+      counts->queued = counts->done();
     } else if (!next.ok() && next.status().code() != StatusCode::kFailedPrecondition) {
       GRPO_LOG_WARN("learner: start next pass: {}", next.status().ToString());
     }
@@ -365,7 +379,7 @@ bool Learner::PassMayEnd() {
     common::MutexLock lock(&mu_);
     // Groups being accepted, or a full batch waiting, would train after other steps: wait.
     if (!accepting_ms_.empty() || training_) return false;
-    if (static_cast<int64_t>(buffer_.size()) >= batch_groups_) return false;
+    if (BatchReadyLocked()) return false;
     // The partial batch trains next, at the current policy version: a group already too stale
     // for it goes back to its pass now, so that the pass is not left owing it.
     for (auto it = buffer_.begin(); it != buffer_.end();) {
@@ -409,7 +423,12 @@ void Learner::ReturnLeasesOfDropped(const std::vector<std::string>& dropped) {
   }
 }
 
-void Learner::TrainBatch(std::vector<BufferedGroup> batch) {
+bool Learner::BatchReadyLocked() const {
+  const auto buffered = static_cast<int64_t>(buffer_.size());
+  return buffered >= batch_groups_ || batch_fill_.ShortBatchDue(buffered);
+}
+
+void Learner::TrainBatch(std::vector<BufferedGroup> batch, BatchFill fill) {
   std::vector<common::RolloutGroup> groups;
   std::vector<TrainedGroup> keys;  // (prompt, pass) of groups[i]
   groups.reserve(batch.size());
@@ -463,13 +482,23 @@ void Learner::TrainBatch(std::vector<BufferedGroup> batch) {
     }
   }
   for (const auto& sm : result->steps) RecordStepMetrics(sm);
+  // The step's metrics by TRL name, with what dynamic sampling spent on its batch.
+  const auto step_metrics = [&](const StepMetrics& sm) {
+    std::map<std::string, double> m = FlattenMetrics(sm);
+    if (config_.dynamic_sampling) {
+      m["dynamic_sampling/groups_filtered"] = static_cast<double>(fill.groups_filtered);
+      m["dynamic_sampling/num_gen_batches"] = static_cast<double>(fill.num_gen_batches);
+      m["dynamic_sampling/short_batch"] = fill.short_batch ? 1.0 : 0.0;
+    }
+    return m;
+  };
   if (!result->steps.empty()) RefreshLedgerMetrics();
 
   bool publish = false;
   {
     common::MutexLock lock(&mu_);
     global_step_ = step;
-    if (!result->steps.empty()) last_metrics_ = FlattenMetrics(result->steps.back());
+    if (!result->steps.empty()) last_metrics_ = step_metrics(result->steps.back());
     publish = step - last_published_step_ >= std::max<int64_t>(1, config_.weight_sync_steps) ||
               step >= config_.max_steps;
   }
@@ -484,7 +513,7 @@ void Learner::TrainBatch(std::vector<BufferedGroup> batch) {
       event.job.global_step = sm.step;
       event.job.policy_version = sm.policy_version;
       event.step = sm.step;
-      event.metrics = FlattenMetrics(sm);
+      event.metrics = step_metrics(sm);
       Broadcast(event);
     }
   }

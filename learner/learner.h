@@ -14,6 +14,10 @@
 //      requeued (ReleaseLease); only empty_prompt (the prompt itself tokenizes to nothing), or
 //      the same prompt failing kMaxBadGroupAttempts times in a row, rejects the prompt
 //      (RejectPrompt). A stale group is always requeued.
+//   3a. Dynamic sampling (config dynamic_sampling; learner/dynamic_sampling.h): a group with no
+//      learning signal (all rewards equal) is filtered: the ledger records the prompt FILTERED
+//      for its pass (PromptLedger::FilterPrompt), it never enters the buffer, and the lease
+//      budget it held goes to another prompt. The push counts it as filtered, not refused.
 //   4. Backpressure: the call waits (push_buffer_wait at most) for room in the buffer before it
 //      completes the lease; after a timeout the rest of the push is refused (buffer_full) and
 //      released at once.
@@ -67,6 +71,7 @@
 #include "common/weight_sync/backends.h"
 #include "common/weight_sync/epoch_store.h"
 #include "learner/distributed/trainer_rank.h"
+#include "learner/dynamic_sampling.h"
 #include "learner/grpo_trainer.h"
 #include "learner/job.h"
 #include "learner/prompt_ledger.h"
@@ -274,7 +279,10 @@ class Learner {
   // 1.5 heartbeat intervals (WorkerRegistry::SuspendSilentSince), until they heartbeat again.
   void SuspendStalledMembers(const std::string& backend, const std::vector<std::string>& members)
       GRPO_EXCLUDES(mu_);
-  void TrainBatch(std::vector<BufferedGroup> batch) GRPO_EXCLUDES(mu_);
+  // `fill`: what dynamic sampling spent on the batch (its step metrics).
+  void TrainBatch(std::vector<BufferedGroup> batch, BatchFill fill) GRPO_EXCLUDES(mu_);
+  // AcceptGroup 3a: the group has no learning signal; the ledger records it filtered.
+  void FilterGroup(const common::RolloutGroup& group, PushTally* tally) GRPO_EXCLUDES(mu_);
   Status PublishWeights() GRPO_EXCLUDES(mu_);
   // One weight-sync thread per group backend (`index` into common::GroupBackends()): its
   // WeightPublisher serves the workers assigned that backend, broadcasting each newly
@@ -302,6 +310,8 @@ class Learner {
   void RecordStepMetrics(const StepMetrics& step);
   void RefreshLedgerMetrics();
   bool TerminalLocked() const GRPO_REQUIRES(mu_);
+  // A generation batch is buffered: a full one, or a short one dynamic sampling lets go.
+  bool BatchReadyLocked() const GRPO_REQUIRES(mu_);
 
   const common::GrpoConfig config_;
   const LearnerOptions options_;
@@ -310,6 +320,8 @@ class Learner {
   int64_t batch_groups_ = 0;        // groups per generation batch
   int64_t buffer_capacity_ = 0;     // groups
   int64_t versions_per_batch_ = 1;  // optimizer steps (policy versions) per generation batch
+  // config multi_objective_aggregation (dynamic sampling's test of a group's signal)
+  MultiObjectiveAggregation aggregation_ = MultiObjectiveAggregation::kSumThenNormalize;
 
   std::unique_ptr<PromptLedger> ledger_;   // thread-safe
   std::unique_ptr<common::Model> policy_;  // the training thread writes it
@@ -353,6 +365,8 @@ class Learner {
   int64_t reward_count_ GRPO_GUARDED_BY(mu_) = -1;
   std::map<std::string, double> last_metrics_ GRPO_GUARDED_BY(mu_);
   std::deque<BufferedGroup> buffer_ GRPO_GUARDED_BY(mu_);
+  // Groups filtered for the batch being filled (dynamic sampling); set by Create.
+  BatchFillCounter batch_fill_ GRPO_GUARDED_BY(mu_){1, 0};
   std::multiset<int64_t> accepting_ms_ GRPO_GUARDED_BY(mu_);            // accepts in flight
   std::map<std::string, int> bad_group_attempts_ GRPO_GUARDED_BY(mu_);  // by prompt id
   std::map<std::string, int64_t> refused_ GRPO_GUARDED_BY(mu_);         // by reason

@@ -23,6 +23,7 @@ JobSnapshot Learner::Snapshot() {
     job.leased = counts->leased;
     job.trained = counts->trained;
     job.rejected = counts->rejected;
+    job.filtered = counts->filtered;
     job.pass = counts->pass;
   }
   common::MutexLock lock(&mu_);
@@ -246,6 +247,7 @@ void Learner::RefreshLedgerMetrics() {
   metrics_.ledger_prompts->Set({"leased"}, static_cast<double>(counts->leased));
   metrics_.ledger_prompts->Set({"trained"}, static_cast<double>(counts->trained));
   metrics_.ledger_prompts->Set({"rejected"}, static_cast<double>(counts->rejected));
+  metrics_.ledger_prompts->Set({"filtered"}, static_cast<double>(counts->filtered));
 }
 
 void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()>& cancelled,
@@ -332,6 +334,11 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
       return;
     }
   }
+  // 3a. Dynamic sampling: a group with no learning signal is recorded and not trained.
+  if (config_.dynamic_sampling && !GroupHasSignal(group, config_.reward_weights, aggregation_)) {
+    FilterGroup(group, tally);
+    return;
+  }
   // 4. Room in the buffer (backpressure), reserved before the lease completes.
   // The verdict is taken under the lock and acted on after it: release() and Refuse() must not
   // run with mu_ held (Refuse takes it).
@@ -397,6 +404,44 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
     return;
   }
   train_cv_.NotifyAll();
+}
+
+void Learner::FilterGroup(const common::RolloutGroup& group, PushTally* tally) {
+  int64_t step = 0;
+  {
+    common::MutexLock lock(&mu_);
+    step = global_step_;
+  }
+  if (Status s = ledger_->FilterPrompt(group.lease_id, group.prompt_id, step); !s.ok()) {
+    // The lease expired meanwhile (the prompt is queued again on its own), or the ledger
+    // failed: either way the group is not recorded, as for CompleteLease.
+    Refuse(tally,
+           s.code() == StatusCode::kFailedPrecondition ? common::GroupRefusal::kExpiredLease
+                                                       : common::GroupRefusal::kLedgerError,
+           "group for prompt '" + group.prompt_id + "': " + s.message());
+    return;
+  }
+  ++tally->reply.filtered;
+  metrics_.groups_filtered->Increment();
+  bool warn = false;
+  int64_t filtered = 0;
+  {
+    common::MutexLock lock(&mu_);
+    batch_fill_.AddFiltered();
+    bad_group_attempts_.erase(group.prompt_id);
+    filtered = batch_fill_.filtered();
+    // Say so, once per 10 batches' worth, when nothing with a signal arrives: the data may be
+    // solved (all rewards at the top) or out of reach (all at the bottom).
+    warn = buffer_.empty() && filtered % (10 * batch_groups_) == 0;
+  }
+  if (warn) {
+    GRPO_LOG_WARN(
+        "learner: dynamic sampling filtered the last {} groups (all rewards equal in each) and "
+        "none had a learning signal: the prompts may be all solved or all out of reach",
+        filtered);
+  }
+  room_cv_.NotifyAll();   // the lease budget it held is free
+  train_cv_.NotifyAll();  // a short batch may be due (max_num_gen_batches)
 }
 
 StatusOr<std::shared_ptr<const WeightSnapshot>> Learner::WaitForWeights(

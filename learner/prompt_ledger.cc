@@ -21,7 +21,7 @@ using namespace ledger_sql;  // NOLINT: the ledger's own helpers
 namespace {
 
 // Bump when the schema changes and append the step to kMigrations.
-constexpr int64_t kSchemaVersion = 2;
+constexpr int64_t kSchemaVersion = 3;
 
 // kMigrations[v] takes a file from schema version v to v + 1 (v = 0: an empty file).
 constexpr const char* kMigrations[] = {
@@ -83,6 +83,43 @@ INSERT INTO trainings (prompt_id, pass, step)
     UNION ALL SELECT id, k + 1, n FROM p WHERE k + 1 < n)
   SELECT id, k, 0 FROM p;
 )sql",
+    // v3: dynamic sampling. A prompt may be FILTERED: done with its pass untrained (its group
+    // had no learning signal). `trainings` then holds its (prompt, pass) with filtered = 1 and
+    // the step the learner was at; trained_passes counts the passes done either way. SQLite
+    // cannot change a CHECK constraint in place, so the prompts table is copied.
+    R"sql(
+CREATE TABLE prompts_v3 (
+  seq               INTEGER PRIMARY KEY,
+  id                TEXT NOT NULL UNIQUE,
+  dataset_id        TEXT NOT NULL REFERENCES datasets (id),
+  row_json          TEXT NOT NULL,
+  state             TEXT NOT NULL
+                    CHECK (state IN ('QUEUED', 'LEASED', 'TRAINED', 'REJECTED', 'FILTERED')),
+  lease_id          TEXT,
+  lease_deadline_ms INTEGER,
+  worker_id         TEXT,
+  attempts          INTEGER NOT NULL DEFAULT 0,
+  reject_reason     TEXT,
+  pass              INTEGER NOT NULL,
+  created_ms        INTEGER NOT NULL,
+  updated_ms        INTEGER NOT NULL,
+  trained_step      INTEGER,   -- TRAINED: NULL while only accepted; FILTERED: the step
+  first_pass        INTEGER NOT NULL DEFAULT 0,
+  trained_passes    INTEGER NOT NULL DEFAULT 0   -- rows in trainings (trained or filtered)
+);
+INSERT INTO prompts_v3 (seq, id, dataset_id, row_json, state, lease_id, lease_deadline_ms,
+                        worker_id, attempts, reject_reason, pass, created_ms, updated_ms,
+                        trained_step, first_pass, trained_passes)
+  SELECT seq, id, dataset_id, row_json, state, lease_id, lease_deadline_ms, worker_id, attempts,
+         reject_reason, pass, created_ms, updated_ms, trained_step, first_pass, trained_passes
+  FROM prompts;
+DROP TABLE prompts;
+ALTER TABLE prompts_v3 RENAME TO prompts;
+CREATE INDEX prompts_by_state ON prompts (state, seq);
+CREATE INDEX prompts_by_dataset ON prompts (dataset_id, state);
+CREATE INDEX prompts_by_state_pass ON prompts (state, pass, seq);
+ALTER TABLE trainings ADD COLUMN filtered INTEGER NOT NULL DEFAULT 0;
+)sql",
 };
 static_assert(std::size(kMigrations) == kSchemaVersion);
 
@@ -128,6 +165,8 @@ std::string_view PromptStateName(PromptState state) {
       return "TRAINED";
     case PromptState::kRejected:
       return "REJECTED";
+    case PromptState::kFiltered:
+      return "FILTERED";
   }
   return "UNKNOWN";
 }
@@ -174,14 +213,21 @@ StatusOr<std::unique_ptr<PromptLedger>> PromptLedger::Open(const std::string& pa
 Status PromptLedger::Migrate() {
   Transaction txn(path_, db_);
   RETURN_IF_ERROR(txn.Begin());
-  ASSIGN_OR_RETURN(Statement tables,
-                   Statement::Prepare(path_, db_,
-                                      "SELECT COUNT(*), COALESCE(SUM(name = 'schema_version'), 0) "
-                                      "FROM sqlite_master WHERE type = 'table'"));
-  ASSIGN_OR_RETURN(bool row, tables.Step());
-  (void)row;  // an aggregate always returns one row
-  const int64_t num_tables = tables.Int(0);
-  const bool has_version = tables.Int(1) > 0;
+  // Each statement is finalized before the migrations run: an open cursor on sqlite_master
+  // would lock the tables that a migration drops.
+  int64_t num_tables = 0;
+  bool has_version = false;
+  {
+    ASSIGN_OR_RETURN(
+        Statement tables,
+        Statement::Prepare(path_, db_,
+                           "SELECT COUNT(*), COALESCE(SUM(name = 'schema_version'), 0) "
+                           "FROM sqlite_master WHERE type = 'table'"));
+    ASSIGN_OR_RETURN(bool row, tables.Step());
+    (void)row;  // an aggregate always returns one row
+    num_tables = tables.Int(0);
+    has_version = tables.Int(1) > 0;
+  }
   int64_t version = 0;
   if (has_version) {
     ASSIGN_OR_RETURN(Statement v,
@@ -386,12 +432,8 @@ Status PromptLedger::ReleaseLease(const std::string& lease_id, const std::string
   return FinishLease(LeaseAction::kRelease, lease_id, prompt_id, "");
 }
 
-Status PromptLedger::FinishLease(LeaseAction action, const std::string& lease_id,
-                                 const std::string& prompt_id, const std::string& reason) {
-  common::MutexLock lock(&mu_);
-  const int64_t now = options_.now_ms();
-  Transaction txn(path_, db_);
-  RETURN_IF_ERROR(txn.Begin());
+Status PromptLedger::CheckLeaseLocked(const std::string& lease_id, const std::string& prompt_id,
+                                      int64_t now) {
   ASSIGN_OR_RETURN(Statement select,
                    Statement::Prepare(path_, db_,
                                       "SELECT state, lease_id, lease_deadline_ms FROM prompts "
@@ -412,6 +454,16 @@ Status PromptLedger::FinishLease(LeaseAction action, const std::string& lease_id
     return refuse("lease expired at " + std::to_string(select.Int(2)) + " ms (now " +
                   std::to_string(now) + ")");
   }
+  return Status::OK();
+}
+
+Status PromptLedger::FinishLease(LeaseAction action, const std::string& lease_id,
+                                 const std::string& prompt_id, const std::string& reason) {
+  common::MutexLock lock(&mu_);
+  const int64_t now = options_.now_ms();
+  Transaction txn(path_, db_);
+  RETURN_IF_ERROR(txn.Begin());
+  RETURN_IF_ERROR(CheckLeaseLocked(lease_id, prompt_id, now));
 
   const char* sql = nullptr;
   switch (action) {

@@ -21,8 +21,10 @@ struct sqlite3;
 
 namespace grpo::learner {
 
-enum class PromptState { kQueued, kLeased, kTrained, kRejected };
-// "QUEUED", "LEASED", "TRAINED", "REJECTED" (also the spelling stored in the file).
+// kFiltered: done with its pass without being trained (dynamic sampling: its group had no
+// learning signal); like kTrained, it is queued again at the next pass.
+enum class PromptState { kQueued, kLeased, kTrained, kRejected, kFiltered };
+// "QUEUED", "LEASED", "TRAINED", "REJECTED", "FILTERED" (also the spelling stored in the file).
 std::string_view PromptStateName(PromptState state);
 
 // How long a write waits for another connection's lock on the same file before Unavailable.
@@ -67,10 +69,12 @@ struct PromptRecord {
 };
 
 struct LedgerCounts {
-  int64_t queued = 0, leased = 0, trained = 0, rejected = 0;
+  int64_t queued = 0, leased = 0, trained = 0, rejected = 0, filtered = 0;
   int64_t accepted = 0;  // of `trained`: accepted, in no weights yet
   int64_t pass = 0;      // the job's current 0-based pass
-  int64_t total() const { return queued + leased + trained + rejected; }
+  int64_t total() const { return queued + leased + trained + rejected + filtered; }
+  // Done with the current pass: trained (or accepted) or filtered.
+  int64_t done() const { return trained + filtered; }
 };
 
 // One group an optimizer step took: the prompt and the pass its lease was for.
@@ -79,10 +83,14 @@ struct TrainedGroup {
   int64_t pass = 0;
 };
 
+// One (prompt, pass) the job is done with: trained, or filtered (dynamic sampling).
 struct TrainingRecord {
   std::string prompt_id;
   int64_t pass = 0;
-  int64_t step = 0;  // the weights after this optimizer step hold it
+  // Trained: the weights after this optimizer step hold it. Filtered: the learner was at this
+  // step when it filtered the group (a restore to an earlier step undoes the filtering too).
+  int64_t step = 0;
+  bool filtered = false;
 };
 
 struct RollbackResult {
@@ -130,6 +138,13 @@ class PromptLedger {
   // The prompt itself is bad: LEASED -> REJECTED with the reason. Same lease check.
   Status RejectPrompt(const std::string& lease_id, const std::string& prompt_id,
                       const std::string& reason) GRPO_EXCLUDES(mu_);
+  // Dynamic sampling: the group pushed under this lease had no learning signal (all rewards
+  // equal). LEASED -> FILTERED: the prompt is done with its pass without being trained (recorded
+  // in `trainings` as filtered at `step`, the learner's step now), not leased again in it, and
+  // queued at the next pass like a trained one (or at once for an earlier pass it still owes).
+  // Same lease check as CompleteLease.
+  Status FilterPrompt(const std::string& lease_id, const std::string& prompt_id, int64_t step)
+      GRPO_EXCLUDES(mu_);
   // The worker gives the prompt back unprocessed (shutting down): LEASED -> QUEUED, attempts
   // unchanged. Same lease check.
   Status ReleaseLease(const std::string& lease_id, const std::string& prompt_id) GRPO_EXCLUDES(mu_);
@@ -171,7 +186,7 @@ class PromptLedger {
   // InvalidArgument when num_passes < 1.
   StatusOr<bool> StartNextPass(int64_t num_passes) GRPO_EXCLUDES(mu_);
 
-  // Every recorded training, by step.
+  // Every recorded training and filtering, by step.
   StatusOr<std::vector<TrainingRecord>> Trainings() GRPO_EXCLUDES(mu_);
 
   // Prompts per state over the whole ledger, or over one dataset (NotFound if unknown).
@@ -192,6 +207,10 @@ class PromptLedger {
   Status Migrate() GRPO_REQUIRES(mu_);
   Status FinishLease(LeaseAction action, const std::string& lease_id, const std::string& prompt_id,
                      const std::string& reason) GRPO_EXCLUDES(mu_);
+  // OK when the prompt is LEASED under exactly `lease_id` and the lease holds at `now`; else
+  // FailedPrecondition ("unknown or expired lease ...").
+  Status CheckLeaseLocked(const std::string& lease_id, const std::string& prompt_id, int64_t now)
+      GRPO_REQUIRES(mu_);
   StatusOr<LedgerCounts> CountsLocked(const std::string* dataset_id) GRPO_REQUIRES(mu_);
   std::string NewLeaseId() GRPO_REQUIRES(mu_);
 

@@ -147,7 +147,7 @@ class Transaction {
 
 inline StatusOr<PromptState> ParseState(std::string_view s) {
   for (PromptState st : {PromptState::kQueued, PromptState::kLeased, PromptState::kTrained,
-                         PromptState::kRejected}) {
+                         PromptState::kRejected, PromptState::kFiltered}) {
     if (PromptStateName(st) == s) return st;
   }
   return Status::DataLoss("unknown prompt state '" + std::string(s) + "'");

@@ -134,7 +134,7 @@ StatusOr<int64_t> PromptLedger::MarkTrained(const std::vector<TrainedGroup>& gro
     // earlier pass of a prompt trained out of order) is taken next.
     const int64_t missing = FirstMissingPass(trained, row->first_pass, job_pass);
     if (missing < 0) continue;
-    if ((row->state == "TRAINED" && row->has_trained_step) ||
+    if ((row->state == "TRAINED" && row->has_trained_step) || row->state == "FILTERED" ||
         (row->state == "QUEUED" && missing < row->pass)) {
       RETURN_IF_ERROR(QueueRow(path_, db_, id, missing, now));
     }
@@ -148,6 +148,39 @@ StatusOr<int64_t> PromptLedger::MarkTrained(const std::vector<TrainedGroup>& gro
         " groups were trained in a pass that already had one: " + list);
   }
   return marked;
+}
+
+Status PromptLedger::FilterPrompt(const std::string& lease_id, const std::string& prompt_id,
+                                  int64_t step) {
+  common::MutexLock lock(&mu_);
+  const int64_t now = options_.now_ms();
+  Transaction txn(path_, db_);
+  RETURN_IF_ERROR(txn.Begin());
+  RETURN_IF_ERROR(CheckLeaseLocked(lease_id, prompt_id, now));
+  ASSIGN_OR_RETURN(std::optional<RowState> row, ReadRow(path_, db_, prompt_id));
+  if (!row) return Status::NotFound("prompt ledger " + path_ + ": no prompt " + prompt_id);
+  ASSIGN_OR_RETURN(Statement insert,
+                   Statement::Prepare(path_, db_,
+                                      "INSERT OR IGNORE INTO trainings (prompt_id, pass, step, "
+                                      "filtered) VALUES (?, ?, ?, 1)"));
+  RETURN_IF_ERROR(insert.Bind(1, prompt_id).Bind(2, row->pass).Bind(3, step).Run());
+  if (sqlite3_changes(db_) == 0) {
+    return Status::FailedPrecondition("prompt ledger " + path_ + ": prompt " + prompt_id +
+                                      " is already done with pass " + std::to_string(row->pass));
+  }
+  ASSIGN_OR_RETURN(Statement update,
+                   Statement::Prepare(path_, db_,
+                                      "UPDATE prompts SET state = 'FILTERED', lease_id = NULL, "
+                                      "lease_deadline_ms = NULL, trained_step = ?1, "
+                                      "trained_passes = trained_passes + 1, updated_ms = ?2 "
+                                      "WHERE id = ?3"));
+  RETURN_IF_ERROR(update.Bind(1, step).Bind(2, now).Bind(3, prompt_id).Run());
+  // An earlier pass it still owes (a stale group refused after the pass moved on) is next.
+  ASSIGN_OR_RETURN(const int64_t job_pass, JobPass(path_, db_));
+  ASSIGN_OR_RETURN(std::vector<int64_t> done, TrainedPasses(path_, db_, prompt_id));
+  const int64_t missing = FirstMissingPass(done, row->first_pass, job_pass);
+  if (missing >= 0) RETURN_IF_ERROR(QueueRow(path_, db_, prompt_id, missing, now));
+  return txn.Commit();
 }
 
 StatusOr<bool> PromptLedger::RequeueTrained(const std::string& prompt_id, int64_t pass) {
@@ -164,7 +197,7 @@ StatusOr<bool> PromptLedger::RequeueTrained(const std::string& prompt_id, int64_
                                       " was already trained in pass " + std::to_string(pass));
   }
   if ((row->state == "TRAINED" && (row->pass == pass || row->has_trained_step)) ||
-      (row->state == "QUEUED" && pass < row->pass)) {
+      row->state == "FILTERED" || (row->state == "QUEUED" && pass < row->pass)) {
     RETURN_IF_ERROR(QueueRow(path_, db_, prompt_id, pass, now));
   }
   // Otherwise the row is busy with another pass (LEASED, or accepted in another pass): when
@@ -224,12 +257,14 @@ StatusOr<RollbackResult> PromptLedger::RollbackTo(int64_t step) {
                          "recount trainings"));
   }
   {
-    // Accepted but in no restored weights: back to the queue in the same pass.
+    // Accepted but in no restored weights, or filtered after the restored step: back to the
+    // queue in the same pass.
     ASSIGN_OR_RETURN(Statement requeue,
                      Statement::Prepare(path_, db_,
                                         "UPDATE prompts SET state = 'QUEUED', trained_step = NULL, "
-                                        "updated_ms = ? WHERE state = 'TRAINED' AND "
-                                        "(trained_step IS NULL OR trained_step > ?)"));
+                                        "updated_ms = ?1 WHERE (state = 'TRAINED' AND "
+                                        "(trained_step IS NULL OR trained_step > ?2)) OR "
+                                        "(state = 'FILTERED' AND trained_step > ?2)"));
     RETURN_IF_ERROR(requeue.Bind(1, now).Bind(2, step).Run());
     result.requeued = sqlite3_changes(db_);
   }
@@ -247,8 +282,8 @@ StatusOr<RollbackResult> PromptLedger::RollbackTo(int64_t step) {
         Statement select,
         Statement::Prepare(path_, db_,
                            "SELECT id, state, pass, first_pass FROM prompts "
-                           "WHERE state IN ('QUEUED', 'TRAINED') AND "
-                           "trained_passes < pass - first_pass + (state = 'TRAINED')"));
+                           "WHERE state IN ('QUEUED', 'TRAINED', 'FILTERED') AND "
+                           "trained_passes < pass - first_pass + (state != 'QUEUED')"));
     while (true) {
       ASSIGN_OR_RETURN(bool has_row, select.Step());
       if (!has_row) break;
@@ -258,11 +293,11 @@ StatusOr<RollbackResult> PromptLedger::RollbackTo(int64_t step) {
   for (const Owing& row : rows) {
     ASSIGN_OR_RETURN(std::vector<int64_t> trained, TrainedPasses(path_, db_, row.id));
     const int64_t missing = FirstMissingPass(trained, row.first_pass, job_pass);
-    // A queued row moves back only to an earlier pass; a trained one to any pass it owes.
+    // A queued row moves back only to an earlier pass; a done one to any pass it owes.
     const bool move = row.state == "QUEUED" ? missing >= 0 && missing < row.pass
                                             : missing >= 0 && missing <= row.pass;
     if (!move) continue;
-    if (row.state == "TRAINED") ++result.requeued;
+    if (row.state != "QUEUED") ++result.requeued;
     RETURN_IF_ERROR(QueueRow(path_, db_, row.id, missing, now));
     ++result.moved_back;
   }
@@ -292,7 +327,8 @@ StatusOr<bool> PromptLedger::StartNextPass(int64_t num_passes) {
     // Every prompt must be trained (or accepted) in every pass up to this one.
     ASSIGN_OR_RETURN(Statement owing,
                      Statement::Prepare(path_, db_,
-                                        "SELECT COUNT(*) FROM prompts WHERE state = 'TRAINED' AND "
+                                        "SELECT COUNT(*) FROM prompts WHERE state IN "
+                                        "('TRAINED', 'FILTERED') AND "
                                         "trained_passes + (trained_step IS NULL) < "
                                         "? - first_pass + 1"));
     ASSIGN_OR_RETURN(bool row, owing.Bind(1, counts.pass).Step());
@@ -309,7 +345,7 @@ StatusOr<bool> PromptLedger::StartNextPass(int64_t num_passes) {
                    Statement::Prepare(path_, db_,
                                       "UPDATE prompts SET state = 'QUEUED', pass = ?, "
                                       "trained_step = NULL, updated_ms = ? "
-                                      "WHERE state = 'TRAINED'"));
+                                      "WHERE state IN ('TRAINED', 'FILTERED')"));
   RETURN_IF_ERROR(requeue.Bind(1, next).Bind(2, now).Run());
   ASSIGN_OR_RETURN(Statement job, Statement::Prepare(path_, db_, "UPDATE job SET pass = ?"));
   RETURN_IF_ERROR(job.Bind(1, next).Run());
@@ -321,13 +357,13 @@ StatusOr<std::vector<TrainingRecord>> PromptLedger::Trainings() {
   common::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Statement select,
                    Statement::Prepare(path_, db_,
-                                      "SELECT prompt_id, pass, step FROM trainings "
+                                      "SELECT prompt_id, pass, step, filtered FROM trainings "
                                       "ORDER BY step, prompt_id, pass"));
   std::vector<TrainingRecord> out;
   while (true) {
     ASSIGN_OR_RETURN(bool has_row, select.Step());
     if (!has_row) break;
-    out.push_back(TrainingRecord{select.Text(0), select.Int(1), select.Int(2)});
+    out.push_back(TrainingRecord{select.Text(0), select.Int(1), select.Int(2), select.Int(3) != 0});
   }
   return out;
 }
@@ -378,6 +414,9 @@ StatusOr<LedgerCounts> PromptLedger::CountsLocked(const std::string* dataset_id)
         break;
       case PromptState::kRejected:
         counts.rejected = n;
+        break;
+      case PromptState::kFiltered:
+        counts.filtered = n;
         break;
     }
   }

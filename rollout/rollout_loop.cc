@@ -542,6 +542,10 @@ Status RolloutLoop::PushGroups(const std::vector<common::RolloutGroup>& groups,
     if (metrics_) metrics_->groups_pushed->Increment(static_cast<double>(groups.size()));
     counters_.groups_accepted += response.accepted;
     counters_.groups_rejected += response.rejected;
+    if (response.filtered > 0) {
+      GRPO_LOG_DEBUG("learner filtered {} of {} groups (all rewards equal: dynamic sampling)",
+                     response.filtered, groups.size());
+    }
     if (response.rejected > 0) {
       std::string reasons;
       for (const auto& [reason, n] : response.rejected_by_reason) {

@@ -219,6 +219,7 @@ common::PushReply FromProto(const v1::PushRolloutsResponse& r) {
   common::PushReply out;
   out.accepted = r.accepted();
   out.rejected = r.rejected();
+  out.filtered = r.filtered();
   for (const auto& [reason, n] : r.rejected_by_reason()) out.rejected_by_reason[reason] = n;
   out.messages.assign(r.messages().begin(), r.messages().end());
   return out;
@@ -227,6 +228,7 @@ common::PushReply FromProto(const v1::PushRolloutsResponse& r) {
 void ToProto(const common::PushReply& r, v1::PushRolloutsResponse* out) {
   out->set_accepted(r.accepted);
   out->set_rejected(r.rejected);
+  out->set_filtered(r.filtered);
   for (const auto& [reason, n] : r.rejected_by_reason) {
     (*out->mutable_rejected_by_reason())[reason] = n;
   }
@@ -277,6 +279,7 @@ void ToProto(const learner::JobSnapshot& job, v1::Job* out) {
   c->set_leased(job.leased);
   c->set_trained(job.trained);
   c->set_rejected(job.rejected);
+  c->set_filtered(job.filtered);
   c->set_pass(job.pass);
   out->set_state(ToProto(job.state));
   out->set_global_step(job.global_step);

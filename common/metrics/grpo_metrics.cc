@@ -114,6 +114,15 @@ StatusOr<LearnerMetrics> LearnerMetrics::Create(Registry& r,
                    r.AddCounter("grpo_groups_rejected_total",
                                 "Rollout groups refused at ingest, in groups, by reason.",
                                 {Label("reason", kRejectReasons)}));
+  ASSIGN_OR_RETURN(m.groups_filtered,
+                   r.AddCounter("grpo_groups_filtered_total",
+                                "Rollout groups received but not trained because their rewards "
+                                "were all equal (dynamic sampling), in groups."));
+  ASSIGN_OR_RETURN(m.short_batches,
+                   r.AddCounter("grpo_short_batches_total",
+                                "Generation batches trained short of a full batch after "
+                                "max_num_gen_batches batches' worth of groups (dynamic "
+                                "sampling), in batches."));
   ASSIGN_OR_RETURN(m.ledger_prompts,
                    r.AddGauge("grpo_ledger_prompts", "Prompts in the ledger, by state.",
                               {Label("state", kLedgerStates)}));

@@ -19,8 +19,8 @@ namespace grpo::common {
 // Values of `reason` on grpo_groups_rejected_total: the one table of refusal reasons.
 inline constexpr const auto& kRejectReasons = kGroupRefusalNames;
 // Values of `state` on grpo_ledger_prompts (the prompt ledger's states).
-inline constexpr std::array<std::string_view, 4> kLedgerStates = {"queued", "leased", "trained",
-                                                                  "rejected"};
+inline constexpr std::array<std::string_view, 5> kLedgerStates = {"queued", "leased", "trained",
+                                                                  "rejected", "filtered"};
 // Values of `region` on grpo_clip_ratio (docs/GRPO_SPEC.md clip_ratio/{low,high,region}_mean).
 inline constexpr std::array<std::string_view, 3> kClipRegions = {"low", "high", "region"};
 // Values of `stat` on grpo_logprob_mismatch (StepMetrics logprob_mismatch/{mean,max}).
@@ -84,6 +84,11 @@ struct LearnerMetrics {
   Counter* groups_accepted = nullptr;
   // grpo_groups_rejected_total{reason}: groups
   Counter* groups_rejected = nullptr;
+  // grpo_groups_filtered_total: groups dynamic sampling did not train (all rewards equal)
+  Counter* groups_filtered = nullptr;
+  // grpo_short_batches_total: generation batches trained with fewer groups than a batch, because
+  // max_num_gen_batches batches' worth of groups arrived (dynamic sampling)
+  Counter* short_batches = nullptr;
   // grpo_ledger_prompts{state}: prompts
   Gauge* ledger_prompts = nullptr;
   // grpo_weight_sync_duration_seconds: one version's sync

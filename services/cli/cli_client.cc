@@ -94,7 +94,9 @@ void PrintJob(const v1::Job& job, bool json) {
             << "step     " << job.global_step() << " / " << job.max_steps() << "\n"
             << "policy   version " << job.policy_version() << ", " << job.workers() << " workers\n"
             << "prompts  queued " << p.queued() << ", leased " << p.leased() << ", trained "
-            << p.trained() << ", rejected " << p.rejected() << " (pass " << p.pass() << ")\n";
+            << p.trained() << ", rejected " << p.rejected()
+            << (p.filtered() > 0 ? ", filtered " + std::to_string(p.filtered()) : std::string())
+            << " (pass " << p.pass() << ")\n";
   if (!job.last_metrics().empty()) {
     std::cout << "last     ";
     for (const char* k : {"loss", "reward", "reward_std", "kl", "grad_norm",
@@ -111,9 +113,9 @@ JobProgress ProgressOf(const v1::JobEvent& e) {
   JobProgress p;
   p.step = job.global_step();
   p.max_steps = job.max_steps();
-  p.trained = job.prompts().trained();
+  p.trained = job.prompts().trained() + job.prompts().filtered();
   p.total = job.prompts().queued() + job.prompts().leased() + job.prompts().trained() +
-            job.prompts().rejected();
+            job.prompts().rejected() + job.prompts().filtered();
   p.pass = job.prompts().pass();
   if (auto it = e.metrics().find("reward"); it != e.metrics().end()) {
     p.reward = it->second;

@@ -13,7 +13,7 @@ namespace grpo::services {
 struct JobProgress {
   int64_t step = 0;              // optimizer steps done
   int64_t max_steps = 0;         // the job ends after this many (>= 1)
-  int64_t trained = 0;           // prompts TRAINED in the current pass
+  int64_t trained = 0;           // prompts done with the current pass: TRAINED or FILTERED
   int64_t total = 0;             // prompts in the ledger
   int64_t pass = 0;              // 0-based pass over the data
   std::optional<double> reward;  // mean reward of the last step, when one was trained

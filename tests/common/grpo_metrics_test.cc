@@ -107,6 +107,8 @@ TEST(GrpoMetrics, DefinesExactlyTheIssueSixFamilies) {
       {"grpo_staleness_versions", "histogram"},
       {"grpo_groups_accepted_total", "counter"},
       {"grpo_groups_rejected_total", "counter"},
+      {"grpo_groups_filtered_total", "counter"},
+      {"grpo_short_batches_total", "counter"},
       {"grpo_ledger_prompts", "gauge"},
       {"grpo_weight_sync_duration_seconds", "histogram"},
       {"grpo_weight_sync_bytes_total", "counter"},

@@ -303,6 +303,85 @@ TEST_F(LearnerTest, TheIngestPolicysVerdicts) {
   EXPECT_EQ(learner_->RefusedCounts()["unknown_policy"], 2);
 }
 
+// Dynamic sampling (learner/dynamic_sampling.h): groups whose rewards are all equal are
+// filtered at ingest (FILTERED in the ledger, counted, not buffered), their lease budget goes to
+// more prompts, and the batch that fills up says what it cost.
+TEST_F(LearnerTest, DynamicSamplingFiltersGroupsWithoutASignalAndLeasesMore) {
+  config_.dynamic_sampling = true;
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(6)).ok());
+  const std::vector<common::PromptLease> leases = Lease(100);
+  ASSERT_EQ(leases.size(), 4u);  // the budget: two batches of two groups (max_staleness 1)
+  const std::string inc = learner_->incarnation();
+  PushTally tally;
+  learner_->AcceptGroup(TinyGroup(leases[0], 0, inc, 1, 1), {}, &tally);  // all right
+  learner_->AcceptGroup(TinyGroup(leases[1], 0, inc, 0, 0), {}, &tally);  // all wrong
+  EXPECT_EQ(tally.reply.filtered, 2);
+  EXPECT_EQ(tally.reply.accepted, 0);
+  EXPECT_EQ(tally.reply.rejected, 0);
+  for (int i : {0, 1}) {
+    auto r = learner_->TEST_ledger().GetPrompt(leases[i].prompt_id);
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->state, PromptState::kFiltered) << leases[i].prompt_id;
+  }
+  EXPECT_EQ(learner_->metrics().groups_filtered->Value(), 2);
+  EXPECT_EQ(learner_->Snapshot().filtered, 2);
+  // Their budget is free: two more prompts go out, and no filtered one is among them.
+  const std::vector<common::PromptLease> more = Lease(100);
+  ASSERT_EQ(more.size(), 2u);
+  for (const auto& l : more) {
+    EXPECT_NE(l.prompt_id, leases[0].prompt_id);
+    EXPECT_NE(l.prompt_id, leases[1].prompt_id);
+  }
+  // Two groups with a signal fill the batch: one step, which says 2 were filtered for it and
+  // ceil((2 + 2) / 2) = 2 batches' worth of groups arrived.
+  PushTally good;
+  learner_->AcceptGroup(TinyGroup(leases[2], 0, inc, 1, 0), {}, &good);
+  learner_->AcceptGroup(TinyGroup(leases[3], 0, inc, 0, 1), {}, &good);
+  EXPECT_EQ(good.reply.accepted, 2);
+  ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().global_step == 1; }, 30s));
+  const auto metrics = learner_->Snapshot().last_metrics;
+  EXPECT_EQ(metrics.at("dynamic_sampling/groups_filtered"), 2);
+  EXPECT_EQ(metrics.at("dynamic_sampling/num_gen_batches"), 2);
+  EXPECT_EQ(metrics.at("dynamic_sampling/short_batch"), 0);
+  EXPECT_EQ(metrics.at("frac_reward_zero_std"), 0) << "only groups with a signal were trained";
+  EXPECT_EQ(learner_->metrics().short_batches->Value(), 0);
+}
+
+// max_num_gen_batches 1: once a batch's worth of groups arrived (one trained, one filtered), the
+// learner trains the one it has instead of waiting for more.
+TEST_F(LearnerTest, AfterMaxNumGenBatchesTheBatchTrainsShort) {
+  config_.dynamic_sampling = true;
+  config_.max_num_gen_batches = 1;
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(4)).ok());
+  const std::vector<common::PromptLease> leases = Lease(2);
+  ASSERT_EQ(leases.size(), 2u);
+  const std::string inc = learner_->incarnation();
+  PushTally tally;
+  learner_->AcceptGroup(TinyGroup(leases[0], 0, inc, 1, 0), {}, &tally);
+  EXPECT_FALSE(WaitFor([&] { return learner_->Snapshot().global_step == 1; }, 300ms))
+      << "one group of a batch of two, nothing filtered: no step yet";
+  learner_->AcceptGroup(TinyGroup(leases[1], 0, inc, 0.5, 0.5), {}, &tally);
+  EXPECT_EQ(tally.reply.accepted, 1);
+  EXPECT_EQ(tally.reply.filtered, 1);
+  ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().global_step == 1; }, 30s));
+  const auto metrics = learner_->Snapshot().last_metrics;
+  EXPECT_EQ(metrics.at("dynamic_sampling/short_batch"), 1);
+  EXPECT_EQ(metrics.at("dynamic_sampling/groups_filtered"), 1);
+  EXPECT_EQ(metrics.at("dynamic_sampling/num_gen_batches"), 1);
+  EXPECT_EQ(learner_->metrics().short_batches->Value(), 1);
+  auto trainings = learner_->TEST_ledger().Trainings();
+  ASSERT_TRUE(trainings.ok());
+  ASSERT_EQ(trainings->size(), 2u);
+  for (const auto& t : *trainings) {
+    EXPECT_EQ(t.filtered, t.prompt_id == leases[1].prompt_id) << t.prompt_id;
+    if (!t.filtered) EXPECT_EQ(t.step, 1);
+  }
+}
+
 TEST_F(LearnerTest, TheJobStateMachine) {
   config_.max_steps = 1;
   Start();

@@ -832,6 +832,131 @@ INSERT INTO prompts (id, dataset_id, row_json, state, pass, created_ms, updated_
   ASSERT_TRUE(undone.ok());
   EXPECT_EQ(undone->trainings_undone, 0);
   EXPECT_EQ(StateOf(*ledger, "ds-1:0"), PromptState::kTrained);
+  // The migrated table takes the v3 state (its CHECK constraint was rebuilt).
+  auto lease = ledger->LeasePrompts("w", 1, milliseconds(100000));
+  ASSERT_TRUE(lease.ok() && lease->size() == 1) << lease.status().ToString();
+  ASSERT_TRUE(ledger->FilterPrompt((*lease)[0].lease_id, "ds-1:1", 0).ok());
+  EXPECT_EQ(StateOf(*ledger, "ds-1:1"), PromptState::kFiltered);
+  EXPECT_EQ(ledger->Counts()->filtered, 1);
+}
+
+// Dynamic sampling (learner/dynamic_sampling.h): a filtered group's prompt is done with its pass
+// without a training; it is not leased again in that pass, and the next pass queues it again.
+TEST_F(PromptLedgerTest, AFilteredPromptIsDoneWithItsPassUntrainedAndQueuedAtTheNext) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("", Rows(3)).ok());
+  auto leases = ledger->LeasePrompts("w", 3, milliseconds(100000));
+  ASSERT_TRUE(leases.ok() && leases->size() == 3);
+  const Lease& a = (*leases)[0];
+  const Lease& b = (*leases)[1];
+  const Lease& c = (*leases)[2];
+  // The lease check of CompleteLease: another prompt's lease, an unknown one.
+  EXPECT_EQ(ledger->FilterPrompt(a.lease_id, b.prompt_id, 0).code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ledger->FilterPrompt("", b.prompt_id, 0).code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(ledger->CompleteLease(a.lease_id, a.prompt_id).ok());
+  ASSERT_TRUE(ledger->FilterPrompt(b.lease_id, b.prompt_id, 0).ok());
+  EXPECT_EQ(StateOf(*ledger, b.prompt_id), PromptState::kFiltered);
+  // Done with the lease: a second call under it is refused.
+  EXPECT_EQ(ledger->FilterPrompt(b.lease_id, b.prompt_id, 0).code(),
+            StatusCode::kFailedPrecondition);
+  auto counts = ledger->Counts();
+  EXPECT_EQ(counts->trained, 1);
+  EXPECT_EQ(counts->filtered, 1);
+  EXPECT_EQ(counts->leased, 1);
+  EXPECT_EQ(counts->total(), 3);
+  // Nothing is queued: the filtered prompt is not leased again in pass 0.
+  auto none = ledger->LeasePrompts("w2", 3, milliseconds(100000));
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->empty());
+  EXPECT_EQ(ledger->StartNextPass(10).status().code(), StatusCode::kFailedPrecondition);  // c
+  ASSERT_TRUE(ledger->CompleteLease(c.lease_id, c.prompt_id).ok());
+  // Pass 0 ends once the accepted groups are trained; the record tells training from filtering.
+  ASSERT_TRUE(ledger->MarkTrained({{a.prompt_id, 0}, {c.prompt_id, 0}}, 1).ok());
+  auto t = ledger->Trainings();
+  ASSERT_TRUE(t.ok());
+  ASSERT_EQ(t->size(), 3u);
+  for (const TrainingRecord& r : *t) {
+    EXPECT_EQ(r.pass, 0);
+    EXPECT_EQ(r.filtered, r.prompt_id == b.prompt_id) << r.prompt_id;
+    EXPECT_EQ(r.step, r.prompt_id == b.prompt_id ? 0 : 1) << r.prompt_id;
+  }
+  auto next = ledger->StartNextPass(10);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  ASSERT_TRUE(*next);
+  auto record = ledger->GetPrompt(b.prompt_id);
+  EXPECT_EQ(record->state, PromptState::kQueued);
+  EXPECT_EQ(record->pass, 1);
+  EXPECT_EQ(ledger->Counts()->queued, 3);
+  EXPECT_EQ(ledger->Counts()->filtered, 0);
+}
+
+TEST_F(PromptLedgerTest, APassOfOnlyFilteredPromptsEnds) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("", Rows(2)).ok());
+  auto leases = ledger->LeasePrompts("w", 2, milliseconds(100000));
+  ASSERT_TRUE(leases.ok() && leases->size() == 2);
+  for (const Lease& l : *leases) ASSERT_TRUE(ledger->FilterPrompt(l.lease_id, l.prompt_id, 0).ok());
+  auto next = ledger->StartNextPass(10);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_TRUE(*next);
+  EXPECT_EQ(ledger->Counts()->queued, 2);
+  EXPECT_EQ(ledger->Counts()->pass, 1);
+}
+
+// A restore to checkpoint S undoes the filterings recorded after S, as it undoes trainings:
+// those prompts owe their pass again; one filtered at S stays filtered.
+TEST_F(PromptLedgerTest, RollbackUndoesFilteringsAfterTheRestoredStepOnly) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("", Rows(2)).ok());
+  auto leases = ledger->LeasePrompts("w", 2, milliseconds(100000));
+  ASSERT_TRUE(leases.ok() && leases->size() == 2);
+  ASSERT_TRUE(ledger->FilterPrompt((*leases)[0].lease_id, "ds-1:0", 2).ok());
+  ASSERT_TRUE(ledger->FilterPrompt((*leases)[1].lease_id, "ds-1:1", 3).ok());
+  auto undone = ledger->RollbackTo(2);
+  ASSERT_TRUE(undone.ok()) << undone.status().ToString();
+  EXPECT_EQ(undone->trainings_undone, 1);
+  EXPECT_EQ(undone->requeued, 1);
+  EXPECT_EQ(StateOf(*ledger, "ds-1:0"), PromptState::kFiltered);
+  auto r = ledger->GetPrompt("ds-1:1");
+  EXPECT_EQ(r->state, PromptState::kQueued);
+  EXPECT_EQ(r->pass, 0);
+  const auto t = TrainingMap(*ledger);
+  EXPECT_EQ(t.size(), 1u);
+  EXPECT_EQ(t.count({"ds-1:0", 0}), 1u);
+  // A pass boundary after the restored step is undone for a prompt filtered after it.
+  auto again = ledger->LeasePrompts("w", 1, milliseconds(100000));
+  ASSERT_TRUE(again.ok() && again->size() == 1);
+  ASSERT_TRUE(ledger->FilterPrompt((*again)[0].lease_id, "ds-1:1", 5).ok());
+  ASSERT_TRUE(*ledger->StartNextPass(10));
+  ASSERT_TRUE(ledger->RollbackTo(4).ok());
+  r = ledger->GetPrompt("ds-1:1");
+  EXPECT_EQ(r->state, PromptState::kQueued);
+  EXPECT_EQ(r->pass, 0) << "it owes pass 0 again";
+  EXPECT_EQ(ledger->GetPrompt("ds-1:0")->pass, 1);
+}
+
+// A prompt leased for a pass while it still owes an earlier one (its group of that pass was
+// refused as stale after the boundary) and filtered: the pass it owes is queued next.
+TEST_F(PromptLedgerTest, AFilteredPromptThatOwesAnEarlierPassIsQueuedForIt) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("", Rows(2)).ok());
+  LeaseAndAccept(*ledger, 2);
+  ASSERT_TRUE(ledger->MarkTrained({{"ds-1:0", 0}}, 1).ok());
+  ASSERT_TRUE(*ledger->StartNextPass(10));  // ds-1:1's pass-0 group still buffered
+  auto lease = ledger->LeasePrompts("w", 2, milliseconds(100000));
+  ASSERT_TRUE(lease.ok() && lease->size() == 2);
+  const Lease& one = (*lease)[0].prompt_id == "ds-1:1" ? (*lease)[0] : (*lease)[1];
+  EXPECT_EQ(one.pass, 1);
+  ASSERT_TRUE(*ledger->RequeueTrained("ds-1:1", 0));  // refused as stale: owes pass 0
+  EXPECT_EQ(StateOf(*ledger, "ds-1:1"), PromptState::kLeased);
+  ASSERT_TRUE(ledger->FilterPrompt(one.lease_id, "ds-1:1", 1).ok());
+  auto r = ledger->GetPrompt("ds-1:1");
+  EXPECT_EQ(r->state, PromptState::kQueued);
+  EXPECT_EQ(r->pass, 0);
+  const auto t = TrainingMap(*ledger);
+  EXPECT_EQ(t.count({"ds-1:1", 1}), 1u);
+  EXPECT_EQ(t.count({"ds-1:1", 0}), 0u);
 }
 
 }  // namespace
