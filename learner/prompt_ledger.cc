@@ -86,7 +86,10 @@ INSERT INTO trainings (prompt_id, pass, step)
     // v3: dynamic sampling. A prompt may be FILTERED: done with its pass untrained (its group
     // had no learning signal). `trainings` then holds its (prompt, pass) with filtered = 1 and
     // the step the learner was at; trained_passes counts the passes done either way. SQLite
-    // cannot change a CHECK constraint in place, so the prompts table is copied.
+    // cannot change a CHECK constraint in place, so the prompts table is copied. `accepted`
+    // holds every (prompt, pass) whose group was accepted and is not trained yet, across pass
+    // boundaries (the row's own trained_step IS NULL says so only for its current pass), so
+    // that a filtering does not take a pass whose group waits in the buffer for one it owes.
     R"sql(
 CREATE TABLE prompts_v3 (
   seq               INTEGER PRIMARY KEY,
@@ -119,6 +122,13 @@ CREATE INDEX prompts_by_state ON prompts (state, seq);
 CREATE INDEX prompts_by_dataset ON prompts (dataset_id, state);
 CREATE INDEX prompts_by_state_pass ON prompts (state, pass, seq);
 ALTER TABLE trainings ADD COLUMN filtered INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE accepted (
+  prompt_id TEXT NOT NULL,
+  pass      INTEGER NOT NULL,
+  PRIMARY KEY (prompt_id, pass)
+) WITHOUT ROWID;
+INSERT INTO accepted (prompt_id, pass)
+  SELECT id, pass FROM prompts WHERE state = 'TRAINED' AND trained_step IS NULL;
 )sql",
 };
 static_assert(std::size(kMigrations) == kSchemaVersion);
@@ -482,6 +492,13 @@ Status PromptLedger::FinishLease(LeaseAction action, const std::string& lease_id
           "UPDATE prompts SET state = 'QUEUED', lease_id = NULL, lease_deadline_ms = NULL, "
           "updated_ms = ?1 WHERE id = ?2";
       break;
+  }
+  if (action == LeaseAction::kComplete) {
+    ASSIGN_OR_RETURN(Statement accept,
+                     Statement::Prepare(path_, db_,
+                                        "INSERT OR IGNORE INTO accepted (prompt_id, pass) "
+                                        "SELECT id, pass FROM prompts WHERE id = ?"));
+    RETURN_IF_ERROR(accept.Bind(1, prompt_id).Run());
   }
   ASSIGN_OR_RETURN(Statement update, Statement::Prepare(path_, db_, sql));
   update.Bind(1, now).Bind(2, prompt_id);

@@ -37,6 +37,31 @@ StatusOr<std::vector<int64_t>> TrainedPasses(const std::string& path, sqlite3* d
   return passes;
 }
 
+// The passes of `prompt_id` whose group was accepted and is not trained yet, ascending.
+StatusOr<std::vector<int64_t>> AcceptedPasses(const std::string& path, sqlite3* db,
+                                              const std::string& prompt_id) {
+  ASSIGN_OR_RETURN(
+      Statement select,
+      Statement::Prepare(path, db, "SELECT pass FROM accepted WHERE prompt_id = ? ORDER BY pass"));
+  select.Bind(1, prompt_id);
+  std::vector<int64_t> passes;
+  while (true) {
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    if (!has_row) break;
+    passes.push_back(select.Int(0));
+  }
+  return passes;
+}
+
+// The group of (prompt, pass) is no longer waiting to be trained (trained, or refused).
+Status ForgetAccepted(const std::string& path, sqlite3* db, const std::string& prompt_id,
+                      int64_t pass) {
+  ASSIGN_OR_RETURN(
+      Statement del,
+      Statement::Prepare(path, db, "DELETE FROM accepted WHERE prompt_id = ? AND pass = ?"));
+  return del.Bind(1, prompt_id).Bind(2, pass).Run();
+}
+
 // The first pass in [first_pass, up_to] missing from `trained` (ascending), or -1.
 int64_t FirstMissingPass(const std::vector<int64_t>& trained, int64_t first_pass, int64_t up_to) {
   int64_t want = first_pass;
@@ -105,6 +130,7 @@ StatusOr<int64_t> PromptLedger::MarkTrained(const std::vector<TrainedGroup>& gro
   std::vector<std::string> prompts;
   int64_t marked = 0;
   for (const TrainedGroup& g : groups) {
+    RETURN_IF_ERROR(ForgetAccepted(path_, db_, g.prompt_id, g.pass));
     insert.Reset();
     RETURN_IF_ERROR(insert.Bind(1, g.prompt_id).Bind(2, g.pass).Bind(3, step).Run());
     if (sqlite3_changes(db_) == 0) {
@@ -175,9 +201,13 @@ Status PromptLedger::FilterPrompt(const std::string& lease_id, const std::string
                                       "trained_passes = trained_passes + 1, updated_ms = ?2 "
                                       "WHERE id = ?3"));
   RETURN_IF_ERROR(update.Bind(1, step).Bind(2, now).Bind(3, prompt_id).Run());
-  // An earlier pass it still owes (a stale group refused after the pass moved on) is next.
+  // An earlier pass it still owes (a stale group refused after the pass moved on) is next;
+  // not one whose group waits in the buffer (a filtering may come before it is trained).
   ASSIGN_OR_RETURN(const int64_t job_pass, JobPass(path_, db_));
   ASSIGN_OR_RETURN(std::vector<int64_t> done, TrainedPasses(path_, db_, prompt_id));
+  ASSIGN_OR_RETURN(std::vector<int64_t> waiting, AcceptedPasses(path_, db_, prompt_id));
+  done.insert(done.end(), waiting.begin(), waiting.end());
+  std::sort(done.begin(), done.end());
   const int64_t missing = FirstMissingPass(done, row->first_pass, job_pass);
   if (missing >= 0) RETURN_IF_ERROR(QueueRow(path_, db_, prompt_id, missing, now));
   return txn.Commit();
@@ -190,7 +220,11 @@ StatusOr<bool> PromptLedger::RequeueTrained(const std::string& prompt_id, int64_
   RETURN_IF_ERROR(txn.Begin());
   ASSIGN_OR_RETURN(std::optional<RowState> row, ReadRow(path_, db_, prompt_id));
   if (!row) return Status::NotFound("prompt ledger " + path_ + ": no prompt " + prompt_id);
-  if (row->state == "REJECTED") return false;
+  RETURN_IF_ERROR(ForgetAccepted(path_, db_, prompt_id, pass));
+  if (row->state == "REJECTED") {
+    RETURN_IF_ERROR(txn.Commit());
+    return false;
+  }
   ASSIGN_OR_RETURN(std::vector<int64_t> trained, TrainedPasses(path_, db_, prompt_id));
   if (std::binary_search(trained.begin(), trained.end(), pass)) {
     return Status::FailedPrecondition("prompt ledger " + path_ + ": prompt " + prompt_id +
@@ -244,6 +278,8 @@ StatusOr<RollbackResult> PromptLedger::RollbackTo(int64_t step) {
   Transaction txn(path_, db_);
   RETURN_IF_ERROR(txn.Begin());
   RollbackResult result;
+  // The learner's buffer is gone (a restart, or the job's end): nothing accepted waits any more.
+  RETURN_IF_ERROR(Exec(path_, db_, "DELETE FROM accepted", "forget accepted groups"));
   {
     ASSIGN_OR_RETURN(Statement del,
                      Statement::Prepare(path_, db_, "DELETE FROM trainings WHERE step > ?"));

@@ -936,6 +936,57 @@ TEST_F(PromptLedgerTest, RollbackUndoesFilteringsAfterTheRestoredStepOnly) {
   EXPECT_EQ(ledger->GetPrompt("ds-1:0")->pass, 1);
 }
 
+// Found by the chaos test with dynamic sampling: a prompt's pass-0 group waits in the buffer
+// across the pass boundary, its pass-1 group is filtered first. Pass 0 is not owed (its group
+// trains next): the prompt must stay FILTERED, not be queued for pass 0 and trained twice there.
+TEST_F(PromptLedgerTest, AFilteringDoesNotTakeAPassWhoseGroupWaitsInTheBuffer) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("", Rows(2)).ok());
+  LeaseAndAccept(*ledger, 2);
+  ASSERT_TRUE(ledger->MarkTrained({{"ds-1:1", 0}}, 1).ok());
+  ASSERT_TRUE(*ledger->StartNextPass(10));  // ds-1:0's pass-0 group is still buffered
+  auto lease = ledger->LeasePrompts("w", 2, milliseconds(100000));
+  ASSERT_TRUE(lease.ok() && lease->size() == 2);
+  const Lease& zero = (*lease)[0].prompt_id == "ds-1:0" ? (*lease)[0] : (*lease)[1];
+  EXPECT_EQ(zero.pass, 1);
+  ASSERT_TRUE(ledger->FilterPrompt(zero.lease_id, "ds-1:0", 1).ok());
+  EXPECT_EQ(StateOf(*ledger, "ds-1:0"), PromptState::kFiltered);
+  EXPECT_EQ(ledger->GetPrompt("ds-1:0")->pass, 1);
+  // The buffered group trains: recorded once, no duplicate.
+  auto marked = ledger->MarkTrained({{"ds-1:0", 0}}, 2);
+  ASSERT_TRUE(marked.ok()) << marked.status().ToString();
+  EXPECT_EQ(*marked, 1);
+  auto t = ledger->Trainings();
+  ASSERT_TRUE(t.ok());
+  int zero_passes = 0;
+  for (const TrainingRecord& r : *t) {
+    if (r.prompt_id != "ds-1:0") continue;
+    ++zero_passes;
+    EXPECT_EQ(r.filtered, r.pass == 1) << "pass " << r.pass;
+  }
+  EXPECT_EQ(zero_passes, 2);
+  // Had its group been refused instead, the pass would be owed: queued at once.
+  ASSERT_TRUE(ledger->RollbackTo(std::numeric_limits<int64_t>::max()).ok());
+}
+
+// A buffered group of an earlier pass that is refused after its prompt was filtered in a later
+// one: the prompt owes the earlier pass and is queued for it at once.
+TEST_F(PromptLedgerTest, ARefusedGroupOfAPromptFilteredSinceIsQueuedForItsPass) {
+  auto ledger = OpenLedger();
+  ASSERT_TRUE(ledger->AddDataset("", Rows(2)).ok());
+  LeaseAndAccept(*ledger, 2);
+  ASSERT_TRUE(ledger->MarkTrained({{"ds-1:1", 0}}, 1).ok());
+  ASSERT_TRUE(*ledger->StartNextPass(10));
+  auto lease = ledger->LeasePrompts("w", 2, milliseconds(100000));
+  ASSERT_TRUE(lease.ok() && lease->size() == 2);
+  const Lease& zero = (*lease)[0].prompt_id == "ds-1:0" ? (*lease)[0] : (*lease)[1];
+  ASSERT_TRUE(ledger->FilterPrompt(zero.lease_id, "ds-1:0", 1).ok());
+  ASSERT_TRUE(*ledger->RequeueTrained("ds-1:0", 0));  // the buffered pass-0 group went stale
+  auto r = ledger->GetPrompt("ds-1:0");
+  EXPECT_EQ(r->state, PromptState::kQueued);
+  EXPECT_EQ(r->pass, 0);
+}
+
 // A prompt leased for a pass while it still owes an earlier one (its group of that pass was
 // refused as stale after the boundary) and filtered: the pass it owes is queued next.
 TEST_F(PromptLedgerTest, AFilteredPromptThatOwesAnEarlierPassIsQueuedForIt) {

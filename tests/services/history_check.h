@@ -15,10 +15,12 @@
 
 namespace grpo::testing::faults {
 
-// The ledger's record of trainings: (prompt marker, pass, step), read with SQLite's C API.
+// The ledger's record of trainings: (prompt marker, pass, step, filtered), read with SQLite's C
+// API. A filtered one (dynamic sampling) is a pass the prompt is done with untrained.
 struct Training {
   std::string marker;
   int64_t pass = 0, step = 0;
+  bool filtered = false;
 };
 
 inline std::vector<Training> ReadTrainings(const fs::path& ledger, std::string* error) {
@@ -31,7 +33,8 @@ inline std::vector<Training> ReadTrainings(const fs::path& ledger, std::string* 
   }
   sqlite3_stmt* st = nullptr;
   const char* sql =
-      "SELECT p.row_json, t.pass, t.step FROM trainings t JOIN prompts p ON p.id = t.prompt_id";
+      "SELECT p.row_json, t.pass, t.step, t.filtered FROM trainings t "
+      "JOIN prompts p ON p.id = t.prompt_id";
   if (sqlite3_prepare_v2(db, sql, -1, &st, nullptr) != SQLITE_OK) {
     *error = sqlite3_errmsg(db);
   } else {
@@ -43,6 +46,7 @@ inline std::vector<Training> ReadTrainings(const fs::path& ledger, std::string* 
       t.marker = std::regex_search(row, m, marker) ? m.str() : "?";
       t.pass = sqlite3_column_int64(st, 1);
       t.step = sqlite3_column_int64(st, 2);
+      t.filtered = sqlite3_column_int64(st, 3) != 0;
       out.push_back(t);
     }
   }
@@ -55,6 +59,7 @@ inline std::vector<Training> ReadTrainings(const fs::path& ledger, std::string* 
 // incarnation of the learner that trained it.
 struct StepDump {
   std::vector<std::string> markers;
+  std::vector<double> rewards;  // per row: the total reward
   std::vector<int64_t> versions, incarnations;
   int64_t learner_incarnation = 0;
 };
@@ -66,8 +71,8 @@ inline std::optional<StepDump> ReadStep(const fs::path& dump_dir, int64_t step,
     *error = "no readable dump of step " + std::to_string(step);
     return std::nullopt;
   }
-  for (const char* name : {"prompt_ids", "prompt_mask", "policy_version", "policy_incarnation",
-                           "learner_incarnation"}) {
+  for (const char* name : {"prompt_ids", "prompt_mask", "rewards", "policy_version",
+                           "policy_incarnation", "learner_incarnation"}) {
     if (dump->count(name) == 0) {
       *error = "step " + std::to_string(step) + ": no tensor " + name;
       return std::nullopt;
@@ -88,6 +93,7 @@ inline std::optional<StepDump> ReadStep(const fs::path& dump_dir, int64_t step,
     const size_t at = text.find("item ");
     out.markers.push_back(at == std::string::npos ? "?" : text.substr(at, 7));
   }
+  out.rewards = dump->at("rewards").floats;
   out.versions = dump->at("policy_version").ints;
   out.incarnations = dump->at("policy_incarnation").ints;
   out.learner_incarnation = dump->at("learner_incarnation").ints.at(0);
@@ -96,12 +102,15 @@ inline std::optional<StepDump> ReadStep(const fs::path& dump_dir, int64_t step,
 
 // Over the dumps of steps 1..max_steps and the ledger of a job on `prompts` prompts (the
 // dataset of WriteDataset): every row's weights were published by the learner process that
-// trained it, within max_staleness; every prompt trained once per completed pass and at most
-// once in the current one; the ledger's trainings agree with the dumps step by step, one per
-// (prompt, pass), passes in order. Adds failures; returns the passes completed (-1 when the
-// files cannot be read).
+// trained it, within max_staleness; every prompt trained or filtered once per completed pass
+// and at most once in the current one; the ledger's trainings agree with the dumps step by
+// step, one per (prompt, pass), passes in order. With `dynamic_sampling`, every trained group's
+// rewards differ (a group of equal ones is filtered, never trained) and some were filtered;
+// without it, none. Adds failures; returns the passes completed (-1 when the files cannot be
+// read).
 inline int64_t ExpectHistoryHolds(const fs::path& out_dir, const fs::path& dump_dir,
-                                  int64_t max_steps, int prompts, int64_t max_staleness) {
+                                  int64_t max_steps, int prompts, int64_t max_staleness,
+                                  bool dynamic_sampling = false) {
   // The final history, from the dumps: every row's weights were published by the learner that
   // trained it, within max_staleness.
   std::map<std::string, int> trained;                     // marker -> sequences
@@ -124,6 +133,21 @@ inline int64_t ExpectHistoryHolds(const fs::path& out_dir, const fs::path& dump_
       ++trained[d->markers[r]];
       if (r % kGenerations == 0) by_step[step].insert(d->markers[r]);
     }
+    if (dynamic_sampling) {
+      if (d->rewards.size() != d->markers.size()) {
+        ADD_FAILURE() << "step " << step << ": " << d->rewards.size() << " rewards for "
+                      << d->markers.size() << " rows";
+        return -1;
+      }
+      for (size_t g = 0; g + kGenerations <= d->rewards.size(); g += kGenerations) {
+        bool differ = false;
+        for (size_t j = 1; j < kGenerations; ++j) {
+          differ = differ || std::abs(d->rewards[g + j] - d->rewards[g]) > 1e-6;
+        }
+        EXPECT_TRUE(differ) << "step " << step << ": the group of " << d->markers[g]
+                            << " has equal rewards; dynamic sampling trained it";
+      }
+    }
   }
   // Every prompt trained once per completed pass, and at most once in the last one.
   std::string error;
@@ -133,29 +157,47 @@ inline int64_t ExpectHistoryHolds(const fs::path& out_dir, const fs::path& dump_
     return -1;
   }
   const int64_t passes_done = ledger->job_pass;
+  const auto trainings = ReadTrainings(out_dir / "ledger.sqlite", &error);
+  EXPECT_TRUE(error.empty()) << error;
+  std::map<std::string, int> filtered;  // marker -> passes filtered
+  int64_t filtered_total = 0;
+  for (const Training& t : trainings) {
+    if (t.filtered) ++filtered[t.marker], ++filtered_total;
+  }
+  if (dynamic_sampling) {
+    EXPECT_GT(filtered_total, 0) << "nothing was filtered: the test exercises no filtering";
+  } else {
+    EXPECT_EQ(filtered_total, 0) << "filtered without dynamic_sampling";
+  }
   int64_t total = 0;
   for (int i = 0; i < prompts; ++i) {
     const int times = trained[Marker(i)] / kGenerations;
+    const int done = times + filtered[Marker(i)];
     EXPECT_EQ(trained[Marker(i)] % kGenerations, 0) << Marker(i);
-    EXPECT_GE(times, passes_done) << Marker(i) << " missed a completed pass";
-    EXPECT_LE(times, passes_done + 1) << Marker(i) << " trained twice in a pass";
+    EXPECT_GE(done, passes_done) << Marker(i) << " missed a completed pass";
+    EXPECT_LE(done, passes_done + 1) << Marker(i) << " trained (or filtered) twice in a pass";
     total += times;
   }
   // At most a full batch per step (the trainer may refuse a group that went stale in the buffer;
   // its prompt is then trained later in its pass).
   EXPECT_LE(total, max_steps * kPromptsPerStep);
-  EXPECT_GE(total, prompts * passes_done);
-  EXPECT_EQ(trained.size(), static_cast<size_t>(prompts)) << "an unknown prompt was trained";
+  EXPECT_GE(total + filtered_total, prompts * passes_done);
+  if (!dynamic_sampling) {
+    EXPECT_EQ(trained.size(), static_cast<size_t>(prompts)) << "an unknown prompt was trained";
+  }
+  for (const auto& [marker, rows] : trained) {
+    EXPECT_TRUE(marker.size() == 7 && marker.rfind("item ", 0) == 0 &&
+                std::stoi(marker.substr(5)) < prompts)
+        << "an unknown prompt was trained: " << marker;
+  }
   for (const auto& [id, row] : ledger->prompts) EXPECT_NE(row.state, "REJECTED") << id;
 
   // The ledger's record agrees with the dumps step by step, one training per (prompt, pass),
   // passes 0, 1, ... in order for each prompt.
-  const auto trainings = ReadTrainings(out_dir / "ledger.sqlite", &error);
-  EXPECT_TRUE(error.empty()) << error;
   std::map<int64_t, std::multiset<std::string>> ledger_by_step;
   std::map<std::string, std::set<int64_t>> passes_of;
   for (const Training& t : trainings) {
-    ledger_by_step[t.step].insert(t.marker);
+    if (!t.filtered) ledger_by_step[t.step].insert(t.marker);
     EXPECT_TRUE(passes_of[t.marker].insert(t.pass).second) << t.marker << " pass " << t.pass;
   }
   EXPECT_EQ(ledger_by_step, by_step);
