@@ -390,6 +390,14 @@ Status BpeTokenizer::Impl::ParseModel(const Json& node) {
                                      " has a bad id " + it.value().dump());
     }
     const auto id = static_cast<int32_t>(it.value().get<int64_t>());
+    // The id table is dense: one id far past the entry count would allocate gigabytes (found by
+    // tests/fuzz/tokenizer_json_fuzz.cc: one id of 66,666,661 in a 45-entry vocabulary).
+    if (static_cast<size_t>(id) >= vocab.size() + kMaxVocabIdGap) {
+      return Status::InvalidArgument("model BPE: vocab entry " + Quote(it.key()) + " has id " +
+                                     std::to_string(id) + ", more than " +
+                                     std::to_string(kMaxVocabIdGap) + " past the vocabulary's " +
+                                     std::to_string(vocab.size()) + " entries (ids must be dense)");
+    }
     if (static_cast<size_t>(id) >= id_to_token.size()) {
       id_to_token.resize(id + 1);
       has_token.resize(id + 1, 0);

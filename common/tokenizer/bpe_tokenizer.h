@@ -6,6 +6,7 @@
 // normalized. The post_processor is kept for Save but never applied (Encode adds no BOS/EOS).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -16,6 +17,10 @@
 #include "common/tokenizer/tokenizer.h"
 
 namespace grpo::common {
+
+// The model vocabulary's ids index a dense table: an id more than this past the number of vocab
+// entries is refused (InvalidArgument) rather than allocated.
+inline constexpr size_t kMaxVocabIdGap = 1 << 16;
 
 // Immutable after construction (apart from SetEosToken/SetPadToken); thread-safe.
 class BpeTokenizer final : public Tokenizer {

@@ -113,6 +113,27 @@ TEST(Config, WrongTypeNamesKeyAndExpectedType) {
   EXPECT_FALSE(g.ok());
 }
 
+// Found by tests/fuzz/config_yaml_fuzz.cc: a string value that is not UTF-8 was accepted, then
+// made ToJson().dump() throw (the learner dumps its config for every Register). It is an error
+// naming the key and the offset now; valid multi-byte text is kept as it is.
+TEST(Config, StringValuesMustBeUtf8) {
+  auto c = ParseConfigYaml("output_dir: out\xff\n", "run.yaml");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("'output_dir' must be UTF-8 text: invalid byte at offset 3"),
+            std::string::npos)
+      << c.status().message();
+  // A truncated sequence, an overlong '/', a surrogate, in a list item.
+  for (const char* bad :
+       {"reward_funcs: [a, \"b\xc3\"]\n", "output_dir: \xc0\xaf\n", "output_dir: \xed\xa0\x80\n"}) {
+    auto d = ParseConfigYaml(bad, "run.yaml");
+    EXPECT_FALSE(d.ok()) << bad;
+  }
+  auto ok = ParseConfigYaml("output_dir: r\xc3\xa9sum\xc3\xa9-\xf0\x9f\x9a\x80\n", "run.yaml");
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->output_dir, "r\xc3\xa9sum\xc3\xa9-\xf0\x9f\x9a\x80");
+  EXPECT_NO_THROW((void)ok->ToJson().dump());
+}
+
 TEST(Config, MalformedYamlAndNonMappingAreErrors) {
   EXPECT_FALSE(ParseConfigYaml("num_generations: [1,\n", "bad.yaml").ok());
   auto c = ParseConfigYaml("- a\n- b\n", "list.yaml");

@@ -464,6 +464,25 @@ TEST(BpeTokenizerErrors, BadJsonNamesTheFile) {
   EXPECT_NE(t.status().message().find("invalid JSON"), std::string::npos);
 }
 
+// Found by tests/fuzz/tokenizer_json_fuzz.cc: one huge id in a small vocabulary allocated a dense
+// table of that size (66,666,661 entries: gigabytes, then out of memory).
+TEST(BpeTokenizerErrors, AnIdFarPastTheVocabularyIsRefusedNotAllocated) {
+  json doc = TinyBpeJson(false);
+  const size_t entries = doc["model"]["vocab"].size();
+  doc["model"]["vocab"]["far"] = 66666661;
+  auto t = BpeTokenizer::FromJson(doc.dump(), "t.json");
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find("'far' has id 66666661, more than 65536 past the "
+                                      "vocabulary's " +
+                                      std::to_string(entries + 1) + " entries"),
+            std::string::npos)
+      << t.status().ToString();
+  // A gap within the limit is a hole in the table, as before.
+  doc["model"]["vocab"]["far"] = static_cast<int64_t>(entries + 1000);
+  EXPECT_TRUE(BpeTokenizer::FromJson(doc.dump(), "t.json").ok());
+}
+
 TEST(BpeTokenizerErrors, MergeOfUnknownTokenIsNamed) {
   json doc = TinyBpeJson(false);
   doc["model"]["merges"].push_back("x q9");
