@@ -1,0 +1,127 @@
+"""follow(): the progress bar and the reward curve, in a terminal and (with a stand-in for
+IPython) in a notebook; start_local(): the learner and workers it starts and stops."""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import grpo_serve
+from grpo_serve.follow import reward_curve_svg, text_plot
+from conftest import JOB_TIMEOUT, grpo_bin
+
+SMALL = dict(num_generations=2, per_device_train_batch_size=4, max_completion_length=6,
+             reward_funcs=["length"], save_steps=0, linger_seconds=1)
+
+
+def test_the_text_plot_is_grpo_demos() -> None:
+    # By hand: three columns, one per step; rows from the top at 3.00, 2.00, 1.00.
+    assert text_plot([1.0, 3.0, 2.0], width=60, height=3) == (
+        "     3.00 | * \n"
+        "     2.00 | :*\n"
+        "     1.00 |*::\n"
+        "          +---\n"
+        "           step 13\n")
+
+
+def test_the_text_plot_averages_buckets_of_steps() -> None:
+    y = [float(i % 2) for i in range(120)]  # 0, 1, 0, 1 ...: every bucket of two averages 0.5
+    lines = text_plot(y, width=60, height=4).splitlines()
+    assert len(lines) == 6 and lines[-1].endswith("120")
+    assert all(len(line) == 11 + 60 for line in lines[:4])
+    assert lines[0].endswith(" " * 60) and lines[3].endswith("*" * 60)  # flat: span 1, all low
+
+
+def test_the_svg_curve_follows_the_rewards() -> None:
+    svg = reward_curve_svg([1, 2, 3, 5], [0.0, 1.0, float("nan"), 0.5], width=200, height=100,
+                           pad=10)
+    points = re.search(r'<polyline[^>]*points="([^"]+)"', svg).group(1)  # type: ignore[union-attr]
+    xy = [tuple(map(float, p.split(","))) for p in points.split()]
+    # Step 1 at the left, step 5 at the right; reward 1 at the top, 0 at the bottom; NaN left out.
+    assert xy == [(10.0, 90.0), (55.0, 10.0), (190.0, 50.0)]
+
+
+def local(tmp_path: Path, name: str, **config: Any) -> grpo_serve.LocalRun:
+    return grpo_serve.start_local(workers=1, grpo=grpo_bin(), output_dir=tmp_path / name,
+                                  reward_options={"length": {"target_length": 3}},
+                                  **{**SMALL, **config})
+
+
+def test_follow_in_a_terminal(tmp_path: Path) -> None:
+    out = io.StringIO()
+    with local(tmp_path, "terminal", max_steps=4) as run:
+        client = run.client()
+        job = client.submit([{"prompt": f"q{i}"} for i in range(4)])
+        result = grpo_serve.follow(job, file=out, notebook=False, timeout=JOB_TIMEOUT,
+                                   report_to=["tensorboard"],
+                                   report_options={"logging_dir": str(tmp_path / "tb")})
+        status = client.status()
+        assert run.wait(60) == 0, run.describe("learner")
+    text = out.getvalue()
+    assert result.state == "done" and status.state == "done"
+    assert [r["step"] for r in result.records] + result.missed_steps == [1, 2, 3, 4]
+    assert "4/4" in text  # the bar reached the last step
+    assert "\nmean reward per step\n" + text_plot(result.rewards) in text
+    assert text.rstrip().endswith("job done at step 4/4: max_steps reached")
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))  # report_to wrote events
+
+
+class FakeDisplay:
+    """IPython.display's display() and SVG, recording what the notebook cell would show."""
+
+    def __init__(self) -> None:
+        self.shown: list[str] = []
+
+    def display(self, obj: Any, display_id: bool = False) -> Any:
+        assert display_id
+        self.shown.append(obj.data)
+        fake = self
+
+        class Handle:
+            def update(self, new: Any) -> None:
+                fake.shown.append(new.data)
+
+        return Handle()
+
+    class SVG:
+        def __init__(self, data: str) -> None:
+            self.data = data
+
+
+def test_follow_in_a_notebook_redraws_the_curve(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeDisplay()
+    ipython = types.ModuleType("IPython")
+    ipython.get_ipython = lambda: types.SimpleNamespace(kernel=object(), config={})  # type: ignore
+    display = types.ModuleType("IPython.display")
+    display.display = fake.display  # type: ignore[attr-defined]
+    display.SVG = FakeDisplay.SVG  # type: ignore[attr-defined]
+    ipython.display = display  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    monkeypatch.setitem(sys.modules, "IPython.display", display)
+    from grpo_serve.follow import in_notebook
+
+    assert in_notebook()
+    with local(tmp_path, "notebook", max_steps=3) as run:
+        client = run.client()
+        client.submit([{"prompt": f"q{i}"} for i in range(4)])
+        result = client.job().follow(timeout=JOB_TIMEOUT)
+    assert result.state == "done" and fake.shown[0].count("<polyline") == 0
+    final = fake.shown[-1]
+    steps = [r["step"] for r in result.records]
+    assert final == reward_curve_svg(steps, result.rewards)  # redrawn with every step at the end
+
+
+def test_start_local_names_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(grpo_serve.GrpoServeError, match="not an executable file"):
+        grpo_serve.start_local(grpo=tmp_path / "no-grpo", **SMALL)
+    with pytest.raises(grpo_serve.GrpoServeError, match="did not start") as e:
+        grpo_serve.start_local(grpo=grpo_bin(), output_dir=tmp_path / "bad",
+                               **{**SMALL, "num_generations": 1})
+    assert "num_generations" in str(e.value)  # the end of the learner's log says why
