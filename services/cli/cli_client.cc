@@ -4,7 +4,10 @@
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -41,6 +44,8 @@ struct ClientOptions {
   bool follow = false;
   // cancel
   std::string reason;
+  // watch --report_to: handed to the Python package (python/grpo_serve, `grpo-serve watch`)
+  std::string report_to, project, run_name, logging_dir;
 };
 
 void AddCommonOptions(CLI::App* cmd, ClientOptions* o) {
@@ -210,7 +215,62 @@ int RunStatus(const ClientOptions& o) {
   return 0;
 }
 
+// `grpo watch --report_to ...`: the dashboards' clients are Python packages, so the watch is the
+// Python package's (`python -m grpo_serve watch`, same output, same exit codes), run in place of
+// this process with the venv's Python ($GRPO_PYTHON, else $GRPO_VENV/bin/python, else
+// deploy/setup.sh's /opt/grpo-serve/venv/bin/python).
+int ExecPythonWatch(const ClientOptions& o) {
+  common::GrpoConfig cfg;
+  if (!o.config_file.empty()) {
+    auto loaded = common::LoadConfigFile(o.config_file);
+    if (!loaded.ok()) return Fail("watch", loaded.status());
+    cfg = *loaded;
+  }
+  const auto pick = [](const std::string& flag, const std::string& key) {
+    return flag.empty() ? key : flag;
+  };
+  std::string python;
+  if (const char* p = std::getenv("GRPO_PYTHON"); p != nullptr && *p != '\0') {
+    python = p;
+  } else if (const char* v = std::getenv("GRPO_VENV"); v != nullptr && *v != '\0') {
+    python = std::string(v) + "/bin/python";
+  } else {
+    python = "/opt/grpo-serve/venv/bin/python";
+  }
+  std::vector<std::string> args = {python,
+                                   "-m",
+                                   "grpo_serve",
+                                   "watch",
+                                   "--learner_address",
+                                   pick(o.learner_address, cfg.learner_address),
+                                   "--timeout_seconds",
+                                   std::to_string(o.timeout_seconds),
+                                   "--watch_timeout_seconds",
+                                   std::to_string(o.watch_timeout_seconds),
+                                   "--report_to",
+                                   o.report_to};
+  const auto add = [&](const char* flag, const std::string& value) {
+    if (!value.empty()) args.insert(args.end(), {flag, value});
+  };
+  add("--auth_token_file", pick(o.auth_token_file, cfg.auth_token_file));
+  add("--tls_ca_file", pick(o.tls_ca_file, cfg.tls_ca_file));
+  add("--project", o.project);
+  add("--run_name", o.run_name);
+  add("--logging_dir", o.logging_dir);
+  if (o.json) args.push_back("--json");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::cout.flush();
+  ::execv(python.c_str(), argv.data());
+  return Fail("watch", Status::FailedPrecondition(
+                           "--report_to runs the grpo_serve Python package with " + python +
+                           ", which could not be started (" + std::strerror(errno) +
+                           "): run deploy/setup.sh, or set GRPO_PYTHON to a Python that has it"));
+}
+
 int RunWatch(const ClientOptions& o) {
+  if (!o.report_to.empty()) return ExecPythonWatch(o);
   auto c = Connect(o);
   if (!c.ok()) return Fail("watch", c.status());
   return Watch(*c, o);
@@ -260,6 +320,15 @@ void AddClientCommands(CLI::App& app, CliAction* action) {
     AddCommonOptions(cmd, o.get());
     cmd->add_flag("--json", o->json, "one JSON object per step (TRL metric names)");
     cmd->add_option("--watch_timeout_seconds", o->watch_timeout_seconds, "deadline of the stream");
+    cmd->add_option("--report_to", o->report_to,
+                    "also log every step to these dashboards (comma-separated: trackio, "
+                    "tensorboard, wandb, mlflow), with TRL's metric names; runs the grpo_serve "
+                    "Python package's watch");
+    cmd->add_option("--project", o->project,
+                    "with --report_to: trackio/wandb project, MLflow "
+                    "experiment");
+    cmd->add_option("--run_name", o->run_name, "with --report_to: the dashboards' run name");
+    cmd->add_option("--logging_dir", o->logging_dir, "with --report_to: TensorBoard's directory");
     cmd->callback([o, action] { *action = [o] { return RunWatch(*o); }; });
   }
   {

@@ -1,8 +1,9 @@
-"""watch(), `python -m grpo_serve watch --report_to` and the dashboards, on one real job.
+"""watch(), `grpo watch --report_to` and the dashboards, on one real job.
 
 One learner and one worker run a job of STEPS steps while three watchers follow it from its start:
-the C++ `grpo watch --json` (the reference), `python -m grpo_serve watch --json --report_to
-tensorboard,trackio,wandb,mlflow`, and a StepStream through a proxy that drops its connection and
+the C++ `grpo watch --json` (the reference), `grpo watch --json --report_to
+tensorboard,trackio,wandb,mlflow` (which runs this package's `python -m grpo_serve watch` in its
+place), and a StepStream through a proxy that drops its connection and
 then refuses new ones for a while. Every record and every logged scalar is then checked against
 the reference; the dashboards are read back from their own files (TensorBoard's event files,
 trackio's SQLite, wandb's offline run file, MLflow's file store).
@@ -87,15 +88,17 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     dirs = {"tensorboard": root / "tb", "trackio": root / "trackio", "wandb": root / "wandb",
             "mlflow": root / "mlruns"}
     dirs["wandb"].mkdir()
-    env = dict(os.environ, TRACKIO_DIR=str(dirs["trackio"]), WANDB_MODE="offline",
+    # `grpo watch --report_to` hands over to this package's watch, run by GRPO_PYTHON.
+    env = dict(os.environ, GRPO_PYTHON=sys.executable, TRACKIO_DIR=str(dirs["trackio"]),
+               WANDB_MODE="offline",
                WANDB_SILENT="true", WANDB_DIR=str(dirs["wandb"]),
                MLFLOW_TRACKING_URI=dirs["mlflow"].as_uri(), MLFLOW_ALLOW_FILE_STORE="true")
     auth = ["--learner_address", lr.address, "--auth_token_file", str(lr.token_file)]
     ref_out = root / "reference.jsonl"
     ref = subprocess.Popen([os.environ["GRPO_BIN"], "watch", *auth, "--json"],
                            stdout=open(ref_out, "wb"), stderr=open(root / "reference.err", "wb"))
-    cli = Child("grpo-serve-watch", [
-        sys.executable, "-m", "grpo_serve", "watch", *auth, "--json",
+    cli = Child("grpo-watch-report-to", [
+        os.environ["GRPO_BIN"], "watch", *auth, "--json",
         "--report_to", "tensorboard,trackio,wandb,mlflow", "--project", PROJECT,
         "--run_name", RUN, "--logging_dir", str(dirs["tensorboard"])],
         root / "cli.log", stdout_pipe=False, env=env)
@@ -138,7 +141,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
         wait_for(lambda: b"job waiting_for_data" in (root / "reference.err").read_bytes(), 30,
                  "grpo watch to start")
         wait_for(lambda: "job waiting_for_data" in cli_out.read_text(errors="replace"), 60,
-                 "python -m grpo_serve watch to start:\n" + tail(cli_out))
+                 "grpo watch --report_to to start:\n" + tail(cli_out))
         assert seen_first.wait(30)
         with grpo_serve.Client(lr.address, token=lr.token) as direct:
             direct.submit([{"messages": [{"role": "user", "content": f"Question {i}?"}]}
@@ -207,6 +210,17 @@ def test_the_cli_prints_what_grpo_watch_prints(run: Run) -> None:
     assert run.cli_rc == 0, run.cli_err
     assert run.cli == run.reference
     assert "job done at step 24/24: max_steps reached" in run.cli_err
+
+
+def test_report_to_names_the_python_it_could_not_start(tmp_path: Path) -> None:
+    missing = tmp_path / "no-python"
+    r = subprocess.run([os.environ["GRPO_BIN"], "watch", "--learner_address", "127.0.0.1:1",
+                        "--report_to", "tensorboard"], capture_output=True, text=True,
+                       env=dict(os.environ, GRPO_PYTHON=str(missing)), timeout=60)
+    assert r.returncode == 1
+    assert f"runs the grpo_serve Python package with {missing}, which could not be started" \
+        in r.stderr, r.stderr
+    assert "deploy/setup.sh" in r.stderr
 
 
 def test_tensorboard_holds_every_step_under_trl_names(run: Run) -> None:
