@@ -305,6 +305,12 @@ const std::vector<Field>& Fields() {
       MakeField("use_bias_correction_kl", &C::use_bias_correction_kl),
       MakeField("off_policy_mask_threshold", &C::off_policy_mask_threshold),
       MakeField("top_entropy_quantile", &C::top_entropy_quantile),
+      MakeField("entropy_coef", &C::entropy_coef),
+      MakeField("use_adaptive_entropy", &C::use_adaptive_entropy),
+      MakeField("entropy_coef_min", &C::entropy_coef_min),
+      MakeField("entropy_coef_max", &C::entropy_coef_max),
+      MakeField("entropy_coef_delta", &C::entropy_coef_delta),
+      MakeField("entropy_target", &C::entropy_target),
       MakeField("sapo_temperature_pos", &C::sapo_temperature_pos),
       MakeField("sapo_temperature_neg", &C::sapo_temperature_neg),
       MakeField("vespo_k_pos", &C::vespo_k_pos),
@@ -543,6 +549,16 @@ Status GrpoConfig::Validate() const {
       "importance_sampling_min", "must be in [0, importance_sampling_cap)"));
   RETURN_IF_ERROR(Check(top_entropy_quantile > 0 && top_entropy_quantile <= 1,
                         "top_entropy_quantile", "must be in (0, 1]"));
+  RETURN_IF_ERROR(Check(entropy_coef_min >= 0, "entropy_coef_min", "must be >= 0"));
+  RETURN_IF_ERROR(Check(entropy_coef_max >= entropy_coef_min, "entropy_coef_max",
+                        "must be >= entropy_coef_min"));
+  RETURN_IF_ERROR(Check(entropy_coef_delta >= 0, "entropy_coef_delta", "must be >= 0"));
+  RETURN_IF_ERROR(Check(entropy_target >= 0, "entropy_target", "must be >= 0 (nats)"));
+  RETURN_IF_ERROR(Check(!use_adaptive_entropy ||
+                            (entropy_coef >= entropy_coef_min && entropy_coef <= entropy_coef_max),
+                        "entropy_coef",
+                        "must be in [entropy_coef_min, entropy_coef_max] with "
+                        "use_adaptive_entropy (it is the initial coefficient)"));
   RETURN_IF_ERROR(Check(!off_policy_mask_threshold || *off_policy_mask_threshold >= 0,
                         "off_policy_mask_threshold", "must be >= 0 when set"));
   RETURN_IF_ERROR(Check(sapo_temperature_pos > 0 && sapo_temperature_neg > 0,

@@ -62,6 +62,13 @@ struct GrpoConfig {
   bool use_bias_correction_kl = true;               // KL term x importance ratio (TRL's default)
   std::optional<double> off_policy_mask_threshold;  // DeepSeek-V3.2 sequence mask; unset = off
   double top_entropy_quantile = 1.0;  // the 80/20 rule: < 1 trains the top tokens by entropy
+  // TRL's entropy bonus: the loss minus entropy_coef x the mean token entropy; with
+  // use_adaptive_entropy (Skywork-OR1) entropy_coef is the initial coefficient, moved by
+  // entropy_coef_delta within [entropy_coef_min, entropy_coef_max] toward entropy_target (nats).
+  double entropy_coef = 0.0;
+  bool use_adaptive_entropy = false;
+  double entropy_coef_min = 0.0, entropy_coef_max = 1.0, entropy_coef_delta = 0.005;
+  double entropy_target = 0.2;
   double sapo_temperature_pos = 1.0, sapo_temperature_neg = 1.05;
   double vespo_k_pos = 2.0, vespo_lambda_pos = 3.0, vespo_k_neg = 3.0, vespo_lambda_neg = 2.0;
   // Policy versions a group may lag the learner (docs/ARCHITECTURE.md "Async training and

@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "common/logging.h"
@@ -123,6 +125,12 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
   state["lr_scheduler_type"] = trainer.config().lr_scheduler_type;
   state["learning_rate"] = trainer.config().learning_rate;
   state["max_steps"] = trainer.config().max_steps;
+  // The adaptive entropy controller (TRL keeps it beside its checkpoint too); +inf (no step yet)
+  // is null in JSON.
+  state["entropy_coef"] = trainer.entropy_control().coef();
+  const double last_entropy = trainer.entropy_control().last_entropy();
+  state["last_world_entropy"] =
+      std::isfinite(last_entropy) ? nlohmann::json(last_entropy) : nlohmann::json(nullptr);
   {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -262,6 +270,12 @@ Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
   RETURN_IF_ERROR(trainer.policy().LoadStateFrom(ordered).WithContext(dir));
   RETURN_IF_ERROR(trainer.optimizer().LoadStateDict(opt_state).WithContext(dir));
   trainer.RestoreCounters(ts["global_step"].get<int64_t>(), ts["policy_version"].get<int64_t>());
+  if (ts.contains("entropy_coef") && ts["entropy_coef"].is_number()) {  // older: the config's
+    const auto& last = ts.value("last_world_entropy", nlohmann::json(nullptr));
+    trainer.RestoreEntropyControl(
+        ts["entropy_coef"].get<double>(),
+        last.is_number() ? last.get<double>() : std::numeric_limits<double>::infinity());
+  }
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   try {

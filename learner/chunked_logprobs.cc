@@ -24,6 +24,21 @@ at::Tensor ChunkLogits(const at::Tensor& h, const at::Tensor& weight, at::Scalar
   return z;
 }
 
+// lp [c, V] = log p, in place -> -p (g + g_H (log p + H)): dL/dz of g logp + g_H H without the
+// onehot(label) g term, by row blocks so that the temporary stays small. g, g_H, H: [c, 1].
+void EntropyAndLogpGrad(at::Tensor& lp, const at::Tensor& g, const at::Tensor& g_entropy,
+                        const at::Tensor& entropy) {
+  constexpr int64_t kBlock = 64;
+  const int64_t c = lp.size(0);
+  for (int64_t r = 0; r < c; r += kBlock) {
+    const int64_t k = std::min(kBlock, c - r);
+    at::Tensor b = lp.narrow(0, r, k);
+    const at::Tensor t =
+        (b + entropy.narrow(0, r, k)).mul_(g_entropy.narrow(0, r, k)).add_(g.narrow(0, r, k));
+    b.exp_().mul_(t).neg_();
+  }
+}
+
 // Saves hidden, weight, labels and the per-token logsumexp; nothing of size V.
 class ChunkedLogprobsFunction : public torch::autograd::Function<ChunkedLogprobsFunction> {
  public:
@@ -54,13 +69,14 @@ class ChunkedLogprobsFunction : public torch::autograd::Function<ChunkedLogprobs
     ctx->saved_data["chunk_tokens"] = chunk_tokens;
     ctx->saved_data["temperature"] = temperature;
     if (with_entropy) {
-      ctx->mark_non_differentiable({entropy});
+      ctx->saved_data["entropy"] = entropy.detach();  // dH/dz needs H
       return {logp, entropy};
     }
     return {logp};
   }
 
-  // dlogp/dz = onehot(label) - softmax(z), z = logits / temperature.
+  // dlogp/dz = onehot(label) - softmax(z), dH/dz = -softmax(z) (log softmax(z) + H),
+  // z = logits / temperature.
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& hidden = saved[0];
@@ -75,9 +91,15 @@ class ChunkedLogprobsFunction : public torch::autograd::Function<ChunkedLogprobs
     const bool need_weight = ctx->needs_input_grad(1);
 
     at::Tensor grad_hidden, grad_weight;
-    const at::Tensor& g = grad_outputs[0];  // [N]; zeros when the output was unused
-    if (g.defined() && (need_hidden || need_weight)) {
-      const at::Tensor gs = g.to(dt) / temperature;
+    // [N] each; undefined when that output was unused
+    const at::Tensor& g = grad_outputs[0];
+    const at::Tensor g_entropy = grad_outputs.size() > 1 ? grad_outputs[1] : at::Tensor();
+    if ((g.defined() || g_entropy.defined()) && (need_hidden || need_weight)) {
+      const auto opts = hidden.options().dtype(dt);
+      const at::Tensor gs = (g.defined() ? g.to(dt) : at::zeros({n}, opts)) / temperature;
+      const at::Tensor ghs = g_entropy.defined() ? g_entropy.to(dt) / temperature : at::Tensor();
+      const at::Tensor entropy =
+          ghs.defined() ? ctx->saved_data["entropy"].toTensor().to(dt) : at::Tensor();
       if (need_hidden) grad_hidden = at::empty_like(hidden);
       if (need_weight) grad_weight = at::zeros(weight.sizes(), weight.options().dtype(dt));
       for (int64_t s = 0; s < n; s += chunk_tokens) {
@@ -85,7 +107,13 @@ class ChunkedLogprobsFunction : public torch::autograd::Function<ChunkedLogprobs
         const at::Tensor h = hidden.narrow(0, s, c);
         at::Tensor dz = ChunkLogits(h, weight, dt, temperature);  // [c, V], becomes dL/dz
         const at::Tensor gc = gs.narrow(0, s, c).unsqueeze(1);    // [c, 1]
-        dz.sub_(lse.narrow(0, s, c).unsqueeze(1)).exp_().mul_(-gc);
+        dz.sub_(lse.narrow(0, s, c).unsqueeze(1));                // log p
+        if (ghs.defined()) {
+          EntropyAndLogpGrad(dz, gc, ghs.narrow(0, s, c).unsqueeze(1),
+                             entropy.narrow(0, s, c).unsqueeze(1));
+        } else {
+          dz.exp_().mul_(-gc);
+        }
         dz.scatter_add_(1, labels.narrow(0, s, c).unsqueeze(1), gc);
         if (need_hidden)
           grad_hidden.narrow(0, s, c).copy_(at::matmul(dz.to(weight.scalar_type()), weight));
@@ -106,10 +134,16 @@ class FusedLogprobsLossFunction : public torch::autograd::Function<FusedLogprobs
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden,
                                const at::Tensor& weight, const at::Tensor& labels,
                                const TokenLossGrad* token_grad, int64_t chunk_tokens,
-                               double temperature, bool with_entropy) {
+                               double temperature, bool with_entropy,
+                               const at::Tensor* entropy_grad) {
     const int64_t n = hidden.size(0);
     const at::ScalarType dt = ComputeType(hidden);
     const auto opts = hidden.options().dtype(dt);
+    // A pointer, not a tensor argument: autograd records every tensor argument (and this one may
+    // be undefined).
+    const at::Tensor ghs = entropy_grad != nullptr && entropy_grad->defined()
+                               ? entropy_grad->to(dt) / temperature
+                               : at::Tensor();
     at::Tensor logp = at::empty({n}, opts);
     at::Tensor entropy = with_entropy ? at::empty({n}, opts) : at::Tensor();
     at::Tensor grad_hidden = at::empty_like(hidden);
@@ -144,8 +178,14 @@ class FusedLogprobsLossFunction : public torch::autograd::Function<FusedLogprobs
       TORCH_CHECK(g.defined() && g.dim() == 1 && g.size(0) == c,
                   "fused log-probs: the token gradient of chunk ", s, " must be [", c, "]");
       const at::Tensor gs = (g.to(dt) / temperature).unsqueeze(1);  // [c, 1]
-      // dL/dz = g (onehot(label) - p) / temperature
-      at::Tensor dz = z.exp_().mul_(-gs);
+      // dL/dz = (g (onehot(label) - p) - g_H p (log p + H)) / temperature
+      at::Tensor dz = z;
+      if (ghs.defined()) {
+        EntropyAndLogpGrad(dz, gs, ghs.narrow(0, s, c).unsqueeze(1),
+                           entropy.narrow(0, s, c).unsqueeze(1));
+      } else {
+        dz.exp_().mul_(-gs);
+      }
       dz.scatter_add_(1, lab, gs);
       grad_hidden.narrow(0, s, c).copy_(at::matmul(dz.to(weight.scalar_type()), weight));
       grad_weight.addmm_(dz.t(), h.to(dt));
@@ -166,7 +206,7 @@ class FusedLogprobsLossFunction : public torch::autograd::Function<FusedLogprobs
       if (ctx->needs_input_grad(1)) grad_weight = saved[1] * g.to(saved[1].scalar_type());
     }
     return {grad_hidden,  grad_weight,  at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -223,14 +263,22 @@ at::Tensor ChunkedTokenLogprobs(const at::Tensor& hidden, const at::Tensor& lm_w
 at::Tensor FusedTokenLogprobsLoss(const at::Tensor& hidden, const at::Tensor& lm_weight,
                                   const at::Tensor& labels, const TokenLossGrad& token_grad,
                                   at::Tensor* logp_out, int64_t chunk_tokens, double temperature,
-                                  at::Tensor* entropy_out) {
+                                  at::Tensor* entropy_out, const at::Tensor& entropy_grad) {
   TORCH_CHECK(chunk_tokens >= 1, "token logprobs: chunk_tokens must be >= 1, got ", chunk_tokens);
   TORCH_CHECK(logp_out != nullptr, "fused log-probs: logp_out is required");
   TORCH_CHECK(static_cast<bool>(token_grad), "fused log-probs: no token gradient function");
   const Flat f = CheckAndFlatten(hidden, lm_weight, labels, temperature);
   const bool with_entropy = entropy_out != nullptr;
-  const variable_list out = FusedLogprobsLossFunction::apply(
-      f.hidden, lm_weight, f.labels, &token_grad, chunk_tokens, temperature, with_entropy);
+  TORCH_CHECK(!entropy_grad.defined() || with_entropy,
+              "fused log-probs: entropy_grad needs entropy_out");
+  TORCH_CHECK(!entropy_grad.defined() || entropy_grad.sizes() == labels.sizes(),
+              "fused log-probs: entropy_grad must be shaped like labels ", labels.sizes(), ", got ",
+              entropy_grad.sizes());
+  const at::Tensor flat_entropy_grad =
+      entropy_grad.defined() ? entropy_grad.reshape({-1}).detach() : at::Tensor();
+  const variable_list out =
+      FusedLogprobsLossFunction::apply(f.hidden, lm_weight, f.labels, &token_grad, chunk_tokens,
+                                       temperature, with_entropy, &flat_entropy_grad);
   *logp_out = out[1].reshape(labels.sizes());
   if (with_entropy) *entropy_out = out[2].reshape(labels.sizes());
   return out[0];
@@ -244,7 +292,6 @@ at::Tensor NaiveTokenLogprobs(const at::Tensor& hidden, const at::Tensor& lm_wei
       at::matmul(f.hidden, lm_weight.t()).to(ComputeType(hidden)) / temperature;  // [N, V]
   const at::Tensor logsm = at::log_softmax(logits, -1);                           // [N, V]
   if (entropy_out != nullptr) {
-    at::NoGradGuard no_grad;
     *entropy_out = -(at::exp(logsm) * logsm).sum(-1).reshape(labels.sizes());
   }
   return logsm.gather(1, f.labels.unsqueeze(1)).squeeze(1).reshape(labels.sizes());

@@ -20,7 +20,8 @@ inline constexpr int64_t kDefaultLogprobChunkTokens = 1024;
 // recomputes each chunk's logits from the saved hidden, weight, labels and per-token logsumexp;
 // it holds one [V, D] float32 (float64) accumulator for lm_weight's gradient.
 // entropy_out, when given, receives the entropy of the tempered distribution per token (same
-// shape), computed from the same chunk; it carries no gradient.
+// shape), computed from the same chunk, differentiable too (dH/dz_v = -p_v (log p_v + H), the
+// entropy bonus's gradient; backward recomputes it from the saved entropies).
 // Throws c10::Error (TORCH_CHECK) naming the problem on bad shapes, dtypes, devices, labels
 // out of range, chunk_tokens < 1 or a non-positive temperature.
 at::Tensor ChunkedTokenLogprobs(const at::Tensor& hidden, const at::Tensor& lm_weight,
@@ -40,16 +41,20 @@ using TokenLossGrad = std::function<at::Tensor(int64_t start, const at::Tensor& 
 // [chunk_tokens, V] logits. Returns a scalar 0 whose backward (gradient s) adds s times those
 // gradients into hidden and lm_weight; *logp_out (and *entropy_out when given) receive the
 // per-token log-probs (entropies) shaped like labels, without gradient. Until that backward
-// runs it holds one [V, D] and one [N, D] gradient buffer. Same checks as ChunkedTokenLogprobs;
-// throws c10::Error when token_grad returns a tensor that is not [c].
+// runs it holds one [V, D] and one [N, D] gradient buffer. entropy_grad, when defined (shaped
+// like labels; needs entropy_out), is dL/dH per token of a loss term linear in the entropies
+// (the entropy bonus), added to the same gradient. Same checks as ChunkedTokenLogprobs; throws
+// c10::Error when token_grad returns a tensor that is not [c].
 at::Tensor FusedTokenLogprobsLoss(const at::Tensor& hidden, const at::Tensor& lm_weight,
                                   const at::Tensor& labels, const TokenLossGrad& token_grad,
                                   at::Tensor* logp_out,
                                   int64_t chunk_tokens = kDefaultLogprobChunkTokens,
-                                  double temperature = 1.0, at::Tensor* entropy_out = nullptr);
+                                  double temperature = 1.0, at::Tensor* entropy_out = nullptr,
+                                  const at::Tensor& entropy_grad = at::Tensor());
 
 // The same numbers the naive way (TRL's original get_per_token_logps: full [N, V] logits,
-// log_softmax, gather); differentiable through ordinary autograd. For tests and benchmarks.
+// log_softmax, gather); differentiable through ordinary autograd (the entropies too). For tests
+// and benchmarks.
 at::Tensor NaiveTokenLogprobs(const at::Tensor& hidden, const at::Tensor& lm_weight,
                               const at::Tensor& labels, double temperature = 1.0,
                               at::Tensor* entropy_out = nullptr);

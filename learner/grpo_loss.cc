@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "learner/loss/entropy_bonus.h"
 #include "learner/loss/entropy_mask.h"
 
 namespace grpo::learner {
@@ -46,6 +47,10 @@ std::string_view ImportanceSamplingLevelName(ImportanceSamplingLevel l) {
 }
 
 Status GrpoLossConfig::Validate() const {
+  if (!Finite(entropy_coef)) {
+    return Status::InvalidArgument("entropy_coef must be finite, got " +
+                                   std::to_string(entropy_coef));
+  }
   if (!Finite(epsilon) || epsilon < 0.0 || epsilon > 1.0) {
     return Status::InvalidArgument("epsilon must be in [0, 1], got " + std::to_string(epsilon));
   }
@@ -124,6 +129,8 @@ void GrpoLossMetrics::Merge(const GrpoLossMetrics& o) {
   clip_region_sum += o.clip_region_sum;
   kl_sum += o.kl_sum;
   phi_sum += o.phi_sum;
+  entropy_sum += o.entropy_sum;
+  entropy_tokens += o.entropy_tokens;
   is_ratio_sum += o.is_ratio_sum;
   is_ratio_tokens += o.is_ratio_tokens;
   is_ratio_max = std::max(is_ratio_max, o.is_ratio_max);
@@ -259,9 +266,13 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
       per_token = per_token * loss::OffPolicySequenceMask(a, lp, beh.defined() ? beh : old, m,
                                                           valid, *config.off_policy_mask_threshold);
     }
+    // The tokens the policy term acts on (and the entropy bonus with them, as TRL).
+    at::Tensor effective = m;
     if (config.top_entropy_quantile < 1.0) {
-      per_token = per_token *
-                  loss::HighEntropyMask(in.entropy, valid, m, 1.0 - config.top_entropy_quantile);
+      const at::Tensor high =
+          loss::HighEntropyMask(in.entropy, valid, m, 1.0 - config.top_entropy_quantile);
+      per_token = per_token * high;
+      effective = m * high.to(dt);
     }
     if (is_weights.defined() && !objective.folds_is_weights) per_token = per_token * is_weights;
     at::Tensor kl;  // [B, T]
@@ -273,8 +284,12 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
     }
 
     const at::Tensor masked = per_token * m;  // finite everywhere: padding terms are 0
-    const at::Tensor loss = loss::AggregateMicroBatch(objective.aggregation, masked, m, seq_tokens,
-                                                      config.max_completion_length, normaliser);
+    at::Tensor loss = loss::AggregateMicroBatch(objective.aggregation, masked, m, seq_tokens,
+                                                config.max_completion_length, normaliser);
+    const at::Tensor entropy = in.entropy.defined() ? in.entropy.to(dt) : at::Tensor();
+    if (config.entropy_coef != 0.0 && entropy.defined()) {
+      loss = loss - config.entropy_coef * loss::EntropyBonus(entropy, effective, valid, normaliser);
+    }
 
     // Metrics (docs/GRPO_SPEC.md, TRL 1.16): clip flags as the objective defines them; means over
     // this micro-batch's masked tokens, or over its sequences when a flag is one per sequence.
@@ -298,6 +313,9 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
         parts.push_back(zero);
       }
       parts.push_back(terms.phi.defined() ? terms.phi.sum() : zero);
+      parts.push_back(
+          entropy.defined() ? (at::where(valid, entropy.detach(), zero) * effective).sum() : zero);
+      parts.push_back(effective.sum());
       stats = at::stack(parts).to(at::kCPU, at::kDouble);
     }
     const double* s = stats.data_ptr<double>();
@@ -320,6 +338,10 @@ StatusOr<GrpoLossOutput> ComputeGrpoLoss(const GrpoLossConfig& config, const Grp
     mt.is_ratio_tokens = is_ratio.defined() ? s[1] : 0.0;
     mt.is_ratio_max = s[7];
     mt.phi_sum = s[8] / static_cast<double>(b);
+    if (entropy.defined()) {
+      mt.entropy_sum = s[9];
+      mt.entropy_tokens = s[10];
+    }
     return out;
   } catch (const c10::Error& e) {
     return Status::Internal(std::string("grpo loss: ") + e.what_without_backtrace());

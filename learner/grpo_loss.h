@@ -45,6 +45,10 @@ struct GrpoLossConfig {
   double sapo_temperature_neg = 1.05;                // sapo: tau for A <= 0
   double vespo_k_pos = 2.0, vespo_lambda_pos = 3.0;  // vespo: A >= 0
   double vespo_k_neg = 3.0, vespo_lambda_neg = 2.0;  // vespo: A < 0
+  // The entropy bonus's coefficient for this micro-batch (loss/entropy_bonus.h; the trainer's
+  // EntropyController sets it per step): the loss subtracts entropy_coef x the bonus when the
+  // inputs carry the entropies. 0 = none.
+  double entropy_coef = 0.0;
 
   double EpsilonHigh() const { return epsilon_high.value_or(epsilon); }
   // InvalidArgument naming the option: epsilon in [0, 1], epsilon_high >= 0, delta > 1,
@@ -71,7 +75,9 @@ struct GrpoLossInputs {
   at::Tensor ref{};         // [B, T] reference log-probs; needed when beta != 0
   at::Tensor advantages{};  // [B]
   at::Tensor mask{};        // [B, T] completion mask, values 0 or 1
-  at::Tensor entropy{};     // [B, T] per-token entropy; needed when top_entropy_quantile < 1
+  // [B, T] per-token entropy; needed when top_entropy_quantile < 1; with entropy_coef != 0 the
+  // bonus is computed from it (and its gradient flows through it when it has one).
+  at::Tensor entropy{};
 };
 
 // Sums and counts, so micro-batches (and ranks) aggregate exactly: Merge() them over a step,
@@ -92,6 +98,10 @@ struct GrpoLossMetrics {
   double is_ratio_tokens = 0.0;  // tokens counted in is_ratio_sum
   double is_ratio_max = 0.0;     // max of exp(old - beh); 0 when none
   double phi_sum = 0.0;          // vespo: mean over sequences of phi (per micro-batch, summed)
+  // The entropies summed over the tokens the policy term acts on, and those tokens (the adaptive
+  // entropy controller's window, token weighted as TRL's); only when entropy is given.
+  double entropy_sum = 0.0;
+  double entropy_tokens = 0.0;
   bool has_kl = false;
   bool has_is_ratio = false;
 

@@ -70,6 +70,7 @@ nlohmann::json StepMetrics::ToJson() const {
       break;
   }
   if (has_kl) j["kl"] = kl;
+  if (has_entropy_coef) j["entropy_coef"] = entropy_coef;
   if (has_is_ratio) {
     j["is_ratio/mean"] = is_ratio_mean;
     j["is_ratio/max"] = is_ratio_max;
@@ -128,6 +129,10 @@ struct GrpoTrainer::OpenStep {
   StepMetrics sm;  // iteration, sequences, completion_tokens, reward metrics so far
   GrpoLossMetrics lm;
   double step_completion_tokens = 0;  // dapo's normaliser (unmasked completion tokens)
+  // The entropy bonus of this step: its coefficient (the controller's, fixed for the step, as
+  // TRL) and LossNormaliser::entropy_bonus_scale (kStepTokens: the step's tokens, known when
+  // the step starts because such a step never spans generation batches with the bonus on).
+  double bonus_coef = 0.0, bonus_scale = 1.0;
   double clipped = 0, staleness_sum = 0, entropy_mean_sum = 0;
   double mismatch_sum = 0, mismatch_max = 0, mismatch_tokens = 0;
   int64_t all_tokens = 0;
@@ -234,11 +239,18 @@ static StatusOr<GrpoLossOutput> FusedMicroBatchBackward(
   Status grad_status;
   ASSIGN_OR_RETURN(const TokenLossGrad token_grad,
                    GrpoTokenLossGrad(loss_config, in, norm, &grad_status));
-  at::Tensor anchor =
-      FusedTokenLogprobsLoss(h, model.LmHeadWeight(), mb.labels, token_grad, logp,
-                             config.logprob_chunk_tokens, SamplingTemperature(config), entropy);
+  // The entropy bonus is linear in each token's entropy: its dL/dH joins the chunk's gradient.
+  const at::Tensor entropy_grad =
+      loss_config.entropy_coef != 0.0
+          ? loss::EntropyBonusTokenGrad(mb.completion_mask, loss_config.entropy_coef, norm)
+          : at::Tensor();
+  at::Tensor anchor = FusedTokenLogprobsLoss(h, model.LmHeadWeight(), mb.labels, token_grad, logp,
+                                             config.logprob_chunk_tokens,
+                                             SamplingTemperature(config), entropy, entropy_grad);
   RETURN_IF_ERROR(grad_status);
-  in.logp = *logp;  // without gradient: the value and the metrics
+  // Without gradient: the value and the metrics (the bonus's value too).
+  in.logp = *logp;
+  if (entropy_grad.defined()) in.entropy = *entropy;
   ASSIGN_OR_RETURN(GrpoLossOutput out, ComputeGrpoLoss(loss_config, in, norm));
   anchor.backward();
   return out;
@@ -307,6 +319,14 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
   if (reference) RETURN_IF_ERROR(reference->To(policy->device(), compute_dtype));
 
   std::unique_ptr<GrpoTrainer> t(new GrpoTrainer(config, lc, policy, std::move(reference)));
+  loss::EntropyControlConfig ec;
+  ec.entropy_coef = config.entropy_coef;
+  ec.adaptive = config.use_adaptive_entropy;
+  ec.coef_min = config.entropy_coef_min;
+  ec.coef_max = config.entropy_coef_max;
+  ec.coef_delta = config.entropy_coef_delta;
+  ec.target = config.entropy_target;
+  t->entropy_control_ = loss::EntropyController(ec);
   if (ranks != nullptr) t->ranks_ = ranks;
   t->schedule_ = schedule;
   policy->SetRequiresGrad(true);
@@ -600,6 +620,22 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
   LossNormaliser norm;
   norm.gradient_accumulation_steps = ga;
   norm.step_completion_tokens = 1.0;
+  // With the entropy bonus, a token-sum loss must know its step's tokens when the step starts:
+  // the tokens of each micro-batch of the stream, and no step spans into the next generation
+  // batch (one still open when the stream ends is taken short, below).
+  const bool bonus = entropy_control_.config().enabled();
+  const bool bonus_needs_tokens = bonus && loss::ObjectiveOf(loss_config_.loss_type).aggregation ==
+                                               loss::Aggregation::kStepTokens;
+  std::vector<double> micro_tokens(num_micro, 0.0);
+  for (int64_t m = 0; m < num_micro; ++m) {
+    for (int64_t r = m * bs; r < std::min(N, (m + 1) * bs); ++r) {
+      const auto* c = batch.completions[r];
+      if (!(config_.mask_truncated_completions && c->truncated)) {
+        micro_tokens[m] += static_cast<double>(c->token_ids.size());
+      }
+    }
+  }
+  const int64_t stream = config_.num_iterations * num_micro;
 
   // The micro-batch stream of this batch: num_iterations passes over its micro-batches; an
   // optimizer step every gradient_accumulation_steps micro-batches of the stream, carried over
@@ -610,8 +646,18 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
         open_ = std::make_unique<OpenStep>();
         open_->start = std::chrono::steady_clock::now();
         open_->sm.iteration = it;
+        open_->bonus_coef = entropy_control_.ApplyCoef();
+        if (bonus_needs_tokens) {
+          double tokens = 0.0;
+          const int64_t q = it * num_micro + m;
+          for (int64_t k = q; k < std::min(stream, q + ga); ++k)
+            tokens += micro_tokens[k % num_micro];
+          open_->bonus_scale = std::max(1.0, tokens);
+        }
       }
       OpenStep& os = *open_;
+      step_loss_config.entropy_coef = os.bonus_coef;
+      norm.entropy_bonus_scale = os.bonus_scale;
       const int64_t b0 = m * bs, b1 = std::min(N, b0 + bs);
       for (int64_t r = b0; r < b1; ++r) {
         const auto* c = batch.completions[r];
@@ -702,6 +748,12 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       result.steps.push_back(std::move(sm));
     }
   }
+  if (bonus_needs_tokens && open_ && open_->micro > 0) {
+    // The step's tokens were counted from this batch alone: it ends here, short (every rank
+    // runs this same stream and flushes here too).
+    ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(open_->micro));
+    result.steps.push_back(std::move(sm));
+  }
   return result;
 }
 
@@ -729,6 +781,8 @@ Status GrpoTrainer::ReduceOverRanks(OpenStep& os) {
                               lm.clip_region_sum,
                               lm.kl_sum,
                               lm.phi_sum,
+                              lm.entropy_sum,
+                              lm.entropy_tokens,
                               lm.is_ratio_sum,
                               lm.is_ratio_tokens,
                               lm.has_kl ? 1.0 : 0.0,
@@ -750,13 +804,15 @@ Status GrpoTrainer::ReduceOverRanks(OpenStep& os) {
   lm.clip_region_sum = v[5];
   lm.kl_sum = v[6];
   lm.phi_sum = v[7];
-  lm.is_ratio_sum = v[8];
-  lm.is_ratio_tokens = v[9];
-  lm.has_kl = v[10] > 0;
-  lm.has_is_ratio = v[11] > 0;
-  os.entropy_mean_sum = v[12];
-  os.mismatch_sum = v[13];
-  os.mismatch_tokens = v[14];
+  lm.entropy_sum = v[8];
+  lm.entropy_tokens = v[9];
+  lm.is_ratio_sum = v[10];
+  lm.is_ratio_tokens = v[11];
+  lm.has_kl = v[12] > 0;
+  lm.has_is_ratio = v[13] > 0;
+  os.entropy_mean_sum = v[14];
+  os.mismatch_sum = v[15];
+  os.mismatch_tokens = v[16];
   lm.is_ratio_max = max_t[0].data_ptr<double>()[0];
   os.mismatch_max = max_t[0].data_ptr<double>()[1];
   return Status::OK();
@@ -774,6 +830,11 @@ Status GrpoTrainer::SyncFromRankZero() {
   RETURN_IF_ERROR(ranks_->Broadcast(counters, "broadcast of rank 0's step counters"));
   const int64_t* c = counters[0].data_ptr<int64_t>();
   RestoreCounters(c[0], c[1]);
+  std::vector<at::Tensor> control = {at::tensor(
+      std::vector<double>{entropy_control_.coef(), entropy_control_.last_entropy()}, at::kDouble)};
+  RETURN_IF_ERROR(ranks_->Broadcast(control, "broadcast of rank 0's entropy controller"));
+  const double* e = control[0].data_ptr<double>();
+  entropy_control_.Restore(e[0], e[1]);
   open_.reset();
   ZeroGrads();
   RefreshComputeCopy();
@@ -818,6 +879,10 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(int64_t divisor) {
   sm.clip_ratio_region = os.lm.ClipRegionMean();
   sm.objective_metric = loss::ObjectiveOf(loss_config_.loss_type).metric;
   sm.vespo_phi_mean = os.lm.PhiMean();
+  // The adaptive coefficient moves after each step, on the step's entropy over all ranks.
+  entropy_control_.EndStep(os.lm.entropy_sum, os.lm.entropy_tokens);
+  sm.has_entropy_coef = entropy_control_.config().enabled();
+  sm.entropy_coef = entropy_control_.coef();
   sm.has_kl = os.lm.has_kl;
   sm.kl = os.lm.KlMean();
   sm.has_is_ratio = os.lm.has_is_ratio;

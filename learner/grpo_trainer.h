@@ -25,6 +25,7 @@
 #include "common/status.h"
 #include "learner/distributed/collectives.h"
 #include "learner/grpo_loss.h"
+#include "learner/loss/entropy_bonus.h"
 #include "learner/optimizer.h"
 #include "learner/step_optimizer.h"
 
@@ -58,6 +59,10 @@ struct StepMetrics {
   // surrogate, cispo_clip_ratio for cispo, vespo/phi_seq_mean for vespo, none for sapo).
   loss::ObjectiveMetric objective_metric = loss::ObjectiveMetric::kClipRatios;
   double vespo_phi_mean = 0;
+  // TRL's `entropy_coef`: the entropy bonus's coefficient after this step (adaptive: updated),
+  // logged when the bonus is on.
+  bool has_entropy_coef = false;
+  double entropy_coef = 0;
   bool has_kl = false;
   double kl = 0;
   bool has_is_ratio = false;
@@ -175,6 +180,12 @@ class GrpoTrainer {
     global_step_ = global_step;
     policy_version_ = policy_version;
   }
+  // The entropy bonus's controller (its coefficient and the last step's entropy are checkpoint
+  // state).
+  const loss::EntropyController& entropy_control() const { return entropy_control_; }
+  void RestoreEntropyControl(double coef, double last_entropy) {
+    entropy_control_.Restore(coef, last_entropy);
+  }
   // Tests only: called after each micro-batch's backward with its index in the call's stream of
   // micro-batches (0-based, over all num_iterations passes); an error fails the call there, as a
   // micro-batch that fails after its gradient reached .grad would (fault injection).
@@ -228,6 +239,7 @@ class GrpoTrainer {
   int64_t global_step_ = 0;
   std::atomic<int64_t> policy_version_{0};  // read by ValidateGroup on other threads
   std::unique_ptr<OpenStep> open_;
+  loss::EntropyController entropy_control_{{}};  // set by Create from the config
   std::string dump_incarnation_;
   std::function<Status(int64_t)> TEST_micro_batch_fault_;
 };

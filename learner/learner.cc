@@ -289,6 +289,7 @@ void Learner::TrainLoop() {
   while (true) {
     std::vector<BufferedGroup> batch;
     BatchFill fill;
+    bool batch_drained = false;  // a short batch for an owed pass, not for max_num_gen_batches
     bool housekeep = false;
     std::vector<std::string> dropped;
     {
@@ -315,16 +316,18 @@ void Learner::TrainLoop() {
       // A full batch, or (dynamic sampling, after max_num_gen_batches batches' worth) what the
       // buffer holds.
       const int64_t take = std::min<int64_t>(batch_groups_, buffer_.size());
+      batch_drained = drain_buffer_ && take < batch_groups_;
       for (int64_t i = 0; i < take; ++i) {
         batch.push_back(std::move(buffer_.front()));
         buffer_.pop_front();
       }
       fill = batch_fill_.Take(take);
+      drain_buffer_ = false;
       metrics_.buffer_groups->Set(static_cast<double>(buffer_.size()));
       training_ = true;
     }
     room_cv_.NotifyAll();
-    if (fill.short_batch) {
+    if (fill.short_batch && !batch_drained) {
       metrics_.short_batches->Increment();
       GRPO_LOG_WARN(
           "learner: dynamic sampling: training a short batch of {} groups (of {}): {} groups "
@@ -361,6 +364,20 @@ void Learner::Housekeep() {
       counts->queued = counts->done();
     } else if (!next.ok() && next.status().code() != StatusCode::kFailedPrecondition) {
       GRPO_LOG_WARN("learner: start next pass: {}", next.status().ToString());
+    } else if (!next.ok()) {
+      // Nothing queued or leased, yet the pass cannot end: a prompt owes an earlier pass, which
+      // is queued only after its later group (in the partial batch) trains. Nothing else will
+      // fill that batch (with dynamic sampling the rest of the pass may all be filtered): it
+      // trains now.
+      common::MutexLock lock(&mu_);
+      if (!buffer_.empty() && !drain_buffer_) {
+        drain_buffer_ = true;
+        GRPO_LOG_INFO(
+            "learner: pass {} owes a training ({}); the {} buffered groups train now, short of a "
+            "batch",
+            counts->pass, next.status().message(), buffer_.size());
+        train_cv_.NotifyAll();
+      }
     }
   }
   JobState want =
@@ -425,7 +442,8 @@ void Learner::ReturnLeasesOfDropped(const std::vector<std::string>& dropped) {
 
 bool Learner::BatchReadyLocked() const {
   const auto buffered = static_cast<int64_t>(buffer_.size());
-  return buffered >= batch_groups_ || batch_fill_.ShortBatchDue(buffered);
+  return buffered >= batch_groups_ || batch_fill_.ShortBatchDue(buffered) ||
+         (drain_buffer_ && buffered > 0);
 }
 
 void Learner::TrainBatch(std::vector<BufferedGroup> batch, BatchFill fill) {

@@ -367,6 +367,10 @@ class Learner {
   std::deque<BufferedGroup> buffer_ GRPO_GUARDED_BY(mu_);
   // Groups filtered for the batch being filled (dynamic sampling); set by Create.
   BatchFillCounter batch_fill_ GRPO_GUARDED_BY(mu_){1, 0};
+  // Housekeep found the pass unable to end only because a prompt owes an earlier pass while its
+  // later group waits in the partial batch (the owed pass is queued once that group trains): the
+  // buffer trains now, short, instead of waiting for groups that cannot come.
+  bool drain_buffer_ GRPO_GUARDED_BY(mu_) = false;
   std::multiset<int64_t> accepting_ms_ GRPO_GUARDED_BY(mu_);            // accepts in flight
   std::map<std::string, int> bad_group_attempts_ GRPO_GUARDED_BY(mu_);  // by prompt id
   std::map<std::string, int64_t> refused_ GRPO_GUARDED_BY(mu_);         // by reason

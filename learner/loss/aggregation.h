@@ -21,6 +21,10 @@ struct LossNormaliser {
   // The other aggregations: the micro-batch loss is divided by this (the step's micro-batches
   // over all learner ranks).
   int64_t gradient_accumulation_steps = 1;
+  // The entropy bonus (loss/entropy_bonus.h) is multiplied by this so that it is TRL's after the
+  // step's StepGradientScale: the step's completion tokens for kStepTokens (whose micro-batch
+  // losses are plain sums until the step ends), else 1.
+  double entropy_bonus_scale = 1.0;
 };
 
 namespace loss {

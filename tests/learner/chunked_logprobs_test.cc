@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "learner/grpo_loss.h"
+#include "learner/loss/entropy_bonus.h"
 
 namespace grpo::learner {
 namespace {
@@ -95,17 +96,33 @@ TEST(ChunkedTokenLogprobs, LogProbabilitiesOfEveryLabelSumToOne) {
   }
 }
 
-TEST(ChunkedTokenLogprobs, EntropyMatchesNaiveAndCarriesNoGradient) {
+// The entropy and its gradient (the entropy bonus's): the naive path's autograd through
+// -sum(softmax * log_softmax) is the reference, for a loss of log-probs and entropies together
+// and for one of entropies alone.
+TEST(ChunkedTokenLogprobs, EntropyAndItsGradientMatchNaive) {
   const Problem p = MakeProblem(at::kDouble);
-  at::Tensor e_chunked, e_naive;
-  const at::Tensor logp = ChunkedTokenLogprobs(p.hidden, p.w, p.labels, 6, 0.8, &e_chunked);
-  NaiveTokenLogprobs(p.hidden, p.w, p.labels, 0.8, &e_naive);
-  EXPECT_EQ(e_chunked.sizes(), p.labels.sizes());
-  ExpectClose(e_chunked, e_naive, 1e-12);
-  EXPECT_FALSE(e_chunked.requires_grad());
-  EXPECT_TRUE(logp.requires_grad());
-  EXPECT_GT(e_chunked.min().item<double>(), 0.0);
-  EXPECT_LT(e_chunked.max().item<double>(), std::log(29.0) + 1e-12);
+  at::manual_seed(5);
+  const at::Tensor upstream_h = at::randn(p.labels.sizes(), at::kDouble);
+  for (const bool with_logp : {true, false}) {
+    at::Tensor e_chunked, e_naive;
+    const at::Tensor logp = ChunkedTokenLogprobs(p.hidden, p.w, p.labels, 6, 0.8, &e_chunked);
+    const at::Tensor logp_naive = NaiveTokenLogprobs(p.hidden, p.w, p.labels, 0.8, &e_naive);
+    EXPECT_EQ(e_chunked.sizes(), p.labels.sizes());
+    ExpectClose(e_chunked, e_naive.detach(), 1e-12);
+    EXPECT_TRUE(e_chunked.requires_grad());
+    EXPECT_GT(e_chunked.min().item<double>(), 0.0);
+    EXPECT_LT(e_chunked.max().item<double>(), std::log(29.0) + 1e-12);
+    const at::Tensor l = (e_chunked * upstream_h).sum() +
+                         (with_logp ? (logp * p.upstream).sum() : at::zeros({}, at::kDouble));
+    const at::Tensor l_naive =
+        (e_naive * upstream_h).sum() +
+        (with_logp ? (logp_naive * p.upstream).sum() : at::zeros({}, at::kDouble));
+    const auto g = torch::autograd::grad({l}, {p.hidden, p.w});
+    const auto g_naive = torch::autograd::grad({l_naive}, {p.hidden, p.w});
+    ExpectClose(g[0], g_naive[0], 1e-11);
+    ExpectClose(g[1], g_naive[1], 1e-11);
+    EXPECT_GT(g_naive[0].abs().max().item<double>(), 1e-3);
+  }
 }
 
 TEST(ChunkedTokenLogprobs, FlatHiddenMatchesBatchedHidden) {
@@ -210,22 +227,26 @@ TEST(FusedTokenLogprobsLoss, GradientsLossAndEntropyMatchAutogradThroughTheLoss)
   for (const loss::Objective& objective : loss::Objectives()) {
     if (!objective.token_separable) continue;
     const LossType lt = objective.type;
-    for (int mode : {0, 1, 2}) {
+    for (int mode : {0, 1, 2, 3}) {
+      // Mode 3: mode 1 with TRL's entropy bonus (its gradient joins the chunk's as dL/dH).
+      const bool bonus = mode == 3;
       const bool off_policy = mode != 0;
       GrpoLossConfig cfg;
+      cfg.entropy_coef = bonus ? 0.3 : 0.0;
       cfg.loss_type = lt;
       cfg.epsilon_high = lt == LossType::kCispo ? 1.2 : 0.28;
       cfg.beta = off_policy ? 0.05 : 0.0;
       cfg.max_completion_length = t;
       cfg.importance_sampling_correction = mode == 0 ? ImportanceSamplingCorrection::kNone
-                                           : mode == 1
-                                               ? ImportanceSamplingCorrection::kTokenTruncate
-                                               : ImportanceSamplingCorrection::kSequenceMask;
+                                           : mode == 2
+                                               ? ImportanceSamplingCorrection::kSequenceMask
+                                               : ImportanceSamplingCorrection::kTokenTruncate;
       if (mode == 2) cfg.importance_sampling_min = 0.5;
       ASSERT_TRUE(TokenSeparable(cfg, off_policy));
       LossNormaliser norm;
       norm.step_completion_tokens = 2.0 * mask.sum().item<double>();  // a 2-micro-batch step
       norm.gradient_accumulation_steps = 2;
+      norm.entropy_bonus_scale = bonus ? 37.0 : 1.0;
       GrpoLossInputs in;
       in.mask = mask;
       in.advantages = adv;
@@ -240,6 +261,7 @@ TEST(FusedTokenLogprobsLoss, GradientsLossAndEntropyMatchAutogradThroughTheLoss)
       GrpoLossInputs ref_in = in;
       at::Tensor e_naive;
       ref_in.logp = NaiveTokenLogprobs(p.hidden, p.w, p.labels, 0.8, &e_naive);
+      if (bonus) ref_in.entropy = e_naive;  // differentiable: autograd takes the bonus through it
       auto ref_out = ComputeGrpoLoss(cfg, ref_in, norm);
       ASSERT_TRUE(ref_out.ok()) << ref_out.status().ToString();
       const auto ref_g = torch::autograd::grad({ref_out->loss}, {p.hidden, p.w});
@@ -249,20 +271,23 @@ TEST(FusedTokenLogprobsLoss, GradientsLossAndEntropyMatchAutogradThroughTheLoss)
       auto token_grad = GrpoTokenLossGrad(cfg, in, norm, &error);
       ASSERT_TRUE(token_grad.ok()) << token_grad.status().ToString();
       at::Tensor logp, entropy;
-      const at::Tensor anchor =
-          FusedTokenLogprobsLoss(p.hidden, p.w, p.labels, *token_grad, &logp, 5, 0.8, &entropy);
+      const at::Tensor entropy_grad =
+          bonus ? loss::EntropyBonusTokenGrad(mask, cfg.entropy_coef, norm) : at::Tensor();
+      const at::Tensor anchor = FusedTokenLogprobsLoss(p.hidden, p.w, p.labels, *token_grad, &logp,
+                                                       5, 0.8, &entropy, entropy_grad);
       ASSERT_TRUE(error.ok()) << error.ToString();
       EXPECT_EQ(anchor.item<double>(), 0.0);
       EXPECT_FALSE(logp.requires_grad());
       const auto g = torch::autograd::grad({anchor}, {p.hidden, p.w});
       ExpectClose(logp, ref_in.logp.detach(), 1e-12);
-      ExpectClose(entropy, e_naive, 1e-12);
+      ExpectClose(entropy, e_naive.detach(), 1e-12);
       ExpectClose(g[0], ref_g[0], 1e-12);
       ExpectClose(g[1], ref_g[1], 1e-12);
       EXPECT_GT(ref_g[1].abs().max().item<double>(), 1e-4) << where;  // a gradient to compare
 
       GrpoLossInputs fused_in = in;
       fused_in.logp = logp;
+      if (bonus) fused_in.entropy = entropy;
       auto fused_out = ComputeGrpoLoss(cfg, fused_in, norm);
       ASSERT_TRUE(fused_out.ok());
       EXPECT_NEAR(fused_out->metrics.loss, ref_out->metrics.loss, 1e-12) << where;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "learner/grpo_loss.h"
+#include "learner/loss/entropy_bonus.h"
 #include "tests/learner/tensor_json.h"
 #include "tests/test_util.h"
 
@@ -30,7 +31,21 @@ struct Variant {
   std::function<void(GrpoLossConfig&)> set;
   bool with_old = true;
   bool with_beh = false;
+  // The entropy bonus (loss/entropy_bonus.h): its controller, and the previous step's entropy
+  // (TRL's _last_world_entropy; NaN: none yet, TRL's +inf).
+  loss::EntropyControlConfig entropy{};
+  double last_entropy = std::nan("");
 };
+
+loss::EntropyControlConfig Bonus(double coef, bool adaptive = false, double target = 0.2) {
+  loss::EntropyControlConfig e;
+  e.entropy_coef = coef;
+  e.adaptive = adaptive;
+  e.coef_delta = 0.02;
+  e.coef_max = 0.11;  // the update below target is clamped here
+  e.target = target;
+  return e;
+}
 
 // The variants every objective runs at both importance-sampling levels. "defaults" is TRL's
 // configuration; each other one changes one thing (or one family's parameters).
@@ -99,11 +114,22 @@ std::vector<Variant> Variants() {
          c.max_completion_length = 10;
        },
        true, true},
+      // TRL's entropy bonus: static; with the 80/20 mask (it acts on the same tokens); adaptive
+      // below its target (applied, then raised to the max), above it (applied, then lowered) and
+      // on the first step (no previous entropy: not applied, then updated).
+      {"entropy_bonus", [](GrpoLossConfig&) {}, true, false, Bonus(0.05)},
+      {"entropy_bonus_top_entropy", [](GrpoLossConfig& c) { c.top_entropy_quantile = 0.4; }, true,
+       false, Bonus(0.05)},
+      {"adaptive_entropy_below_target", [](GrpoLossConfig&) {}, true, false, Bonus(0.1, true, 5.0),
+       1.0},
+      {"adaptive_entropy_above_target", [](GrpoLossConfig&) {}, true, false, Bonus(0.1, true, 0.5),
+       0.3},
+      {"adaptive_entropy_first_step", [](GrpoLossConfig&) {}, true, false, Bonus(0.1, true, 5.0)},
   };
 }
 
-// TRL's GRPOConfig spelling of `c`, for trl_loss_ref.py.
-json TrlConfig(const GrpoLossConfig& c) {
+// TRL's GRPOConfig spelling of `c` (and of the entropy bonus `e`), for trl_loss_ref.py.
+json TrlConfig(const GrpoLossConfig& c, const loss::EntropyControlConfig& e) {
   json j = {{"loss_type", std::string(LossTypeName(c.loss_type))},
             {"epsilon", c.epsilon},
             {"beta", c.beta},
@@ -120,7 +146,13 @@ json TrlConfig(const GrpoLossConfig& c) {
             {"vespo_lambda_pos", c.vespo_lambda_pos},
             {"vespo_k_neg", c.vespo_k_neg},
             {"vespo_lambda_neg", c.vespo_lambda_neg},
-            {"top_entropy_quantile", c.top_entropy_quantile}};
+            {"top_entropy_quantile", c.top_entropy_quantile},
+            {"entropy_coef", e.entropy_coef},
+            {"use_adaptive_entropy", e.adaptive},
+            {"entropy_coef_min", e.coef_min},
+            {"entropy_coef_max", e.coef_max},
+            {"entropy_coef_delta", e.coef_delta},
+            {"entropy_target", e.target}};
   j["epsilon_high"] = c.epsilon_high ? json(*c.epsilon_high) : json();
   j["delta"] = c.delta ? json(*c.delta) : json();
   j["vllm_importance_sampling_clip_min"] =
@@ -139,6 +171,8 @@ struct Ours {
   double loss = 0;
   at::Tensor grad;
   GrpoLossMetrics metrics;
+  at::Tensor entropy_grad;  // with the bonus
+  double coef_after = 0, last_entropy_after = 0;
 };
 
 TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
@@ -175,29 +209,43 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
           continue;
         }
         at::Tensor logp = logp0.clone().requires_grad_(true);
+        const bool bonus = v.entropy.enabled();
+        loss::EntropyController control(v.entropy);
+        if (!std::isnan(v.last_entropy)) control.Restore(v.entropy.entropy_coef, v.last_entropy);
+        cfg.entropy_coef = control.ApplyCoef();
+        at::Tensor entropy_leaf = entropy.clone().requires_grad_(bonus);
         GrpoLossInputs in{.logp = logp,
                           .old = v.with_old ? old : at::Tensor(),
                           .beh = v.with_beh ? beh : at::Tensor(),
                           .ref = cfg.beta != 0 ? ref : at::Tensor(),
                           .advantages = adv,
                           .mask = mask,
-                          .entropy = entropy};
+                          .entropy = entropy_leaf};
         auto out = ComputeGrpoLoss(cfg, in, norm);
         const std::string name = std::string(objective.name) + "/" +
                                  std::string(ImportanceSamplingLevelName(level)) + "/" + v.name;
         ASSERT_TRUE(out.ok()) << name << ": " << out.status().ToString();
         out->loss.backward();
         ours.push_back({name, cfg, out->loss.item<double>(), logp.grad().clone(), out->metrics});
+        if (bonus) {
+          control.EndStep(out->metrics.entropy_sum, out->metrics.entropy_tokens);
+          // A coefficient of 0 (the adaptive gate closed) adds no term: no gradient, TRL's zeros.
+          ours.back().entropy_grad = entropy_leaf.grad().defined() ? entropy_leaf.grad().clone()
+                                                                   : at::zeros_like(entropy_leaf);
+          ours.back().coef_after = control.coef();
+          ours.back().last_entropy_after = control.last_entropy();
+        }
         json c = {{"logp", ToJson(logp0)},
                   {"advantages", ToJson(adv)},
                   {"mask", ToJson(mask)},
                   {"entropy", ToJson(entropy)},
-                  {"config", TrlConfig(cfg)},
+                  {"config", TrlConfig(cfg, v.entropy)},
                   {"num_items_in_batch", norm.step_completion_tokens},
                   {"gradient_accumulation_steps", norm.gradient_accumulation_steps}};
         if (v.with_old) c["old"] = ToJson(old);
         if (v.with_beh) c["beh"] = ToJson(beh);
         if (cfg.beta != 0) c["ref"] = ToJson(ref);
+        if (!std::isnan(v.last_entropy)) c["last_world_entropy"] = v.last_entropy;
         request["cases"].push_back(c);
       }
     }
@@ -218,6 +266,22 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
       for (int64_t c = 0; c < t; ++c) {
         EXPECT_NEAR(o.grad[r][c].item<double>(), e["grad"][r][c].get<double>(), 1e-10)
             << "grad[" << r << "][" << c << "]";
+      }
+    }
+    ASSERT_EQ(o.entropy_grad.defined(), e.contains("entropy_grad"));
+    if (o.entropy_grad.defined()) {
+      for (int64_t r = 0; r < b; ++r) {
+        for (int64_t c = 0; c < t; ++c) {
+          EXPECT_NEAR(o.entropy_grad[r][c].item<double>(), e["entropy_grad"][r][c].get<double>(),
+                      1e-12)
+              << "entropy_grad[" << r << "][" << c << "]";
+        }
+      }
+      EXPECT_NEAR(o.coef_after, e["entropy_coef"].get<double>(), 1e-15);
+      EXPECT_NEAR(o.coef_after, m.at("entropy_coef").get<double>(), 1e-15);
+      ASSERT_TRUE(e["last_world_entropy"].is_number() || std::isinf(o.last_entropy_after));
+      if (e["last_world_entropy"].is_number()) {
+        EXPECT_NEAR(o.last_entropy_after, e["last_world_entropy"].get<double>(), 1e-12);
       }
     }
     ASSERT_EQ(o.metrics.has_kl, m.contains("kl"));
@@ -248,7 +312,7 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
   for (const char* variant :
        {"kl_bias_corrected", "is_sequence_mask", "is_sequence_truncate", "is_token_truncate",
         "is_token_mask", "off_policy_mask_behaviour", "off_policy_mask_old", "top_entropy_quantile",
-        "objective_parameters"}) {
+        "objective_parameters", "entropy_bonus", "adaptive_entropy_below_target"}) {
     int changed = 0;
     for (const loss::Objective& objective : loss::Objectives()) {
       const std::string base = std::string(objective.name) + "/token/";

@@ -168,6 +168,13 @@ std::vector<TrlCase> AllCases() {
                     {"vllm_importance_sampling_clip_max", 2.0},
                     {"vllm_importance_sampling_clip_min", 0.5}},
                    true});
+  // TRL's entropy bonus through the trainer: dapo (a token-sum loss: the bonus is scaled by the
+  // step's tokens, known when the step starts), grpo over two micro-batches with KL (both on the
+  // fused path, the bonus as dL/dH), vespo on the autograd path (through the chunked entropy).
+  const json bonus = {{"entropy_coef", 0.3}};
+  cases.push_back({"dapo", 0.0, 2, "token", nullopt, kLearningRate, 1, "entropy_bonus", bonus});
+  cases.push_back({"grpo", 0.04, 1, "token", nullopt, kLearningRate, 2, "entropy_bonus", bonus});
+  cases.push_back({"vespo", 0.0, 1, "token", nullopt, kLearningRate, 1, "entropy_bonus", bonus});
   return cases;
 }
 
@@ -451,6 +458,20 @@ TEST_P(TrlReference, EntropyEqualsTrls) {
     const double trl = steps[s].trl["metrics"]["entropy"].get<double>();
     EXPECT_NEAR(steps[s].ours["entropy"].get<double>(), trl, 1e-4 * std::max(1.0, trl))
         << "step " << s + 1;
+  }
+}
+
+// `entropy_coef` is logged exactly when the entropy bonus is on, as TRL does.
+TEST_P(TrlReference, EntropyCoefEqualsTrls) {
+  const auto steps = Steps();
+  ASSERT_FALSE(steps.empty());
+  for (size_t s = 0; s < steps.size(); ++s) {
+    const json& trl = steps[s].trl["metrics"];
+    ASSERT_EQ(steps[s].ours.contains("entropy_coef"), trl.contains("entropy_coef"))
+        << "step " << s + 1;
+    if (!trl.contains("entropy_coef")) continue;
+    EXPECT_DOUBLE_EQ(steps[s].ours["entropy_coef"].get<double>(),
+                     trl["entropy_coef"].get<double>());
   }
 }
 

@@ -97,7 +97,12 @@ class TrainerStandIn:
         self.use_vllm = False  # set per dump: behaviour log-probs play vLLM's
         self.vllm_importance_sampling_correction = False
         self.aux_loss_enabled = False
-        self._entropy_bonus_enabled = False
+        # The entropy bonus's state, as GRPOTrainer.__init__ sets it.
+        self.entropy_coef = float(case.get("entropy_coef", 0.0))
+        self.use_adaptive_entropy = bool(case.get("use_adaptive_entropy", False))
+        self._entropy_bonus_enabled = self.entropy_coef != 0.0 or self.use_adaptive_entropy
+        self._last_world_entropy = float("inf")
+        self._entropy_window_stats = None
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
 

@@ -6,7 +6,9 @@ entropies, float32 as TRL's, or zeros), so the loss, its gradient with respect t
 TRL's for any [B, T] inputs: every loss type, two-sided clipping, the KL term with and without
 `use_bias_correction_kl`, the off-policy sequence mask, the entropy quantile mask and the
 importance-sampling correction. `get_off_policy_mask`, `get_gamma_weights` (vespo) and
-`get_high_entropy_mask` are TRL's.
+`get_high_entropy_mask` are TRL's, and so is the entropy bonus with its adaptive controller
+(`entropy_coef`, `use_adaptive_entropy`: the stand-in holds the state GRPOTrainer.__init__
+sets; with the bonus on the entropies are a leaf too, and their gradient is returned).
 
 Written from TRL's source, not a function TRL exposes: the importance-sampling ratio. TRL
 computes it inside `_generate_and_score_completions` (trl/trainer/grpo_trainer.py, "Compute the
@@ -21,8 +23,10 @@ mode is "none".
 
 stdin: {"cases": [{"logp": [[...]], "old": [[...]] | null, "beh": ... | null, "ref": ... | null,
   "advantages": [...], "mask": [[...]], "config": {TRL GRPOConfig names}, "num_items_in_batch": N,
-  "gradient_accumulation_steps": GA}]}
-stdout: {"cases": [{"loss": L, "grad": [[dL/dlogp]], "metrics": {name: value}}]}
+  "gradient_accumulation_steps": GA, "last_world_entropy": H | null}]}
+stdout: {"cases": [{"loss": L, "grad": [[dL/dlogp]], "metrics": {name: value}, and with the entropy
+  bonus on "entropy_grad": [[dL/dH]], "entropy_coef": the coefficient after the step,
+  "last_world_entropy": the controller's entropy}]}
 Float64 throughout.
 """
 import json
@@ -74,6 +78,10 @@ def trainer_args(c, steps_per_generation):
         vespo_lambda_pos=float(c.get("vespo_lambda_pos", 3.0)),
         vespo_k_neg=float(c.get("vespo_k_neg", 3.0)),
         vespo_lambda_neg=float(c.get("vespo_lambda_neg", 2.0)),
+        entropy_coef_min=float(c.get("entropy_coef_min", 0.0)),
+        entropy_coef_max=float(c.get("entropy_coef_max", 1.0)),
+        entropy_coef_delta=float(c.get("entropy_coef_delta", 0.005)),
+        entropy_target=float(c.get("entropy_target", 0.2)),
         report_to=[],
     )
 
@@ -108,7 +116,14 @@ class StandIn:
         self.use_vllm = case.get("beh") is not None
         self.vllm_importance_sampling_correction = self.use_vllm and mode != "none"
         self.aux_loss_enabled = False
-        self._entropy_bonus_enabled = False
+        # The entropy bonus's state, as GRPOTrainer.__init__ sets it (the case may give the
+        # previous step's entropy, which the adaptive controller gates on).
+        self.entropy_coef = float(c.get("entropy_coef", 0.0))
+        self.use_adaptive_entropy = bool(c.get("use_adaptive_entropy", False))
+        self._entropy_bonus_enabled = self.entropy_coef != 0.0 or self.use_adaptive_entropy
+        last = case.get("last_world_entropy")
+        self._last_world_entropy = float("inf") if last is None else float(last)
+        self._entropy_window_stats = None
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
@@ -137,7 +152,16 @@ def run_case(case):
     logp = t("logp").requires_grad_(True)
     mask = t("mask").to(torch.int64)
     b, n = mask.shape
-    entropy = t("entropy").float() if case.get("entropy") is not None else torch.zeros_like(logp)
+    c = case["config"]
+    bonus = float(c.get("entropy_coef", 0.0)) != 0.0 or bool(c.get("use_adaptive_entropy"))
+    if case.get("entropy") is None:
+        entropy = torch.zeros_like(logp)
+    elif bonus:
+        # The bonus's gradient flows through the entropies: a float64 leaf, so that the bonus is
+        # compared at float64 (the values are float32's, as the model gives them).
+        entropy = t("entropy").requires_grad_(True)
+    else:
+        entropy = t("entropy").float()
     trainer = StandIn(case, logp, entropy)
     inputs = {
         "prompt_ids": torch.zeros((b, 1), dtype=torch.int64),
@@ -162,7 +186,13 @@ def run_case(case):
     loss.backward()
     metrics = {k: v[0] for k, v in trainer._metrics["train"].items() if v}
     metrics.pop("entropy", None)
-    return {"loss": loss.item(), "grad": logp.grad.tolist(), "metrics": metrics}
+    out = {"loss": loss.item(), "grad": logp.grad.tolist(), "metrics": metrics}
+    if bonus:
+        out["entropy_grad"] = entropy.grad.tolist()
+        out["entropy_coef"] = trainer.entropy_coef  # after the step (adaptive: updated)
+        last = trainer._last_world_entropy
+        out["last_world_entropy"] = None if math.isinf(last) else last
+    return out
 
 
 def main():
