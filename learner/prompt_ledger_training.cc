@@ -20,13 +20,10 @@ using namespace ledger_sql;  // NOLINT: the ledger's own helpers
 
 namespace {
 
-// The passes of `prompt_id` that some optimizer step took, ascending.
-StatusOr<std::vector<int64_t>> TrainedPasses(const std::string& path, sqlite3* db,
-                                             const std::string& prompt_id) {
-  ASSIGN_OR_RETURN(Statement select,
-                   Statement::Prepare(path, db,
-                                      "SELECT pass FROM trainings WHERE prompt_id = ? "
-                                      "ORDER BY pass"));
+// The `pass` column of `sql`'s rows for `prompt_id` (its one parameter), as it orders them.
+StatusOr<std::vector<int64_t>> PassesOf(const std::string& path, sqlite3* db, const char* sql,
+                                        const std::string& prompt_id) {
+  ASSIGN_OR_RETURN(Statement select, Statement::Prepare(path, db, sql));
   select.Bind(1, prompt_id);
   std::vector<int64_t> passes;
   while (true) {
@@ -37,20 +34,18 @@ StatusOr<std::vector<int64_t>> TrainedPasses(const std::string& path, sqlite3* d
   return passes;
 }
 
+// The passes of `prompt_id` the job is done with (trained or filtered), ascending.
+StatusOr<std::vector<int64_t>> TrainedPasses(const std::string& path, sqlite3* db,
+                                             const std::string& prompt_id) {
+  return PassesOf(path, db, "SELECT pass FROM trainings WHERE prompt_id = ? ORDER BY pass",
+                  prompt_id);
+}
+
 // The passes of `prompt_id` whose group was accepted and is not trained yet, ascending.
 StatusOr<std::vector<int64_t>> AcceptedPasses(const std::string& path, sqlite3* db,
                                               const std::string& prompt_id) {
-  ASSIGN_OR_RETURN(
-      Statement select,
-      Statement::Prepare(path, db, "SELECT pass FROM accepted WHERE prompt_id = ? ORDER BY pass"));
-  select.Bind(1, prompt_id);
-  std::vector<int64_t> passes;
-  while (true) {
-    ASSIGN_OR_RETURN(bool has_row, select.Step());
-    if (!has_row) break;
-    passes.push_back(select.Int(0));
-  }
-  return passes;
+  return PassesOf(path, db, "SELECT pass FROM accepted WHERE prompt_id = ? ORDER BY pass",
+                  prompt_id);
 }
 
 // The group of (prompt, pass) is no longer waiting to be trained (trained, or refused).
