@@ -378,7 +378,9 @@ TEST_F(LearnerTest, AfterMaxNumGenBatchesTheBatchTrainsShort) {
   ASSERT_EQ(trainings->size(), 2u);
   for (const auto& t : *trainings) {
     EXPECT_EQ(t.filtered, t.prompt_id == leases[1].prompt_id) << t.prompt_id;
-    if (!t.filtered) EXPECT_EQ(t.step, 1);
+    if (!t.filtered) {
+      EXPECT_EQ(t.step, 1);
+    }
   }
 }
 

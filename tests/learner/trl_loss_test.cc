@@ -226,7 +226,13 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
                                  std::string(ImportanceSamplingLevelName(level)) + "/" + v.name;
         ASSERT_TRUE(out.ok()) << name << ": " << out.status().ToString();
         out->loss.backward();
-        ours.push_back({name, cfg, out->loss.item<double>(), logp.grad().clone(), out->metrics});
+        Ours o;
+        o.name = name;
+        o.config = cfg;
+        o.loss = out->loss.item<double>();
+        o.grad = logp.grad().clone();
+        o.metrics = out->metrics;
+        ours.push_back(o);
         if (bonus) {
           control.EndStep(out->metrics.entropy_sum, out->metrics.entropy_tokens);
           // A coefficient of 0 (the adaptive gate closed) adds no term: no gradient, TRL's zeros.
