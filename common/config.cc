@@ -14,6 +14,7 @@
 #include <variant>
 
 #include "common/loss_type_names.h"
+#include "common/utf8.h"
 
 namespace grpo::common {
 
@@ -86,46 +87,15 @@ Status ParseBool(std::string_view key, std::string_view text, bool* out) {
   return Status::OK();
 }
 
-// The offset of the first byte of `s` that is not part of well-formed UTF-8 (no overlong forms,
-// surrogates or code points above U+10FFFF), or npos. Config values go into JSON (the config a
-// worker receives at Register, checkpoints' trainer_state.json), which must be UTF-8: the fuzz
-// target config_yaml found a string value that made ToJson().dump() throw.
-size_t InvalidUtf8At(std::string_view s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    const auto b = static_cast<unsigned char>(s[i]);
-    size_t n = 0;
-    uint32_t cp = 0, min = 0;
-    if (b < 0x80) {
-      ++i;
-      continue;
-    } else if ((b & 0xE0) == 0xC0) {
-      n = 1, cp = b & 0x1F, min = 0x80;
-    } else if ((b & 0xF0) == 0xE0) {
-      n = 2, cp = b & 0x0F, min = 0x800;
-    } else if ((b & 0xF8) == 0xF0) {
-      n = 3, cp = b & 0x07, min = 0x10000;
-    } else {
-      return i;
-    }
-    for (size_t k = 1; k <= n; ++k) {
-      if (i + k >= s.size()) return i;
-      const auto c = static_cast<unsigned char>(s[i + k]);
-      if ((c & 0xC0) != 0x80) return i;
-      cp = (cp << 6) | (c & 0x3F);
-    }
-    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;
-    i += n + 1;
-  }
-  return std::string_view::npos;
-}
-
+// Config values go into JSON (the config a worker receives at Register, checkpoints'
+// trainer_state.json), which must be UTF-8: the fuzz target config_yaml found a string value
+// that made ToJson().dump() throw.
 Status CheckUtf8(std::string_view key, std::string_view value) {
-  const size_t at = InvalidUtf8At(value);
-  if (at == std::string_view::npos) return Status::OK();
+  const std::optional<size_t> at = internal::FindInvalidUtf8(value);
+  if (!at) return Status::OK();
   return Status::InvalidArgument("config key '" + std::string(key) +
                                  "' must be UTF-8 text: invalid byte at offset " +
-                                 std::to_string(at));
+                                 std::to_string(*at));
 }
 
 // "[a, b]" or "a,b" to items.

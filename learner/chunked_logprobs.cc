@@ -24,14 +24,17 @@ at::Tensor ChunkLogits(const at::Tensor& h, const at::Tensor& weight, at::Scalar
   return z;
 }
 
+// Rows per block for the temporaries of the fused path and of the entropy gradient (a
+// [kRowBlock, V] tensor at a time).
+constexpr int64_t kRowBlock = 64;
+
 // lp [c, V] = log p, in place -> -p (g + g_H (log p + H)): dL/dz of g logp + g_H H without the
 // onehot(label) g term, by row blocks so that the temporary stays small. g, g_H, H: [c, 1].
 void EntropyAndLogpGrad(at::Tensor& lp, const at::Tensor& g, const at::Tensor& g_entropy,
                         const at::Tensor& entropy) {
-  constexpr int64_t kBlock = 64;
   const int64_t c = lp.size(0);
-  for (int64_t r = 0; r < c; r += kBlock) {
-    const int64_t k = std::min(kBlock, c - r);
+  for (int64_t r = 0; r < c; r += kRowBlock) {
+    const int64_t k = std::min(kRowBlock, c - r);
     at::Tensor b = lp.narrow(0, r, k);
     const at::Tensor t =
         (b + entropy.narrow(0, r, k)).mul_(g_entropy.narrow(0, r, k)).add_(g.narrow(0, r, k));
@@ -124,9 +127,6 @@ class ChunkedLogprobsFunction : public torch::autograd::Function<ChunkedLogprobs
     return {grad_hidden, grad_weight, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
-
-// Rows per block for the temporaries of the fused path (a [kRowBlock, V] tensor at a time).
-constexpr int64_t kRowBlock = 64;
 
 // Logits, log-probs and the loss gradient in one pass per chunk (see FusedTokenLogprobsLoss).
 class FusedLogprobsLossFunction : public torch::autograd::Function<FusedLogprobsLossFunction> {

@@ -620,12 +620,13 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
   LossNormaliser norm;
   norm.gradient_accumulation_steps = ga;
   norm.step_completion_tokens = 1.0;
-  // With the entropy bonus, a token-sum loss must know its step's tokens when the step starts:
-  // the tokens of each micro-batch of the stream, and no step spans into the next generation
-  // batch (one still open when the stream ends is taken short, below).
-  const bool bonus = entropy_control_.config().enabled();
-  const bool bonus_needs_tokens = bonus && loss::ObjectiveOf(loss_config_.loss_type).aggregation ==
-                                               loss::Aggregation::kStepTokens;
+  // The completion tokens of each micro-batch that a token-sum loss divides by (truncated ones
+  // left out under mask_truncated_completions): the open step adds them up as it goes; with the
+  // entropy bonus the step's total is needed when it starts, which requires that no step spans
+  // into the next generation batch (one still open when the stream ends is taken short, below).
+  const bool bonus_needs_tokens =
+      entropy_control_.config().enabled() &&
+      loss::ObjectiveOf(loss_config_.loss_type).aggregation == loss::Aggregation::kStepTokens;
   std::vector<double> micro_tokens(num_micro, 0.0);
   for (int64_t m = 0; m < num_micro; ++m) {
     for (int64_t r = m * bs; r < std::min(N, (m + 1) * bs); ++r) {
@@ -664,12 +665,10 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
         const int64_t len = static_cast<int64_t>(c->token_ids.size());
         os.sm.completion_tokens += len;
         os.all_tokens += len + static_cast<int64_t>(batch.prompts[r]->size());
-        if (!(config_.mask_truncated_completions && c->truncated)) {
-          os.step_completion_tokens += static_cast<double>(len);
-        }
         os.clipped += c->truncated ? 1.0 : 0.0;
         os.staleness_sum += static_cast<double>(batch.staleness[r]);
       }
+      os.step_completion_tokens += micro_tokens[m];
       os.sm.sequences += b1 - b0;
       os.sm.reward = adv.reward_mean;
       os.sm.reward_std = adv.reward_std;

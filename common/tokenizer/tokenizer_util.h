@@ -1,6 +1,6 @@
-// Internal helpers shared by the tokenizers: UTF-8 validation and decoding, the GPT-2 ByteLevel
-// byte <-> unicode-character mapping used by Hugging Face byte-level BPE, and file I/O.
-// Not a public API; everything here is thread-safe (pure functions over constant tables).
+// Internal helpers shared by the tokenizers (UTF-8 validation and decoding: common/utf8.h), the
+// GPT-2 ByteLevel byte <-> unicode-character mapping used by Hugging Face byte-level BPE, and file
+// I/O. Not a public API; everything here is thread-safe (pure functions over constant tables).
 #pragma once
 
 #include <cstddef>
@@ -10,23 +10,9 @@
 #include <string_view>
 
 #include "common/status.h"
+#include "common/utf8.h"
 
 namespace grpo::common::internal {
-
-// Decodes one UTF-8 sequence at s[0..n). On success stores the code point and returns its
-// length (1-4). On an ill-formed sequence returns -k, where k >= 1 is the length of its maximal
-// subpart (the bytes that one U+FFFD replaces, as in Unicode's "best practice" and Rust's
-// String::from_utf8_lossy). Requires n >= 1.
-int DecodeUtf8(const unsigned char* s, size_t n, char32_t* code_point);
-
-// Appends the UTF-8 encoding of a valid code point.
-void AppendUtf8(char32_t code_point, std::string* out);
-
-// The byte offset of the first ill-formed UTF-8 sequence in text, or nullopt if text is valid.
-std::optional<size_t> FindInvalidUtf8(std::string_view text);
-
-// text with every ill-formed sequence replaced by U+FFFD (Rust's from_utf8_lossy).
-std::string Utf8Lossy(std::string_view text);
 
 // GPT-2 bytes_to_unicode(): printable Latin-1 bytes map to themselves, the other 68 bytes to
 // U+0100.. in byte order. ByteLevelChar(b) is the UTF-8 of that character.

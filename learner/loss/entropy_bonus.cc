@@ -15,10 +15,10 @@ at::Tensor EntropyBonus(const at::Tensor& entropy, const at::Tensor& effective,
 
 at::Tensor EntropyBonusTokenGrad(const at::Tensor& effective, double coef,
                                  const LossNormaliser& normaliser) {
-  const double tokens = std::max(1.0, effective.sum().item<double>());
+  // The token count stays on the device: no host sync per micro-batch.
   const double ga =
       static_cast<double>(std::max<int64_t>(1, normaliser.gradient_accumulation_steps));
-  return effective * (-coef * normaliser.entropy_bonus_scale / (tokens * ga));
+  return effective * (-coef * normaliser.entropy_bonus_scale / ga) / effective.sum().clamp_min(1.0);
 }
 
 double EntropyController::ApplyCoef() const {

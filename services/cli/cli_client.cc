@@ -61,17 +61,28 @@ void AddCommonOptions(CLI::App* cmd, ClientOptions* o) {
 
 using Client = LearnerClient;
 
-StatusOr<Client> Connect(const ClientOptions& o) {
+// Where the learner is and how to reach it: each flag, else the --config file's key.
+struct LearnerEndpoint {
+  std::string address, token_file, ca_file;
+};
+
+StatusOr<LearnerEndpoint> ResolveEndpoint(const ClientOptions& o) {
   common::GrpoConfig cfg;
   if (!o.config_file.empty()) {
     ASSIGN_OR_RETURN(cfg, common::LoadConfigFile(o.config_file));
   }
-  const std::string address = o.learner_address.empty() ? cfg.learner_address : o.learner_address;
-  const std::string token_file =
-      o.auth_token_file.empty() ? cfg.auth_token_file : o.auth_token_file;
   if (!(o.timeout_seconds > 0)) return Status::InvalidArgument("--timeout_seconds must be > 0");
-  const std::string ca_file = o.tls_ca_file.empty() ? cfg.tls_ca_file : o.tls_ca_file;
-  return ConnectLearner(address, token_file, ca_file);
+  const auto pick = [](const std::string& flag, const std::string& key) {
+    return flag.empty() ? key : flag;
+  };
+  return LearnerEndpoint{pick(o.learner_address, cfg.learner_address),
+                         pick(o.auth_token_file, cfg.auth_token_file),
+                         pick(o.tls_ca_file, cfg.tls_ca_file)};
+}
+
+StatusOr<Client> Connect(const ClientOptions& o) {
+  ASSIGN_OR_RETURN(const LearnerEndpoint e, ResolveEndpoint(o));
+  return ConnectLearner(e.address, e.token_file, e.ca_file);
 }
 
 int Fail(const char* cmd, const Status& s) {
@@ -220,15 +231,8 @@ int RunStatus(const ClientOptions& o) {
 // this process with the venv's Python ($GRPO_PYTHON, else $GRPO_VENV/bin/python, else
 // deploy/setup.sh's /opt/grpo-serve/venv/bin/python).
 int ExecPythonWatch(const ClientOptions& o) {
-  common::GrpoConfig cfg;
-  if (!o.config_file.empty()) {
-    auto loaded = common::LoadConfigFile(o.config_file);
-    if (!loaded.ok()) return Fail("watch", loaded.status());
-    cfg = *loaded;
-  }
-  const auto pick = [](const std::string& flag, const std::string& key) {
-    return flag.empty() ? key : flag;
-  };
+  const StatusOr<LearnerEndpoint> endpoint = ResolveEndpoint(o);
+  if (!endpoint.ok()) return Fail("watch", endpoint.status());
   std::string python;
   if (const char* p = std::getenv("GRPO_PYTHON"); p != nullptr && *p != '\0') {
     python = p;
@@ -242,7 +246,7 @@ int ExecPythonWatch(const ClientOptions& o) {
                                    "grpo_serve",
                                    "watch",
                                    "--learner_address",
-                                   pick(o.learner_address, cfg.learner_address),
+                                   endpoint->address,
                                    "--timeout_seconds",
                                    std::to_string(o.timeout_seconds),
                                    "--watch_timeout_seconds",
@@ -252,8 +256,8 @@ int ExecPythonWatch(const ClientOptions& o) {
   const auto add = [&](const char* flag, const std::string& value) {
     if (!value.empty()) args.insert(args.end(), {flag, value});
   };
-  add("--auth_token_file", pick(o.auth_token_file, cfg.auth_token_file));
-  add("--tls_ca_file", pick(o.tls_ca_file, cfg.tls_ca_file));
+  add("--auth_token_file", endpoint->token_file);
+  add("--tls_ca_file", endpoint->ca_file);
   add("--project", o.project);
   add("--run_name", o.run_name);
   add("--logging_dir", o.logging_dir);

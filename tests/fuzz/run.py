@@ -22,11 +22,12 @@ import time
 
 # Each target: its harness, the project sources it exercises, the libraries they link.
 TARGETS = {
-    "config_yaml": (["common/status.cc", "common/logging.cc", "common/config.cc"],
+    "config_yaml": (["common/status.cc", "common/logging.cc", "common/utf8.cc", "common/config.cc"],
                     ["-lyaml-cpp", "-lspdlog", "-lfmt"]),
     "dataset_row": (["common/status.cc", "common/tokenizer/dataset_row.cc",
                      "common/tokenizer/chat_template.cc"], []),
-    "tokenizer_json": (["common/status.cc", "common/logging.cc", "common/tokenizer/tokenizer.cc",
+    "tokenizer_json": (["common/status.cc", "common/logging.cc", "common/utf8.cc",
+                        "common/tokenizer/tokenizer.cc",
                         "common/tokenizer/tokenizer_util.cc", "common/tokenizer/added_tokens.cc",
                         "common/tokenizer/byte_tokenizer.cc", "common/tokenizer/bpe_tokenizer.cc"],
                        ["-lpcre2-8", "-licuuc", "-licudata", "-lspdlog", "-lfmt"]),
