@@ -116,6 +116,9 @@ StatusOr<std::unique_ptr<Learner>> Learner::Create(common::GrpoConfig config,
   ASSIGN_OR_RETURN(s->trainer_, GrpoTrainer::Create(cfg, s->policy_.get(), std::move(reference),
                                                     s->options_.ranks));
   s->trainer_->set_dump_incarnation(s->incarnation_);
+  if (s->options_.TEST_micro_batch_fault) {
+    s->trainer_->TEST_set_micro_batch_fault(s->options_.TEST_micro_batch_fault);
+  }
   if (s->options_.resume) RETURN_IF_ERROR(s->Resume());
   if (s->options_.ranks != nullptr) {
     // The other ranks start from what rank 0 holds now: its restored checkpoint, or its model.
@@ -226,7 +229,14 @@ Status Learner::Stop(bool checkpoint) {
   bool need_save = false;
   {
     common::MutexLock lock(&mu_);
-    need_save = checkpoint && global_step_ > last_saved_step_;
+    need_save = checkpoint && global_step_ > last_saved_step_ && !training_failed_;
+    if (checkpoint && training_failed_) {
+      // Steps the failed batch took are in the weights but its groups are QUEUED again: saving
+      // would train them twice after a restart. The last checkpoint stays the one to resume;
+      // EndLedger rolls the ledger back to it.
+      GRPO_LOG_WARN("learner: no checkpoint at stop: training failed (the last is step {})",
+                    last_saved_step_);
+    }
   }
   if (need_save) result = CheckpointWithRetry(kFinalCheckpointAttempts);
   if (rank_link_) {
@@ -466,6 +476,10 @@ void Learner::TrainBatch(std::vector<BufferedGroup> batch, BatchFill fill) {
   }
   if (!result.ok()) {
     GRPO_LOG_ERROR("learner: {}", result.status().ToString());
+    {
+      common::MutexLock lock(&mu_);
+      training_failed_ = true;
+    }
     for (const auto& k : keys) RequeueUntrained(k, "training failed");
     ChangeState(JobState::kFailed, result.status().ToString());
     return;

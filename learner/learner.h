@@ -129,6 +129,8 @@ struct LearnerOptions {
   // Tests only: called before each checkpoint save with its step; an error fails that save as a
   // full disk would (fault injection).
   std::function<Status(int64_t step)> TEST_checkpoint_fault;
+  // Tests only: the trainer's micro-batch fault (GrpoTrainer::TEST_set_micro_batch_fault).
+  std::function<Status(int64_t micro_batch)> TEST_micro_batch_fault;
   // Borrowed, must outlive the learner; the learner adds common::LearnerMetrics to it. Null = the
   // learner owns a registry of its own (metrics_registry()).
   common::Registry* metrics_registry = nullptr;
@@ -358,6 +360,9 @@ class Learner {
   std::string message_ GRPO_GUARDED_BY(mu_);
   int64_t global_step_ GRPO_GUARDED_BY(mu_) = 0;
   int64_t last_saved_step_ GRPO_GUARDED_BY(mu_) = 0;
+  // A generation batch failed in training: the weights may hold optimizer steps its groups took
+  // before the failure, and those groups went back to the queue; no checkpoint is saved after it.
+  bool training_failed_ GRPO_GUARDED_BY(mu_) = false;
   int64_t last_published_step_ GRPO_GUARDED_BY(mu_) = -1;
   bool housekeep_due_ GRPO_GUARDED_BY(mu_) = true;
   // Rewards per completion of every accepted group, when reward_funcs does not fix it: the

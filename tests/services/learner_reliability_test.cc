@@ -274,6 +274,50 @@ TEST_F(LearnerReliabilityTest, AFailedCheckpointIsRetriedAtTheNextBatchAndTheJob
   EXPECT_TRUE(learner::VerifyCheckpoint((dir_ / "checkpoint-2").string()).ok());
 }
 
+// --- A batch that fails in its second optimizer step: its first step is in the weights, its
+// groups are QUEUED again, so the stop must not save that state (they would train twice).
+
+TEST_F(LearnerReliabilityTest, ABatchFailingInItsSecondStepLeavesNoCheckpointOfItsFirst) {
+  config_.steps_per_generation = 2;  // 4 groups of 2 per batch, 2 micro-batches -> 2 steps
+  // No periodic checkpoint: the stop's is the only one (before the fix it saved checkpoint-3).
+  config_.save_steps = 0;
+  std::atomic<bool> fail{false};
+  // Micro-batches of the failing call: 0 (step 1), 1 (step 2, which fails).
+  std::atomic<int64_t> calls{0};
+  options_.TEST_micro_batch_fault = [&](int64_t micro_batch) {
+    if (micro_batch == 0) calls.fetch_add(1);
+    return fail && micro_batch == 1 ? Status::Internal("injected: device lost") : Status::OK();
+  };
+  StartServer();
+  Submit(Prompts(8));
+  {
+    const auto first = Lease(4);
+    ASSERT_EQ(first.leases_size(), 4);
+    std::vector<v1::RolloutGroup> groups;
+    for (const auto& lease : first.leases()) groups.push_back(Group(lease));
+    ASSERT_EQ(Push(groups).accepted(), 4);
+  }  // steps 1 and 2
+  ASSERT_TRUE(WaitFor([&] { return server_->published_version() >= 2; }));
+  fail = true;
+  const auto second = Lease(4);
+  ASSERT_EQ(second.leases_size(), 4);
+  std::vector<v1::RolloutGroup> groups;
+  for (const auto& lease : second.leases()) groups.push_back(Group(lease));
+  ASSERT_EQ(Push(groups).accepted(), 4);
+  ASSERT_TRUE(WaitFor([&] { return server_->job_state() == JobState::kFailed; }));
+  EXPECT_EQ(calls.load(), 2);
+  ASSERT_TRUE(server_->Stop(/*checkpoint=*/true).ok());
+  // Step 3 was taken with two of the failed batch's groups: no checkpoint may hold it (and the
+  // weights of step 2 are gone).
+  for (const auto& entry : fs::directory_iterator(dir_)) {
+    EXPECT_NE(entry.path().filename().string().rfind("checkpoint-", 0), 0u) << entry.path();
+  }
+  for (const auto& lease : second.leases()) {
+    EXPECT_EQ(StateOf(lease.prompt_id()), PromptState::kQueued) << lease.prompt_id();
+    EXPECT_TRUE(TrainedPasses(lease.prompt_id()).empty()) << lease.prompt_id();
+  }
+}
+
 // --- Item 11: liveness.
 
 TEST_F(LearnerReliabilityTest, AWorkerLeasingWhileTheLearnerStopsIsToldToRetryNotThatTheJobEnded) {
