@@ -24,6 +24,7 @@
 #include "common/rollout_types.h"
 #include "common/status.h"
 #include "learner/distributed/collectives.h"
+#include "learner/group_check.h"
 #include "learner/grpo_loss.h"
 #include "learner/loss/entropy_bonus.h"
 #include "learner/optimizer.h"
@@ -37,10 +38,6 @@ using RejectReason = common::GroupRefusal;
 constexpr std::string_view RejectReasonName(RejectReason reason) {
   return common::GroupRefusalName(reason);
 }
-
-// The largest |reward| taken: weighted sums, means and variances of a generation batch of such
-// rewards stay finite in double (1e15^2 * 1e6 rows is far below DBL_MAX).
-inline constexpr double kMaxAbsReward = 1e15;
 
 // The metrics of one optimizer step, named as TRL logs them (ToJson).
 struct StepMetrics {
