@@ -273,7 +273,11 @@ StatusOr<std::vector<PreparedTensor>> PrepareTensors(const std::string& path,
                                                      const NamedTensors& tensors) {
   std::vector<PreparedTensor> out;
   std::set<std::string> seen;
-  for (const auto& [name, tensor] : tensors) {
+  for (const auto& entry : tensors) {
+    // Named, not a structured binding: clang-14, which builds the fuzz targets
+    // (tests/fuzz/run.py), cannot capture a structured binding in a lambda.
+    const std::string& name = entry.first;
+    const at::Tensor& tensor = entry.second;
     auto invalid = [&](const std::string& problem) {
       return FileError(StatusCode::kInvalidArgument, path,
                        "tensor " + Quote(name) + ": " + problem);

@@ -57,7 +57,9 @@ class Reader {
     uint64_t n = 0;
     RETURN_IF_ERROR(Count(&n, sizeof(T), field));
     v->resize(n);
-    std::memcpy(v->data(), in_.data() + at_, n * sizeof(T));
+    // An empty vector's data() may be null, and memcpy's pointers must not be, even for 0 bytes
+    // (UBSan: tests/fuzz/wire_message_fuzz.cc found it on a group with no log-probs).
+    if (n > 0) std::memcpy(v->data(), in_.data() + at_, n * sizeof(T));
     at_ += n * sizeof(T);
     return Status::OK();
   }

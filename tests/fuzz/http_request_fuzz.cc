@@ -1,0 +1,99 @@
+// libFuzzer target: the requests the metrics server (common/metrics/http_exposer.h) reads from
+// any client that can reach its port. One real HttpExposer on loopback serves the whole run; each
+// input is sent on a connection of its own, which is then half-closed, and the answer read to
+// the server's close. Any input must be answered with HTTP responses or a closed connection,
+// never a crash, a hang past the server's own read deadline or undefined behaviour, and the
+// server must go on serving: every 64th input is followed by a plain /healthz that must be 200.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "common/metrics/http_exposer.h"
+#include "common/metrics/metrics.h"
+
+namespace {
+
+using grpo::common::HttpExposer;
+using grpo::common::Registry;
+
+struct Server {
+  Registry registry;
+  std::unique_ptr<HttpExposer> exposer;
+  Server() {
+    auto requests = registry.AddCounter("fuzz_requests_total", "Inputs sent, in requests.");
+    if (!requests.ok()) std::abort();
+    (*requests)->Increment();
+    // A short read deadline: an input that is a request cut short is dropped in 200 ms.
+    grpo::common::HttpExposerLimits limits;
+    limits.io_timeout = std::chrono::milliseconds(200);
+    exposer = std::make_unique<HttpExposer>(registry, nullptr, limits);
+    if (!exposer->Start("127.0.0.1", 0).ok()) std::abort();
+  }
+};
+
+Server& TheServer() {
+  static Server* server = new Server();  // lives to exit: the exposer's thread serves to the end
+  return *server;
+}
+
+// Sends `request`, half-closes, and returns everything the server wrote before it closed.
+std::string Exchange(std::string_view request) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) std::abort();
+  timeval timeout{5, 0};  // far past the server's 200 ms: a hang is a finding
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(TheServer().exposer->port());
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) std::abort();
+  size_t sent = 0;
+  while (sent < request.size()) {
+    const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) break;  // the server may close on a bad request before reading it all
+    sent += static_cast<size_t>(n);
+  }
+  ::shutdown(fd, SHUT_WR);
+  std::string response;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n == 0) break;
+    if (n < 0) {
+      if (errno == ECONNRESET) break;
+      std::abort();  // the 5 s receive timeout: the server neither answered nor closed
+    }
+    response.append(buf, static_cast<size_t>(n));
+  }
+  // Reset rather than TIME_WAIT: a long run opens more connections than there are ports.
+  linger hard{1, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &hard, sizeof(hard));
+  ::close(fd);
+  return response;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static uint64_t inputs = 0;
+  const std::string response =
+      Exchange(std::string_view(reinterpret_cast<const char*>(data), size));
+  if (!response.empty() && response.rfind("HTTP/", 0) != 0) std::abort();
+  if (++inputs % 64 == 0) {
+    const std::string health = Exchange("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+    if (health.rfind("HTTP/1.1 200 ", 0) != 0) std::abort();
+  }
+  return 0;
+}
