@@ -392,6 +392,13 @@ Status Check(bool ok, std::string_view key, std::string_view what) {
   return Status::InvalidArgument("config key '" + std::string(key) + "' " + std::string(what));
 }
 
+// `value` in [min, max] (max: kMaxConfigCount or kMaxConfigTokens).
+Status CheckRange(int64_t value, int64_t min, int64_t max, std::string_view key) {
+  return Check(value >= min && value <= max, key,
+               "must be in [" + std::to_string(min) + ", " + std::to_string(max) + "], got " +
+                   std::to_string(value));
+}
+
 }  // namespace
 
 Status SetConfigValue(GrpoConfig& config, std::string_view key, std::string_view value) {
@@ -497,9 +504,10 @@ Status GrpoConfig::Validate() const {
                         "must be auto, cpu, cuda or cuda:N, got '" + device + "'"));
   RETURN_IF_ERROR(Check(num_generations >= 2, "num_generations",
                         "must be at least 2 (GRPO compares completions within a group)"));
-  RETURN_IF_ERROR(Check(num_iterations >= 1, "num_iterations", "must be at least 1"));
-  RETURN_IF_ERROR(Check(max_prompt_length >= 1, "max_prompt_length", "must be at least 1"));
-  RETURN_IF_ERROR(Check(max_completion_length >= 1, "max_completion_length", "must be at least 1"));
+  RETURN_IF_ERROR(CheckRange(num_generations, 2, kMaxConfigCount, "num_generations"));
+  RETURN_IF_ERROR(CheckRange(num_iterations, 1, kMaxConfigCount, "num_iterations"));
+  RETURN_IF_ERROR(CheckRange(max_prompt_length, 1, kMaxConfigTokens, "max_prompt_length"));
+  RETURN_IF_ERROR(CheckRange(max_completion_length, 1, kMaxConfigTokens, "max_completion_length"));
   RETURN_IF_ERROR(Check(temperature >= 0, "temperature", "must be >= 0 (0 = greedy)"));
   RETURN_IF_ERROR(Check(top_p > 0 && top_p <= 1, "top_p", "must be in (0, 1]"));
   RETURN_IF_ERROR(Check(top_k >= 0, "top_k", "must be >= 0 (0 = off)"));
@@ -552,17 +560,18 @@ Status GrpoConfig::Validate() const {
                         tls_cert_file.empty() ? "tls_key_file" : "tls_cert_file",
                         "needs tls_cert_file and tls_key_file together"));
   RETURN_IF_ERROR(
-      Check(per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be at least 1"));
+      CheckRange(per_device_train_batch_size, 1, kMaxConfigCount, "per_device_train_batch_size"));
   RETURN_IF_ERROR(
-      Check(gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be at least 1"));
-  RETURN_IF_ERROR(Check(!steps_per_generation || *steps_per_generation >= 1, "steps_per_generation",
-                        "must be at least 1"));
+      CheckRange(gradient_accumulation_steps, 1, kMaxConfigCount, "gradient_accumulation_steps"));
+  if (steps_per_generation) {
+    RETURN_IF_ERROR(CheckRange(*steps_per_generation, 1, kMaxConfigCount, "steps_per_generation"));
+  }
   const int64_t gen_batch = GenerationBatchSize();
   RETURN_IF_ERROR(Check(gen_batch % num_generations == 0, "num_generations",
                         "must divide the generation batch per_device_train_batch_size x "
                         "steps_per_generation = " +
                             std::to_string(gen_batch)));
-  RETURN_IF_ERROR(Check(logprob_chunk_tokens >= 1, "logprob_chunk_tokens", "must be at least 1"));
+  RETURN_IF_ERROR(CheckRange(logprob_chunk_tokens, 1, kMaxConfigTokens, "logprob_chunk_tokens"));
   RETURN_IF_ERROR(Check(learning_rate >= 0, "learning_rate", "must be >= 0"));
   RETURN_IF_ERROR(Check(adam_beta1 >= 0 && adam_beta1 < 1, "adam_beta1", "must be in [0, 1)"));
   RETURN_IF_ERROR(Check(adam_beta2 >= 0 && adam_beta2 < 1, "adam_beta2", "must be in [0, 1)"));

@@ -15,6 +15,12 @@
 
 namespace grpo::common {
 
+// Upper bounds of the run's sizes (GrpoConfig::Validate): far above any run's, and low enough
+// that the products the learner and the memory plan form of them (the generation batch, the
+// tokens of a micro-batch) stay inside 64-bit integers whatever a config file says.
+inline constexpr int64_t kMaxConfigCount = int64_t{1} << 20;   // rows, steps, generations
+inline constexpr int64_t kMaxConfigTokens = int64_t{1} << 24;  // lengths and chunks, in tokens
+
 struct GrpoConfig {
   // Model and output.
   std::string model_name_or_path;  // a Hugging Face model directory

@@ -65,6 +65,17 @@ Status RequirePositive(const std::string& source, std::string_view field, int64_
   return Status::OK();
 }
 
+// Positive and at most `max` (the kMax... bounds of model_config.h).
+Status RequireSize(const std::string& source, std::string_view field, int64_t v, int64_t max) {
+  RETURN_IF_ERROR(RequirePositive(source, field, v));
+  if (v > max) {
+    return FieldError(source, field,
+                      "is " + std::to_string(v) + ", more than the " + std::to_string(max) +
+                          " any supported model has room for");
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 StatusOr<ModelConfig> ModelConfig::FromJson(const json& j, const std::string& source) {
@@ -168,14 +179,18 @@ StatusOr<ModelConfig> ModelConfig::FromJson(const json& j, const std::string& so
 }
 
 Status ModelConfig::Validate(const std::string& source) const {
-  RETURN_IF_ERROR(RequirePositive(source, "vocab_size", vocab_size));
-  RETURN_IF_ERROR(RequirePositive(source, "hidden_size", hidden_size));
-  RETURN_IF_ERROR(RequirePositive(source, "intermediate_size", intermediate_size));
-  RETURN_IF_ERROR(RequirePositive(source, "num_hidden_layers", num_hidden_layers));
-  RETURN_IF_ERROR(RequirePositive(source, "num_attention_heads", num_attention_heads));
-  RETURN_IF_ERROR(RequirePositive(source, "num_key_value_heads", num_key_value_heads));
-  RETURN_IF_ERROR(RequirePositive(source, "head_dim", head_dim));
-  RETURN_IF_ERROR(RequirePositive(source, "max_position_embeddings", max_position_embeddings));
+  RETURN_IF_ERROR(RequireSize(source, "vocab_size", vocab_size, kMaxVocabSize));
+  RETURN_IF_ERROR(RequireSize(source, "hidden_size", hidden_size, kMaxHiddenSize));
+  RETURN_IF_ERROR(
+      RequireSize(source, "intermediate_size", intermediate_size, kMaxIntermediateSize));
+  RETURN_IF_ERROR(RequireSize(source, "num_hidden_layers", num_hidden_layers, kMaxHiddenLayers));
+  RETURN_IF_ERROR(
+      RequireSize(source, "num_attention_heads", num_attention_heads, kMaxAttentionHeads));
+  RETURN_IF_ERROR(
+      RequireSize(source, "num_key_value_heads", num_key_value_heads, kMaxAttentionHeads));
+  RETURN_IF_ERROR(RequireSize(source, "head_dim", head_dim, kMaxHeadDim));
+  RETURN_IF_ERROR(RequireSize(source, "max_position_embeddings", max_position_embeddings,
+                              kMaxPositionEmbeddings));
   if (hidden_size % num_attention_heads != 0) {
     return FieldError(source, "num_attention_heads",
                       "hidden_size " + std::to_string(hidden_size) + " is not divisible by " +

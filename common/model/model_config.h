@@ -13,6 +13,18 @@
 
 namespace grpo::common {
 
+// The largest sizes a config may declare (ModelConfig::Validate): far above any model trained
+// today (vocabularies of 262k, hidden 16k, MLP 53k, 126 layers, 128 heads of 256 dims), and low
+// enough that the parameter count (under 2^52) and the memory plan's products of sizes stay
+// inside 64-bit integers whatever a config.json says (learner/distributed/memory_plan.h).
+inline constexpr int64_t kMaxVocabSize = int64_t{1} << 24;
+inline constexpr int64_t kMaxHiddenSize = int64_t{1} << 18;
+inline constexpr int64_t kMaxIntermediateSize = int64_t{1} << 20;
+inline constexpr int64_t kMaxHiddenLayers = int64_t{1} << 10;
+inline constexpr int64_t kMaxAttentionHeads = int64_t{1} << 10;  // key/value heads too
+inline constexpr int64_t kMaxHeadDim = int64_t{1} << 11;
+inline constexpr int64_t kMaxPositionEmbeddings = int64_t{1} << 31;
+
 // Field names and defaults follow transformers' Qwen2Config / Qwen3Config / LlamaConfig.
 // A plain value type; FromJson validates it, so a ModelConfig from there is consistent.
 struct ModelConfig {
@@ -41,7 +53,8 @@ struct ModelConfig {
   static StatusOr<ModelConfig> FromJson(const nlohmann::json& json, const std::string& source_name);
   // A Hugging Face config.json that FromJson (and transformers) read back to the same config.
   nlohmann::json ToJson() const;
-  // Consistency of the dimensions (positive sizes, hidden % heads, heads % kv_heads).
+  // Consistency of the dimensions (positive sizes at most the kMax... bounds above,
+  // hidden % heads, heads % kv_heads).
   Status Validate(const std::string& source_name) const;
 
   // o_proj carries a bias (llama / qwen3 with attention_bias; never qwen2).

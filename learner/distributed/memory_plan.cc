@@ -4,9 +4,11 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <optional>
 #include <sstream>
 #include <string_view>
+#include <utility>
 
 namespace grpo::learner::distributed {
 namespace {
@@ -182,50 +184,75 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   }
 
   // One micro-batch: rows padded to the longest prompt and completion (common::Model forward,
-  // GrpoTrainer's MakeMicroBatch); the worst case is both at their maximum.
-  const int64_t b = cfg.per_device_train_batch_size;
-  const int64_t t = cfg.max_prompt_length + cfg.max_completion_length;
-  const int64_t tokens = b * t;
-  const int64_t d = m.hidden_size, v = m.vocab_size, l = m.num_hidden_layers;
-  const int64_t h = m.num_attention_heads;
-  p.micro_batch_rows = b;
+  // GrpoTrainer's MakeMicroBatch); the worst case is both at their maximum. These products of
+  // the run's sizes (B x H x T x T x layers ...) can pass 2^63 within the configs' bounds, so they
+  // are formed in 128 bits, exactly, and each figure refused when it passes kMaxPlanBytes.
+  using Wide = __int128;
+  const Wide b = cfg.per_device_train_batch_size;
+  const Wide t = cfg.max_prompt_length + cfg.max_completion_length;
+  const Wide tokens = b * t;
+  const Wide d = m.hidden_size, v = m.vocab_size, l = m.num_hidden_layers;
+  const Wide h = m.num_attention_heads, ws = s;
+  p.micro_batch_rows = cfg.per_device_train_batch_size;
   p.prompt_length = cfg.max_prompt_length;
   p.completion_length = cfg.max_completion_length;
-  p.sequence_tokens = t;
-  p.completion_tokens = b * cfg.max_completion_length;
+  p.sequence_tokens = cfg.max_prompt_length + cfg.max_completion_length;
+  p.completion_tokens = cfg.per_device_train_batch_size * cfg.max_completion_length;
   p.chunk_tokens = std::min(cfg.logprob_chunk_tokens, p.completion_tokens);
   // Attention probabilities [B, H, T, T]: fp32 softmax output, plus its bf16 copy with bf16.
-  const int64_t scores = b * h * t * t;
-  const int64_t layer = tokens * LayerTokenBytes(m, s) + scores * (cfg.bf16 ? 6 : 4);
+  const Wide scores = b * h * t * t;
+  const Wide layer = tokens * LayerTokenBytes(m, s) + scores * (cfg.bf16 ? 6 : 4);
   // Shared by every layer: the blocked-key mask [B, T, T] bool, cos and sin [B, T, 1, hd], the
   // int64 ids, mask and labels. The final norm keeps the last hidden state and 8 bytes more.
-  const int64_t shared = b * t * t + 2 * tokens * m.head_dim * s + 3 * 8 * tokens;
-  const int64_t final_norm = tokens * (s * d + 8 * d);
-  p.activations_no_checkpointing = l * layer + shared + final_norm;
-  p.activations_checkpointing = l * tokens * s * d + shared + final_norm;
+  const Wide shared = b * t * t + 2 * tokens * m.head_dim * ws + 3 * 8 * tokens;
+  const Wide final_norm = tokens * (ws * d + 8 * d);
   // Backward of one layer: the gradients of the probabilities and scores (fp32) or of the MLP's
   // [B, T, I] tensors, whichever is larger, the incoming and outgoing [B, T, D] gradients and a
   // weight's fresh gradient before it is added into .grad. A recomputed layer (checkpointing)
   // holds its activations again and returns all its weights' gradients at once. With tied
   // embeddings autograd holds the LM head's [V, D] gradient until the embedding's arrives (one
   // AccumulateGrad, two inputs): through every layer's backward.
-  const int64_t vd = v * d;
-  const int64_t widest = std::max(8 * scores, 3 * s * tokens * m.intermediate_size);
-  const int64_t largest_layer_weight =
+  const Wide vd = v * d;
+  const Wide widest = std::max<Wide>(8 * scores, 3 * ws * tokens * m.intermediate_size);
+  const Wide largest_layer_weight =
       std::max(m.intermediate_size, m.num_attention_heads * m.head_dim) * d;
-  const int64_t held = (m.tie_word_embeddings ? s * vd : 0) + 2 * s * tokens * d;
-  p.layer_backward_no_checkpointing = widest + held + s * largest_layer_weight;
-  p.layer_backward_checkpointing = layer + widest + held + s * p.params.per_layer;
+  const Wide held = (m.tie_word_embeddings ? ws * vd : 0) + 2 * ws * tokens * d;
   // The fused LM head (learner/chunked_logprobs.cc). Per chunk one fp32 [c, V] buffer and a
   // [64, V] fp32 block of exp() beside it; with bf16 also the bf16 matmul output it is upcast
   // from (and later the bf16 copy of dL/dz). Beside the chunks: the flattened hidden states and
   // their gradient [N, D] and the fp32 [V, D] weight-gradient accumulator (and its bf16 copy,
   // saved for backward); backward scales the saved [V, D] gradient into a new tensor.
-  const int64_t c = p.chunk_tokens;
-  p.logits_chunk = std::max(cfg.bf16 ? 6 * c * v : 0, 4 * c * v + 4 * std::min<int64_t>(64, c) * v);
-  const int64_t hidden_n = 2 * s * p.completion_tokens * d;
-  p.lm_head_pass =
-      std::max(hidden_n + 4 * vd + p.logits_chunk, hidden_n + (cfg.bf16 ? 6 * vd : 8 * vd));
+  const Wide c = p.chunk_tokens;
+  const Wide logits_chunk =
+      std::max<Wide>(cfg.bf16 ? 6 * c * v : 0, 4 * c * v + 4 * std::min<Wide>(64, c) * v);
+  const Wide hidden_n = 2 * ws * p.completion_tokens * d;
+  const std::pair<const char*, Wide> figures[] = {
+      {"activations_no_checkpointing", l * layer + shared + final_norm},
+      {"activations_checkpointing", l * tokens * ws * d + shared + final_norm},
+      {"layer_backward_no_checkpointing", widest + held + ws * largest_layer_weight},
+      {"layer_backward_checkpointing", layer + widest + held + ws * p.params.per_layer},
+      {"logits_chunk", logits_chunk},
+      {"lm_head_pass",
+       std::max<Wide>(hidden_n + 4 * vd + logits_chunk, hidden_n + (cfg.bf16 ? 6 * vd : 8 * vd))},
+  };
+  int64_t* const fields[] = {&p.activations_no_checkpointing,
+                             &p.activations_checkpointing,
+                             &p.layer_backward_no_checkpointing,
+                             &p.layer_backward_checkpointing,
+                             &p.logits_chunk,
+                             &p.lm_head_pass};
+  for (size_t i = 0; i < std::size(figures); ++i) {
+    if (figures[i].second > kMaxPlanBytes) {
+      return Status::InvalidArgument(
+          std::string("memory plan: ") + figures[i].first + " of one micro-batch (" +
+          std::to_string(cfg.per_device_train_batch_size) + " rows of " +
+          std::to_string(p.sequence_tokens) + " tokens) is more than " +
+          FormatBytes(kMaxPlanBytes) +
+          ", beyond any device: lower per_device_train_batch_size, max_prompt_length or "
+          "max_completion_length");
+    }
+    *fields[i] = static_cast<int64_t>(figures[i].second);
+  }
   // A loss that couples tokens leaves the fused path: grpo_loss.h TokenSeparable with `old`
   // computed (without it a sequence-level IS weight is decided per batch), spelt from the config
   // here to keep libtorch out of this file; memory_plan_test checks the two agree.

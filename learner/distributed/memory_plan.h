@@ -23,6 +23,11 @@ namespace grpo::learner::distributed {
 // workspace; an assumption (0.5-1 GiB is what PyTorch users report), not measured here.
 inline constexpr int64_t kHostRuntimeBytes = 384ll << 20;
 inline constexpr int64_t kCudaRuntimeBytes = 1ll << 30;
+// The largest figure a plan holds (256 PiB): far beyond any device, and small enough that a
+// plan's sums of figures stay inside int64. PlanMemory refuses a micro-batch whose activations
+// pass it (a config's sizes are bounded, common/config.h and common/model/model_config.h, but
+// their products are not).
+inline constexpr int64_t kMaxPlanBytes = int64_t{1} << 58;
 // SuggestFix looks for a world size up to this many ranks.
 inline constexpr int kMaxSuggestedWorldSize = 1024;
 // The flat bucket of the data-parallel gradient all-reduce (distributed::kDefaultBucketBytes of
@@ -118,7 +123,7 @@ struct MemoryPlan {
 
 // The plan of `config` for `model` on `world_size` ranks of `device` ("cpu", or "cuda"/"cuda:N";
 // resolve "auto" first). InvalidArgument naming the key for a bad fsdp, world_size < 1 or an
-// unknown device.
+// unknown device, and for a micro-batch too large to plan (a figure above kMaxPlanBytes).
 StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& model, const common::GrpoConfig& config,
                                 int world_size, const std::string& device);
 

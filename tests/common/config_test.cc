@@ -251,6 +251,41 @@ TEST(Config, DeviceAcceptsCpuCudaAndCudaIndex) {
   }
 }
 
+// The run's sizes have bounds (config.h kMaxConfigCount, kMaxConfigTokens), checked before any
+// arithmetic on them: the generation batch of per_device_train_batch_size 2^62 x 4 was signed
+// overflow inside Validate (found by tests/fuzz/config_yaml_fuzz.cc under UBSan).
+TEST(Config, SizesPastTheirBoundsAreInvalidArgumentNamingTheKey) {
+  const std::pair<const char*, int64_t> bounds[] = {
+      {"num_generations", int64_t{1} << 20},
+      {"num_iterations", int64_t{1} << 20},
+      {"per_device_train_batch_size", int64_t{1} << 20},
+      {"gradient_accumulation_steps", int64_t{1} << 20},
+      {"steps_per_generation", int64_t{1} << 20},
+      {"max_prompt_length", int64_t{1} << 24},
+      {"max_completion_length", int64_t{1} << 24},
+      {"logprob_chunk_tokens", int64_t{1} << 24},
+  };
+  for (const auto& [key, bound] : bounds) {
+    // At the bound: taken (num_generations 2^20 divides a generation batch of 2^20 rows).
+    GrpoConfig base;
+    base.num_generations = 8;
+    base.per_device_train_batch_size = std::string_view(key) == "num_generations" ? bound : 8;
+    ASSERT_TRUE(SetConfigValue(base, key, std::to_string(bound)).ok()) << key;
+    EXPECT_TRUE(base.Validate().ok()) << key << ": " << base.Validate().ToString();
+    for (int64_t bad : {bound + 1, int64_t{1} << 62}) {
+      std::string yaml = key;
+      yaml.append(": ").append(std::to_string(bad));
+      auto c = ParseConfigYaml(yaml, "run.yaml");  // parses; Validate checks the range
+      ASSERT_TRUE(c.ok()) << c.status().ToString();
+      const Status s = c->Validate();
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << key << " " << bad;
+      const std::string quoted = std::string("'").append(key).append("'");
+      EXPECT_NE(s.message().find(quoted), std::string::npos) << s.ToString();
+      EXPECT_NE(s.message().find(std::to_string(bound)), std::string::npos) << s.ToString();
+    }
+  }
+}
+
 TEST(Config, BadDeviceIsInvalidArgumentNamingTheKey) {
   for (const char* d : {"gpu", "CUDA", "cuda:", "cuda:-1", "cuda:a", "cuda0", "tpu"}) {
     GrpoConfig g;

@@ -540,6 +540,35 @@ TEST(ModelConfigErrors, InconsistentDimsNameField) {
   ExpectConfigError(j, "num_key_value_heads");
 }
 
+// A config.json is anyone's file: every size has a bound (model_config.h kMax...), so the
+// parameter count and the memory plan made from it cannot overflow (tests/fuzz found the plan
+// did, signed overflow at hidden_size 2^40). A size at its bound is taken, one past is refused.
+TEST(ModelConfigErrors, SizesPastTheirBoundsNameField) {
+  const std::pair<const char*, int64_t> bounds[] = {
+      {"vocab_size", int64_t{1} << 24},
+      {"hidden_size", int64_t{1} << 18},
+      {"intermediate_size", int64_t{1} << 20},
+      {"num_hidden_layers", int64_t{1} << 10},
+      {"num_attention_heads", int64_t{1} << 10},
+      {"num_key_value_heads", int64_t{1} << 10},
+      {"head_dim", int64_t{1} << 11},
+      {"max_position_embeddings", int64_t{1} << 31},
+  };
+  json at_bounds = SmallConfigJson("qwen3");
+  for (const auto& [field, bound] : bounds) at_bounds[field] = bound;
+  auto c = ModelConfig::FromJson(at_bounds, "x/config.json");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->vocab_size, int64_t{1} << 24);
+  for (const auto& [field, bound] : bounds) {
+    json j = at_bounds;
+    j[field] = bound + (std::string(field) == "head_dim" ? 2 : 1);  // head_dim stays even
+    if (std::string(field) == "num_attention_heads") j["num_key_value_heads"] = 1;
+    ExpectConfigError(j, field);
+    j[field] = int64_t{1} << 62;
+    ExpectConfigError(j, field);
+  }
+}
+
 TEST(ModelConfigErrors, UnsupportedRopeScalingIsUnimplemented) {
   json j = SmallConfigJson("llama");
   j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};

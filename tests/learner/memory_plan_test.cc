@@ -313,6 +313,68 @@ TEST(MemoryPlanSmall, RefusesBadInput) {
   EXPECT_NE(bad.status().message().find("fsdp"), std::string::npos);
 }
 
+// The largest model a config.json may declare (model_config.h's bounds), counted by hand:
+// q = k = 2^10 heads x 2^11 = 2^21; a layer is q, k, v, o (2^39 + 2 x 2^39 + 2^39), the MLP
+// (3 x 2^20 x 2^18) and two norms (2 x 2^18), plus qwen2's q/k/v biases (3 x 2^21); tied
+// embeddings 2^24 x 2^18 and the final norm 2^18.
+common::ModelConfig LargestModel() {
+  common::ModelConfig m = Config("qwen2", int64_t{1} << 24, int64_t{1} << 18, int64_t{1} << 20,
+                                 int64_t{1} << 10, int64_t{1} << 10, int64_t{1} << 10, true);
+  m.head_dim = int64_t{1} << 11;
+  return m;
+}
+
+TEST(MemoryPlanBounds, TheLargestModelIsCountedExactly) {
+  const common::ModelConfig m = LargestModel();
+  ASSERT_TRUE(m.Validate("largest").ok()) << m.Validate("largest").ToString();
+  const int64_t per_layer = 4 * (int64_t{1} << 39) + 3 * (int64_t{1} << 38) +
+                            2 * (int64_t{1} << 18) + 3 * (int64_t{1} << 21);
+  const ParameterCounts c = CountParameters(m);
+  EXPECT_EQ(c.per_layer, per_layer);
+  EXPECT_EQ(c.total, (int64_t{1} << 42) + (int64_t{1} << 10) * per_layer + (int64_t{1} << 18));
+  common::GrpoConfig cfg = SmallRun();
+  auto plan = PlanMemory(m, cfg, 1, "cpu");
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_EQ(plan->parameters, 4 * c.total);
+  EXPECT_EQ(plan->adamw_state, 8 * c.total);
+  EXPECT_GT(plan->Total(), 24 * c.total);
+}
+
+// At every bound at once (the largest model, 2^20 rows of 2 x 2^24 tokens) the activations of
+// one micro-batch pass 2^63 bytes: refused with the knobs named, never overflowed (tests/fuzz
+// found the plan's int64 products overflowing from a config.json alone).
+TEST(MemoryPlanBounds, AMicroBatchBeyondAnyDeviceIsRefusedNamingTheKnobs) {
+  common::GrpoConfig cfg = SmallRun();
+  cfg.per_device_train_batch_size = int64_t{1} << 20;
+  cfg.max_prompt_length = cfg.max_completion_length = int64_t{1} << 24;
+  cfg.logprob_chunk_tokens = int64_t{1} << 24;
+  ASSERT_TRUE(cfg.Validate().ok()) << cfg.Validate().ToString();
+  for (bool bf16 : {false, true}) {
+    cfg.bf16 = bf16;
+    auto plan = PlanMemory(LargestModel(), cfg, 4, "cuda");
+    ASSERT_FALSE(plan.ok());
+    EXPECT_EQ(plan.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(plan.status().message().find("activations_no_checkpointing"), std::string::npos)
+        << plan.status().ToString();
+    EXPECT_NE(plan.status().message().find("per_device_train_batch_size"), std::string::npos);
+  }
+}
+
+// Past 2^53 (where a double would round) the figures stay exact: one fp32 row of 2^25 tokens of
+// the small model (4 heads, I 128, D 64, tied V 1000). Its layer backward, by hand: the widest
+// gradient is the scores' 8 x (4 x 2^25 x 2^25) = 2^55 (the MLP's 3 x 4 x 2^25 x 128 is less),
+// held are the tied [V, D] gradient 4 x 1000 x 64 and 2 x 4 x 2^25 x 64 = 2^34, and the largest
+// weight's gradient 4 x 128 x 64.
+TEST(MemoryPlanBounds, FiguresPast2To53AreExact) {
+  common::GrpoConfig cfg = SmallRun();
+  cfg.per_device_train_batch_size = 1;
+  cfg.max_prompt_length = cfg.max_completion_length = int64_t{1} << 24;
+  auto plan = PlanMemory(Small(), cfg, 1, "cpu");
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_EQ(plan->layer_backward_no_checkpointing,
+            (int64_t{1} << 55) + 4 * 1000 * 64 + (int64_t{1} << 34) + 4 * 128 * 64);
+}
+
 TEST(MemoryPlanSmall, CpuOffloadChangesNothingAndSaysSo) {
   common::GrpoConfig cfg = SmallRun();
   auto plain = PlanMemory(Small(), cfg, 1, "cpu");
