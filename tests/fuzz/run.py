@@ -142,7 +142,10 @@ def main():
         cmd = [exe, "-seed=1", "-max_len=16384", "-rss_limit_mb=2048", "-timeout=10",
                f"-artifact_prefix={work}/{name}-", *limit, corpus]
         t0 = time.monotonic()
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        # Files a harness makes (tokenizer_config's model directory) go under the work directory,
+        # which goes with it: libFuzzer may end without running atexit handlers.
+        r = subprocess.run(cmd, capture_output=True, text=True,
+                           env={**os.environ, "TMPDIR": work})
         tail = "\n".join(r.stderr.splitlines()[-3:])
         print(f"fuzz: {name}: exit {r.returncode} in {time.monotonic() - t0:.0f} s\n{tail}",
               flush=True)
