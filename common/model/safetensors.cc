@@ -136,7 +136,7 @@ StatusOr<ParsedHeader> ParseHeader(const std::string& path, const char* header, 
   json root;
   try {
     root = json::parse(header, header + size);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for 1e999
     return FileError(StatusCode::kInvalidArgument, path,
                      std::string("header is not valid JSON: ") + e.what());
   }
@@ -366,7 +366,7 @@ Status OpenShardedImpl(const std::string& index_path, const fs::path& dir,
   json root;
   try {
     root = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for 1e999
     return FileError(StatusCode::kInvalidArgument, index_path,
                      std::string("not valid JSON: ") + e.what());
   }

@@ -29,7 +29,7 @@ Status ApplyConfig(const fs::path& config_path, BpeTokenizer* tokenizer) {
   nlohmann::json config;
   try {
     config = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for 1e999
     return Status::InvalidArgument(file + ": invalid JSON: " + e.what());
   }
   if (!config.is_object()) return Status::InvalidArgument(file + ": not a JSON object");

@@ -537,6 +537,19 @@ TEST(LoadTokenizer, ReadsEosAndPadFromTokenizerConfig) {
   EXPECT_NE(t.status().message().find("<nope>"), std::string::npos);
 }
 
+// A number past double's range is nlohmann's out_of_range, not its parse_error: it escaped the
+// catch and ended the process (found by tests/fuzz/tokenizer_config_fuzz.cc). Now a clear error.
+TEST(LoadTokenizer, ANumberPastDoublesRangeInTokenizerConfigIsAnError) {
+  TempDir dir;
+  WriteText(dir.path() / "tokenizer.json", TinyBpeJson(false).dump());
+  WriteText(dir.path() / "tokenizer_config.json", R"({"model_max_length": 1e999})");
+  auto t = LoadTokenizer(dir.path().string());
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find("tokenizer_config.json"), std::string::npos)
+      << t.status().ToString();
+}
+
 // ---- chat template ---------------------------------------------------------------------------
 
 TEST(ChatTemplate, FormatsChatMlWithGenerationPrompt) {
