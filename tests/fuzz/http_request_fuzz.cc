@@ -14,7 +14,9 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -62,6 +64,7 @@ std::string Exchange(std::string_view request) {
   size_t sent = 0;
   while (sent < request.size()) {
     const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;  // libFuzzer's SIGALRM (its -timeout clock)
     if (n <= 0) break;  // the server may close on a bad request before reading it all
     sent += static_cast<size_t>(n);
   }
@@ -72,8 +75,11 @@ std::string Exchange(std::string_view request) {
     const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
     if (n == 0) break;
     if (n < 0) {
+      if (errno == EINTR) continue;  // libFuzzer's SIGALRM (its -timeout clock)
       if (errno == ECONNRESET) break;
-      std::abort();  // the 5 s receive timeout: the server neither answered nor closed
+      // EAGAIN: the 5 s receive timeout, the server neither answered nor closed.
+      std::fprintf(stderr, "http_request_fuzz: recv: %s\n", std::strerror(errno));
+      std::abort();
     }
     response.append(buf, static_cast<size_t>(n));
   }
