@@ -187,18 +187,17 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   // GrpoTrainer's MakeMicroBatch); the worst case is both at their maximum. These products of
   // the run's sizes (B x H x T x T x layers ...) can pass 2^63 within the configs' bounds, so they
   // are formed in 128 bits, exactly, and each figure refused when it passes kMaxPlanBytes.
-  using Wide = __int128;
-  const Wide b = cfg.per_device_train_batch_size;
-  const Wide t = cfg.max_prompt_length + cfg.max_completion_length;
-  const Wide tokens = b * t;
-  const Wide d = m.hidden_size, v = m.vocab_size, l = m.num_hidden_layers;
-  const Wide h = m.num_attention_heads, ws = s;
   p.micro_batch_rows = cfg.per_device_train_batch_size;
   p.prompt_length = cfg.max_prompt_length;
   p.completion_length = cfg.max_completion_length;
   p.sequence_tokens = cfg.max_prompt_length + cfg.max_completion_length;
   p.completion_tokens = cfg.per_device_train_batch_size * cfg.max_completion_length;
   p.chunk_tokens = std::min(cfg.logprob_chunk_tokens, p.completion_tokens);
+  using Wide = __int128;
+  const Wide b = p.micro_batch_rows, t = p.sequence_tokens;
+  const Wide tokens = b * t;
+  const Wide d = m.hidden_size, v = m.vocab_size, l = m.num_hidden_layers;
+  const Wide h = m.num_attention_heads, ws = s;
   // Attention probabilities [B, H, T, T]: fp32 softmax output, plus its bf16 copy with bf16.
   const Wide scores = b * h * t * t;
   const Wide layer = tokens * LayerTokenBytes(m, s) + scores * (cfg.bf16 ? 6 : 4);
@@ -245,9 +244,8 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     if (figures[i].second > kMaxPlanBytes) {
       return Status::InvalidArgument(
           std::string("memory plan: ") + figures[i].first + " of one micro-batch (" +
-          std::to_string(cfg.per_device_train_batch_size) + " rows of " +
-          std::to_string(p.sequence_tokens) + " tokens) is more than " +
-          FormatBytes(kMaxPlanBytes) +
+          std::to_string(p.micro_batch_rows) + " rows of " + std::to_string(p.sequence_tokens) +
+          " tokens) is more than " + FormatBytes(kMaxPlanBytes) +
           ", beyond any device: lower per_device_train_batch_size, max_prompt_length or "
           "max_completion_length");
     }
