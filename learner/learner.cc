@@ -319,6 +319,9 @@ void Learner::TrainLoop() {
       Housekeep();
       last_housekeep = Clock::now();
     }
+    // A dead worker's leases that went back, or a housekeeping pass (the job state, a pass
+    // boundary), may free lease budget that a LeasePrompts long poll is waiting for.
+    if (housekeep || !dropped.empty()) room_cv_.NotifyAll();
     {
       common::MutexLock lock(&mu_);
       if (stopping_) return;

@@ -58,6 +58,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/cancel_token.h"
 #include "common/config.h"
 #include "common/group_refusal.h"
 #include "common/learner_protocol.h"
@@ -93,7 +94,9 @@ inline constexpr std::chrono::milliseconds kDefaultLeaseRetryAfter{250};
 inline constexpr std::chrono::milliseconds kLeaseLongPoll{3000};
 // WaitForWeights for a version not published yet waits this long at most.
 inline constexpr std::chrono::milliseconds kDefaultGetWeightsWait{60'000};
-// Long waits (job events, buffer room, weights) re-check cancellation this often.
+// The training loop and the weight publishers wake at least this often to re-check their state.
+// (The waits of calls, for job events, buffer room, lease budget and weights, do not poll: a
+// common::CancelToken that the call's cancellation or deadline trips wakes them.)
 inline constexpr std::chrono::milliseconds kWaitPollInterval{200};
 // The training thread refreshes the job state from the ledger this often (and after events).
 inline constexpr std::chrono::milliseconds kHousekeepInterval{1000};
@@ -197,23 +200,24 @@ class Learner {
   // Leases at most `max_prompts` prompts within the lease budget (max_staleness and the buffer;
   // LeaseBudget), waiting up to kLeaseLongPoll (and no later than 500 ms before `deadline`) for
   // budget. InvalidArgument for an empty id or a non-positive count, NotFound for an unknown
-  // worker, Unavailable while stopping, Cancelled when `cancelled` says so (leases granted
-  // meanwhile go back at once).
+  // worker, Unavailable while stopping, Cancelled once `cancel` (may be null) is tripped: the
+  // wait ends at once, and leases granted meanwhile go back.
   StatusOr<common::LeaseReply> LeasePrompts(const std::string& worker_id, int64_t max_prompts,
                                             std::chrono::steady_clock::time_point deadline,
-                                            const std::function<bool()>& cancelled)
+                                            const common::CancelToken* cancel)
       GRPO_EXCLUDES(lease_mu_, mu_);
-  // The ingest policy above for one group; its verdict goes into `tally`. `cancelled` ends a
-  // wait for buffer room.
-  void AcceptGroup(common::RolloutGroup group, const std::function<bool()>& cancelled,
-                   PushTally* tally) GRPO_EXCLUDES(mu_);
+  // The ingest policy above for one group; its verdict goes into `tally`. Tripping `cancel`
+  // (may be null) ends a wait for buffer room at once.
+  void AcceptGroup(common::RolloutGroup group, const common::CancelToken* cancel, PushTally* tally)
+      GRPO_EXCLUDES(mu_);
   // The newest published weights once their version is >= min_version (waits up to
-  // kDefaultGetWeightsWait): DeadlineExceeded otherwise. A min_version of another learner
+  // kDefaultGetWeightsWait, or until `cancel`, may be null, is tripped): DeadlineExceeded
+  // otherwise. A min_version of another learner
   // incarnation (`incarnation` non-empty and not this one: a worker that has not seen the
   // restart) names none of this learner's versions: the newest is served at once.
   StatusOr<std::shared_ptr<const WeightSnapshot>> WaitForWeights(
-      int64_t min_version, const std::function<bool()>& cancelled,
-      const std::string& incarnation = "") GRPO_EXCLUDES(mu_);
+      int64_t min_version, const common::CancelToken* cancel, const std::string& incarnation = "")
+      GRPO_EXCLUDES(mu_);
 
   // --- What clients ask.
   StatusOr<DatasetInfo> AddDataset(const std::string& idempotency_key,
@@ -223,10 +227,12 @@ class Learner {
   void Cancel(const std::string& reason) GRPO_EXCLUDES(mu_);
   std::shared_ptr<Subscriber> Subscribe() GRPO_EXCLUDES(mu_);
   void Unsubscribe(const std::shared_ptr<Subscriber>& subscriber) GRPO_EXCLUDES(mu_);
-  // The events queued for `subscriber`, waiting up to `wait` for one: OK (maybe none),
-  // ResourceExhausted when it fell too far behind, Unavailable when the learner stops.
+  // The events queued for `subscriber`, waiting up to `wait` for one, or until `cancel` (may be
+  // null) is tripped: OK (maybe none), ResourceExhausted when it fell too far behind,
+  // Unavailable when the learner stops, Cancelled when tripped.
   Status NextEvents(Subscriber& subscriber, std::chrono::milliseconds wait,
-                    std::deque<JobEvent>* events) GRPO_EXCLUDES(mu_);
+                    const common::CancelToken* cancel, std::deque<JobEvent>* events)
+      GRPO_EXCLUDES(mu_);
 
   // --- State.
   // This process's learner_incarnation (Registration): groups must carry it.

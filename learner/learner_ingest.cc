@@ -116,7 +116,7 @@ StatusOr<common::HeartbeatReply> Learner::Heartbeat(const common::HeartbeatReque
 
 StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
                                                    int64_t max_prompts, Clock::time_point deadline,
-                                                   const std::function<bool()>& cancelled) {
+                                                   const common::CancelToken* cancel) {
   if (worker_id.empty()) return Status::InvalidArgument("LeasePrompts: empty worker_id");
   if (max_prompts <= 0) {
     return Status::InvalidArgument("LeasePrompts: max_prompts must be positive");
@@ -137,9 +137,14 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
   // While the budget is 0, wait for it (a long poll woken when the trainer takes or finishes a
   // batch) instead of sending the worker to sleep for a fixed retry, so that generation resumes
   // the moment a lease may go out.
+  const auto cancelled = [cancel] { return cancel != nullptr && cancel->cancelled(); };
   common::MutexLock lease_lock(&lease_mu_);
   int64_t budget = 0;
   {
+    const common::CancelToken::Subscription wake = common::CancelToken::Watch(cancel, [this] {
+      common::MutexLock lock(&mu_);
+      room_cv_.NotifyAll();
+    });
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - Clock::now() - std::chrono::milliseconds(500));
     const auto poll_end =
@@ -157,7 +162,7 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
         // Shutting down is not the end of the job: the worker waits and reconnects.
         return Status::Unavailable("the learner is shutting down");
       }
-      if (cancelled && cancelled()) return Status::Cancelled("LeasePrompts: cancelled");
+      if (cancelled()) return Status::Cancelled("LeasePrompts: cancelled");
       LeaseBudgetInput in;
       in.buffered = static_cast<int64_t>(buffer_.size() + accepting_ms_.size());
       in.leased_out = counts->leased;
@@ -168,7 +173,10 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
       in.versions_per_batch = versions_per_batch_;
       budget = LeaseBudget(in);
       if (budget > 0 || Clock::now() >= poll_end) break;
-      room_cv_.WaitFor(&mu_, std::min<Clock::duration>(kWaitPollInterval, poll_end - Clock::now()));
+      // Woken when the trainer takes or finishes a batch, a group is refused (its lease went
+      // back), a dead worker's leases go back, after housekeeping, when the learner stops, and
+      // when the call is cancelled (its CancelToken).
+      room_cv_.WaitUntil(&mu_, poll_end);
     }
     if (budget == 0) return reply;  // retry_after_ms is set
   }
@@ -176,7 +184,7 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
   const auto duration =
       std::chrono::milliseconds(std::max<int64_t>(1, std::llround(config_.lease_seconds * 1000)));
   ASSIGN_OR_RETURN(std::vector<Lease> leases, ledger_->LeasePrompts(worker_id, n, duration));
-  if (cancelled && cancelled()) {
+  if (cancelled()) {
     // Nobody will receive these leases: give them back at once.
     for (const auto& l : leases) (void)ledger_->ReleaseLease(l.lease_id, l.prompt_id);
     return Status::Cancelled("LeasePrompts: cancelled");
@@ -200,8 +208,12 @@ void Learner::Refuse(PushTally* tally, common::GroupRefusal why, const std::stri
   ++tally->reply.rejected_by_reason[reason];
   if (tally->reply.messages.size() < kMaxAckMessages) tally->reply.messages.push_back(message);
   metrics_.groups_rejected->Increment({reason});
-  common::MutexLock lock(&mu_);
-  ++refused_[reason];
+  {
+    common::MutexLock lock(&mu_);
+    ++refused_[reason];
+  }
+  // A refused group's lease went back (most refusals release it): a lease budget may be free.
+  room_cv_.NotifyAll();
 }
 
 void Learner::RecordStepMetrics(const StepMetrics& step) {
@@ -250,7 +262,7 @@ void Learner::RefreshLedgerMetrics() {
   metrics_.ledger_prompts->Set({"filtered"}, static_cast<double>(counts->filtered));
 }
 
-void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()>& cancelled,
+void Learner::AcceptGroup(common::RolloutGroup group, const common::CancelToken* cancel,
                           PushTally* tally) {
   const std::string& lease = group.lease_id;
   const std::string& prompt = group.prompt_id;
@@ -346,14 +358,17 @@ void Learner::AcceptGroup(common::RolloutGroup group, const std::function<bool()
   Admit admit = Admit::kRoom;
   int64_t accepted_ms = 0;
   {
+    const common::CancelToken::Subscription wake = common::CancelToken::Watch(cancel, [this] {
+      common::MutexLock lock(&mu_);
+      room_cv_.NotifyAll();
+    });
     common::MutexLock lock(&mu_);
     if (!tally->buffer_timed_out) {
       const auto deadline = Clock::now() + options_.push_buffer_wait;
       while (!stopping_ && !TerminalLocked() &&
              static_cast<int64_t>(buffer_.size() + accepting_ms_.size()) >= buffer_capacity_ &&
-             Clock::now() < deadline && !(cancelled && cancelled())) {
-        room_cv_.WaitFor(&mu_,
-                         std::min<Clock::duration>(kWaitPollInterval, deadline - Clock::now()));
+             !(cancel != nullptr && cancel->cancelled())) {
+        if (!room_cv_.WaitUntil(&mu_, deadline)) break;
       }
     }
     if (TerminalLocked()) {
@@ -445,13 +460,17 @@ void Learner::FilterGroup(const common::RolloutGroup& group, PushTally* tally) {
 }
 
 StatusOr<std::shared_ptr<const WeightSnapshot>> Learner::WaitForWeights(
-    int64_t min_version, const std::function<bool()>& cancelled, const std::string& incarnation) {
+    int64_t min_version, const common::CancelToken* cancel, const std::string& incarnation) {
   if (!incarnation.empty() && incarnation != incarnation_) min_version = 0;
+  const common::CancelToken::Subscription wake = common::CancelToken::Watch(cancel, [this] {
+    common::MutexLock lock(&mu_);
+    state_cv_.NotifyAll();
+  });
   common::MutexLock lock(&mu_);
   const auto deadline = Clock::now() + kDefaultGetWeightsWait;
-  while (!stopping_ && !(weights_ && weights_->version >= min_version) && Clock::now() < deadline &&
-         !(cancelled && cancelled())) {
-    state_cv_.WaitFor(&mu_, kWaitPollInterval);
+  while (!stopping_ && !(weights_ && weights_->version >= min_version) &&
+         !(cancel != nullptr && cancel->cancelled())) {
+    if (!state_cv_.WaitUntil(&mu_, deadline)) break;
   }
   if (!weights_ || weights_->version < min_version) {
     return Status::DeadlineExceeded("policy version " + std::to_string(min_version) +
@@ -492,10 +511,15 @@ void Learner::Unsubscribe(const std::shared_ptr<Subscriber>& subscriber) {
 }
 
 Status Learner::NextEvents(Subscriber& sub, std::chrono::milliseconds wait,
-                           std::deque<JobEvent>* events) {
+                           const common::CancelToken* cancel, std::deque<JobEvent>* events) {
+  const common::CancelToken::Subscription wake = common::CancelToken::Watch(cancel, [this, &sub] {
+    common::MutexLock lock(&mu_);
+    sub.cv.NotifyAll();
+  });
   common::MutexLock lock(&mu_);
   const auto deadline = Clock::now() + wait;  // as wait_for: from when the lock is held
-  while (!stopping_ && !sub.dropped && sub.events.empty()) {
+  while (!stopping_ && !sub.dropped && sub.events.empty() &&
+         !(cancel != nullptr && cancel->cancelled())) {
     if (!sub.cv.WaitUntil(&mu_, deadline)) break;
   }
   if (sub.dropped) {
@@ -504,6 +528,9 @@ Status Learner::NextEvents(Subscriber& sub, std::chrono::milliseconds wait,
   events->swap(sub.events);
   sub.events.clear();
   if (events->empty() && stopping_) return Status::Unavailable("the learner is shutting down");
+  if (events->empty() && cancel != nullptr && cancel->cancelled()) {
+    return Status::Cancelled("the watch was cancelled");
+  }
   return Status::OK();
 }
 

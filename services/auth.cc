@@ -94,7 +94,7 @@ StatusOr<std::string> ReadAuthToken(const std::string& path, const char* key) {
   return token;
 }
 
-grpc::Status CheckAuth(const grpc::ServerContext& context, const std::string& token) {
+grpc::Status CheckAuth(const grpc::ServerContextBase& context, const std::string& token) {
   if (token.empty()) return grpc::Status::OK;
   const auto& md = context.client_metadata();
   auto it = md.find("authorization");

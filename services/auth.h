@@ -23,7 +23,7 @@ StatusOr<std::string> ReadAuthToken(const std::string& path, const char* key = "
 // Server side: OK when `token` is empty (auth off) or the call carries it; UNAUTHENTICATED
 // otherwise. Constant-time comparison. Handlers keep calling it as defence in depth behind the
 // credentials' TokenAuthProcessor.
-grpc::Status CheckAuth(const grpc::ServerContext& context, const std::string& token);
+grpc::Status CheckAuth(const grpc::ServerContextBase& context, const std::string& token);
 
 // Methods served without the token: grpc.health.v1 Check and Watch (they reveal only SERVING or
 // NOT_SERVING, and probes such as Kubernetes' carry no token).

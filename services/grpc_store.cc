@@ -101,7 +101,7 @@ StatusOr<std::string> GrpcEpochStore::CompareSet(int64_t epoch, const std::strin
 }
 
 Status ServeStoreRequest(common::InMemoryEpochStore& store, const v1::StoreRequest& request,
-                         v1::StoreResponse* response, const std::function<bool()>& cancelled) {
+                         v1::StoreResponse* response, const common::CancelToken* cancel) {
   const int64_t epoch = request.group_epoch();
   const std::string& key = request.key();
   switch (request.op()) {
@@ -113,7 +113,7 @@ Status ServeStoreRequest(common::InMemoryEpochStore& store, const v1::StoreReque
       const auto timeout = request.timeout_ms() > 0
                                ? std::chrono::milliseconds(request.timeout_ms())
                                : common::kDefaultEpochStoreTimeout;
-      ASSIGN_OR_RETURN(std::string value, store.GetUnlessCancelled(epoch, key, timeout, cancelled));
+      ASSIGN_OR_RETURN(std::string value, store.GetUnlessCancelled(epoch, key, timeout, cancel));
       response->set_value(std::move(value));
       response->set_ok(true);
       return Status::OK();

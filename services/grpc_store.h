@@ -61,9 +61,9 @@ class GrpcEpochStore final : public common::EpochStore {
   const std::chrono::milliseconds timeout_;
 };
 
-// The Store RPC's body on the learner: `request` against `store` (`cancelled` may be empty:
-// in-process calls). Statuses are the store's.
+// The Store RPC's body on the learner: `request` against `store` (`cancel` may be null:
+// in-process calls; tripping it ends a waiting GET). Statuses are the store's.
 Status ServeStoreRequest(common::InMemoryEpochStore& store, const v1::StoreRequest& request,
-                         v1::StoreResponse* response, const std::function<bool()>& cancelled);
+                         v1::StoreResponse* response, const common::CancelToken* cancel);
 
 }  // namespace grpo::services

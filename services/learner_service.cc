@@ -9,6 +9,7 @@
 #include "common/logging.h"
 #include "common/model/safetensors.h"
 #include "services/auth.h"
+#include "services/blocking_calls.h"
 #include "services/convert.h"
 #include "services/grpc_store.h"
 
@@ -24,6 +25,9 @@ std::string HostPort(const std::string& host, int64_t port) {
 }
 
 constexpr const char* kServiceName = "grpo.v1.LearnerService";
+// WatchJob's wait for events is re-armed this often; events, the learner's stop and the call's
+// end wake it sooner, so nothing waits for this.
+constexpr std::chrono::milliseconds kWatchWait{60'000};
 
 // Runs a handler body; an escaped exception becomes INTERNAL (handlers never throw).
 template <typename F>
@@ -44,7 +48,7 @@ grpc::Status Guarded(const char* rpc, F&& body) {
 
 // The call's deadline on the steady clock (gRPC gives it on the system clock; a call without
 // one has the system clock's maximum, capped here at a day).
-Clock::time_point SteadyDeadline(const grpc::ServerContext& context) {
+Clock::time_point SteadyDeadline(const grpc::ServerContextBase& context) {
   const auto left = context.deadline() - std::chrono::system_clock::now();
   return Clock::now() +
          std::chrono::duration_cast<Clock::duration>(
@@ -54,7 +58,9 @@ Clock::time_point SteadyDeadline(const grpc::ServerContext& context) {
 }  // namespace
 
 LearnerServer::LearnerServer(common::GrpoConfig config, LearnerServerOptions options)
-    : config_(std::move(config)), options_(std::move(options)) {}
+    : config_(std::move(config)),
+      options_(std::move(options)),
+      call_threads_(std::make_unique<CallThreads>(config_.grpc_max_threads)) {}
 
 StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
     common::GrpoConfig config, std::unique_ptr<common::Model> policy,
@@ -72,7 +78,10 @@ StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Create(
   return s;
 }
 
-LearnerServer::~LearnerServer() { (void)Stop(/*checkpoint=*/false); }
+LearnerServer::~LearnerServer() {
+  (void)Stop(/*checkpoint=*/false);
+  call_threads_->Drain();  // (after a Start that failed: no server to wait for)
+}
 
 Status LearnerServer::Start() {
   {
@@ -130,6 +139,7 @@ Status LearnerServer::Stop(bool checkpoint) {
     server_->Shutdown(std::chrono::system_clock::now() + kDefaultShutdownGrace);
     server_->Wait();
   }
+  call_threads_->Drain();  // every call has finished: only the threads' exits are left
   // After the last call: nothing can join the buffer any more.
   learner_->EndLedger();
   return result;
@@ -162,76 +172,83 @@ grpc::Status LearnerServer::Heartbeat(grpc::ServerContext* context,
   });
 }
 
-grpc::Status LearnerServer::LeasePrompts(grpc::ServerContext* context,
-                                         const v1::LeasePromptsRequest* request,
-                                         v1::LeasePromptsResponse* response) {
-  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
-  return Guarded("LeasePrompts", [&] {
-    auto r = learner_->LeasePrompts(request->worker_id(), request->max_prompts(),
-                                    SteadyDeadline(*context),
-                                    [context] { return context->IsCancelled(); });
-    if (!r.ok()) return ToGrpcStatus(r.status());
-    ToProto(*r, response);
-    return grpc::Status::OK;
-  });
+grpc::ServerUnaryReactor* LearnerServer::LeasePrompts(grpc::CallbackServerContext* context,
+                                                      const v1::LeasePromptsRequest* request,
+                                                      v1::LeasePromptsResponse* response) {
+  return BlockingUnaryReactor::Start(
+      call_threads_.get(), "LeasePrompts", CheckAuth(*context, auth_token_),
+      [this, context, request, response](BlockingUnaryReactor& call) {
+        return Guarded("LeasePrompts", [&] {
+          auto r = learner_->LeasePrompts(request->worker_id(), request->max_prompts(),
+                                          SteadyDeadline(*context), &call.cancel());
+          if (!r.ok()) return ToGrpcStatus(r.status());
+          ToProto(*r, response);
+          return grpc::Status::OK;
+        });
+      });
 }
 
-grpc::Status LearnerServer::PushRollouts(grpc::ServerContext* context,
-                                         grpc::ServerReader<v1::RolloutGroup>* reader,
-                                         v1::PushRolloutsResponse* response) {
-  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
-  return Guarded("PushRollouts", [&] {
-    learner::PushTally tally;
-    v1::RolloutGroup msg;
-    const auto cancelled = [context] { return context->IsCancelled(); };
-    while (reader->Read(&msg)) learner_->AcceptGroup(FromProto(msg), cancelled, &tally);
-    ToProto(tally.reply, response);
-    return grpc::Status::OK;
-  });
+grpc::ServerReadReactor<v1::RolloutGroup>* LearnerServer::PushRollouts(
+    grpc::CallbackServerContext* context, v1::PushRolloutsResponse* response) {
+  return BlockingReadReactor<v1::RolloutGroup>::Start(
+      call_threads_.get(), "PushRollouts", CheckAuth(*context, auth_token_),
+      [this, response](BlockingReadReactor<v1::RolloutGroup>& call) {
+        return Guarded("PushRollouts", [&] {
+          learner::PushTally tally;
+          v1::RolloutGroup msg;
+          while (call.Read(&msg)) learner_->AcceptGroup(FromProto(msg), &call.cancel(), &tally);
+          ToProto(tally.reply, response);
+          return grpc::Status::OK;
+        });
+      });
 }
 
-grpc::Status LearnerServer::GetWeights(grpc::ServerContext* context,
-                                       const v1::GetWeightsRequest* request,
-                                       grpc::ServerWriter<v1::WeightChunk>* writer) {
-  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
-  return Guarded("GetWeights", [&] {
-    const int64_t chunk = request->chunk_bytes() > 0
-                              ? std::min<int64_t>(request->chunk_bytes(), kDefaultWeightChunkBytes)
-                              : kDefaultWeightChunkBytes;
-    auto weights = learner_->WaitForWeights(
-        request->min_version(), [context] { return context->IsCancelled(); },
-        request->incarnation());
-    if (!weights.ok()) return ToGrpcStatus(weights.status());
-    const std::shared_ptr<const learner::WeightSnapshot> snap = *weights;
-    v1::WeightChunk msg;
-    for (size_t i = 0; i < snap->tensors.size(); ++i) {
-      const auto& [name, t] = snap->tensors[i];
-      auto dtype = common::SafetensorsDtypeName(t.scalar_type());
-      if (!dtype.ok()) return ToGrpcStatus(dtype.status());
-      const int64_t bytes = static_cast<int64_t>(t.nbytes());
-      const char* data = static_cast<const char*>(t.data_ptr());
-      int64_t offset = 0;
-      do {
-        const int64_t n = std::min(chunk, bytes - offset);
-        msg.Clear();
-        msg.set_version(snap->version);
-        msg.set_incarnation(learner_->incarnation());
-        msg.set_name(name);
-        for (int64_t d : t.sizes()) msg.add_shape(d);
-        msg.set_dtype(*dtype);
-        msg.set_offset(offset);
-        if (n > 0) msg.set_data(data + offset, static_cast<size_t>(n));
-        msg.set_tensor_bytes(bytes);
-        offset += n;
-        msg.set_last(i + 1 == snap->tensors.size() && offset >= bytes);
-        if (!writer->Write(msg)) {
-          return grpc::Status(grpc::StatusCode::CANCELLED, "GetWeights: the client went away");
-        }
-        learner_->metrics().weight_sync_bytes->Increment(static_cast<double>(n));
-      } while (offset < bytes);
-    }
-    return grpc::Status::OK;
-  });
+grpc::ServerWriteReactor<v1::WeightChunk>* LearnerServer::GetWeights(
+    grpc::CallbackServerContext* context, const v1::GetWeightsRequest* request) {
+  return BlockingWriteReactor<v1::WeightChunk>::Start(
+      call_threads_.get(), "GetWeights", CheckAuth(*context, auth_token_),
+      [this, request](BlockingWriteReactor<v1::WeightChunk>& call) {
+        return Guarded("GetWeights", [&] { return ServeWeights(*request, call); });
+      });
+}
+
+grpc::Status LearnerServer::ServeWeights(const v1::GetWeightsRequest& request,
+                                         BlockingWriteReactor<v1::WeightChunk>& call) {
+  const int64_t chunk = request.chunk_bytes() > 0
+                            ? std::min<int64_t>(request.chunk_bytes(), kDefaultWeightChunkBytes)
+                            : kDefaultWeightChunkBytes;
+  auto weights =
+      learner_->WaitForWeights(request.min_version(), &call.cancel(), request.incarnation());
+  if (!weights.ok()) return ToGrpcStatus(weights.status());
+  const std::shared_ptr<const learner::WeightSnapshot> snap = *weights;
+  v1::WeightChunk msg;
+  for (size_t i = 0; i < snap->tensors.size(); ++i) {
+    const auto& [name, t] = snap->tensors[i];
+    auto dtype = common::SafetensorsDtypeName(t.scalar_type());
+    if (!dtype.ok()) return ToGrpcStatus(dtype.status());
+    const int64_t bytes = static_cast<int64_t>(t.nbytes());
+    const char* data = static_cast<const char*>(t.data_ptr());
+    int64_t offset = 0;
+    do {
+      const int64_t n = std::min(chunk, bytes - offset);
+      msg.Clear();
+      msg.set_version(snap->version);
+      msg.set_incarnation(learner_->incarnation());
+      msg.set_name(name);
+      for (int64_t d : t.sizes()) msg.add_shape(d);
+      msg.set_dtype(*dtype);
+      msg.set_offset(offset);
+      if (n > 0) msg.set_data(data + offset, static_cast<size_t>(n));
+      msg.set_tensor_bytes(bytes);
+      offset += n;
+      msg.set_last(i + 1 == snap->tensors.size() && offset >= bytes);
+      if (!call.Write(msg)) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "GetWeights: the client went away");
+      }
+      learner_->metrics().weight_sync_bytes->Increment(static_cast<double>(n));
+    } while (offset < bytes);
+  }
+  return grpc::Status::OK;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -308,40 +325,46 @@ grpc::Status LearnerServer::GetJob(grpc::ServerContext* context, const v1::GetJo
   });
 }
 
-grpc::Status LearnerServer::WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest*,
-                                     grpc::ServerWriter<v1::JobEvent>* writer) {
-  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
-  return Guarded("WatchJob", [&] {
-    auto sub = learner_->Subscribe();
-    struct Unsubscribe {
-      learner::Learner* learner;
-      std::shared_ptr<learner::Learner::Subscriber> sub;
-      ~Unsubscribe() { learner->Unsubscribe(sub); }
-    } unsubscribe{learner_.get(), sub};
+grpc::ServerWriteReactor<v1::JobEvent>* LearnerServer::WatchJob(
+    grpc::CallbackServerContext* context, const v1::WatchJobRequest*) {
+  return BlockingWriteReactor<v1::JobEvent>::Start(
+      call_threads_.get(), "WatchJob", CheckAuth(*context, auth_token_),
+      [this](BlockingWriteReactor<v1::JobEvent>& call) {
+        return Guarded("WatchJob", [&] { return ServeJobEvents(call); });
+      });
+}
 
-    learner::JobEvent first;
-    first.job = learner_->Snapshot();
-    first.step = first.job.global_step;
-    v1::JobEvent msg;
-    ToProto(first, &msg);
-    if (!writer->Write(msg)) return grpc::Status::OK;
-    if (learner::IsTerminal(first.job.state)) return grpc::Status::OK;
-    while (true) {
-      std::deque<learner::JobEvent> events;
-      const Status s = learner_->NextEvents(*sub, kWaitPollInterval, &events);
-      if (s.code() == StatusCode::kResourceExhausted) {
-        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "WatchJob: " + s.message());
-      }
-      if (!s.ok()) return ToGrpcStatus(s);
-      if (context->IsCancelled()) return grpc::Status::CANCELLED;
-      for (const auto& e : events) {
-        msg.Clear();
-        ToProto(e, &msg);
-        if (!writer->Write(msg)) return grpc::Status::OK;  // the client left
-        if (e.metrics.empty() && learner::IsTerminal(e.job.state)) return grpc::Status::OK;
-      }
+grpc::Status LearnerServer::ServeJobEvents(BlockingWriteReactor<v1::JobEvent>& call) {
+  auto sub = learner_->Subscribe();
+  struct Unsubscribe {
+    learner::Learner* learner;
+    std::shared_ptr<learner::Learner::Subscriber> sub;
+    ~Unsubscribe() { learner->Unsubscribe(sub); }
+  } unsubscribe{learner_.get(), sub};
+
+  learner::JobEvent first;
+  first.job = learner_->Snapshot();
+  first.step = first.job.global_step;
+  v1::JobEvent msg;
+  ToProto(first, &msg);
+  if (!call.Write(msg)) return grpc::Status::OK;
+  if (learner::IsTerminal(first.job.state)) return grpc::Status::OK;
+  while (true) {
+    std::deque<learner::JobEvent> events;
+    // Ends with an event, when the learner stops, or when the call ends (the cancel token).
+    const Status s = learner_->NextEvents(*sub, kWatchWait, &call.cancel(), &events);
+    if (s.code() == StatusCode::kResourceExhausted) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "WatchJob: " + s.message());
     }
-  });
+    if (s.code() == StatusCode::kCancelled) return grpc::Status::CANCELLED;
+    if (!s.ok()) return ToGrpcStatus(s);
+    for (const auto& e : events) {
+      msg.Clear();
+      ToProto(e, &msg);
+      if (!call.Write(msg)) return grpc::Status::OK;  // the client left
+      if (e.metrics.empty() && learner::IsTerminal(e.job.state)) return grpc::Status::OK;
+    }
+  }
 }
 
 grpc::Status LearnerServer::CancelJob(grpc::ServerContext* context,
@@ -357,13 +380,17 @@ grpc::Status LearnerServer::CancelJob(grpc::ServerContext* context,
 // ---------------------------------------------------------------------------------------------
 // The rendezvous store (c10d Store semantics; values are bytes, ADD keeps a decimal integer).
 
-grpc::Status LearnerServer::Store(grpc::ServerContext* context, const v1::StoreRequest* request,
-                                  v1::StoreResponse* response) {
-  if (grpc::Status a = CheckAuth(*context, auth_token_); !a.ok()) return a;
-  return Guarded("Store", [&]() -> grpc::Status {
-    return ToGrpcStatus(ServeStoreRequest(*learner_->epoch_store(), *request, response,
-                                          [context] { return context->IsCancelled(); }));
-  });
+grpc::ServerUnaryReactor* LearnerServer::Store(grpc::CallbackServerContext* context,
+                                               const v1::StoreRequest* request,
+                                               v1::StoreResponse* response) {
+  return BlockingUnaryReactor::Start(
+      call_threads_.get(), "Store", CheckAuth(*context, auth_token_),
+      [this, request, response](BlockingUnaryReactor& call) {
+        return Guarded("Store", [&]() -> grpc::Status {
+          return ToGrpcStatus(
+              ServeStoreRequest(*learner_->epoch_store(), *request, response, &call.cancel()));
+        });
+      });
 }
 
 }  // namespace grpo::services

@@ -4,6 +4,11 @@
 // checks auth, converts between protobuf and the learner's plain structs (services/convert.h),
 // runs the stream loops (PushRollouts, GetWeights in chunks, SubmitDataset, WatchJob) and
 // serves the weight-sync groups' rendezvous store (the Store RPC).
+//
+// The methods that wait (LeasePrompts, PushRollouts, GetWeights, WatchJob, Store) are gRPC
+// callback-API methods whose reactors trip a cancel token the learner's waits watch
+// (services/blocking_calls.h): a wait ends the moment its call is cancelled, its deadline
+// passes or the server shuts down. The others are sync-API methods (they do not wait).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -27,6 +32,7 @@
 #include "learner/job.h"
 #include "learner/learner.h"
 #include "learner/prompt_ledger.h"
+#include "services/blocking_calls.h"
 
 namespace grpo::services {
 
@@ -43,7 +49,6 @@ using learner::kHousekeepInterval;
 using learner::kLeaseLongPoll;
 using learner::kMaxBadGroupAttempts;
 using learner::kMaxLeasesPerCall;
-using learner::kWaitPollInterval;
 using learner::kWatchQueueCapacity;
 
 // In-flight calls get this long to finish when the server stops.
@@ -59,9 +64,17 @@ struct LearnerServerOptions : learner::LearnerOptions {
   int64_t max_dataset_bytes = kMaxDatasetBytes;
 };
 
-// Thread-safe: RPC handlers run on gRPC's threads. Lifetime: Create -> Start ->
+// The generated service with the waiting methods on the callback API.
+using LearnerServiceBase = v1::LearnerService::WithCallbackMethod_LeasePrompts<
+    v1::LearnerService::WithCallbackMethod_PushRollouts<
+        v1::LearnerService::WithCallbackMethod_GetWeights<
+            v1::LearnerService::WithCallbackMethod_WatchJob<
+                v1::LearnerService::WithCallbackMethod_Store<v1::LearnerService::Service>>>>>;
+
+// Thread-safe: sync handlers run on gRPC's threads, the waiting methods' bodies on threads of
+// CallThreads (at most config.grpc_max_threads of each). Lifetime: Create -> Start ->
 // (WaitForJobEnd) -> Stop; the destructor stops.
-class LearnerServer final : public v1::LearnerService::Service {
+class LearnerServer final : public LearnerServiceBase {
  public:
   // learner::Learner::Create, plus the gRPC port, the auth token and the server credentials.
   // InvalidArgument naming the key on a bad config, and for a `device` this process cannot use.
@@ -110,33 +123,43 @@ class LearnerServer final : public v1::LearnerService::Service {
                         v1::RegisterResponse* response) override;
   grpc::Status Heartbeat(grpc::ServerContext* context, const v1::HeartbeatRequest* request,
                          v1::HeartbeatResponse* response) override;
-  grpc::Status LeasePrompts(grpc::ServerContext* context, const v1::LeasePromptsRequest* request,
-                            v1::LeasePromptsResponse* response) override;
-  grpc::Status PushRollouts(grpc::ServerContext* context,
-                            grpc::ServerReader<v1::RolloutGroup>* reader,
-                            v1::PushRolloutsResponse* response) override;
-  grpc::Status GetWeights(grpc::ServerContext* context, const v1::GetWeightsRequest* request,
-                          grpc::ServerWriter<v1::WeightChunk>* writer) override;
+  grpc::ServerUnaryReactor* LeasePrompts(grpc::CallbackServerContext* context,
+                                         const v1::LeasePromptsRequest* request,
+                                         v1::LeasePromptsResponse* response) override;
+  grpc::ServerReadReactor<v1::RolloutGroup>* PushRollouts(
+      grpc::CallbackServerContext* context, v1::PushRolloutsResponse* response) override;
+  grpc::ServerWriteReactor<v1::WeightChunk>* GetWeights(
+      grpc::CallbackServerContext* context, const v1::GetWeightsRequest* request) override;
   grpc::Status SubmitDataset(grpc::ServerContext* context,
                              grpc::ServerReader<v1::SubmitDatasetRequest>* reader,
                              v1::SubmitDatasetResponse* response) override;
   grpc::Status GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                       v1::Job* response) override;
-  grpc::Status WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest* request,
-                        grpc::ServerWriter<v1::JobEvent>* writer) override;
+  grpc::ServerWriteReactor<v1::JobEvent>* WatchJob(grpc::CallbackServerContext* context,
+                                                   const v1::WatchJobRequest* request) override;
   grpc::Status CancelJob(grpc::ServerContext* context, const v1::CancelJobRequest* request,
                          v1::Job* response) override;
-  grpc::Status Store(grpc::ServerContext* context, const v1::StoreRequest* request,
-                     v1::StoreResponse* response) override;
+  grpc::ServerUnaryReactor* Store(grpc::CallbackServerContext* context,
+                                  const v1::StoreRequest* request,
+                                  v1::StoreResponse* response) override;
+
+  // Bodies of the waiting methods running now (tests: a cancelled call frees its thread).
+  int64_t TEST_running_call_bodies() const { return call_threads_->running(); }
 
  private:
   LearnerServer(common::GrpoConfig config, LearnerServerOptions options);
+  // GetWeights' and WatchJob's stream loops, on a CallThreads thread.
+  grpc::Status ServeWeights(const v1::GetWeightsRequest& request,
+                            BlockingWriteReactor<v1::WeightChunk>& call);
+  grpc::Status ServeJobEvents(BlockingWriteReactor<v1::JobEvent>& call);
 
   const common::GrpoConfig config_;
   const LearnerServerOptions options_;
   std::unique_ptr<learner::Learner> learner_;
   std::string auth_token_;
   std::shared_ptr<grpc::ServerCredentials> server_credentials_;  // TLS or insecure
+  // Declared before server_: destroyed after it (the server's calls run on these threads).
+  std::unique_ptr<CallThreads> call_threads_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   common::Mutex mu_;

@@ -10,7 +10,6 @@ namespace grpo::common {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr auto kCancelPoll = std::chrono::milliseconds(100);
 
 // c10d reports failures by throwing.
 template <typename T>
@@ -84,14 +83,18 @@ Status InMemoryEpochStore::CheckRoomLocked(const std::string& key) const {
 
 StatusOr<std::string> InMemoryEpochStore::Get(int64_t epoch, const std::string& key,
                                               std::chrono::milliseconds timeout) {
-  return GetUnlessCancelled(epoch, key, timeout, {});
+  return GetUnlessCancelled(epoch, key, timeout, nullptr);
 }
 
-StatusOr<std::string> InMemoryEpochStore::GetUnlessCancelled(
-    int64_t epoch, const std::string& key, std::chrono::milliseconds timeout,
-    const std::function<bool()>& cancelled) {
+StatusOr<std::string> InMemoryEpochStore::GetUnlessCancelled(int64_t epoch, const std::string& key,
+                                                             std::chrono::milliseconds timeout,
+                                                             const CancelToken* cancel) {
   timeout = std::clamp(timeout, std::chrono::milliseconds(0), kMaxEpochStoreTimeout);
   const auto deadline = Clock::now() + timeout;
+  const CancelToken::Subscription wake = CancelToken::Watch(cancel, [this] {
+    MutexLock lock(&mu_);
+    cv_.NotifyAll();
+  });
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckEpochLocked(epoch, key, true));
   while (true) {
@@ -101,13 +104,14 @@ StatusOr<std::string> InMemoryEpochStore::GetUnlessCancelled(
     }
     if (stopping_) return Status::Unavailable("the learner is shutting down");
     if (auto it = kv_.find(key); it != kv_.end()) return it->second;
-    if (cancelled && cancelled()) return Status::Cancelled("Store: the caller went away");
-    const auto now = Clock::now();
-    if (now >= deadline) {
+    if (cancel != nullptr && cancel->cancelled()) {
+      return Status::Cancelled("Store: the caller went away");
+    }
+    if (Clock::now() >= deadline) {
       return Status::DeadlineExceeded("Store: key '" + key + "' not set within " +
                                       std::to_string(timeout.count()) + " ms");
     }
-    cv_.WaitFor(&mu_, std::min<Clock::duration>(kCancelPoll, deadline - now));
+    cv_.WaitUntil(&mu_, deadline);
   }
 }
 

@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
+#include "common/cancel_token.h"
 #include "common/mutex.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
@@ -74,12 +75,11 @@ class InMemoryEpochStore final : public EpochStore {
   // Every waiting and later GET returns Unavailable.
   void Stop() GRPO_EXCLUDES(mu_);
 
-  // Get that also gives up (Cancelled) once `cancelled` returns true (checked every 100 ms):
-  // the Store RPC's client went away.
+  // Get that also gives up (Cancelled) the moment `cancel` (may be null) is tripped: the Store
+  // RPC's client went away or its deadline passed.
   StatusOr<std::string> GetUnlessCancelled(int64_t epoch, const std::string& key,
                                            std::chrono::milliseconds timeout,
-                                           const std::function<bool()>& cancelled)
-      GRPO_EXCLUDES(mu_);
+                                           const CancelToken* cancel) GRPO_EXCLUDES(mu_);
 
   StatusOr<std::string> Get(int64_t epoch, const std::string& key,
                             std::chrono::milliseconds timeout) override GRPO_EXCLUDES(mu_);

@@ -87,13 +87,12 @@ TEST(InMemoryEpochStore, AnEpochEndsForWaitersAndKeepsNoKeys) {
 
 TEST(InMemoryEpochStore, StopAndCancellationEndWaits) {
   InMemoryEpochStore store;
-  std::atomic<bool> gone{false};
-  auto cancelled = std::async(std::launch::async, [&] {
-    return store.GetUnlessCancelled(1, "never", 10s, [&] { return gone.load(); });
-  });
+  CancelToken gone;
+  auto cancelled = std::async(std::launch::async,
+                              [&] { return store.GetUnlessCancelled(1, "never", 10s, &gone); });
   auto stopped = std::async(std::launch::async, [&] { return store.Get(1, "never", 10s); });
   std::this_thread::sleep_for(100ms);
-  gone = true;
+  gone.Cancel();
   EXPECT_EQ(cancelled.get().status().code(), StatusCode::kCancelled);
   store.Stop();
   EXPECT_EQ(stopped.get().status().code(), StatusCode::kUnavailable);

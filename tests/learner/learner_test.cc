@@ -418,7 +418,7 @@ TEST_F(LearnerTest, TheJobStateMachine) {
   std::deque<JobEvent> events, more;
   ASSERT_TRUE(WaitFor(
       [&] {
-        (void)learner_->NextEvents(*sub, 10ms, &more);
+        (void)learner_->NextEvents(*sub, 10ms, nullptr, &more);
         events.insert(events.end(), more.begin(), more.end());
         more.clear();
         return !events.empty() && events.back().job.state == JobState::kDone;
