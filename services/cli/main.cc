@@ -49,19 +49,29 @@ void AddConfigCommand(CLI::App& app, grpo::services::CliAction* action) {
 //   buffers every step, and fresh pages are expensive on VMs (about 33 us per 4 KiB page fault
 //   measured here); glibc backs large blocks with transparent huge pages only when asked.
 //   `grpo bench learner_step`: 21.6 s vs 37.6 s per step.
-// - OMP_WAIT_POLICY=PASSIVE: libtorch's OpenMP threads otherwise spin between parallel regions
-//   and fight the other threads of the process for the cores. Measured with Debian's libtorch
-//   and OpenBLAS (perf: 30% of the step in libgomp's spin loop, 13% in the scheduler;
-//   `grpo bench learner_step` on 2 cores: 1.56 s vs 3.27 s per step); re-measured with the
-//   torch wheel's libtorch (MKL + its bundled libgomp) in the README's benchmark notes.
+// - OMP_WAIT_POLICY=PASSIVE with GOMP_SPINCOUNT=300000 (set together, only when the user set
+//   neither): an OpenMP thread that finished a parallel region spins about 3 ms (libgomp's
+//   estimate: 100,000 spins per ms) for the next one, then sleeps; and with more OpenMP threads
+//   in the process than cores (a learner's train thread beside worker threads) it does not spin
+//   at all (PASSIVE makes libgomp's throttled spin count 0).
+//   Why not spin forever (ACTIVE): idle threads would take the cores from the other processes
+//   on the machine (the demo and the services put a learner and workers on the same cores), and
+//   with Debian's libtorch on OpenBLAS spinning cost a step 3.27 s instead of 1.56 s.
+//   Why not sleep at once (PASSIVE alone, this project's setting until issue 26): every small op
+//   then wakes a sleeping thread and parks it again, and with two intra-op threads the run was
+//   slower than with one. `grpo train-local` on the demo task (2 cores, 2 threads, ms per step,
+//   generation + training), GOMP_SPINCOUNT 0 -> 300000: tiny model 65 + 111 -> 22 + 35 (one
+//   thread: 23 + 50); bench model 394 + 887 -> 233 + 645 (one thread: 461 + 1228).
+inline constexpr const char* kOmpSpinCount = "300000";
 static void ReexecWithRuntimeSettingsOnce(char** argv) {
   bool changed = false;
   if (std::getenv("GLIBC_TUNABLES") == nullptr) {
     ::setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1", 1);
     changed = true;
   }
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("GOMP_SPINCOUNT") == nullptr) {
     ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+    ::setenv("GOMP_SPINCOUNT", kOmpSpinCount, 1);
     changed = true;
   }
   if (changed) ::execv("/proc/self/exe", argv);  // returns only on failure: carry on without

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -268,6 +269,44 @@ TEST_F(CliTools, ConfigNamesAnUnknownKey) {
       RunCommand(GrpoBin() + " config --num_generations 4 --per_device_train_batch_size 4", &rc));
   EXPECT_EQ(rc, 0);
   EXPECT_EQ(out["num_generations"], 4);
+}
+
+// The OpenMP settings `grpo` re-executes itself with (services/cli/main.cc), as libgomp itself
+// reports them (OMP_DISPLAY_ENV=VERBOSE prints the values it runs with, once per process: the
+// last block is the re-executed process's). Unset: PASSIVE after a bounded spin of 300,000; a
+// value the user set is kept, and libgomp's own default for it applies.
+std::map<std::string, std::string> LibgompSettings(const std::string& env) {
+  int rc;
+  const std::string err =
+      RunCommand("env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT " + env + " OMP_DISPLAY_ENV=VERBOSE " +
+                     GrpoBin() + " config 2>&1 >/dev/null",
+                 &rc);
+  EXPECT_EQ(rc, 0) << err;
+  const size_t last = err.rfind("OPENMP DISPLAY ENVIRONMENT BEGIN");
+  std::map<std::string, std::string> out;
+  if (last == std::string::npos) return out;
+  std::istringstream ss(err.substr(last));
+  std::string line;
+  while (std::getline(ss, line)) {
+    const size_t eq = line.find(" = '");
+    if (eq == std::string::npos) continue;
+    const size_t name = line.find_first_not_of(' ');
+    out[line.substr(name, eq - name)] = line.substr(eq + 4, line.rfind('\'') - eq - 4);
+  }
+  return out;
+}
+
+TEST_F(CliTools, OpenMpThreadsSpinBrieflyThenSleepUnlessTheUserSaidOtherwise) {
+  auto ours = LibgompSettings("");
+  EXPECT_EQ(ours["OMP_WAIT_POLICY"], "PASSIVE");
+  EXPECT_EQ(ours["GOMP_SPINCOUNT"], "300000");
+  auto active = LibgompSettings("OMP_WAIT_POLICY=ACTIVE");
+  EXPECT_EQ(active["OMP_WAIT_POLICY"], "ACTIVE");
+  EXPECT_EQ(active["GOMP_SPINCOUNT"], "30000000000") << "libgomp's own spin for ACTIVE";
+  auto passive = LibgompSettings("OMP_WAIT_POLICY=PASSIVE");
+  EXPECT_EQ(passive["GOMP_SPINCOUNT"], "0") << "libgomp's own spin for PASSIVE";
+  auto spin = LibgompSettings("GOMP_SPINCOUNT=5");
+  EXPECT_EQ(spin["GOMP_SPINCOUNT"], "5");
 }
 
 }  // namespace
