@@ -1,5 +1,6 @@
 #include "services/learner_service.h"
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <grpcpp/health_check_service_interface.h>
 
@@ -119,8 +120,9 @@ Status LearnerServer::Start() {
     health->SetServingStatus(true);
     health->SetServingStatus(kServiceName, true);
   }
-  GRPO_LOG_INFO("learner: serving on port {} (step {}, policy version {})", port_,
-                learner_->Snapshot().global_step, learner_->published_version());
+  GRPO_LOG_INFO("learner: serving on port {} (step {}, policy version {}, {} intra-op threads)",
+                port_, learner_->Snapshot().global_step, learner_->published_version(),
+                at::get_num_threads());
   return Status::OK();
 }
 

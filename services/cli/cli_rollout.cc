@@ -1,5 +1,7 @@
 // grpo rollout: a rollout worker against a learner (services/rollout_worker.h).
 // grpo reward-server: built-in reward functions served over RewardService (reward.proto).
+#include <ATen/Parallel.h>
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -113,6 +115,7 @@ int RunRollout(const RolloutCliOptions& o) {
   if (!worker.ok()) return fail(worker.status(), 2);
 
   InstallStopHandlers();
+  GRPO_LOG_INFO("rollout: {} intra-op threads", at::get_num_threads());
   const Status s = (*worker)->Run();
   if (!s.ok()) {
     // Not retried (rollout/retry_policy.h): the learner, or a proxy before it, refused the token.

@@ -2,10 +2,12 @@
 // processes learn the built-in task. Checks learning from the per-step rewards
 // it prints, and that every child exited 0 and is gone.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -60,10 +62,11 @@ TEST_F(DemoTest, LearnsTheBuiltinTaskAndLeavesNoProcessBehind) {
   constexpr int kSteps = 30;
   constexpr size_t kWindow = 8;
   int rc = -1;
-  const std::string out = RunCommand(GrpoBin() + " demo --json --workers 2 --seed 1 --max_steps " +
-                                         std::to_string(kSteps) + " --output_dir " + dir_.string() +
-                                         " 2>" + (dir_.string() + ".stderr"),
-                                     &rc);
+  const std::string out =
+      RunCommand("env -u OMP_NUM_THREADS " + GrpoBin() +
+                     " demo --json --workers 2 --seed 1 --max_steps " + std::to_string(kSteps) +
+                     " --output_dir " + dir_.string() + " 2>" + (dir_.string() + ".stderr"),
+                 &rc);
   std::ifstream err_in(dir_.string() + ".stderr");
   std::stringstream err;
   err << err_in.rdbuf();
@@ -94,6 +97,21 @@ TEST_F(DemoTest, LearnsTheBuiltinTaskAndLeavesNoProcessBehind) {
 
   ASSERT_TRUE(summary.is_object()) << out;
   EXPECT_EQ(summary["job_state"], "done");
+  // The three processes share this machine's cores: each got its share as its intra-op threads,
+  // as its own log says (libtorch's count in the child).
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(::sched_getaffinity(0, sizeof(set), &set), 0);
+  const int share = std::max(1, CPU_COUNT(&set) / 3);
+  EXPECT_EQ(summary["threads_per_process"], std::to_string(share));
+  for (const char *log : {"learner.log", "rollout-0.log", "rollout-1.log"}) {
+    std::ifstream in(dir_ / log);
+    std::stringstream text;
+    text << in.rdbuf();
+    EXPECT_NE(text.str().find(std::to_string(share) + " intra-op threads"), std::string::npos)
+        << log << ":\n"
+        << text.str().substr(0, 2000);
+  }
   ASSERT_EQ(summary["processes"].size(), 3u) << summary.dump();
   for (const json &p : summary["processes"]) {
     EXPECT_EQ(p["exit_code"].get<int>(), 0) << p.dump();
