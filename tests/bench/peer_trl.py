@@ -5,6 +5,10 @@ the venv's Python (GRPO_BIN names the grpo binary; default <source>/build/servic
 
 Rows (ratio = ours / TRL, measured in this run):
   e2e_steps_per_s, e2e_time_to_threshold_s : the demo task (train-local vs GRPOTrainer.train)
+  services_e2e_steps_per_s,                : the same through the services (grpo demo: a learner
+  services_e2e_time_to_threshold_s           and workers as processes on loopback, max_staleness
+                                             1) at its best layout of workers x threads, vs
+                                             GRPOTrainer.train
   generation_tokens_per_s                  : bench model, 4 demo prompts x G=16, 128 new tokens
                                              (32 with --fast)
                                              (grpo train-local's generation_seconds at
@@ -59,7 +63,8 @@ def make_reward_len(target):
 def ours_env():
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(THREADS)
-    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    # grpo's own OpenMP settings (services/cli/main.cc: PASSIVE after a bounded spin), unless
+    # the caller set them.
     return env
 
 
@@ -350,6 +355,41 @@ def run_ours_e2e(model_dir, job, work):
             "train_s": sum(step_s) / len(step_s)}
 
 
+def run_ours_services_e2e(model_dir, job, work, workers, threads):
+    """The distributed system on this machine: `grpo demo` (a learner and `workers` rollout
+    workers as processes on loopback, async with max_staleness 1, the demo's set-up) on the same
+    task, model, config and seed; `threads` intra-op threads per process. Times from the start
+    of `grpo demo`, as run_ours_e2e's from the start of train-local."""
+    args = ["demo", "--json", "--workers", str(workers), "--model_name_or_path", model_dir,
+            "--output_dir", os.path.join(work, f"services-w{workers}-t{threads}"),
+            "--save_steps", "0", "--importance_sampling_correction", "none",
+            "--target_length", str(TARGET_LENGTH)]
+    for k, v in job.items():
+        args += ["--" + k, str(v)]
+    env = ours_env()
+    env["OMP_NUM_THREADS"] = str(threads)
+    t0 = time.perf_counter()
+    p = subprocess.Popen([GRPO_BIN] + args, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    times, rewards = [], []
+    for line in p.stdout:
+        if not line.startswith("{"):
+            continue
+        j = json.loads(line)
+        if "reward" in j and "step" in j and not j.get("summary"):
+            times.append(time.perf_counter() - t0)
+            rewards.append(j["reward"])
+    err = p.stderr.read()
+    if p.wait() != 0 or not times:
+        raise RuntimeError("grpo demo failed:\n" + err[-3000:])
+    return {"times": times, "rewards": rewards, "workers": workers, "threads": threads}
+
+
+def steady_steps_per_s(times):
+    """Optimizer steps per second after the first step (start-up and the first batch left out)."""
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else None
+
+
 def run_trl_e2e(model_dir, job, work):
     from transformers import TrainerCallback
     trainer = make_trl_trainer(model_dir, job, os.path.join(work, "e2e-trl"))
@@ -615,7 +655,9 @@ def main():
     e2e_model = init_model(e2e_preset, os.path.join(work, "model-" + e2e_preset))
     bench_model = init_model("bench", os.path.join(work, "model-bench"))
     job = grpo_job_config(steps)
-    settings = {"threads": THREADS, "ours": f"OMP_NUM_THREADS={THREADS} OMP_WAIT_POLICY=PASSIVE, fp32",
+    omp = " ".join(f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+                   if k in os.environ) or "grpo's OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=300000"
+    settings = {"threads": THREADS, "ours": f"OMP_NUM_THREADS={THREADS}, {omp}, fp32",
                 "trl": f"torch.set_num_threads({THREADS}), fp32, use_cpu, bf16 False, "
                        "gradient_checkpointing False, transformers generate (no vLLM)",
                 "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -647,7 +689,15 @@ def main():
     log(f"[peer_trl] end to end: demo task, {e2e_preset} model, {steps} steps per side ...")
     ours_e2e = run_ours_e2e(e2e_model, job, work)
     trl_e2e = run_trl_e2e(e2e_model, job, work)
-    for name, r in (("ours", ours_e2e), ("trl", trl_e2e)):
+    # The services at each thread layout (workers x intra-op threads per process); the best.
+    layouts = [(w, t) for w in (1, 2) for t in sorted({1, THREADS})]
+    log(f"[peer_trl] end to end through the services (grpo demo), layouts (workers, threads) "
+        f"{layouts} ...")
+    services_runs = [run_ours_services_e2e(e2e_model, job, work, w, t) for w, t in layouts]
+    for r in services_runs:
+        r["steps_per_s"] = len(r["times"]) / r["times"][-1]
+    services_e2e = max(services_runs, key=lambda r: r["steps_per_s"])
+    for name, r in (("ours", ours_e2e), ("trl", trl_e2e), ("services", services_e2e)):
         r["steps_per_s"] = len(r["times"]) / r["times"][-1]
         r["thr_s"], r["thr_step"] = moving_threshold(r["times"], r["rewards"], a.threshold, 5)
         k = max(1, min(10, len(r["rewards"]) // 3))
@@ -663,6 +713,18 @@ def main():
         note="ours: step_seconds; TRL: step wall time minus generation")
     row("e2e_reward_first", ours_e2e["first"], trl_e2e["first"], "reward", "higher")
     row("e2e_reward_last", ours_e2e["last"], trl_e2e["last"], "reward", "higher")
+    row("services_e2e_steps_per_s", services_e2e["steps_per_s"], trl_e2e["steps_per_s"],
+        "steps/s", "higher", steps=steps, model=e2e_preset, workers=services_e2e["workers"],
+        threads_per_process=services_e2e["threads"],
+        steady_steps_per_s=[steady_steps_per_s(services_e2e["times"]),
+                            steady_steps_per_s(trl_e2e["times"])],
+        layouts={f"w{r['workers']}_t{r['threads']}": r["steps_per_s"] for r in services_runs},
+        note="grpo demo: learner + workers as processes on loopback, max_staleness 1; "
+             "steady_steps_per_s [ours, TRL] leaves out start-up and the first step")
+    row("services_e2e_time_to_threshold_s", services_e2e["thr_s"], trl_e2e["thr_s"], "s", "lower",
+        threshold=a.threshold, ours_step=services_e2e["thr_step"], trl_step=trl_e2e["thr_step"])
+    row("services_e2e_reward_first", services_e2e["first"], trl_e2e["first"], "reward", "higher")
+    row("services_e2e_reward_last", services_e2e["last"], trl_e2e["last"], "reward", "higher")
 
     # 3. generation
     gen_tokens = 32 if a.fast else COMPLETION_LEN
@@ -713,7 +775,9 @@ def main():
             print(json.dumps(r))
         print(json.dumps({"bench": "peer_trl", "metric": "reward_curves",
                           "ours": ours_e2e["rewards"], "trl": trl_e2e["rewards"],
-                          "ours_times": ours_e2e["times"], "trl_times": trl_e2e["times"]}))
+                          "services": services_e2e["rewards"],
+                          "ours_times": ours_e2e["times"], "trl_times": trl_e2e["times"],
+                          "services_times": services_e2e["times"]}))
         return 0 if failed == 0 else 1
     print("\npeer_trl: grpo-serve vs TRL, same machine, same run; ratio = ours / TRL")
     for k, v in settings.items():
@@ -728,6 +792,8 @@ def main():
               f"{r['unit']} ({r['better']})")
     print(f"\nreward per step (o = ours, t = TRL, * = both), {steps} steps, threshold {a.threshold}")
     print(text_plot({"o": ours_e2e["rewards"], "t": trl_e2e["rewards"]}))
+    print(f"\nreward per step through the services (s = grpo demo, t = TRL, * = both)")
+    print(text_plot({"s": services_e2e["rewards"], "t": trl_e2e["rewards"]}))
     return 0 if failed == 0 else 1
 
 
