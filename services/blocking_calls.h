@@ -82,6 +82,33 @@ void StartBody(CallThreads* threads, const char* rpc, const grpc::Status& admit,
   if (!started) reactor->Finish(CallThreadsExhausted(rpc));
 }
 
+// One stream operation at a time, waited for: Begin before starting it, Done from its reaction
+// (OnReadDone / OnWriteDone), Wait for its outcome (false: the call ended).
+class OneOperation {
+ public:
+  void Begin() GRPO_EXCLUDES(mu_) {
+    common::MutexLock lock(&mu_);
+    done_ = false;
+  }
+  void Done(bool ok) GRPO_EXCLUDES(mu_) {
+    common::MutexLock lock(&mu_);
+    done_ = true;
+    ok_ = ok;
+    cv_.NotifyAll();
+  }
+  bool Wait() GRPO_EXCLUDES(mu_) {
+    common::MutexLock lock(&mu_);
+    while (!done_) cv_.Wait(&mu_);
+    return ok_;
+  }
+
+ private:
+  common::Mutex mu_;
+  common::CondVar cv_;
+  bool done_ GRPO_GUARDED_BY(mu_) = false;
+  bool ok_ GRPO_GUARDED_BY(mu_) = false;
+};
+
 // A unary method whose body blocks: body(reactor) -> grpc::Status, reactor.cancel() its token.
 class BlockingUnaryReactor final : public grpc::ServerUnaryReactor {
  public:
@@ -115,32 +142,19 @@ class BlockingReadReactor final : public grpc::ServerReadReactor<Request> {
   }
   const common::CancelToken& cancel() const { return cancel_; }
 
-  bool Read(Request* msg) GRPO_EXCLUDES(mu_) {
-    {
-      common::MutexLock lock(&mu_);
-      done_ = false;
-    }
+  bool Read(Request* msg) {
+    read_.Begin();
     this->StartRead(msg);
-    common::MutexLock lock(&mu_);
-    while (!done_) cv_.Wait(&mu_);
-    return ok_;
+    return read_.Wait();
   }
-  void OnReadDone(bool ok) override GRPO_EXCLUDES(mu_) {
-    common::MutexLock lock(&mu_);
-    done_ = true;
-    ok_ = ok;
-    cv_.NotifyAll();
-  }
+  void OnReadDone(bool ok) override { read_.Done(ok); }
   void OnCancel() override { cancel_.Cancel(); }
   void OnDone() override { delete this; }
 
  private:
   BlockingReadReactor() = default;
   common::CancelToken cancel_;
-  common::Mutex mu_;
-  common::CondVar cv_;
-  bool done_ GRPO_GUARDED_BY(mu_) = false;
-  bool ok_ GRPO_GUARDED_BY(mu_) = false;
+  OneOperation read_;
 };
 
 // A server-streaming method whose body blocks: Write(msg) waits until gRPC has taken the
@@ -157,32 +171,19 @@ class BlockingWriteReactor final : public grpc::ServerWriteReactor<Response> {
   }
   const common::CancelToken& cancel() const { return cancel_; }
 
-  bool Write(const Response& msg) GRPO_EXCLUDES(mu_) {
-    {
-      common::MutexLock lock(&mu_);
-      done_ = false;
-    }
+  bool Write(const Response& msg) {
+    write_.Begin();
     this->StartWrite(&msg);
-    common::MutexLock lock(&mu_);
-    while (!done_) cv_.Wait(&mu_);
-    return ok_;
+    return write_.Wait();
   }
-  void OnWriteDone(bool ok) override GRPO_EXCLUDES(mu_) {
-    common::MutexLock lock(&mu_);
-    done_ = true;
-    ok_ = ok;
-    cv_.NotifyAll();
-  }
+  void OnWriteDone(bool ok) override { write_.Done(ok); }
   void OnCancel() override { cancel_.Cancel(); }
   void OnDone() override { delete this; }
 
  private:
   BlockingWriteReactor() = default;
   common::CancelToken cancel_;
-  common::Mutex mu_;
-  common::CondVar cv_;
-  bool done_ GRPO_GUARDED_BY(mu_) = false;
-  bool ok_ GRPO_GUARDED_BY(mu_) = false;
+  OneOperation write_;
 };
 
 }  // namespace grpo::services
