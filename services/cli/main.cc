@@ -49,21 +49,46 @@ void AddConfigCommand(CLI::App& app, grpo::services::CliAction* action) {
 //   buffers every step, and fresh pages are expensive on VMs (about 33 us per 4 KiB page fault
 //   measured here); glibc backs large blocks with transparent huge pages only when asked.
 //   `grpo bench learner_step`: 21.6 s vs 37.6 s per step.
-// - OMP_WAIT_POLICY=PASSIVE with GOMP_SPINCOUNT=300000 (set together, only when the user set
-//   neither): an OpenMP thread that finished a parallel region spins about 3 ms (libgomp's
-//   estimate: 100,000 spins per ms) for the next one, then sleeps; and with more OpenMP threads
-//   in the process than cores (a learner's train thread beside worker threads) it does not spin
-//   at all (PASSIVE makes libgomp's throttled spin count 0).
-//   Why not spin forever (ACTIVE): idle threads would take the cores from the other processes
-//   on the machine (the demo and the services put a learner and workers on the same cores), and
-//   with Debian's libtorch on OpenBLAS spinning cost a step 3.27 s instead of 1.56 s.
-//   Why not sleep at once (PASSIVE alone, this project's setting until issue 26): every small op
-//   then wakes a sleeping thread and parks it again, and with two intra-op threads the run was
-//   slower than with one. `grpo train-local` on the demo task (2 cores, 2 threads, ms per step,
-//   generation + training), GOMP_SPINCOUNT 0 -> 300000: tiny model 65 + 111 -> 22 + 35 (one
-//   thread: 23 + 50); bench model 394 + 887 -> 233 + 645 (one thread: 461 + 1228).
+// - OMP_WAIT_POLICY=PASSIVE, with GOMP_SPINCOUNT=300000 for commands that compute alone (set
+//   together, only when the user set neither):
+//   - For a command that has the machine to itself (train-local, generate, bench, the model
+//     tools), an OpenMP thread that finished a parallel region spins about 3 ms (libgomp's
+//     estimate: 100,000 spins per ms) for the next one, then sleeps. With more OpenMP threads in
+//     the process than cores it does not spin at all (PASSIVE makes libgomp's throttled spin
+//     count 0). Sleeping at once made every small op wake a thread and park it again, so that
+//     two intra-op threads were slower than one. `grpo train-local` on the demo task (2 cores,
+//     2 threads, ms per step, generation + training), GOMP_SPINCOUNT 0 -> 300000: tiny model
+//     65 + 111 -> 22 + 35 (one thread: 23 + 50); bench model 394 + 887 -> 233 + 645 (one
+//     thread: 461 + 1228).
+//   - The serving processes (learner, rollout, reward-server, and demo, whose children they are)
+//     sleep at once (spin 0). They share machines: the demo, compose on one host, the fault
+//     tests. A spinning team takes the core another process needs. With spin, a learner and 2
+//     workers at 2 threads each on 2 cores ran 2.03 steps/s instead of 4.49
+//     (`grpo bench peer_trl --fast`'s services rows), and elastic_workers_test took 86 s instead
+//     of 36.
+//   - Not ACTIVE (spin for good): idle threads would hold the cores, and with Debian's libtorch
+//     on OpenBLAS spinning cost a step 3.27 s instead of 1.56 s.
 inline constexpr const char* kOmpSpinCount = "300000";
-static void ReexecWithRuntimeSettingsOnce(char** argv) {
+
+// The subcommand in argv (the first word that is not an option or --log_level's value).
+static std::string Subcommand(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--log_level") {
+      ++i;
+      continue;
+    }
+    if (!a.empty() && a[0] != '-') return a;
+  }
+  return "";
+}
+
+static bool IsServingCommand(const std::string& command) {
+  return command == "learner" || command == "rollout" || command == "reward-server" ||
+         command == "demo";
+}
+
+static void ReexecWithRuntimeSettingsOnce(int argc, char** argv) {
   bool changed = false;
   if (std::getenv("GLIBC_TUNABLES") == nullptr) {
     ::setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1", 1);
@@ -71,14 +96,14 @@ static void ReexecWithRuntimeSettingsOnce(char** argv) {
   }
   if (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("GOMP_SPINCOUNT") == nullptr) {
     ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
-    ::setenv("GOMP_SPINCOUNT", kOmpSpinCount, 1);
+    ::setenv("GOMP_SPINCOUNT", IsServingCommand(Subcommand(argc, argv)) ? "0" : kOmpSpinCount, 1);
     changed = true;
   }
   if (changed) ::execv("/proc/self/exe", argv);  // returns only on failure: carry on without
 }
 
 int main(int argc, char** argv) {
-  ReexecWithRuntimeSettingsOnce(argv);
+  ReexecWithRuntimeSettingsOnce(argc, argv);
   // A write to a peer that closed its socket is an error to handle, not a signal that kills the
   // process: Gloo writes without MSG_NOSIGNAL, so a worker continued after a SIGSTOP outlasted
   // its group (the learner closed it) died of SIGPIPE (gloo_stall_test, chaos_test).

@@ -63,8 +63,8 @@ def make_reward_len(target):
 def ours_env():
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(THREADS)
-    # grpo's own OpenMP settings (services/cli/main.cc: PASSIVE after a bounded spin), unless
-    # the caller set them.
+    # grpo's own OpenMP settings (services/cli/main.cc: PASSIVE, after a bounded spin when
+    # computing alone), unless the caller set them.
     return env
 
 
@@ -656,7 +656,8 @@ def main():
     bench_model = init_model("bench", os.path.join(work, "model-bench"))
     job = grpo_job_config(steps)
     omp = " ".join(f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-                   if k in os.environ) or "grpo's OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=300000"
+                   if k in os.environ) or ("grpo's OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT "
+                                           "300000 (train-local, bench) or 0 (demo's services)")
     settings = {"threads": THREADS, "ours": f"OMP_NUM_THREADS={THREADS}, {omp}, fp32",
                 "trl": f"torch.set_num_threads({THREADS}), fp32, use_cpu, bf16 False, "
                        "gradient_checkpointing False, transformers generate (no vLLM)",

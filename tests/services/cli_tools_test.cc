@@ -273,13 +273,15 @@ TEST_F(CliTools, ConfigNamesAnUnknownKey) {
 
 // The OpenMP settings `grpo` re-executes itself with (services/cli/main.cc), as libgomp itself
 // reports them (OMP_DISPLAY_ENV=VERBOSE prints the values it runs with, once per process: the
-// last block is the re-executed process's). Unset: PASSIVE after a bounded spin of 300,000; a
-// value the user set is kept, and libgomp's own default for it applies.
-std::map<std::string, std::string> LibgompSettings(const std::string& env) {
+// last block is the re-executed process's). Unset: PASSIVE after a bounded spin of 300,000 for
+// a command that computes alone, PASSIVE without spin for the serving processes; a value the
+// user set is kept, and libgomp's own default for it applies.
+std::map<std::string, std::string> LibgompSettings(const std::string& env,
+                                                   const std::string& command = "config") {
   int rc;
   const std::string err =
       RunCommand("env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT " + env + " OMP_DISPLAY_ENV=VERBOSE " +
-                     GrpoBin() + " config 2>&1 >/dev/null",
+                     GrpoBin() + " " + command + " 2>&1 >/dev/null",
                  &rc);
   EXPECT_EQ(rc, 0) << err;
   const size_t last = err.rfind("OPENMP DISPLAY ENVIRONMENT BEGIN");
@@ -296,7 +298,7 @@ std::map<std::string, std::string> LibgompSettings(const std::string& env) {
   return out;
 }
 
-TEST_F(CliTools, OpenMpThreadsSpinBrieflyThenSleepUnlessTheUserSaidOtherwise) {
+TEST_F(CliTools, OpenMpThreadsSpinBrieflyWhenComputingAloneAndNeverWhenServing) {
   auto ours = LibgompSettings("");
   EXPECT_EQ(ours["OMP_WAIT_POLICY"], "PASSIVE");
   EXPECT_EQ(ours["GOMP_SPINCOUNT"], "300000");
@@ -307,6 +309,13 @@ TEST_F(CliTools, OpenMpThreadsSpinBrieflyThenSleepUnlessTheUserSaidOtherwise) {
   EXPECT_EQ(passive["GOMP_SPINCOUNT"], "0") << "libgomp's own spin for PASSIVE";
   auto spin = LibgompSettings("GOMP_SPINCOUNT=5");
   EXPECT_EQ(spin["GOMP_SPINCOUNT"], "5");
+  for (const char* serving : {"learner --help", "--log_level info rollout --help",
+                              "reward-server --help", "demo --help"}) {
+    auto sleeps = LibgompSettings("", serving);
+    EXPECT_EQ(sleeps["OMP_WAIT_POLICY"], "PASSIVE") << serving;
+    EXPECT_EQ(sleeps["GOMP_SPINCOUNT"], "0") << serving << ": serving processes share the cores";
+  }
+  EXPECT_EQ(LibgompSettings("", "train-local --help")["GOMP_SPINCOUNT"], "300000");
 }
 
 }  // namespace
