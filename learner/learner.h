@@ -94,9 +94,10 @@ inline constexpr std::chrono::milliseconds kDefaultLeaseRetryAfter{250};
 inline constexpr std::chrono::milliseconds kLeaseLongPoll{3000};
 // WaitForWeights for a version not published yet waits this long at most.
 inline constexpr std::chrono::milliseconds kDefaultGetWeightsWait{60'000};
-// The training loop and the weight publishers wake at least this often to re-check their state.
-// (The waits of calls, for job events, buffer room, lease budget and weights, do not poll: a
-// common::CancelToken that the call's cancellation or deadline trips wakes them.)
+// The training loop and the weight publishers wake at least this often to re-check their state,
+// and so does the lease long poll (the ledger's counts change outside mu_). The waits of calls
+// never poll for their cancellation: a common::CancelToken that the call's cancellation or
+// deadline trips wakes them.
 inline constexpr std::chrono::milliseconds kWaitPollInterval{200};
 // The training thread refreshes the job state from the ledger this often (and after events).
 inline constexpr std::chrono::milliseconds kHousekeepInterval{1000};

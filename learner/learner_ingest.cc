@@ -175,8 +175,10 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
       if (budget > 0 || Clock::now() >= poll_end) break;
       // Woken when the trainer takes or finishes a batch, a group is refused (its lease went
       // back), a dead worker's leases go back, after housekeeping, when the learner stops, and
-      // when the call is cancelled (its CancelToken).
-      room_cv_.WaitUntil(&mu_, poll_end);
+      // at once when the call is cancelled (its CancelToken). The ledger's counts are read
+      // outside mu_, so a change between that read and this wait would go unnoticed: the
+      // budget is read again every kWaitPollInterval (cancellation does not wait for it).
+      room_cv_.WaitUntil(&mu_, std::min(poll_end, Clock::now() + kWaitPollInterval));
     }
     if (budget == 0) return reply;  // retry_after_ms is set
   }
