@@ -6,7 +6,7 @@
 //   common::CancelToken::Subscription wake =
 //       common::CancelToken::Watch(cancel, [this] { common::MutexLock l(&mu_); cv_.NotifyAll(); });
 //   common::MutexLock lock(&mu_);
-//   while (!ready_ && !(cancel && cancel->cancelled())) cv_.WaitUntil(&mu_, deadline);
+//   while (!ready_ && !common::CancelToken::Tripped(cancel)) cv_.WaitUntil(&mu_, deadline);
 //
 // Why the wake-up takes the waiter's mutex: the waiter reads cancelled() and starts waiting
 // under that mutex, so a Cancel that trips the flag and then takes the mutex to notify cannot
@@ -71,6 +71,8 @@ class CancelToken {
     for (auto& [id, wake] : wakes_) wake();
   }
   bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+  // For a wait given a token that may be null (a caller that cannot be cancelled).
+  static bool Tripped(const CancelToken* token) { return token != nullptr && token->cancelled(); }
 
   // Registers `wake` until the returned Subscription ends; runs it at once when the token is
   // already cancelled. A null token (a caller that cannot be cancelled) gives an empty

@@ -137,7 +137,6 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
   // While the budget is 0, wait for it (a long poll woken when the trainer takes or finishes a
   // batch) instead of sending the worker to sleep for a fixed retry, so that generation resumes
   // the moment a lease may go out.
-  const auto cancelled = [cancel] { return cancel != nullptr && cancel->cancelled(); };
   common::MutexLock lease_lock(&lease_mu_);
   int64_t budget = 0;
   {
@@ -162,7 +161,7 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
         // Shutting down is not the end of the job: the worker waits and reconnects.
         return Status::Unavailable("the learner is shutting down");
       }
-      if (cancelled()) return Status::Cancelled("LeasePrompts: cancelled");
+      if (common::CancelToken::Tripped(cancel)) return Status::Cancelled("LeasePrompts: cancelled");
       LeaseBudgetInput in;
       in.buffered = static_cast<int64_t>(buffer_.size() + accepting_ms_.size());
       in.leased_out = counts->leased;
@@ -186,7 +185,7 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
   const auto duration =
       std::chrono::milliseconds(std::max<int64_t>(1, std::llround(config_.lease_seconds * 1000)));
   ASSIGN_OR_RETURN(std::vector<Lease> leases, ledger_->LeasePrompts(worker_id, n, duration));
-  if (cancelled()) {
+  if (common::CancelToken::Tripped(cancel)) {
     // Nobody will receive these leases: give them back at once.
     for (const auto& l : leases) (void)ledger_->ReleaseLease(l.lease_id, l.prompt_id);
     return Status::Cancelled("LeasePrompts: cancelled");
@@ -369,7 +368,7 @@ void Learner::AcceptGroup(common::RolloutGroup group, const common::CancelToken*
       const auto deadline = Clock::now() + options_.push_buffer_wait;
       while (!stopping_ && !TerminalLocked() &&
              static_cast<int64_t>(buffer_.size() + accepting_ms_.size()) >= buffer_capacity_ &&
-             !(cancel != nullptr && cancel->cancelled())) {
+             !common::CancelToken::Tripped(cancel)) {
         if (!room_cv_.WaitUntil(&mu_, deadline)) break;
       }
     }
@@ -471,7 +470,7 @@ StatusOr<std::shared_ptr<const WeightSnapshot>> Learner::WaitForWeights(
   common::MutexLock lock(&mu_);
   const auto deadline = Clock::now() + kDefaultGetWeightsWait;
   while (!stopping_ && !(weights_ && weights_->version >= min_version) &&
-         !(cancel != nullptr && cancel->cancelled())) {
+         !common::CancelToken::Tripped(cancel)) {
     if (!state_cv_.WaitUntil(&mu_, deadline)) break;
   }
   if (!weights_ || weights_->version < min_version) {
@@ -521,7 +520,7 @@ Status Learner::NextEvents(Subscriber& sub, std::chrono::milliseconds wait,
   common::MutexLock lock(&mu_);
   const auto deadline = Clock::now() + wait;  // as wait_for: from when the lock is held
   while (!stopping_ && !sub.dropped && sub.events.empty() &&
-         !(cancel != nullptr && cancel->cancelled())) {
+         !common::CancelToken::Tripped(cancel)) {
     if (!sub.cv.WaitUntil(&mu_, deadline)) break;
   }
   if (sub.dropped) {
@@ -530,7 +529,7 @@ Status Learner::NextEvents(Subscriber& sub, std::chrono::milliseconds wait,
   events->swap(sub.events);
   sub.events.clear();
   if (events->empty() && stopping_) return Status::Unavailable("the learner is shutting down");
-  if (events->empty() && cancel != nullptr && cancel->cancelled()) {
+  if (events->empty() && common::CancelToken::Tripped(cancel)) {
     return Status::Cancelled("the watch was cancelled");
   }
   return Status::OK();

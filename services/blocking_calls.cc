@@ -5,7 +5,7 @@ namespace grpo::services {
 bool CallThreads::TryRun(std::function<void()> body) {
   JoinFinished();
   common::MutexLock lock(&mu_);
-  if (running_ >= max_threads_) return false;
+  if (RunningLocked() >= max_threads_) return false;
   const int64_t id = next_id_++;
   std::thread thread;
   try {
@@ -13,14 +13,13 @@ bool CallThreads::TryRun(std::function<void()> body) {
       body();
       body = nullptr;  // the captures die before the thread counts as finished
       common::MutexLock lock(&mu_);
-      --running_;
       finished_.push_back(id);
       idle_cv_.NotifyAll();
     });
   } catch (const std::system_error&) {
     return false;  // the system has no thread for it (ulimit -u, memory): refused as busy
   }
-  ++running_;  // (the new thread cannot count itself down before mu_ is released)
+  // (the new thread cannot record itself finished before mu_ is released)
   threads_.emplace(id, std::move(thread));
   return true;
 }
@@ -42,14 +41,14 @@ void CallThreads::JoinFinished() {
 void CallThreads::Drain() {
   {
     common::MutexLock lock(&mu_);
-    while (running_ > 0) idle_cv_.Wait(&mu_);
+    while (RunningLocked() > 0) idle_cv_.Wait(&mu_);
   }
   JoinFinished();
 }
 
 int64_t CallThreads::running() const {
   common::MutexLock lock(&mu_);
-  return running_;
+  return RunningLocked();
 }
 
 grpc::Status CallThreadsExhausted(const char* rpc) {

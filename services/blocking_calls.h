@@ -53,14 +53,16 @@ class CallThreads {
 
  private:
   void JoinFinished() GRPO_EXCLUDES(mu_);
+  int64_t RunningLocked() const GRPO_REQUIRES(mu_) {
+    return static_cast<int64_t>(threads_.size() - finished_.size());
+  }
 
   const int64_t max_threads_;
   mutable common::Mutex mu_;
   common::CondVar idle_cv_;
-  int64_t running_ GRPO_GUARDED_BY(mu_) = 0;
   int64_t next_id_ GRPO_GUARDED_BY(mu_) = 0;
-  std::map<int64_t, std::thread> threads_ GRPO_GUARDED_BY(mu_);
-  std::vector<int64_t> finished_ GRPO_GUARDED_BY(mu_);  // returned, not joined yet
+  std::map<int64_t, std::thread> threads_ GRPO_GUARDED_BY(mu_);  // not joined yet
+  std::vector<int64_t> finished_ GRPO_GUARDED_BY(mu_);  // of those, the ones whose body returned
 };
 
 // The status a call gets when every body thread is busy.

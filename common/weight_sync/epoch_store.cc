@@ -104,7 +104,7 @@ StatusOr<std::string> InMemoryEpochStore::GetUnlessCancelled(int64_t epoch, cons
     }
     if (stopping_) return Status::Unavailable("the learner is shutting down");
     if (auto it = kv_.find(key); it != kv_.end()) return it->second;
-    if (cancel != nullptr && cancel->cancelled()) {
+    if (CancelToken::Tripped(cancel)) {
       return Status::Cancelled("Store: the caller went away");
     }
     if (Clock::now() >= deadline) {
