@@ -15,6 +15,11 @@ struct Completion {
   // Behaviour log-prob of each sampled token: log_softmax(logits / temperature)[token], the
   // same quantity the learner computes. Same length as token_ids.
   std::vector<float> logprobs;
+  // Per token of token_ids, multi-turn episodes only (rollout/env/): 1 = sampled from the policy
+  // (trained on), 0 = inserted between turns by an environment (its observation rendered with the
+  // chat template; not trained on, and its logprobs entry is 0), as TRL's tool_mask. Empty = every
+  // token is the policy's (single-turn groups carry none).
+  std::vector<uint8_t> env_mask;
   bool truncated = false;  // stopped by max_completion_length, not by EOS/stop
   // Per reward function (in reward_funcs order); nullopt = the function gave no reward.
   std::vector<std::optional<double>> rewards;
