@@ -14,7 +14,6 @@ import select
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -45,12 +44,12 @@ def find_grpo(grpo: str | os.PathLike[str] | None = None) -> str:
     return found
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _child_env() -> dict[str, str]:
+    """This process's environment plus GRPO_PARENT_PID: the grpo binary ends with this process
+    (PR_SET_PDEATHSIG, set by grpo itself). Not a preexec_fn: that makes subprocess fork without
+    exec and run Python in the child, where grpcio's fork handlers could restart a poller thread
+    that the closing of the child's descriptors then killed (the learner died of SIGABRT)."""
+    return dict(os.environ, GRPO_PARENT_PID=str(os.getpid()))
 
 
 def _tail(path: Path) -> str:
@@ -96,7 +95,7 @@ class LocalRun:
         self._logs[name] = log
         self.processes[name] = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if stdout_pipe else log,
-            stderr=log, preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            stderr=log, env=_child_env())
 
     def _read_port(self, timeout: float) -> None:
         learner = self.processes["learner"]

@@ -1,5 +1,6 @@
 // `grpo`: the one executable of grpo-serve. Containers run it with different subcommands.
 #include <ATen/Parallel.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -102,8 +103,31 @@ static void ReexecWithRuntimeSettingsOnce(int argc, char** argv) {
   if (changed) ::execv("/proc/self/exe", argv);  // returns only on failure: carry on without
 }
 
+// GRPO_PARENT_PID=<pid>: end (SIGTERM) when the process that started this one ends, and at once
+// when it has already ended. grpo_serve.start_local sets it instead of running a preexec_fn in
+// the child: a preexec_fn makes Python fork without exec and run code in the child, where grpcio's
+// fork handlers can restart its poller thread just before the child closes its file
+// descriptors; that thread then died of EBADF and took the child with it (SIGABRT, about 1 start
+// in 60 of a learner from a process with gRPC calls in flight). The variable is removed so that
+// this process's own children (grpo demo's) do not inherit it.
+static void DieWithParentIfAsked() {
+  const char* value = std::getenv("GRPO_PARENT_PID");
+  if (value == nullptr) return;
+  char* end = nullptr;
+  const long parent = std::strtol(value, &end, 10);
+  const bool valid = *value != '\0' && *end == '\0' && parent > 0;
+  ::unsetenv("GRPO_PARENT_PID");
+  if (!valid) {
+    std::cerr << "grpo: GRPO_PARENT_PID='" << value << "' is not a process id; ignored\n";
+    return;
+  }
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (::getppid() != static_cast<pid_t>(parent)) ::raise(SIGTERM);  // already orphaned
+}
+
 int main(int argc, char** argv) {
   ReexecWithRuntimeSettingsOnce(argc, argv);
+  DieWithParentIfAsked();
   // A write to a peer that closed its socket is an error to handle, not a signal that kills the
   // process: Gloo writes without MSG_NOSIGNAL, so a worker continued after a SIGSTOP outlasted
   // its group (the learner closed it) died of SIGPIPE (gloo_stall_test, chaos_test).
