@@ -256,6 +256,11 @@ const std::vector<Field>& Fields() {
       MakeField("repetition_penalty", &C::repetition_penalty),
       MakeField("mask_truncated_completions", &C::mask_truncated_completions),
       MakeField("truncate_prompt", &C::truncate_prompt, {"left", "reject"}),
+      MakeField("env", &C::env),
+      MakeField("max_turns", &C::max_turns),
+      MakeField("env_max_concurrency", &C::env_max_concurrency),
+      MakeField("env_step_timeout_seconds", &C::env_step_timeout_seconds),
+      MakeField("chat_template", &C::chat_template, {"chatml", "qwen3", "qwen3_training"}),
       MakeField("reward_funcs", &C::reward_funcs),
       MakeField("reward_weights", &C::reward_weights),
       MakeField("scale_rewards", &C::scale_rewards, {"group", "batch", "none"}),
@@ -513,6 +518,11 @@ Status GrpoConfig::Validate() const {
   RETURN_IF_ERROR(Check(top_k >= 0, "top_k", "must be >= 0 (0 = off)"));
   RETURN_IF_ERROR(Check(!min_p || (*min_p >= 0 && *min_p <= 1), "min_p", "must be in [0, 1]"));
   RETURN_IF_ERROR(Check(repetition_penalty > 0, "repetition_penalty", "must be > 0"));
+  RETURN_IF_ERROR(Check(env.empty() || env.rfind("builtin:", 0) == 0 || env.rfind("grpc:", 0) == 0,
+                        "env", "must be empty, builtin:NAME or grpc:HOST:PORT, got '" + env + "'"));
+  RETURN_IF_ERROR(CheckRange(max_turns, 1, kMaxConfigCount, "max_turns"));
+  RETURN_IF_ERROR(CheckRange(env_max_concurrency, 1, kMaxConfigCount, "env_max_concurrency"));
+  RETURN_IF_ERROR(Check(env_step_timeout_seconds > 0, "env_step_timeout_seconds", "must be > 0"));
   RETURN_IF_ERROR(Check(
       reward_weights.empty() || reward_weights.size() == reward_funcs.size(), "reward_weights",
       "must have one weight per reward function (" + std::to_string(reward_funcs.size()) + ")"));

@@ -77,6 +77,11 @@ const std::vector<std::string>& LearnerOwnedConfigKeys() {
                                                 "mask_truncated_completions",
                                                 "bf16",
                                                 "truncate_prompt",
+                                                "env",
+                                                "max_turns",
+                                                "env_max_concurrency",
+                                                "env_step_timeout_seconds",
+                                                "chat_template",
                                                 "reward_funcs",
                                                 "reward_weights",
                                                 "max_staleness",
@@ -169,6 +174,9 @@ WorkerStats RolloutLoop::stats() const {
   s.heartbeat_failures = counters_.heartbeat_failures.load();
   s.reward_errors = counters_.reward_errors.load();
   s.reward_timeouts = counters_.reward_timeouts.load();
+  s.episodes = counters_.episodes.load();
+  s.episode_turns = counters_.episode_turns.load();
+  s.env_errors = counters_.env_errors.load();
   return s;
 }
 
@@ -253,6 +261,14 @@ Status RolloutLoop::ApplyRegistration(const Registration& r) {
   } else {
     ASSIGN_OR_RETURN(rewards_, RewardRunner::FromConfig(merged, options_.reward_options,
                                                         options_.reward_timeout));
+  }
+  environment_.reset();
+  episode_options_.reset();
+  if (!merged.env.empty()) {
+    ASSIGN_OR_RETURN(environment_, options_.make_environment ? options_.make_environment(merged)
+                                                             : MakeEnvironment(merged));
+    ASSIGN_OR_RETURN(EpisodeOptions episode_options, EpisodeOptionsFromConfig(merged, *tokenizer_));
+    episode_options_ = std::move(episode_options);
   }
 
   const std::shared_ptr<const common::Model> held = policy();
@@ -492,7 +508,11 @@ Status RolloutLoop::RunRound() {
       common::MutexLock lock(&mu_);
       return policy_incarnation_;
     }();
-    auto produced = Produce(*generator_, rewards_.get(), inputs);
+    EpisodeCounts episodes;
+    auto produced = environment_ ? ProduceEpisodes(*generator_, rewards_.get(), *environment_,
+                                                   *episode_options_, inputs, &episodes)
+                                 : Produce(*generator_, rewards_.get(), inputs);
+    if (environment_) CountEpisodes(episodes);
     if (!produced.ok()) {
       SetLeasesHeld(0);
       return produced.status().WithContext("Generate");
@@ -588,6 +608,24 @@ Status RolloutLoop::PushGroups(const std::vector<common::RolloutGroup>& groups,
 void RolloutLoop::SetLeasesHeld(int32_t n) {
   leases_held_ = n;
   if (metrics_) metrics_->leases_held->Set(n);
+}
+
+void RolloutLoop::CountEpisodes(const EpisodeCounts& counts) {
+  int64_t errors = 0;
+  for (const auto& [kind, n] : counts.errors) errors += n;
+  counters_.episodes += counts.episodes;
+  counters_.episode_turns += counts.turns;
+  counters_.env_errors += errors;
+  if (!metrics_) return;
+  metrics_->episodes->Increment({"done"}, static_cast<double>(counts.done));
+  metrics_->episodes->Increment({"env_truncated"}, static_cast<double>(counts.env_truncated));
+  metrics_->episodes->Increment({"max_turns"}, static_cast<double>(counts.max_turns));
+  metrics_->episodes->Increment({"length"}, static_cast<double>(counts.length_truncated));
+  metrics_->episodes->Increment({"error"}, static_cast<double>(errors));
+  metrics_->episode_turns->Increment(static_cast<double>(counts.turns));
+  for (const auto& [kind, n] : counts.errors) {
+    metrics_->env_errors->Increment({kind}, static_cast<double>(n));
+  }
 }
 
 void RolloutLoop::CountRewardFailures(const RewardCallReport& report) {

@@ -27,6 +27,7 @@
 #include "common/status.h"
 #include "common/thread_annotations.h"
 #include "common/tokenizer/tokenizer.h"
+#include "rollout/env/episode_config.h"
 #include "rollout/generator.h"
 #include "rollout/learner_link.h"
 #include "rollout/produce.h"
@@ -97,6 +98,9 @@ struct WorkerStats {
   int64_t heartbeat_failures = 0;
   int64_t reward_errors = 0;
   int64_t reward_timeouts = 0;
+  int64_t episodes = 0;       // multi-turn episodes run
+  int64_t episode_turns = 0;  // their model turns
+  int64_t env_errors = 0;     // episodes whose environment failed
 };
 
 // The generation, precision (bf16) and reward keys a worker takes from the learner's
@@ -126,6 +130,9 @@ struct RolloutLoopOptions {
   // Builds the reward functions at every Register; null = RewardRunner::FromConfig (built-ins
   // only) with reward_options and reward_timeout. services:: passes one with remote functions.
   RewardRunnerFactory make_rewards;
+  // Builds the environment of a config with an `env` (multi-turn episodes) at every Register;
+  // null = rollout::MakeEnvironment (built-ins only). services:: passes one with grpc: too.
+  EnvironmentFactory make_environment;
   // Options of built-in reward functions by name, e.g. {"length": {"target_length": 8}}.
   nlohmann::json reward_options = nlohmann::json::object();
   std::chrono::milliseconds reward_timeout = kDefaultRewardTimeout;
@@ -211,6 +218,7 @@ class RolloutLoop {
   // One ScoreGroup call's per-function latencies into grpo_rollout_reward_duration_seconds
   // and its failures, by kind, into grpo_rollout_reward_errors_total.
   void CountRewardFailures(const RewardCallReport& report);
+  void CountEpisodes(const EpisodeCounts& counts);
   int64_t PromptsPerLease() const;
 
   const RolloutLoopOptions options_;
@@ -223,6 +231,9 @@ class RolloutLoop {
   std::unique_ptr<common::Tokenizer> tokenizer_;
   std::unique_ptr<RewardRunner> rewards_;
   std::unique_ptr<Generator> generator_;  // null until the first weights
+  // With a config `env`: the environment and the episodes' options (rebuilt at Register).
+  std::unique_ptr<Environment> environment_;
+  std::optional<EpisodeOptions> episode_options_;
   common::ModelConfig model_config_;
   std::string model_config_json_;                 // as last received, to notice a change
   std::optional<common::WorkerMetrics> metrics_;  // when options_.metrics_registry is set
@@ -255,7 +266,8 @@ class RolloutLoop {
     std::atomic<int64_t> registrations{0}, rounds{0}, leases{0}, groups_pushed{0},
         groups_accepted{0}, groups_rejected{0}, groups_dropped{0}, prompts_failed{0},
         completion_tokens{0}, weight_fetches{0}, rpc_retries{0}, heartbeats{0},
-        heartbeat_failures{0}, reward_errors{0}, reward_timeouts{0};
+        heartbeat_failures{0}, reward_errors{0}, reward_timeouts{0}, episodes{0}, episode_turns{0},
+        env_errors{0};
   };
   Counters counters_;
 };

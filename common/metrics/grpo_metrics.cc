@@ -181,6 +181,14 @@ StatusOr<WorkerMetrics> WorkerMetrics::Create(Registry& r,
   ASSIGN_OR_RETURN(m.groups_pushed,
                    r.AddCounter("grpo_rollout_groups_pushed_total",
                                 "Rollout groups pushed to the learner, in groups."));
+  ASSIGN_OR_RETURN(m.episodes, r.AddCounter("grpo_rollout_episodes_total",
+                                            "Multi-turn episodes by how they ended, in episodes.",
+                                            {Label("end", kEpisodeEnds)}));
+  ASSIGN_OR_RETURN(m.episode_turns, r.AddCounter("grpo_rollout_episode_turns_total",
+                                                 "Model turns of multi-turn episodes, in turns."));
+  ASSIGN_OR_RETURN(m.env_errors, r.AddCounter("grpo_rollout_env_errors_total",
+                                              "Environment calls that failed, by kind, in calls.",
+                                              {Label("kind", kEnvErrorKinds)}));
   return m;
 }
 

@@ -27,6 +27,11 @@ inline constexpr std::array<std::string_view, 3> kClipRegions = {"low", "high", 
 inline constexpr std::array<std::string_view, 2> kLogprobMismatchStats = {"mean", "max"};
 // Values of `kind` on grpo_rollout_reward_errors_total.
 inline constexpr std::array<std::string_view, 2> kRewardErrorKinds = {"error", "timeout"};
+// How an environment call failed (rollout::EnvErrorKind) and how an episode ended.
+inline constexpr std::array<std::string_view, 3> kEnvErrorKinds = {"timeout", "unavailable",
+                                                                   "error"};
+inline constexpr std::array<std::string_view, 5> kEpisodeEnds = {"done", "env_truncated",
+                                                                 "max_turns", "length", "error"};
 
 // The learner's families. Gauges hold the latest optimizer step's value.
 struct LearnerMetrics {
@@ -128,6 +133,12 @@ struct WorkerMetrics {
   Gauge* leases_held = nullptr;
   // grpo_rollout_groups_pushed_total: groups
   Counter* groups_pushed = nullptr;
+  // grpo_rollout_episodes_total{end}: multi-turn episodes, by how they ended
+  Counter* episodes = nullptr;
+  // grpo_rollout_episode_turns_total: model turns of multi-turn episodes
+  Counter* episode_turns = nullptr;
+  // grpo_rollout_env_errors_total{kind}: environment calls (reset, step, open) that failed
+  Counter* env_errors = nullptr;
 };
 
 }  // namespace grpo::common

@@ -62,6 +62,7 @@ struct DemoOptions {
   int64_t workers = 2;
   bool json = false;
   int64_t target_length = kDemoTargetLength;
+  std::string task = "length";  // length | multi_turn
 };
 
 // One child process (common/process.h); its log is spec.stderr_path.
@@ -177,7 +178,8 @@ int RunDemo(const DemoOptions &o) {
   const auto t_start = Clock::now();
   // The demo task's defaults; workers generate while the learner trains
   // (max_staleness 1).
-  common::GrpoConfig cfg = DemoTaskConfig();
+  const bool multi_turn = o.task == "multi_turn";
+  common::GrpoConfig cfg = multi_turn ? MultiTurnTaskConfig() : DemoTaskConfig();
   cfg.max_staleness = 1;
   cfg.save_steps = 30;
   if (Status s = common::ApplyConfigOverrides(cfg, o.overrides); !s.ok()) return fail(s, 2);
@@ -246,12 +248,13 @@ int RunDemo(const DemoOptions &o) {
   const std::string address = "127.0.0.1:" + std::to_string(*port);
   for (int64_t i = 0; i < o.workers; ++i) {
     const std::string name = "rollout-" + std::to_string(i);
-    auto worker = SpawnGrpo(
-        group, name,
-        {"--log_level", "info", "rollout", "--learner_address", address, "--worker_id", name,
-         "--metrics_port", "0", "--reward_options", DemoRewardOptions(o.target_length).dump(),
-         "--auth_token_file", cfg.auth_token_file},
-        (dir / (name + ".log")).string());
+    auto worker =
+        SpawnGrpo(group, name,
+                  {"--log_level", "info", "rollout", "--learner_address", address, "--worker_id",
+                   name, "--metrics_port", "0", "--reward_options",
+                   (multi_turn ? json::object() : DemoRewardOptions(o.target_length)).dump(),
+                   "--auth_token_file", cfg.auth_token_file},
+                  (dir / (name + ".log")).string());
     if (!worker.ok()) return fail(worker.status());
   }
   if (!o.json) {
@@ -403,6 +406,11 @@ void AddDemoCommand(CLI::App &app, CliAction *action) {
   cmd->add_option("--output_dir", o->output_dir,
                   "checkpoints, logs, token and config (default: a fresh temp dir)");
   cmd->add_option("--target_length", o->target_length, "the length reward's target (tokens)")
+      ->capture_default_str();
+  cmd->add_option("--task", o->task,
+                  "length: TRL's length reward, single-turn; multi_turn: the built-in turns "
+                  "environment (three short turns per episode)")
+      ->check(CLI::IsMember({"length", "multi_turn"}))
       ->capture_default_str();
   cmd->add_flag("--json", o->json,
                 "one JSON object per optimizer step (as `grpo submit --json "

@@ -39,6 +39,17 @@ common::GrpoConfig DemoTaskConfig() {
   return cfg;
 }
 
+common::GrpoConfig MultiTurnTaskConfig() {
+  common::GrpoConfig cfg = DemoTaskConfig();
+  cfg.env = "builtin:turns";
+  cfg.max_turns = 3;
+  // Two observations take 44 tokens of the byte tokenizer ("\n<|im_start|>user\nok<|im_end|>\n
+  // <|im_start|>assistant\n" is 22): 36 are left for the three turns.
+  cfg.max_completion_length = 80;
+  cfg.reward_funcs = {"env"};
+  return cfg;
+}
+
 json DemoRewardOptions(int64_t target_length) {
   return {{"length", {{"target_length", target_length}}}};
 }

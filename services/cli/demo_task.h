@@ -28,6 +28,12 @@ std::vector<nlohmann::json> BuiltinDataset();
 // are left to the caller.
 common::GrpoConfig DemoTaskConfig();
 
+// The multi-turn demo task (`grpo demo --task multi_turn`): DemoTaskConfig with the built-in
+// "turns" environment (rollout/env/turns_task.h: three turns, answered "ok", each worth 1/3 once
+// stepped) and its reward (reward_funcs [env]); max_completion_length bounds the whole episode
+// and is small enough that only short turns let all three fit.
+common::GrpoConfig MultiTurnTaskConfig();
+
 // {"length": {"target_length": target}}: the reward options of the demo task.
 nlohmann::json DemoRewardOptions(int64_t target_length = kDemoTargetLength);
 

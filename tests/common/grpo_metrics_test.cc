@@ -71,6 +71,9 @@ std::string PopulatedExposition() {
   l.checkpoint_duration->Observe(4);
   l.peak_memory->Set(3.5e9);
   w.tokens_generated->Increment(4096);
+  w.episodes->Increment({"max_turns"}, 3);
+  w.episode_turns->Increment(9);
+  w.env_errors->Increment({"timeout"});
   w.generation_duration->Observe(3.1);
   w.reward_duration->Observe({"format"}, 0.0002);
   w.reward_errors->Increment({"accuracy", "timeout"});
@@ -123,6 +126,9 @@ TEST(GrpoMetrics, DefinesExactlyTheIssueSixFamilies) {
       {"grpo_rollout_weight_version", "gauge"},
       {"grpo_rollout_leases_held", "gauge"},
       {"grpo_rollout_groups_pushed_total", "counter"},
+      {"grpo_rollout_episodes_total", "counter"},
+      {"grpo_rollout_episode_turns_total", "counter"},
+      {"grpo_rollout_env_errors_total", "counter"},
   };
   EXPECT_EQ(FamilyTypes(PopulatedExposition()), expected);
 }
