@@ -21,7 +21,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
-PROTO_FILES = ("grpo/v1/learner.proto", "grpo/v1/reward.proto")
+PROTO_FILES = ("grpo/v1/learner.proto", "grpo/v1/reward.proto", "grpo/v1/environment.proto")
 STUB_PACKAGE = "grpo_serve._proto"
 # protoc's imports between the generated modules, e.g. `from grpo.v1 import learner_pb2 as ...`.
 _GENERATED_IMPORT = re.compile(r"^from grpo\.v1 import (\w+)", re.MULTILINE)

@@ -6,6 +6,8 @@
 - :func:`report`: every step's metrics on TensorBoard, Trackio, Weights & Biases or MLflow under
   TRL's names;
 - :func:`serve_rewards`: Python reward functions with TRL's signature as a reward server;
+- :func:`serve_environment`: a Python environment of multi-turn episodes (reset/step returning
+  an :class:`Observation`) as an environment server;
 - :func:`start_local`: a learner and rollout workers on this machine (the ``grpo`` binary).
 
 It reaches the C++ services only through the wire protocol (proto/grpo/v1), whose stubs are
@@ -14,6 +16,7 @@ generated when the package is built.
 
 from grpo_serve.client import Client, Job
 from grpo_serve.dataset import content_key, to_lines, validate_lines
+from grpo_serve.environment import EnvironmentServer, Observation, serve_environment
 from grpo_serve.errors import DatasetError, GrpoServeError, RpcError
 from grpo_serve.follow import follow
 from grpo_serve.job import JobResult, JobStatus, PromptCounts, StepRecord
@@ -25,8 +28,9 @@ from grpo_serve.watch import StepStream
 __version__ = "0.1.0"
 
 __all__ = [
-    "BACKENDS", "Client", "CompletionIds", "DatasetError", "GrpoServeError", "Job", "JobResult",
-    "JobStatus", "LocalRun", "PromptCounts", "Reporter", "RewardServer", "RpcError", "StepRecord",
-    "StepStream", "content_key", "follow", "report", "serve_rewards", "start_local", "to_lines",
-    "validate_lines", "__version__",
+    "BACKENDS", "Client", "CompletionIds", "DatasetError", "EnvironmentServer", "GrpoServeError",
+    "Job", "JobResult", "JobStatus", "LocalRun", "Observation", "PromptCounts", "Reporter",
+    "RewardServer", "RpcError", "StepRecord", "StepStream", "content_key", "follow", "report",
+    "serve_environment", "serve_rewards", "start_local", "to_lines", "validate_lines",
+    "__version__",
 ]

@@ -9,7 +9,14 @@ from __future__ import annotations
 import grpc
 
 try:
-    from grpo_serve._proto.grpo.v1 import learner_pb2, learner_pb2_grpc, reward_pb2, reward_pb2_grpc
+    from grpo_serve._proto.grpo.v1 import (
+        environment_pb2,
+        environment_pb2_grpc,
+        learner_pb2,
+        learner_pb2_grpc,
+        reward_pb2,
+        reward_pb2_grpc,
+    )
 except ImportError as e:  # pragma: no cover - only an unbuilt source tree gets here
     raise ImportError(
         "grpo_serve's gRPC stubs are missing: they are generated from proto/ when the package is "
@@ -41,5 +48,6 @@ def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", "Bearer " + token),) if token else ()
 
 
-__all__ = ["learner_pb2", "learner_pb2_grpc", "reward_pb2", "reward_pb2_grpc", "grpc",
+__all__ = ["environment_pb2", "environment_pb2_grpc", "learner_pb2", "learner_pb2_grpc",
+           "reward_pb2", "reward_pb2_grpc", "grpc",
            "CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "auth_metadata"]

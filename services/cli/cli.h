@@ -24,6 +24,8 @@ void AddGenerateCommand(CLI::App& app, CliAction* action);
 void AddBenchCommand(CLI::App& app, CliAction* action);
 // rollout (a worker against a learner) and reward-server (RewardService over built-ins).
 void AddRolloutCommands(CLI::App& app, CliAction* action);
+// env-server: a built-in environment over EnvironmentService (multi-turn episodes).
+void AddEnvServerCommand(CLI::App& app, CliAction* action);
 
 // demo: a learner and rollout workers as processes on loopback learn the built-in task.
 void AddDemoCommand(CLI::App& app, CliAction* action);

@@ -61,10 +61,10 @@ void AddConfigCommand(CLI::App& app, grpo::services::CliAction* action) {
 //     2 threads, ms per step, generation + training), GOMP_SPINCOUNT 0 -> 300000: tiny model
 //     65 + 111 -> 22 + 35 (one thread: 23 + 50); bench model 394 + 887 -> 233 + 645 (one
 //     thread: 461 + 1228).
-//   - The serving processes (learner, rollout, reward-server, and demo, whose children they are)
-//     sleep at once (spin 0). They share machines: the demo, compose on one host, the fault
-//     tests. A spinning team takes the core another process needs. With spin, a learner and 2
-//     workers at 2 threads each on 2 cores ran 2.03 steps/s instead of 4.49
+//   - The serving processes (learner, rollout, reward-server, env-server, and demo, whose
+//     children they are) sleep at once (spin 0). They share machines: the demo, compose on one
+//     host, the fault tests. A spinning team takes the core another process needs. With spin, a
+//     learner and 2 workers at 2 threads each on 2 cores ran 2.03 steps/s instead of 4.49
 //     (`grpo bench peer_trl --fast`'s services rows), and elastic_workers_test took 86 s instead
 //     of 36.
 //   - Not ACTIVE (spin for good): idle threads would hold the cores, and with Debian's libtorch
@@ -86,7 +86,7 @@ static std::string Subcommand(int argc, char** argv) {
 
 static bool IsServingCommand(const std::string& command) {
   return command == "learner" || command == "rollout" || command == "reward-server" ||
-         command == "demo";
+         command == "env-server" || command == "demo";
 }
 
 static void ReexecWithRuntimeSettingsOnce(int argc, char** argv) {
@@ -147,6 +147,7 @@ int main(int argc, char** argv) {
   grpo::services::AddBenchCommand(app, &action);
   grpo::services::AddGenerateCommand(app, &action);
   grpo::services::AddRolloutCommands(app, &action);
+  grpo::services::AddEnvServerCommand(app, &action);
   grpo::services::AddDemoCommand(app, &action);
 
   try {

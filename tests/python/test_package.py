@@ -13,7 +13,7 @@ from typing import Any
 import grpo_serve
 from conftest import SOURCE_DIR
 
-PROTOS = ["grpo/v1/learner.proto", "grpo/v1/reward.proto"]
+PROTOS = ["grpo/v1/learner.proto", "grpo/v1/reward.proto", "grpo/v1/environment.proto"]
 
 
 def tree_digest() -> str:
@@ -53,13 +53,13 @@ def test_the_stubs_are_generated_from_this_trees_proto(tmp_path: Path) -> None:
     # modules must describe the same messages, fields and services.
     from google.protobuf import descriptor_pb2
 
-    from grpo_serve._wire import learner_pb2, reward_pb2
+    from grpo_serve._wire import environment_pb2, learner_pb2, reward_pb2
 
     out = tmp_path / "set.pb"
     subprocess.run(["protoc", f"-I{SOURCE_DIR / 'proto'}", f"--descriptor_set_out={out}",
                     *PROTOS], check=True, timeout=60)
     want = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
-    for module, expected in zip((learner_pb2, reward_pb2), want.file):
+    for module, expected in zip((learner_pb2, reward_pb2, environment_pb2), want.file, strict=True):
         got = descriptor_pb2.FileDescriptorProto()
         module.DESCRIPTOR.CopyToProto(got)
         for fdp in (got, expected):

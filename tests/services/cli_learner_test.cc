@@ -154,6 +154,8 @@ TEST_F(CliLearnerTest, ATokenFileWithAByteMetadataCannotCarryIsAnArgumentErrorNa
        "0x00"},
       {"reward-server --reward_funcs length --host 127.0.0.1 --port 0", "--reward_auth_token_file",
        nul, "0x00"},
+      {"env-server --task guess_number --host 127.0.0.1 --port 0", "--auth_token_file", nul,
+       "0x00"},
   };
   for (const Case& c : cases) {
     int rc = 0;

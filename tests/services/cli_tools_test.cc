@@ -310,7 +310,7 @@ TEST_F(CliTools, OpenMpThreadsSpinBrieflyWhenComputingAloneAndNeverWhenServing) 
   auto spin = LibgompSettings("GOMP_SPINCOUNT=5");
   EXPECT_EQ(spin["GOMP_SPINCOUNT"], "5");
   for (const char* serving : {"learner --help", "--log_level info rollout --help",
-                              "reward-server --help", "demo --help"}) {
+                              "reward-server --help", "env-server --help", "demo --help"}) {
     auto sleeps = LibgompSettings("", serving);
     EXPECT_EQ(sleeps["OMP_WAIT_POLICY"], "PASSIVE") << serving;
     EXPECT_EQ(sleeps["GOMP_SPINCOUNT"], "0") << serving << ": serving processes share the cores";
