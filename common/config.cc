@@ -334,6 +334,7 @@ const std::vector<Field>& Fields() {
       MakeField("metrics_bind_address", &C::metrics_bind_address),
       MakeField("weight_sync_hostname", &C::weight_sync_hostname),
       MakeField("reward_auth_token_file", &C::reward_auth_token_file),
+      MakeField("env_auth_token_file", &C::env_auth_token_file),
       MakeField("grpc_memory_quota_mb", &C::grpc_memory_quota_mb),
       MakeField("grpc_max_threads", &C::grpc_max_threads),
       MakeField("metrics_max_connections", &C::metrics_max_connections),

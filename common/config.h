@@ -46,15 +46,20 @@ struct GrpoConfig {
   bool mask_truncated_completions = false;
   std::string truncate_prompt = "left";  // left (TRL) | reject
 
-  // Multi-turn episodes (rollout/env/episode.h; README "Environments"). env: "" = single-turn;
-  // "builtin:NAME" (rollout/env/builtin_environments.h) or "grpc:HOST:PORT" (EnvironmentService).
-  // max_completion_length then bounds a whole episode, model and environment tokens together.
+  // Multi-turn episodes (rollout/env/episode.h; README "Multi-turn environments"). env: "" =
+  // single-turn; "builtin:NAME" (rollout/env/builtin_environments.h) or "grpc:HOST:PORT"
+  // (EnvironmentService). max_completion_length then bounds a whole episode, model and environment
+  // tokens together.
   std::string env;
   int64_t max_turns = 4;                   // model turns per episode
   int64_t env_max_concurrency = 16;        // environment sessions of one worker at once
   double env_step_timeout_seconds = 30.0;  // per reset and per step
-  std::string chat_template =
-      "chatml";  // chatml | qwen3_training (common/tokenizer/turn_template.h)
+  // chatml | qwen3_training (common/tokenizer/turn_template.h; qwen3 is refused: not
+  // prefix-preserving).
+  std::string chat_template = "chatml";
+  // Token sent to grpc: environment servers (`grpo env-server --auth_token_file`); a worker's
+  // own key, like reward_auth_token_file. "" = none.
+  std::string env_auth_token_file;
 
   // Rewards.
   std::vector<std::string> reward_funcs;

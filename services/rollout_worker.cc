@@ -6,6 +6,7 @@
 #include "common/model/device.h"
 #include "services/auth.h"
 #include "services/convert.h"
+#include "services/grpc_environment.h"
 #include "services/grpc_weight_receiver.h"
 #include "services/remote_reward.h"
 
@@ -42,6 +43,16 @@ StatusOr<std::unique_ptr<RolloutWorker>> RolloutWorker::Create(RolloutWorkerOpti
   lo.make_rewards = [reward_options = o.reward_options, token = o.reward_auth_token,
                      timeout = o.reward_timeout](const common::GrpoConfig& config) {
     return MakeRewardRunner(config, reward_options, token, timeout);
+  };
+  // Built-in environments and `grpc:HOST:PORT` (EnvironmentService), with the worker's own
+  // env_auth_token_file.
+  lo.make_environment = [](const common::GrpoConfig& config) {
+    if (config.env.rfind("grpc:", 0) == 0) {
+      GrpcEnvironmentOptions eo;
+      eo.auth_token_file = config.env_auth_token_file;
+      return MakeGrpcEnvironment(config.env.substr(5), eo);
+    }
+    return rollout::MakeEnvironment(config);
   };
   lo.reward_options = o.reward_options;
   lo.reward_timeout = o.reward_timeout;

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "rollout/env/turns_task.h"
+
 namespace grpo::rollout {
 namespace {
 
@@ -88,9 +90,10 @@ StatusOr<EnvObservation> GuessNumberStep(const std::string& action, json& state)
 
 }  // namespace
 
-std::vector<std::string> BuiltinEnvironmentNames() { return {"guess_number"}; }
+std::vector<std::string> BuiltinEnvironmentNames() { return {"guess_number", "turns"}; }
 
 StatusOr<std::unique_ptr<Environment>> MakeBuiltinEnvironment(std::string_view name) {
+  if (name == "turns") return MakeTurnsEnvironment();
   if (name == "guess_number") {
     return std::unique_ptr<Environment>(
         std::make_unique<FunctionEnvironment>("guess_number", GuessNumberReset, GuessNumberStep));

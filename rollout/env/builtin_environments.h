@@ -10,6 +10,7 @@
 //     "correct" with reward 1.0 and done; reward 0.0 otherwise. No integer in the text: "say a
 //     number", reward 0.0. It never ends the episode otherwise (the episode loop's turn limit
 //     does). Metadata: {"guesses": N}, the number of integers guessed so far.
+// turns: the multi-turn demo task (rollout/env/turns_task.h).
 #pragma once
 
 #include <memory>

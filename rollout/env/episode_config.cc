@@ -3,16 +3,14 @@
 #include <string>
 
 #include "common/tokenizer/turn_template.h"
-#include "rollout/env/turns_task.h"
+#include "rollout/env/builtin_environments.h"
 
 namespace grpo::rollout {
 
 StatusOr<std::unique_ptr<Environment>> MakeEnvironment(const common::GrpoConfig& config) {
   const std::string& spec = config.env;
-  if (spec == "builtin:turns") return MakeTurnsEnvironment();
   if (spec.rfind("builtin:", 0) == 0) {
-    return Status::InvalidArgument("env: unknown built-in environment '" + spec.substr(8) +
-                                   "'; known: turns");
+    return MakeBuiltinEnvironment(spec.substr(8));
   }
   return Status::InvalidArgument("env: '" + spec +
                                  "' needs a service build (grpc: environments are served by "

@@ -18,9 +18,9 @@ namespace grpo::rollout {
 using EnvironmentFactory =
     std::function<StatusOr<std::unique_ptr<Environment>>(const common::GrpoConfig& config)>;
 
-// The built-in environments: "builtin:turns" (rollout/env/turns_task.h). InvalidArgument for an
-// unknown builtin name (listing the known ones) or a spec this build cannot serve (grpc: needs
-// services/, which passes its own factory).
+// "builtin:NAME": MakeBuiltinEnvironment (rollout/env/builtin_environments.h). InvalidArgument for
+// an unknown name (listing the known ones) or a spec this library cannot serve (grpc: needs
+// services/, whose worker passes its own factory).
 StatusOr<std::unique_ptr<Environment>> MakeEnvironment(const common::GrpoConfig& config);
 
 // EpisodeOptions of config with the chat template's observation renderer over `tokenizer`

@@ -51,8 +51,33 @@ TEST(BuiltinEnvironments, UnknownNameIsInvalidArgumentListingTheKnownNames) {
   EXPECT_EQ(env.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(env.status().message().find("chess"), std::string::npos);
   EXPECT_NE(env.status().message().find("guess_number"), std::string::npos);
-  EXPECT_EQ(BuiltinEnvironmentNames(), std::vector<std::string>{"guess_number"});
+  EXPECT_EQ(BuiltinEnvironmentNames(), (std::vector<std::string>{"guess_number", "turns"}));
   EXPECT_EQ(GuessNumber()->name(), "guess_number");
+}
+
+// The demo task: three turns by default, each stepped turn worth 1/3, "ok" until the last.
+TEST(TurnsTask, AnswersOkAndEndsAfterTheRowsTurnsEachWorthItsShare) {
+  auto env = MakeBuiltinEnvironment("turns");
+  ASSERT_TRUE(env.ok());
+  auto session = (*env)->Open().value();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  ASSERT_TRUE(session->Reset(nlohmann::json::object(), 1, deadline).ok());
+  for (int turn = 1; turn <= 3; ++turn) {
+    auto obs = session->Step("anything", deadline);
+    ASSERT_TRUE(obs.ok());
+    EXPECT_DOUBLE_EQ(obs->reward.value(), 1.0 / 3.0);
+    EXPECT_EQ(obs->done, turn == 3);
+    if (turn < 3) {
+      ASSERT_EQ(obs->messages.size(), 1u);
+      EXPECT_EQ(obs->messages[0].role, "user");
+      EXPECT_EQ(obs->messages[0].content, "ok");
+    }
+  }
+  auto two = (*env)->Open().value();
+  ASSERT_TRUE(two->Reset({{"turns", 2}}, 1, deadline).ok());
+  EXPECT_DOUBLE_EQ(two->Step("a", deadline)->reward.value(), 0.5);
+  EXPECT_TRUE(two->Step("b", deadline)->done);
+  EXPECT_FALSE((*env)->Open().value()->Reset({{"turns", 0}}, 1, deadline).ok());
 }
 
 TEST(GuessNumber, TheSecretIsOnePlusSeedModuloHundredByDefault) {
