@@ -207,18 +207,6 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
   const common::ModelConfig& cfg = model->config();
   const int64_t vocab = cfg.vocab_size;
   const int64_t g = options_.num_generations;
-  const int64_t max_new = options_.max_completion_length;
-  std::unordered_set<int64_t> stop_ids(options_.stop_token_ids.begin(),
-                                       options_.stop_token_ids.end());
-  if (options_.eos_token_ids.empty()) {
-    stop_ids.insert(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end());
-    if (tokenizer_ != nullptr && tokenizer_->eos_token_id()) {
-      stop_ids.insert(*tokenizer_->eos_token_id());
-    }
-  } else {
-    stop_ids.insert(options_.eos_token_ids.begin(), options_.eos_token_ids.end());
-  }
-
   // Validate and truncate prompts; each failure stays with its prompt.
   result.groups.reserve(prompts.size());
   std::vector<size_t> valid;  // indices into prompts
@@ -261,10 +249,89 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
   }
   if (valid.empty()) return result;
 
+  std::vector<at::Generator> gens;
+  gens.reserve(valid.size() * g);
+  for (size_t p = 0; p < valid.size(); ++p) {
+    const int64_t seed_index =
+        prompt_indices.empty() ? static_cast<int64_t>(valid[p]) : prompt_indices[valid[p]];
+    for (int64_t k = 0; k < g; ++k) gens.push_back(MakeRowGenerator(options_.seed, seed_index, k));
+  }
+  const std::vector<int64_t> max_new(valid.size() * g, options_.max_completion_length);
+  ASSIGN_OR_RETURN(
+      std::vector<Completion> completions,
+      Decode(*model, ids, g, std::move(gens), max_new, use_cache, &result.num_completion_tokens));
+  for (size_t r = 0; r < completions.size(); ++r) {
+    result.groups[valid[r / g]]->completions.push_back(std::move(completions[r]));
+  }
+  return result;
+}
+
+StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& rows) const {
+  std::shared_ptr<const Model> model;
+  ContinueResult result;
+  {
+    common::MutexLock lock(&mu_);
+    model = policy_;
+    result.policy_version = version_;
+  }
+  const int64_t vocab = model->config().vocab_size;
+  std::vector<std::vector<int32_t>> contexts;
+  std::vector<at::Generator> gens;
+  std::vector<int64_t> max_new;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Continuation& row = rows[i];
+    const std::string where = "continuation " + std::to_string(i) + ": ";
+    if (row.context.empty()) return Status::InvalidArgument(where + "empty context");
+    auto bad = std::find_if(row.context.begin(), row.context.end(),
+                            [&](int32_t t) { return t < 0 || t >= vocab; });
+    if (bad != row.context.end()) {
+      return Status::InvalidArgument(where + "token id " + std::to_string(*bad) +
+                                     " is outside the vocabulary [0, " + std::to_string(vocab) +
+                                     ")");
+    }
+    if (row.max_new_tokens < 1 || row.max_new_tokens > options_.max_completion_length) {
+      return Status::InvalidArgument(where + "max_new_tokens " +
+                                     std::to_string(row.max_new_tokens) + " outside [1, " +
+                                     std::to_string(options_.max_completion_length) + "]");
+    }
+    contexts.push_back(row.context);
+    gens.push_back(MakeRowGenerator(options_.seed, row.seed_index,
+                                    ContinuationStream(row.generation, row.turn)));
+    max_new.push_back(row.max_new_tokens);
+  }
+  if (rows.empty()) return result;
+  ASSIGN_OR_RETURN(result.completions, Decode(*model, contexts, /*g=*/1, std::move(gens), max_new,
+                                              /*use_cache=*/true, &result.num_completion_tokens));
+  return result;
+}
+
+int64_t ContinuationStream(int64_t generation, int64_t turn) {
+  return turn == 0 ? generation : generation + (turn << 32);
+}
+
+StatusOr<std::vector<Completion>> Generator::Decode(const Model& model,
+                                                    const std::vector<std::vector<int32_t>>& ids,
+                                                    int64_t g, std::vector<at::Generator> gens,
+                                                    const std::vector<int64_t>& row_max_new,
+                                                    bool use_cache,
+                                                    int64_t* num_completion_tokens) const {
+  const common::ModelConfig& cfg = model.config();
+  const int64_t vocab = cfg.vocab_size;
+  std::unordered_set<int64_t> stop_ids(options_.stop_token_ids.begin(),
+                                       options_.stop_token_ids.end());
+  if (options_.eos_token_ids.empty()) {
+    stop_ids.insert(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end());
+    if (tokenizer_ != nullptr && tokenizer_->eos_token_id()) {
+      stop_ids.insert(*tokenizer_->eos_token_id());
+    }
+  } else {
+    stop_ids.insert(options_.eos_token_ids.begin(), options_.eos_token_ids.end());
+  }
+  const int64_t max_new = *std::max_element(row_max_new.begin(), row_max_new.end());
   try {
     at::NoGradGuard no_grad;
-    const at::Device device = model->LmHeadWeight().device();
-    const int64_t num_prompts = static_cast<int64_t>(valid.size());
+    const at::Device device = model.LmHeadWeight().device();
+    const int64_t num_prompts = static_cast<int64_t>(ids.size());
     int64_t max_len = 0;
     for (const auto& p : ids) max_len = std::max<int64_t>(max_len, p.size());
 
@@ -281,14 +348,8 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
     // Rows: prompt-major, generation-minor (row r = prompt r / g, generation r % g).
     const int64_t num_rows = num_prompts * g;
     std::vector<Row> rows(num_rows);
-    std::vector<at::Generator> active_gens(num_rows);  // one stream per current row
-    for (int64_t r = 0; r < num_rows; ++r) {
-      const int64_t p = r / g;
-      rows[r].prompt = p;
-      const int64_t seed_index =
-          prompt_indices.empty() ? static_cast<int64_t>(valid[p]) : prompt_indices[valid[p]];
-      active_gens[r] = MakeRowGenerator(options_.seed, seed_index, r % g);
-    }
+    std::vector<at::Generator> active_gens = std::move(gens);  // one stream per current row
+    for (int64_t r = 0; r < num_rows; ++r) rows[r].prompt = r / g;
     // Tokens of prompt + completion so far, for the repetition penalty: [A, V] bool.
     at::Tensor seen;
     if (options_.sampling.uses_penalty()) {
@@ -303,9 +364,9 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
 
     std::unique_ptr<Stepper> stepper;
     if (use_cache) {
-      stepper = std::make_unique<KvStepper>(*model);
+      stepper = std::make_unique<KvStepper>(model);
     } else {
-      stepper = std::make_unique<RecomputeStepper>(*model);
+      stepper = std::make_unique<RecomputeStepper>(model);
     }
     at::Tensor logits =
         stepper->Start(prompt_ids.to(device), prompt_mask.to(device), g, max_len + max_new);
@@ -357,7 +418,7 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
           const int64_t t = tok[a * w + j];
           c.token_ids.push_back(static_cast<int32_t>(t));
           c.logprobs.push_back(lp[a * w + j]);
-          ++result.num_completion_tokens;
+          ++*num_completion_tokens;
           done = stop_ids.count(t) > 0;
           if (!done && !options_.stop_strings.empty()) {
             ASSIGN_OR_RETURN(std::string text, DecodeKnown(*tokenizer_, c.token_ids));
@@ -368,7 +429,7 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
               done = true;
             }
           }
-          if (!done && static_cast<int64_t>(c.token_ids.size()) == max_new) {
+          if (!done && static_cast<int64_t>(c.token_ids.size()) == row_max_new[active[a]]) {
             c.truncated = true;
             done = true;
           }
@@ -394,15 +455,17 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
       logits = stepper->Step(next);
     }
 
-    // Texts, then hand the rows to their groups.
+    // Texts, then the rows in order.
+    std::vector<Completion> out;
+    out.reserve(num_rows);
     for (int64_t r = 0; r < num_rows; ++r) {
       Completion& c = rows[r].completion;
       if (tokenizer_ != nullptr && !rows[r].text_set) {
         ASSIGN_OR_RETURN(c.text, DecodeKnown(*tokenizer_, c.token_ids));
       }
-      result.groups[valid[rows[r].prompt]]->completions.push_back(std::move(c));
+      out.push_back(std::move(c));
     }
-    return result;
+    return out;
   } catch (const c10::Error& e) {
     return Status::Internal(std::string("Generate: ") + e.what_without_backtrace());
   } catch (const std::exception& e) {

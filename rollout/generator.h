@@ -61,6 +61,27 @@ struct GenerateResult {
   int64_t num_completion_tokens = 0;
 };
 
+// One row to continue (a multi-turn episode's next model turn): the episode's tokens so far and
+// its own sampler stream.
+struct Continuation {
+  std::vector<int32_t> context;  // prompt + earlier turns and observations; not truncated
+  int64_t seed_index = 0;        // as Generate's prompt_indices
+  int64_t generation = 0;        // the episode's index in its group
+  int64_t turn = 0;              // 0 = the first model turn (then the stream equals Generate's)
+  int64_t max_new_tokens = 0;    // in [1, max_completion_length]: what the episode has left
+};
+
+struct ContinueResult {
+  int64_t policy_version = 0;                   // the one snapshot every row was generated with
+  std::vector<common::Completion> completions;  // one per row, in order (truncated = hit its
+                                                // max_new_tokens)
+  int64_t num_completion_tokens = 0;
+};
+
+// The sampler stream index of turn `turn` of generation `generation` (MakeRowGenerator's
+// generation_index): `generation` for turn 0, so a first turn samples what Generate would.
+int64_t ContinuationStream(int64_t generation, int64_t turn);
+
 // A non-owning snapshot of `model` for Generator (no deleter): the caller keeps `model` alive,
 // and unchanged, for as long as a Generator may use it.
 std::shared_ptr<const common::Model> BorrowModel(const common::Model& model);
@@ -97,6 +118,13 @@ class Generator {
   StatusOr<GenerateResult> Generate(const std::vector<std::vector<int32_t>>& prompts,
                                     const std::vector<int64_t>& prompt_indices = {}) const;
 
+  // One completion per row, each from its own context (no prompt truncation: a context may be
+  // longer than max_prompt_length), stopping as Generate's rows do or at the row's
+  // max_new_tokens. The whole prefix is prefilled again (no KV cache is kept between calls).
+  // InvalidArgument naming the row (empty context, id outside the vocabulary, max_new_tokens
+  // out of range); Internal (libtorch).
+  StatusOr<ContinueResult> Continue(const std::vector<Continuation>& rows) const;
+
   // Benchmark baseline (`grpo bench decode`): the same algorithm and results without a KV
   // cache: each step runs the full forward over every row's whole sequence.
   StatusOr<GenerateResult> GenerateRecomputeBaseline(
@@ -114,6 +142,15 @@ class Generator {
   StatusOr<GenerateResult> Run(const std::vector<std::vector<int32_t>>& prompts,
                                const std::vector<int64_t>& prompt_indices, bool use_cache) const
       GRPO_EXCLUDES(mu_);
+
+  // The decode loop: g rows per context (prompt-major), row r sampling from gens[r] and stopping
+  // at row_max_new[r] tokens; adds the tokens generated to *num_completion_tokens.
+  StatusOr<std::vector<common::Completion>> Decode(const common::Model& model,
+                                                   const std::vector<std::vector<int32_t>>& ids,
+                                                   int64_t g, std::vector<at::Generator> gens,
+                                                   const std::vector<int64_t>& row_max_new,
+                                                   bool use_cache,
+                                                   int64_t* num_completion_tokens) const;
 
   const GeneratorOptions options_;
   const common::Tokenizer* const tokenizer_;  // borrowed, may be null

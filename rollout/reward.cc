@@ -235,6 +235,19 @@ class JsonValidReward final : public RewardFunction {
   }
 };
 
+// The environment's summed reward of a multi-turn episode; null without one (single-turn
+// groups, or an environment that gave none).
+class EnvReward final : public RewardFunction {
+ public:
+  std::string name() const override { return "env"; }
+  std::vector<std::optional<double>> Score(const std::vector<RewardInput>& inputs) const override {
+    std::vector<std::optional<double>> out;
+    out.reserve(inputs.size());
+    for (const auto& in : inputs) out.push_back(in.env_reward);
+    return out;
+  }
+};
+
 }  // namespace
 
 std::string_view RewardErrorKindName(RewardErrorKind kind) {
@@ -242,7 +255,7 @@ std::string_view RewardErrorKindName(RewardErrorKind kind) {
 }
 
 std::vector<std::string> BuiltinRewardFunctionNames() {
-  return {"accuracy", "format", "json_valid", "length", "soft_overlong_punishment"};
+  return {"accuracy", "env", "format", "json_valid", "length", "soft_overlong_punishment"};
 }
 
 StatusOr<std::unique_ptr<RewardFunction>> MakeRewardFunction(std::string_view name,
@@ -250,6 +263,10 @@ StatusOr<std::unique_ptr<RewardFunction>> MakeRewardFunction(std::string_view na
   if (name == "accuracy") {
     RETURN_IF_ERROR(CheckOptions(name, options, {}));
     return std::unique_ptr<RewardFunction>(new AccuracyReward());
+  }
+  if (name == "env") {
+    RETURN_IF_ERROR(CheckOptions(name, options, {}));
+    return std::unique_ptr<RewardFunction>(new EnvReward());
   }
   if (name == "json_valid") {
     RETURN_IF_ERROR(CheckOptions(name, options, {}));
@@ -413,7 +430,8 @@ StatusOr<std::unique_ptr<RewardRunner>> RewardRunner::FromConfig(
 }
 
 RewardCallReport RewardRunner::ScoreGroup(common::RolloutGroup& group,
-                                          const std::string& prompt_text, const json& row) const {
+                                          const std::string& prompt_text, const json& row,
+                                          const std::vector<EnvFeedback>& env) const {
   using Scores = std::vector<std::optional<double>>;
   // Call states: 0 running, 1 finished, 2 abandoned by the waiter.
   struct Call {
@@ -427,8 +445,22 @@ RewardCallReport RewardRunner::ScoreGroup(common::RolloutGroup& group,
   report.error_kinds.assign(k, std::nullopt);
   auto inputs = std::make_shared<std::vector<RewardInput>>();
   inputs->reserve(n);
-  for (const auto& c : group.completions) {
-    inputs->push_back({prompt_text, c.text, static_cast<int64_t>(c.token_ids.size()), row});
+  for (size_t i = 0; i < n; ++i) {
+    const common::Completion& c = group.completions[i];
+    const int64_t model_tokens =
+        c.env_mask.empty()
+            ? static_cast<int64_t>(c.token_ids.size())
+            : static_cast<int64_t>(std::count(c.env_mask.begin(), c.env_mask.end(), 1));
+    RewardInput in;
+    in.prompt = prompt_text;
+    in.completion = c.text;
+    in.completion_tokens = model_tokens;
+    in.row = row;
+    if (i < env.size()) {
+      in.env_reward = env[i].reward;
+      in.env_metadata = env[i].metadata;
+    }
+    inputs->push_back(std::move(in));
   }
   const auto fail = [&](size_t f, RewardErrorKind kind, const std::string& what) {
     const bool timeout = kind == RewardErrorKind::kTimeout;

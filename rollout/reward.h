@@ -31,6 +31,16 @@ struct RewardInput {
   std::string completion;         // completion text
   int64_t completion_tokens = 0;  // completion length in tokens
   nlohmann::json row;             // the dataset row's extra fields (object, or null)
+  // Multi-turn episodes (rollout/env/episode.h): the sum of the environment's step rewards
+  // (nullopt when it gave none) and its last observation's metadata (null when none).
+  std::optional<double> env_reward;
+  nlohmann::json env_metadata;
+};
+
+// What an episode's environment said, per completion, for RewardRunner::ScoreGroup.
+struct EnvFeedback {
+  std::optional<double> reward;  // summed step rewards; nullopt = none given
+  nlohmann::json metadata;       // the last observation's; null = none
 };
 
 // How one reward function's call on one group failed. The names are the values of the `kind`
@@ -79,6 +89,8 @@ class RewardFunction {
 //              -|target_length - length| (TRL's reward_len example; "chars" counts Unicode code
 //              points like Python's len(str), "tokens" uses RewardInput::completion_tokens).
 //   json_valid {}: 1.0 if the whole completion parses as JSON (nlohmann), else 0.0.
+//   env        {}: the environment's summed reward of a multi-turn episode
+//              (RewardInput::env_reward); null for single-turn groups.
 //   soft_overlong_punishment {"max_completion_len", "soft_punish_cache"}: DAPO's soft overlong
 //              punishment, TRL's get_soft_overlong_punishment (rollout/soft_overlong_reward.h).
 // Unknown name: InvalidArgument listing the known names.
@@ -131,8 +143,11 @@ class RewardRunner {
   // order). A function that throws, returns the wrong number of scores or misses the deadline
   // gives nullopt for the whole group and is counted, by its RewardErrorKind, in the report and
   // the totals. Never throws.
+  // `env`: per completion, the feedback of its episode's environment (empty: none).
+  // RewardInput::completion_tokens counts the model's tokens only (Completion::env_mask).
   RewardCallReport ScoreGroup(common::RolloutGroup& group, const std::string& prompt_text,
-                              const nlohmann::json& row) const;
+                              const nlohmann::json& row,
+                              const std::vector<EnvFeedback>& env = {}) const;
 
   // sum_k w_k * rewards[k], nulls as 0 (docs/GRPO_SPEC.md).
   double WeightedReward(const common::Completion& completion) const;

@@ -246,7 +246,8 @@ TEST(MakeRewardFunction, UnknownNameListsKnownOnes) {
   ASSERT_FALSE(fn.ok());
   EXPECT_EQ(fn.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(fn.status().message().find("\"bleu\""), std::string::npos);
-  EXPECT_NE(fn.status().message().find("accuracy, format, json_valid, length"), std::string::npos)
+  EXPECT_NE(fn.status().message().find("accuracy, env, format, json_valid, length"),
+            std::string::npos)
       << fn.status().message();
   EXPECT_FALSE(MakeRewardFunction("accuracy", {{"x", 1}}).ok());
 }
@@ -328,6 +329,22 @@ TEST(RewardRunner, PassesPromptRowAndTokenCount) {
   (void)runner->ScoreGroup(g, "what is 4+5?", {{"answer", "9"}});
   EXPECT_EQ(g.completions[0].rewards, (Scores{1.0}));
   EXPECT_EQ(g.completions[1].rewards, (Scores{0.0}));
+}
+
+// A multi-turn episode: 3 model tokens, 4 environment tokens, 2 model tokens; its environment
+// gave 1.5 in all. The length reward counts the 5 model tokens; `env` is the environment's sum.
+TEST(RewardRunner, EpisodesCountModelTokensAndPassTheEnvironmentsReward) {
+  auto runner = MakeRunner({Make("length", {{"target_length", 0}}), Make("env")});
+  common::RolloutGroup g = Group({{"ab", 9}, {"cd", 2}});
+  g.completions[0].env_mask = {1, 1, 1, 0, 0, 0, 0, 1, 1};
+  (void)runner->ScoreGroup(g, "p", json::object(),
+                           {EnvFeedback{1.5, json{{"k", 1}}}, EnvFeedback{std::nullopt, nullptr}});
+  EXPECT_EQ(g.completions[0].rewards, (Scores{-5.0, 1.5}));
+  EXPECT_EQ(g.completions[1].rewards, (Scores{-2.0, std::nullopt}));
+  // Single-turn groups: no feedback, no env reward.
+  common::RolloutGroup single = Group({{"x", 3}});
+  (void)runner->ScoreGroup(single, "p", json::object());
+  EXPECT_EQ(single.completions[0].rewards, (Scores{-3.0, std::nullopt}));
 }
 
 TEST(RewardRunner, NullRewardCountsAsZero) {

@@ -1,0 +1,75 @@
+// Multi-turn episodes: the model's turns alternate with an environment's observations, token in,
+// token out (docs/ARCHITECTURE.md "Multi-turn episodes"). A group is num_generations episodes of
+// one prompt; each completion holds the episode's tokens after the prompt, model turns (env_mask
+// 1, behaviour log-probs) and the observations' rendered turns (env_mask 0, log-prob 0), which
+// are appended as ids and never re-tokenised with the history.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/tokenizer/chat_template.h"
+#include "common/tokenizer/tokenizer.h"
+#include "rollout/env/environment.h"
+#include "rollout/generator.h"
+#include "rollout/produce.h"
+#include "rollout/reward.h"
+
+namespace grpo::rollout {
+
+// The token ids to append after a model turn for an observation's messages: the rest of the
+// closed turn (when `turn_closed`, the turn ended with the end-of-turn token), the tool/user
+// turn, then the assistant header the next turn starts after. InvalidArgument for messages the
+// template cannot render.
+using ObservationRenderer = std::function<StatusOr<std::vector<int32_t>>(
+    const std::vector<common::ChatMessage>& messages, bool turn_closed)>;
+
+struct EpisodeOptions {
+  int64_t max_turns = 4;  // model turns per episode (>= 1); the last one is stepped, then it ends
+  // Environment sessions of one Produce call at once (>= 1): a group's episodes step
+  // concurrently up to this bound.
+  int64_t max_concurrent_sessions = 16;
+  std::chrono::milliseconds step_timeout = kDefaultEnvStepTimeout;  // per Reset and per Step
+  int32_t end_of_turn_id = -1;  // the token that closes a model turn (<|im_end|>)
+  ObservationRenderer render;   // not null
+  uint64_t seed = 42;           // with (seed index, generation) seeds each episode's Reset
+
+  // InvalidArgument naming the field.
+  Status Validate() const;
+};
+
+// How the episodes of one call ended, for metrics and logs.
+struct EpisodeCounts {
+  int64_t episodes = 0;
+  int64_t turns = 0;                      // model turns generated
+  int64_t done = 0;                       // the environment said done
+  int64_t env_truncated = 0;              // the environment said truncated
+  int64_t max_turns = 0;                  // ended by max_turns
+  int64_t length_truncated = 0;           // a turn or an observation hit max_completion_length
+  int64_t observation_tokens = 0;         // environment tokens appended
+  std::map<std::string, int64_t> errors;  // by EnvErrorKind
+};
+
+// The seed of episode `generation` of the prompt with seed index `seed_index`.
+uint64_t EpisodeSeed(uint64_t seed, int64_t seed_index, int64_t generation);
+
+// Runs num_generations episodes of every input: Reset(row, EpisodeSeed(...)), then turns until
+// each ends (done or truncated by the environment, max_turns, max_completion_length over the
+// whole episode, model and environment tokens together: a turn cut by it, or an observation that
+// would overflow it (not appended), ends the episode as truncated). Then the group is scored by
+// `rewards` (null: not scored) with each episode's summed environment reward and last metadata
+// in RewardInput. An episode whose environment fails (EnvErrorKind) fails its group with that
+// error, so its prompt is leased again, not trained on cut short. Whole-call errors: the
+// Generator's (InvalidArgument, Internal). The group's policy_version is the oldest snapshot any
+// of its turns used. Thread-safe as Produce.
+StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const RewardRunner* rewards,
+                                        Environment& environment, const EpisodeOptions& options,
+                                        const std::vector<ProduceInput>& inputs,
+                                        EpisodeCounts* counts = nullptr);
+
+}  // namespace grpo::rollout

@@ -1,0 +1,340 @@
+// Multi-turn episodes (rollout/env/episode.h) on the tiny model with the byte tokenizer (ids 0-255
+// are the bytes, 257 <|im_start|>, 258 <|im_end|>). The observation renderer here is written out
+// by hand (ChatML), and every expected token run is built from it and from Generate, an
+// independent path (one prefill expanded to the group's rows), not from the episode loop.
+#include "rollout/env/episode.h"
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/model/model.h"
+#include "common/model/model_config.h"
+#include "common/tokenizer/byte_tokenizer.h"
+
+namespace grpo::rollout {
+namespace {
+
+using common::ChatMessage;
+using nlohmann::json;
+
+constexpr int32_t kImStart = 257, kImEnd = 258;
+
+std::vector<int32_t> Bytes(const std::string& s) {
+  std::vector<int32_t> out;
+  for (unsigned char c : s) out.push_back(c);
+  return out;
+}
+
+// ChatML: "\n" after a closed turn (else <|im_end|>\n), each message, the assistant header.
+std::vector<int32_t> HandRendered(const std::vector<ChatMessage>& messages, bool closed) {
+  std::vector<int32_t> ids;
+  if (!closed) ids.push_back(kImEnd);
+  ids.push_back('\n');
+  for (const ChatMessage& m : messages) {
+    ids.push_back(kImStart);
+    for (int32_t b : Bytes(m.role + "\n" + m.content)) ids.push_back(b);
+    ids.push_back(kImEnd);
+    ids.push_back('\n');
+  }
+  ids.push_back(kImStart);
+  for (int32_t b : Bytes("assistant\n")) ids.push_back(b);
+  return ids;
+}
+
+std::shared_ptr<const common::Model> TinyModel() {
+  auto config = common::ModelConfigPreset("tiny");
+  EXPECT_TRUE(config.ok());
+  auto model = common::Model::InitRandom(*config, 5);
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  return std::shared_ptr<const common::Model>(std::move(model).value());
+}
+
+struct Fixture {
+  common::ByteTokenizer tokenizer;
+  std::unique_ptr<Generator> generator;
+  Prompt prompt;
+
+  // Turns end on <|im_end|> or on any byte below 96 (about a third of the draws of a random
+  // policy), so episodes have several short turns.
+  explicit Fixture(int64_t max_completion_length = 120, int64_t g = 3) {
+    GeneratorOptions o;
+    o.num_generations = g;
+    o.max_prompt_length = 64;
+    o.max_completion_length = max_completion_length;
+    o.seed = 11;
+    o.eos_token_ids = {kImEnd};
+    for (int32_t b = 0; b < 96; ++b) o.eos_token_ids.push_back(b);
+    generator = Generator::Create(TinyModel(), 3, o, &tokenizer).value();
+    prompt.text = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
+    prompt.ids = tokenizer.Encode(prompt.text).value();
+    prompt.row = json{{"answer", 4}};
+  }
+
+  EpisodeOptions Options(int64_t max_turns) const {
+    EpisodeOptions e;
+    e.max_turns = max_turns;
+    e.max_concurrent_sessions = 2;
+    e.end_of_turn_id = kImEnd;
+    e.render = [](const std::vector<ChatMessage>& m,
+                  bool closed) -> StatusOr<std::vector<int32_t>> {
+      return HandRendered(m, closed);
+    };
+    return e;
+  }
+};
+
+// A model turn ends at a stop token (kept) or the budget; runs of env_mask split the turns.
+struct TokenRun {
+  bool model = true;
+  std::vector<int32_t> ids;
+  std::vector<float> logprobs;
+};
+std::vector<TokenRun> Runs(const common::Completion& c) {
+  std::vector<TokenRun> runs;
+  EXPECT_EQ(c.env_mask.size(), c.token_ids.size());
+  EXPECT_EQ(c.logprobs.size(), c.token_ids.size());
+  for (size_t t = 0; t < c.token_ids.size(); ++t) {
+    const bool model = c.env_mask[t] == 1;
+    if (runs.empty() || runs.back().model != model) runs.push_back({model, {}, {}});
+    runs.back().ids.push_back(c.token_ids[t]);
+    runs.back().logprobs.push_back(c.logprobs[t]);
+  }
+  return runs;
+}
+
+FunctionEnvironment EchoEnvironment(std::vector<std::string>* actions, std::mutex* mu) {
+  return FunctionEnvironment(
+      "echo",
+      [](const json&, uint64_t, json& state) -> StatusOr<EnvObservation> {
+        state = 0;
+        return EnvObservation{};
+      },
+      [actions, mu](const std::string& action, json& state) -> StatusOr<EnvObservation> {
+        state = state.get<int>() + 1;
+        {
+          std::lock_guard<std::mutex> lock(*mu);
+          actions->push_back(action);
+        }
+        EnvObservation obs;
+        obs.messages = {{"tool", "turn " + std::to_string(state.get<int>())}};
+        obs.reward = 0.5;
+        return obs;
+      });
+}
+
+TEST(Episodes, TurnsAlternateWithTheObservationsRenderedIdsAndTheFirstTurnIsGenerates) {
+  Fixture f;
+  std::vector<std::string> actions;
+  std::mutex mu;
+  FunctionEnvironment env = EchoEnvironment(&actions, &mu);
+  EpisodeCounts counts;
+  auto result =
+      ProduceEpisodes(*f.generator, nullptr, env, f.Options(3), {{&f.prompt, 7}}, &counts);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  ASSERT_EQ(result->groups.size(), 1u);
+  ASSERT_TRUE(result->groups[0].group.ok()) << result->groups[0].group.status().ToString();
+  const common::RolloutGroup& group = *result->groups[0].group;
+  EXPECT_EQ(group.prompt_ids, f.prompt.ids);
+  EXPECT_EQ(group.policy_version, 3);
+  ASSERT_EQ(group.completions.size(), 3u);
+
+  // Generate's completions of the same prompt and seed index: the episodes' first turns.
+  auto single = f.generator->Generate({f.prompt.ids}, {7});
+  ASSERT_TRUE(single.ok());
+  const auto& first_turns = single->groups[0]->completions;
+
+  int64_t env_tokens = 0, model_turns = 0, cut_turns = 0;
+  for (size_t k = 0; k < 3; ++k) {
+    const common::Completion& c = group.completions[k];
+    const std::vector<TokenRun> runs = Runs(c);
+    ASSERT_FALSE(runs.empty());
+    EXPECT_TRUE(runs[0].model);
+    EXPECT_EQ(runs[0].ids, first_turns[k].token_ids) << "episode " << k;
+    int turn = 0;
+    for (size_t r = 0; r < runs.size(); ++r) {
+      if (runs[r].model) {
+        ++turn;
+        ++model_turns;
+        continue;
+      }
+      // After model turn `turn`: the tool message "turn <turn>", closed or not by the model.
+      const bool closed = runs[r - 1].ids.back() == kImEnd;
+      EXPECT_EQ(runs[r].ids, HandRendered({{"tool", "turn " + std::to_string(turn)}}, closed))
+          << "episode " << k << " observation " << turn;
+      EXPECT_EQ(runs[r].logprobs, std::vector<float>(runs[r].ids.size(), 0.0f));
+      env_tokens += static_cast<int64_t>(runs[r].ids.size());
+    }
+    // Three turns unless the 120-token budget ran out; an observation is never the last run.
+    EXPECT_TRUE(runs.back().model);
+    EXPECT_TRUE(turn == 3 || c.truncated) << "episode " << k << ": " << turn << " turns";
+    EXPECT_LE(c.token_ids.size(), 120u);
+    // A turn cut by the budget ends without a stop token and is never stepped.
+    const int32_t last = runs.back().ids.back();
+    if (last != kImEnd && last >= 96) ++cut_turns;
+  }
+  EXPECT_EQ(counts.episodes, 3);
+  EXPECT_EQ(counts.turns, model_turns);
+  EXPECT_EQ(counts.observation_tokens, env_tokens);
+  EXPECT_EQ(counts.max_turns + counts.length_truncated, 3);
+  EXPECT_GT(counts.max_turns, 0) << "no episode reached its third turn: the test shows little";
+  // The environment saw each stepped turn's text: its bytes without the special tokens.
+  EXPECT_EQ(static_cast<int64_t>(actions.size()), model_turns - cut_turns);
+}
+
+TEST(Episodes, EachTurnContinuesFromTheWholeEpisodeSoFar) {
+  Fixture f;
+  std::vector<std::string> actions;
+  std::mutex mu;
+  FunctionEnvironment env = EchoEnvironment(&actions, &mu);
+  auto result = ProduceEpisodes(*f.generator, nullptr, env, f.Options(3), {{&f.prompt, 7}});
+  ASSERT_TRUE(result.ok());
+  const common::RolloutGroup& group = *result->groups[0].group;
+  for (size_t k = 0; k < group.completions.size(); ++k) {
+    const std::vector<TokenRun> runs = Runs(group.completions[k]);
+    std::vector<int32_t> context = f.prompt.ids;
+    int64_t turn = 0;
+    for (const TokenRun& run : runs) {
+      if (run.model) {
+        // Generated alone from that context with that turn's stream, it is the same turn.
+        Continuation c{context, 7, static_cast<int64_t>(k), turn,
+                       120 - static_cast<int64_t>(context.size() - f.prompt.ids.size())};
+        auto alone = f.generator->Continue({c});
+        ASSERT_TRUE(alone.ok());
+        EXPECT_EQ(alone->completions[0].token_ids, run.ids) << "episode " << k << " turn " << turn;
+        ++turn;
+      }
+      context.insert(context.end(), run.ids.begin(), run.ids.end());
+    }
+  }
+}
+
+TEST(Episodes, DoneEndsTheEpisodeAndTheEnvRewardIsTheSumOfItsSteps) {
+  Fixture f;
+  FunctionEnvironment env(
+      "two_steps",
+      [](const json&, uint64_t, json& state) -> StatusOr<EnvObservation> {
+        state = 0;
+        EnvObservation obs;
+        obs.reward = 0.25;
+        return obs;
+      },
+      [](const std::string&, json& state) -> StatusOr<EnvObservation> {
+        state = state.get<int>() + 1;
+        EnvObservation obs;
+        obs.reward = state.get<int>() == 1 ? 1.0 : 2.0;
+        obs.done = state.get<int>() == 2;
+        obs.metadata = json{{"steps", state}};
+        if (!obs.done) obs.messages = {{"user", "again"}};
+        return obs;
+      });
+  auto runner =
+      RewardRunner::Create(
+          {std::shared_ptr<const RewardFunction>(MakeRewardFunction("env").value().release())})
+          .value();
+  EpisodeCounts counts;
+  auto result =
+      ProduceEpisodes(*f.generator, runner.get(), env, f.Options(5), {{&f.prompt, 1}}, &counts);
+  ASSERT_TRUE(result.ok());
+  const common::RolloutGroup& group = *result->groups[0].group;
+  for (const common::Completion& c : group.completions) {
+    const std::vector<TokenRun> runs = Runs(c);
+    if (c.truncated) continue;   // the budget ran out before the environment said done
+    ASSERT_EQ(runs.size(), 3u);  // turn, "again", turn
+    ASSERT_EQ(c.rewards.size(), 1u);
+    ASSERT_TRUE(c.rewards[0].has_value());
+    EXPECT_DOUBLE_EQ(*c.rewards[0], 0.25 + 1.0 + 2.0);
+  }
+  EXPECT_EQ(counts.done + counts.length_truncated, 3);
+  EXPECT_GT(counts.done, 0);
+}
+
+TEST(Episodes, AnObservationThatWouldOverflowTheBudgetEndsTheEpisodeTruncatedUnappended) {
+  Fixture f(/*max_completion_length=*/40);
+  FunctionEnvironment env(
+      "verbose",
+      [](const json&, uint64_t, json&) -> StatusOr<EnvObservation> { return EnvObservation{}; },
+      [](const std::string&, json&) -> StatusOr<EnvObservation> {
+        EnvObservation obs;
+        obs.messages = {{"tool", std::string(50, 'x')}};
+        return obs;
+      });
+  EpisodeCounts counts;
+  auto result =
+      ProduceEpisodes(*f.generator, nullptr, env, f.Options(4), {{&f.prompt, 2}}, &counts);
+  ASSERT_TRUE(result.ok());
+  for (const common::Completion& c : result->groups[0].group->completions) {
+    EXPECT_TRUE(c.truncated);
+    EXPECT_EQ(Runs(c).size(), 1u);  // the first turn only
+    EXPECT_EQ(c.env_mask, std::vector<uint8_t>(c.token_ids.size(), 1));
+  }
+  EXPECT_EQ(counts.length_truncated, 3);
+  EXPECT_EQ(counts.observation_tokens, 0);
+}
+
+TEST(Episodes, AFailingEnvironmentFailsItsGroupWithTheErrorKindCounted) {
+  Fixture f;
+  FunctionEnvironment env(
+      "flaky",
+      [](const json& row, uint64_t, json&) -> StatusOr<EnvObservation> {
+        if (row.value("fail", false)) return Status::Unavailable("connection reset");
+        return EnvObservation{};
+      },
+      [](const std::string&, json&) -> StatusOr<EnvObservation> {
+        EnvObservation obs;
+        obs.done = true;
+        return obs;
+      });
+  Prompt bad = f.prompt;
+  bad.row = json{{"fail", true}};
+  EpisodeCounts counts;
+  auto result = ProduceEpisodes(*f.generator, nullptr, env, f.Options(2),
+                                {{&f.prompt, 1}, {&bad, 2}}, &counts);
+  ASSERT_TRUE(result.ok());
+  EXPECT_TRUE(result->groups[0].group.ok());
+  ASSERT_FALSE(result->groups[1].group.ok());
+  EXPECT_EQ(result->groups[1].group.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(result->groups[1].group.status().message().find("connection reset"), std::string::npos);
+  EXPECT_EQ(counts.errors["unavailable"], 3);
+  EXPECT_EQ(counts.done, 3);
+}
+
+TEST(Episodes, AResetThatShowsMessagesIsRefusedSayingWhereThePromptGoes) {
+  Fixture f;
+  FunctionEnvironment env(
+      "chatty",
+      [](const json&, uint64_t, json&) -> StatusOr<EnvObservation> {
+        EnvObservation obs;
+        obs.messages = {{"user", "hello"}};
+        return obs;
+      },
+      [](const std::string&, json&) -> StatusOr<EnvObservation> { return EnvObservation{}; });
+  auto result = ProduceEpisodes(*f.generator, nullptr, env, f.Options(2), {{&f.prompt, 1}});
+  ASSERT_TRUE(result.ok());
+  ASSERT_FALSE(result->groups[0].group.ok());
+  EXPECT_EQ(result->groups[0].group.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(result->groups[0].group.status().message().find("put the task there"),
+            std::string::npos);
+}
+
+TEST(Episodes, EpisodeSeedsDependOnRowAndGenerationOnly) {
+  EXPECT_EQ(EpisodeSeed(1, 2, 3), EpisodeSeed(1, 2, 3));
+  EXPECT_NE(EpisodeSeed(1, 2, 3), EpisodeSeed(1, 2, 4));
+  EXPECT_NE(EpisodeSeed(1, 2, 3), EpisodeSeed(1, 3, 3));
+  EXPECT_NE(EpisodeSeed(1, 2, 3), EpisodeSeed(2, 2, 3));
+}
+
+TEST(Episodes, OptionsAreChecked) {
+  Fixture f;
+  FunctionEnvironment env = EchoEnvironment(nullptr, nullptr);
+  EpisodeOptions o = f.Options(0);
+  auto result = ProduceEpisodes(*f.generator, nullptr, env, o, {{&f.prompt, 1}});
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.status().message().find("max_turns"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace grpo::rollout
