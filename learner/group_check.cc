@@ -56,6 +56,24 @@ Status CheckGroup(const common::RolloutGroup& g, const GroupLimits& limits, Grou
                     which + std::to_string(c.token_ids.size()) + " token ids but " +
                         std::to_string(c.logprobs.size()) + " log-probs");
     }
+    if (!c.env_mask.empty()) {
+      if (c.env_mask.size() != c.token_ids.size()) {
+        return reject(GroupRefusal::kEnvMask,
+                      which + std::to_string(c.token_ids.size()) + " token ids but " +
+                          std::to_string(c.env_mask.size()) + " env_mask entries");
+      }
+      for (size_t t = 0; t < c.env_mask.size(); ++t) {
+        if (c.env_mask[t] > 1) {
+          return reject(GroupRefusal::kEnvMask, which + "env_mask entry " + std::to_string(t) +
+                                                    " is " + std::to_string(c.env_mask[t]) +
+                                                    ", not 0 or 1");
+        }
+      }
+      if (c.env_mask[0] != 1) {
+        return reject(GroupRefusal::kEnvMask,
+                      which + "env_mask starts with an environment token (0), not the policy's");
+      }
+    }
     const size_t want = limits.reward_funcs == 0 ? k0 : limits.reward_funcs;
     if (c.rewards.size() != want || want == 0) {
       return reject(GroupRefusal::kRewardCount, which + std::to_string(c.rewards.size()) +
@@ -82,6 +100,11 @@ Status CheckGroup(const common::RolloutGroup& g, const GroupLimits& limits, Grou
     }
   }
   return Status::OK();
+}
+
+int64_t ModelTokenCount(const common::Completion& c) {
+  if (c.env_mask.empty()) return static_cast<int64_t>(c.token_ids.size());
+  return std::count(c.env_mask.begin(), c.env_mask.end(), uint8_t{1});
 }
 
 }  // namespace grpo::learner

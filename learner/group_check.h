@@ -1,5 +1,6 @@
 // The checks a pushed rollout group must pass before it is trained on: its shape against the
-// run's settings, its token ids against the vocabulary, its rewards and behaviour log-probs, and
+// run's settings, its token ids against the vocabulary, its rewards and behaviour log-probs, a
+// multi-turn completion's env_mask (empty, or one 0/1 per token, the first a policy token) and
 // its staleness. Pure (no libtorch): GrpoTrainer::ValidateGroup fills the limits from its config
 // and policy, and the wire fuzz target (tests/fuzz/wire_message_fuzz.cc) calls it on whatever
 // a client sends.
@@ -31,5 +32,9 @@ struct GroupLimits {
 // and why, and `*reason` (when given) the refusal's code (one of kGroupSize .. kStale).
 Status CheckGroup(const common::RolloutGroup& group, const GroupLimits& limits,
                   common::GroupRefusal* reason = nullptr);
+
+// The tokens of `c` sampled from the policy, the ones trained on and counted as its length: the
+// 1s of env_mask, or every token when env_mask is empty (single-turn; no scan).
+int64_t ModelTokenCount(const common::Completion& c);
 
 }  // namespace grpo::learner

@@ -128,7 +128,7 @@ struct GrpoTrainer::OpenStep {
   std::chrono::steady_clock::time_point start;
   StepMetrics sm;  // iteration, sequences, completion_tokens, reward metrics so far
   GrpoLossMetrics lm;
-  double step_completion_tokens = 0;  // dapo's normaliser (unmasked completion tokens)
+  double step_completion_tokens = 0;  // dapo's normaliser (the loss mask's tokens)
   // The entropy bonus of this step: its coefficient (the controller's, fixed for the step, as
   // TRL) and LossNormaliser::entropy_bonus_scale (kStepTokens: the step's tokens, known when
   // the step starts because such a step never spans generation batches with the bonus on).
@@ -145,11 +145,18 @@ namespace {
 
 // Inputs of sequences [begin, end): prompts left-padded to P, completions right-padded to C.
 struct MicroBatch {
-  at::Tensor ids;              // [b, P + C] int64
-  at::Tensor attention_mask;   // [b, P + C] int64
-  at::Tensor labels;           // [b, C] int64 (0 at padding)
-  at::Tensor completion_mask;  // [b, C] float32
-  at::Tensor beh;              // [b, C] float32 or undefined
+  at::Tensor ids;             // [b, P + C] int64
+  at::Tensor attention_mask;  // [b, P + C] int64
+  at::Tensor labels;          // [b, C] int64 (0 at padding)
+  // [b, C] float32: the real completion tokens (0 at padding, and on truncated rows under
+  // mask_truncated_completions): TRL's completion_mask.
+  at::Tensor completion_mask;
+  // [b, C] float32 (1 at padding) when a row has an env_mask (TRL's tool_mask); else undefined.
+  at::Tensor env_mask;
+  // [b, C] float32: the tokens trained on, completion_mask * env_mask (completion_mask itself
+  // when env_mask is undefined). GrpoLossInputs::mask.
+  at::Tensor loss_mask;
+  at::Tensor beh;  // [b, C] float32 or undefined
   int64_t prompt_len = 0, completion_len = 0;
 };
 
@@ -167,6 +174,10 @@ static MicroBatch MakeMicroBatch(const std::vector<const std::vector<int32_t>*>&
   const int64_t P = mb.prompt_len, C = mb.completion_len, T = P + C;
   std::vector<int64_t> ids(b * T, 0), attn(b * T, 0), labels(b * C, 0);
   std::vector<float> cmask(b * C, 0.f), beh(with_beh ? b * C : 0, 0.f);
+  const bool with_env =
+      std::any_of(completions.begin() + begin, completions.begin() + end,
+                  [](const common::Completion* c) { return !c->env_mask.empty(); });
+  std::vector<float> env(with_env ? b * C : 0, 1.f);
   for (int64_t r = 0; r < b; ++r) {
     const auto& p = *prompts[begin + r];
     const auto& c = *completions[begin + r];
@@ -183,6 +194,7 @@ static MicroBatch MakeMicroBatch(const std::vector<const std::vector<int32_t>*>&
       cmask[r * C + t] = masked_out ? 0.f : 1.f;
       if (with_beh) beh[r * C + t] = c.logprobs[t];
     }
+    for (size_t t = 0; t < c.env_mask.size(); ++t) env[r * C + t] = c.env_mask[t];
   }
   auto i64 = at::TensorOptions().dtype(at::kLong);
   auto f32 = at::TensorOptions().dtype(at::kFloat);
@@ -191,6 +203,8 @@ static MicroBatch MakeMicroBatch(const std::vector<const std::vector<int32_t>*>&
   mb.labels = at::from_blob(labels.data(), {b, C}, i64).clone();
   mb.completion_mask = at::from_blob(cmask.data(), {b, C}, f32).clone();
   if (with_beh) mb.beh = at::from_blob(beh.data(), {b, C}, f32).clone();
+  if (with_env) mb.env_mask = at::from_blob(env.data(), {b, C}, f32).clone();
+  mb.loss_mask = with_env ? mb.completion_mask * mb.env_mask : mb.completion_mask;
   return mb;
 }
 
@@ -201,6 +215,8 @@ static MicroBatch OnDevice(MicroBatch mb, const at::Device& device) {
   mb.attention_mask = mb.attention_mask.to(device);
   mb.labels = mb.labels.to(device);
   mb.completion_mask = mb.completion_mask.to(device);
+  if (mb.env_mask.defined()) mb.env_mask = mb.env_mask.to(device);
+  mb.loss_mask = mb.env_mask.defined() ? mb.loss_mask.to(device) : mb.completion_mask;
   if (mb.beh.defined()) mb.beh = mb.beh.to(device);
   return mb;
 }
@@ -242,7 +258,7 @@ static StatusOr<GrpoLossOutput> FusedMicroBatchBackward(
   // The entropy bonus is linear in each token's entropy: its dL/dH joins the chunk's gradient.
   const at::Tensor entropy_grad =
       loss_config.entropy_coef != 0.0
-          ? loss::EntropyBonusTokenGrad(mb.completion_mask, loss_config.entropy_coef, norm)
+          ? loss::EntropyBonusTokenGrad(mb.loss_mask, loss_config.entropy_coef, norm)
           : at::Tensor();
   at::Tensor anchor = FusedTokenLogprobsLoss(h, model.LmHeadWeight(), mb.labels, token_grad, logp,
                                              config.logprob_chunk_tokens,
@@ -555,10 +571,11 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
   LossNormaliser norm;
   norm.gradient_accumulation_steps = ga;
   norm.step_completion_tokens = 1.0;
-  // The completion tokens of each micro-batch that a token-sum loss divides by (truncated ones
-  // left out under mask_truncated_completions): the open step adds them up as it goes; with the
-  // entropy bonus the step's total is needed when it starts, which requires that no step spans
-  // into the next generation batch (one still open when the stream ends is taken short, below).
+  // The completion tokens of each micro-batch that a token-sum loss divides by, TRL's
+  // num_items_in_batch: the policy's tokens only (env_mask), truncated completions left out under
+  // mask_truncated_completions. The open step adds them up as it goes; with the entropy bonus
+  // the step's total is needed when it starts, which requires that no step spans into the next
+  // generation batch (one still open when the stream ends is taken short, below).
   const bool bonus_needs_tokens =
       entropy_control_.config().enabled() &&
       loss::ObjectiveOf(loss_config_.loss_type).aggregation == loss::Aggregation::kStepTokens;
@@ -567,7 +584,7 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
     for (int64_t r = m * bs; r < std::min(N, (m + 1) * bs); ++r) {
       const auto* c = batch.completions[r];
       if (!(config_.mask_truncated_completions && c->truncated)) {
-        micro_tokens[m] += static_cast<double>(c->token_ids.size());
+        micro_tokens[m] += static_cast<double>(ModelTokenCount(*c));
       }
     }
   }
@@ -597,9 +614,10 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       const int64_t b0 = m * bs, b1 = std::min(N, b0 + bs);
       for (int64_t r = b0; r < b1; ++r) {
         const auto* c = batch.completions[r];
-        const int64_t len = static_cast<int64_t>(c->token_ids.size());
-        os.sm.completion_tokens += len;
-        os.all_tokens += len + static_cast<int64_t>(batch.prompts[r]->size());
+        // completion_tokens (and completions/mean_length) count the policy's tokens, as TRL;
+        // tokens_per_second counts every token the forward pass ran over.
+        os.sm.completion_tokens += ModelTokenCount(*c);
+        os.all_tokens += static_cast<int64_t>(c->token_ids.size() + batch.prompts[r]->size());
         os.clipped += c->truncated ? 1.0 : 0.0;
         os.staleness_sum += static_cast<double>(batch.staleness[r]);
       }
@@ -627,7 +645,7 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       at::Tensor entropy, logp;
       const int64_t C = mb.labels.size(1);
       GrpoLossInputs in;
-      in.mask = mb.completion_mask;
+      in.mask = mb.loss_mask;
       in.advantages = batch.advantages.narrow(0, b0, b1 - b0).to(device);
       if (batch.old.defined()) {
         in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
@@ -653,13 +671,12 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       RETURN_IF_ERROR(optimizer_->AfterBackward(at_micro));
       os.lm.Merge(out.metrics);
       // One host read per micro-batch: TRL's entropy (the mean over micro-batches of each
-      // one's token mean) and the |behaviour - old| sums over the real completion tokens.
-      std::vector<at::Tensor> stats = {mb.completion_mask.sum(),
-                                       (entropy * mb.completion_mask).sum()};
+      // one's token mean) and the |behaviour - old| sums over the real policy tokens.
+      std::vector<at::Tensor> stats = {mb.loss_mask.sum(), (entropy * mb.loss_mask).sum()};
       if (batch.has_beh) {
         at::NoGradGuard no_grad;
-        const at::Tensor real =
-            mb.attention_mask.narrow(1, mb.prompt_len, C).to(at::kFloat);  // [b, C]
+        at::Tensor real = mb.attention_mask.narrow(1, mb.prompt_len, C).to(at::kFloat);  // [b, C]
+        if (mb.env_mask.defined()) real = real * mb.env_mask;
         const at::Tensor old = in.old.defined() ? in.old : logp.detach();
         const at::Tensor diff = (mb.beh - old.to(at::kFloat)).abs() * real;
         stats.push_back(diff.sum());
@@ -920,6 +937,7 @@ Status GrpoTrainer::DumpStep(const OpenStep& os, int64_t step) const {
   t.emplace_back("prompt_mask", mb.attention_mask.narrow(1, 0, P).contiguous());
   t.emplace_back("completion_ids", mb.labels);
   t.emplace_back("completion_mask", mb.completion_mask);
+  if (mb.env_mask.defined()) t.emplace_back("env_mask", mb.env_mask);  // TRL's tool_mask
   t.emplace_back("rewards", at::cat(d.rewards));
   int64_t K = 0;  // the same in one generation batch; NaN (null) fills a batch with fewer
   for (const at::Tensor& r : d.rewards_per_func) K = std::max<int64_t>(K, r.size(1));

@@ -16,6 +16,7 @@ void ToProto(const common::RolloutGroup& group, v1::RolloutGroup* out) {
     pc->mutable_token_ids()->Assign(c.token_ids.begin(), c.token_ids.end());
     pc->mutable_logprobs()->Assign(c.logprobs.begin(), c.logprobs.end());
     pc->set_truncated(c.truncated);
+    pc->set_env_mask(std::string(c.env_mask.begin(), c.env_mask.end()));
     pc->set_text(c.text);
     for (const auto& r : c.rewards) {
       v1::RewardValue* v = pc->add_rewards();
@@ -36,6 +37,7 @@ common::RolloutGroup FromProto(const v1::RolloutGroup& group) {
     c.token_ids.assign(pc.token_ids().begin(), pc.token_ids().end());
     c.logprobs.assign(pc.logprobs().begin(), pc.logprobs().end());
     c.truncated = pc.truncated();
+    c.env_mask.assign(pc.env_mask().begin(), pc.env_mask().end());
     c.text = pc.text();
     for (const auto& v : pc.rewards()) {
       c.rewards.push_back(v.has_value() ? std::optional<double>(v.value()) : std::nullopt);

@@ -75,7 +75,7 @@ class Reader {
   size_t at_ = 0;
 };
 
-constexpr uint32_t kMagic = 0x47525031;  // "GRP1"
+constexpr uint32_t kMagic = 0x47525032;  // "GRP2": with env_mask
 
 }  // namespace
 
@@ -93,6 +93,7 @@ std::string EncodeGroups(const std::vector<common::RolloutGroup>& groups) {
     for (const common::Completion& c : g.completions) {
       w.Vec(c.token_ids);
       w.Vec(c.logprobs);
+      w.Vec(c.env_mask);
       w.Pod<uint8_t>(c.truncated ? 1 : 0);
       w.Pod<uint64_t>(c.rewards.size());
       for (const auto& r : c.rewards) {
@@ -125,6 +126,7 @@ StatusOr<std::vector<common::RolloutGroup>> DecodeGroups(const std::string& byte
     for (common::Completion& c : g.completions) {
       RETURN_IF_ERROR(r.Vec(&c.token_ids, "token_ids"));
       RETURN_IF_ERROR(r.Vec(&c.logprobs, "logprobs"));
+      RETURN_IF_ERROR(r.Vec(&c.env_mask, "env_mask"));
       uint8_t truncated = 0;
       RETURN_IF_ERROR(r.Pod(&truncated, "truncated"));
       c.truncated = truncated != 0;

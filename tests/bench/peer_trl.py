@@ -167,7 +167,8 @@ def trl_loss_on_dump(trainer, dump, meta, per_token_logps=None):
     import torch
     sizes = json.loads(meta.get("micro_batch_sizes", "null")) or [dump["completion_ids"].size(0)]
     mask_all = dump["completion_mask"].float()
-    num_items = mask_all.sum()
+    tool_mask = dump["env_mask"].long() if "env_mask" in dump else None  # multi-turn dumps
+    num_items = mask_all.sum() if tool_mask is None else (mask_all * tool_mask).sum()
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = len(sizes)
     orig = trainer._get_per_token_logps_and_entropies
@@ -180,6 +181,8 @@ def trl_loss_on_dump(trainer, dump, meta, per_token_logps=None):
                   "completion_mask": dump["completion_mask"][sl].float(),
                   "advantages": dump["advantages"][sl].float(),
                   "num_items_in_batch": num_items}
+        if tool_mask is not None:
+            inputs["tool_mask"] = tool_mask[sl]
         if "old_logprobs" in dump:
             inputs["old_per_token_logps"] = dump["old_logprobs"][sl].float()
         if "ref_logprobs" in dump:
@@ -234,7 +237,8 @@ def ref_loss_on_dump(ref, case, dump, meta, per_token_logps=None):
     trainer = ref.TrainerStandIn(case, model)
     sizes = json.loads(meta.get("micro_batch_sizes", "null")) or [dump["completion_ids"].size(0)]
     mask = dump["completion_mask"].to(torch.int64)
-    num_items = torch.tensor(float(mask.sum()))
+    tool_mask = dump["env_mask"].to(torch.int64) if "env_mask" in dump else None  # multi-turn
+    num_items = torch.tensor(float((mask if tool_mask is None else mask * tool_mask).sum()))
     total, start = 0.0, 0
     for b in sizes:
         sl = slice(start, start + b)
@@ -244,6 +248,8 @@ def ref_loss_on_dump(ref, case, dump, meta, per_token_logps=None):
         inputs = {"prompt_ids": dump["prompt_ids"][sl].long(), "prompt_mask": dump["prompt_mask"][sl].long(),
                   "completion_ids": dump["completion_ids"][sl].long(), "completion_mask": mask[sl],
                   "advantages": dump["advantages"][sl].float(), "num_items_in_batch": num_items}
+        if tool_mask is not None:
+            inputs["tool_mask"] = tool_mask[sl]
         if "old_logprobs" in dump:
             inputs["old_per_token_logps"] = dump["old_logprobs"][sl].float()
         total += float(trainer._compute_loss(model, inputs))

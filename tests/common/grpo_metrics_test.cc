@@ -137,15 +137,17 @@ TEST(GrpoMetrics, DefinesExactlyTheIssueSixFamilies) {
 // ones README "Metrics" documents, unique, and the metric's label set is that table.
 TEST(GroupRefusal, EveryReasonHasOneNameAndTheMetricLabelsAreTheTable) {
   const std::vector<std::string> documented = {
-      "group_size",          "empty_prompt",   "empty_completion", "completion_too_long",
-      "token_out_of_vocab",  "logprob_length", "reward_count",     "non_finite_reward",
-      "reward_out_of_range", "stale",          "unknown_lease",    "expired_lease",
-      "job_ended",           "ledger_error",   "buffer_full",      "unknown_policy",
-      "learner_stopping"};
+      "group_size",          "empty_prompt",   "empty_completion",
+      "completion_too_long", "env_mask",       "token_out_of_vocab",
+      "logprob_length",      "reward_count",   "non_finite_reward",
+      "reward_out_of_range", "stale",          "unknown_lease",
+      "expired_lease",       "job_ended",      "ledger_error",
+      "buffer_full",         "unknown_policy", "learner_stopping"};
   ASSERT_EQ(kGroupRefusalNames.size(), documented.size());
   for (size_t i = 0; i < documented.size(); ++i) {
     EXPECT_EQ(kGroupRefusalNames[i], documented[i]) << i;
   }
+  EXPECT_EQ(GroupRefusalName(GroupRefusal::kEnvMask), "env_mask");
   EXPECT_EQ(GroupRefusalName(GroupRefusal::kStale), "stale");
   EXPECT_EQ(GroupRefusalName(GroupRefusal::kUnknownPolicy), "unknown_policy");
   EXPECT_EQ(GroupRefusalName(GroupRefusal::kLearnerStopping), "learner_stopping");

@@ -574,6 +574,8 @@ TEST(GroupCodec, RoundTripsEveryFieldAndRefusesTruncatedBytes) {
   groups[1].policy_incarnation = "00ff00ff00ff00ff";
   groups[1].completions[2].rewards = {std::nullopt, 0.25};
   groups[1].completions[2].text = "héllo";
+  groups[2].completions[1].env_mask.assign(groups[2].completions[1].token_ids.size(), 1);
+  groups[2].completions[1].env_mask.back() = 0;  // a multi-turn completion
   const std::string bytes = distributed::EncodeGroups(groups);
   auto back = distributed::DecodeGroups(bytes);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
@@ -590,6 +592,7 @@ TEST(GroupCodec, RoundTripsEveryFieldAndRefusesTruncatedBytes) {
     for (size_t c = 0; c < b.completions.size(); ++c) {
       EXPECT_EQ(a.completions[c].token_ids, b.completions[c].token_ids);
       EXPECT_EQ(a.completions[c].logprobs, b.completions[c].logprobs);
+      EXPECT_EQ(a.completions[c].env_mask, b.completions[c].env_mask);
       EXPECT_EQ(a.completions[c].truncated, b.completions[c].truncated);
       EXPECT_EQ(a.completions[c].rewards, b.completions[c].rewards);
       EXPECT_EQ(a.completions[c].text, b.completions[c].text);

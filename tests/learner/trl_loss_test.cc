@@ -173,30 +173,26 @@ struct Ours {
   GrpoLossMetrics metrics;
   at::Tensor entropy_grad;  // with the bonus
   double coef_after = 0, last_entropy_after = 0;
+  // With LossBatch::env_noise: the loss and dL/dlogp again with the environment tokens' logp,
+  // behaviour log-probs and entropy changed.
+  double loss_env_changed = 0;
+  at::Tensor grad_env_changed;
 };
 
-TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
-  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch trl"))
-      << grpo::testing::ReferencePython() << " cannot import trl (deploy/setup.sh)";
-  at::manual_seed(7);
-  const auto opts = at::dtype(at::kDouble);
-  const int64_t b = 4, t = 6;
-  const at::Tensor logp0 = -at::rand({b, t}, opts) * 3 - 0.05;
-  at::Tensor old = logp0 + 0.5 * at::randn({b, t}, opts);
-  old[1] += 1.0;  // row 1 (A < 0) far off-policy: the off-policy mask drops it, its tokens clip
-  const at::Tensor beh = old + 0.5 * at::randn({b, t}, opts);
-  const at::Tensor ref = logp0 + 0.3 * at::randn({b, t}, opts);
-  const at::Tensor adv = at::tensor({1.3, -0.7, 0.4, -1.1}, opts);
-  // Float32 as the model gives it (TRL takes the quantile in float32).
-  const at::Tensor entropy = (at::rand({b, t}, opts) * 4).to(at::kFloat).to(at::kDouble);
-  // The last row is all masked (a truncated completion under mask_truncated_completions).
-  const std::vector<double> mask_values = {1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0,
-                                           1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-  const at::Tensor mask = at::tensor(mask_values, opts).view({b, t});
-  const LossNormaliser norm{.step_completion_tokens = 25, .gradient_accumulation_steps = 3};
+// The [b, t] inputs every case of a test shares. `mask` is ours (GrpoLossInputs::mask, what the
+// trainer trains on); TRL gets `completion_mask` and, when defined, `tool_mask` (multi-turn:
+// ours is their product).
+struct LossBatch {
+  at::Tensor logp0, old, beh, ref, adv, entropy;
+  at::Tensor mask, completion_mask, tool_mask;
+  LossNormaliser norm;
+  at::Tensor env_noise;  // [b, t], nonzero only where tool_mask is 0; or undefined
+};
 
+// Runs every objective at both importance-sampling levels under every variant on `in`, ours
+// here, and appends TRL's case for each to `request`.
+std::vector<Ours> RunEveryVariant(const LossBatch& lb, json* request) {
   std::vector<Ours> ours;
-  json request = {{"cases", json::array()}};
   for (const loss::Objective& objective : loss::Objectives()) {
     for (auto level : {ImportanceSamplingLevel::kToken, ImportanceSamplingLevel::kSequence}) {
       for (const Variant& v : Variants()) {
@@ -208,23 +204,29 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
           EXPECT_EQ(objective.type, LossType::kVespo) << v.name;
           continue;
         }
-        at::Tensor logp = logp0.clone().requires_grad_(true);
         const bool bonus = v.entropy.enabled();
         loss::EntropyController control(v.entropy);
         if (!std::isnan(v.last_entropy)) control.Restore(v.entropy.entropy_coef, v.last_entropy);
         cfg.entropy_coef = control.ApplyCoef();
-        at::Tensor entropy_leaf = entropy.clone().requires_grad_(bonus);
-        GrpoLossInputs in{.logp = logp,
-                          .old = v.with_old ? old : at::Tensor(),
-                          .beh = v.with_beh ? beh : at::Tensor(),
-                          .ref = cfg.beta != 0 ? ref : at::Tensor(),
-                          .advantages = adv,
-                          .mask = mask,
-                          .entropy = entropy_leaf};
-        auto out = ComputeGrpoLoss(cfg, in, norm);
+        // noise = 0: the case itself; else its environment tokens changed (ours only).
+        auto run = [&](const at::Tensor& noise, at::Tensor* logp, at::Tensor* entropy_leaf) {
+          *logp = (lb.logp0 + noise).requires_grad_(true);
+          *entropy_leaf = (lb.entropy + noise.abs()).requires_grad_(bonus);
+          GrpoLossInputs in{.logp = *logp,
+                            .old = v.with_old ? lb.old : at::Tensor(),
+                            .beh = v.with_beh ? lb.beh + noise : at::Tensor(),
+                            .ref = cfg.beta != 0 ? lb.ref : at::Tensor(),
+                            .advantages = lb.adv,
+                            .mask = lb.mask,
+                            .entropy = *entropy_leaf};
+          return ComputeGrpoLoss(cfg, in, lb.norm);
+        };
+        at::Tensor logp, entropy_leaf;
+        auto out = run(at::zeros_like(lb.logp0), &logp, &entropy_leaf);
         const std::string name = std::string(objective.name) + "/" +
                                  std::string(ImportanceSamplingLevelName(level)) + "/" + v.name;
-        ASSERT_TRUE(out.ok()) << name << ": " << out.status().ToString();
+        EXPECT_TRUE(out.ok()) << name << ": " << out.status().ToString();
+        if (!out.ok()) return {};
         out->loss.backward();
         Ours o;
         o.name = name;
@@ -232,37 +234,55 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
         o.loss = out->loss.item<double>();
         o.grad = logp.grad().clone();
         o.metrics = out->metrics;
-        ours.push_back(o);
         if (bonus) {
           control.EndStep(out->metrics.entropy_sum, out->metrics.entropy_tokens);
           // A coefficient of 0 (the adaptive gate closed) adds no term: no gradient, TRL's zeros.
-          ours.back().entropy_grad = entropy_leaf.grad().defined() ? entropy_leaf.grad().clone()
-                                                                   : at::zeros_like(entropy_leaf);
-          ours.back().coef_after = control.coef();
-          ours.back().last_entropy_after = control.last_entropy();
+          o.entropy_grad = entropy_leaf.grad().defined() ? entropy_leaf.grad().clone()
+                                                         : at::zeros_like(entropy_leaf);
+          o.coef_after = control.coef();
+          o.last_entropy_after = control.last_entropy();
         }
-        json c = {{"logp", ToJson(logp0)},
-                  {"advantages", ToJson(adv)},
-                  {"mask", ToJson(mask)},
-                  {"entropy", ToJson(entropy)},
+        if (lb.env_noise.defined()) {
+          auto changed = run(lb.env_noise, &logp, &entropy_leaf);
+          EXPECT_TRUE(changed.ok()) << name << ": " << changed.status().ToString();
+          if (!changed.ok()) return {};
+          changed->loss.backward();
+          o.loss_env_changed = changed->loss.item<double>();
+          o.grad_env_changed = logp.grad().clone();
+        }
+        ours.push_back(o);
+        json c = {{"logp", ToJson(lb.logp0)},
+                  {"advantages", ToJson(lb.adv)},
+                  {"mask", ToJson(lb.completion_mask)},
+                  {"entropy", ToJson(lb.entropy)},
                   {"config", TrlConfig(cfg, v.entropy)},
-                  {"num_items_in_batch", norm.step_completion_tokens},
-                  {"gradient_accumulation_steps", norm.gradient_accumulation_steps}};
-        if (v.with_old) c["old"] = ToJson(old);
-        if (v.with_beh) c["beh"] = ToJson(beh);
-        if (cfg.beta != 0) c["ref"] = ToJson(ref);
+                  {"num_items_in_batch", lb.norm.step_completion_tokens},
+                  {"gradient_accumulation_steps", lb.norm.gradient_accumulation_steps}};
+        if (lb.tool_mask.defined()) c["tool_mask"] = ToJson(lb.tool_mask);
+        if (v.with_old) c["old"] = ToJson(lb.old);
+        if (v.with_beh) c["beh"] = ToJson(lb.beh);
+        if (cfg.beta != 0) c["ref"] = ToJson(lb.ref);
         if (!std::isnan(v.last_entropy)) c["last_world_entropy"] = v.last_entropy;
-        request["cases"].push_back(c);
+        (*request)["cases"].push_back(c);
       }
     }
   }
-  const json res = grpo::testing::RunReference("trl_loss_ref.py", request);
-  ASSERT_TRUE(res.is_object());
-  ASSERT_EQ(res["cases"].size(), ours.size());
+  return ours;
+}
+
+// Loss, dL/dlogp, dL/dH with the bonus, the controller's state and every metric TRL logs for
+// the objective: ours equals TRL's (`res`, trl_loss_ref.py's answer), case by case. Returns TRL's
+// loss by case name.
+std::map<std::string, double> ExpectOursEqualsTrl(const std::vector<Ours>& ours, const json& res) {
   std::map<std::string, double> trl_loss;
+  EXPECT_TRUE(res.is_object());
+  if (!res.is_object()) return trl_loss;
+  EXPECT_EQ(res["cases"].size(), ours.size());
+  if (res["cases"].size() != ours.size()) return trl_loss;
   for (size_t i = 0; i < ours.size(); ++i) {
     const Ours& o = ours[i];
     SCOPED_TRACE(o.name);
+    const int64_t b = o.grad.size(0), t = o.grad.size(1);
     const json& e = res["cases"][i];
     const json& m = e["metrics"];
     trl_loss[o.name] = e["loss"].get<double>();
@@ -274,8 +294,8 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
             << "grad[" << r << "][" << c << "]";
       }
     }
-    ASSERT_EQ(o.entropy_grad.defined(), e.contains("entropy_grad"));
-    if (o.entropy_grad.defined()) {
+    EXPECT_EQ(o.entropy_grad.defined(), e.contains("entropy_grad"));
+    if (o.entropy_grad.defined() && e.contains("entropy_grad")) {
       for (int64_t r = 0; r < b; ++r) {
         for (int64_t c = 0; c < t; ++c) {
           EXPECT_NEAR(o.entropy_grad[r][c].item<double>(), e["entropy_grad"][r][c].get<double>(),
@@ -285,13 +305,13 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
       }
       EXPECT_NEAR(o.coef_after, e["entropy_coef"].get<double>(), 1e-15);
       EXPECT_NEAR(o.coef_after, m.at("entropy_coef").get<double>(), 1e-15);
-      ASSERT_TRUE(e["last_world_entropy"].is_number() || std::isinf(o.last_entropy_after));
+      EXPECT_TRUE(e["last_world_entropy"].is_number() || std::isinf(o.last_entropy_after));
       if (e["last_world_entropy"].is_number()) {
         EXPECT_NEAR(o.last_entropy_after, e["last_world_entropy"].get<double>(), 1e-12);
       }
     }
-    ASSERT_EQ(o.metrics.has_kl, m.contains("kl"));
-    if (o.metrics.has_kl) {
+    EXPECT_EQ(o.metrics.has_kl, m.contains("kl"));
+    if (o.metrics.has_kl && m.contains("kl")) {
       EXPECT_NEAR(o.metrics.KlMean(), m["kl"].get<double>(), 1e-12);
     }
     switch (loss::ObjectiveOf(o.config.loss_type).metric) {
@@ -313,8 +333,12 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
         break;
     }
   }
-  // The comparisons mean something: each correction changes TRL's loss somewhere, and the
-  // clipped objectives clip on both sides.
+  return trl_loss;
+}
+
+// The comparisons mean something: each correction changes TRL's loss somewhere, and the clipped
+// objectives clip on both sides.
+void ExpectVariantsMatter(const std::vector<Ours>& ours, std::map<std::string, double>& trl_loss) {
   for (const char* variant :
        {"kl_bias_corrected", "is_sequence_mask", "is_sequence_truncate", "is_token_truncate",
         "is_token_mask", "off_policy_mask_behaviour", "off_policy_mask_old", "top_entropy_quantile",
@@ -337,6 +361,98 @@ TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
   }
   EXPECT_GT(low, 0);
   EXPECT_GT(high, 0);
+}
+
+// The shared random inputs of both tests, [b, t] (seed 7).
+LossBatch RandomBatch(int64_t b, int64_t t) {
+  at::manual_seed(7);
+  const auto opts = at::dtype(at::kDouble);
+  LossBatch lb;
+  lb.logp0 = -at::rand({b, t}, opts) * 3 - 0.05;
+  lb.old = lb.logp0 + 0.5 * at::randn({b, t}, opts);
+  lb.old[1] += 1.0;  // row 1 (A < 0) far off-policy: the off-policy mask drops it, its tokens clip
+  lb.beh = lb.old + 0.5 * at::randn({b, t}, opts);
+  lb.ref = lb.logp0 + 0.3 * at::randn({b, t}, opts);
+  lb.adv = at::tensor({1.3, -0.7, 0.4, -1.1}, opts);
+  // Float32 as the model gives it (TRL takes the quantile in float32).
+  lb.entropy = (at::rand({b, t}, opts) * 4).to(at::kFloat).to(at::kDouble);
+  return lb;
+}
+
+TEST(TrlLoss, EveryObjectiveAndOptionEqualsTrls) {
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch trl"))
+      << grpo::testing::ReferencePython() << " cannot import trl (deploy/setup.sh)";
+  const int64_t b = 4, t = 6;
+  LossBatch lb = RandomBatch(b, t);
+  // The last row is all masked (a truncated completion under mask_truncated_completions).
+  const std::vector<double> mask_values = {1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0,
+                                           1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  lb.mask = at::tensor(mask_values, at::kDouble).view({b, t});
+  lb.completion_mask = lb.mask;
+  lb.norm = LossNormaliser{.step_completion_tokens = 25, .gradient_accumulation_steps = 3};
+
+  json request = {{"cases", json::array()}};
+  const std::vector<Ours> ours = RunEveryVariant(lb, &request);
+  ASSERT_FALSE(ours.empty());
+  std::map<std::string, double> trl_loss =
+      ExpectOursEqualsTrl(ours, grpo::testing::RunReference("trl_loss_ref.py", request));
+  ExpectVariantsMatter(ours, trl_loss);
+}
+
+// Multi-turn (docs/GRPO_SPEC.md "Environment tokens"): environment tokens in the middle of
+// completions, at different places per row, are TRL's tool_mask 0. TRL's _compute_loss given
+// completion_mask and tool_mask equals ours given their product (what the trainer passes), for
+// every objective and option, the token-sum normaliser counting model tokens only (TRL's
+// num_items_in_batch); the environment tokens get no gradient, and changing their log-probs,
+// behaviour log-probs or entropies changes nothing.
+TEST(TrlLoss, MultiTurnToolMaskEqualsTrls) {
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch trl"))
+      << grpo::testing::ReferencePython() << " cannot import trl (deploy/setup.sh)";
+  const int64_t b = 4, t = 10;
+  LossBatch lb = RandomBatch(b, t);
+  // Row 3 is truncated (completion_mask all 0 under mask_truncated_completions).
+  lb.completion_mask = at::tensor(std::vector<double>{1, 1, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                                      1, 1, 1, 1, 1, 1, 1, 1, 0, 0,  //
+                                                      1, 1, 1, 1, 1, 1, 0, 0, 0, 0,  //
+                                                      0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+                                  at::kDouble)
+                           .view({b, t});
+  // Environment tokens (0) after the first model turn; 1 at padding, as TRL pads tool_mask.
+  lb.tool_mask = at::tensor(std::vector<double>{1, 1, 0, 0, 0, 1, 1, 1, 1, 1,  //
+                                                1, 1, 1, 1, 0, 0, 0, 0, 1, 1,  //
+                                                1, 0, 0, 0, 1, 1, 1, 1, 1, 1,  //
+                                                1, 1, 1, 0, 0, 0, 0, 1, 1, 1},
+                            at::kDouble)
+                     .view({b, t});
+  lb.mask = lb.completion_mask * lb.tool_mask;
+  // By hand: 7 + 4 + 3 model tokens in the rows trained on.
+  ASSERT_EQ(lb.mask.sum().item<double>(), 14.0);
+  lb.norm = LossNormaliser{.step_completion_tokens = 14, .gradient_accumulation_steps = 2};
+  // The rollout sends behaviour log-prob 0 on environment tokens.
+  lb.beh = lb.beh * lb.tool_mask;
+  lb.env_noise = (1.0 - lb.tool_mask) * at::randn({b, t}, at::kDouble);
+
+  json request = {{"cases", json::array()}};
+  const std::vector<Ours> ours = RunEveryVariant(lb, &request);
+  ASSERT_FALSE(ours.empty());
+  std::map<std::string, double> trl_loss =
+      ExpectOursEqualsTrl(ours, grpo::testing::RunReference("trl_loss_ref.py", request));
+  ExpectVariantsMatter(ours, trl_loss);
+  const at::Tensor env = lb.tool_mask == 0;
+  for (const Ours& o : ours) {
+    SCOPED_TRACE(o.name);
+    EXPECT_EQ(o.grad.masked_select(env).abs().max().item<double>(), 0.0);
+    EXPECT_EQ(o.loss_env_changed, o.loss);
+    EXPECT_TRUE(at::equal(o.grad_env_changed, o.grad));
+  }
+  // The tool mask matters: TRL's default loss without it is another number.
+  json without = request["cases"][0];
+  ASSERT_EQ(ours[0].name, "grpo/token/defaults");
+  without.erase("tool_mask");
+  const json res = grpo::testing::RunReference("trl_loss_ref.py", {{"cases", {without}}});
+  ASSERT_TRUE(res.is_object());
+  EXPECT_GT(std::abs(res["cases"][0]["loss"].get<double>() - trl_loss["grpo/token/defaults"]),
+            1e-3);
 }
 
 TEST(TrlLoss, VespoRefusesSequenceLevelCorrectionAsTrlDoes) {

@@ -57,6 +57,9 @@ struct TrlCase {
   std::string tag = "";
   json extra = json::object();
   bool with_behaviour = false;  // completions carry behaviour log-probs (the workers' sampling)
+  // Multi-turn completions (MakeMultiTurnGroups: environment tokens between model turns, TRL's
+  // tool_mask) with mask_truncated_completions on and one truncated completion.
+  bool multi_turn = false;
 
   std::string Name() const {
     std::string n =
@@ -65,6 +68,7 @@ struct TrlCase {
     if (delta) n += "_delta";
     if (gradient_accumulation_steps != 1) n += "_ga" + std::to_string(gradient_accumulation_steps);
     if (!tag.empty()) n += "_" + tag;
+    if (multi_turn) n += "_multi_turn";
     return n;
   }
   loss::ObjectiveMetric Metric() const {
@@ -175,6 +179,19 @@ std::vector<TrlCase> AllCases() {
   cases.push_back({"dapo", 0.0, 2, "token", nullopt, kLearningRate, 1, "entropy_bonus", bonus});
   cases.push_back({"grpo", 0.04, 1, "token", nullopt, kLearningRate, 2, "entropy_bonus", bonus});
   cases.push_back({"vespo", 0.0, 1, "token", nullopt, kLearningRate, 1, "entropy_bonus", bonus});
+  // Multi-turn batches (env_mask, TRL's tool_mask): the default loss over two passes; dapo (the
+  // token-sum normaliser counts model tokens only) with KL over two micro-batches; GSPO (the
+  // autograd path, the sequence's mean log-ratio over model tokens); the importance-sampling
+  // correction on behaviour log-probs; the entropy bonus on the fused path.
+  const json none = json::object();
+  cases.push_back({"grpo", 0.0, 2, "token", nullopt, kLearningRate, 1, "", none, false, true});
+  cases.push_back({"dapo", 0.04, 2, "token", nullopt, kLearningRate, 2, "", none, false, true});
+  cases.push_back(
+      {"grpo", 0.0, 2, "sequence", nullopt, kLearningRate / 16, 1, "", none, false, true});
+  cases.push_back(
+      {"dapo", 0.0, 2, "token", nullopt, kLearningRate, 1, "is_default", none, true, true});
+  cases.push_back(
+      {"dapo", 0.0, 1, "token", nullopt, kLearningRate, 1, "entropy_bonus", bonus, false, true});
   return cases;
 }
 
@@ -242,6 +259,48 @@ std::vector<RolloutGroup> MakeGroups(bool with_behaviour = false) {
   return out;
 }
 
+// Two groups of four multi-turn completions: model tokens, 3-5 environment tokens (env_mask 0,
+// behaviour log-prob 0), model tokens again, at different positions in each row; one row has two
+// environment turns, and one is truncated (mask_truncated_completions drops it). Every row fits
+// max_completion_length (kMaxCompletionLength), so no group is refused.
+std::vector<RolloutGroup> MakeMultiTurnGroups(bool with_behaviour = false) {
+  std::mt19937 rng(21);
+  std::uniform_int_distribution<int> tok(0, 255), plen(2, 6), turn(1, 4), env(3, 5);
+  std::uniform_real_distribution<double> rew(0.0, 1.0);
+  std::uniform_real_distribution<float> lp(-6.5f, -4.5f);
+  std::vector<RolloutGroup> out;
+  for (int g = 0; g < 2; ++g) {
+    RolloutGroup rg;
+    rg.prompt_id = "p" + std::to_string(g);
+    for (int i = plen(rng); i > 0; --i) rg.prompt_ids.push_back(tok(rng));
+    for (int j = 0; j < 4; ++j) {
+      Completion c;
+      const int env_turns = (g == 1 && j == 2) ? 2 : 1;
+      auto append = [&](int n, uint8_t model) {
+        for (int i = 0; i < n; ++i) {
+          c.token_ids.push_back(tok(rng));
+          c.env_mask.push_back(model);
+          c.logprobs.push_back(model ? lp(rng) : 0.f);
+        }
+      };
+      // Two environment turns: shorter turns, so that the row stays within
+      // max_completion_length (2 + 3 + 2 + 3 + 2 tokens at most).
+      const int max_turn = env_turns == 2 ? 2 : 4, max_env = env_turns == 2 ? 3 : 5;
+      append(std::min(turn(rng), max_turn), 1);
+      for (int e = 0; e < env_turns; ++e) {
+        append(std::min(env(rng), max_env), 0);
+        append(std::min(turn(rng), max_turn), 1);
+      }
+      if (!with_behaviour) c.logprobs.clear();
+      c.truncated = (g == 0 && j == 1);
+      c.rewards = {rew(rng)};
+      rg.completions.push_back(c);
+    }
+    out.push_back(rg);
+  }
+  return out;
+}
+
 // One optimizer step per pass: 8 sequences = per_device_train_batch_size x
 // gradient_accumulation_steps (= steps_per_generation).
 common::GrpoConfig ConfigFor(const TrlCase& c) {
@@ -265,6 +324,7 @@ common::GrpoConfig ConfigFor(const TrlCase& c) {
   cfg.lr_scheduler_type = "constant";
   cfg.max_grad_norm = 1.0;
   cfg.logprob_chunk_tokens = 7;  // several chunks per micro-batch
+  cfg.mask_truncated_completions = c.multi_turn;
   for (const auto& [key, value] : c.extra.items()) {
     const Status s = common::SetConfigValue(
         cfg, key, value.is_string() ? value.get<std::string>() : value.dump());
@@ -297,6 +357,7 @@ struct StepComparison {
   json trl;                    // trl_grpo_ref.py's result; null when it failed
   at::Tensor ours_logps;       // [S, C] logprobs_first_micro_batch
   at::Tensor completion_mask;  // [S, C]
+  at::Tensor env_mask;         // [S, C], or undefined when the dump has none
 };
 
 // Trains `c` from the same start (policy seed 7; reference: the policy plus noise) and returns the
@@ -304,7 +365,8 @@ struct StepComparison {
 // of the same batch (the first step does not depend on whether `old` was precomputed);
 // TrlScoresTokensAsOurLearnerDid checks that they score the tokens as step 2 did.
 std::vector<json> TrainCase(const TrlCase& c, const fs::path& dir) {
-  const std::vector<RolloutGroup> groups = MakeGroups(c.with_behaviour);
+  const std::vector<RolloutGroup> groups =
+      c.multi_turn ? MakeMultiTurnGroups(c.with_behaviour) : MakeGroups(c.with_behaviour);
   auto train = [&](int64_t iterations, const std::string& dump_dir,
                    const std::string& save_start_as) {
     auto policy = RandomModel(7);
@@ -366,6 +428,7 @@ const std::map<std::string, std::vector<StepComparison>>& Comparisons() {
         sc.ours = json::parse((*f)->metadata().at("metrics"));
         sc.ours_logps = *(*f)->Get("logprobs_first_micro_batch");
         sc.completion_mask = *(*f)->Get("completion_mask");
+        if ((*f)->Find("env_mask") != nullptr) sc.env_mask = *(*f)->Get("env_mask");
       }
       if (result.is_object() && result.contains("cases")) sc.trl = result["cases"][i];
       (*out)[order[i].first].push_back(std::move(sc));
@@ -536,7 +599,7 @@ TEST(TrlReferenceSetup, SecondPassClipsTokensOnBothSides) {
                         << " cannot import trl (deploy/setup.sh)";
   for (const TrlCase& c : AllCases()) {
     if (c.num_iterations != 2 || c.importance_sampling_level != "token" || c.delta ||
-        c.Metric() != loss::ObjectiveMetric::kClipRatios || !c.tag.empty()) {
+        c.Metric() != loss::ObjectiveMetric::kClipRatios || !c.tag.empty() || c.multi_turn) {
       continue;
     }
     const auto& steps = Comparisons().at(c.Name());
@@ -551,6 +614,37 @@ TEST(TrlReferenceSetup, SecondPassClipsTokensOnBothSides) {
   const double region = gspo[1].trl["metrics"]["clip_ratio/region_mean"].get<double>();
   EXPECT_GT(region, 0.0);
   EXPECT_LT(region, 1.0);
+}
+
+// The multi-turn cases compare something: their dumps carry the env_mask (TRL got it as
+// tool_mask) with environment tokens inside real completions, and `completions/mean_length` is
+// the mean of the model tokens alone (TRL's), counted here by hand from the groups.
+TEST(TrlReferenceSetup, MultiTurnStepsCarryTheEnvMaskAndCountModelTokens) {
+  ASSERT_TRUE(HasTrl()) << grpo::testing::ReferencePython()
+                        << " cannot import trl (deploy/setup.sh)";
+  double model_tokens = 0, all_tokens = 0;
+  for (const RolloutGroup& g : MakeMultiTurnGroups()) {
+    for (const Completion& c : g.completions) {
+      for (uint8_t m : c.env_mask) model_tokens += m;
+      all_tokens += static_cast<double>(c.token_ids.size());
+    }
+  }
+  ASSERT_GT(all_tokens - model_tokens, 8 * 3 - 1);  // every row has >= 3 environment tokens
+  int multi_turn_cases = 0;
+  for (const TrlCase& c : AllCases()) {
+    if (!c.multi_turn) continue;
+    ++multi_turn_cases;
+    SCOPED_TRACE(c.Name());
+    for (const StepComparison& s : Comparisons().at(c.Name())) {
+      ASSERT_TRUE(s.env_mask.defined());
+      // Environment tokens inside real (attended, trained-row) completion tokens.
+      EXPECT_GT(((s.env_mask == 0) & (s.completion_mask == 1)).sum().item<int64_t>(), 8);
+      EXPECT_EQ(s.ours["sequences"].get<int64_t>(), 8);  // no group refused
+      EXPECT_DOUBLE_EQ(s.ours["completions/mean_length"].get<double>(), model_tokens / 8.0);
+      EXPECT_DOUBLE_EQ(s.ours["completion_tokens"].get<double>(), model_tokens);
+    }
+  }
+  EXPECT_EQ(multi_turn_cases, 5);
 }
 
 }  // namespace

@@ -38,6 +38,12 @@ Input (stdin, or a file named as the only argument): one case object, or {"cases
    "vllm_importance_sampling_mode": "none", "vllm_importance_sampling_clip_max": 3.0,
    "vllm_importance_sampling_clip_min": null, "position_ids": "mask" | "trl", "grad_norm": true}
 
+Multi-turn: when the dump holds `env_mask` (1 on the model's tokens, 0 on environment tokens, 1
+at padding), it goes into `_compute_loss`'s inputs as TRL's `tool_mask`; the dump's
+`completion_mask` stays TRL's completion_mask (attention over every real token, environment
+tokens included). The default `num_items_in_batch` and the importance-sampling ratio then count
+completion_mask * tool_mask, as `_generate_and_score_completions` does.
+
 Behaviour log-probs: when the dump holds the workers' `behaviour_logprobs`, they play vLLM's
 sampling log-probs (`use_vllm` on, `sampling_per_token_logps`), and a mode other than "none"
 turns on TRL's importance-sampling correction with the ratio TRL computes in
@@ -144,12 +150,14 @@ def run_case(case):
 
     t, dumped_metrics = _load_dump(case["dump"])
     completion_mask = t["completion_mask"].to(torch.int64)  # TRL's masks are integer
+    tool_mask = t["env_mask"].to(torch.int64) if "env_mask" in t else None
+    loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
     n = completion_mask.size(0)
     ga = trainer.current_gradient_accumulation_steps
     bs = int(case.get("per_device_train_batch_size") or -(-n // ga))
     num_items = case.get("num_items_in_batch")
     if num_items is None:
-        num_items = completion_mask.sum().item()
+        num_items = loss_mask.sum().item()
     num_items = torch.tensor(float(num_items))
 
     beh = t.get("behaviour_logprobs")
@@ -171,6 +179,8 @@ def run_case(case):
             "advantages": t["advantages"][rows].to(torch.float32),
             "num_items_in_batch": num_items,
         }
+        if tool_mask is not None:
+            inputs["tool_mask"] = tool_mask[rows]
         if "old_logprobs" in t:
             inputs["old_per_token_logps"] = t["old_logprobs"][rows].to(torch.float32)
         if trainer.beta != 0.0:
@@ -199,7 +209,7 @@ def run_case(case):
                     },
                     old,
                     inputs["sampling_per_token_logps"],
-                    inputs["completion_mask"],
+                    loss_mask[rows],
                 )
         if first_logps is None:
             with torch.no_grad():

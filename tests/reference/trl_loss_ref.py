@@ -21,8 +21,14 @@ play vLLM's sampling log-probs: with `beh`, `use_vllm` is on and `sampling_per_t
 `beh` (the off-policy mask reads it), and `vllm_importance_sampling_correction` is on unless the
 mode is "none".
 
+Multi-turn: a case's "tool_mask" (0 on environment tokens, 1 on the model's) goes into
+`_compute_loss`'s inputs as TRL's `tool_mask`, beside "mask" as its `completion_mask`; TRL then
+trains on completion_mask * tool_mask, and the importance-sampling ratio is taken over that
+product too (TRL's `mask = completion_mask * tool_mask` in `_generate_and_score_completions`).
+
 stdin: {"cases": [{"logp": [[...]], "old": [[...]] | null, "beh": ... | null, "ref": ... | null,
-  "advantages": [...], "mask": [[...]], "config": {TRL GRPOConfig names}, "num_items_in_batch": N,
+  "advantages": [...], "mask": [[...]], "tool_mask": [[...]] | absent,
+  "config": {TRL GRPOConfig names}, "num_items_in_batch": N,
   "gradient_accumulation_steps": GA, "last_world_entropy": H | null}]}
 stdout: {"cases": [{"loss": L, "grad": [[dL/dlogp]], "metrics": {name: value}, and with the entropy
   bonus on "entropy_grad": [[dL/dH]], "entropy_coef": the coefficient after the step,
@@ -176,12 +182,17 @@ def run_case(case):
         inputs["old_per_token_logps"] = old
     if trainer.beta != 0.0:
         inputs["ref_per_token_logps"] = t("ref")
+    tool_mask = t("tool_mask")
+    if tool_mask is not None:
+        tool_mask = tool_mask.to(torch.int64)
+        inputs["tool_mask"] = tool_mask
     beh = t("beh")
     if beh is not None:
         inputs["sampling_per_token_logps"] = beh
         if trainer.vllm_importance_sampling_correction:
             o = old if old is not None else logp.detach()
-            inputs["importance_sampling_ratio"] = is_ratio(case["config"], o, beh, mask)
+            is_mask = mask if tool_mask is None else mask * tool_mask
+            inputs["importance_sampling_ratio"] = is_ratio(case["config"], o, beh, is_mask)
     loss = trainer._compute_loss(None, inputs)
     loss.backward()
     metrics = {k: v[0] for k, v in trainer._metrics["train"].items() if v}

@@ -57,6 +57,30 @@ TEST(JobStateWire, EachStateHasItsEnumValueAndUnknownValuesReadAsNone) {
   EXPECT_EQ(old.state(), v1::JOB_STATE_UNSPECIFIED);
 }
 
+// A multi-turn completion's env_mask crosses the wire as one byte per token, both ways; a
+// single-turn one sends none (the field is empty, not a byte of 1s per token).
+TEST(RolloutGroupWire, EnvMaskRoundTripsAsOneBytePerTokenAndEmptyStaysEmpty) {
+  common::RolloutGroup g;
+  g.prompt_id = "q";
+  g.prompt_ids = {1, 2};
+  common::Completion multi;
+  multi.token_ids = {5, 6, 30, 31, 7};
+  multi.env_mask = {1, 1, 0, 0, 1};
+  common::Completion single;
+  single.token_ids = {5, 6};
+  g.completions = {multi, single};
+  v1::RolloutGroup wire;
+  ToProto(g, &wire);
+  EXPECT_EQ(wire.completions(0).env_mask(), std::string("\x01\x01\x00\x00\x01", 5));
+  EXPECT_TRUE(wire.completions(1).env_mask().empty());
+  v1::RolloutGroup parsed;
+  ASSERT_TRUE(parsed.ParseFromString(wire.SerializeAsString()));
+  const common::RolloutGroup back = FromProto(parsed);
+  ASSERT_EQ(back.completions.size(), 2u);
+  EXPECT_EQ(back.completions[0].env_mask, multi.env_mask);
+  EXPECT_TRUE(back.completions[1].env_mask.empty());
+}
+
 // Every gRPC code crosses the boundary as itself, both ways, with its message; a number outside
 // gRPC's 0..16 (a newer peer, a broken proxy) reads as UNKNOWN, never as a value outside the enum.
 TEST(StatusWire, EveryGrpcCodeRoundTripsAndAnUnknownNumberReadsAsUnknown) {
