@@ -31,16 +31,18 @@ struct RewardInput {
   std::string completion;         // completion text
   int64_t completion_tokens = 0;  // completion length in tokens
   nlohmann::json row;             // the dataset row's extra fields (object, or null)
-  // Multi-turn episodes (rollout/env/episode.h): the sum of the environment's step rewards
-  // (nullopt when it gave none) and its last observation's metadata (null when none).
+  // Multi-turn episodes (rollout/env/episode.h): the sum of the environment's step rewards (0
+  // when it gave none; nullopt for a single-turn group) and its last observation's metadata
+  // (null when none).
   std::optional<double> env_reward;
   nlohmann::json env_metadata;
 };
 
 // What an episode's environment said, per completion, for RewardRunner::ScoreGroup.
 struct EnvFeedback {
-  std::optional<double> reward;  // summed step rewards; nullopt = none given
-  nlohmann::json metadata;       // the last observation's; null = none
+  // The episode's summed step rewards (0 when the environment gave none); nullopt = no episode.
+  std::optional<double> reward;
+  nlohmann::json metadata;  // the last observation's; null = none
 };
 
 // How one reward function's call on one group failed. The names are the values of the `kind`
@@ -89,8 +91,8 @@ class RewardFunction {
 //              -|target_length - length| (TRL's reward_len example; "chars" counts Unicode code
 //              points like Python's len(str), "tokens" uses RewardInput::completion_tokens).
 //   json_valid {}: 1.0 if the whole completion parses as JSON (nlohmann), else 0.0.
-//   env        {}: the environment's summed reward of a multi-turn episode
-//              (RewardInput::env_reward); null for single-turn groups.
+//   env        {}: the environment's summed step rewards of a multi-turn episode, 0 when it gave
+//              none (RewardInput::env_reward); null for single-turn groups.
 //   soft_overlong_punishment {"max_completion_len", "soft_punish_cache"}: DAPO's soft overlong
 //              punishment, TRL's get_soft_overlong_punishment (rollout/soft_overlong_reward.h).
 // Unknown name: InvalidArgument listing the known names.

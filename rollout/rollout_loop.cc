@@ -622,9 +622,14 @@ void RolloutLoop::CountEpisodes(const EpisodeCounts& counts) {
   metrics_->episodes->Increment({"max_turns"}, static_cast<double>(counts.max_turns));
   metrics_->episodes->Increment({"length"}, static_cast<double>(counts.length_truncated));
   metrics_->episodes->Increment({"error"}, static_cast<double>(errors));
+  metrics_->episodes->Increment({"stopped"}, static_cast<double>(counts.stopped));
   metrics_->episode_turns->Increment(static_cast<double>(counts.turns));
   for (const auto& [kind, n] : counts.errors) {
     metrics_->env_errors->Increment({kind}, static_cast<double>(n));
+  }
+  metrics_->tool_calls->Increment(static_cast<double>(counts.tools.calls));
+  for (const auto& [reason, n] : counts.tools.failures) {
+    metrics_->tool_call_failures->Increment({reason}, static_cast<double>(n));
   }
 }
 

@@ -32,6 +32,13 @@ Status ToProto(const rollout::EnvObservation& obs, v1::EnvObservation* out) {
     out->set_metadata_json(
         obs.metadata.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   }
+  for (const nlohmann::json& tool : obs.tools) {
+    if (!tool.is_object()) {
+      return Status::InvalidArgument("a declared tool must be a JSON object, got " +
+                                     std::string(tool.type_name()));
+    }
+    out->add_tools_json(tool.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+  }
   return Status::OK();
 }
 
@@ -54,7 +61,39 @@ StatusOr<rollout::EnvObservation> FromProto(const v1::EnvObservation& obs) {
       return Status::InvalidArgument("observation metadata_json is not a JSON object");
     }
   }
+  for (const std::string& tool : obs.tools_json()) {
+    nlohmann::json t = nlohmann::json::parse(tool, nullptr, /*allow_exceptions=*/false);
+    if (t.is_discarded() || !t.is_object()) {
+      return Status::InvalidArgument("observation tools_json entry is not a JSON object");
+    }
+    out.tools.push_back(std::move(t));
+  }
   return out;
+}
+
+void ToolCallsToProto(const std::vector<common::ToolCall>& calls, v1::EnvStep* out) {
+  for (const common::ToolCall& call : calls) {
+    v1::EnvToolCall* pc = out->add_tool_calls();
+    pc->set_name(call.name);
+    pc->set_arguments_json(
+        call.arguments.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+  }
+}
+
+StatusOr<std::vector<common::ToolCall>> ToolCallsFromProto(const v1::EnvStep& step) {
+  std::vector<common::ToolCall> calls;
+  for (const v1::EnvToolCall& pc : step.tool_calls()) {
+    common::ToolCall call;
+    call.name = pc.name();
+    call.arguments = pc.arguments_json().empty()
+                         ? nlohmann::json::object()
+                         : nlohmann::json::parse(pc.arguments_json(), nullptr, false);
+    if (call.name.empty() || call.arguments.is_discarded() || !call.arguments.is_object()) {
+      return Status::InvalidArgument("a tool call needs a name and arguments_json object");
+    }
+    calls.push_back(std::move(call));
+  }
+  return calls;
 }
 
 }  // namespace grpo::services

@@ -38,6 +38,7 @@ grpc::Status EnvironmentServiceImpl::Episode(
       "Open", [&]() -> StatusOr<std::unique_ptr<rollout::EnvSession>> { return env_->Open(); });
   if (!session.ok()) return ToGrpcStatus(session.status());
   bool reset_done = false;
+  bool declared_tools = false;  // the reset's answer declared tools: steps carry tool calls
   v1::EnvAction action;
   v1::EnvObservation answer;
   while (stream->Read(&action)) {
@@ -64,10 +65,19 @@ grpc::Status EnvironmentServiceImpl::Episode(
         }
       }
     } else if (action.has_step()) {
-      obs = reset_done
-                ? Guarded("Step", [&] { return (*session)->Step(action.step().text(), deadline); })
-                : Status::FailedPrecondition("a step before the reset");
+      if (!reset_done) {
+        obs = Status::FailedPrecondition("a step before the reset");
+      } else if (!declared_tools) {
+        obs = Guarded("Step", [&] { return (*session)->Step(action.step().text(), deadline); });
+      } else if (auto calls = ToolCallsFromProto(action.step()); !calls.ok()) {
+        obs = calls.status();
+      } else {
+        obs = Guarded("Step", [&] {
+          return (*session)->StepToolCalls(action.step().text(), *calls, deadline);
+        });
+      }
     }
+    if (action.has_reset() && obs.ok()) declared_tools = !obs->tools.empty();
     Status wire = obs.ok() ? ToProto(*obs, &answer) : obs.status();
     if (!wire.ok()) {
       GRPO_LOG_DEBUG("environment {}: {}", env_->name(), common::EscapeForLog(wire.ToString()));

@@ -53,6 +53,16 @@ class GrpcEnvSession final : public rollout::EnvSession {
     return Call(std::move(action), "step", deadline);
   }
 
+  StatusOr<rollout::EnvObservation> StepToolCalls(const std::string& action_text,
+                                                  const std::vector<common::ToolCall>& calls,
+                                                  Clock::time_point deadline) override {
+    if (!reset_done_) return Status::FailedPrecondition("Step called before Reset");
+    v1::EnvAction action;
+    action.mutable_step()->set_text(action_text);
+    ToolCallsToProto(calls, action.mutable_step());
+    return Call(std::move(action), "step", deadline);
+  }
+
  private:
   struct CallState {
     // Destroyed in reverse: the stream (arena-allocated in the call), the context (releases the

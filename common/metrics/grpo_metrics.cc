@@ -189,6 +189,15 @@ StatusOr<WorkerMetrics> WorkerMetrics::Create(Registry& r,
   ASSIGN_OR_RETURN(m.env_errors, r.AddCounter("grpo_rollout_env_errors_total",
                                               "Environment calls that failed, by kind, in calls.",
                                               {Label("kind", kEnvErrorKinds)}));
+  ASSIGN_OR_RETURN(m.tool_calls,
+                   r.AddCounter("grpo_rollout_tool_calls_total",
+                                "Tool call blocks in the turns of episodes whose environment "
+                                "declared tools, in calls."));
+  ASSIGN_OR_RETURN(m.tool_call_failures,
+                   r.AddCounter("grpo_rollout_tool_call_failures_total",
+                                "Malformed tool call blocks, answered with an error observation, "
+                                "in calls.",
+                                {Label("reason", kMalformedToolCallReasons)}));
   return m;
 }
 

@@ -30,8 +30,11 @@ inline constexpr std::array<std::string_view, 2> kRewardErrorKinds = {"error", "
 // How an environment call failed (rollout::EnvErrorKind) and how an episode ended.
 inline constexpr std::array<std::string_view, 3> kEnvErrorKinds = {"timeout", "unavailable",
                                                                    "error"};
-inline constexpr std::array<std::string_view, 5> kEpisodeEnds = {"done", "env_truncated",
-                                                                 "max_turns", "length", "error"};
+// common::MalformedToolCallReasonName's values.
+inline constexpr std::array<std::string_view, 4> kMalformedToolCallReasons = {
+    "not_json", "no_name", "arguments_not_object", "unclosed_tag"};
+inline constexpr std::array<std::string_view, 6> kEpisodeEnds = {
+    "done", "env_truncated", "max_turns", "length", "error", "stopped"};
 
 // The learner's families. Gauges hold the latest optimizer step's value.
 struct LearnerMetrics {
@@ -139,6 +142,10 @@ struct WorkerMetrics {
   Counter* episode_turns = nullptr;
   // grpo_rollout_env_errors_total{kind}: environment calls (reset, step, open) that failed
   Counter* env_errors = nullptr;
+  // grpo_rollout_tool_calls_total: <tool_call> blocks in turns of episodes with tools
+  Counter* tool_calls = nullptr;
+  // grpo_rollout_tool_call_failures_total{reason}: malformed ones, answered by the worker
+  Counter* tool_call_failures = nullptr;
 };
 
 }  // namespace grpo::common

@@ -6,6 +6,7 @@ makes one ``EnvClass()`` per episode and calls, on that stream's thread:
 
     env.reset(row: dict, seed: int) -> Observation | str | None
     env.step(action: str) -> Observation | str | None
+    env.step(action: str, tool_calls: list[dict]) -> ...   # when the reset declared tools
     env.close()                      # optional: when the episode's stream ends, however it ends
 
 ``row`` is the dataset row (a dict), ``seed`` the episode's seed (the same for a replayed
@@ -17,6 +18,12 @@ reached, or when the worker goes away (the stream ends and ``close()`` runs).
 A method that raises fails the call: the worker gets the error (as "ExceptionType: message"),
 counts it as an environment error and ends the episode. A method that outlasts the worker's step
 deadline makes the worker cancel the episode; the method still runs to its end here.
+
+Tools: a reset that returns ``Observation(tools=[{...function schema...}])`` makes the worker
+parse every turn's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks and pass
+the well-formed ones to ``step(action, tool_calls)`` as ``[{"name": str, "arguments": dict}]``
+(empty: the turn called none). A turn with a malformed block never reaches ``step``: the worker
+answers it with an error message for the model and counts it.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ class Observation:
     done: bool = False
     truncated: bool = False
     metadata: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # reset only: the tools offered (function schemas)
 
 
 def _as_observation(out: Any, method: str) -> Observation:
@@ -113,6 +121,10 @@ def to_proto(obs: Observation) -> Any:
         if not isinstance(obs.metadata, Mapping):
             raise TypeError(f"metadata is a {type(obs.metadata).__name__}, not a dict")
         out.metadata_json = json.dumps(dict(obs.metadata))
+    for i, tool in enumerate(obs.tools or ()):
+        if not isinstance(tool, Mapping):
+            raise TypeError(f"tool {i} is a {type(tool).__name__}, not a dict")
+        out.tools_json.append(json.dumps(dict(tool)))
     return out
 
 
@@ -139,6 +151,7 @@ class _EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     def Episode(self, request_iterator: Iterator[Any],  # noqa: N802 (gRPC's name)
                 context: grpc.ServicerContext) -> Iterator[Any]:
         env: Any = None
+        tools_declared = False  # the reset offered tools: steps get the parsed calls
         try:
             for action in request_iterator:
                 kind = action.WhichOneof("action")
@@ -151,10 +164,18 @@ class _EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
                         if not isinstance(row, dict):
                             raise ValueError("the reset's row_json is not a JSON object")
                         obs = _as_observation(_call(env.reset, row, action.reset.seed), "reset")
+                        tools_declared = bool(obs.tools)
                     elif kind == "step":
                         if env is None:
                             raise RuntimeError("a step before the reset")
-                        obs = _as_observation(_call(env.step, action.step.text), "step")
+                        if tools_declared:
+                            calls = [{"name": c.name,
+                                      "arguments": json.loads(c.arguments_json or "{}")}
+                                     for c in action.step.tool_calls]
+                            obs = _as_observation(_call(env.step, action.step.text, calls),
+                                                  "step")
+                        else:
+                            obs = _as_observation(_call(env.step, action.step.text), "step")
                     else:
                         raise RuntimeError("an action with neither reset nor step")
                     answer = to_proto(obs)

@@ -19,6 +19,7 @@
 
 #include "common/status.h"
 #include "common/tokenizer/chat_template.h"
+#include "common/tokenizer/tool_calls.h"
 
 namespace grpo::rollout {
 
@@ -34,6 +35,12 @@ struct EnvObservation {
   bool done = false;             // the episode ended (the task is over)
   bool truncated = false;        // the environment cut the episode short
   nlohmann::json metadata;       // object or null; the last one reaches the reward functions
+  // Reset only: the tools the environment offers (JSON function schemas, as in a chat template's
+  // `tools`). When there are any, every model turn is parsed for <tool_call> blocks
+  // (common/tokenizer/tool_calls.h): well-formed calls reach StepToolCalls, and a turn with a
+  // malformed one is answered by the worker with an error observation, the environment not
+  // stepped (rollout/env/episode.h).
+  std::vector<nlohmann::json> tools;
 };
 
 // How a Reset or Step call failed, from its Status: the `kind` label of
@@ -58,6 +65,15 @@ class EnvSession {
   // out).
   virtual StatusOr<EnvObservation> Step(const std::string& action,
                                         std::chrono::steady_clock::time_point deadline) = 0;
+  // A step of an environment that declared tools: the turn's text and its well-formed tool calls
+  // (empty: the turn called none, e.g. a final answer). Default: Step(action), the environment
+  // parsing the text itself.
+  virtual StatusOr<EnvObservation> StepToolCalls(const std::string& action,
+                                                 const std::vector<common::ToolCall>& calls,
+                                                 std::chrono::steady_clock::time_point deadline) {
+    (void)calls;
+    return Step(action, deadline);
+  }
 };
 
 // A source of sessions. Thread-safe: Open may be called concurrently.
@@ -69,17 +85,25 @@ class Environment {
   virtual StatusOr<std::unique_ptr<EnvSession>> Open() = 0;
 };
 
-// An in-process environment from two functions (tests, built-in tasks). Each session gets its own
-// copy of a state object (json, initially null) that reset and step read and write. Its sessions
-// borrow the functions: the environment must outlive them.
+// An in-process environment from two functions, three with StepToolCalls (tests, built-in tasks).
+// Each session gets its own copy of a state object (json, initially null) that reset and step read
+// and write. Its sessions borrow the functions: the environment must outlive them.
 class FunctionEnvironment : public Environment {
  public:
   using ResetFn = std::function<StatusOr<EnvObservation>(const nlohmann::json& row, uint64_t seed,
                                                          nlohmann::json& state)>;
   using StepFn =
       std::function<StatusOr<EnvObservation>(const std::string& action, nlohmann::json& state)>;
-  FunctionEnvironment(std::string name, ResetFn reset, StepFn step)
-      : name_(std::move(name)), reset_(std::move(reset)), step_(std::move(step)) {}
+  // StepToolCalls; null = Step.
+  using StepToolCallsFn = std::function<StatusOr<EnvObservation>(
+      const std::string& action, const std::vector<common::ToolCall>& calls,
+      nlohmann::json& state)>;
+  FunctionEnvironment(std::string name, ResetFn reset, StepFn step,
+                      StepToolCallsFn step_tool_calls = nullptr)
+      : name_(std::move(name)),
+        reset_(std::move(reset)),
+        step_(std::move(step)),
+        step_tool_calls_(std::move(step_tool_calls)) {}
 
   std::string name() const override { return name_; }
   StatusOr<std::unique_ptr<EnvSession>> Open() override;
@@ -88,6 +112,7 @@ class FunctionEnvironment : public Environment {
   const std::string name_;
   const ResetFn reset_;
   const StepFn step_;
+  const StepToolCallsFn step_tool_calls_;
 };
 
 }  // namespace grpo::rollout

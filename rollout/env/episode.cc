@@ -46,19 +46,17 @@ struct Episode {
   Completion completion;
   std::string last_turn;  // text of the latest model turn
   double reward = 0.0;
-  bool rewarded = false;  // some observation gave a reward
   nlohmann::json metadata;
   bool live = true;
+  bool uses_tools = false;  // the environment declared tools at reset
+  ToolCallCounts tools;
   Status error;  // the environment's failure, or one of its observations that cannot be shown
 };
 
 // Appends an observation to `e` or ends the episode; `turn` is the model turn just stepped.
 void ApplyObservation(const EpisodeOptions& options, int64_t max_completion_length, int64_t turn,
                       const EnvObservation& obs, Episode& e, EpisodeCounts& counts) {
-  if (obs.reward) {
-    e.reward += *obs.reward;
-    e.rewarded = true;
-  }
+  if (obs.reward) e.reward += *obs.reward;
   if (!obs.metadata.is_null()) e.metadata = obs.metadata;
   if (obs.done || obs.truncated || turn + 1 >= options.max_turns) {
     (obs.done ? counts.done : obs.truncated ? counts.env_truncated : counts.max_turns) += 1;
@@ -198,15 +196,27 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
     } else if (obs->done || obs->truncated) {
       e.error = Status::FailedPrecondition("the environment ended the episode at reset");
     } else {
-      if (obs->reward) {
-        e.reward += *obs->reward;
-        e.rewarded = true;
-      }
+      if (obs->reward) e.reward += *obs->reward;
       if (!obs->metadata.is_null()) e.metadata = obs->metadata;
+      e.uses_tools = !obs->tools.empty();
       return;
     }
     e.live = false;
+    e.session.reset();
   });
+  // A failed episode fails its group: the group's other episodes stop too (nothing of it trains).
+  const auto stop_failed_groups = [&] {
+    std::vector<bool> failed(valid.size(), false);
+    for (const Episode& e : episodes) failed[e.group] = failed[e.group] || !e.error.ok();
+    for (Episode& e : episodes) {
+      if (failed[e.group] && e.live) {
+        e.live = false;
+        e.session.reset();
+        counts.stopped += 1;
+      }
+    }
+  };
+  stop_failed_groups();
 
   int64_t oldest_version = -1;
   for (int64_t turn = 0;; ++turn) {
@@ -257,7 +267,9 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
     std::vector<std::optional<StatusOr<EnvObservation>>> results(stepped.size());
     ForEachConcurrently(stepped.size(), options.max_concurrent_sessions, [&](size_t j) {
       Episode& e = episodes[stepped[j]];
-      results[j] = e.session->Step(e.last_turn, Clock::now() + options.step_timeout);
+      const auto deadline = Clock::now() + options.step_timeout;
+      results[j] = e.uses_tools ? StepToolTurn(*e.session, e.last_turn, deadline, &e.tools)
+                                : e.session->Step(e.last_turn, deadline);
     });
     for (size_t j = 0; j < stepped.size(); ++j) {
       Episode& e = episodes[stepped[j]];
@@ -269,12 +281,16 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
       }
       if (!e.live) e.session.reset();  // the episode is over: free the environment's session
     }
+    stop_failed_groups();
   }
   if (oldest_version >= 0) out.policy_version = oldest_version;
 
   // Groups: a failed episode fails its group (the prompt is leased again).
   std::vector<std::vector<Episode*>> by_input(inputs.size());
-  for (Episode& e : episodes) by_input[valid[e.group]].push_back(&e);
+  for (Episode& e : episodes) {
+    by_input[valid[e.group]].push_back(&e);
+    counts.tools.Add(e.tools);
+  }
   out.groups.reserve(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     Status failed = prompt_errors[i];
@@ -298,7 +314,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
       e->completion.text = e->last_turn;
       group.completions.push_back(std::move(e->completion));
       feedback.push_back(
-          {e->rewarded ? std::optional<double>(e->reward) : std::nullopt, std::move(e->metadata)});
+          {e->reward, std::move(e->metadata)});  // the sum; 0 when the environment gave none
     }
     RewardCallReport report;
     if (rewards != nullptr) {

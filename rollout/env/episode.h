@@ -16,6 +16,7 @@
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "rollout/env/environment.h"
+#include "rollout/env/tool_turn.h"
 #include "rollout/generator.h"
 #include "rollout/produce.h"
 #include "rollout/reward.h"
@@ -51,8 +52,10 @@ struct EpisodeCounts {
   int64_t env_truncated = 0;              // the environment said truncated
   int64_t max_turns = 0;                  // ended by max_turns
   int64_t length_truncated = 0;           // a turn or an observation hit max_completion_length
+  int64_t stopped = 0;                    // another episode of its group failed: stopped unfinished
   int64_t observation_tokens = 0;         // environment tokens appended
   std::map<std::string, int64_t> errors;  // by EnvErrorKind
+  ToolCallCounts tools;                   // of episodes whose environment declared tools
 };
 
 // The seed of episode `generation` of the prompt with seed index `seed_index`.
@@ -61,10 +64,11 @@ uint64_t EpisodeSeed(uint64_t seed, int64_t seed_index, int64_t generation);
 // Runs num_generations episodes of every input: Reset(row, EpisodeSeed(...)), then turns until
 // each ends (done or truncated by the environment, max_turns, max_completion_length over the
 // whole episode, model and environment tokens together: a turn cut by it, or an observation that
-// would overflow it (not appended), ends the episode as truncated). Then the group is scored by
-// `rewards` (null: not scored) with each episode's summed environment reward and last metadata
-// in RewardInput. An episode whose environment fails (EnvErrorKind) fails its group with that
-// error, so its prompt is leased again, not trained on cut short. Whole-call errors: the
+// would overflow it (not appended), ends the episode as truncated). An environment that declared
+// tools at reset is stepped through StepToolTurn (rollout/env/tool_turn.h). Then the group is
+// scored by `rewards` (null: not scored) with each episode's summed environment reward and last
+// metadata in RewardInput. An episode whose environment fails (EnvErrorKind) fails its group with
+// that error, so its prompt is leased again, not trained on cut short. Whole-call errors: the
 // Generator's (InvalidArgument, Internal). The group's policy_version is the oldest snapshot any
 // of its turns used. Thread-safe as Produce.
 StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const RewardRunner* rewards,

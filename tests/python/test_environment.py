@@ -69,6 +69,30 @@ class Counter:
             Counter.closed.append(self.seed)
 
 
+class Tools:
+    """Declares a calculator at reset; step gets the worker's parsed calls."""
+    def reset(self, row: dict[str, Any], seed: int) -> grpo_serve.Observation:
+        return grpo_serve.Observation(tools=[{"name": "calculator"}])
+
+    def step(self, action: str, tool_calls: list[dict[str, Any]]) -> str:
+        return json.dumps(tool_calls)
+
+
+def test_declared_tools_reach_the_worker_and_steps_get_the_parsed_calls() -> None:
+    with grpo_serve.serve_environment(Tools, port=0) as server:
+        ep = Episode(server)
+        obs = ep.reset({})
+        assert [json.loads(t) for t in obs.tools_json] == [{"name": "calculator"}]
+        step = environment_pb2.EnvStep(text="t", tool_calls=[
+            environment_pb2.EnvToolCall(name="calculator", arguments_json='{"x": 1}'),
+            environment_pb2.EnvToolCall(name="calculator")])
+        obs = ep.send(step=step)
+        assert json.loads(obs.messages[0].content) == [
+            {"name": "calculator", "arguments": {"x": 1}},
+            {"name": "calculator", "arguments": {}}]
+        ep.close()
+
+
 def test_an_episode_resets_steps_and_ends_with_the_reward() -> None:
     with grpo_serve.serve_environment(Counter, port=0) as server:
         ep = Episode(server)

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -300,6 +301,33 @@ TEST(Episodes, AFailingEnvironmentFailsItsGroupWithTheErrorKindCounted) {
   EXPECT_NE(result->groups[1].group.status().message().find("connection reset"), std::string::npos);
   EXPECT_EQ(counts.errors["unavailable"], 3);
   EXPECT_EQ(counts.done, 3);
+}
+
+// The first step of all fails: its group fails, and its two other episodes are stepped no more.
+TEST(Episodes, AFailedEpisodeStopsTheOtherEpisodesOfItsGroup) {
+  Fixture f;
+  auto steps = std::make_shared<std::atomic<int>>(0);
+  FunctionEnvironment env(
+      "fails_once",
+      [](const json&, uint64_t, json&) -> StatusOr<EnvObservation> { return EnvObservation{}; },
+      [steps](const std::string&, json&) -> StatusOr<EnvObservation> {
+        if (steps->fetch_add(1) == 0) return Status::Unavailable("gone");
+        EnvObservation obs;
+        obs.messages = {{"user", "go on"}};
+        return obs;
+      });
+  EpisodeOptions o = f.Options(4);
+  o.max_concurrent_sessions = 1;  // steps in order: the first stepped episode fails
+  EpisodeCounts counts;
+  auto result = ProduceEpisodes(*f.generator, nullptr, env, o, {{&f.prompt, 1}}, &counts);
+  ASSERT_TRUE(result.ok());
+  ASSERT_FALSE(result->groups[0].group.ok());
+  EXPECT_EQ(result->groups[0].group.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(counts.errors["unavailable"], 1);
+  // The siblings were stepped in the same round at most, then stopped (or cut by the budget).
+  EXPECT_LE(steps->load(), 3);
+  EXPECT_EQ(counts.stopped + counts.length_truncated, 2);
+  EXPECT_EQ(counts.done + counts.max_turns, 0);
 }
 
 TEST(Episodes, AResetThatShowsMessagesIsRefusedSayingWhereThePromptGoes) {

@@ -232,6 +232,56 @@ TEST_F(EnvironmentGrpcTest, AStepTheEnvironmentFailsIsAnErrorWithItsMessage) {
   EXPECT_EQ(session->Step("walk", Within()).status().code(), StatusCode::kFailedPrecondition);
 }
 
+// An environment that declares a tool at reset gets each turn's calls as structured calls over
+// the stream (EnvStep.tool_calls), the reset's tools reach the worker (tools_json), and a
+// session that declared none gets plain steps.
+TEST_F(EnvironmentGrpcTest, DeclaredToolsAndStructuredCallsCrossTheStream) {
+  auto seen = std::make_shared<std::vector<std::vector<common::ToolCall>>>();
+  auto server = EnvironmentServer::Start(
+      "127.0.0.1:0",
+      std::make_unique<rollout::FunctionEnvironment>(
+          "tools",
+          [](const json& row, uint64_t, json&) {
+            rollout::EnvObservation obs;
+            if (row.value("tools", true)) obs.tools = {json{{"name", "calculator"}}};
+            return obs;
+          },
+          [](const std::string& action, json&) -> StatusOr<rollout::EnvObservation> {
+            rollout::EnvObservation obs;
+            obs.messages.push_back({"tool", "plain: " + action});
+            return obs;
+          },
+          [seen](const std::string&, const std::vector<common::ToolCall>& calls,
+                 json&) -> StatusOr<rollout::EnvObservation> {
+            seen->push_back(calls);
+            rollout::EnvObservation obs;
+            obs.messages.push_back({"tool", std::to_string(calls.size()) + " calls"});
+            return obs;
+          }));
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  auto env = Connect(Address((*server)->port()));
+  auto session = OpenSession(*env);
+  auto reset = session->Reset(json::object(), 1, Within());
+  ASSERT_TRUE(reset.ok()) << reset.status().ToString();
+  EXPECT_EQ(reset->tools, (std::vector<json>{json{{"name", "calculator"}}}));
+  common::ToolCall call;
+  call.name = "calculator";
+  call.arguments = json{{"expression", "2+3"}};
+  auto obs = session->StepToolCalls("text", {call, call}, Within());
+  ASSERT_TRUE(obs.ok()) << obs.status().ToString();
+  EXPECT_EQ(obs->messages.at(0).content, "2 calls");
+  ASSERT_EQ(seen->size(), 1u);
+  ASSERT_EQ(seen->at(0).size(), 2u);
+  EXPECT_EQ(seen->at(0)[1].name, "calculator");
+  EXPECT_EQ(seen->at(0)[1].arguments, (json{{"expression", "2+3"}}));
+
+  auto plain = OpenSession(*env);
+  auto no_tools = plain->Reset(json{{"tools", false}}, 1, Within());
+  ASSERT_TRUE(no_tools.ok());
+  EXPECT_TRUE(no_tools->tools.empty());
+  EXPECT_EQ(plain->Step("walk", Within())->messages.at(0).content, "plain: walk");
+}
+
 // Counts its live sessions and records the time each step was given.
 class CountingEnvironment final : public rollout::Environment {
  public:

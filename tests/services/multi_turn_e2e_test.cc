@@ -81,10 +81,14 @@ TEST(MultiTurnE2E, APythonEnvironmentsObservationsAreTrainedAroundAsEnvironmentT
   ASSERT_TRUE(env_line.is_object() && env_line.contains("port")) << Tail(children.Err("env"));
   const std::string env = "grpc:127.0.0.1:" + std::to_string(env_line["port"].get<int>());
 
-  constexpr int kPrompts = 4, kSteps = 2, kBudget = 48;
+  // A random tiny policy seldom ends a turn early: 160 tokens let some first turns end and be
+  // answered (an observation is 22 tokens here).
+  constexpr int kPrompts = 4, kSteps = 2, kBudget = 160;
   {
     std::ofstream data(dir / "data.jsonl");
-    for (int i = 0; i < kPrompts; ++i) data << R"({"prompt": "talk )" << i << "\"}\n";
+    for (int i = 0; i < kPrompts; ++i) {
+      data << R"({"messages": [{"role": "user", "content": "talk )" << i << "\"}]}\n";
+    }
   }
   const fs::path dumps = dir / "dumps";
   children.Spawn(
@@ -142,7 +146,8 @@ TEST(MultiTurnE2E, APythonEnvironmentsObservationsAreTrainedAroundAsEnvironmentT
         }
         const std::vector<int64_t>& turn = runs[k - 1].second;
         const std::string text = TurnText(turn);
-        if (grpo::common::FindInvalidUtf8(text)) continue;  // decoded lossily: not these bytes
+        if (grpo::common::internal::FindInvalidUtf8(text))
+          continue;  // decoded lossily: not these bytes
         EXPECT_EQ(runs[k].second, ToolTurnIds(std::to_string(text.size()), turn.back() == kImEnd))
             << "step " << step << " row " << r << " observation " << (k + 1) / 2;
         ++observations_checked;
