@@ -104,7 +104,7 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
       inputs.push_back({&prompts[p], static_cast<int64_t>(p)});
     }
     rollout::EpisodeOptions eo;
-    eo.max_turns = shape.max_turns;
+    eo.max_turns = o.max_turns > 0 ? o.max_turns : shape.max_turns;
     eo.max_concurrent_sessions = 16;
     eo.end_of_turn_id = 0;
     eo.render = [vocab](const std::vector<common::ChatMessage>& m,
@@ -179,7 +179,8 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
                   {"s_min", t.min},
                   {"s_max", t.max},
                   {"reps", o.reps},
-                  {"intra_op_threads", at::get_num_threads()}};
+                  {"intra_op_threads", at::get_num_threads()},
+                  {"max_turns", eo.max_turns}};
       if (c.impl == "single_turn") {
         row["rows"] = shape.prompts * shape.g;
         row["prompt_tokens"] = shape.prompt_tokens;
@@ -203,8 +204,10 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
     for (auto& r : rows) std::cout << r.dump() << "\n";
     return 0;
   }
-  std::cout << "episodes: one process, ProduceEpisodes; tiny: 4 prompts x G=8, prompt 32, 4 turns "
-               "of ~24 tokens, observations 24; bench: 2 x 8, prompt 64, 4 turns of ~32, "
+  const std::string turns = o.max_turns > 0 ? std::to_string(o.max_turns) : "4";
+  std::cout << "episodes: one process, ProduceEpisodes; tiny: 4 prompts x G=8, prompt 32, " << turns
+            << " turns of ~24 tokens, observations 24; bench: 2 x 8, prompt 64, " << turns
+            << " turns of ~32, "
                "observations 32; median of "
             << o.reps << " interleaved reps, " << at::get_num_threads() << " intra-op thread(s)\n"
             << std::fixed;

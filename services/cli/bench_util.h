@@ -79,7 +79,8 @@ int BenchE2e(const ServiceBenchOptions& o);
 struct EpisodesBenchOptions {
   bool json = false;
   int reps = 5;
-  bool fast = false;  // the tiny model only
+  bool fast = false;      // the tiny model only
+  int64_t max_turns = 0;  // 0 = 4
 };
 int BenchEpisodes(const EpisodesBenchOptions& o);
 

@@ -434,7 +434,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
     int64_t G = 4, micro = 4;
     int reps = 5;  // docs/BENCHMARKS.md: median of at least 5
     std::vector<int64_t> gs = {4, 8, 16, 32, 64};
-    int64_t workers = 0, steps = 0, groups = 0;
+    int64_t workers = 0, steps = 0, groups = 0, max_turns = 0;
     bool gradient_checkpointing = false;
     int64_t layers = 0;
     bool fast = false;
@@ -468,6 +468,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
                   "e2e: optimizer steps per run with num_iterations 1 (default 24)");
   cmd->add_option("--groups", o->groups,
                   "ingest: groups each worker pushes per repetition (default 128)");
+  cmd->add_option("--max_turns", o->max_turns, "episodes: model turns per episode (default 4)");
   cmd->add_flag("--fast", o->fast,
                 "peer_trl: the quick configuration (tiny model, fewer steps); episodes: the tiny "
                 "model only");
@@ -506,6 +507,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
         eo.json = o->json;
         eo.reps = o->reps;
         eo.fast = o->fast;
+        eo.max_turns = o->max_turns;
         return bench::BenchEpisodes(eo);
       }
       if (o->name == "sharding") {
