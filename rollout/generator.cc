@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <optional>
 #include <string>
 #include <unordered_set>
 #include <utility>
@@ -27,23 +28,35 @@ class Stepper {
   virtual at::Tensor Step(const at::Tensor& tokens) = 0;
   // Keeps the current rows `rows` ([A'] int64, indices into the current rows).
   virtual Status Keep(const at::Tensor& rows) = 0;
+  // The KV cache of the current rows; null without one.
+  virtual const KvCache* cache() const { return nullptr; }
 };
 
+// With a `prefix` (P rows, room for the prompts and the completions), Start appends the prompts
+// to it instead of to a new cache.
 class KvStepper final : public Stepper {
  public:
-  explicit KvStepper(const Model& model) : model_(model) {}
+  explicit KvStepper(const Model& model, std::optional<KvCache> prefix = std::nullopt)
+      : model_(model), prefix_(std::move(prefix)) {}
   at::Tensor Start(const at::Tensor& ids, const at::Tensor& mask, int64_t g,
                    int64_t capacity) override {
-    KvCache prompt_cache = model_.NewCache(ids.size(0), capacity);
+    KvCache prompt_cache = prefix_ ? std::move(*prefix_) : model_.NewCache(ids.size(0), capacity);
+    prefix_.reset();
     at::Tensor logits = model_.Prefill(ids, mask, prompt_cache);  // [P, V]
-    cache_ = model_.ExpandCache(prompt_cache, g);                 // P * g rows
+    if (g == 1) {
+      cache_ = std::move(prompt_cache);
+      return logits;
+    }
+    cache_ = model_.ExpandCache(prompt_cache, g);  // P * g rows
     return logits.repeat_interleave(g, 0);
   }
   at::Tensor Step(const at::Tensor& tokens) override { return model_.DecodeStep(tokens, cache_); }
   Status Keep(const at::Tensor& rows) override { return model_.KeepRows(cache_, rows); }
+  const KvCache* cache() const override { return &cache_; }
 
  private:
   const Model& model_;
+  std::optional<KvCache> prefix_;
   KvCache cache_;
 };
 
@@ -105,6 +118,36 @@ StatusOr<std::string> DecodeKnown(const common::Tokenizer& tokenizer,
 }
 
 }  // namespace
+
+// Continue's rows with a TurnCache. In: per context, the held dense row to start from (empty =
+// none) and how many of its leading tokens to reuse (a prefix of the context, shorter than it).
+// Out: per row, its keys/values of context + completion without the last token (never fed).
+struct Generator::TurnRows {
+  std::vector<KvCache> held;   // one per context; freed once stacked
+  std::vector<int64_t> reuse;  // one per context
+  std::vector<KvCache> kept;   // one per row
+};
+
+int64_t TurnCache::num_tokens() const {
+  int64_t n = 0;
+  for (const auto& [key, e] : rows_) n += static_cast<int64_t>(e.tokens.size());
+  return n;
+}
+
+int64_t TurnCache::bytes() const {
+  int64_t n = 0;
+  for (const auto& [key, e] : rows_) {
+    for (const auto& k : e.kv.keys) n += static_cast<int64_t>(k.nbytes());
+    for (const auto& v : e.kv.values) n += static_cast<int64_t>(v.nbytes());
+  }
+  return n;
+}
+
+void TurnCache::Clear() {
+  rows_.clear();
+  version_ = -1;
+  model_ = nullptr;
+}
 
 GeneratorOptions GeneratorOptions::FromConfig(const common::GrpoConfig& config) {
   GeneratorOptions o;
@@ -266,7 +309,8 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
   return result;
 }
 
-StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& rows) const {
+StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& rows,
+                                             TurnCache* cache) const {
   std::shared_ptr<const Model> model;
   ContinueResult result;
   {
@@ -299,9 +343,47 @@ StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& ro
                                     ContinuationStream(row.generation, row.turn)));
     max_new.push_back(row.max_new_tokens);
   }
+  // Rows held for this snapshot start from their longest common prefix with the new context
+  // (at least one token is left to prefill: it gives the first logits); all others are freed.
+  std::optional<TurnRows> turn;
+  if (cache != nullptr) {
+    if (cache->version_ != result.policy_version || cache->model_ != model.get()) cache->Clear();
+    turn.emplace();
+    turn->held.resize(rows.size());
+    turn->reuse.assign(rows.size(), 0);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      auto node = cache->rows_.extract({rows[i].seed_index, rows[i].generation});
+      if (node.empty()) continue;
+      const std::vector<int32_t>& held = node.mapped().tokens;
+      const std::vector<int32_t>& ctx = contexts[i];
+      const size_t limit = std::min(held.size(), ctx.size() - 1);
+      size_t n = 0;
+      while (n < limit && held[n] == ctx[n]) ++n;
+      if (n == 0) continue;
+      turn->held[i] = std::move(node.mapped().kv);
+      turn->reuse[i] = static_cast<int64_t>(n);
+      result.num_cached_tokens += static_cast<int64_t>(n);
+    }
+    cache->Clear();
+  }
+  for (const auto& c : contexts) result.num_prefill_tokens += static_cast<int64_t>(c.size());
+  result.num_prefill_tokens -= result.num_cached_tokens;
   if (rows.empty()) return result;
   ASSIGN_OR_RETURN(result.completions, Decode(*model, contexts, /*g=*/1, std::move(gens), max_new,
-                                              /*use_cache=*/true, &result.num_completion_tokens));
+                                              /*use_cache=*/true, &result.num_completion_tokens,
+                                              turn ? &*turn : nullptr));
+  if (cache != nullptr) {
+    for (size_t i = 0; i < rows.size(); ++i) {
+      TurnCache::Entry e;
+      e.tokens = contexts[i];
+      const std::vector<int32_t>& done = result.completions[i].token_ids;
+      e.tokens.insert(e.tokens.end(), done.begin(), done.end() - 1);
+      e.kv = std::move(turn->kept[i]);
+      cache->rows_[{rows[i].seed_index, rows[i].generation}] = std::move(e);
+    }
+    cache->version_ = result.policy_version;
+    cache->model_ = model.get();
+  }
   return result;
 }
 
@@ -313,8 +395,8 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model,
                                                     const std::vector<std::vector<int32_t>>& ids,
                                                     int64_t g, std::vector<at::Generator> gens,
                                                     const std::vector<int64_t>& row_max_new,
-                                                    bool use_cache,
-                                                    int64_t* num_completion_tokens) const {
+                                                    bool use_cache, int64_t* num_completion_tokens,
+                                                    TurnRows* turn) const {
   const common::ModelConfig& cfg = model.config();
   const int64_t vocab = cfg.vocab_size;
   std::unordered_set<int64_t> stop_ids(options_.stop_token_ids.begin(),
@@ -332,16 +414,21 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model,
     at::NoGradGuard no_grad;
     const at::Device device = model.LmHeadWeight().device();
     const int64_t num_prompts = static_cast<int64_t>(ids.size());
+    // Each prompt's tokens to prefill: all, or those after the ones `turn` holds.
+    std::vector<int64_t> skip(num_prompts, 0);
+    if (turn != nullptr) skip = turn->reuse;
     int64_t max_len = 0;
-    for (const auto& p : ids) max_len = std::max<int64_t>(max_len, p.size());
+    for (int64_t i = 0; i < num_prompts; ++i) {
+      max_len = std::max<int64_t>(max_len, ids[i].size() - skip[i]);
+    }
 
     // Left-padded prompts [P, L] (pad id 0, masked out).
     at::Tensor prompt_ids = at::zeros({num_prompts, max_len}, at::kLong);
     at::Tensor prompt_mask = at::zeros({num_prompts, max_len}, at::kBool);
     for (int64_t i = 0; i < num_prompts; ++i) {
-      const int64_t len = static_cast<int64_t>(ids[i].size());
+      const int64_t len = static_cast<int64_t>(ids[i].size()) - skip[i];
       auto dst = prompt_ids.accessor<int64_t, 2>();
-      for (int64_t j = 0; j < len; ++j) dst[i][max_len - len + j] = ids[i][j];
+      for (int64_t j = 0; j < len; ++j) dst[i][max_len - len + j] = ids[i][skip[i] + j];
       prompt_mask[i].narrow(0, max_len - len, len).fill_(true);
     }
 
@@ -353,17 +440,24 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model,
     // Tokens of prompt + completion so far, for the repetition penalty: [A, V] bool.
     at::Tensor seen;
     if (options_.sampling.uses_penalty()) {
-      // Padding points at the row's last (always real) prompt token.
-      at::Tensor index =
-          at::where(prompt_mask, prompt_ids, prompt_ids.narrow(1, max_len - 1, 1));  // [P, L]
-      seen = at::zeros({num_prompts, vocab}, at::kBool)
-                 .scatter_(1, index, true)
-                 .repeat_interleave(g, 0)
-                 .to(device);
+      seen = at::zeros({num_prompts, vocab}, at::kBool);  // every prompt token, held or not
+      auto dst = seen.accessor<bool, 2>();
+      for (int64_t i = 0; i < num_prompts; ++i) {
+        for (int32_t t : ids[i]) dst[i][t] = true;
+      }
+      seen = seen.repeat_interleave(g, 0).to(device);
     }
 
     std::unique_ptr<Stepper> stepper;
-    if (use_cache) {
+    if (turn != nullptr) {
+      std::vector<const KvCache*> held;
+      for (const KvCache& h : turn->held) held.push_back(&h);
+      const int64_t held_len = *std::max_element(skip.begin(), skip.end());
+      KvCache prefix = model.StackRows(held, skip, held_len + max_len + max_new);
+      turn->held.clear();  // copied into `prefix`: free them before decoding
+      turn->kept.resize(num_prompts * g);
+      stepper = std::make_unique<KvStepper>(model, std::move(prefix));
+    } else if (use_cache) {
       stepper = std::make_unique<KvStepper>(model);
     } else {
       stepper = std::make_unique<RecomputeStepper>(model);
@@ -434,7 +528,13 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model,
             done = true;
           }
         }
-        if (!done) keep.push_back(a);
+        if (!done) {
+          keep.push_back(a);
+        } else if (turn != nullptr) {
+          // Its tokens so far except the last one, which was sampled but never fed.
+          const int64_t fed = static_cast<int64_t>(ids[active[a] / g].size() + c.token_ids.size());
+          turn->kept[active[a]] = model.CompactRow(*stepper->cache(), a, fed - 1);
+        }
       }
       if (keep.empty()) break;
       at::Tensor next = window_tokens.back();  // [A] on the device

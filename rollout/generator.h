@@ -4,8 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/config.h"
@@ -76,6 +78,43 @@ struct ContinueResult {
   std::vector<common::Completion> completions;  // one per row, in order (truncated = hit its
                                                 // max_new_tokens)
   int64_t num_completion_tokens = 0;
+  int64_t num_prefill_tokens = 0;  // context tokens run through the model before decoding
+  int64_t num_cached_tokens = 0;   // context tokens whose keys/values came from a TurnCache
+};
+
+// The KV caches of multi-turn rows between their Continue calls, so that a row's next turn
+// prefills only what was appended since (its last generated token and the observation) instead
+// of its whole context. Entries are keyed by (seed_index, generation) and hold the exact token
+// ids their keys/values were computed from; a row reuses the longest common prefix of those
+// ids and its new context, so a wrong key or an edited context costs speed, never correctness.
+// Memory: per row, 2 x layers x kv_heads x head_dim values of the policy's dtype on its device
+// per token of context + completion, held from the end of a Continue call until the next call
+// with this cache (which frees the rows it does not continue and replaces the others), Clear,
+// a policy change (the next call drops everything and prefills whole contexts), or destruction.
+// Not thread-safe: one per caller (e.g. one per ProduceEpisodes call); movable, not copyable.
+class TurnCache {
+ public:
+  TurnCache() = default;
+  TurnCache(TurnCache&&) = default;
+  TurnCache& operator=(TurnCache&&) = default;
+  TurnCache(const TurnCache&) = delete;
+  TurnCache& operator=(const TurnCache&) = delete;
+
+  int64_t policy_version() const { return version_; }  // of the held rows; -1 = none yet
+  int64_t num_rows() const { return static_cast<int64_t>(rows_.size()); }
+  int64_t num_tokens() const;  // tokens whose keys/values are held, over all rows
+  int64_t bytes() const;       // keys and values held, over all rows
+  void Clear();
+
+ private:
+  friend class Generator;
+  struct Entry {
+    std::vector<int32_t> tokens;  // the ids of the held columns, in order
+    common::KvCache kv;           // one dense row (Model::CompactRow)
+  };
+  int64_t version_ = -1;
+  const common::Model* model_ = nullptr;  // identity only, never dereferenced
+  std::map<std::pair<int64_t, int64_t>, Entry> rows_;
 };
 
 // The sampler stream index of turn `turn` of generation `generation` (MakeRowGenerator's
@@ -120,10 +159,16 @@ class Generator {
 
   // One completion per row, each from its own context (no prompt truncation: a context may be
   // longer than max_prompt_length), stopping as Generate's rows do or at the row's
-  // max_new_tokens. The whole prefix is prefilled again (no KV cache is kept between calls).
-  // InvalidArgument naming the row (empty context, id outside the vocabulary, max_new_tokens
-  // out of range); Internal (libtorch).
-  StatusOr<ContinueResult> Continue(const std::vector<Continuation>& rows) const;
+  // max_new_tokens. Without `cache` the whole context is prefilled. With `cache` (borrowed; not
+  // shared with a concurrent call), rows whose earlier turn this cache holds, computed with this
+  // call's policy snapshot, prefill only the tokens after the held ones; afterwards the cache
+  // holds this call's rows (context + completion) and nothing else. A policy change empties it
+  // first. The results equal the no-cache path's up to float rounding (same tokens for the same
+  // seeds unless a sample falls within ~1e-6 of a boundary). InvalidArgument naming the row
+  // (empty context, id outside the vocabulary, max_new_tokens out of range); Internal
+  // (libtorch); on any error the cache is left empty.
+  StatusOr<ContinueResult> Continue(const std::vector<Continuation>& rows,
+                                    TurnCache* cache = nullptr) const;
 
   // Benchmark baseline (`grpo bench decode`): the same algorithm and results without a KV
   // cache: each step runs the full forward over every row's whole sequence.
@@ -143,14 +188,18 @@ class Generator {
                                const std::vector<int64_t>& prompt_indices, bool use_cache) const
       GRPO_EXCLUDES(mu_);
 
+  // Continue's kept keys/values in and out of Decode (g = 1, use_cache); defined in the .cc.
+  struct TurnRows;
+
   // The decode loop: g rows per context (prompt-major), row r sampling from gens[r] and stopping
-  // at row_max_new[r] tokens; adds the tokens generated to *num_completion_tokens.
+  // at row_max_new[r] tokens; adds the tokens generated to *num_completion_tokens. With `turn`,
+  // starts from its held rows and leaves each row's keys/values in it.
   StatusOr<std::vector<common::Completion>> Decode(const common::Model& model,
                                                    const std::vector<std::vector<int32_t>>& ids,
                                                    int64_t g, std::vector<at::Generator> gens,
                                                    const std::vector<int64_t>& row_max_new,
-                                                   bool use_cache,
-                                                   int64_t* num_completion_tokens) const;
+                                                   bool use_cache, int64_t* num_completion_tokens,
+                                                   TurnRows* turn = nullptr) const;
 
   const GeneratorOptions options_;
   const common::Tokenizer* const tokenizer_;  // borrowed, may be null

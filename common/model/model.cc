@@ -628,4 +628,59 @@ Status Model::KeepRows(KvCache& cache, const at::Tensor& row_indices) const {
   }
 }
 
+KvCache Model::CompactRow(const KvCache& cache, int64_t row, int64_t num_tokens) const {
+  TORCH_CHECK(row >= 0 && row < cache.batch(), "CompactRow: row ", row, " outside [0, ",
+              cache.batch(), ")");
+  TORCH_CHECK(num_tokens >= 0, "CompactRow: num_tokens ", num_tokens, " < 0");
+  at::NoGradGuard no_grad;
+  // Real columns of the row among the filled ones, in order: [num_tokens] int64.
+  at::Tensor cols = cache.key_mask[row].narrow(0, 0, cache.length).nonzero().squeeze(1);
+  TORCH_CHECK(cols.size(0) >= num_tokens, "CompactRow: row ", row, " holds ", cols.size(0),
+              " tokens, ", num_tokens, " asked");
+  cols = cols.narrow(0, 0, num_tokens);
+  KvCache out;
+  for (const auto& k : cache.keys) out.keys.push_back(k.narrow(0, row, 1).index_select(2, cols));
+  for (const auto& v : cache.values) {
+    out.values.push_back(v.narrow(0, row, 1).index_select(2, cols));
+  }
+  out.key_mask = at::ones({1, num_tokens}, cache.key_mask.options());
+  out.next_position = at::full({1}, num_tokens, cache.next_position.options());
+  out.length = num_tokens;
+  out.capacity = num_tokens;
+  return out;
+}
+
+KvCache Model::StackRows(const std::vector<const KvCache*>& rows,
+                         const std::vector<int64_t>& num_tokens, int64_t capacity) const {
+  TORCH_CHECK(rows.size() == num_tokens.size(), "StackRows: ", rows.size(), " rows, ",
+              num_tokens.size(), " token counts");
+  const int64_t b = static_cast<int64_t>(rows.size());
+  int64_t len = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t n = num_tokens[i];
+    TORCH_CHECK(n >= 0, "StackRows: row ", i, ": num_tokens ", n, " < 0");
+    if (n == 0) continue;
+    TORCH_CHECK(rows[i] != nullptr && rows[i]->batch() == 1 && rows[i]->length >= n,
+                "StackRows: row ", i, " does not hold ", n, " tokens in one row");
+    len = std::max(len, n);
+  }
+  TORCH_CHECK(capacity >= len && capacity > 0, "StackRows: capacity ", capacity, " < ", len);
+  at::NoGradGuard no_grad;
+  KvCache out = NewCache(b, capacity);
+  std::vector<int64_t> next(b, 0);
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t n = num_tokens[i];
+    if (n == 0) continue;
+    for (size_t li = 0; li < out.keys.size(); ++li) {
+      out.keys[li][i].narrow(1, len - n, n).copy_(rows[i]->keys[li][0].narrow(1, 0, n));
+      out.values[li][i].narrow(1, len - n, n).copy_(rows[i]->values[li][0].narrow(1, 0, n));
+    }
+    out.key_mask[i].narrow(0, len - n, n).fill_(true);
+    next[i] = n;
+  }
+  out.next_position.copy_(at::tensor(next, at::kLong));
+  out.length = len;
+  return out;
+}
+
 }  // namespace grpo::common

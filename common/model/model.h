@@ -109,6 +109,19 @@ class Model {
   // Keeps only rows `row_indices` ([B'] int64, in that order) so finished rows cost nothing.
   // InvalidArgument when an index is out of range.
   Status KeepRows(KvCache& cache, const at::Tensor& row_indices) const;
+  // Row `row` of `cache` as a new one-row DENSE cache: its first `num_tokens` real columns
+  // (key_mask true; padding and masked steps dropped), at columns [0, num_tokens), with length =
+  // capacity = num_tokens and next_position = num_tokens (a row's k-th real token has RoPE
+  // position k). Copies; `cache` is unchanged. TORCH_CHECKs the row and that it has that many.
+  KvCache CompactRow(const KvCache& cache, int64_t row, int64_t num_tokens) const;
+  // One cache of rows.size() rows and `capacity` columns to continue from: row i holds the first
+  // num_tokens[i] columns of the dense one-row cache *rows[i] (CompactRow's; null or 0 = an
+  // empty row), RIGHT-aligned at [L - num_tokens[i], L), L = max num_tokens, the columns before
+  // masked out, and next_position num_tokens[i]; length L. Prefill then appends LEFT-padded ids
+  // (each row's last column real) with each row's positions following its own tokens.
+  // TORCH_CHECKs sizes, that capacity >= L and that each row has its num_tokens.
+  KvCache StackRows(const std::vector<const KvCache*>& rows, const std::vector<int64_t>& num_tokens,
+                    int64_t capacity) const;
 
  private:
   struct Layer {

@@ -219,6 +219,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
   stop_failed_groups();
 
   int64_t oldest_version = -1;
+  TurnCache turn_cache;  // the live episodes' keys/values between turns
   for (int64_t turn = 0;; ++turn) {
     std::vector<size_t> live;
     std::vector<Continuation> rows;
@@ -240,7 +241,8 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
     }
     if (live.empty()) break;
     const auto t0 = Clock::now();
-    ASSIGN_OR_RETURN(ContinueResult next, generator.Continue(rows));
+    ASSIGN_OR_RETURN(ContinueResult next,
+                     generator.Continue(rows, options.keep_kv_cache ? &turn_cache : nullptr));
     out.generate_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
     out.num_completion_tokens += next.num_completion_tokens;
     oldest_version =

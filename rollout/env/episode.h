@@ -39,6 +39,10 @@ struct EpisodeOptions {
   int32_t end_of_turn_id = -1;  // the token that closes a model turn (<|im_end|>)
   ObservationRenderer render;   // not null
   uint64_t seed = 42;           // with (seed index, generation) seeds each episode's Reset
+  // Keep each episode's KV cache between its turns within one policy snapshot (Generator's
+  // TurnCache; freed when the call returns): a turn prefills only the tokens appended since the
+  // last. false: every turn prefills the whole episode again (the benchmark's baseline).
+  bool keep_kv_cache = true;
 
   // InvalidArgument naming the field.
   Status Validate() const;

@@ -75,6 +75,15 @@ int BenchWeightSync(const ServiceBenchOptions& o);
 int BenchIngest(const ServiceBenchOptions& o);
 int BenchE2e(const ServiceBenchOptions& o);
 
+// grpo bench episodes (services/cli/bench_episodes.cc).
+struct EpisodesBenchOptions {
+  bool json = false;
+  int reps = 5;
+  bool fast = false;      // the tiny model only
+  int64_t max_turns = 0;  // 0 = 4
+};
+int BenchEpisodes(const EpisodesBenchOptions& o);
+
 // A field of /proc/self/status ("VmRSS", "VmHWM") in bytes; 0 when absent.
 int64_t ProcStatusBytes(const char* key);
 

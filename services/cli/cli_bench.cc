@@ -422,10 +422,11 @@ int ExecPeerTrl(const std::vector<std::string>& flags) {
 }  // namespace
 
 void AddBenchCommand(CLI::App& app, CliAction* action) {
-  auto* cmd = app.add_subcommand("bench",
-                                 "Benchmarks (method: docs/BENCHMARKS.md in the "
-                                 "repository): logprob_memory | learner_step | "
-                                 "decode | weight_sync | ingest | e2e | sharding | peer_trl");
+  auto* cmd =
+      app.add_subcommand("bench",
+                         "Benchmarks (method: docs/BENCHMARKS.md in the "
+                         "repository): logprob_memory | learner_step | "
+                         "decode | episodes | weight_sync | ingest | e2e | sharding | peer_trl");
   struct Opts {
     std::string name;
     bool json = false, child = false;
@@ -433,7 +434,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
     int64_t G = 4, micro = 4;
     int reps = 5;  // docs/BENCHMARKS.md: median of at least 5
     std::vector<int64_t> gs = {4, 8, 16, 32, 64};
-    int64_t workers = 0, steps = 0, groups = 0;
+    int64_t workers = 0, steps = 0, groups = 0, max_turns = 0;
     bool gradient_checkpointing = false;
     int64_t layers = 0;
     bool fast = false;
@@ -443,11 +444,11 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   auto o = std::make_shared<Opts>();
   cmd->add_option(
          "name", o->name,
-         "logprob_memory | learner_step | decode | weight_sync | ingest | e2e | sharding | "
-         "peer_trl")
+         "logprob_memory | learner_step | decode | episodes | weight_sync | ingest | e2e | "
+         "sharding | peer_trl")
       ->required()
-      ->check(CLI::IsMember({"logprob_memory", "learner_step", "decode", "weight_sync", "ingest",
-                             "e2e", "sharding", "peer_trl"}));
+      ->check(CLI::IsMember({"logprob_memory", "learner_step", "decode", "episodes", "weight_sync",
+                             "ingest", "e2e", "sharding", "peer_trl"}));
   cmd->add_flag("--json", o->json, "one JSON object per row");
   cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)");
   cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
@@ -467,7 +468,10 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
                   "e2e: optimizer steps per run with num_iterations 1 (default 24)");
   cmd->add_option("--groups", o->groups,
                   "ingest: groups each worker pushes per repetition (default 128)");
-  cmd->add_flag("--fast", o->fast, "peer_trl: the quick configuration (tiny model, fewer steps)");
+  cmd->add_option("--max_turns", o->max_turns, "episodes: model turns per episode (default 4)");
+  cmd->add_flag("--fast", o->fast,
+                "peer_trl: the quick configuration (tiny model, fewer steps); episodes: the tiny "
+                "model only");
   cmd->callback([cmd, o, action] {
     if (o->name == "peer_trl") {
       std::vector<std::string> flags;
@@ -497,6 +501,14 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
         if (o->name == "weight_sync") return bench::BenchWeightSync(so);
         if (o->name == "ingest") return bench::BenchIngest(so);
         return bench::BenchE2e(so);
+      }
+      if (o->name == "episodes") {
+        bench::EpisodesBenchOptions eo;
+        eo.json = o->json;
+        eo.reps = o->reps;
+        eo.fast = o->fast;
+        eo.max_turns = o->max_turns;
+        return bench::BenchEpisodes(eo);
       }
       if (o->name == "sharding") {
         bench::ShardingBenchOptions so;

@@ -463,6 +463,68 @@ TEST(ModelKvCache, LlamaPrefillExpandDecodeMatchesFullForward) {
   ExpectCacheMatchesFullForward("llama");
 }
 
+// A cache continued from compacted rows (a multi-turn episode's next turn): each row's logits
+// equal the full forward of that row's real tokens alone, whatever its padding, its masked
+// steps, the part of its cache it reuses, or its length of new tokens.
+TEST(ModelKvCache, CompactedRowsStackedAndPrefilledAgainMatchFullForward) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen3"), 13);
+  // Row 0: prompt of 5; row 1: prompt of 2, left-padded to 5. Three decode steps; row 1 is
+  // inactive at step 1 (a masked column inside its tokens).
+  const std::vector<int64_t> steps0 = {5, 6, 11}, steps1 = {12, 60, 14};
+  KvCache cache = model->NewCache(2, 8);
+  at::Tensor prompt =
+      at::tensor(std::vector<int64_t>{3, 9, 4, 7, 1, 0, 0, 0, 8, 2}, at::kLong).view({2, 5});
+  at::Tensor mask =
+      at::tensor(std::vector<int64_t>{1, 1, 1, 1, 1, 0, 0, 0, 1, 1}, at::kLong).view({2, 5});
+  model->Prefill(prompt, mask, cache);
+  for (int s = 0; s < 3; ++s) {
+    at::Tensor tok = at::tensor(std::vector<int64_t>{steps0[s], steps1[s]}, at::kLong);
+    at::Tensor active = at::tensor(std::vector<int64_t>{1, s != 1}, at::kLong).to(at::kBool);
+    model->DecodeStep(tok, cache, active);
+  }
+  // Row 0 keeps its first 7 real tokens (p0 + 5, 6: the last fed token is dropped), row 1 its
+  // first 3 of 4 (p1 + 12: partial reuse); row 2 has no cache at all.
+  KvCache r0 = model->CompactRow(cache, 0, 7);
+  KvCache r1 = model->CompactRow(cache, 1, 3);
+  EXPECT_EQ(r0.length, 7);
+  EXPECT_EQ(r1.next_position.item<int64_t>(), 3);
+  const std::vector<std::vector<int64_t>> kept = {{3, 9, 4, 7, 1, 5, 6}, {8, 2, 12}, {}};
+  const std::vector<std::vector<int64_t>> added = {{20, 21}, {30, 31, 32, 33}, {40, 41, 42}};
+  const std::vector<int64_t> next = {50, 51, 52};
+  KvCache stacked = model->StackRows({&r0, &r1, nullptr}, {7, 3, 0}, 7 + 4 + 1);
+  EXPECT_EQ(stacked.length, 7);
+  EXPECT_EQ(stacked.batch(), 3);
+  // New tokens, LEFT-padded to 4.
+  at::Tensor add_ids = at::zeros({3, 4}, at::kLong), add_mask = at::zeros({3, 4}, at::kLong);
+  for (int64_t r = 0; r < 3; ++r) {
+    const int64_t n = static_cast<int64_t>(added[r].size());
+    for (int64_t j = 0; j < n; ++j) {
+      add_ids[r][4 - n + j] = added[r][j];
+      add_mask[r][4 - n + j] = 1;
+    }
+  }
+  at::Tensor prefill_logits = model->Prefill(add_ids, add_mask, stacked);              // [3, V]
+  at::Tensor decode_logits = model->DecodeStep(at::tensor(next, at::kLong), stacked);  // [3, V]
+  for (int64_t r = 0; r < 3; ++r) {
+    std::vector<int64_t> seq = kept[r];
+    seq.insert(seq.end(), added[r].begin(), added[r].end());
+    seq.push_back(next[r]);
+    at::Tensor full_ids = at::tensor(seq, at::kLong).unsqueeze(0);
+    at::Tensor full = FullLogits(*model, full_ids, at::ones_like(full_ids))[0];  // [T, V]
+    const int64_t t = full.size(0);
+    EXPECT_LE((prefill_logits[r] - full[t - 2]).abs().max().item<double>(), 1e-4) << "row " << r;
+    EXPECT_LE((decode_logits[r] - full[t - 1]).abs().max().item<double>(), 1e-4) << "row " << r;
+  }
+}
+
+TEST(ModelKvCache, CompactRowRefusesMoreTokensThanTheRowHolds) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen2"), 1);
+  KvCache cache = model->NewCache(1, 4);
+  model->Prefill(at::ones({1, 2}, at::kLong), at::ones({1, 2}, at::kLong), cache);
+  EXPECT_THROW(model->CompactRow(cache, 0, 3), c10::Error);
+  EXPECT_EQ(model->CompactRow(cache, 0, 2).length, 2);
+}
+
 TEST(ModelKvCache, KeepRowsRejectsOutOfRangeIndex) {
   std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen2"), 1);
   KvCache cache = model->NewCache(2, 4);

@@ -1,0 +1,239 @@
+// grpo bench episodes: multi-turn episodes per second of one process (ProduceEpisodes on one
+// Generator), the KV cache kept between turns vs every turn prefilled again, with an environment
+// that answers at once and one that takes 50 ms per step; the single-turn path (Generate) for the
+// same completion tokens as the reference. All configurations of a model run interleaved, rep by
+// rep, after one warm-up each.
+#include <ATen/Parallel.h>
+
+#include <chrono>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/model/model_config.h"
+#include "rollout/env/episode.h"
+#include "rollout/generator.h"
+#include "services/cli/bench_util.h"
+
+namespace grpo::services::bench {
+namespace {
+
+using nlohmann::json;
+
+// One model's episode shape. Turns end at a stop token drawn with probability 1 / turn_tokens
+// per token (every turn_tokens-th id of the vocabulary, the untrained models' distribution
+// being near uniform), so turn lengths are geometric with that mean, as sampled turns are.
+struct Shape {
+  std::string preset;
+  int64_t prompts = 0, g = 0;  // episodes = prompts x g
+  int64_t prompt_tokens = 0, turn_tokens = 0, observation_tokens = 0, max_turns = 0;
+  int64_t max_completion_length = 0;
+};
+
+const std::vector<Shape>& Shapes() {
+  static const std::vector<Shape> shapes = {
+      {"tiny", 4, 8, 32, 24, 24, 4, 448},
+      {"bench", 2, 8, 64, 32, 32, 4, 1024},
+  };
+  return shapes;
+}
+
+std::vector<std::vector<int32_t>> Prompts(const Shape& s, int64_t vocab) {
+  std::vector<std::vector<int32_t>> prompts(s.prompts);
+  for (int64_t p = 0; p < s.prompts; ++p) {
+    for (int64_t t = 0; t < s.prompt_tokens; ++t) {
+      prompts[p].push_back(static_cast<int32_t>((977 * p + 131 * t + 7) % vocab));
+    }
+  }
+  return prompts;
+}
+
+// Every step shows `observation_tokens` tokens after `step_ms`; max_turns ends the episode.
+rollout::FunctionEnvironment SlowEnvironment(int64_t step_ms, int64_t observation_tokens) {
+  return rollout::FunctionEnvironment(
+      "bench",
+      [](const json&, uint64_t, json&) -> StatusOr<rollout::EnvObservation> {
+        return rollout::EnvObservation{};
+      },
+      [step_ms, observation_tokens](const std::string&,
+                                    json&) -> StatusOr<rollout::EnvObservation> {
+        if (step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
+        rollout::EnvObservation obs;
+        obs.messages = {{"user", std::string(observation_tokens, 'o')}};
+        return obs;
+      });
+}
+
+struct Config {
+  std::string impl;                // kept_cache | reprefill | single_turn
+  int64_t env_ms = 0;              // episodes only
+  std::vector<double> s;           // one per timed rep
+  std::vector<double> generate_s;  // the Continue calls' share of each rep
+  rollout::EpisodeCounts counts;
+  int64_t completion_tokens = 0;
+};
+
+}  // namespace
+
+int BenchEpisodes(const EpisodesBenchOptions& o) {
+  std::vector<json> rows;
+  for (const Shape& shape : Shapes()) {
+    if (o.fast && shape.preset != "tiny") continue;
+    auto cfg = common::ModelConfigPreset(shape.preset);
+    std::shared_ptr<const common::Model> model =
+        std::move(common::Model::InitRandom(*cfg, 0)).value();
+    const int64_t vocab = model->config().vocab_size;
+    rollout::GeneratorOptions go;
+    go.num_generations = shape.g;
+    go.max_prompt_length = shape.prompt_tokens;
+    go.max_completion_length = shape.max_completion_length;
+    go.eos_token_ids = {-1};  // turns end at the stop tokens below only
+    for (int64_t t = 0; t < vocab; t += shape.turn_tokens) {
+      go.stop_token_ids.push_back(static_cast<int32_t>(t));
+    }
+    go.seed = 5;
+    auto gen = std::move(rollout::Generator::Create(model, 0, go)).value();
+
+    std::vector<rollout::Prompt> prompts;
+    for (auto& ids : Prompts(shape, vocab)) prompts.push_back({"", std::move(ids), json()});
+    std::vector<rollout::ProduceInput> inputs;
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      inputs.push_back({&prompts[p], static_cast<int64_t>(p)});
+    }
+    rollout::EpisodeOptions eo;
+    eo.max_turns = o.max_turns > 0 ? o.max_turns : shape.max_turns;
+    eo.max_concurrent_sessions = 16;
+    eo.end_of_turn_id = 0;
+    eo.render = [vocab](const std::vector<common::ChatMessage>& m,
+                        bool) -> StatusOr<std::vector<int32_t>> {
+      std::vector<int32_t> ids;
+      for (size_t j = 0; j < m[0].content.size(); ++j) {
+        ids.push_back(static_cast<int32_t>((1 + 37 * j) % vocab));
+      }
+      return ids;
+    };
+
+    std::vector<Config> configs;
+    for (int64_t ms : {0, 50}) {
+      for (const char* impl : {"kept_cache", "reprefill"}) {
+        configs.emplace_back();
+        configs.back().impl = impl;
+        configs.back().env_ms = ms;
+      }
+    }
+    configs.emplace_back();
+    configs.back().impl = "single_turn";
+    // The single-turn reference: the same prompts and G, every completion as long as an
+    // episode's model tokens on average (measured by the first kept-cache episodes run).
+    std::unique_ptr<rollout::Generator> single;
+    std::vector<std::vector<int32_t>> single_prompts;
+    for (const auto& p : prompts) single_prompts.push_back(p.ids);
+
+    auto run = [&](Config& c) -> double {
+      const auto t0 = Clock::now();
+      if (c.impl == "single_turn") {
+        auto r = single->Generate(single_prompts);
+        if (!r.ok()) std::abort();
+        c.completion_tokens = r->num_completion_tokens;
+        return Seconds(t0);
+      }
+      rollout::EpisodeOptions e = eo;
+      e.keep_kv_cache = c.impl == "kept_cache";
+      rollout::FunctionEnvironment env = SlowEnvironment(c.env_ms, shape.observation_tokens);
+      auto r = rollout::ProduceEpisodes(*gen, nullptr, env, e, inputs, &c.counts);
+      if (!r.ok()) {
+        std::cerr << "episodes: " << r.status().ToString() << "\n";
+        std::abort();
+      }
+      c.completion_tokens = r->num_completion_tokens;
+      c.generate_s.push_back(r->generate_seconds);
+      return Seconds(t0);
+    };
+    // Warm-ups (the first one sizes the single-turn reference), then interleaved reps.
+    for (Config& c : configs) {
+      if (c.impl == "single_turn") {
+        rollout::GeneratorOptions so = go;
+        so.stop_token_ids.clear();
+        so.max_completion_length =
+            std::max<int64_t>(1, configs[0].completion_tokens / configs[0].counts.episodes);
+        single = std::move(rollout::Generator::Create(model, 0, so)).value();
+      }
+      run(c);
+      c.generate_s.clear();
+    }
+    for (int rep = 0; rep < o.reps; ++rep) {
+      for (Config& c : configs) c.s.push_back(run(c));
+    }
+    const Timing single_t = Summarize(configs.back().s);
+    for (size_t i = 0; i < configs.size(); ++i) {
+      const Config& c = configs[i];
+      const Timing t = Summarize(c.s);
+      json row = {{"bench", "episodes"},
+                  {"model", shape.preset},
+                  {"impl", c.impl},
+                  {"completion_tokens", c.completion_tokens},
+                  {"s_median", t.median},
+                  {"s_min", t.min},
+                  {"s_max", t.max},
+                  {"reps", o.reps},
+                  {"intra_op_threads", at::get_num_threads()},
+                  {"max_turns", eo.max_turns}};
+      if (c.impl == "single_turn") {
+        row["rows"] = shape.prompts * shape.g;
+        row["prompt_tokens"] = shape.prompt_tokens;
+        row["tokens_per_second"] = c.completion_tokens / t.median;
+      } else {
+        row["env_step_ms"] = c.env_ms;
+        row["episodes"] = c.counts.episodes;
+        row["turns"] = c.counts.turns;
+        row["observation_tokens"] = c.counts.observation_tokens;
+        row["episodes_per_second"] = c.counts.episodes / t.median;
+        row["generate_s_median"] = Summarize(c.generate_s).median;
+        row["vs_single_turn_time"] = t.median / single_t.median;
+        if (c.impl == "kept_cache") {
+          row["vs_reprefill"] = Summarize(configs[i + 1].s).median / t.median;
+        }
+      }
+      rows.push_back(row);
+    }
+  }
+  if (o.json) {
+    for (auto& r : rows) std::cout << r.dump() << "\n";
+    return 0;
+  }
+  const std::string turns = o.max_turns > 0 ? std::to_string(o.max_turns) : "4";
+  std::cout << "episodes: one process, ProduceEpisodes; tiny: 4 prompts x G=8, prompt 32, " << turns
+            << " turns of ~24 tokens, observations 24; bench: 2 x 8, prompt 64, " << turns
+            << " turns of ~32, "
+               "observations 32; median of "
+            << o.reps << " interleaved reps, " << at::get_num_threads() << " intra-op thread(s)\n"
+            << std::fixed;
+  for (const json& r : rows) {
+    std::cout << "  " << std::left << std::setw(6) << r["model"].get<std::string>() << std::setw(12)
+              << r["impl"].get<std::string>();
+    if (r["impl"] == "single_turn") {
+      std::cout << "            " << std::right << std::setw(6)
+                << r["completion_tokens"].get<int64_t>() << " tokens  " << std::setprecision(3)
+                << r["s_median"].get<double>() << " s (" << r["s_min"].get<double>() << "-"
+                << r["s_max"].get<double>() << ")\n";
+      continue;
+    }
+    std::cout << "env " << std::right << std::setw(2) << r["env_step_ms"].get<int64_t>() << " ms  "
+              << std::setw(6) << r["completion_tokens"].get<int64_t>() << " tokens  "
+              << std::setprecision(3) << r["s_median"].get<double>() << " s ("
+              << r["s_min"].get<double>() << "-" << r["s_max"].get<double>() << "; generating "
+              << r["generate_s_median"].get<double>() << ")  " << std::setprecision(1)
+              << r["episodes_per_second"].get<double>() << " episodes/s  " << std::setprecision(2)
+              << r["vs_single_turn_time"].get<double>() << "x single-turn time";
+    if (r.contains("vs_reprefill")) {
+      std::cout << "  kept / reprefill speed " << r["vs_reprefill"].get<double>() << "x";
+    }
+    std::cout << "\n";
+  }
+  return 0;
+}
+
+}  // namespace grpo::services::bench
