@@ -310,14 +310,22 @@ class OpenEnvSession final : public rollout::EnvSession {
     return Status::OK();
   }
 
-  StatusOr<tcp::resolver::results_type> Resolve(Clock::time_point deadline) {
-    auto results = std::make_shared<tcp::resolver::results_type>();
+  // The server's addresses: an IP address as is (no lookup), a name through the resolver. A
+  // name's lookup is cancelled at the deadline, but asio's resolver thread finishes the blocking
+  // getaddrinfo before the session's destructor returns (a DNS server that does not answer
+  // delays it by the resolver's own timeout, resolv.conf's).
+  StatusOr<std::vector<tcp::endpoint>> Resolve(Clock::time_point deadline) {
     const auto& ep = shared_->endpoint;
+    const auto port = static_cast<uint16_t>(std::stoi(ep.port));
+    beast::error_code not_ip;
+    const asio::ip::address ip = asio::ip::make_address(ep.host, not_ip);
+    if (!not_ip) return std::vector<tcp::endpoint>{tcp::endpoint(ip, port)};
+    auto results = std::make_shared<std::vector<tcp::endpoint>>();
     RETURN_IF_ERROR(Await("resolving " + ep.host, deadline, [&](Record done) {
       resolver_.async_resolve(
           ep.host, ep.port,
-          [done, results](const beast::error_code& ec, tcp::resolver::results_type r) {
-            *results = std::move(r);
+          [done, results](const beast::error_code& ec, const tcp::resolver::results_type& r) {
+            for (const auto& entry : r) results->push_back(entry.endpoint());
             done(ec);
           });
     }));
@@ -327,7 +335,7 @@ class OpenEnvSession final : public rollout::EnvSession {
   // GET BASE/schema over a connection of its own.
   StatusOr<json> FetchSchema(Clock::time_point deadline) {
     const auto& ep = shared_->endpoint;
-    ASSIGN_OR_RETURN(tcp::resolver::results_type addrs, Resolve(deadline));
+    ASSIGN_OR_RETURN(std::vector<tcp::endpoint> addrs, Resolve(deadline));
     beast::tcp_stream stream(ioc_);
     RETURN_IF_ERROR(Await(
         "connecting for /schema", deadline, [&](Record done) { stream.async_connect(addrs, done); },
@@ -372,7 +380,7 @@ class OpenEnvSession final : public rollout::EnvSession {
 
   // Resolves, connects and upgrades to the WebSocket at BASE/ws.
   Status Connect(Clock::time_point deadline) {
-    ASSIGN_OR_RETURN(tcp::resolver::results_type addrs, Resolve(deadline));
+    ASSIGN_OR_RETURN(std::vector<tcp::endpoint> addrs, Resolve(deadline));
     RETURN_IF_ERROR(Await("connecting", deadline, [&](Record done) {
       beast::get_lowest_layer(ws_).async_connect(addrs, done);
     }));

@@ -72,7 +72,8 @@ struct OpenEnvOptions {
 // After any error the session is spent: later calls return FailedPrecondition. Reset must come
 // first and once (FailedPrecondition otherwise). The destructor ends the episode (the "close"
 // message and the close handshake, at most close_timeout, then closes the socket) and never
-// blocks longer than close_timeout plus a bounded drain of the socket's cancelled operations.
+// blocks longer than close_timeout plus a bounded drain of the socket's cancelled operations
+// (and, for a host name rather than an IP address, a DNS lookup still in flight).
 class OpenEnvEnvironment final : public rollout::Environment {
  public:
   struct Endpoint {

@@ -312,6 +312,19 @@ TEST_F(OpenEnvEnvironmentTest, ServerAtCapacityIsResourceExhaustedUntilASessionE
   EXPECT_TRUE(third.ok()) << third.status().ToString();
 }
 
+TEST_F(OpenEnvEnvironmentTest, HostNamesAreResolved) {
+  std::string url = Url("shared");
+  ASSERT_FALSE(url.empty());
+  url.replace(url.find("127.0.0.1"), 9, "localhost");  // ::1 may come first: tried in turn
+  auto env = Connect(url + "/");
+  auto session = OpenSession(*env);
+  auto reset = session->Reset(json{{"word", "delta"}}, 0, Within());
+  ASSERT_TRUE(reset.ok()) << reset.status().ToString();
+  auto obs = session->Step("delta", Within());
+  ASSERT_TRUE(obs.ok()) << obs.status().ToString();
+  EXPECT_TRUE(obs->done);
+}
+
 TEST_F(OpenEnvEnvironmentTest, UnreachableServerIsUnavailable) {
   // Port 1 (tcpmux): nobody listens there.
   auto env = Connect("http://127.0.0.1:1");
