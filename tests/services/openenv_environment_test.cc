@@ -18,7 +18,11 @@
 #include <vector>
 
 #include "common/config.h"
+#include "common/model/model.h"
+#include "common/model/model_config.h"
+#include "common/tokenizer/byte_tokenizer.h"
 #include "rollout/env/environment.h"
+#include "rollout/env/episode.h"
 #include "tests/services/process_util.h"
 #include "tests/test_util.h"
 
@@ -310,6 +314,85 @@ TEST_F(OpenEnvEnvironmentTest, ServerAtCapacityIsResourceExhaustedUntilASessionE
       },
       seconds(10), milliseconds(100));
   EXPECT_TRUE(third.ok()) << third.status().ToString();
+}
+
+// The worker's episode loop (rollout/env/episode.h) with a tiny random policy over the byte
+// tokenizer (ids 0-255 bytes, 257 <|im_start|>, 258 <|im_end|>): the reset's text stays out of the
+// episode, and every observation appended after a model turn is ChatML's user turn with the game's
+// answer, rendered here by hand.
+TEST_F(OpenEnvEnvironmentTest, EpisodeLoopAppendsTheServersAnswersAsUserTurns) {
+  constexpr int32_t kImStart = 257, kImEnd = 258;
+  auto env = Connect(Url("shared"));
+  ASSERT_NE(env, nullptr);
+  auto model_config = common::ModelConfigPreset("tiny");
+  ASSERT_TRUE(model_config.ok());
+  auto model = common::Model::InitRandom(*model_config, 5);
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  common::ByteTokenizer tokenizer;
+  rollout::GeneratorOptions go;
+  go.num_generations = 3;
+  go.max_prompt_length = 64;
+  go.max_completion_length = 120;
+  go.seed = 11;
+  go.eos_token_ids = {kImEnd};
+  for (int32_t b = 0; b < 96; ++b) go.eos_token_ids.push_back(b);  // short turns
+  auto generator = rollout::Generator::Create(
+      std::shared_ptr<const common::Model>(std::move(model).value()), 1, go, &tokenizer);
+  ASSERT_TRUE(generator.ok()) << generator.status().ToString();
+  const auto render = [&](const std::vector<common::ChatMessage>& messages, bool closed) {
+    std::vector<int32_t> ids;
+    if (!closed) ids.push_back(kImEnd);
+    ids.push_back('\n');
+    for (const common::ChatMessage& m : messages) {
+      ids.push_back(kImStart);
+      for (unsigned char c : m.role + "\n" + m.content) ids.push_back(c);
+      ids.push_back(kImEnd);
+      ids.push_back('\n');
+    }
+    ids.push_back(kImStart);
+    for (unsigned char c : std::string("assistant\n")) ids.push_back(c);
+    return ids;
+  };
+  rollout::EpisodeOptions eo;
+  eo.max_turns = 3;
+  eo.max_concurrent_sessions = 3;
+  eo.end_of_turn_id = kImEnd;
+  eo.render = [&](const std::vector<common::ChatMessage>& m,
+                  bool closed) -> StatusOr<std::vector<int32_t>> { return render(m, closed); };
+  rollout::Prompt prompt;
+  prompt.text = "<|im_start|>user\nGuess<|im_end|>\n<|im_start|>assistant\n";
+  prompt.ids = tokenizer.Encode(prompt.text).value();
+  prompt.row = json{{"word", "eagle"}};
+  rollout::EpisodeCounts counts;
+  auto result = rollout::ProduceEpisodes(**generator, nullptr, *env, eo, {{&prompt, 0}}, &counts);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  ASSERT_EQ(result->groups.size(), 1u);
+  ASSERT_TRUE(result->groups[0].group.ok()) << result->groups[0].group.status().ToString();
+  EXPECT_TRUE(counts.errors.empty());
+  EXPECT_EQ(counts.episodes, 3);
+  int64_t observations = 0;
+  for (const common::Completion& c : result->groups[0].group->completions) {
+    ASSERT_EQ(c.env_mask.size(), c.token_ids.size());
+    EXPECT_EQ(c.env_mask.empty() ? 0 : c.env_mask[0], 1);  // the first turn is the model's
+    for (size_t t = 0; t < c.token_ids.size();) {
+      size_t end = t;
+      while (end < c.token_ids.size() && c.env_mask[end] == c.env_mask[t]) ++end;
+      if (c.env_mask[t] == 0) {  // an observation: one of the game's answers, as a user turn
+        const std::vector<int32_t> run(c.token_ids.begin() + t, c.token_ids.begin() + end);
+        const bool closed = c.token_ids[t - 1] == kImEnd;
+        bool known = false;
+        for (int k = 0; k <= 5; ++k) {
+          known |= run == render({{"user", std::to_string(k) + " letters in place"}}, closed);
+        }
+        auto text = tokenizer.Decode(run, /*skip_special_tokens=*/false);
+        EXPECT_TRUE(known) << (text.ok() ? *text : text.status().ToString());
+        ++observations;
+      }
+      t = end;
+    }
+  }
+  EXPECT_EQ(counts.observation_tokens > 0, observations > 0);
+  EXPECT_GT(observations, 0) << "no turn was stepped: the test shows little";
 }
 
 TEST_F(OpenEnvEnvironmentTest, HostNamesAreResolved) {
