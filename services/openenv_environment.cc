@@ -30,6 +30,8 @@ using nlohmann::json;
 // How long a session waits for the operations of a socket it closed to hand back their
 // completions (they do so at once: the bound keeps a destructor from hanging on a bug).
 constexpr std::chrono::milliseconds kDrainTimeout{1000};
+// The most of a server's error message kept in a Status (pydantic's validation errors can be long).
+constexpr size_t kMaxErrorChars = 2000;
 // The fields every OpenEnv Action / Observation model has (openenv.core.env_server.types); never
 // the text of a turn. OpenEnv leaves the observation's metadata out of what it sends.
 const std::vector<std::string> kActionBaseFields = {"metadata"};
@@ -417,11 +419,12 @@ class OpenEnvSession final : public rollout::EnvSession {
     if (answer["type"] == "observation" && data.is_object()) return data;
     if (answer["type"] == "error" && data.is_object()) {
       const std::string code = data.value("code", std::string("UNKNOWN"));
-      std::string message = data.contains("message") ? data["message"].is_string()
-                                                           ? data["message"].get<std::string>()
-                                                           : Dump(data["message"])
-                                                     : "";
-      if (data.contains("errors")) message += " " + Dump(data["errors"]);
+      std::string message;
+      if (auto m = data.find("message"); m != data.end()) {
+        message = m->is_string() ? m->get<std::string>() : Dump(*m);
+      }
+      if (auto errors = data.find("errors"); errors != data.end()) message += " " + Dump(*errors);
+      if (message.size() > kMaxErrorChars) message = message.substr(0, kMaxErrorChars) + "...";
       if (code == "CAPACITY_REACHED") {
         return Status::ResourceExhausted(
             Context(what) + ": " + message +
