@@ -122,6 +122,46 @@ TEST_F(DemoTest, LearnsTheBuiltinTaskAndLeavesNoProcessBehind) {
   }
 }
 
+// Issue 24's bar: `grpo demo --task multi_turn` (the built-in turns environment: three turns
+// answered "ok", 1/3 a stepped turn, 80 tokens for the whole episode) learns from scratch, the
+// mean reward of the last quarter of the steps above the first quarter's by more than 3 standard
+// errors. Measured: 0.38 -> 0.90 in 40 steps (31 standard errors), about 25 s on 2 cores.
+TEST_F(DemoTest, LearnsTheMultiTurnTask) {
+  constexpr int kSteps = 40;
+  int rc = -1;
+  const std::string out =
+      RunCommand(GrpoBin() + " demo --task multi_turn --json --seed 1 " + "--max_steps " +
+                     std::to_string(kSteps) + " --output_dir " + dir_.string() + " 2>&1 >" +
+                     (dir_.string() + ".stdout") + " | tail -20",
+                 &rc);
+  std::ifstream in(dir_.string() + ".stdout");
+  std::vector<double> rewards;
+  json summary;
+  for (std::string line; std::getline(in, line);) {
+    const json j = json::parse(line);
+    if (j.contains("summary")) {
+      summary = j;
+    } else {
+      rewards.push_back(j.at("reward").get<double>());
+    }
+  }
+  fs::remove(dir_.string() + ".stdout");
+  ASSERT_EQ(rc, 0) << out;
+  ASSERT_EQ(rewards.size(), static_cast<size_t>(kSteps)) << out;
+  EXPECT_EQ(summary["job_state"], "done");
+  const size_t q = rewards.size() / 4;
+  const std::vector<double> first(rewards.begin(), rewards.begin() + q);
+  const std::vector<double> last(rewards.end() - q, rewards.end());
+  const double se = std::sqrt(std::pow(StdErr(first), 2) + std::pow(StdErr(last), 2));
+  EXPECT_GT(Mean(last) - Mean(first), 3 * se)
+      << "first quarter " << Mean(first) << ", last " << Mean(last) << ", se " << se;
+  // A reward is the mean fraction of the three turns completed: in [0, 1].
+  for (double r : rewards) {
+    EXPECT_GE(r, 0.0);
+    EXPECT_LE(r, 1.0 + 1e-9);
+  }
+}
+
 TEST_F(DemoTest, BadOverrideFailsFastNamingTheKey) {
   int rc = -1;
   const std::string out = RunCommand(
