@@ -260,6 +260,8 @@ const std::vector<Field>& Fields() {
       MakeField("max_turns", &C::max_turns),
       MakeField("env_max_concurrency", &C::env_max_concurrency),
       MakeField("env_step_timeout_seconds", &C::env_step_timeout_seconds),
+      MakeField("env_action_field", &C::env_action_field),
+      MakeField("env_observation_field", &C::env_observation_field),
       MakeField("chat_template", &C::chat_template, {"chatml", "qwen3", "qwen3_training"}),
       MakeField("reward_funcs", &C::reward_funcs),
       MakeField("reward_weights", &C::reward_weights),
@@ -519,8 +521,11 @@ Status GrpoConfig::Validate() const {
   RETURN_IF_ERROR(Check(top_k >= 0, "top_k", "must be >= 0 (0 = off)"));
   RETURN_IF_ERROR(Check(!min_p || (*min_p >= 0 && *min_p <= 1), "min_p", "must be in [0, 1]"));
   RETURN_IF_ERROR(Check(repetition_penalty > 0, "repetition_penalty", "must be > 0"));
-  RETURN_IF_ERROR(Check(env.empty() || env.rfind("builtin:", 0) == 0 || env.rfind("grpc:", 0) == 0,
-                        "env", "must be empty, builtin:NAME or grpc:HOST:PORT, got '" + env + "'"));
+  const bool env_known = env.empty() || env.rfind("builtin:", 0) == 0 ||
+                         env.rfind("grpc:", 0) == 0 || env.rfind("openenv:", 0) == 0;
+  const std::string env_kinds =
+      "must be empty, builtin:NAME, grpc:HOST:PORT or openenv:http://HOST:PORT";
+  RETURN_IF_ERROR(Check(env_known, "env", env_kinds + ", got '" + env + "'"));
   RETURN_IF_ERROR(CheckRange(max_turns, 1, kMaxConfigCount, "max_turns"));
   RETURN_IF_ERROR(CheckRange(env_max_concurrency, 1, kMaxConfigCount, "env_max_concurrency"));
   RETURN_IF_ERROR(Check(env_step_timeout_seconds > 0, "env_step_timeout_seconds", "must be > 0"));

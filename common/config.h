@@ -47,13 +47,18 @@ struct GrpoConfig {
   std::string truncate_prompt = "left";  // left (TRL) | reject
 
   // Multi-turn episodes (rollout/env/episode.h; README "Multi-turn environments"). env: "" =
-  // single-turn; "builtin:NAME" (rollout/env/builtin_environments.h) or "grpc:HOST:PORT"
-  // (EnvironmentService). max_completion_length then bounds a whole episode, model and environment
-  // tokens together.
+  // single-turn; "builtin:NAME" (rollout/env/builtin_environments.h), "grpc:HOST:PORT"
+  // (EnvironmentService) or "openenv:http://HOST:PORT" (an OpenEnv server,
+  // services/openenv_environment.h). max_completion_length then bounds a whole episode, model and
+  // environment tokens together.
   std::string env;
   int64_t max_turns = 4;                   // model turns per episode
   int64_t env_max_concurrency = 16;        // environment sessions of one worker at once
   double env_step_timeout_seconds = 30.0;  // per reset and per step
+  // openenv: only: the action model's field for the turn's text and the observation model's field
+  // shown to the model; "" = the model's one string field.
+  std::string env_action_field;
+  std::string env_observation_field;
   // chatml | qwen3_training (common/tokenizer/turn_template.h; qwen3 is refused: not
   // prefix-preserving).
   std::string chat_template = "chatml";

@@ -29,6 +29,9 @@ PY_PACKAGES=(
   "mlflow-skinny==3.17.2"
   "math-verify==0.9.0"  # trl.rewards.accuracy_reward needs it
   "mypy==2.4.1"  # the package's type annotations, checked by its tests
+  # OpenEnv's server (create_app) for openenv_environment_test's reference server; adds ~44
+  # packages (fastapi-adjacent, gradio, fastmcp, openai) and changes none of the pins above.
+  "openenv-core==0.3.0"
 )
 # Bounds given to every pip install with the pins (pip freeze does not list setuptools, so it
 # cannot be a pin above): torch 2.11.0 requires setuptools<82, grpcio-tools >=77.

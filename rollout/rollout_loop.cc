@@ -81,6 +81,8 @@ const std::vector<std::string>& LearnerOwnedConfigKeys() {
                                                 "max_turns",
                                                 "env_max_concurrency",
                                                 "env_step_timeout_seconds",
+                                                "env_action_field",
+                                                "env_observation_field",
                                                 "chat_template",
                                                 "reward_funcs",
                                                 "reward_weights",

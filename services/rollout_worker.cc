@@ -8,6 +8,7 @@
 #include "services/convert.h"
 #include "services/grpc_environment.h"
 #include "services/grpc_weight_receiver.h"
+#include "services/openenv_environment.h"
 #include "services/remote_reward.h"
 
 namespace grpo::services {
@@ -44,13 +45,19 @@ StatusOr<std::unique_ptr<RolloutWorker>> RolloutWorker::Create(RolloutWorkerOpti
                      timeout = o.reward_timeout](const common::GrpoConfig& config) {
     return MakeRewardRunner(config, reward_options, token, timeout);
   };
-  // Built-in environments and `grpc:HOST:PORT` (EnvironmentService), with the worker's own
-  // env_auth_token_file.
+  // Built-in environments, `grpc:HOST:PORT` (EnvironmentService), with the worker's own
+  // env_auth_token_file, and `openenv:http://HOST:PORT` (an OpenEnv server).
   lo.make_environment = [](const common::GrpoConfig& config) {
     if (config.env.rfind("grpc:", 0) == 0) {
       GrpcEnvironmentOptions eo;
       eo.auth_token_file = config.env_auth_token_file;
       return MakeGrpcEnvironment(config.env.substr(5), eo);
+    }
+    if (config.env.rfind("openenv:", 0) == 0) {
+      OpenEnvOptions oo;
+      oo.action_field = config.env_action_field;
+      oo.observation_field = config.env_observation_field;
+      return MakeOpenEnvEnvironment(config.env.substr(8), oo);
     }
     return rollout::MakeEnvironment(config);
   };
