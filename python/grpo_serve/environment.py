@@ -29,7 +29,6 @@ answers it with an error message for the model and counts it.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import json
 import logging
@@ -43,6 +42,7 @@ from typing import Any, NoReturn
 import grpc
 
 from grpo_serve._auth import resolve_token
+from grpo_serve._server_auth import TokenInterceptor, is_loopback
 from grpo_serve._wire import MAX_MESSAGE_BYTES, environment_pb2, environment_pb2_grpc
 from grpo_serve.errors import GrpoServeError
 
@@ -193,36 +193,6 @@ class _EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
                     log.warning("environment %s: close() failed", self._name, exc_info=True)
 
 
-class _TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpcio has no stubs
-    """Refuses a stream without `authorization: Bearer <token>` before its handler runs."""
-
-    def __init__(self, token: str) -> None:
-        self._want = ("Bearer " + token).encode()
-
-        def refuse(message: str) -> grpc.RpcMethodHandler:
-            def abort(request_iterator: Any, context: grpc.ServicerContext) -> Any:
-                _abort(context, grpc.StatusCode.UNAUTHENTICATED, message)
-
-            return grpc.stream_stream_rpc_method_handler(abort)
-
-        self._missing = refuse("missing authorization metadata")
-        self._bad = refuse("bad token")
-
-    def intercept_service(self, continuation: Callable[[Any], Any],
-                          handler_call_details: Any) -> Any:
-        got = dict(handler_call_details.invocation_metadata or ()).get("authorization")
-        if got is None:
-            return self._missing
-        if not hmac.compare_digest(str(got).encode(), self._want):
-            return self._bad
-        return continuation(handler_call_details)
-
-
-def _is_loopback(host: str) -> bool:
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 class EnvironmentServer:
     """A running environment server (serve_environment). Stop it with stop() or a `with`
     block."""
@@ -276,12 +246,13 @@ def serve_environment(env_class: Callable[[], Any], port: int = 0, token: str | 
     if max_episodes < 1:
         raise ValueError("max_episodes must be at least 1")
     secret = resolve_token(token, token_file, key="env_auth_token_file")
-    if not secret and not _is_loopback(host):
+    if not secret and not is_loopback(host):
         log.warning("environment server: WARNING: auth is off (no token) and it listens on %s: "
                     "anyone who reaches it can run episodes", host)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_episodes, thread_name_prefix="grpo-env"),
-        interceptors=[_TokenInterceptor(secret)] if secret else [],
+        interceptors=([TokenInterceptor(secret, grpc.stream_stream_rpc_method_handler)]
+                      if secret else []),
         maximum_concurrent_rpcs=max_episodes,
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])

@@ -25,7 +25,6 @@ worker counts as that function's error (rollout/reward.h).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import json
 import logging
@@ -39,6 +38,7 @@ from typing import Any, NoReturn, overload
 import grpc
 
 from grpo_serve._auth import resolve_token
+from grpo_serve._server_auth import TokenInterceptor, is_loopback
 from grpo_serve._wire import MAX_MESSAGE_BYTES, reward_pb2, reward_pb2_grpc
 from grpo_serve.errors import GrpoServeError
 
@@ -195,36 +195,6 @@ class _RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         return response
 
 
-class _TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpcio has no stubs
-    """Refuses a call without `authorization: Bearer <token>` before its handler runs."""
-
-    def __init__(self, token: str) -> None:
-        self._want = ("Bearer " + token).encode()
-
-        def refuse(message: str) -> grpc.RpcMethodHandler:
-            def abort(request: Any, context: grpc.ServicerContext) -> Any:
-                _abort(context, grpc.StatusCode.UNAUTHENTICATED, message)
-
-            return grpc.unary_unary_rpc_method_handler(abort)
-
-        self._missing = refuse("missing authorization metadata")
-        self._bad = refuse("bad token")
-
-    def intercept_service(self, continuation: Callable[[Any], Any],
-                          handler_call_details: Any) -> Any:
-        got = dict(handler_call_details.invocation_metadata or ()).get("authorization")
-        if got is None:
-            return self._missing
-        if not hmac.compare_digest(str(got).encode(), self._want):
-            return self._bad
-        return continuation(handler_call_details)
-
-
-def _is_loopback(host: str) -> bool:
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 class RewardServer:
     """A running reward server (serve_rewards). Stop it with stop() or a `with` block."""
 
@@ -291,12 +261,13 @@ def serve_rewards(funcs: Mapping[str, RewardFunc] | Sequence[RewardFunc], *,
         if not name or "@" in name:
             raise ValueError(f"bad reward function name {name!r} (no '@', not empty)")
     secret = resolve_token(token, token_file, key="reward_auth_token_file")
-    if not secret and not _is_loopback(host):
+    if not secret and not is_loopback(host):
         log.warning("reward server: WARNING: auth is off (no token) and it listens on %s: anyone "
                     "who reaches it can call Score", host)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpo-reward"),
-        interceptors=[_TokenInterceptor(secret)] if secret else [],
+        interceptors=([TokenInterceptor(secret, grpc.unary_unary_rpc_method_handler)]
+                      if secret else []),
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     reward_pb2_grpc.add_RewardServiceServicer_to_server(_RewardServicer(table), server)

@@ -1,0 +1,42 @@
+"""What serve_rewards and serve_environment share on the serving side: the bearer-token check
+before a call's handler runs, and which hosts count as loopback (no token needed there)."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+
+class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpcio has no stubs
+    """Refuses a call without `authorization: Bearer <token>` before its handler runs.
+    `make_handler` is grpc's handler factory of the service's one kind of method (e.g.
+    grpc.unary_unary_rpc_method_handler); the refusal is UNAUTHENTICATED."""
+
+    def __init__(self, token: str, make_handler: Callable[..., Any]) -> None:
+        self._want = ("Bearer " + token).encode()
+
+        def refuse(message: str) -> grpc.RpcMethodHandler:
+            def abort(request: Any, context: grpc.ServicerContext) -> Any:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+            return make_handler(abort)
+
+        self._missing = refuse("missing authorization metadata")
+        self._bad = refuse("bad token")
+
+    def intercept_service(self, continuation: Callable[[Any], Any],
+                          handler_call_details: Any) -> Any:
+        got = dict(handler_call_details.invocation_metadata or ()).get("authorization")
+        if got is None:
+            return self._missing
+        if not hmac.compare_digest(str(got).encode(), self._want):
+            return self._bad
+        return continuation(handler_call_details)
+
+
+def is_loopback(host: str) -> bool:
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return host in ("localhost", "::1") or host.startswith("127.")
