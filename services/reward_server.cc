@@ -31,7 +31,10 @@ grpc::Status RewardServiceImpl::Score(grpc::ServerContext* context, const v1::Sc
   inputs.reserve(request->samples_size());
   for (int i = 0; i < request->samples_size(); ++i) {
     const v1::RewardSample& s = request->samples(i);
-    rollout::RewardInput in{s.prompt(), s.completion(), s.completion_tokens(), nullptr};
+    rollout::RewardInput in;
+    in.prompt = s.prompt();
+    in.completion = s.completion();
+    in.completion_tokens = s.completion_tokens();
     if (!s.row_json().empty()) {
       in.row = nlohmann::json::parse(s.row_json(), nullptr, /*allow_exceptions=*/false);
       if (in.row.is_discarded()) {

@@ -26,7 +26,12 @@ std::unique_ptr<RewardFunction> Make(const std::string& name,
 }
 
 RewardInput Input(std::string completion, json row = json::object(), int64_t tokens = 0) {
-  return {"prompt", std::move(completion), tokens, std::move(row)};
+  RewardInput in;
+  in.prompt = "prompt";
+  in.completion = std::move(completion);
+  in.completion_tokens = tokens;
+  in.row = std::move(row);
+  return in;
 }
 
 // --- Answer extraction and comparison.

@@ -185,7 +185,9 @@ TEST(TurnCache, APolicyChangeBetweenTurnsPrefillsEverythingAgainAndStillMatches)
   std::shared_ptr<const Model> other = TinyModel(4);
   TurnCache cache;
   std::vector<ContinueResult> turns = RunLockstep(*gen, &cache, [&](int64_t turn) {
-    if (turn == 1) ASSERT_TRUE(gen->SetPolicy(other, 2).ok());
+    if (turn == 1) {
+      ASSERT_TRUE(gen->SetPolicy(other, 2).ok());
+    }
   });
   ASSERT_EQ(turns.size(), 4u);
   EXPECT_EQ(turns[1].policy_version, 1);

@@ -34,11 +34,20 @@ std::string Spec(const std::string& name, int port) {
   return "remote:" + name + "@127.0.0.1:" + std::to_string(port);
 }
 
+rollout::RewardInput Input(std::string prompt, std::string completion, int64_t tokens, json row) {
+  rollout::RewardInput in;
+  in.prompt = std::move(prompt);
+  in.completion = std::move(completion);
+  in.completion_tokens = tokens;
+  in.row = std::move(row);
+  return in;
+}
+
 std::vector<rollout::RewardInput> Inputs() {
-  return {{"What is 6 x 7?", "It is \\boxed{42}.", 7, json{{"answer", "42"}}},
-          {"What is 6 x 7?", "Maybe 41", 3, json{{"answer", "42"}}},
-          {"What is 6 x 7?", "no idea", 2, json{{"answer", "42"}}},
-          {"Hi", "{\"a\": 1}", 12, json::object()}};
+  return {Input("What is 6 x 7?", "It is \\boxed{42}.", 7, json{{"answer", "42"}}),
+          Input("What is 6 x 7?", "Maybe 41", 3, json{{"answer", "42"}}),
+          Input("What is 6 x 7?", "no idea", 2, json{{"answer", "42"}}),
+          Input("Hi", "{\"a\": 1}", 12, json::object())};
 }
 
 TEST(RemoteRewardFunction, GivesTheSameScoresAsTheInProcessFunction) {
