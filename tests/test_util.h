@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -87,6 +88,49 @@ inline nlohmann::json RunReference(const std::string& script, const nlohmann::js
   fs::remove_all(dir);
   if (rc != 0) return nullptr;
   return nlohmann::json::parse(ss.str());
+}
+
+// `s` as one word of a POSIX shell command line (single-quoted).
+inline std::string ShellQuote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// A fresh directory under the system temp dir ("<prefix>_<pid>_<n>"), removed at destruction.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix = "grpo_test") {
+    static std::atomic<int> counter{0};
+    path_ = std::filesystem::temp_directory_path() /
+            (prefix + "_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Unpacks the committed Qwen3 tokenizer (tests/data/qwen3-tokenizer: tokenizer.json.gz and
+// tokenizer_config.json) into `dir`, a directory LoadTokenizer then reads. "" on success, else
+// what failed.
+inline std::string UnpackQwen3Tokenizer(const std::filesystem::path& dir) {
+  const std::filesystem::path data =
+      std::filesystem::path(SourceDir()) / "tests" / "data" / "qwen3-tokenizer";
+  const std::string cmd = "gzip -dc " + ShellQuote((data / "tokenizer.json.gz").string()) + " > " +
+                          ShellQuote((dir / "tokenizer.json").string());
+  if (std::system(cmd.c_str()) != 0) return "failed: " + cmd;
+  std::error_code ec;
+  std::filesystem::copy_file(data / "tokenizer_config.json", dir / "tokenizer_config.json",
+                             std::filesystem::copy_options::overwrite_existing, ec);
+  return ec ? "copying tokenizer_config.json: " + ec.message() : "";
 }
 
 }  // namespace grpo::testing

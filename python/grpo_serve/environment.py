@@ -42,7 +42,7 @@ from typing import Any, NoReturn
 import grpc
 
 from grpo_serve._auth import resolve_token
-from grpo_serve._server_auth import TokenInterceptor, is_loopback
+from grpo_serve._serving import ServerHandle, TokenInterceptor, is_loopback
 from grpo_serve._wire import MAX_MESSAGE_BYTES, environment_pb2, environment_pb2_grpc
 from grpo_serve.errors import GrpoServeError
 
@@ -50,8 +50,6 @@ log = logging.getLogger("grpo_serve.environment")
 
 # grpo env-server's default port (proto/grpo/v1/environment.proto).
 DEFAULT_PORT = 50071
-# Seconds a stopping server gives episodes in flight.
-DEFAULT_STOP_GRACE = 2.0
 # Roles an observation's message may have (rollout/env/environment.h).
 ROLES = ("tool", "user")
 
@@ -193,36 +191,13 @@ class _EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
                     log.warning("environment %s: close() failed", self._name, exc_info=True)
 
 
-class EnvironmentServer:
+class EnvironmentServer(ServerHandle):
     """A running environment server (serve_environment). Stop it with stop() or a `with`
     block."""
 
     def __init__(self, server: grpc.Server, host: str, port: int, name: str) -> None:
-        self._server = server
-        self.host = host
-        self.port = port
+        super().__init__(server, host, port)
         self.name = name
-
-    @property
-    def address(self) -> str:
-        """HOST:PORT a worker on this machine dials (127.0.0.1 for a wildcard host)."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
-        return f"{host}:{self.port}"
-
-    def stop(self, grace: float = DEFAULT_STOP_GRACE) -> None:
-        """Stops serving; episodes in flight get `grace` seconds. Idempotent."""
-        self._server.stop(grace).wait(grace + 1.0)
-
-    def wait_for_termination(self, timeout: float | None = None) -> bool:
-        """Blocks until stop() (or `timeout` seconds); True when stopped."""
-        timed_out = self._server.wait_for_termination(timeout)
-        return not timed_out
-
-    def __enter__(self) -> EnvironmentServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         return f"EnvironmentServer({self.address}, {self.name})"

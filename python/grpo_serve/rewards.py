@@ -38,7 +38,7 @@ from typing import Any, NoReturn, overload
 import grpc
 
 from grpo_serve._auth import resolve_token
-from grpo_serve._server_auth import TokenInterceptor, is_loopback
+from grpo_serve._serving import ServerHandle, TokenInterceptor, is_loopback
 from grpo_serve._wire import MAX_MESSAGE_BYTES, reward_pb2, reward_pb2_grpc
 from grpo_serve.errors import GrpoServeError
 
@@ -48,8 +48,6 @@ log = logging.getLogger("grpo_serve.rewards")
 RewardFunc = Callable[..., Sequence[float | None]]
 # grpo reward-server's default port (proto/grpo/v1/reward.proto).
 DEFAULT_PORT = 50061
-# Seconds a stopping server gives calls in flight.
-DEFAULT_STOP_GRACE = 2.0
 # The keyword arguments TRL's trainer passes besides the columns; none of them exists here.
 _TRAINER_KWARGS = ("trainer_state", "log_extra", "log_metric")
 # Row fields that are the prompt, not columns (TRL leaves out "prompt", "completion",
@@ -195,41 +193,18 @@ class _RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         return response
 
 
-class RewardServer:
+class RewardServer(ServerHandle):
     """A running reward server (serve_rewards). Stop it with stop() or a `with` block."""
 
     def __init__(self, server: grpc.Server, host: str, port: int, names: Sequence[str]) -> None:
-        self._server = server
-        self.host = host
-        self.port = port
+        super().__init__(server, host, port)
         self.names = list(names)
-
-    @property
-    def address(self) -> str:
-        """HOST:PORT a worker on this machine dials (127.0.0.1 for a wildcard host)."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
-        return f"{host}:{self.port}"
 
     def spec(self, name: str) -> str:
         """The `reward_funcs` entry for function `name`: remote:NAME@HOST:PORT."""
         if name not in self.names:
             raise KeyError(f"this server has no reward function '{name}' ({', '.join(self.names)})")
         return f"remote:{name}@{self.address}"
-
-    def stop(self, grace: float = DEFAULT_STOP_GRACE) -> None:
-        """Stops serving; calls in flight get `grace` seconds. Idempotent."""
-        self._server.stop(grace).wait(grace + 1.0)
-
-    def wait_for_termination(self, timeout: float | None = None) -> bool:
-        """Blocks until stop() (or `timeout` seconds); True when stopped."""
-        timed_out = self._server.wait_for_termination(timeout)
-        return not timed_out
-
-    def __enter__(self) -> RewardServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         return f"RewardServer({self.address}, {self.names})"

@@ -33,24 +33,7 @@ using Ids = std::vector<int32_t>;
 
 // ---- helpers -------------------------------------------------------------------------------
 
-// A fresh directory under the system temp dir, removed at destruction.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            ("grpo_tokenizer_test_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using grpo::testing::TempDir;
 
 void WriteText(const fs::path& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary);
@@ -586,13 +569,7 @@ TEST(ChatTemplate, RejectsUnknownRole) {
 
 fs::path SourceDir() { return grpo::testing::SourceDir(); }
 
-fs::path QwenDataDir() { return SourceDir() / "tests" / "data" / "qwen3-tokenizer"; }
-
-std::string ShellQuote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
+using grpo::testing::ShellQuote;
 
 struct CorpusEntry {
   std::string text;
@@ -666,16 +643,12 @@ StatusOr<std::vector<Ids>> ReferenceIds(const fs::path& tokenizer_json,
 class QwenTokenizer : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new TempDir();
-    const fs::path json_path = dir_->path() / "tokenizer.json";
-    const std::string cmd = "gzip -dc " +
-                            ShellQuote((QwenDataDir() / "tokenizer.json.gz").string()) + " > " +
-                            ShellQuote(json_path.string());
-    if (std::system(cmd.c_str()) != 0) {
-      setup_error_ = new std::string("failed: " + cmd);
+    dir_ = new TempDir("grpo_tokenizer_test");
+    if (std::string unpacked = grpo::testing::UnpackQwen3Tokenizer(dir_->path());
+        !unpacked.empty()) {
+      setup_error_ = new std::string(unpacked);
       return;
     }
-    fs::copy_file(QwenDataDir() / "tokenizer_config.json", dir_->path() / "tokenizer_config.json");
     auto t = LoadTokenizer(dir_->path().string());
     if (!t.ok()) {
       setup_error_ = new std::string(t.status().ToString());

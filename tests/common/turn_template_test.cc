@@ -101,24 +101,6 @@ std::vector<Case> Cases() {
 
 // ---- the suite's shared state --------------------------------------------------------------
 
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() / ("grpo_turn_template_test_" + std::to_string(getpid()) +
-                                         "_" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
 json MessagesJson(const Messages& messages) {
   json out = json::array();
   for (const ChatMessage& m : messages) out.push_back({{"role", m.role}, {"content", m.content}});
@@ -128,15 +110,12 @@ json MessagesJson(const Messages& messages) {
 class QwenChat : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new TempDir();
-    const fs::path data = fs::path(grpo::testing::SourceDir()) / "tests/data/qwen3-tokenizer";
-    const std::string cmd = "gzip -dc '" + (data / "tokenizer.json.gz").string() + "' > '" +
-                            (dir_->path() / "tokenizer.json").string() + "'";
-    if (std::system(cmd.c_str()) != 0) {
-      error_ = new std::string("failed: " + cmd);
+    dir_ = new grpo::testing::TempDir("grpo_turn_template_test");
+    if (std::string unpacked = grpo::testing::UnpackQwen3Tokenizer(dir_->path());
+        !unpacked.empty()) {
+      error_ = new std::string(unpacked);
       return;
     }
-    fs::copy_file(data / "tokenizer_config.json", dir_->path() / "tokenizer_config.json");
     auto t = LoadTokenizer(dir_->path().string());
     if (!t.ok()) {
       error_ = new std::string(t.status().ToString());
@@ -220,7 +199,7 @@ class QwenChat : public ::testing::Test {
     return ids;
   }
 
-  static inline TempDir* dir_ = nullptr;
+  static inline grpo::testing::TempDir* dir_ = nullptr;
   static inline Tokenizer* tokenizer_ = nullptr;
   static inline json* reference_ = nullptr;
   static inline std::string* error_ = nullptr;

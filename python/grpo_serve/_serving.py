@@ -1,13 +1,17 @@
 """What serve_rewards and serve_environment share on the serving side: the bearer-token check
-before a call's handler runs, and which hosts count as loopback (no token needed there)."""
+before a call's handler runs, which hosts count as loopback (no token needed there), and the
+handle of a running server."""
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import grpc
+
+# Seconds a stopping server gives the calls (or episodes) in flight.
+DEFAULT_STOP_GRACE = 2.0
 
 
 class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpcio has no stubs
@@ -40,3 +44,33 @@ class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpcio 
 def is_loopback(host: str) -> bool:
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class ServerHandle:
+    """A running gRPC server on HOST:PORT. Stop it with stop() or a `with` block."""
+
+    def __init__(self, server: grpc.Server, host: str, port: int) -> None:
+        self._server = server
+        self.host = host
+        self.port = port
+
+    @property
+    def address(self) -> str:
+        """HOST:PORT a worker on this machine dials (127.0.0.1 for a wildcard host)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
+        return f"{host}:{self.port}"
+
+    def stop(self, grace: float = DEFAULT_STOP_GRACE) -> None:
+        """Stops serving; calls in flight get `grace` seconds. Idempotent."""
+        self._server.stop(grace).wait(grace + 1.0)
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        """Blocks until stop() (or `timeout` seconds); True when stopped."""
+        timed_out = self._server.wait_for_termination(timeout)
+        return not timed_out
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
