@@ -44,12 +44,11 @@ struct EnvObservation {
 };
 
 // How a Reset or Step call failed, from its Status: the `kind` label of
-// grpo_rollout_env_errors_total.
+// grpo_rollout_env_errors_total (common::kEnvErrorKinds).
 //   timeout     DeadlineExceeded: missed the step deadline
 //   unavailable Unavailable: the environment could not be reached or went away (crashed)
 //   error       anything else (the environment reported an error, answered nonsense)
 std::string_view EnvErrorKind(const Status& status);
-inline constexpr const char* kEnvErrorKinds[] = {"timeout", "unavailable", "error"};
 
 // One episode. Reset is called once, first; then Step once per model turn. Not thread-safe: one
 // episode loop drives it; different sessions run concurrently. Errors as EnvErrorKind says; after

@@ -131,5 +131,14 @@ TEST(ToolTurn, TheMetricLabelsAreTheParsersReasons) {
   }
 }
 
+// The episode loop counts environment failures by EnvErrorKind; the metric's label set is
+// common::kEnvErrorKinds, in the order timeout, unavailable, error.
+TEST(EnvErrorKind, NamesAreTheMetricsLabels) {
+  EXPECT_EQ(EnvErrorKind(Status::DeadlineExceeded("x")), common::kEnvErrorKinds[0]);
+  EXPECT_EQ(EnvErrorKind(Status::Unavailable("x")), common::kEnvErrorKinds[1]);
+  EXPECT_EQ(EnvErrorKind(Status::Internal("x")), common::kEnvErrorKinds[2]);
+  EXPECT_EQ(EnvErrorKind(Status::InvalidArgument("x")), common::kEnvErrorKinds[2]);
+}
+
 }  // namespace
 }  // namespace grpo::rollout
