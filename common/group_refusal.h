@@ -16,7 +16,10 @@ enum class GroupRefusal {
   kEmptyPrompt,        //
   kEmptyCompletion,    //
   kCompletionTooLong,  // longer than max_completion_length
-  kEnvMask,            // env_mask neither empty nor one 0/1 per token, or its first token not 1
+  kEnvMask,            // env_mask neither empty nor one 0/1 per token, or no token is 1
+  kToolCounts,         // negative tool counts, more failures than calls, or counts without tools
+  kTokenVersions,      // token_versions neither empty nor one non-decreasing version per token
+                       // in [policy_version, the learner's version]
   kTokenOutOfVocab,    //
   kLogprobLength,      // behaviour log-probs not one per completion token
   kRewardCount,        // not one reward per reward function
@@ -35,13 +38,12 @@ enum class GroupRefusal {
 };
 
 // Indexed by GroupRefusal: the metric's label values and the PushReply's reason keys.
-inline constexpr std::array<std::string_view, 18> kGroupRefusalNames = {
-    "group_size",          "empty_prompt",   "empty_completion",
-    "completion_too_long", "env_mask",       "token_out_of_vocab",
-    "logprob_length",      "reward_count",   "non_finite_reward",
-    "reward_out_of_range", "stale",          "unknown_lease",
-    "expired_lease",       "job_ended",      "ledger_error",
-    "buffer_full",         "unknown_policy", "learner_stopping"};
+inline constexpr std::array<std::string_view, 20> kGroupRefusalNames = {
+    "group_size",     "empty_prompt",  "empty_completion",  "completion_too_long",
+    "env_mask",       "tool_counts",   "token_versions",    "token_out_of_vocab",
+    "logprob_length", "reward_count",  "non_finite_reward", "reward_out_of_range",
+    "stale",          "unknown_lease", "expired_lease",     "job_ended",
+    "ledger_error",   "buffer_full",   "unknown_policy",    "learner_stopping"};
 static_assert(static_cast<size_t>(GroupRefusal::kLearnerStopping) + 1 == kGroupRefusalNames.size(),
               "one name per GroupRefusal, in its order");
 

@@ -20,6 +20,16 @@ struct Completion {
   // chat template; not trained on, and its logprobs entry is 0), as TRL's tool_mask. Empty = every
   // token is the policy's (single-turn groups carry none).
   std::vector<uint8_t> env_mask;
+  // Episodes whose environment declared tools (rollout/env/tool_turn.h): the tool-call blocks its
+  // model turns made and how many of them failed, which the learner logs as TRL's
+  // tools/call_frequency and tools/failure_frequency. false and 0 for every other completion.
+  bool uses_tools = false;
+  int32_t tool_calls = 0;
+  int32_t tool_call_failures = 0;  // <= tool_calls
+  // Per token of token_ids, with in-flight weight updates (config partial_rollouts): the policy
+  // version that sampled it (non-decreasing). Empty = every token was sampled by the group's
+  // policy_version.
+  std::vector<int64_t> token_versions;
   bool truncated = false;  // stopped by max_completion_length, not by EOS/stop
   // Per reward function (in reward_funcs order); nullopt = the function gave no reward.
   std::vector<std::optional<double>> rewards;

@@ -69,10 +69,38 @@ Status CheckGroup(const common::RolloutGroup& g, const GroupLimits& limits, Grou
                                                     ", not 0 or 1");
         }
       }
-      if (c.env_mask[0] != 1) {
+      // An episode may start with environment tokens (its reset observation), but a completion
+      // without one token of the policy's has nothing to train on.
+      if (std::find(c.env_mask.begin(), c.env_mask.end(), uint8_t{1}) == c.env_mask.end()) {
         return reject(GroupRefusal::kEnvMask,
-                      which + "env_mask starts with an environment token (0), not the policy's");
+                      which + "env_mask has no token of the policy's (every entry is 0)");
       }
+    }
+    if (!c.token_versions.empty()) {
+      if (c.token_versions.size() != c.token_ids.size()) {
+        return reject(GroupRefusal::kTokenVersions,
+                      which + std::to_string(c.token_ids.size()) + " token ids but " +
+                          std::to_string(c.token_versions.size()) + " token versions");
+      }
+      for (size_t t = 0; t < c.token_versions.size(); ++t) {
+        const int64_t v = c.token_versions[t];
+        const int64_t floor = t == 0 ? g.policy_version : c.token_versions[t - 1];
+        if (v < floor || v > limits.policy_version) {
+          return reject(GroupRefusal::kTokenVersions,
+                        which + "token " + std::to_string(t) + " was sampled by version " +
+                            std::to_string(v) + ", outside [" + std::to_string(floor) + ", " +
+                            std::to_string(limits.policy_version) +
+                            "] (the group's or the token before's version, the learner's)");
+        }
+      }
+    }
+    if (c.tool_calls < 0 || c.tool_call_failures < 0 || c.tool_call_failures > c.tool_calls ||
+        (!c.uses_tools && c.tool_calls != 0)) {
+      return reject(GroupRefusal::kToolCounts,
+                    which + std::to_string(c.tool_calls) + " tool calls and " +
+                        std::to_string(c.tool_call_failures) + " failures" +
+                        (c.uses_tools ? "" : " without tools declared") +
+                        ": need 0 <= failures <= calls, and none without tools");
     }
     const size_t want = limits.reward_funcs == 0 ? k0 : limits.reward_funcs;
     if (c.rewards.size() != want || want == 0) {

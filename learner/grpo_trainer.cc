@@ -75,6 +75,10 @@ nlohmann::json StepMetrics::ToJson() const {
     j["is_ratio/mean"] = is_ratio_mean;
     j["is_ratio/max"] = is_ratio_max;
   }
+  if (has_tools) {
+    j["tools/call_frequency"] = tool_call_frequency;
+    j["tools/failure_frequency"] = tool_failure_frequency;
+  }
   if (has_logprob_mismatch) {
     j["logprob_mismatch/mean"] = logprob_mismatch_mean;
     j["logprob_mismatch/max"] = logprob_mismatch_max;
@@ -620,6 +624,9 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
         os.all_tokens += static_cast<int64_t>(c->token_ids.size() + batch.prompts[r]->size());
         os.clipped += c->truncated ? 1.0 : 0.0;
         os.staleness_sum += static_cast<double>(batch.staleness[r]);
+        os.sm.has_tools = os.sm.has_tools || c->uses_tools;
+        os.sm.tool_calls += c->tool_calls;
+        os.sm.tool_call_failures += c->tool_call_failures;
       }
       os.step_completion_tokens += micro_tokens[m];
       os.sm.sequences += b1 - b0;
@@ -825,6 +832,10 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(int64_t divisor) {
   sm.completions_mean_length = static_cast<double>(sm.completion_tokens) / seqs;
   sm.completions_clipped_ratio = os.clipped / seqs;
   sm.staleness_mean = os.staleness_sum / seqs;
+  sm.tool_call_frequency = static_cast<double>(sm.tool_calls) / seqs;
+  sm.tool_failure_frequency = sm.tool_calls > 0 ? static_cast<double>(sm.tool_call_failures) /
+                                                      static_cast<double>(sm.tool_calls)
+                                                : 0.0;
   sm.clip_ratio_low = os.lm.ClipLowMean();
   sm.clip_ratio_high = os.lm.ClipHighMean();
   sm.clip_ratio_region = os.lm.ClipRegionMean();

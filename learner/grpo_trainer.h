@@ -32,7 +32,7 @@
 
 namespace grpo::learner {
 
-// Why a group was refused at ingest: the trainer's reasons are the first ten of the one table
+// Why a group was refused at ingest: the trainer's reasons are the first twelve of the one table
 // (common/group_refusal.h), from kGroupSize to kStale.
 using RejectReason = common::GroupRefusal;
 constexpr std::string_view RejectReasonName(RejectReason reason) {
@@ -71,6 +71,12 @@ struct StepMetrics {
   bool has_logprob_mismatch = false;
   double logprob_mismatch_mean = 0, logprob_mismatch_max = 0;
   double staleness_mean = 0;
+  // TRL's tools/call_frequency (tool calls per sequence of the step) and tools/failure_frequency
+  // (failed calls per call; 0 without calls), logged when a sequence of the step comes from an
+  // environment that declared tools (Completion::uses_tools).
+  bool has_tools = false;
+  int64_t tool_calls = 0, tool_call_failures = 0;
+  double tool_call_frequency = 0, tool_failure_frequency = 0;
   int64_t sequences = 0, completion_tokens = 0;
   double step_seconds = 0, tokens_per_second = 0;
   int64_t peak_memory_bytes = 0;  // CUDA caching allocator's peak on CUDA, else VmHWM

@@ -17,6 +17,10 @@ void ToProto(const common::RolloutGroup& group, v1::RolloutGroup* out) {
     pc->mutable_logprobs()->Assign(c.logprobs.begin(), c.logprobs.end());
     pc->set_truncated(c.truncated);
     pc->set_env_mask(std::string(c.env_mask.begin(), c.env_mask.end()));
+    pc->set_uses_tools(c.uses_tools);
+    pc->set_tool_calls(c.tool_calls);
+    pc->set_tool_call_failures(c.tool_call_failures);
+    pc->mutable_token_versions()->Assign(c.token_versions.begin(), c.token_versions.end());
     pc->set_text(c.text);
     for (const auto& r : c.rewards) {
       v1::RewardValue* v = pc->add_rewards();
@@ -38,6 +42,10 @@ common::RolloutGroup FromProto(const v1::RolloutGroup& group) {
     c.logprobs.assign(pc.logprobs().begin(), pc.logprobs().end());
     c.truncated = pc.truncated();
     c.env_mask.assign(pc.env_mask().begin(), pc.env_mask().end());
+    c.uses_tools = pc.uses_tools();
+    c.tool_calls = pc.tool_calls();
+    c.tool_call_failures = pc.tool_call_failures();
+    c.token_versions.assign(pc.token_versions().begin(), pc.token_versions().end());
     c.text = pc.text();
     for (const auto& v : pc.rewards()) {
       c.rewards.push_back(v.has_value() ? std::optional<double>(v.value()) : std::nullopt);

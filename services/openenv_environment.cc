@@ -464,7 +464,10 @@ class OpenEnvSession final : public rollout::EnvSession {
     }
     obs.metadata = std::move(fields);
     if (reset) {
+      // Shown to the model before its first turn (rollout/env/episode.h), and kept in the
+      // metadata reward functions see.
       obs.metadata["reset_observation"] = text;
+      if (!text.empty()) obs.messages.push_back({shared_->options.role, std::move(text)});
     } else if (!(obs.done && text.empty())) {
       obs.messages.push_back({shared_->options.role, std::move(text)});
     }

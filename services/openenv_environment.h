@@ -13,9 +13,10 @@
 //                are OpenEnv's (reward null: none; true/false: 1/0); truncated is always false.
 //   reset        {"type": "reset", "data": {the dataset row's fields..., "seed": seed}}: the
 //                server passes the keys its environment's reset() accepts (all of them when it
-//                takes **kwargs) and drops the others. The reset observation's text is NOT a
-//                message (the episode loop shows the model the row's prompt at reset and refuses
-//                reset messages): it is metadata["reset_observation"], with no messages.
+//                takes **kwargs) and drops the others. The reset observation's text, when not
+//                empty, is one message as a step's (the episode loop shows it to the model
+//                before the first turn, rollout/env/episode.h), and is also
+//                metadata["reset_observation"] for reward functions.
 // A server allows max_concurrent_envs WebSockets at once (1 unless its environment declares
 // SUPPORTS_CONCURRENT_SESSIONS and create_app is given more): it must allow every worker's
 // env_max_concurrency together, or the sessions past it fail with ResourceExhausted.

@@ -75,7 +75,7 @@ class Reader {
   size_t at_ = 0;
 };
 
-constexpr uint32_t kMagic = 0x47525032;  // "GRP2": with env_mask
+constexpr uint32_t kMagic = 0x47525033;  // "GRP3": with env_mask, tool counts, token versions
 
 }  // namespace
 
@@ -95,6 +95,10 @@ std::string EncodeGroups(const std::vector<common::RolloutGroup>& groups) {
       w.Vec(c.logprobs);
       w.Vec(c.env_mask);
       w.Pod<uint8_t>(c.truncated ? 1 : 0);
+      w.Pod<uint8_t>(c.uses_tools ? 1 : 0);
+      w.Pod<int32_t>(c.tool_calls);
+      w.Pod<int32_t>(c.tool_call_failures);
+      w.Vec(c.token_versions);
       w.Pod<uint64_t>(c.rewards.size());
       for (const auto& r : c.rewards) {
         w.Pod<uint8_t>(r ? 1 : 0);
@@ -130,6 +134,12 @@ StatusOr<std::vector<common::RolloutGroup>> DecodeGroups(const std::string& byte
       uint8_t truncated = 0;
       RETURN_IF_ERROR(r.Pod(&truncated, "truncated"));
       c.truncated = truncated != 0;
+      uint8_t uses_tools = 0;
+      RETURN_IF_ERROR(r.Pod(&uses_tools, "uses_tools"));
+      c.uses_tools = uses_tools != 0;
+      RETURN_IF_ERROR(r.Pod(&c.tool_calls, "tool_calls"));
+      RETURN_IF_ERROR(r.Pod(&c.tool_call_failures, "tool_call_failures"));
+      RETURN_IF_ERROR(r.Vec(&c.token_versions, "token_versions"));
       uint64_t nr = 0;
       RETURN_IF_ERROR(r.Count(&nr, 9, "the reward count"));
       c.rewards.resize(nr);

@@ -10,8 +10,10 @@ makes one ``EnvClass()`` per episode and calls, on that stream's thread:
     env.close()                      # optional: when the episode's stream ends, however it ends
 
 ``row`` is the dataset row (a dict), ``seed`` the episode's seed (the same for a replayed
-episode), ``action`` the text of the model's turn. A returned string is one ``tool`` message and
-None is an observation with no message; a coroutine is awaited. ``reset`` runs once, first; the
+episode), ``action`` the text of the model's turn. A string returned by ``step`` is one ``tool``
+message, one returned by ``reset`` one ``user`` message, and None is an observation with no
+message; a coroutine is awaited. The reset's messages are shown to the model before its first turn,
+as turns after the row's prompt (which must then be a "messages" row). ``reset`` runs once, first; the
 episode ends when an observation says ``done`` or ``truncated``, when the worker's turn limit is
 reached, or when the worker goes away (the stream ends and ``close()`` runs).
 
@@ -78,12 +80,12 @@ class Observation:
 def _as_observation(out: Any, method: str) -> Observation:
     if out is None:
         return Observation()
-    if isinstance(out, str):
-        return Observation(messages=[out])
+    if isinstance(out, str):  # a step's: a tool message; a reset's: a user message
+        return Observation(messages=[out if method == "step" else {"role": "user", "content": out}])
     if isinstance(out, Observation):
         return out
     raise TypeError(f"{method}() returned a {type(out).__name__}: return an Observation, a str "
-                    "(one tool message) or None")
+                    "(one message) or None")
 
 
 def to_proto(obs: Observation) -> Any:

@@ -48,10 +48,18 @@ struct Episode {
   double reward = 0.0;
   nlohmann::json metadata;
   bool live = true;
-  bool uses_tools = false;  // the environment declared tools at reset
+  bool uses_tools = false;                          // the environment declared tools at reset
+  std::vector<common::ChatMessage> reset_messages;  // shown to the model before its first turn
   ToolCallCounts tools;
   Status error;  // the environment's failure, or one of its observations that cannot be shown
 };
+
+// Appends environment tokens (log-prob 0, env_mask 0) to `c`.
+void AppendEnvTokens(const std::vector<int32_t>& ids, Completion& c) {
+  c.token_ids.insert(c.token_ids.end(), ids.begin(), ids.end());
+  c.logprobs.insert(c.logprobs.end(), ids.size(), 0.0f);
+  c.env_mask.insert(c.env_mask.end(), ids.size(), 0);
+}
 
 // Appends an observation to `e` or ends the episode; `turn` is the model turn just stepped.
 void ApplyObservation(const EpisodeOptions& options, int64_t max_completion_length, int64_t turn,
@@ -86,11 +94,77 @@ void ApplyObservation(const EpisodeOptions& options, int64_t max_completion_leng
     e.live = false;
     return;
   }
-  Completion& c = e.completion;
-  c.token_ids.insert(c.token_ids.end(), ids->begin(), ids->end());
-  c.logprobs.insert(c.logprobs.end(), ids->size(), 0.0f);
-  c.env_mask.insert(c.env_mask.end(), ids->size(), 0);
+  AppendEnvTokens(*ids, e.completion);
   counts.observation_tokens += static_cast<int64_t>(ids->size());
+}
+
+// Ends `e` with `error` (its group fails).
+void Fail(Episode& e, Status error) {
+  e.error = std::move(error);
+  e.live = false;
+  e.session.reset();
+}
+
+// The groups whose environment answered a reset with messages show them to the model: the
+// group's prompt (prompt_ids[v]) loses its generation prompt (options.generation_tail), and
+// every episode of it starts with environment tokens, its own reset messages rendered as turns
+// followed by the generation prompt, or the generation prompt alone when its reset had none. So
+// a group's episodes share one prompt while each sees its own reset observation (TRL appends it
+// to each rollout's prompt; our group has one). These tokens count in max_completion_length, as
+// every observation does; a prompt that does not end with the generation prompt (a "prompt"
+// string row), or a reset observation that leaves no room for a model turn, fails the episode.
+void ShowResetObservations(const EpisodeOptions& options, int64_t max_completion_length,
+                           std::vector<std::vector<int32_t>>& prompt_ids,
+                           std::vector<Episode>& episodes, EpisodeCounts& counts) {
+  std::vector<bool> shows(prompt_ids.size(), false);
+  for (const Episode& e : episodes) {
+    if (e.error.ok() && !e.reset_messages.empty()) shows[e.group] = true;
+  }
+  const std::vector<int32_t>& tail = options.generation_tail;
+  for (size_t v = 0; v < prompt_ids.size(); ++v) {
+    if (!shows[v]) continue;
+    std::vector<int32_t>& p = prompt_ids[v];
+    Status cut;
+    if (tail.empty()) {
+      cut = Status::InvalidArgument(
+          "the reset observation carries messages, and this worker was not given the generation "
+          "prompt's ids to show them after the prompt");
+    } else if (p.size() <= tail.size() ||
+               !std::equal(tail.begin(), tail.end(), p.end() - tail.size())) {
+      cut = Status::InvalidArgument(
+          "the reset observation carries messages, which are shown to the model as turns after the "
+          "prompt, so the prompt must end with the chat template's generation prompt "
+          "(<|im_end|>\\n<|im_start|>assistant\\n): give the row as \"messages\", not as a "
+          "\"prompt\" string");
+    } else {
+      p.resize(p.size() - tail.size());
+    }
+    for (Episode& e : episodes) {
+      if (e.group != v || !e.error.ok()) continue;
+      if (!cut.ok()) {
+        Fail(e, cut);
+        continue;
+      }
+      std::vector<int32_t> ids = tail;
+      if (!e.reset_messages.empty()) {
+        StatusOr<std::vector<int32_t>> rendered = options.render(e.reset_messages, true);
+        if (!rendered.ok()) {
+          Fail(e, rendered.status().WithContext("rendering the reset observation"));
+          continue;
+        }
+        ids = std::move(rendered).value();
+      }
+      if (static_cast<int64_t>(ids.size()) >= max_completion_length) {
+        Fail(e, Status::InvalidArgument(
+                    "the reset observation takes " + std::to_string(ids.size()) +
+                    " tokens, which leaves no room for a model turn in max_completion_length " +
+                    std::to_string(max_completion_length)));
+        continue;
+      }
+      AppendEnvTokens(ids, e.completion);
+      counts.observation_tokens += static_cast<int64_t>(ids.size());
+    }
+  }
 }
 
 }  // namespace
@@ -189,21 +263,19 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
                          Clock::now() + options.step_timeout);
     if (!obs.ok()) {
       e.error = obs.status().WithContext("reset");
-    } else if (!obs->messages.empty()) {
-      e.error = Status::InvalidArgument(
-          "the reset observation carries " + std::to_string(obs->messages.size()) +
-          " messages: the model is shown the dataset row's prompt at reset; put the task there");
     } else if (obs->done || obs->truncated) {
       e.error = Status::FailedPrecondition("the environment ended the episode at reset");
     } else {
       if (obs->reward) e.reward += *obs->reward;
       if (!obs->metadata.is_null()) e.metadata = obs->metadata;
       e.uses_tools = !obs->tools.empty();
+      e.reset_messages = std::move(obs->messages);
       return;
     }
     e.live = false;
     e.session.reset();
   });
+  ShowResetObservations(options, gen.max_completion_length, prompt_ids, episodes, counts);
   // A failed episode fails its group: the group's other episodes stop too (nothing of it trains).
   const auto stop_failed_groups = [&] {
     std::vector<bool> failed(valid.size(), false);
@@ -314,6 +386,13 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
     std::vector<EnvFeedback> feedback;
     for (Episode* e : by_input[i]) {
       e->completion.text = e->last_turn;
+      if (e->uses_tools) {
+        e->completion.uses_tools = true;
+        e->completion.tool_calls = static_cast<int32_t>(e->tools.calls);
+        int64_t failures = 0;
+        for (const auto& [reason, n] : e->tools.failures) failures += n;
+        e->completion.tool_call_failures = static_cast<int32_t>(failures);
+      }
       group.completions.push_back(std::move(e->completion));
       feedback.push_back(
           {e->reward, std::move(e->metadata)});  // the sum; 0 when the environment gave none

@@ -38,7 +38,13 @@ struct EpisodeOptions {
   std::chrono::milliseconds step_timeout = kDefaultEnvStepTimeout;  // per Reset and per Step
   int32_t end_of_turn_id = -1;  // the token that closes a model turn (<|im_end|>)
   ObservationRenderer render;   // not null
-  uint64_t seed = 42;           // with (seed index, generation) seeds each episode's Reset
+  // The ids of "\n<|im_start|>assistant\n", what a chat prompt ends with after its last
+  // <|im_end|>: a group whose environment answers a reset with messages loses them from its
+  // prompt, and each episode starts with its reset messages rendered as turns (render(messages,
+  // true), which ends with the generation prompt again) as environment tokens. Empty: a reset
+  // observation with messages fails the episode.
+  std::vector<int32_t> generation_tail;
+  uint64_t seed = 42;  // with (seed index, generation) seeds each episode's Reset
   // Keep each episode's KV cache between its turns within one policy snapshot (Generator's
   // TurnCache; freed when the call returns): a turn prefills only the tokens appended since the
   // last. false: every turn prefills the whole episode again (the benchmark's baseline).
@@ -65,8 +71,9 @@ struct EpisodeCounts {
 // The seed of episode `generation` of the prompt with seed index `seed_index`.
 uint64_t EpisodeSeed(uint64_t seed, int64_t seed_index, int64_t generation);
 
-// Runs num_generations episodes of every input: Reset(row, EpisodeSeed(...)), then turns until
-// each ends (done or truncated by the environment, max_turns, max_completion_length over the
+// Runs num_generations episodes of every input: Reset(row, EpisodeSeed(...)) (a reset
+// observation with messages is shown to the model: EpisodeOptions::generation_tail), then turns
+// until each ends (done or truncated by the environment, max_turns, max_completion_length over the
 // whole episode, model and environment tokens together: a turn cut by it, or an observation that
 // would overflow it (not appended), ends the episode as truncated). An environment that declared
 // tools at reset is stepped through StepToolTurn (rollout/env/tool_turn.h). Then the group is

@@ -33,6 +33,9 @@ StatusOr<EpisodeOptions> EpisodeOptionsFromConfig(const common::GrpoConfig& conf
       std::chrono::milliseconds(static_cast<int64_t>(config.env_step_timeout_seconds * 1000.0));
   o.end_of_turn_id = *im_end;
   o.seed = static_cast<uint64_t>(config.seed);
+  // What a chat prompt ends with after its last <|im_end|> (common::ApplyChatTemplate's
+  // generation prompt): cut from a group's prompt to show its reset observation.
+  ASSIGN_OR_RETURN(o.generation_tail, tokenizer.Encode("\n<|im_start|>assistant\n"));
   const common::Tokenizer* tok = &tokenizer;
   o.render = [format, tok](const std::vector<common::ChatMessage>& messages,
                            bool turn_closed) -> StatusOr<std::vector<int32_t>> {

@@ -141,12 +141,11 @@ TEST(GrpoMetrics, DefinesExactlyTheIssueSixFamilies) {
 // ones README "Metrics" documents, unique, and the metric's label set is that table.
 TEST(GroupRefusal, EveryReasonHasOneNameAndTheMetricLabelsAreTheTable) {
   const std::vector<std::string> documented = {
-      "group_size",          "empty_prompt",   "empty_completion",
-      "completion_too_long", "env_mask",       "token_out_of_vocab",
-      "logprob_length",      "reward_count",   "non_finite_reward",
-      "reward_out_of_range", "stale",          "unknown_lease",
-      "expired_lease",       "job_ended",      "ledger_error",
-      "buffer_full",         "unknown_policy", "learner_stopping"};
+      "group_size",     "empty_prompt",  "empty_completion",  "completion_too_long",
+      "env_mask",       "tool_counts",   "token_versions",    "token_out_of_vocab",
+      "logprob_length", "reward_count",  "non_finite_reward", "reward_out_of_range",
+      "stale",          "unknown_lease", "expired_lease",     "job_ended",
+      "ledger_error",   "buffer_full",   "unknown_policy",    "learner_stopping"};
   ASSERT_EQ(kGroupRefusalNames.size(), documented.size());
   for (size_t i = 0; i < documented.size(); ++i) {
     EXPECT_EQ(kGroupRefusalNames[i], documented[i]) << i;

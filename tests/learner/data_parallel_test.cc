@@ -576,6 +576,11 @@ TEST(GroupCodec, RoundTripsEveryFieldAndRefusesTruncatedBytes) {
   groups[1].completions[2].text = "héllo";
   groups[2].completions[1].env_mask.assign(groups[2].completions[1].token_ids.size(), 1);
   groups[2].completions[1].env_mask.back() = 0;  // a multi-turn completion
+  groups[2].completions[1].uses_tools = true;    // with tool calls
+  groups[2].completions[1].tool_calls = 5;
+  groups[2].completions[1].tool_call_failures = 2;
+  groups[2].completions[1].token_versions.assign(groups[2].completions[1].token_ids.size(), 41);
+  groups[2].completions[1].token_versions.back() = 42;  // updated in flight
   const std::string bytes = distributed::EncodeGroups(groups);
   auto back = distributed::DecodeGroups(bytes);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
@@ -594,6 +599,10 @@ TEST(GroupCodec, RoundTripsEveryFieldAndRefusesTruncatedBytes) {
       EXPECT_EQ(a.completions[c].logprobs, b.completions[c].logprobs);
       EXPECT_EQ(a.completions[c].env_mask, b.completions[c].env_mask);
       EXPECT_EQ(a.completions[c].truncated, b.completions[c].truncated);
+      EXPECT_EQ(a.completions[c].uses_tools, b.completions[c].uses_tools);
+      EXPECT_EQ(a.completions[c].tool_calls, b.completions[c].tool_calls);
+      EXPECT_EQ(a.completions[c].tool_call_failures, b.completions[c].tool_call_failures);
+      EXPECT_EQ(a.completions[c].token_versions, b.completions[c].token_versions);
       EXPECT_EQ(a.completions[c].rewards, b.completions[c].rewards);
       EXPECT_EQ(a.completions[c].text, b.completions[c].text);
     }

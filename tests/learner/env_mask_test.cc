@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/model/model.h"
@@ -61,12 +62,14 @@ std::pair<GroupRefusal, std::string> Refusal(const RolloutGroup& g) {
   return {reason, s.message()};
 }
 
-TEST(EnvMaskCheck, EmptyOrOneZeroOrOnePerTokenStartingWithTheModelPasses) {
+TEST(EnvMaskCheck, EmptyOrOneZeroOrOnePerTokenWithAModelTokenPasses) {
   RolloutGroup g = ValidGroup();
   EXPECT_TRUE(CheckGroup(g, Limits()).ok());
   g.completions[1].env_mask.assign(7, 1);  // all the model's, spelled out
   EXPECT_TRUE(CheckGroup(g, Limits()).ok());
   g.completions[1].env_mask = {1, 0, 0, 0, 0, 0, 0};  // one model token, then the environment
+  EXPECT_TRUE(CheckGroup(g, Limits()).ok());
+  g.completions[1].env_mask = {0, 0, 0, 1, 0, 0, 1};  // a reset observation first
   EXPECT_TRUE(CheckGroup(g, Limits()).ok());
 }
 
@@ -86,12 +89,36 @@ TEST(EnvMaskCheck, AValueOtherThanZeroOrOneIsRefusedNamingItsPosition) {
   EXPECT_NE(message.find("env_mask entry 3 is 2, not 0 or 1"), std::string::npos) << message;
 }
 
-TEST(EnvMaskCheck, ACompletionStartingWithAnEnvironmentTokenIsRefused) {
+TEST(EnvMaskCheck, ACompletionWithoutAModelTokenIsRefused) {
   RolloutGroup g = ValidGroup();
-  g.completions[1].env_mask[0] = 0;
+  g.completions[1].env_mask.assign(7, 0);
   const auto [reason, message] = Refusal(g);
   EXPECT_EQ(reason, GroupRefusal::kEnvMask);
-  EXPECT_NE(message.find("starts with an environment token"), std::string::npos) << message;
+  EXPECT_NE(message.find("no token of the policy's"), std::string::npos) << message;
+}
+
+TEST(ToolCountCheck, CountsOfAToolEnvironmentPassAndImpossibleOnesAreRefused) {
+  RolloutGroup g = ValidGroup();
+  Completion& c = g.completions[1];
+  c.uses_tools = true;
+  c.tool_calls = 3;
+  c.tool_call_failures = 3;
+  EXPECT_TRUE(CheckGroup(g, Limits()).ok());
+  c.tool_calls = 0;
+  c.tool_call_failures = 0;
+  EXPECT_TRUE(CheckGroup(g, Limits()).ok());  // tools declared, none called
+  for (auto [uses, calls, failures] : {std::tuple{true, 2, 3}, std::tuple{true, -1, 0},
+                                       std::tuple{true, 2, -1}, std::tuple{false, 1, 0}}) {
+    c.uses_tools = uses;
+    c.tool_calls = calls;
+    c.tool_call_failures = failures;
+    const auto [reason, message] = Refusal(g);
+    EXPECT_EQ(reason, GroupRefusal::kToolCounts) << message;
+    EXPECT_NE(message.find(std::to_string(calls) + " tool calls and " + std::to_string(failures) +
+                           " failures"),
+              std::string::npos)
+        << message;
+  }
 }
 
 TEST(EnvMaskCheck, ModelTokenCountIsTheOnesOrEveryTokenWithoutAMask) {
@@ -276,6 +303,41 @@ TEST(EnvMaskTraining, SingleTurnGroupsDumpNoMaskAndCountEveryToken) {
   EXPECT_EQ((*f)->Find("env_mask"), nullptr);
   EXPECT_NE((*f)->Find("completion_mask"), nullptr);
   std::filesystem::remove_all(cfg.dump_batches_dir);
+}
+
+// TRL's tools/ metrics over a step's sequences, counted here by hand: call_frequency = calls /
+// sequences, failure_frequency = failed calls / calls (0 without calls); logged only when a
+// sequence came from an environment that declared tools.
+TEST(ToolMetrics, AStepLogsCallsPerSequenceAndFailuresPerCall) {
+  std::vector<RolloutGroup> groups = MultiTurnGroups();  // 8 sequences, one step (Config)
+  const common::GrpoConfig cfg = Config();
+  const Trained none = Train(groups, cfg);
+  EXPECT_FALSE(none.step.has_tools);
+  EXPECT_FALSE(none.step.ToJson().contains("tools/call_frequency"));
+
+  const int calls[8] = {0, 2, 1, 0, 3, 0, 0, 1}, failures[8] = {0, 1, 0, 0, 2, 0, 0, 1};
+  for (int r = 0; r < 8; ++r) {
+    Completion& c = groups[r / 4].completions[r % 4];
+    c.uses_tools = true;
+    c.tool_calls = calls[r];
+    c.tool_call_failures = failures[r];
+  }
+  const Trained t = Train(groups, cfg);
+  ASSERT_TRUE(t.step.has_tools);
+  EXPECT_DOUBLE_EQ(t.step.tool_call_frequency, 7.0 / 8.0);
+  EXPECT_DOUBLE_EQ(t.step.tool_failure_frequency, 4.0 / 7.0);
+  const nlohmann::json j = t.step.ToJson();
+  EXPECT_DOUBLE_EQ(j.at("tools/call_frequency").get<double>(), 7.0 / 8.0);
+  EXPECT_DOUBLE_EQ(j.at("tools/failure_frequency").get<double>(), 4.0 / 7.0);
+
+  // Tools declared and never called: both 0, still logged.
+  for (RolloutGroup& g : groups) {
+    for (Completion& c : g.completions) c.tool_calls = c.tool_call_failures = 0;
+  }
+  const Trained idle = Train(groups, cfg);
+  ASSERT_TRUE(idle.step.has_tools);
+  EXPECT_EQ(idle.step.tool_call_frequency, 0.0);
+  EXPECT_EQ(idle.step.tool_failure_frequency, 0.0);
 }
 
 }  // namespace

@@ -110,6 +110,25 @@ def test_an_episode_resets_steps_and_ends_with_the_reward() -> None:
         assert 7 in Counter.closed  # close() ran when the stream ended
 
 
+class Greeter:
+    """A reset that returns a plain string."""
+    def reset(self, row: dict[str, Any], seed: int) -> str:
+        return f"hello {seed}"
+
+    def step(self, action: str) -> str:
+        return "again"
+
+
+def test_a_reset_string_is_a_user_message_and_a_step_string_a_tool_message() -> None:
+    with grpo_serve.serve_environment(Greeter, port=0) as server:
+        ep = Episode(server)
+        obs = ep.reset({}, seed=3)
+        assert [(m.role, m.content) for m in obs.messages] == [("user", "hello 3")]
+        obs = ep.step("hi")
+        assert [(m.role, m.content) for m in obs.messages] == [("tool", "again")]
+        ep.close()
+
+
 def test_a_method_that_raises_answers_the_error_and_ends_the_stream() -> None:
     with grpo_serve.serve_environment(Counter, port=0) as server:
         ep = Episode(server)

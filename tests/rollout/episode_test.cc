@@ -330,22 +330,112 @@ TEST(Episodes, AFailedEpisodeStopsTheOtherEpisodesOfItsGroup) {
   EXPECT_EQ(counts.done + counts.max_turns, 0);
 }
 
-TEST(Episodes, AResetThatShowsMessagesIsRefusedSayingWhereThePromptGoes) {
-  Fixture f;
-  FunctionEnvironment env(
-      "chatty",
-      [](const json&, uint64_t, json&) -> StatusOr<EnvObservation> {
+// Resets that show messages: episode 0 of a group none, the others a seed-dependent user turn.
+FunctionEnvironment GreetingEnvironment(std::vector<uint64_t>* seeds, std::mutex* mu) {
+  return FunctionEnvironment(
+      "greeting",
+      [seeds, mu](const json&, uint64_t seed, json&) -> StatusOr<EnvObservation> {
+        std::lock_guard<std::mutex> lock(*mu);
+        seeds->push_back(seed);
         EnvObservation obs;
-        obs.messages = {{"user", "hello"}};
+        if (seed % 7 != 0) obs.messages = {{"user", "hello " + std::to_string(seed % 7)}};
         return obs;
       },
-      [](const std::string&, json&) -> StatusOr<EnvObservation> { return EnvObservation{}; });
-  auto result = ProduceEpisodes(*f.generator, nullptr, env, f.Options(2), {{&f.prompt, 1}});
-  ASSERT_TRUE(result.ok());
-  ASSERT_FALSE(result->groups[0].group.ok());
-  EXPECT_EQ(result->groups[0].group.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(result->groups[0].group.status().message().find("put the task there"),
-            std::string::npos);
+      [](const std::string&, json&) -> StatusOr<EnvObservation> {
+        EnvObservation obs;
+        obs.done = true;
+        return obs;
+      });
+}
+
+TEST(Episodes, AResetObservationIsShownAfterThePromptAsEnvironmentTokens) {
+  Fixture f;
+  std::vector<uint64_t> seeds;
+  std::mutex mu;
+  FunctionEnvironment env = GreetingEnvironment(&seeds, &mu);
+  EpisodeOptions o = f.Options(2);
+  o.generation_tail = Bytes("\n");
+  o.generation_tail.push_back(kImStart);
+  for (int32_t b : Bytes("assistant\n")) o.generation_tail.push_back(b);
+  EpisodeCounts counts;
+  auto result = ProduceEpisodes(*f.generator, nullptr, env, o, {{&f.prompt, 7}}, &counts);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  ASSERT_TRUE(result->groups[0].group.ok()) << result->groups[0].group.status().ToString();
+  const common::RolloutGroup& group = *result->groups[0].group;
+  // The prompt ends at the user turn's <|im_end|>: "\n<|im_start|>assistant\n" moved into each
+  // episode.
+  const std::vector<int32_t> cut = [&] {
+    std::vector<int32_t> ids = Bytes("");
+    ids.push_back(kImStart);
+    for (int32_t b : Bytes("user\nHi")) ids.push_back(b);
+    ids.push_back(kImEnd);
+    return ids;
+  }();
+  EXPECT_EQ(group.prompt_ids, cut);
+  int64_t env_tokens = 0;
+  bool some_shown = false;
+  for (int64_t k = 0; k < 3; ++k) {
+    const common::Completion& c = group.completions[k];
+    const std::vector<TokenRun> runs = Runs(c);
+    ASSERT_GE(runs.size(), 2u) << "episode " << k;
+    ASSERT_FALSE(runs[0].model) << "episode " << k;
+    const uint64_t seed = EpisodeSeed(42, 7, k);  // EpisodeOptions' default seed
+    const std::vector<int32_t> want =
+        seed % 7 == 0 ? o.generation_tail
+                      : HandRendered({{"user", "hello " + std::to_string(seed % 7)}}, true);
+    some_shown = some_shown || seed % 7 != 0;
+    EXPECT_EQ(runs[0].ids, want) << "episode " << k;
+    EXPECT_EQ(runs[0].logprobs, std::vector<float>(want.size(), 0.0f));
+    env_tokens += static_cast<int64_t>(want.size());
+    // The first turn continues from prompt + reset tokens: generated alone, it is the same.
+    std::vector<int32_t> context = cut;
+    context.insert(context.end(), want.begin(), want.end());
+    auto alone = f.generator->Continue(
+        {Continuation{context, 7, k, 0, 120 - static_cast<int64_t>(want.size())}});
+    ASSERT_TRUE(alone.ok());
+    EXPECT_EQ(runs[1].ids, alone->completions[0].token_ids) << "episode " << k;
+    EXPECT_LE(c.token_ids.size(), 120u);
+  }
+  EXPECT_TRUE(some_shown);
+  EXPECT_EQ(counts.observation_tokens, env_tokens);
+  EXPECT_EQ(seeds.size(), 3u);
+}
+
+TEST(Episodes, AResetObservationNeedsAChatPromptAndRoomForATurn) {
+  std::vector<uint64_t> seeds;
+  std::mutex mu;
+  FunctionEnvironment env = GreetingEnvironment(&seeds, &mu);
+  std::vector<int32_t> tail = Bytes("\n");
+  tail.push_back(kImStart);
+  for (int32_t b : Bytes("assistant\n")) tail.push_back(b);
+  {  // A "prompt" string row that does not end with the generation prompt.
+    Fixture f;
+    f.prompt.ids = Bytes("Say hi:");
+    EpisodeOptions o = f.Options(2);
+    o.generation_tail = tail;
+    auto result = ProduceEpisodes(*f.generator, nullptr, env, o, {{&f.prompt, 7}});
+    ASSERT_TRUE(result.ok());
+    ASSERT_FALSE(result->groups[0].group.ok());
+    EXPECT_EQ(result->groups[0].group.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(result->groups[0].group.status().message().find("\"messages\""), std::string::npos)
+        << result->groups[0].group.status().ToString();
+  }
+  {  // No generation prompt ids given: refused, not shown wrong.
+    Fixture f;
+    auto result = ProduceEpisodes(*f.generator, nullptr, env, f.Options(2), {{&f.prompt, 7}});
+    ASSERT_TRUE(result.ok());
+    ASSERT_FALSE(result->groups[0].group.ok());
+  }
+  {  // A budget the reset observation fills: no room for a model turn.
+    Fixture f(/*max_completion_length=*/20);
+    EpisodeOptions o = f.Options(2);
+    o.generation_tail = tail;
+    auto result = ProduceEpisodes(*f.generator, nullptr, env, o, {{&f.prompt, 7}});
+    ASSERT_TRUE(result.ok());
+    ASSERT_FALSE(result->groups[0].group.ok());
+    EXPECT_NE(result->groups[0].group.status().message().find("leaves no room"), std::string::npos)
+        << result->groups[0].group.status().ToString();
+  }
 }
 
 TEST(Episodes, EpisodeSeedsDependOnRowAndGenerationOnly) {

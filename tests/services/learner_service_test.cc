@@ -81,6 +81,36 @@ TEST(RolloutGroupWire, EnvMaskRoundTripsAsOneBytePerTokenAndEmptyStaysEmpty) {
   EXPECT_TRUE(back.completions[1].env_mask.empty());
 }
 
+// A tool episode's counts and per-token versions cross the wire; a completion without them sends
+// none of the fields.
+TEST(RolloutGroupWire, ToolCountsRoundTrip) {
+  common::RolloutGroup g;
+  g.prompt_ids = {1};
+  common::Completion tools;
+  tools.token_ids = {5};
+  tools.uses_tools = true;
+  tools.tool_calls = 4;
+  tools.tool_call_failures = 1;
+  tools.token_versions = {7};
+  common::Completion plain;
+  plain.token_ids = {6};
+  g.completions = {tools, plain};
+  v1::RolloutGroup wire;
+  ToProto(g, &wire);
+  v1::RolloutGroup parsed;
+  ASSERT_TRUE(parsed.ParseFromString(wire.SerializeAsString()));
+  const common::RolloutGroup back = FromProto(parsed);
+  ASSERT_EQ(back.completions.size(), 2u);
+  EXPECT_TRUE(back.completions[0].uses_tools);
+  EXPECT_EQ(back.completions[0].tool_calls, 4);
+  EXPECT_EQ(back.completions[0].tool_call_failures, 1);
+  EXPECT_EQ(back.completions[0].token_versions, std::vector<int64_t>{7});
+  EXPECT_TRUE(back.completions[1].token_versions.empty());
+  EXPECT_FALSE(back.completions[1].uses_tools);
+  EXPECT_EQ(back.completions[1].tool_calls, 0);
+  EXPECT_EQ(wire.completions(1).ByteSizeLong(), 3u);  // token_ids alone: tag, length, one id
+}
+
 // Every gRPC code crosses the boundary as itself, both ways, with its message; a number outside
 // gRPC's 0..16 (a newer peer, a broken proxy) reads as UNKNOWN, never as a value outside the enum.
 TEST(StatusWire, EveryGrpcCodeRoundTripsAndAnUnknownNumberReadsAsUnknown) {

@@ -2,10 +2,11 @@
 // tests/reference/openenv_server.py (openenv-core's create_app), a `grpo learner` whose config
 // names it (env: openenv:http://..., env_observation_field: feedback, learner-owned keys the
 // worker takes from Register) and a `grpo rollout` worker that steps it. The learner's batch dumps
-// are read back: every observation in a row is the user turn the game must have answered to the
-// model turn before it ("K letters in place" against the row's word "eagle", K counted here over
-// the code points the turn decodes to), and the row's reward is the sum of its stepped turns' K
-// / 5.
+// are read back: every row starts with the game's reset observation ("Guess the 5-letter word.",
+// a user turn after the prompt, which ends at its <|im_end|>), every later observation is the user
+// turn the game must have answered to the model turn before it ("K letters in place" against the
+// row's word "eagle", K counted here over the code points the turn decodes to), and the row's
+// reward is the sum of its stepped turns' K / 5.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -66,7 +67,8 @@ TEST(OpenEnvE2E, AWorkerStepsAnOpenEnvServerAndTheLearnerTrainsAroundItsAnswers)
   constexpr int kPrompts = 4, kSteps = 2;
   std::vector<std::string> rows;
   for (int i = 0; i < kPrompts; ++i) {
-    rows.push_back(R"({"prompt": "guess )" + std::to_string(i) + R"(", "word": "eagle"})");
+    rows.push_back(R"({"messages": [{"role": "user", "content": "guess )" + std::to_string(i) +
+                   R"("}], "word": "eagle"})");
   }
   ASSERT_NO_FATAL_FAILURE(grpo::testing::RunMultiTurnJob(
       children, dir,
@@ -80,13 +82,20 @@ TEST(OpenEnvE2E, AWorkerStepsAnOpenEnvServerAndTheLearnerTrainsAroundItsAnswers)
     const auto dump = ReadSafetensors(DumpPath(dir / "dumps", step));
     ASSERT_TRUE(dump.has_value()) << "step " << step;
     const auto& rewards = dump->at("rewards");
+    const auto& prompts = dump->at("prompt_ids");
+    const int64_t prompt_cols = prompts.shape.at(1);
     for (int64_t r = 0; r < dump->at("completion_ids").shape.at(0); ++r) {
+      // The prompt lost its generation prompt: it ends with the user turn's <|im_end|>.
+      EXPECT_EQ(prompts.ints.at(r * prompt_cols + prompt_cols - 1), kByteImEnd) << "row " << r;
       const TokenRuns runs = DumpedRuns(*dump, r);
-      ASSERT_FALSE(runs.empty());
-      ASSERT_TRUE(runs[0].first) << "a row starts with an environment token";
+      ASSERT_GE(runs.size(), 2u);
+      ASSERT_FALSE(runs[0].first) << "row " << r << " does not start with the reset observation";
+      EXPECT_EQ(runs[0].second, ObservationIds("user", "Guess the 5-letter word.", true))
+          << "step " << step << " row " << r;
+      ASSERT_TRUE(runs[1].first);
       double reward = 0;
       bool any_stepped = false;
-      for (size_t k = 0; k < runs.size(); ++k) {
+      for (size_t k = 1; k < runs.size(); ++k) {
         if (!runs[k].first) continue;
         const std::vector<int64_t>& turn = runs[k].second;
         // Stepped: followed by an observation, or the last turn ended by a stop token (a turn
@@ -98,7 +107,7 @@ TEST(OpenEnvE2E, AWorkerStepsAnOpenEnvServerAndTheLearnerTrainsAroundItsAnswers)
         reward += turn_reward;
         if (k + 1 < runs.size()) {
           EXPECT_EQ(runs[k + 1].second, ObservationIds("user", answer, turn.back() == kByteImEnd))
-              << "step " << step << " row " << r << " turn " << (k / 2 + 1);
+              << "step " << step << " row " << r << " turn " << (k + 1) / 2;
           ++observations_checked;
         }
       }

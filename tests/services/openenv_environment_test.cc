@@ -148,7 +148,10 @@ TEST_F(OpenEnvEnvironmentTest, EpisodeFollowsTheGamesRules) {
   // too; the server drops those its reset() does not take (`prompt`).
   auto reset = session->Reset(json{{"prompt", "Guess!"}}, 7, Within());
   ASSERT_TRUE(reset.ok()) << reset.status().ToString();
-  EXPECT_TRUE(reset->messages.empty());  // the reset's text is metadata, not a message
+  // The reset's text is a message (shown to the model before its first turn) and metadata.
+  ASSERT_EQ(reset->messages.size(), 1u);
+  EXPECT_EQ(reset->messages[0].role, "user");
+  EXPECT_EQ(reset->messages[0].content, "Guess the 5-letter word.");
   EXPECT_EQ(reset->metadata,
             (json{{"attempts", 0}, {"reset_observation", "Guess the 5-letter word."}}));
   EXPECT_FALSE(reset->reward.has_value());
@@ -257,6 +260,7 @@ TEST_F(OpenEnvEnvironmentTest, SchemaWithTwoStringFieldsNeedsTheOption) {
   EXPECT_EQ(start->metadata, (json{{"attempts", 0},
                                    {"feedback", "Guess the 5-letter word."},
                                    {"reset_observation", "starts with b"}}));
+  EXPECT_EQ(OnlyMessage(*start), "starts with b");
   auto obs = episode->Step("brick", Within());
   ASSERT_TRUE(obs.ok()) << obs.status().ToString();
   EXPECT_EQ(OnlyMessage(*obs), "starts with b");
@@ -359,6 +363,8 @@ TEST_F(OpenEnvEnvironmentTest, EpisodeLoopAppendsTheServersAnswersAsUserTurns) {
   eo.end_of_turn_id = kImEnd;
   eo.render = [&](const std::vector<common::ChatMessage>& m,
                   bool closed) -> StatusOr<std::vector<int32_t>> { return render(m, closed); };
+  eo.generation_tail = {'\n', kImStart};
+  for (unsigned char c : std::string("assistant\n")) eo.generation_tail.push_back(c);
   rollout::Prompt prompt;
   prompt.text = "<|im_start|>user\nGuess<|im_end|>\n<|im_start|>assistant\n";
   prompt.ids = tokenizer.Encode(prompt.text).value();
@@ -370,11 +376,20 @@ TEST_F(OpenEnvEnvironmentTest, EpisodeLoopAppendsTheServersAnswersAsUserTurns) {
   ASSERT_TRUE(result->groups[0].group.ok()) << result->groups[0].group.status().ToString();
   EXPECT_TRUE(counts.errors.empty());
   EXPECT_EQ(counts.episodes, 3);
+  // The prompt ends at the user turn's <|im_end|>: the reset observation comes first in each
+  // episode, a user turn, then the assistant header.
+  const std::vector<int32_t> cut = tokenizer.Encode("<|im_start|>user\nGuess<|im_end|>").value();
+  EXPECT_EQ(result->groups[0].group->prompt_ids, cut);
+  const std::vector<int32_t> reset = render({{"user", "Guess the 5-letter word."}}, true);
   int64_t observations = 0;
   for (const common::Completion& c : result->groups[0].group->completions) {
     ASSERT_EQ(c.env_mask.size(), c.token_ids.size());
-    EXPECT_EQ(c.env_mask.empty() ? 0 : c.env_mask[0], 1);  // the first turn is the model's
-    for (size_t t = 0; t < c.token_ids.size();) {
+    ASSERT_GT(c.token_ids.size(), reset.size());
+    EXPECT_EQ(std::vector<int32_t>(c.token_ids.begin(), c.token_ids.begin() + reset.size()), reset);
+    EXPECT_EQ(std::vector<uint8_t>(c.env_mask.begin(), c.env_mask.begin() + reset.size()),
+              std::vector<uint8_t>(reset.size(), 0));
+    EXPECT_EQ(c.env_mask[reset.size()], 1);  // then the model's first turn
+    for (size_t t = reset.size(); t < c.token_ids.size();) {
       size_t end = t;
       while (end < c.token_ids.size() && c.env_mask[end] == c.env_mask[t]) ++end;
       if (c.env_mask[t] == 0) {  // an observation: one of the game's answers, as a user turn
