@@ -295,6 +295,8 @@ const std::vector<Field>& Fields() {
       MakeField("vespo_k_neg", &C::vespo_k_neg),
       MakeField("vespo_lambda_neg", &C::vespo_lambda_neg),
       MakeField("max_staleness", &C::max_staleness),
+      MakeField("partial_rollouts", &C::partial_rollouts),
+      MakeField("partial_rollout_kv_cache", &C::partial_rollout_kv_cache, {"recompute", "keep"}),
       MakeField("dynamic_sampling", &C::dynamic_sampling),
       MakeField("max_num_gen_batches", &C::max_num_gen_batches),
       MakeField("per_device_train_batch_size", &C::per_device_train_batch_size),

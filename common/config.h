@@ -101,6 +101,17 @@ struct GrpoConfig {
   // staleness"): 1 lets workers generate with version v while the learner trains v -> v+1; 0 is
   // fully synchronous.
   int64_t max_staleness = 1;
+  // In-flight weight updates (veRL's and AReaL's partial rollouts, PipelineRL's in-flight
+  // updates; rollout/generator.h): a worker installs a newer policy between two decode steps of
+  // the groups it is generating instead of only between generate calls, and each completion
+  // token records the version that sampled it (Completion::token_versions). The group's
+  // policy_version is its oldest token's, so max_staleness bounds every token.
+  bool partial_rollouts = false;
+  // The keys/values of the tokens before an in-flight update: "recompute" them under the new
+  // weights (one prefill of each row's tokens so far; no entry is ever read under weights other
+  // than those that computed it) or "keep" them (the peers' default: cheaper, and the mismatch
+  // shows in logprob_mismatch).
+  std::string partial_rollout_kv_cache = "recompute";
   // DAPO's dynamic sampling (learner/dynamic_sampling.h): groups whose rewards are all equal
   // (zero advantage) are filtered at ingest, recorded as FILTERED for their pass, and more
   // prompts are leased until the generation batch is full, or until max_num_gen_batches batches'

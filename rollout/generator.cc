@@ -37,25 +37,28 @@ class Stepper {
 class KvStepper final : public Stepper {
  public:
   explicit KvStepper(const Model& model, std::optional<KvCache> prefix = std::nullopt)
-      : model_(model), prefix_(std::move(prefix)) {}
+      : model_(&model), prefix_(std::move(prefix)) {}
   at::Tensor Start(const at::Tensor& ids, const at::Tensor& mask, int64_t g,
                    int64_t capacity) override {
-    KvCache prompt_cache = prefix_ ? std::move(*prefix_) : model_.NewCache(ids.size(0), capacity);
+    KvCache prompt_cache = prefix_ ? std::move(*prefix_) : model_->NewCache(ids.size(0), capacity);
     prefix_.reset();
-    at::Tensor logits = model_.Prefill(ids, mask, prompt_cache);  // [P, V]
+    at::Tensor logits = model_->Prefill(ids, mask, prompt_cache);  // [P, V]
     if (g == 1) {
       cache_ = std::move(prompt_cache);
       return logits;
     }
-    cache_ = model_.ExpandCache(prompt_cache, g);  // P * g rows
+    cache_ = model_->ExpandCache(prompt_cache, g);  // P * g rows
     return logits.repeat_interleave(g, 0);
   }
-  at::Tensor Step(const at::Tensor& tokens) override { return model_.DecodeStep(tokens, cache_); }
-  Status Keep(const at::Tensor& rows) override { return model_.KeepRows(cache_, rows); }
+  at::Tensor Step(const at::Tensor& tokens) override { return model_->DecodeStep(tokens, cache_); }
+  Status Keep(const at::Tensor& rows) override { return model_->KeepRows(cache_, rows); }
   const KvCache* cache() const override { return &cache_; }
+  // Later steps run `model` (same architecture) over the keys/values held so far: an in-flight
+  // update that keeps the cache (partial_rollout_kv_cache: keep).
+  void Rebind(const Model& model) { model_ = &model; }
 
  private:
-  const Model& model_;
+  const Model* model_;
   std::optional<KvCache> prefix_;
   KvCache cache_;
 };
@@ -98,6 +101,36 @@ struct Row {
   Completion completion;
   bool text_set = false;  // cut at a stop string
 };
+
+// An in-flight update that recomputes the cache: a KV stepper of `model` holding the keys/values
+// of the unfinished rows `active` (indices into `rows`), in that order. Each row's context, its
+// prompt ids[row / g] and its completion but the last token (sampled, not fed yet), is
+// left-padded and prefilled anew, with room for `remaining` more tokens; the prefill's logits
+// are dropped (the next Step feeds that last token).
+std::unique_ptr<Stepper> Restart(const Model& model, const std::vector<std::vector<int32_t>>& ids,
+                                 const std::vector<Row>& rows, const std::vector<int64_t>& active,
+                                 int64_t g, int64_t remaining, const at::Device& device) {
+  const int64_t num_active = static_cast<int64_t>(active.size());
+  std::vector<std::vector<int32_t>> contexts(num_active);
+  int64_t len = 0;
+  for (int64_t a = 0; a < num_active; ++a) {
+    const std::vector<int32_t>& done = rows[active[a]].completion.token_ids;
+    contexts[a] = ids[active[a] / g];
+    contexts[a].insert(contexts[a].end(), done.begin(), done.end() - 1);
+    len = std::max<int64_t>(len, static_cast<int64_t>(contexts[a].size()));
+  }
+  at::Tensor t = at::zeros({num_active, len}, at::kLong);
+  at::Tensor m = at::zeros({num_active, len}, at::kBool);
+  auto dst = t.accessor<int64_t, 2>();
+  for (int64_t a = 0; a < num_active; ++a) {
+    const int64_t n = static_cast<int64_t>(contexts[a].size());
+    for (int64_t j = 0; j < n; ++j) dst[a][len - n + j] = contexts[a][j];
+    m[a].narrow(0, len - n, n).fill_(true);
+  }
+  auto stepper = std::make_unique<KvStepper>(model);
+  stepper->Start(t.to(device), m.to(device), /*g=*/1, len + remaining + 1);
+  return stepper;
+}
 
 // Earliest position of any stop string in text, or npos.
 size_t FindStop(const std::string& text, const std::vector<std::string>& stops) {
@@ -157,6 +190,8 @@ GeneratorOptions GeneratorOptions::FromConfig(const common::GrpoConfig& config) 
   o.max_completion_length = config.max_completion_length;
   o.truncate_prompt = config.truncate_prompt;
   o.seed = config.seed;
+  o.partial_rollouts = config.partial_rollouts;
+  o.recompute_kv_on_update = config.partial_rollout_kv_cache != "keep";
   return o;
 }
 
@@ -300,9 +335,9 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
     for (int64_t k = 0; k < g; ++k) gens.push_back(MakeRowGenerator(options_.seed, seed_index, k));
   }
   const std::vector<int64_t> max_new(valid.size() * g, options_.max_completion_length);
-  ASSIGN_OR_RETURN(
-      std::vector<Completion> completions,
-      Decode(*model, ids, g, std::move(gens), max_new, use_cache, &result.num_completion_tokens));
+  ASSIGN_OR_RETURN(std::vector<Completion> completions,
+                   Decode(*model, result.policy_version, ids, g, std::move(gens), max_new,
+                          use_cache, &result.num_completion_tokens));
   for (size_t r = 0; r < completions.size(); ++r) {
     result.groups[valid[r / g]]->completions.push_back(std::move(completions[r]));
   }
@@ -369,9 +404,12 @@ StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& ro
   for (const auto& c : contexts) result.num_prefill_tokens += static_cast<int64_t>(c.size());
   result.num_prefill_tokens -= result.num_cached_tokens;
   if (rows.empty()) return result;
-  ASSIGN_OR_RETURN(result.completions, Decode(*model, contexts, /*g=*/1, std::move(gens), max_new,
-                                              /*use_cache=*/true, &result.num_completion_tokens,
-                                              turn ? &*turn : nullptr));
+  // Version -1: no in-flight switch inside a turn (an episode takes the newest policy at each
+  // turn's Continue call instead).
+  ASSIGN_OR_RETURN(
+      result.completions,
+      Decode(*model, /*version=*/-1, contexts, /*g=*/1, std::move(gens), max_new,
+             /*use_cache=*/true, &result.num_completion_tokens, turn ? &*turn : nullptr));
   if (cache != nullptr) {
     for (size_t i = 0; i < rows.size(); ++i) {
       TurnCache::Entry e;
@@ -391,7 +429,7 @@ int64_t ContinuationStream(int64_t generation, int64_t turn) {
   return turn == 0 ? generation : generation + (turn << 32);
 }
 
-StatusOr<std::vector<Completion>> Generator::Decode(const Model& model,
+StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t version,
                                                     const std::vector<std::vector<int32_t>>& ids,
                                                     int64_t g, std::vector<at::Generator> gens,
                                                     const std::vector<int64_t>& row_max_new,
@@ -447,6 +485,15 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model,
       }
       seen = seen.repeat_interleave(g, 0).to(device);
     }
+
+    // In-flight weight updates: the snapshot decoding now (held here once it is not the
+    // caller's) and its version.
+    const bool in_flight =
+        options_.partial_rollouts && use_cache && turn == nullptr && version >= 0;
+    std::shared_ptr<const Model> switched;
+    const Model* current = &model;
+    int64_t current_version = version;
+    std::vector<std::vector<int64_t>> versions(in_flight ? num_rows : 0);  // per row, per token
 
     std::unique_ptr<Stepper> stepper;
     if (turn != nullptr) {
@@ -512,6 +559,7 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model,
           const int64_t t = tok[a * w + j];
           c.token_ids.push_back(static_cast<int32_t>(t));
           c.logprobs.push_back(lp[a * w + j]);
+          if (in_flight) versions[active[a]].push_back(current_version);
           ++*num_completion_tokens;
           done = stop_ids.count(t) > 0;
           if (!done && !options_.stop_strings.empty()) {
@@ -552,14 +600,38 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model,
         active = std::move(still);
         active_gens = std::move(still_gens);
       }
+      if (options_.window_hook) options_.window_hook(step);
+      if (in_flight) {
+        std::shared_ptr<const Model> newer;
+        int64_t newer_version = current_version;
+        {
+          common::MutexLock lock(&mu_);
+          if (version_ != current_version) {
+            newer = policy_;
+            newer_version = version_;
+          }
+        }
+        if (newer != nullptr) {
+          current = newer.get();
+          current_version = newer_version;
+          if (options_.recompute_kv_on_update) {
+            stepper = Restart(*current, ids, rows, active, g, max_new - step, device);
+          } else {
+            static_cast<KvStepper*>(stepper.get())->Rebind(*current);
+          }
+          switched = std::move(newer);  // after the stepper stopped using the one it replaces
+        }
+      }
       logits = stepper->Step(next);
     }
 
     // Texts, then the rows in order.
+    const bool any_switch = in_flight && current_version != version;
     std::vector<Completion> out;
     out.reserve(num_rows);
     for (int64_t r = 0; r < num_rows; ++r) {
       Completion& c = rows[r].completion;
+      if (any_switch) c.token_versions = std::move(versions[r]);
       if (tokenizer_ != nullptr && !rows[r].text_set) {
         ASSIGN_OR_RETURN(c.text, DecodeKnown(*tokenizer_, c.token_ids));
       }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -45,6 +46,18 @@ struct GeneratorOptions {
   // so the groups are the same for every interval (up to the numerics of a larger batch).
   // stop_strings need the text of every token: they force 1.
   int64_t stop_check_interval = 0;
+  // In-flight weight updates (config partial_rollouts): a Generate call whose snapshot is
+  // replaced by SetPolicy while it decodes switches to the new policy at the end of the current
+  // stop-check window, and every token records the version that sampled it
+  // (Completion::token_versions). Without it a call keeps its one snapshot to the end.
+  bool partial_rollouts = false;
+  // At such a switch: true ("recompute") re-prefills every unfinished row's tokens so far under
+  // the new weights, so no key/value is read under weights other than those that computed it;
+  // false ("keep") reads the old keys/values under the new weights (the peers' default).
+  bool recompute_kv_on_update = true;
+  // Tests: runs on the decoding thread at the end of each stop-check window with the decode steps
+  // done so far, before the in-flight check (so a SetPolicy from it is taken at that window).
+  std::function<void(int64_t steps)> window_hook;
 
   // Sampling keys, num_generations, lengths, truncate_prompt and seed from a GrpoConfig.
   static GeneratorOptions FromConfig(const common::GrpoConfig& config);
@@ -134,7 +147,12 @@ std::shared_ptr<const common::Model> BorrowModel(const common::Model& model);
 // Weight updates: a Generate call takes one policy snapshot (shared_ptr) at its start and uses
 // it for every token of the call, so a group never mixes two versions and records the version
 // of that snapshot (the learner's staleness check relies on it). SetPolicy affects later calls
-// only; the old model is freed when the last call using it returns.
+// only; the old model is freed when the last call using it returns. With partial_rollouts a
+// Generate call switches to a newer policy at the end of the stop-check window in which
+// SetPolicy installed it (recomputing the unfinished rows' keys/values, or keeping them), each
+// token records its version (Completion::token_versions, set on every row of a call that
+// switched), and the groups keep the version they started with, their oldest token's. Continue
+// never switches inside a turn (an episode takes the newest policy at its next turn).
 class Generator {
  public:
   // InvalidArgument on bad options, a null policy, or stop_strings without a tokenizer.
@@ -193,8 +211,10 @@ class Generator {
 
   // The decode loop: g rows per context (prompt-major), row r sampling from gens[r] and stopping
   // at row_max_new[r] tokens; adds the tokens generated to *num_completion_tokens. With `turn`,
-  // starts from its held rows and leaves each row's keys/values in it.
-  StatusOr<std::vector<common::Completion>> Decode(const common::Model& model,
+  // starts from its held rows and leaves each row's keys/values in it. `model` is the snapshot
+  // of policy `version`; with options_.partial_rollouts (and a KV cache, no `turn`) a newer
+  // policy installed meanwhile is switched to between two windows.
+  StatusOr<std::vector<common::Completion>> Decode(const common::Model& model, int64_t version,
                                                    const std::vector<std::vector<int32_t>>& ids,
                                                    int64_t g, std::vector<at::Generator> gens,
                                                    const std::vector<int64_t>& row_max_new,

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <exception>
 #include <filesystem>
+#include <thread>
+#include <utility>
 
 #include "common/group_refusal.h"
 #include "common/logging.h"
@@ -87,6 +89,8 @@ const std::vector<std::string>& LearnerOwnedConfigKeys() {
                                                 "reward_funcs",
                                                 "reward_weights",
                                                 "max_staleness",
+                                                "partial_rollouts",
+                                                "partial_rollout_kv_cache",
                                                 "per_device_train_batch_size",
                                                 "gradient_accumulation_steps",
                                                 "steps_per_generation",
@@ -294,9 +298,8 @@ Status RolloutLoop::ApplyRegistration(const Registration& r) {
   }
   if (generator_ != nullptr) {
     // Options may have changed: a new generator over the same policy snapshot.
-    ASSIGN_OR_RETURN(generator_,
-                     Generator::Create(policy(), policy_version_.load(),
-                                       GeneratorOptions::FromConfig(merged), tokenizer_.get()));
+    ASSIGN_OR_RETURN(generator_, Generator::Create(policy(), policy_version_.load(),
+                                                   GeneratorOptionsOf(merged), tokenizer_.get()));
   }
   if (options_.metrics_registry != nullptr && !metrics_) {
     auto m = common::WorkerMetrics::Create(*options_.metrics_registry, merged.reward_funcs);
@@ -361,13 +364,18 @@ void RolloutLoop::NoteLearnerVersion(int64_t version) {
   }
 }
 
+GeneratorOptions RolloutLoop::GeneratorOptionsOf(const common::GrpoConfig& config) const {
+  GeneratorOptions o = GeneratorOptions::FromConfig(config);
+  o.window_hook = options_.generator_window_hook;
+  return o;
+}
+
 Status RolloutLoop::InstallPolicy(std::shared_ptr<const common::Model> model,
                                   const ReceivedVersion& received) {
   const int64_t version = received.version;
   if (generator_ == nullptr) {
-    ASSIGN_OR_RETURN(generator_,
-                     Generator::Create(model, version, GeneratorOptions::FromConfig(config()),
-                                       tokenizer_.get()));
+    ASSIGN_OR_RETURN(generator_, Generator::Create(model, version, GeneratorOptionsOf(config()),
+                                                   tokenizer_.get()));
   } else {
     // Generation already running keeps its snapshot; the next Generate call takes this one.
     RETURN_IF_ERROR(generator_->SetPolicy(model, version));
@@ -384,34 +392,76 @@ Status RolloutLoop::InstallPolicy(std::shared_ptr<const common::Model> model,
   return Status::OK();
 }
 
+StatusOr<std::pair<std::shared_ptr<const common::Model>, ReceivedVersion>>
+RolloutLoop::ReceiveWeights(int64_t min_version) {
+  // A new instance every time: the generator may still use the old one. Weights arrive into an
+  // fp32 model on `device` (the learner publishes fp32; a group receiver's buffers follow the
+  // model's dtypes, on the GPU for NCCL and CUDA IPC), then generation gets its own copy in the
+  // compute dtype.
+  const common::GrpoConfig cfg = config();
+  const at::ScalarType dtype = common::ComputeDtype(cfg.bf16);
+  ASSIGN_OR_RETURN(std::unique_ptr<common::Model> model,
+                   common::Model::InitRandom(model_config_, cfg.seed, device_));
+  ASSIGN_OR_RETURN(ReceivedVersion received,
+                   receiver_->Receive(min_version, *model, options_.timeouts.get_weights));
+  if (device_ != model->device() || dtype != model->dtype()) {
+    ASSIGN_OR_RETURN(model, model->Copy(device_, dtype));
+  }
+  {
+    common::MutexLock lock(&mu_);
+    if (received.incarnation.empty()) received.incarnation = learner_incarnation_;
+  }
+  return std::make_pair(std::shared_ptr<const common::Model>(std::move(model)), received);
+}
+
+void RolloutLoop::FetchInFlight(const std::string& incarnation,
+                                const std::atomic<bool>* generating) {
+  constexpr milliseconds kPoll{10};
+  while (generating->load() && !Stopping()) {
+    const int64_t wanted = learner_version_.load();
+    if (wanted <= policy_version_.load()) {
+      std::this_thread::sleep_for(kPoll);
+      continue;
+    }
+    {
+      common::MutexLock lock(&mu_);
+      if (learner_incarnation_ != incarnation) return;  // a restarted learner: the next round
+    }
+    const auto t0 = Clock::now();
+    auto fetched = ReceiveWeights(wanted);
+    if (!fetched.ok()) {
+      GRPO_LOG_WARN("in-flight weights of version {}: {}; the next round takes them", wanted,
+                    fetched.status().ToString());
+      return;
+    }
+    if (fetched->second.incarnation != incarnation) return;
+    counters_.weight_fetches += 1;
+    GRPO_LOG_INFO("policy version {} received in flight over {} in {:.2f} s",
+                  fetched->second.version, receiver_->backend(),
+                  std::chrono::duration<double>(Clock::now() - t0).count());
+    const Status installed = InstallPolicy(std::move(fetched->first), fetched->second);
+    if (!installed.ok()) {
+      GRPO_LOG_WARN("in-flight weights of version {} not installed: {}", fetched->second.version,
+                    installed.ToString());
+      return;
+    }
+  }
+}
+
 Status RolloutLoop::SyncWeights(int64_t min_version) {
   std::shared_ptr<const common::Model> fresh;
   ReceivedVersion received;
   const auto t0 = Clock::now();
-  const at::ScalarType dtype = common::ComputeDtype(config().bf16);
   RETURN_IF_ERROR(Retry("GetWeights", [&]() -> Status {
-    // A new instance every time: the generator may still use the old one. Weights arrive into
-    // an fp32 model on `device` (the learner publishes fp32; a group receiver's buffers follow
-    // the model's dtypes, on the GPU for NCCL and CUDA IPC), then generation gets its own copy
-    // in the compute dtype.
-    ASSIGN_OR_RETURN(std::unique_ptr<common::Model> model,
-                     common::Model::InitRandom(model_config_, config().seed, device_));
-    ASSIGN_OR_RETURN(received,
-                     receiver_->Receive(min_version, *model, options_.timeouts.get_weights));
-    if (device_ != model->device() || dtype != model->dtype()) {
-      ASSIGN_OR_RETURN(model, model->Copy(device_, dtype));
-    }
-    fresh = std::move(model);
+    ASSIGN_OR_RETURN(auto fetched, ReceiveWeights(min_version));
+    fresh = std::move(fetched.first);
+    received = std::move(fetched.second);
     return Status::OK();
   }));
   counters_.weight_fetches += 1;
   GRPO_LOG_INFO("policy version {} (learner {}) received over {} in {:.2f} s", received.version,
                 received.incarnation.empty() ? "?" : received.incarnation, receiver_->backend(),
                 std::chrono::duration<double>(Clock::now() - t0).count());
-  {
-    common::MutexLock lock(&mu_);
-    if (received.incarnation.empty()) received.incarnation = learner_incarnation_;
-  }
   return InstallPolicy(std::move(fresh), received);
 }
 
@@ -504,16 +554,25 @@ Status RolloutLoop::RunRound() {
 
   std::vector<common::RolloutGroup> groups;
   if (!inputs.empty()) {
-    // The weights are installed only between rounds (SyncWeights above), so the incarnation
-    // read now is the one of the snapshot Generate takes.
+    // Weights are installed between rounds (SyncWeights above), and in flight only when they
+    // are of this same incarnation, so the incarnation read now is the one of every snapshot
+    // this round generates with.
     const std::string incarnation = [&] {
       common::MutexLock lock(&mu_);
       return policy_incarnation_;
     }();
+    std::atomic<bool> generating{true};
+    std::thread fetcher;
+    if (config().partial_rollouts) {
+      fetcher = std::thread(
+          [this, &incarnation, &generating] { FetchInFlight(incarnation, &generating); });
+    }
     EpisodeCounts episodes;
     auto produced = environment_ ? ProduceEpisodes(*generator_, rewards_.get(), *environment_,
                                                    *episode_options_, inputs, &episodes)
                                  : Produce(*generator_, rewards_.get(), inputs);
+    generating = false;
+    if (fetcher.joinable()) fetcher.join();
     if (environment_) CountEpisodes(episodes);
     if (!produced.ok()) {
       SetLeasesHeld(0);

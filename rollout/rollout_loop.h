@@ -145,6 +145,8 @@ struct RolloutLoopOptions {
   // Borrowed; may be null. The loop adds common::WorkerMetrics to it at its first Register
   // (the reward_fn label values are the learner's reward_funcs) and keeps them updated.
   common::Registry* metrics_registry = nullptr;
+  // Tests: GeneratorOptions::window_hook of the generator the loop builds.
+  std::function<void(int64_t steps)> generator_window_hook;
 };
 
 // Run is called once, from one thread; it starts and joins a heartbeat thread. The accessors
@@ -160,8 +162,10 @@ struct RolloutLoopOptions {
 // them again.
 //
 // Weights: a new version is received into a fresh model (the generator may still use the old
-// one) and installed only between rounds, so a group never spans two versions; each group
-// carries the version and the learner incarnation of its weights.
+// one) and installed between rounds; each group carries the version and the learner incarnation
+// of its weights. With partial_rollouts, newer weights of the same learner incarnation are also
+// received while a round generates and installed at once (Generate switches to them between two
+// decode steps; each token records its version, and the group its oldest).
 class RolloutLoop {
  public:
   // `link` and `receiver` are borrowed, not null, and must outlive the loop. InvalidArgument
@@ -201,7 +205,17 @@ class RolloutLoop {
 
   Status Register();  // with retries; (re)builds config, tokenizer, rewards, generator
   Status ApplyRegistration(const Registration& registration) GRPO_EXCLUDES(mu_);
+  GeneratorOptions GeneratorOptionsOf(const common::GrpoConfig& config) const;
   Status SyncWeights(int64_t min_version);  // with retries; installs a new policy snapshot
+  // One GetWeights attempt: a fresh model on device_ in the compute dtype with the weights of
+  // version >= min_version, and what they are.
+  StatusOr<std::pair<std::shared_ptr<const common::Model>, ReceivedVersion>> ReceiveWeights(
+      int64_t min_version) GRPO_EXCLUDES(mu_);
+  // partial_rollouts: runs beside a round's generation until `*generating` is false, taking each
+  // newer version of learner `incarnation`'s weights (one attempt each; a failure waits for the
+  // next round) and installing it; it stops at weights of another incarnation.
+  void FetchInFlight(const std::string& incarnation, const std::atomic<bool>* generating)
+      GRPO_EXCLUDES(mu_);
   Status InstallPolicy(std::shared_ptr<const common::Model> model, const ReceivedVersion& received)
       GRPO_EXCLUDES(mu_);
   // No weights yet, newer ones at the learner, or weights of a learner incarnation the worker
@@ -226,7 +240,8 @@ class RolloutLoop {
   LearnerLink* const link_;  // borrowed, thread-safe
   Backoff backoff_;          // main thread only
 
-  // Main thread only (Run), except receiver_->SetGroup (thread-safe) from the heartbeat thread.
+  // Main thread only (Run), except receiver_->SetGroup (thread-safe) from the heartbeat thread
+  // and Receive from FetchInFlight while the main thread generates.
   WeightReceiver* const receiver_;  // borrowed
   std::unique_ptr<common::Tokenizer> tokenizer_;
   std::unique_ptr<RewardRunner> rewards_;

@@ -84,6 +84,10 @@ struct EpisodesBenchOptions {
 };
 int BenchEpisodes(const EpisodesBenchOptions& o);
 
+// grpo bench partial_rollouts (services/cli/bench_partial_rollouts.cc): a Generate call with no
+// in-flight update, one that recomputes the KV cache and one that keeps it.
+int BenchPartialRollouts(bool as_json, int reps);
+
 // A field of /proc/self/status ("VmRSS", "VmHWM") in bytes; 0 when absent.
 int64_t ProcStatusBytes(const char* key);
 

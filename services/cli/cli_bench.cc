@@ -422,11 +422,12 @@ int ExecPeerTrl(const std::vector<std::string>& flags) {
 }  // namespace
 
 void AddBenchCommand(CLI::App& app, CliAction* action) {
-  auto* cmd =
-      app.add_subcommand("bench",
-                         "Benchmarks (method: docs/BENCHMARKS.md in the "
-                         "repository): logprob_memory | learner_step | "
-                         "decode | episodes | weight_sync | ingest | e2e | sharding | peer_trl");
+  auto* cmd = app.add_subcommand(
+      "bench",
+      "Benchmarks (method: docs/BENCHMARKS.md in the "
+      "repository): logprob_memory | learner_step | "
+      "decode | episodes | partial_rollouts | weight_sync | ingest | e2e | sharding | "
+      "peer_trl");
   struct Opts {
     std::string name;
     bool json = false, child = false;
@@ -444,11 +445,12 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   auto o = std::make_shared<Opts>();
   cmd->add_option(
          "name", o->name,
-         "logprob_memory | learner_step | decode | episodes | weight_sync | ingest | e2e | "
-         "sharding | peer_trl")
+         "logprob_memory | learner_step | decode | episodes | partial_rollouts | weight_sync | "
+         "ingest | e2e | sharding | peer_trl")
       ->required()
-      ->check(CLI::IsMember({"logprob_memory", "learner_step", "decode", "episodes", "weight_sync",
-                             "ingest", "e2e", "sharding", "peer_trl"}));
+      ->check(
+          CLI::IsMember({"logprob_memory", "learner_step", "decode", "episodes", "partial_rollouts",
+                         "weight_sync", "ingest", "e2e", "sharding", "peer_trl"}));
   cmd->add_flag("--json", o->json, "one JSON object per row");
   cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)");
   cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
@@ -510,6 +512,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
         eo.max_turns = o->max_turns;
         return bench::BenchEpisodes(eo);
       }
+      if (o->name == "partial_rollouts") return bench::BenchPartialRollouts(o->json, o->reps);
       if (o->name == "sharding") {
         bench::ShardingBenchOptions so;
         so.json = o->json;

@@ -185,6 +185,57 @@ TEST(RolloutLoop, NewerPolicyVersionIsFetchedBeforeTheNextRound) {
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(f.learner.pushed[i].policy_version, want[i]) << i;
 }
 
+// partial_rollouts: the generator's window hook publishes version 2 at the learner at the first
+// call's third decode step and holds the call there until the loop has installed it (the
+// heartbeat reports it, the in-flight fetcher receives it), so the switch lands at that window.
+// Tokens 0-2 are version 1's, the rest version 2's; the groups keep 1.
+TEST(RolloutLoop, PartialRolloutsTakeNewerWeightsWhileGenerating) {
+  Fixture f({kPromptRow, kMessagesRow});
+  json config = LearnerConfig();
+  config["partial_rollouts"] = true;
+  config["max_completion_length"] = 12;
+  config["max_staleness"] = 4;
+  f.learner.config_json = config.dump();
+  f.learner.leases_per_call = 2;
+  const std::shared_ptr<const common::Model> v2 = TinyModel(22);
+  RolloutLoopOptions o = Options();
+  RolloutLoop* loop = nullptr;
+  std::atomic<bool> waited{false}, installed{false};
+  o.generator_window_hook = [&](int64_t steps) {
+    if (steps != 3 || waited.exchange(true)) return;
+    {
+      common::MutexLock lock(&f.learner.mu);
+      f.learner.version = 2;
+      f.learner.model = v2;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (loop->policy_version() < 2 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    installed = loop->policy_version() == 2;
+  };
+  auto owned = MakeLoop(f, o);
+  loop = owned.get();
+  ASSERT_TRUE(loop->Run().ok());
+  ASSERT_TRUE(installed.load()) << "version 2 was not installed while the first call generated";
+  EXPECT_EQ(loop->stats().weight_fetches, 2);
+  common::MutexLock lock(&f.learner.mu);
+  ASSERT_EQ(f.learner.pushed.size(), 2u);
+  int switched = 0;
+  for (const common::RolloutGroup& g : f.learner.pushed) {
+    EXPECT_EQ(g.policy_version, 1);
+    for (const common::Completion& c : g.completions) {
+      if (c.token_ids.size() <= 3) continue;  // ended before the switch
+      ASSERT_EQ(c.token_versions.size(), c.token_ids.size());
+      for (size_t j = 0; j < c.token_ids.size(); ++j) {
+        EXPECT_EQ(c.token_versions[j], j < 3 ? 1 : 2) << "token " << j;
+      }
+      ++switched;
+    }
+  }
+  EXPECT_GT(switched, 0) << "every completion ended within three tokens: the test shows nothing";
+}
+
 TEST(RolloutLoop, AfterALearnerRestartItRegistersAgainAndTagsGroupsWithTheNewWeights) {
   Fixture f({kPromptRow, kMessagesRow, kPromptRow, kMessagesRow});
   f.learner.version = 3;

@@ -1,0 +1,185 @@
+// In-flight weight updates (GeneratorOptions::partial_rollouts, rollout/generator.h): a policy
+// installed while a Generate call decodes is switched to at the end of the current window. The
+// reference for every behaviour log-prob is a full forward (no KV cache) of the sequence the row
+// ended with, under the policy its token version names: with the cache recomputed at the switch,
+// every token's log-prob is that policy's (so no key/value was read under other weights); with it
+// kept, the tokens after the switch read the old policy's keys/values and differ from it.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/model/model_config.h"
+#include "rollout/generator.h"
+
+namespace grpo::rollout {
+namespace {
+
+using common::Model;
+
+// The tiny preset with its layers scaled up (as generator_test.cc) so that a token depends on the
+// whole context, through the keys/values.
+std::shared_ptr<const Model> TinyModel(uint64_t seed) {
+  auto config = common::ModelConfigPreset("tiny");
+  EXPECT_TRUE(config.ok());
+  auto model = Model::InitRandom(*config, seed);
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  at::NoGradGuard no_grad;
+  for (auto& [name, t] : (*model)->NamedParameters()) {
+    if (name.find("layers.") != std::string::npos && name.find("norm") == std::string::npos) {
+      t.mul_(10.0);
+    }
+  }
+  return std::shared_ptr<const Model>(std::move(model).value());
+}
+
+constexpr int64_t kMaxNew = 12, kSwitchAt = 5, kG = 3;
+
+// Rows stop at <|im_end|> (258) or kMaxNew; those that stop before kSwitchAt never switch.
+GeneratorOptions Options(bool partial, bool recompute) {
+  GeneratorOptions o;
+  o.num_generations = kG;
+  o.max_completion_length = kMaxNew;
+  o.seed = 321;
+  o.eos_token_ids = {258};
+  o.stop_check_interval = 1;
+  o.partial_rollouts = partial;
+  o.recompute_kv_on_update = recompute;
+  return o;
+}
+
+// log_softmax(full-forward logits)[token] of every completion token of prompt + completion.
+std::vector<double> TeacherForced(const Model& model, const std::vector<int32_t>& prompt,
+                                  const std::vector<int32_t>& completion) {
+  at::NoGradGuard no_grad;
+  std::vector<int64_t> seq(prompt.begin(), prompt.end());
+  seq.insert(seq.end(), completion.begin(), completion.end());
+  at::Tensor ids = at::tensor(seq, at::kLong).unsqueeze(0);
+  at::Tensor logp = at::log_softmax(
+      model.Logits(model.ForwardHidden(ids, at::ones_like(ids))[0]).to(at::kDouble), -1);
+  std::vector<double> out;
+  const int64_t p = static_cast<int64_t>(prompt.size());
+  for (size_t j = 0; j < completion.size(); ++j) {
+    out.push_back(logp[p + static_cast<int64_t>(j) - 1][completion[j]].item<double>());
+  }
+  return out;
+}
+
+struct Outcome {
+  GenerateResult result;
+  int hook_calls = 0;
+};
+
+// One Generate call of two prompts with version 4 of `a`; with `b`, version 5 of it is installed
+// by the window hook once kSwitchAt tokens were decoded.
+Outcome Generate(bool partial, bool recompute, std::shared_ptr<const Model> a,
+                 std::shared_ptr<const Model> b, const std::vector<std::vector<int32_t>>& prompts) {
+  GeneratorOptions o = Options(partial, recompute);
+  Generator* self = nullptr;
+  Outcome run;
+  o.window_hook = [&](int64_t steps) {
+    ++run.hook_calls;
+    if (steps == kSwitchAt && b != nullptr) {
+      EXPECT_TRUE(self->SetPolicy(b, 5).ok());
+    }
+  };
+  auto gen = Generator::Create(a, 4, o);
+  EXPECT_TRUE(gen.ok()) << gen.status().ToString();
+  self = gen->get();
+  auto r = (*gen)->Generate(prompts);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  run.result = std::move(r).value();
+  return run;
+}
+
+const std::vector<std::vector<int32_t>> kPrompts = {{5, 17, 42, 99, 3}, {200, 11, 7}};
+
+TEST(PartialRollouts, TokensAfterTheSwitchRecordTheNewVersionAndItsLogprobsWithARecomputedCache) {
+  const auto a = TinyModel(1), b = TinyModel(2);
+  const Outcome run = Generate(/*partial=*/true, /*recompute=*/true, a, b, kPrompts);
+  EXPECT_EQ(run.result.policy_version, 4);  // the groups keep their oldest token's version
+  double max_diff = 0;
+  int64_t after_switch = 0;
+  for (size_t p = 0; p < kPrompts.size(); ++p) {
+    const common::RolloutGroup& group = *run.result.groups[p];
+    EXPECT_EQ(group.policy_version, 4);
+    for (int64_t k = 0; k < kG; ++k) {
+      const common::Completion& c = group.completions[k];
+      ASSERT_EQ(c.token_versions.size(), c.token_ids.size());
+      const std::vector<double> under_a = TeacherForced(*a, kPrompts[p], c.token_ids);
+      const std::vector<double> under_b = TeacherForced(*b, kPrompts[p], c.token_ids);
+      for (int64_t j = 0; j < static_cast<int64_t>(c.token_ids.size()); ++j) {
+        // Tokens 0..kSwitchAt-1 were sampled before the switch, the rest after it.
+        EXPECT_EQ(c.token_versions[j], j < kSwitchAt ? 4 : 5) << p << "/" << k << " token " << j;
+        const double want = j < kSwitchAt ? under_a[j] : under_b[j];
+        max_diff = std::max(max_diff, std::abs(c.logprobs[j] - want));
+        after_switch += j >= kSwitchAt;
+      }
+    }
+  }
+  EXPECT_LT(max_diff, 1e-4);
+  EXPECT_GE(after_switch, 10) << "few rows got past the switch: the test shows little";
+}
+
+TEST(PartialRollouts, AKeptCacheIsReadUnderTheNewWeightsAndTheMismatchShows) {
+  const auto a = TinyModel(1), b = TinyModel(2);
+  const Outcome run = Generate(/*partial=*/true, /*recompute=*/false, a, b, kPrompts);
+  double before = 0, after = 0;
+  for (size_t p = 0; p < kPrompts.size(); ++p) {
+    for (const common::Completion& c : run.result.groups[p]->completions) {
+      ASSERT_EQ(c.token_versions.size(), c.token_ids.size());
+      const std::vector<double> under_a = TeacherForced(*a, kPrompts[p], c.token_ids);
+      const std::vector<double> under_b = TeacherForced(*b, kPrompts[p], c.token_ids);
+      for (int64_t j = 0; j < static_cast<int64_t>(c.token_ids.size()); ++j) {
+        EXPECT_EQ(c.token_versions[j], j < kSwitchAt ? 4 : 5) << "token " << j;
+        double& worst = j < kSwitchAt ? before : after;
+        worst = std::max(worst, std::abs(c.logprobs[j] - (j < kSwitchAt ? under_a : under_b)[j]));
+      }
+    }
+  }
+  EXPECT_LT(before, 1e-4);
+  // The old keys/values change what the new weights predict: by far more than rounding.
+  EXPECT_GT(after, 1e-2);
+}
+
+TEST(PartialRollouts, TheSameWeightsUnderANewVersionSampleTheSameTokens) {
+  const auto a = TinyModel(1);
+  const Outcome plain = Generate(/*partial=*/false, true, a, nullptr, kPrompts);
+  for (bool recompute : {true, false}) {
+    const Outcome switched = Generate(/*partial=*/true, recompute, a, a, kPrompts);
+    for (size_t p = 0; p < kPrompts.size(); ++p) {
+      for (int64_t k = 0; k < kG; ++k) {
+        const common::Completion& x = plain.result.groups[p]->completions[k];
+        const common::Completion& y = switched.result.groups[p]->completions[k];
+        EXPECT_EQ(x.token_ids, y.token_ids) << recompute << " " << p << "/" << k;
+        EXPECT_TRUE(x.token_versions.empty());
+        for (size_t j = 0; j < x.logprobs.size(); ++j) {
+          EXPECT_NEAR(x.logprobs[j], y.logprobs[j], 1e-4) << recompute << " token " << j;
+        }
+      }
+    }
+  }
+}
+
+TEST(PartialRollouts, WithoutTheKeyACallKeepsItsSnapshotAndRecordsNoVersions) {
+  const auto a = TinyModel(1), b = TinyModel(2);
+  const Outcome run = Generate(/*partial=*/false, true, a, b, kPrompts);
+  EXPECT_GT(run.hook_calls, kSwitchAt);
+  for (size_t p = 0; p < kPrompts.size(); ++p) {
+    for (const common::Completion& c : run.result.groups[p]->completions) {
+      EXPECT_TRUE(c.token_versions.empty());
+      const std::vector<double> under_a = TeacherForced(*a, kPrompts[p], c.token_ids);
+      for (size_t j = 0; j < c.token_ids.size(); ++j) {
+        EXPECT_NEAR(c.logprobs[j], under_a[j], 1e-4) << "token " << j;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace grpo::rollout
