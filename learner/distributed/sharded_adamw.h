@@ -66,6 +66,7 @@ class ShardedAdamW final : public StepOptimizer {
   Status LoadStateDict(const common::NamedTensors& state) override;
   Status SyncFromRankZero(const std::string& what) override;
   int64_t ResidentBytes() const override;
+  int64_t ResidentParameterBytes() const override;
 
  private:
   // A run of one parameter's elements inside this rank's chunk of a bucket.
