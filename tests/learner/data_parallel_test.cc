@@ -587,9 +587,14 @@ RunResult TrainPart(const common::GrpoConfig& cfg, Collectives* ranks, size_t fi
   if (!save_dir.empty() && rank == 0) {
     auto saved = SaveCheckpoint(**trainer, save_dir, "");
     if (!saved.ok()) return {{}, {}, saved.status().ToString()};
-  } else if (!save_dir.empty()) {  // the gather of a sharded AdamW state (RankCommand::kCheckpoint)
-    auto state = (*trainer)->optimizer().StateDict("checkpoint");
-    if (!state.ok()) return {{}, {}, state.status().ToString()};
+  } else if (!save_dir.empty()) {  // the gathers of a sharded state (RankCommand::kCheckpoint)
+    if (Status s = JoinSaveCheckpoint(**trainer); !s.ok()) return {{}, {}, s.ToString()};
+  }
+  if ((*trainer)->optimizer().ShardsParameters()) {
+    auto gathered = (*trainer)->optimizer().GatherWeights("the test's weights", true);
+    if (!gathered.ok()) return {{}, {}, gathered.status().ToString()};
+    for (const auto& [name, w] : *gathered) out.weights.push_back(w);
+    return out;
   }
   for (const at::Tensor& p : model->Parameters()) out.weights.push_back(p.detach().clone());
   return out;
@@ -671,6 +676,47 @@ TEST(DataParallelCheckpoints, ShardedStateResumesAtAnotherWorldSize) {
   ASSERT_TRUE(first.error.empty()) << first.error;
   const std::vector<RunResult> resumed =
       TrainPartOnRanks(2, 1, 2, (dir / "at1" / "checkpoint-4").string(), "", "shard_grad_op");
+  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
+  fs::remove_all(dir);
+}
+
+// full_shard's checkpoint is whole too (each unit gathered, rank 0 writes): saved at 4 ranks it
+// loads in a single-rank Model (Model::Load, the Hugging Face layout) with the sharded run's
+// weights, and resumes at 2 full_shard ranks and at 1; one saved at 1 resumes at 2 full_shard
+// ranks (each keeps its chunk of rank 0's restored weights and state). Every resumed run takes
+// the uninterrupted single rank's steps.
+TEST(DataParallelCheckpoints, FullShardCheckpointLoadsWholeAndResumesAtAnotherWorldSize) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("grpo_dp_zero3_ckpt_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const RunResult uninterrupted = Train(RankConfig("dapo", 1), nullptr);
+  ASSERT_TRUE(uninterrupted.error.empty()) << uninterrupted.error;
+  RunResult tail_of_reference = uninterrupted;
+  tail_of_reference.steps.erase(tail_of_reference.steps.begin(),
+                                tail_of_reference.steps.begin() + 4);
+
+  const std::vector<RunResult> four =
+      TrainPartOnRanks(4, 0, 1, "", (dir / "at4").string(), "full_shard");
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(four[r].error.empty()) << r << ": " << four[r].error;
+  const std::string at4 = (dir / "at4" / "checkpoint-4").string();
+  auto loaded = common::Model::Load(at4);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  const std::vector<at::Tensor> saved = (*loaded)->Parameters();
+  ASSERT_EQ(saved.size(), four[0].weights.size());
+  for (size_t i = 0; i < saved.size(); ++i) {
+    EXPECT_TRUE(saved[i].equal(four[0].weights[i])) << "parameter " << i;
+  }
+  const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4, "", "full_shard");
+  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(two[r], tail_of_reference, r);
+  ExpectSameAsSingleRank(TrainPart(RankConfig("dapo", 1), nullptr, 1, 2, at4, ""),
+                         tail_of_reference, 0);
+
+  const RunResult first =
+      TrainPart(RankConfig("dapo", 1), nullptr, 0, 1, "", (dir / "at1").string());
+  ASSERT_TRUE(first.error.empty()) << first.error;
+  const std::vector<RunResult> resumed =
+      TrainPartOnRanks(2, 1, 2, (dir / "at1" / "checkpoint-4").string(), "", "full_shard");
   for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
   fs::remove_all(dir);
 }
@@ -980,12 +1026,13 @@ TEST_P(DataParallelProcesses, RanksOverC10dTakeTheSingleRanksSteps) {
 
 INSTANTIATE_TEST_SUITE_P(
     LossTypes, DataParallelProcesses,
-    ::testing::Values(std::make_tuple("dapo", 2, "no_shard"),
-                      std::make_tuple("grpo", 4, "no_shard"),
-                      std::make_tuple("dr_grpo", 2, "no_shard"),
-                      // ZeRO-2 over c10d's _reduce_scatter_base and _allgather_base (Gloo).
-                      std::make_tuple("dapo", 4, "shard_grad_op"),
-                      std::make_tuple("grpo", 2, "shard_grad_op")));
+    ::testing::Values(
+        std::make_tuple("dapo", 2, "no_shard"), std::make_tuple("grpo", 4, "no_shard"),
+        std::make_tuple("dr_grpo", 2, "no_shard"),
+        // ZeRO-2 over c10d's _reduce_scatter_base and _allgather_base (Gloo).
+        std::make_tuple("dapo", 4, "shard_grad_op"), std::make_tuple("grpo", 2, "shard_grad_op"),
+        // ZeRO-3: the gathers and reduce-scatters of each unit over Gloo.
+        std::make_tuple("dapo", 4, "full_shard"), std::make_tuple("dr_grpo", 2, "full_shard")));
 
 TEST(DataParallelProcessFaults, ADeadRankFailsRankZerosFirstStepAtOnce) {
   const ChildRun run = RunRanks(2, "dapo", "die", 20'000);
