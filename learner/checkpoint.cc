@@ -91,6 +91,15 @@ int64_t StepOf(const fs::path& dir) {
 
 }  // namespace
 
+Status JoinSaveCheckpoint(GrpoTrainer& trainer) {
+  const std::string name = "checkpoint-" + std::to_string(trainer.global_step());
+  RETURN_IF_ERROR(trainer.optimizer().StateDict("gather of the AdamW state for " + name).status());
+  if (!trainer.optimizer().ShardsParameters()) return Status::OK();
+  return trainer.optimizer()
+      .GatherWeights("gather of the weights for " + name, /*every_rank=*/false)
+      .status();
+}
+
 StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& output_dir,
                                      const std::string& tokenizer_dir) {
   const fs::path out(output_dir);
@@ -99,6 +108,13 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
   // every rank joins (RankCommand::kCheckpoint).
   ASSIGN_OR_RETURN(const common::NamedTensors whole_state,
                    trainer.optimizer().StateDict("gather of the AdamW state for " + name));
+  // full_shard: the weights too, a unit at a time (JoinSaveCheckpoint on the other ranks).
+  common::NamedTensors gathered;
+  if (trainer.optimizer().ShardsParameters()) {
+    ASSIGN_OR_RETURN(gathered,
+                     trainer.optimizer().GatherWeights("gather of the weights for " + name,
+                                                       /*every_rank=*/false));
+  }
   const fs::path final_dir = out / name;
   const fs::path tmp_dir = out / (name + ".tmp");
   std::error_code ec;
@@ -107,7 +123,9 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
   fs::create_directories(tmp_dir, ec);
   if (ec) return Status::Internal("cannot create " + tmp_dir.string() + ": " + ec.message());
 
-  RETURN_IF_ERROR(trainer.policy().Save(tmp_dir.string()));
+  RETURN_IF_ERROR(trainer.optimizer().ShardsParameters()
+                      ? trainer.policy().SaveWeights(tmp_dir.string(), gathered)
+                      : trainer.policy().Save(tmp_dir.string()));
   common::NamedTensors optimizer_state;  // on the CPU whatever the trainer's device
   try {
     for (const auto& [name, t] : whole_state) {
@@ -267,7 +285,9 @@ Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
   }
   ASSIGN_OR_RETURN(at::Tensor rng, Unhex(ts["cpu_rng_state"].get<std::string>()));
   // Everything read and checked; now change state.
-  RETURN_IF_ERROR(trainer.policy().LoadStateFrom(ordered).WithContext(dir));
+  RETURN_IF_ERROR((trainer.optimizer().ShardsParameters() ? trainer.optimizer().LoadWeights(ordered)
+                                                          : trainer.policy().LoadStateFrom(ordered))
+                      .WithContext(dir));
   RETURN_IF_ERROR(trainer.optimizer().LoadStateDict(opt_state).WithContext(dir));
   trainer.RestoreCounters(ts["global_step"].get<int64_t>(), ts["policy_version"].get<int64_t>());
   if (ts.contains("entropy_coef") && ts["entropy_coef"].is_number()) {  // older: the config's

@@ -21,10 +21,13 @@ inline constexpr const char* kLatestFile = "latest";
 
 // Saves the trainer's current state; returns the checkpoint directory. Files named in
 // `tokenizer_dir` (tokenizer.json, tokenizer_config.json ...) are copied when they exist.
-// Rank 0 writes; with a sharded optimizer every other rank calls
-// trainer.optimizer().StateDict() at the same time (the gather of AdamW's state).
+// Rank 0 writes; with a sharded optimizer every other rank calls JoinSaveCheckpoint at the
+// same time (the gathers of AdamW's state and, full_shard, of the weights a unit at a time,
+// which rank 0 then holds whole on the CPU while it writes).
 StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& output_dir,
                                      const std::string& tokenizer_dir);
+// A rank > 0's part of rank 0's SaveCheckpoint: its collectives, in the same order.
+Status JoinSaveCheckpoint(GrpoTrainer& trainer);
 
 // DataLoss naming the file when a checksum does not match or a file is missing;
 // NotFound when `dir` has no SHA256SUMS (a partial checkpoint).
@@ -43,7 +46,8 @@ std::vector<std::string> PruneCheckpoints(const std::string& output_dir, int64_t
 // warning naming them. Returns the directory used; NotFound when there is none.
 StatusOr<std::string> RestoreLatestCheckpoint(GrpoTrainer& trainer, const std::string& output_dir);
 
-// Restores from one checkpoint directory (verified first).
+// Restores from one checkpoint directory (verified first). full_shard: each rank keeps its
+// shard of the weights and rank 0 the whole until GrpoTrainer::SyncFromRankZero.
 Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir);
 
 }  // namespace grpo::learner

@@ -360,7 +360,7 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
                                      t->compute_ ? t->compute_->Parameters() : policy->Parameters(),
                                      AdamWOptions{config.adam_beta1, config.adam_beta2,
                                                   config.adam_epsilon, config.weight_decay},
-                                     t->ranks_));
+                                     t->ranks_, policy));
   return t;
 }
 
@@ -521,9 +521,16 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
     return ((open_micro + it * num_micro + m) % ga) % world;
   };
   std::vector<bool> mine(num_micro, false);  // trained here in some pass
-  for (int64_t it = 0; it < config_.num_iterations; ++it) {
-    for (int64_t m = 0; m < num_micro; ++m) mine[m] = mine[m] || owner(it, m) == ranks_->rank();
+  // The micro-batches each rank trains in some pass: every rank runs as many no-grad forwards
+  // of the policy as the rank with the most (full_shard gathers its weights in each).
+  std::vector<int64_t> trained_by(world, 0);
+  for (int64_t m = 0; m < num_micro; ++m) {
+    std::vector<bool> by(world, false);
+    for (int64_t it = 0; it < config_.num_iterations; ++it) by[owner(it, m)] = true;
+    for (int64_t r = 0; r < world; ++r) trained_by[r] += by[r] ? 1 : 0;
+    mine[m] = by[ranks_->rank()];
   }
+  const int64_t most_trained = *std::max_element(trained_by.begin(), trained_by.end());
   const at::Device device = policy_->device();
   try {
     RefreshComputeCopy();  // the master may have changed since (checkpoint restore)
@@ -536,21 +543,29 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
 
   try {
     // `old` (and `ref`) once per generation batch, before its first optimizer step, no grad.
-    auto no_grad_logprobs = [&](const common::Model& model) {
+    std::vector<int64_t> own;  // this rank's micro-batches, another rank's are not needed here
+    for (int64_t m = 0; m < num_micro; ++m) {
+      if (mine[m]) own.push_back(m);
+    }
+    auto no_grad_logprobs = [&](const common::Model& model, at::Tensor& out, int64_t i) {
       at::NoGradGuard no_grad;
-      at::Tensor out = at::zeros({N, cmax}, at::kFloat);
-      for (int64_t m = 0; m < num_micro; ++m) {
-        if (!mine[m]) continue;  // another rank's
-        const int64_t b0 = m * bs, b1 = std::min(N, b0 + bs);
-        MicroBatch mb = OnDevice(
-            MakeMicroBatch(batch.prompts, batch.completions, b0, b1, false, false), device);
-        at::Tensor lp = CompletionLogprobs(model, mb, config_, nullptr);
-        out.narrow(0, b0, b1 - b0).narrow(1, 0, lp.size(1)).copy_(lp);
-      }
-      return out;
+      const int64_t b0 = own[i] * bs, b1 = std::min(N, b0 + bs);
+      MicroBatch mb =
+          OnDevice(MakeMicroBatch(batch.prompts, batch.completions, b0, b1, false, false), device);
+      at::Tensor lp = CompletionLogprobs(model, mb, config_, nullptr);
+      out.narrow(0, b0, b1 - b0).narrow(1, 0, lp.size(1)).copy_(lp);
     };
-    if (need_old) batch.old = no_grad_logprobs(compute);
-    if (reference_) batch.ref = no_grad_logprobs(*reference_);
+    const int64_t n_own = static_cast<int64_t>(own.size());
+    if (need_old) {
+      batch.old = at::zeros({N, cmax}, at::kFloat);
+      RETURN_IF_ERROR(optimizer_->RunNoGradForwards(
+          n_own, most_trained, [&](int64_t i) { no_grad_logprobs(compute, batch.old, i); },
+          " of the old log-probs of step " + std::to_string(global_step_ + 1)));
+    }
+    if (reference_) {  // whole on every rank, whatever `fsdp` says
+      batch.ref = at::zeros({N, cmax}, at::kFloat);
+      for (int64_t i = 0; i < n_own; ++i) no_grad_logprobs(*reference_, batch.ref, i);
+    }
   } catch (const c10::Error& e) {
     return Status::Internal(std::string("old/ref log-probs: ") + e.what_without_backtrace());
   }
@@ -779,9 +794,12 @@ Status GrpoTrainer::ReduceOverRanks(OpenStep& os) {
 Status GrpoTrainer::SyncFromRankZero() {
   if (ranks_->world_size() == 1) return Status::OK();
   at::NoGradGuard no_grad;
-  RETURN_IF_ERROR(distributed::BucketedBroadcast(*ranks_, policy_->Parameters(),
-                                                 distributed::kDefaultBucketBytes,
-                                                 "broadcast of rank 0's weights"));
+  if (!optimizer_->ShardsParameters()) {
+    RETURN_IF_ERROR(distributed::BucketedBroadcast(*ranks_, policy_->Parameters(),
+                                                   distributed::kDefaultBucketBytes,
+                                                   "broadcast of rank 0's weights"));
+  }
+  // Sharded parameters: rank 0's restored weights too, a unit at a time.
   RETURN_IF_ERROR(optimizer_->SyncFromRankZero("broadcast of rank 0's AdamW state"));
   std::vector<at::Tensor> counters = {
       at::tensor(std::vector<int64_t>{global_step_, policy_version_.load()}, at::kLong)};

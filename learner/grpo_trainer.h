@@ -117,9 +117,11 @@ class GrpoTrainer {
   // that accumulation takes. The gradients are summed over the ranks as `fsdp` says
   // (step_optimizer.h: an all-reduce at the step for no_shard; a reduce-scatter per round of
   // micro-batches into 1/world_size shards for shard_grad_op), the metrics at the step, so
-  // every collective is matched however few micro-batches a rank has. Unimplemented for
-  // full_shard at world size > 1, for offload on a GPU, and for dumps at world size > 1 (not
-  // built yet).
+  // every collective is matched however few micro-batches a rank has. full_shard shards the
+  // policy's parameters too (distributed/full_shard_adamw.h): its tensors then hold no values
+  // between uses and the whole weights are read through optimizer().GatherWeights; Create is
+  // then a collective. Unimplemented for full_shard with bf16 at world size > 1, for offload on
+  // a GPU, and for dumps at world size > 1 (not built yet).
   static StatusOr<std::unique_ptr<GrpoTrainer>> Create(const common::GrpoConfig& config,
                                                        common::Model* policy,
                                                        std::unique_ptr<common::Model> reference,

@@ -607,11 +607,22 @@ Status Learner::PublishWeights() {
     common::MutexLock lock(&mu_);
     on_device = workers_.AnyAssigned({common::kBackendNccl, common::kBackendCudaIpc});
   }
+  // full_shard: the weights exist whole nowhere; every rank joins their gather (a unit at a
+  // time, each copied to the CPU here).
+  common::NamedTensors gathered;
+  if (trainer_->optimizer().ShardsParameters()) {
+    if (rank_link_) RETURN_IF_ERROR(rank_link_->Publish());
+    ASSIGN_OR_RETURN(
+        gathered, trainer_->optimizer().GatherWeights("gather of the weights to publish at step " +
+                                                          std::to_string(trainer_->global_step()),
+                                                      /*every_rank=*/false));
+  }
   try {
     at::NoGradGuard no_grad;
     snap->version = trainer_->policy_version();
     snap->incarnation = incarnation_;
-    for (const auto& [name, t] : policy_->NamedParameters()) {
+    for (const auto& [name, t] :
+         trainer_->optimizer().ShardsParameters() ? gathered : policy_->NamedParameters()) {
       if (on_device) {
         at::Tensor copy = t.detach().contiguous().clone();
         // The CPU copy is made from the device copy and waits for it, so both are complete

@@ -16,22 +16,28 @@ AdamW::AdamW(common::NamedTensors params, AdamWOptions options)
   }
 }
 
+void AdamWUpdate(at::Tensor& p, const at::Tensor& g, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+                 const AdamWOptions& options, double lr, int64_t step) {
+  at::NoGradGuard no_grad;
+  const double bias1 = 1.0 - std::pow(options.beta1, static_cast<double>(step));
+  const double bias2 = 1.0 - std::pow(options.beta2, static_cast<double>(step));
+  const double step_size = lr / bias1;
+  const double bias2_sqrt = std::sqrt(bias2);
+  if (options.weight_decay != 0.0) p.mul_(1.0 - lr * options.weight_decay);
+  exp_avg.lerp_(g, 1.0 - options.beta1);
+  exp_avg_sq.mul_(options.beta2).addcmul_(g, g, 1.0 - options.beta2);
+  at::Tensor denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(options.eps);
+  p.addcdiv_(exp_avg, denom, -step_size);
+}
+
 void AdamW::Step(double lr) {
   at::NoGradGuard no_grad;
   ++step_;
-  const double bias1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step_));
-  const double bias2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step_));
-  const double step_size = lr / bias1;
-  const double bias2_sqrt = std::sqrt(bias2);
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor p = params_[i].second;
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
-    if (options_.weight_decay != 0.0) p.mul_(1.0 - lr * options_.weight_decay);
-    exp_avg_[i].lerp_(g, 1.0 - options_.beta1);
-    exp_avg_sq_[i].mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
-    at::Tensor denom = (exp_avg_sq_[i].sqrt() / bias2_sqrt).add_(options_.eps);
-    p.addcdiv_(exp_avg_[i], denom, -step_size);
+    AdamWUpdate(p, g, exp_avg_[i], exp_avg_sq_[i], options_, lr, step_);
   }
 }
 

@@ -51,6 +51,12 @@ class AdamW {
   int64_t step_ = 0;
 };
 
+// One AdamW update (torch.optim.AdamW's, `step` 1-based, the step being taken) of `p` in place
+// with gradient `g` and moments `exp_avg`, `exp_avg_sq` (updated in place): AdamW::Step's
+// update of one parameter, and the sharded optimizers' of one chunk. Same shapes and dtype.
+void AdamWUpdate(at::Tensor& p, const at::Tensor& g, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+                 const AdamWOptions& options, double lr, int64_t step);
+
 // AdamW state named as StateDict names it (the checkpoint's optimizer.safetensors):
 // "exp_avg.<param>", "exp_avg_sq.<param>" for each of `params` in order, then "step".
 common::NamedTensors NameAdamWState(const common::NamedTensors& params,

@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "learner/distributed/full_shard_adamw.h"
 #include "learner/distributed/sharded_adamw.h"
 
 namespace grpo::learner {
@@ -76,6 +77,12 @@ class ReplicatedAdamW final : public StepOptimizer {
     return adamw_.LoadStateDict(state);
   }
 
+  int64_t ResidentParameterBytes() const override {
+    int64_t bytes = 0;
+    for (const auto& [name, p] : params_) bytes += p.nbytes();
+    return bytes;
+  }
+
   int64_t ResidentBytes() const override {
     int64_t bytes = 0;
     for (const auto& [name, p] : params_) {
@@ -101,11 +108,9 @@ class ReplicatedAdamW final : public StepOptimizer {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(const common::FsdpSpec& fsdp,
-                                                           common::NamedTensors params,
-                                                           std::vector<at::Tensor> compute,
-                                                           AdamWOptions options,
-                                                           distributed::Collectives* ranks) {
+StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
+    const common::FsdpSpec& fsdp, common::NamedTensors params, std::vector<at::Tensor> compute,
+    AdamWOptions options, distributed::Collectives* ranks, common::Model* model) {
   const int world = ranks->world_size();
   if (world == 1 || fsdp.mode == common::FsdpMode::kNoShard) {
     return std::unique_ptr<StepOptimizer>(new ReplicatedAdamW(std::move(params), options, ranks));
@@ -116,10 +121,13 @@ StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(const common::FsdpSpe
                                        distributed::kDefaultBucketBytes));
     return std::unique_ptr<StepOptimizer>(std::move(sharded));
   }
-  return Status::Unimplemented(std::string("config key 'fsdp': ") +
-                               common::FsdpModeName(fsdp.mode) +
-                               " is not built yet at several learner ranks; no_shard (DDP) and "
-                               "shard_grad_op (ZeRO-2) are");
+  if (model == nullptr || compute.empty() || !compute.front().is_same(params.front().second)) {
+    return Status::Unimplemented(
+        "config key 'fsdp': full_shard at several learner ranks is built for fp32 training "
+        "(bf16: false) only: the bf16 compute copy is not sharded yet");
+  }
+  ASSIGN_OR_RETURN(auto full, distributed::FullShardAdamW::Create(model, options, ranks));
+  return std::unique_ptr<StepOptimizer>(std::move(full));
 }
 
 }  // namespace grpo::learner

@@ -4,7 +4,9 @@
 // ranks with an all-reduce and runs AdamW on the whole model on every rank.
 // distributed::ShardedAdamW (shard_grad_op, ZeRO-2) keeps 1/world_size of the gradient and of
 // AdamW's state on each rank: reduce-scatter during backward, AdamW on the shard, all-gather of
-// the weights.
+// the weights. distributed::FullShardAdamW (full_shard, ZeRO-3) keeps 1/world_size of the
+// parameters too: the model's units are gathered around each use (common/model/parameter_gate.h)
+// and the parameters are whole nowhere between uses (ShardsParameters).
 //
 // The trainer's calls, in order, per step: ZeroGrad; for each micro-batch position of the step
 // (on every rank, whichever rank back-propagates it) BeforeBackward and AfterBackward around the
@@ -18,11 +20,13 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "common/config.h"
+#include "common/model/model.h"
 #include "common/model/safetensors.h"
 #include "common/status.h"
 #include "learner/distributed/collectives.h"
@@ -70,16 +74,49 @@ class StepOptimizer {
   // Bytes of gradient and AdamW state resident on this rank now (the benchmark's model state,
   // less the parameters).
   virtual int64_t ResidentBytes() const = 0;
+  // Bytes of parameter values resident on this rank now (whole: the model's; full_shard: the
+  // rank's fp32 shard and the units gathered now).
+  virtual int64_t ResidentParameterBytes() const = 0;
+
+  // --- Parameters sharded over the ranks (full_shard). The others keep the defaults.
+  // True when the policy's parameter tensors hold no values between uses: whoever reads or
+  // writes the whole weights goes through GatherWeights and LoadWeights.
+  virtual bool ShardsParameters() const { return false; }
+  // Runs forward(0) .. forward(own - 1), this rank's no-grad forwards of the policy (old
+  // log-probs). Sharded: every rank then makes the collectives of `all` forwards (the most any
+  // rank runs), joining those it does not run, and each forward's gathered units are released
+  // after it. A libtorch error of `forward` propagates.
+  virtual Status RunNoGradForwards(int64_t own, int64_t all,
+                                   const std::function<void(int64_t)>& forward,
+                                   const std::string& where) {
+    for (int64_t i = 0; i < own; ++i) forward(i);
+    return Status::OK();
+  }
+  // Sharded only (Unimplemented otherwise), collectives: the whole weights (fp32, on the CPU,
+  // named and ordered as Model::NamedParameters) on rank 0, or on every rank with
+  // `every_rank`; other ranks get an empty list. One unit is gathered at a time.
+  virtual StatusOr<common::NamedTensors> GatherWeights(const std::string& what, bool every_rank) {
+    (void)what;
+    (void)every_rank;
+    return Status::Unimplemented("GatherWeights: the parameters are not sharded");
+  }
+  // Sharded only (Unimplemented otherwise), no collective: whole weights (every parameter by its
+  // name, of its shape; InvalidArgument naming the tensor otherwise, and then nothing changed)
+  // into this rank's shard; rank 0 keeps them until SyncFromRankZero hands them out.
+  virtual Status LoadWeights(const common::NamedTensors& weights) {
+    (void)weights;
+    return Status::Unimplemented("LoadWeights: the parameters are not sharded");
+  }
 };
 
 // The StepOptimizer of `fsdp` at `ranks`' world size over `params` (borrowed: shared storage,
 // the fp32 master with bf16); `compute` are the tensors backward accumulates into, in the same
-// order (the bf16 copy's parameters, or `params`' own). Unimplemented for full_shard at several
-// ranks (not built yet).
-StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(const common::FsdpSpec& fsdp,
-                                                           common::NamedTensors params,
-                                                           std::vector<at::Tensor> compute,
-                                                           AdamWOptions options,
-                                                           distributed::Collectives* ranks);
+// order (the bf16 copy's parameters, or `params`' own). full_shard at several ranks shards
+// `model` (borrowed, whose parameters `params` are; fp32, no bf16 copy: Unimplemented
+// otherwise), sets itself as its parameter gate and is a collective (rank 0's weights are
+// broadcast while they are cut into shards).
+StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
+    const common::FsdpSpec& fsdp, common::NamedTensors params, std::vector<at::Tensor> compute,
+    AdamWOptions options, distributed::Collectives* ranks, common::Model* model = nullptr);
 
 }  // namespace grpo::learner

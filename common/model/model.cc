@@ -261,13 +261,30 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, const at::D
 }
 
 Status Model::Save(const std::string& dir, uint64_t max_shard_bytes) const {
+  return SaveWeights(dir, params_, max_shard_bytes);
+}
+
+Status Model::SaveWeights(const std::string& dir, const NamedTensors& weights,
+                          uint64_t max_shard_bytes) const {
+  if (weights.size() != params_.size()) {
+    return Status::InvalidArgument(dir + ": " + std::to_string(weights.size()) +
+                                   " tensors to save for " + std::to_string(params_.size()) +
+                                   " parameters");
+  }
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (weights[i].first != params_[i].first || !weights[i].second.defined() ||
+        weights[i].second.sizes() != params_[i].second.sizes()) {
+      return Status::InvalidArgument(dir + ": tensor " + std::to_string(i) + " to save is not '" +
+                                     params_[i].first + "' of its shape");
+    }
+  }
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::Internal(dir + ": cannot create directory: " + ec.message());
   NamedTensors cpu;
   try {
     at::NoGradGuard no_grad;
-    for (const auto& [name, t] : params_) {
+    for (const auto& [name, t] : weights) {
       // fp32 whatever the model computes in (config.json says float32 below).
       cpu.emplace_back(name, t.detach().to(at::kCPU, at::kFloat).contiguous());
     }
@@ -442,6 +459,108 @@ class CheckpointedLayerFunction : public torch::autograd::Function<CheckpointedL
   }
 };
 
+// A decoder layer or the final norm behind a parameter gate (parameter_gate.h): the forward
+// acquires the unit, runs it and releases it; the backward acquires it again (once, also when
+// it recomputes), differentiates the unit, hands the gradient of its parameters to the gate
+// (TakeGradients) and releases it. With `keep` (no gradient checkpointing) the forward keeps
+// the unit's autograd graph, whose saved tensors include the parameters themselves: their
+// values are back once the backward's Acquire refilled them. Otherwise only the inputs are
+// saved and the backward recomputes the unit, as CheckpointedLayerFunction does. Inputs:
+// {x, cos, sin, blocked}.
+class GatedUnitFunction : public torch::autograd::Function<GatedUnitFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs, int64_t model_address,
+                                                int64_t unit, bool keep) {
+    const auto* model = reinterpret_cast<const Model*>(model_address);
+    ctx->saved_data["model"] = model_address;
+    ctx->saved_data["unit"] = unit;
+    ctx->saved_data["keep"] = keep;
+    const int u = static_cast<int>(unit);
+    model->gate_->Acquire(u);
+    at::Tensor out;
+    if (keep) {
+      at::AutoGradMode grad(true);
+      const at::Tensor x = inputs[0].detach().requires_grad_(true);
+      const at::Tensor inner = model->UnitForward(u, x, inputs[1], inputs[2], inputs[3]);
+      ctx->saved_data["x"] = x;
+      ctx->saved_data["inner"] = inner;
+      out = inner.detach();
+    } else {
+      ctx->save_for_backward(inputs.vec());
+      out = model->UnitForward(u, inputs[0], inputs[1], inputs[2], inputs[3]);
+    }
+    model->gate_->Release(u);
+    return {out};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto* model = reinterpret_cast<const Model*>(ctx->saved_data["model"].toInt());
+    const int u = static_cast<int>(ctx->saved_data["unit"].toInt());
+    model->gate_->Acquire(u);
+    std::vector<at::Tensor> wrt;
+    at::Tensor out;
+    if (ctx->saved_data["keep"].toBool()) {
+      wrt.push_back(ctx->saved_data["x"].toTensor());
+      out = ctx->saved_data["inner"].toTensor();
+    } else {
+      const torch::autograd::variable_list saved = ctx->get_saved_variables();
+      const at::Tensor x = saved[0].detach().requires_grad_(true);
+      wrt.push_back(x);
+      at::AutoGradMode grad(true);
+      out = model->UnitForward(u, x, saved[1], saved[2], saved[3]);
+    }
+    std::vector<size_t> params;  // indices in the unit's parameters of those differentiated
+    const NamedTensors unit_params = model->UnitParameters(u);
+    for (size_t i = 0; i < unit_params.size(); ++i) {
+      if (!unit_params[i].second.requires_grad()) continue;
+      params.push_back(i);
+      wrt.push_back(unit_params[i].second);
+    }
+    torch::autograd::variable_list grads =
+        torch::autograd::grad({out}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
+                              /*create_graph=*/false, /*allow_unused=*/true);
+    ctx->saved_data.erase("inner");
+    std::vector<at::Tensor> unit_grads(unit_params.size());
+    for (size_t k = 0; k < params.size(); ++k) unit_grads[params[k]] = grads[1 + k];
+    model->gate_->TakeGradients(u, unit_grads);
+    model->gate_->Release(u);
+    // One entry per forward input: x, cos, sin, blocked, then the three scalars.
+    return {grads[0],     at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor Model::UnitForward(int unit, const at::Tensor& x, const at::Tensor& cos,
+                              const at::Tensor& sin, const at::Tensor& blocked) const {
+  if (unit == NormUnit()) return RmsNorm(x, final_norm_);
+  const size_t li = static_cast<size_t>(unit - 1);
+  TORCH_CHECK(unit >= 1 && li < layers_.size(), "UnitForward: unit ", unit,
+              " is not a decoder layer or the final norm");
+  return LayerForward(layers_[li], li, x, cos, sin, blocked, nullptr);
+}
+
+at::Tensor Model::GatedForward(const at::Tensor& ids, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& blocked, bool gradient_checkpointing) const {
+  gate_->Acquire(0);
+  at::Tensor x = at::embedding(embed_, ids);  // [B, T, D]; its backward needs no weights
+  gate_->Release(0);
+  const bool grad = at::GradMode::is_enabled();
+  for (int u = LayerUnit(0); u <= NormUnit(); ++u) {
+    if (grad) {
+      x = GatedUnitFunction::apply(at::TensorList({x, cos, sin, blocked}),
+                                   reinterpret_cast<int64_t>(this), static_cast<int64_t>(u),
+                                   !gradient_checkpointing)[0];
+    } else {
+      gate_->Acquire(u);
+      x = UnitForward(u, x, cos, sin, blocked);
+      gate_->Release(u);
+    }
+  }
+  return x;
+}
+
 at::Tensor Model::LayerForward(const Layer& L, size_t li, const at::Tensor& x_in,
                                const at::Tensor& cos, const at::Tensor& sin,
                                const at::Tensor& blocked, KvCache* cache) const {
@@ -477,6 +596,10 @@ at::Tensor Model::Forward(const at::Tensor& ids, const at::Tensor& positions,
   at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(2);                           // [B,T,1,hd]
   at::Tensor cos = emb.cos().to(embed_.scalar_type());
   at::Tensor sin = emb.sin().to(embed_.scalar_type());
+  if (gate_ != nullptr) {
+    TORCH_CHECK(cache == nullptr, "a model behind a parameter gate runs no KV-cache forward");
+    return GatedForward(ids, cos, sin, blocked, gradient_checkpointing);
+  }
 
   at::Tensor x = at::embedding(embed_, ids);  // [B, T, D]
   const bool checkpoint = gradient_checkpointing && cache == nullptr && at::GradMode::is_enabled();
@@ -512,9 +635,32 @@ at::Tensor Model::ForwardHidden(const at::Tensor& input_ids, const at::Tensor& a
   return Forward(input_ids, positions, blocked, nullptr, gradient_checkpointing);
 }
 
-at::Tensor Model::LmHeadWeight() const { return lm_head_; }
+at::Tensor Model::LmHeadWeight() const {
+  if (gate_ != nullptr) gate_->Acquire(LmHeadUnit());
+  return lm_head_;
+}
 
-at::Tensor Model::Logits(const at::Tensor& hidden) const { return at::linear(hidden, lm_head_); }
+at::Tensor Model::Logits(const at::Tensor& hidden) const {
+  return at::linear(hidden, LmHeadWeight());
+}
+
+int Model::NumUnits() const { return NormUnit() + (config_.tie_word_embeddings ? 1 : 2); }
+
+NamedTensors Model::UnitParameters(int unit) const {
+  NamedTensors out;
+  for (const auto& [name, t] : params_) {
+    int u = 0;
+    if (name == "model.norm.weight") {
+      u = NormUnit();
+    } else if (name == "lm_head.weight") {
+      u = LmHeadUnit();
+    } else if (name.rfind("model.layers.", 0) == 0) {
+      u = LayerUnit(std::stoll(name.substr(13)));
+    }
+    if (u == unit) out.emplace_back(name, t);
+  }
+  return out;
+}
 
 // ---------------------------------------------------------------------------------------------
 // KV cache.

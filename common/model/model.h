@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/model/model_config.h"
+#include "common/model/parameter_gate.h"
 #include "common/model/safetensors.h"
 #include "common/status.h"
 
@@ -65,6 +66,11 @@ class Model {
   // Hugging Face names, in fp32 from any device; tied models have no lm_head.weight. Creates
   // `dir` if needed.
   Status Save(const std::string& dir, uint64_t max_shard_bytes = 5ull << 30) const;
+  // As Save, with `weights` for the values: NamedParameters' names in its order and shapes
+  // (InvalidArgument otherwise), e.g. the gathered weights of a model whose parameters are
+  // sharded (parameter_gate.h).
+  Status SaveWeights(const std::string& dir, const NamedTensors& weights,
+                     uint64_t max_shard_bytes = 5ull << 30) const;
 
   const ModelConfig& config() const { return config_; }
   // The live parameters (shared storage) under their Hugging Face names, in checkpoint order.
@@ -87,10 +93,28 @@ class Model {
   // intermediates (attention scores [B, H, T, T], the MLP's [B, T, I], ...). Same gradients.
   at::Tensor ForwardHidden(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                            bool gradient_checkpointing = false) const;
-  // [V, D]; the embedding matrix when tied.
+  // [V, D]; the embedding matrix when tied. With a parameter gate, acquires the lm_head's unit
+  // and leaves it acquired: its user releases it (the gate's owner, after the backward).
   at::Tensor LmHeadWeight() const;
   // hidden [..., D] -> logits [..., V].
   at::Tensor Logits(const at::Tensor& hidden) const;
+
+  // --- Units of parameters (parameter_gate.h): 0 the embedding (with the lm_head when tied),
+  // 1 + i decoder layer i, then the final norm, then the untied lm_head.
+  int NumUnits() const;
+  int LayerUnit(int64_t layer) const { return 1 + static_cast<int>(layer); }
+  int NormUnit() const { return 1 + static_cast<int>(config_.num_hidden_layers); }
+  int LmHeadUnit() const { return config_.tie_word_embeddings ? 0 : NormUnit() + 1; }
+  // The unit's parameters (shared storage), in NamedParameters' order.
+  NamedTensors UnitParameters(int unit) const;
+  // `gate` (borrowed; null, the default, = none) is called around every use of a unit's
+  // parameters by ForwardHidden and its backward, and by LmHeadWeight. With a gate, each decoder
+  // layer and the final norm are differentiated by the model itself (their gradients go to
+  // ParameterGate::TakeGradients, not to .grad; the embedding's and lm_head's still reach .grad),
+  // one whole-sequence forward runs at a time, and the KV-cache forwards refuse (TORCH_CHECK).
+  // Not while a forward or backward runs.
+  void SetParameterGate(ParameterGate* gate) { gate_ = gate; }
+  ParameterGate* parameter_gate() const { return gate_; }
 
   // --- Incremental decoding (rollout). All run without autograd.
   // An empty cache for `batch` rows and up to `capacity` tokens per row (prompt + completion).
@@ -131,6 +155,7 @@ class Model {
   // Every tensor field of Layer, in a fixed order (the checkpointed layer's autograd inputs).
   static const std::vector<at::Tensor Layer::*>& LayerFields();
   friend class CheckpointedLayerFunction;
+  friend class GatedUnitFunction;
 
   explicit Model(ModelConfig config) : config_(std::move(config)) {}
   // The expected parameter names and shapes, in checkpoint order.
@@ -151,6 +176,12 @@ class Model {
   // Decoder layer `li` (weights `L`) on x [B, T, D]; cos/sin [B, T, 1, hd].
   at::Tensor LayerForward(const Layer& L, size_t li, const at::Tensor& x, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& blocked, KvCache* cache) const;
+  // Unit `unit` (a decoder layer or the final norm) on x [B, T, D].
+  at::Tensor UnitForward(int unit, const at::Tensor& x, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& blocked) const;
+  // Forward's body with a parameter gate (whole sequences only).
+  at::Tensor GatedForward(const at::Tensor& ids, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& blocked, bool gradient_checkpointing) const;
   // Prefill/DecodeStep body: ids [B, T], mask [B, T] bool -> hidden [B, T, D].
   at::Tensor Extend(const at::Tensor& ids, const at::Tensor& mask, KvCache& cache) const;
 
@@ -158,7 +189,8 @@ class Model {
   NamedTensors params_;
   at::Tensor embed_, final_norm_, lm_head_;  // lm_head_ is embed_ when tied
   std::vector<Layer> layers_;
-  at::Tensor inv_freq_;  // [head_dim / 2] fp32
+  at::Tensor inv_freq_;            // [head_dim / 2] fp32
+  ParameterGate* gate_ = nullptr;  // borrowed
 };
 
 }  // namespace grpo::common

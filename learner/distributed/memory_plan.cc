@@ -64,8 +64,8 @@ ParameterCounts CountParameters(const common::ModelConfig& m) {
   return c;
 }
 
-bool FsdpBuilt(const common::FsdpSpec& fsdp, int world_size, const std::string& device) {
-  if (world_size > 1 && fsdp.mode == FsdpMode::kFullShard) return false;
+bool FsdpBuilt(const common::FsdpSpec& fsdp, int world_size, const std::string& device, bool bf16) {
+  if (world_size > 1 && fsdp.mode == FsdpMode::kFullShard && bf16) return false;
   return !fsdp.offload || !IsCuda(device);
 }
 
@@ -369,7 +369,7 @@ StatusOr<bool> CandidateFits(const common::ModelConfig& m, const Candidate& c,
                              const SuggestOptions& o, MemoryPlan* out) {
   ASSIGN_OR_RETURN(MemoryPlan p, PlanMemory(m, c.config, c.world_size, device));
   *out = std::move(p);
-  if (o.built_only && !FsdpBuilt(out->fsdp, c.world_size, device)) return false;
+  if (o.built_only && !FsdpBuilt(out->fsdp, c.world_size, device, c.config.bf16)) return false;
   const bool host_ok =
       o.host_bytes <= 0 || out->device != "cuda" || out->HostTotal() <= o.host_bytes;
   return out->Fits(device_bytes) && host_ok;

@@ -241,10 +241,6 @@ StatusOr<double> ShardedAdamW::ClipGradNorm(double max_norm, const std::string& 
 Status ShardedAdamW::Step(double lr, const std::string& where) {
   at::NoGradGuard no_grad;
   ++step_;
-  const double bias1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step_));
-  const double bias2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step_));
-  const double step_size = lr / bias1;
-  const double bias2_sqrt = std::sqrt(bias2);
   for (const Bucket& b : buckets_) {
     // This rank's chunk of the weights, updated as AdamW::Step updates a parameter.
     at::Tensor p = at::zeros({b.chunk}, grad_shard_.options());
@@ -256,11 +252,7 @@ Status ShardedAdamW::Step(double lr, const std::string& where) {
     const at::Tensor g = grad_shard_.narrow(0, b.shard_offset, b.chunk);
     at::Tensor m = exp_avg_.narrow(0, b.shard_offset, b.chunk);
     at::Tensor v = exp_avg_sq_.narrow(0, b.shard_offset, b.chunk);
-    if (options_.weight_decay != 0.0) p.mul_(1.0 - lr * options_.weight_decay);
-    m.lerp_(g, 1.0 - options_.beta1);
-    v.mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
-    at::Tensor denom = (v.sqrt() / bias2_sqrt).add_(options_.eps);
-    p.addcdiv_(m, denom, -step_size);
+    AdamWUpdate(p, g, m, v, options_, lr, step_);
     // Every rank's chunks into every rank's parameters.
     at::Tensor whole = at::empty({b.chunk * ranks_->world_size()}, grad_shard_.options());
     RETURN_IF_ERROR(ranks_->AllGather(p, whole, "all-gather of the weights" + where));
@@ -361,6 +353,12 @@ int64_t ShardedAdamW::ResidentBytes() const {
   for (const Pending& p : pending_round_) {
     if (p.flat.defined()) bytes += p.flat.nbytes();
   }
+  return bytes;
+}
+
+int64_t ShardedAdamW::ResidentParameterBytes() const {
+  int64_t bytes = 0;
+  for (const auto& [name, p] : params_) bytes += p.nbytes();
   return bytes;
 }
 

@@ -22,8 +22,8 @@
 //    of the weights, and each bucket's updated chunks are all-gathered into every rank's
 //    parameters.
 //
-// Not yet: the parameters themselves stay whole on every rank (full_shard), and so does the
-// fp32 master with bf16.
+// The parameters themselves stay whole on every rank (full_shard_adamw.h shards them), and so
+// does the fp32 master with bf16.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -66,6 +66,7 @@ class ShardedAdamW final : public StepOptimizer {
   Status LoadStateDict(const common::NamedTensors& state) override;
   Status SyncFromRankZero(const std::string& what) override;
   int64_t ResidentBytes() const override;
+  int64_t ResidentParameterBytes() const override;
 
  private:
   // A run of one parameter's elements inside this rank's chunk of a bucket.

@@ -1,6 +1,7 @@
 #include "learner/distributed/trainer_rank.h"
 
 #include "common/logging.h"
+#include "learner/checkpoint.h"
 #include "learner/distributed/group_codec.h"
 #include "learner/grpo_trainer.h"
 
@@ -36,10 +37,16 @@ Status ServeRankZero(RankGroup& group, GrpoTrainer& trainer) {
         RETURN_IF_ERROR(trainer.FlushPartialStep().status());
         break;
       case RankCommand::kCheckpoint:
-        // Rank 0 writes the checkpoint; a sharded AdamW state is gathered there from every rank.
+        // Rank 0 writes the checkpoint; a sharded AdamW state (and full_shard's weights) is
+        // gathered there from every rank.
+        RETURN_IF_ERROR(JoinSaveCheckpoint(trainer));
+        break;
+      case RankCommand::kPublish:
+        // full_shard: rank 0 publishes the weights, gathered a unit at a time.
         RETURN_IF_ERROR(trainer.optimizer()
-                            .StateDict("gather of the AdamW state for checkpoint-" +
-                                       std::to_string(trainer.global_step()))
+                            .GatherWeights("gather of the weights to publish at step " +
+                                               std::to_string(trainer.global_step()),
+                                           /*every_rank=*/false)
                             .status());
         break;
       case RankCommand::kStop:

@@ -24,6 +24,7 @@ enum class RankCommand : uint8_t {
   kFlush = 3,       // FlushPartialStep
   kStop = 4,        // the job is over: leave the loop
   kCheckpoint = 5,  // rank 0 saves a checkpoint: join the gather of AdamW's state (sharded)
+  kPublish = 6,     // rank 0 publishes the weights: join their gather (full_shard)
 };
 
 // The command's bytes; `groups` for kTrain.
@@ -41,6 +42,7 @@ class RankZeroLink {
   Status Flush() { return group_->Post(EncodeCommand(RankCommand::kFlush)); }
   Status Stop() { return group_->Post(EncodeCommand(RankCommand::kStop)); }
   Status Checkpoint() { return group_->Post(EncodeCommand(RankCommand::kCheckpoint)); }
+  Status Publish() { return group_->Post(EncodeCommand(RankCommand::kPublish)); }
 
  private:
   RankGroup* group_;

@@ -176,10 +176,20 @@ int ShardingChild(const ShardingBenchOptions& o) {
     step_s.push_back(r->steps[0].step_seconds);
     comm_s.push_back(timed.seconds);
   }
-  int64_t state = (*trainer)->optimizer().ResidentBytes();
-  for (const at::Tensor& p : model->Parameters()) state += p.nbytes();
+  const int64_t state =
+      (*trainer)->optimizer().ResidentBytes() + (*trainer)->optimizer().ResidentParameterBytes();
+  common::NamedTensors weights;
+  if ((*trainer)->optimizer().ShardsParameters()) {  // full_shard: gathered a unit at a time
+    auto gathered = (*trainer)->optimizer().GatherWeights("the bench's weights", false);
+    if (!gathered.ok()) {
+      std::cerr << gathered.status().ToString() << "\n";
+      return 1;
+    }
+    weights = std::move(*gathered);
+  } else {
+    weights = model->NamedParameters();
+  }
   if (timed.rank() == 0) {
-    common::NamedTensors weights = model->NamedParameters();
     if (Status s = common::WriteSafetensors(o.out_path, weights); !s.ok()) {
       std::cerr << s.ToString() << "\n";
       return 1;
@@ -244,7 +254,7 @@ int BenchSharding(const ShardingBenchOptions& o) {
     auto plan = dist::PlanMemory(model->config(), ShardingConfig(world, mode), world, "cpu");
     row["predicted_peak_bytes_per_rank"] = plan.ok() ? plan->TrainingPeak() : -1;
     row["zero_formula_model_state_bytes"] = ZeroFormulaBytes(mode, world, psi);
-    row["built"] = dist::FsdpBuilt(*common::ParseFsdp(mode), world, "cpu");
+    row["built"] = dist::FsdpBuilt(*common::ParseFsdp(mode), world, "cpu", /*bf16=*/false);
     if (!row["built"].get<bool>()) {
       rows.push_back(row);  // planned, not run: the trainer refuses it
       continue;

@@ -21,6 +21,7 @@
 #include "common/process.h"
 #include "learner/checkpoint.h"
 #include "learner/distributed/collectives.h"
+#include "learner/distributed/full_shard_adamw.h"
 #include "learner/distributed/group_codec.h"
 #include "learner/distributed/rank_group.h"
 #include "learner/distributed/sharded_adamw.h"
@@ -130,6 +131,15 @@ RunResult Train(const common::GrpoConfig& cfg, Collectives* ranks) {
     return out;
   }
   if (flushed->has_value()) out.steps.push_back(**flushed);
+  if ((*trainer)->optimizer().ShardsParameters()) {  // full_shard: whole nowhere, gathered
+    auto gathered = (*trainer)->optimizer().GatherWeights("the test's weights", true);
+    if (!gathered.ok()) {
+      out.error = gathered.status().ToString();
+      return out;
+    }
+    for (const auto& [name, w] : *gathered) out.weights.push_back(w);
+    return out;
+  }
   for (const at::Tensor& p : model->Parameters()) out.weights.push_back(p.detach().clone());
   return out;
 }
@@ -205,6 +215,166 @@ INSTANTIATE_TEST_SUITE_P(LossTypes, DataParallel,
 INSTANTIATE_TEST_SUITE_P(OtherObjectives, DataParallel,
                          ::testing::Combine(::testing::Values("cispo", "sapo", "luspo", "vespo"),
                                             ::testing::Values(2), ::testing::Values("no_shard")));
+
+// full_shard (ZeRO-3): the same equivalence, with and without gradient checkpointing (with it
+// each layer's backward recomputes from the gather of its backward; without it autograd's saved
+// tensors read the parameters refilled by that gather). Batches() ends in a flushed step of 2
+// micro-batches: at 4 ranks two ranks have none in that round and join its collectives.
+class DataParallelFullShard : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {
+};
+
+TEST_P(DataParallelFullShard, RanksOverThreadsTakeTheSingleRanksSteps) {
+  const auto [loss_type, world, checkpointing] = GetParam();
+  common::GrpoConfig one = RankConfig(loss_type, 1);
+  one.gradient_checkpointing = checkpointing;
+  const RunResult single = Train(one, nullptr);
+  ASSERT_TRUE(single.error.empty()) << single.error;
+  ASSERT_EQ(single.steps.size(), 7u);
+  FakeRankGroup group(world, std::chrono::seconds(60));
+  std::vector<RunResult> results(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      common::GrpoConfig cfg = RankConfig(loss_type, world, "full_shard");
+      cfg.gradient_checkpointing = checkpointing;
+      results[r] = Train(cfg, &group.Rank(r));
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) ExpectSameAsSingleRank(results[r], single, r);
+}
+
+INSTANTIATE_TEST_SUITE_P(LossTypes, DataParallelFullShard,
+                         ::testing::Combine(::testing::Values("dapo", "grpo", "dr_grpo"),
+                                            ::testing::Values(2, 4), ::testing::Bool()));
+// vespo's autograd path through the lm_head (ChunkedTokenLogprobs, whose backward reads the
+// gathered lm_head), over 2 ranks.
+INSTANTIATE_TEST_SUITE_P(AutogradLoss, DataParallelFullShard,
+                         ::testing::Combine(::testing::Values("vespo"), ::testing::Values(2),
+                                            ::testing::Bool()));
+
+// ZeRO-3's model state: after the steps each rank holds, of the parameters, only its fp32 chunk
+// of every unit: 4 x sum over units of ceil(unit / W) bytes (the tiny model's units: the tied
+// embedding, 2 layers, the final norm), no unit gathered and no .grad; and the gradient and AdamW
+// state as ZeRO-2's but cut per unit: 12 x the same count. During the steps at most two units
+// were gathered at once: the lm_head's (the tied embedding) and one layer or the final norm.
+TEST(DataParallelFullShardSharding, EachRankHoldsItsShareOfTheParametersToo) {
+  auto count = TinyModel();
+  const common::ModelConfig& c = count->config();
+  const int64_t d = c.hidden_size, q = c.num_attention_heads * c.head_dim;
+  const int64_t kv = c.num_key_value_heads * c.head_dim, i = c.intermediate_size;
+  // Qwen2 with attention biases, no q/k norm: q k v o, their biases, the MLP, two norms.
+  const int64_t layer = q * d + 2 * kv * d + d * q + q + 2 * kv + 3 * i * d + 2 * d;
+  const std::vector<int64_t> units = {c.vocab_size * d, layer, layer, d};
+  int64_t P = 0;
+  for (const at::Tensor& p : count->Parameters()) P += p.numel();
+  ASSERT_EQ(P, units[0] + units[1] + units[2] + units[3]);
+  for (const int world : {2, 4}) {
+    int64_t chunks = 0;
+    for (int64_t n : units) chunks += (n + world - 1) / world;
+    FakeRankGroup group(world, std::chrono::seconds(60));
+    std::vector<int64_t> params(world, -1), state(world, -1);
+    std::vector<int> most_gathered(world, -1);
+    std::vector<std::string> errors(world);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        auto model = TinyModel();
+        auto t = GrpoTrainer::Create(RankConfig("dapo", world, "full_shard"), model.get(), nullptr,
+                                     &group.Rank(r));
+        if (!t.ok()) {
+          errors[r] = t.status().ToString();
+          return;
+        }
+        auto result = (*t)->TrainGenerationBatch(Batches()[0]);
+        if (!result.ok()) {
+          errors[r] = result.status().ToString();
+          return;
+        }
+        for (const at::Tensor& p : model->Parameters()) {
+          if (p.grad().defined()) errors[r] = "a whole .grad left after the steps";
+          if (p.storage().nbytes() != 0) errors[r] = "a parameter holds memory between steps";
+        }
+        params[r] = (*t)->optimizer().ResidentParameterBytes();
+        state[r] = (*t)->optimizer().ResidentBytes();
+        most_gathered[r] =
+            dynamic_cast<distributed::FullShardAdamW&>((*t)->optimizer()).max_units_gathered();
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < world; ++r) {
+      ASSERT_TRUE(errors[r].empty()) << "world " << world << " rank " << r << ": " << errors[r];
+      EXPECT_EQ(params[r], 4 * chunks) << "world " << world << " rank " << r;
+      EXPECT_LT(params[r], 4 * P / world + 4 * 4 * world) << "padding: under a world per unit";
+      EXPECT_EQ(state[r], 12 * chunks) << "world " << world << " rank " << r;
+      EXPECT_EQ(most_gathered[r], 2) << "world " << world << " rank " << r;
+    }
+  }
+}
+
+// One micro-batch through the gate, untied and tied lm_head, with and without checkpointing:
+// the forward gathers each unit once (embedding, 2 layers, final norm, the lm_head: when tied,
+// the embedding's unit a second time, freed between its two uses), the
+// backward each layer and the final norm once more, also when checkpointing recomputes them (no
+// third gather), and never more than two units at once. The gradient's norm and the weights
+// after one AdamW step equal those of the same model without a gate (plain autograd and AdamW).
+TEST(DataParallelFullShardSharding, EachUnitIsGatheredOnceForwardAndOnceBackward) {
+  for (const bool tied : {true, false}) {
+    for (const bool checkpointing : {false, true}) {
+      auto cfg = common::ModelConfigPreset("tiny");
+      ASSERT_TRUE(cfg.ok());
+      cfg->tie_word_embeddings = tied;
+      auto plain = common::Model::InitRandom(*cfg, 5);
+      auto gated = common::Model::InitRandom(*cfg, 5);
+      ASSERT_TRUE(plain.ok() && gated.ok());
+      (*plain)->SetRequiresGrad(true);
+      (*gated)->SetRequiresGrad(true);
+      SingleRank rank;
+      const AdamWOptions adamw{0.9, 0.999, 1e-8, 0.01};
+      auto opt = distributed::FullShardAdamW::Create(gated->get(), adamw, &rank);
+      ASSERT_TRUE(opt.ok()) << opt.status().ToString();
+      at::Generator g = at::detail::createCPUGenerator(3);
+      const at::Tensor ids = at::randint(cfg->vocab_size, {2, 12}, g, at::kLong);
+      const at::Tensor mask = at::ones({2, 12}, at::kLong);
+      auto loss = [&](const common::Model& m) {
+        return m.Logits(m.ForwardHidden(ids, mask, checkpointing)).log_softmax(-1).mean();
+      };
+      loss(**plain).backward();
+      (*opt)->ZeroGrad();
+      (*opt)->BeforeBackward(" of the test");
+      const at::Tensor l = loss(**gated);
+      // The embedding, 2 layers, the final norm, the lm_head (tied: the embedding's again).
+      const int64_t units = 5, layers_and_norm = 3;
+      EXPECT_EQ((*opt)->all_gathers(), units) << "tied " << tied << " ckpt " << checkpointing;
+      l.backward();
+      ASSERT_TRUE((*opt)->AfterBackward(" of the test").ok());
+      EXPECT_EQ((*opt)->all_gathers(), units + layers_and_norm)
+          << "tied " << tied << " ckpt " << checkpointing;
+      EXPECT_EQ((*opt)->max_units_gathered(), 2);
+      EXPECT_EQ((*opt)->ResidentParameterBytes(), 4 * (*gated)->NumParameters());
+      double sq = 0;
+      for (const at::Tensor& p : (*plain)->Parameters()) {
+        sq += p.grad().to(at::kDouble).square().sum().item<double>();
+      }
+      auto norm = (*opt)->ClipGradNorm(0, " of the test");
+      ASSERT_TRUE(norm.ok());
+      EXPECT_NEAR(*norm, std::sqrt(sq), 1e-5 * std::sqrt(sq));
+      AdamW reference((*plain)->NamedParameters(), adamw);
+      reference.Step(1e-2);
+      ASSERT_TRUE((*opt)->Step(1e-2, " of the test").ok());
+      auto weights = (*opt)->GatherWeights("the test's weights", true);
+      ASSERT_TRUE(weights.ok());
+      const common::NamedTensors want = (*plain)->NamedParameters();
+      ASSERT_EQ(weights->size(), want.size());
+      for (size_t k = 0; k < want.size(); ++k) {
+        EXPECT_EQ((*weights)[k].first, want[k].first);
+        const double scale = want[k].second.abs().max().item<double>();
+        EXPECT_LE(((*weights)[k].second - want[k].second).abs().max().item<double>(), 1e-5 * scale)
+            << want[k].first << " tied " << tied << " ckpt " << checkpointing;
+      }
+    }
+  }
+}
 
 // ZeRO-2's model state (Rajbhandari et al. 2020, fp32 here): the gradient and AdamW's two
 // moments, 12 bytes per parameter on one rank, become 12 x ceil(P / W) on each of W ranks (the
@@ -417,9 +587,14 @@ RunResult TrainPart(const common::GrpoConfig& cfg, Collectives* ranks, size_t fi
   if (!save_dir.empty() && rank == 0) {
     auto saved = SaveCheckpoint(**trainer, save_dir, "");
     if (!saved.ok()) return {{}, {}, saved.status().ToString()};
-  } else if (!save_dir.empty()) {  // the gather of a sharded AdamW state (RankCommand::kCheckpoint)
-    auto state = (*trainer)->optimizer().StateDict("checkpoint");
-    if (!state.ok()) return {{}, {}, state.status().ToString()};
+  } else if (!save_dir.empty()) {  // the gathers of a sharded state (RankCommand::kCheckpoint)
+    if (Status s = JoinSaveCheckpoint(**trainer); !s.ok()) return {{}, {}, s.ToString()};
+  }
+  if ((*trainer)->optimizer().ShardsParameters()) {
+    auto gathered = (*trainer)->optimizer().GatherWeights("the test's weights", true);
+    if (!gathered.ok()) return {{}, {}, gathered.status().ToString()};
+    for (const auto& [name, w] : *gathered) out.weights.push_back(w);
+    return out;
   }
   for (const at::Tensor& p : model->Parameters()) out.weights.push_back(p.detach().clone());
   return out;
@@ -505,6 +680,47 @@ TEST(DataParallelCheckpoints, ShardedStateResumesAtAnotherWorldSize) {
   fs::remove_all(dir);
 }
 
+// full_shard's checkpoint is whole too (each unit gathered, rank 0 writes): saved at 4 ranks it
+// loads in a single-rank Model (Model::Load, the Hugging Face layout) with the sharded run's
+// weights, and resumes at 2 full_shard ranks and at 1; one saved at 1 resumes at 2 full_shard
+// ranks (each keeps its chunk of rank 0's restored weights and state). Every resumed run takes
+// the uninterrupted single rank's steps.
+TEST(DataParallelCheckpoints, FullShardCheckpointLoadsWholeAndResumesAtAnotherWorldSize) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("grpo_dp_zero3_ckpt_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const RunResult uninterrupted = Train(RankConfig("dapo", 1), nullptr);
+  ASSERT_TRUE(uninterrupted.error.empty()) << uninterrupted.error;
+  RunResult tail_of_reference = uninterrupted;
+  tail_of_reference.steps.erase(tail_of_reference.steps.begin(),
+                                tail_of_reference.steps.begin() + 4);
+
+  const std::vector<RunResult> four =
+      TrainPartOnRanks(4, 0, 1, "", (dir / "at4").string(), "full_shard");
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(four[r].error.empty()) << r << ": " << four[r].error;
+  const std::string at4 = (dir / "at4" / "checkpoint-4").string();
+  auto loaded = common::Model::Load(at4);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  const std::vector<at::Tensor> saved = (*loaded)->Parameters();
+  ASSERT_EQ(saved.size(), four[0].weights.size());
+  for (size_t i = 0; i < saved.size(); ++i) {
+    EXPECT_TRUE(saved[i].equal(four[0].weights[i])) << "parameter " << i;
+  }
+  const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4, "", "full_shard");
+  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(two[r], tail_of_reference, r);
+  ExpectSameAsSingleRank(TrainPart(RankConfig("dapo", 1), nullptr, 1, 2, at4, ""),
+                         tail_of_reference, 0);
+
+  const RunResult first =
+      TrainPart(RankConfig("dapo", 1), nullptr, 0, 1, "", (dir / "at1").string());
+  ASSERT_TRUE(first.error.empty()) << first.error;
+  const std::vector<RunResult> resumed =
+      TrainPartOnRanks(2, 1, 2, (dir / "at1" / "checkpoint-4").string(), "", "full_shard");
+  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
+  fs::remove_all(dir);
+}
+
 TEST(DataParallelFaults, ARankThatLeavesFailsTheOthersStepAndTheGroupStaysFailed) {
   FakeRankGroup group(2, std::chrono::seconds(60));
   auto cfg = RankConfig("dapo", 2);
@@ -547,15 +763,18 @@ TEST(DataParallelFaults, ARankThatNeverJoinsFailsTheStepAtTheDeadline) {
   EXPECT_LT(s, 10.0);
 }
 
-TEST(DataParallelConfig, FullShardAndDumpsAreRefusedAtSeveralRanks) {
+TEST(DataParallelConfig, Bf16FullShardAndDumpsAreRefusedAtSeveralRanks) {
   FakeRankGroup group(2, std::chrono::seconds(5));
   auto model = TinyModel();
   auto cfg = RankConfig("dapo", 2);
   cfg.fsdp = "full_shard";
+  cfg.bf16 = true;  // the bf16 compute copy is not sharded yet
   auto t = GrpoTrainer::Create(cfg, model.get(), nullptr, &group.Rank(0));
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().code(), StatusCode::kUnimplemented);
   EXPECT_NE(t.status().message().find("full_shard"), std::string::npos);
+  EXPECT_NE(t.status().message().find("bf16"), std::string::npos);
+  cfg.bf16 = false;
   cfg.fsdp = "no_shard";
   cfg.dump_batches_dir = "/tmp/unused";
   t = GrpoTrainer::Create(cfg, model.get(), nullptr, &group.Rank(0));
@@ -816,12 +1035,13 @@ TEST_P(DataParallelProcesses, RanksOverC10dTakeTheSingleRanksSteps) {
 
 INSTANTIATE_TEST_SUITE_P(
     LossTypes, DataParallelProcesses,
-    ::testing::Values(std::make_tuple("dapo", 2, "no_shard"),
-                      std::make_tuple("grpo", 4, "no_shard"),
-                      std::make_tuple("dr_grpo", 2, "no_shard"),
-                      // ZeRO-2 over c10d's _reduce_scatter_base and _allgather_base (Gloo).
-                      std::make_tuple("dapo", 4, "shard_grad_op"),
-                      std::make_tuple("grpo", 2, "shard_grad_op")));
+    ::testing::Values(
+        std::make_tuple("dapo", 2, "no_shard"), std::make_tuple("grpo", 4, "no_shard"),
+        std::make_tuple("dr_grpo", 2, "no_shard"),
+        // ZeRO-2 over c10d's _reduce_scatter_base and _allgather_base (Gloo).
+        std::make_tuple("dapo", 4, "shard_grad_op"), std::make_tuple("grpo", 2, "shard_grad_op"),
+        // ZeRO-3: the gathers and reduce-scatters of each unit over Gloo.
+        std::make_tuple("dapo", 4, "full_shard"), std::make_tuple("dr_grpo", 2, "full_shard")));
 
 TEST(DataParallelProcessFaults, ADeadRankFailsRankZerosFirstStepAtOnce) {
   const ChildRun run = RunRanks(2, "dapo", "die", 20'000);

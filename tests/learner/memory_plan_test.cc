@@ -529,7 +529,11 @@ TEST(FsdpBuilt, FollowsWhatTheTrainerRunsToday) {
   auto spec = [](const char* text) { return *common::ParseFsdp(text); };
   EXPECT_TRUE(FsdpBuilt(spec("no_shard"), 8, "cuda"));  // DDP
   EXPECT_TRUE(FsdpBuilt(spec("full_shard"), 1, "cuda"));
-  EXPECT_FALSE(FsdpBuilt(spec("full_shard"), 2, "cpu"));
+  EXPECT_TRUE(FsdpBuilt(spec("full_shard"), 2, "cpu"));  // ZeRO-3, fp32
+  EXPECT_TRUE(FsdpBuilt(spec("full_shard"), 4, "cuda"));
+  // The bf16 compute copy is not sharded yet: GrpoTrainer::Create refuses it at several ranks.
+  EXPECT_FALSE(FsdpBuilt(spec("full_shard"), 2, "cuda", /*bf16=*/true));
+  EXPECT_TRUE(FsdpBuilt(spec("full_shard"), 1, "cuda", /*bf16=*/true));
   EXPECT_TRUE(FsdpBuilt(spec("shard_grad_op"), 2, "cuda"));  // ZeRO-2
   EXPECT_FALSE(FsdpBuilt(spec("shard_grad_op offload"), 2, "cuda"));
   EXPECT_TRUE(FsdpBuilt(spec("no_shard offload"), 4, "cpu"));
@@ -552,7 +556,8 @@ TEST(SuggestFix, BuiltOnlyNeverSuggestsWhatTheTrainerRefuses) {
   // checkpointing: bf16 weights 2n = 14.19 GiB, the fp32 shard 4n/3 = 9.46, the fp32 master
   // whole 4n = 28.39, AdamW 8n/3 = 18.92, the gradient in flight 1.0 (the [V, D] LM head in
   // bf16), the micro-batch 5.1, CUDA 1.0: 78.1 GiB. At 2 ranks the shard and AdamW are 14.19 and
-  // 28.39: 92.3 GiB, too much. full_shard (not built) would need fewer ranks, and is not named.
+  // 28.39: 92.3 GiB, too much. full_shard (not built with bf16) would need fewer ranks, and is not
+  // named.
   common::GrpoConfig big;
   big.bf16 = true;
   auto zero2 = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, built);

@@ -1,0 +1,475 @@
+#include "learner/distributed/full_shard_adamw.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/core/StorageImpl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_map>
+#include <utility>
+
+namespace grpo::learner::distributed {
+namespace {
+
+// Gives the storage behind `t` `bytes` bytes (fresh, uninitialised), or frees it with 0: the
+// tensors that view it keep their shapes (FSDP's untyped_storage().resize_()).
+void ResizeStorage(const at::Tensor& t, size_t bytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() == bytes) return;
+  TORCH_CHECK(s->allocator() != nullptr, "full_shard: a unit's storage has no allocator");
+  s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
+  s->set_nbytes(bytes);
+}
+
+std::string UnitName(const common::Model& model, int unit) {
+  if (unit == 0) return "the embedding";
+  if (unit == model.NormUnit()) return "the final norm";
+  if (unit == model.LmHeadUnit()) return "the lm_head";
+  return "layer " + std::to_string(unit - 1);
+}
+
+}  // namespace
+
+FullShardAdamW::FullShardAdamW(common::Model* model, AdamWOptions options, Collectives* ranks)
+    : model_(model), params_(model->NamedParameters()), options_(options), ranks_(ranks) {}
+
+FullShardAdamW::~FullShardAdamW() {
+  if (model_->parameter_gate() == this) model_->SetParameterGate(nullptr);
+}
+
+StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* model,
+                                                                 AdamWOptions options,
+                                                                 Collectives* ranks) {
+  if (ranks == nullptr || ranks->world_size() < 1) {
+    return Status::InvalidArgument("FullShardAdamW: no rank group");
+  }
+  if (model == nullptr) return Status::InvalidArgument("FullShardAdamW: no model");
+  if (model->parameter_gate() != nullptr) {
+    return Status::InvalidArgument("FullShardAdamW: the model already has a parameter gate");
+  }
+  for (const auto& [name, p] : model->NamedParameters()) {
+    if (!p.is_contiguous() || p.scalar_type() != at::kFloat || p.device() != model->device()) {
+      return Status::InvalidArgument("FullShardAdamW: parameter '" + name +
+                                     "' is not contiguous fp32 on the model's device");
+    }
+  }
+  std::unique_ptr<FullShardAdamW> s(new FullShardAdamW(model, options, ranks));
+  std::unordered_map<std::string, size_t> index;
+  for (size_t i = 0; i < s->params_.size(); ++i) index[s->params_[i].first] = i;
+  const int64_t world = ranks->world_size();
+  int64_t shard_numel = 0;
+  for (int u = 0; u < model->NumUnits(); ++u) {
+    Unit unit;
+    for (const auto& [name, p] : model->UnitParameters(u)) {
+      unit.params.push_back(index.at(name));
+      unit.offsets.push_back(unit.numel);
+      unit.numel += p.numel();
+    }
+    unit.chunk = (unit.numel + world - 1) / world;
+    unit.shard_offset = shard_numel;
+    shard_numel += unit.chunk;
+    s->units_.push_back(std::move(unit));
+  }
+  const auto opts = s->params_.front().second.options().requires_grad(false);
+  s->weight_shard_ = at::zeros({shard_numel}, opts);
+  s->grad_shard_ = at::zeros({shard_numel}, opts);
+  s->exp_avg_ = at::zeros({shard_numel}, opts);
+  s->exp_avg_sq_ = at::zeros({shard_numel}, opts);
+  s->backward_units_.assign(s->units_.size(), 0);
+  at::NoGradGuard no_grad;
+  for (int u = 0; u < static_cast<int>(s->units_.size()); ++u) {
+    Unit& unit = s->units_[u];
+    // Rank 0's values of the unit, whole on every rank for a moment; each keeps its chunk.
+    std::vector<at::Tensor> flat = {s->Pack(unit, [&](size_t i) { return s->params_[i].second; })};
+    RETURN_IF_ERROR(ranks->Broadcast(
+        flat, "broadcast of rank 0's weights (" + UnitName(*model, u) + ") for full_shard"));
+    s->weight_shard_.narrow(0, unit.shard_offset, unit.chunk)
+        .copy_(flat[0].narrow(0, ranks->rank() * unit.chunk, unit.chunk));
+    // The parameters become views of the unit's buffer (each keeps its own version counter:
+    // set_data keeps the tensor's), whose storage is then freed.
+    unit.flat = flat[0];
+    for (size_t k = 0; k < unit.params.size(); ++k) {
+      at::Tensor& p = s->params_[unit.params[k]].second;
+      p.set_data(unit.flat.narrow(0, unit.offsets[k], p.numel()).view(p.sizes()));
+    }
+    s->Free(u);
+  }
+  model->SetParameterGate(s.get());
+  return s;
+}
+
+template <typename Source>
+at::Tensor FullShardAdamW::Pack(const Unit& u, Source source) const {
+  at::Tensor flat = at::zeros({u.chunk * ranks_->world_size()}, weight_shard_.options());
+  for (size_t k = 0; k < u.params.size(); ++k) {
+    const at::Tensor t = source(u.params[k]);
+    if (!t.defined()) continue;
+    flat.narrow(0, u.offsets[k], t.numel()).copy_(t.reshape({-1}));
+  }
+  return flat;
+}
+
+Status FullShardAdamW::Gather(int unit, const std::string& what) {
+  Unit& u = units_[unit];
+  if (u.gathered) return Status::OK();
+  at::NoGradGuard no_grad;
+  ResizeStorage(u.flat, static_cast<size_t>(u.flat.numel()) * u.flat.element_size());
+  u.gathered = true;
+  max_gathered_ = std::max(max_gathered_, ++gathered_now_);
+  ++all_gathers_;
+  return ranks_->AllGather(weight_shard_.narrow(0, u.shard_offset, u.chunk), u.flat,
+                           "all-gather of " + UnitName(*model_, unit) + what);
+}
+
+void FullShardAdamW::Free(int unit) {
+  Unit& u = units_[unit];
+  ResizeStorage(u.flat, 0);
+  if (u.gathered) --gathered_now_;
+  u.gathered = false;
+}
+
+void FullShardAdamW::ReleaseAll() {
+  for (int u = 0; u < static_cast<int>(units_.size()); ++u) Free(u);
+}
+
+Status FullShardAdamW::ReduceScatter(int unit, const at::Tensor& flat, const std::string& what) {
+  const Unit& u = units_[unit];
+  at::Tensor summed = at::empty({u.chunk}, weight_shard_.options());
+  RETURN_IF_ERROR(ranks_->ReduceScatterSum(
+      flat, summed, "reduce-scatter of " + UnitName(*model_, unit) + "'s gradient" + what));
+  grad_shard_.narrow(0, u.shard_offset, u.chunk).add_(summed);
+  return Status::OK();
+}
+
+void FullShardAdamW::ThrowIfFailed(const Status& s) {
+  if (s.ok()) return;
+  if (error_.ok()) error_ = s;
+  TORCH_CHECK(false, s.ToString());
+}
+
+Status FullShardAdamW::TakeError() {
+  Status s = error_;
+  error_ = Status::OK();
+  return s;
+}
+
+void FullShardAdamW::Acquire(int unit) { ThrowIfFailed(Gather(unit, where_)); }
+
+void FullShardAdamW::Release(int unit) { Free(unit); }
+
+void FullShardAdamW::TakeGradients(int unit, const std::vector<at::Tensor>& grads) {
+  at::NoGradGuard no_grad;
+  const Unit& u = units_[unit];
+  TORCH_CHECK(grads.size() == u.params.size(), "full_shard: ", grads.size(), " gradients for ",
+              u.params.size(), " parameters of ", UnitName(*model_, unit));
+  std::vector<at::Tensor> by_param(params_.size());
+  for (size_t k = 0; k < u.params.size(); ++k) by_param[u.params[k]] = grads[k];
+  const at::Tensor flat = Pack(u, [&](size_t i) { return by_param[i]; });
+  ++backward_units_[unit];
+  ThrowIfFailed(ReduceScatter(unit, flat, where_));
+}
+
+std::vector<int> FullShardAdamW::AutogradUnits() const {
+  std::vector<int> out;
+  if (model_->LmHeadUnit() != 0) out.push_back(model_->LmHeadUnit());
+  out.push_back(0);
+  return out;
+}
+
+Status FullShardAdamW::FinishBackward(bool zeros) {
+  at::NoGradGuard no_grad;
+  Status status = TakeError();
+  for (int unit : AutogradUnits()) {
+    const Unit& u = units_[unit];
+    const at::Tensor flat =
+        Pack(u, [&](size_t i) { return zeros ? at::Tensor() : params_[i].second.grad(); });
+    for (size_t i : u.params) params_[i].second.mutable_grad().reset();
+    Status s = ReduceScatter(unit, flat, where_);
+    if (status.ok()) status = s;
+  }
+  ReleaseAll();
+  if (!zeros && status.ok()) {
+    // Every decoder layer and the final norm handed its gradient over exactly once: otherwise
+    // this rank's collectives no longer match the others'.
+    for (int u = model_->LayerUnit(0); u <= model_->NormUnit(); ++u) {
+      if (backward_units_[u] != 1) {
+        status = Status::Internal("full_shard: the backward" + where_ + " reduced " +
+                                  UnitName(*model_, u) + "'s gradient " +
+                                  std::to_string(backward_units_[u]) + " times, not once");
+        break;
+      }
+    }
+  }
+  std::fill(backward_units_.begin(), backward_units_.end(), 0);
+  round_reduced_ = true;
+  return status;
+}
+
+Status FullShardAdamW::JoinNoGradForward(const std::string& where) {
+  // ForwardHidden without grad: each unit gathered and released in turn; then LmHeadWeight.
+  for (int u = 0; u <= model_->NormUnit(); ++u) {
+    RETURN_IF_ERROR(Gather(u, where));
+    Free(u);
+  }
+  RETURN_IF_ERROR(Gather(model_->LmHeadUnit(), where));
+  Free(model_->LmHeadUnit());
+  return Status::OK();
+}
+
+Status FullShardAdamW::JoinMicroBatch(const std::string& where) {
+  where_ = where;
+  // The forward: as JoinNoGradForward, but the lm_head stays gathered through the backward.
+  for (int u = 0; u <= model_->NormUnit(); ++u) {
+    RETURN_IF_ERROR(Gather(u, where));
+    Free(u);
+  }
+  RETURN_IF_ERROR(Gather(model_->LmHeadUnit(), where));
+  // The backward: the final norm and the layers, last to first, each gathered and reduced.
+  for (int u = model_->NormUnit(); u >= model_->LayerUnit(0); --u) {
+    RETURN_IF_ERROR(Gather(u, where));
+    const Unit& unit = units_[u];
+    RETURN_IF_ERROR(ReduceScatter(
+        u, at::zeros({unit.chunk * ranks_->world_size()}, weight_shard_.options()), where));
+    Free(u);
+  }
+  return FinishBackward(/*zeros=*/true);
+}
+
+Status FullShardAdamW::RunNoGradForwards(int64_t own, int64_t all,
+                                         const std::function<void(int64_t)>& forward,
+                                         const std::string& where) {
+  where_ = where;
+  for (int64_t i = 0; i < own; ++i) {
+    forward(i);
+    ReleaseAll();  // the lm_head, which LmHeadWeight left gathered
+    RETURN_IF_ERROR(TakeError());
+  }
+  for (int64_t i = own; i < all; ++i) RETURN_IF_ERROR(JoinNoGradForward(where));
+  return Status::OK();
+}
+
+void FullShardAdamW::BeforeBackward(const std::string& where) {
+  where_ = where;
+  std::fill(backward_units_.begin(), backward_units_.end(), 0);
+}
+
+Status FullShardAdamW::AfterBackward(const std::string& where) {
+  where_ = where;
+  return FinishBackward(/*zeros=*/false);
+}
+
+Status FullShardAdamW::EndRound(const std::string& where) {
+  Status s = round_reduced_ ? Status::OK() : JoinMicroBatch(where);
+  round_reduced_ = false;
+  return s;
+}
+
+Status FullShardAdamW::AfterMicroBatch(int64_t position, const std::string& where) {
+  if (position % ranks_->world_size() != 0) return Status::OK();
+  return EndRound(where);
+}
+
+Status FullShardAdamW::ReduceGradients(int64_t micro_batches, const std::string& where) {
+  // A partial last round (a flushed step) ends here; a full one ended in AfterMicroBatch.
+  if (micro_batches % ranks_->world_size() == 0) return Status::OK();
+  return EndRound(where);
+}
+
+void FullShardAdamW::ScaleGradients(double scale) {
+  at::NoGradGuard no_grad;
+  grad_shard_.mul_(scale);
+}
+
+StatusOr<double> FullShardAdamW::ClipGradNorm(double max_norm, const std::string& where) {
+  at::NoGradGuard no_grad;
+  // The padding is zero: the shards' squared norms sum to the whole gradient's (fp64, a unit's
+  // chunk at a time, as ShardedAdamW).
+  at::Tensor local = at::zeros({1}, grad_shard_.options().dtype(at::kDouble));
+  for (const Unit& u : units_) {
+    local.add_(grad_shard_.narrow(0, u.shard_offset, u.chunk).to(at::kDouble).square().sum());
+  }
+  std::vector<at::Tensor> sq = {local};
+  RETURN_IF_ERROR(ranks_->AllReduceSum(sq, "all-reduce of the gradient norm" + where));
+  const double total = std::sqrt(sq[0].item<double>());
+  if (max_norm > 0) {
+    const double coef = max_norm / (total + 1e-6);
+    if (coef < 1.0) grad_shard_.mul_(coef);
+  }
+  return total;
+}
+
+Status FullShardAdamW::Step(double lr, const std::string&) {
+  at::NoGradGuard no_grad;
+  ++step_;
+  for (const Unit& u : units_) {  // the padding stays zero: its gradient and moments are
+    at::Tensor p = weight_shard_.narrow(0, u.shard_offset, u.chunk);
+    at::Tensor m = exp_avg_.narrow(0, u.shard_offset, u.chunk);
+    at::Tensor v = exp_avg_sq_.narrow(0, u.shard_offset, u.chunk);
+    AdamWUpdate(p, grad_shard_.narrow(0, u.shard_offset, u.chunk), m, v, options_, lr, step_);
+  }
+  return Status::OK();
+}
+
+void FullShardAdamW::ZeroGrad() {
+  at::NoGradGuard no_grad;
+  grad_shard_.zero_();
+  for (auto& [name, p] : params_) p.mutable_grad().reset();
+  ReleaseAll();
+  std::fill(backward_units_.begin(), backward_units_.end(), 0);
+  round_reduced_ = false;
+  error_ = Status::OK();
+}
+
+StatusOr<common::NamedTensors> FullShardAdamW::StateDict(const std::string& what) {
+  at::NoGradGuard no_grad;
+  const bool root = ranks_->rank() == 0;
+  std::vector<at::Tensor> avg(params_.size()), sq(params_.size());
+  for (auto [shard, out] : {std::pair{&exp_avg_, &avg}, std::pair{&exp_avg_sq_, &sq}}) {
+    for (const Unit& u : units_) {
+      at::Tensor whole = at::empty({u.chunk * ranks_->world_size()}, weight_shard_.options());
+      RETURN_IF_ERROR(ranks_->AllGather(shard->narrow(0, u.shard_offset, u.chunk), whole, what));
+      if (!root) continue;
+      for (size_t k = 0; k < u.params.size(); ++k) {
+        const at::Tensor& p = params_[u.params[k]].second;
+        (*out)[u.params[k]] = whole.narrow(0, u.offsets[k], p.numel()).view(p.sizes()).clone();
+      }
+    }
+  }
+  if (!root) return common::NamedTensors{};
+  return NameAdamWState(params_, avg, sq, step_);
+}
+
+Status FullShardAdamW::LoadStateDict(const common::NamedTensors& state) {
+  ASSIGN_OR_RETURN(const AdamWStateView view, MatchAdamWState(state, params_));
+  std::vector<at::Tensor> avg, sq;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    avg.push_back(view.exp_avg[i]->to(weight_shard_.device(), at::kFloat));
+    sq.push_back(view.exp_avg_sq[i]->to(weight_shard_.device(), at::kFloat));
+  }
+  at::NoGradGuard no_grad;
+  const int64_t rank = ranks_->rank();
+  for (const Unit& u : units_) {
+    exp_avg_.narrow(0, u.shard_offset, u.chunk).copy_(Pack(u, [&](size_t i) {
+                                                        return avg[i];
+                                                      }).narrow(0, rank * u.chunk, u.chunk));
+    exp_avg_sq_.narrow(0, u.shard_offset, u.chunk).copy_(Pack(u, [&](size_t i) {
+                                                           return sq[i];
+                                                         }).narrow(0, rank * u.chunk, u.chunk));
+  }
+  step_ = view.step;
+  if (rank == 0) pending_state_ = NameAdamWState(params_, avg, sq, step_);  // StateDict's order
+  return Status::OK();
+}
+
+Status FullShardAdamW::LoadWeights(const common::NamedTensors& weights) {
+  std::unordered_map<std::string, const at::Tensor*> given;
+  for (const auto& [name, t] : weights) given[name] = &t;
+  std::vector<at::Tensor> values;
+  for (const auto& [name, p] : params_) {
+    auto it = given.find(name);
+    if (it == given.end()) return Status::InvalidArgument("LoadWeights: '" + name + "' missing");
+    if (!it->second->defined() || !at::isFloatingType(it->second->scalar_type()) ||
+        it->second->sizes() != p.sizes()) {
+      return Status::InvalidArgument("LoadWeights: '" + name +
+                                     "' is not a float tensor of the parameter's shape");
+    }
+    values.push_back(it->second->to(weight_shard_.device(), at::kFloat));
+  }
+  if (given.size() != params_.size()) {
+    return Status::InvalidArgument("LoadWeights: tensors that are not parameters of the model");
+  }
+  at::NoGradGuard no_grad;
+  const int64_t rank = ranks_->rank();
+  for (const Unit& u : units_) {
+    weight_shard_.narrow(0, u.shard_offset, u.chunk).copy_(Pack(u, [&](size_t i) {
+                                                             return values[i];
+                                                           }).narrow(0, rank * u.chunk, u.chunk));
+  }
+  if (rank == 0) {
+    pending_weights_.clear();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      pending_weights_.emplace_back(params_[i].first, values[i]);
+    }
+  }
+  return Status::OK();
+}
+
+Status FullShardAdamW::SyncFromRankZero(const std::string& what) {
+  at::NoGradGuard no_grad;
+  const bool root = ranks_->rank() == 0;
+  std::vector<at::Tensor> head = {
+      at::tensor(std::vector<int64_t>{root && !pending_state_.empty() ? 1 : 0,
+                                      root && !pending_weights_.empty() ? 1 : 0, step_},
+                 at::kLong)};
+  RETURN_IF_ERROR(ranks_->Broadcast(head, what + " (step)"));
+  const int64_t* h = head[0].data_ptr<int64_t>();
+  step_ = h[2];
+  const int64_t rank = ranks_->rank();
+  // Rank 0's restored weights and state, a unit at a time: each rank keeps its chunk. Without
+  // them every shard is already its rank's part of rank 0's (Create cut them from its weights).
+  auto hand_out = [&](at::Tensor& shard, const common::NamedTensors& whole, size_t stride,
+                      size_t which) -> Status {
+    for (const Unit& u : units_) {
+      std::vector<at::Tensor> flat = {Pack(
+          u, [&](size_t i) { return root ? whole[stride * i + which].second : at::Tensor(); })};
+      RETURN_IF_ERROR(ranks_->Broadcast(flat, what));
+      shard.narrow(0, u.shard_offset, u.chunk).copy_(flat[0].narrow(0, rank * u.chunk, u.chunk));
+    }
+    return Status::OK();
+  };
+  if (h[1] != 0) RETURN_IF_ERROR(hand_out(weight_shard_, pending_weights_, 1, 0));
+  if (h[0] != 0) {
+    RETURN_IF_ERROR(hand_out(exp_avg_, pending_state_, 2, 0));
+    RETURN_IF_ERROR(hand_out(exp_avg_sq_, pending_state_, 2, 1));
+  }
+  pending_state_.clear();
+  pending_weights_.clear();
+  return Status::OK();
+}
+
+StatusOr<common::NamedTensors> FullShardAdamW::GatherWeights(const std::string& what,
+                                                             bool every_rank) {
+  at::NoGradGuard no_grad;
+  const bool keep = every_rank || ranks_->rank() == 0;
+  std::vector<at::Tensor> values(params_.size());
+  for (int unit = 0; unit < static_cast<int>(units_.size()); ++unit) {
+    const bool was_gathered = units_[unit].gathered;
+    RETURN_IF_ERROR(Gather(unit, " for " + what));
+    if (keep) {
+      for (size_t i : units_[unit].params) {
+        values[i] = params_[i].second.detach().to(at::kCPU, /*non_blocking=*/false,
+                                                  /*copy=*/true);
+      }
+    }
+    if (!was_gathered) Free(unit);
+  }
+  common::NamedTensors out;
+  if (!keep) return out;
+  for (size_t i = 0; i < params_.size(); ++i) out.emplace_back(params_[i].first, values[i]);
+  return out;
+}
+
+int64_t FullShardAdamW::ResidentBytes() const {
+  int64_t bytes = grad_shard_.nbytes() + exp_avg_.nbytes() + exp_avg_sq_.nbytes();
+  for (const auto& [name, p] : params_) {
+    if (p.grad().defined()) bytes += p.grad().nbytes();
+  }
+  return bytes;
+}
+
+int64_t FullShardAdamW::ResidentParameterBytes() const {
+  int64_t bytes = weight_shard_.nbytes();
+  for (const Unit& u : units_) bytes += static_cast<int64_t>(u.flat.storage().nbytes());
+  return bytes;
+}
+
+int64_t FullShardAdamW::LargestUnitBytes() const {
+  int64_t bytes = 0;
+  for (const Unit& u : units_) {
+    bytes = std::max(
+        bytes, u.chunk * ranks_->world_size() * static_cast<int64_t>(weight_shard_.element_size()));
+  }
+  return bytes;
+}
+
+}  // namespace grpo::learner::distributed

@@ -1,0 +1,149 @@
+// FullShardAdamW: `fsdp: full_shard` (ZeRO-3, Rajbhandari et al. 2020; PyTorch's FSDP) over the
+// learner's ranks (docs/ARCHITECTURE.md "Sharding"). The model's units (Model::NumUnits: the
+// embedding with a tied lm_head, each decoder layer, the final norm, an untied lm_head) are each
+// laid out as one flat buffer cut into world_size equal chunks (the last padded with zeros): rank
+// r keeps chunk r of every unit as its fp32 master weights, with the gradient and AdamW's two
+// moments for it, so each rank holds 1/world_size of the whole model state plus padding.
+//
+//  - Between uses a unit's parameter tensors keep their shapes and hold no memory: they are views
+//    of the unit's flat buffer, whose storage is resized to 0 bytes (as FSDP's
+//    `untyped_storage().resize_(0)`). As the model's ParameterGate, Acquire all-gathers the
+//    unit's chunks into that storage and Release frees it again: ForwardHidden gathers one unit
+//    at a time (the embedding, each layer, the final norm) and LmHeadWeight the lm_head's, which
+//    stays gathered until the end of the micro-batch's backward (its backward needs it).
+//  - Backward gathers each decoder layer and the final norm again, once, also when gradient
+//    checkpointing recomputes the layer from that same gather; the model differentiates the unit
+//    and hands its gradient to TakeGradients, which reduce-scatters it at once (one flat buffer
+//    per unit) into this rank's gradient shard. The embedding's and lm_head's gradients, which
+//    autograd accumulates into .grad, are reduce-scattered after the backward (AfterBackward).
+//  - Every rank makes the same collectives in the same order: a micro-batch's are those of one
+//    forward and backward, whatever its data; micro-batches are dealt round-robin and a rank
+//    with none in a (partial) round joins the round's collectives with zeros at its end, as
+//    ShardedAdamW does; no-grad forwards are joined the same way (RunNoGradForwards).
+//  - The step: the gradient norm is an all-reduce of the shards' squared norms, and AdamW
+//    (optimizer.h AdamWUpdate) updates the rank's chunk of each unit in place. Nothing is
+//    all-gathered after the step: the next forward gathers the new weights.
+//
+// fp32 only (no bf16 compute copy), and one forward at a time. A failed collective of the gate
+// is thrown as c10::Error whose message is the collective's Status (the trainer returns it as
+// Internal); the group is then not used again.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/model/model.h"
+#include "common/model/parameter_gate.h"
+#include "common/model/safetensors.h"
+#include "common/status.h"
+#include "learner/distributed/collectives.h"
+#include "learner/optimizer.h"
+#include "learner/step_optimizer.h"
+
+namespace grpo::learner::distributed {
+
+class FullShardAdamW final : public StepOptimizer, public common::ParameterGate {
+ public:
+  // Shards `model` (borrowed; fp32, contiguous parameters on one device: InvalidArgument
+  // otherwise) over `ranks` (borrowed) and sets itself as the model's gate (unset when
+  // destroyed, the parameters then left without values). A collective: every rank's shard is
+  // cut from rank 0's weights.
+  static StatusOr<std::unique_ptr<FullShardAdamW>> Create(common::Model* model,
+                                                          AdamWOptions options, Collectives* ranks);
+  ~FullShardAdamW() override;
+
+  // StepOptimizer.
+  void BeforeBackward(const std::string& where) override;
+  Status AfterBackward(const std::string& where) override;
+  Status AfterMicroBatch(int64_t position, const std::string& where) override;
+  Status ReduceGradients(int64_t micro_batches, const std::string& where) override;
+  void ScaleGradients(double scale) override;
+  StatusOr<double> ClipGradNorm(double max_norm, const std::string& where) override;
+  Status Step(double lr, const std::string& where) override;
+  void ZeroGrad() override;
+  int64_t step_count() const override { return step_; }
+  StatusOr<common::NamedTensors> StateDict(const std::string& what) override;
+  Status LoadStateDict(const common::NamedTensors& state) override;
+  Status SyncFromRankZero(const std::string& what) override;
+  int64_t ResidentBytes() const override;
+  int64_t ResidentParameterBytes() const override;
+  bool ShardsParameters() const override { return true; }
+  Status RunNoGradForwards(int64_t own, int64_t all, const std::function<void(int64_t)>& forward,
+                           const std::string& where) override;
+  StatusOr<common::NamedTensors> GatherWeights(const std::string& what, bool every_rank) override;
+  Status LoadWeights(const common::NamedTensors& weights) override;
+
+  // ParameterGate.
+  void Acquire(int unit) override;
+  void Release(int unit) override;
+  void TakeGradients(int unit, const std::vector<at::Tensor>& grads) override;
+
+  // Observations for tests: all-gathers of units so far, and the most units gathered at once.
+  int64_t all_gathers() const { return all_gathers_; }
+  int max_units_gathered() const { return max_gathered_; }
+  // The largest unit's padded size in bytes (what one gathered unit costs).
+  int64_t LargestUnitBytes() const;
+
+ private:
+  struct Unit {
+    std::vector<size_t> params;    // indices in params_
+    std::vector<int64_t> offsets;  // of each in the flat buffer
+    int64_t numel = 0;             // the parameters' elements
+    int64_t chunk = 0;             // ceil(numel / world_size): one rank's part
+    int64_t shard_offset = 0;      // where this rank's chunk starts in the shard buffers
+    at::Tensor flat;               // [chunk x world_size]: the parameters' storage
+    bool gathered = false;
+  };
+
+  FullShardAdamW(common::Model* model, AdamWOptions options, Collectives* ranks);
+  // The unit's elements from `source(i)` for each of its parameters (undefined = zeros) as one
+  // flat buffer of chunk x world_size, zero padded.
+  template <typename Source>
+  at::Tensor Pack(const Unit& u, Source source) const;
+  Status Gather(int unit, const std::string& what);
+  void Free(int unit);
+  void ReleaseAll();
+  // Sums `flat` (chunk x world_size, this rank's contribution) over the ranks into this rank's
+  // gradient shard.
+  Status ReduceScatter(int unit, const at::Tensor& flat, const std::string& what);
+  // The units whose gradient autograd leaves in .grad (the embedding's, the untied lm_head's),
+  // in the fixed order they are reduced after a backward.
+  std::vector<int> AutogradUnits() const;
+  // Reduce-scatters the embedding's and lm_head's gradients from .grad (zeros with `zeros`) and
+  // releases every unit: the end of a micro-batch's backward.
+  Status FinishBackward(bool zeros);
+  // The collectives of one training micro-batch this rank does not run, with zero gradients.
+  Status JoinMicroBatch(const std::string& where);
+  // The collectives of one no-grad forward this rank does not run.
+  Status JoinNoGradForward(const std::string& where);
+  // The round of world_size positions is over: JoinMicroBatch unless this rank's backward ran.
+  Status EndRound(const std::string& where);
+  // Throws the first error of the gate's collectives as c10::Error (the gate cannot return one).
+  void ThrowIfFailed(const Status& s);
+  Status TakeError();
+
+  common::Model* model_;
+  common::NamedTensors params_;  // the model's, in NamedParameters' order
+  AdamWOptions options_;
+  Collectives* ranks_;
+  std::vector<Unit> units_;
+  std::string where_;  // names the gate's collectives of the forward or backward running now
+  Status error_;       // the first failure of the gate's collectives since the last check
+  std::vector<int> backward_units_;  // TakeGradients per unit in the running backward
+  bool round_reduced_ = false;       // this rank ran a backward in the round now open
+  // fp32, the sum of this rank's chunks (padding included): the master weights, the step's
+  // summed gradient, AdamW's moments.
+  at::Tensor weight_shard_, grad_shard_, exp_avg_, exp_avg_sq_;
+  int64_t step_ = 0;
+  int64_t all_gathers_ = 0;
+  int gathered_now_ = 0, max_gathered_ = 0;
+  // Rank 0 after LoadStateDict / LoadWeights: the whole restored state and weights, until
+  // SyncFromRankZero hands them out.
+  common::NamedTensors pending_state_, pending_weights_;
+};
+
+}  // namespace grpo::learner::distributed
