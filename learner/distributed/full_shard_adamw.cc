@@ -8,6 +8,8 @@
 #include <unordered_map>
 #include <utility>
 
+#include "learner/distributed/shard_norm.h"
+
 namespace grpo::learner::distributed {
 namespace {
 
@@ -281,21 +283,9 @@ void FullShardAdamW::ScaleGradients(double scale) {
 }
 
 StatusOr<double> FullShardAdamW::ClipGradNorm(double max_norm, const std::string& where) {
-  at::NoGradGuard no_grad;
-  // The padding is zero: the shards' squared norms sum to the whole gradient's (fp64, a unit's
-  // chunk at a time, as ShardedAdamW).
-  at::Tensor local = at::zeros({1}, grad_shard_.options().dtype(at::kDouble));
-  for (const Unit& u : units_) {
-    local.add_(grad_shard_.narrow(0, u.shard_offset, u.chunk).to(at::kDouble).square().sum());
-  }
-  std::vector<at::Tensor> sq = {local};
-  RETURN_IF_ERROR(ranks_->AllReduceSum(sq, "all-reduce of the gradient norm" + where));
-  const double total = std::sqrt(sq[0].item<double>());
-  if (max_norm > 0) {
-    const double coef = max_norm / (total + 1e-6);
-    if (coef < 1.0) grad_shard_.mul_(coef);
-  }
-  return total;
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  for (const Unit& u : units_) chunks.emplace_back(u.shard_offset, u.chunk);
+  return ClipShardedGradNorm(grad_shard_, chunks, max_norm, ranks_, where);
 }
 
 Status FullShardAdamW::Step(double lr, const std::string&) {

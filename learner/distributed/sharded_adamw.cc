@@ -8,6 +8,8 @@
 #include <cmath>
 #include <utility>
 
+#include "learner/distributed/shard_norm.h"
+
 namespace grpo::learner::distributed {
 
 class ShardedAdamW::GradientReady final : public torch::autograd::PostAccumulateGradHook {
@@ -221,21 +223,9 @@ void ShardedAdamW::ScaleGradients(double scale) {
 }
 
 StatusOr<double> ShardedAdamW::ClipGradNorm(double max_norm, const std::string& where) {
-  at::NoGradGuard no_grad;
-  // The padding is zero: the shards' squared norms sum to the whole gradient's. In fp64, one
-  // bucket's chunk at a time (the copy is twice the chunk).
-  at::Tensor local = at::zeros({1}, grad_shard_.options().dtype(at::kDouble));
-  for (const Bucket& b : buckets_) {
-    local.add_(grad_shard_.narrow(0, b.shard_offset, b.chunk).to(at::kDouble).square().sum());
-  }
-  std::vector<at::Tensor> sq = {local};
-  RETURN_IF_ERROR(ranks_->AllReduceSum(sq, "all-reduce of the gradient norm" + where));
-  const double total = std::sqrt(sq[0].item<double>());
-  if (max_norm > 0) {
-    const double coef = max_norm / (total + 1e-6);
-    if (coef < 1.0) grad_shard_.mul_(coef);
-  }
-  return total;
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  for (const Bucket& b : buckets_) chunks.emplace_back(b.shard_offset, b.chunk);
+  return ClipShardedGradNorm(grad_shard_, chunks, max_norm, ranks_, where);
 }
 
 Status ShardedAdamW::Step(double lr, const std::string& where) {

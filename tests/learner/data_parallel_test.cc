@@ -647,14 +647,19 @@ TEST(DataParallelCheckpoints, ResumeAtAnotherWorldSizeTakesTheUninterruptedSteps
   fs::remove_all(dir);
 }
 
-// A sharded checkpoint is the whole state too (rank 0 gathers AdamW's shards): saved at 4
-// shard_grad_op ranks it resumes at 2 sharded ranks and at 1, and one saved at 1 resumes at 2
-// sharded ranks (each takes its shard of rank 0's restored state); every resumed run takes the
-// uninterrupted single rank's steps.
-TEST(DataParallelCheckpoints, ShardedStateResumesAtAnotherWorldSize) {
+// A sharded checkpoint is the whole state too (rank 0 gathers AdamW's shards, and at full_shard
+// each unit of the weights, and writes them): saved at 4 sharded ranks it resumes at 2 sharded
+// ranks and at 1, and one saved at 1 resumes at 2 sharded ranks (each takes its shard of rank 0's
+// restored state); every resumed run takes the uninterrupted single rank's steps. full_shard's
+// also loads in a single-rank Model (Model::Load, the Hugging Face layout) with the sharded run's
+// weights.
+class ShardedCheckpoints : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(ShardedCheckpoints, ResumeAtAnotherWorldSize) {
   namespace fs = std::filesystem;
+  const std::string mode = GetParam();
   const fs::path dir =
-      fs::temp_directory_path() / ("grpo_dp_zero_ckpt_" + std::to_string(::getpid()));
+      fs::temp_directory_path() / ("grpo_dp_" + mode + "_ckpt_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   const RunResult uninterrupted = Train(RankConfig("dapo", 1), nullptr);
   ASSERT_TRUE(uninterrupted.error.empty()) << uninterrupted.error;
@@ -662,52 +667,19 @@ TEST(DataParallelCheckpoints, ShardedStateResumesAtAnotherWorldSize) {
   tail_of_reference.steps.erase(tail_of_reference.steps.begin(),
                                 tail_of_reference.steps.begin() + 4);
 
-  const std::vector<RunResult> four =
-      TrainPartOnRanks(4, 0, 1, "", (dir / "at4").string(), "shard_grad_op");
+  const std::vector<RunResult> four = TrainPartOnRanks(4, 0, 1, "", (dir / "at4").string(), mode);
   for (int r = 0; r < 4; ++r) ASSERT_TRUE(four[r].error.empty()) << r << ": " << four[r].error;
   const std::string at4 = (dir / "at4" / "checkpoint-4").string();
-  const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4, "", "shard_grad_op");
-  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(two[r], tail_of_reference, r);
-  ExpectSameAsSingleRank(TrainPart(RankConfig("dapo", 1), nullptr, 1, 2, at4, ""),
-                         tail_of_reference, 0);
-
-  const RunResult first =
-      TrainPart(RankConfig("dapo", 1), nullptr, 0, 1, "", (dir / "at1").string());
-  ASSERT_TRUE(first.error.empty()) << first.error;
-  const std::vector<RunResult> resumed =
-      TrainPartOnRanks(2, 1, 2, (dir / "at1" / "checkpoint-4").string(), "", "shard_grad_op");
-  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
-  fs::remove_all(dir);
-}
-
-// full_shard's checkpoint is whole too (each unit gathered, rank 0 writes): saved at 4 ranks it
-// loads in a single-rank Model (Model::Load, the Hugging Face layout) with the sharded run's
-// weights, and resumes at 2 full_shard ranks and at 1; one saved at 1 resumes at 2 full_shard
-// ranks (each keeps its chunk of rank 0's restored weights and state). Every resumed run takes
-// the uninterrupted single rank's steps.
-TEST(DataParallelCheckpoints, FullShardCheckpointLoadsWholeAndResumesAtAnotherWorldSize) {
-  namespace fs = std::filesystem;
-  const fs::path dir =
-      fs::temp_directory_path() / ("grpo_dp_zero3_ckpt_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  const RunResult uninterrupted = Train(RankConfig("dapo", 1), nullptr);
-  ASSERT_TRUE(uninterrupted.error.empty()) << uninterrupted.error;
-  RunResult tail_of_reference = uninterrupted;
-  tail_of_reference.steps.erase(tail_of_reference.steps.begin(),
-                                tail_of_reference.steps.begin() + 4);
-
-  const std::vector<RunResult> four =
-      TrainPartOnRanks(4, 0, 1, "", (dir / "at4").string(), "full_shard");
-  for (int r = 0; r < 4; ++r) ASSERT_TRUE(four[r].error.empty()) << r << ": " << four[r].error;
-  const std::string at4 = (dir / "at4" / "checkpoint-4").string();
-  auto loaded = common::Model::Load(at4);
-  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
-  const std::vector<at::Tensor> saved = (*loaded)->Parameters();
-  ASSERT_EQ(saved.size(), four[0].weights.size());
-  for (size_t i = 0; i < saved.size(); ++i) {
-    EXPECT_TRUE(saved[i].equal(four[0].weights[i])) << "parameter " << i;
+  if (mode == "full_shard") {
+    auto loaded = common::Model::Load(at4);
+    ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+    const std::vector<at::Tensor> saved = (*loaded)->Parameters();
+    ASSERT_EQ(saved.size(), four[0].weights.size());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      EXPECT_TRUE(saved[i].equal(four[0].weights[i])) << "parameter " << i;
+    }
   }
-  const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4, "", "full_shard");
+  const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4, "", mode);
   for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(two[r], tail_of_reference, r);
   ExpectSameAsSingleRank(TrainPart(RankConfig("dapo", 1), nullptr, 1, 2, at4, ""),
                          tail_of_reference, 0);
@@ -716,10 +688,13 @@ TEST(DataParallelCheckpoints, FullShardCheckpointLoadsWholeAndResumesAtAnotherWo
       TrainPart(RankConfig("dapo", 1), nullptr, 0, 1, "", (dir / "at1").string());
   ASSERT_TRUE(first.error.empty()) << first.error;
   const std::vector<RunResult> resumed =
-      TrainPartOnRanks(2, 1, 2, (dir / "at1" / "checkpoint-4").string(), "", "full_shard");
+      TrainPartOnRanks(2, 1, 2, (dir / "at1" / "checkpoint-4").string(), "", mode);
   for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
   fs::remove_all(dir);
 }
+
+INSTANTIATE_TEST_SUITE_P(DataParallelCheckpoints, ShardedCheckpoints,
+                         ::testing::Values("shard_grad_op", "full_shard"));
 
 TEST(DataParallelFaults, ARankThatLeavesFailsTheOthersStepAndTheGroupStaysFailed) {
   FakeRankGroup group(2, std::chrono::seconds(60));

@@ -10,31 +10,13 @@
 
 #include "common/model/model_config.h"
 #include "common/tokenizer/byte_tokenizer.h"
+#include "tests/rollout/scaled_tiny_model.h"
 
 namespace grpo::rollout {
 namespace {
 
 using common::Model;
 using common::RolloutGroup;
-
-constexpr double kLayerScale = 10.0;
-
-// The tiny preset with random weights. N(0, 0.02) layers barely move the residual stream, so
-// its tied LM head mostly predicts the last input token again; the layers' weights are scaled
-// up so that completions depend on the whole context.
-std::shared_ptr<const Model> TinyModel(uint64_t seed) {
-  auto config = common::ModelConfigPreset("tiny");
-  EXPECT_TRUE(config.ok());
-  auto model = Model::InitRandom(*config, seed);
-  EXPECT_TRUE(model.ok()) << model.status().ToString();
-  at::NoGradGuard no_grad;
-  for (auto& [name, t] : (*model)->NamedParameters()) {
-    if (name.find("layers.") != std::string::npos && name.find("norm") == std::string::npos) {
-      t.mul_(kLayerScale);
-    }
-  }
-  return std::shared_ptr<const Model>(std::move(model).value());
-}
 
 std::vector<int32_t> Prompt(int n, int32_t start) {
   std::vector<int32_t> p;
@@ -80,7 +62,7 @@ std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& 
 }
 
 TEST(Generator, BehaviourLogprobsEqualFullForwardLogSoftmax) {
-  auto model = TinyModel(1);
+  auto model = ScaledTinyModel(1);
   GeneratorOptions o = Options(0.8, 4, 12);
   o.sampling.top_k = 40;
   o.sampling.repetition_penalty = 1.2;
@@ -108,7 +90,7 @@ TEST(Generator, BehaviourLogprobsEqualFullForwardLogSoftmax) {
 }
 
 TEST(Generator, PromptCompletionsDoNotDependOnTheBatch) {
-  auto model = TinyModel(2);
+  auto model = ScaledTinyModel(2);
   GeneratorOptions o = Options(1.0, 3, 10);
   o.sampling.top_p = 0.95;
   o.sampling.repetition_penalty = 1.1;
@@ -132,7 +114,7 @@ TEST(Generator, PromptCompletionsDoNotDependOnTheBatch) {
 }
 
 TEST(Generator, SameSeedSameResult) {
-  auto model = TinyModel(2);
+  auto model = ScaledTinyModel(2);
   auto gen = MakeGenerator(model, Options(1.0, 2, 8));
   GenerateResult a = MustGenerate(*gen, {Prompt(4, 1), Prompt(7, 2)});
   GenerateResult b = MustGenerate(*gen, {Prompt(4, 1), Prompt(7, 2)});
@@ -144,7 +126,7 @@ TEST(Generator, SameSeedSameResult) {
 }
 
 TEST(Generator, GreedyEqualsStepByStepArgmaxOfFullForward) {
-  auto model = TinyModel(3);
+  auto model = ScaledTinyModel(3);
   auto gen = MakeGenerator(model, Options(0.0, 2, 10));
   const std::vector<std::vector<int32_t>> prompts = {Prompt(3, 1), Prompt(8, 50)};
   GenerateResult r = MustGenerate(*gen, prompts);
@@ -161,7 +143,7 @@ TEST(Generator, GreedyEqualsStepByStepArgmaxOfFullForward) {
 }
 
 TEST(Generator, MaxCompletionLengthSetsTruncated) {
-  auto model = TinyModel(3);
+  auto model = ScaledTinyModel(3);
   GeneratorOptions o = Options(0.0, 1, 16);
   o.eos_token_ids = {-1};  // nothing stops
   auto gen = MakeGenerator(model, o);
@@ -173,7 +155,7 @@ TEST(Generator, MaxCompletionLengthSetsTruncated) {
 }
 
 TEST(Generator, EosStopsAndIsKept) {
-  auto model = TinyModel(3);
+  auto model = ScaledTinyModel(3);
   GeneratorOptions o = Options(0.0, 1, 16);
   o.eos_token_ids = {-1};
   GenerateResult ref = MustGenerate(*MakeGenerator(model, o), {Prompt(4, 2)});
@@ -189,7 +171,7 @@ TEST(Generator, EosStopsAndIsKept) {
 }
 
 TEST(Generator, SampledRowsStopAtFirstStopTokenOrAreTruncated) {
-  auto model = TinyModel(4);
+  auto model = ScaledTinyModel(4);
   GeneratorOptions o = Options(1.0, 8, 6);
   std::set<int32_t> stops = {common::ByteTokenizer::kImEndId};  // the preset's eos
   for (int32_t t = 0; t < 40; ++t) stops.insert(t);
@@ -238,7 +220,7 @@ class LetterTokenizer final : public common::Tokenizer {
 };
 
 TEST(Generator, StopStringEndsCompletionAndCutsText) {
-  auto model = TinyModel(5);
+  auto model = ScaledTinyModel(5);
   LetterTokenizer tok;
   GeneratorOptions o = Options(0.0, 1, 16);
   o.eos_token_ids = {-1};
@@ -258,7 +240,7 @@ TEST(Generator, StopStringEndsCompletionAndCutsText) {
 }
 
 TEST(Generator, TextIsDecodedWithTheTokenizer) {
-  auto model = TinyModel(5);
+  auto model = ScaledTinyModel(5);
   common::ByteTokenizer tok;
   GenerateResult r = MustGenerate(*MakeGenerator(model, Options(1.0, 2, 8), &tok), {Prompt(4, 2)});
   for (const auto& c : r.groups[0]->completions) {
@@ -269,22 +251,23 @@ TEST(Generator, TextIsDecodedWithTheTokenizer) {
 TEST(Generator, StopStringsNeedATokenizer) {
   GeneratorOptions o = Options(1.0, 2, 8);
   o.stop_strings = {"</answer>"};
-  EXPECT_EQ(Generator::Create(TinyModel(1), 0, o).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Generator::Create(ScaledTinyModel(1), 0, o).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(Generator, BadOptionsAreRejected) {
   GeneratorOptions o = Options(1.0, 0, 8);
-  EXPECT_NE(Generator::Create(TinyModel(1), 0, o).status().message().find("num_generations"),
+  EXPECT_NE(Generator::Create(ScaledTinyModel(1), 0, o).status().message().find("num_generations"),
             std::string::npos);
   o = Options(1.0, 2, 8);
   o.truncate_prompt = "right";
-  EXPECT_NE(Generator::Create(TinyModel(1), 0, o).status().message().find("truncate_prompt"),
+  EXPECT_NE(Generator::Create(ScaledTinyModel(1), 0, o).status().message().find("truncate_prompt"),
             std::string::npos);
   EXPECT_FALSE(Generator::Create(nullptr, 0, Options(1.0, 2, 8)).ok());
 }
 
 TEST(Generator, BadPromptsFailAloneAndNameTheirIndex) {
-  auto model = TinyModel(6);
+  auto model = ScaledTinyModel(6);
   GeneratorOptions o = Options(1.0, 2, 4);
   o.max_prompt_length = 8;
   o.truncate_prompt = "reject";
@@ -310,7 +293,7 @@ TEST(Generator, BadPromptsFailAloneAndNameTheirIndex) {
 }
 
 TEST(Generator, LongPromptIsTruncatedFromTheLeft) {
-  auto model = TinyModel(6);
+  auto model = ScaledTinyModel(6);
   GeneratorOptions o = Options(1.0, 2, 5);
   o.max_prompt_length = 8;
   auto gen = MakeGenerator(model, o);
@@ -327,13 +310,13 @@ TEST(Generator, LongPromptIsTruncatedFromTheLeft) {
 }
 
 TEST(Generator, PromptIndicesMustMatchPrompts) {
-  auto gen = MakeGenerator(TinyModel(1), Options(1.0, 2, 4));
+  auto gen = MakeGenerator(ScaledTinyModel(1), Options(1.0, 2, 4));
   EXPECT_EQ(gen->Generate({Prompt(3, 1), Prompt(3, 2)}, {1}).status().code(),
             StatusCode::kInvalidArgument);
 }
 
 TEST(Generator, RecomputeBaselineGivesTheSameCompletions) {
-  auto model = TinyModel(7);
+  auto model = ScaledTinyModel(7);
   GeneratorOptions o = Options(1.0, 3, 8);
   for (int32_t t = 0; t < 50; ++t) o.stop_token_ids.push_back(t);
   auto gen = MakeGenerator(model, o);
@@ -355,7 +338,7 @@ TEST(Generator, RecomputeBaselineGivesTheSameCompletions) {
 }
 
 TEST(Generator, GroupsRecordTheSnapshotVersion) {
-  auto a = TinyModel(8), b = TinyModel(9);
+  auto a = ScaledTinyModel(8), b = ScaledTinyModel(9);
   auto gen = MakeGenerator(a, Options(0.0, 2, 6), nullptr, /*version=*/3);
   const std::vector<std::vector<int32_t>> prompts = {Prompt(4, 1)};
   GenerateResult ra = MustGenerate(*gen, prompts);
@@ -370,7 +353,7 @@ TEST(Generator, GroupsRecordTheSnapshotVersion) {
 }
 
 TEST(Generator, ConcurrentSetPolicyNeverMixesVersions) {
-  auto a = TinyModel(8), b = TinyModel(9);
+  auto a = ScaledTinyModel(8), b = ScaledTinyModel(9);
   const std::vector<std::vector<int32_t>> prompts = {Prompt(4, 1), Prompt(6, 2)};
   GeneratorOptions o = Options(0.0, 2, 8);
   o.eos_token_ids = {-1};
@@ -401,7 +384,7 @@ TEST(Generator, ConcurrentSetPolicyNeverMixesVersions) {
 }
 
 TEST(Generator, BorrowedModelWorks) {
-  auto owned = TinyModel(10);
+  auto owned = ScaledTinyModel(10);
   auto gen = MakeGenerator(BorrowModel(*owned), Options(1.0, 2, 4));
   GenerateResult r = MustGenerate(*gen, {Prompt(3, 3)});
   EXPECT_EQ(r.groups[0]->completions.size(), 2u);
@@ -411,7 +394,7 @@ TEST(Generator, BorrowedModelWorks) {
 // a check after every token: rows that stop inside a window drop their extra tokens, and every
 // row's random stream is drawn in the same order. Stop tokens make the lengths vary.
 TEST(GeneratorStopChecks, WindowsOfAnyLengthGiveTheSameGroups) {
-  auto model = TinyModel(5);
+  auto model = ScaledTinyModel(5);
   std::vector<std::vector<int32_t>> prompts = {Prompt(3, 1), Prompt(6, 40), Prompt(2, 90)};
   auto run = [&](int64_t interval, double temperature) {
     GeneratorOptions o = Options(temperature, 4, 20);

@@ -16,27 +16,12 @@
 
 #include "common/model/model_config.h"
 #include "rollout/generator.h"
+#include "tests/rollout/scaled_tiny_model.h"
 
 namespace grpo::rollout {
 namespace {
 
 using common::Model;
-
-// The tiny preset with its layers scaled up (as generator_test.cc) so that a token depends on the
-// whole context, through the keys/values.
-std::shared_ptr<const Model> TinyModel(uint64_t seed) {
-  auto config = common::ModelConfigPreset("tiny");
-  EXPECT_TRUE(config.ok());
-  auto model = Model::InitRandom(*config, seed);
-  EXPECT_TRUE(model.ok()) << model.status().ToString();
-  at::NoGradGuard no_grad;
-  for (auto& [name, t] : (*model)->NamedParameters()) {
-    if (name.find("layers.") != std::string::npos && name.find("norm") == std::string::npos) {
-      t.mul_(10.0);
-    }
-  }
-  return std::shared_ptr<const Model>(std::move(model).value());
-}
 
 constexpr int64_t kMaxNew = 12, kSwitchAt = 5, kG = 3;
 
@@ -100,7 +85,7 @@ Outcome Generate(bool partial, bool recompute, std::shared_ptr<const Model> a,
 const std::vector<std::vector<int32_t>> kPrompts = {{5, 17, 42, 99, 3}, {200, 11, 7}};
 
 TEST(PartialRollouts, TokensAfterTheSwitchRecordTheNewVersionAndItsLogprobsWithARecomputedCache) {
-  const auto a = TinyModel(1), b = TinyModel(2);
+  const auto a = ScaledTinyModel(1), b = ScaledTinyModel(2);
   const Outcome run = Generate(/*partial=*/true, /*recompute=*/true, a, b, kPrompts);
   EXPECT_EQ(run.result.policy_version, 4);  // the groups keep their oldest token's version
   double max_diff = 0;
@@ -127,7 +112,7 @@ TEST(PartialRollouts, TokensAfterTheSwitchRecordTheNewVersionAndItsLogprobsWithA
 }
 
 TEST(PartialRollouts, AKeptCacheIsReadUnderTheNewWeightsAndTheMismatchShows) {
-  const auto a = TinyModel(1), b = TinyModel(2);
+  const auto a = ScaledTinyModel(1), b = ScaledTinyModel(2);
   const Outcome run = Generate(/*partial=*/true, /*recompute=*/false, a, b, kPrompts);
   double before = 0, after = 0;
   for (size_t p = 0; p < kPrompts.size(); ++p) {
@@ -148,7 +133,7 @@ TEST(PartialRollouts, AKeptCacheIsReadUnderTheNewWeightsAndTheMismatchShows) {
 }
 
 TEST(PartialRollouts, TheSameWeightsUnderANewVersionSampleTheSameTokens) {
-  const auto a = TinyModel(1);
+  const auto a = ScaledTinyModel(1);
   const Outcome plain = Generate(/*partial=*/false, true, a, nullptr, kPrompts);
   for (bool recompute : {true, false}) {
     const Outcome switched = Generate(/*partial=*/true, recompute, a, a, kPrompts);
@@ -167,7 +152,7 @@ TEST(PartialRollouts, TheSameWeightsUnderANewVersionSampleTheSameTokens) {
 }
 
 TEST(PartialRollouts, WithoutTheKeyACallKeepsItsSnapshotAndRecordsNoVersions) {
-  const auto a = TinyModel(1), b = TinyModel(2);
+  const auto a = ScaledTinyModel(1), b = ScaledTinyModel(2);
   const Outcome run = Generate(/*partial=*/false, true, a, b, kPrompts);
   EXPECT_GT(run.hook_calls, kSwitchAt);
   for (size_t p = 0; p < kPrompts.size(); ++p) {

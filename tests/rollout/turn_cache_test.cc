@@ -14,28 +14,13 @@
 #include "common/tokenizer/byte_tokenizer.h"
 #include "rollout/env/episode.h"
 #include "rollout/generator.h"
+#include "tests/rollout/scaled_tiny_model.h"
 
 namespace grpo::rollout {
 namespace {
 
 using common::Model;
 using nlohmann::json;
-
-// The tiny preset with its layers scaled up (as generator_test.cc) so that a turn depends on
-// the whole context, not only on its last token.
-std::shared_ptr<const Model> TinyModel(uint64_t seed) {
-  auto config = common::ModelConfigPreset("tiny");
-  EXPECT_TRUE(config.ok());
-  auto model = Model::InitRandom(*config, seed);
-  EXPECT_TRUE(model.ok()) << model.status().ToString();
-  at::NoGradGuard no_grad;
-  for (auto& [name, t] : (*model)->NamedParameters()) {
-    if (name.find("layers.") != std::string::npos && name.find("norm") == std::string::npos) {
-      t.mul_(10.0);
-    }
-  }
-  return std::shared_ptr<const Model>(std::move(model).value());
-}
 
 constexpr int64_t kMaxNew = 10;
 
@@ -153,7 +138,7 @@ class TurnCacheLockstep : public ::testing::TestWithParam<Variant> {};
 
 TEST_P(TurnCacheLockstep, KeptCacheTurnsEqualReprefilledTurnsAndPrefillOnlyWhatWasAppended) {
   auto gen =
-      Generator::Create(TinyModel(3), 1,
+      Generator::Create(ScaledTinyModel(3), 1,
                         Options(GetParam().stop_check_interval, GetParam().repetition_penalty))
           .value();
   TurnCache cache;
@@ -181,8 +166,8 @@ INSTANTIATE_TEST_SUITE_P(StopWindowsAndPenalty, TurnCacheLockstep,
                          });
 
 TEST(TurnCache, APolicyChangeBetweenTurnsPrefillsEverythingAgainAndStillMatches) {
-  auto gen = Generator::Create(TinyModel(3), 1, Options(1, 1.0)).value();
-  std::shared_ptr<const Model> other = TinyModel(4);
+  auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
+  std::shared_ptr<const Model> other = ScaledTinyModel(4);
   TurnCache cache;
   std::vector<ContinueResult> turns = RunLockstep(*gen, &cache, [&](int64_t turn) {
     if (turn == 1) {
@@ -200,7 +185,7 @@ TEST(TurnCache, APolicyChangeBetweenTurnsPrefillsEverythingAgainAndStillMatches)
 }
 
 TEST(TurnCache, HoldsTheLastCallsRowsOnlyAndCountsTheirBytes) {
-  auto gen = Generator::Create(TinyModel(3), 1, Options(1, 1.0)).value();
+  auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
   TurnCache cache;
   std::vector<Continuation> rows = {
       {{1, 2, 3}, 0, 0, 0, kMaxNew}, {{4, 5, 6, 7, 8}, 0, 1, 0, kMaxNew}, {{9}, 1, 0, 0, kMaxNew}};
@@ -231,7 +216,7 @@ TEST(TurnCache, HoldsTheLastCallsRowsOnlyAndCountsTheirBytes) {
 }
 
 TEST(TurnCache, AnEditedContextReusesOnlyTheCommonPrefixAndStillMatches) {
-  auto gen = Generator::Create(TinyModel(3), 1, Options(1, 1.0)).value();
+  auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
   TurnCache cache;
   Continuation row{{10, 20, 30, 40, 50, 60}, 0, 0, 0, kMaxNew};
   ASSERT_TRUE(gen->Continue({row}, &cache).ok());
@@ -252,7 +237,7 @@ TEST(TurnCache, EpisodesWithTheKeptCacheEqualEpisodesThatPrefillEveryTurn) {
   GeneratorOptions o = Options(1, 1.0);
   o.num_generations = 4;
   o.max_completion_length = 60;
-  auto gen = Generator::Create(TinyModel(3), 1, o, &tokenizer).value();
+  auto gen = Generator::Create(ScaledTinyModel(3), 1, o, &tokenizer).value();
   // Ends after 2 to 4 steps (by the reset seed); observations of 1 + 2 * step + |action| % 3.
   FunctionEnvironment env(
       "lengths",
