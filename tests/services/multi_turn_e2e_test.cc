@@ -44,8 +44,9 @@ TEST(MultiTurnE2E, APythonEnvironmentsObservationsAreTrainedAroundAsEnvironmentT
   ASSERT_TRUE(env_line.is_object() && env_line.contains("port")) << Tail(children.Err("env"));
   const std::string env = "grpc:127.0.0.1:" + std::to_string(env_line["port"].get<int>());
 
-  // A random tiny policy seldom ends a turn early: 160 tokens let some first turns end and be
-  // answered (an observation is 22 tokens here).
+  // The random tiny policy ends a turn (<|im_end|>) about once in 260 tokens; an observation is 22
+  // tokens here. At 160 tokens 1 run in 60 or so would end no first turn in time (2-5
+  // observations over 8 rows in 5 runs); at 512 most rows are answered (6-8 in 4 runs).
   constexpr int kPrompts = 4, kSteps = 2;
   std::vector<std::string> rows;
   for (int i = 0; i < kPrompts; ++i) {
@@ -54,7 +55,7 @@ TEST(MultiTurnE2E, APythonEnvironmentsObservationsAreTrainedAroundAsEnvironmentT
   }
   ASSERT_NO_FATAL_FAILURE(grpo::testing::RunMultiTurnJob(
       children, dir,
-      {"--max_completion_length", "160", "--env", env, "--max_turns", "3", "--reward_funcs", "env",
+      {"--max_completion_length", "512", "--env", env, "--max_turns", "3", "--reward_funcs", "env",
        "--max_steps", std::to_string(kSteps)},
       rows));
 

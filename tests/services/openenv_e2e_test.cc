@@ -63,7 +63,10 @@ TEST(OpenEnvE2E, AWorkerStepsAnOpenEnvServerAndTheLearnerTrainsAroundItsAnswers)
   ASSERT_TRUE(env_line.is_object() && env_line.contains("port")) << Tail(children.Err("env"));
   const std::string env = "openenv:http://127.0.0.1:" + std::to_string(env_line["port"].get<int>());
 
-  // A budget that lets the random policy close some turns (<|im_end|>) so that they are stepped.
+  // The random tiny policy ends a turn (<|im_end|>) about once in 260 tokens, and the reset
+  // observation (~40 tokens) and each answer (~50) count in the budget. At 128 tokens a first turn
+  // had to end within ~40 for its answer to fit (about 1 row in 8): 2 runs in 5 checked no
+  // observation at all. At 512 most rows are answered (9-11 observations over 8 rows, 4 runs).
   constexpr int kPrompts = 4, kSteps = 2;
   std::vector<std::string> rows;
   for (int i = 0; i < kPrompts; ++i) {
@@ -72,7 +75,7 @@ TEST(OpenEnvE2E, AWorkerStepsAnOpenEnvServerAndTheLearnerTrainsAroundItsAnswers)
   }
   ASSERT_NO_FATAL_FAILURE(grpo::testing::RunMultiTurnJob(
       children, dir,
-      {"--max_completion_length", "128", "--env", env, "--env_observation_field", "feedback",
+      {"--max_completion_length", "512", "--env", env, "--env_observation_field", "feedback",
        "--max_turns", "3", "--env_max_concurrency", "8", "--reward_funcs", "env", "--max_steps",
        std::to_string(kSteps)},
       rows));
