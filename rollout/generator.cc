@@ -9,148 +9,15 @@
 #include <unordered_set>
 #include <utility>
 
+#include "rollout/decode_parts.h"
+
 namespace grpo::rollout {
-namespace {
 
 using common::Completion;
 using common::KvCache;
 using common::Model;
 using common::RolloutGroup;
-
-// The forward pass behind the decode loop: with a KV cache, or the recompute baseline.
-class Stepper {
- public:
-  virtual ~Stepper() = default;
-  // ids, mask [P, L] (left-padded prompts) -> logits [P * g, V] of the first completion token.
-  virtual at::Tensor Start(const at::Tensor& ids, const at::Tensor& mask, int64_t g,
-                           int64_t capacity) = 0;
-  // tokens [A] (one per current row) -> logits [A, V] of the next token.
-  virtual at::Tensor Step(const at::Tensor& tokens) = 0;
-  // Keeps the current rows `rows` ([A'] int64, indices into the current rows).
-  virtual Status Keep(const at::Tensor& rows) = 0;
-  // The KV cache of the current rows; null without one.
-  virtual const KvCache* cache() const { return nullptr; }
-};
-
-// With a `prefix` (P rows, room for the prompts and the completions), Start appends the prompts
-// to it instead of to a new cache.
-class KvStepper final : public Stepper {
- public:
-  explicit KvStepper(const Model& model, std::optional<KvCache> prefix = std::nullopt)
-      : model_(&model), prefix_(std::move(prefix)) {}
-  at::Tensor Start(const at::Tensor& ids, const at::Tensor& mask, int64_t g,
-                   int64_t capacity) override {
-    KvCache prompt_cache = prefix_ ? std::move(*prefix_) : model_->NewCache(ids.size(0), capacity);
-    prefix_.reset();
-    at::Tensor logits = model_->Prefill(ids, mask, prompt_cache);  // [P, V]
-    if (g == 1) {
-      cache_ = std::move(prompt_cache);
-      return logits;
-    }
-    cache_ = model_->ExpandCache(prompt_cache, g);  // P * g rows
-    return logits.repeat_interleave(g, 0);
-  }
-  at::Tensor Step(const at::Tensor& tokens) override { return model_->DecodeStep(tokens, cache_); }
-  Status Keep(const at::Tensor& rows) override { return model_->KeepRows(cache_, rows); }
-  const KvCache* cache() const override { return &cache_; }
-  // Later steps run `model` (same architecture) over the keys/values held so far: an in-flight
-  // update that keeps the cache (partial_rollout_kv_cache: keep).
-  void Rebind(const Model& model) { model_ = &model; }
-
- private:
-  const Model* model_;
-  std::optional<KvCache> prefix_;
-  KvCache cache_;
-};
-
-class RecomputeStepper final : public Stepper {
- public:
-  explicit RecomputeStepper(const Model& model) : model_(model) {}
-  at::Tensor Start(const at::Tensor& ids, const at::Tensor& mask, int64_t g,
-                   int64_t /*capacity*/) override {
-    ids_ = ids.repeat_interleave(g, 0);
-    mask_ = mask.to(at::kLong).repeat_interleave(g, 0);
-    return LastLogits();
-  }
-  at::Tensor Step(const at::Tensor& tokens) override {
-    ids_ = at::cat({ids_, tokens.unsqueeze(1)}, 1);
-    mask_ = at::cat({mask_, at::ones_like(tokens).unsqueeze(1)}, 1);
-    return LastLogits();
-  }
-  Status Keep(const at::Tensor& rows) override {
-    ids_ = ids_.index_select(0, rows);
-    mask_ = mask_.index_select(0, rows);
-    return Status::OK();
-  }
-
- private:
-  at::Tensor LastLogits() const {
-    at::NoGradGuard no_grad;
-    at::Tensor hidden = model_.ForwardHidden(ids_, mask_);  // [A, T, D]
-    return model_.Logits(hidden.select(1, hidden.size(1) - 1));
-  }
-
-  const Model& model_;
-  at::Tensor ids_;   // [A, T] int64
-  at::Tensor mask_;  // [A, T] int64
-};
-
-// One generated row: completion generation_index of prompt slot `prompt`.
-struct Row {
-  int64_t prompt = 0;  // index into the valid prompts
-  Completion completion;
-  bool text_set = false;  // cut at a stop string
-};
-
-// An in-flight update that recomputes the cache: a KV stepper of `model` holding the keys/values
-// of the unfinished rows `active` (indices into `rows`), in that order. Each row's context, its
-// prompt ids[row / g] and its completion but the last token (sampled, not fed yet), is
-// left-padded and prefilled anew, with room for `remaining` more tokens; the prefill's logits
-// are dropped (the next Step feeds that last token).
-std::unique_ptr<Stepper> Restart(const Model& model, const std::vector<std::vector<int32_t>>& ids,
-                                 const std::vector<Row>& rows, const std::vector<int64_t>& active,
-                                 int64_t g, int64_t remaining, const at::Device& device) {
-  const int64_t num_active = static_cast<int64_t>(active.size());
-  std::vector<std::vector<int32_t>> contexts(num_active);
-  int64_t len = 0;
-  for (int64_t a = 0; a < num_active; ++a) {
-    const std::vector<int32_t>& done = rows[active[a]].completion.token_ids;
-    contexts[a] = ids[active[a] / g];
-    contexts[a].insert(contexts[a].end(), done.begin(), done.end() - 1);
-    len = std::max<int64_t>(len, static_cast<int64_t>(contexts[a].size()));
-  }
-  at::Tensor t = at::zeros({num_active, len}, at::kLong);
-  at::Tensor m = at::zeros({num_active, len}, at::kBool);
-  auto dst = t.accessor<int64_t, 2>();
-  for (int64_t a = 0; a < num_active; ++a) {
-    const int64_t n = static_cast<int64_t>(contexts[a].size());
-    for (int64_t j = 0; j < n; ++j) dst[a][len - n + j] = contexts[a][j];
-    m[a].narrow(0, len - n, n).fill_(true);
-  }
-  auto stepper = std::make_unique<KvStepper>(model);
-  stepper->Start(t.to(device), m.to(device), /*g=*/1, len + remaining + 1);
-  return stepper;
-}
-
-// Earliest position of any stop string in text, or npos.
-size_t FindStop(const std::string& text, const std::vector<std::string>& stops) {
-  size_t best = std::string::npos;
-  for (const auto& s : stops) best = std::min(best, text.find(s));
-  return best;
-}
-
-// Decodes ids the tokenizer knows (a model vocabulary may be padded past the tokenizer's).
-StatusOr<std::string> DecodeKnown(const common::Tokenizer& tokenizer,
-                                  const std::vector<int32_t>& ids) {
-  std::vector<int32_t> known;
-  known.reserve(ids.size());
-  for (int32_t t : ids) {
-    if (t < tokenizer.vocab_size()) known.push_back(t);
-  }
-  return tokenizer.Decode(known, /*skip_special_tokens=*/true);
-}
-
-}  // namespace
+using decode::Row;
 
 // Continue's rows with a TurnCache. In: per context, the held dense row to start from (empty =
 // none) and how many of its leading tokens to reuse (a prefix of the context, shorter than it).
@@ -290,40 +157,21 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
   std::vector<size_t> valid;  // indices into prompts
   std::vector<std::vector<int32_t>> ids;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    const std::string where = "prompt " + std::to_string(i) + ": ";
-    std::vector<int32_t> p = prompts[i];
-    Status error;
-    if (p.empty()) {
-      error = Status::InvalidArgument(where + "empty prompt");
-    } else if (auto bad =
-                   std::find_if(p.begin(), p.end(), [&](int32_t t) { return t < 0 || t >= vocab; });
-               bad != p.end()) {
-      error =
-          Status::InvalidArgument(where + "token id " + std::to_string(*bad) + " at position " +
-                                  std::to_string(bad - p.begin()) +
-                                  " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
-    } else if (options_.max_prompt_length > 0 &&
-               static_cast<int64_t>(p.size()) > options_.max_prompt_length) {
-      if (options_.truncate_prompt == "reject") {
-        error = Status::InvalidArgument(
-            where + std::to_string(p.size()) + " tokens > max_prompt_length " +
-            std::to_string(options_.max_prompt_length) + " (truncate_prompt: reject)");
-      } else {
-        p.erase(p.begin(), p.end() - options_.max_prompt_length);
-        ++result.num_prompts_truncated;
-      }
-    }
-    if (!error.ok()) {
-      result.groups.emplace_back(error);
+    bool truncated = false;
+    auto p = decode::CheckPrompt(prompts[i], vocab, options_, "prompt " + std::to_string(i) + ": ",
+                                 &truncated);
+    if (!p.ok()) {
+      result.groups.emplace_back(p.status());
       ++result.num_prompts_failed;
       continue;
     }
+    result.num_prompts_truncated += truncated ? 1 : 0;
     RolloutGroup group;
     group.policy_version = result.policy_version;
-    group.prompt_ids = p;
+    group.prompt_ids = *p;
     result.groups.emplace_back(std::move(group));
     valid.push_back(i);
-    ids.push_back(std::move(p));
+    ids.push_back(std::move(p).value());
   }
   if (valid.empty()) return result;
 
@@ -437,16 +285,7 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t 
                                                     TurnRows* turn) const {
   const common::ModelConfig& cfg = model.config();
   const int64_t vocab = cfg.vocab_size;
-  std::unordered_set<int64_t> stop_ids(options_.stop_token_ids.begin(),
-                                       options_.stop_token_ids.end());
-  if (options_.eos_token_ids.empty()) {
-    stop_ids.insert(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end());
-    if (tokenizer_ != nullptr && tokenizer_->eos_token_id()) {
-      stop_ids.insert(*tokenizer_->eos_token_id());
-    }
-  } else {
-    stop_ids.insert(options_.eos_token_ids.begin(), options_.eos_token_ids.end());
-  }
+  const std::unordered_set<int64_t> stop_ids = decode::StopIds(options_, cfg, tokenizer_);
   const int64_t max_new = *std::max_element(row_max_new.begin(), row_max_new.end());
   try {
     at::NoGradGuard no_grad;
@@ -455,20 +294,9 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t 
     // Each prompt's tokens to prefill: all, or those after the ones `turn` holds.
     std::vector<int64_t> skip(num_prompts, 0);
     if (turn != nullptr) skip = turn->reuse;
-    int64_t max_len = 0;
-    for (int64_t i = 0; i < num_prompts; ++i) {
-      max_len = std::max<int64_t>(max_len, ids[i].size() - skip[i]);
-    }
-
     // Left-padded prompts [P, L] (pad id 0, masked out).
-    at::Tensor prompt_ids = at::zeros({num_prompts, max_len}, at::kLong);
-    at::Tensor prompt_mask = at::zeros({num_prompts, max_len}, at::kBool);
-    for (int64_t i = 0; i < num_prompts; ++i) {
-      const int64_t len = static_cast<int64_t>(ids[i].size()) - skip[i];
-      auto dst = prompt_ids.accessor<int64_t, 2>();
-      for (int64_t j = 0; j < len; ++j) dst[i][max_len - len + j] = ids[i][skip[i] + j];
-      prompt_mask[i].narrow(0, max_len - len, len).fill_(true);
-    }
+    const auto [prompt_ids, prompt_mask] = decode::LeftPadded(ids, skip);
+    const int64_t max_len = prompt_ids.size(1);
 
     // Rows: prompt-major, generation-minor (row r = prompt r / g, generation r % g).
     const int64_t num_rows = num_prompts * g;
@@ -477,14 +305,7 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t 
     for (int64_t r = 0; r < num_rows; ++r) rows[r].prompt = r / g;
     // Tokens of prompt + completion so far, for the repetition penalty: [A, V] bool.
     at::Tensor seen;
-    if (options_.sampling.uses_penalty()) {
-      seen = at::zeros({num_prompts, vocab}, at::kBool);  // every prompt token, held or not
-      auto dst = seen.accessor<bool, 2>();
-      for (int64_t i = 0; i < num_prompts; ++i) {
-        for (int32_t t : ids[i]) dst[i][t] = true;
-      }
-      seen = seen.repeat_interleave(g, 0).to(device);
-    }
+    if (options_.sampling.uses_penalty()) seen = decode::SeenTokens(ids, g, vocab, device);
 
     // In-flight weight updates: the snapshot decoding now (held here once it is not the
     // caller's) and its version.
@@ -495,7 +316,7 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t 
     int64_t current_version = version;
     std::vector<std::vector<int64_t>> versions(in_flight ? num_rows : 0);  // per row, per token
 
-    std::unique_ptr<Stepper> stepper;
+    std::unique_ptr<decode::Stepper> stepper;
     if (turn != nullptr) {
       std::vector<const KvCache*> held;
       for (const KvCache& h : turn->held) held.push_back(&h);
@@ -503,11 +324,11 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t 
       KvCache prefix = model.StackRows(held, skip, held_len + max_len + max_new);
       turn->held.clear();  // copied into `prefix`: free them before decoding
       turn->kept.resize(num_prompts * g);
-      stepper = std::make_unique<KvStepper>(model, std::move(prefix));
+      stepper = std::make_unique<decode::KvStepper>(model, std::move(prefix));
     } else if (use_cache) {
-      stepper = std::make_unique<KvStepper>(model);
+      stepper = std::make_unique<decode::KvStepper>(model);
     } else {
-      stepper = std::make_unique<RecomputeStepper>(model);
+      stepper = std::make_unique<decode::RecomputeStepper>(model);
     }
     at::Tensor logits =
         stepper->Start(prompt_ids.to(device), prompt_mask.to(device), g, max_len + max_new);
@@ -518,74 +339,33 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t 
     int64_t interval = options_.stop_check_interval;
     if (interval == 0) interval = device.is_cuda() ? kDefaultCudaStopCheckInterval : 1;
     if (!options_.stop_strings.empty()) interval = 1;
-    const bool greedy = options_.sampling.greedy();
     std::vector<int64_t> active(num_rows);  // current stepper row -> row id
     for (int64_t r = 0; r < num_rows; ++r) active[r] = r;
     for (int64_t step = 0; step < max_new;) {
       const int64_t w = std::min(interval, max_new - step);
       const int64_t num_active = static_cast<int64_t>(active.size());
-      // The window's uniforms [A, w], row a's values in its stream's order, in one transfer.
-      at::Tensor uniforms;
-      if (!greedy) {
-        at::Tensor host =
-            at::empty({num_active, w},
-                      at::TensorOptions().dtype(at::kDouble).pinned_memory(device.is_cuda()));
-        double* u = host.data_ptr<double>();
-        for (int64_t a = 0; a < num_active; ++a) {
-          for (int64_t j = 0; j < w; ++j) u[a * w + j] = NextUniform(active_gens[a]);
-        }
-        uniforms = host.to(device, /*non_blocking=*/true);
-      }
-      std::vector<at::Tensor> window_tokens, window_logprobs;  // w x [A] on the device
-      for (int64_t j = 0; j < w; ++j) {
-        ASSIGN_OR_RETURN(SampleOutput sample,
-                         SampleWithUniforms(logits, seen, options_.sampling,
-                                            greedy ? at::Tensor() : uniforms.select(1, j)));
-        if (seen.defined()) seen.scatter_(1, sample.tokens.unsqueeze(1), true);
-        window_tokens.push_back(sample.tokens);
-        window_logprobs.push_back(sample.logprobs);
-        if (j + 1 < w) logits = stepper->Step(sample.tokens);
-      }
+      ASSIGN_OR_RETURN(
+          decode::Window window,
+          decode::SampleWindow(*stepper, logits, seen, options_.sampling, active_gens, w, device));
       step += w;
-      const at::Tensor tokens = at::stack(window_tokens, 1).to(at::kCPU);  // [A, w]
-      const at::Tensor logprobs = at::stack(window_logprobs, 1).to(at::kCPU, at::kFloat);
-      const int64_t* tok = tokens.data_ptr<int64_t>();
-      const float* lp = logprobs.data_ptr<float>();
       std::vector<int64_t> keep;  // stepper rows that go on
       for (int64_t a = 0; a < num_active; ++a) {
-        Completion& c = rows[active[a]].completion;
-        bool done = false;
-        for (int64_t j = 0; j < w && !done; ++j) {
-          const int64_t t = tok[a * w + j];
-          c.token_ids.push_back(static_cast<int32_t>(t));
-          c.logprobs.push_back(lp[a * w + j]);
-          if (in_flight) versions[active[a]].push_back(current_version);
-          ++*num_completion_tokens;
-          done = stop_ids.count(t) > 0;
-          if (!done && !options_.stop_strings.empty()) {
-            ASSIGN_OR_RETURN(std::string text, DecodeKnown(*tokenizer_, c.token_ids));
-            const size_t pos = FindStop(text, options_.stop_strings);
-            if (pos != std::string::npos) {
-              c.text = text.substr(0, pos);
-              rows[active[a]].text_set = true;
-              done = true;
-            }
-          }
-          if (!done && static_cast<int64_t>(c.token_ids.size()) == row_max_new[active[a]]) {
-            c.truncated = true;
-            done = true;
-          }
-        }
+        ASSIGN_OR_RETURN(const bool done,
+                         decode::AppendWindow(
+                             window, a, row_max_new[active[a]], stop_ids, options_.stop_strings,
+                             tokenizer_, rows[active[a]], in_flight ? current_version : -1,
+                             in_flight ? &versions[active[a]] : nullptr, num_completion_tokens));
         if (!done) {
           keep.push_back(a);
         } else if (turn != nullptr) {
           // Its tokens so far except the last one, which was sampled but never fed.
+          const Completion& c = rows[active[a]].completion;
           const int64_t fed = static_cast<int64_t>(ids[active[a] / g].size() + c.token_ids.size());
           turn->kept[active[a]] = model.CompactRow(*stepper->cache(), a, fed - 1);
         }
       }
       if (keep.empty()) break;
-      at::Tensor next = window_tokens.back();  // [A] on the device
+      at::Tensor next = window.last;  // [A] on the device
       if (static_cast<int64_t>(keep.size()) < num_active) {
         const at::Tensor keep_t = at::tensor(keep, at::kLong).to(device);
         RETURN_IF_ERROR(stepper->Keep(keep_t));
@@ -615,9 +395,11 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t 
           current = newer.get();
           current_version = newer_version;
           if (options_.recompute_kv_on_update) {
-            stepper = Restart(*current, ids, rows, active, g, max_new - step, device);
+            std::vector<std::vector<int32_t>> contexts;
+            for (int64_t r : active) contexts.push_back(decode::FedContext(ids[r / g], rows[r]));
+            stepper = decode::Restart(*current, contexts, max_new - step, device);
           } else {
-            static_cast<KvStepper*>(stepper.get())->Rebind(*current);
+            static_cast<decode::KvStepper*>(stepper.get())->Rebind(*current);
           }
           switched = std::move(newer);  // after the stepper stopped using the one it replaces
         }
@@ -633,7 +415,7 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t 
       Completion& c = rows[r].completion;
       if (any_switch) c.token_versions = std::move(versions[r]);
       if (tokenizer_ != nullptr && !rows[r].text_set) {
-        ASSIGN_OR_RETURN(c.text, DecodeKnown(*tokenizer_, c.token_ids));
+        ASSIGN_OR_RETURN(c.text, decode::DecodeKnown(*tokenizer_, c.token_ids));
       }
       out.push_back(std::move(c));
     }

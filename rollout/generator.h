@@ -76,6 +76,42 @@ struct GenerateResult {
   int64_t num_completion_tokens = 0;
 };
 
+// One prompt for GenerateStream.
+struct StreamPrompt {
+  std::vector<int32_t> ids;
+  int64_t seed_index = 0;  // as Generate's prompt_indices: seeds the group's samplers
+  int64_t tag = 0;         // the caller's; handed back with the group
+};
+
+struct StreamedGroup {
+  int64_t tag = 0;
+  // As GenerateResult::groups' entries; policy_version is the version the group started with
+  // (its oldest token's).
+  StatusOr<common::RolloutGroup> group;
+  bool prompt_truncated = false;  // cut from the left to max_prompt_length
+};
+
+// The caller's side of GenerateStream. Both functions run on the decoding thread.
+struct GroupStream {
+  // Up to `room` (>= 1) prompts to start now. `idle`: nothing decodes, so the call may wait for
+  // prompts (under a deadline of its own), and an empty answer ends the stream. Not idle: it
+  // should return at once (the rows in flight wait for it).
+  std::function<std::vector<StreamPrompt>(int64_t room, bool idle)> take;
+  // Each group as soon as its num_generations completions are done, or its prompt failed.
+  std::function<void(StreamedGroup)> done;
+  int64_t max_prompts = 4;  // groups decoding at once, >= 1
+};
+
+struct StreamStats {
+  int64_t num_groups = 0;  // handed to `done`, failed prompts included
+  int64_t num_completion_tokens = 0;
+  int64_t num_switches = 0;  // policy versions taken while the stream ran
+  // Without partial_rollouts: times admission paused for the groups in flight to finish
+  // before a newer policy could be taken.
+  int64_t num_drains = 0;
+  int64_t max_rows = 0;  // the most rows decoding at once
+};
+
 // One row to continue (a multi-turn episode's next model turn): the episode's tokens so far and
 // its own sampler stream.
 struct Continuation {
@@ -174,6 +210,17 @@ class Generator {
   // Internal (libtorch). Per-prompt errors are in GenerateResult::groups.
   StatusOr<GenerateResult> Generate(const std::vector<std::vector<int32_t>>& prompts,
                                     const std::vector<int64_t>& prompt_indices = {}) const;
+
+  // Continuous batching: prompts enter while others decode, and each group leaves through
+  // `stream.done` as soon as its rows are done, so one long group holds up no other. Rows
+  // sample as Generate's do (a group streamed alone equals Generate's for the same prompt and
+  // seed index, up to the numerics of a different batch). A newer policy (SetPolicy) is taken
+  // with partial_rollouts as Generate takes it in flight (recompute or keep, per-token versions
+  // on the groups whose tokens span two versions); without it, admission pauses until the
+  // groups in flight are done (a drain), so a group never mixes versions. Returns when `take`
+  // answers an idle call with nothing. InvalidArgument for a stream without both functions or
+  // max_prompts < 1; Internal (libtorch): the groups in flight are lost.
+  StatusOr<StreamStats> GenerateStream(const GroupStream& stream) const GRPO_EXCLUDES(mu_);
 
   // One completion per row, each from its own context (no prompt truncation: a context may be
   // longer than max_prompt_length), stopping as Generate's rows do or at the row's

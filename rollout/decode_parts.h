@@ -1,0 +1,160 @@
+// The pieces of a decode loop that Generator's two loops share (rollout/generator.cc: one batch
+// of prompts per call; rollout/generator_stream.cc: prompts admitted while others decode): the
+// forward pass behind a loop (Stepper), a window of sampled tokens, the per-token stop rules, a
+// prompt's checks. Internal to grpo_rollout: callers use rollout/generator.h.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "common/model/model.h"
+#include "common/rollout_types.h"
+#include "common/status.h"
+#include "common/tokenizer/tokenizer.h"
+#include "rollout/sampler.h"
+
+namespace grpo::rollout {
+struct GeneratorOptions;
+}
+
+namespace grpo::rollout::decode {
+
+// The forward pass behind the decode loop: with a KV cache, or the recompute baseline.
+class Stepper {
+ public:
+  virtual ~Stepper() = default;
+  // ids, mask [P, L] (left-padded prompts) -> logits [P * g, V] of the first completion token.
+  virtual at::Tensor Start(const at::Tensor& ids, const at::Tensor& mask, int64_t g,
+                           int64_t capacity) = 0;
+  // tokens [A] (one per current row) -> logits [A, V] of the next token.
+  virtual at::Tensor Step(const at::Tensor& tokens) = 0;
+  // Keeps the current rows `rows` ([A'] int64, indices into the current rows).
+  virtual Status Keep(const at::Tensor& rows) = 0;
+  // The KV cache of the current rows; null without one.
+  virtual const common::KvCache* cache() const { return nullptr; }
+};
+
+// With a `prefix` (P rows, room for the prompts and the completions), Start appends the prompts
+// to it instead of to a new cache.
+class KvStepper final : public Stepper {
+ public:
+  explicit KvStepper(const common::Model& model,
+                     std::optional<common::KvCache> prefix = std::nullopt)
+      : model_(&model), prefix_(std::move(prefix)) {}
+  at::Tensor Start(const at::Tensor& ids, const at::Tensor& mask, int64_t g,
+                   int64_t capacity) override;
+  at::Tensor Step(const at::Tensor& tokens) override { return model_->DecodeStep(tokens, cache_); }
+  Status Keep(const at::Tensor& rows) override { return model_->KeepRows(cache_, rows); }
+  const common::KvCache* cache() const override { return &cache_; }
+  // Later steps run `model` (same architecture) over the keys/values held so far: an in-flight
+  // update that keeps the cache (partial_rollout_kv_cache: keep).
+  void Rebind(const common::Model& model) { model_ = &model; }
+  // Appends `other`'s rows after this one's (ConcatCaches) with room for `room` more steps.
+  void Append(const KvStepper& other, int64_t room);
+
+ private:
+  const common::Model* model_;
+  std::optional<common::KvCache> prefix_;
+  common::KvCache cache_;
+};
+
+class RecomputeStepper final : public Stepper {
+ public:
+  explicit RecomputeStepper(const common::Model& model) : model_(model) {}
+  at::Tensor Start(const at::Tensor& ids, const at::Tensor& mask, int64_t g,
+                   int64_t /*capacity*/) override;
+  at::Tensor Step(const at::Tensor& tokens) override;
+  Status Keep(const at::Tensor& rows) override;
+
+ private:
+  at::Tensor LastLogits() const;
+
+  const common::Model& model_;
+  at::Tensor ids_;   // [A, T] int64
+  at::Tensor mask_;  // [A, T] int64
+};
+
+// One cache holding a's rows then b's, with the columns each needs: a cache's columns from the
+// first one real in any of its rows to its length, both right-aligned to the longer span L, the
+// columns before a row's own masked out; capacity L + room. Keys/values, masks and positions
+// are copied unchanged (a key carries its RoPE position, so where its column lies does not
+// matter). TORCH_CHECKs that both have the same layers and shapes.
+common::KvCache ConcatCaches(const common::KvCache& a, const common::KvCache& b, int64_t room);
+
+// A KV stepper of `model` holding the keys/values of `contexts` (each a prompt and its
+// completion so far but the last token, sampled and not fed yet), left-padded and prefilled
+// anew with room for `remaining` more tokens; the prefill's logits are dropped (the next Step
+// feeds that last token). An in-flight update that recomputes the cache.
+std::unique_ptr<KvStepper> Restart(const common::Model& model,
+                                   const std::vector<std::vector<int32_t>>& contexts,
+                                   int64_t remaining, const at::Device& device);
+
+// Left-padded ids [P, L] (pad 0) and mask [P, L] bool on the CPU, row i holding contexts[i]
+// from its element skip[i] on (skip empty = 0); L the longest.
+std::pair<at::Tensor, at::Tensor> LeftPadded(const std::vector<std::vector<int32_t>>& contexts,
+                                             const std::vector<int64_t>& skip = {});
+
+// Every token of each context, for the repetition penalty: [P * g, V] bool on `device`, row
+// i * g + k marking contexts[i].
+at::Tensor SeenTokens(const std::vector<std::vector<int32_t>>& contexts, int64_t g, int64_t vocab,
+                      const at::Device& device);
+
+// The ids that end a completion: stop_token_ids, and eos_token_ids or (when empty) the policy's
+// eos ids and the tokenizer's eos.
+std::unordered_set<int64_t> StopIds(const GeneratorOptions& options,
+                                    const common::ModelConfig& policy,
+                                    const common::Tokenizer* tokenizer);
+
+// A prompt as it is generated from: InvalidArgument naming `where` for an empty prompt, an id
+// outside [0, vocab), or one longer than max_prompt_length with truncate_prompt "reject"; cut
+// from the left (and *truncated set) with "left".
+StatusOr<std::vector<int32_t>> CheckPrompt(std::vector<int32_t> prompt, int64_t vocab,
+                                           const GeneratorOptions& options,
+                                           const std::string& where, bool* truncated);
+
+// w sampling steps of the current rows from `logits` [A, V]: row a's uniforms from gens[a] in
+// its stream's order, copied in one transfer; `seen` (penalty; may be undefined) marks each
+// token. Steps the stepper between two samples, not after the last.
+struct Window {
+  at::Tensor tokens;    // [A, w] int64, CPU
+  at::Tensor logprobs;  // [A, w] float32, CPU
+  at::Tensor last;      // [A] int64 on the device: the last sampled tokens, not fed yet
+};
+StatusOr<Window> SampleWindow(Stepper& stepper, at::Tensor logits, at::Tensor& seen,
+                              const SamplingParams& sampling, std::vector<at::Generator>& gens,
+                              int64_t w, const at::Device& device);
+
+// One generated row.
+struct Row {
+  int64_t prompt = 0;  // the caller's index of its prompt
+  common::Completion completion;
+  bool text_set = false;  // cut at a stop string
+};
+
+// `prompt` and the row's completion but its last token (sampled, not fed yet): what its keys and
+// values were computed from.
+std::vector<int32_t> FedContext(const std::vector<int32_t>& prompt, const Row& row);
+
+// Appends row `a`'s tokens of `window` to `row` up to the first that ends it (a stop id, a stop
+// string, or max_new tokens); `version` >= 0 is recorded for each token in *versions. True when
+// the row ended; adds the tokens appended to *num_tokens.
+StatusOr<bool> AppendWindow(const Window& window, int64_t a, int64_t max_new,
+                            const std::unordered_set<int64_t>& stop_ids,
+                            const std::vector<std::string>& stop_strings,
+                            const common::Tokenizer* tokenizer, Row& row, int64_t version,
+                            std::vector<int64_t>* versions, int64_t* num_tokens);
+
+// Earliest position of any stop string in text, or npos.
+size_t FindStop(const std::string& text, const std::vector<std::string>& stops);
+
+// Decodes ids the tokenizer knows (a model vocabulary may be padded past the tokenizer's).
+StatusOr<std::string> DecodeKnown(const common::Tokenizer& tokenizer,
+                                  const std::vector<int32_t>& ids);
+
+}  // namespace grpo::rollout::decode

@@ -1,0 +1,242 @@
+// Generator::GenerateStream: continuous batching (rollout/generator.h).
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "rollout/decode_parts.h"
+#include "rollout/generator.h"
+
+namespace grpo::rollout {
+namespace {
+
+using common::Model;
+using decode::Row;
+
+// A group in flight.
+struct Slot {
+  int64_t tag = 0;
+  common::RolloutGroup group;  // prompt_ids and policy_version set at admission
+  bool truncated = false;
+  int64_t rows_left = 0;
+  std::vector<Row> rows;                       // one per generation
+  std::vector<std::vector<int64_t>> versions;  // per generation, per token
+};
+
+// A row decoding now: generation `k` of slot `slot`.
+struct Active {
+  int64_t slot = 0;
+  int64_t k = 0;
+};
+
+}  // namespace
+
+StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const {
+  if (!stream.take || !stream.done) {
+    return Status::InvalidArgument("GenerateStream: the stream needs both take and done");
+  }
+  if (stream.max_prompts < 1) {
+    return Status::InvalidArgument("GenerateStream: max_prompts must be >= 1, got " +
+                                   std::to_string(stream.max_prompts));
+  }
+  std::shared_ptr<const Model> model;
+  int64_t version = 0;
+  {
+    common::MutexLock lock(&mu_);
+    model = policy_;
+    version = version_;
+  }
+  StreamStats stats;
+  const int64_t g = options_.num_generations;
+  const int64_t max_new = options_.max_completion_length;
+  try {
+    at::NoGradGuard no_grad;
+    const at::Device device = model->LmHeadWeight().device();
+    const int64_t vocab = model->config().vocab_size;
+    const auto stop_ids = decode::StopIds(options_, model->config(), tokenizer_);
+    int64_t interval = options_.stop_check_interval;
+    if (interval == 0) interval = device.is_cuda() ? kDefaultCudaStopCheckInterval : 1;
+    if (!options_.stop_strings.empty()) interval = 1;
+    // Columns a row may still need: its tokens, and the steps of a window that runs on past them.
+    const int64_t room = max_new + interval;
+
+    std::map<int64_t, Slot> slots;
+    int64_t next_slot = 0;
+    std::vector<Active> active;                  // the stepper's rows, in order
+    std::vector<at::Generator> gens;             // one stream per active row
+    std::unique_ptr<decode::KvStepper> stepper;  // null while nothing decodes
+    at::Tensor pending;  // [A] on the device: each row's last sampled token, not fed yet
+    at::Tensor seen;     // [A, V] bool with the repetition penalty
+    bool draining = false;
+    int64_t steps = 0;
+
+    const auto finish = [&](int64_t id) -> Status {
+      Slot& s = slots.at(id);
+      bool mixed = false;
+      for (const auto& v : s.versions) {
+        mixed |=
+            std::any_of(v.begin(), v.end(), [&](int64_t x) { return x != s.group.policy_version; });
+      }
+      for (int64_t k = 0; k < g; ++k) {
+        common::Completion& c = s.rows[k].completion;
+        if (mixed) c.token_versions = std::move(s.versions[k]);
+        if (tokenizer_ != nullptr && !s.rows[k].text_set) {
+          ASSIGN_OR_RETURN(c.text, decode::DecodeKnown(*tokenizer_, c.token_ids));
+        }
+        s.group.completions.push_back(std::move(c));
+      }
+      StreamedGroup out{s.tag, std::move(s.group), s.truncated};
+      slots.erase(id);
+      ++stats.num_groups;
+      stream.done(std::move(out));
+      return Status::OK();
+    };
+
+    while (true) {
+      // 1. A newer policy: taken at once when nothing decodes, in flight with partial_rollouts,
+      // else after a drain.
+      std::shared_ptr<const Model> newer;
+      int64_t newer_version = version;
+      {
+        common::MutexLock lock(&mu_);
+        if (version_ != version) {
+          newer = policy_;
+          newer_version = version_;
+        }
+      }
+      if (newer != nullptr && (active.empty() || options_.partial_rollouts)) {
+        if (!active.empty()) {
+          if (options_.recompute_kv_on_update) {
+            std::vector<std::vector<int32_t>> contexts;
+            for (const Active& a : active) {
+              const Slot& s = slots.at(a.slot);
+              contexts.push_back(decode::FedContext(s.group.prompt_ids, s.rows[a.k]));
+            }
+            stepper = decode::Restart(*newer, contexts, room, device);
+          } else {
+            stepper->Rebind(*newer);
+          }
+        }
+        model = std::move(newer);  // after the stepper stopped using the one it replaces
+        version = newer_version;
+        draining = false;
+        ++stats.num_switches;
+      } else if (newer != nullptr && !draining) {
+        draining = true;
+        ++stats.num_drains;
+      }
+
+      // 2. The rows in flight feed their last tokens.
+      at::Tensor logits;  // [A, V]
+      if (!active.empty()) logits = stepper->Step(pending);
+
+      // 3. Admission.
+      const int64_t free = stream.max_prompts - static_cast<int64_t>(slots.size());
+      std::vector<StreamPrompt> taken;
+      if (!draining && free > 0) taken = stream.take(free, /*idle=*/active.empty());
+      if (active.empty() && taken.empty()) break;
+      std::vector<std::vector<int32_t>> ids;
+      for (StreamPrompt& p : taken) {
+        bool truncated = false;
+        auto checked =
+            decode::CheckPrompt(std::move(p.ids), vocab, options_,
+                                "prompt (tag " + std::to_string(p.tag) + "): ", &truncated);
+        if (!checked.ok()) {
+          ++stats.num_groups;
+          stream.done(StreamedGroup{p.tag, checked.status(), false});
+          continue;
+        }
+        Slot s;
+        s.tag = p.tag;
+        s.group.prompt_ids = *checked;
+        s.group.policy_version = version;
+        s.truncated = truncated;
+        s.rows_left = g;
+        s.rows.resize(g);
+        s.versions.resize(g);
+        const int64_t id = next_slot++;
+        for (int64_t k = 0; k < g; ++k) {
+          active.push_back({id, k});
+          gens.push_back(MakeRowGenerator(options_.seed, p.seed_index, k));
+        }
+        ids.push_back(std::move(checked).value());
+        slots.emplace(id, std::move(s));
+      }
+      if (!ids.empty()) {
+        const auto [prompt_ids, prompt_mask] = decode::LeftPadded(ids);
+        auto admitted = std::make_unique<decode::KvStepper>(*model);
+        at::Tensor fresh = admitted->Start(prompt_ids.to(device), prompt_mask.to(device), g,
+                                           prompt_ids.size(1) + room);
+        at::Tensor fresh_seen;
+        if (options_.sampling.uses_penalty()) {
+          fresh_seen = decode::SeenTokens(ids, g, vocab, device);
+        }
+        if (stepper == nullptr) {
+          stepper = std::move(admitted);
+          logits = fresh;
+          seen = fresh_seen;
+        } else {
+          stepper->Append(*admitted, room);
+          logits = at::cat({logits, fresh});
+          if (seen.defined()) seen = at::cat({seen, fresh_seen});
+        }
+      }
+      if (active.empty()) continue;  // every prompt taken failed
+      stats.max_rows = std::max<int64_t>(stats.max_rows, static_cast<int64_t>(active.size()));
+
+      // 4. A window of samples; finished rows leave, finished groups go out.
+      ASSIGN_OR_RETURN(
+          decode::Window window,
+          decode::SampleWindow(*stepper, logits, seen, options_.sampling, gens, interval, device));
+      steps += interval;
+      if (options_.window_hook) options_.window_hook(steps);
+      std::vector<int64_t> keep;
+      for (int64_t a = 0; a < static_cast<int64_t>(active.size()); ++a) {
+        Slot& s = slots.at(active[a].slot);
+        ASSIGN_OR_RETURN(
+            const bool done,
+            decode::AppendWindow(window, a, max_new, stop_ids, options_.stop_strings, tokenizer_,
+                                 s.rows[active[a].k], version, &s.versions[active[a].k],
+                                 &stats.num_completion_tokens));
+        if (!done) {
+          keep.push_back(a);
+        } else if (--s.rows_left == 0) {
+          RETURN_IF_ERROR(finish(active[a].slot));
+        }
+      }
+      if (keep.empty()) {
+        stepper.reset();
+        active.clear();
+        gens.clear();
+        seen = at::Tensor();
+      } else {
+        pending = window.last;
+        if (keep.size() < active.size()) {
+          const at::Tensor keep_t = at::tensor(keep, at::kLong).to(device);
+          RETURN_IF_ERROR(stepper->Keep(keep_t));
+          if (seen.defined()) seen = seen.index_select(0, keep_t);
+          pending = pending.index_select(0, keep_t);
+          std::vector<Active> still;
+          std::vector<at::Generator> still_gens;
+          for (int64_t a : keep) {
+            still.push_back(active[a]);
+            still_gens.push_back(gens[a]);
+          }
+          active = std::move(still);
+          gens = std::move(still_gens);
+        }
+      }
+    }
+    return stats;
+  } catch (const c10::Error& e) {
+    return Status::Internal(std::string("GenerateStream: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("GenerateStream: ") + e.what());
+  }
+}
+
+}  // namespace grpo::rollout
