@@ -297,6 +297,7 @@ const std::vector<Field>& Fields() {
       MakeField("max_staleness", &C::max_staleness),
       MakeField("partial_rollouts", &C::partial_rollouts),
       MakeField("partial_rollout_kv_cache", &C::partial_rollout_kv_cache, {"recompute", "keep"}),
+      MakeField("continuous_batching", &C::continuous_batching),
       MakeField("dynamic_sampling", &C::dynamic_sampling),
       MakeField("max_num_gen_batches", &C::max_num_gen_batches),
       MakeField("per_device_train_batch_size", &C::per_device_train_batch_size),
@@ -572,6 +573,8 @@ Status GrpoConfig::Validate() const {
                         "folds token weights into its sequence weight), got " +
                             importance_sampling_correction));
   RETURN_IF_ERROR(Check(max_staleness >= 0, "max_staleness", "must be >= 0"));
+  RETURN_IF_ERROR(Check(!continuous_batching || env.empty(), "continuous_batching",
+                        "does not run multi-turn episodes yet: unset it or `env`"));
   RETURN_IF_ERROR(
       Check(max_num_gen_batches >= 0, "max_num_gen_batches", "must be >= 0 (0 = no limit)"));
   RETURN_IF_ERROR(Check(tls_cert_file.empty() == tls_key_file.empty(),

@@ -112,6 +112,12 @@ struct GrpoConfig {
   // than those that computed it) or "keep" them (the peers' default: cheaper, and the mismatch
   // shows in logprob_mismatch).
   std::string partial_rollout_kv_cache = "recompute";
+  // Continuous batching on the workers (Generator::GenerateStream; vLLM's scheduling, as
+  // PipelineRL and AReaL run it): a worker keeps up to its lease size of groups decoding, leases
+  // a prompt as soon as a group leaves, and pushes each group when its rows are done, so one
+  // long completion holds up no other group. Without partial_rollouts a newer policy waits until
+  // the groups in flight are done (a drain). Single-turn only (not with `env`).
+  bool continuous_batching = false;
   // DAPO's dynamic sampling (learner/dynamic_sampling.h): groups whose rewards are all equal
   // (zero advantage) are filtered at ingest, recorded as FILTERED for their pass, and more
   // prompts are leased until the generation batch is full, or until max_num_gen_batches batches'

@@ -150,6 +150,28 @@ StatusOr<bool> AppendWindow(const Window& window, int64_t a, int64_t max_new,
                             const common::Tokenizer* tokenizer, Row& row, int64_t version,
                             std::vector<int64_t>* versions, int64_t* num_tokens);
 
+// Keeps the current rows `keep` (indices into them, in order) of the stepper, the penalty's
+// `seen` (when defined), the next tokens `pending`, and the caller's per-row `active` and `gens`.
+template <typename RowId>
+Status KeepCurrentRows(const std::vector<int64_t>& keep, const at::Device& device, Stepper& stepper,
+                       at::Tensor& seen, at::Tensor& pending, std::vector<RowId>& active,
+                       std::vector<at::Generator>& gens) {
+  if (keep.size() == active.size()) return Status::OK();
+  const at::Tensor keep_t = at::tensor(keep, at::kLong).to(device);
+  RETURN_IF_ERROR(stepper.Keep(keep_t));
+  if (seen.defined()) seen = seen.index_select(0, keep_t);
+  pending = pending.index_select(0, keep_t);
+  std::vector<RowId> still;
+  std::vector<at::Generator> still_gens;
+  for (int64_t a : keep) {
+    still.push_back(active[a]);
+    still_gens.push_back(gens[a]);
+  }
+  active = std::move(still);
+  gens = std::move(still_gens);
+  return Status::OK();
+}
+
 // Earliest position of any stop string in text, or npos.
 size_t FindStop(const std::string& text, const std::vector<std::string>& stops);
 

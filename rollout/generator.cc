@@ -366,20 +366,8 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t 
       }
       if (keep.empty()) break;
       at::Tensor next = window.last;  // [A] on the device
-      if (static_cast<int64_t>(keep.size()) < num_active) {
-        const at::Tensor keep_t = at::tensor(keep, at::kLong).to(device);
-        RETURN_IF_ERROR(stepper->Keep(keep_t));
-        if (seen.defined()) seen = seen.index_select(0, keep_t);
-        next = next.index_select(0, keep_t);
-        std::vector<int64_t> still;
-        std::vector<at::Generator> still_gens;
-        for (int64_t a : keep) {
-          still.push_back(active[a]);
-          still_gens.push_back(active_gens[a]);
-        }
-        active = std::move(still);
-        active_gens = std::move(still_gens);
-      }
+      RETURN_IF_ERROR(
+          decode::KeepCurrentRows(keep, device, *stepper, seen, next, active, active_gens));
       if (options_.window_hook) options_.window_hook(step);
       if (in_flight) {
         std::shared_ptr<const Model> newer;

@@ -81,6 +81,9 @@ struct StreamPrompt {
   std::vector<int32_t> ids;
   int64_t seed_index = 0;  // as Generate's prompt_indices: seeds the group's samplers
   int64_t tag = 0;         // the caller's; handed back with the group
+  // The group's budget: 0 = max_completion_length, else in [1, max_completion_length] (a
+  // prompt outside fails with InvalidArgument).
+  int64_t max_new_tokens = 0;
 };
 
 struct StreamedGroup {

@@ -23,6 +23,7 @@ struct Slot {
   common::RolloutGroup group;  // prompt_ids and policy_version set at admission
   bool truncated = false;
   int64_t rows_left = 0;
+  int64_t max_new = 0;                         // tokens per row
   std::vector<Row> rows;                       // one per generation
   std::vector<std::vector<int64_t>> versions;  // per generation, per token
 };
@@ -145,6 +146,11 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
         auto checked =
             decode::CheckPrompt(std::move(p.ids), vocab, options_,
                                 "prompt (tag " + std::to_string(p.tag) + "): ", &truncated);
+        if (checked.ok() && (p.max_new_tokens < 0 || p.max_new_tokens > max_new)) {
+          checked = Status::InvalidArgument(
+              "prompt (tag " + std::to_string(p.tag) + "): max_new_tokens " +
+              std::to_string(p.max_new_tokens) + " outside [1, " + std::to_string(max_new) + "]");
+        }
         if (!checked.ok()) {
           ++stats.num_groups;
           stream.done(StreamedGroup{p.tag, checked.status(), false});
@@ -156,6 +162,7 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
         s.group.policy_version = version;
         s.truncated = truncated;
         s.rows_left = g;
+        s.max_new = p.max_new_tokens > 0 ? p.max_new_tokens : max_new;
         s.rows.resize(g);
         s.versions.resize(g);
         const int64_t id = next_slot++;
@@ -199,7 +206,7 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
         Slot& s = slots.at(active[a].slot);
         ASSIGN_OR_RETURN(
             const bool done,
-            decode::AppendWindow(window, a, max_new, stop_ids, options_.stop_strings, tokenizer_,
+            decode::AppendWindow(window, a, s.max_new, stop_ids, options_.stop_strings, tokenizer_,
                                  s.rows[active[a].k], version, &s.versions[active[a].k],
                                  &stats.num_completion_tokens));
         if (!done) {
@@ -215,20 +222,8 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
         seen = at::Tensor();
       } else {
         pending = window.last;
-        if (keep.size() < active.size()) {
-          const at::Tensor keep_t = at::tensor(keep, at::kLong).to(device);
-          RETURN_IF_ERROR(stepper->Keep(keep_t));
-          if (seen.defined()) seen = seen.index_select(0, keep_t);
-          pending = pending.index_select(0, keep_t);
-          std::vector<Active> still;
-          std::vector<at::Generator> still_gens;
-          for (int64_t a : keep) {
-            still.push_back(active[a]);
-            still_gens.push_back(gens[a]);
-          }
-          active = std::move(still);
-          gens = std::move(still_gens);
-        }
+        RETURN_IF_ERROR(
+            decode::KeepCurrentRows(keep, device, *stepper, seen, pending, active, gens));
       }
     }
     return stats;

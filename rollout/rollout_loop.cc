@@ -30,17 +30,6 @@ int64_t UnixMillis() {
       .count();
 }
 
-// FNV-1a of the lease id: the sampler seed index of a leased prompt, so its completions depend on
-// the lease only (not on the rest of the batch) and differ between two leases of one prompt.
-int64_t SeedIndex(std::string_view lease_id) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : lease_id) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return static_cast<int64_t>(h >> 2);
-}
-
 std::string Hostname() {
   char buf[256] = {0};
   if (gethostname(buf, sizeof(buf) - 1) != 0) return "";
@@ -48,6 +37,16 @@ std::string Hostname() {
 }
 
 }  // namespace
+
+int64_t SeedIndex(std::string_view lease_id) {
+  // FNV-1a.
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : lease_id) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h >> 2);
+}
 
 // --- Backoff
 
@@ -91,6 +90,7 @@ const std::vector<std::string>& LearnerOwnedConfigKeys() {
                                                 "max_staleness",
                                                 "partial_rollouts",
                                                 "partial_rollout_kv_cache",
+                                                "continuous_batching",
                                                 "per_device_train_batch_size",
                                                 "gradient_accumulation_steps",
                                                 "steps_per_generation",
@@ -214,16 +214,17 @@ bool RolloutLoop::SleepUnlessStopping(milliseconds d) {
 }
 
 Status RolloutLoop::Retry(std::string_view what, const std::function<Status()>& attempt,
-                          const std::function<bool()>& give_up) {
-  backoff_.Reset();
+                          const std::function<bool()>& give_up, Backoff* backoff) {
+  Backoff& b = backoff != nullptr ? *backoff : backoff_;
+  b.Reset();
   while (true) {
     if (Stopping()) return Status::Cancelled(std::string(what) + ": worker stopping");
     Status s = attempt();
     if (s.ok() || !IsRetryable(s.code())) return s;
     if (give_up && give_up()) return s;
-    const milliseconds delay = backoff_.Next();
+    const milliseconds delay = b.Next();
     counters_.rpc_retries += 1;
-    GRPO_LOG_WARN("{} failed ({}); retry {} in {} ms", what, s.ToString(), backoff_.attempts(),
+    GRPO_LOG_WARN("{} failed ({}); retry {} in {} ms", what, s.ToString(), b.attempts(),
                   delay.count());
     if (!SleepUnlessStopping(delay)) {
       return Status::Cancelled(std::string(what) + ": worker stopping");
@@ -479,22 +480,20 @@ bool RolloutLoop::NeedsWeights() const {
          policy_incarnation_ != learner_incarnation_;
 }
 
-Status RolloutLoop::RunRound() {
-  if (NeedsWeights()) {
-    RETURN_IF_ERROR(SyncWeights(std::max<int64_t>(0, learner_version_.load())));
-  }
-
+StatusOr<std::optional<LeaseReply>> RolloutLoop::Lease(int64_t count, bool retry,
+                                                       milliseconds* wait) {
+  *wait = milliseconds(0);
   LeaseReply leased;
-  Status s = Retry("LeasePrompts", [&]() -> Status {
-    ASSIGN_OR_RETURN(leased,
-                     link_->LeasePrompts(worker_id(), static_cast<int32_t>(PromptsPerLease()),
-                                         options_.timeouts.lease));
+  const auto attempt = [&]() -> Status {
+    ASSIGN_OR_RETURN(leased, link_->LeasePrompts(worker_id(), static_cast<int32_t>(count),
+                                                 options_.timeouts.lease));
     return Status::OK();
-  });
+  };
+  Status s = retry ? Retry("LeasePrompts", attempt) : attempt();
   if (s.code() == StatusCode::kNotFound) {
     GRPO_LOG_WARN("learner does not know this worker ({}); registering again", s.ToString());
     needs_register_ = true;
-    return Status::OK();
+    return std::optional<LeaseReply>();
   }
   RETURN_IF_ERROR(s);
   {
@@ -503,26 +502,40 @@ Status RolloutLoop::RunRound() {
       // Another learner process answered (it restarted): register with it first. Its leases
       // are valid; they are returned at once when this worker registers again.
       needs_register_ = true;
-      return Status::OK();
+      return std::optional<LeaseReply>();
     }
   }
   NoteLearnerVersion(leased.policy_version);
+  if (leased.job_done) done_ = true;
   if (leased.leases.empty()) {
-    if (leased.job_done) {
-      done_ = true;
-      return Status::OK();
+    if (!leased.job_done) {
+      *wait =
+          leased.retry_after_ms > 0 ? milliseconds(leased.retry_after_ms) : kDefaultEmptyLeaseWait;
     }
-    const milliseconds wait =
-        leased.retry_after_ms > 0 ? milliseconds(leased.retry_after_ms) : kDefaultEmptyLeaseWait;
-    SleepUnlessStopping(wait);
-    return Status::OK();
+    return std::optional<LeaseReply>();
   }
   counters_.rounds += 1;
   counters_.leases += static_cast<int64_t>(leased.leases.size());
+  return std::optional<LeaseReply>(std::move(leased));
+}
+
+Status RolloutLoop::RunRound() {
+  if (NeedsWeights()) {
+    RETURN_IF_ERROR(SyncWeights(std::max<int64_t>(0, learner_version_.load())));
+  }
+
+  milliseconds wait{0};
+  ASSIGN_OR_RETURN(std::optional<LeaseReply> reply,
+                   Lease(PromptsPerLease(), /*retry=*/true, &wait));
+  if (!reply) {
+    if (wait.count() > 0) SleepUnlessStopping(wait);
+    return Status::OK();
+  }
+  LeaseReply& leased = *reply;
   SetLeasesHeld(static_cast<int32_t>(leased.leases.size()));
-  if (leased.job_done) done_ = true;
 
   // Newer weights exist: take them before generating (the leases have lease_seconds to live).
+  Status s;
   if (NeedsWeights()) {
     s = SyncWeights(std::max<int64_t>(0, learner_version_.load()));
     if (!s.ok()) {
@@ -537,15 +550,10 @@ Status RolloutLoop::RunRound() {
   int64_t last_deadline_ms = 0;
   for (const PromptLease& lease : leased.leases) {
     last_deadline_ms = std::max(last_deadline_ms, lease.deadline_unix_ms);
-    auto prompt = PreparePromptFromJson(lease.row_json, *tokenizer_);
-    if (!prompt.ok()) {
-      counters_.prompts_failed += 1;
-      GRPO_LOG_WARN("prompt {} (lease {}) skipped: {}", lease.prompt_id, lease.lease_id,
-                    prompt.status().ToString());
-      continue;
-    }
+    std::optional<Prompt> prompt = PrepareLeased(lease);
+    if (!prompt) continue;
     items.push_back(&lease);
-    prompts.push_back(std::move(prompt).value());
+    prompts.push_back(std::move(*prompt));
   }
   std::vector<ProduceInput> inputs;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -592,21 +600,9 @@ Status RolloutLoop::RunRound() {
                    inputs.size(), produced->num_completion_tokens, produced->policy_version,
                    seconds);
     for (size_t i = 0; i < produced->groups.size(); ++i) {
-      ProducedGroup& p = produced->groups[i];
-      const PromptLease& lease = *items[i];
-      if (!p.group.ok()) {
-        counters_.prompts_failed += 1;
-        GRPO_LOG_WARN("prompt {} (lease {}) skipped: {}", lease.prompt_id, lease.lease_id,
-                      p.group.status().ToString());
-        continue;
-      }
-      CountRewardFailures(p.rewards);
-      for (const auto& m : p.rewards.messages) GRPO_LOG_WARN("reward: {}", m);
-      common::RolloutGroup group = std::move(p.group).value();
-      group.lease_id = lease.lease_id;
-      group.prompt_id = lease.prompt_id;
-      group.policy_incarnation = incarnation;
-      groups.push_back(std::move(group));
+      std::optional<common::RolloutGroup> group =
+          ToPushed(produced->groups[i], *items[i], incarnation);
+      if (group) groups.push_back(std::move(*group));
     }
   }
   s = groups.empty() ? Status::OK() : PushGroups(groups, last_deadline_ms);
@@ -614,8 +610,35 @@ Status RolloutLoop::RunRound() {
   return s;
 }
 
+std::optional<Prompt> RolloutLoop::PrepareLeased(const PromptLease& lease) {
+  auto prompt = PreparePromptFromJson(lease.row_json, *tokenizer_);
+  if (prompt.ok()) return std::move(prompt).value();
+  counters_.prompts_failed += 1;
+  GRPO_LOG_WARN("prompt {} (lease {}) skipped: {}", lease.prompt_id, lease.lease_id,
+                prompt.status().ToString());
+  return std::nullopt;
+}
+
+std::optional<common::RolloutGroup> RolloutLoop::ToPushed(ProducedGroup& p,
+                                                          const PromptLease& lease,
+                                                          const std::string& incarnation) {
+  if (!p.group.ok()) {
+    counters_.prompts_failed += 1;
+    GRPO_LOG_WARN("prompt {} (lease {}) skipped: {}", lease.prompt_id, lease.lease_id,
+                  p.group.status().ToString());
+    return std::nullopt;
+  }
+  CountRewardFailures(p.rewards);
+  for (const auto& m : p.rewards.messages) GRPO_LOG_WARN("reward: {}", m);
+  common::RolloutGroup group = std::move(p.group).value();
+  group.lease_id = lease.lease_id;
+  group.prompt_id = lease.prompt_id;
+  group.policy_incarnation = incarnation;
+  return group;
+}
+
 Status RolloutLoop::PushGroups(const std::vector<common::RolloutGroup>& groups,
-                               int64_t last_deadline_ms) {
+                               int64_t last_deadline_ms, Backoff* backoff) {
   const std::string id = worker_id();
   const auto attempt = [&](milliseconds timeout) -> Status {
     ASSIGN_OR_RETURN(const PushReply response, link_->PushGroups(id, groups, timeout));
@@ -654,7 +677,7 @@ Status RolloutLoop::PushGroups(const std::vector<common::RolloutGroup>& groups,
     // Worth retrying while some lease is still valid; after that the learner refuses them.
     s = Retry(
         "PushRollouts", [&] { return attempt(options_.timeouts.push); },
-        [&] { return last_deadline_ms > 0 && UnixMillis() > last_deadline_ms; });
+        [&] { return last_deadline_ms > 0 && UnixMillis() > last_deadline_ms; }, backoff);
     if (s.code() == StatusCode::kCancelled && Stopping()) {
       s = attempt(options_.timeouts.stop_push);
     }
@@ -802,7 +825,11 @@ Status RolloutLoop::Run() {
           }
         }
       }
-      if (Status s = RunRound(); !s.ok()) return finish(s);
+      const int64_t rounds_limit =
+          options_.max_rounds > 0 ? rounds_at_start + options_.max_rounds : 0;
+      if (Status s = config().continuous_batching ? RunStream(rounds_limit) : RunRound(); !s.ok()) {
+        return finish(s);
+      }
     }
     return finish(Status::OK());
   } catch (const std::exception& e) {

@@ -103,6 +103,10 @@ struct WorkerStats {
   int64_t env_errors = 0;     // episodes whose environment failed
 };
 
+// The sampler seed index of a leased prompt (FNV-1a of its lease id), so its completions depend
+// on the lease only (not on the rest of the batch) and differ between two leases of one prompt.
+int64_t SeedIndex(std::string_view lease_id);
+
 // The generation, precision (bf16) and reward keys a worker takes from the learner's
 // config_json. Not `device`: a worker's GPU is its own.
 const std::vector<std::string>& LearnerOwnedConfigKeys();
@@ -200,8 +204,9 @@ class RolloutLoop {
   bool SleepUnlessStopping(std::chrono::milliseconds d);
   // Runs `attempt` until OK, an error outside the retryable set, Stopping() (Cancelled) or
   // `give_up()` (the last error). `what` names the call in logs.
+  // `backoff`: a thread's own (null = backoff_, main thread only).
   Status Retry(std::string_view what, const std::function<Status()>& attempt,
-               const std::function<bool()>& give_up = {});
+               const std::function<bool()>& give_up = {}, Backoff* backoff = nullptr);
 
   Status Register();  // with retries; (re)builds config, tokenizer, rewards, generator
   Status ApplyRegistration(const Registration& registration) GRPO_EXCLUDES(mu_);
@@ -221,9 +226,28 @@ class RolloutLoop {
   // No weights yet, newer ones at the learner, or weights of a learner incarnation the worker
   // has left.
   bool NeedsWeights() const GRPO_EXCLUDES(mu_);
+  // One LeasePrompts exchange of up to `count` prompts (with Retry when `retry`, else one
+  // attempt): the reply, counted as a round, when it holds prompts. nullopt otherwise: done_ set
+  // when the job is done, needs_register_ when the learner forgot this worker or restarted, and
+  // *wait the learner's retry_after when it had no prompts now. Errors: the call's.
+  StatusOr<std::optional<LeaseReply>> Lease(int64_t count, bool retry,
+                                            std::chrono::milliseconds* wait);
   // One lease round. Sets done_ when the learner has nothing more.
   Status RunRound() GRPO_EXCLUDES(mu_);
-  Status PushGroups(const std::vector<common::RolloutGroup>& groups, int64_t last_deadline_ms);
+  // Continuous batching (rollout/rollout_stream.cc): one GenerateStream call that leases
+  // prompts as groups leave and pushes each group when done (from a pusher thread), until the
+  // job is done, the worker stops, must register again, or its in-flight weight fetch gave up;
+  // rounds_limit > 0 caps counters_.rounds. Errors as RunRound's.
+  Status RunStream(int64_t rounds_limit) GRPO_EXCLUDES(mu_);
+  // Row -> prompt of a lease; nullopt (counted, logged) for a bad row.
+  std::optional<Prompt> PrepareLeased(const PromptLease& lease);
+  // A produced group as pushed: lease, prompt and incarnation set, reward failures counted;
+  // nullopt (counted, logged) for a prompt that failed.
+  std::optional<common::RolloutGroup> ToPushed(ProducedGroup& produced, const PromptLease& lease,
+                                               const std::string& incarnation);
+  // With retries (`backoff`: as Retry's) while a lease is valid; a failed push drops the groups.
+  Status PushGroups(const std::vector<common::RolloutGroup>& groups, int64_t last_deadline_ms,
+                    Backoff* backoff = nullptr);
   void HeartbeatLoop() GRPO_EXCLUDES(mu_);
   void StartHeartbeat() GRPO_EXCLUDES(mu_);
   void StopHeartbeat() GRPO_EXCLUDES(mu_);

@@ -87,6 +87,9 @@ int BenchEpisodes(const EpisodesBenchOptions& o);
 // grpo bench partial_rollouts (services/cli/bench_partial_rollouts.cc): a Generate call with no
 // in-flight update, one that recomputes the KV cache and one that keeps it.
 int BenchPartialRollouts(bool as_json, int reps);
+// grpo bench long_tail (services/cli/bench_long_tail.cc): 64 groups, every 8th 8x longer, at most
+// 8 decoding; rounds (admit only when idle) against continuous batching, through GenerateStream.
+int BenchLongTail(bool as_json, int reps);
 
 // A field of /proc/self/status ("VmRSS", "VmHWM") in bytes; 0 when absent.
 int64_t ProcStatusBytes(const char* key);

@@ -426,7 +426,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
       "bench",
       "Benchmarks (method: docs/BENCHMARKS.md in the "
       "repository): logprob_memory | learner_step | "
-      "decode | episodes | partial_rollouts | weight_sync | ingest | e2e | sharding | "
+      "decode | episodes | partial_rollouts | long_tail | weight_sync | ingest | e2e | sharding | "
       "peer_trl");
   struct Opts {
     std::string name;
@@ -445,12 +445,12 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   auto o = std::make_shared<Opts>();
   cmd->add_option(
          "name", o->name,
-         "logprob_memory | learner_step | decode | episodes | partial_rollouts | weight_sync | "
-         "ingest | e2e | sharding | peer_trl")
+         "logprob_memory | learner_step | decode | episodes | partial_rollouts | long_tail | "
+         "weight_sync | ingest | e2e | sharding | peer_trl")
       ->required()
       ->check(
           CLI::IsMember({"logprob_memory", "learner_step", "decode", "episodes", "partial_rollouts",
-                         "weight_sync", "ingest", "e2e", "sharding", "peer_trl"}));
+                         "long_tail", "weight_sync", "ingest", "e2e", "sharding", "peer_trl"}));
   cmd->add_flag("--json", o->json, "one JSON object per row");
   cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)");
   cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
@@ -513,6 +513,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
         return bench::BenchEpisodes(eo);
       }
       if (o->name == "partial_rollouts") return bench::BenchPartialRollouts(o->json, o->reps);
+      if (o->name == "long_tail") return bench::BenchLongTail(o->json, o->reps);
       if (o->name == "sharding") {
         bench::ShardingBenchOptions so;
         so.json = o->json;

@@ -38,23 +38,6 @@ GeneratorOptions Options(bool partial) {
 const std::vector<std::vector<int32_t>> kPrompts = {
     {5, 17, 42, 99, 3}, {200, 11, 7}, {1, 2, 3, 4, 5, 6, 7, 8}, {77}, {120, 121, 122}, {9, 9}};
 
-// log_softmax of a full forward (no cache) at every completion token of prompt + completion.
-std::vector<double> TeacherForced(const Model& model, const std::vector<int32_t>& prompt,
-                                  const std::vector<int32_t>& completion) {
-  at::NoGradGuard no_grad;
-  std::vector<int64_t> seq(prompt.begin(), prompt.end());
-  seq.insert(seq.end(), completion.begin(), completion.end());
-  at::Tensor ids = at::tensor(seq, at::kLong).unsqueeze(0);
-  at::Tensor logp = at::log_softmax(
-      model.Logits(model.ForwardHidden(ids, at::ones_like(ids))[0]).to(at::kDouble), -1);
-  std::vector<double> out;
-  const int64_t p = static_cast<int64_t>(prompt.size());
-  for (size_t j = 0; j < completion.size(); ++j) {
-    out.push_back(logp[p + static_cast<int64_t>(j) - 1][completion[j]].item<double>());
-  }
-  return out;
-}
-
 // A stream over kPrompts (tag = seed index = position), recording when each group entered and
 // left in decode steps (window_hook counts them).
 struct StreamRun {
@@ -65,7 +48,7 @@ struct StreamRun {
 };
 
 StreamRun Stream(GeneratorOptions options, int64_t max_prompts, std::shared_ptr<const Model> a,
-           std::shared_ptr<const Model> b = nullptr) {
+                 std::shared_ptr<const Model> b = nullptr) {
   StreamRun run;
   int64_t steps = 0;
   Generator* self = nullptr;
@@ -227,7 +210,7 @@ TEST(GenerateStream, WithPartialRolloutsTheRowsInFlightSwitchAndRecordEachTokens
   EXPECT_GE(straddled, 1) << "no group was in flight at the update: the test shows little";
 }
 
-TEST(GenerateStream, ABadPromptLeavesWithItsErrorAndTheOthersGoOn) {
+TEST(GenerateStream, ABadPromptLeavesWithItsErrorAndTheOthersGoOnEachWithItsBudget) {
   auto gen = Generator::Create(ScaledTinyModel(1), 0, Options(false));
   ASSERT_TRUE(gen.ok());
   std::vector<StreamedGroup> out;
@@ -236,16 +219,27 @@ TEST(GenerateStream, ABadPromptLeavesWithItsErrorAndTheOthersGoOn) {
   stream.take = [&](int64_t, bool) {
     if (given) return std::vector<StreamPrompt>{};
     given = true;
-    return std::vector<StreamPrompt>{{{}, 0, 7}, {{5, 6}, 1, 8}, {{5, 100000}, 2, 9}};
+    return std::vector<StreamPrompt>{{{}, 0, 7},
+                                     {{5, 6}, 1, 8},
+                                     {{5, 100000}, 2, 9},
+                                     {{5, 6}, 3, 10, /*max_new_tokens=*/kMaxNew + 1},
+                                     {{5, 6}, 4, 11, /*max_new_tokens=*/2}};
   };
   stream.done = [&](StreamedGroup g) { out.push_back(std::move(g)); };
   auto stats = (*gen)->GenerateStream(stream);
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
-  ASSERT_EQ(out.size(), 3u);
+  ASSERT_EQ(out.size(), 5u);
   std::map<int64_t, const StreamedGroup*> by_tag;
   for (const auto& g : out) by_tag[g.tag] = &g;
   EXPECT_EQ(by_tag.at(7)->group.status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(by_tag.at(9)->group.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(by_tag.at(10)->group.status().code(), StatusCode::kInvalidArgument);
+  // A budget of its own: no row longer than 2 tokens.
+  ASSERT_TRUE(by_tag.at(11)->group.ok());
+  for (const auto& c : by_tag.at(11)->group->completions) {
+    ASSERT_LE(c.token_ids.size(), 2u);
+    EXPECT_EQ(c.truncated, c.token_ids.back() >= 48) << "cut by its budget, or by a stop id";
+  }
   ASSERT_TRUE(by_tag.at(8)->group.ok());
   EXPECT_EQ(by_tag.at(8)->group->completions.size(), static_cast<size_t>(kG));
 

@@ -38,23 +38,6 @@ GeneratorOptions Options(bool partial, bool recompute) {
   return o;
 }
 
-// log_softmax(full-forward logits)[token] of every completion token of prompt + completion.
-std::vector<double> TeacherForced(const Model& model, const std::vector<int32_t>& prompt,
-                                  const std::vector<int32_t>& completion) {
-  at::NoGradGuard no_grad;
-  std::vector<int64_t> seq(prompt.begin(), prompt.end());
-  seq.insert(seq.end(), completion.begin(), completion.end());
-  at::Tensor ids = at::tensor(seq, at::kLong).unsqueeze(0);
-  at::Tensor logp = at::log_softmax(
-      model.Logits(model.ForwardHidden(ids, at::ones_like(ids))[0]).to(at::kDouble), -1);
-  std::vector<double> out;
-  const int64_t p = static_cast<int64_t>(prompt.size());
-  for (size_t j = 0; j < completion.size(); ++j) {
-    out.push_back(logp[p + static_cast<int64_t>(j) - 1][completion[j]].item<double>());
-  }
-  return out;
-}
-
 struct Outcome {
   GenerateResult result;
   int hook_calls = 0;

@@ -6,11 +6,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <memory>
 #include <thread>
 
 #include "common/metrics/metrics.h"
@@ -86,6 +89,28 @@ bool SameParameters(const common::Model& a, const common::Model& b) {
     }
   }
   return true;
+}
+
+// A generator window hook that publishes version 2 (other weights) at the learner at the third
+// decode step and holds the decoding thread there until *loop installed it (the heartbeat reports
+// it, the in-flight fetcher receives it; 30 s at most): *installed says whether it did.
+std::function<void(int64_t)> PublishVersion2AtStep3(Fixture& f, RolloutLoop** loop,
+                                                    std::atomic<bool>* installed) {
+  auto waited = std::make_shared<std::atomic<bool>>(false);
+  std::shared_ptr<const common::Model> v2 = TinyModel(22);
+  return [&f, loop, installed, waited, v2](int64_t steps) {
+    if (steps != 3 || waited->exchange(true)) return;
+    {
+      common::MutexLock lock(&f.learner.mu);
+      f.learner.version = 2;
+      f.learner.model = v2;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while ((*loop)->policy_version() < 2 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    *installed = (*loop)->policy_version() == 2;
+  };
 }
 
 TEST(RolloutLoop, RegistersTakesWeightsAndPushesScoredGroupsUnderTheirLeases) {
@@ -197,23 +222,10 @@ TEST(RolloutLoop, PartialRolloutsTakeNewerWeightsWhileGenerating) {
   config["max_staleness"] = 4;
   f.learner.config_json = config.dump();
   f.learner.leases_per_call = 2;
-  const std::shared_ptr<const common::Model> v2 = TinyModel(22);
   RolloutLoopOptions o = Options();
   RolloutLoop* loop = nullptr;
-  std::atomic<bool> waited{false}, installed{false};
-  o.generator_window_hook = [&](int64_t steps) {
-    if (steps != 3 || waited.exchange(true)) return;
-    {
-      common::MutexLock lock(&f.learner.mu);
-      f.learner.version = 2;
-      f.learner.model = v2;
-    }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (loop->policy_version() < 2 && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(milliseconds(5));
-    }
-    installed = loop->policy_version() == 2;
-  };
+  std::atomic<bool> installed{false};
+  o.generator_window_hook = PublishVersion2AtStep3(f, &loop, &installed);
   auto owned = MakeLoop(f, o);
   loop = owned.get();
   ASSERT_TRUE(loop->Run().ok());
@@ -234,6 +246,93 @@ TEST(RolloutLoop, PartialRolloutsTakeNewerWeightsWhileGenerating) {
     }
   }
   EXPECT_GT(switched, 0) << "every completion ended within three tokens: the test shows nothing";
+}
+
+// continuous_batching: every group is pushed once, scored, under its lease; the prompts come in
+// leases of at most prompts_per_lease (the groups decoding at once; GenerateStream's own test
+// checks that bound).
+TEST(RolloutLoop, ContinuousBatchingPushesEveryGroupOnceUnderItsLease) {
+  const std::vector<std::string> rows = {kPromptRow,   kMessagesRow, kPromptRow,
+                                         kMessagesRow, kPromptRow,   kMessagesRow};
+  Fixture f(rows);
+  json config = LearnerConfig();
+  config["continuous_batching"] = true;
+  config["max_completion_length"] = 12;
+  f.learner.config_json = config.dump();
+  auto loop = MakeLoop(f, Options());  // prompts_per_lease 2
+  ASSERT_TRUE(loop->Run().ok());
+  EXPECT_GE(loop->stats().rounds, 3);
+  common::MutexLock lock(&f.learner.mu);
+  ASSERT_EQ(f.learner.pushed.size(), rows.size());
+  std::map<std::string, int> pushes;
+  for (const common::RolloutGroup& g : f.learner.pushed) {
+    ++pushes[g.lease_id];
+    EXPECT_EQ(g.prompt_id, "prompt-" + g.lease_id.substr(6));
+    EXPECT_EQ(g.policy_version, 1);
+    ASSERT_EQ(g.completions.size(), static_cast<size_t>(kGenerations));
+    for (const auto& c : g.completions) {
+      ASSERT_EQ(c.rewards.size(), 1u);
+      const double n = static_cast<double>(c.token_ids.size());
+      EXPECT_EQ(c.rewards[0], std::optional<double>(-std::abs(kTargetLength - n)));
+      EXPECT_TRUE(c.token_versions.empty());
+    }
+  }
+  for (size_t i = 0; i < rows.size(); ++i) EXPECT_EQ(pushes["lease-" + std::to_string(i)], 1);
+  EXPECT_EQ(loop->stats().groups_pushed, static_cast<int64_t>(rows.size()));
+}
+
+// continuous_batching with a newer version published at the stream's third decode step (held
+// there until the worker installed it): without partial_rollouts each group is of one version
+// (those in flight finish with 1, later ones start with 2); with it, the groups in flight switch
+// and record version 2 from their fourth window on (sooner for a group that entered later).
+void RunStreamWithAnUpdate(bool partial) {
+  const std::vector<std::string> rows = {kPromptRow, kMessagesRow, kPromptRow, kMessagesRow};
+  Fixture f(rows);
+  json config = LearnerConfig();
+  config["continuous_batching"] = true;
+  config["partial_rollouts"] = partial;
+  config["max_completion_length"] = 12;
+  config["max_staleness"] = 4;
+  f.learner.config_json = config.dump();
+  RolloutLoopOptions o = Options();
+  RolloutLoop* loop = nullptr;
+  std::atomic<bool> installed{false};
+  o.generator_window_hook = PublishVersion2AtStep3(f, &loop, &installed);
+  auto owned = MakeLoop(f, o);
+  loop = owned.get();
+  ASSERT_TRUE(loop->Run().ok());
+  ASSERT_TRUE(installed.load()) << "version 2 was not installed while the stream decoded";
+  common::MutexLock lock(&f.learner.mu);
+  ASSERT_EQ(f.learner.pushed.size(), rows.size());
+  int mixed = 0, of_version_2 = 0;
+  for (const common::RolloutGroup& g : f.learner.pushed) {
+    of_version_2 += g.policy_version == 2;
+    for (const common::Completion& c : g.completions) {
+      if (c.token_versions.empty()) continue;
+      ASSERT_TRUE(partial) << "a group mixes versions without partial_rollouts";
+      ASSERT_EQ(g.policy_version, 1);
+      ASSERT_EQ(c.token_versions.size(), c.token_ids.size());
+      // Version 1 up to the switch (after the third window for the groups that entered first,
+      // sooner for a later one), version 2 after it.
+      EXPECT_EQ(c.token_versions.front(), 1);
+      EXPECT_EQ(c.token_versions.back(), 2);
+      EXPECT_TRUE(std::is_sorted(c.token_versions.begin(), c.token_versions.end()));
+      EXPECT_LE(std::count(c.token_versions.begin(), c.token_versions.end(), 1), 3);
+      ++mixed;
+    }
+  }
+  if (partial) {
+    EXPECT_GT(mixed, 0) << "no completion was in flight at the update";
+  }
+  EXPECT_GT(of_version_2, 0) << "no group started after the update";
+}
+
+TEST(RolloutLoop, ContinuousBatchingDrainsBeforeANewVersionWithoutPartialRollouts) {
+  RunStreamWithAnUpdate(/*partial=*/false);
+}
+
+TEST(RolloutLoop, ContinuousBatchingSwitchesTheGroupsInFlightWithPartialRollouts) {
+  RunStreamWithAnUpdate(/*partial=*/true);
 }
 
 TEST(RolloutLoop, AfterALearnerRestartItRegistersAgainAndTagsGroupsWithTheNewWeights) {

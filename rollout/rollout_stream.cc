@@ -1,0 +1,178 @@
+// RolloutLoop::RunStream: the worker's loop with continuous batching (config
+// continuous_batching; rollout/rollout_loop.h). The decoding thread (this one) runs one
+// Generator::GenerateStream call whose `take` leases prompts as groups leave and whose `done`
+// hands each finished group to a pusher thread, which scores and pushes it; a fetcher thread
+// takes newer weights meanwhile (the stream switches in flight with partial_rollouts, or
+// drains first).
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <map>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "common/logging.h"
+#include "rollout/rollout_loop.h"
+
+namespace grpo::rollout {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+// A leased prompt in flight, from `take` to the push of its group.
+struct InFlight {
+  PromptLease lease;
+  Prompt prompt;
+  Clock::time_point started;
+};
+
+// Finished groups from the decoding thread to the pusher. Thread-safe.
+class FinishedQueue {
+ public:
+  void Put(InFlight item, StreamedGroup group) GRPO_EXCLUDES(mu_) {
+    common::MutexLock lock(&mu_);
+    items_.emplace_back(std::move(item), std::move(group));
+    cv_.NotifyOne();
+  }
+  void Close() GRPO_EXCLUDES(mu_) {
+    common::MutexLock lock(&mu_);
+    closed_ = true;
+    cv_.NotifyAll();
+  }
+  // Everything queued, waiting for at least one item; empty once closed and drained.
+  std::vector<std::pair<InFlight, StreamedGroup>> TakeAll() GRPO_EXCLUDES(mu_) {
+    common::MutexLock lock(&mu_);
+    while (items_.empty() && !closed_) cv_.Wait(&mu_);
+    std::vector<std::pair<InFlight, StreamedGroup>> out(std::make_move_iterator(items_.begin()),
+                                                        std::make_move_iterator(items_.end()));
+    items_.clear();
+    return out;
+  }
+
+ private:
+  common::Mutex mu_;
+  common::CondVar cv_;
+  std::deque<std::pair<InFlight, StreamedGroup>> items_ GRPO_GUARDED_BY(mu_);
+  bool closed_ GRPO_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace
+
+Status RolloutLoop::RunStream(int64_t rounds_limit) {
+  if (NeedsWeights()) {
+    RETURN_IF_ERROR(SyncWeights(std::max<int64_t>(0, learner_version_.load())));
+  }
+  // Weights are installed in flight only when they are of this same incarnation (FetchInFlight),
+  // so every group of this stream is of it.
+  const std::string incarnation = [&] {
+    common::MutexLock lock(&mu_);
+    return policy_incarnation_;
+  }();
+
+  std::atomic<bool> generating{true}, fetch_stopped{false};
+  std::thread fetcher([&] {
+    FetchInFlight(incarnation, &generating);
+    fetch_stopped = true;
+  });
+  FinishedQueue finished;
+  std::thread pusher([&] {
+    Backoff backoff(options_.backoff);
+    while (true) {
+      std::vector<std::pair<InFlight, StreamedGroup>> batch = finished.TakeAll();
+      if (batch.empty()) return;
+      std::vector<common::RolloutGroup> groups;
+      int64_t last_deadline_ms = 0;
+      for (auto& [item, streamed] : batch) {
+        ProducedGroup produced{std::move(streamed.group), streamed.prompt_truncated, {}};
+        if (produced.group.ok() && rewards_ != nullptr) {
+          produced.rewards =
+              rewards_->ScoreGroup(*produced.group, item.prompt.text, item.prompt.row);
+        }
+        std::optional<common::RolloutGroup> group = ToPushed(produced, item.lease, incarnation);
+        if (!group) continue;
+        last_deadline_ms = std::max(last_deadline_ms, item.lease.deadline_unix_ms);
+        groups.push_back(std::move(*group));
+      }
+      if (!groups.empty()) (void)PushGroups(groups, last_deadline_ms, &backoff);
+    }
+  });
+
+  std::map<int64_t, InFlight> in_flight;  // by tag; the decoding thread's
+  int64_t next_tag = 0;
+  Status lease_error;
+  Clock::time_point next_lease_at = Clock::now();
+  GroupStream stream;
+  stream.max_prompts = PromptsPerLease();
+  stream.take = [&](int64_t room, bool idle) -> std::vector<StreamPrompt> {
+    std::vector<StreamPrompt> out;
+    while (out.empty()) {
+      const bool over = rounds_limit > 0 && counters_.rounds.load() >= rounds_limit;
+      if (Stopping() || done_ || over || learner_shutdown_.load() || needs_register_.load() ||
+          fetch_stopped.load() || !lease_error.ok()) {
+        break;
+      }
+      // Rows decode while a busy call leases: one attempt, and not again before the learner's
+      // retry_after when it had nothing.
+      if (!idle && Clock::now() < next_lease_at) break;
+      milliseconds wait{0};
+      StatusOr<std::optional<LeaseReply>> reply = Lease(room, /*retry=*/idle, &wait);
+      if (!reply.ok()) {
+        if (idle) lease_error = reply.status();
+        next_lease_at = Clock::now() + kDefaultEmptyLeaseWait;
+        break;
+      }
+      if (!*reply) {
+        next_lease_at = Clock::now() + wait;
+        if (!idle || wait.count() == 0 || !SleepUnlessStopping(wait)) break;
+        continue;
+      }
+      for (PromptLease& lease : (*reply)->leases) {
+        std::optional<Prompt> prompt = PrepareLeased(lease);
+        if (!prompt) continue;
+        const int64_t tag = next_tag++;
+        out.push_back({prompt->ids, SeedIndex(lease.lease_id), tag});
+        in_flight.emplace(tag, InFlight{std::move(lease), std::move(*prompt), Clock::now()});
+      }
+      if (!idle) break;
+    }
+    SetLeasesHeld(static_cast<int32_t>(in_flight.size()));
+    return out;
+  };
+  stream.done = [&](StreamedGroup group) {
+    auto node = in_flight.extract(group.tag);
+    if (node.empty()) return;
+    int64_t tokens = 0;
+    if (group.group.ok()) {
+      for (const auto& c : group.group->completions) {
+        tokens += static_cast<int64_t>(c.token_ids.size());
+      }
+    }
+    counters_.completion_tokens += tokens;
+    if (metrics_) {
+      metrics_->tokens_generated->Increment(static_cast<double>(tokens));
+      metrics_->generation_duration->Observe(
+          std::chrono::duration<double>(Clock::now() - node.mapped().started).count());
+    }
+    finished.Put(std::move(node.mapped()), std::move(group));
+    SetLeasesHeld(static_cast<int32_t>(in_flight.size()));
+  };
+
+  StatusOr<StreamStats> stats = generator_->GenerateStream(stream);
+  generating = false;
+  fetcher.join();
+  finished.Close();
+  pusher.join();
+  SetLeasesHeld(0);
+  if (!stats.ok()) return stats.status().WithContext("GenerateStream");
+  GRPO_LOG_DEBUG(
+      "stream ended: {} groups, {} tokens, {} policy switches, {} drains, at most {} rows",
+      stats->num_groups, stats->num_completion_tokens, stats->num_switches, stats->num_drains,
+      stats->max_rows);
+  return lease_error;
+}
+
+}  // namespace grpo::rollout
