@@ -189,6 +189,16 @@ common::GrpoConfig RankConfig(const std::string& loss_type, int world_size,
 
 class DataParallel : public ::testing::TestWithParam<std::tuple<std::string, int, std::string>> {};
 
+// Rank `rank`'s trainer over `model` (dapo, `fsdp` at `world` ranks) once it trained the first
+// batch; the error of its creation or of that batch otherwise.
+StatusOr<std::unique_ptr<GrpoTrainer>> TrainFirstBatch(const std::string& fsdp, int world,
+                                                       common::Model* model, Collectives* rank) {
+  ASSIGN_OR_RETURN(std::unique_ptr<GrpoTrainer> t,
+                   GrpoTrainer::Create(RankConfig("dapo", world, fsdp), model, nullptr, rank));
+  RETURN_IF_ERROR(t->TrainGenerationBatch(Batches()[0]).status());
+  return t;
+}
+
 TEST_P(DataParallel, RanksOverThreadsTakeTheSingleRanksSteps) {
   const auto [loss_type, world, fsdp] = GetParam();
   const RunResult single = Train(RankConfig(loss_type, 1), nullptr);
@@ -280,15 +290,9 @@ TEST(DataParallelFullShardSharding, EachRankHoldsItsShareOfTheParametersToo) {
     for (int r = 0; r < world; ++r) {
       threads.emplace_back([&, r] {
         auto model = TinyModel();
-        auto t = GrpoTrainer::Create(RankConfig("dapo", world, "full_shard"), model.get(), nullptr,
-                                     &group.Rank(r));
+        auto t = TrainFirstBatch("full_shard", world, model.get(), &group.Rank(r));
         if (!t.ok()) {
           errors[r] = t.status().ToString();
-          return;
-        }
-        auto result = (*t)->TrainGenerationBatch(Batches()[0]);
-        if (!result.ok()) {
-          errors[r] = result.status().ToString();
           return;
         }
         for (const at::Tensor& p : model->Parameters()) {
@@ -392,15 +396,9 @@ TEST(DataParallelSharding, EachRankHoldsItsShareOfTheGradientAndAdamWState) {
     for (int r = 0; r < world; ++r) {
       threads.emplace_back([&, r] {
         auto model = TinyModel();
-        auto t = GrpoTrainer::Create(RankConfig("dapo", world, "shard_grad_op"), model.get(),
-                                     nullptr, &group.Rank(r));
+        auto t = TrainFirstBatch("shard_grad_op", world, model.get(), &group.Rank(r));
         if (!t.ok()) {
           errors[r] = t.status().ToString();
-          return;
-        }
-        auto result = (*t)->TrainGenerationBatch(Batches()[0]);
-        if (!result.ok()) {
-          errors[r] = result.status().ToString();
           return;
         }
         for (const at::Tensor& p : model->Parameters()) {
