@@ -117,6 +117,12 @@ Status Generator::SetPolicy(std::shared_ptr<const Model> policy, int64_t version
   return Status::OK();
 }
 
+std::pair<std::shared_ptr<const Model>, int64_t> Generator::PolicyOtherThan(int64_t version) const {
+  common::MutexLock lock(&mu_);
+  if (version_ == version) return {nullptr, version};
+  return {policy_, version_};
+}
+
 int64_t Generator::policy_version() const {
   common::MutexLock lock(&mu_);
   return version_;
@@ -370,15 +376,7 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t 
           decode::KeepCurrentRows(keep, device, *stepper, seen, next, active, active_gens));
       if (options_.window_hook) options_.window_hook(step);
       if (in_flight) {
-        std::shared_ptr<const Model> newer;
-        int64_t newer_version = current_version;
-        {
-          common::MutexLock lock(&mu_);
-          if (version_ != current_version) {
-            newer = policy_;
-            newer_version = version_;
-          }
-        }
+        auto [newer, newer_version] = PolicyOtherThan(current_version);
         if (newer != nullptr) {
           current = newer.get();
           current_version = newer_version;

@@ -256,6 +256,11 @@ class Generator {
                                const std::vector<int64_t>& prompt_indices, bool use_cache) const
       GRPO_EXCLUDES(mu_);
 
+  // The installed policy and its version when its version is not `version` (an in-flight
+  // update to take); {null, version} otherwise.
+  std::pair<std::shared_ptr<const common::Model>, int64_t> PolicyOtherThan(int64_t version) const
+      GRPO_EXCLUDES(mu_);
+
   // Continue's kept keys/values in and out of Decode (g = 1, use_cache); defined in the .cc.
   struct TurnRows;
 

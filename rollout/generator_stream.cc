@@ -100,15 +100,7 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
     while (true) {
       // 1. A newer policy: taken at once when nothing decodes, in flight with partial_rollouts,
       // else after a drain.
-      std::shared_ptr<const Model> newer;
-      int64_t newer_version = version;
-      {
-        common::MutexLock lock(&mu_);
-        if (version_ != version) {
-          newer = policy_;
-          newer_version = version_;
-        }
-      }
+      auto [newer, newer_version] = PolicyOtherThan(version);
       if (newer != nullptr && (active.empty() || options_.partial_rollouts)) {
         if (!active.empty()) {
           if (options_.recompute_kv_on_update) {
