@@ -190,6 +190,11 @@ void ApplyServerLimits(grpc::ServerBuilder& builder, const common::GrpoConfig& c
   builder.SetResourceQuota(quota);  // the builder takes its own reference
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  // gRPC binds with SO_REUSEPORT by default on Linux: a second server on a port already held
+  // would start, and the kernel would split the connections between the two. A learner started
+  // twice on one port (or restarted while another process took its port) then serves half the
+  // workers and clients each, silently. Off, the second server fails to listen, by name.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
 }
 
 bool IsLoopbackAddress(std::string_view host) {

@@ -70,7 +70,8 @@ inline constexpr int kMaxMessageBytes = 64 << 20;
 
 // Server limits (GrpoConfig grpc_memory_quota_mb, grpc_max_threads) on `builder`: a
 // grpc::ResourceQuota named `name` bounding transport buffers and the threads serving calls
-// (calls beyond the threads are refused with RESOURCE_EXHAUSTED), and the message size limits.
+// (calls beyond the threads are refused with RESOURCE_EXHAUSTED), the message size limits, and
+// the port held alone (no SO_REUSEPORT: a second server on a held port fails to listen).
 void ApplyServerLimits(grpc::ServerBuilder& builder, const common::GrpoConfig& config,
                        const std::string& name);
 

@@ -28,6 +28,7 @@
 
 #include "grpo/v1/learner.grpc.pb.h"
 #include "tests/services/process_util.h"
+#include "tests/services/reserved_port.h"
 #include "tests/test_util.h"
 
 namespace grpo::testing::faults {
@@ -247,9 +248,15 @@ class FaultToleranceTest : public ::testing::Test {
   fs::path out_dir() const { return dir_ / "out"; }
   fs::path dump_dir() const { return dir_ / "dumps"; }
 
-  // `grpo learner` on `port` (0 = a free one) with the test configuration plus `extra`; returns the
+  // `grpo learner` on `port` (0 = this test's ReservedPort, which no concurrent test takes, so a
+  // learner restarted on it finds it free) with the test configuration plus `extra`; returns the
   // bound port (0 on failure, with the failure added).
   int StartLearner(const std::string& name, int port, std::vector<std::string> extra) {
+    if (port == 0) {
+      if (reserved_port_ == nullptr) reserved_port_ = std::make_unique<ReservedPort>();
+      port = reserved_port_->port();
+      if (port == 0) return 0;
+    }
     std::vector<std::string> args = {
         GrpoBin(), "--log_level", "info", "learner", "--output_dir", out_dir().string(),
         "--grpc_port", std::to_string(port), "--metrics_port", "0", "--auth_token_file",
@@ -313,6 +320,7 @@ class FaultToleranceTest : public ::testing::Test {
 
   fs::path dir_;
   std::unique_ptr<Children> children_;
+  std::unique_ptr<ReservedPort> reserved_port_;
   int metrics_port_ = 0;
 };
 

@@ -773,6 +773,25 @@ TEST_F(LearnerServiceTest, HealthCheckReportsServing) {
   }
 }
 
+// A second learner on a port the first holds must fail to listen, not share the port: gRPC's
+// default SO_REUSEPORT would let it start, and the kernel would split the workers between them.
+TEST_F(LearnerServiceTest, ASecondLearnerOnAHeldPortFailsToListen) {
+  StartServer();
+  common::GrpoConfig second = TinyConfig(dir_ / "second");
+  second.grpc_port = static_cast<int>(server_->port());
+  auto model = common::Model::InitRandom(*common::ModelConfigPreset("tiny"), 7);
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  auto other = LearnerServer::Create(second, std::move(model).value(), nullptr, {});
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  const Status s = (*other)->Start();
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_NE(s.message().find("cannot listen on 0.0.0.0:" + std::to_string(server_->port())),
+            std::string::npos)
+      << s.ToString();
+  // The first still serves.
+  EXPECT_EQ(Submit({R"({"prompt": "a"})"}).prompt_count(), 1);
+}
+
 TEST_F(LearnerServiceTest, RestartRequeuesPromptsAcceptedAfterTheLastCheckpoint) {
   config_.save_steps = 1;
   StartServer();
