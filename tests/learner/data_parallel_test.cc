@@ -26,6 +26,7 @@
 #include "learner/distributed/rank_group.h"
 #include "learner/distributed/sharded_adamw.h"
 #include "learner/grpo_trainer.h"
+#include "tests/reserved_port.h"
 
 namespace grpo::learner {
 namespace {
@@ -35,6 +36,7 @@ using common::RolloutGroup;
 using distributed::Collectives;
 using distributed::FakeRankGroup;
 using distributed::SingleRank;
+using grpo::testing::ReservedPort;
 
 std::unique_ptr<common::Model> TinyModel() {
   auto cfg = common::ModelConfigPreset("tiny");
@@ -866,12 +868,6 @@ TEST(RankEnv, ReadsTorchrunsVariablesAndNamesABadOne) {
 // ---------------------------------------------------------------------------------------------
 // Real processes: this binary run as ranks (DataParallelChild.Rank with GRPO_DP_CHILD_OUT set).
 
-int FreePort() {
-  // The kernel's next ephemeral port is free now; a collision makes the rendezvous fail loudly.
-  static int next = 20000 + static_cast<int>(::getpid() % 20000);
-  return next += 7;
-}
-
 TEST(DataParallelChild, Rank) {
   const char* out = std::getenv("GRPO_DP_CHILD_OUT");
   if (out == nullptr) GTEST_SKIP() << "run by DataParallelProcesses as a rank";
@@ -919,7 +915,9 @@ ChildRun RunRanks(int world, const std::string& loss_type, const std::string& mo
   fs::remove_all(dir);
   fs::create_directories(dir);
   common::ProcessSupervisor sup;
-  const int port = FreePort();
+  const ReservedPort reserved;  // held while the ranks run: no concurrent test takes it
+  const int port = reserved.port();
+  EXPECT_GT(port, 0);
   const auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < world; ++r) {
     ::setenv("RANK", std::to_string(r).c_str(), 1);

@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "grpo/v1/learner.grpc.pb.h"
+#include "tests/reserved_port.h"
 #include "tests/services/process_util.h"
-#include "tests/services/reserved_port.h"
 #include "tests/test_util.h"
 
 namespace grpo::testing::faults {

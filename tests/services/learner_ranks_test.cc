@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/model/safetensors.h"
+#include "tests/reserved_port.h"
 #include "tests/services/http_test_util.h"
 #include "tests/services/process_util.h"
 #include "tests/test_util.h"
@@ -54,7 +55,9 @@ class LearnerRanksTest : public ::testing::Test {
   // Both ranks of a world of two, rank 1 first (it waits for rank 0's store), with `extra`
   // learner flags.
   void StartRanks(int max_steps, const std::vector<std::string>& extra = {}) {
-    const int master_port = grpo::testing::FreeLoopbackPort();
+    // Held while the ranks run: no concurrent test binds it before rank 0 does.
+    master_port_ = std::make_unique<grpo::testing::ReservedPort>();
+    const int master_port = master_port_->port();
     ASSERT_GT(master_port, 0);
     for (int rank : {1, 0}) {
       ::setenv("RANK", std::to_string(rank).c_str(), 1);
@@ -94,6 +97,7 @@ class LearnerRanksTest : public ::testing::Test {
 
   fs::path dir_;
   std::unique_ptr<Children> children_;
+  std::unique_ptr<grpo::testing::ReservedPort> master_port_;
   std::string address_;
 };
 

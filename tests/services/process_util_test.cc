@@ -1,6 +1,6 @@
 // The tests' Children (tests/services/process_util.h): a test process that dies without running
 // its destructors (CTest's timeout, Ctrl-C, a crash) takes the servers it started with it. And
-// ReservedPort (tests/services/reserved_port.h): a port no concurrent test takes.
+// ReservedPort (tests/reserved_port.h): a port no concurrent test takes.
 #include "tests/services/process_util.h"
 
 #include <arpa/inet.h>
@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "tests/services/reserved_port.h"
+#include "tests/reserved_port.h"
 
 namespace grpo::testing {
 namespace {

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/reserved_port.h"
 #include "tests/services/http_test_util.h"
 #include "tests/services/process_util.h"
 #include "tests/test_util.h"
@@ -136,13 +137,16 @@ TEST_F(PrometheusScrapeTest, PrometheusScrapesTheLearnerAndAWorker) {
                 (dir_ / "submit.out").string() + " 2>&1"),
             0)
       << ReadFile(dir_ / "submit.out");
-  const uint16_t worker_metrics = grpo::testing::FreeLoopbackPort();
+  // The worker's and Prometheus's ports are held for the test: no concurrent test takes them.
+  const grpo::testing::ReservedPort worker_port, prom_reserved;
+  const int worker_metrics = worker_port.port();
   ASSERT_GT(worker_metrics, 0);
   Spawn("worker", {GrpoBin(), "rollout", "--learner_address", address, "--metrics_port",
                    std::to_string(worker_metrics), "--auth_token_file", token});
 
   // 3. Prometheus, scraping both every second.
-  const uint16_t prom_port = grpo::testing::FreeLoopbackPort();
+  const int prom_port = prom_reserved.port();
+  ASSERT_GT(prom_port, 0);
   std::ofstream(dir_ / "prometheus.yml")
       << "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
       << "scrape_configs:\n"
