@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <map>
 #include <utility>
 
 #include "rollout/generator.h"
@@ -126,6 +127,38 @@ std::unique_ptr<KvStepper> Restart(const Model& model,
   auto stepper = std::make_unique<KvStepper>(model);
   stepper->Start(ids.to(device), mask.to(device), /*g=*/1, ids.size(1) + remaining + 1);
   return stepper;
+}
+
+int64_t ShareEqualContexts(const Model& model, const std::vector<std::vector<int32_t>>& contexts,
+                           std::vector<KvCache>& held, std::vector<int64_t>& reuse) {
+  std::map<std::vector<int32_t>, std::vector<size_t>> rows_of;
+  for (size_t i = 0; i < contexts.size(); ++i) {
+    if (reuse[i] == 0 && contexts[i].size() >= 2) rows_of[contexts[i]].push_back(i);
+  }
+  std::vector<std::vector<int32_t>> prefixes;  // one per shared context: all but its last token
+  std::vector<const std::vector<size_t>*> sharers;
+  for (const auto& [context, rows] : rows_of) {
+    if (rows.size() < 2) continue;
+    prefixes.emplace_back(context.begin(), context.end() - 1);
+    sharers.push_back(&rows);
+  }
+  if (prefixes.empty()) return 0;
+  at::NoGradGuard no_grad;
+  const at::Device device = model.LmHeadWeight().device();
+  const auto [ids, mask] = LeftPadded(prefixes);
+  KvCache cache = model.NewCache(ids.size(0), ids.size(1));
+  model.Prefill(ids.to(device), mask.to(device), cache);
+  int64_t saved = 0;
+  for (size_t k = 0; k < prefixes.size(); ++k) {
+    const int64_t n = static_cast<int64_t>(prefixes[k].size());
+    const KvCache row = model.CompactRow(cache, static_cast<int64_t>(k), n);
+    for (size_t i : *sharers[k]) {
+      held[i] = row;  // the tensors are shared: StackRows copies them into the decode's cache
+      reuse[i] = n;
+    }
+    saved += n * static_cast<int64_t>(sharers[k]->size() - 1);
+  }
+  return saved;
 }
 
 at::Tensor SeenTokens(const std::vector<std::vector<int32_t>>& contexts, int64_t g, int64_t vocab,

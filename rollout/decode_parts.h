@@ -100,6 +100,16 @@ std::unique_ptr<KvStepper> Restart(const common::Model& model,
 std::pair<at::Tensor, at::Tensor> LeftPadded(const std::vector<std::vector<int32_t>>& contexts,
                                              const std::vector<int64_t>& skip = {});
 
+// Rows that hold nothing yet (reuse[i] == 0) and have equal contexts of two or more tokens (a
+// group's first turn: its G episodes start from one prompt) share one prefill: all but the last
+// token of each distinct such context run through `model` once, and each of its rows starts from
+// those keys/values (held[i], a dense row as Model::CompactRow makes; reuse[i] = size - 1) as
+// from a TurnCache's. held and reuse have one entry per context. Returns the context tokens this
+// saved prefilling. Runs without autograd; libtorch errors throw.
+int64_t ShareEqualContexts(const common::Model& model,
+                           const std::vector<std::vector<int32_t>>& contexts,
+                           std::vector<common::KvCache>& held, std::vector<int64_t>& reuse);
+
 // Every token of each context, for the repetition penalty: [P * g, V] bool on `device`, row
 // i * g + k marking contexts[i].
 at::Tensor SeenTokens(const std::vector<std::vector<int32_t>>& contexts, int64_t g, int64_t vocab,

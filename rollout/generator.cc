@@ -255,8 +255,20 @@ StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& ro
     }
     cache->Clear();
   }
+  // Rows with nothing held and one context (a group's first turn) share its prefill.
+  int64_t shared = 0;
+  if (turn) {
+    try {
+      shared = decode::ShareEqualContexts(*model, contexts, turn->held, turn->reuse);
+    } catch (const c10::Error& e) {
+      return Status::Internal(std::string("Continue: shared prefill: ") +
+                              e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      return Status::Internal(std::string("Continue: shared prefill: ") + e.what());
+    }
+  }
   for (const auto& c : contexts) result.num_prefill_tokens += static_cast<int64_t>(c.size());
-  result.num_prefill_tokens -= result.num_cached_tokens;
+  result.num_prefill_tokens -= result.num_cached_tokens + shared;
   if (rows.empty()) return result;
   // Version -1: no in-flight switch inside a turn (an episode takes the newest policy at each
   // turn's Continue call instead).

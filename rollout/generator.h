@@ -130,7 +130,7 @@ struct ContinueResult {
   std::vector<common::Completion> completions;  // one per row, in order (truncated = hit its
                                                 // max_new_tokens)
   int64_t num_completion_tokens = 0;
-  int64_t num_prefill_tokens = 0;  // context tokens run through the model before decoding
+  int64_t num_prefill_tokens = 0;  // context tokens run through the model (shared ones once)
   int64_t num_cached_tokens = 0;   // context tokens whose keys/values came from a TurnCache
 };
 
@@ -229,7 +229,8 @@ class Generator {
   // longer than max_prompt_length), stopping as Generate's rows do or at the row's
   // max_new_tokens. Without `cache` the whole context is prefilled. With `cache` (borrowed; not
   // shared with a concurrent call), rows whose earlier turn this cache holds, computed with this
-  // call's policy snapshot, prefill only the tokens after the held ones; afterwards the cache
+  // call's policy snapshot, prefill only the tokens after the held ones, and rows holding nothing
+  // with equal contexts (a group's first turn) prefill it once for all; afterwards the cache
   // holds this call's rows (context + completion) and nothing else. A policy change empties it
   // first. The results equal the no-cache path's up to float rounding (same tokens for the same
   // seeds unless a sample falls within ~1e-6 of a boundary). InvalidArgument naming the row

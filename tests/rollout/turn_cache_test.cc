@@ -50,14 +50,19 @@ struct Episode {
   int64_t last_turn = 0;  // the episode ends after this turn
 };
 
-// Six episodes of two prompts (lengths 5 and 9) ending after turns 1, 2, 3, 3, 4 and 4.
-std::vector<Episode> Episodes() {
+// Six episodes of two prompts (lengths 5 and 9) ending after turns 1, 2, 3, 3, 4 and 4. With
+// `groups`, the episodes of one prompt (seed index r % 2) start from the same ids, as a group's
+// G episodes do; without, every episode's ids differ.
+std::vector<Episode> Episodes(bool groups = false) {
   std::vector<Episode> e;
   const std::vector<int64_t> last = {0, 1, 2, 2, 3, 3};
   for (size_t r = 0; r < last.size(); ++r) {
     Episode x;
     const int n = r % 2 == 0 ? 5 : 9;
-    for (int i = 0; i < n; ++i) x.context.push_back(static_cast<int32_t>((17 * i + 3 * r) % 250));
+    const size_t salt = groups ? r % 2 : r;
+    for (int i = 0; i < n; ++i) {
+      x.context.push_back(static_cast<int32_t>((17 * i + 3 * salt) % 250));
+    }
     x.seed_index = static_cast<int64_t>(r % 2);
     x.generation = static_cast<int64_t>(r / 2);
     x.last_turn = last[r];
@@ -70,8 +75,9 @@ std::vector<Episode> Episodes() {
 // every turn is the same; `between(turn)` runs after each turn. Returns the cached run's
 // per-turn results.
 std::vector<ContinueResult> RunLockstep(const Generator& gen, TurnCache* cache,
-                                        const std::function<void(int64_t)>& between = {}) {
-  std::vector<Episode> episodes = Episodes();
+                                        const std::function<void(int64_t)>& between = {},
+                                        bool groups = false) {
+  std::vector<Episode> episodes = Episodes(groups);
   std::vector<ContinueResult> turns;
   for (int64_t turn = 0;; ++turn) {
     std::vector<size_t> live;
@@ -164,6 +170,25 @@ INSTANTIATE_TEST_SUITE_P(StopWindowsAndPenalty, TurnCacheLockstep,
                            return "interval" + std::to_string(info.param.stop_check_interval) +
                                   (info.param.repetition_penalty != 1.0 ? "_penalty" : "");
                          });
+
+// A group's first turn: its episodes share one prompt, so its prefill runs once (all but the
+// prompt's last token), and each row starts from it; the turns still equal whole prefills.
+TEST(TurnCache, AGroupsFirstTurnPrefillsItsPromptOnceAndStillMatches) {
+  auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
+  TurnCache cache;
+  std::vector<ContinueResult> turns = RunLockstep(*gen, &cache, {}, /*groups=*/true);
+  ASSERT_EQ(turns.size(), 4u);
+  // Prompts of 5 and 9 ids, 3 episodes each: 4 + 8 ids once, and each row's last prompt id.
+  EXPECT_EQ(turns[0].num_prefill_tokens, (5 - 1) + (9 - 1) + 6);
+  EXPECT_EQ(turns[0].num_cached_tokens, 0);
+  // Later turns as without groups: each row's last sampled token and its observation.
+  const std::vector<int64_t> expected = ExpectedPrefill();
+  for (size_t t = 1; t < turns.size(); ++t) {
+    EXPECT_EQ(turns[t].num_prefill_tokens, expected[t]) << "turn " << t;
+  }
+  // Rows of one prompt sampled different turns (their own streams), so the check compared six.
+  EXPECT_NE(turns[0].completions[0].token_ids, turns[0].completions[2].token_ids);
+}
 
 TEST(TurnCache, APolicyChangeBetweenTurnsPrefillsEverythingAgainAndStillMatches) {
   auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
