@@ -129,22 +129,29 @@ int64_t Generator::policy_version() const {
 }
 
 StatusOr<GenerateResult> Generator::Generate(const std::vector<std::vector<int32_t>>& prompts,
-                                             const std::vector<int64_t>& prompt_indices) const {
-  return Run(prompts, prompt_indices, /*use_cache=*/true);
+                                             const std::vector<int64_t>& prompt_indices,
+                                             const std::vector<int64_t>& max_new_tokens) const {
+  return Run(prompts, prompt_indices, max_new_tokens, /*use_cache=*/true);
 }
 
 StatusOr<GenerateResult> Generator::GenerateRecomputeBaseline(
     const std::vector<std::vector<int32_t>>& prompts,
     const std::vector<int64_t>& prompt_indices) const {
-  return Run(prompts, prompt_indices, /*use_cache=*/false);
+  return Run(prompts, prompt_indices, /*max_new_tokens=*/{}, /*use_cache=*/false);
 }
 
 StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>& prompts,
                                         const std::vector<int64_t>& prompt_indices,
+                                        const std::vector<int64_t>& max_new_tokens,
                                         bool use_cache) const {
   if (!prompt_indices.empty() && prompt_indices.size() != prompts.size()) {
     return Status::InvalidArgument("Generate: " + std::to_string(prompt_indices.size()) +
                                    " prompt_indices for " + std::to_string(prompts.size()) +
+                                   " prompts");
+  }
+  if (!max_new_tokens.empty() && max_new_tokens.size() != prompts.size()) {
+    return Status::InvalidArgument("Generate: " + std::to_string(max_new_tokens.size()) +
+                                   " max_new_tokens for " + std::to_string(prompts.size()) +
                                    " prompts");
   }
   // The one snapshot of this call.
@@ -162,10 +169,17 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
   result.groups.reserve(prompts.size());
   std::vector<size_t> valid;  // indices into prompts
   std::vector<std::vector<int32_t>> ids;
+  std::vector<int64_t> budgets;  // per valid prompt
   for (size_t i = 0; i < prompts.size(); ++i) {
     bool truncated = false;
+    const int64_t budget = max_new_tokens.empty() ? 0 : max_new_tokens[i];
     auto p = decode::CheckPrompt(prompts[i], vocab, options_, "prompt " + std::to_string(i) + ": ",
                                  &truncated);
+    if (p.ok() && (budget < 0 || budget > options_.max_completion_length)) {
+      p = Status::InvalidArgument("prompt " + std::to_string(i) + ": max_new_tokens " +
+                                  std::to_string(budget) + " outside [1, " +
+                                  std::to_string(options_.max_completion_length) + "]");
+    }
     if (!p.ok()) {
       result.groups.emplace_back(p.status());
       ++result.num_prompts_failed;
@@ -178,6 +192,7 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
     result.groups.emplace_back(std::move(group));
     valid.push_back(i);
     ids.push_back(std::move(p).value());
+    budgets.push_back(budget > 0 ? budget : options_.max_completion_length);
   }
   if (valid.empty()) return result;
 
@@ -188,7 +203,8 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
         prompt_indices.empty() ? static_cast<int64_t>(valid[p]) : prompt_indices[valid[p]];
     for (int64_t k = 0; k < g; ++k) gens.push_back(MakeRowGenerator(options_.seed, seed_index, k));
   }
-  const std::vector<int64_t> max_new(valid.size() * g, options_.max_completion_length);
+  std::vector<int64_t> max_new;  // per row
+  for (int64_t budget : budgets) max_new.insert(max_new.end(), g, budget);
   ASSIGN_OR_RETURN(std::vector<Completion> completions,
                    Decode(*model, result.policy_version, ids, g, std::move(gens), max_new,
                           use_cache, &result.num_completion_tokens));

@@ -209,10 +209,13 @@ class Generator {
 
   // prompts: token ids per prompt. prompt_indices: per prompt, the index that seeds its rows'
   // samplers (e.g. the dataset row), so its completions do not depend on the rest of the batch;
-  // empty = the position in `prompts`. Whole-call errors: InvalidArgument (prompt_indices size),
-  // Internal (libtorch). Per-prompt errors are in GenerateResult::groups.
+  // empty = the position in `prompts`. max_new_tokens: per prompt, its rows' budget in
+  // [1, max_completion_length] (a row that reaches it is truncated), 0 or empty = the options'.
+  // Whole-call errors: InvalidArgument (prompt_indices or max_new_tokens size), Internal
+  // (libtorch). Per-prompt errors (a budget out of range too) are in GenerateResult::groups.
   StatusOr<GenerateResult> Generate(const std::vector<std::vector<int32_t>>& prompts,
-                                    const std::vector<int64_t>& prompt_indices = {}) const;
+                                    const std::vector<int64_t>& prompt_indices = {},
+                                    const std::vector<int64_t>& max_new_tokens = {}) const;
 
   // Continuous batching: prompts enter while others decode, and each group leaves through
   // `stream.done` as soon as its rows are done, so one long group holds up no other. Rows
@@ -254,7 +257,8 @@ class Generator {
         version_(version) {}
 
   StatusOr<GenerateResult> Run(const std::vector<std::vector<int32_t>>& prompts,
-                               const std::vector<int64_t>& prompt_indices, bool use_cache) const
+                               const std::vector<int64_t>& prompt_indices,
+                               const std::vector<int64_t>& max_new_tokens, bool use_cache) const
       GRPO_EXCLUDES(mu_);
 
   // The installed policy and its version when its version is not `version` (an in-flight

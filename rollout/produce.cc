@@ -9,8 +9,9 @@ namespace grpo::rollout {
 
 StatusOr<Prompt> PreparePrompt(nlohmann::json row, const common::Tokenizer& tokenizer) {
   ASSIGN_OR_RETURN(std::string text, common::PromptText(row));
+  ASSIGN_OR_RETURN(const int64_t budget, common::RowCompletionBudget(row));
   ASSIGN_OR_RETURN(std::vector<int32_t> ids, tokenizer.Encode(text));
-  return Prompt{std::move(text), std::move(ids), std::move(row)};
+  return Prompt{std::move(text), std::move(ids), std::move(row), budget};
 }
 
 StatusOr<Prompt> PreparePromptFromJson(std::string_view row_json,
@@ -32,16 +33,17 @@ StatusOr<ProduceResult> Produce(const Generator& generator, const RewardRunner* 
     return out;
   }
   std::vector<std::vector<int32_t>> ids;
-  std::vector<int64_t> seeds;
+  std::vector<int64_t> seeds, budgets;
   ids.reserve(inputs.size());
   seeds.reserve(inputs.size());
   for (const ProduceInput& in : inputs) {
     if (in.prompt == nullptr) return Status::InvalidArgument("Produce: an input has no prompt");
     ids.push_back(in.prompt->ids);
     seeds.push_back(in.seed_index);
+    budgets.push_back(CompletionBudget(*in.prompt, generator.options().max_completion_length));
   }
   const auto t0 = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(GenerateResult generated, generator.Generate(ids, seeds));
+  ASSIGN_OR_RETURN(GenerateResult generated, generator.Generate(ids, seeds, budgets));
   out.generate_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   out.policy_version = generated.policy_version;

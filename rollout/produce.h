@@ -4,6 +4,7 @@
 // RewardRunner. Plain structs; no gRPC.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -20,10 +21,18 @@ namespace grpo::rollout {
 
 // A dataset row made ready to generate from.
 struct Prompt {
-  std::string text;          // common::PromptText(row)
-  std::vector<int32_t> ids;  // the tokenizer's ids of `text`, before any truncation
-  nlohmann::json row;        // the whole row: RewardInput::row of its completions
+  std::string text;            // common::PromptText(row)
+  std::vector<int32_t> ids;    // the tokenizer's ids of `text`, before any truncation
+  nlohmann::json row;          // the whole row: RewardInput::row of its completions
+  int64_t max_new_tokens = 0;  // the row's own "max_completion_length" (0: none)
 };
+
+// The completion budget of `prompt`'s rows: its own max_completion_length capped at the job's
+// `max_completion_length`, or the job's when the row has none.
+inline int64_t CompletionBudget(const Prompt& prompt, int64_t max_completion_length) {
+  return prompt.max_new_tokens > 0 ? std::min(prompt.max_new_tokens, max_completion_length)
+                                   : max_completion_length;
+}
 
 // Row -> text -> ids. InvalidArgument from the row schema (common/tokenizer/dataset_row.h), else
 // the tokenizer's error.

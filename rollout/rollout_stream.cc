@@ -134,7 +134,8 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
         std::optional<Prompt> prompt = PrepareLeased(lease);
         if (!prompt) continue;
         const int64_t tag = next_tag++;
-        out.push_back({prompt->ids, SeedIndex(lease.lease_id), tag});
+        out.push_back({prompt->ids, SeedIndex(lease.lease_id), tag,
+                       CompletionBudget(*prompt, generator_->options().max_completion_length)});
         in_flight.emplace(tag, InFlight{std::move(lease), std::move(*prompt), Clock::now()});
       }
       if (!idle) break;

@@ -43,6 +43,19 @@ StatusOr<std::string> PromptText(const nlohmann::json& row) {
   return text;
 }
 
-Status ValidateDatasetRow(const nlohmann::json& row) { return PromptText(row).status(); }
+StatusOr<int64_t> RowCompletionBudget(const nlohmann::json& row) {
+  if (!row.is_object()) return Status::InvalidArgument("row is not a JSON object");
+  const auto it = row.find("max_completion_length");
+  if (it == row.end()) return int64_t{0};
+  if (!it->is_number_integer() || it->get<int64_t>() < 1) {
+    return Status::InvalidArgument("\"max_completion_length\" must be a positive integer");
+  }
+  return it->get<int64_t>();
+}
+
+Status ValidateDatasetRow(const nlohmann::json& row) {
+  RETURN_IF_ERROR(PromptText(row).status());
+  return RowCompletionBudget(row).status();
+}
 
 }  // namespace grpo::common

@@ -5,6 +5,7 @@
 // ledger accepts is a row a worker can generate from.
 #pragma once
 
+#include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -23,7 +24,12 @@ namespace grpo::common {
 // message or an unknown role). Thread-safe.
 StatusOr<std::string> PromptText(const nlohmann::json& row);
 
-// OK when PromptText(row) is; its error otherwise.
+// The row's own completion budget: its optional "max_completion_length", a positive integer
+// (as vLLM's per-request max_tokens: a row may ask for less than the job's max_completion_length,
+// which still caps it); 0 when absent. InvalidArgument naming the key otherwise. Thread-safe.
+StatusOr<int64_t> RowCompletionBudget(const nlohmann::json& row);
+
+// OK when PromptText(row) and RowCompletionBudget(row) are; the first error otherwise.
 Status ValidateDatasetRow(const nlohmann::json& row);
 
 }  // namespace grpo::common

@@ -60,7 +60,8 @@ def row_error(row: Any) -> str | None:
 
     common::PromptText: an object with "prompt" (a non-empty string) or "messages" (a non-empty
     array of {"role", "content"} objects with string values, role one of system, user,
-    assistant, tool); both are checked when both are present.
+    assistant, tool); both are checked when both are present. common::RowCompletionBudget: an
+    optional "max_completion_length", a positive integer (one that fits in int64).
     """
     if not isinstance(row, dict):
         return "row is not a JSON object"
@@ -89,6 +90,10 @@ def row_error(row: Any) -> str | None:
     for i, role in enumerate(roles):
         if role not in _ROLES:
             return f"chat message {i} has role '{role}'; expected system, user, assistant or tool"
+    if "max_completion_length" in row:
+        budget = row["max_completion_length"]
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget < 2**63:
+            return '"max_completion_length" must be a positive integer'
     return None
 
 

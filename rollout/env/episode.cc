@@ -42,6 +42,7 @@ void ForEachConcurrently(size_t n, int64_t threads, const std::function<void(siz
 struct Episode {
   size_t group = 0;  // index into the valid inputs
   int64_t generation = 0;
+  int64_t budget = 0;  // the episode's tokens, model and environment (CompletionBudget)
   std::unique_ptr<EnvSession> session;
   Completion completion;
   std::string last_turn;  // text of the latest model turn
@@ -62,8 +63,8 @@ void AppendEnvTokens(const std::vector<int32_t>& ids, Completion& c) {
 }
 
 // Appends an observation to `e` or ends the episode; `turn` is the model turn just stepped.
-void ApplyObservation(const EpisodeOptions& options, int64_t max_completion_length, int64_t turn,
-                      const EnvObservation& obs, Episode& e, EpisodeCounts& counts) {
+void ApplyObservation(const EpisodeOptions& options, int64_t turn, const EnvObservation& obs,
+                      Episode& e, EpisodeCounts& counts) {
   if (obs.reward) e.reward += *obs.reward;
   if (!obs.metadata.is_null()) e.metadata = obs.metadata;
   if (obs.done || obs.truncated || turn + 1 >= options.max_turns) {
@@ -88,7 +89,7 @@ void ApplyObservation(const EpisodeOptions& options, int64_t max_completion_leng
     return;
   }
   // The next turn needs room for at least one token.
-  if (static_cast<int64_t>(e.completion.token_ids.size() + ids->size()) >= max_completion_length) {
+  if (static_cast<int64_t>(e.completion.token_ids.size() + ids->size()) >= e.budget) {
     e.completion.truncated = true;
     counts.length_truncated += 1;
     e.live = false;
@@ -113,7 +114,7 @@ void Fail(Episode& e, Status error) {
 // to each rollout's prompt; our group has one). These tokens count in max_completion_length, as
 // every observation does; a prompt that does not end with the generation prompt (a "prompt"
 // string row), or a reset observation that leaves no room for a model turn, fails the episode.
-void ShowResetObservations(const EpisodeOptions& options, int64_t max_completion_length,
+void ShowResetObservations(const EpisodeOptions& options,
                            std::vector<std::vector<int32_t>>& prompt_ids,
                            std::vector<Episode>& episodes, EpisodeCounts& counts) {
   std::vector<bool> shows(prompt_ids.size(), false);
@@ -154,11 +155,11 @@ void ShowResetObservations(const EpisodeOptions& options, int64_t max_completion
         }
         ids = std::move(rendered).value();
       }
-      if (static_cast<int64_t>(ids.size()) >= max_completion_length) {
+      if (static_cast<int64_t>(ids.size()) >= e.budget) {
         Fail(e, Status::InvalidArgument(
                     "the reset observation takes " + std::to_string(ids.size()) +
                     " tokens, which leaves no room for a model turn in max_completion_length " +
-                    std::to_string(max_completion_length)));
+                    std::to_string(e.budget)));
         continue;
       }
       AppendEnvTokens(ids, e.completion);
@@ -244,6 +245,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
       Episode e;
       e.group = v;
       e.generation = k;
+      e.budget = CompletionBudget(*inputs[valid[v]].prompt, gen.max_completion_length);
       episodes.push_back(std::move(e));
     }
   }
@@ -275,7 +277,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
     e.live = false;
     e.session.reset();
   });
-  ShowResetObservations(options, gen.max_completion_length, prompt_ids, episodes, counts);
+  ShowResetObservations(options, prompt_ids, episodes, counts);
   // A failed episode fails its group: the group's other episodes stop too (nothing of it trains).
   const auto stop_failed_groups = [&] {
     std::vector<bool> failed(valid.size(), false);
@@ -306,8 +308,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
       row.seed_index = in.seed_index;
       row.generation = e.generation;
       row.turn = turn;
-      row.max_new_tokens =
-          gen.max_completion_length - static_cast<int64_t>(e.completion.token_ids.size());
+      row.max_new_tokens = e.budget - static_cast<int64_t>(e.completion.token_ids.size());
       live.push_back(i);
       rows.push_back(std::move(row));
     }
@@ -351,7 +352,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
         e.error = results[j]->status().WithContext("step after turn " + std::to_string(turn + 1));
         e.live = false;
       } else {
-        ApplyObservation(options, gen.max_completion_length, turn, **results[j], e, counts);
+        ApplyObservation(options, turn, **results[j], e, counts);
       }
       if (!e.live) e.session.reset();  // the episode is over: free the environment's session
     }

@@ -111,6 +111,22 @@ TEST(DatasetRow, EmptyPromptsNoMessagesAndUnknownRolesAreInvalid) {
   EXPECT_TRUE(common::ValidateDatasetRow(json::parse(R"({"prompt": "x"})")).ok());
 }
 
+TEST(DatasetRow, AnOwnBudgetIsAPositiveInteger) {
+  EXPECT_EQ(common::RowCompletionBudget(json::parse(R"({"prompt": "x"})")).value(), 0);
+  EXPECT_EQ(
+      common::RowCompletionBudget(json::parse(R"({"prompt": "x", "max_completion_length": 7})"))
+          .value(),
+      7);
+  for (const char* v : {"0", "-3", "2.5", "8.0", "\"8\"", "true", "null", "9223372036854775808",
+                        "123456789012345678901234567890"}) {
+    const json row =
+        json::parse(std::string(R"({"prompt": "x", "max_completion_length": )") + v + "}");
+    const Status s = common::ValidateDatasetRow(row);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << v;
+    EXPECT_EQ(s.message(), "\"max_completion_length\" must be a positive integer") << v;
+  }
+}
+
 // --- PreparePrompt.
 
 TEST(PreparePrompt, RowToTextToIds) {
@@ -202,6 +218,74 @@ TEST(Produce, AGroupDependsOnItsPromptAndSeedIndexNotOnTheBatch) {
     EXPECT_EQ(x.completions[i].token_ids, y.completions[i].token_ids) << i;
     EXPECT_TRUE(x.completions[i].rewards.empty());  // no runner: not scored
   }
+}
+
+// A row's own max_completion_length cuts its completions where the job's budget would have let
+// them run on: each is the first tokens of the same row's completion without it (the same
+// sampler stream), truncated unless it stopped right there; a budget over the job's is the job's.
+TEST(Produce, ARowsOwnBudgetCutsItsCompletionsAndNoOthers) {
+  common::ByteTokenizer tok;
+  auto gen = Generator::Create(TinyModel(4), 1, Options(), &tok);
+  ASSERT_TRUE(gen.ok());
+  const Prompt whole = PreparePromptFromJson(R"({"prompt": "hello"})", tok).value();
+  const Prompt cut =
+      PreparePromptFromJson(R"({"prompt": "hello", "max_completion_length": 2})", tok).value();
+  const Prompt over =
+      PreparePromptFromJson(R"({"prompt": "hello", "max_completion_length": 100})", tok).value();
+  EXPECT_EQ(whole.max_new_tokens, 0);
+  EXPECT_EQ(cut.max_new_tokens, 2);
+  EXPECT_EQ(CompletionBudget(cut, 5), 2);
+  EXPECT_EQ(CompletionBudget(over, 5), 5);
+  EXPECT_EQ(CompletionBudget(whole, 5), 5);
+  auto reference = Produce(**gen, nullptr, {{&whole, 42}});
+  auto out = Produce(**gen, nullptr, {{&cut, 42}, {&over, 42}, {&whole, 7}});
+  ASSERT_TRUE(reference.ok() && out.ok());
+  const auto& ref = reference->groups[0].group->completions;
+  const auto& short_rows = out->groups[0].group->completions;
+  const auto& over_rows = out->groups[1].group->completions;
+  ASSERT_EQ(short_rows.size(), ref.size());
+  int cut_rows = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const size_t n = std::min<size_t>(2, ref[i].token_ids.size());
+    EXPECT_EQ(short_rows[i].token_ids,
+              std::vector<int32_t>(ref[i].token_ids.begin(), ref[i].token_ids.begin() + n))
+        << i;
+    EXPECT_EQ(short_rows[i].truncated,
+              ref[i].token_ids.size() > 2 || (ref[i].token_ids.size() == 2 && ref[i].truncated))
+        << i;
+    for (size_t t = 0; t < n; ++t) EXPECT_NEAR(short_rows[i].logprobs[t], ref[i].logprobs[t], 1e-5);
+    cut_rows += ref[i].token_ids.size() > 2 ? 1 : 0;
+    EXPECT_EQ(over_rows[i].token_ids, ref[i].token_ids) << i;
+    EXPECT_EQ(over_rows[i].truncated, ref[i].truncated) << i;
+  }
+  EXPECT_GT(cut_rows, 0);  // the budget cut something
+  // The row without a budget in the same batch runs to the job's.
+  for (const auto& c : out->groups[2].group->completions) {
+    EXPECT_TRUE(c.token_ids.size() == 5 || !c.truncated);
+  }
+  // A bad budget is the row's error, named.
+  auto bad = PreparePromptFromJson(R"({"prompt": "x", "max_completion_length": 0})", tok);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("max_completion_length"), std::string::npos);
+}
+
+// Generate's per-prompt budgets: out of range fails that prompt alone; a size mismatch the call.
+TEST(Produce, GenerateRefusesABudgetOutOfRangeForItsPromptOnly) {
+  common::ByteTokenizer tok;
+  auto gen = Generator::Create(TinyModel(4), 1, Options(), &tok);
+  ASSERT_TRUE(gen.ok());
+  const std::vector<std::vector<int32_t>> prompts = {Bytes("a"), Bytes("b"), Bytes("c")};
+  auto r = (*gen)->Generate(prompts, {}, {6, 3, -1});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->num_prompts_failed, 2);
+  EXPECT_EQ(r->groups[0].status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r->groups[0].status().message().find("max_new_tokens 6 outside [1, 5]"),
+            std::string::npos)
+      << r->groups[0].status().ToString();
+  ASSERT_TRUE(r->groups[1].ok());
+  for (const auto& c : r->groups[1]->completions) EXPECT_LE(c.token_ids.size(), 3u);
+  EXPECT_EQ(r->groups[2].status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*gen)->Generate(prompts, {}, {1, 2}).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(Produce, TruncatedAndRejectedPromptsAreReportedPerGroup) {

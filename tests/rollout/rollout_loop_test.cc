@@ -281,6 +281,35 @@ TEST(RolloutLoop, ContinuousBatchingPushesEveryGroupOnceUnderItsLease) {
   EXPECT_EQ(loop->stats().groups_pushed, static_cast<int64_t>(rows.size()));
 }
 
+// A row's own max_completion_length bounds its group's completions, one call per lease or
+// continuous; the other rows run to the job's 12 tokens (a random policy hardly ever stops).
+TEST(RolloutLoop, ARowsOwnBudgetBoundsItsGroupInBothModes) {
+  for (const bool continuous : {false, true}) {
+    const std::vector<std::string> rows = {
+        R"({"prompt": "short", "max_completion_length": 3})", R"({"prompt": "long"})",
+        R"({"prompt": "short", "max_completion_length": 3})", R"({"prompt": "long"})"};
+    Fixture f(rows);
+    json config = LearnerConfig();
+    config["continuous_batching"] = continuous;
+    config["max_completion_length"] = 12;
+    f.learner.config_json = config.dump();
+    auto loop = MakeLoop(f, Options());
+    ASSERT_TRUE(loop->Run().ok());
+    common::MutexLock lock(&f.learner.mu);
+    ASSERT_EQ(f.learner.pushed.size(), rows.size());
+    size_t longest_short = 0, longest_long = 0;
+    for (const common::RolloutGroup& g : f.learner.pushed) {
+      const bool is_short = std::stoi(g.prompt_id.substr(7)) % 2 == 0;  // "prompt-<row>"
+      for (const auto& c : g.completions) {
+        (is_short ? longest_short : longest_long) =
+            std::max(is_short ? longest_short : longest_long, c.token_ids.size());
+      }
+    }
+    EXPECT_EQ(longest_short, 3u) << "continuous " << continuous;
+    EXPECT_GT(longest_long, 3u) << "continuous " << continuous;
+  }
+}
+
 // continuous_batching with a newer version published at the stream's third decode step (held
 // there until the worker installed it): without partial_rollouts each group is of one version
 // (those in flight finish with 1, later ones start with 2); with it, the groups in flight switch
