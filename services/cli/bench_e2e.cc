@@ -1,4 +1,7 @@
-// grpo bench e2e (docs/BENCHMARKS.md); shared helpers in bench_services_util.h.
+// grpo bench e2e (docs/BENCHMARKS.md); shared helpers in bench_services_util.h. RunE2eJob
+// (bench_e2e.h) also runs `grpo bench long_tail_e2e`.
+#include "services/cli/bench_e2e.h"
+
 #include <ATen/ATen.h>
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
@@ -49,9 +52,6 @@ using namespace std::chrono_literals;
 // e2e submits the demo's built-in dataset this many times over (one pass outlasts a run).
 constexpr int64_t kE2eDatasetCopies = 64;
 
-// ---------------------------------------------------------------------------------------------
-// e2e
-
 // `name`_sum and `name`_count of an unlabelled histogram in Prometheus text.
 std::pair<double, double> HistogramSumCount(const common::Registry& registry,
                                             const std::string& name) {
@@ -64,27 +64,15 @@ std::pair<double, double> HistogramSumCount(const common::Registry& registry,
   return {sum, count};
 }
 
-struct E2eResult {
-  std::string mode;
-  int64_t max_staleness = 0, num_iterations = 1, steps = 0, steps_per_batch = 0;
-  int64_t batches_timed = 0;
-  double steps_per_second = 0;
-  Timing batch_interval;  // between generation-batch completions, after the first
-  double t_step = 0;      // mean train time per optimizer step (StepMetrics.step_seconds)
-  double g_batch = 0;     // one worker's generation time per generation batch
-  double wall_s = 0;
-  double reward_first = 0, reward_last = 0;
-  int64_t stale_refused = 0;
-};
+}  // namespace
 
-StatusOr<E2eResult> RunE2eOnce(int64_t max_staleness, int64_t num_iterations, int64_t steps,
-                               int workers) {
+StatusOr<E2eResult> RunE2eJob(const E2eJob& job) {
   TempDir dir("grpo-bench-e2e");
   if (!dir.ok()) return Status::Internal("mkdtemp failed");
-  common::GrpoConfig cfg = DemoTaskConfig();
-  cfg.max_staleness = max_staleness;
-  cfg.num_iterations = num_iterations;
-  cfg.max_steps = steps;
+  common::GrpoConfig cfg = job.config;
+  const int64_t max_staleness = cfg.max_staleness, num_iterations = cfg.num_iterations;
+  const int64_t steps = cfg.max_steps;
+  const int workers = job.workers;
   cfg.save_steps = 0;
   cfg.output_dir = dir.path();
   cfg.grpc_port = 0;
@@ -98,14 +86,8 @@ StatusOr<E2eResult> RunE2eOnce(int64_t max_staleness, int64_t num_iterations, in
   ASSIGN_OR_RETURN(auto server, StartLearner(cfg, std::move(model)));
   const std::string address = "127.0.0.1:" + std::to_string(server->port());
   {
-    // The built-in rows repeated: a pass of the 8-row dataset is only 2 generation batches,
-    // and every pass boundary costs the worker a LeasePrompts retry_after.
-    std::vector<std::string> lines;
-    for (int64_t copy = 0; copy < kE2eDatasetCopies; ++copy) {
-      for (const json& row : BuiltinDataset()) lines.push_back(row.dump());
-    }
     auto stub = v1::LearnerService::NewStub(OwnChannel(address, 999));
-    RETURN_IF_ERROR(SubmitRows(*stub, lines));
+    RETURN_IF_ERROR(SubmitRows(*stub, job.lines));
   }
 
   // Workers: RolloutWorker threads, each with its own metrics registry.
@@ -118,7 +100,8 @@ StatusOr<E2eResult> RunE2eOnce(int64_t max_staleness, int64_t num_iterations, in
     RolloutWorkerOptions wo;
     wo.learner_address = address;
     wo.worker_id = "bench-rollout-" + std::to_string(i);
-    wo.reward_options = DemoRewardOptions();
+    wo.reward_options = job.reward_options;
+    wo.prompts_per_lease = job.prompts_per_lease;
     wo.stop = &stop;
     wo.metrics_registry = registries.back().get();
     wo.backoff.initial = 5ms;
@@ -198,6 +181,8 @@ StatusOr<E2eResult> RunE2eOnce(int64_t max_staleness, int64_t num_iterations, in
       ++t_n;
     }
   }
+  r.learner_idle_fraction =
+      batch_end.size() < 2 ? 0 : std::max(0.0, 1 - t_sum / (batch_end.back() - batch_end.front()));
   if (batch_end.size() < 3 || t_n == 0) {
     return Status::FailedPrecondition(
         "too few generation batches to time (" + std::to_string(batch_end.size()) +
@@ -222,6 +207,25 @@ StatusOr<E2eResult> RunE2eOnce(int64_t max_staleness, int64_t num_iterations, in
     if (reason == "stale") r.stale_refused += n;
   }
   return r;
+}
+
+namespace {
+
+StatusOr<E2eResult> RunE2eOnce(int64_t max_staleness, int64_t num_iterations, int64_t steps,
+                               int workers) {
+  E2eJob job;
+  job.config = DemoTaskConfig();
+  job.config.max_staleness = max_staleness;
+  job.config.num_iterations = num_iterations;
+  job.config.max_steps = steps;
+  // The built-in rows repeated: a pass of the 8-row dataset is only 2 generation batches, and
+  // every pass boundary costs the worker a LeasePrompts retry_after.
+  for (int64_t copy = 0; copy < kE2eDatasetCopies; ++copy) {
+    for (const json& row : BuiltinDataset()) job.lines.push_back(row.dump());
+  }
+  job.reward_options = DemoRewardOptions();
+  job.workers = workers;
+  return RunE2eJob(job);
 }
 
 // The batch period this run's own g and T allow: g + T when sync (the phases take turns),

@@ -74,6 +74,8 @@ struct ServiceBenchOptions {
 int BenchWeightSync(const ServiceBenchOptions& o);
 int BenchIngest(const ServiceBenchOptions& o);
 int BenchE2e(const ServiceBenchOptions& o);
+// grpo bench long_tail_e2e (services/cli/bench_long_tail_e2e.cc): `steps` per run (default 16).
+int BenchLongTailE2e(const ServiceBenchOptions& o);
 
 // grpo bench episodes (services/cli/bench_episodes.cc).
 struct EpisodesBenchOptions {

@@ -426,8 +426,8 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
       "bench",
       "Benchmarks (method: docs/BENCHMARKS.md in the "
       "repository): logprob_memory | learner_step | "
-      "decode | episodes | partial_rollouts | long_tail | weight_sync | ingest | e2e | sharding | "
-      "peer_trl");
+      "decode | episodes | partial_rollouts | long_tail | long_tail_e2e | weight_sync | ingest | "
+      "e2e | sharding | peer_trl");
   struct Opts {
     std::string name;
     bool json = false, child = false;
@@ -446,11 +446,11 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   cmd->add_option(
          "name", o->name,
          "logprob_memory | learner_step | decode | episodes | partial_rollouts | long_tail | "
-         "weight_sync | ingest | e2e | sharding | peer_trl")
+         "long_tail_e2e | weight_sync | ingest | e2e | sharding | peer_trl")
       ->required()
-      ->check(
-          CLI::IsMember({"logprob_memory", "learner_step", "decode", "episodes", "partial_rollouts",
-                         "long_tail", "weight_sync", "ingest", "e2e", "sharding", "peer_trl"}));
+      ->check(CLI::IsMember({"logprob_memory", "learner_step", "decode", "episodes",
+                             "partial_rollouts", "long_tail", "long_tail_e2e", "weight_sync",
+                             "ingest", "e2e", "sharding", "peer_trl"}));
   cmd->add_flag("--json", o->json, "one JSON object per row");
   cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)");
   cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
@@ -467,7 +467,8 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   cmd->add_option("--workers", o->workers,
                   "weight_sync, ingest (default 2), e2e (default 1): simulated workers");
   cmd->add_option("--steps", o->steps,
-                  "e2e: optimizer steps per run with num_iterations 1 (default 24)");
+                  "e2e: optimizer steps per run with num_iterations 1 (default 24); "
+                  "long_tail_e2e: per run (default 16)");
   cmd->add_option("--groups", o->groups,
                   "ingest: groups each worker pushes per repetition (default 128)");
   cmd->add_option("--max_turns", o->max_turns, "episodes: model turns per episode (default 4)");
@@ -492,7 +493,8 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
     // weight_sync, ingest, e2e: at least 5 repetitions unless --reps says otherwise.
     const int service_reps = cmd->count("--reps") > 0 ? o->reps : 5;
     *action = [o, service_reps]() -> int {
-      if (o->name == "weight_sync" || o->name == "ingest" || o->name == "e2e") {
+      if (o->name == "weight_sync" || o->name == "ingest" || o->name == "e2e" ||
+          o->name == "long_tail_e2e") {
         bench::ServiceBenchOptions so;
         so.json = o->json;
         so.reps = service_reps;
@@ -502,6 +504,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
         so.groups = o->groups;
         if (o->name == "weight_sync") return bench::BenchWeightSync(so);
         if (o->name == "ingest") return bench::BenchIngest(so);
+        if (o->name == "long_tail_e2e") return bench::BenchLongTailE2e(so);
         return bench::BenchE2e(so);
       }
       if (o->name == "episodes") {
