@@ -65,7 +65,10 @@ int BenchLongTailE2e(const ServiceBenchOptions& o) {
                                    {"async", 1, false, false},
                                    {"async+in_flight", 1, true, false},
                                    {"async+continuous", 1, false, true},
-                                   {"async+in_flight+continuous", 1, true, true}};
+                                   {"async+in_flight+continuous", 1, true, true},
+                                   {"async2", 2, false, false},
+                                   {"async2+continuous", 2, false, true},
+                                   {"async2+in_flight+continuous", 2, true, true}};
   std::vector<E2eResult> results;
   for (const Mode& m : modes) {
     auto r = RunE2eJob(LongTailJob(m, steps));
