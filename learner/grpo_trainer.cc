@@ -975,6 +975,21 @@ Status GrpoTrainer::DumpStep(const OpenStep& os, int64_t step) const {
   std::vector<int64_t> truncated(n);
   for (int64_t i = 0; i < n; ++i) truncated[i] = d.completions[i].truncated ? 1 : 0;
   t.emplace_back("policy_version", at::tensor(d.versions, at::kLong));
+  // In-flight weight updates: each completion token's version [n, C] (a row without per-token
+  // versions: its policy_version on every token; -1 past the row's tokens).
+  if (std::any_of(d.completions.begin(), d.completions.end(),
+                  [](const common::Completion& c) { return !c.token_versions.empty(); })) {
+    at::Tensor tv = at::full({n, C}, -1, at::kLong);
+    auto acc = tv.accessor<int64_t, 2>();
+    for (int64_t i = 0; i < n; ++i) {
+      const common::Completion& c = d.completions[i];
+      const int64_t len = std::min<int64_t>(C, static_cast<int64_t>(c.token_ids.size()));
+      for (int64_t k = 0; k < len; ++k) {
+        acc[i][k] = c.token_versions.empty() ? d.versions[i] : c.token_versions[k];
+      }
+    }
+    t.emplace_back("token_versions", tv);
+  }
   // Incarnations (64-bit ids; 0 when none): each row's weights and the training learner's.
   t.emplace_back("policy_incarnation", at::tensor(d.incarnations, at::kLong));
   t.emplace_back("learner_incarnation",

@@ -85,6 +85,9 @@ class ChaosTest : public FaultToleranceTest {
                                      "127.0.0.1",
                                      "--weight_sync_timeout_seconds",
                                      std::to_string(kWeightSyncSeconds)};
+    if (in_flight_) {
+      args.insert(args.end(), {"--partial_rollouts", "true", "--continuous_batching", "true"});
+    }
     if (dynamic_sampling_) {
       // A 0/1 reward that two completions of the tiny model often share: with dynamic sampling
       // about half the groups are filtered (a byte in a-m among 8 random ones: p ~ 0.34, so
@@ -142,6 +145,46 @@ class ChaosTest : public FaultToleranceTest {
   void RunChaos(uint64_t seed, int64_t chaos_seconds, int64_t max_steps);
 
   bool dynamic_sampling_ = false;
+  bool in_flight_ = false;  // partial_rollouts + continuous_batching
+
+  // In-flight weight updates: in every step's dump each completion token's version is one the
+  // learner had published when the step trained (step s trains at version s - 1), at most
+  // max_staleness behind it, never decreasing along its completion, and its row's
+  // policy_version is its oldest token's. Returns the rows whose tokens span two versions.
+  int64_t ExpectTokenVersionsHold(int64_t max_steps) {
+    int64_t spanning = 0;
+    for (int64_t step = 1; step <= max_steps; ++step) {
+      const auto dump = ReadSafetensors(DumpPath(dump_dir(), step));
+      if (!dump) {
+        ADD_FAILURE() << "no dump of step " << step;
+        continue;
+      }
+      const auto it = dump->find("token_versions");
+      if (it == dump->end()) continue;  // no row of this step carried per-token versions
+      const grpo::testing::DumpTensor& tv = it->second;
+      const grpo::testing::DumpTensor& pv = dump->at("policy_version");
+      const int64_t rows = tv.shape.at(0), cols = tv.shape.at(1);
+      const int64_t trained_at = step - 1;
+      for (int64_t r = 0; r < rows; ++r) {
+        int64_t lo = -1, hi = -1;
+        for (int64_t k = 0; k < cols; ++k) {
+          const int64_t v = tv.ints[r * cols + k];
+          if (v < 0) break;  // past the row's tokens
+          EXPECT_LE(v, trained_at) << "step " << step << " row " << r << " token " << k;
+          EXPECT_LE(trained_at - v, kMaxStaleness)
+              << "step " << step << " row " << r << " token " << k;
+          EXPECT_GE(v, hi) << "step " << step << " row " << r << " token " << k;
+          if (lo < 0) lo = v;
+          hi = v;
+        }
+        if (lo >= 0) {
+          EXPECT_EQ(pv.ints.at(r), lo) << "step " << step << " row " << r;
+        }
+        spanning += hi > lo ? 1 : 0;
+      }
+    }
+    return spanning;
+  }
   std::string learner_name_;
   int learners_ = 0;
   std::map<std::string, int> spawned_;
@@ -289,6 +332,11 @@ void ChaosTest::RunChaos(uint64_t seed, int64_t chaos_seconds, int64_t max_steps
   const int64_t passes_done = ExpectHistoryHolds(out_dir(), dump_dir(), max_steps, kPrompts,
                                                  kMaxStaleness, dynamic_sampling_);
   EXPECT_GE(passes_done, 2) << "the run should cross several pass boundaries";
+  if (in_flight_) {
+    const int64_t spanning = ExpectTokenVersionsHold(max_steps);
+    std::cerr << "rows whose tokens span two policy versions: " << spanning << "\n";
+    EXPECT_GT(spanning, 0) << "no completion took a new policy in flight: the test showed nothing";
+  }
   if (dynamic_sampling_) {
     std::string error;
     int filtered = 0, trained = 0;
@@ -313,6 +361,15 @@ TEST_F(ChaosTest, DynamicSamplingUnderRandomFaultsFiltersWithoutLosingOrRepeatin
   dynamic_sampling_ = true;
   RunChaos(static_cast<uint64_t>(EnvInt("GRPO_CHAOS_SEED", 5)), EnvInt("GRPO_CHAOS_DS_SECONDS", 45),
            EnvInt("GRPO_CHAOS_DS_STEPS", 200));
+}
+
+// Issue 26: in-flight weight updates (partial_rollouts) with continuous batching under the same
+// faults: besides the invariants above, every token's own version is within max_staleness of the
+// step that trained it.
+TEST_F(ChaosTest, InFlightUpdatesUnderRandomFaultsKeepEveryTokenWithinStaleness) {
+  in_flight_ = true;
+  RunChaos(static_cast<uint64_t>(EnvInt("GRPO_CHAOS_SEED", 7)), EnvInt("GRPO_CHAOS_IF_SECONDS", 45),
+           EnvInt("GRPO_CHAOS_IF_STEPS", 200));
 }
 
 }  // namespace
