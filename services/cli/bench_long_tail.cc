@@ -80,11 +80,8 @@ int BenchLongTail(bool as_json, int reps) {
   auto model = common::Model::InitRandom(*cfg, 1);
   if (!model.ok()) return Fail("long_tail", model.status());
   std::shared_ptr<const common::Model> policy(std::move(model).value());
-  at::Tensor ids = RandomIds(kGroups, policy->config().vocab_size, 5);
-  std::vector<std::vector<int32_t>> prompts(kGroups);
-  for (int64_t p = 0; p < kGroups; ++p) {
-    for (int64_t t = 0; t < kPromptTokens; ++t) prompts[p].push_back(ids[p][t].item<int32_t>());
-  }
+  const std::vector<std::vector<int32_t>> prompts =
+      RandomPrompts(kGroups, kPromptTokens, policy->config().vocab_size, 5);
   // Rows decoding at each step, counted through the window hook.
   int64_t steps_seen = 0, rows_now = 0, row_steps = 0;
   rollout::GeneratorOptions o;

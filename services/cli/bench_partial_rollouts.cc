@@ -60,11 +60,8 @@ int BenchPartialRollouts(bool as_json, int reps) {
   auto cfg = common::ModelConfigPreset("bench");
   std::shared_ptr<const common::Model> after =
       std::move(common::Model::InitRandom(*cfg, 1)).value();
-  at::Tensor ids = RandomIds(kPrompts, before->config().vocab_size, 3);
-  std::vector<std::vector<int32_t>> prompts(kPrompts);
-  for (int64_t p = 0; p < kPrompts; ++p) {
-    for (int64_t t = 0; t < kPromptLen; ++t) prompts[p].push_back(ids[p][t].item<int32_t>());
-  }
+  const std::vector<std::vector<int32_t>> prompts =
+      RandomPrompts(kPrompts, kPromptLen, before->config().vocab_size, 3);
   std::vector<json> rows;
   for (const char* mode : {"no_update", "recompute", "keep"}) {
     const std::string m = mode;

@@ -53,6 +53,9 @@ std::unique_ptr<common::Model> BenchModel(int64_t layers = 0);
 
 // Random prompt + completion ids [n, kPromptLen + kCompletionLen].
 at::Tensor RandomIds(int64_t n, int64_t vocab, uint64_t seed);
+// n prompts of `len` ids (<= kPromptLen + kCompletionLen): the first `len` of RandomIds' rows.
+std::vector<std::vector<int32_t>> RandomPrompts(int64_t n, int64_t len, int64_t vocab,
+                                                uint64_t seed);
 
 // One GrpoTrainer optimizer step on the bench model, as `grpo bench learner_step`: G=16
 // completions of one prompt (64 + 128 tokens), micro-batches of `micro`; `reps` after a warm-up.

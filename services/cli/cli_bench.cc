@@ -42,6 +42,17 @@ at::Tensor RandomIds(int64_t n, int64_t vocab, uint64_t seed) {
   return at::randint(vocab, {n, kPromptLen + kCompletionLen}, g, at::kLong);
 }
 
+std::vector<std::vector<int32_t>> RandomPrompts(int64_t n, int64_t len, int64_t vocab,
+                                                uint64_t seed) {
+  const at::Tensor ids = RandomIds(n, vocab, seed).narrow(1, 0, len).to(at::kInt).contiguous();
+  std::vector<std::vector<int32_t>> prompts(n);
+  for (int64_t p = 0; p < n; ++p) {
+    const int32_t* row = ids[p].data_ptr<int32_t>();
+    prompts[p].assign(row, row + len);
+  }
+  return prompts;
+}
+
 int64_t ProcStatusBytes(const char* key) {
   std::ifstream in("/proc/self/status");
   std::string line;
@@ -99,6 +110,7 @@ using bench::Clock;
 using bench::kCompletionLen;
 using bench::kPromptLen;
 using bench::RandomIds;
+using bench::RandomPrompts;
 using bench::Seconds;
 using bench::TimeIt;
 using bench::Timing;
@@ -313,10 +325,8 @@ int BenchDecode(bool as_json, int reps) {
   double ceiling = GemmCeilingGflops();
   auto model = BenchModel();
   std::shared_ptr<const common::Model> snap = std::move(model);
-  at::Tensor ids = RandomIds(4, snap->config().vocab_size, 3);
-  std::vector<std::vector<int32_t>> prompts(4);
-  for (int p = 0; p < 4; ++p)
-    for (int64_t t = 0; t < kPromptLen; ++t) prompts[p].push_back(ids[p][t].item<int32_t>());
+  const std::vector<std::vector<int32_t>> prompts =
+      RandomPrompts(4, kPromptLen, snap->config().vocab_size, 3);
   rollout::GeneratorOptions o;
   o.num_generations = 16;
   o.max_completion_length = kCompletionLen;

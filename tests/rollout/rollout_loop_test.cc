@@ -113,6 +113,25 @@ std::function<void(int64_t)> PublishVersion2AtStep3(Fixture& f, RolloutLoop** lo
   };
 }
 
+// Runs a loop over `f` (Options()) while PublishVersion2AtStep3 publishes version 2 during its
+// first generation: its stats (nullopt, with the failure added, when Run failed), and in
+// *installed whether it took version 2 while generating.
+std::optional<WorkerStats> RunWithVersion2AtStep3(Fixture& f, bool* installed) {
+  RolloutLoopOptions o = Options();
+  RolloutLoop* loop = nullptr;
+  std::atomic<bool> took{false};
+  o.generator_window_hook = PublishVersion2AtStep3(f, &loop, &took);
+  auto owned = MakeLoop(f, o);
+  loop = owned.get();
+  const Status s = loop->Run();
+  *installed = took.load();
+  if (!s.ok()) {
+    ADD_FAILURE() << s.ToString();
+    return std::nullopt;
+  }
+  return loop->stats();
+}
+
 TEST(RolloutLoop, RegistersTakesWeightsAndPushesScoredGroupsUnderTheirLeases) {
   Fixture f({kPromptRow, kMessagesRow});
   auto loop = MakeLoop(f, Options());
@@ -222,15 +241,11 @@ TEST(RolloutLoop, PartialRolloutsTakeNewerWeightsWhileGenerating) {
   config["max_staleness"] = 4;
   f.learner.config_json = config.dump();
   f.learner.leases_per_call = 2;
-  RolloutLoopOptions o = Options();
-  RolloutLoop* loop = nullptr;
-  std::atomic<bool> installed{false};
-  o.generator_window_hook = PublishVersion2AtStep3(f, &loop, &installed);
-  auto owned = MakeLoop(f, o);
-  loop = owned.get();
-  ASSERT_TRUE(loop->Run().ok());
-  ASSERT_TRUE(installed.load()) << "version 2 was not installed while the first call generated";
-  EXPECT_EQ(loop->stats().weight_fetches, 2);
+  bool installed = false;
+  const std::optional<WorkerStats> stats = RunWithVersion2AtStep3(f, &installed);
+  ASSERT_TRUE(stats.has_value());
+  ASSERT_TRUE(installed) << "version 2 was not installed while the first call generated";
+  EXPECT_EQ(stats->weight_fetches, 2);
   common::MutexLock lock(&f.learner.mu);
   ASSERT_EQ(f.learner.pushed.size(), 2u);
   int switched = 0;
@@ -323,14 +338,9 @@ void RunStreamWithAnUpdate(bool partial) {
   config["max_completion_length"] = 12;
   config["max_staleness"] = 4;
   f.learner.config_json = config.dump();
-  RolloutLoopOptions o = Options();
-  RolloutLoop* loop = nullptr;
-  std::atomic<bool> installed{false};
-  o.generator_window_hook = PublishVersion2AtStep3(f, &loop, &installed);
-  auto owned = MakeLoop(f, o);
-  loop = owned.get();
-  ASSERT_TRUE(loop->Run().ok());
-  ASSERT_TRUE(installed.load()) << "version 2 was not installed while the stream decoded";
+  bool installed = false;
+  ASSERT_TRUE(RunWithVersion2AtStep3(f, &installed).has_value());
+  ASSERT_TRUE(installed) << "version 2 was not installed while the stream decoded";
   common::MutexLock lock(&f.learner.mu);
   ASSERT_EQ(f.learner.pushed.size(), rows.size());
   int mixed = 0, of_version_2 = 0;
