@@ -289,14 +289,9 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
                                                            distributed::Collectives* ranks) {
   RETURN_IF_ERROR(config.Validate());
   if (policy == nullptr) return Status::InvalidArgument("GrpoTrainer: no policy model");
-  const int world = ranks != nullptr ? ranks->world_size() : 1;
   ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(config.fsdp));
   if (fsdp.offload && !policy->device().is_cpu()) {
     return Status::Unimplemented("config key 'fsdp': offload to host memory is not built yet");
-  }
-  if (world > 1 && !config.dump_batches_dir.empty()) {
-    return Status::Unimplemented("config key 'dump_batches_dir': batch dumps at WORLD_SIZE " +
-                                 std::to_string(world) + " are not written yet");
   }
   if (config.beta != 0 && reference == nullptr) {
     return Status::InvalidArgument("config key 'beta' is " + std::to_string(config.beta) +
@@ -655,6 +650,9 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       const std::string at_micro = " of micro-batch " + std::to_string(os.micro + 1) + " of step " +
                                    std::to_string(global_step_ + 1);
       if (owner(it, m) != ranks_->rank()) {  // another rank back-propagates this one
+        if (!config_.dump_batches_dir.empty()) {
+          AppendDumpRows(batch, b0, b1, at::Tensor(), /*owned=*/false, &os.dump);
+        }
         RETURN_IF_ERROR(optimizer_->AfterMicroBatch(++os.micro, at_micro));
         if (os.micro < ga) continue;
         ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(ga));
@@ -714,7 +712,9 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
         os.mismatch_max = std::max(os.mismatch_max, static_cast<double>(hs[3]));
         os.mismatch_tokens += hs[4];
       }
-      if (!config_.dump_batches_dir.empty()) AppendDumpRows(batch, b0, b1, logp, &os.dump);
+      if (!config_.dump_batches_dir.empty()) {
+        AppendDumpRows(batch, b0, b1, logp, /*owned=*/true, &os.dump);
+      }
       RETURN_IF_ERROR(optimizer_->AfterMicroBatch(++os.micro, at_micro));
       if (os.micro < ga) continue;
       ASSIGN_OR_RETURN(StepMetrics sm, FinishStep(ga));
@@ -929,25 +929,36 @@ std::optional<int64_t> DumpFileStep(std::string_view name) {
 }  // namespace
 
 void GrpoTrainer::AppendDumpRows(const Batch& batch, int64_t b0, int64_t b1, const at::Tensor& logp,
-                                 StepDump* dump) {
+                                 bool owned, StepDump* dump) {
+  int64_t width = 0;  // the micro-batch's completion length (MakeMicroBatch's C)
   for (int64_t r = b0; r < b1; ++r) {
     dump->prompts.push_back(*batch.prompts[r]);
     dump->completions.push_back(*batch.completions[r]);
     dump->versions.push_back(batch.versions[r]);
     dump->incarnations.push_back(IncarnationBits(*batch.incarnations[r]));
+    width = std::max<int64_t>(width, batch.completions[r]->token_ids.size());
   }
   const int64_t b = b1 - b0;
   dump->rewards.push_back(batch.rewards.narrow(0, b0, b));
   dump->rewards_per_func.push_back(batch.rewards_per_func.narrow(0, b0, b));
   dump->advantages.push_back(batch.advantages.narrow(0, b0, b));
-  dump->old.push_back(batch.old.defined() ? batch.old.narrow(0, b0, b) : at::Tensor());
-  dump->ref.push_back(batch.ref.defined() ? batch.ref.narrow(0, b0, b) : at::Tensor());
-  dump->logp.push_back(logp.detach().to(at::kCPU));
+  // Another rank's micro-batch: zeros where its owner has values (DumpStep sums over ranks).
+  const auto rows = [&](const at::Tensor& t) {
+    if (!t.defined()) return at::Tensor();
+    return owned ? t.narrow(0, b0, b) : at::zeros({b, t.size(1)}, t.options());
+  };
+  dump->old.push_back(rows(batch.old));
+  dump->ref.push_back(rows(batch.ref));
+  dump->logp.push_back(owned ? logp.detach().to(at::kCPU)
+                             : at::zeros({b, width}, at::TensorOptions().dtype(at::kFloat)));
 }
 
 Status GrpoTrainer::DumpStep(const OpenStep& os, int64_t step) const {
   // The step's micro-batches in stream order (a pass of num_iterations > 1 in the same step
   // repeats rows, each with its own log-probs), from every generation batch the step spans.
+  // Every rank holds every row; the log-probs of a micro-batch only on the rank that trained it
+  // (zeros on the others), so at several ranks they are summed over the ranks, a collective,
+  // and rank 0 writes the file.
   const StepDump& d = os.dump;
   const int64_t n = static_cast<int64_t>(d.prompts.size());
   std::vector<const std::vector<int32_t>*> prompts;
@@ -996,16 +1007,32 @@ Status GrpoTrainer::DumpStep(const OpenStep& os, int64_t step) const {
                  at::tensor(std::vector<int64_t>{IncarnationBits(dump_incarnation_)}, at::kLong));
   t.emplace_back("truncated", at::tensor(truncated, at::kLong));
   // `old` where a batch computed it; a batch that did not used logp.detach() as `old`.
+  std::vector<at::Tensor> trained = {CatPadded(d.logp, C, 0.0, at::kFloat)};  // logp, old, ref
+  size_t old_at = 0, ref_at = 0;  // their index in `trained`; 0 when absent
   if (std::any_of(d.old.begin(), d.old.end(), [](const at::Tensor& o) { return o.defined(); })) {
     std::vector<at::Tensor> old;
     for (size_t m = 0; m < d.old.size(); ++m)
       old.push_back(d.old[m].defined() ? d.old[m] : d.logp[m]);
-    t.emplace_back("old_logprobs", CatPadded(old, C, 0.0, at::kFloat));
+    old_at = trained.size();
+    trained.push_back(CatPadded(old, C, 0.0, at::kFloat));
   }
-  if (d.ref.front().defined()) t.emplace_back("ref_logprobs", CatPadded(d.ref, C, 0.0, at::kFloat));
+  if (d.ref.front().defined()) {
+    ref_at = trained.size();
+    trained.push_back(CatPadded(d.ref, C, 0.0, at::kFloat));
+  }
+  if (ranks_->world_size() > 1) {
+    RETURN_IF_ERROR(ranks_->AllReduceSum(
+        trained, "all-reduce of the batch dump's log-probs of step " + std::to_string(step)));
+    if (ranks_->rank() != 0) return Status::OK();
+  }
+  const at::Tensor& logp = trained[0];
+  if (old_at != 0) t.emplace_back("old_logprobs", trained[old_at]);
+  if (ref_at != 0) t.emplace_back("ref_logprobs", trained[ref_at]);
   if (mb.beh.defined()) t.emplace_back("behaviour_logprobs", mb.beh);
-  t.emplace_back("logprobs", CatPadded(d.logp, C, 0.0, at::kFloat));
-  t.emplace_back("logprobs_first_micro_batch", d.logp.front().contiguous());
+  t.emplace_back("logprobs", logp);
+  t.emplace_back(
+      "logprobs_first_micro_batch",
+      logp.narrow(0, 0, d.logp.front().size(0)).narrow(1, 0, d.logp.front().size(1)).contiguous());
   nlohmann::json sizes = nlohmann::json::array();
   for (const at::Tensor& lp : d.logp) sizes.push_back(lp.size(0));
   std::error_code ec;

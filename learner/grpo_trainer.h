@@ -120,8 +120,8 @@ class GrpoTrainer {
   // every collective is matched however few micro-batches a rank has. full_shard shards the
   // policy's parameters too (distributed/full_shard_adamw.h): its tensors then hold no values
   // between uses and the whole weights are read through optimizer().GatherWeights; Create is
-  // then a collective. Unimplemented for full_shard with bf16 at world size > 1, for offload on
-  // a GPU, and for dumps at world size > 1 (not built yet).
+  // then a collective. Unimplemented for full_shard with bf16 at world size > 1 and for offload
+  // on a GPU (not built yet). Batch dumps at world size > 1 are rank 0's, of the whole step.
   static StatusOr<std::unique_ptr<GrpoTrainer>> Create(const common::GrpoConfig& config,
                                                        common::Model* policy,
                                                        std::unique_ptr<common::Model> reference,
@@ -221,10 +221,12 @@ class GrpoTrainer {
   // count, or fewer for a flush). Dumps the step when dumps are on.
   StatusOr<StepMetrics> FinishStep(int64_t divisor);
   // Copies rows [b0, b1) of `batch`, one micro-batch trained with log-probs `logp` ([b, C]),
-  // into the open step's dump.
+  // into the open step's dump; with `owned` false another rank trained it (`logp` unused) and
+  // its log-probs are zeros here.
   static void AppendDumpRows(const Batch& batch, int64_t b0, int64_t b1, const at::Tensor& logp,
-                             StepDump* dump);
-  // Writes `step-<8 digits>.safetensors` of the open step (README "Batch dumps").
+                             bool owned, StepDump* dump);
+  // Writes `step-<8 digits>.safetensors` of the open step (README "Batch dumps"); at several
+  // ranks a collective (the log-probs are summed over the ranks) and rank 0 writes.
   Status DumpStep(const OpenStep& step, int64_t step_number) const;
 
   // Adds the compute copy's gradients into the master's fp32 .grad and zeroes them (bf16 only).

@@ -110,11 +110,18 @@ struct RunResult {
   std::string error;
 };
 
-// Trains the batches and flushes, as rank `ranks->rank()` (or alone when null).
+// Trains the batches and flushes, as rank `ranks->rank()` (or alone when null); with a
+// reference model (its own random weights) when cfg.beta != 0.
 RunResult Train(const common::GrpoConfig& cfg, Collectives* ranks) {
   RunResult out;
   auto model = TinyModel();
-  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr, ranks);
+  std::unique_ptr<common::Model> reference;
+  if (cfg.beta != 0) {
+    auto ref = common::Model::InitRandom(model->config(), 8);
+    EXPECT_TRUE(ref.ok());
+    reference = std::move(ref).value();
+  }
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), std::move(reference), ranks);
   if (!trainer.ok()) {
     out.error = trainer.status().ToString();
     return out;
@@ -738,7 +745,7 @@ TEST(DataParallelFaults, ARankThatNeverJoinsFailsTheStepAtTheDeadline) {
   EXPECT_LT(s, 10.0);
 }
 
-TEST(DataParallelConfig, Bf16FullShardAndDumpsAreRefusedAtSeveralRanks) {
+TEST(DataParallelConfig, Bf16FullShardIsRefusedAtSeveralRanks) {
   FakeRankGroup group(2, std::chrono::seconds(5));
   auto model = TinyModel();
   auto cfg = RankConfig("dapo", 2);
@@ -749,17 +756,83 @@ TEST(DataParallelConfig, Bf16FullShardAndDumpsAreRefusedAtSeveralRanks) {
   EXPECT_EQ(t.status().code(), StatusCode::kUnimplemented);
   EXPECT_NE(t.status().message().find("full_shard"), std::string::npos);
   EXPECT_NE(t.status().message().find("bf16"), std::string::npos);
-  cfg.bf16 = false;
-  cfg.fsdp = "no_shard";
-  cfg.dump_batches_dir = "/tmp/unused";
-  t = GrpoTrainer::Create(cfg, model.get(), nullptr, &group.Rank(0));
-  ASSERT_FALSE(t.ok());
-  EXPECT_NE(t.status().message().find("dump_batches_dir"), std::string::npos);
   // At one rank every mode is the identity.
-  cfg.dump_batches_dir.clear();
+  cfg.bf16 = false;
   cfg.fsdp = "full_shard offload";
   EXPECT_TRUE(GrpoTrainer::Create(cfg, model.get(), nullptr).ok());
 }
+
+// Batch dumps at several ranks: rank 0 writes each step's file, of the whole step (every rank's
+// micro-batches, their log-probs summed over the ranks: zeros but on the rank that trained
+// each), equal to the single rank's file of the same step (whose numbers are TRL's:
+// trl_reference_test); the other ranks write nothing.
+class DataParallelDumps : public ::testing::TestWithParam<std::tuple<int, std::string, double>> {};
+
+TEST_P(DataParallelDumps, RankZerosDumpsAreTheSingleRanks) {
+  const auto [world, fsdp, beta] = GetParam();
+  const std::string dir = ::testing::TempDir() + "/dp_dumps_" + std::to_string(world) + "_" + fsdp +
+                          "_" + std::to_string(beta != 0) + "_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  common::GrpoConfig one = RankConfig("grpo", 1);
+  one.beta = beta;
+  one.dump_batches_dir = dir + "/single";
+  const RunResult single = Train(one, nullptr);
+  ASSERT_TRUE(single.error.empty()) << single.error;
+  ASSERT_EQ(single.steps.size(), 7u);
+  FakeRankGroup group(world, std::chrono::seconds(60));
+  std::vector<RunResult> results(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      common::GrpoConfig cfg = RankConfig("grpo", world, fsdp);
+      cfg.beta = beta;
+      cfg.dump_batches_dir = dir + "/rank" + std::to_string(r);
+      results[r] = Train(cfg, &group.Rank(r));
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) ExpectSameAsSingleRank(results[r], single, r);
+  for (int r = 1; r < world; ++r) {
+    EXPECT_FALSE(std::filesystem::exists(dir + "/rank" + std::to_string(r))) << "rank " << r;
+  }
+  for (int step = 1; step <= 7; ++step) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "/step-%08d.safetensors", step);
+    auto a = common::SafetensorsFile::Open(dir + "/rank0" + name);
+    auto b = common::SafetensorsFile::Open(dir + "/single" + name);
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    std::vector<std::string> names = (*b)->Names();
+    ASSERT_EQ((*a)->Names(), names) << "step " << step;
+    // The log-probs the step trained on; with beta the reference's too.
+    for (const char* must : {"logprobs", "old_logprobs", "logprobs_first_micro_batch"}) {
+      EXPECT_NE(std::find(names.begin(), names.end(), must), names.end()) << must;
+    }
+    EXPECT_EQ(std::find(names.begin(), names.end(), "ref_logprobs") != names.end(), beta != 0);
+    for (const std::string& n : names) {
+      if (n == "learner_incarnation") continue;  // neither trainer was given one
+      const at::Tensor x = (*a)->Get(n).value().to(at::kDouble);
+      const at::Tensor y = (*b)->Get(n).value().to(at::kDouble);
+      ASSERT_EQ(x.sizes(), y.sizes()) << "step " << step << " " << n;
+      const at::Tensor nan_x = x.isnan(), nan_y = y.isnan();
+      EXPECT_TRUE(at::equal(nan_x, nan_y)) << "step " << step << " " << n;
+      const at::Tensor diff = (x - y).abs().masked_fill(nan_y, 0.0);
+      const at::Tensor bound = 1e-6 + 1e-5 * y.abs().masked_fill(nan_y, 0.0);
+      EXPECT_TRUE(diff.le(bound).all().item<bool>())
+          << "step " << step << " " << n << ": max diff " << diff.max().item<double>();
+      // Some values are not 0: the sum over ranks carried the trained rank's.
+      if (n == "logprobs") {
+        EXPECT_GT(x.abs().sum().item<double>(), 0.0);
+      }
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DataParallelDumps,
+                         ::testing::Values(std::make_tuple(2, std::string("no_shard"), 0.0),
+                                           std::make_tuple(4, std::string("full_shard"), 0.0),
+                                           std::make_tuple(2, std::string("shard_grad_op"), 0.04)));
 
 TEST(GroupCodec, RoundTripsEveryFieldAndRefusesTruncatedBytes) {
   std::vector<RolloutGroup> groups = MakeGroups(3, 5);
