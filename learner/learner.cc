@@ -291,6 +291,14 @@ Status Learner::Health() const {
 
 bool Learner::TerminalLocked() const { return IsTerminal(state_); }
 
+bool Learner::JobOverForWorkersLocked() const {
+  return state_ == JobState::kDone || state_ == JobState::kCancelled;
+}
+
+bool Learner::ShuttingDownForWorkersLocked() const {
+  return stopping_ || state_ == JobState::kFailed;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Training thread.
 

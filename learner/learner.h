@@ -319,6 +319,13 @@ class Learner {
   void RecordStepMetrics(const StepMetrics& step);
   void RefreshLedgerMetrics();
   bool TerminalLocked() const GRPO_REQUIRES(mu_);
+  // What workers are told. The job is over for them (they exit) when it is done or cancelled.
+  // A failed job is this process's end, not the job's: `grpo learner` exits 1 for its
+  // orchestrator to restart it (a learner group whose rank died, a training error), and the
+  // job resumes from the last checkpoint; workers are told the learner is shutting down, wait
+  // and reconnect, as they do for a stopping learner.
+  bool JobOverForWorkersLocked() const GRPO_REQUIRES(mu_);
+  bool ShuttingDownForWorkersLocked() const GRPO_REQUIRES(mu_);
   // A generation batch is buffered: a full one, or a short one dynamic sampling lets go.
   bool BatchReadyLocked() const GRPO_REQUIRES(mu_);
 

@@ -109,7 +109,7 @@ StatusOr<common::HeartbeatReply> Learner::Heartbeat(const common::HeartbeatReque
   common::HeartbeatReply reply;
   reply.policy_version = weights_ ? weights_->version : 0;
   reply.group_epoch = epoch_store_->epoch();
-  reply.shutdown = TerminalLocked();
+  reply.shutdown = JobOverForWorkersLocked();
   reply.learner_incarnation = incarnation_;
   return reply;
 }
@@ -153,11 +153,11 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
       if (!counts.ok()) return counts.status();
       common::MutexLock lock(&mu_);
       reply.policy_version = weights_ ? weights_->version : 0;
-      if (TerminalLocked()) {
+      if (JobOverForWorkersLocked()) {
         reply.job_done = true;
         return reply;
       }
-      if (stopping_) {
+      if (ShuttingDownForWorkersLocked()) {
         // Shutting down is not the end of the job: the worker waits and reconnects.
         return Status::Unavailable("the learner is shutting down");
       }
@@ -277,8 +277,8 @@ void Learner::AcceptGroup(common::RolloutGroup group, const common::CancelToken*
   bool ended = false, stopping = false;
   {
     common::MutexLock lock(&mu_);
-    ended = TerminalLocked();
-    stopping = stopping_;
+    ended = JobOverForWorkersLocked();
+    stopping = ShuttingDownForWorkersLocked();
   }
   if (ended || stopping) {
     release();  // a lease that is still ours goes back to the queue now
@@ -372,9 +372,9 @@ void Learner::AcceptGroup(common::RolloutGroup group, const common::CancelToken*
         if (!room_cv_.WaitUntil(&mu_, deadline)) break;
       }
     }
-    if (TerminalLocked()) {
+    if (JobOverForWorkersLocked()) {
       admit = Admit::kEnded;
-    } else if (stopping_) {
+    } else if (ShuttingDownForWorkersLocked()) {
       admit = Admit::kStopping;
     } else if (static_cast<int64_t>(buffer_.size() + accepting_ms_.size()) >= buffer_capacity_) {
       admit = Admit::kFull;

@@ -306,6 +306,28 @@ TEST_F(LearnerReliabilityTest, ABatchFailingInItsSecondStepLeavesNoCheckpointOfI
   ASSERT_EQ(Push(groups).accepted(), 4);
   ASSERT_TRUE(WaitFor([&] { return server_->job_state() == JobState::kFailed; }));
   EXPECT_EQ(calls.load(), 2);
+  // The job failed in this process, not for good: `grpo learner` exits 1 for its orchestrator
+  // to restart it, and the job resumes. Workers are told the learner is shutting down (wait and
+  // reconnect), never that the job ended (exit): before the fix the heartbeat said shutdown and
+  // the worker of a learner group whose rank died left for good.
+  {
+    v1::HeartbeatRequest hb;
+    hb.set_worker_id("w1");
+    v1::HeartbeatResponse beat;
+    grpc::Status s = stub_->Heartbeat(Ctx().get(), hb, &beat);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_FALSE(beat.shutdown());
+    v1::LeasePromptsRequest req;
+    req.set_worker_id("w1");
+    req.set_max_prompts(1);
+    v1::LeasePromptsResponse leased;
+    s = stub_->LeasePrompts(Ctx().get(), req, &leased);
+    EXPECT_FALSE(s.ok() && leased.job_done()) << "a failed learner ended the job for workers";
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+    const auto ack = Push({Group(second.leases(0))});
+    EXPECT_EQ(ack.rejected_by_reason().count("job_ended"), 0u);
+    EXPECT_EQ(ack.rejected_by_reason().count("learner_stopping"), 1u);
+  }
   ASSERT_TRUE(server_->Stop(/*checkpoint=*/true).ok());
   // Step 3 was taken with two of the failed batch's groups: no checkpoint may hold it (and the
   // weights of step 2 are gone).
