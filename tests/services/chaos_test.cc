@@ -9,7 +9,8 @@
 // invariants are checked from what the processes left behind, read independently of the code
 // under test: the batch dumps of the final history (which prompts each optimizer step trained,
 // with which policy version and learner incarnation), the ledger file (SQLite, read-only) and
-// the checkpoints (their SHA256SUMS).
+// the checkpoints (their SHA256SUMS). RankChaosTest does the same for a learner group of two
+// ranks whose ranks are killed and stopped.
 #include <sys/wait.h>
 
 #include <random>
@@ -23,6 +24,7 @@
 namespace {
 
 using namespace grpo::testing::faults;  // NOLINT: the shared fixture and helpers
+using grpo::testing::ReservedPort;
 
 int64_t EnvInt(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
@@ -370,6 +372,153 @@ TEST_F(ChaosTest, InFlightUpdatesUnderRandomFaultsKeepEveryTokenWithinStaleness)
   in_flight_ = true;
   RunChaos(static_cast<uint64_t>(EnvInt("GRPO_CHAOS_SEED", 7)), EnvInt("GRPO_CHAOS_IF_SECONDS", 45),
            EnvInt("GRPO_CHAOS_IF_STEPS", 200));
+}
+
+// Issue 21 item 5: a learner group of two ranks (launched as torchrun does: RANK, WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT) under rank faults, one after another: rank 1 SIGKILLed, rank 1
+// SIGSTOPped past the collectives' deadline, rank 0 SIGKILLed. Each time the survivor ends on
+// its own (rank 0 exits 1 naming what failed: at once for a dead rank, at the deadline for a
+// stopped one; rank 1 once rank 0's store is gone), the test restarts the whole group as an
+// orchestrator would (the stopped rank is killed first), and the job resumes from rank 0's last
+// checkpoint. The worker runs throughout. Then the job finishes, and the final history holds as
+// in the chaos test above: rank 0's batch dumps, the ledger and the checkpoints say that every
+// prompt was trained once per pass, within max_staleness, by the weights of the group that
+// trained it.
+class RankChaosTest : public FaultToleranceTest {
+ protected:
+  static constexpr int kPrompts = 8;  // 2 ranks x 1 micro-batch of 2 prompts: 2 steps a pass
+  static constexpr int kMaxSteps = 14;
+  static constexpr int kMaxStaleness = 2;
+  static constexpr int kRankTimeoutSeconds = 6;
+
+  std::string RankName(int rank) const {
+    return "rank" + std::to_string(rank) + "." + std::to_string(groups_);
+  }
+
+  // Starts the next incarnation of the group, rank 1 first (it waits for rank 0's store), with
+  // rank 0 serving on `port`; returns rank 0's bound port (0 on failure).
+  int StartGroup(int port) {
+    ++groups_;
+    master_port_ = std::make_unique<ReservedPort>();  // a fresh rendezvous for each group
+    const std::vector<std::string> extra = {"--max_steps",
+                                            std::to_string(kMaxSteps),
+                                            "--save_steps",
+                                            "2",
+                                            "--max_staleness",
+                                            std::to_string(kMaxStaleness),
+                                            "--rank_timeout_seconds",
+                                            std::to_string(kRankTimeoutSeconds)};
+    ::setenv("WORLD_SIZE", "2", 1);
+    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+    ::setenv("MASTER_PORT", std::to_string(master_port_->port()).c_str(), 1);
+    ::setenv("RANK", "1", 1);
+    int bound = 0;
+    if (children_->Spawn(RankName(1), LearnerArgs(port, extra)) > 0) {
+      ::setenv("RANK", "0", 1);
+      bound = StartLearner(RankName(0), port, extra);
+    } else {
+      ADD_FAILURE() << "fork failed";
+    }
+    for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(v);
+    return bound;
+  }
+
+  // Waits until this group's rank 1 has trained up to step `step` (its log's "now at step N").
+  bool WaitForStep(int64_t step) {
+    static const std::regex kNow("now at step ([0-9]+)");
+    return WaitUntil(
+        [&] {
+          const std::string log = ReadFile(children_->Err(RankName(1)));
+          int64_t last = -1;
+          for (auto it = std::sregex_iterator(log.begin(), log.end(), kNow);
+               it != std::sregex_iterator(); ++it) {
+            last = std::stoll((*it)[1].str());
+          }
+          return last >= step;
+        },
+        seconds(120), milliseconds(50));
+  }
+
+  std::string GroupLogs() { return Logs({RankName(0), RankName(1), "worker-a"}); }
+
+  int groups_ = 0;
+  std::unique_ptr<ReservedPort> master_port_;
+};
+
+TEST_F(RankChaosTest, KilledAndStoppedRanksRestartTheGroupAndLoseNothing) {
+  WriteDataset(dir_ / "data.jsonl", kPrompts);
+  reserved_port_ = std::make_unique<ReservedPort>();
+  const int port = reserved_port_->port();
+  ASSERT_GT(port, 0);
+  ASSERT_EQ(StartGroup(port), port);
+  ASSERT_TRUE(Submit(port, dir_ / "data.jsonl"));
+  StartWorker("worker-a", port);
+
+  // 1. Rank 1 dies: rank 0's next collective fails at once (the connection closed).
+  ASSERT_TRUE(WaitForStep(3)) << GroupLogs();
+  children_->Kill(RankName(1));
+  auto start = std::chrono::steady_clock::now();
+  auto code = children_->Wait(RankName(0), seconds(60));
+  ASSERT_TRUE(code.has_value()) << "rank 0 did not end after rank 1 died\n" << GroupLogs();
+  EXPECT_EQ(*code, 1) << GroupLogs();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(kRankTimeoutSeconds + 20));
+  const auto seconds_since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  };
+  std::cerr << "rank 1 killed: rank 0 exited " << *code << " after " << seconds_since(start)
+            << " s\n";
+  std::string log0 = ReadFile(children_->Err(RankName(0)));
+  EXPECT_NE(log0.find("a rank left the group"), std::string::npos) << log0;
+  EXPECT_NE(log0.find("job failed"), std::string::npos) << log0;
+
+  // 2. Rank 1 stops: rank 0 fails at the deadline; the orchestrator kills the stopped rank.
+  ASSERT_EQ(StartGroup(port), port) << GroupLogs();
+  ASSERT_TRUE(WaitForStep(6)) << GroupLogs();
+  children_->Signal(RankName(1), SIGSTOP);
+  start = std::chrono::steady_clock::now();
+  code = children_->Wait(RankName(0), seconds(90));
+  ASSERT_TRUE(code.has_value()) << "rank 0 did not end after rank 1 stopped\n" << GroupLogs();
+  EXPECT_EQ(*code, 1) << GroupLogs();
+  const double waited = seconds_since(start);
+  std::cerr << "rank 1 stopped: rank 0 exited " << *code << " after " << waited << " s\n";
+  EXPECT_GE(waited, kRankTimeoutSeconds - 1.0) << "rank 0 failed before the deadline";
+  log0 = ReadFile(children_->Err(RankName(0)));
+  EXPECT_NE(log0.find("a rank stalled"), std::string::npos) << log0;
+  EXPECT_NE(log0.find("deadline rank_timeout_seconds"), std::string::npos) << log0;
+  children_->Kill(RankName(1));
+  ASSERT_TRUE(children_->Wait(RankName(1), seconds(30)).has_value());
+
+  // 3. Rank 0 dies: rank 1 ends once rank 0's store is gone.
+  ASSERT_EQ(StartGroup(port), port) << GroupLogs();
+  ASSERT_TRUE(WaitForStep(9)) << GroupLogs();
+  children_->Kill(RankName(0));
+  start = std::chrono::steady_clock::now();
+  code = children_->Wait(RankName(1), seconds(60));
+  ASSERT_TRUE(code.has_value()) << "rank 1 did not end after rank 0 died\n" << GroupLogs();
+  std::cerr << "rank 0 killed: rank 1 exited " << *code << " after " << seconds_since(start)
+            << " s\n";
+  EXPECT_EQ(*code, 1) << GroupLogs();
+
+  // 4. The last group runs the job to max_steps; both ranks and the worker exit 0.
+  ASSERT_EQ(StartGroup(port), port) << GroupLogs();
+  code = children_->Wait(RankName(0), seconds(300));
+  ASSERT_TRUE(code.has_value()) << "the job did not finish\n" << GroupLogs();
+  EXPECT_EQ(*code, 0) << GroupLogs();
+  EXPECT_EQ(children_->Wait(RankName(1), seconds(30)), std::optional<int>(0)) << GroupLogs();
+  EXPECT_EQ(children_->Wait("worker-a", seconds(60)), std::optional<int>(0)) << GroupLogs();
+
+  const std::string latest = [&] {
+    const std::string s = ReadFile(out_dir() / "latest");
+    return s.substr(0, s.find('\n'));
+  }();
+  ASSERT_EQ(latest, "checkpoint-" + std::to_string(kMaxSteps));
+  EXPECT_TRUE(grpo::learner::VerifyCheckpoint((out_dir() / latest).string()).ok());
+  const int64_t passes = ExpectHistoryHolds(out_dir(), dump_dir(), kMaxSteps, kPrompts,
+                                            kMaxStaleness, /*dynamic_sampling=*/false,
+                                            /*prompts_per_step=*/2 * kPromptsPerStep);
+  std::cerr << groups_ << " groups; the final history: " << kMaxSteps << " steps, " << passes
+            << " completed passes of " << kPrompts << " prompts\n";
+  EXPECT_GE(passes, 3) << "the run should cross several pass boundaries";
 }
 
 }  // namespace

@@ -257,6 +257,21 @@ class FaultToleranceTest : public ::testing::Test {
       port = reserved_port_->port();
       if (port == 0) return 0;
     }
+    if (children_->Spawn(name, LearnerArgs(port, extra)) <= 0) {
+      ADD_FAILURE() << "fork failed";
+      return 0;
+    }
+    const json line = children_->FirstLine(name, kStartTimeout);
+    if (!line.is_object() || !line.contains("port")) {
+      ADD_FAILURE() << name << " did not report its port:\n" << Tail(children_->Err(name));
+      return 0;
+    }
+    metrics_port_ = line.value("metrics_port", 0);
+    return line["port"].get<int>();
+  }
+
+  // The command line of StartLearner's `grpo learner` on `port`.
+  std::vector<std::string> LearnerArgs(int port, const std::vector<std::string>& extra) const {
     std::vector<std::string> args = {
         GrpoBin(), "--log_level", "info", "learner", "--output_dir", out_dir().string(),
         "--grpc_port", std::to_string(port), "--metrics_port", "0", "--auth_token_file",
@@ -268,17 +283,7 @@ class FaultToleranceTest : public ::testing::Test {
         // Long enough for workers to see shutdown and exit.
         "--linger_seconds", "5"};
     args.insert(args.end(), extra.begin(), extra.end());
-    if (children_->Spawn(name, args) <= 0) {
-      ADD_FAILURE() << "fork failed";
-      return 0;
-    }
-    const json line = children_->FirstLine(name, kStartTimeout);
-    if (!line.is_object() || !line.contains("port")) {
-      ADD_FAILURE() << name << " did not report its port:\n" << Tail(children_->Err(name));
-      return 0;
-    }
-    metrics_port_ = line.value("metrics_port", 0);
-    return line["port"].get<int>();
+    return args;
   }
 
   // `grpo rollout` as process `name`, with worker id `worker_id` (default: `name`).

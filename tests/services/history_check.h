@@ -110,7 +110,8 @@ inline std::optional<StepDump> ReadStep(const fs::path& dump_dir, int64_t step,
 // read).
 inline int64_t ExpectHistoryHolds(const fs::path& out_dir, const fs::path& dump_dir,
                                   int64_t max_steps, int prompts, int64_t max_staleness,
-                                  bool dynamic_sampling = false) {
+                                  bool dynamic_sampling = false,
+                                  int prompts_per_step = kPromptsPerStep) {
   // The final history, from the dumps: every row's weights were published by the learner that
   // trained it, within max_staleness.
   std::map<std::string, int> trained;                     // marker -> sequences
@@ -180,7 +181,7 @@ inline int64_t ExpectHistoryHolds(const fs::path& out_dir, const fs::path& dump_
   }
   // At most a full batch per step (the trainer may refuse a group that went stale in the buffer;
   // its prompt is then trained later in its pass).
-  EXPECT_LE(total, max_steps * kPromptsPerStep);
+  EXPECT_LE(total, max_steps * prompts_per_step);
   EXPECT_GE(total + filtered_total, prompts * passes_done);
   if (!dynamic_sampling) {
     EXPECT_EQ(trained.size(), static_cast<size_t>(prompts)) << "an unknown prompt was trained";
