@@ -8,12 +8,15 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
+#include <random>
 #include <sstream>
 
 #include "common/logging.h"
 #include "common/model/safetensors.h"
 #include "common/sha256.h"
+#include "learner/distributed/state_shards.h"
 
 namespace grpo::learner {
 namespace fs = std::filesystem;
@@ -91,9 +94,105 @@ int64_t StepOf(const fs::path& dir) {
 
 }  // namespace
 
-Status JoinSaveCheckpoint(GrpoTrainer& trainer) {
+std::function<bool(int rank)> TEST_state_shard_probe;
+
+namespace {
+
+// Where the AdamW state of a checkpoint goes.
+enum class StateLayout {
+  kWhole,      // optimizer.safetensors, written by rank 0 (gathered there when sharded)
+  kShards,     // optimizer-rank-<r>-of-<N>.safetensors, each rank's own (state_shards.h)
+  kAbandoned,  // the checkpoint failed before its state was written: no more collectives
+};
+
+bool StateIsSharded(GrpoTrainer& trainer) {
+  return trainer.world_size() > 1 && !trainer.optimizer().StatePieces().empty();
+}
+
+// A sharded state at several ranks, called by every rank at the same point of SaveCheckpoint
+// and JoinSaveCheckpoint (collectives): each rank writes its own shard into `tmp_dir`, which
+// rank 0 prepared (`prepared` says whether it could). First every rank checks that it sees
+// rank 0's directory (a probe file holding a number rank 0 broadcasts): ranks on other machines
+// without a shared output_dir do not, and then the state is gathered through rank 0 as before
+// (kWhole). A rank that cannot write its shard fails the checkpoint on rank 0 (kAbandoned
+// elsewhere: the job goes on and the next checkpoint tries again).
+StatusOr<StateLayout> SaveStateShards(GrpoTrainer& trainer, const fs::path& tmp_dir,
+                                      const Status& prepared) {
+  distributed::Collectives& ranks = trainer.ranks();
+  const bool root = ranks.rank() == 0;
+  const std::string name = tmp_dir.stem().string();
+  const fs::path probe = tmp_dir / ".shard-probe";
+  Status root_status = prepared;
+  int64_t nonce = 0;
+  if (root && root_status.ok()) {
+    nonce = static_cast<int64_t>(std::random_device{}() | 1u) << 20 | trainer.global_step();
+    root_status = WriteFileAtomic(probe, std::to_string(nonce));
+    if (!root_status.ok()) nonce = 0;
+  }
+  std::vector<at::Tensor> head = {at::tensor(std::vector<int64_t>{nonce}, at::kLong)};
+  RETURN_IF_ERROR(ranks.Broadcast(head, "broadcast of the shard probe of " + name));
+  nonce = head[0].item<int64_t>();
+  if (nonce == 0) {
+    if (root) return root_status;
+    return StateLayout::kAbandoned;
+  }
+  bool sees = root;
+  if (!root) {
+    std::ifstream in(probe);
+    std::string text;
+    sees = static_cast<bool>(std::getline(in, text)) && text == std::to_string(nonce);
+  }
+  if (TEST_state_shard_probe) sees = TEST_state_shard_probe(ranks.rank());
+  std::vector<at::Tensor> blind = {at::tensor(std::vector<double>{sees ? 0.0 : 1.0})};
+  RETURN_IF_ERROR(ranks.AllReduceSum(blind, "all-reduce of the shard probe of " + name));
+  if (root) {
+    std::error_code ec;
+    fs::remove(probe, ec);
+  }
+  const int not_shared = static_cast<int>(blind[0].item<double>());
+  if (not_shared > 0) {
+    if (root) {
+      GRPO_LOG_WARN(
+          "checkpoint: {} of {} learner ranks do not see {} (output_dir is not shared): the AdamW "
+          "state goes through rank 0, whole",
+          not_shared, ranks.world_size(), tmp_dir.string());
+    }
+    return StateLayout::kWhole;
+  }
+  const fs::path path = tmp_dir / distributed::StateShardFileName(ranks.rank(), ranks.world_size());
+  const Status wrote = distributed::WriteStateShard(trainer.optimizer(), path.string(),
+                                                    ranks.rank(), ranks.world_size());
+  if (!wrote.ok()) {
+    GRPO_LOG_ERROR("checkpoint: learner rank {}: {}", ranks.rank(), wrote.ToString());
+  }
+  std::vector<at::Tensor> failed = {at::tensor(std::vector<double>{wrote.ok() ? 0.0 : 1.0})};
+  RETURN_IF_ERROR(ranks.AllReduceSum(failed, "all-reduce of the shard writes of " + name));
+  const int failures = static_cast<int>(failed[0].item<double>());
+  if (failures > 0) {
+    if (!root) return StateLayout::kAbandoned;
+    return wrote.ok() ? Status::Internal(std::to_string(failures) +
+                                         " learner rank(s) could not write their AdamW shard of " +
+                                         name + " (their logs say why)")
+                      : wrote;
+  }
+  return StateLayout::kShards;
+}
+
+}  // namespace
+
+Status JoinSaveCheckpoint(GrpoTrainer& trainer, const std::string& output_dir) {
   const std::string name = "checkpoint-" + std::to_string(trainer.global_step());
-  RETURN_IF_ERROR(trainer.optimizer().StateDict("gather of the AdamW state for " + name).status());
+  StateLayout layout = StateLayout::kWhole;
+  if (StateIsSharded(trainer)) {
+    const fs::path tmp_dir = fs::path(output_dir) / (name + ".tmp");
+    ASSIGN_OR_RETURN(layout, SaveStateShards(trainer, tmp_dir, Status::OK()));
+    // Abandoned: rank 0's checkpoint failed, and the job goes on without it.
+    if (layout == StateLayout::kAbandoned) return Status::OK();
+  }
+  if (layout == StateLayout::kWhole) {
+    RETURN_IF_ERROR(
+        trainer.optimizer().StateDict("gather of the AdamW state for " + name).status());
+  }
   if (!trainer.optimizer().ShardsParameters()) return Status::OK();
   return trainer.optimizer()
       .GatherWeights("gather of the weights for " + name, /*every_rank=*/false)
@@ -104,10 +203,29 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
                                      const std::string& tokenizer_dir) {
   const fs::path out(output_dir);
   const std::string name = "checkpoint-" + std::to_string(trainer.global_step());
-  // First, before anything here can fail: sharded (shard_grad_op), this is a collective that
-  // every rank joins (RankCommand::kCheckpoint).
-  ASSIGN_OR_RETURN(const common::NamedTensors whole_state,
-                   trainer.optimizer().StateDict("gather of the AdamW state for " + name));
+  const fs::path final_dir = out / name;
+  const fs::path tmp_dir = out / (name + ".tmp");
+  std::error_code ec;
+  fs::create_directories(out, ec);
+  fs::remove_all(tmp_dir, ec);
+  fs::create_directories(tmp_dir, ec);
+  const Status prepared =
+      ec ? Status::Internal("cannot create " + tmp_dir.string() + ": " + ec.message())
+         : Status::OK();
+  // The collectives that every rank joins (RankCommand::kCheckpoint, JoinSaveCheckpoint) come
+  // before anything here can fail otherwise. A sharded state: each rank's shard, written by
+  // the rank itself, or (ranks that do not share output_dir) gathered here.
+  StateLayout layout = StateLayout::kWhole;
+  if (StateIsSharded(trainer)) {
+    ASSIGN_OR_RETURN(layout, SaveStateShards(trainer, tmp_dir, prepared));
+  } else {
+    RETURN_IF_ERROR(prepared);
+  }
+  common::NamedTensors whole_state;
+  if (layout == StateLayout::kWhole) {
+    ASSIGN_OR_RETURN(whole_state,
+                     trainer.optimizer().StateDict("gather of the AdamW state for " + name));
+  }
   // full_shard: the weights too, a unit at a time (JoinSaveCheckpoint on the other ranks).
   common::NamedTensors gathered;
   if (trainer.optimizer().ShardsParameters()) {
@@ -115,28 +233,23 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
                      trainer.optimizer().GatherWeights("gather of the weights for " + name,
                                                        /*every_rank=*/false));
   }
-  const fs::path final_dir = out / name;
-  const fs::path tmp_dir = out / (name + ".tmp");
-  std::error_code ec;
-  fs::create_directories(out, ec);
-  fs::remove_all(tmp_dir, ec);
-  fs::create_directories(tmp_dir, ec);
-  if (ec) return Status::Internal("cannot create " + tmp_dir.string() + ": " + ec.message());
 
   RETURN_IF_ERROR(trainer.optimizer().ShardsParameters()
                       ? trainer.policy().SaveWeights(tmp_dir.string(), gathered)
                       : trainer.policy().Save(tmp_dir.string()));
-  common::NamedTensors optimizer_state;  // on the CPU whatever the trainer's device
-  try {
-    for (const auto& [name, t] : whole_state) {
-      optimizer_state.emplace_back(name, t.to(at::kCPU));
+  if (layout == StateLayout::kWhole) {
+    common::NamedTensors optimizer_state;  // on the CPU whatever the trainer's device
+    try {
+      for (const auto& [name, t] : whole_state) {
+        optimizer_state.emplace_back(name, t.to(at::kCPU));
+      }
+    } catch (const c10::Error& e) {
+      return Status::Internal("copying the optimizer state: " +
+                              std::string(e.what_without_backtrace()));
     }
-  } catch (const c10::Error& e) {
-    return Status::Internal("copying the optimizer state: " +
-                            std::string(e.what_without_backtrace()));
+    RETURN_IF_ERROR(
+        common::WriteSafetensors((tmp_dir / "optimizer.safetensors").string(), optimizer_state));
   }
-  RETURN_IF_ERROR(
-      common::WriteSafetensors((tmp_dir / "optimizer.safetensors").string(), optimizer_state));
   nlohmann::json state;
   state["global_step"] = trainer.global_step();
   state["policy_version"] = trainer.policy_version();
@@ -265,12 +378,26 @@ Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
     if (it == state.end()) return Status::DataLoss(dir + ": model.safetensors lacks " + name);
     ordered.emplace_back(name, it->second);
   }
-  ASSIGN_OR_RETURN(auto opt_file, common::SafetensorsFile::Open(
-                                      (fs::path(dir) / "optimizer.safetensors").string()));
+  // The AdamW state: whole (optimizer.safetensors), or per-rank shards of any world size. An
+  // optimizer that holds it whole assembles it; a sharded one (several ranks) reads only its
+  // own runs, on every rank, when SyncFromRankZero hands the directory out.
   common::NamedTensors opt_state;
-  for (const auto& name : opt_file->Names()) {
-    ASSIGN_OR_RETURN(at::Tensor t, opt_file->Get(name));
-    opt_state.emplace_back(name, t);
+  bool shards_pending = false;
+  if (fs::exists(fs::path(dir) / "optimizer.safetensors")) {
+    ASSIGN_OR_RETURN(auto opt_file, common::SafetensorsFile::Open(
+                                        (fs::path(dir) / "optimizer.safetensors").string()));
+    for (const auto& name : opt_file->Names()) {
+      ASSIGN_OR_RETURN(at::Tensor t, opt_file->Get(name));
+      opt_state.emplace_back(name, t);
+    }
+  } else {
+    ASSIGN_OR_RETURN(auto shards, distributed::StateShards::Open(dir));
+    if (StateIsSharded(trainer)) {
+      shards_pending = true;
+    } else {
+      ASSIGN_OR_RETURN(opt_state, distributed::WholeStateFromShards(
+                                      *shards, trainer.policy().NamedParameters()));
+    }
   }
   std::ifstream in(fs::path(dir) / "trainer_state.json");
   nlohmann::json ts;
@@ -288,7 +415,11 @@ Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
   RETURN_IF_ERROR((trainer.optimizer().ShardsParameters() ? trainer.optimizer().LoadWeights(ordered)
                                                           : trainer.policy().LoadStateFrom(ordered))
                       .WithContext(dir));
-  RETURN_IF_ERROR(trainer.optimizer().LoadStateDict(opt_state).WithContext(dir));
+  if (shards_pending) {
+    trainer.optimizer().pending_state_shards = dir;
+  } else {
+    RETURN_IF_ERROR(trainer.optimizer().LoadStateDict(opt_state).WithContext(dir));
+  }
   trainer.RestoreCounters(ts["global_step"].get<int64_t>(), ts["policy_version"].get<int64_t>());
   if (ts.contains("entropy_coef") && ts["entropy_coef"].is_number()) {  // older: the config's
     const auto& last = ts.value("last_world_entropy", nlohmann::json(nullptr));

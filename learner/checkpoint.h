@@ -9,6 +9,7 @@
 // corrupt or partial checkpoint is refused and the previous one is used.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -22,12 +23,21 @@ inline constexpr const char* kLatestFile = "latest";
 // Saves the trainer's current state; returns the checkpoint directory. Files named in
 // `tokenizer_dir` (tokenizer.json, tokenizer_config.json ...) are copied when they exist.
 // Rank 0 writes; with a sharded optimizer every other rank calls JoinSaveCheckpoint at the
-// same time (the gathers of AdamW's state and, full_shard, of the weights a unit at a time,
-// which rank 0 then holds whole on the CPU while it writes).
+// same time. A sharded AdamW state is written by each rank, its own shard
+// (`optimizer-rank-<r>-of-<N>.safetensors`, distributed/state_shards.h) into rank 0's
+// directory, when every rank sees it (a probe); otherwise (ranks that do not share output_dir)
+// it is gathered and written whole by rank 0 (`optimizer.safetensors`). full_shard's weights
+// are gathered a unit at a time, and rank 0 holds them whole on the CPU while it writes the
+// Hugging Face model.safetensors.
 StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& output_dir,
                                      const std::string& tokenizer_dir);
-// A rank > 0's part of rank 0's SaveCheckpoint: its collectives, in the same order.
-Status JoinSaveCheckpoint(GrpoTrainer& trainer);
+// A rank > 0's part of rank 0's SaveCheckpoint into `output_dir` (rank 0's, as this rank sees
+// it): its collectives, in the same order. A failure of rank 0's checkpoint is not this rank's:
+// OK then.
+Status JoinSaveCheckpoint(GrpoTrainer& trainer, const std::string& output_dir);
+// Tests: whether learner rank `rank` sees rank 0's checkpoint directory (the probe's answer
+// replaced), to exercise the fallback for ranks that do not share output_dir.
+extern std::function<bool(int rank)> TEST_state_shard_probe;
 
 // DataLoss naming the file when a checksum does not match or a file is missing;
 // NotFound when `dir` has no SHA256SUMS (a partial checkpoint).
@@ -47,7 +57,9 @@ std::vector<std::string> PruneCheckpoints(const std::string& output_dir, int64_t
 StatusOr<std::string> RestoreLatestCheckpoint(GrpoTrainer& trainer, const std::string& output_dir);
 
 // Restores from one checkpoint directory (verified first). full_shard: each rank keeps its
-// shard of the weights and rank 0 the whole until GrpoTrainer::SyncFromRankZero.
+// shard of the weights and rank 0 the whole until GrpoTrainer::SyncFromRankZero. An AdamW state
+// in per-rank shards of any world size is assembled whole by an optimizer that holds it whole,
+// and read run by run by each rank of a sharded one (in GrpoTrainer::SyncFromRankZero).
 Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir);
 
 }  // namespace grpo::learner

@@ -16,6 +16,7 @@
 #include "common/model/safetensors.h"
 #include "learner/advantages.h"
 #include "learner/chunked_logprobs.h"
+#include "learner/distributed/state_shards.h"
 
 namespace grpo::learner {
 
@@ -799,6 +800,9 @@ Status GrpoTrainer::SyncFromRankZero() {
                                                    distributed::kDefaultBucketBytes,
                                                    "broadcast of rank 0's weights"));
   }
+  // A checkpoint of per-rank AdamW shards that rank 0 restored: each rank reads its own runs.
+  RETURN_IF_ERROR(distributed::HandOutStateShards(*optimizer_, *ranks_,
+                                                  "hand-out of the checkpoint's AdamW shards"));
   // Sharded parameters: rank 0's restored weights too, a unit at a time.
   RETURN_IF_ERROR(optimizer_->SyncFromRankZero("broadcast of rank 0's AdamW state"));
   std::vector<at::Tensor> counters = {

@@ -163,6 +163,7 @@ class GrpoTrainer {
   Status SyncFromRankZero();
   int world_size() const { return ranks_->world_size(); }
   int rank() const { return ranks_->rank(); }
+  distributed::Collectives& ranks() { return *ranks_; }
   // Micro-batches of one optimizer step over all ranks: gradient_accumulation_steps x
   // world_size.
   int64_t step_micro_batches() const {

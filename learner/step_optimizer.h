@@ -107,6 +107,30 @@ class StepOptimizer {
     (void)weights;
     return Status::Unimplemented("LoadWeights: the parameters are not sharded");
   }
+
+  // --- Per-rank checkpoint shards of a sharded AdamW state (distributed/state_shards.h).
+  // A run of one parameter's flattened elements whose AdamW moments this rank holds.
+  struct StatePiece {
+    std::string param;
+    int64_t offset = 0;  // in the parameter, flattened
+    int64_t numel = 0;
+  };
+  // This rank's runs, in a fixed order, when the AdamW state is sharded over the ranks (every
+  // element of every parameter in exactly one rank's runs); empty when each rank holds the
+  // whole state (then a checkpoint holds it whole, in optimizer.safetensors).
+  virtual std::vector<StatePiece> StatePieces() const { return {}; }
+  // 1-D views of run i's moments in this rank's state (`which` 0: exp_avg, 1: exp_avg_sq), to
+  // read or overwrite in place.
+  virtual at::Tensor StatePieceView(size_t i, int which) {
+    (void)i;
+    (void)which;
+    return at::Tensor();
+  }
+  // AdamW's step count, after the runs were overwritten from a checkpoint.
+  virtual void SetStepCount(int64_t step) { (void)step; }
+  // Rank 0: a checkpoint directory of per-rank shard files that GrpoTrainer::SyncFromRankZero
+  // hands out (each rank reads its own runs there); empty when none.
+  std::string pending_state_shards;
 };
 
 // The StepOptimizer of `fsdp` at `ranks`' world size over `params` (borrowed: shared storage,

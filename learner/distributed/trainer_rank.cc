@@ -37,9 +37,10 @@ Status ServeRankZero(RankGroup& group, GrpoTrainer& trainer) {
         RETURN_IF_ERROR(trainer.FlushPartialStep().status());
         break;
       case RankCommand::kCheckpoint:
-        // Rank 0 writes the checkpoint; a sharded AdamW state (and full_shard's weights) is
-        // gathered there from every rank.
-        RETURN_IF_ERROR(JoinSaveCheckpoint(trainer));
+        // Rank 0 writes the checkpoint; each rank writes its shard of a sharded AdamW state
+        // into it (or, output_dir not shared, it is gathered there), and full_shard's weights
+        // are gathered there.
+        RETURN_IF_ERROR(JoinSaveCheckpoint(trainer, trainer.config().output_dir));
         break;
       case RankCommand::kPublish:
         // full_shard: rank 0 publishes the weights, gathered a unit at a time.

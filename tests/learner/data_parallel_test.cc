@@ -25,6 +25,7 @@
 #include "learner/distributed/group_codec.h"
 #include "learner/distributed/rank_group.h"
 #include "learner/distributed/sharded_adamw.h"
+#include "learner/distributed/state_shards.h"
 #include "learner/grpo_trainer.h"
 #include "tests/reserved_port.h"
 
@@ -595,7 +596,9 @@ RunResult TrainPart(const common::GrpoConfig& cfg, Collectives* ranks, size_t fi
     auto saved = SaveCheckpoint(**trainer, save_dir, "");
     if (!saved.ok()) return {{}, {}, saved.status().ToString()};
   } else if (!save_dir.empty()) {  // the gathers of a sharded state (RankCommand::kCheckpoint)
-    if (Status s = JoinSaveCheckpoint(**trainer); !s.ok()) return {{}, {}, s.ToString()};
+    if (Status s = JoinSaveCheckpoint(**trainer, save_dir); !s.ok()) {
+      return {{}, {}, s.ToString()};
+    }
   }
   if ((*trainer)->optimizer().ShardsParameters()) {
     auto gathered = (*trainer)->optimizer().GatherWeights("the test's weights", true);
@@ -654,12 +657,13 @@ TEST(DataParallelCheckpoints, ResumeAtAnotherWorldSizeTakesTheUninterruptedSteps
   fs::remove_all(dir);
 }
 
-// A sharded checkpoint is the whole state too (rank 0 gathers AdamW's shards, and at full_shard
-// each unit of the weights, and writes them): saved at 4 sharded ranks it resumes at 2 sharded
-// ranks and at 1, and one saved at 1 resumes at 2 sharded ranks (each takes its shard of rank 0's
-// restored state); every resumed run takes the uninterrupted single rank's steps. full_shard's
-// also loads in a single-rank Model (Model::Load, the Hugging Face layout) with the sharded run's
-// weights.
+// A sharded checkpoint: each rank writes its shard of AdamW's state, and at full_shard rank 0
+// gathers each unit of the weights and writes them whole: saved at 4 sharded ranks it resumes
+// at 2 sharded ranks (each reads the runs of its own shard from the 4 files) and at 1 (the
+// whole state assembled from them), and one saved at 1 resumes at 2 sharded ranks (each takes its
+// shard of rank 0's restored state); every resumed run takes the uninterrupted single rank's steps.
+// full_shard's also loads in a single-rank Model (Model::Load, the Hugging Face layout) with the
+// sharded run's weights.
 class ShardedCheckpoints : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(ShardedCheckpoints, ResumeAtAnotherWorldSize) {
@@ -677,6 +681,26 @@ TEST_P(ShardedCheckpoints, ResumeAtAnotherWorldSize) {
   const std::vector<RunResult> four = TrainPartOnRanks(4, 0, 1, "", (dir / "at4").string(), mode);
   for (int r = 0; r < 4; ++r) ASSERT_TRUE(four[r].error.empty()) << r << ": " << four[r].error;
   const std::string at4 = (dir / "at4" / "checkpoint-4").string();
+  // Each rank wrote its own shard of AdamW's state: every element of every parameter once, in
+  // about a quarter each (a unit's or bucket's padding is at most 3 elements, on the last ranks).
+  EXPECT_FALSE(fs::exists(fs::path(at4) / "optimizer.safetensors"));
+  int64_t total = 0;
+  for (const at::Tensor& w : four[0].weights) total += w.numel();
+  int64_t held = 0;
+  for (int r = 0; r < 4; ++r) {
+    auto f = common::SafetensorsFile::Open(
+        (fs::path(at4) / distributed::StateShardFileName(r, 4)).string());
+    ASSERT_TRUE(f.ok()) << f.status().ToString();
+    int64_t mine = 0;
+    for (const std::string& name : (*f)->Names()) {
+      if (name.rfind("exp_avg.", 0) == 0) mine += (*f)->Find(name)->shape.at(0);
+    }
+    EXPECT_LE(std::abs(static_cast<double>(mine) - total / 4.0),
+              3.0 * static_cast<double>(four[0].weights.size()))
+        << "rank " << r << " holds " << mine << " of " << total;
+    held += mine;
+  }
+  EXPECT_EQ(held, total);
   if (mode == "full_shard") {
     auto loaded = common::Model::Load(at4);
     ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
@@ -700,8 +724,160 @@ TEST_P(ShardedCheckpoints, ResumeAtAnotherWorldSize) {
   fs::remove_all(dir);
 }
 
+// Ranks that do not see rank 0's checkpoint directory (output_dir not shared: the probe fails
+// on rank 2) fall back to the state gathered through rank 0 and written whole; it resumes at 2
+// sharded ranks with the uninterrupted run's steps.
+TEST_P(ShardedCheckpoints, RanksThatDoNotShareTheDirectoryGatherTheStateThroughRankZero) {
+  namespace fs = std::filesystem;
+  const std::string mode = GetParam();
+  const fs::path dir =
+      fs::temp_directory_path() / ("grpo_dp_" + mode + "_blind_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const RunResult uninterrupted = Train(RankConfig("dapo", 1), nullptr);
+  ASSERT_TRUE(uninterrupted.error.empty()) << uninterrupted.error;
+  RunResult tail_of_reference = uninterrupted;
+  tail_of_reference.steps.erase(tail_of_reference.steps.begin(),
+                                tail_of_reference.steps.begin() + 4);
+  TEST_state_shard_probe = [](int rank) { return rank != 2; };
+  const std::vector<RunResult> four = TrainPartOnRanks(4, 0, 1, "", (dir / "at4").string(), mode);
+  TEST_state_shard_probe = nullptr;
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(four[r].error.empty()) << r << ": " << four[r].error;
+  const fs::path at4 = dir / "at4" / "checkpoint-4";
+  EXPECT_TRUE(fs::exists(at4 / "optimizer.safetensors"));
+  for (const auto& e : fs::directory_iterator(at4)) {
+    EXPECT_EQ(e.path().filename().string().rfind("optimizer-rank-", 0), std::string::npos)
+        << e.path();
+    EXPECT_NE(e.path().filename().string(), ".shard-probe");
+  }
+  EXPECT_TRUE(VerifyCheckpoint(at4.string()).ok());
+  const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4.string(), "", mode);
+  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(two[r], tail_of_reference, r);
+  fs::remove_all(dir);
+}
+
 INSTANTIATE_TEST_SUITE_P(DataParallelCheckpoints, ShardedCheckpoints,
                          ::testing::Values("shard_grad_op", "full_shard"));
+
+// Forwards to a rank's Collectives and counts the bytes all-gathered for AdamW's state.
+class AdamWGatherCounter final : public Collectives {
+ public:
+  explicit AdamWGatherCounter(Collectives& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  Status AllReduceSum(std::vector<at::Tensor>& t, const std::string& what) override {
+    return inner_.AllReduceSum(t, what);
+  }
+  Status AllReduceMax(std::vector<at::Tensor>& t, const std::string& what) override {
+    return inner_.AllReduceMax(t, what);
+  }
+  Status Broadcast(std::vector<at::Tensor>& t, const std::string& what) override {
+    return inner_.Broadcast(t, what);
+  }
+  Status ReduceScatterSum(const at::Tensor& in, at::Tensor& out, const std::string& what) override {
+    return inner_.ReduceScatterSum(in, out, what);
+  }
+  Status AllGather(const at::Tensor& in, at::Tensor& out, const std::string& what) override {
+    if (what.find("AdamW") != std::string::npos) adamw_bytes += out.nbytes();
+    return inner_.AllGather(in, out, what);
+  }
+  int64_t adamw_bytes = 0;
+
+ private:
+  Collectives& inner_;
+};
+
+// While the ranks write their own shards, no AdamW state moves to rank 0; when a rank does not
+// see the directory, the whole state (8 bytes a parameter, and the chunks' padding) does.
+TEST(DataParallelCheckpoints, ShardFilesMoveNoAdamWStateToRankZero) {
+  namespace fs = std::filesystem;
+  int64_t total = 0;
+  for (const at::Tensor& p : TinyModel()->Parameters()) total += p.numel();
+  for (bool shared : {true, false}) {
+    const fs::path dir = fs::temp_directory_path() /
+                         ("grpo_dp_gather_" + std::to_string(shared) + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    FakeRankGroup group(2, std::chrono::seconds(60));
+    AdamWGatherCounter rank0(group.Rank(0));
+    if (!shared) TEST_state_shard_probe = [](int rank) { return rank == 0; };
+    std::vector<RunResult> results(2);
+    std::thread other([&] {
+      results[1] =
+          TrainPart(RankConfig("dapo", 2, "shard_grad_op"), &group.Rank(1), 0, 1, "", dir.string());
+    });
+    results[0] = TrainPart(RankConfig("dapo", 2, "shard_grad_op"), &rank0, 0, 1, "", dir.string());
+    other.join();
+    TEST_state_shard_probe = nullptr;
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(results[r].error.empty()) << results[r].error;
+    if (shared) {
+      EXPECT_EQ(rank0.adamw_bytes, 0);
+    } else {
+      EXPECT_GE(rank0.adamw_bytes, 8 * total);
+      EXPECT_LE(rank0.adamw_bytes, 8 * (total + 2));  // one bucket: at most 1 padding element
+    }
+    fs::remove_all(dir);
+  }
+}
+
+// The shard files' reader on files written by hand: runs of a parameter from two files are
+// put together whatever the cut; a gap in the runs, a missing file and a mixed world size are
+// refused (DataLoss, naming what).
+TEST(StateShards, ReadsRunsAcrossFilesAndRefusesAGapOrAMissingFile) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("grpo_state_shards_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const auto write = [&](int rank, int world, common::NamedTensors runs) {
+    ASSERT_TRUE(
+        common::WriteSafetensors(
+            (dir / distributed::StateShardFileName(rank, world)).string(), runs,
+            {{"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}, {"step", "7"}})
+            .ok());
+  };
+  // w = [0, 1, 2, 3, 4] (exp_avg) and 10x that (exp_avg_sq), cut 0..3 | 3..5.
+  write(0, 2,
+        {{"exp_avg.w@0", at::tensor({0.f, 1.f, 2.f})},
+         {"exp_avg_sq.w@0", at::tensor({0.f, 10.f, 20.f})}});
+  write(1, 2,
+        {{"exp_avg.w@3", at::tensor({3.f, 4.f})}, {"exp_avg_sq.w@3", at::tensor({30.f, 40.f})}});
+  auto shards = distributed::StateShards::Open(dir.string());
+  ASSERT_TRUE(shards.ok()) << shards.status().ToString();
+  EXPECT_EQ((*shards)->world_size(), 2);
+  EXPECT_EQ((*shards)->step(), 7);
+  at::Tensor out = at::zeros({3});
+  ASSERT_TRUE((*shards)->Read("w", 0, 2, out).ok());  // elements 2..4, across the cut
+  EXPECT_TRUE(at::equal(out, at::tensor({2.f, 3.f, 4.f})));
+  ASSERT_TRUE((*shards)->Read("w", 1, 1, out).ok());
+  EXPECT_TRUE(at::equal(out, at::tensor({10.f, 20.f, 30.f})));
+  const common::NamedTensors params = {{"w", at::zeros({5})}};
+  auto whole = distributed::WholeStateFromShards(**shards, params);
+  ASSERT_TRUE(whole.ok()) << whole.status().ToString();
+  EXPECT_TRUE(at::equal(whole->at(0).second, at::tensor({0.f, 1.f, 2.f, 3.f, 4.f})));
+  EXPECT_EQ(whole->at(2).first, "step");
+  EXPECT_EQ(whole->at(2).second.item<int64_t>(), 7);
+  // A parameter the runs do not cover, and a gap.
+  at::Tensor six = at::zeros({6});
+  Status s = (*shards)->Read("w", 0, 0, six);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("5 of the 6 elements"), std::string::npos) << s.ToString();
+  s = (*shards)->Read("v", 0, 0, out);
+  EXPECT_NE(s.message().find("'v'"), std::string::npos) << s.ToString();
+  write(1, 2, {{"exp_avg.w@4", at::tensor({4.f})}, {"exp_avg_sq.w@4", at::tensor({40.f})}});
+  shards = distributed::StateShards::Open(dir.string());
+  ASSERT_TRUE(shards.ok());
+  at::Tensor five = at::zeros({5});
+  EXPECT_EQ((*shards)->Read("w", 0, 0, five).code(), StatusCode::kDataLoss);  // 3 is missing
+  // A missing file; a file of another world size.
+  fs::remove(dir / distributed::StateShardFileName(1, 2));
+  auto missing = distributed::StateShards::Open(dir.string());
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(missing.status().message().find("optimizer-rank-00001-of-00002"), std::string::npos);
+  write(1, 3,
+        {{"exp_avg.w@3", at::tensor({3.f, 4.f})}, {"exp_avg_sq.w@3", at::tensor({30.f, 40.f})}});
+  EXPECT_EQ(distributed::StateShards::Open(dir.string()).status().code(), StatusCode::kDataLoss);
+  fs::remove_all(dir);
+}
 
 TEST(DataParallelFaults, ARankThatLeavesFailsTheOthersStepAndTheGroupStaysFailed) {
   FakeRankGroup group(2, std::chrono::seconds(60));

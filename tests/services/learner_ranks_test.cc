@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/model/safetensors.h"
+#include "learner/distributed/state_shards.h"
 #include "tests/reserved_port.h"
 #include "tests/services/http_test_util.h"
 #include "tests/services/process_util.h"
@@ -119,10 +120,11 @@ TEST_F(LearnerRanksTest, TwoRanksTrainTheJobToMaxStepsAndBothExitZero) {
   EXPECT_TRUE(fs::exists(dir_ / "out" / "checkpoint-3")) << Logs();
 }
 
-// fsdp shard_grad_op (ZeRO-2): each rank holds half of AdamW's state, and every checkpoint (one
-// at step 2 by save_steps, the last at 3) holds the whole of it: rank 1 joins the gather of
-// each, and leaves only after the last. The saved moments have the parameters' shapes.
-TEST_F(LearnerRanksTest, ShardGradOpRanksWriteWholeCheckpoints) {
+// fsdp shard_grad_op (ZeRO-2): each rank holds half of AdamW's state and writes it into every
+// checkpoint (one at step 2 by save_steps, the last at 3) as its own shard file; rank 1 leaves
+// only after the last. The two files hold the whole state: put together, the moments have the
+// parameters' shapes.
+TEST_F(LearnerRanksTest, ShardGradOpRanksWriteTheirShardsOfEveryCheckpoint) {
   StartRanks(/*max_steps=*/3, {"--fsdp", "shard_grad_op", "--save_steps", "2"});
   const auto rank0 = children_->Wait("rank0", seconds(240));
   ASSERT_TRUE(rank0.has_value()) << "rank 0 still runs:\n" << Logs();
@@ -135,19 +137,29 @@ TEST_F(LearnerRanksTest, ShardGradOpRanksWriteWholeCheckpoints) {
       << Logs();
   for (const char* name : {"checkpoint-2", "checkpoint-3"}) {
     const fs::path ckpt = dir_ / "out" / name;
+    EXPECT_FALSE(fs::exists(ckpt / "optimizer.safetensors")) << name;
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(fs::exists(ckpt / grpo::learner::distributed::StateShardFileName(r, 2)))
+          << name << " rank " << r;
+    }
     auto model = grpo::common::SafetensorsFile::Open((ckpt / "model.safetensors").string());
-    auto opt = grpo::common::SafetensorsFile::Open((ckpt / "optimizer.safetensors").string());
-    ASSERT_TRUE(model.ok() && opt.ok()) << name << "\n" << Logs();
+    auto shards = grpo::learner::distributed::StateShards::Open(ckpt.string());
+    ASSERT_TRUE(model.ok() && shards.ok()) << name << "\n" << Logs();
     ASSERT_FALSE((*model)->Names().empty());
+    grpo::common::NamedTensors params;
     for (const std::string& p : (*model)->Names()) {
       const auto w = (*model)->Get(p);
       ASSERT_TRUE(w.ok()) << p;
-      for (const char* prefix : {"exp_avg.", "exp_avg_sq."}) {
-        const auto m = (*opt)->Get(std::string(prefix) + p);
-        ASSERT_TRUE(m.ok()) << name << ": " << prefix << p;
-        EXPECT_EQ(m->sizes(), w->sizes()) << name << ": " << prefix << p;
+      params.emplace_back(p, *w);
+    }
+    auto whole = grpo::learner::distributed::WholeStateFromShards(**shards, params);
+    ASSERT_TRUE(whole.ok()) << name << ": " << whole.status().ToString();
+    for (size_t i = 0; i < params.size(); ++i) {
+      for (int which : {0, 1}) {
+        const auto& [mname, m] = whole->at(2 * i + which);
+        EXPECT_EQ(m.sizes(), params[i].second.sizes()) << name << ": " << mname;
         // A moment after two or three steps of AdamW is not all zero (a missing shard would be).
-        EXPECT_GT(m->abs().sum().item<double>(), 0.0) << name << ": " << prefix << p;
+        EXPECT_GT(m.abs().sum().item<double>(), 0.0) << name << ": " << mname;
       }
     }
   }
