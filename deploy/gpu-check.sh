@@ -56,7 +56,7 @@ step() {
 # The device-generic tests (run on the GPU machine too: they must pass there) and the benches.
 GENERIC_TESTS="config_test model_test chunked_logprobs_test optimizer_test grpo_trainer_test
   rollout_sampler_test rollout_generator_test device_test precision_test"
-GPU_TESTS_DEFAULT="cuda_parity_test nccl_weight_sync_test cuda_ipc_weight_sync_test"
+GPU_TESTS_DEFAULT="cuda_parity_test nccl_weight_sync_test cuda_ipc_weight_sync_test rank_group_nccl_test"
 TARGETS="$GENERIC_TESTS cuda_parity_test grpo_gpu_bench"
 GPU_BUILT=""
 
@@ -77,7 +77,7 @@ if [ "$MODE" = source ] || [ "$MODE" = make-bundle ]; then
     # ($TORCH_PREFIX/Torch) and puts that torch's root first in the prefix path.
     log "torch $TORCH_VERSION: Torch_DIR $TORCH_PREFIX/Torch"
     step configure "$T_CONFIGURE" cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DGRPO_BUILD_SERVICES=OFF -DGRPO_WITH_GLOO=OFF -DTORCH_CUDA_ARCH_LIST=9.0 \
+      -DGRPO_BUILD_SERVICES=OFF -DTORCH_CUDA_ARCH_LIST=9.0 \
       -DGRPO_PYTHON="$(command -v "$PY")" &&
       GPU_BUILT=$( (cd "$BUILD" && ctest -N -L gpu) | awk '/Test +#/{print $3}' | tr '\n' ' ') &&
       step build "$T_BUILD" cmake --build "$BUILD" -j "$JOBS" --target $TARGETS $GPU_BUILT &&

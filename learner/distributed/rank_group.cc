@@ -12,6 +12,9 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef GRPO_HAVE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 #endif
 
 #include "common/logging.h"
@@ -91,20 +94,28 @@ class RankGroup::Impl {
   RankEnv env;
   std::chrono::milliseconds timeout{0};
   c10::intrusive_ptr<c10d::TCPStore> store;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
-  int64_t collectives = 0;   // started so far (names a failure)
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;  // CPU tensors (and CUDA ones without NCCL)
+  c10::intrusive_ptr<c10d::Backend> nccl;         // CUDA tensors, on a GPU with NCCL built
+  int64_t collectives = 0;                        // started so far (names a failure)
   std::string failure;       // the first failure; later collectives are Aborted
   int64_t next_command = 0;  // rank 0: posted; others: read
   int64_t oldest_kept = 0;   // rank 0: commands [oldest_kept, next_command) are in the store
 
   std::string CommandKey(int64_t n) const { return "grpo/ranks/command/" + std::to_string(n); }
 
-  // c10d's tensor list is one tensor per local device: one collective per tensor here.
+  // The backend of `t`'s collectives.
+  c10d::Backend& For(const at::Tensor& t) {
+    if (nccl && t.is_cuda()) return *nccl;
+    return *pg;
+  }
+
+  // c10d's tensor list is one tensor per local device: one collective per tensor here, each on
+  // its device's backend.
   template <typename Launch>
   Status EachTensor(std::vector<at::Tensor>& tensors, const std::string& what, Launch launch) {
     for (at::Tensor& t : tensors) {
       std::vector<at::Tensor> one = {t};
-      RETURN_IF_ERROR(Run(what, [&] { return launch(one); }));
+      RETURN_IF_ERROR(Run(what, [&] { return launch(For(t), one); }));
     }
     return Status::OK();
   }
@@ -143,6 +154,7 @@ RankGroup::RankGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 RankGroup::~RankGroup() {
   try {
+    impl_->nccl.reset();
     impl_->pg.reset();
     impl_->store.reset();
   } catch (const std::exception&) {
@@ -151,7 +163,8 @@ RankGroup::~RankGroup() {
 }
 
 StatusOr<std::unique_ptr<RankGroup>> RankGroup::Join(const RankEnv& env,
-                                                     std::chrono::milliseconds timeout) {
+                                                     std::chrono::milliseconds timeout,
+                                                     const at::Device& device) {
   if (timeout.count() <= 0) return Status::InvalidArgument("rank group timeout must be > 0");
   auto impl = std::make_unique<Impl>();
   impl->env = env;
@@ -175,6 +188,17 @@ StatusOr<std::unique_ptr<RankGroup>> RankGroup::Join(const RankEnv& env,
                                       : c10d::ProcessGroupGloo::createDefaultDevice());
     impl->pg =
         c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, env.rank, env.world_size, pg_options);
+#ifdef GRPO_HAVE_C10D_NCCL
+    if (device.is_cuda()) {
+      // Its own prefix of the store: NCCL's unique id is exchanged there. Communicators are
+      // created at the first collective, on the device of its tensors (cuda:LOCAL_RANK).
+      auto nccl_store = c10::make_intrusive<c10d::PrefixStore>("grpo/ranks/nccl", impl->store);
+      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+      nccl_options->timeout = timeout;
+      impl->nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(nccl_store, env.rank, env.world_size,
+                                                               nccl_options);
+    }
+#endif
   } catch (const std::exception& e) {
     const std::string m = WhatOf(e);
     const auto ms =
@@ -186,36 +210,40 @@ StatusOr<std::unique_ptr<RankGroup>> RankGroup::Join(const RankEnv& env,
     }
     return Status::Unavailable(msg);
   }
-  GRPO_LOG_INFO("{}: joined ({} ranks, collectives bounded by {} ms)", op, env.world_size,
-                timeout.count());
+  GRPO_LOG_INFO("{}: joined ({} ranks, collectives bounded by {} ms; CUDA tensors over {})", op,
+                env.world_size, timeout.count(), impl->nccl ? "nccl" : "gloo");
   return std::unique_ptr<RankGroup>(new RankGroup(std::move(impl)));
 }
 
 int RankGroup::rank() const { return impl_->env.rank; }
+std::string RankGroup::cuda_backend() const { return impl_->nccl ? "nccl" : "gloo"; }
 int RankGroup::world_size() const { return impl_->env.world_size; }
 
 Status RankGroup::AllReduceSum(std::vector<at::Tensor>& tensors, const std::string& what) {
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = impl_->timeout;
-  return impl_->EachTensor(
-      tensors, what, [&](std::vector<at::Tensor>& one) { return impl_->pg->allreduce(one, opts); });
+  return impl_->EachTensor(tensors, what, [&](c10d::Backend& b, std::vector<at::Tensor>& one) {
+    return b.allreduce(one, opts);
+  });
 }
 
 Status RankGroup::AllReduceMax(std::vector<at::Tensor>& tensors, const std::string& what) {
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::MAX;
   opts.timeout = impl_->timeout;
-  return impl_->EachTensor(
-      tensors, what, [&](std::vector<at::Tensor>& one) { return impl_->pg->allreduce(one, opts); });
+  return impl_->EachTensor(tensors, what, [&](c10d::Backend& b, std::vector<at::Tensor>& one) {
+    return b.allreduce(one, opts);
+  });
 }
 
 Status RankGroup::Broadcast(std::vector<at::Tensor>& tensors, const std::string& what) {
   c10d::BroadcastOptions opts;
   opts.rootRank = 0;
   opts.timeout = impl_->timeout;
-  return impl_->EachTensor(
-      tensors, what, [&](std::vector<at::Tensor>& one) { return impl_->pg->broadcast(one, opts); });
+  return impl_->EachTensor(tensors, what, [&](c10d::Backend& b, std::vector<at::Tensor>& one) {
+    return b.broadcast(one, opts);
+  });
 }
 
 Status RankGroup::ReduceScatterSum(const at::Tensor& input, at::Tensor& output,
@@ -224,14 +252,14 @@ Status RankGroup::ReduceScatterSum(const at::Tensor& input, at::Tensor& output,
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = impl_->timeout;
   at::Tensor in = input;
-  return impl_->Run(what, [&] { return impl_->pg->_reduce_scatter_base(output, in, opts); });
+  return impl_->Run(what, [&] { return impl_->For(in)._reduce_scatter_base(output, in, opts); });
 }
 
 Status RankGroup::AllGather(const at::Tensor& input, at::Tensor& output, const std::string& what) {
   c10d::AllgatherOptions opts;
   opts.timeout = impl_->timeout;
   at::Tensor in = input;
-  return impl_->Run(what, [&] { return impl_->pg->_allgather_base(output, in, opts); });
+  return impl_->Run(what, [&] { return impl_->For(in)._allgather_base(output, in, opts); });
 }
 
 Status RankGroup::Post(const std::string& command) {
@@ -281,10 +309,12 @@ StatusOr<std::string> RankGroup::Next(std::chrono::milliseconds poll) {
 class RankGroup::Impl {};
 RankGroup::RankGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 RankGroup::~RankGroup() = default;
-StatusOr<std::unique_ptr<RankGroup>> RankGroup::Join(const RankEnv&, std::chrono::milliseconds) {
+StatusOr<std::unique_ptr<RankGroup>> RankGroup::Join(const RankEnv&, std::chrono::milliseconds,
+                                                     const at::Device&) {
   return Status::Unimplemented("learner ranks need Gloo: built with GRPO_WITH_GLOO=OFF");
 }
 int RankGroup::rank() const { return 0; }
+std::string RankGroup::cuda_backend() const { return "none"; }
 int RankGroup::world_size() const { return 1; }
 Status RankGroup::AllReduceSum(std::vector<at::Tensor>&, const std::string&) {
   return Status::Unimplemented("built without Gloo");

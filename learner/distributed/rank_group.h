@@ -1,8 +1,10 @@
 // RankGroup: the learner's ranks as real processes on PyTorch's c10d (docs/ARCHITECTURE.md
 // "Learner ranks"): the world from torchrun's environment, a TCPStore served by rank 0 at
-// MASTER_ADDR:MASTER_PORT for the rendezvous, a ProcessGroupGloo over it for the collectives
-// (every one bounded by rank_timeout_seconds), and a command channel on the same store by which
-// rank 0 (the service) tells the other ranks (trainers) what to do next.
+// MASTER_ADDR:MASTER_PORT for the rendezvous, a ProcessGroupGloo over it for the collectives of
+// CPU tensors and, on a GPU where the build has c10d's NCCL (GRPO_HAVE_C10D_NCCL), a
+// ProcessGroupNCCL for those of CUDA tensors (Gloo otherwise; every collective bounded by
+// rank_timeout_seconds), and a command channel on the same store by which rank 0 (the service)
+// tells the other ranks (trainers) what to do next.
 #pragma once
 
 #include <chrono>
@@ -39,9 +41,13 @@ class RankGroup final : public Collectives {
  public:
   // Joins the group: rank 0 serves the store and waits for the other ranks, which connect to
   // it, all within `timeout` (also the deadline of every collective). DeadlineExceeded naming
-  // the ranks still missing; Unimplemented when built without Gloo.
+  // the ranks still missing; Unimplemented when built without Gloo. With a CUDA `device` (the
+  // rank's, cuda:LOCAL_RANK) CUDA tensors go over NCCL where it is built.
   static StatusOr<std::unique_ptr<RankGroup>> Join(const RankEnv& env,
-                                                   std::chrono::milliseconds timeout);
+                                                   std::chrono::milliseconds timeout,
+                                                   const at::Device& device = at::kCPU);
+  // The backend of CUDA tensors' collectives: "nccl", or "gloo".
+  std::string cuda_backend() const;
   ~RankGroup() override;
 
   int rank() const override;

@@ -129,7 +129,7 @@ int RunLearner(const LearnerOptions& o) {
   if (rank_env->world_size > 1) {
     const auto timeout = std::chrono::milliseconds(
         static_cast<int64_t>(std::ceil(cfg.rank_timeout_seconds * 1000.0)));
-    auto joined = learner::distributed::RankGroup::Join(*rank_env, timeout);
+    auto joined = learner::distributed::RankGroup::Join(*rank_env, timeout, *device);
     if (!joined.ok()) return fail(joined.status());
     ranks = std::move(joined).value();
     if (rank_env->rank > 0) return RunTrainerRank(cfg, *device, *ranks);
