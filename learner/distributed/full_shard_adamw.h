@@ -92,6 +92,12 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   int64_t LargestUnitBytes() const;
 
  private:
+  // A StatePiece and where it starts in this rank's shard buffers.
+  struct StateRun {
+    StatePiece piece;
+    int64_t shard_offset = 0;
+  };
+  std::vector<StateRun> StateRuns() const;
   struct Unit {
     std::vector<size_t> params;    // indices in params_
     std::vector<int64_t> offsets;  // of each in the flat buffer

@@ -627,17 +627,22 @@ std::vector<RunResult> TrainPartOnRanks(int world, size_t first, size_t last,
   return results;
 }
 
+// The uninterrupted single rank's run, its weights and the steps after batch 0 (which takes
+// steps 1-4): what a run resumed from a checkpoint of step 4 must take.
+RunResult UninterruptedAfterBatchZero() {
+  RunResult r = Train(RankConfig("dapo", 1), nullptr);
+  if (r.steps.size() >= 4) r.steps.erase(r.steps.begin(), r.steps.begin() + 4);
+  return r;
+}
+
 // Checkpoints are rank 0's whole state: one saved at 2 ranks resumes at 1 and one saved at 1
 // resumes at 2, and the resumed steps are those of an uninterrupted single-rank run.
 TEST(DataParallelCheckpoints, ResumeAtAnotherWorldSizeTakesTheUninterruptedSteps) {
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / ("grpo_dp_ckpt_" + std::to_string(::getpid()));
   fs::remove_all(dir);
-  const RunResult uninterrupted = Train(RankConfig("dapo", 1), nullptr);
-  ASSERT_TRUE(uninterrupted.error.empty()) << uninterrupted.error;
-  RunResult tail_of_reference = uninterrupted;
-  tail_of_reference.steps.erase(tail_of_reference.steps.begin(),
-                                tail_of_reference.steps.begin() + 4);  // batch 0 takes steps 1-4
+  const RunResult tail_of_reference = UninterruptedAfterBatchZero();
+  ASSERT_TRUE(tail_of_reference.error.empty()) << tail_of_reference.error;
 
   // Saved at 2 ranks after batch 0, resumed at 1.
   const std::vector<RunResult> two = TrainPartOnRanks(2, 0, 1, "", (dir / "at2").string());
@@ -672,11 +677,8 @@ TEST_P(ShardedCheckpoints, ResumeAtAnotherWorldSize) {
   const fs::path dir =
       fs::temp_directory_path() / ("grpo_dp_" + mode + "_ckpt_" + std::to_string(::getpid()));
   fs::remove_all(dir);
-  const RunResult uninterrupted = Train(RankConfig("dapo", 1), nullptr);
-  ASSERT_TRUE(uninterrupted.error.empty()) << uninterrupted.error;
-  RunResult tail_of_reference = uninterrupted;
-  tail_of_reference.steps.erase(tail_of_reference.steps.begin(),
-                                tail_of_reference.steps.begin() + 4);
+  const RunResult tail_of_reference = UninterruptedAfterBatchZero();
+  ASSERT_TRUE(tail_of_reference.error.empty()) << tail_of_reference.error;
 
   const std::vector<RunResult> four = TrainPartOnRanks(4, 0, 1, "", (dir / "at4").string(), mode);
   for (int r = 0; r < 4; ++r) ASSERT_TRUE(four[r].error.empty()) << r << ": " << four[r].error;
@@ -733,11 +735,8 @@ TEST_P(ShardedCheckpoints, RanksThatDoNotShareTheDirectoryGatherTheStateThroughR
   const fs::path dir =
       fs::temp_directory_path() / ("grpo_dp_" + mode + "_blind_" + std::to_string(::getpid()));
   fs::remove_all(dir);
-  const RunResult uninterrupted = Train(RankConfig("dapo", 1), nullptr);
-  ASSERT_TRUE(uninterrupted.error.empty()) << uninterrupted.error;
-  RunResult tail_of_reference = uninterrupted;
-  tail_of_reference.steps.erase(tail_of_reference.steps.begin(),
-                                tail_of_reference.steps.begin() + 4);
+  const RunResult tail_of_reference = UninterruptedAfterBatchZero();
+  ASSERT_TRUE(tail_of_reference.error.empty()) << tail_of_reference.error;
   TEST_state_shard_probe = [](int rank) { return rank != 2; };
   const std::vector<RunResult> four = TrainPartOnRanks(4, 0, 1, "", (dir / "at4").string(), mode);
   TEST_state_shard_probe = nullptr;
