@@ -114,18 +114,13 @@ class StepOptimizer {
     std::string param;
     int64_t offset = 0;  // in the parameter, flattened
     int64_t numel = 0;
+    at::Tensor moments[2];  // 1-D views of exp_avg, exp_avg_sq in this rank's state (numel)
   };
   // This rank's runs, in a fixed order, when the AdamW state is sharded over the ranks (every
   // element of every parameter in exactly one rank's runs); empty when each rank holds the
-  // whole state (then a checkpoint holds it whole, in optimizer.safetensors).
-  virtual std::vector<StatePiece> StatePieces() const { return {}; }
-  // 1-D views of run i's moments in this rank's state (`which` 0: exp_avg, 1: exp_avg_sq), to
-  // read or overwrite in place.
-  virtual at::Tensor StatePieceView(size_t i, int which) {
-    (void)i;
-    (void)which;
-    return at::Tensor();
-  }
+  // whole state (then a checkpoint holds it whole, in optimizer.safetensors). The views read
+  // and overwrite the live state.
+  virtual std::vector<StatePiece> StatePieces() { return {}; }
   // AdamW's step count, after the runs were overwritten from a checkpoint.
   virtual void SetStepCount(int64_t step) { (void)step; }
   // Rank 0: a checkpoint directory of per-rank shard files that GrpoTrainer::SyncFromRankZero

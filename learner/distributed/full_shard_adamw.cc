@@ -419,32 +419,24 @@ Status FullShardAdamW::SyncFromRankZero(const std::string& what) {
 
 // This rank's chunk [rank x chunk, (rank + 1) x chunk) of each unit's flat buffer, cut at its
 // parameters' bounds (the padding at the end of the last chunk belongs to no parameter).
-std::vector<FullShardAdamW::StateRun> FullShardAdamW::StateRuns() const {
-  std::vector<StateRun> out;
+std::vector<StepOptimizer::StatePiece> FullShardAdamW::StatePieces() {
+  std::vector<StatePiece> out;
   const int64_t rank = ranks_->rank();
   for (const Unit& u : units_) {
     const int64_t lo = rank * u.chunk, hi = lo + u.chunk;
     for (size_t k = 0; k < u.params.size(); ++k) {
       const int64_t begin = u.offsets[k], end = begin + params_[u.params[k]].second.numel();
       const int64_t a = std::max(lo, begin), b = std::min(hi, end);
-      if (a < b) {
-        out.push_back({{params_[u.params[k]].first, a - begin, b - a}, u.shard_offset + (a - lo)});
-      }
+      if (a >= b) continue;
+      const int64_t at_shard = u.shard_offset + (a - lo);
+      out.push_back(
+          {params_[u.params[k]].first,
+           a - begin,
+           b - a,
+           {exp_avg_.narrow(0, at_shard, b - a), exp_avg_sq_.narrow(0, at_shard, b - a)}});
     }
   }
   return out;
-}
-
-std::vector<StepOptimizer::StatePiece> FullShardAdamW::StatePieces() const {
-  std::vector<StatePiece> out;
-  for (const StateRun& run : StateRuns()) out.push_back(run.piece);
-  return out;
-}
-
-at::Tensor FullShardAdamW::StatePieceView(size_t i, int which) {
-  const std::vector<StateRun> runs = StateRuns();
-  if (i >= runs.size()) return at::Tensor();
-  return (which == 0 ? exp_avg_ : exp_avg_sq_).narrow(0, runs[i].shard_offset, runs[i].piece.numel);
 }
 
 StatusOr<common::NamedTensors> FullShardAdamW::GatherWeights(const std::string& what,

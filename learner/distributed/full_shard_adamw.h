@@ -69,8 +69,7 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   StatusOr<common::NamedTensors> StateDict(const std::string& what) override;
   Status LoadStateDict(const common::NamedTensors& state) override;
   Status SyncFromRankZero(const std::string& what) override;
-  std::vector<StatePiece> StatePieces() const override;
-  at::Tensor StatePieceView(size_t i, int which) override;
+  std::vector<StatePiece> StatePieces() override;
   void SetStepCount(int64_t step) override { step_ = step; }
   int64_t ResidentBytes() const override;
   int64_t ResidentParameterBytes() const override;
@@ -92,12 +91,6 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   int64_t LargestUnitBytes() const;
 
  private:
-  // A StatePiece and where it starts in this rank's shard buffers.
-  struct StateRun {
-    StatePiece piece;
-    int64_t shard_offset = 0;
-  };
-  std::vector<StateRun> StateRuns() const;
   struct Unit {
     std::vector<size_t> params;    // indices in params_
     std::vector<int64_t> offsets;  // of each in the flat buffer

@@ -331,27 +331,19 @@ Status ShardedAdamW::SyncFromRankZero(const std::string& what) {
   return Status::OK();
 }
 
-std::vector<StepOptimizer::StatePiece> ShardedAdamW::StatePieces() const {
+std::vector<StepOptimizer::StatePiece> ShardedAdamW::StatePieces() {
   std::vector<StatePiece> out;
   for (const Bucket& b : buckets_) {
     for (const Piece& piece : b.mine) {
-      out.push_back({params_[piece.param].first, piece.param_offset, piece.numel});
+      const int64_t at_shard = b.shard_offset + piece.chunk_offset;
+      out.push_back({params_[piece.param].first,
+                     piece.param_offset,
+                     piece.numel,
+                     {exp_avg_.narrow(0, at_shard, piece.numel),
+                      exp_avg_sq_.narrow(0, at_shard, piece.numel)}});
     }
   }
   return out;
-}
-
-at::Tensor ShardedAdamW::StatePieceView(size_t i, int which) {
-  for (const Bucket& b : buckets_) {
-    if (i >= b.mine.size()) {
-      i -= b.mine.size();
-      continue;
-    }
-    const Piece& piece = b.mine[i];
-    return (which == 0 ? exp_avg_ : exp_avg_sq_)
-        .narrow(0, b.shard_offset + piece.chunk_offset, piece.numel);
-  }
-  return at::Tensor();
 }
 
 int64_t ShardedAdamW::ResidentBytes() const {

@@ -65,8 +65,7 @@ class ShardedAdamW final : public StepOptimizer {
   StatusOr<common::NamedTensors> StateDict(const std::string& what) override;
   Status LoadStateDict(const common::NamedTensors& state) override;
   Status SyncFromRankZero(const std::string& what) override;
-  std::vector<StatePiece> StatePieces() const override;
-  at::Tensor StatePieceView(size_t i, int which) override;
+  std::vector<StatePiece> StatePieces() override;
   void SetStepCount(int64_t step) override { step_ = step; }
   int64_t ResidentBytes() const override;
   int64_t ResidentParameterBytes() const override;

@@ -65,9 +65,9 @@ Status WriteStateShard(StepOptimizer& optimizer, const std::string& path, int ra
   try {
     at::NoGradGuard no_grad;
     for (int which : {0, 1}) {
-      for (size_t i = 0; i < pieces.size(); ++i) {
-        runs.emplace_back(RunName(which, pieces[i].param, pieces[i].offset),
-                          optimizer.StatePieceView(i, which).to(at::kCPU, at::kFloat).clone());
+      for (const StepOptimizer::StatePiece& piece : pieces) {
+        runs.emplace_back(RunName(which, piece.param, piece.offset),
+                          piece.moments[which].to(at::kCPU, at::kFloat).clone());
       }
     }
   } catch (const c10::Error& e) {
@@ -176,9 +176,8 @@ Status StateShards::Read(const std::string& param, int which, int64_t offset,
 Status LoadStateShards(const StateShards& shards, StepOptimizer& optimizer) {
   const std::vector<StepOptimizer::StatePiece> pieces = optimizer.StatePieces();
   for (int which : {0, 1}) {
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      RETURN_IF_ERROR(shards.Read(pieces[i].param, which, pieces[i].offset,
-                                  optimizer.StatePieceView(i, which)));
+    for (const StepOptimizer::StatePiece& piece : pieces) {
+      RETURN_IF_ERROR(shards.Read(piece.param, which, piece.offset, piece.moments[which]));
     }
   }
   optimizer.SetStepCount(shards.step());

@@ -669,20 +669,36 @@ TEST(DataParallelCheckpoints, ResumeAtAnotherWorldSizeTakesTheUninterruptedSteps
 // shard of rank 0's restored state); every resumed run takes the uninterrupted single rank's steps.
 // full_shard's also loads in a single-rank Model (Model::Load, the Hugging Face layout) with the
 // sharded run's weights.
-class ShardedCheckpoints : public ::testing::TestWithParam<const char*> {};
+class ShardedCheckpoints : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    mode_ = GetParam();
+    std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::replace(test.begin(), test.end(), '/', '_');
+    dir_ = std::filesystem::temp_directory_path() /
+           ("grpo_dp_" + mode_ + "_" + test + "_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir_);
+    tail_of_reference_ = UninterruptedAfterBatchZero();
+    ASSERT_TRUE(tail_of_reference_.error.empty()) << tail_of_reference_.error;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // Batch 0 at 4 ranks of this mode, saved at its end (checkpoint-4 under at4/): each rank's run.
+  std::vector<RunResult> SaveAtFourRanks() const {
+    return TrainPartOnRanks(4, 0, 1, "", (dir_ / "at4").string(), mode_);
+  }
+  std::filesystem::path At4() const { return dir_ / "at4" / "checkpoint-4"; }
+
+  std::string mode_;
+  std::filesystem::path dir_;
+  RunResult tail_of_reference_;  // the uninterrupted single rank's steps after batch 0
+};
 
 TEST_P(ShardedCheckpoints, ResumeAtAnotherWorldSize) {
   namespace fs = std::filesystem;
-  const std::string mode = GetParam();
-  const fs::path dir =
-      fs::temp_directory_path() / ("grpo_dp_" + mode + "_ckpt_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  const RunResult tail_of_reference = UninterruptedAfterBatchZero();
-  ASSERT_TRUE(tail_of_reference.error.empty()) << tail_of_reference.error;
-
-  const std::vector<RunResult> four = TrainPartOnRanks(4, 0, 1, "", (dir / "at4").string(), mode);
+  const std::vector<RunResult> four = SaveAtFourRanks();
   for (int r = 0; r < 4; ++r) ASSERT_TRUE(four[r].error.empty()) << r << ": " << four[r].error;
-  const std::string at4 = (dir / "at4" / "checkpoint-4").string();
+  const std::string at4 = At4().string();
   // Each rank wrote its own shard of AdamW's state: every element of every parameter once, in
   // about a quarter each (a unit's or bucket's padding is at most 3 elements, on the last ranks).
   EXPECT_FALSE(fs::exists(fs::path(at4) / "optimizer.safetensors"));
@@ -703,7 +719,7 @@ TEST_P(ShardedCheckpoints, ResumeAtAnotherWorldSize) {
     held += mine;
   }
   EXPECT_EQ(held, total);
-  if (mode == "full_shard") {
+  if (mode_ == "full_shard") {
     auto loaded = common::Model::Load(at4);
     ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
     const std::vector<at::Tensor> saved = (*loaded)->Parameters();
@@ -712,18 +728,17 @@ TEST_P(ShardedCheckpoints, ResumeAtAnotherWorldSize) {
       EXPECT_TRUE(saved[i].equal(four[0].weights[i])) << "parameter " << i;
     }
   }
-  const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4, "", mode);
-  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(two[r], tail_of_reference, r);
+  const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4, "", mode_);
+  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(two[r], tail_of_reference_, r);
   ExpectSameAsSingleRank(TrainPart(RankConfig("dapo", 1), nullptr, 1, 2, at4, ""),
-                         tail_of_reference, 0);
+                         tail_of_reference_, 0);
 
   const RunResult first =
-      TrainPart(RankConfig("dapo", 1), nullptr, 0, 1, "", (dir / "at1").string());
+      TrainPart(RankConfig("dapo", 1), nullptr, 0, 1, "", (dir_ / "at1").string());
   ASSERT_TRUE(first.error.empty()) << first.error;
   const std::vector<RunResult> resumed =
-      TrainPartOnRanks(2, 1, 2, (dir / "at1" / "checkpoint-4").string(), "", mode);
-  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
-  fs::remove_all(dir);
+      TrainPartOnRanks(2, 1, 2, (dir_ / "at1" / "checkpoint-4").string(), "", mode_);
+  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference_, r);
 }
 
 // Ranks that do not see rank 0's checkpoint directory (output_dir not shared: the probe fails
@@ -731,17 +746,11 @@ TEST_P(ShardedCheckpoints, ResumeAtAnotherWorldSize) {
 // sharded ranks with the uninterrupted run's steps.
 TEST_P(ShardedCheckpoints, RanksThatDoNotShareTheDirectoryGatherTheStateThroughRankZero) {
   namespace fs = std::filesystem;
-  const std::string mode = GetParam();
-  const fs::path dir =
-      fs::temp_directory_path() / ("grpo_dp_" + mode + "_blind_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  const RunResult tail_of_reference = UninterruptedAfterBatchZero();
-  ASSERT_TRUE(tail_of_reference.error.empty()) << tail_of_reference.error;
   TEST_state_shard_probe = [](int rank) { return rank != 2; };
-  const std::vector<RunResult> four = TrainPartOnRanks(4, 0, 1, "", (dir / "at4").string(), mode);
+  const std::vector<RunResult> four = SaveAtFourRanks();
   TEST_state_shard_probe = nullptr;
   for (int r = 0; r < 4; ++r) ASSERT_TRUE(four[r].error.empty()) << r << ": " << four[r].error;
-  const fs::path at4 = dir / "at4" / "checkpoint-4";
+  const fs::path at4 = At4();
   EXPECT_TRUE(fs::exists(at4 / "optimizer.safetensors"));
   for (const auto& e : fs::directory_iterator(at4)) {
     EXPECT_EQ(e.path().filename().string().rfind("optimizer-rank-", 0), std::string::npos)
@@ -749,9 +758,8 @@ TEST_P(ShardedCheckpoints, RanksThatDoNotShareTheDirectoryGatherTheStateThroughR
     EXPECT_NE(e.path().filename().string(), ".shard-probe");
   }
   EXPECT_TRUE(VerifyCheckpoint(at4.string()).ok());
-  const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4.string(), "", mode);
-  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(two[r], tail_of_reference, r);
-  fs::remove_all(dir);
+  const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4.string(), "", mode_);
+  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(two[r], tail_of_reference_, r);
 }
 
 INSTANTIATE_TEST_SUITE_P(DataParallelCheckpoints, ShardedCheckpoints,
