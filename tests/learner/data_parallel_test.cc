@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -154,6 +155,19 @@ RunResult Train(const common::GrpoConfig& cfg, Collectives* ranks) {
   return out;
 }
 
+// Train on `world` thread ranks over a fake group, rank r with config(r).
+std::vector<RunResult> TrainOnRanks(int world,
+                                    const std::function<common::GrpoConfig(int rank)>& config) {
+  FakeRankGroup group(world, std::chrono::seconds(60));
+  std::vector<RunResult> results(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] { results[r] = Train(config(r), &group.Rank(r)); });
+  }
+  for (auto& t : threads) t.join();
+  return results;
+}
+
 // torch.testing.assert_close's rule, |a - b| <= atol + rtol |b|, with rtol 1e-5 and atol 1e-6:
 // a loss is a sum of terms of both signs (advantages sum to ~0 in a group), so its relative
 // rounding error can exceed its terms' (grpo's partial step 7: 6.6e-7 apart at -0.0378).
@@ -215,14 +229,8 @@ TEST_P(DataParallel, RanksOverThreadsTakeTheSingleRanksSteps) {
   ASSERT_TRUE(single.error.empty()) << single.error;
   // 8 + 6 micro-batches x 2 iterations = 28 = 7 steps of 4.
   ASSERT_EQ(single.steps.size(), 7u);
-  FakeRankGroup group(world, std::chrono::seconds(60));
-  std::vector<RunResult> results(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back(
-        [&, r] { results[r] = Train(RankConfig(loss_type, world, fsdp), &group.Rank(r)); });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<RunResult> results =
+      TrainOnRanks(world, [&](int) { return RankConfig(loss_type, world, fsdp); });
   for (int r = 0; r < world; ++r) ExpectSameAsSingleRank(results[r], single, r);
 }
 
@@ -250,17 +258,11 @@ TEST_P(DataParallelFullShard, RanksOverThreadsTakeTheSingleRanksSteps) {
   const RunResult single = Train(one, nullptr);
   ASSERT_TRUE(single.error.empty()) << single.error;
   ASSERT_EQ(single.steps.size(), 7u);
-  FakeRankGroup group(world, std::chrono::seconds(60));
-  std::vector<RunResult> results(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      common::GrpoConfig cfg = RankConfig(loss_type, world, "full_shard");
-      cfg.gradient_checkpointing = checkpointing;
-      results[r] = Train(cfg, &group.Rank(r));
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<RunResult> results = TrainOnRanks(world, [&](int) {
+    common::GrpoConfig cfg = RankConfig(loss_type, world, "full_shard");
+    cfg.gradient_checkpointing = checkpointing;
+    return cfg;
+  });
   for (int r = 0; r < world; ++r) ExpectSameAsSingleRank(results[r], single, r);
 }
 
@@ -962,18 +964,12 @@ TEST_P(DataParallelDumps, RankZerosDumpsAreTheSingleRanks) {
   const RunResult single = Train(one, nullptr);
   ASSERT_TRUE(single.error.empty()) << single.error;
   ASSERT_EQ(single.steps.size(), 7u);
-  FakeRankGroup group(world, std::chrono::seconds(60));
-  std::vector<RunResult> results(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      common::GrpoConfig cfg = RankConfig("grpo", world, fsdp);
-      cfg.beta = beta;
-      cfg.dump_batches_dir = dir + "/rank" + std::to_string(r);
-      results[r] = Train(cfg, &group.Rank(r));
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<RunResult> results = TrainOnRanks(world, [&](int r) {
+    common::GrpoConfig cfg = RankConfig("grpo", world, fsdp);
+    cfg.beta = beta;
+    cfg.dump_batches_dir = dir + "/rank" + std::to_string(r);
+    return cfg;
+  });
   for (int r = 0; r < world; ++r) ExpectSameAsSingleRank(results[r], single, r);
   for (int r = 1; r < world; ++r) {
     EXPECT_FALSE(std::filesystem::exists(dir + "/rank" + std::to_string(r))) << "rank " << r;
