@@ -356,12 +356,14 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
                                      t->compute_ ? t->compute_->Parameters() : policy->Parameters(),
                                      AdamWOptions{config.adam_beta1, config.adam_beta2,
                                                   config.adam_epsilon, config.weight_decay},
-                                     t->ranks_, policy));
+                                     t->ranks_, policy, t->compute_.get()));
   return t;
 }
 
+// Not with sharded parameters (full_shard): the gate takes the compute copy's gradients, and
+// each gather casts the fp32 shard to the copy's dtype.
 void GrpoTrainer::MoveComputeGradsToMaster() {
-  if (!compute_) return;
+  if (!compute_ || optimizer_->ShardsParameters()) return;
   at::NoGradGuard no_grad;
   const std::vector<at::Tensor> master = policy_->Parameters();
   const std::vector<at::Tensor> compute = compute_->Parameters();
@@ -379,7 +381,7 @@ void GrpoTrainer::MoveComputeGradsToMaster() {
 }
 
 void GrpoTrainer::RefreshComputeCopy() {
-  if (!compute_) return;
+  if (!compute_ || optimizer_->ShardsParameters()) return;
   at::NoGradGuard no_grad;
   const std::vector<at::Tensor> master = policy_->Parameters();
   std::vector<at::Tensor> compute = compute_->Parameters();

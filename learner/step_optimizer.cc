@@ -110,7 +110,8 @@ class ReplicatedAdamW final : public StepOptimizer {
 
 StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
     const common::FsdpSpec& fsdp, common::NamedTensors params, std::vector<at::Tensor> compute,
-    AdamWOptions options, distributed::Collectives* ranks, common::Model* model) {
+    AdamWOptions options, distributed::Collectives* ranks, common::Model* model,
+    common::Model* compute_model) {
   const int world = ranks->world_size();
   if (world == 1 || fsdp.mode == common::FsdpMode::kNoShard) {
     return std::unique_ptr<StepOptimizer>(new ReplicatedAdamW(std::move(params), options, ranks));
@@ -121,12 +122,12 @@ StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
                                        distributed::kDefaultBucketBytes));
     return std::unique_ptr<StepOptimizer>(std::move(sharded));
   }
-  if (model == nullptr || compute.empty() || !compute.front().is_same(params.front().second)) {
-    return Status::Unimplemented(
-        "config key 'fsdp': full_shard at several learner ranks is built for fp32 training "
-        "(bf16: false) only: the bf16 compute copy is not sharded yet");
+  const bool own_compute = !compute.empty() && compute.front().is_same(params.front().second);
+  if (model == nullptr || (!own_compute && compute_model == nullptr)) {
+    return Status::InvalidArgument("full_shard at several ranks needs the model it shards");
   }
-  ASSIGN_OR_RETURN(auto full, distributed::FullShardAdamW::Create(model, options, ranks));
+  ASSIGN_OR_RETURN(auto full, distributed::FullShardAdamW::Create(
+                                  model, options, ranks, own_compute ? nullptr : compute_model));
   return std::unique_ptr<StepOptimizer>(std::move(full));
 }
 

@@ -131,11 +131,12 @@ class StepOptimizer {
 // The StepOptimizer of `fsdp` at `ranks`' world size over `params` (borrowed: shared storage,
 // the fp32 master with bf16); `compute` are the tensors backward accumulates into, in the same
 // order (the bf16 copy's parameters, or `params`' own). full_shard at several ranks shards
-// `model` (borrowed, whose parameters `params` are; fp32, no bf16 copy: Unimplemented
-// otherwise), sets itself as its parameter gate and is a collective (rank 0's weights are
-// broadcast while they are cut into shards).
+// `model` (borrowed, whose parameters `params` are; fp32), sets itself as the parameter gate of
+// `compute_model` (borrowed: the bf16 copy whose parameters `compute` are) or, without one, of
+// `model`, and is a collective (rank 0's weights are broadcast while they are cut into shards).
 StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
     const common::FsdpSpec& fsdp, common::NamedTensors params, std::vector<at::Tensor> compute,
-    AdamWOptions options, distributed::Collectives* ranks, common::Model* model = nullptr);
+    AdamWOptions options, distributed::Collectives* ranks, common::Model* model = nullptr,
+    common::Model* compute_model = nullptr);
 
 }  // namespace grpo::learner

@@ -41,28 +41,46 @@ FullShardAdamW::~FullShardAdamW() {
 
 StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* model,
                                                                  AdamWOptions options,
-                                                                 Collectives* ranks) {
+                                                                 Collectives* ranks,
+                                                                 common::Model* compute) {
   if (ranks == nullptr || ranks->world_size() < 1) {
     return Status::InvalidArgument("FullShardAdamW: no rank group");
   }
   if (model == nullptr) return Status::InvalidArgument("FullShardAdamW: no model");
-  if (model->parameter_gate() != nullptr) {
+  common::Model* gated = compute != nullptr ? compute : model;
+  if (gated->parameter_gate() != nullptr) {
     return Status::InvalidArgument("FullShardAdamW: the model already has a parameter gate");
   }
-  for (const auto& [name, p] : model->NamedParameters()) {
+  common::NamedTensors master = model->NamedParameters();
+  for (const auto& [name, p] : master) {
     if (!p.is_contiguous() || p.scalar_type() != at::kFloat || p.device() != model->device()) {
       return Status::InvalidArgument("FullShardAdamW: parameter '" + name +
                                      "' is not contiguous fp32 on the model's device");
     }
   }
-  std::unique_ptr<FullShardAdamW> s(new FullShardAdamW(model, options, ranks));
+  if (compute != nullptr) {
+    const common::NamedTensors copy = compute->NamedParameters();
+    const at::ScalarType dtype = copy.empty() ? at::kFloat : copy.front().second.scalar_type();
+    bool same = copy.size() == master.size() && at::isFloatingType(dtype);
+    for (size_t i = 0; same && i < copy.size(); ++i) {
+      const at::Tensor& c = copy[i].second;
+      same = copy[i].first == master[i].first && c.sizes() == master[i].second.sizes() &&
+             c.scalar_type() == dtype && c.is_contiguous() && c.device() == model->device();
+    }
+    if (!same) {
+      return Status::InvalidArgument(
+          "FullShardAdamW: the compute copy's parameters are not the model's, contiguous in one "
+          "floating dtype on its device");
+    }
+  }
+  std::unique_ptr<FullShardAdamW> s(new FullShardAdamW(gated, options, ranks));
   std::unordered_map<std::string, size_t> index;
   for (size_t i = 0; i < s->params_.size(); ++i) index[s->params_[i].first] = i;
   const int64_t world = ranks->world_size();
   int64_t shard_numel = 0;
-  for (int u = 0; u < model->NumUnits(); ++u) {
+  for (int u = 0; u < gated->NumUnits(); ++u) {
     Unit unit;
-    for (const auto& [name, p] : model->UnitParameters(u)) {
+    for (const auto& [name, p] : gated->UnitParameters(u)) {
       unit.params.push_back(index.at(name));
       unit.offsets.push_back(unit.numel);
       unit.numel += p.numel();
@@ -72,7 +90,7 @@ StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* 
     shard_numel += unit.chunk;
     s->units_.push_back(std::move(unit));
   }
-  const auto opts = s->params_.front().second.options().requires_grad(false);
+  const auto opts = master.front().second.options().requires_grad(false);
   s->weight_shard_ = at::zeros({shard_numel}, opts);
   s->grad_shard_ = at::zeros({shard_numel}, opts);
   s->exp_avg_ = at::zeros({shard_numel}, opts);
@@ -81,22 +99,32 @@ StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* 
   at::NoGradGuard no_grad;
   for (int u = 0; u < static_cast<int>(s->units_.size()); ++u) {
     Unit& unit = s->units_[u];
-    // Rank 0's values of the unit, whole on every rank for a moment; each keeps its chunk.
-    std::vector<at::Tensor> flat = {s->Pack(unit, [&](size_t i) { return s->params_[i].second; })};
+    // Rank 0's fp32 values of the unit, whole on every rank for a moment; each keeps its chunk.
+    std::vector<at::Tensor> flat = {s->Pack(unit, [&](size_t i) { return master[i].second; })};
     RETURN_IF_ERROR(ranks->Broadcast(
-        flat, "broadcast of rank 0's weights (" + UnitName(*model, u) + ") for full_shard"));
+        flat, "broadcast of rank 0's weights (" + UnitName(*gated, u) + ") for full_shard"));
     s->weight_shard_.narrow(0, unit.shard_offset, unit.chunk)
         .copy_(flat[0].narrow(0, ranks->rank() * unit.chunk, unit.chunk));
-    // The parameters become views of the unit's buffer (each keeps its own version counter:
-    // set_data keeps the tensor's), whose storage is then freed.
-    unit.flat = flat[0];
+    // The gated parameters become views of the unit's buffer (each keeps its own version
+    // counter: set_data keeps the tensor's), whose storage is then freed.
+    unit.flat = compute != nullptr
+                    ? at::empty({unit.chunk * world}, s->params_.front().second.options())
+                    : flat[0];
     for (size_t k = 0; k < unit.params.size(); ++k) {
       at::Tensor& p = s->params_[unit.params[k]].second;
       p.set_data(unit.flat.narrow(0, unit.offsets[k], p.numel()).view(p.sizes()));
     }
     s->Free(u);
   }
-  model->SetParameterGate(s.get());
+  if (compute != nullptr) {
+    // The fp32 master's values are the shards now: its parameters keep their shapes (names and
+    // shapes for checkpoints), not their memory.
+    for (auto& [name, p] : master) {
+      p.set_data(at::empty(p.sizes(), opts));
+      ResizeStorage(p, 0);
+    }
+  }
+  gated->SetParameterGate(s.get());
   return s;
 }
 
@@ -119,8 +147,10 @@ Status FullShardAdamW::Gather(int unit, const std::string& what) {
   u.gathered = true;
   max_gathered_ = std::max(max_gathered_, ++gathered_now_);
   ++all_gathers_;
-  return ranks_->AllGather(weight_shard_.narrow(0, u.shard_offset, u.chunk), u.flat,
-                           "all-gather of " + UnitName(*model_, unit) + what);
+  // With a compute copy, this rank's chunk in its dtype (bf16: half the bytes to send).
+  return ranks_->AllGather(
+      weight_shard_.narrow(0, u.shard_offset, u.chunk).to(u.flat.scalar_type()), u.flat,
+      "all-gather of " + UnitName(*model_, unit) + what);
 }
 
 void FullShardAdamW::Free(int unit) {
@@ -444,16 +474,20 @@ StatusOr<common::NamedTensors> FullShardAdamW::GatherWeights(const std::string& 
   at::NoGradGuard no_grad;
   const bool keep = every_rank || ranks_->rank() == 0;
   std::vector<at::Tensor> values(params_.size());
+  // The fp32 master weights, a unit at a time (not the compute copy's: with bf16 it would round
+  // them), copied to the CPU on the ranks that keep them.
   for (int unit = 0; unit < static_cast<int>(units_.size()); ++unit) {
-    const bool was_gathered = units_[unit].gathered;
-    RETURN_IF_ERROR(Gather(unit, " for " + what));
-    if (keep) {
-      for (size_t i : units_[unit].params) {
-        values[i] = params_[i].second.detach().to(at::kCPU, /*non_blocking=*/false,
-                                                  /*copy=*/true);
-      }
+    const Unit& u = units_[unit];
+    at::Tensor whole = at::empty({u.chunk * ranks_->world_size()}, weight_shard_.options());
+    RETURN_IF_ERROR(ranks_->AllGather(weight_shard_.narrow(0, u.shard_offset, u.chunk), whole,
+                                      "all-gather of " + UnitName(*model_, unit) + " for " + what));
+    if (!keep) continue;
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      const at::Tensor& p = params_[u.params[k]].second;
+      values[u.params[k]] = whole.narrow(0, u.offsets[k], p.numel())
+                                .view(p.sizes())
+                                .to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
     }
-    if (!was_gathered) Free(unit);
   }
   common::NamedTensors out;
   if (!keep) return out;
@@ -478,8 +512,8 @@ int64_t FullShardAdamW::ResidentParameterBytes() const {
 int64_t FullShardAdamW::LargestUnitBytes() const {
   int64_t bytes = 0;
   for (const Unit& u : units_) {
-    bytes = std::max(
-        bytes, u.chunk * ranks_->world_size() * static_cast<int64_t>(weight_shard_.element_size()));
+    bytes = std::max(bytes,
+                     u.chunk * ranks_->world_size() * static_cast<int64_t>(u.flat.element_size()));
   }
   return bytes;
 }

@@ -24,9 +24,16 @@
 //    (optimizer.h AdamWUpdate) updates the rank's chunk of each unit in place. Nothing is
 //    all-gathered after the step: the next forward gathers the new weights.
 //
-// fp32 only (no bf16 compute copy), and one forward at a time. A failed collective of the gate
-// is thrown as c10::Error whose message is the collective's Status (the trainer returns it as
-// Internal); the group is then not used again.
+// Mixed precision (`bf16`, as FSDP's MixedPrecision with param_dtype bf16 and reduce_dtype
+// fp32): the gate sits on the bf16 compute copy. The shards stay the fp32 master weights; a
+// gather casts this rank's chunk to bf16 and all-gathers that (half the bytes), the unit's bf16
+// gradient is reduce-scattered in fp32 into the fp32 gradient shard, and the master model's
+// parameters hold no memory at all: GatherWeights gathers the fp32 values. No bf16 copy lives
+// between uses, so the model state per rank is the fp32 case's.
+//
+// One forward at a time. A failed collective of the gate is thrown as c10::Error whose message
+// is the collective's Status (the trainer returns it as Internal); the group is then not used
+// again.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -49,11 +56,13 @@ namespace grpo::learner::distributed {
 class FullShardAdamW final : public StepOptimizer, public common::ParameterGate {
  public:
   // Shards `model` (borrowed; fp32, contiguous parameters on one device: InvalidArgument
-  // otherwise) over `ranks` (borrowed) and sets itself as the model's gate (unset when
-  // destroyed, the parameters then left without values). A collective: every rank's shard is
-  // cut from rank 0's weights.
+  // otherwise) over `ranks` (borrowed) and sets itself as the gate of the model that computes:
+  // `compute` (borrowed: `model`'s lower-precision copy, the same parameters in one floating
+  // dtype) when given, else `model` (unset when destroyed, the parameters then left without
+  // values). A collective: every rank's shard is cut from rank 0's weights.
   static StatusOr<std::unique_ptr<FullShardAdamW>> Create(common::Model* model,
-                                                          AdamWOptions options, Collectives* ranks);
+                                                          AdamWOptions options, Collectives* ranks,
+                                                          common::Model* compute = nullptr);
   ~FullShardAdamW() override;
 
   // StepOptimizer.
@@ -97,7 +106,7 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
     int64_t numel = 0;             // the parameters' elements
     int64_t chunk = 0;             // ceil(numel / world_size): one rank's part
     int64_t shard_offset = 0;      // where this rank's chunk starts in the shard buffers
-    at::Tensor flat;               // [chunk x world_size]: the parameters' storage
+    at::Tensor flat;  // [chunk x world_size], the compute dtype: the gated parameters' storage
     bool gathered = false;
   };
 
@@ -128,8 +137,8 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   void ThrowIfFailed(const Status& s);
   Status TakeError();
 
-  common::Model* model_;
-  common::NamedTensors params_;  // the model's, in NamedParameters' order
+  common::Model* model_;         // the gated one: the compute copy, or the fp32 model itself
+  common::NamedTensors params_;  // model_'s, in NamedParameters' order
   AdamWOptions options_;
   Collectives* ranks_;
   std::vector<Unit> units_;

@@ -64,8 +64,7 @@ ParameterCounts CountParameters(const common::ModelConfig& m) {
   return c;
 }
 
-bool FsdpBuilt(const common::FsdpSpec& fsdp, int world_size, const std::string& device, bool bf16) {
-  if (world_size > 1 && fsdp.mode == FsdpMode::kFullShard && bf16) return false;
+bool FsdpBuilt(const common::FsdpSpec& fsdp, const std::string& device) {
   return !fsdp.offload || !IsCuda(device);
 }
 
@@ -138,7 +137,14 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     p.adamw_state = adamw;
     p.optimizer_step = step;
   }
-  if (full) {
+  if (full && cfg.bf16 && !offload) {
+    // full_shard with bf16 as built (full_shard_adamw.h): no bf16 copy lives between uses; the
+    // fp32 shard is the master and the fp32 gradient shard its gradient (above), and a gather
+    // holds the unit's bf16 weights, its bf16 gradient and the fp32 flat it is reduced in.
+    p.parameters = 0;
+    p.gradients = 0;
+    p.gathered_layer = (2 * s + 4) * p.params.largest_unit;
+  } else if (full) {
     p.gathered_layer = 2 * s * p.params.largest_unit;  // the unit's weights and its gradient
   } else if (sharded) {
     p.gathered_layer = s * p.params.largest_unit;  // its gradient, before the reduce-scatter
@@ -369,7 +375,7 @@ StatusOr<bool> CandidateFits(const common::ModelConfig& m, const Candidate& c,
                              const SuggestOptions& o, MemoryPlan* out) {
   ASSIGN_OR_RETURN(MemoryPlan p, PlanMemory(m, c.config, c.world_size, device));
   *out = std::move(p);
-  if (o.built_only && !FsdpBuilt(out->fsdp, c.world_size, device, c.config.bf16)) return false;
+  if (o.built_only && !FsdpBuilt(out->fsdp, device)) return false;
   const bool host_ok =
       o.host_bytes <= 0 || out->device != "cuda" || out->HostTotal() <= o.host_bytes;
   return out->Fits(device_bytes) && host_ok;
@@ -490,21 +496,18 @@ StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::Grpo
     if (!with_ranks || s.plan.world_size < with_ranks->plan.world_size) with_ranks = std::move(s);
   }
   if (with_ranks) return *std::move(with_ranks);
-  // Nothing fits: say what every knob at its extreme still needs (today's trainer: more
-  // no_shard ranks divide nothing, so checkpointing and one row at these ranks).
-  Candidate floor{WithBatch(config, 1), o.built_only ? world_size : kMaxSuggestedWorldSize};
+  // Nothing fits: say what every knob at its extreme still needs (offload only where it is
+  // built, or for the change that would fit once it is).
+  Candidate floor{WithBatch(config, 1), kMaxSuggestedWorldSize};
   floor.config.gradient_checkpointing = true;
-  floor.config.fsdp = o.built_only               ? "no_shard"
-                      : current.device == "cuda" ? "full_shard offload"
-                                                 : "full_shard";
+  floor.config.fsdp =
+      current.device == "cuda" && !o.built_only ? "full_shard offload" : "full_shard";
   MemoryPlan least;
   RETURN_IF_ERROR(CandidateFits(m, floor, device, device_bytes, SuggestOptions{}, &least).status());
-  std::string msg =
-      o.built_only ? "nothing the trainer runs today fits " + FormatBytes(device_bytes) +
-                         " per rank: with gradient_checkpointing and 1 row"
-                   : "no change fits " + FormatBytes(device_bytes) +
-                         " per rank: with gradient_checkpointing, 1 row, " + floor.config.fsdp +
-                         " and " + std::to_string(kMaxSuggestedWorldSize) + " ranks";
+  std::string msg = (o.built_only ? "nothing the trainer runs today fits " : "no change fits ") +
+                    FormatBytes(device_bytes) + " per rank: with gradient_checkpointing, 1 row, " +
+                    floor.config.fsdp + " and " + std::to_string(kMaxSuggestedWorldSize) +
+                    " ranks";
   msg += " a rank still needs " + FormatBytes(least.Total());
   if (least.weight_snapshot > 0) {
     msg += " (the published weights " + FormatBytes(least.weight_snapshot) + ")";

@@ -140,14 +140,13 @@ struct Suggestion {
 };
 
 // Whether GrpoTrainer runs `fsdp` at `world_size` ranks on `device` today: no_shard (DDP),
-// shard_grad_op (ZeRO-2) and full_shard (ZeRO-3) at any world size, except full_shard with
-// `bf16` at several ranks (its compute copy is not sharded yet); offload on the CPU (where it
-// changes nothing). GrpoTrainer::Create refuses the rest as Unimplemented. The plan of
-// shard_grad_op is what is built (PlanMemory); of full_shard, ZeRO-3's arithmetic with one
-// gathered unit (the built trainer holds the lm_head and one layer at once, and the embedding's
-// and lm_head's whole .grad during backward: not counted yet); of offload, ZeRO's arithmetic.
-bool FsdpBuilt(const common::FsdpSpec& fsdp, int world_size, const std::string& device,
-               bool bf16 = false);
+// shard_grad_op (ZeRO-2) and full_shard (ZeRO-3) at any world size, with or without `bf16`;
+// offload on the CPU (where it changes nothing). GrpoTrainer::Create refuses the rest as
+// Unimplemented. The plan of shard_grad_op is what is built (PlanMemory); of full_shard,
+// ZeRO-3's arithmetic with one gathered unit (the built trainer holds the lm_head and one layer
+// at once, and the embedding's and lm_head's whole .grad during backward: not counted yet),
+// with bf16 as built (no bf16 copy between uses); of offload, ZeRO's arithmetic.
+bool FsdpBuilt(const common::FsdpSpec& fsdp, const std::string& device);
 
 struct SuggestOptions {
   // > 0 (CUDA): the host memory beside each GPU, which must hold HostTotal too (offload moves

@@ -254,7 +254,7 @@ int BenchSharding(const ShardingBenchOptions& o) {
     auto plan = dist::PlanMemory(model->config(), ShardingConfig(world, mode), world, "cpu");
     row["predicted_peak_bytes_per_rank"] = plan.ok() ? plan->TrainingPeak() : -1;
     row["zero_formula_model_state_bytes"] = ZeroFormulaBytes(mode, world, psi);
-    row["built"] = dist::FsdpBuilt(*common::ParseFsdp(mode), world, "cpu", /*bf16=*/false);
+    row["built"] = dist::FsdpBuilt(*common::ParseFsdp(mode), "cpu");
     if (!row["built"].get<bool>()) {
       rows.push_back(row);  // planned, not run: the trainer refuses it
       continue;

@@ -110,7 +110,7 @@ nlohmann::json SuggestionJson(const StatusOr<dist::Suggestion>& fix, const std::
   s["text"] = fix->Text();
   for (const auto& c : fix->changes) s["changes"].push_back({{"key", c.key}, {"value", c.value}});
   s["total_bytes"] = fix->plan.Total();
-  s["built"] = dist::FsdpBuilt(fix->plan.fsdp, fix->plan.world_size, device, fix->plan.bf16);
+  s["built"] = dist::FsdpBuilt(fix->plan.fsdp, device);
   return s;
 }
 
@@ -182,8 +182,7 @@ int RunPlan(const PlanOptions& o) {
     dist::SuggestOptions so;
     so.host_bytes = host_bytes;
     fix = dist::SuggestFix(*model, cfg, world_size, device, device_bytes, so);
-    fix_built = fix->ok() && dist::FsdpBuilt((*fix)->plan.fsdp, (*fix)->plan.world_size, device,
-                                             (*fix)->plan.bf16);
+    fix_built = fix->ok() && dist::FsdpBuilt((*fix)->plan.fsdp, device);
     if (!fix_built) {
       so.built_only = true;
       built_fix = dist::SuggestFix(*model, cfg, world_size, device, device_bytes, so);

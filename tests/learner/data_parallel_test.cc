@@ -248,19 +248,24 @@ INSTANTIATE_TEST_SUITE_P(OtherObjectives, DataParallel,
 // each layer's backward recomputes from the gather of its backward; without it autograd's saved
 // tensors read the parameters refilled by that gather). Batches() ends in a flushed step of 2
 // micro-batches: at 4 ranks two ranks have none in that round and join its collectives.
-class DataParallelFullShard : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {
-};
+// With bf16 the single rank computes in its bf16 copy of the fp32 master and the ranks in the
+// bf16 units they gather (each rank's fp32 chunk cast to bf16): the same bf16 weights, so the
+// same equivalence holds over the 7 steps.
+class DataParallelFullShard
+    : public ::testing::TestWithParam<std::tuple<std::string, int, bool, bool>> {};
 
 TEST_P(DataParallelFullShard, RanksOverThreadsTakeTheSingleRanksSteps) {
-  const auto [loss_type, world, checkpointing] = GetParam();
+  const auto [loss_type, world, checkpointing, bf16] = GetParam();
   common::GrpoConfig one = RankConfig(loss_type, 1);
   one.gradient_checkpointing = checkpointing;
+  one.bf16 = bf16;
   const RunResult single = Train(one, nullptr);
   ASSERT_TRUE(single.error.empty()) << single.error;
   ASSERT_EQ(single.steps.size(), 7u);
   const std::vector<RunResult> results = TrainOnRanks(world, [&](int) {
     common::GrpoConfig cfg = RankConfig(loss_type, world, "full_shard");
     cfg.gradient_checkpointing = checkpointing;
+    cfg.bf16 = bf16;
     return cfg;
   });
   for (int r = 0; r < world; ++r) ExpectSameAsSingleRank(results[r], single, r);
@@ -268,12 +273,17 @@ TEST_P(DataParallelFullShard, RanksOverThreadsTakeTheSingleRanksSteps) {
 
 INSTANTIATE_TEST_SUITE_P(LossTypes, DataParallelFullShard,
                          ::testing::Combine(::testing::Values("dapo", "grpo", "dr_grpo"),
-                                            ::testing::Values(2, 4), ::testing::Bool()));
+                                            ::testing::Values(2, 4), ::testing::Bool(),
+                                            ::testing::Values(false)));
 // vespo's autograd path through the lm_head (ChunkedTokenLogprobs, whose backward reads the
 // gathered lm_head), over 2 ranks.
 INSTANTIATE_TEST_SUITE_P(AutogradLoss, DataParallelFullShard,
                          ::testing::Combine(::testing::Values("vespo"), ::testing::Values(2),
-                                            ::testing::Bool()));
+                                            ::testing::Bool(), ::testing::Values(false)));
+INSTANTIATE_TEST_SUITE_P(Bf16, DataParallelFullShard,
+                         ::testing::Combine(::testing::Values("dapo", "grpo"),
+                                            ::testing::Values(2, 4), ::testing::Bool(),
+                                            ::testing::Values(true)));
 
 // ZeRO-3's model state: after the steps each rank holds, of the parameters, only its fp32 chunk
 // of every unit: 4 x sum over units of ceil(unit / W) bytes (the tiny model's units: the tied
@@ -488,60 +498,94 @@ TEST(DataParallelSharding, GradientsAreReducedBucketByBucketDuringBackward) {
   }
 }
 
-// bf16: the hooks sit on the bf16 compute copy, whose gradients go into fp32 buckets (the fp32
-// master gets no .grad). One step from the same weights, so both runs' bf16 copies are the same
-// and only the fp32 summation order differs: loss, grad_norm and the updated master weights
-// equal one rank's with the same accumulation.
-TEST(DataParallelSharding, Bf16ShardedStepEqualsTheSingleRanks) {
-  auto one_step = [](int world, Collectives* ranks, std::vector<at::Tensor>* weights,
-                     StepMetrics* metrics, bool* grads_left) -> std::string {
-    common::GrpoConfig cfg = RankConfig("dapo", world, world > 1 ? "shard_grad_op" : "no_shard");
+// bf16, one step from the same weights, so every run's bf16 weights are the same and only the
+// fp32 summation order differs: loss, grad_norm and the updated master weights equal one rank's
+// with the same accumulation. shard_grad_op: the hooks sit on the bf16 compute copy, whose
+// gradients go into fp32 buckets (the fp32 master gets no .grad). full_shard: the gate sits on
+// the bf16 copy, each gather casts the fp32 shard to bf16, and between steps neither model's
+// parameters hold memory (the fp32 shard alone does, 4 bytes per element as without bf16).
+class DataParallelBf16 : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {};
+
+TEST_P(DataParallelBf16, OneStepEqualsTheSingleRanks) {
+  const auto [fsdp, world, checkpointing] = GetParam();
+  struct One {
+    std::vector<at::Tensor> weights;
+    StepMetrics metrics;
+    std::string error;  // or what is left that should not be
+  };
+  auto one_step = [&, fsdp = fsdp, checkpointing = checkpointing](int w, Collectives* ranks) {
+    One out;
+    common::GrpoConfig cfg = RankConfig("dapo", w, w > 1 ? fsdp : "no_shard");
     cfg.bf16 = true;
     cfg.num_iterations = 1;
+    cfg.gradient_checkpointing = checkpointing;
     auto model = TinyModel();
     auto t = GrpoTrainer::Create(cfg, model.get(), nullptr, ranks);
-    if (!t.ok()) return t.status().ToString();
+    if (!t.ok()) return One{{}, {}, t.status().ToString()};
     auto r = (*t)->TrainGenerationBatch(MakeGroups(2, 11));  // 8 completions: 4 micro-batches
-    if (!r.ok()) return r.status().ToString();
-    if (r->steps.size() != 1) return "expected one step, got " + std::to_string(r->steps.size());
-    *metrics = r->steps[0];
-    for (const at::Tensor& p : model->Parameters()) weights->push_back(p.detach().clone());
-    *grads_left = false;
-    for (const at::Tensor& p : (*t)->compute_model().Parameters()) {
-      *grads_left = *grads_left || (world > 1 && p.grad().defined());
+    if (!r.ok()) return One{{}, {}, r.status().ToString()};
+    if (r->steps.size() != 1) return One{{}, {}, "steps: " + std::to_string(r->steps.size())};
+    out.metrics = r->steps[0];
+    const bool full = w > 1 && fsdp == "full_shard";
+    if (full) {
+      auto gathered = (*t)->optimizer().GatherWeights("the test's weights", true);
+      if (!gathered.ok()) return One{{}, {}, gathered.status().ToString()};
+      for (const auto& [name, v] : *gathered) out.weights.push_back(v);
+    } else {
+      for (const at::Tensor& p : model->Parameters()) out.weights.push_back(p.detach().clone());
     }
-    for (const at::Tensor& p : model->Parameters()) {
-      *grads_left = *grads_left || (world > 1 && p.grad().defined());
+    if (w == 1) return out;
+    for (const common::Model* m :
+         {static_cast<const common::Model*>(model.get()), &(*t)->compute_model()}) {
+      for (const at::Tensor& p : m->Parameters()) {
+        if (p.grad().defined()) out.error = "a whole .grad left after the step";
+        if (full && p.storage().nbytes() != 0) out.error = "a parameter holds memory";
+      }
     }
-    return "";
+    if (full) {
+      for (const at::Tensor& p : (*t)->compute_model().Parameters()) {
+        if (p.scalar_type() != at::kBFloat16) out.error = "a gathered parameter is not bf16";
+      }
+      int64_t chunks = 0;
+      for (const auto& piece : (*t)->optimizer().StatePieces()) chunks += piece.numel;
+      // The fp32 shard (its padding: under world per unit) and nothing else.
+      const int64_t bytes = (*t)->optimizer().ResidentParameterBytes();
+      if (bytes < 4 * chunks || bytes >= 4 * (chunks + 4 * w)) {
+        out.error = "resident parameter bytes " + std::to_string(bytes) + " for " +
+                    std::to_string(chunks) + " elements";
+      }
+    }
+    return out;
   };
-  std::vector<at::Tensor> single_w;
-  StepMetrics single_m;
-  bool left = false;
-  ASSERT_EQ(one_step(1, nullptr, &single_w, &single_m, &left), "");
-  FakeRankGroup group(2, std::chrono::seconds(60));
-  std::vector<std::vector<at::Tensor>> w(2);
-  std::vector<StepMetrics> m(2);
-  std::vector<std::string> err(2);
-  bool lefts[2] = {false, false};
+  const One single = one_step(1, nullptr);
+  ASSERT_EQ(single.error, "");
+  FakeRankGroup group(world, std::chrono::seconds(60));
+  std::vector<One> runs(world);
   std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] { err[r] = one_step(2, &group.Rank(r), &w[r], &m[r], &lefts[r]); });
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] { runs[r] = one_step(world, &group.Rank(r)); });
   }
   for (auto& t : threads) t.join();
-  for (int r = 0; r < 2; ++r) {
-    ASSERT_EQ(err[r], "") << "rank " << r;
-    EXPECT_FALSE(lefts[r]) << "rank " << r << ": a whole .grad left after the step";
-    EXPECT_TRUE(Close(m[r].loss, single_m.loss)) << m[r].loss << " vs " << single_m.loss;
-    EXPECT_TRUE(Close(m[r].grad_norm, single_m.grad_norm))
-        << m[r].grad_norm << " vs " << single_m.grad_norm;
-    ASSERT_EQ(w[r].size(), single_w.size());
-    for (size_t i = 0; i < single_w.size(); ++i) {
-      const double diff = (w[r][i] - single_w[i]).abs().max().item<double>();
-      EXPECT_LE(diff, 1e-5 * single_w[i].abs().max().item<double>()) << "rank " << r << " " << i;
+  for (int r = 0; r < world; ++r) {
+    ASSERT_EQ(runs[r].error, "") << "rank " << r;
+    EXPECT_TRUE(Close(runs[r].metrics.loss, single.metrics.loss))
+        << runs[r].metrics.loss << " vs " << single.metrics.loss;
+    EXPECT_TRUE(Close(runs[r].metrics.grad_norm, single.metrics.grad_norm))
+        << runs[r].metrics.grad_norm << " vs " << single.metrics.grad_norm;
+    ASSERT_EQ(runs[r].weights.size(), single.weights.size());
+    for (size_t i = 0; i < single.weights.size(); ++i) {
+      const double diff = (runs[r].weights[i] - single.weights[i]).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-5 * single.weights[i].abs().max().item<double>())
+          << "rank " << r << " " << i;
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Modes, DataParallelBf16,
+                         ::testing::Values(std::tuple{"shard_grad_op", 2, false},
+                                           std::tuple{"full_shard", 2, false},
+                                           std::tuple{"full_shard", 2, true},
+                                           std::tuple{"full_shard", 4, false}));
 
 // The fake's reduce-scatter and all-gather, by hand: rank r passes [r, r+1, r+2, r+3] at 2 ranks.
 TEST(FakeRankGroupCollectives, ReduceScatterAndAllGatherByHand) {
@@ -612,17 +656,18 @@ RunResult TrainPart(const common::GrpoConfig& cfg, Collectives* ranks, size_t fi
   return out;
 }
 
-// `world` thread ranks over a fake group, each running TrainPart.
+// `world` thread ranks over a fake group, each running TrainPart with `bf16`.
 std::vector<RunResult> TrainPartOnRanks(int world, size_t first, size_t last,
                                         const std::string& restore_dir, const std::string& save_dir,
-                                        const std::string& fsdp = "no_shard") {
+                                        const std::string& fsdp = "no_shard", bool bf16 = false) {
   FakeRankGroup group(world, std::chrono::seconds(60));
   std::vector<RunResult> results(world);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      results[r] = TrainPart(RankConfig("dapo", world, fsdp), &group.Rank(r), first, last,
-                             restore_dir, save_dir);
+      common::GrpoConfig cfg = RankConfig("dapo", world, fsdp);
+      cfg.bf16 = bf16;
+      results[r] = TrainPart(cfg, &group.Rank(r), first, last, restore_dir, save_dir);
     });
   }
   for (auto& t : threads) t.join();
@@ -660,6 +705,36 @@ TEST(DataParallelCheckpoints, ResumeAtAnotherWorldSizeTakesTheUninterruptedSteps
   ASSERT_TRUE(first.error.empty()) << first.error;
   const std::vector<RunResult> resumed =
       TrainPartOnRanks(2, 1, 2, (dir / "at1" / "checkpoint-4").string(), "");
+  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
+  fs::remove_all(dir);
+}
+
+// full_shard with bf16: the checkpoint holds the fp32 master (gathered from the shards, not
+// the bf16 units) and the AdamW shards; saved at 2 ranks after batch 0 and resumed at 2, the
+// resumed steps are those of the uninterrupted single bf16 rank.
+TEST(DataParallelCheckpoints, Bf16FullShardResumesTheUninterruptedSteps) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("grpo_dp_bf16_ckpt_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  common::GrpoConfig one = RankConfig("dapo", 1);
+  one.bf16 = true;
+  RunResult tail_of_reference = Train(one, nullptr);
+  ASSERT_TRUE(tail_of_reference.error.empty()) << tail_of_reference.error;
+  ASSERT_EQ(tail_of_reference.steps.size(), 7u);
+  tail_of_reference.steps.erase(tail_of_reference.steps.begin(),
+                                tail_of_reference.steps.begin() + 4);
+  const std::vector<RunResult> saved =
+      TrainPartOnRanks(2, 0, 1, "", (dir / "at2").string(), "full_shard", /*bf16=*/true);
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(saved[r].error.empty()) << r << ": " << saved[r].error;
+  auto weights =
+      common::SafetensorsFile::Open((dir / "at2" / "checkpoint-4" / "model.safetensors").string());
+  ASSERT_TRUE(weights.ok()) << weights.status().ToString();
+  for (const std::string& name : (*weights)->Names()) {
+    EXPECT_EQ((*weights)->Get(name)->scalar_type(), at::kFloat) << name;
+  }
+  const std::vector<RunResult> resumed = TrainPartOnRanks(
+      2, 1, 2, (dir / "at2" / "checkpoint-4").string(), "", "full_shard", /*bf16=*/true);
   for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
   fs::remove_all(dir);
 }
@@ -930,21 +1005,16 @@ TEST(DataParallelFaults, ARankThatNeverJoinsFailsTheStepAtTheDeadline) {
   EXPECT_LT(s, 10.0);
 }
 
-TEST(DataParallelConfig, Bf16FullShardIsRefusedAtSeveralRanks) {
-  FakeRankGroup group(2, std::chrono::seconds(5));
+// At one rank every mode is the identity: full_shard with bf16 and offload trains alone.
+TEST(DataParallelConfig, EveryModeRunsAtOneRank) {
   auto model = TinyModel();
-  auto cfg = RankConfig("dapo", 2);
-  cfg.fsdp = "full_shard";
-  cfg.bf16 = true;  // the bf16 compute copy is not sharded yet
-  auto t = GrpoTrainer::Create(cfg, model.get(), nullptr, &group.Rank(0));
-  ASSERT_FALSE(t.ok());
-  EXPECT_EQ(t.status().code(), StatusCode::kUnimplemented);
-  EXPECT_NE(t.status().message().find("full_shard"), std::string::npos);
-  EXPECT_NE(t.status().message().find("bf16"), std::string::npos);
-  // At one rank every mode is the identity.
-  cfg.bf16 = false;
+  auto cfg = RankConfig("dapo", 1);
   cfg.fsdp = "full_shard offload";
-  EXPECT_TRUE(GrpoTrainer::Create(cfg, model.get(), nullptr).ok());
+  cfg.bf16 = true;
+  auto t = GrpoTrainer::Create(cfg, model.get(), nullptr);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_FALSE((*t)->optimizer().ShardsParameters());
+  EXPECT_TRUE((*t)->TrainGenerationBatch(MakeGroups(2, 11)).ok());
 }
 
 // Batch dumps at several ranks: rank 0 writes each step's file, of the whole step (every rank's
@@ -1126,6 +1196,7 @@ TEST(DataParallelChild, Rank) {
   const std::string loss_type = std::getenv("GRPO_DP_LOSS");
   const std::string mode = std::getenv("GRPO_DP_MODE");
   const std::string fsdp = std::getenv("GRPO_DP_FSDP");
+  const bool bf16 = std::getenv("GRPO_DP_BF16") != nullptr;
   auto env = distributed::RankEnvFromEnvironment();
   ASSERT_TRUE(env.ok()) << env.status().ToString();
   const int timeout_ms = std::atoi(std::getenv("GRPO_DP_TIMEOUT_MS"));
@@ -1136,7 +1207,9 @@ TEST(DataParallelChild, Rank) {
     ::raise(SIGSTOP);  // the parent continues it after rank 0 failed
     return;
   }
-  const RunResult r = Train(RankConfig(loss_type, env->world_size, fsdp), group->get());
+  common::GrpoConfig cfg = RankConfig(loss_type, env->world_size, fsdp);
+  cfg.bf16 = bf16;
+  const RunResult r = Train(cfg, group->get());
   nlohmann::json j;
   j["error"] = r.error;
   j["steps"] = nlohmann::json::array();
@@ -1159,11 +1232,11 @@ struct ChildRun {
 };
 
 ChildRun RunRanks(int world, const std::string& loss_type, const std::string& mode, int timeout_ms,
-                  const std::string& fsdp = "no_shard") {
+                  const std::string& fsdp = "no_shard", bool bf16 = false) {
   namespace fs = std::filesystem;
-  const fs::path dir =
-      fs::temp_directory_path() / ("grpo_dp_" + std::to_string(::getpid()) + "_" + loss_type + "_" +
-                                   mode + "_" + std::to_string(world) + "_" + fsdp);
+  const fs::path dir = fs::temp_directory_path() /
+                       ("grpo_dp_" + std::to_string(::getpid()) + "_" + loss_type + "_" + mode +
+                        "_" + std::to_string(world) + "_" + fsdp + (bf16 ? "_bf16" : ""));
   fs::remove_all(dir);
   fs::create_directories(dir);
   common::ProcessSupervisor sup;
@@ -1181,6 +1254,7 @@ ChildRun RunRanks(int world, const std::string& loss_type, const std::string& mo
     ::setenv("GRPO_DP_MODE", mode.c_str(), 1);
     ::setenv("GRPO_DP_FSDP", fsdp.c_str(), 1);
     ::setenv("GRPO_DP_TIMEOUT_MS", std::to_string(timeout_ms).c_str(), 1);
+    if (bf16) ::setenv("GRPO_DP_BF16", "1", 1);
     common::ProcessSpec spec;
     spec.argv = {"/proc/self/exe", "--gtest_filter=DataParallelChild.Rank"};
     spec.stdout_path = (dir / ("rank" + std::to_string(r) + ".log")).string();
@@ -1188,8 +1262,9 @@ ChildRun RunRanks(int world, const std::string& loss_type, const std::string& mo
     spec.die_with_parent = true;
     EXPECT_TRUE(sup.Spawn("rank" + std::to_string(r), spec).ok());
   }
-  for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GRPO_DP_CHILD_OUT",
-                        "GRPO_DP_LOSS", "GRPO_DP_MODE", "GRPO_DP_FSDP", "GRPO_DP_TIMEOUT_MS"}) {
+  for (const char* v :
+       {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GRPO_DP_CHILD_OUT", "GRPO_DP_LOSS",
+        "GRPO_DP_MODE", "GRPO_DP_FSDP", "GRPO_DP_TIMEOUT_MS", "GRPO_DP_BF16"}) {
     ::unsetenv(v);
   }
   ChildRun run;
@@ -1226,13 +1301,15 @@ ChildRun RunRanks(int world, const std::string& loss_type, const std::string& mo
 }
 
 class DataParallelProcesses
-    : public ::testing::TestWithParam<std::tuple<std::string, int, std::string>> {};
+    : public ::testing::TestWithParam<std::tuple<std::string, int, std::string, bool>> {};
 
 TEST_P(DataParallelProcesses, RanksOverC10dTakeTheSingleRanksSteps) {
-  const auto [loss_type, world, fsdp] = GetParam();
-  const RunResult single = Train(RankConfig(loss_type, 1), nullptr);
+  const auto [loss_type, world, fsdp, bf16] = GetParam();
+  common::GrpoConfig one = RankConfig(loss_type, 1);
+  one.bf16 = bf16;
+  const RunResult single = Train(one, nullptr);
   ASSERT_TRUE(single.error.empty()) << single.error;
-  const ChildRun run = RunRanks(world, loss_type, "train", 60'000, fsdp);
+  const ChildRun run = RunRanks(world, loss_type, "train", 60'000, fsdp, bf16);
   for (int r = 0; r < world; ++r) {
     ASSERT_EQ(run.exit_codes[r], 0) << "rank " << r;
     ASSERT_TRUE(run.results[r].is_object()) << "rank " << r;
@@ -1258,13 +1335,17 @@ TEST_P(DataParallelProcesses, RanksOverC10dTakeTheSingleRanksSteps) {
 
 INSTANTIATE_TEST_SUITE_P(
     LossTypes, DataParallelProcesses,
-    ::testing::Values(
-        std::make_tuple("dapo", 2, "no_shard"), std::make_tuple("grpo", 4, "no_shard"),
-        std::make_tuple("dr_grpo", 2, "no_shard"),
-        // ZeRO-2 over c10d's _reduce_scatter_base and _allgather_base (Gloo).
-        std::make_tuple("dapo", 4, "shard_grad_op"), std::make_tuple("grpo", 2, "shard_grad_op"),
-        // ZeRO-3: the gathers and reduce-scatters of each unit over Gloo.
-        std::make_tuple("dapo", 4, "full_shard"), std::make_tuple("dr_grpo", 2, "full_shard")));
+    ::testing::Values(std::make_tuple("dapo", 2, "no_shard", false),
+                      std::make_tuple("grpo", 4, "no_shard", false),
+                      std::make_tuple("dr_grpo", 2, "no_shard", false),
+                      // ZeRO-2 over c10d's _reduce_scatter_base and _allgather_base (Gloo).
+                      std::make_tuple("dapo", 4, "shard_grad_op", false),
+                      std::make_tuple("grpo", 2, "shard_grad_op", false),
+                      // ZeRO-3: the gathers and reduce-scatters of each unit over Gloo; with bf16
+                      // the gathers are of bf16 chunks.
+                      std::make_tuple("dapo", 4, "full_shard", false),
+                      std::make_tuple("dr_grpo", 2, "full_shard", false),
+                      std::make_tuple("grpo", 2, "full_shard", true)));
 
 TEST(DataParallelProcessFaults, ADeadRankFailsRankZerosFirstStepAtOnce) {
   const ChildRun run = RunRanks(2, "dapo", "die", 20'000);

@@ -99,13 +99,13 @@ TEST_F(CliPlan, JsonCarriesEveryFigureAndTheSuggestion) {
   // Offload on a GPU is not built yet: what the trainer runs today is said beside it.
   EXPECT_EQ(j["suggestion"]["built"], false);
   ASSERT_TRUE(j["suggestion_built_today"].is_object());
-  // Built today: ZeRO-2 at 3 ranks (memory_plan_test derives the 78.1 GiB by hand).
+  // Built today: ZeRO-3 with bf16 at 2 ranks (memory_plan_test derives the 66.9 GiB by hand).
   const json& today = j["suggestion_built_today"];
   ASSERT_EQ(today["changes"].size(), 3u) << today.dump();
   EXPECT_EQ(today["changes"][1]["key"], "fsdp");
-  EXPECT_EQ(today["changes"][1]["value"], "shard_grad_op");
+  EXPECT_EQ(today["changes"][1]["value"], "full_shard");
   EXPECT_EQ(today["changes"][2]["key"], "world_size");
-  EXPECT_EQ(today["changes"][2]["value"], "3");
+  EXPECT_EQ(today["changes"][2]["value"], "2");
   EXPECT_EQ(today["built"], true);
   EXPECT_LE(today["total_bytes"].get<int64_t>(), 80ll << 30);
 

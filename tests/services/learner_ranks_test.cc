@@ -120,12 +120,18 @@ TEST_F(LearnerRanksTest, TwoRanksTrainTheJobToMaxStepsAndBothExitZero) {
   EXPECT_TRUE(fs::exists(dir_ / "out" / "checkpoint-3")) << Logs();
 }
 
-// fsdp shard_grad_op (ZeRO-2): each rank holds half of AdamW's state and writes it into every
-// checkpoint (one at step 2 by save_steps, the last at 3) as its own shard file; rank 1 leaves
-// only after the last. The two files hold the whole state: put together, the moments have the
-// parameters' shapes.
-TEST_F(LearnerRanksTest, ShardGradOpRanksWriteTheirShardsOfEveryCheckpoint) {
-  StartRanks(/*max_steps=*/3, {"--fsdp", "shard_grad_op", "--save_steps", "2"});
+// fsdp shard_grad_op (ZeRO-2), and full_shard (ZeRO-3) with bf16: each rank holds half of
+// AdamW's state and writes it into every checkpoint (one at step 2 by save_steps, the last at
+// 3) as its own shard file; rank 1 leaves only after the last. The two files hold the whole
+// state: put together, the moments have the parameters' shapes. The weights are the fp32
+// master's (with full_shard and bf16 gathered from the fp32 shards, not the bf16 units).
+class LearnerRanksShards : public LearnerRanksTest,
+                           public ::testing::WithParamInterface<std::vector<std::string>> {};
+
+TEST_P(LearnerRanksShards, RanksWriteTheirShardsOfEveryCheckpoint) {
+  std::vector<std::string> flags = GetParam();
+  flags.insert(flags.end(), {"--save_steps", "2"});
+  StartRanks(/*max_steps=*/3, flags);
   const auto rank0 = children_->Wait("rank0", seconds(240));
   ASSERT_TRUE(rank0.has_value()) << "rank 0 still runs:\n" << Logs();
   EXPECT_EQ(*rank0, 0) << Logs();
@@ -150,6 +156,7 @@ TEST_F(LearnerRanksTest, ShardGradOpRanksWriteTheirShardsOfEveryCheckpoint) {
     for (const std::string& p : (*model)->Names()) {
       const auto w = (*model)->Get(p);
       ASSERT_TRUE(w.ok()) << p;
+      EXPECT_EQ(w->scalar_type(), at::kFloat) << name << ": " << p;
       params.emplace_back(p, *w);
     }
     auto whole = grpo::learner::distributed::WholeStateFromShards(**shards, params);
@@ -164,6 +171,11 @@ TEST_F(LearnerRanksTest, ShardGradOpRanksWriteTheirShardsOfEveryCheckpoint) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Modes, LearnerRanksShards,
+                         ::testing::Values(std::vector<std::string>{"--fsdp", "shard_grad_op"},
+                                           std::vector<std::string>{"--fsdp", "full_shard",
+                                                                    "--bf16", "true"}));
 
 TEST_F(LearnerRanksTest, AKilledRankFailsTheJobAndRankZeroExitsNonZeroNamingTheCollective) {
   StartRanks(/*max_steps=*/1000);
