@@ -291,9 +291,6 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
   RETURN_IF_ERROR(config.Validate());
   if (policy == nullptr) return Status::InvalidArgument("GrpoTrainer: no policy model");
   ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(config.fsdp));
-  if (fsdp.offload && !policy->device().is_cpu()) {
-    return Status::Unimplemented("config key 'fsdp': offload to host memory is not built yet");
-  }
   if (config.beta != 0 && reference == nullptr) {
     return Status::InvalidArgument("config key 'beta' is " + std::to_string(config.beta) +
                                    ": a reference model is required");

@@ -120,8 +120,9 @@ class GrpoTrainer {
   // every collective is matched however few micro-batches a rank has. full_shard shards the
   // policy's parameters too (distributed/full_shard_adamw.h): its tensors then hold no values
   // between uses and the whole weights are read through optimizer().GatherWeights; Create is
-  // then a collective (with bf16 the gate sits on the bf16 compute copy). Unimplemented for
-  // offload on a GPU (not built yet). Batch dumps at world size > 1 are rank 0's, of the whole step.
+  // then a collective (with bf16 the gate sits on the bf16 compute copy). `offload` on a GPU is
+  // full_shard's, with its shards on the host, at any world size (Unimplemented with the other
+  // modes). Batch dumps at world size > 1 are rank 0's, of the whole step.
   static StatusOr<std::unique_ptr<GrpoTrainer>> Create(const common::GrpoConfig& config,
                                                        common::Model* policy,
                                                        std::unique_ptr<common::Model> reference,

@@ -113,7 +113,16 @@ StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
     AdamWOptions options, distributed::Collectives* ranks, common::Model* model,
     common::Model* compute_model) {
   const int world = ranks->world_size();
-  if (world == 1 || fsdp.mode == common::FsdpMode::kNoShard) {
+  // Offload matters on a GPU only (on the CPU the host is the device): it is built with
+  // full_shard, whose shards then live on the host, at any world size.
+  const bool offload = fsdp.offload && model != nullptr && !model->device().is_cpu();
+  if (offload && fsdp.mode != common::FsdpMode::kFullShard) {
+    return Status::Unimplemented(
+        "config key 'fsdp': offload on a GPU is built with full_shard (fsdp: full_shard offload, "
+        "at any number of ranks), not with " +
+        std::string(fsdp.mode == common::FsdpMode::kNoShard ? "no_shard" : "shard_grad_op"));
+  }
+  if ((world == 1 && !offload) || fsdp.mode == common::FsdpMode::kNoShard) {
     return std::unique_ptr<StepOptimizer>(new ReplicatedAdamW(std::move(params), options, ranks));
   }
   if (fsdp.mode == common::FsdpMode::kShardGradOp) {
@@ -126,8 +135,9 @@ StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
   if (model == nullptr || (!own_compute && compute_model == nullptr)) {
     return Status::InvalidArgument("full_shard at several ranks needs the model it shards");
   }
-  ASSIGN_OR_RETURN(auto full, distributed::FullShardAdamW::Create(
-                                  model, options, ranks, own_compute ? nullptr : compute_model));
+  ASSIGN_OR_RETURN(auto full,
+                   distributed::FullShardAdamW::Create(
+                       model, options, ranks, own_compute ? nullptr : compute_model, offload));
   return std::unique_ptr<StepOptimizer>(std::move(full));
 }
 

@@ -134,6 +134,8 @@ class StepOptimizer {
 // `model` (borrowed, whose parameters `params` are; fp32), sets itself as the parameter gate of
 // `compute_model` (borrowed: the bf16 copy whose parameters `compute` are) or, without one, of
 // `model`, and is a collective (rank 0's weights are broadcast while they are cut into shards).
+// `offload` with `model` on a GPU: full_shard with its shards on the host, at any world size
+// (the one-GPU case included); with the other modes Unimplemented.
 StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
     const common::FsdpSpec& fsdp, common::NamedTensors params, std::vector<at::Tensor> compute,
     AdamWOptions options, distributed::Collectives* ranks, common::Model* model = nullptr,

@@ -42,7 +42,8 @@ FullShardAdamW::~FullShardAdamW() {
 StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* model,
                                                                  AdamWOptions options,
                                                                  Collectives* ranks,
-                                                                 common::Model* compute) {
+                                                                 common::Model* compute,
+                                                                 bool offload) {
   if (ranks == nullptr || ranks->world_size() < 1) {
     return Status::InvalidArgument("FullShardAdamW: no rank group");
   }
@@ -91,25 +92,30 @@ StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* 
     s->units_.push_back(std::move(unit));
   }
   const auto opts = master.front().second.options().requires_grad(false);
-  s->weight_shard_ = at::zeros({shard_numel}, opts);
-  s->grad_shard_ = at::zeros({shard_numel}, opts);
-  s->exp_avg_ = at::zeros({shard_numel}, opts);
-  s->exp_avg_sq_ = at::zeros({shard_numel}, opts);
+  s->device_opts_ = opts;
+  // Offload (ZeRO-Offload's optimizer on the host, here with ZeRO-3's parameters): the shards,
+  // page-locked beside a GPU so that their copies to and from it are DMA.
+  const bool host = offload && !model->device().is_cpu();
+  const auto state_opts =
+      host ? opts.device(at::kCPU).pinned_memory(model->device().is_cuda()) : opts;
+  s->weight_shard_ = at::zeros({shard_numel}, state_opts);
+  s->grad_shard_ = at::zeros({shard_numel}, state_opts);
+  s->exp_avg_ = at::zeros({shard_numel}, state_opts);
+  s->exp_avg_sq_ = at::zeros({shard_numel}, state_opts);
   s->backward_units_.assign(s->units_.size(), 0);
   at::NoGradGuard no_grad;
   for (int u = 0; u < static_cast<int>(s->units_.size()); ++u) {
     Unit& unit = s->units_[u];
     // Rank 0's fp32 values of the unit, whole on every rank for a moment; each keeps its chunk.
-    std::vector<at::Tensor> flat = {s->Pack(unit, [&](size_t i) { return master[i].second; })};
+    std::vector<at::Tensor> flat = {s->Pack(
+        unit, [&](size_t i) { return master[i].second; }, s->weight_shard_.options())};
     RETURN_IF_ERROR(ranks->Broadcast(
         flat, "broadcast of rank 0's weights (" + UnitName(*gated, u) + ") for full_shard"));
     s->weight_shard_.narrow(0, unit.shard_offset, unit.chunk)
         .copy_(flat[0].narrow(0, ranks->rank() * unit.chunk, unit.chunk));
     // The gated parameters become views of the unit's buffer (each keeps its own version
     // counter: set_data keeps the tensor's), whose storage is then freed.
-    unit.flat = compute != nullptr
-                    ? at::empty({unit.chunk * world}, s->params_.front().second.options())
-                    : flat[0];
+    unit.flat = at::empty({unit.chunk * world}, s->params_.front().second.options());
     for (size_t k = 0; k < unit.params.size(); ++k) {
       at::Tensor& p = s->params_[unit.params[k]].second;
       p.set_data(unit.flat.narrow(0, unit.offsets[k], p.numel()).view(p.sizes()));
@@ -129,8 +135,9 @@ StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* 
 }
 
 template <typename Source>
-at::Tensor FullShardAdamW::Pack(const Unit& u, Source source) const {
-  at::Tensor flat = at::zeros({u.chunk * ranks_->world_size()}, weight_shard_.options());
+at::Tensor FullShardAdamW::Pack(const Unit& u, Source source,
+                                const at::TensorOptions& options) const {
+  at::Tensor flat = at::zeros({u.chunk * ranks_->world_size()}, options);
   for (size_t k = 0; k < u.params.size(); ++k) {
     const at::Tensor t = source(u.params[k]);
     if (!t.defined()) continue;
@@ -147,10 +154,11 @@ Status FullShardAdamW::Gather(int unit, const std::string& what) {
   u.gathered = true;
   max_gathered_ = std::max(max_gathered_, ++gathered_now_);
   ++all_gathers_;
-  // With a compute copy, this rank's chunk in its dtype (bf16: half the bytes to send).
+  // This rank's chunk on the model's device (from the host with offload), in the dtype that
+  // computes (bf16: half the bytes to send).
   return ranks_->AllGather(
-      weight_shard_.narrow(0, u.shard_offset, u.chunk).to(u.flat.scalar_type()), u.flat,
-      "all-gather of " + UnitName(*model_, unit) + what);
+      weight_shard_.narrow(0, u.shard_offset, u.chunk).to(u.flat.device(), u.flat.scalar_type()),
+      u.flat, "all-gather of " + UnitName(*model_, unit) + what);
 }
 
 void FullShardAdamW::Free(int unit) {
@@ -166,10 +174,10 @@ void FullShardAdamW::ReleaseAll() {
 
 Status FullShardAdamW::ReduceScatter(int unit, const at::Tensor& flat, const std::string& what) {
   const Unit& u = units_[unit];
-  at::Tensor summed = at::empty({u.chunk}, weight_shard_.options());
+  at::Tensor summed = at::empty({u.chunk}, flat.options());
   RETURN_IF_ERROR(ranks_->ReduceScatterSum(
       flat, summed, "reduce-scatter of " + UnitName(*model_, unit) + "'s gradient" + what));
-  grad_shard_.narrow(0, u.shard_offset, u.chunk).add_(summed);
+  grad_shard_.narrow(0, u.shard_offset, u.chunk).add_(summed.to(grad_shard_.device()));
   return Status::OK();
 }
 
@@ -196,7 +204,8 @@ void FullShardAdamW::TakeGradients(int unit, const std::vector<at::Tensor>& grad
               u.params.size(), " parameters of ", UnitName(*model_, unit));
   std::vector<at::Tensor> by_param(params_.size());
   for (size_t k = 0; k < u.params.size(); ++k) by_param[u.params[k]] = grads[k];
-  const at::Tensor flat = Pack(u, [&](size_t i) { return by_param[i]; });
+  const at::Tensor flat = Pack(
+      u, [&](size_t i) { return by_param[i]; }, device_opts_);
   ++backward_units_[unit];
   ThrowIfFailed(ReduceScatter(unit, flat, where_));
 }
@@ -213,8 +222,8 @@ Status FullShardAdamW::FinishBackward(bool zeros) {
   Status status = TakeError();
   for (int unit : AutogradUnits()) {
     const Unit& u = units_[unit];
-    const at::Tensor flat =
-        Pack(u, [&](size_t i) { return zeros ? at::Tensor() : params_[i].second.grad(); });
+    const at::Tensor flat = Pack(
+        u, [&](size_t i) { return zeros ? at::Tensor() : params_[i].second.grad(); }, device_opts_);
     for (size_t i : u.params) params_[i].second.mutable_grad().reset();
     Status s = ReduceScatter(unit, flat, where_);
     if (status.ok()) status = s;
@@ -260,8 +269,8 @@ Status FullShardAdamW::JoinMicroBatch(const std::string& where) {
   for (int u = model_->NormUnit(); u >= model_->LayerUnit(0); --u) {
     RETURN_IF_ERROR(Gather(u, where));
     const Unit& unit = units_[u];
-    RETURN_IF_ERROR(ReduceScatter(
-        u, at::zeros({unit.chunk * ranks_->world_size()}, weight_shard_.options()), where));
+    RETURN_IF_ERROR(
+        ReduceScatter(u, at::zeros({unit.chunk * ranks_->world_size()}, device_opts_), where));
     Free(u);
   }
   return FinishBackward(/*zeros=*/true);
@@ -369,15 +378,21 @@ Status FullShardAdamW::LoadStateDict(const common::NamedTensors& state) {
   at::NoGradGuard no_grad;
   const int64_t rank = ranks_->rank();
   for (const Unit& u : units_) {
-    exp_avg_.narrow(0, u.shard_offset, u.chunk).copy_(Pack(u, [&](size_t i) {
-                                                        return avg[i];
-                                                      }).narrow(0, rank * u.chunk, u.chunk));
-    exp_avg_sq_.narrow(0, u.shard_offset, u.chunk).copy_(Pack(u, [&](size_t i) {
-                                                           return sq[i];
-                                                         }).narrow(0, rank * u.chunk, u.chunk));
+    const auto opts = weight_shard_.options();
+    exp_avg_.narrow(0, u.shard_offset, u.chunk)
+        .copy_(Pack(
+                   u, [&](size_t i) { return avg[i]; }, opts)
+                   .narrow(0, rank * u.chunk, u.chunk));
+    exp_avg_sq_.narrow(0, u.shard_offset, u.chunk)
+        .copy_(Pack(
+                   u, [&](size_t i) { return sq[i]; }, opts)
+                   .narrow(0, rank * u.chunk, u.chunk));
   }
   step_ = view.step;
-  if (rank == 0) pending_state_ = NameAdamWState(params_, avg, sq, step_);  // StateDict's order
+  // For SyncFromRankZero to hand out (in StateDict's order); alone, this rank holds it all.
+  if (rank == 0 && ranks_->world_size() > 1) {
+    pending_state_ = NameAdamWState(params_, avg, sq, step_);
+  }
   return Status::OK();
 }
 
@@ -401,11 +416,12 @@ Status FullShardAdamW::LoadWeights(const common::NamedTensors& weights) {
   at::NoGradGuard no_grad;
   const int64_t rank = ranks_->rank();
   for (const Unit& u : units_) {
-    weight_shard_.narrow(0, u.shard_offset, u.chunk).copy_(Pack(u, [&](size_t i) {
-                                                             return values[i];
-                                                           }).narrow(0, rank * u.chunk, u.chunk));
+    weight_shard_.narrow(0, u.shard_offset, u.chunk)
+        .copy_(Pack(
+                   u, [&](size_t i) { return values[i]; }, weight_shard_.options())
+                   .narrow(0, rank * u.chunk, u.chunk));
   }
-  if (rank == 0) {
+  if (rank == 0 && ranks_->world_size() > 1) {
     pending_weights_.clear();
     for (size_t i = 0; i < params_.size(); ++i) {
       pending_weights_.emplace_back(params_[i].first, values[i]);
@@ -431,7 +447,8 @@ Status FullShardAdamW::SyncFromRankZero(const std::string& what) {
                       size_t which) -> Status {
     for (const Unit& u : units_) {
       std::vector<at::Tensor> flat = {Pack(
-          u, [&](size_t i) { return root ? whole[stride * i + which].second : at::Tensor(); })};
+          u, [&](size_t i) { return root ? whole[stride * i + which].second : at::Tensor(); },
+          shard.options())};
       RETURN_IF_ERROR(ranks_->Broadcast(flat, what));
       shard.narrow(0, u.shard_offset, u.chunk).copy_(flat[0].narrow(0, rank * u.chunk, u.chunk));
     }

@@ -31,6 +31,14 @@
 // parameters hold no memory at all: GatherWeights gathers the fp32 values. No bf16 copy lives
 // between uses, so the model state per rank is the fp32 case's.
 //
+// Offload (`fsdp: full_shard offload` on a GPU; ZeRO-Offload's optimizer on the host, with
+// ZeRO-3's parameters): the four shards live in page-locked host memory. A gather copies this
+// rank's chunk to the GPU (cast to the compute dtype) and all-gathers it there; a gradient is
+// reduce-scattered on the GPU and its chunk added to the host's gradient shard; the norm and
+// AdamW run on the host. The GPU holds no model state between uses, only the units gathered for
+// the micro-batch running. At one rank this is the one-GPU ZeRO-Offload: the trainer uses it
+// for `offload` whatever the world size.
+//
 // One forward at a time. A failed collective of the gate is thrown as c10::Error whose message
 // is the collective's Status (the trainer returns it as Internal); the group is then not used
 // again.
@@ -60,9 +68,12 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   // `compute` (borrowed: `model`'s lower-precision copy, the same parameters in one floating
   // dtype) when given, else `model` (unset when destroyed, the parameters then left without
   // values). A collective: every rank's shard is cut from rank 0's weights.
+  // With `offload` and the model on a GPU, the shards (fp32 master, gradient, AdamW's moments)
+  // live in page-locked host memory and AdamW steps there (on the CPU `offload` changes nothing).
   static StatusOr<std::unique_ptr<FullShardAdamW>> Create(common::Model* model,
                                                           AdamWOptions options, Collectives* ranks,
-                                                          common::Model* compute = nullptr);
+                                                          common::Model* compute = nullptr,
+                                                          bool offload = false);
   ~FullShardAdamW() override;
 
   // StepOptimizer.
@@ -114,7 +125,7 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   // The unit's elements from `source(i)` for each of its parameters (undefined = zeros) as one
   // flat buffer of chunk x world_size, zero padded.
   template <typename Source>
-  at::Tensor Pack(const Unit& u, Source source) const;
+  at::Tensor Pack(const Unit& u, Source source, const at::TensorOptions& options) const;
   Status Gather(int unit, const std::string& what);
   void Free(int unit);
   void ReleaseAll();
@@ -147,8 +158,9 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   std::vector<int> backward_units_;  // TakeGradients per unit in the running backward
   bool round_reduced_ = false;       // this rank ran a backward in the round now open
   // fp32, the sum of this rank's chunks (padding included): the master weights, the step's
-  // summed gradient, AdamW's moments.
+  // summed gradient, AdamW's moments; on the model's device, or the host with offload.
   at::Tensor weight_shard_, grad_shard_, exp_avg_, exp_avg_sq_;
+  at::TensorOptions device_opts_;  // fp32 on the model's device: gradients before their reduce
   int64_t step_ = 0;
   int64_t all_gathers_ = 0;
   int gathered_now_ = 0, max_gathered_ = 0;

@@ -65,7 +65,7 @@ ParameterCounts CountParameters(const common::ModelConfig& m) {
 }
 
 bool FsdpBuilt(const common::FsdpSpec& fsdp, const std::string& device) {
-  return !fsdp.offload || !IsCuda(device);
+  return !fsdp.offload || !IsCuda(device) || fsdp.mode == FsdpMode::kFullShard;
 }
 
 int64_t MemoryPlan::MicroBatchPeak() const {
@@ -137,7 +137,17 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     p.adamw_state = adamw;
     p.optimizer_step = step;
   }
-  if (full && cfg.bf16 && !offload) {
+  if (offload && fsdp.mode == FsdpMode::kFullShard) {
+    // full_shard offload as built (full_shard_adamw.h), at any world size: the four fp32 shards
+    // (the master, its gradient, AdamW's moments: 16 bytes a parameter over the ranks) and the
+    // step (AdamW's temporaries and the fp64 norm copy of one unit's chunk) on the host; the
+    // GPU holds no model state between uses, only the gathered unit: its weights and gradient
+    // in the compute dtype, and with bf16 the fp32 flat the gradient is reduced in.
+    p.parameters = 0;
+    p.gradients = 0;
+    p.host_offloaded = CeilDiv(16 * n, w) + 8 * CeilDiv(p.params.largest_unit, w);
+    p.gathered_layer = (2 * s + (cfg.bf16 ? 4 : 0)) * p.params.largest_unit;
+  } else if (full && cfg.bf16 && !offload) {
     // full_shard with bf16 as built (full_shard_adamw.h): no bf16 copy lives between uses; the
     // fp32 shard is the master and the fp32 gradient shard its gradient (above), and a gather
     // holds the unit's bf16 weights, its bf16 gradient and the fp32 flat it is reduced in.
@@ -165,7 +175,7 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     p.gathered_layer = s * p.params.largest_tensor + std::min(kGradientBucketBytes, 4 * n);
     p.optimizer_step = bucket + 3 * CeilDiv(bucket, w);
   }
-  if (p.reference) p.reference_model = shard(s * n, full);
+  if (p.reference) p.reference_model = s * n;  // whole on every rank, in every mode (as built)
 
   // Weights published for rollout workers (learner/learner.cc PublishWeights): fp32 CPU tensors
   // always, and a copy on the GPU while a worker takes them over NCCL or CUDA IPC.
@@ -496,12 +506,10 @@ StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::Grpo
     if (!with_ranks || s.plan.world_size < with_ranks->plan.world_size) with_ranks = std::move(s);
   }
   if (with_ranks) return *std::move(with_ranks);
-  // Nothing fits: say what every knob at its extreme still needs (offload only where it is
-  // built, or for the change that would fit once it is).
+  // Nothing fits: say what every knob at its extreme still needs.
   Candidate floor{WithBatch(config, 1), kMaxSuggestedWorldSize};
   floor.config.gradient_checkpointing = true;
-  floor.config.fsdp =
-      current.device == "cuda" && !o.built_only ? "full_shard offload" : "full_shard";
+  floor.config.fsdp = current.device == "cuda" ? "full_shard offload" : "full_shard";
   MemoryPlan least;
   RETURN_IF_ERROR(CandidateFits(m, floor, device, device_bytes, SuggestOptions{}, &least).status());
   std::string msg = (o.built_only ? "nothing the trainer runs today fits " : "no change fits ") +
@@ -533,7 +541,7 @@ Status CheckFitsDevice(const common::ModelConfig& m, const common::GrpoConfig& c
     msg += fix.status().message();
     StatusOr<Suggestion> later = SuggestFix(m, config, world_size, device, device_bytes);
     if (later.ok()) {
-      msg += "; once fsdp sharding and offload are built: " + later->Text() + " (" +
+      msg += "; once offload is built beside no_shard and shard_grad_op: " + later->Text() + " (" +
              FormatBytes(later->plan.Total()) + ")";
     }
   }

@@ -111,6 +111,76 @@ TEST(CudaParity, SampledDecodeWithStopTokensMatchesTheCpu) {
 
 // A checkpoint of a bf16 trainer on CUDA (fp32 master and AdamW state on the GPU) restores into
 // a fresh CUDA trainer with the same weights and optimizer state.
+// One GPU, `fsdp: full_shard offload` at world size 1 (the gate gathers each unit from the
+// host shards onto the GPU; gradients go back to the host, where AdamW steps), in fp32 and in
+// bf16, with gradient checkpointing: the steps (loss, grad_norm) and the weights after them
+// equal the plain trainer's on the same GPU (no_shard), to 1e-5. Between steps the GPU holds no
+// parameter values and AdamW's state is on the host.
+TEST(CudaParity, FullShardOffloadOnOneGpuTakesThePlainSteps) {
+  SKIP_WITHOUT_CUDA();
+  auto cpu = PrecisionTinyModel();
+  const auto groups = GeneratedGroups(*cpu, 4, 4, 12);
+  for (const bool bf16 : {false, true}) {
+    struct Run {
+      std::vector<learner::StepMetrics> steps;
+      std::vector<at::Tensor> weights;
+    };
+    auto train = [&](const std::string& fsdp) {
+      Run out;
+      common::GrpoConfig cfg = PrecisionTrainerConfig();
+      cfg.device = "cuda";
+      cfg.bf16 = bf16;
+      cfg.fsdp = fsdp;
+      cfg.gradient_checkpointing = true;
+      cfg.num_iterations = 2;  // the no-grad `old` pass too
+      cfg.per_device_train_batch_size = 4;
+      cfg.gradient_accumulation_steps = 2;  // 4 micro-batches a batch: 2 steps a pass
+      cfg.max_grad_norm = 1.0;
+      auto model = PrecisionTinyModel(kCuda);
+      auto trainer = learner::GrpoTrainer::Create(cfg, model.get(), nullptr);
+      EXPECT_TRUE(trainer.ok()) << trainer.status().ToString();
+      if (!trainer.ok()) return out;
+      auto r = (*trainer)->TrainGenerationBatch(groups);
+      EXPECT_TRUE(r.ok()) << r.status().ToString();
+      if (!r.ok()) return out;
+      out.steps = r->steps;
+      if ((*trainer)->optimizer().ShardsParameters()) {
+        for (const at::Tensor& p : (*trainer)->compute_model().Parameters()) {
+          EXPECT_TRUE(p.is_cuda());
+          EXPECT_EQ(p.storage().nbytes(), 0u) << "a parameter holds GPU memory between steps";
+        }
+        const auto pieces = (*trainer)->optimizer().StatePieces();
+        EXPECT_FALSE(pieces.empty());
+        for (const auto& piece : pieces) EXPECT_TRUE(piece.moments[0].is_cpu()) << piece.param;
+        auto gathered = (*trainer)->optimizer().GatherWeights("the test's weights", true);
+        EXPECT_TRUE(gathered.ok()) << gathered.status().ToString();
+        if (gathered.ok()) {
+          for (const auto& [name, w] : *gathered) out.weights.push_back(w.cpu());
+        }
+      } else {
+        for (const at::Tensor& p : model->Parameters()) out.weights.push_back(p.detach().cpu());
+      }
+      return out;
+    };
+    const Run plain = train("no_shard");
+    const Run offloaded = train("full_shard offload");
+    ASSERT_EQ(plain.steps.size(), 2u) << "bf16 " << bf16;
+    ASSERT_EQ(offloaded.steps.size(), plain.steps.size()) << "bf16 " << bf16;
+    for (size_t i = 0; i < plain.steps.size(); ++i) {
+      const auto& a = offloaded.steps[i];
+      const auto& b = plain.steps[i];
+      EXPECT_NEAR(a.loss, b.loss, 1e-6 + 1e-5 * std::abs(b.loss)) << "bf16 " << bf16;
+      EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-6 + 1e-5 * b.grad_norm) << "bf16 " << bf16;
+    }
+    ASSERT_EQ(offloaded.weights.size(), plain.weights.size());
+    for (size_t i = 0; i < plain.weights.size(); ++i) {
+      const double scale = plain.weights[i].abs().max().item<double>();
+      EXPECT_LE((offloaded.weights[i] - plain.weights[i]).abs().max().item<double>(), 1e-5 * scale)
+          << "bf16 " << bf16 << " parameter " << i;
+    }
+  }
+}
+
 TEST(CudaParity, Bf16CheckpointOnCudaRoundTrips) {
   SKIP_WITHOUT_CUDA();
   CheckBf16CheckpointRoundTrip(kCuda);

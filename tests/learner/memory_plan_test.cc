@@ -202,9 +202,10 @@ INSTANTIATE_TEST_SUITE_P(
         // unit's bf16 weights and gradient 2 x 2U and the fp32 flat it is reduced in 4U =
         // 512,000; step 8U/4 = 128,000.
         StateCase{"full_shard", true, 4, 0, 0, 138'304, 138'304, 276'608, 512'000, 128'000, 0},
-        // With offload (ZeRO's arithmetic, not built on CUDA): bf16 shards 2P/4 = 69,152 each,
-        // gathered 2 x 2U = 256,000; host = 138,304 + 138,304 + 276,608 + 128,000 = 681,216.
-        StateCase{"full_shard offload", true, 4, 69'152, 69'152, 0, 0, 0, 256'000, 0, 681'216},
+        // With offload as built: no model state on the GPU, the gathered unit as above; on the
+        // host the four fp32 shards 16P/4 = 553,216 and the step's temporaries of one unit's
+        // chunk 8 x U/4 = 128,000: 681,216.
+        StateCase{"full_shard offload", true, 4, 0, 0, 0, 0, 0, 512'000, 0, 681'216},
         // fp32 offload on one rank: AdamW (8P) and the step (8U) on the host = 1,618,432.
         StateCase{"no_shard offload", false, 1, 553'216, 553'216, 0, 0, 0, 0, 0, 1'618'432}));
 
@@ -556,25 +557,34 @@ TEST(SuggestFix, BuiltOnlyNeverSuggestsWhatTheTrainerRefuses) {
   auto fix = SuggestFix(Bench(), cfg, 1, "cuda", off->Total() / 2, built);
   ASSERT_TRUE(fix.ok()) << fix.status().ToString();
   EXPECT_TRUE(FsdpBuilt(fix->plan.fsdp, "cuda"));
-  // The 7B model in bf16 (n = 7,615,616,512) on 80 GiB: full_shard is built with bf16 and fits
-  // at 2 ranks with checkpointing: the fp32 master shard 4n/2 = 14.19 GiB, its gradient 14.19,
-  // AdamW 8n/2 = 28.37, the gathered [V, D] unit 8 x 152,064 x 3,584 = 4.06 (bf16 weights and
-  // gradient, the fp32 flat), the micro-batch 5.1, CUDA 1.0: 66.9 GiB. One rank holds 16n =
-  // 113 GiB of state alone; shard_grad_op at 2 ranks needs 92.3 (the whole bf16 weights and
-  // fp32 master, 42.6, beside the halves); without checkpointing the activations are 61.9.
+  // The 7B model in bf16 (n = 7,615,616,512) on 80 GiB: full_shard offload is built and fits
+  // one rank, without checkpointing: the GPU holds no model state, only the gathered [V, D]
+  // unit 8 x 152,064 x 3,584 = 4.06 GiB (bf16 weights and gradient, the fp32 flat), the
+  // micro-batch 65.0 and CUDA 1.0: 70.0 GiB (the host, not checked here, holds 16n = 113 GiB).
   common::GrpoConfig big;
   big.bf16 = true;
-  auto zero3 = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, built);
+  auto offload = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, built);
+  ASSERT_TRUE(offload.ok()) << offload.status().ToString();
+  EXPECT_EQ(offload->Text(), "set fsdp: full_shard offload");
+  EXPECT_NEAR(offload->plan.Total() / double(1ll << 30), 70.0, 0.1);
+  // With 128 GiB of host beside the GPU the offloaded state (113 GiB) and the two published
+  // snapshots (2 x 4n = 56.7 GiB) do not fit it: full_shard at 2 ranks with checkpointing, the
+  // fp32 master shard 4n/2 = 14.19 GiB, its gradient 14.19, AdamW 8n/2 = 28.37, the gathered
+  // unit 4.06, the micro-batch 5.1, CUDA 1.0: 66.9 GiB. One rank holds 16n = 113 GiB of state
+  // alone; shard_grad_op at 2 ranks needs 92.3 (the whole bf16 weights and fp32 master, 42.6,
+  // beside the halves); without checkpointing the activations are 61.9.
+  SuggestOptions host128 = built;
+  host128.host_bytes = 128ll << 30;
+  auto zero3 = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, host128);
   ASSERT_TRUE(zero3.ok()) << zero3.status().ToString();
   EXPECT_EQ(zero3->Text(),
             "set gradient_checkpointing: true, fsdp: full_shard and run 2 ranks (world_size 2)");
   EXPECT_NEAR(zero3->plan.Total() / double(1ll << 30), 66.9, 0.1);
-  // On 40 GiB: 4 ranks, 7.09 x 2 + 14.19 + 4.06 + 5.1 + 1.0 = 38.5 GiB (3 ranks: 48.0).
+  // On 40 GiB, offloaded, with checkpointing: 4.06 + 5.1 + 1.0 = 10.2 GiB.
   auto at40 = SuggestFix(Qwen25_7B(), big, 1, "cuda", 40ll << 30, built);
   ASSERT_TRUE(at40.ok()) << at40.status().ToString();
-  EXPECT_EQ(at40->Text(),
-            "set gradient_checkpointing: true, fsdp: full_shard and run 4 ranks (world_size 4)");
-  EXPECT_NEAR(at40->plan.Total() / double(1ll << 30), 38.5, 0.1);
+  EXPECT_EQ(at40->Text(), "set gradient_checkpointing: true and fsdp: full_shard offload");
+  EXPECT_NEAR(at40->plan.Total() / double(1ll << 30), 10.15, 0.1);
 }
 
 TEST(CheckFitsDevice, RefusesNamingTheKnob) {
@@ -582,23 +592,18 @@ TEST(CheckFitsDevice, RefusesNamingTheKnob) {
   cfg.bf16 = true;
   Status s = CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", k80GiB);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
-  // ZeRO-3 is built with bf16: the refusal names it (SuggestFix above derives the 2 ranks by
-  // hand).
-  EXPECT_NE(s.message().find(": set gradient_checkpointing: true, fsdp: full_shard and run 2 "
-                             "ranks (world_size 2)"),
-            std::string::npos)
+  // full_shard offload is built on a GPU: the refusal names it (SuggestFix above derives the
+  // 70.0 GiB by hand).
+  EXPECT_NE(s.message().find(": set fsdp: full_shard offload (70.0 GiB)"), std::string::npos)
       << s.message();
-  // On 7 GiB nothing built today fits: at 1,024 ranks the gathered [V, D] unit (4.06 GiB) and
-  // CUDA (1.0) leave too little for a micro-batch. It says so, at the knobs' extremes, and what
-  // would fit once offload is built on CUDA (the unit's bf16 weights and gradient alone, 2.03).
+  // On 7 GiB nothing fits: at 1,024 ranks, offloaded, the gathered [V, D] unit (4.06 GiB) and
+  // CUDA (1.0) leave too little for a micro-batch of one row. It says so, at the knobs' extremes.
   s = CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", 7ll << 30);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("nothing the trainer runs today fits 7.0 GiB per rank: with "
-                             "gradient_checkpointing, 1 row, full_shard and 1024 ranks a rank "
-                             "still needs "),
+                             "gradient_checkpointing, 1 row, full_shard offload and 1024 ranks a "
+                             "rank still needs "),
             std::string::npos)
-      << s.message();
-  EXPECT_NE(s.message().find("fsdp: full_shard offload and run"), std::string::npos)
       << s.message();
   // A knob built today is named as it is.
   common::GrpoConfig longer;
