@@ -3,7 +3,8 @@
 // this binary (`bench sharding --child`, RANK/WORLD_SIZE/MASTER_* set as torchrun sets them,
 // ProcessGroupGloo on loopback); every configuration trains the same global step (16
 // completions of 64 + 128 tokens, 4 groups of 4, micro-batches of 2: gradient accumulation 8 / W
-// per rank) from the same weights, so rows compare one to another and to world size 1.
+// per rank) from the same weights, so rows compare one to another and to world size 1. The bf16
+// rows (one rank, and full_shard at 2 and 4) compare to the single bf16 rank.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <arpa/inet.h>
@@ -43,8 +44,9 @@ constexpr int kGenerations = 4;
 constexpr int kMicro = 2;
 constexpr int kStepMicroBatches = kGroups * kGenerations / kMicro;  // over all ranks
 
-common::GrpoConfig ShardingConfig(int world, const std::string& fsdp) {
+common::GrpoConfig ShardingConfig(int world, const std::string& fsdp, bool bf16) {
   common::GrpoConfig c;
+  c.bf16 = bf16;
   c.num_generations = kGenerations;
   c.per_device_train_batch_size = kMicro;
   c.gradient_accumulation_steps = kStepMicroBatches / world;
@@ -158,8 +160,8 @@ int ShardingChild(const ShardingBenchOptions& o) {
   TimedCollectives timed(inner);
   auto model = BenchModel();
   const auto groups = ShardingGroups(model->config().vocab_size);
-  auto trainer =
-      learner::GrpoTrainer::Create(ShardingConfig(world, o.fsdp), model.get(), nullptr, &timed);
+  auto trainer = learner::GrpoTrainer::Create(ShardingConfig(world, o.fsdp, o.bf16), model.get(),
+                                              nullptr, &timed);
   if (!trainer.ok()) {
     std::cerr << trainer.status().ToString() << "\n";
     return 1;
@@ -176,8 +178,17 @@ int ShardingChild(const ShardingBenchOptions& o) {
     step_s.push_back(r->steps[0].step_seconds);
     comm_s.push_back(timed.seconds);
   }
-  const int64_t state =
+  // The training's peak, before the weights are gathered whole for the comparison below (rank
+  // 0 then holds a whole fp32 copy, and the file's buffer: not the learner's peak).
+  const int64_t peak = ProcStatusBytes("VmHWM") - base;
+  int64_t state =
       (*trainer)->optimizer().ResidentBytes() + (*trainer)->optimizer().ResidentParameterBytes();
+  if (&(*trainer)->compute_model() != model.get()) {  // bf16: its copy, and its gradients
+    for (const at::Tensor& p : (*trainer)->compute_model().Parameters()) {
+      state += static_cast<int64_t>(p.storage().nbytes());
+      if (p.grad().defined()) state += p.grad().nbytes();
+    }
+  }
   common::NamedTensors weights;
   if ((*trainer)->optimizer().ShardsParameters()) {  // full_shard: gathered a unit at a time
     auto gathered = (*trainer)->optimizer().GatherWeights("the bench's weights", false);
@@ -198,7 +209,7 @@ int ShardingChild(const ShardingBenchOptions& o) {
   const Timing st = Summarize(step_s), ct = Summarize(comm_s);
   std::cout << json{{"rank", timed.rank()},
                     {"model_state_bytes", state},
-                    {"peak_bytes", ProcStatusBytes("VmHWM") - base},
+                    {"peak_bytes", peak},
                     {"step_seconds", st.median},
                     {"step_seconds_min", st.min},
                     {"step_seconds_max", st.max},
@@ -224,14 +235,23 @@ double MaxRelDiff(const std::string& a_path, const std::string& b_path) {
   return worst;
 }
 
-// The ZeRO paper's model-state bytes per rank (Rajbhandari et al. 2020, section 5, its K = 8
-// here: fp32 weights, fp32 gradient, two fp32 moments): DDP 16 psi; P_os+g (shard_grad_op)
-// 4 psi + 12 psi / N; P_os+g+p (full_shard) 16 psi / N.
-double ZeroFormulaBytes(const std::string& mode, int world, double psi) {
+// The ZeRO paper's model-state bytes per rank (Rajbhandari et al. 2020, section 5): fp32, its
+// K = 8 (fp32 weights and gradient, two fp32 moments): DDP 16 psi; P_os+g (shard_grad_op)
+// 4 psi + 12 psi / N; P_os+g+p (full_shard) 16 psi / N. Mixed precision, its K = 12 (fp32
+// master and two moments beside bf16 weights and gradient): DDP 16 psi; P_os+g+p 16 psi / N.
+double ZeroFormulaBytes(const std::string& mode, int world, double psi, bool bf16) {
   if (mode == "no_shard" || world == 1) return 16 * psi;
-  if (mode == "shard_grad_op") return 4 * psi + 12 * psi / world;
+  if (mode == "shard_grad_op")
+    return bf16 ? 2 * psi + 14 * psi / world : 4 * psi + 12 * psi / world;
   return 16 * psi / world;
 }
+
+struct ShardingRun {
+  int world;
+  std::string mode;
+  bool bf16;
+  std::string Name() const { return std::to_string(world) + mode + (bf16 ? "-bf16" : ""); }
+};
 
 }  // namespace
 
@@ -244,30 +264,36 @@ int BenchSharding(const ShardingBenchOptions& o) {
   const std::string exe = "/proc/" + std::to_string(::getpid()) + "/exe";
   auto model = BenchModel();
   const double psi = static_cast<double>(model->NumParameters());
-  const std::vector<std::pair<int, std::string>> configs = {
-      {1, "no_shard"}, {2, "no_shard"},      {2, "shard_grad_op"}, {2, "full_shard"},
-      {4, "no_shard"}, {4, "shard_grad_op"}, {4, "full_shard"}};
+  const std::vector<ShardingRun> configs = {
+      {1, "no_shard", false},   {2, "no_shard", false}, {2, "shard_grad_op", false},
+      {2, "full_shard", false}, {4, "no_shard", false}, {4, "shard_grad_op", false},
+      {4, "full_shard", false}, {1, "no_shard", true},  {2, "full_shard", true},
+      {4, "full_shard", true}};
   std::vector<json> rows;
-  for (const auto& [world, mode] : configs) {
-    const std::string weights = (dir / ("w" + std::to_string(world) + mode)).string();
-    json row = {{"bench", "sharding"}, {"world_size", world}, {"mode", mode}};
-    auto plan = dist::PlanMemory(model->config(), ShardingConfig(world, mode), world, "cpu");
+  for (const ShardingRun& run : configs) {
+    const int world = run.world;
+    const std::string& mode = run.mode;
+    const std::string weights = (dir / ("w" + run.Name())).string();
+    json row = {{"bench", "sharding"}, {"world_size", world}, {"mode", mode}, {"bf16", run.bf16}};
+    auto plan =
+        dist::PlanMemory(model->config(), ShardingConfig(world, mode, run.bf16), world, "cpu");
     row["predicted_peak_bytes_per_rank"] = plan.ok() ? plan->TrainingPeak() : -1;
-    row["zero_formula_model_state_bytes"] = ZeroFormulaBytes(mode, world, psi);
+    row["zero_formula_model_state_bytes"] = ZeroFormulaBytes(mode, world, psi, run.bf16);
     row["built"] = dist::FsdpBuilt(*common::ParseFsdp(mode), "cpu");
     if (!row["built"].get<bool>()) {
       rows.push_back(row);  // planned, not run: the trainer refuses it
       continue;
     }
-    std::cerr << "sharding: world size " << world << ", " << mode << " ...\n";
+    std::cerr << "sharding: world size " << world << ", " << mode << (run.bf16 ? ", bf16" : "")
+              << " ...\n";
     const int port = FreePort();
     std::vector<std::unique_ptr<FILE, int (*)(FILE*)>> children;
     for (int r = 0; r < world; ++r) {
-      const std::string cmd = "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
-                              " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " " +
-                              exe + " bench sharding --child --world_size " +
-                              std::to_string(world) + " --fsdp " + mode + " --reps " +
-                              std::to_string(o.reps) + " --out " + weights;
+      const std::string cmd =
+          "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
+          " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " " + exe +
+          " bench sharding --child --world_size " + std::to_string(world) + " --fsdp " + mode +
+          " --reps " + std::to_string(o.reps) + " --out " + weights + (run.bf16 ? " --bf16" : "");
       children.emplace_back(popen(cmd.c_str(), "r"), &pclose);
     }
     std::vector<json> ranks;
@@ -303,18 +329,20 @@ int BenchSharding(const ShardingBenchOptions& o) {
     row["step_seconds_min"] = ranks[0]["step_seconds_min"];
     row["step_seconds_max"] = ranks[0]["step_seconds_max"];
     row["comm_seconds"] = comm;
-    row["max_rel_diff_vs_single_rank"] = MaxRelDiff(weights, (dir / "w1no_shard").string());
+    row["max_rel_diff_vs_single_rank"] =
+        MaxRelDiff(weights, (dir / ("w" + ShardingRun{1, "no_shard", run.bf16}.Name())).string());
     rows.push_back(row);
   }
   fs::remove_all(dir);
-  const json* one = nullptr;
+  const json* one[2] = {nullptr, nullptr};  // the single rank, fp32 and bf16
   for (const json& r : rows) {
-    if (r["world_size"] == 1) one = &r;
+    if (r["world_size"] == 1) one[r["bf16"].get<bool>() ? 1 : 0] = &r;
   }
   for (json& r : rows) {
     if (!r.contains("step_seconds")) continue;
     r["step_seconds_vs_single_rank"] =
-        r["step_seconds"].get<double>() / (*one)["step_seconds"].get<double>();
+        r["step_seconds"].get<double>() /
+        (*one[r["bf16"].get<bool>() ? 1 : 0])["step_seconds"].get<double>();
     r["model_state_vs_zero_formula"] = r["model_state_bytes_per_rank"].get<double>() /
                                        r["zero_formula_model_state_bytes"].get<double>();
     r["peak_vs_predicted"] =
@@ -326,15 +354,17 @@ int BenchSharding(const ShardingBenchOptions& o) {
   }
   auto mib = [](const json& v) { return v.get<double>() / 1048576.0; };
   std::cout << "sharding: bench model (" << static_cast<int64_t>(psi)
-            << " parameters, fp32), one step = 16 x (64 + 128) tokens in micro-batches of 2, "
-               "Gloo on loopback, this machine's cores shared by the ranks\n"
-            << std::left << std::setw(6) << "ranks" << std::setw(15) << "fsdp" << std::right
+            << " parameters, fp32 and bf16), one step = 16 x (64 + 128) tokens in micro-batches "
+               "of 2, Gloo on loopback, this machine's cores shared by the ranks; bf16 rows "
+               "against the single bf16 rank\n"
+            << std::left << std::setw(6) << "ranks" << std::setw(20) << "fsdp" << std::right
             << std::setw(12) << "state MiB" << std::setw(11) << "ZeRO MiB" << std::setw(11)
             << "peak MiB" << std::setw(11) << "plan MiB" << std::setw(10) << "step s"
             << std::setw(9) << "vs 1" << std::setw(10) << "comm s" << std::setw(12) << "max diff\n";
   for (const json& r : rows) {
-    std::cout << std::left << std::setw(6) << r["world_size"].get<int>() << std::setw(15)
-              << r["mode"].get<std::string>() << std::right << std::fixed;
+    std::cout << std::left << std::setw(6) << r["world_size"].get<int>() << std::setw(20)
+              << r["mode"].get<std::string>() + (r["bf16"].get<bool>() ? " bf16" : "") << std::right
+              << std::fixed;
     if (!r.contains("step_seconds")) {
       std::cout << std::setw(12) << "-" << std::setprecision(1) << std::setw(11)
                 << mib(r["zero_formula_model_state_bytes"]) << std::setw(11) << "-" << std::setw(11)

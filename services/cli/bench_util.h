@@ -107,6 +107,7 @@ struct ShardingBenchOptions {
   bool child = false;    // internal: one rank of one configuration
   int world_size = 1;    // internal (child)
   std::string fsdp;      // internal (child)
+  bool bf16 = false;     // internal (child)
   std::string out_path;  // internal (child): rank 0's final weights
 };
 int BenchSharding(const ShardingBenchOptions& o);

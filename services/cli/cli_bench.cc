@@ -451,6 +451,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
     bool fast = false;
     int world_size = 1;
     std::string fsdp = "no_shard", out;
+    bool bf16 = false;
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option(
@@ -473,6 +474,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   cmd->add_option("--world_size", o->world_size, "internal: sharding child's world size");
   cmd->add_option("--fsdp", o->fsdp, "internal: sharding child's fsdp mode");
   cmd->add_option("--out", o->out, "internal: sharding child's weights file");
+  cmd->add_flag("--bf16", o->bf16, "internal: sharding child trains in bf16");
   cmd->add_option("--impl", o->impl, "internal: chunked | chunked_batch_G | naive");
   cmd->add_option("--workers", o->workers,
                   "weight_sync, ingest (default 2), e2e (default 1): simulated workers");
@@ -534,6 +536,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
         so.child = o->child;
         so.world_size = o->world_size;
         so.fsdp = o->fsdp;
+        so.bf16 = o->bf16;
         so.out_path = o->out;
         return bench::BenchSharding(so);
       }
