@@ -629,16 +629,22 @@ Status Learner::PublishWeights() {
     at::NoGradGuard no_grad;
     snap->version = trainer_->policy_version();
     snap->incarnation = incarnation_;
-    for (const auto& [name, t] :
-         trainer_->optimizer().ShardsParameters() ? gathered : policy_->NamedParameters()) {
-      if (on_device) {
-        at::Tensor copy = t.detach().contiguous().clone();
-        // The CPU copy is made from the device copy and waits for it, so both are complete
-        // when the snapshot is published.
-        snap->tensors.emplace_back(name, copy.to(at::kCPU));
-        snap->device_tensors.emplace_back(name, std::move(copy));
-      } else {
-        snap->tensors.emplace_back(name, t.detach().to(at::kCPU).contiguous().clone());
+    const bool sharded = trainer_->optimizer().ShardsParameters();
+    if (sharded && !on_device) {
+      // Fresh contiguous CPU tensors already: they become the snapshot as they are (a copy
+      // would hold the weights a third time beside the published version while it is made).
+      snap->tensors = std::move(gathered);
+    } else {
+      for (const auto& [name, t] : sharded ? gathered : policy_->NamedParameters()) {
+        if (on_device) {
+          at::Tensor copy = t.detach().contiguous().clone();
+          // The CPU copy is made from the device copy and waits for it, so both are complete
+          // when the snapshot is published.
+          snap->tensors.emplace_back(name, copy.to(at::kCPU));
+          snap->device_tensors.emplace_back(name, std::move(copy));
+        } else {
+          snap->tensors.emplace_back(name, t.detach().to(at::kCPU).contiguous().clone());
+        }
       }
     }
   } catch (const c10::Error& e) {
