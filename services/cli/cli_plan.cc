@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/config.h"
+#include "common/logging.h"
 #include "common/model/device.h"
 #include "common/model/model_config.h"
 #include "learner/distributed/memory_plan.h"
@@ -232,6 +233,11 @@ Status CheckLearnerMemoryPlan(const common::GrpoConfig& cfg, int world_size,
   std::string source;
   ASSIGN_OR_RETURN(const common::ModelConfig model, PlannedModel(cfg, &source));
   ASSIGN_OR_RETURN(const at::Device d, common::ResolveDevice(device));
+  ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(cfg.fsdp));
+  if (fsdp.offload && !d.is_cuda()) {
+    GRPO_LOG_INFO("fsdp '{}': offload changes nothing on the CPU, whose memory is the host's",
+                  cfg.fsdp);
+  }
   return dist::CheckFitsDevice(model, cfg, world_size, d.is_cuda() ? "cuda" : "cpu",
                                common::TotalMemoryBytes(d));
 }
