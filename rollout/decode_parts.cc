@@ -129,6 +129,67 @@ std::unique_ptr<KvStepper> Restart(const Model& model,
   return stepper;
 }
 
+std::unique_ptr<KvStepper> RestartSharingPrompts(const Model& model,
+                                                 const std::vector<std::vector<int32_t>>& prompts,
+                                                 const std::vector<int64_t>& row_prompt,
+                                                 const std::vector<std::vector<int32_t>>& fed,
+                                                 int64_t remaining, const at::Device& device,
+                                                 int64_t* prefilled) {
+  TORCH_CHECK(row_prompt.size() == fed.size(), "RestartSharingPrompts: ", row_prompt.size(),
+              " rows, ", fed.size(), " completions");
+  const size_t rows = fed.size();
+  const int64_t f = rows == 0 ? 0 : static_cast<int64_t>(fed[0].size());
+  bool lockstep = rows > 0;
+  for (size_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(row_prompt[i] >= 0 && row_prompt[i] < static_cast<int64_t>(prompts.size()),
+                "RestartSharingPrompts: row ", i, " names prompt ", row_prompt[i]);
+    lockstep = lockstep && static_cast<int64_t>(fed[i].size()) == f;
+  }
+  if (!lockstep) {
+    std::vector<std::vector<int32_t>> contexts;
+    int64_t tokens = 0;
+    for (size_t i = 0; i < rows; ++i) {
+      contexts.push_back(prompts[row_prompt[i]]);
+      contexts.back().insert(contexts.back().end(), fed[i].begin(), fed[i].end());
+      tokens += static_cast<int64_t>(contexts.back().size());
+    }
+    if (prefilled != nullptr) *prefilled = tokens;
+    return Restart(model, contexts, remaining, device);
+  }
+  // The prompts the rows hold, each once, in order of first use; the row -> its index there.
+  std::vector<int64_t> slot(prompts.size(), -1), of_row;
+  std::vector<std::vector<int32_t>> used;
+  int64_t tokens = 0;
+  for (size_t i = 0; i < rows; ++i) {
+    int64_t& k = slot[row_prompt[i]];
+    if (k < 0) {
+      k = static_cast<int64_t>(used.size());
+      used.push_back(prompts[row_prompt[i]]);
+      tokens += static_cast<int64_t>(used.back().size());
+    }
+    of_row.push_back(k);
+  }
+  at::NoGradGuard no_grad;
+  auto [ids, mask] = LeftPadded(used);
+  KvCache cache = model.NewCache(ids.size(0), ids.size(1) + f + remaining + 1);
+  model.Prefill(ids.to(device), mask.to(device), cache);
+  const Status copied =
+      model.KeepRows(cache, at::tensor(of_row, at::kLong).to(device));  // a prompt's rows
+  TORCH_CHECK(copied.ok(), copied.ToString());
+  if (f > 0) {  // every row's fed completion tokens at once, after its prompt
+    std::vector<int64_t> flat;
+    flat.reserve(rows * static_cast<size_t>(f));
+    for (const auto& row : fed) flat.insert(flat.end(), row.begin(), row.end());
+    const at::Tensor fed_ids =
+        at::tensor(flat, at::kLong).view({static_cast<int64_t>(rows), f}).to(device);
+    model.Prefill(fed_ids, at::ones_like(fed_ids, at::kBool), cache);
+  }
+  auto stepper = std::make_unique<KvStepper>(model);
+  stepper->Hold(std::move(cache));
+  if (prefilled != nullptr) *prefilled = tokens + static_cast<int64_t>(rows) * f;
+  return stepper;
+}
+
 int64_t ShareEqualContexts(const Model& model, const std::vector<std::vector<int32_t>>& contexts,
                            std::vector<KvCache>& held, std::vector<int64_t>& reuse) {
   std::map<std::vector<int32_t>, std::vector<size_t>> rows_of;

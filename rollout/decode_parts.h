@@ -57,6 +57,8 @@ class KvStepper final : public Stepper {
   void Rebind(const common::Model& model) { model_ = &model; }
   // Appends `other`'s rows after this one's (ConcatCaches) with room for `room` more steps.
   void Append(const KvStepper& other, int64_t room);
+  // Holds `cache` as its own, as Start would have left it (RestartSharingPrompts).
+  void Hold(common::KvCache cache) { cache_ = std::move(cache); }
 
  private:
   const common::Model* model_;
@@ -94,6 +96,21 @@ common::KvCache ConcatCaches(const common::KvCache& a, const common::KvCache& b,
 std::unique_ptr<KvStepper> Restart(const common::Model& model,
                                    const std::vector<std::vector<int32_t>>& contexts,
                                    int64_t remaining, const at::Device& device);
+
+// Restart for rows of a Generate call, which decode in lockstep: row i holds prompts[row_prompt[i]]
+// and then fed[i], its completion so far but the last token. When every fed[i] has one length,
+// each prompt that a row holds is prefilled once, its keys/values are copied to its rows, and the
+// rows are extended with their fed tokens together: the keys/values Restart computes from the
+// whole contexts (each key depends on its own row's tokens before it only; positions continue
+// from the row's prompt), from sum(prompts) + rows x fed tokens instead of rows x (prompt + fed).
+// Otherwise it is Restart of the whole contexts. `prefilled`, when given, receives the tokens
+// run through the model.
+std::unique_ptr<KvStepper> RestartSharingPrompts(const common::Model& model,
+                                                 const std::vector<std::vector<int32_t>>& prompts,
+                                                 const std::vector<int64_t>& row_prompt,
+                                                 const std::vector<std::vector<int32_t>>& fed,
+                                                 int64_t remaining, const at::Device& device,
+                                                 int64_t* prefilled = nullptr);
 
 // Left-padded ids [P, L] (pad 0) and mask [P, L] bool on the CPU, row i holding contexts[i]
 // from its element skip[i] on (skip empty = 0); L the longest.

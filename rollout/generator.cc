@@ -409,9 +409,16 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t 
           current = newer.get();
           current_version = newer_version;
           if (options_.recompute_kv_on_update) {
-            std::vector<std::vector<int32_t>> contexts;
-            for (int64_t r : active) contexts.push_back(decode::FedContext(ids[r / g], rows[r]));
-            stepper = decode::Restart(*current, contexts, max_new - step, device);
+            // Each prompt prefilled once for its rows, then every row's completion so far.
+            std::vector<int64_t> row_prompt;
+            std::vector<std::vector<int32_t>> fed;
+            for (int64_t r : active) {
+              const std::vector<int32_t>& done = rows[r].completion.token_ids;
+              row_prompt.push_back(r / g);
+              fed.emplace_back(done.begin(), done.end() - 1);  // the last is fed by Step
+            }
+            stepper = decode::RestartSharingPrompts(*current, ids, row_prompt, fed, max_new - step,
+                                                    device);
           } else {
             static_cast<decode::KvStepper*>(stepper.get())->Rebind(*current);
           }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/model/model_config.h"
+#include "rollout/decode_parts.h"
 #include "rollout/generator.h"
 #include "tests/rollout/scaled_tiny_model.h"
 
@@ -132,6 +133,52 @@ TEST(PartialRollouts, TheSameWeightsUnderANewVersionSampleTheSameTokens) {
       }
     }
   }
+}
+
+// The recompute of a switch shares each prompt's prefill among its rows: prompts of 5 and 9
+// tokens, 3 rows each (and a third prompt no row holds), every row 4 fed completion tokens. It
+// runs 5 + 9 + 6 x 4 = 38 tokens through the model, where Restart of the whole contexts runs
+// 3 x (5 + 4) + 3 x (9 + 4) = 66; and the next two steps give Restart's logits. Rows whose fed
+// lengths differ (continuous batching) take Restart itself: 3 x 5 + 4 + 1 + 5 = 25.
+TEST(PartialRollouts, ARecomputeSharesEachPromptsPrefillAndGivesTheWholeContextsLogits) {
+  const auto model = ScaledTinyModel(3);
+  const std::vector<std::vector<int32_t>> prompts = {
+      {5, 17, 42, 99, 3}, {7, 7}, {200, 11, 7, 1, 2, 3, 4, 5, 6}};
+  const std::vector<int64_t> row_prompt = {0, 0, 2, 0, 2, 2};
+  const std::vector<std::vector<int32_t>> fed = {{1, 2, 3, 4},     {9, 8, 7, 6}, {4, 4, 4, 4},
+                                                 {30, 31, 32, 33}, {5, 6, 7, 8}, {1, 1, 2, 2}};
+  std::vector<std::vector<int32_t>> contexts;
+  for (size_t i = 0; i < fed.size(); ++i) {
+    contexts.push_back(prompts[row_prompt[i]]);
+    contexts.back().insert(contexts.back().end(), fed[i].begin(), fed[i].end());
+  }
+  int64_t prefilled = -1;
+  auto shared =
+      decode::RestartSharingPrompts(*model, prompts, row_prompt, fed, 6, at::kCPU, &prefilled);
+  EXPECT_EQ(prefilled, 38);
+  auto whole = decode::Restart(*model, contexts, 6, at::kCPU);
+  for (const std::vector<int64_t>& next :
+       {std::vector<int64_t>{3, 1, 4, 1, 5, 9}, std::vector<int64_t>{2, 6, 5, 3, 5, 8}}) {
+    const at::Tensor tokens = at::tensor(next, at::kLong);
+    const at::Tensor a = shared->Step(tokens), b = whole->Step(tokens);
+    EXPECT_LT((a - b).abs().max().item<double>(), 1e-4 * b.abs().max().item<double>());
+  }
+  // Unequal fed lengths: Restart of the whole contexts.
+  const std::vector<std::vector<int32_t>> ragged = {{1, 2, 3, 4}, {9}, {4, 4, 4, 4, 4}};
+  auto fallback =
+      decode::RestartSharingPrompts(*model, prompts, {0, 0, 0}, ragged, 6, at::kCPU, &prefilled);
+  EXPECT_NE(fallback, nullptr);
+  EXPECT_EQ(prefilled, 25);
+  // No fed token yet (a switch after the first): the prompts alone, 5 + 9.
+  auto first = decode::RestartSharingPrompts(
+      *model, prompts, row_prompt, std::vector<std::vector<int32_t>>(6), 6, at::kCPU, &prefilled);
+  EXPECT_EQ(prefilled, 14);
+  const at::Tensor tokens = at::tensor(std::vector<int64_t>{3, 1, 4, 1, 5, 9}, at::kLong);
+  std::vector<std::vector<int32_t>> prompts_only;
+  for (int64_t k : row_prompt) prompts_only.push_back(prompts[k]);
+  auto plain = decode::Restart(*model, prompts_only, 6, at::kCPU);
+  const at::Tensor a = first->Step(tokens), b = plain->Step(tokens);
+  EXPECT_LT((a - b).abs().max().item<double>(), 1e-4 * b.abs().max().item<double>());
 }
 
 TEST(PartialRollouts, WithoutTheKeyACallKeepsItsSnapshotAndRecordsNoVersions) {
