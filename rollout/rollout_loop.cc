@@ -324,6 +324,7 @@ Status RolloutLoop::ApplyRegistration(const Registration& r) {
     }
     // The registration is the learner's word on its version (NoteLearnerVersion only raises it).
     learner_version_ = r.policy_version;
+    WakeFetcher();
   }
   {
     common::MutexLock lock(&mu_);
@@ -363,6 +364,14 @@ void RolloutLoop::NoteLearnerVersion(int64_t version) {
   int64_t seen = learner_version_.load();
   while (version > seen && !learner_version_.compare_exchange_weak(seen, version)) {
   }
+  if (version > seen) WakeFetcher();
+}
+
+void RolloutLoop::WakeFetcher() {
+  // Taking the lock orders this change after a waiter's check of it, or before it: a waiter
+  // between its check and its wait holds version_mu_ (no wake-up is lost).
+  { common::MutexLock lock(&version_mu_); }
+  version_cv_.NotifyAll();
 }
 
 GeneratorOptions RolloutLoop::GeneratorOptionsOf(const common::GrpoConfig& config) const {
@@ -417,12 +426,19 @@ RolloutLoop::ReceiveWeights(int64_t min_version) {
 
 void RolloutLoop::FetchInFlight(const std::string& incarnation,
                                 const std::atomic<bool>* generating) {
-  constexpr milliseconds kPoll{10};
-  while (generating->load() && !Stopping()) {
-    const int64_t wanted = learner_version_.load();
-    if (wanted <= policy_version_.load()) {
-      std::this_thread::sleep_for(kPoll);
-      continue;
+  // Woken by a newer learner version and by the round's end (WakeFetcher); the stop flag is
+  // nobody's to notify, so it is looked at this often (the round's end follows it anyway).
+  constexpr milliseconds kStopCheck{100};
+  while (true) {
+    int64_t wanted = -1;
+    {
+      common::MutexLock lock(&version_mu_);
+      while (generating->load() && !Stopping() &&
+             learner_version_.load() <= policy_version_.load()) {
+        version_cv_.WaitFor(&version_mu_, kStopCheck);
+      }
+      if (!generating->load() || Stopping()) return;
+      wanted = learner_version_.load();
     }
     {
       common::MutexLock lock(&mu_);
@@ -580,6 +596,7 @@ Status RolloutLoop::RunRound() {
                                                    *episode_options_, inputs, &episodes)
                                  : Produce(*generator_, rewards_.get(), inputs);
     generating = false;
+    WakeFetcher();
     if (fetcher.joinable()) fetcher.join();
     if (environment_) CountEpisodes(episodes);
     if (!produced.ok()) {

@@ -293,6 +293,12 @@ class RolloutLoop {
   std::atomic<int64_t> group_epoch_{0};
   std::atomic<int64_t> policy_version_{-1};   // the version generating now; -1 = none
   std::atomic<int64_t> learner_version_{-1};  // the newest version the learner reported
+  // FetchInFlight waits on version_cv_ for a newer learner_version_ or its round's end; a leaf
+  // lock (taken under mu_ by NoteLearnerVersion, never the other way round).
+  common::Mutex version_mu_;
+  common::CondVar version_cv_;
+  // Wakes FetchInFlight: learner_version_ or its round's `generating` changed.
+  void WakeFetcher() GRPO_EXCLUDES(version_mu_);
   // The learner process registered with, and the one whose weights generate now (groups carry
   // it; a group of another learner's weights is refused).
   std::string learner_incarnation_ GRPO_GUARDED_BY(mu_);

@@ -164,6 +164,7 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
 
   StatusOr<StreamStats> stats = generator_->GenerateStream(stream);
   generating = false;
+  WakeFetcher();
   fetcher.join();
   finished.Close();
   pusher.join();
