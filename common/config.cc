@@ -307,6 +307,7 @@ const std::vector<Field>& Fields() {
       MakeField("logprob_chunk_tokens", &C::logprob_chunk_tokens),
       MakeField("gradient_checkpointing", &C::gradient_checkpointing),
       MakeField("fsdp", &C::fsdp),
+      MakeField("fsdp_prefetch", &C::fsdp_prefetch),
       MakeField("rank_timeout_seconds", &C::rank_timeout_seconds),
       MakeField("learning_rate", &C::learning_rate),
       MakeField("adam_beta1", &C::adam_beta1),

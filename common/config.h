@@ -138,6 +138,9 @@ struct GrpoConfig {
   // all-reduced), shard_grad_op (ZeRO-2), full_shard (ZeRO-3 / FSDP), each optionally followed
   // by " offload" (AdamW state and fp32 master weights in host memory). ParseFsdp reads it.
   std::string fsdp = "no_shard";
+  // full_shard: start the all-gather of the unit used next while one computes (FSDP's forward
+  // and backward prefetch); one more unit is whole at a time. Off: each gather waits.
+  bool fsdp_prefetch = true;
   // The deadline of every collective among learner ranks, in seconds: a rank that died or
   // stalled makes the others fail within it (and exit for the orchestrator to restart the
   // group). It bounds the wait of the fastest rank for the slowest one in a step, so it must
@@ -240,6 +243,7 @@ enum class FsdpMode { kNoShard, kShardGradOp, kFullShard };
 struct FsdpSpec {
   FsdpMode mode = FsdpMode::kNoShard;
   bool offload = false;
+  bool prefetch = true;  // GrpoConfig::fsdp_prefetch (not part of the `fsdp` text)
 };
 // "no_shard" | "shard_grad_op" | "full_shard", optionally followed by " offload" (also alone:
 // "offload" = "no_shard offload"); InvalidArgument naming the key otherwise.

@@ -290,7 +290,8 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
                                                            distributed::Collectives* ranks) {
   RETURN_IF_ERROR(config.Validate());
   if (policy == nullptr) return Status::InvalidArgument("GrpoTrainer: no policy model");
-  ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(config.fsdp));
+  ASSIGN_OR_RETURN(common::FsdpSpec fsdp, common::ParseFsdp(config.fsdp));
+  fsdp.prefetch = config.fsdp_prefetch;
   if (config.beta != 0 && reference == nullptr) {
     return Status::InvalidArgument("config key 'beta' is " + std::to_string(config.beta) +
                                    ": a reference model is required");

@@ -135,9 +135,9 @@ StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
   if (model == nullptr || (!own_compute && compute_model == nullptr)) {
     return Status::InvalidArgument("full_shard at several ranks needs the model it shards");
   }
-  ASSIGN_OR_RETURN(auto full,
-                   distributed::FullShardAdamW::Create(
-                       model, options, ranks, own_compute ? nullptr : compute_model, offload));
+  ASSIGN_OR_RETURN(auto full, distributed::FullShardAdamW::Create(
+                                  model, options, ranks, own_compute ? nullptr : compute_model,
+                                  offload, fsdp.prefetch));
   return std::unique_ptr<StepOptimizer>(std::move(full));
 }
 

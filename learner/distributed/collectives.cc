@@ -8,6 +8,25 @@ namespace grpo::learner::distributed {
 
 namespace {
 
+class DonePending final : public PendingCollective {
+ public:
+  explicit DonePending(Status status) : status_(std::move(status)) {}
+  Status Wait() override { return status_; }
+
+ private:
+  Status status_;
+};
+
+}  // namespace
+
+std::unique_ptr<PendingCollective> Collectives::AllGatherAsync(const at::Tensor& input,
+                                                               at::Tensor& output,
+                                                               const std::string& what) {
+  return std::make_unique<DonePending>(AllGather(input, output, what));
+}
+
+namespace {
+
 // Buckets of consecutive tensors holding at most `bucket_bytes` each (a larger tensor alone).
 std::vector<std::vector<at::Tensor>> Buckets(const std::vector<at::Tensor>& tensors,
                                              int64_t bucket_bytes) {

@@ -22,6 +22,14 @@
 
 namespace grpo::learner::distributed {
 
+// An all-gather started by AllGatherAsync: Wait() blocks until it is done (or failed, with the
+// errors of the synchronous collectives) and must be called once before `output` is read.
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  virtual Status Wait() = 0;
+};
+
 // Errors of every collective: DeadlineExceeded when a peer did not join within the deadline
 // (stopped, or still computing past it), Unavailable when a peer left (died, closed the group),
 // Aborted once the group has failed (every later collective fails at once: a group that lost a
@@ -47,6 +55,14 @@ class Collectives {
                                   const std::string& what) = 0;
   virtual Status AllGather(const at::Tensor& input, at::Tensor& output,
                            const std::string& what) = 0;
+  // AllGather started now and waited for later, so that compute runs meanwhile (full_shard's
+  // prefetch of the next unit). It takes its place in the order of collectives when it starts:
+  // the collectives issued after it match the other ranks' issued after theirs. `input` and
+  // `output` must stay alive until Wait(). The default runs the all-gather at once (the
+  // in-process fakes, SingleRank): the same results, no overlap.
+  virtual std::unique_ptr<PendingCollective> AllGatherAsync(const at::Tensor& input,
+                                                            at::Tensor& output,
+                                                            const std::string& what);
 };
 
 // The identity: world size 1, rank 0; every collective returns at once (tests derive from it

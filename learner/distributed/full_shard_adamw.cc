@@ -43,7 +43,7 @@ StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* 
                                                                  AdamWOptions options,
                                                                  Collectives* ranks,
                                                                  common::Model* compute,
-                                                                 bool offload) {
+                                                                 bool offload, bool prefetch) {
   if (ranks == nullptr || ranks->world_size() < 1) {
     return Status::InvalidArgument("FullShardAdamW: no rank group");
   }
@@ -75,6 +75,7 @@ StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* 
     }
   }
   std::unique_ptr<FullShardAdamW> s(new FullShardAdamW(gated, options, ranks));
+  s->prefetch_on_ = prefetch;
   std::unordered_map<std::string, size_t> index;
   for (size_t i = 0; i < s->params_.size(); ++i) index[s->params_[i].first] = i;
   const int64_t world = ranks->world_size();
@@ -146,23 +147,81 @@ at::Tensor FullShardAdamW::Pack(const Unit& u, Source source,
   return flat;
 }
 
-Status FullShardAdamW::Gather(int unit, const std::string& what) {
+at::Tensor FullShardAdamW::ChunkToSend(const Unit& u) const {
+  // This rank's chunk on the model's device (from the host with offload), in the dtype that
+  // computes (bf16: half the bytes to send).
+  return weight_shard_.narrow(0, u.shard_offset, u.chunk).to(u.flat.device(), u.flat.scalar_type());
+}
+
+void FullShardAdamW::Allocate(int unit) {
   Unit& u = units_[unit];
-  if (u.gathered) return Status::OK();
-  at::NoGradGuard no_grad;
   ResizeStorage(u.flat, static_cast<size_t>(u.flat.numel()) * u.flat.element_size());
   u.gathered = true;
   max_gathered_ = std::max(max_gathered_, ++gathered_now_);
   ++all_gathers_;
-  // This rank's chunk on the model's device (from the host with offload), in the dtype that
-  // computes (bf16: half the bytes to send).
-  return ranks_->AllGather(
-      weight_shard_.narrow(0, u.shard_offset, u.chunk).to(u.flat.device(), u.flat.scalar_type()),
-      u.flat, "all-gather of " + UnitName(*model_, unit) + what);
+}
+
+Status FullShardAdamW::Gather(int unit, const std::string& what) {
+  Unit& u = units_[unit];
+  if (prefetch_.unit == unit) return FinishPrefetch();
+  if (u.gathered) return Status::OK();
+  at::NoGradGuard no_grad;
+  Allocate(unit);
+  return ranks_->AllGather(ChunkToSend(u), u.flat,
+                           "all-gather of " + UnitName(*model_, unit) + what);
+}
+
+Status FullShardAdamW::StartPrefetch(int unit, const std::string& what) {
+  Unit& u = units_[unit];
+  at::NoGradGuard no_grad;
+  Allocate(unit);
+  prefetch_.unit = unit;
+  prefetch_.input = ChunkToSend(u);
+  prefetch_.pending = ranks_->AllGatherAsync(
+      prefetch_.input, u.flat, "all-gather of " + UnitName(*model_, unit) + " (prefetched)" + what);
+  ++prefetches_;
+  return Status::OK();
+}
+
+Status FullShardAdamW::FinishPrefetch() {
+  if (prefetch_.unit < 0) return Status::OK();
+  Prefetch done = std::move(prefetch_);
+  prefetch_ = Prefetch{};
+  return done.pending->Wait();
+}
+
+int FullShardAdamW::NextUnit(int unit, int last) const {
+  const int norm = model_->NormUnit(), head = model_->LmHeadUnit();
+  if (backward_order_) return unit > model_->LayerUnit(0) && unit <= norm ? unit - 1 : -1;
+  if (unit == head && last == norm) return -1;  // the head ends the forward
+  if (unit == norm) return head;
+  return unit < norm ? unit + 1 : -1;  // the embedding or a layer: the next one
+}
+
+Status FullShardAdamW::Use(int unit, const std::string& what) {
+  // A unit held already (the head asked for again) costs nothing and predicts nothing.
+  if (units_[unit].gathered && prefetch_.unit != unit) return Status::OK();
+  const int last = last_used_;
+  last_used_ = unit;
+  // The final norm right after the head: the backward, which gathers the layers last to first.
+  if (unit == model_->NormUnit() && last == model_->LmHeadUnit()) backward_order_ = true;
+  if (prefetch_.unit >= 0 && prefetch_.unit != unit) {
+    // Not the unit predicted (a path the prediction does not know): it stays gathered until
+    // released; every rank took the same path, so the collectives still match.
+    RETURN_IF_ERROR(FinishPrefetch());
+  }
+  RETURN_IF_ERROR(Gather(unit, what));
+  const int next = prefetch_on_ ? NextUnit(unit, last) : -1;
+  if (next >= 0 && !units_[next].gathered) RETURN_IF_ERROR(StartPrefetch(next, what));
+  return Status::OK();
 }
 
 void FullShardAdamW::Free(int unit) {
   Unit& u = units_[unit];
+  if (prefetch_.unit == unit) {
+    Status s = FinishPrefetch();  // its buffer is being written: not freed under it
+    if (error_.ok() && !s.ok()) error_ = s;
+  }
   ResizeStorage(u.flat, 0);
   if (u.gathered) --gathered_now_;
   u.gathered = false;
@@ -170,6 +229,8 @@ void FullShardAdamW::Free(int unit) {
 
 void FullShardAdamW::ReleaseAll() {
   for (int u = 0; u < static_cast<int>(units_.size()); ++u) Free(u);
+  last_used_ = -1;
+  backward_order_ = false;
 }
 
 Status FullShardAdamW::ReduceScatter(int unit, const at::Tensor& flat, const std::string& what) {
@@ -193,7 +254,7 @@ Status FullShardAdamW::TakeError() {
   return s;
 }
 
-void FullShardAdamW::Acquire(int unit) { ThrowIfFailed(Gather(unit, where_)); }
+void FullShardAdamW::Acquire(int unit) { ThrowIfFailed(Use(unit, where_)); }
 
 void FullShardAdamW::Release(int unit) { Free(unit); }
 
@@ -247,13 +308,14 @@ Status FullShardAdamW::FinishBackward(bool zeros) {
 }
 
 Status FullShardAdamW::JoinNoGradForward(const std::string& where) {
-  // ForwardHidden without grad: each unit gathered and released in turn; then LmHeadWeight.
+  // ForwardHidden without grad: each unit used and released in turn; then LmHeadWeight (Use
+  // prefetches as the forward's acquisitions do).
   for (int u = 0; u <= model_->NormUnit(); ++u) {
-    RETURN_IF_ERROR(Gather(u, where));
+    RETURN_IF_ERROR(Use(u, where));
     Free(u);
   }
-  RETURN_IF_ERROR(Gather(model_->LmHeadUnit(), where));
-  Free(model_->LmHeadUnit());
+  RETURN_IF_ERROR(Use(model_->LmHeadUnit(), where));
+  ReleaseAll();
   return Status::OK();
 }
 
@@ -261,13 +323,13 @@ Status FullShardAdamW::JoinMicroBatch(const std::string& where) {
   where_ = where;
   // The forward: as JoinNoGradForward, but the lm_head stays gathered through the backward.
   for (int u = 0; u <= model_->NormUnit(); ++u) {
-    RETURN_IF_ERROR(Gather(u, where));
+    RETURN_IF_ERROR(Use(u, where));
     Free(u);
   }
-  RETURN_IF_ERROR(Gather(model_->LmHeadUnit(), where));
+  RETURN_IF_ERROR(Use(model_->LmHeadUnit(), where));
   // The backward: the final norm and the layers, last to first, each gathered and reduced.
   for (int u = model_->NormUnit(); u >= model_->LayerUnit(0); --u) {
-    RETURN_IF_ERROR(Gather(u, where));
+    RETURN_IF_ERROR(Use(u, where));
     const Unit& unit = units_[u];
     RETURN_IF_ERROR(
         ReduceScatter(u, at::zeros({unit.chunk * ranks_->world_size()}, device_opts_), where));

@@ -16,6 +16,13 @@
 //    and hands its gradient to TakeGradients, which reduce-scatters it at once (one flat buffer
 //    per unit) into this rank's gradient shard. The embedding's and lm_head's gradients, which
 //    autograd accumulates into .grad, are reduce-scattered after the backward (AfterBackward).
+//  - Prefetch (FSDP's forward and backward prefetch): each use of a unit starts the all-gather
+//    of the unit used next (Collectives::AllGatherAsync), so that it runs while this one
+//    computes: in a forward the next layer, after the final norm the lm_head; in a backward
+//    (the final norm used right after the lm_head) the layer before. The first gather of each
+//    pass and the backward's first (the final norm) are not ahead of their use. So a unit and
+//    the next are whole at once, and during a backward with the lm_head: three units. Off
+//    (`fsdp_prefetch: false`), each gather waits and at most two units are whole.
 //  - Every rank makes the same collectives in the same order: a micro-batch's are those of one
 //    forward and backward, whatever its data; micro-batches are dealt round-robin and a rank
 //    with none in a (partial) round joins the round's collectives with zeros at its end, as
@@ -73,7 +80,8 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   static StatusOr<std::unique_ptr<FullShardAdamW>> Create(common::Model* model,
                                                           AdamWOptions options, Collectives* ranks,
                                                           common::Model* compute = nullptr,
-                                                          bool offload = false);
+                                                          bool offload = false,
+                                                          bool prefetch = true);
   ~FullShardAdamW() override;
 
   // StepOptimizer.
@@ -106,6 +114,7 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
 
   // Observations for tests: all-gathers of units so far, and the most units gathered at once.
   int64_t all_gathers() const { return all_gathers_; }
+  int64_t prefetches() const { return prefetches_; }
   int max_units_gathered() const { return max_gathered_; }
   // The largest unit's padded size in bytes (what one gathered unit costs).
   int64_t LargestUnitBytes() const;
@@ -126,7 +135,19 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   // flat buffer of chunk x world_size, zero padded.
   template <typename Source>
   at::Tensor Pack(const Unit& u, Source source, const at::TensorOptions& options) const;
+  // The unit's storage back, counted as gathered.
+  void Allocate(int unit);
+  // This rank's chunk of the unit as its all-gather sends it.
+  at::Tensor ChunkToSend(const Unit& u) const;
+  // The unit's values here: at once, or the prefetch of it waited for; nothing if held.
   Status Gather(int unit, const std::string& what);
+  // The gate's (and the joins') acquisition: Gather, then the next unit's gather started
+  // (NextUnit) so that it runs while this one computes.
+  Status Use(int unit, const std::string& what);
+  // The unit a forward or backward uses after `unit` (used after `last`), or -1.
+  int NextUnit(int unit, int last) const;
+  Status StartPrefetch(int unit, const std::string& what);
+  Status FinishPrefetch();
   void Free(int unit);
   void ReleaseAll();
   // Sums `flat` (chunk x world_size, this rank's contribution) over the ranks into this rank's
@@ -156,7 +177,18 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   std::string where_;  // names the gate's collectives of the forward or backward running now
   Status error_;       // the first failure of the gate's collectives since the last check
   std::vector<int> backward_units_;  // TakeGradients per unit in the running backward
-  bool round_reduced_ = false;       // this rank ran a backward in the round now open
+  // The all-gather started ahead of its use (at most one), with the chunk it sends.
+  struct Prefetch {
+    int unit = -1;
+    at::Tensor input;
+    std::unique_ptr<PendingCollective> pending;
+  };
+  Prefetch prefetch_;
+  int last_used_ = -1;           // the unit Use took last since the last ReleaseAll
+  bool backward_order_ = false;  // the uses go the final norm, then the layers last to first
+  int64_t prefetches_ = 0;
+  bool prefetch_on_ = true;
+  bool round_reduced_ = false;  // this rank ran a backward in the round now open
   // fp32, the sum of this rank's chunks (padding included): the master weights, the step's
   // summed gradient, AdamW's moments; on the model's device, or the host with offload.
   at::Tensor weight_shard_, grad_shard_, exp_avg_, exp_avg_sq_;

@@ -175,6 +175,10 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     p.gathered_layer = s * p.params.largest_tensor + std::min(kGradientBucketBytes, 4 * n);
     p.optimizer_step = bucket + 3 * CeilDiv(bucket, w);
   }
+  // full_shard's prefetch (fsdp_prefetch): the next unit's weights whole beside it.
+  if (cfg.fsdp_prefetch && fsdp.mode == FsdpMode::kFullShard && (full || offload)) {
+    p.gathered_layer += s * p.params.largest_unit;
+  }
   if (p.reference) p.reference_model = s * n;  // whole on every rank, in every mode (as built)
 
   // Weights published for rollout workers (learner/learner.cc PublishWeights): fp32 CPU tensors
@@ -514,8 +518,7 @@ StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::Grpo
   RETURN_IF_ERROR(CandidateFits(m, floor, device, device_bytes, SuggestOptions{}, &least).status());
   std::string msg = (o.built_only ? "nothing the trainer runs today fits " : "no change fits ") +
                     FormatBytes(device_bytes) + " per rank: with gradient_checkpointing, 1 row, " +
-                    floor.config.fsdp + " and " + std::to_string(kMaxSuggestedWorldSize) +
-                    " ranks";
+                    floor.config.fsdp + " and " + std::to_string(kMaxSuggestedWorldSize) + " ranks";
   msg += " a rank still needs " + FormatBytes(least.Total());
   if (least.weight_snapshot > 0) {
     msg += " (the published weights " + FormatBytes(least.weight_snapshot) + ")";

@@ -144,8 +144,9 @@ struct Suggestion {
 // it changes nothing) and, on a GPU, with full_shard (at any world size, one included).
 // GrpoTrainer::Create refuses the rest (no_shard or shard_grad_op offload on a GPU) as
 // Unimplemented. The plan of shard_grad_op is what is built (PlanMemory); of full_shard,
-// ZeRO-3's arithmetic with one gathered unit (the built trainer holds the lm_head and one layer
-// at once, and the embedding's and lm_head's whole .grad during backward: not counted yet),
+// ZeRO-3's arithmetic with one gathered unit and the prefetched one's weights (the built
+// trainer holds the lm_head beside them, and the embedding's and lm_head's whole .grad during
+// backward: not counted yet),
 // with bf16 and with offload as built (no bf16 copy between uses; offloaded, no model state on
 // the GPU); of the other offloads, ZeRO's arithmetic.
 bool FsdpBuilt(const common::FsdpSpec& fsdp, const std::string& device);

@@ -120,33 +120,61 @@ class RankGroup::Impl {
     return Status::OK();
   }
 
-  template <typename Launch>
-  Status Run(const std::string& what, Launch launch) {
-    const std::string who = "learner rank " + std::to_string(env.rank) + "/" +
-                            std::to_string(env.world_size) + ": " + what + " (collective " +
-                            std::to_string(collectives + 1) + ")";
+  // A collective started (or refused): what Await needs to name it and bound it.
+  struct Started {
+    std::string what, who;
+    Clock::time_point start;
+    c10::intrusive_ptr<c10d::Work> work;  // null when refused or failed to start
+    Status status;                        // why, then
+  };
+
+  template <typename Fn>
+  Started Launch(const std::string& what, Fn launch) {
+    Started s{what,
+              "learner rank " + std::to_string(env.rank) + "/" + std::to_string(env.world_size) +
+                  ": " + what + " (collective " + std::to_string(collectives + 1) + ")",
+              Clock::now(), nullptr, Status::OK()};
     if (!failure.empty()) {
-      return Status::Aborted(who + ": the rank group failed earlier: " + failure);
+      s.status = Status::Aborted(s.who + ": the rank group failed earlier: " + failure);
+      return s;
     }
     ++collectives;
-    const auto start = Clock::now();
     try {
-      c10::intrusive_ptr<c10d::Work> work = launch();
-      work->wait(timeout);
+      s.work = launch();
+    } catch (const std::exception& e) {
+      s.status = Failed(s, WhatOf(e));
+    }
+    return s;
+  }
+
+  Status Await(Started& s) {
+    if (!s.work) return s.status;
+    try {
+      s.work->wait(timeout);
       return Status::OK();
     } catch (const std::exception& e) {
-      const std::string m = WhatOf(e);
-      const auto ms =
-          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
-      failure = what + " failed after " + std::to_string(ms) + " ms: " + m;
-      if (MentionsTimeout(m) || Clock::now() - start >= timeout) {
-        return Status::DeadlineExceeded(
-            who + " failed after " + std::to_string(ms) + " ms (deadline rank_timeout_seconds = " +
-            std::to_string(timeout.count() / 1000.0) + " s): a rank stalled: " + m);
-      }
-      return Status::Unavailable(who + " failed after " + std::to_string(ms) +
-                                 " ms: a rank left the group: " + m);
+      return Failed(s, WhatOf(e));
     }
+  }
+
+  template <typename Fn>
+  Status Run(const std::string& what, Fn launch) {
+    Started s = Launch(what, launch);
+    return Await(s);
+  }
+
+ private:
+  Status Failed(const Started& s, const std::string& m) {
+    const auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - s.start).count();
+    if (failure.empty()) failure = s.what + " failed after " + std::to_string(ms) + " ms: " + m;
+    if (MentionsTimeout(m) || Clock::now() - s.start >= timeout) {
+      return Status::DeadlineExceeded(
+          s.who + " failed after " + std::to_string(ms) + " ms (deadline rank_timeout_seconds = " +
+          std::to_string(timeout.count() / 1000.0) + " s): a rank stalled: " + m);
+    }
+    return Status::Unavailable(s.who + " failed after " + std::to_string(ms) +
+                               " ms: a rank left the group: " + m);
   }
 };
 
@@ -262,6 +290,33 @@ Status RankGroup::AllGather(const at::Tensor& input, at::Tensor& output, const s
   return impl_->Run(what, [&] { return impl_->For(in)._allgather_base(output, in, opts); });
 }
 
+namespace {
+
+// c10d's work, waited for with the group's deadline and error names.
+class StartedAllGather final : public PendingCollective {
+ public:
+  StartedAllGather(RankGroup::Impl* impl, RankGroup::Impl::Started started)
+      : impl_(impl), started_(std::move(started)) {}
+  Status Wait() override { return impl_->Await(started_); }
+
+ private:
+  RankGroup::Impl* impl_;
+  RankGroup::Impl::Started started_;
+};
+
+}  // namespace
+
+std::unique_ptr<PendingCollective> RankGroup::AllGatherAsync(const at::Tensor& input,
+                                                             at::Tensor& output,
+                                                             const std::string& what) {
+  c10d::AllgatherOptions opts;
+  opts.timeout = impl_->timeout;
+  at::Tensor in = input;
+  return std::make_unique<StartedAllGather>(impl_.get(), impl_->Launch(what, [&] {
+    return impl_->For(in)._allgather_base(output, in, opts);
+  }));
+}
+
 Status RankGroup::Post(const std::string& command) {
   Impl& m = *impl_;
   if (m.env.rank != 0) return Status::FailedPrecondition("only rank 0 posts commands");
@@ -330,6 +385,11 @@ Status RankGroup::ReduceScatterSum(const at::Tensor&, at::Tensor&, const std::st
 }
 Status RankGroup::AllGather(const at::Tensor&, at::Tensor&, const std::string&) {
   return Status::Unimplemented("built without Gloo");
+}
+std::unique_ptr<PendingCollective> RankGroup::AllGatherAsync(const at::Tensor& input,
+                                                             at::Tensor& output,
+                                                             const std::string& what) {
+  return Collectives::AllGatherAsync(input, output, what);
 }
 Status RankGroup::Post(const std::string&) { return Status::Unimplemented("built without Gloo"); }
 StatusOr<std::string> RankGroup::Next(std::chrono::milliseconds) {

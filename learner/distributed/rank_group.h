@@ -58,6 +58,9 @@ class RankGroup final : public Collectives {
   Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output,
                           const std::string& what) override;
   Status AllGather(const at::Tensor& input, at::Tensor& output, const std::string& what) override;
+  // Started on c10d at once, waited for in Wait() (every rank's later collectives queue after).
+  std::unique_ptr<PendingCollective> AllGatherAsync(const at::Tensor& input, at::Tensor& output,
+                                                    const std::string& what) override;
 
   // Rank 0: the next command (bytes) for every other rank, in order. Commands read by every
   // rank are removed from the store.
@@ -66,8 +69,9 @@ class RankGroup final : public Collectives {
   // as long as it needs to), polling its store every `poll`; Unavailable once rank 0 is gone.
   StatusOr<std::string> Next(std::chrono::milliseconds poll = std::chrono::milliseconds(1000));
 
+  class Impl;  // rank_group.cc's (public: the pending collectives it starts name it)
+
  private:
-  class Impl;
   explicit RankGroup(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

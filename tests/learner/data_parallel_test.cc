@@ -333,7 +333,8 @@ TEST(DataParallelFullShardSharding, EachRankHoldsItsShareOfTheParametersToo) {
       EXPECT_EQ(params[r], 4 * chunks) << "world " << world << " rank " << r;
       EXPECT_LT(params[r], 4 * P / world + 4 * 4 * world) << "padding: under a world per unit";
       EXPECT_EQ(state[r], 12 * chunks) << "world " << world << " rank " << r;
-      EXPECT_EQ(most_gathered[r], 2) << "world " << world << " rank " << r;
+      // The lm_head (the tied embedding), a layer and the one prefetched during backward.
+      EXPECT_EQ(most_gathered[r], 3) << "world " << world << " rank " << r;
     }
   }
 }
@@ -342,61 +343,70 @@ TEST(DataParallelFullShardSharding, EachRankHoldsItsShareOfTheParametersToo) {
 // the forward gathers each unit once (embedding, 2 layers, final norm, the lm_head: when tied,
 // the embedding's unit a second time, freed between its two uses), the
 // backward each layer and the final norm once more, also when checkpointing recomputes them (no
-// third gather), and never more than two units at once. The gradient's norm and the weights
-// after one AdamW step equal those of the same model without a gate (plain autograd and AdamW).
+// third gather). Each gather but a pass's first is started ahead of its use (prefetched): 4 of
+// the forward's 5, 2 of the backward's 3; so at most three units are whole at once (the lm_head,
+// a layer and the next, in backward); without the prefetch none is, and two. The gradient's norm
+// and the weights after one AdamW step equal those of the same model without a gate (plain autograd
+// and AdamW).
 TEST(DataParallelFullShardSharding, EachUnitIsGatheredOnceForwardAndOnceBackward) {
   for (const bool tied : {true, false}) {
     for (const bool checkpointing : {false, true}) {
-      auto cfg = common::ModelConfigPreset("tiny");
-      ASSERT_TRUE(cfg.ok());
-      cfg->tie_word_embeddings = tied;
-      auto plain = common::Model::InitRandom(*cfg, 5);
-      auto gated = common::Model::InitRandom(*cfg, 5);
-      ASSERT_TRUE(plain.ok() && gated.ok());
-      (*plain)->SetRequiresGrad(true);
-      (*gated)->SetRequiresGrad(true);
-      SingleRank rank;
-      const AdamWOptions adamw{0.9, 0.999, 1e-8, 0.01};
-      auto opt = distributed::FullShardAdamW::Create(gated->get(), adamw, &rank);
-      ASSERT_TRUE(opt.ok()) << opt.status().ToString();
-      at::Generator g = at::detail::createCPUGenerator(3);
-      const at::Tensor ids = at::randint(cfg->vocab_size, {2, 12}, g, at::kLong);
-      const at::Tensor mask = at::ones({2, 12}, at::kLong);
-      auto loss = [&](const common::Model& m) {
-        return m.Logits(m.ForwardHidden(ids, mask, checkpointing)).log_softmax(-1).mean();
-      };
-      loss(**plain).backward();
-      (*opt)->ZeroGrad();
-      (*opt)->BeforeBackward(" of the test");
-      const at::Tensor l = loss(**gated);
-      // The embedding, 2 layers, the final norm, the lm_head (tied: the embedding's again).
-      const int64_t units = 5, layers_and_norm = 3;
-      EXPECT_EQ((*opt)->all_gathers(), units) << "tied " << tied << " ckpt " << checkpointing;
-      l.backward();
-      ASSERT_TRUE((*opt)->AfterBackward(" of the test").ok());
-      EXPECT_EQ((*opt)->all_gathers(), units + layers_and_norm)
-          << "tied " << tied << " ckpt " << checkpointing;
-      EXPECT_EQ((*opt)->max_units_gathered(), 2);
-      EXPECT_EQ((*opt)->ResidentParameterBytes(), 4 * (*gated)->NumParameters());
-      double sq = 0;
-      for (const at::Tensor& p : (*plain)->Parameters()) {
-        sq += p.grad().to(at::kDouble).square().sum().item<double>();
-      }
-      auto norm = (*opt)->ClipGradNorm(0, " of the test");
-      ASSERT_TRUE(norm.ok());
-      EXPECT_NEAR(*norm, std::sqrt(sq), 1e-5 * std::sqrt(sq));
-      AdamW reference((*plain)->NamedParameters(), adamw);
-      reference.Step(1e-2);
-      ASSERT_TRUE((*opt)->Step(1e-2, " of the test").ok());
-      auto weights = (*opt)->GatherWeights("the test's weights", true);
-      ASSERT_TRUE(weights.ok());
-      const common::NamedTensors want = (*plain)->NamedParameters();
-      ASSERT_EQ(weights->size(), want.size());
-      for (size_t k = 0; k < want.size(); ++k) {
-        EXPECT_EQ((*weights)[k].first, want[k].first);
-        const double scale = want[k].second.abs().max().item<double>();
-        EXPECT_LE(((*weights)[k].second - want[k].second).abs().max().item<double>(), 1e-5 * scale)
-            << want[k].first << " tied " << tied << " ckpt " << checkpointing;
+      for (const bool prefetch : {true, false}) {
+        auto cfg = common::ModelConfigPreset("tiny");
+        ASSERT_TRUE(cfg.ok());
+        cfg->tie_word_embeddings = tied;
+        auto plain = common::Model::InitRandom(*cfg, 5);
+        auto gated = common::Model::InitRandom(*cfg, 5);
+        ASSERT_TRUE(plain.ok() && gated.ok());
+        (*plain)->SetRequiresGrad(true);
+        (*gated)->SetRequiresGrad(true);
+        SingleRank rank;
+        const AdamWOptions adamw{0.9, 0.999, 1e-8, 0.01};
+        auto opt = distributed::FullShardAdamW::Create(gated->get(), adamw, &rank, nullptr,
+                                                       /*offload=*/false, prefetch);
+        ASSERT_TRUE(opt.ok()) << opt.status().ToString();
+        at::Generator g = at::detail::createCPUGenerator(3);
+        const at::Tensor ids = at::randint(cfg->vocab_size, {2, 12}, g, at::kLong);
+        const at::Tensor mask = at::ones({2, 12}, at::kLong);
+        auto loss = [&](const common::Model& m) {
+          return m.Logits(m.ForwardHidden(ids, mask, checkpointing)).log_softmax(-1).mean();
+        };
+        loss(**plain).backward();
+        (*opt)->ZeroGrad();
+        (*opt)->BeforeBackward(" of the test");
+        const at::Tensor l = loss(**gated);
+        // The embedding, 2 layers, the final norm, the lm_head (tied: the embedding's again).
+        const int64_t units = 5, layers_and_norm = 3;
+        EXPECT_EQ((*opt)->all_gathers(), units) << "tied " << tied << " ckpt " << checkpointing;
+        EXPECT_EQ((*opt)->prefetches(), prefetch ? units - 1 : 0);
+        l.backward();
+        ASSERT_TRUE((*opt)->AfterBackward(" of the test").ok());
+        EXPECT_EQ((*opt)->all_gathers(), units + layers_and_norm)
+            << "tied " << tied << " ckpt " << checkpointing;
+        EXPECT_EQ((*opt)->prefetches(), prefetch ? units - 1 + layers_and_norm - 1 : 0);
+        EXPECT_EQ((*opt)->max_units_gathered(), prefetch ? 3 : 2);
+        EXPECT_EQ((*opt)->ResidentParameterBytes(), 4 * (*gated)->NumParameters());
+        double sq = 0;
+        for (const at::Tensor& p : (*plain)->Parameters()) {
+          sq += p.grad().to(at::kDouble).square().sum().item<double>();
+        }
+        auto norm = (*opt)->ClipGradNorm(0, " of the test");
+        ASSERT_TRUE(norm.ok());
+        EXPECT_NEAR(*norm, std::sqrt(sq), 1e-5 * std::sqrt(sq));
+        AdamW reference((*plain)->NamedParameters(), adamw);
+        reference.Step(1e-2);
+        ASSERT_TRUE((*opt)->Step(1e-2, " of the test").ok());
+        auto weights = (*opt)->GatherWeights("the test's weights", true);
+        ASSERT_TRUE(weights.ok());
+        const common::NamedTensors want = (*plain)->NamedParameters();
+        ASSERT_EQ(weights->size(), want.size());
+        for (size_t k = 0; k < want.size(); ++k) {
+          EXPECT_EQ((*weights)[k].first, want[k].first);
+          const double scale = want[k].second.abs().max().item<double>();
+          EXPECT_LE(((*weights)[k].second - want[k].second).abs().max().item<double>(),
+                    1e-5 * scale)
+              << want[k].first << " tied " << tied << " ckpt " << checkpointing;
+        }
       }
     }
   }

@@ -170,7 +170,8 @@ TEST_P(MemoryPlanState, MatchesZeroArithmetic) {
 // fp32: parameters 4P = 553,216, gradients 4P, AdamW 8P = 1,106,432; the step's temporaries
 // 8U = 512,000 (the fp64 copy of the embedding's gradient). shard_grad_op: as built, below;
 // full_shard divides the
-// parameters too and adds the unit's weights and gradient (2 x 4U = 512,000). One rank, or
+// parameters too and adds the unit's weights and gradient and the next unit's weights, which the
+// prefetch gathers meanwhile (3 x 4U = 768,000). One rank, or
 // no_shard: nothing divided.
 // bf16: parameters and gradients 2P = 276,608, master and its gradient 4P each, AdamW 8P; offload
 // moves master, master gradient, AdamW and the step to the host.
@@ -192,20 +193,20 @@ INSTANTIATE_TEST_SUITE_P(
         // / 4: 138,304; AdamW 276,608; in flight 809,216; step 553,216 + 3 x 138,304 = 968,128.
         StateCase{"shard_grad_op", false, 4, 553'216, 138'304, 0, 0, 276'608, 809'216, 968'128, 0},
         StateCase{"full_shard", false, 1, 553'216, 553'216, 0, 0, 1'106'432, 0, 512'000, 0},
-        StateCase{"full_shard", false, 2, 276'608, 276'608, 0, 0, 553'216, 512'000, 256'000, 0},
-        StateCase{"full_shard", false, 4, 138'304, 138'304, 0, 0, 276'608, 512'000, 128'000, 0},
+        StateCase{"full_shard", false, 2, 276'608, 276'608, 0, 0, 553'216, 768'000, 256'000, 0},
+        StateCase{"full_shard", false, 4, 138'304, 138'304, 0, 0, 276'608, 768'000, 128'000, 0},
         // bf16, no_shard: 2P, 2P, 4P, 4P, 8P, step 8U.
         StateCase{"no_shard", true, 1, 276'608, 276'608, 553'216, 553'216, 1'106'432, 0, 512'000,
                   0},
         // bf16, full_shard over 4 as built: no bf16 copy between uses (0, 0); the fp32 master
         // shard and its gradient 4P/4 = 138,304 each; AdamW 8P/4 = 276,608; gathered: the
-        // unit's bf16 weights and gradient 2 x 2U and the fp32 flat it is reduced in 4U =
-        // 512,000; step 8U/4 = 128,000.
-        StateCase{"full_shard", true, 4, 0, 0, 138'304, 138'304, 276'608, 512'000, 128'000, 0},
+        // unit's bf16 weights and gradient 2 x 2U, the fp32 flat it is reduced in 4U and the
+        // prefetched unit's bf16 weights 2U = 640,000; step 8U/4 = 128,000.
+        StateCase{"full_shard", true, 4, 0, 0, 138'304, 138'304, 276'608, 640'000, 128'000, 0},
         // With offload as built: no model state on the GPU, the gathered unit as above; on the
         // host the four fp32 shards 16P/4 = 553,216 and the step's temporaries of one unit's
         // chunk 8 x U/4 = 128,000: 681,216.
-        StateCase{"full_shard offload", true, 4, 0, 0, 0, 0, 0, 512'000, 0, 681'216},
+        StateCase{"full_shard offload", true, 4, 0, 0, 0, 0, 0, 640'000, 0, 681'216},
         // fp32 offload on one rank: AdamW (8P) and the step (8U) on the host = 1,618,432.
         StateCase{"no_shard offload", false, 1, 553'216, 553'216, 0, 0, 0, 0, 0, 1'618'432}));
 
@@ -378,6 +379,20 @@ TEST(MemoryPlanBounds, FiguresPast2To53AreExact) {
             (int64_t{1} << 55) + 4 * 1000 * 64 + (int64_t{1} << 34) + 4 * 128 * 64);
 }
 
+// full_shard without its prefetch (fsdp_prefetch: false): the unit and its gradient only,
+// 2 x 4U = 512,000 at 4 ranks, and the rest as with it.
+TEST(MemoryPlanSmall, FullShardWithoutPrefetchHoldsOneUnitLess) {
+  common::GrpoConfig cfg = SmallRun();
+  cfg.fsdp = "full_shard";
+  auto with = PlanMemory(Small(), cfg, 4, "cuda");
+  cfg.fsdp_prefetch = false;
+  auto without = PlanMemory(Small(), cfg, 4, "cuda");
+  ASSERT_TRUE(with.ok() && without.ok());
+  EXPECT_EQ(without->gathered_layer, 512'000);
+  EXPECT_EQ(with->gathered_layer - without->gathered_layer, 4 * 64'000);
+  EXPECT_EQ(with->ModelState() - without->ModelState(), 4 * 64'000);
+}
+
 TEST(MemoryPlanSmall, CpuOffloadChangesNothingAndSaysSo) {
   common::GrpoConfig cfg = SmallRun();
   auto plain = PlanMemory(Small(), cfg, 1, "cpu");
@@ -436,12 +451,12 @@ TEST(MemoryPlan7B, EightFullShardRanksWithCheckpointingFit) {
   auto plan = PlanMemory(Qwen25_7B(), cfg, 8, "cuda");
   ASSERT_TRUE(plan.ok());
   // 16 bytes per parameter over 8 ranks as built (the fp32 master, its gradient and AdamW; no
-  // bf16 copy between uses: 15.2 GB); a gathered [V, D] unit: its bf16 weights and gradient and
-  // the fp32 flat the gradient is reduced in.
+  // bf16 copy between uses: 15.2 GB); a gathered [V, D] unit: its bf16 weights and gradient, the
+  // fp32 flat the gradient is reduced in, and the prefetched unit's bf16 weights.
   EXPECT_EQ(plan->parameters, 0);
   EXPECT_EQ(plan->master_weights + plan->master_gradients + plan->adamw_state,
             16 * 7'615'616'512ll / 8);
-  EXPECT_EQ(plan->gathered_layer, (2 + 2 + 4) * 152064ll * 3584);
+  EXPECT_EQ(plan->gathered_layer, (2 + 2 + 4 + 2) * 152064ll * 3584);
   EXPECT_TRUE(plan->Fits(k80GiB)) << FormatPlan(*plan, k80GiB);
 }
 
@@ -559,18 +574,19 @@ TEST(SuggestFix, BuiltOnlyNeverSuggestsWhatTheTrainerRefuses) {
   EXPECT_TRUE(FsdpBuilt(fix->plan.fsdp, "cuda"));
   // The 7B model in bf16 (n = 7,615,616,512) on 80 GiB: full_shard offload is built and fits
   // one rank, without checkpointing: the GPU holds no model state, only the gathered [V, D]
-  // unit 8 x 152,064 x 3,584 = 4.06 GiB (bf16 weights and gradient, the fp32 flat), the
-  // micro-batch 65.0 and CUDA 1.0: 70.0 GiB (the host, not checked here, holds 16n = 113 GiB).
+  // unit 10 x 152,064 x 3,584 = 5.08 GiB (bf16 weights and gradient, the fp32 flat, the
+  // prefetched unit's bf16 weights), the micro-batch 65.0 and CUDA 1.0: 71.0 GiB (the host, not
+  // checked here, holds 16n = 113 GiB).
   common::GrpoConfig big;
   big.bf16 = true;
   auto offload = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, built);
   ASSERT_TRUE(offload.ok()) << offload.status().ToString();
   EXPECT_EQ(offload->Text(), "set fsdp: full_shard offload");
-  EXPECT_NEAR(offload->plan.Total() / double(1ll << 30), 70.0, 0.1);
+  EXPECT_NEAR(offload->plan.Total() / double(1ll << 30), 71.05, 0.1);
   // With 128 GiB of host beside the GPU the offloaded state (113 GiB) and the two published
   // snapshots (2 x 4n = 56.7 GiB) do not fit it: full_shard at 2 ranks with checkpointing, the
   // fp32 master shard 4n/2 = 14.19 GiB, its gradient 14.19, AdamW 8n/2 = 28.37, the gathered
-  // unit 4.06, the micro-batch 5.1, CUDA 1.0: 66.9 GiB. One rank holds 16n = 113 GiB of state
+  // unit 5.08, the micro-batch 5.1, CUDA 1.0: 67.9 GiB. One rank holds 16n = 113 GiB of state
   // alone; shard_grad_op at 2 ranks needs 92.3 (the whole bf16 weights and fp32 master, 42.6,
   // beside the halves); without checkpointing the activations are 61.9.
   SuggestOptions host128 = built;
@@ -579,12 +595,12 @@ TEST(SuggestFix, BuiltOnlyNeverSuggestsWhatTheTrainerRefuses) {
   ASSERT_TRUE(zero3.ok()) << zero3.status().ToString();
   EXPECT_EQ(zero3->Text(),
             "set gradient_checkpointing: true, fsdp: full_shard and run 2 ranks (world_size 2)");
-  EXPECT_NEAR(zero3->plan.Total() / double(1ll << 30), 66.9, 0.1);
-  // On 40 GiB, offloaded, with checkpointing: 4.06 + 5.1 + 1.0 = 10.2 GiB.
+  EXPECT_NEAR(zero3->plan.Total() / double(1ll << 30), 67.9, 0.1);
+  // On 40 GiB, offloaded, with checkpointing: 5.08 + 5.1 + 1.0 = 11.2 GiB.
   auto at40 = SuggestFix(Qwen25_7B(), big, 1, "cuda", 40ll << 30, built);
   ASSERT_TRUE(at40.ok()) << at40.status().ToString();
   EXPECT_EQ(at40->Text(), "set gradient_checkpointing: true and fsdp: full_shard offload");
-  EXPECT_NEAR(at40->plan.Total() / double(1ll << 30), 10.15, 0.1);
+  EXPECT_NEAR(at40->plan.Total() / double(1ll << 30), 11.17, 0.1);
 }
 
 TEST(CheckFitsDevice, RefusesNamingTheKnob) {
@@ -593,10 +609,10 @@ TEST(CheckFitsDevice, RefusesNamingTheKnob) {
   Status s = CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", k80GiB);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
   // full_shard offload is built on a GPU: the refusal names it (SuggestFix above derives the
-  // 70.0 GiB by hand).
-  EXPECT_NE(s.message().find(": set fsdp: full_shard offload (70.0 GiB)"), std::string::npos)
+  // 71.0 GiB by hand).
+  EXPECT_NE(s.message().find(": set fsdp: full_shard offload (71.0 GiB)"), std::string::npos)
       << s.message();
-  // On 7 GiB nothing fits: at 1,024 ranks, offloaded, the gathered [V, D] unit (4.06 GiB) and
+  // On 7 GiB nothing fits: at 1,024 ranks, offloaded, the gathered [V, D] unit (5.08 GiB) and
   // CUDA (1.0) leave too little for a micro-batch of one row. It says so, at the knobs' extremes.
   s = CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", 7ll << 30);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);

@@ -99,7 +99,7 @@ TEST_F(CliPlan, JsonCarriesEveryFigureAndTheSuggestion) {
   // Offload on a GPU is not built yet: what the trainer runs today is said beside it.
   EXPECT_EQ(j["suggestion"]["built"], false);
   ASSERT_TRUE(j["suggestion_built_today"].is_object());
-  // Built today: full_shard offload on the one GPU (memory_plan_test derives the 70.0 GiB by
+  // Built today: full_shard offload on the one GPU (memory_plan_test derives the 71.0 GiB by
   // hand; no host size given, so the host is not checked).
   const json& today = j["suggestion_built_today"];
   ASSERT_EQ(today["changes"].size(), 1u) << today.dump();
