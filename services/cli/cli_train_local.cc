@@ -130,6 +130,15 @@ int RunTrainLocal(const TrainLocalOptions& o) {
   auto trainer_or = learner::GrpoTrainer::Create(cfg, model.get(), std::move(reference));
   if (!trainer_or.ok()) return fail(trainer_or.status(), 2);
   learner::GrpoTrainer& trainer = **trainer_or;
+  if (trainer.optimizer().ShardsParameters()) {
+    // The weights live in full_shard's shards (on the host with offload), whole nowhere between
+    // uses: nothing to decode with in this process.
+    return fail(Status::InvalidArgument("config key 'fsdp': " + cfg.fsdp +
+                                        " shards the weights, which train-local generates with "
+                                        "in the same process; run it with `grpo learner` and "
+                                        "workers"),
+                2);
+  }
   if (!fs::exists(cfg.output_dir)) fs::create_directories(cfg.output_dir);
   if (auto restored = learner::RestoreLatestCheckpoint(trainer, cfg.output_dir); restored.ok()) {
     std::cerr << "resumed from " << *restored << " at step " << trainer.global_step() << "\n";
