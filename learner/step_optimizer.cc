@@ -131,13 +131,11 @@ StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
                                        distributed::kDefaultBucketBytes));
     return std::unique_ptr<StepOptimizer>(std::move(sharded));
   }
-  const bool own_compute = !compute.empty() && compute.front().is_same(params.front().second);
-  if (model == nullptr || (!own_compute && compute_model == nullptr)) {
+  if (model == nullptr) {
     return Status::InvalidArgument("full_shard at several ranks needs the model it shards");
   }
   ASSIGN_OR_RETURN(auto full, distributed::FullShardAdamW::Create(
-                                  model, options, ranks, own_compute ? nullptr : compute_model,
-                                  offload, fsdp.prefetch));
+                                  model, options, ranks, compute_model, offload, fsdp.prefetch));
   return std::unique_ptr<StepOptimizer>(std::move(full));
 }
 

@@ -147,7 +147,7 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     p.gradients = 0;
     p.host_offloaded = CeilDiv(16 * n, w) + 8 * CeilDiv(p.params.largest_unit, w);
     p.gathered_layer = (2 * s + (cfg.bf16 ? 4 : 0)) * p.params.largest_unit;
-  } else if (full && cfg.bf16 && !offload) {
+  } else if (full && cfg.bf16) {
     // full_shard with bf16 as built (full_shard_adamw.h): no bf16 copy lives between uses; the
     // fp32 shard is the master and the fp32 gradient shard its gradient (above), and a gather
     // holds the unit's bf16 weights, its bf16 gradient and the fp32 flat it is reduced in.
