@@ -194,9 +194,9 @@ Status JoinSaveCheckpoint(GrpoTrainer& trainer, const std::string& output_dir) {
         trainer.optimizer().StateDict("gather of the AdamW state for " + name).status());
   }
   if (!trainer.optimizer().ShardsParameters()) return Status::OK();
-  return trainer.optimizer()
-      .GatherWeights("gather of the weights for " + name, /*every_rank=*/false)
-      .status();
+  return trainer.optimizer().StreamWeights(
+      "gather of the weights for " + name, /*every_rank=*/false,
+      [](const std::string&, const at::Tensor&) { return Status::OK(); });
 }
 
 StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& output_dir,
@@ -226,17 +226,17 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
     ASSIGN_OR_RETURN(whole_state,
                      trainer.optimizer().StateDict("gather of the AdamW state for " + name));
   }
-  // full_shard: the weights too, a unit at a time (JoinSaveCheckpoint on the other ranks).
-  common::NamedTensors gathered;
+  // full_shard: the weights too, each unit written as it is gathered (JoinSaveCheckpoint on the
+  // other ranks), so rank 0 never holds them whole.
   if (trainer.optimizer().ShardsParameters()) {
-    ASSIGN_OR_RETURN(gathered,
-                     trainer.optimizer().GatherWeights("gather of the weights for " + name,
-                                                       /*every_rank=*/false));
+    RETURN_IF_ERROR(trainer.policy().SaveWeightsFrom(
+        tmp_dir.string(), [&](const common::Model::WeightPut& put) {
+          return trainer.optimizer().StreamWeights("gather of the weights for " + name,
+                                                   /*every_rank=*/false, put);
+        }));
+  } else {
+    RETURN_IF_ERROR(trainer.policy().Save(tmp_dir.string()));
   }
-
-  RETURN_IF_ERROR(trainer.optimizer().ShardsParameters()
-                      ? trainer.policy().SaveWeights(tmp_dir.string(), gathered)
-                      : trainer.policy().Save(tmp_dir.string()));
   if (layout == StateLayout::kWhole) {
     common::NamedTensors optimizer_state;  // on the CPU whatever the trainer's device
     try {

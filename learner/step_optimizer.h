@@ -100,6 +100,17 @@ class StepOptimizer {
     (void)every_rank;
     return Status::Unimplemented("GatherWeights: the parameters are not sharded");
   }
+  // As GatherWeights without holding them: each unit's parameters are handed to `put` (on rank
+  // 0, or every rank with `every_rank`; fp32 views of the gathered unit, valid during the call)
+  // as the unit is gathered, and freed before the next. After a failed `put` this rank puts no
+  // more but joins the remaining gathers (the other ranks do not know) and returns that error.
+  virtual Status StreamWeights(const std::string& what, bool every_rank,
+                               const common::Model::WeightPut& put) {
+    (void)what;
+    (void)every_rank;
+    (void)put;
+    return Status::Unimplemented("StreamWeights: the parameters are not sharded");
+  }
   // Sharded only (Unimplemented otherwise), no collective: whole weights (every parameter by its
   // name, of its shape; InvalidArgument naming the tensor otherwise, and then nothing changed)
   // into this rank's shard; rank 0 keeps them until SyncFromRankZero hands them out.

@@ -278,24 +278,52 @@ Status Model::SaveWeights(const std::string& dir, const NamedTensors& weights,
                                      params_[i].first + "' of its shape");
     }
   }
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return Status::Internal(dir + ": cannot create directory: " + ec.message());
-  NamedTensors cpu;
-  try {
-    at::NoGradGuard no_grad;
-    for (const auto& [name, t] : weights) {
-      // fp32 whatever the model computes in (config.json says float32 below).
-      cpu.emplace_back(name, t.detach().to(at::kCPU, at::kFloat).contiguous());
-    }
-  } catch (const c10::Error& e) {
-    return Status::Internal(dir + ": copying weights: " + std::string(e.what_without_backtrace()));
-  }
+  return SaveWeightsFrom(
+      dir,
+      [&weights](const WeightPut& put) {
+        for (const auto& [name, t] : weights) RETURN_IF_ERROR(put(name, t));
+        return Status::OK();
+      },
+      max_shard_bytes);
+}
+
+Status Model::SaveWeightsFrom(const std::string& dir,
+                              const std::function<Status(const WeightPut& put)>& produce,
+                              uint64_t max_shard_bytes) const {
+  // fp32 whatever the model computes in (config.json says float32 below).
+  std::vector<SafetensorSpec> specs;
+  for (const auto& [name, p] : params_) specs.push_back({name, at::kFloat, p.sizes().vec()});
   ModelConfig c = config_;
   c.torch_dtype = "float32";
-  RETURN_IF_ERROR(
-      WriteFileAtomic((fs::path(dir) / "config.json").string(), c.ToJson().dump(2) + "\n"));
-  return WriteSafetensorsCheckpoint(dir, cpu, max_shard_bytes, {{"format", "pt"}});
+  std::unique_ptr<SafetensorsWriter> writer;
+  Status ready = Status::OK();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) ready = Status::Internal(dir + ": cannot create directory: " + ec.message());
+  if (ready.ok()) {
+    ready = WriteFileAtomic((fs::path(dir) / "config.json").string(), c.ToJson().dump(2) + "\n");
+  }
+  if (ready.ok()) {
+    auto made =
+        SafetensorsWriter::CreateCheckpoint(dir, specs, max_shard_bytes, {{"format", "pt"}});
+    if (made.ok()) {
+      writer = std::move(made).value();
+    } else {
+      ready = made.status();
+    }
+  }
+  const Status produced = produce([&](const std::string& name, const at::Tensor& value) {
+    RETURN_IF_ERROR(ready);
+    try {
+      at::NoGradGuard no_grad;
+      return writer->Write(name, value.detach().to(at::kCPU, at::kFloat).contiguous());
+    } catch (const c10::Error& e) {
+      return Status::Internal(dir + ": copying " + name + ": " + e.what_without_backtrace());
+    }
+  });
+  RETURN_IF_ERROR(ready);
+  RETURN_IF_ERROR(produced);
+  return writer->Finish();
 }
 
 std::vector<at::Tensor> Model::Parameters() const {

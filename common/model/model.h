@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -71,6 +72,19 @@ class Model {
   // sharded (parameter_gate.h).
   Status SaveWeights(const std::string& dir, const NamedTensors& weights,
                      uint64_t max_shard_bytes = 5ull << 30) const;
+  // Hands one parameter's values (its name; any float dtype, any device) to be written.
+  using WeightPut = std::function<Status(const std::string& name, const at::Tensor& value)>;
+  // As SaveWeights, with the values handed over one at a time: `produce` calls `put` once for
+  // every parameter, in any order, and each is written (as fp32, through the CPU) before the
+  // next, so a model whose parameters are sharded is written one gathered unit at a time and is
+  // never whole in memory (SafetensorsWriter). `put` fails with InvalidArgument for a
+  // name that is not a parameter's, a second value or another shape; a parameter never put
+  // fails the save with FailedPrecondition; either leaves no model file. `produce` is called
+  // exactly once, also when the directory or its files cannot be made (then every `put` returns
+  // that error): collectives inside it stay matched across ranks.
+  Status SaveWeightsFrom(const std::string& dir,
+                         const std::function<Status(const WeightPut& put)>& produce,
+                         uint64_t max_shard_bytes = 5ull << 30) const;
 
   const ModelConfig& config() const { return config_; }
   // The live parameters (shared storage) under their Hugging Face names, in checkpoint order.

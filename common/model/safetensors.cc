@@ -194,17 +194,31 @@ StatusOr<ParsedHeader> ParseHeader(const std::string& path, const char* header, 
   return parsed;
 }
 
-// Writes all of [data, data + size) to fd, retrying on EINTR and short writes.
-Status WriteAll(int fd, const std::string& path, const void* data, size_t size) {
+// Writes all of [data, data + size) to fd at byte `offset`, retrying on EINTR and short writes.
+Status WriteAll(int fd, const std::string& path, const void* data, size_t size, uint64_t offset) {
   const char* p = static_cast<const char*>(data);
   while (size > 0) {
-    const ssize_t n = ::write(fd, p, size);
+    const ssize_t n = ::pwrite(fd, p, size, static_cast<off_t>(offset));
     if (n < 0) {
       if (errno == EINTR) continue;
       return FileError(StatusCode::kInternal, path, "write failed: " + ErrnoString(errno));
     }
     p += n;
+    offset += static_cast<uint64_t>(n);
     size -= static_cast<size_t>(n);
+  }
+  return Status::OK();
+}
+
+// Makes a rename into `path`'s directory durable; failure here leaves a complete file, so it is
+// not an error.
+Status FsyncParent(const std::string& path) {
+  std::string dir = fs::path(path).parent_path().string();
+  if (dir.empty()) dir = ".";
+  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd >= 0) {
+    ::fsync(dir_fd);
+    ::close(dir_fd);
   }
   return Status::OK();
 }
@@ -224,9 +238,11 @@ Status WriteFileAtomically(const std::string& path, const std::vector<Chunk>& ch
     return FileError(code, tmp, "cannot create: " + ErrnoString(errno));
   }
   Status status;
+  uint64_t offset = 0;
   for (const Chunk& chunk : chunks) {
-    status = WriteAll(fd, tmp, chunk.data, chunk.size);
+    status = WriteAll(fd, tmp, chunk.data, chunk.size, offset);
     if (!status.ok()) break;
+    offset += chunk.size;
   }
   if (status.ok() && ::fsync(fd) != 0) {
     status = FileError(StatusCode::kInternal, tmp, "fsync failed: " + ErrnoString(errno));
@@ -242,15 +258,7 @@ Status WriteFileAtomically(const std::string& path, const std::vector<Chunk>& ch
     ::unlink(tmp.c_str());
     return status;
   }
-  // Make the rename itself durable; failure here leaves a complete file, so it is not an error.
-  std::string dir = fs::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd >= 0) {
-    ::fsync(dir_fd);
-    ::close(dir_fd);
-  }
-  return Status::OK();
+  return FsyncParent(path);
 }
 
 // Removes `path` if present; a missing file is fine.
@@ -261,18 +269,50 @@ Status RemoveIfExists(const std::string& path) {
   return Status::OK();
 }
 
-struct PreparedTensor {
+// One tensor of a file to write: its name, dtype, shape and byte size, and where its bytes go.
+struct TensorLayout {
   std::string name;
-  at::Tensor tensor;  // contiguous CPU
-  std::string dtype;
+  at::ScalarType type = at::kFloat;
+  std::string dtype;  // the on-disk name
+  std::vector<int64_t> shape;
   uint64_t nbytes = 0;
+  uint64_t offset = 0;  // from the start of the file (LayOutFile)
 };
 
-// Checks names and tensors (defined, CPU, strided, supported dtype) and makes them contiguous.
-StatusOr<std::vector<PreparedTensor>> PrepareTensors(const std::string& path,
-                                                     const NamedTensors& tensors) {
-  std::vector<PreparedTensor> out;
+// Checks the names (not reserved, not repeated) and dtypes of tensors to write.
+StatusOr<std::vector<TensorLayout>> CheckSpecs(const std::string& path,
+                                               const std::vector<SafetensorSpec>& specs) {
+  std::vector<TensorLayout> out;
   std::set<std::string> seen;
+  for (const SafetensorSpec& spec : specs) {
+    auto invalid = [&](const std::string& problem) {
+      return FileError(StatusCode::kInvalidArgument, path,
+                       "tensor " + Quote(spec.name) + ": " + problem);
+    };
+    if (spec.name == kMetadataKey) return invalid("the name is reserved for metadata");
+    if (!seen.insert(spec.name).second) return invalid("duplicate name");
+    StatusOr<std::string> dtype = SafetensorsDtypeName(spec.dtype);
+    if (!dtype.ok()) return invalid(dtype.status().message());
+    TensorLayout t;
+    t.name = spec.name;
+    t.type = spec.dtype;
+    t.dtype = *dtype;
+    t.shape = spec.shape;
+    t.nbytes = c10::elementSize(spec.dtype);
+    for (int64_t d : spec.shape) {
+      if (d < 0) return invalid("negative dimension in shape " + ShapeString(spec.shape));
+      t.nbytes *= static_cast<uint64_t>(d);
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+// The tensors to write (defined, CPU, strided; then CheckSpecs), made contiguous.
+StatusOr<std::vector<at::Tensor>> PrepareTensors(const std::string& path,
+                                                 const NamedTensors& tensors,
+                                                 std::vector<SafetensorSpec>& specs) {
+  std::vector<at::Tensor> out;
   for (const auto& entry : tensors) {
     // Named, not a structured binding: clang-14, which builds the fuzz targets
     // (tests/fuzz/run.py), cannot capture a structured binding in a lambda.
@@ -282,40 +322,31 @@ StatusOr<std::vector<PreparedTensor>> PrepareTensors(const std::string& path,
       return FileError(StatusCode::kInvalidArgument, path,
                        "tensor " + Quote(name) + ": " + problem);
     };
-    if (name == kMetadataKey) return invalid("the name is reserved for metadata");
-    if (!seen.insert(name).second) return invalid("duplicate name");
     if (!tensor.defined()) return invalid("undefined tensor");
     if (!tensor.device().is_cpu()) return invalid("not a CPU tensor");
     if (tensor.layout() != at::kStrided) return invalid("not a dense (strided) tensor");
-    StatusOr<std::string> dtype = SafetensorsDtypeName(tensor.scalar_type());
-    if (!dtype.ok()) return invalid(dtype.status().message());
-    PreparedTensor p;
-    p.name = name;
-    p.tensor = tensor.detach().contiguous();
-    p.dtype = *dtype;
-    p.nbytes = static_cast<uint64_t>(p.tensor.numel()) * p.tensor.element_size();
-    out.push_back(std::move(p));
+    out.push_back(tensor.detach().contiguous());
+    specs.push_back({name, tensor.scalar_type(), tensor.sizes().vec()});
   }
   return out;
 }
 
-Status WriteSafetensorsImpl(const std::string& path, const NamedTensors& tensors,
-                            const std::map<std::string, std::string>& metadata) {
-  ASSIGN_OR_RETURN(std::vector<PreparedTensor> prepared, PrepareTensors(path, tensors));
-  // Data layout: widest element first, then by name. With no gaps every tensor stays aligned to
-  // its element size, and the order does not depend on the caller's.
-  std::sort(prepared.begin(), prepared.end(), [](const auto& a, const auto& b) {
-    const auto wa = a.tensor.element_size(), wb = b.tensor.element_size();
+// The header of one file holding `tensors` (the 8-byte length, then the JSON padded with spaces
+// so that the data buffer starts 8-aligned), which it sorts into their data order: widest
+// element first, then by name. With no gaps every tensor stays aligned to its element size, and
+// the order does not depend on the caller's. Sets each tensor's offset in the file.
+StatusOr<std::string> LayOutFile(const std::string& path, std::vector<TensorLayout>& tensors,
+                                 const std::map<std::string, std::string>& metadata) {
+  std::sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) {
+    const auto wa = c10::elementSize(a.type), wb = c10::elementSize(b.type);
     return wa != wb ? wa > wb : a.name < b.name;
   });
-
   json header = json::object();  // std::map-backed: keys serialise in sorted order
   uint64_t offset = 0;
-  for (const PreparedTensor& p : prepared) {
-    header[p.name] = {{"dtype", p.dtype},
-                      {"shape", p.tensor.sizes().vec()},
-                      {"data_offsets", {offset, offset + p.nbytes}}};
-    offset += p.nbytes;
+  for (const TensorLayout& t : tensors) {
+    header[t.name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.nbytes}}};
+    offset += t.nbytes;
   }
   if (!metadata.empty()) header[kMetadataKey] = metadata;
 
@@ -327,20 +358,34 @@ Status WriteSafetensorsImpl(const std::string& path, const NamedTensors& tensors
         StatusCode::kInvalidArgument, path,
         std::string("a tensor name or metadata string is not valid UTF-8: ") + e.what());
   }
-  // Pad with spaces so the data buffer starts 8-aligned (8-byte prefix + header).
   text.append((kDataAlignment - text.size() % kDataAlignment) % kDataAlignment, ' ');
   if (text.size() > kMaxSafetensorsHeaderBytes) {
     return FileError(StatusCode::kInvalidArgument, path,
                      "header would be " + std::to_string(text.size()) + " bytes, over the " +
                          std::to_string(kMaxSafetensorsHeaderBytes) + "-byte limit");
   }
-
-  uint8_t length[8];
+  std::string out(8, '\0');
   const uint64_t n = text.size();
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(n >> (8 * i));
-  std::vector<Chunk> chunks = {{length, sizeof(length)}, {text.data(), text.size()}};
-  for (const PreparedTensor& p : prepared) {
-    if (p.nbytes > 0) chunks.push_back({p.tensor.data_ptr(), p.nbytes});
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(static_cast<uint8_t>(n >> (8 * i)));
+  uint64_t at = out.size() + text.size();
+  for (TensorLayout& t : tensors) {
+    t.offset = at;
+    at += t.nbytes;
+  }
+  return out + text;
+}
+
+Status WriteSafetensorsImpl(const std::string& path, const NamedTensors& tensors,
+                            const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorSpec> specs;
+  ASSIGN_OR_RETURN(std::vector<at::Tensor> values, PrepareTensors(path, tensors, specs));
+  ASSIGN_OR_RETURN(std::vector<TensorLayout> layout, CheckSpecs(path, specs));
+  std::map<std::string, const at::Tensor*> by_name;
+  for (size_t i = 0; i < values.size(); ++i) by_name[specs[i].name] = &values[i];
+  ASSIGN_OR_RETURN(std::string header, LayOutFile(path, layout, metadata));
+  std::vector<Chunk> chunks = {{header.data(), header.size()}};
+  for (const TensorLayout& t : layout) {
+    if (t.nbytes > 0) chunks.push_back({by_name[t.name]->data_ptr(), t.nbytes});
   }
   return WriteFileAtomically(path, chunks);
 }
@@ -411,56 +456,25 @@ Status OpenShardedImpl(const std::string& index_path, const fs::path& dir,
   return Status::OK();
 }
 
-Status WriteCheckpointImpl(const std::string& dir, const NamedTensors& tensors,
-                           uint64_t max_shard_bytes,
-                           const std::map<std::string, std::string>& metadata) {
-  if (max_shard_bytes == 0) {
-    return FileError(StatusCode::kInvalidArgument, dir, "max_shard_bytes must be positive");
-  }
-  // Validate everything up front: names must be unique across shards too.
-  ASSIGN_OR_RETURN(std::vector<PreparedTensor> prepared, PrepareTensors(dir, tensors));
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return FileError(StatusCode::kInternal, dir, "cannot create directory: " + ec.message());
-
-  const fs::path root(dir);
-  const std::string single_path = (root / kSingleFileName).string();
-  const std::string index_path = (root / kIndexFileName).string();
+// The files of a checkpoint of `tensors`, in their order: one, or (above `max_shard_bytes`)
+// greedy shards as transformers' shard_checkpoint makes them: a new shard starts when the next
+// tensor would overflow a non-empty one.
+std::vector<std::vector<TensorLayout>> ShardLayouts(std::vector<TensorLayout> tensors,
+                                                    uint64_t max_shard_bytes) {
   uint64_t total = 0;
-  for (const PreparedTensor& p : prepared) total += p.nbytes;
-
-  if (total <= max_shard_bytes) {
-    RETURN_IF_ERROR(WriteSafetensors(single_path, tensors, metadata));
-    // Open prefers model.safetensors, so a stale index is harmless; remove it anyway.
-    return RemoveIfExists(index_path);
-  }
-
-  // Greedy in the caller's order (as transformers' shard_checkpoint): a new shard starts when
-  // the next tensor would overflow a non-empty one.
-  std::vector<NamedTensors> shards(1);
+  for (const TensorLayout& t : tensors) total += t.nbytes;
+  if (total <= max_shard_bytes) return {std::move(tensors)};
+  std::vector<std::vector<TensorLayout>> shards(1);
   uint64_t shard_bytes = 0;
-  for (size_t i = 0; i < prepared.size(); ++i) {
-    if (!shards.back().empty() && shard_bytes + prepared[i].nbytes > max_shard_bytes) {
+  for (TensorLayout& t : tensors) {
+    if (!shards.back().empty() && shard_bytes + t.nbytes > max_shard_bytes) {
       shards.emplace_back();
       shard_bytes = 0;
     }
-    shards.back().emplace_back(prepared[i].name, prepared[i].tensor);
-    shard_bytes += prepared[i].nbytes;
+    shard_bytes += t.nbytes;
+    shards.back().push_back(std::move(t));
   }
-
-  json weight_map = json::object();
-  for (size_t s = 0; s < shards.size(); ++s) {
-    char name[64];
-    std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", s + 1, shards.size());
-    RETURN_IF_ERROR(WriteSafetensors((root / name).string(), shards[s], metadata));
-    for (const auto& [tensor_name, tensor] : shards[s]) weight_map[tensor_name] = name;
-  }
-  json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-  const std::string text = index.dump(2) + "\n";
-  // The index goes last so it only ever names complete shards; then the single file (which
-  // Open would prefer) goes.
-  RETURN_IF_ERROR(WriteFileAtomically(index_path, {{text.data(), text.size()}}));
-  return RemoveIfExists(single_path);
+  return shards;
 }
 
 }  // namespace
@@ -638,11 +652,177 @@ StatusOr<at::Tensor> SafetensorsCheckpoint::Get(const std::string& name) const {
   return it->second->Get(name);
 }
 
+Status SafetensorsWriter::AddFile(const std::string& file_path, std::vector<SafetensorSpec> specs,
+                                  const std::map<std::string, std::string>& metadata) {
+  ASSIGN_OR_RETURN(std::vector<TensorLayout> layout, CheckSpecs(file_path, specs));
+  ASSIGN_OR_RETURN(std::string header, LayOutFile(file_path, layout, metadata));
+  const std::string tmp = file_path + ".tmp";
+  File file;
+  file.path = file_path;
+  file.fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (file.fd < 0) {
+    const StatusCode code = errno == ENOENT ? StatusCode::kNotFound : StatusCode::kInternal;
+    return FileError(code, tmp, "cannot create: " + ErrnoString(errno));
+  }
+  files_.push_back(file);
+  RETURN_IF_ERROR(WriteAll(file.fd, tmp, header.data(), header.size(), 0));
+  for (TensorLayout& t : layout) {
+    pending_.emplace(t.name, Pending{files_.size() - 1, t.type, t.shape, t.offset, t.nbytes});
+  }
+  return Status::OK();
+}
+
+StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::CreateFile(
+    const std::string& path, const std::vector<SafetensorSpec>& specs,
+    const std::map<std::string, std::string>& metadata) {
+  try {
+    std::unique_ptr<SafetensorsWriter> writer(new SafetensorsWriter());
+    RETURN_IF_ERROR(writer->AddFile(path, specs, metadata));
+    return writer;
+  } catch (const std::exception& e) {
+    return FileError(StatusCode::kInternal, path, std::string("unexpected error: ") + e.what());
+  }
+}
+
+StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::CreateCheckpoint(
+    const std::string& dir, const std::vector<SafetensorSpec>& specs, uint64_t max_shard_bytes,
+    const std::map<std::string, std::string>& metadata) {
+  try {
+    if (max_shard_bytes == 0) {
+      return FileError(StatusCode::kInvalidArgument, dir, "max_shard_bytes must be positive");
+    }
+    // Everything is validated before a file is made: names must be unique across shards too.
+    ASSIGN_OR_RETURN(std::vector<TensorLayout> all, CheckSpecs(dir, specs));
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) {
+      return FileError(StatusCode::kInternal, dir, "cannot create directory: " + ec.message());
+    }
+    uint64_t total = 0;
+    for (const TensorLayout& t : all) total += t.nbytes;
+    std::unique_ptr<SafetensorsWriter> writer(new SafetensorsWriter());
+    writer->dir_ = dir;
+    const std::vector<std::vector<TensorLayout>> shards =
+        ShardLayouts(std::move(all), max_shard_bytes);
+    json weight_map = json::object();
+    for (size_t s = 0; s < shards.size(); ++s) {
+      std::string name = kSingleFileName;
+      if (shards.size() > 1) {
+        char numbered[64];
+        std::snprintf(numbered, sizeof(numbered), "model-%05zu-of-%05zu.safetensors", s + 1,
+                      shards.size());
+        name = numbered;
+      }
+      std::vector<SafetensorSpec> in_file;
+      for (const TensorLayout& t : shards[s]) {
+        in_file.push_back({t.name, t.type, t.shape});
+        if (shards.size() > 1) weight_map[t.name] = name;
+      }
+      RETURN_IF_ERROR(writer->AddFile((fs::path(dir) / name).string(), in_file, metadata));
+    }
+    if (shards.size() > 1) {
+      writer->index_ =
+          json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2) + "\n";
+    }
+    return writer;
+  } catch (const std::exception& e) {
+    return FileError(StatusCode::kInternal, dir, std::string("unexpected error: ") + e.what());
+  }
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  for (const File& f : files_) {
+    if (f.fd >= 0) ::close(f.fd);
+    if (!finished_) ::unlink((f.path + ".tmp").c_str());
+  }
+}
+
+Status SafetensorsWriter::Write(const std::string& name, const at::Tensor& value) {
+  auto it = pending_.find(name);
+  if (it == pending_.end()) {
+    return FileError(StatusCode::kInvalidArgument, Where(),
+                     "tensor " + Quote(name) +
+                         (written_.count(name) ? " is written already" : " was not declared"));
+  }
+  const Pending& p = it->second;
+  const File& file = files_[p.file];
+  auto invalid = [&](const std::string& problem) {
+    return FileError(StatusCode::kInvalidArgument, file.path,
+                     "tensor " + Quote(name) + ": " + problem);
+  };
+  if (!value.defined() || !value.device().is_cpu() || value.layout() != at::kStrided) {
+    return invalid("not a defined dense CPU tensor");
+  }
+  if (value.scalar_type() != p.type || value.sizes().vec() != p.shape) {
+    return invalid(std::string("is ") + c10::toString(value.scalar_type()) + " " +
+                   ShapeString(value.sizes().vec()) + ", declared " + c10::toString(p.type) + " " +
+                   ShapeString(p.shape));
+  }
+  try {
+    const at::Tensor bytes = value.detach().contiguous();
+    RETURN_IF_ERROR(WriteAll(file.fd, file.path + ".tmp", bytes.data_ptr(), p.nbytes, p.offset));
+  } catch (const std::exception& e) {
+    return invalid(std::string("unexpected error: ") + e.what());
+  }
+  written_.insert(name);
+  pending_.erase(it);
+  return Status::OK();
+}
+
+Status SafetensorsWriter::Finish() {
+  if (finished_) return FileError(StatusCode::kFailedPrecondition, Where(), "finished already");
+  if (!pending_.empty()) {
+    return FileError(StatusCode::kFailedPrecondition, Where(),
+                     std::to_string(pending_.size()) + " tensor(s) never written, " +
+                         Quote(pending_.begin()->first) + " first");
+  }
+  for (File& f : files_) {
+    const std::string tmp = f.path + ".tmp";
+    if (::fsync(f.fd) != 0) {
+      return FileError(StatusCode::kInternal, tmp, "fsync failed: " + ErrnoString(errno));
+    }
+    const int rc = ::close(f.fd);
+    f.fd = -1;
+    if (rc != 0)
+      return FileError(StatusCode::kInternal, tmp, "close failed: " + ErrnoString(errno));
+  }
+  for (const File& f : files_) {
+    if (::rename((f.path + ".tmp").c_str(), f.path.c_str()) != 0) {
+      return FileError(StatusCode::kInternal, f.path,
+                       "rename from " + f.path + ".tmp failed: " + ErrnoString(errno));
+    }
+  }
+  finished_ = true;
+  if (dir_.empty()) return FsyncParent(files_[0].path);
+  const fs::path root(dir_);
+  const std::string single_path = (root / kSingleFileName).string();
+  const std::string index_path = (root / kIndexFileName).string();
+  if (index_.empty()) {
+    // Open prefers model.safetensors, so a stale index is harmless; remove it anyway.
+    RETURN_IF_ERROR(RemoveIfExists(index_path));
+  } else {
+    // The index goes last so it only ever names complete shards; then the single file (which
+    // Open would prefer) goes.
+    RETURN_IF_ERROR(WriteFileAtomically(index_path, {{index_.data(), index_.size()}}));
+    RETURN_IF_ERROR(RemoveIfExists(single_path));
+  }
+  return FsyncParent(index_path);
+}
+
+std::string SafetensorsWriter::Where() const { return dir_.empty() ? files_[0].path : dir_; }
+
 Status WriteSafetensorsCheckpoint(const std::string& dir, const NamedTensors& tensors,
                                   uint64_t max_shard_bytes,
                                   const std::map<std::string, std::string>& metadata) {
   try {
-    return WriteCheckpointImpl(dir, tensors, max_shard_bytes, metadata);
+    std::vector<SafetensorSpec> specs;
+    ASSIGN_OR_RETURN(std::vector<at::Tensor> values, PrepareTensors(dir, tensors, specs));
+    ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsWriter> writer,
+                     SafetensorsWriter::CreateCheckpoint(dir, specs, max_shard_bytes, metadata));
+    for (size_t i = 0; i < values.size(); ++i) {
+      RETURN_IF_ERROR(writer->Write(specs[i].name, values[i]));
+    }
+    return writer->Finish();
   } catch (const std::exception& e) {
     return FileError(StatusCode::kInternal, dir, std::string("unexpected error: ") + e.what());
   }

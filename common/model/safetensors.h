@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -95,8 +96,75 @@ class SafetensorsCheckpoint {
 
 // Writes `dir/model.safetensors`, or, when the total exceeds `max_shard_bytes`, shards
 // `model-00001-of-0000N.safetensors` plus `model.safetensors.index.json` (HF layout).
+// Through SafetensorsWriter.
 Status WriteSafetensorsCheckpoint(const std::string& dir, const NamedTensors& tensors,
                                   uint64_t max_shard_bytes = 5ull << 30,
                                   const std::map<std::string, std::string>& metadata = {});
+
+// A tensor of a file, declared before its values exist.
+struct SafetensorSpec {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+};
+
+// Writes safetensors files with the tensors handed over one at a time and in any order, so that
+// they never have to be in memory all at once: a learner whose parameters are sharded writes
+// each unit as it is gathered, a rank its AdamW shard a parameter at a time. The files are those
+// WriteSafetensorsCheckpoint / WriteSafetensors write for the same tensors, byte for byte.
+// Create* lays out every file from the specs (names, dtypes, shapes) and opens each as
+// `<file>.tmp`; Write puts one tensor's bytes at their offset; Finish fsyncs and renames the
+// files (a checkpoint's index last, then what another layout left: model.safetensors, or the
+// index). A writer destroyed before its Finish succeeded removes its temporary files, and the
+// files it would have replaced are as they were. Not thread-safe.
+class SafetensorsWriter {
+ public:
+  // A Hugging Face model directory, as WriteSafetensorsCheckpoint lays it out. InvalidArgument
+  // for a reserved or repeated name, a dtype safetensors cannot hold or a zero
+  // `max_shard_bytes`; Internal when a file cannot be made. Errors name the file.
+  static StatusOr<std::unique_ptr<SafetensorsWriter>> CreateCheckpoint(
+      const std::string& dir, const std::vector<SafetensorSpec>& specs,
+      uint64_t max_shard_bytes = 5ull << 30,
+      const std::map<std::string, std::string>& metadata = {});
+  // One file at `path`, as WriteSafetensors writes it. The same errors.
+  static StatusOr<std::unique_ptr<SafetensorsWriter>> CreateFile(
+      const std::string& path, const std::vector<SafetensorSpec>& specs,
+      const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+
+  // InvalidArgument for a name not declared or written already, or a value that is not a dense
+  // CPU tensor of its declared dtype and shape; Internal when the write fails.
+  Status Write(const std::string& name, const at::Tensor& value);
+  // FailedPrecondition naming a tensor never written (nothing renamed then); Internal on an I/O
+  // error.
+  Status Finish();
+
+ private:
+  struct File {
+    std::string path;  // written as path + ".tmp" until Finish
+    int fd = -1;
+  };
+  struct Pending {
+    size_t file = 0;
+    at::ScalarType type = at::kFloat;
+    std::vector<int64_t> shape;
+    uint64_t offset = 0;  // in the file
+    uint64_t nbytes = 0;
+  };
+  SafetensorsWriter() = default;
+  std::string Where() const;  // for errors: the directory, or the one file
+  // Lays out `file_path`'s tensors, opens its temporary file and writes the header.
+  Status AddFile(const std::string& file_path, std::vector<SafetensorSpec> specs,
+                 const std::map<std::string, std::string>& metadata);
+
+  std::string dir_;  // the checkpoint's directory, or empty for one file
+  std::vector<File> files_;
+  std::map<std::string, Pending> pending_;
+  std::set<std::string> written_;
+  std::string index_;  // a sharded checkpoint's model.safetensors.index.json, else empty
+  bool finished_ = false;
+};
 
 }  // namespace grpo::common

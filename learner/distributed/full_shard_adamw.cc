@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <unordered_map>
 #include <utility>
 
@@ -548,28 +549,39 @@ std::vector<StepOptimizer::StatePiece> FullShardAdamW::StatePieces() {
   return out;
 }
 
-StatusOr<common::NamedTensors> FullShardAdamW::GatherWeights(const std::string& what,
-                                                             bool every_rank) {
+Status FullShardAdamW::StreamWeights(const std::string& what, bool every_rank,
+                                     const common::Model::WeightPut& put) {
   at::NoGradGuard no_grad;
   const bool keep = every_rank || ranks_->rank() == 0;
-  std::vector<at::Tensor> values(params_.size());
+  Status put_status = Status::OK();
   // The fp32 master weights, a unit at a time (not the compute copy's: with bf16 it would round
-  // them), copied to the CPU on the ranks that keep them.
+  // them).
   for (int unit = 0; unit < static_cast<int>(units_.size()); ++unit) {
     const Unit& u = units_[unit];
     at::Tensor whole = at::empty({u.chunk * ranks_->world_size()}, weight_shard_.options());
     RETURN_IF_ERROR(ranks_->AllGather(weight_shard_.narrow(0, u.shard_offset, u.chunk), whole,
                                       "all-gather of " + UnitName(*model_, unit) + " for " + what));
     if (!keep) continue;
-    for (size_t k = 0; k < u.params.size(); ++k) {
-      const at::Tensor& p = params_[u.params[k]].second;
-      values[u.params[k]] = whole.narrow(0, u.offsets[k], p.numel())
-                                .view(p.sizes())
-                                .to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    for (size_t k = 0; k < u.params.size() && put_status.ok(); ++k) {
+      const auto& [name, p] = params_[u.params[k]];
+      put_status = put(name, whole.narrow(0, u.offsets[k], p.numel()).view(p.sizes()));
     }
   }
+  return put_status;
+}
+
+StatusOr<common::NamedTensors> FullShardAdamW::GatherWeights(const std::string& what,
+                                                             bool every_rank) {
+  std::vector<at::Tensor> values(params_.size());
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < params_.size(); ++i) index[params_[i].first] = i;
+  RETURN_IF_ERROR(
+      StreamWeights(what, every_rank, [&](const std::string& name, const at::Tensor& t) {
+        values[index.at(name)] = t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+        return Status::OK();
+      }));
   common::NamedTensors out;
-  if (!keep) return out;
+  if (!every_rank && ranks_->rank() != 0) return out;
   for (size_t i = 0; i < params_.size(); ++i) out.emplace_back(params_[i].first, values[i]);
   return out;
 }

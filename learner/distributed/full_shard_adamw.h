@@ -105,6 +105,8 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   Status RunNoGradForwards(int64_t own, int64_t all, const std::function<void(int64_t)>& forward,
                            const std::string& where) override;
   StatusOr<common::NamedTensors> GatherWeights(const std::string& what, bool every_rank) override;
+  Status StreamWeights(const std::string& what, bool every_rank,
+                       const common::Model::WeightPut& put) override;
   Status LoadWeights(const common::NamedTensors& weights) override;
 
   // ParameterGate.

@@ -61,23 +61,35 @@ std::string StateShardFileName(int rank, int world_size) {
 Status WriteStateShard(StepOptimizer& optimizer, const std::string& path, int rank,
                        int world_size) {
   const std::vector<StepOptimizer::StatePiece> pieces = optimizer.StatePieces();
-  common::NamedTensors runs;
-  try {
-    at::NoGradGuard no_grad;
-    for (int which : {0, 1}) {
-      for (const StepOptimizer::StatePiece& piece : pieces) {
-        runs.emplace_back(RunName(which, piece.param, piece.offset),
-                          piece.moments[which].to(at::kCPU, at::kFloat).clone());
-      }
+  // A run at a time through the CPU (a view there, one run's copy from a GPU or pinned host
+  // memory), so the shard is never held twice.
+  std::vector<common::SafetensorSpec> specs;
+  for (int which : {0, 1}) {
+    for (const StepOptimizer::StatePiece& piece : pieces) {
+      specs.push_back({RunName(which, piece.param, piece.offset), at::kFloat, {piece.numel}});
     }
-  } catch (const c10::Error& e) {
-    return Status::Internal("copying the AdamW shard of rank " + std::to_string(rank) + ": " +
-                            e.what_without_backtrace());
   }
-  return common::WriteSafetensors(path, runs,
-                                  {{"rank", std::to_string(rank)},
-                                   {"world_size", std::to_string(world_size)},
-                                   {"step", std::to_string(optimizer.step_count())}});
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<common::SafetensorsWriter> writer,
+      common::SafetensorsWriter::CreateFile(path, specs,
+                                            {{"rank", std::to_string(rank)},
+                                             {"world_size", std::to_string(world_size)},
+                                             {"step", std::to_string(optimizer.step_count())}}));
+  size_t next = 0;
+  for (int which : {0, 1}) {
+    for (const StepOptimizer::StatePiece& piece : pieces) {
+      at::Tensor run;
+      try {
+        at::NoGradGuard no_grad;
+        run = piece.moments[which].to(at::kCPU, at::kFloat).contiguous();
+      } catch (const c10::Error& e) {
+        return Status::Internal("copying the AdamW shard of rank " + std::to_string(rank) + ": " +
+                                e.what_without_backtrace());
+      }
+      RETURN_IF_ERROR(writer->Write(specs[next++].name, run));
+    }
+  }
+  return writer->Finish();
 }
 
 StatusOr<std::unique_ptr<StateShards>> StateShards::Open(const std::string& dir) {

@@ -756,5 +756,74 @@ TEST_F(SafetensorsTest, PythonReferenceReadsCppShardedCheckpoint) {
   EXPECT_EQ(ref["index"]["metadata"]["total_size"], 43);
 }
 
+// The streaming writer (what a sharded learner's checkpoint goes through): tensors handed over
+// one at a time in reverse order, into shards, read back by the independent reference with the
+// values and files of the sharded checkpoint above.
+TEST_F(SafetensorsTest, StreamingWriterTakesTensorsInAnyOrderIntoShards) {
+  SKIP_WITHOUT_PYTHON();
+  const std::string dir = Path("ckpt");
+  const NamedTensors tensors = CheckpointTensors();
+  std::vector<SafetensorSpec> specs;
+  for (const auto& [name, t] : tensors) specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+  auto writer = SafetensorsWriter::CreateCheckpoint(dir, specs, 24, {{"format", "pt"}});
+  ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+  for (auto it = tensors.rbegin(); it != tensors.rend(); ++it) {
+    ASSERT_TRUE((*writer)->Write(it->first, it->second).ok()) << it->first;
+  }
+  // Nothing is visible before Finish: only the temporary files.
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "model-00001-of-00002.safetensors"));
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "model.safetensors.index.json"));
+  ASSERT_TRUE((*writer)->Finish().ok());
+  const json ref = RunReference("read-checkpoint", dir);
+  ASSERT_TRUE(ref.is_object());
+  const json& t = ref["tensors"];
+  EXPECT_EQ(t["a"]["values"].get<std::vector<double>>(), (std::vector<double>{1, 2, 3, 4}));
+  EXPECT_EQ(t["b"]["values"].get<std::vector<double>>(), (std::vector<double>{5, 6}));
+  EXPECT_EQ(t["c"]["values"].get<std::vector<int64_t>>(), (std::vector<int64_t>{7, 8}));
+  EXPECT_EQ(t["d"]["values"].get<std::vector<int64_t>>(), (std::vector<int64_t>{9, 10, 11}));
+  EXPECT_EQ(t["b"]["file"], "model-00001-of-00002.safetensors");
+  EXPECT_EQ(t["c"]["file"], "model-00002-of-00002.safetensors");
+  EXPECT_EQ(ref["index"]["metadata"]["total_size"], 43);
+  for (const auto& e : fs::directory_iterator(dir)) {
+    EXPECT_NE(e.path().extension(), ".tmp") << e.path();
+  }
+}
+
+// A tensor not declared, written twice or of another dtype or shape is refused; a writer that
+// never got every tensor fails Finish naming one, and when destroyed leaves the directory's
+// earlier checkpoint as it was, with no temporary file.
+TEST_F(SafetensorsTest, StreamingWriterRefusesWhatWasNotDeclaredAndLeavesNoPartialCheckpoint) {
+  const std::string dir = Path("ckpt");
+  ASSERT_TRUE(WriteSafetensorsCheckpoint(dir, {{"old", FromInt64s({1}, at::kByte, {1})}}).ok());
+  {
+    auto writer = SafetensorsWriter::CreateCheckpoint(
+        dir, {{"a", at::kFloat, {4}}, {"b", at::kFloat, {2}}}, /*max_shard_bytes=*/8);
+    ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+    const at::Tensor a = FromDoubles({1, 2, 3, 4}, at::kFloat, {4});
+    EXPECT_EQ((*writer)->Write("zz", a).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ((*writer)->Write("a", FromDoubles({1, 2, 3, 4}, at::kDouble, {4})).code(),
+              StatusCode::kInvalidArgument);
+    EXPECT_EQ((*writer)->Write("a", FromDoubles({1, 2, 3, 4}, at::kFloat, {2, 2})).code(),
+              StatusCode::kInvalidArgument);
+    ASSERT_TRUE((*writer)->Write("a", a).ok());
+    const Status twice = (*writer)->Write("a", a);
+    EXPECT_EQ(twice.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(twice.message().find("written already"), std::string::npos) << twice.ToString();
+    const Status finished = (*writer)->Finish();
+    EXPECT_EQ(finished.code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(finished.message().find("'b'"), std::string::npos) << finished.ToString();
+  }
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(dir)) files.push_back(e.path().filename());
+  EXPECT_EQ(files, (std::vector<std::string>{"model.safetensors"}));
+  auto ckpt = SafetensorsCheckpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  EXPECT_EQ((*ckpt)->Names(), (std::vector<std::string>{"old"}));
+  // A spec that could never be written is refused before a file is made.
+  auto reserved =
+      SafetensorsWriter::CreateCheckpoint(Path("other"), {{"__metadata__", at::kFloat, {1}}});
+  EXPECT_EQ(reserved.status().code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace grpo::common

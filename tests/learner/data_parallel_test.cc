@@ -3,10 +3,13 @@
 // numbers are TRL's: trl_reference_test); ranks are threads over FakeRankGroup, then real
 // processes over c10d (RankGroup: a TCPStore and ProcessGroupGloo on loopback), each started
 // from this binary. Faults: a rank that leaves, a rank that stalls past the deadline.
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <barrier>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -910,6 +913,121 @@ TEST(DataParallelCheckpoints, ShardFilesMoveNoAdamWStateToRankZero) {
     }
     fs::remove_all(dir);
   }
+}
+
+// What libtorch's CPU allocator has handed out and not taken back, and its peak since Reset.
+// Installed once for the process over the allocator it finds and never removed (the tensors it
+// handed out keep its deleter); it changes nothing else.
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  static CountingCpuAllocator& Installed() {
+    static CountingCpuAllocator* const installed = [] {
+      auto* counting = new CountingCpuAllocator(c10::GetCPUAllocator());
+      c10::SetCPUAllocator(counting, /*priority=*/1);
+      return counting;
+    }();
+    return *installed;
+  }
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = inner_->allocate(n);
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    auto* held = new Held{std::move(inner), static_cast<int64_t>(n), this};
+    const int64_t now = live_.fetch_add(held->bytes) + held->bytes;
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    return {data, held, &Free, device};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  // The bytes live now, the peak from now on.
+  int64_t Reset() {
+    peak_ = live_.load();
+    return peak_;
+  }
+  int64_t peak() const { return peak_.load(); }
+
+ private:
+  struct Held {
+    c10::DataPtr inner;
+    int64_t bytes;
+    CountingCpuAllocator* owner;
+  };
+  explicit CountingCpuAllocator(c10::Allocator* inner) : inner_(inner) {}
+  static void Free(void* context) {
+    auto* held = static_cast<Held*>(context);
+    held->owner->live_ -= held->bytes;
+    delete held;
+  }
+  c10::Allocator* const inner_;
+  std::atomic<int64_t> live_{0}, peak_{0};
+};
+
+// A checkpoint at full_shard (2 thread ranks, a 12-layer model): each unit of the weights is
+// written as it is gathered, so beyond what it held before, the process's CPU allocator never
+// holds three units (rank 0's being written, rank 1's next gather), where the whole weights
+// are 12 units and more; the AdamW shards are written a run at a time too (not copied whole).
+// Before, rank 0 gathered the whole weights and then wrote them. No step is taken, so the
+// weights written are the initial ones: those of a fresh model from the same seed.
+TEST(DataParallelCheckpoints, FullShardWritesTheWeightsAUnitAtATime) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("grpo_dp_stream_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  auto config = common::ModelConfigPreset("tiny");
+  ASSERT_TRUE(config.ok());
+  config->num_hidden_layers = 12;
+  auto reference = common::Model::InitRandom(*config, 7);
+  ASSERT_TRUE(reference.ok());
+  int64_t whole = 0;
+  for (const at::Tensor& p : (*reference)->Parameters()) whole += p.nbytes();
+
+  CountingCpuAllocator& allocator = CountingCpuAllocator::Installed();
+  int64_t before = 0;
+  std::barrier ready(2, [&]() noexcept { before = allocator.Reset(); });
+  FakeRankGroup group(2, std::chrono::seconds(60));
+  std::vector<std::string> errors(2);
+  std::vector<int64_t> unit(2, 0);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto model = common::Model::InitRandom(*config, 7);
+      auto trainer = GrpoTrainer::Create(RankConfig("dapo", 2, "full_shard"), model->get(), nullptr,
+                                         &group.Rank(r));
+      if (!trainer.ok()) {
+        errors[r] = trainer.status().ToString();
+        ready.arrive_and_drop();
+        return;
+      }
+      unit[r] =
+          dynamic_cast<distributed::FullShardAdamW&>((*trainer)->optimizer()).LargestUnitBytes();
+      ready.arrive_and_wait();
+      const Status saved = r == 0 ? SaveCheckpoint(**trainer, dir.string(), "").status()
+                                  : JoinSaveCheckpoint(**trainer, dir.string());
+      if (!saved.ok()) errors[r] = saved.ToString();
+    });
+  }
+  for (auto& t : threads) t.join();
+  const int64_t extra = allocator.peak() - before;
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(errors[r].empty()) << r << ": " << errors[r];
+  ASSERT_GT(whole, 4 * unit[0]) << "the model's units must be small against the whole";
+  EXPECT_LT(extra, 3 * unit[0]) << "whole weights " << whole << " bytes, a unit " << unit[0];
+  std::printf(
+      "checkpoint at full_shard: %lld bytes beyond the ranks' own at the peak; a unit "
+      "%lld, the whole weights %lld\n",
+      static_cast<long long>(extra), static_cast<long long>(unit[0]),
+      static_cast<long long>(whole));
+
+  auto written = common::SafetensorsCheckpoint::Open((dir / "checkpoint-0").string());
+  ASSERT_TRUE(written.ok()) << written.status().ToString();
+  for (const auto& [name, p] : (*reference)->NamedParameters()) {
+    auto got = (*written)->Get(name);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_TRUE(at::equal(*got, p)) << name;
+  }
+  EXPECT_TRUE(VerifyCheckpoint((dir / "checkpoint-0").string()).ok());
+  fs::remove_all(dir);
 }
 
 // The shard files' reader on files written by hand: runs of a parameter from two files are
