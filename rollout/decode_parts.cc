@@ -138,23 +138,13 @@ std::unique_ptr<KvStepper> RestartSharingPrompts(const Model& model,
   TORCH_CHECK(row_prompt.size() == fed.size(), "RestartSharingPrompts: ", row_prompt.size(),
               " rows, ", fed.size(), " completions");
   const size_t rows = fed.size();
-  const int64_t f = rows == 0 ? 0 : static_cast<int64_t>(fed[0].size());
-  bool lockstep = rows > 0;
+  int64_t f = 0;  // the longest fed completion
+  int64_t fed_tokens = 0;
   for (size_t i = 0; i < rows; ++i) {
     TORCH_CHECK(row_prompt[i] >= 0 && row_prompt[i] < static_cast<int64_t>(prompts.size()),
                 "RestartSharingPrompts: row ", i, " names prompt ", row_prompt[i]);
-    lockstep = lockstep && static_cast<int64_t>(fed[i].size()) == f;
-  }
-  if (!lockstep) {
-    std::vector<std::vector<int32_t>> contexts;
-    int64_t tokens = 0;
-    for (size_t i = 0; i < rows; ++i) {
-      contexts.push_back(prompts[row_prompt[i]]);
-      contexts.back().insert(contexts.back().end(), fed[i].begin(), fed[i].end());
-      tokens += static_cast<int64_t>(contexts.back().size());
-    }
-    if (prefilled != nullptr) *prefilled = tokens;
-    return Restart(model, contexts, remaining, device);
+    f = std::max(f, static_cast<int64_t>(fed[i].size()));
+    fed_tokens += static_cast<int64_t>(fed[i].size());
   }
   // The prompts the rows hold, each once, in order of first use; the row -> its index there.
   std::vector<int64_t> slot(prompts.size(), -1), of_row;
@@ -176,17 +166,13 @@ std::unique_ptr<KvStepper> RestartSharingPrompts(const Model& model,
   const Status copied =
       model.KeepRows(cache, at::tensor(of_row, at::kLong).to(device));  // a prompt's rows
   TORCH_CHECK(copied.ok(), copied.ToString());
-  if (f > 0) {  // every row's fed completion tokens at once, after its prompt
-    std::vector<int64_t> flat;
-    flat.reserve(rows * static_cast<size_t>(f));
-    for (const auto& row : fed) flat.insert(flat.end(), row.begin(), row.end());
-    const at::Tensor fed_ids =
-        at::tensor(flat, at::kLong).view({static_cast<int64_t>(rows), f}).to(device);
-    model.Prefill(fed_ids, at::ones_like(fed_ids, at::kBool), cache);
+  if (f > 0) {  // every row's fed completion tokens at once, after its prompt, left-padded
+    auto [fed_ids, fed_mask] = LeftPadded(fed);
+    model.Prefill(fed_ids.to(device), fed_mask.to(device), cache);
   }
   auto stepper = std::make_unique<KvStepper>(model);
   stepper->Hold(std::move(cache));
-  if (prefilled != nullptr) *prefilled = tokens + static_cast<int64_t>(rows) * f;
+  if (prefilled != nullptr) *prefilled = tokens + fed_tokens;
   return stepper;
 }
 
@@ -332,11 +318,9 @@ StatusOr<bool> AppendWindow(const Window& window, int64_t a, int64_t max_new,
   return false;
 }
 
-std::vector<int32_t> FedContext(const std::vector<int32_t>& prompt, const Row& row) {
-  std::vector<int32_t> out = prompt;
+std::vector<int32_t> FedTokens(const Row& row) {
   const std::vector<int32_t>& done = row.completion.token_ids;
-  out.insert(out.end(), done.begin(), done.end() - 1);
-  return out;
+  return std::vector<int32_t>(done.begin(), done.end() - 1);
 }
 
 size_t FindStop(const std::string& text, const std::vector<std::string>& stops) {

@@ -97,14 +97,14 @@ std::unique_ptr<KvStepper> Restart(const common::Model& model,
                                    const std::vector<std::vector<int32_t>>& contexts,
                                    int64_t remaining, const at::Device& device);
 
-// Restart for rows of a Generate call, which decode in lockstep: row i holds prompts[row_prompt[i]]
-// and then fed[i], its completion so far but the last token. When every fed[i] has one length,
-// each prompt that a row holds is prefilled once, its keys/values are copied to its rows, and the
-// rows are extended with their fed tokens together: the keys/values Restart computes from the
-// whole contexts (each key depends on its own row's tokens before it only; positions continue
-// from the row's prompt), from sum(prompts) + rows x fed tokens instead of rows x (prompt + fed).
-// Otherwise it is Restart of the whole contexts. `prefilled`, when given, receives the tokens
-// run through the model.
+// Restart for rows that share prompts: row i holds prompts[row_prompt[i]] and then fed[i], its
+// completion so far but the last token (the fed lengths may differ: a Generate call's rows decode
+// in lockstep, continuous batching's groups started at different steps). Each prompt that a row
+// holds is prefilled once, its keys/values are copied to its rows, and the rows are extended
+// with their fed tokens together (left-padded): the keys/values Restart computes from the whole
+// contexts (each key depends on its own row's tokens before it only; positions continue from
+// the row's prompt), from sum(prompts) + sum(fed) tokens instead of rows x prompt + sum(fed).
+// `prefilled`, when given, receives the tokens run through the model.
 std::unique_ptr<KvStepper> RestartSharingPrompts(const common::Model& model,
                                                  const std::vector<std::vector<int32_t>>& prompts,
                                                  const std::vector<int64_t>& row_prompt,
@@ -164,9 +164,9 @@ struct Row {
   bool text_set = false;  // cut at a stop string
 };
 
-// `prompt` and the row's completion but its last token (sampled, not fed yet): what its keys and
-// values were computed from.
-std::vector<int32_t> FedContext(const std::vector<int32_t>& prompt, const Row& row);
+// The row's completion but its last token (sampled, not fed yet): what its keys and values
+// after its prompt's were computed from.
+std::vector<int32_t> FedTokens(const Row& row);
 
 // Appends row `a`'s tokens of `window` to `row` up to the first that ends it (a stop id, a stop
 // string, or max_new tokens); `version` >= 0 is recorded for each token in *versions. True when

@@ -113,6 +113,9 @@ struct StreamStats {
   // before a newer policy could be taken.
   int64_t num_drains = 0;
   int64_t max_rows = 0;  // the most rows decoding at once
+  // Tokens the in-flight switches that recompute ran through the model: each group's prompt
+  // once for its rows, then every row's completion so far.
+  int64_t num_recompute_tokens = 0;
 };
 
 // One row to continue (a multi-turn episode's next model turn): the episode's tokens so far and

@@ -104,12 +104,23 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
       if (newer != nullptr && (active.empty() || options_.partial_rollouts)) {
         if (!active.empty()) {
           if (options_.recompute_kv_on_update) {
-            std::vector<std::vector<int32_t>> contexts;
+            // Each group's prompt prefilled once for its rows, then every row's tokens so far.
+            std::vector<std::vector<int32_t>> prompts;
+            std::map<int64_t, int64_t> prompt_of_slot;
+            std::vector<int64_t> row_prompt;
+            std::vector<std::vector<int32_t>> fed;
             for (const Active& a : active) {
               const Slot& s = slots.at(a.slot);
-              contexts.push_back(decode::FedContext(s.group.prompt_ids, s.rows[a.k]));
+              auto [it, added] =
+                  prompt_of_slot.emplace(a.slot, static_cast<int64_t>(prompts.size()));
+              if (added) prompts.push_back(s.group.prompt_ids);
+              row_prompt.push_back(it->second);
+              fed.push_back(decode::FedTokens(s.rows[a.k]));
             }
-            stepper = decode::Restart(*newer, contexts, room, device);
+            int64_t prefilled = 0;
+            stepper = decode::RestartSharingPrompts(*newer, prompts, row_prompt, fed, room, device,
+                                                    &prefilled);
+            stats.num_recompute_tokens += prefilled;
           } else {
             stepper->Rebind(*newer);
           }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <deque>
 #include <map>
 #include <memory>
@@ -184,12 +185,24 @@ TEST(GenerateStream, WithPartialRolloutsTheRowsInFlightSwitchAndRecordEachTokens
   EXPECT_EQ(run.stats.num_drains, 0);
   EXPECT_EQ(run.stats.num_switches, 1);
   int64_t straddled = 0;
+  // The switch's recompute: each group in flight prefilled its prompt once for its rows still
+  // decoding, then each row's tokens but its last (kSwitchAt - entered were sampled before).
+  int64_t shared = 0, whole = 0;
   for (int64_t i = 0; i < static_cast<int64_t>(kPrompts.size()); ++i) {
     const common::RolloutGroup& g = *run.groups.at(i).group;
     const int64_t entered = run.entered.at(i);
     EXPECT_EQ(g.policy_version, entered < kSwitchAt ? 4 : 5) << "group " << i;
     const bool mixed = entered < kSwitchAt && run.left.at(i) > kSwitchAt;
     straddled += mixed;
+    const int64_t prompt = static_cast<int64_t>(kPrompts[i].size());
+    bool decoding = false;
+    for (const common::Completion& c : g.completions) {
+      if (!mixed || static_cast<int64_t>(c.token_ids.size()) <= kSwitchAt - entered) continue;
+      decoding = true;
+      shared += kSwitchAt - entered - 1;
+      whole += prompt + kSwitchAt - entered - 1;
+    }
+    if (decoding) shared += prompt;
     for (const common::Completion& c : g.completions) {
       const std::vector<double> ref_a = TeacherForced(*a, kPrompts[i], c.token_ids);
       const std::vector<double> ref_b = TeacherForced(*b, kPrompts[i], c.token_ids);
@@ -208,6 +221,10 @@ TEST(GenerateStream, WithPartialRolloutsTheRowsInFlightSwitchAndRecordEachTokens
     }
   }
   EXPECT_GE(straddled, 1) << "no group was in flight at the update: the test shows little";
+  EXPECT_EQ(run.stats.num_recompute_tokens, shared) << "the whole contexts: " << whole;
+  EXPECT_LT(shared, whole);
+  std::printf("recompute at the switch: %lld tokens prefilled, the whole contexts %lld\n",
+              static_cast<long long>(shared), static_cast<long long>(whole));
 }
 
 TEST(GenerateStream, ABadPromptLeavesWithItsErrorAndTheOthersGoOnEachWithItsBudget) {

@@ -139,7 +139,8 @@ TEST(PartialRollouts, TheSameWeightsUnderANewVersionSampleTheSameTokens) {
 // tokens, 3 rows each (and a third prompt no row holds), every row 4 fed completion tokens. It
 // runs 5 + 9 + 6 x 4 = 38 tokens through the model, where Restart of the whole contexts runs
 // 3 x (5 + 4) + 3 x (9 + 4) = 66; and the next two steps give Restart's logits. Rows whose fed
-// lengths differ (continuous batching) take Restart itself: 3 x 5 + 4 + 1 + 5 = 25.
+// lengths differ (continuous batching's groups, one with none fed yet) share it too:
+// 5 + 4 + 0 + 5 = 14 tokens where Restart runs 3 x 5 + 9 = 24, with Restart's logits.
 TEST(PartialRollouts, ARecomputeSharesEachPromptsPrefillAndGivesTheWholeContextsLogits) {
   const auto model = ScaledTinyModel(3);
   const std::vector<std::vector<int32_t>> prompts = {
@@ -163,12 +164,23 @@ TEST(PartialRollouts, ARecomputeSharesEachPromptsPrefillAndGivesTheWholeContexts
     const at::Tensor a = shared->Step(tokens), b = whole->Step(tokens);
     EXPECT_LT((a - b).abs().max().item<double>(), 1e-4 * b.abs().max().item<double>());
   }
-  // Unequal fed lengths: Restart of the whole contexts.
-  const std::vector<std::vector<int32_t>> ragged = {{1, 2, 3, 4}, {9}, {4, 4, 4, 4, 4}};
-  auto fallback =
+  // Unequal fed lengths, one row with none.
+  const std::vector<std::vector<int32_t>> ragged = {{1, 2, 3, 4}, {}, {4, 4, 4, 4, 4}};
+  auto unequal =
       decode::RestartSharingPrompts(*model, prompts, {0, 0, 0}, ragged, 6, at::kCPU, &prefilled);
-  EXPECT_NE(fallback, nullptr);
-  EXPECT_EQ(prefilled, 25);
+  EXPECT_EQ(prefilled, 14);
+  std::vector<std::vector<int32_t>> ragged_contexts;
+  for (const auto& f : ragged) {
+    ragged_contexts.push_back(prompts[0]);
+    ragged_contexts.back().insert(ragged_contexts.back().end(), f.begin(), f.end());
+  }
+  auto ragged_whole = decode::Restart(*model, ragged_contexts, 6, at::kCPU);
+  for (const std::vector<int64_t>& next :
+       {std::vector<int64_t>{3, 1, 4}, std::vector<int64_t>{2, 6, 5}}) {
+    const at::Tensor tokens = at::tensor(next, at::kLong);
+    const at::Tensor a = unequal->Step(tokens), b = ragged_whole->Step(tokens);
+    EXPECT_LT((a - b).abs().max().item<double>(), 1e-4 * b.abs().max().item<double>());
+  }
   // No fed token yet (a switch after the first): the prompts alone, 5 + 9.
   auto first = decode::RestartSharingPrompts(
       *model, prompts, row_prompt, std::vector<std::vector<int32_t>>(6), 6, at::kCPU, &prefilled);
