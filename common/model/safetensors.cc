@@ -308,7 +308,8 @@ StatusOr<std::vector<TensorLayout>> CheckSpecs(const std::string& path,
   return out;
 }
 
-// The tensors to write (defined, CPU, strided; then CheckSpecs), made contiguous.
+// The tensors to write (defined, CPU, strided), made contiguous, and their specs (appended to
+// `specs`) for CheckSpecs.
 StatusOr<std::vector<at::Tensor>> PrepareTensors(const std::string& path,
                                                  const NamedTensors& tensors,
                                                  std::vector<SafetensorSpec>& specs) {
