@@ -8,13 +8,14 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <barrier>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -915,54 +916,76 @@ TEST(DataParallelCheckpoints, ShardFilesMoveNoAdamWStateToRankZero) {
   }
 }
 
-// What libtorch's CPU allocator has handed out and not taken back, and its peak since Reset.
-// Installed once for the process over the allocator it finds and never removed (the tensors it
-// handed out keep its deleter); it changes nothing else.
+// What libtorch's CPU allocator has handed out and not taken back, and its peak since Reset:
+// wraps the allocator in place while a CountingScope lives. Its pointers are simple (context =
+// data, as libtorch's resizable storages require; the wrapped allocation is kept in a table until
+// freed), and the counter outlives every scope: a tensor it handed out may be freed after.
 class CountingCpuAllocator final : public c10::Allocator {
  public:
-  static CountingCpuAllocator& Installed() {
-    static CountingCpuAllocator* const installed = [] {
-      auto* counting = new CountingCpuAllocator(c10::GetCPUAllocator());
-      c10::SetCPUAllocator(counting, /*priority=*/1);
-      return counting;
-    }();
-    return *installed;
+  static CountingCpuAllocator& Get() {
+    static CountingCpuAllocator* const counter = new CountingCpuAllocator();
+    return *counter;
   }
+  void Wrap(c10::Allocator* inner) { inner_ = inner; }
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = inner_->allocate(n);
+    if (n == 0) return inner;
     void* data = inner.get();
     const c10::Device device = inner.device();
-    auto* held = new Held{std::move(inner), static_cast<int64_t>(n), this};
-    const int64_t now = live_.fetch_add(held->bytes) + held->bytes;
-    int64_t peak = peak_.load();
-    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-    }
-    return {data, held, &Free, device};
+    std::lock_guard<std::mutex> lock(mu_);
+    live_ += static_cast<int64_t>(n);
+    peak_ = std::max(peak_, live_);
+    held_.emplace(data, std::make_pair(std::move(inner), static_cast<int64_t>(n)));
+    return {data, data, &Free, device};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &Free; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
   // The bytes live now, the peak from now on.
   int64_t Reset() {
-    peak_ = live_.load();
+    std::lock_guard<std::mutex> lock(mu_);
+    peak_ = live_;
+    return live_;
+  }
+  int64_t peak() {
+    std::lock_guard<std::mutex> lock(mu_);
     return peak_;
   }
-  int64_t peak() const { return peak_.load(); }
 
  private:
-  struct Held {
-    c10::DataPtr inner;
-    int64_t bytes;
-    CountingCpuAllocator* owner;
-  };
-  explicit CountingCpuAllocator(c10::Allocator* inner) : inner_(inner) {}
-  static void Free(void* context) {
-    auto* held = static_cast<Held*>(context);
-    held->owner->live_ -= held->bytes;
-    delete held;
+  CountingCpuAllocator() = default;
+  static void Free(void* data) {
+    CountingCpuAllocator& self = Get();
+    c10::DataPtr inner;  // freed after the lock
+    std::lock_guard<std::mutex> lock(self.mu_);
+    auto it = self.held_.find(data);
+    if (it == self.held_.end()) return;
+    self.live_ -= it->second.second;
+    inner = std::move(it->second.first);
+    self.held_.erase(it);
   }
-  c10::Allocator* const inner_;
-  std::atomic<int64_t> live_{0}, peak_{0};
+  c10::Allocator* inner_ = nullptr;
+  std::mutex mu_;
+  std::map<void*, std::pair<c10::DataPtr, int64_t>> held_;
+  int64_t live_ = 0, peak_ = 0;
+};
+
+// Installs the counter over the CPU allocator for its lifetime (c10::SetCPUAllocator takes an
+// allocator of a priority at least the current one's: each install and restore goes one up).
+class CountingScope {
+ public:
+  CountingScope() : previous_(c10::GetCPUAllocator()) {
+    CountingCpuAllocator::Get().Wrap(previous_);
+    c10::SetCPUAllocator(&CountingCpuAllocator::Get(), ++priority_);
+  }
+  ~CountingScope() { c10::SetCPUAllocator(previous_, ++priority_); }
+  CountingScope(const CountingScope&) = delete;
+  CountingScope& operator=(const CountingScope&) = delete;
+
+ private:
+  static inline uint8_t priority_ = 0;
+  c10::Allocator* const previous_;
 };
 
 // A checkpoint at full_shard (2 thread ranks, a 12-layer model): each unit of the weights is
@@ -983,7 +1006,8 @@ TEST(DataParallelCheckpoints, FullShardWritesTheWeightsAUnitAtATime) {
   int64_t whole = 0;
   for (const at::Tensor& p : (*reference)->Parameters()) whole += p.nbytes();
 
-  CountingCpuAllocator& allocator = CountingCpuAllocator::Installed();
+  CountingScope counting;
+  CountingCpuAllocator& allocator = CountingCpuAllocator::Get();
   int64_t before = 0;
   std::barrier ready(2, [&]() noexcept { before = allocator.Reset(); });
   FakeRankGroup group(2, std::chrono::seconds(60));
