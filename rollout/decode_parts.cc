@@ -120,15 +120,6 @@ std::pair<at::Tensor, at::Tensor> LeftPadded(const std::vector<std::vector<int32
   return {ids, mask};
 }
 
-std::unique_ptr<KvStepper> Restart(const Model& model,
-                                   const std::vector<std::vector<int32_t>>& contexts,
-                                   int64_t remaining, const at::Device& device) {
-  auto [ids, mask] = LeftPadded(contexts);
-  auto stepper = std::make_unique<KvStepper>(model);
-  stepper->Start(ids.to(device), mask.to(device), /*g=*/1, ids.size(1) + remaining + 1);
-  return stepper;
-}
-
 std::unique_ptr<KvStepper> RestartSharingPrompts(const Model& model,
                                                  const std::vector<std::vector<int32_t>>& prompts,
                                                  const std::vector<int64_t>& row_prompt,

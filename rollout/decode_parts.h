@@ -89,21 +89,15 @@ class RecomputeStepper final : public Stepper {
 // matter). TORCH_CHECKs that both have the same layers and shapes.
 common::KvCache ConcatCaches(const common::KvCache& a, const common::KvCache& b, int64_t room);
 
-// A KV stepper of `model` holding the keys/values of `contexts` (each a prompt and its
-// completion so far but the last token, sampled and not fed yet), left-padded and prefilled
-// anew with room for `remaining` more tokens; the prefill's logits are dropped (the next Step
-// feeds that last token). An in-flight update that recomputes the cache.
-std::unique_ptr<KvStepper> Restart(const common::Model& model,
-                                   const std::vector<std::vector<int32_t>>& contexts,
-                                   int64_t remaining, const at::Device& device);
-
-// Restart for rows that share prompts: row i holds prompts[row_prompt[i]] and then fed[i], its
-// completion so far but the last token (the fed lengths may differ: a Generate call's rows decode
-// in lockstep, continuous batching's groups started at different steps). Each prompt that a row
-// holds is prefilled once, its keys/values are copied to its rows, and the rows are extended
-// with their fed tokens together (left-padded): the keys/values Restart computes from the whole
-// contexts (each key depends on its own row's tokens before it only; positions continue from
-// the row's prompt), from sum(prompts) + sum(fed) tokens instead of rows x prompt + sum(fed).
+// An in-flight update that recomputes the cache, for rows that share prompts: row i holds
+// prompts[row_prompt[i]] and then fed[i], its completion so far but the last token (the fed lengths
+// may differ: a Generate call's rows decode in lockstep, continuous batching's groups started at
+// different steps). Each prompt that a row holds is prefilled once, its keys/values are copied to
+// its rows, and the rows are extended with their fed tokens together (left-padded): the keys/values
+// a prefill of the whole contexts computes (each key depends on its own row's tokens before it
+// only; positions continue from the row's prompt), from sum(prompts) + sum(fed) tokens instead of
+// rows x prompt + sum(fed). A KV stepper of `model` with room for `remaining` more tokens is
+// returned; the prefill's logits are dropped (the next Step feeds each row's last sampled token).
 // `prefilled`, when given, receives the tokens run through the model.
 std::unique_ptr<KvStepper> RestartSharingPrompts(const common::Model& model,
                                                  const std::vector<std::vector<int32_t>>& prompts,

@@ -413,9 +413,8 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t 
             std::vector<int64_t> row_prompt;
             std::vector<std::vector<int32_t>> fed;
             for (int64_t r : active) {
-              const std::vector<int32_t>& done = rows[r].completion.token_ids;
               row_prompt.push_back(r / g);
-              fed.emplace_back(done.begin(), done.end() - 1);  // the last is fed by Step
+              fed.push_back(decode::FedTokens(rows[r]));  // the last is fed by Step
             }
             stepper = decode::RestartSharingPrompts(*current, ids, row_prompt, fed, max_new - step,
                                                     device);

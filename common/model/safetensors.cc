@@ -332,6 +332,14 @@ StatusOr<std::vector<at::Tensor>> PrepareTensors(const std::string& path,
   return out;
 }
 
+// Writes PrepareTensors' tensors through `writer`, then finishes it.
+Status WriteThrough(SafetensorsWriter& writer, const std::vector<SafetensorSpec>& specs,
+                    const std::vector<at::Tensor>& values) {
+  for (size_t i = 0; i < values.size(); ++i)
+    RETURN_IF_ERROR(writer.Write(specs[i].name, values[i]));
+  return writer.Finish();
+}
+
 // The header of one file holding `tensors` (the 8-byte length, then the JSON padded with spaces
 // so that the data buffer starts 8-aligned), which it sorts into their data order: widest
 // element first, then by name. With no gaps every tensor stays aligned to its element size, and
@@ -374,21 +382,6 @@ StatusOr<std::string> LayOutFile(const std::string& path, std::vector<TensorLayo
     at += t.nbytes;
   }
   return out + text;
-}
-
-Status WriteSafetensorsImpl(const std::string& path, const NamedTensors& tensors,
-                            const std::map<std::string, std::string>& metadata) {
-  std::vector<SafetensorSpec> specs;
-  ASSIGN_OR_RETURN(std::vector<at::Tensor> values, PrepareTensors(path, tensors, specs));
-  ASSIGN_OR_RETURN(std::vector<TensorLayout> layout, CheckSpecs(path, specs));
-  std::map<std::string, const at::Tensor*> by_name;
-  for (size_t i = 0; i < values.size(); ++i) by_name[specs[i].name] = &values[i];
-  ASSIGN_OR_RETURN(std::string header, LayOutFile(path, layout, metadata));
-  std::vector<Chunk> chunks = {{header.data(), header.size()}};
-  for (const TensorLayout& t : layout) {
-    if (t.nbytes > 0) chunks.push_back({by_name[t.name]->data_ptr(), t.nbytes});
-  }
-  return WriteFileAtomically(path, chunks);
 }
 
 // Reads a whole small file (the index); NotFound when it cannot be opened.
@@ -603,7 +596,11 @@ StatusOr<at::Tensor> SafetensorsFile::Get(const std::string& name) const {
 Status WriteSafetensors(const std::string& path, const NamedTensors& tensors,
                         const std::map<std::string, std::string>& metadata) {
   try {
-    return WriteSafetensorsImpl(path, tensors, metadata);
+    std::vector<SafetensorSpec> specs;
+    ASSIGN_OR_RETURN(std::vector<at::Tensor> values, PrepareTensors(path, tensors, specs));
+    ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsWriter> writer,
+                     SafetensorsWriter::CreateFile(path, specs, metadata));
+    return WriteThrough(*writer, specs, values);
   } catch (const std::exception& e) {
     return FileError(StatusCode::kInternal, path, std::string("unexpected error: ") + e.what());
   }
@@ -820,10 +817,7 @@ Status WriteSafetensorsCheckpoint(const std::string& dir, const NamedTensors& te
     ASSIGN_OR_RETURN(std::vector<at::Tensor> values, PrepareTensors(dir, tensors, specs));
     ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsWriter> writer,
                      SafetensorsWriter::CreateCheckpoint(dir, specs, max_shard_bytes, metadata));
-    for (size_t i = 0; i < values.size(); ++i) {
-      RETURN_IF_ERROR(writer->Write(specs[i].name, values[i]));
-    }
-    return writer->Finish();
+    return WriteThrough(*writer, specs, values);
   } catch (const std::exception& e) {
     return FileError(StatusCode::kInternal, dir, std::string("unexpected error: ") + e.what());
   }

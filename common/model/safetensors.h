@@ -72,7 +72,7 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // Writes CPU tensors (any supported dtype; made contiguous) and string metadata to `path`
 // through `path.tmp` + fsync + rename, so a crash never leaves a partial file at `path`.
-// Duplicate names or an unsupported dtype are InvalidArgument.
+// Duplicate names or an unsupported dtype are InvalidArgument. Through SafetensorsWriter.
 Status WriteSafetensors(const std::string& path, const NamedTensors& tensors,
                         const std::map<std::string, std::string>& metadata = {});
 
@@ -110,8 +110,8 @@ struct SafetensorSpec {
 
 // Writes safetensors files with the tensors handed over one at a time and in any order, so that
 // they never have to be in memory all at once: a learner whose parameters are sharded writes
-// each unit as it is gathered, a rank its AdamW shard a parameter at a time. The files are those
-// WriteSafetensorsCheckpoint / WriteSafetensors write for the same tensors, byte for byte.
+// each unit as it is gathered, a rank its AdamW shard a parameter at a time.
+// WriteSafetensorsCheckpoint and WriteSafetensors write whole tensor lists through it.
 // Create* lays out every file from the specs (names, dtypes, shapes) and opens each as
 // `<file>.tmp`; Write puts one tensor's bytes at their offset; Finish fsyncs and renames the
 // files (a checkpoint's index last, then what another layout left: model.safetensors, or the

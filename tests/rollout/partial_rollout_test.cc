@@ -24,6 +24,17 @@ namespace {
 
 using common::Model;
 
+// The reference for RestartSharingPrompts: a KV stepper holding `contexts` (each a prompt and
+// its completion so far but the last token), left-padded and prefilled whole.
+std::unique_ptr<decode::KvStepper> WholeContexts(const Model& model,
+                                                 const std::vector<std::vector<int32_t>>& contexts,
+                                                 int64_t remaining) {
+  auto [ids, mask] = decode::LeftPadded(contexts);
+  auto stepper = std::make_unique<decode::KvStepper>(model);
+  stepper->Start(ids, mask, /*g=*/1, ids.size(1) + remaining + 1);
+  return stepper;
+}
+
 constexpr int64_t kMaxNew = 12, kSwitchAt = 5, kG = 3;
 
 // Rows stop at <|im_end|> (258) or kMaxNew; those that stop before kSwitchAt never switch.
@@ -137,10 +148,10 @@ TEST(PartialRollouts, TheSameWeightsUnderANewVersionSampleTheSameTokens) {
 
 // The recompute of a switch shares each prompt's prefill among its rows: prompts of 5 and 9
 // tokens, 3 rows each (and a third prompt no row holds), every row 4 fed completion tokens. It
-// runs 5 + 9 + 6 x 4 = 38 tokens through the model, where Restart of the whole contexts runs
-// 3 x (5 + 4) + 3 x (9 + 4) = 66; and the next two steps give Restart's logits. Rows whose fed
+// runs 5 + 9 + 6 x 4 = 38 tokens through the model, where a prefill of the whole contexts runs
+// 3 x (5 + 4) + 3 x (9 + 4) = 66; and the next two steps give its logits. Rows whose fed
 // lengths differ (continuous batching's groups, one with none fed yet) share it too:
-// 5 + 4 + 0 + 5 = 14 tokens where Restart runs 3 x 5 + 9 = 24, with Restart's logits.
+// 5 + 4 + 0 + 5 = 14 tokens where the whole contexts take 3 x 5 + 9 = 24, with their logits.
 TEST(PartialRollouts, ARecomputeSharesEachPromptsPrefillAndGivesTheWholeContextsLogits) {
   const auto model = ScaledTinyModel(3);
   const std::vector<std::vector<int32_t>> prompts = {
@@ -157,7 +168,7 @@ TEST(PartialRollouts, ARecomputeSharesEachPromptsPrefillAndGivesTheWholeContexts
   auto shared =
       decode::RestartSharingPrompts(*model, prompts, row_prompt, fed, 6, at::kCPU, &prefilled);
   EXPECT_EQ(prefilled, 38);
-  auto whole = decode::Restart(*model, contexts, 6, at::kCPU);
+  auto whole = WholeContexts(*model, contexts, 6);
   for (const std::vector<int64_t>& next :
        {std::vector<int64_t>{3, 1, 4, 1, 5, 9}, std::vector<int64_t>{2, 6, 5, 3, 5, 8}}) {
     const at::Tensor tokens = at::tensor(next, at::kLong);
@@ -174,7 +185,7 @@ TEST(PartialRollouts, ARecomputeSharesEachPromptsPrefillAndGivesTheWholeContexts
     ragged_contexts.push_back(prompts[0]);
     ragged_contexts.back().insert(ragged_contexts.back().end(), f.begin(), f.end());
   }
-  auto ragged_whole = decode::Restart(*model, ragged_contexts, 6, at::kCPU);
+  auto ragged_whole = WholeContexts(*model, ragged_contexts, 6);
   for (const std::vector<int64_t>& next :
        {std::vector<int64_t>{3, 1, 4}, std::vector<int64_t>{2, 6, 5}}) {
     const at::Tensor tokens = at::tensor(next, at::kLong);
@@ -188,7 +199,7 @@ TEST(PartialRollouts, ARecomputeSharesEachPromptsPrefillAndGivesTheWholeContexts
   const at::Tensor tokens = at::tensor(std::vector<int64_t>{3, 1, 4, 1, 5, 9}, at::kLong);
   std::vector<std::vector<int32_t>> prompts_only;
   for (int64_t k : row_prompt) prompts_only.push_back(prompts[k]);
-  auto plain = decode::Restart(*model, prompts_only, 6, at::kCPU);
+  auto plain = WholeContexts(*model, prompts_only, 6);
   const at::Tensor a = first->Step(tokens), b = plain->Step(tokens);
   EXPECT_LT((a - b).abs().max().item<double>(), 1e-4 * b.abs().max().item<double>());
 }
