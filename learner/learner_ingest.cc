@@ -136,55 +136,65 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
   // now but trained too many versions later would be refused as stale, its generation wasted.
   // While the budget is 0, wait for it (a long poll woken when the trainer takes or finishes a
   // batch) instead of sending the worker to sleep for a fixed retry, so that generation resumes
-  // the moment a lease may go out.
-  common::MutexLock lease_lock(&lease_mu_);
-  int64_t budget = 0;
-  {
-    const common::CancelToken::Subscription wake = common::CancelToken::Watch(cancel, [this] {
-      common::MutexLock lock(&mu_);
-      room_cv_.NotifyAll();
-    });
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - Clock::now() - std::chrono::milliseconds(500));
-    const auto poll_end =
-        Clock::now() + std::max(std::chrono::milliseconds(0), std::min(kLeaseLongPoll, left));
-    while (true) {
+  // the moment a lease may go out. lease_mu_ is held from a budget's read to its ledger write,
+  // never across the wait: a call that answers at once (a deadline within 500 ms) does not queue
+  // behind another worker's long poll.
+  const common::CancelToken::Subscription wake = common::CancelToken::Watch(cancel, [this] {
+    common::MutexLock lock(&mu_);
+    room_cv_.NotifyAll();
+  });
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - Clock::now() - std::chrono::milliseconds(500));
+  const auto poll_end =
+      Clock::now() + std::max(std::chrono::milliseconds(0), std::min(kLeaseLongPoll, left));
+  std::vector<Lease> leases;
+  while (true) {
+    {
+      common::MutexLock lease_lock(&lease_mu_);
       auto counts = ledger_->Counts();
       if (!counts.ok()) return counts.status();
-      common::MutexLock lock(&mu_);
-      reply.policy_version = weights_ ? weights_->version : 0;
-      if (JobOverForWorkersLocked()) {
-        reply.job_done = true;
-        return reply;
+      int64_t budget = 0;
+      {
+        common::MutexLock lock(&mu_);
+        reply.policy_version = weights_ ? weights_->version : 0;
+        if (JobOverForWorkersLocked()) {
+          reply.job_done = true;
+          return reply;
+        }
+        if (ShuttingDownForWorkersLocked()) {
+          // Shutting down is not the end of the job: the worker waits and reconnects.
+          return Status::Unavailable("the learner is shutting down");
+        }
+        if (common::CancelToken::Tripped(cancel)) {
+          return Status::Cancelled("LeasePrompts: cancelled");
+        }
+        LeaseBudgetInput in;
+        in.buffered = static_cast<int64_t>(buffer_.size() + accepting_ms_.size());
+        in.leased_out = counts->leased;
+        in.training = training_;
+        in.batch_groups = batch_groups_;
+        in.buffer_capacity = buffer_capacity_;
+        in.max_staleness = config_.max_staleness;
+        in.versions_per_batch = versions_per_batch_;
+        budget = LeaseBudget(in);
       }
-      if (ShuttingDownForWorkersLocked()) {
-        // Shutting down is not the end of the job: the worker waits and reconnects.
-        return Status::Unavailable("the learner is shutting down");
+      if (budget > 0) {
+        const int64_t n = std::min<int64_t>({max_prompts, kMaxLeasesPerCall, budget});
+        const auto duration = std::chrono::milliseconds(
+            std::max<int64_t>(1, std::llround(config_.lease_seconds * 1000)));
+        ASSIGN_OR_RETURN(leases, ledger_->LeasePrompts(worker_id, n, duration));
+        break;
       }
-      if (common::CancelToken::Tripped(cancel)) return Status::Cancelled("LeasePrompts: cancelled");
-      LeaseBudgetInput in;
-      in.buffered = static_cast<int64_t>(buffer_.size() + accepting_ms_.size());
-      in.leased_out = counts->leased;
-      in.training = training_;
-      in.batch_groups = batch_groups_;
-      in.buffer_capacity = buffer_capacity_;
-      in.max_staleness = config_.max_staleness;
-      in.versions_per_batch = versions_per_batch_;
-      budget = LeaseBudget(in);
-      if (budget > 0 || Clock::now() >= poll_end) break;
-      // Woken when the trainer takes or finishes a batch, a group is refused (its lease went
-      // back), a dead worker's leases go back, after housekeeping, when the learner stops, and
-      // at once when the call is cancelled (its CancelToken). The ledger's counts are read
-      // outside mu_, so a change between that read and this wait would go unnoticed: the
-      // budget is read again every kWaitPollInterval (cancellation does not wait for it).
-      room_cv_.WaitUntil(&mu_, std::min(poll_end, Clock::now() + kWaitPollInterval));
     }
-    if (budget == 0) return reply;  // retry_after_ms is set
+    if (Clock::now() >= poll_end) return reply;  // no budget; retry_after_ms is set
+    // Woken when the trainer takes or finishes a batch, a group is refused (its lease went
+    // back), a dead worker's leases go back, after housekeeping, when the learner stops, and
+    // at once when the call is cancelled (its CancelToken). The budget is read outside this
+    // wait's lock, so a change between that read and this wait would go unnoticed: it is read
+    // again every kWaitPollInterval (cancellation does not wait for it).
+    common::MutexLock lock(&mu_);
+    room_cv_.WaitUntil(&mu_, std::min(poll_end, Clock::now() + kWaitPollInterval));
   }
-  const int64_t n = std::min<int64_t>({max_prompts, kMaxLeasesPerCall, budget});
-  const auto duration =
-      std::chrono::milliseconds(std::max<int64_t>(1, std::llround(config_.lease_seconds * 1000)));
-  ASSIGN_OR_RETURN(std::vector<Lease> leases, ledger_->LeasePrompts(worker_id, n, duration));
   if (common::CancelToken::Tripped(cancel)) {
     // Nobody will receive these leases: give them back at once.
     for (const auto& l : leases) (void)ledger_->ReleaseLease(l.lease_id, l.prompt_id);

@@ -42,10 +42,11 @@ StatusOr<HeartbeatReply> FakeLearnerLink::Heartbeat(const HeartbeatRequest& requ
 }
 
 StatusOr<LeaseReply> FakeLearnerLink::LeasePrompts(const std::string&, int32_t max_prompts,
-                                                   std::chrono::milliseconds) {
+                                                   bool long_poll, std::chrono::milliseconds) {
   common::MutexLock lock(&mu);
   if (Unavailable()) return NotReady();
   ++lease_calls;
+  lease_long_polls.push_back(long_poll);
   if (unknown_worker) return Status::NotFound("unknown worker: Register again");
   LeaseReply r;
   r.policy_version = version;

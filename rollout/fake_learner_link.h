@@ -56,6 +56,7 @@ class FakeLearnerLink final : public LearnerLink {
   std::vector<RegisterRequest> registers GRPO_GUARDED_BY(mu);
   std::vector<HeartbeatRequest> heartbeats GRPO_GUARDED_BY(mu);
   int lease_calls GRPO_GUARDED_BY(mu) = 0;
+  std::vector<bool> lease_long_polls GRPO_GUARDED_BY(mu);  // each LeasePrompts' long_poll
   int push_calls GRPO_GUARDED_BY(mu) = 0;
   std::vector<common::RolloutGroup> pushed GRPO_GUARDED_BY(mu);  // of pushes that were answered OK
   std::vector<std::string> pushed_worker_ids GRPO_GUARDED_BY(mu);
@@ -68,7 +69,7 @@ class FakeLearnerLink final : public LearnerLink {
   StatusOr<HeartbeatReply> Heartbeat(const HeartbeatRequest& request,
                                      std::chrono::milliseconds timeout) override;
   StatusOr<LeaseReply> LeasePrompts(const std::string& worker_id, int32_t max_prompts,
-                                    std::chrono::milliseconds timeout) override;
+                                    bool long_poll, std::chrono::milliseconds timeout) override;
   StatusOr<PushReply> PushGroups(const std::string& worker_id,
                                  const std::vector<common::RolloutGroup>& groups,
                                  std::chrono::milliseconds timeout) override;

@@ -502,7 +502,7 @@ StatusOr<std::optional<LeaseReply>> RolloutLoop::Lease(int64_t count, bool retry
   LeaseReply leased;
   const auto attempt = [&]() -> Status {
     ASSIGN_OR_RETURN(leased, link_->LeasePrompts(worker_id(), static_cast<int32_t>(count),
-                                                 options_.timeouts.lease));
+                                                 /*long_poll=*/retry, options_.timeouts.lease));
     return Status::OK();
   };
   Status s = retry ? Retry("LeasePrompts", attempt) : attempt();

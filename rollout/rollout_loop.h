@@ -226,10 +226,11 @@ class RolloutLoop {
   // No weights yet, newer ones at the learner, or weights of a learner incarnation the worker
   // has left.
   bool NeedsWeights() const GRPO_EXCLUDES(mu_);
-  // One LeasePrompts exchange of up to `count` prompts (with Retry when `retry`, else one
-  // attempt): the reply, counted as a round, when it holds prompts. nullopt otherwise: done_ set
-  // when the job is done, needs_register_ when the learner forgot this worker or restarted, and
-  // *wait the learner's retry_after when it had no prompts now. Errors: the call's.
+  // One LeasePrompts exchange of up to `count` prompts (with Retry and the learner's long poll
+  // for budget when `retry`, else one attempt answered at once): the reply, counted as a round,
+  // when it holds prompts. nullopt otherwise: done_ set when the job is done, needs_register_
+  // when the learner forgot this worker or restarted, and *wait the learner's retry_after when it
+  // had no prompts now. Errors: the call's.
   StatusOr<std::optional<LeaseReply>> Lease(int64_t count, bool retry,
                                             std::chrono::milliseconds* wait);
   // One lease round. Sets done_ when the learner has nothing more.

@@ -40,13 +40,14 @@ StatusOr<rollout::HeartbeatReply> GrpcLearnerLink::Heartbeat(
 }
 
 StatusOr<rollout::LeaseReply> GrpcLearnerLink::LeasePrompts(const std::string& worker_id,
-                                                            int32_t max_prompts,
+                                                            int32_t max_prompts, bool long_poll,
                                                             std::chrono::milliseconds timeout) {
   grpc::ClientContext context;
   Prepare(context, timeout, auth_token_);
   v1::LeasePromptsRequest req;
   req.set_worker_id(worker_id);
   req.set_max_prompts(max_prompts);
+  req.set_answer_at_once(!long_poll);
   v1::LeasePromptsResponse r;
   RETURN_IF_ERROR(
       FromGrpcStatus(stub_->LeasePrompts(&context, req, &r)).WithContext("LeasePrompts"));

@@ -181,8 +181,13 @@ grpc::ServerUnaryReactor* LearnerServer::LeasePrompts(grpc::CallbackServerContex
       call_threads_.get(), "LeasePrompts", CheckAuth(*context, auth_token_),
       [this, context, request, response](BlockingUnaryReactor& call) {
         return Guarded("LeasePrompts", [&] {
-          auto r = learner_->LeasePrompts(request->worker_id(), request->max_prompts(),
-                                          SteadyDeadline(*context), &call.cancel());
+          // Learner::LeasePrompts waits for budget until 500 ms before the deadline: a
+          // deadline now is one look at the budget.
+          auto r =
+              learner_->LeasePrompts(request->worker_id(), request->max_prompts(),
+                                     request->answer_at_once() ? std::chrono::steady_clock::now()
+                                                               : SteadyDeadline(*context),
+                                     &call.cancel());
           if (!r.ok()) return ToGrpcStatus(r.status());
           ToProto(*r, response);
           return grpc::Status::OK;

@@ -325,6 +325,30 @@ TEST(RolloutLoop, ARowsOwnBudgetBoundsItsGroupInBothModes) {
   }
 }
 
+// continuous_batching: a lease asked while rows decode (a short group left beside a long one)
+// is answered at once, without the learner's long poll for budget, for which the rows would wait;
+// one asked while nothing decodes may wait.
+TEST(RolloutLoop, AStreamLeasesWithoutALongPollWhileRowsDecode) {
+  const std::vector<std::string> rows = {
+      R"({"prompt": "short", "max_completion_length": 3})", R"({"prompt": "long"})",
+      R"({"prompt": "short", "max_completion_length": 3})", R"({"prompt": "long"})"};
+  Fixture f(rows);
+  json config = LearnerConfig();
+  config["continuous_batching"] = true;
+  config["max_completion_length"] = 12;
+  f.learner.config_json = config.dump();
+  auto loop = MakeLoop(f, Options());  // prompts_per_lease 2, the fake leases 2 a call
+  ASSERT_TRUE(loop->Run().ok());
+  common::MutexLock lock(&f.learner.mu);
+  ASSERT_EQ(f.learner.pushed.size(), rows.size());
+  const std::vector<bool>& asks = f.learner.lease_long_polls;
+  ASSERT_GE(asks.size(), 2u);
+  EXPECT_TRUE(asks.front()) << "the first lease, nothing decoding, may long-poll";
+  // The short group leaves at its 3rd token while the long one decodes: the next lease is asked
+  // while rows decode.
+  EXPECT_FALSE(asks[1]) << "a lease asked while the long group decodes was long-polled";
+}
+
 // continuous_batching with a newer version published at the stream's third decode step (held
 // there until the worker installed it): without partial_rollouts each group is of one version
 // (those in flight finish with 1, later ones start with 2); with it, the groups in flight switch

@@ -380,6 +380,34 @@ TEST_F(LearnerServiceTest, LeasesStopWhereTheirGroupsWouldBeTooStaleAndResumeAft
   EXPECT_GE(server_->published_version(), 1);
 }
 
+// A worker whose rows are decoding asks with answer_at_once: no long poll for budget, and no
+// wait behind another worker's long poll (each would stall its decoding for up to 3 s).
+TEST_F(LearnerServiceTest, AnAnswerAtOnceLeaseIsAnsweredAtOnceEvenBesideAnotherWorkersLongPoll) {
+  config_.max_staleness = 0;
+  StartServer();
+  Submit(Prompts(8));
+  RegisterWorker("w2");
+  ASSERT_EQ(Lease(2).leases_size(), 2) << "one generation batch out: no budget now";
+  const auto timed_lease = [&](const std::string& worker, bool at_once) {
+    v1::LeasePromptsRequest req;
+    req.set_worker_id(worker);
+    req.set_max_prompts(1);
+    req.set_answer_at_once(at_once);
+    v1::LeasePromptsResponse resp;
+    const auto t0 = std::chrono::steady_clock::now();
+    const grpc::Status s = stub_->LeasePrompts(Ctx(milliseconds(10'000)).get(), req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(resp.leases_size(), 0);
+    return std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now() - t0);
+  };
+  // Alone, then while w1 long-polls (its 3 s, kLeaseLongPoll).
+  EXPECT_LT(timed_lease("w2", /*at_once=*/true), milliseconds(1500));
+  auto polling = std::async(std::launch::async, [&] { return timed_lease("w1", false); });
+  std::this_thread::sleep_for(milliseconds(300));  // w1 is in its long poll
+  EXPECT_LT(timed_lease("w2", /*at_once=*/true), milliseconds(1500));
+  EXPECT_GE(polling.get(), milliseconds(2500)) << "w1's call long-polled for budget";
+}
+
 TEST_F(LearnerServiceTest, WithMaxStalenessOneTwoBatchesMayBeOutAtOnce) {
   config_.max_staleness = 1;
   StartServer();
