@@ -203,9 +203,14 @@ class Learner {
   // budget. InvalidArgument for an empty id or a non-positive count, NotFound for an unknown
   // worker, Unavailable while stopping, Cancelled once `cancel` (may be null) is tripped: the
   // wait ends at once, and leases granted meanwhile go back.
+  // `worker_version` >= 0: the policy version the worker starts these leases' groups with (it
+  // takes no newer weights first): the budget is that of a worker so many versions behind
+  // (admission.h), and a worker behind the published version gets no long poll (it should take
+  // the newer weights first). -1: the worker takes the published version first.
   StatusOr<common::LeaseReply> LeasePrompts(const std::string& worker_id, int64_t max_prompts,
                                             std::chrono::steady_clock::time_point deadline,
-                                            const common::CancelToken* cancel)
+                                            const common::CancelToken* cancel,
+                                            int64_t worker_version = -1)
       GRPO_EXCLUDES(lease_mu_, mu_);
   // The ingest policy above for one group; its verdict goes into `tally`. Tripping `cancel`
   // (may be null) ends a wait for buffer room at once.

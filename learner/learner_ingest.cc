@@ -116,7 +116,8 @@ StatusOr<common::HeartbeatReply> Learner::Heartbeat(const common::HeartbeatReque
 
 StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
                                                    int64_t max_prompts, Clock::time_point deadline,
-                                                   const common::CancelToken* cancel) {
+                                                   const common::CancelToken* cancel,
+                                                   int64_t worker_version) {
   if (worker_id.empty()) return Status::InvalidArgument("LeasePrompts: empty worker_id");
   if (max_prompts <= 0) {
     return Status::InvalidArgument("LeasePrompts: max_prompts must be positive");
@@ -176,6 +177,7 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
         in.buffer_capacity = buffer_capacity_;
         in.max_staleness = config_.max_staleness;
         in.versions_per_batch = versions_per_batch_;
+        if (worker_version >= 0) in.worker_lag = reply.policy_version - worker_version;
         budget = LeaseBudget(in);
       }
       if (budget > 0) {
@@ -186,7 +188,10 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
         break;
       }
     }
-    if (Clock::now() >= poll_end) return reply;  // no budget; retry_after_ms is set
+    // No budget; retry_after_ms is set. A worker behind the published version is answered at
+    // once: it takes the newer weights before it asks again (its budget grows with them).
+    if (Clock::now() >= poll_end) return reply;
+    if (worker_version >= 0 && worker_version < reply.policy_version) return reply;
     // Woken when the trainer takes or finishes a batch, a group is refused (its lease went
     // back), a dead worker's leases go back, after housekeeping, when the learner stops, and
     // at once when the call is cancelled (its CancelToken). The budget is read outside this

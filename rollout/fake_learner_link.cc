@@ -42,11 +42,12 @@ StatusOr<HeartbeatReply> FakeLearnerLink::Heartbeat(const HeartbeatRequest& requ
 }
 
 StatusOr<LeaseReply> FakeLearnerLink::LeasePrompts(const std::string&, int32_t max_prompts,
-                                                   bool long_poll, std::chrono::milliseconds) {
+                                                   int64_t weight_version, bool long_poll,
+                                                   std::chrono::milliseconds) {
   common::MutexLock lock(&mu);
   if (Unavailable()) return NotReady();
   ++lease_calls;
-  lease_long_polls.push_back(long_poll);
+  lease_asks.push_back({weight_version, long_poll});
   if (unknown_worker) return Status::NotFound("unknown worker: Register again");
   LeaseReply r;
   r.policy_version = version;
@@ -56,6 +57,11 @@ StatusOr<LeaseReply> FakeLearnerLink::LeasePrompts(const std::string&, int32_t m
       std::chrono::duration_cast<std::chrono::milliseconds>(
           std::chrono::system_clock::now().time_since_epoch() + std::chrono::seconds(60))
           .count();
+  if (empty_leases_next > 0) {
+    --empty_leases_next;
+    r.retry_after_ms = retry_after_ms;
+    return r;
+  }
   for (int i = 0; i < n && next_row < rows.size(); ++i, ++next_row) {
     const std::string k = std::to_string(next_row);
     r.leases.push_back({"lease-" + k, "prompt-" + k, rows[next_row], deadline});

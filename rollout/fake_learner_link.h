@@ -33,6 +33,8 @@ class FakeLearnerLink final : public LearnerLink {
   // Else an empty lease answers retry_after_ms.
   bool job_done_when_empty GRPO_GUARDED_BY(mu) = true;
   int64_t retry_after_ms GRPO_GUARDED_BY(mu) = 20;
+  // The next N LeasePrompts lease nothing (retry_after_ms), as a learner without lease budget.
+  int empty_leases_next GRPO_GUARDED_BY(mu) = 0;
   int64_t version GRPO_GUARDED_BY(mu) = 1;                // the learner's policy version
   std::string incarnation GRPO_GUARDED_BY(mu) = "inc-1";  // a restart changes it
   std::string config_json GRPO_GUARDED_BY(mu) = "{}";     // Registration::config_json
@@ -56,7 +58,11 @@ class FakeLearnerLink final : public LearnerLink {
   std::vector<RegisterRequest> registers GRPO_GUARDED_BY(mu);
   std::vector<HeartbeatRequest> heartbeats GRPO_GUARDED_BY(mu);
   int lease_calls GRPO_GUARDED_BY(mu) = 0;
-  std::vector<bool> lease_long_polls GRPO_GUARDED_BY(mu);  // each LeasePrompts' long_poll
+  struct LeaseAsk {
+    int64_t weight_version;
+    bool long_poll;
+  };
+  std::vector<LeaseAsk> lease_asks GRPO_GUARDED_BY(mu);  // each LeasePrompts'
   int push_calls GRPO_GUARDED_BY(mu) = 0;
   std::vector<common::RolloutGroup> pushed GRPO_GUARDED_BY(mu);  // of pushes that were answered OK
   std::vector<std::string> pushed_worker_ids GRPO_GUARDED_BY(mu);
@@ -69,7 +75,8 @@ class FakeLearnerLink final : public LearnerLink {
   StatusOr<HeartbeatReply> Heartbeat(const HeartbeatRequest& request,
                                      std::chrono::milliseconds timeout) override;
   StatusOr<LeaseReply> LeasePrompts(const std::string& worker_id, int32_t max_prompts,
-                                    bool long_poll, std::chrono::milliseconds timeout) override;
+                                    int64_t weight_version, bool long_poll,
+                                    std::chrono::milliseconds timeout) override;
   StatusOr<PushReply> PushGroups(const std::string& worker_id,
                                  const std::vector<common::RolloutGroup>& groups,
                                  std::chrono::milliseconds timeout) override;

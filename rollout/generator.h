@@ -96,10 +96,11 @@ struct StreamedGroup {
 
 // The caller's side of GenerateStream. Both functions run on the decoding thread.
 struct GroupStream {
-  // Up to `room` (>= 1) prompts to start now. `idle`: nothing decodes, so the call may wait for
-  // prompts (under a deadline of its own), and an empty answer ends the stream. Not idle: it
-  // should return at once (the rows in flight wait for it).
-  std::function<std::vector<StreamPrompt>(int64_t room, bool idle)> take;
+  // Up to `room` (>= 1) prompts to start now, with the policy of `version` (their groups'
+  // policy_version). `idle`: nothing decodes, so the call may wait for prompts (under a deadline
+  // of its own), and an empty answer ends the stream. Not idle: it should return at once (the
+  // rows in flight wait for it).
+  std::function<std::vector<StreamPrompt>(int64_t room, bool idle, int64_t version)> take;
   // Each group as soon as its num_generations completions are done, or its prompt failed.
   std::function<void(StreamedGroup)> done;
   int64_t max_prompts = 4;  // groups decoding at once, >= 1

@@ -141,7 +141,7 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
       // 3. Admission.
       const int64_t free = stream.max_prompts - static_cast<int64_t>(slots.size());
       std::vector<StreamPrompt> taken;
-      if (!draining && free > 0) taken = stream.take(free, /*idle=*/active.empty());
+      if (!draining && free > 0) taken = stream.take(free, /*idle=*/active.empty(), version);
       if (active.empty() && taken.empty()) break;
       std::vector<std::vector<int32_t>> ids;
       for (StreamPrompt& p : taken) {

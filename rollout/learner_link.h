@@ -37,10 +37,13 @@ class LearnerLink {
                                           std::chrono::milliseconds timeout) = 0;
   virtual StatusOr<HeartbeatReply> Heartbeat(const HeartbeatRequest& request,
                                              std::chrono::milliseconds timeout) = 0;
-  // `long_poll`: while there is no lease budget the learner may wait for it (up to 3 s) before it
-  // answers; false when rows decode and wait for the answer (it comes at once).
+  // `weight_version`: the policy version the worker starts these leases' groups with (-1: it
+  // takes the published one first). `long_poll`: while there is no lease budget the learner may
+  // wait for it (up to 3 s) before it answers; false when rows decode and wait for the answer
+  // (it comes at once).
   virtual StatusOr<LeaseReply> LeasePrompts(const std::string& worker_id, int32_t max_prompts,
-                                            bool long_poll, std::chrono::milliseconds timeout) = 0;
+                                            int64_t weight_version, bool long_poll,
+                                            std::chrono::milliseconds timeout) = 0;
   // Pushes every group of one round in one go (each stamped with `worker_id`). OK means the
   // learner answered; how many it accepted is in the reply.
   virtual StatusOr<PushReply> PushGroups(const std::string& worker_id,

@@ -497,12 +497,13 @@ bool RolloutLoop::NeedsWeights() const {
 }
 
 StatusOr<std::optional<LeaseReply>> RolloutLoop::Lease(int64_t count, bool retry,
-                                                       milliseconds* wait) {
+                                                       int64_t starts_with, milliseconds* wait) {
   *wait = milliseconds(0);
   LeaseReply leased;
   const auto attempt = [&]() -> Status {
-    ASSIGN_OR_RETURN(leased, link_->LeasePrompts(worker_id(), static_cast<int32_t>(count),
-                                                 /*long_poll=*/retry, options_.timeouts.lease));
+    ASSIGN_OR_RETURN(leased,
+                     link_->LeasePrompts(worker_id(), static_cast<int32_t>(count), starts_with,
+                                         /*long_poll=*/retry, options_.timeouts.lease));
     return Status::OK();
   };
   Status s = retry ? Retry("LeasePrompts", attempt) : attempt();
@@ -542,7 +543,7 @@ Status RolloutLoop::RunRound() {
 
   milliseconds wait{0};
   ASSIGN_OR_RETURN(std::optional<LeaseReply> reply,
-                   Lease(PromptsPerLease(), /*retry=*/true, &wait));
+                   Lease(PromptsPerLease(), /*retry=*/true, /*starts_with=*/-1, &wait));
   if (!reply) {
     if (wait.count() > 0) SleepUnlessStopping(wait);
     return Status::OK();

@@ -230,8 +230,9 @@ class RolloutLoop {
   // for budget when `retry`, else one attempt answered at once): the reply, counted as a round,
   // when it holds prompts. nullopt otherwise: done_ set when the job is done, needs_register_
   // when the learner forgot this worker or restarted, and *wait the learner's retry_after when it
-  // had no prompts now. Errors: the call's.
-  StatusOr<std::optional<LeaseReply>> Lease(int64_t count, bool retry,
+  // had no prompts now. Errors: the call's. `starts_with`: the version the groups start with (the
+  // stream's current one), or -1 when the round takes the newest weights after leasing.
+  StatusOr<std::optional<LeaseReply>> Lease(int64_t count, bool retry, int64_t starts_with,
                                             std::chrono::milliseconds* wait);
   // One lease round. Sets done_ when the learner has nothing more.
   Status RunRound() GRPO_EXCLUDES(mu_);

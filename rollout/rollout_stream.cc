@@ -107,7 +107,7 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
   Clock::time_point next_lease_at = Clock::now();
   GroupStream stream;
   stream.max_prompts = PromptsPerLease();
-  stream.take = [&](int64_t room, bool idle) -> std::vector<StreamPrompt> {
+  stream.take = [&](int64_t room, bool idle, int64_t version) -> std::vector<StreamPrompt> {
     std::vector<StreamPrompt> out;
     while (out.empty()) {
       const bool over = rounds_limit > 0 && counters_.rounds.load() >= rounds_limit;
@@ -115,11 +115,16 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
           fetch_stopped.load() || !lease_error.ok()) {
         break;
       }
+      // Nothing decodes and the learner has newer weights than the stream's (installed or
+      // not): end the stream, and the next one starts with them (RunStream syncs first). A
+      // prompt leased here would start with `version`, which only ages while this call waits
+      // for leases (the stream switches between calls).
+      if (idle && (NeedsWeights() || policy_version_.load() != version)) break;
       // Rows decode while a busy call leases: one attempt, and not again before the learner's
       // retry_after when it had nothing.
       if (!idle && Clock::now() < next_lease_at) break;
       milliseconds wait{0};
-      StatusOr<std::optional<LeaseReply>> reply = Lease(room, /*retry=*/idle, &wait);
+      StatusOr<std::optional<LeaseReply>> reply = Lease(room, /*retry=*/idle, version, &wait);
       if (!reply.ok()) {
         if (idle) lease_error = reply.status();
         next_lease_at = Clock::now() + kDefaultEmptyLeaseWait;
@@ -127,6 +132,8 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
       }
       if (!*reply) {
         next_lease_at = Clock::now() + wait;
+        // Idle and behind the learner (its answer says so): the stream ends at once (above).
+        if (idle && NeedsWeights()) continue;
         if (!idle || wait.count() == 0 || !SleepUnlessStopping(wait)) break;
         continue;
       }

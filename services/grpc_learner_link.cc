@@ -40,7 +40,8 @@ StatusOr<rollout::HeartbeatReply> GrpcLearnerLink::Heartbeat(
 }
 
 StatusOr<rollout::LeaseReply> GrpcLearnerLink::LeasePrompts(const std::string& worker_id,
-                                                            int32_t max_prompts, bool long_poll,
+                                                            int32_t max_prompts,
+                                                            int64_t weight_version, bool long_poll,
                                                             std::chrono::milliseconds timeout) {
   grpc::ClientContext context;
   Prepare(context, timeout, auth_token_);
@@ -48,6 +49,7 @@ StatusOr<rollout::LeaseReply> GrpcLearnerLink::LeasePrompts(const std::string& w
   req.set_worker_id(worker_id);
   req.set_max_prompts(max_prompts);
   req.set_answer_at_once(!long_poll);
+  if (weight_version >= 0) req.set_weight_version(weight_version);
   v1::LeasePromptsResponse r;
   RETURN_IF_ERROR(
       FromGrpcStatus(stub_->LeasePrompts(&context, req, &r)).WithContext("LeasePrompts"));

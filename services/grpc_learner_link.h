@@ -26,7 +26,7 @@ class GrpcLearnerLink final : public rollout::LearnerLink {
   StatusOr<rollout::HeartbeatReply> Heartbeat(const rollout::HeartbeatRequest& request,
                                               std::chrono::milliseconds timeout) override;
   StatusOr<rollout::LeaseReply> LeasePrompts(const std::string& worker_id, int32_t max_prompts,
-                                             bool long_poll,
+                                             int64_t weight_version, bool long_poll,
                                              std::chrono::milliseconds timeout) override;
   // One PushRollouts stream of every group, each with worker_id set.
   StatusOr<rollout::PushReply> PushGroups(const std::string& worker_id,

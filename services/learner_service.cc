@@ -183,11 +183,11 @@ grpc::ServerUnaryReactor* LearnerServer::LeasePrompts(grpc::CallbackServerContex
         return Guarded("LeasePrompts", [&] {
           // Learner::LeasePrompts waits for budget until 500 ms before the deadline: a
           // deadline now is one look at the budget.
-          auto r =
-              learner_->LeasePrompts(request->worker_id(), request->max_prompts(),
-                                     request->answer_at_once() ? std::chrono::steady_clock::now()
-                                                               : SteadyDeadline(*context),
-                                     &call.cancel());
+          auto r = learner_->LeasePrompts(
+              request->worker_id(), request->max_prompts(),
+              request->answer_at_once() ? std::chrono::steady_clock::now()
+                                        : SteadyDeadline(*context),
+              &call.cancel(), request->has_weight_version() ? request->weight_version() : -1);
           if (!r.ok()) return ToGrpcStatus(r.status());
           ToProto(*r, response);
           return grpc::Status::OK;

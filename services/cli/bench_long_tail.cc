@@ -43,7 +43,7 @@ StatusOr<LongTailRun> RunLongTail(const rollout::Generator& gen, bool continuous
   size_t next = 0;
   rollout::GroupStream stream;
   stream.max_prompts = kInFlight;
-  stream.take = [&](int64_t room, bool idle) {
+  stream.take = [&](int64_t room, bool idle, int64_t) {
     std::vector<rollout::StreamPrompt> out;
     if (!continuous && !idle) return out;
     while (room-- > 0 && next < prompts.size()) {

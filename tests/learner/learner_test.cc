@@ -164,6 +164,23 @@ TEST(Admission, GenerationBatchArithmeticAndTheLeaseBudgetByHand) {
   EXPECT_EQ(LeaseBudget(in), 3);
   in.buffered = 8;  // a full buffer
   EXPECT_EQ(LeaseBudget(in), 0);
+  // A worker one version behind (max_staleness 2, one version a batch): its groups may wait
+  // one batch less, two batches of 4 = 8 groups; two behind: the next batch only; three: none
+  // (every group of it would be stale).
+  in.versions_per_batch = 1;
+  in.buffered = 3;
+  in.worker_lag = 1;
+  EXPECT_EQ(LeaseBudget(in), 8 - 3 - 2);
+  in.worker_lag = 2;
+  EXPECT_EQ(LeaseBudget(in), 0);  // 4 - 3 - 2 < 0
+  in.buffered = 0;
+  in.leased_out = 0;
+  EXPECT_EQ(LeaseBudget(in), 4);
+  in.training = true;  // the next batch is the one in training
+  EXPECT_EQ(LeaseBudget(in), 0);
+  in.training = false;
+  in.worker_lag = 3;
+  EXPECT_EQ(LeaseBudget(in), 0);
 }
 
 TEST(WorkerRegistry, RanksStayDenseInRegistrationOrderAndRostersFollowTheBackend) {
@@ -274,6 +291,31 @@ TEST_F(LearnerTest, TheLeaseBudgetBoundsWhatIsOut) {
   EXPECT_TRUE(Lease(100, 700ms).empty());  // a long poll until 500 ms before the deadline
   EXPECT_GE(Clock::now() - t0, 150ms);
   EXPECT_EQ(learner_->TEST_ledger().Counts()->leased, 4);
+}
+
+// A worker that says it starts its groups with an older version than the published one gets the
+// budget of groups that much staler: at version 1 with max_staleness 1 and batches of 2 groups,
+// a worker still at 0 may fill the next batch only (2 groups), one at 1 two batches (4).
+TEST_F(LearnerTest, ALaggingWorkersLeaseBudgetCountsItsLag) {
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(12)).ok());
+  PushOneBatch();
+  ASSERT_TRUE(WaitFor([&] { return learner_->published_version() == 1; }, 30s));
+  ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().global_step == 1; }, 10s));
+  const auto lease = [&](int64_t max, int64_t worker_version) {
+    auto r = learner_->LeasePrompts("w1", max, Clock::now() + 2s, {}, worker_version);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? r->leases.size() : 0u;
+  };
+  // Up to date: a long poll until the step's batch is done training, then 2 of its 4.
+  EXPECT_EQ(lease(2, /*worker_version=*/1), 2u);
+  // Behind: the next batch is the 2 out. Answered at once, not long-polled (1.5 s here): it
+  // should take version 1 first.
+  const auto t0 = Clock::now();
+  EXPECT_EQ(lease(100, /*worker_version=*/0), 0u);
+  EXPECT_LT(Clock::now() - t0, 500ms) << "a worker behind the published version was long-polled";
+  EXPECT_EQ(lease(100, /*worker_version=*/1), 2u) << "two batches' share, 2 already out";
 }
 
 TEST_F(LearnerTest, TheIngestPolicysVerdicts) {

@@ -44,6 +44,7 @@ const std::vector<std::vector<int32_t>> kPrompts = {
 struct StreamRun {
   std::map<int64_t, StreamedGroup> groups;
   std::map<int64_t, int64_t> entered, left;  // tag -> steps done at that moment
+  std::map<int64_t, int64_t> take_version;   // tag -> the version `take` was told
   StreamStats stats;
   int64_t busy_takes_with_prompts = 0;  // prompts admitted while others decoded
 };
@@ -66,13 +67,14 @@ StreamRun Stream(GeneratorOptions options, int64_t max_prompts, std::shared_ptr<
   for (int64_t i = 0; i < static_cast<int64_t>(kPrompts.size()); ++i) queue.push_back(i);
   GroupStream stream;
   stream.max_prompts = max_prompts;
-  stream.take = [&](int64_t room, bool idle) {
+  stream.take = [&](int64_t room, bool idle, int64_t version) {
     std::vector<StreamPrompt> out;
     while (room-- > 0 && !queue.empty()) {
       const int64_t i = queue.front();
       queue.pop_front();
       out.push_back({kPrompts[i], /*seed_index=*/i, /*tag=*/i});
       run.entered[i] = steps;
+      run.take_version[i] = version;
     }
     if (!idle && !out.empty()) ++run.busy_takes_with_prompts;
     return out;
@@ -153,6 +155,7 @@ TEST(GenerateStream, WithoutPartialRolloutsANewPolicyWaitsUntilTheGroupsInFlight
     const common::RolloutGroup& g = *run.groups.at(i).group;
     const bool old = g.policy_version == 4;
     (old ? under_a : under_b) += 1;
+    EXPECT_EQ(run.take_version.at(i), g.policy_version) << "group " << i;
     if (!old) {
       EXPECT_EQ(g.policy_version, 5);
       EXPECT_GE(run.entered.at(i), kSwitchAt) << "group " << i << " entered before the update";
@@ -192,6 +195,7 @@ TEST(GenerateStream, WithPartialRolloutsTheRowsInFlightSwitchAndRecordEachTokens
     const common::RolloutGroup& g = *run.groups.at(i).group;
     const int64_t entered = run.entered.at(i);
     EXPECT_EQ(g.policy_version, entered < kSwitchAt ? 4 : 5) << "group " << i;
+    EXPECT_EQ(run.take_version.at(i), entered < kSwitchAt ? 4 : 5) << "group " << i;
     const bool mixed = entered < kSwitchAt && run.left.at(i) > kSwitchAt;
     straddled += mixed;
     const int64_t prompt = static_cast<int64_t>(kPrompts[i].size());
@@ -233,7 +237,7 @@ TEST(GenerateStream, ABadPromptLeavesWithItsErrorAndTheOthersGoOnEachWithItsBudg
   std::vector<StreamedGroup> out;
   bool given = false;
   GroupStream stream;
-  stream.take = [&](int64_t, bool) {
+  stream.take = [&](int64_t, bool, int64_t) {
     if (given) return std::vector<StreamPrompt>{};
     given = true;
     return std::vector<StreamPrompt>{{{}, 0, 7},

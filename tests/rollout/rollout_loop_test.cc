@@ -227,6 +227,11 @@ TEST(RolloutLoop, NewerPolicyVersionIsFetchedBeforeTheNextRound) {
   ASSERT_EQ(f.learner.pushed.size(), 4u);
   const std::vector<int64_t> want = {1, 1, 2, 2};
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(f.learner.pushed[i].policy_version, want[i]) << i;
+  // A round takes the newest weights after it leases: it does not say a version of its own.
+  for (const auto& ask : f.learner.lease_asks) {
+    EXPECT_EQ(ask.weight_version, -1);
+    EXPECT_TRUE(ask.long_poll);
+  }
 }
 
 // partial_rollouts: the generator's window hook publishes version 2 at the learner at the first
@@ -341,12 +346,55 @@ TEST(RolloutLoop, AStreamLeasesWithoutALongPollWhileRowsDecode) {
   ASSERT_TRUE(loop->Run().ok());
   common::MutexLock lock(&f.learner.mu);
   ASSERT_EQ(f.learner.pushed.size(), rows.size());
-  const std::vector<bool>& asks = f.learner.lease_long_polls;
+  const auto& asks = f.learner.lease_asks;
   ASSERT_GE(asks.size(), 2u);
-  EXPECT_TRUE(asks.front()) << "the first lease, nothing decoding, may long-poll";
+  EXPECT_TRUE(asks.front().long_poll) << "the first lease, nothing decoding, may long-poll";
   // The short group leaves at its 3rd token while the long one decodes: the next lease is asked
   // while rows decode.
-  EXPECT_FALSE(asks[1]) << "a lease asked while the long group decodes was long-polled";
+  EXPECT_FALSE(asks[1].long_poll) << "a lease asked while the long group decodes was long-polled";
+  // Each says the version its groups start with: the fake learner's 1, installed first.
+  for (const auto& ask : asks) EXPECT_EQ(ask.weight_version, 1);
+}
+
+// continuous_batching: a stream with nothing decoding that waits for leases while the learner
+// publishes a newer version starts no prompt with its old one. The fake learner publishes
+// version 2 at the first groups' push, adds two rows and has no budget for the next lease (whose
+// answer says 2): the next groups are version 2's, and every lease after that answer says so.
+TEST(RolloutLoop, AnIdleStreamWaitingForLeasesStartsNothingWithWeightsOlderThanTheLearners) {
+  Fixture f({kPromptRow, kPromptRow});
+  json config = LearnerConfig();
+  config["continuous_batching"] = true;
+  config["max_completion_length"] = 6;
+  f.learner.config_json = config.dump();
+  const std::shared_ptr<const common::Model> v2 = TinyModel(22);
+  {
+    common::MutexLock lock(&f.learner.mu);
+    f.learner.job_done_when_empty = false;  // the stream waits for leases
+    f.learner.after_push = [v2](FakeLearnerLink& l) {
+      if (l.pushed.size() == 2 && l.version == 1) {
+        l.version = 2;
+        l.model = v2;
+        l.rows.push_back(kPromptRow);
+        l.rows.push_back(kMessagesRow);
+        l.empty_leases_next = 1;
+        l.lease_asks.clear();  // from here on
+      }
+      if (l.pushed.size() == 4) l.job_done_when_empty = true;
+    };
+  }
+  auto loop = MakeLoop(f, Options());  // prompts_per_lease 2
+  ASSERT_TRUE(loop->Run().ok());
+  common::MutexLock lock(&f.learner.mu);
+  ASSERT_EQ(f.learner.pushed.size(), 4u);
+  for (const common::RolloutGroup& g : f.learner.pushed) {
+    const bool later = g.lease_id == "lease-2" || g.lease_id == "lease-3";
+    EXPECT_EQ(g.policy_version, later ? 2 : 1) << g.lease_id;
+  }
+  ASSERT_FALSE(f.learner.lease_asks.empty());
+  // The first ask after the push may still be the old stream's (its answer says version 2).
+  for (size_t i = 1; i < f.learner.lease_asks.size(); ++i) {
+    EXPECT_EQ(f.learner.lease_asks[i].weight_version, 2) << "ask " << i;
+  }
 }
 
 // continuous_batching with a newer version published at the stream's third decode step (held
