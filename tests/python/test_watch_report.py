@@ -31,7 +31,12 @@ import grpo_serve
 from conftest import JOB_TIMEOUT, Child, Learner, tail
 from tcp_proxy import TcpProxy
 
-STEPS = 24
+# The job runs on while the stream reconnects (its backoff and the channel's, about 2 s at worst
+# seen): the stream must be back before step STEPS - REFUSE_STEPS to be refused at all, and
+# before the learner leaves (LINGER_S after the job's end) to see the end. A job of 24 steps took
+# 2.7 s, and the stream sometimes missed both; 48 steps and 10 s leave room for each.
+STEPS = 48
+LINGER_S = 10
 DROP_AT = 3  # the proxy resets the stream's connection after this step's record
 REFUSE_AT = 8  # ... and after this one refuses connections until the learner is
 REFUSE_STEPS = 6  # this many steps on
@@ -84,7 +89,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("watch")
     lr = Learner(root / "job", "--num_generations", "4", "--per_device_train_batch_size", "8",
                  "--max_completion_length", "16", "--max_steps", str(STEPS),
-                 "--reward_funcs", "length", "--save_steps", "0", "--linger_seconds", "3")
+                 "--reward_funcs", "length", "--save_steps", "0", "--linger_seconds", str(LINGER_S))
     dirs = {"tensorboard": root / "tb", "trackio": root / "trackio", "wandb": root / "wandb",
             "mlflow": root / "mlruns"}
     dirs["wandb"].mkdir()
@@ -209,7 +214,7 @@ def test_after_a_gap_the_last_step_comes_from_the_snapshot(run: Run) -> None:
 def test_the_cli_prints_what_grpo_watch_prints(run: Run) -> None:
     assert run.cli_rc == 0, run.cli_err
     assert run.cli == run.reference
-    assert "job done at step 24/24: max_steps reached" in run.cli_err
+    assert f"job done at step {STEPS}/{STEPS}: max_steps reached" in run.cli_err
 
 
 def test_report_to_names_the_python_it_could_not_start(tmp_path: Path) -> None:
