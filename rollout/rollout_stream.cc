@@ -109,17 +109,18 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
   stream.max_prompts = PromptsPerLease();
   stream.take = [&](int64_t room, bool idle, int64_t version) -> std::vector<StreamPrompt> {
     std::vector<StreamPrompt> out;
+    // The learner has newer weights than the stream's, installed or not.
+    const auto behind = [&] { return NeedsWeights() || policy_version_.load() != version; };
     while (out.empty()) {
       const bool over = rounds_limit > 0 && counters_.rounds.load() >= rounds_limit;
       if (Stopping() || done_ || over || learner_shutdown_.load() || needs_register_.load() ||
           fetch_stopped.load() || !lease_error.ok()) {
         break;
       }
-      // Nothing decodes and the learner has newer weights than the stream's (installed or
-      // not): end the stream, and the next one starts with them (RunStream syncs first). A
-      // prompt leased here would start with `version`, which only ages while this call waits
-      // for leases (the stream switches between calls).
-      if (idle && (NeedsWeights() || policy_version_.load() != version)) break;
+      // Nothing decodes and the stream is behind: it ends, and the next one starts with the
+      // newer weights (RunStream syncs first). A prompt leased here would start with `version`,
+      // which only ages while this call waits for leases (the stream switches between calls).
+      if (idle && behind()) break;
       // Rows decode while a busy call leases: one attempt, and not again before the learner's
       // retry_after when it had nothing.
       if (!idle && Clock::now() < next_lease_at) break;
@@ -132,8 +133,8 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
       }
       if (!*reply) {
         next_lease_at = Clock::now() + wait;
-        // Idle and behind the learner (its answer says so): the stream ends at once (above).
-        if (idle && NeedsWeights()) continue;
+        // Idle and behind the learner (its answer may say so): the stream ends at once (above).
+        if (idle && behind()) continue;
         if (!idle || wait.count() == 0 || !SleepUnlessStopping(wait)) break;
         continue;
       }

@@ -301,18 +301,26 @@ TEST(RolloutLoop, ContinuousBatchingPushesEveryGroupOnceUnderItsLease) {
   EXPECT_EQ(loop->stats().groups_pushed, static_cast<int64_t>(rows.size()));
 }
 
+// Rows 0 and 2 may run 3 tokens, 1 and 3 the job's 12 (a random policy hardly ever stops).
+const std::vector<std::string> kShortLongRows = {
+    R"({"prompt": "short", "max_completion_length": 3})", R"({"prompt": "long"})",
+    R"({"prompt": "short", "max_completion_length": 3})", R"({"prompt": "long"})"};
+
+// The learner's config for kShortLongRows.
+std::string ShortLongConfig(bool continuous) {
+  json config = LearnerConfig();
+  config["continuous_batching"] = continuous;
+  config["max_completion_length"] = 12;
+  return config.dump();
+}
+
 // A row's own max_completion_length bounds its group's completions, one call per lease or
-// continuous; the other rows run to the job's 12 tokens (a random policy hardly ever stops).
+// continuous; the other rows run to the job's 12 tokens.
 TEST(RolloutLoop, ARowsOwnBudgetBoundsItsGroupInBothModes) {
   for (const bool continuous : {false, true}) {
-    const std::vector<std::string> rows = {
-        R"({"prompt": "short", "max_completion_length": 3})", R"({"prompt": "long"})",
-        R"({"prompt": "short", "max_completion_length": 3})", R"({"prompt": "long"})"};
+    const std::vector<std::string>& rows = kShortLongRows;
     Fixture f(rows);
-    json config = LearnerConfig();
-    config["continuous_batching"] = continuous;
-    config["max_completion_length"] = 12;
-    f.learner.config_json = config.dump();
+    f.learner.config_json = ShortLongConfig(continuous);
     auto loop = MakeLoop(f, Options());
     ASSERT_TRUE(loop->Run().ok());
     common::MutexLock lock(&f.learner.mu);
@@ -334,14 +342,9 @@ TEST(RolloutLoop, ARowsOwnBudgetBoundsItsGroupInBothModes) {
 // is answered at once, without the learner's long poll for budget, for which the rows would wait;
 // one asked while nothing decodes may wait.
 TEST(RolloutLoop, AStreamLeasesWithoutALongPollWhileRowsDecode) {
-  const std::vector<std::string> rows = {
-      R"({"prompt": "short", "max_completion_length": 3})", R"({"prompt": "long"})",
-      R"({"prompt": "short", "max_completion_length": 3})", R"({"prompt": "long"})"};
+  const std::vector<std::string>& rows = kShortLongRows;
   Fixture f(rows);
-  json config = LearnerConfig();
-  config["continuous_batching"] = true;
-  config["max_completion_length"] = 12;
-  f.learner.config_json = config.dump();
+  f.learner.config_json = ShortLongConfig(/*continuous=*/true);
   auto loop = MakeLoop(f, Options());  // prompts_per_lease 2, the fake leases 2 a call
   ASSERT_TRUE(loop->Run().ok());
   common::MutexLock lock(&f.learner.mu);
