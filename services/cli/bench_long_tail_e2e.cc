@@ -1,7 +1,7 @@
 // grpo bench long_tail_e2e: the long tail through the services (issue 26, "the long tail"): the
 // demo task with skewed completion lengths trained by an in-process LearnerServer and one
-// RolloutWorker thread (bench_e2e.h). Each pass of the 8 built-in rows has one row that may run
-// to max_completion_length 256 and seven with their own budget of 32 (a row's
+// RolloutWorker thread, or --workers of them (bench_e2e.h). Each pass of the 8 built-in rows has
+// one row that may run to max_completion_length 256 and seven with their own budget of 32 (a row's
 // "max_completion_length"); a policy initialised from scratch hardly ever stops early, so a long
 // group is ~8x the others. A step trains 8 groups. Rows: sync and async (max_staleness 1) with a
 // Generate call per lease, then async with in-flight weight updates (partial_rollouts), with
@@ -32,7 +32,7 @@ struct Mode {
   bool partial_rollouts, continuous_batching;
 };
 
-E2eJob LongTailJob(const Mode& m, int64_t steps) {
+E2eJob LongTailJob(const Mode& m, int64_t steps, int workers) {
   E2eJob job;
   job.config = DemoTaskConfig();
   job.config.max_completion_length = kLong;
@@ -52,7 +52,7 @@ E2eJob LongTailJob(const Mode& m, int64_t steps) {
     }
   }
   job.reward_options = DemoRewardOptions();
-  job.workers = 1;
+  job.workers = workers;
   job.prompts_per_lease = kGroupsPerStep;
   return job;
 }
@@ -61,6 +61,7 @@ E2eJob LongTailJob(const Mode& m, int64_t steps) {
 
 int BenchLongTailE2e(const ServiceBenchOptions& o) {
   const int64_t steps = o.steps > 0 ? o.steps : 16;
+  const int workers = static_cast<int>(o.workers > 0 ? o.workers : 1);
   const std::vector<Mode> modes = {{"sync", 0, false, false},
                                    {"async", 1, false, false},
                                    {"async+in_flight", 1, true, false},
@@ -71,7 +72,7 @@ int BenchLongTailE2e(const ServiceBenchOptions& o) {
                                    {"async2+in_flight+continuous", 2, true, true}};
   std::vector<E2eResult> results;
   for (const Mode& m : modes) {
-    auto r = RunE2eJob(LongTailJob(m, steps));
+    auto r = RunE2eJob(LongTailJob(m, steps, workers));
     if (!r.ok()) return Fail("long_tail_e2e", r.status().WithContext(m.name));
     results.push_back(std::move(r).value());
   }
@@ -82,6 +83,7 @@ int BenchLongTailE2e(const ServiceBenchOptions& o) {
     rows.push_back({{"bench", "long_tail_e2e"},
                     {"mode", modes[i].name},
                     {"max_staleness", r.max_staleness},
+                    {"workers", workers},
                     {"partial_rollouts", modes[i].partial_rollouts},
                     {"continuous_batching", modes[i].continuous_batching},
                     {"steps", r.steps},
@@ -104,9 +106,9 @@ int BenchLongTailE2e(const ServiceBenchOptions& o) {
   std::cout << std::fixed << "long_tail_e2e: the demo task, one row in 8 may run to " << kLong
             << " tokens and the others to " << kShort << " (their own max_completion_length), "
             << kGroupsPerStep << " groups of " << DemoTaskConfig().num_generations
-            << " a step, an in-process LearnerServer and 1 RolloutWorker thread (" << kGroupsPerStep
-            << " prompts a lease) on the same " << std::thread::hardware_concurrency()
-            << " cores; the first step is the warm-up\n"
+            << " a step, an in-process LearnerServer and " << workers
+            << " RolloutWorker thread(s) (" << kGroupsPerStep << " prompts a lease) on the same "
+            << std::thread::hardware_concurrency() << " cores; the first step is the warm-up\n"
             << "  idle = the learner's share of the timed steps spent waiting for groups; "
                "refused = stale groups; reward = mean step reward, first and last quarter\n";
   std::cout << std::left << std::setw(28) << "mode" << std::right << std::setw(9) << "step/s"

@@ -477,7 +477,8 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   cmd->add_flag("--bf16", o->bf16, "internal: sharding child trains in bf16");
   cmd->add_option("--impl", o->impl, "internal: chunked | chunked_batch_G | naive");
   cmd->add_option("--workers", o->workers,
-                  "weight_sync, ingest (default 2), e2e (default 1): simulated workers");
+                  "weight_sync, ingest (default 2), e2e and long_tail_e2e (default 1): simulated "
+                  "workers");
   cmd->add_option("--steps", o->steps,
                   "e2e: optimizer steps per run with num_iterations 1 (default 24); "
                   "long_tail_e2e: per run (default 16)");
