@@ -308,7 +308,7 @@ TEST_F(LearnerTest, ALaggingWorkersLeaseBudgetCountsItsLag) {
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     return r.ok() ? r->leases.size() : 0u;
   };
-  // Up to date: a long poll until the step's batch is done training, then 2 of its 4.
+  // Up to date: 2 (of 4, or of 2 while the step's batch still trains).
   EXPECT_EQ(lease(2, /*worker_version=*/1), 2u);
   // Behind: the next batch is the 2 out. Answered at once, not long-polled (1.5 s here): it
   // should take version 1 first.
