@@ -34,6 +34,31 @@ struct Active {
   int64_t k = 0;
 };
 
+// A KV stepper of `model` for the rows in flight, their cache computed anew
+// (decode::RestartSharingPrompts): each group's prompt prefilled once for its rows, then every
+// row's tokens so far; room for `room` more. The tokens it ran are added to *recomputed.
+std::unique_ptr<decode::KvStepper> Recompute(const Model& model,
+                                             const std::map<int64_t, Slot>& slots,
+                                             const std::vector<Active>& active, int64_t room,
+                                             const at::Device& device, int64_t* recomputed) {
+  std::vector<std::vector<int32_t>> prompts;
+  std::map<int64_t, int64_t> prompt_of_slot;
+  std::vector<int64_t> row_prompt;
+  std::vector<std::vector<int32_t>> fed;
+  for (const Active& a : active) {
+    const Slot& s = slots.at(a.slot);
+    auto [it, added] = prompt_of_slot.emplace(a.slot, static_cast<int64_t>(prompts.size()));
+    if (added) prompts.push_back(s.group.prompt_ids);
+    row_prompt.push_back(it->second);
+    fed.push_back(decode::FedTokens(s.rows[a.k]));
+  }
+  int64_t prefilled = 0;
+  auto stepper =
+      decode::RestartSharingPrompts(model, prompts, row_prompt, fed, room, device, &prefilled);
+  *recomputed += prefilled;
+  return stepper;
+}
+
 }  // namespace
 
 StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const {
@@ -104,23 +129,7 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
       if (newer != nullptr && (active.empty() || options_.partial_rollouts)) {
         if (!active.empty()) {
           if (options_.recompute_kv_on_update) {
-            // Each group's prompt prefilled once for its rows, then every row's tokens so far.
-            std::vector<std::vector<int32_t>> prompts;
-            std::map<int64_t, int64_t> prompt_of_slot;
-            std::vector<int64_t> row_prompt;
-            std::vector<std::vector<int32_t>> fed;
-            for (const Active& a : active) {
-              const Slot& s = slots.at(a.slot);
-              auto [it, added] =
-                  prompt_of_slot.emplace(a.slot, static_cast<int64_t>(prompts.size()));
-              if (added) prompts.push_back(s.group.prompt_ids);
-              row_prompt.push_back(it->second);
-              fed.push_back(decode::FedTokens(s.rows[a.k]));
-            }
-            int64_t prefilled = 0;
-            stepper = decode::RestartSharingPrompts(*newer, prompts, row_prompt, fed, room, device,
-                                                    &prefilled);
-            stats.num_recompute_tokens += prefilled;
+            stepper = Recompute(*newer, slots, active, room, device, &stats.num_recompute_tokens);
           } else {
             stepper->Rebind(*newer);
           }
