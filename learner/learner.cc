@@ -359,6 +359,9 @@ void Learner::TrainLoop() {
     {
       common::MutexLock lock(&mu_);
       training_ = false;
+      // This batch may have been the pass's last: housekeeping starts the next one now, for
+      // the leases that wait for its prompts, not kHousekeepInterval later.
+      housekeep_due_ = true;
     }
     room_cv_.NotifyAll();  // leases held back for staleness may go out now
   }

@@ -149,6 +149,7 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
   const auto poll_end =
       Clock::now() + std::max(std::chrono::milliseconds(0), std::min(kLeaseLongPoll, left));
   std::vector<Lease> leases;
+  bool asked_housekeeping = false;
   while (true) {
     {
       common::MutexLock lease_lock(&lease_mu_);
@@ -185,13 +186,24 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
         const auto duration = std::chrono::milliseconds(
             std::max<int64_t>(1, std::llround(config_.lease_seconds * 1000)));
         ASSIGN_OR_RETURN(leases, ledger_->LeasePrompts(worker_id, n, duration));
-        break;
+        if (!leases.empty()) break;
+        // Nothing queued. Maybe the pass just ended: its next one starts in housekeeping, and
+        // this long poll takes its first prompts (rather than the worker sleeping retry_after_ms
+        // per pass: on a small dataset most of a step). Asked once per call: a housekeeping
+        // pass wakes this wait again.
+        if (!asked_housekeeping) {
+          asked_housekeeping = true;
+          common::MutexLock lock(&mu_);
+          housekeep_due_ = true;
+          train_cv_.NotifyAll();
+        }
       }
     }
-    // No budget; retry_after_ms is set. A worker behind the published version is answered at
-    // once: it takes the newer weights before it asks again (its budget grows with them).
-    if (Clock::now() >= poll_end) return reply;
-    if (worker_version >= 0 && worker_version < reply.policy_version) return reply;
+    // No budget or nothing queued; retry_after_ms is set. A worker behind the published version
+    // is answered at once: it takes the newer weights before it asks again (its budget grows
+    // with them).
+    if (Clock::now() >= poll_end) break;
+    if (worker_version >= 0 && worker_version < reply.policy_version) break;
     // Woken when the trainer takes or finishes a batch, a group is refused (its lease went
     // back), a dead worker's leases go back, after housekeeping, when the learner stops, and
     // at once when the call is cancelled (its CancelToken). The budget is read outside this
@@ -208,13 +220,7 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
   for (const auto& l : leases) {
     reply.leases.push_back({l.lease_id, l.prompt_id, l.row_json, l.deadline_ms});
   }
-  if (!leases.empty()) {
-    reply.retry_after_ms = 0;
-  } else {
-    common::MutexLock lock(&mu_);
-    housekeep_due_ = true;  // maybe the pass just ended
-    train_cv_.NotifyAll();
-  }
+  if (!leases.empty()) reply.retry_after_ms = 0;
   return reply;
 }
 
