@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "common/config.h"
+#include "common/logging.h"
 #include "common/process.h"
 #include "common/status.h"
 #include "services/cli/cli.h"
@@ -233,11 +234,16 @@ int RunDemo(const DemoOptions &o) {
   }
   const std::string threads_per_child = std::getenv("OMP_NUM_THREADS");
 
+  // The children's logs say at least what info says; more when `grpo --log_level debug demo`.
+  const std::string child_log_level = spdlog::get_level() <= spdlog::level::trace   ? "trace"
+                                      : spdlog::get_level() <= spdlog::level::debug ? "debug"
+                                                                                    : "info";
+
   // Stopped on every way out: SIGTERM, kDefaultChildKillGrace, then SIGKILL.
   common::ProcessSupervisor group(kDefaultChildKillGrace);
-  auto learner =
-      SpawnGrpo(group, "learner", {"--log_level", "info", "learner", "--config", config_path},
-                (dir / "learner.log").string(), /*pipe_stdout=*/true);
+  auto learner = SpawnGrpo(group, "learner",
+                           {"--log_level", child_log_level, "learner", "--config", config_path},
+                           (dir / "learner.log").string(), /*pipe_stdout=*/true);
   if (!learner.ok()) return fail(learner.status());
   const int learner_out = (*learner)->stdout_fd;
   auto port = ReadLearnerPort(learner_out, group, **learner);
@@ -250,8 +256,8 @@ int RunDemo(const DemoOptions &o) {
     const std::string name = "rollout-" + std::to_string(i);
     auto worker =
         SpawnGrpo(group, name,
-                  {"--log_level", "info", "rollout", "--learner_address", address, "--worker_id",
-                   name, "--metrics_port", "0", "--reward_options",
+                  {"--log_level", child_log_level, "rollout", "--learner_address", address,
+                   "--worker_id", name, "--metrics_port", "0", "--reward_options",
                    (multi_turn ? json::object() : DemoRewardOptions(o.target_length)).dump(),
                    "--auth_token_file", cfg.auth_token_file},
                   (dir / (name + ".log")).string());
@@ -330,7 +336,11 @@ int RunDemo(const DemoOptions &o) {
       &canceller);
   watching.store(false);
   monitor.join();
-  const double train_seconds = std::chrono::duration<double>(Clock::now() - t_submit).count();
+  // Close the channel now: the learner's gRPC shutdown waits (up to its grace) for the
+  // connections still open, and this one would stay open until the demo returns.
+  client->stub.reset();
+  const auto t_end = Clock::now();
+  const double train_seconds = std::chrono::duration<double>(t_end - t_submit).count();
   if (g_signal != 0) return interrupted();
   if (died != nullptr) return fail(Status::Aborted(Describe(*died)));
   if (!state.ok()) {
@@ -342,8 +352,20 @@ int RunDemo(const DemoOptions &o) {
   }
 
   // The job ended: the children exit on their own (workers see shutdown, the
-  // learner checkpoints); the ones that do not are stopped.
-  const bool exited = group.WaitAll(kDefaultChildExitWait);
+  // learner checkpoints); the ones that do not are stopped. The learner lingers
+  // (--linger_seconds) for workers that have not seen the end yet: once every
+  // worker here has exited, SIGTERM ends that wait (it still checkpoints, exit 0).
+  const auto exit_by = Clock::now() + kDefaultChildExitWait;
+  bool workers_exited = true;
+  for (int64_t i = 0; i < o.workers; ++i) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(exit_by - Clock::now());
+    if (!group.Wait("rollout-" + std::to_string(i), std::max(left, std::chrono::milliseconds(0)))) {
+      workers_exited = false;
+    }
+  }
+  if (workers_exited) group.Signal("learner", SIGTERM);
+  const bool exited = group.WaitAll(std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::max<Clock::duration>(exit_by - Clock::now(), Clock::duration::zero())));
   group.StopAll(kDefaultChildKillGrace);
   bool children_ok = exited;
   json processes = json::array();
@@ -358,6 +380,8 @@ int RunDemo(const DemoOptions &o) {
     }
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
+  // From the job's end to the last child's exit (the learner's checkpoint included).
+  const double shutdown_seconds = std::chrono::duration<double>(Clock::now() - t_end).count();
   const CurveSummary c = SummarizeCurve(curve);
   if (o.json) {
     std::cout << json{{"summary", true},
@@ -365,6 +389,7 @@ int RunDemo(const DemoOptions &o) {
                       {"steps", c.steps},
                       {"seconds", seconds},
                       {"train_seconds", train_seconds},
+                      {"shutdown_seconds", shutdown_seconds},
                       {"reward_first", c.first},
                       {"reward_last", c.last},
                       {"reward_gain_in_std_errors", c.gain_in_std_errors},
