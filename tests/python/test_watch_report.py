@@ -15,6 +15,7 @@ import ast
 import glob
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -31,10 +32,12 @@ import grpo_serve
 from conftest import JOB_TIMEOUT, Child, Learner, tail
 from tcp_proxy import TcpProxy
 
-# The job runs on while the stream reconnects (its backoff and the channel's, about 2 s at worst
-# seen): the stream must be back before step STEPS - REFUSE_STEPS to be refused at all, and
-# before the learner leaves (LINGER_S after the job's end) to see the end. A job of 24 steps took
-# 2.7 s, and the stream sometimes missed both; 48 steps and 10 s leave room for each.
+# The stream must be back after the drop before step STEPS - REFUSE_STEPS to be refused at all,
+# and after the refusal before the learner leaves (LINGER_S after the job's end) to see the end;
+# reconnecting takes the stream's backoff and the channel's (about 2 s at worst seen), and 48
+# steps can take under a second. So the job pauses while the stream is away (the worker is
+# stopped, SIGSTOP, after the learner went REFUSE_STEPS on) and goes on (SIGCONT) at the first
+# event of the stream's next call: the test holds at any pace.
 STEPS = 48
 LINGER_S = 10
 DROP_AT = 3  # the proxy resets the stream's connection after this step's record
@@ -112,7 +115,21 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     proxy = TcpProxy(lr.address)
     client = grpo_serve.Client(proxy.address, token=lr.token)
     seen_first = threading.Event()
-    stream = client.watch(reconnect_timeout=30, on_status=lambda s: seen_first.set())
+    worker: list[Child] = []  # the job's one worker, once started
+    # SIGCONT the stopped worker at the first event of a call after the `reconnects`-th.
+    resume_after: list[int] = []
+
+    def on_status(_: Any) -> None:
+        seen_first.set()
+        if resume_after and stream.reconnects > resume_after[0]:
+            resume_after.clear()
+            worker[0].proc.send_signal(signal.SIGCONT)
+
+    def pause_until_the_stream_is_back() -> None:
+        worker[0].proc.send_signal(signal.SIGSTOP)
+        resume_after.append(stream.reconnects)
+
+    stream = client.watch(reconnect_timeout=30, on_status=on_status)
     records: list[dict[str, Any]] = []
     failure: list[BaseException] = []
 
@@ -128,6 +145,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 step = record["step"]
                 if step >= DROP_AT and "drop" not in done:
                     done.add("drop")
+                    pause_until_the_stream_is_back()
                     proxy.drop_all()
                 elif step >= REFUSE_AT and "refuse" not in done:
                     done.add("refuse")
@@ -135,6 +153,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
                     proxy.drop_all()
                     wait_for(lambda: reference_step() >= step + REFUSE_STEPS, JOB_TIMEOUT,
                              f"the learner to go {REFUSE_STEPS} steps on")
+                    pause_until_the_stream_is_back()
                     proxy.refuse(False)
         except BaseException as e:  # reported by the test
             failure.append(e)
@@ -151,7 +170,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
         with grpo_serve.Client(lr.address, token=lr.token) as direct:
             direct.submit([{"messages": [{"role": "user", "content": f"Question {i}?"}]}
                            for i in range(8)])
-            lr.start_worker("--reward_options", '{"length": {"target_length": 8}}')
+            worker.append(lr.start_worker("--reward_options",
+                                          '{"length": {"target_length": 8}}'))
             consumer.join(JOB_TIMEOUT)
             assert not consumer.is_alive(), "the StepStream did not end"
             status_after = direct.status()

@@ -1,5 +1,6 @@
 // The `grpo` model tools as users run them: a real process, JSON Lines in and out.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -271,6 +272,22 @@ TEST_F(CliTools, ConfigNamesAnUnknownKey) {
   EXPECT_EQ(out["num_generations"], 4);
 }
 
+// The values of the last OPENMP DISPLAY ENVIRONMENT block in `text` (OMP_DISPLAY_ENV=VERBOSE).
+std::map<std::string, std::string> LastLibgompDisplay(const std::string& text) {
+  const size_t last = text.rfind("OPENMP DISPLAY ENVIRONMENT BEGIN");
+  std::map<std::string, std::string> out;
+  if (last == std::string::npos) return out;
+  std::istringstream ss(text.substr(last));
+  std::string line;
+  while (std::getline(ss, line)) {
+    const size_t eq = line.find(" = '");
+    if (eq == std::string::npos) continue;
+    const size_t name = line.find_first_not_of(' ');
+    out[line.substr(name, eq - name)] = line.substr(eq + 4, line.rfind('\'') - eq - 4);
+  }
+  return out;
+}
+
 // The OpenMP settings `grpo` re-executes itself with (services/cli/main.cc), as libgomp itself
 // reports them (OMP_DISPLAY_ENV=VERBOSE prints the values it runs with, once per process: the
 // last block is the re-executed process's). Unset: PASSIVE after a bounded spin of 300,000 for
@@ -284,18 +301,7 @@ std::map<std::string, std::string> LibgompSettings(const std::string& env,
                      GrpoBin() + " " + command + " 2>&1 >/dev/null",
                  &rc);
   EXPECT_EQ(rc, 0) << err;
-  const size_t last = err.rfind("OPENMP DISPLAY ENVIRONMENT BEGIN");
-  std::map<std::string, std::string> out;
-  if (last == std::string::npos) return out;
-  std::istringstream ss(err.substr(last));
-  std::string line;
-  while (std::getline(ss, line)) {
-    const size_t eq = line.find(" = '");
-    if (eq == std::string::npos) continue;
-    const size_t name = line.find_first_not_of(' ');
-    out[line.substr(name, eq - name)] = line.substr(eq + 4, line.rfind('\'') - eq - 4);
-  }
-  return out;
+  return LastLibgompDisplay(err);
 }
 
 TEST_F(CliTools, OpenMpThreadsSpinBrieflyWhenComputingAloneAndNeverWhenServing) {
@@ -310,12 +316,34 @@ TEST_F(CliTools, OpenMpThreadsSpinBrieflyWhenComputingAloneAndNeverWhenServing) 
   auto spin = LibgompSettings("GOMP_SPINCOUNT=5");
   EXPECT_EQ(spin["GOMP_SPINCOUNT"], "5");
   for (const char* serving : {"learner --help", "--log_level info rollout --help",
-                              "reward-server --help", "env-server --help", "demo --help"}) {
+                              "reward-server --help", "env-server --help"}) {
     auto sleeps = LibgompSettings("", serving);
     EXPECT_EQ(sleeps["OMP_WAIT_POLICY"], "PASSIVE") << serving;
     EXPECT_EQ(sleeps["GOMP_SPINCOUNT"], "0") << serving << ": serving processes share the cores";
   }
   EXPECT_EQ(LibgompSettings("", "train-local --help")["GOMP_SPINCOUNT"], "300000");
+}
+
+// `grpo demo` computes nothing and does not re-execute itself; its children (the learner and a
+// worker, serving processes) run with the serving settings, as libgomp in each reports in its log.
+TEST_F(CliTools, TheDemosChildrenSleepAtOnce) {
+  const fs::path dir = fs::temp_directory_path() / ("cli_tools_demo_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  int rc;
+  const std::string out = RunCommand(
+      "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT OMP_DISPLAY_ENV=VERBOSE " + GrpoBin() +
+          " demo --json --workers 1 --max_steps 1 --output_dir " + dir.string() + " 2>&1",
+      &rc);
+  ASSERT_EQ(rc, 0) << out;
+  for (const char* log : {"learner.log", "rollout-0.log"}) {
+    std::ifstream in(dir / log);
+    std::stringstream text;
+    text << in.rdbuf();
+    auto settings = LastLibgompDisplay(text.str());
+    EXPECT_EQ(settings["OMP_WAIT_POLICY"], "PASSIVE") << log << ":\n" << text.str();
+    EXPECT_EQ(settings["GOMP_SPINCOUNT"], "0") << log;
+  }
+  fs::remove_all(dir);
 }
 
 }  // namespace

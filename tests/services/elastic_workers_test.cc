@@ -83,9 +83,13 @@ class ElasticWorkersTest : public FaultToleranceTest {
 };
 
 TEST_F(ElasticWorkersTest, WorkersJoinAndLeaveMidRunWithoutStallingTheJob) {
-  // Long enough for every phase below (a step of the tiny model takes ~0.1-0.5 s here); the job
-  // then runs to its end.
-  constexpr int64_t kMaxSteps = 400;
+  // More than any run of this test takes: the test ends the job (CancelJob) once every phase
+  // is done, so the job outlasts them at any pace (400 steps of the tiny model used to; they
+  // took 11 s once a pass's end no longer cost the workers a retry sleep).
+  constexpr int64_t kMaxSteps = 1'000'000;
+  // Steps trained after the late joiner is in the group, before the job is ended: enough for
+  // it to lease, generate and push groups that train.
+  constexpr int64_t kStepsWithTheLateJoiner = 40;
   WriteDataset(dir_ / "data.jsonl", kPrompts);
   const int port =
       StartLearner("learner", 0,
@@ -120,6 +124,15 @@ TEST_F(ElasticWorkersTest, WorkersJoinAndLeaveMidRunWithoutStallingTheJob) {
   seen = GroupsFormed().size();
   Gloo("w5", port);
   ASSERT_TRUE(WaitForGroup(3, seen, seconds(120))) << Logs({"learner", "w5"});
+  const int64_t grouped_at = Step();
+  ASSERT_TRUE(WaitForStep(grouped_at + kStepsWithTheLateJoiner, seconds(120)))
+      << Logs({"learner", "w1", "w5"});
+  {
+    grpo::v1::CancelJobRequest req;
+    req.set_reason("every phase done");
+    grpo::v1::Job job;
+    ASSERT_TRUE(stub_->CancelJob(Ctx().get(), req, &job).ok());
+  }
   const auto code = [&]() -> std::optional<int> {
     const auto end = Clock::now() + seconds(300);
     while (Clock::now() < end) {
@@ -155,7 +168,15 @@ TEST_F(ElasticWorkersTest, WorkersJoinAndLeaveMidRunWithoutStallingTheJob) {
   ASSERT_TRUE(std::regex_search(w5, m, kExit)) << Logs({"w5"});
   EXPECT_GT(std::stoll(m[1].str()), 0) << "the late joiner's groups never trained";
 
-  ExpectHistoryHolds(out_dir(), dump_dir(), kMaxSteps, kPrompts, kMaxStaleness);
+  // The job's last step is its latest checkpoint's.
+  const std::string latest = [&] {
+    const std::string l = ReadFile(out_dir() / "latest");
+    return l.substr(0, l.find('\n'));
+  }();
+  ASSERT_EQ(latest.rfind("checkpoint-", 0), 0u) << latest;
+  const int64_t last_step = std::stoll(latest.substr(std::string("checkpoint-").size()));
+  EXPECT_GE(last_step, grouped_at + kStepsWithTheLateJoiner);
+  ExpectHistoryHolds(out_dir(), dump_dir(), last_step, kPrompts, kMaxStaleness);
 }
 
 }  // namespace
