@@ -221,6 +221,8 @@ Status RolloutLoop::Retry(std::string_view what, const std::function<Status()>& 
     if (Stopping()) return Status::Cancelled(std::string(what) + ": worker stopping");
     Status s = attempt();
     if (s.ok() || !IsRetryable(s.code())) return s;
+    // A call the stop cancelled (a long poll) is no failure to retry or warn about.
+    if (Stopping()) return Status::Cancelled(std::string(what) + ": worker stopping");
     if (give_up && give_up()) return s;
     const milliseconds delay = b.Next();
     counters_.rpc_retries += 1;

@@ -1,10 +1,14 @@
 #include "services/grpc_learner_link.h"
 
+#include "common/mutex.h"
 #include "services/auth.h"
 #include "services/convert.h"
 
 namespace grpo::services {
 namespace {
+
+// How often a long poll in flight looks at the stop flag.
+constexpr std::chrono::milliseconds kStopPoll{20};
 
 void Prepare(grpc::ClientContext& context, std::chrono::milliseconds timeout,
              const std::string& auth_token) {
@@ -14,8 +18,11 @@ void Prepare(grpc::ClientContext& context, std::chrono::milliseconds timeout,
 
 }  // namespace
 
-GrpcLearnerLink::GrpcLearnerLink(std::shared_ptr<grpc::Channel> channel, std::string auth_token)
-    : auth_token_(std::move(auth_token)), stub_(v1::LearnerService::NewStub(channel)) {}
+GrpcLearnerLink::GrpcLearnerLink(std::shared_ptr<grpc::Channel> channel, std::string auth_token,
+                                 const std::atomic<bool>* stop)
+    : auth_token_(std::move(auth_token)),
+      stub_(v1::LearnerService::NewStub(channel)),
+      stop_(stop) {}
 
 StatusOr<rollout::Registration> GrpcLearnerLink::Register(const rollout::RegisterRequest& request,
                                                           std::chrono::milliseconds timeout) {
@@ -51,8 +58,34 @@ StatusOr<rollout::LeaseReply> GrpcLearnerLink::LeasePrompts(const std::string& w
   req.set_answer_at_once(!long_poll);
   if (weight_version >= 0) req.set_weight_version(weight_version);
   v1::LeasePromptsResponse r;
-  RETURN_IF_ERROR(
-      FromGrpcStatus(stub_->LeasePrompts(&context, req, &r)).WithContext("LeasePrompts"));
+  if (!long_poll || stop_ == nullptr) {
+    RETURN_IF_ERROR(
+        FromGrpcStatus(stub_->LeasePrompts(&context, req, &r)).WithContext("LeasePrompts"));
+    return FromProto(r);
+  }
+  // A long poll: the call runs on gRPC's callback thread while this one watches the stop flag.
+  common::Mutex mu;
+  common::CondVar cv;
+  bool done = false;
+  grpc::Status status;
+  stub_->async()->LeasePrompts(&context, &req, &r, [&](grpc::Status s) {
+    common::MutexLock lock(&mu);
+    status = std::move(s);
+    done = true;
+    cv.NotifyAll();
+  });
+  {
+    common::MutexLock lock(&mu);
+    bool cancelled = false;
+    while (!done) {
+      if (!cancelled && stop_->load()) {
+        context.TryCancel();  // the callback still runs (CANCELLED): wait for it
+        cancelled = true;
+      }
+      cv.WaitFor(&mu, kStopPoll);
+    }
+  }
+  RETURN_IF_ERROR(FromGrpcStatus(status).WithContext("LeasePrompts"));
   return FromProto(r);
 }
 

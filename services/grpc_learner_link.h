@@ -5,6 +5,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -18,8 +19,11 @@ namespace grpo::services {
 // Thread-safe (the stub is). Errors: the RPC's status (FromGrpcStatus) with the RPC's name.
 class GrpcLearnerLink final : public rollout::LearnerLink {
  public:
-  // No RPC here. `auth_token` empty = no auth metadata.
-  GrpcLearnerLink(std::shared_ptr<grpc::Channel> channel, std::string auth_token);
+  // No RPC here. `auth_token` empty = no auth metadata. `stop` (borrowed, may be null): a
+  // LeasePrompts long poll in flight is cancelled within kStopPoll of it turning true, so a
+  // stopped worker does not wait out the learner's long poll (up to 3 s).
+  GrpcLearnerLink(std::shared_ptr<grpc::Channel> channel, std::string auth_token,
+                  const std::atomic<bool>* stop = nullptr);
 
   StatusOr<rollout::Registration> Register(const rollout::RegisterRequest& request,
                                            std::chrono::milliseconds timeout) override;
@@ -36,6 +40,7 @@ class GrpcLearnerLink final : public rollout::LearnerLink {
  private:
   const std::string auth_token_;
   const std::unique_ptr<v1::LearnerService::Stub> stub_;
+  const std::atomic<bool>* const stop_;
 };
 
 }  // namespace grpo::services

@@ -77,7 +77,7 @@ RolloutWorker::RolloutWorker(RolloutWorkerOptions options)
     : options_(std::move(options)),
       channel_(
           MakeLearnerChannel(options_.learner_address, options_.root_certs_pem, options_.backoff)),
-      link_(std::make_unique<GrpcLearnerLink>(channel_, options_.auth_token)) {
+      link_(std::make_unique<GrpcLearnerLink>(channel_, options_.auth_token, options_.stop)) {
   if (options_.make_weight_receiver) {
     receiver_ = options_.make_weight_receiver(channel_);
   }

@@ -62,6 +62,9 @@ class FakeLearner final : public v1::LearnerService::Service {
   std::vector<std::string> rows;
   int leases_per_call = 2;
   int64_t retry_after_ms = 50;
+  // A long poll (not answer_at_once) with nothing to lease is held this long, as the learner
+  // holds one waiting for budget or the next pass, unless the call is cancelled.
+  milliseconds long_poll_hold{0};
   bool job_done_when_empty = true;
   int64_t version = 1;
   std::string incarnation = "inc-1";  // learner_incarnation; a restart changes it
@@ -110,9 +113,10 @@ class FakeLearner final : public v1::LearnerService::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status LeasePrompts(grpc::ServerContext*, const v1::LeasePromptsRequest* req,
+  grpc::Status LeasePrompts(grpc::ServerContext* context, const v1::LeasePromptsRequest* req,
                             v1::LeasePromptsResponse* resp) override {
     std::function<void()> hook;
+    milliseconds hold{0};
     {
       std::lock_guard<std::mutex> lock(mu);
       if (Unavailable()) return Fail();
@@ -138,12 +142,17 @@ class FakeLearner final : public v1::LearnerService::Service {
           resp->set_job_done(true);
         } else {
           resp->set_retry_after_ms(retry_after_ms);
+          if (!req->answer_at_once()) hold = long_poll_hold;
         }
       } else {
         hook = on_lease;
       }
     }
     if (hook) hook();
+    const auto until = std::chrono::steady_clock::now() + hold;
+    while (std::chrono::steady_clock::now() < until && !context->IsCancelled()) {
+      std::this_thread::sleep_for(milliseconds(5));
+    }
     return grpc::Status::OK;
   }
 
@@ -461,6 +470,36 @@ TEST(RolloutWorker, StopFlagMakesRunReturnPromptlyWhileWaitingForPrompts) {
   std::lock_guard<std::mutex> lock(fake.mu);
   ASSERT_GE(fake.heartbeat_calls, 2);
   EXPECT_EQ(fake.heartbeat_versions.back(), 1);
+}
+
+// The learner holds a lease with nothing to give for up to 3 s (a long poll); a stopped worker
+// cancels the call rather than wait it out. The fake holds it 30 s.
+TEST(RolloutWorker, StopFlagCancelsALongPollInFlight) {
+  FakeLearner fake;
+  fake.job_done_when_empty = false;
+  fake.long_poll_hold = milliseconds(30'000);
+  FakeLearnerServer server(&fake);
+  std::atomic<bool> stop{false};
+  auto worker = MakeWorker(Options(server.address(), &stop));
+  Status result = Status::Internal("not returned");
+  std::thread t([&] { result = worker->Run(); });
+  for (int i = 0; i < 200; ++i) {
+    {
+      std::lock_guard<std::mutex> lock(fake.mu);
+      if (fake.lease_calls > 0) break;
+    }
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  std::this_thread::sleep_for(milliseconds(100));  // the lease is in the fake's hold
+  const auto t0 = std::chrono::steady_clock::now();
+  stop = true;
+  t.join();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_TRUE(result.ok()) << result.ToString();
+  EXPECT_LT(seconds, 1.0);
+  std::lock_guard<std::mutex> lock(fake.mu);
+  EXPECT_EQ(fake.lease_calls, 1);
 }
 
 TEST(RolloutWorker, StopFlagDuringBackoffReturnsPromptly) {
