@@ -7,6 +7,8 @@
 // Generate call per lease, then async with in-flight weight updates (partial_rollouts), with
 // continuous batching, and with both. Reported: steps/s, the learner's idle share, stale groups
 // refused, and the reward curve's ends.
+#include <algorithm>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -70,34 +72,68 @@ int BenchLongTailE2e(const ServiceBenchOptions& o) {
                                    {"async2", 2, false, false},
                                    {"async2+continuous", 2, false, true},
                                    {"async2+in_flight+continuous", 2, true, true}};
-  std::vector<E2eResult> results;
-  for (const Mode& m : modes) {
-    auto r = RunE2eJob(LongTailJob(m, steps, workers));
-    if (!r.ok()) return Fail("long_tail_e2e", r.status().WithContext(m.name));
-    results.push_back(std::move(r).value());
+  // The modes interleaved, `reps` rounds of all of them: this VM's speed drifts by tens of per
+  // cent within minutes, so each round's ratios (to its own sync and async runs) are the
+  // figures, and each row reports their median, min and max over the rounds.
+  const int reps = std::max(1, o.reps);
+  std::vector<std::vector<E2eResult>> runs(modes.size());  // [mode][round]
+  for (int rep = 0; rep < reps; ++rep) {
+    for (size_t i = 0; i < modes.size(); ++i) {
+      if (!o.json) {
+        std::cerr << "long_tail_e2e: round " << rep + 1 << "/" << reps << ", " << modes[i].name
+                  << "\n";
+      }
+      auto r = RunE2eJob(LongTailJob(modes[i], steps, workers));
+      if (!r.ok()) return Fail("long_tail_e2e", r.status().WithContext(modes[i].name));
+      runs[i].push_back(std::move(r).value());
+    }
   }
-  const double sync = results[0].steps_per_second, async = results[1].steps_per_second;
+  const auto over_rounds = [&](const std::function<double(int)>& value) {
+    std::vector<double> v;
+    for (int rep = 0; rep < reps; ++rep) v.push_back(value(rep));
+    return Summarize(std::move(v));
+  };
   std::vector<json> rows;
   for (size_t i = 0; i < modes.size(); ++i) {
-    const E2eResult& r = results[i];
+    const auto sps = [&](size_t mode, int rep) { return runs[mode][rep].steps_per_second; };
+    const Timing speed = over_rounds([&](int rep) { return sps(i, rep); });
+    const Timing vs_sync = over_rounds([&](int rep) { return sps(i, rep) / sps(0, rep); });
+    const Timing vs_async = over_rounds([&](int rep) { return sps(i, rep) / sps(1, rep); });
+    const Timing idle = over_rounds([&](int rep) { return runs[i][rep].learner_idle_fraction; });
+    const Timing t_step = over_rounds([&](int rep) { return runs[i][rep].t_step; });
+    const Timing first = over_rounds([&](int rep) { return runs[i][rep].reward_first; });
+    const Timing last = over_rounds([&](int rep) { return runs[i][rep].reward_last; });
+    const Timing wall = over_rounds([&](int rep) { return runs[i][rep].wall_s; });
+    int64_t refused = 0, refused_max = 0;
+    for (const E2eResult& r : runs[i]) {
+      refused += r.stale_refused;
+      refused_max = std::max(refused_max, r.stale_refused);
+    }
     rows.push_back({{"bench", "long_tail_e2e"},
                     {"mode", modes[i].name},
-                    {"max_staleness", r.max_staleness},
+                    {"max_staleness", runs[i][0].max_staleness},
                     {"workers", workers},
                     {"partial_rollouts", modes[i].partial_rollouts},
                     {"continuous_batching", modes[i].continuous_batching},
-                    {"steps", r.steps},
-                    {"batches_timed", r.batches_timed},
-                    {"steps_per_second", r.steps_per_second},
-                    {"vs_sync", r.steps_per_second / sync},
-                    {"vs_async", r.steps_per_second / async},
-                    {"learner_idle_fraction", r.learner_idle_fraction},
-                    {"t_step_s", r.t_step},
-                    {"stale_groups_refused", r.stale_refused},
-                    {"reward_first", r.reward_first},
-                    {"reward_last", r.reward_last},
-                    {"wall_s", r.wall_s}});
-    Merge(rows.back(), TimingJson(r.batch_interval, "batch_s"));
+                    {"steps", runs[i][0].steps},
+                    {"reps", reps},
+                    {"batches_timed", runs[i][0].batches_timed},
+                    {"steps_per_second", speed.median},
+                    {"steps_per_second_min", speed.min},
+                    {"steps_per_second_max", speed.max},
+                    {"vs_sync", vs_sync.median},
+                    {"vs_sync_min", vs_sync.min},
+                    {"vs_sync_max", vs_sync.max},
+                    {"vs_async", vs_async.median},
+                    {"vs_async_min", vs_async.min},
+                    {"vs_async_max", vs_async.max},
+                    {"learner_idle_fraction", idle.median},
+                    {"t_step_s", t_step.median},
+                    {"stale_groups_refused", refused},
+                    {"stale_groups_refused_max_per_run", refused_max},
+                    {"reward_first", first.median},
+                    {"reward_last", last.median},
+                    {"wall_s", wall.median}});
   }
   if (o.json) {
     for (const json& r : rows) std::cout << r.dump() << "\n";
@@ -111,18 +147,22 @@ int BenchLongTailE2e(const ServiceBenchOptions& o) {
             << std::thread::hardware_concurrency() << " cores; the first step is the warm-up\n"
             << "  idle = the learner's share of the timed steps spent waiting for groups; "
                "refused = stale groups; reward = mean step reward, first and last quarter\n";
+  std::cout << "  medians over " << reps
+            << " interleaved rounds; vs sync and vs async are each round's own ratios (median, "
+               "[min, max]); refused = stale groups over all rounds\n";
   std::cout << std::left << std::setw(28) << "mode" << std::right << std::setw(9) << "step/s"
-            << std::setw(9) << "vs sync" << std::setw(10) << "vs async" << std::setw(7) << "idle"
-            << std::setw(8) << "t s" << std::setw(9) << "refused" << std::setw(16) << "reward"
-            << std::setw(8) << "wall s"
+            << std::setw(9) << "vs sync" << std::setw(10) << "vs async" << std::setw(19)
+            << "[min, max]" << std::setw(7) << "idle" << std::setw(8) << "t s" << std::setw(9)
+            << "refused" << std::setw(16) << "reward" << std::setw(8) << "wall s"
             << "\n";
   for (const json& r : rows) {
     std::cout << std::left << std::setw(28) << r["mode"].get<std::string>() << std::right
               << std::setprecision(3) << std::setw(9) << r["steps_per_second"].get<double>()
               << std::setprecision(2) << std::setw(8) << r["vs_sync"].get<double>() << "x"
-              << std::setw(9) << r["vs_async"].get<double>() << "x" << std::setw(7)
-              << r["learner_idle_fraction"].get<double>() << std::setprecision(3) << std::setw(8)
-              << r["t_step_s"].get<double>() << std::setw(9)
+              << std::setw(9) << r["vs_async"].get<double>() << "x" << std::setw(8) << "["
+              << r["vs_async_min"].get<double>() << ", " << r["vs_async_max"].get<double>() << "]"
+              << std::setw(7) << r["learner_idle_fraction"].get<double>() << std::setprecision(3)
+              << std::setw(8) << r["t_step_s"].get<double>() << std::setw(9)
               << r["stale_groups_refused"].get<int64_t>() << std::setprecision(1) << std::setw(8)
               << r["reward_first"].get<double>() << " -> " << std::setw(5)
               << r["reward_last"].get<double>() << std::setw(8) << r["wall_s"].get<double>()
