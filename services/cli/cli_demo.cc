@@ -245,6 +245,21 @@ int RunDemo(const DemoOptions &o) {
                            {"--log_level", child_log_level, "learner", "--config", config_path},
                            (dir / "learner.log").string(), /*pipe_stdout=*/true);
   if (!learner.ok()) return fail(learner.status());
+  // The workers start beside the learner (each process's start is mostly libtorch's load) and
+  // wait for its address in a file, written (renamed into place) once the learner serves.
+  const fs::path address_file = dir / "learner_address";
+  fs::remove(address_file);
+  for (int64_t i = 0; i < o.workers; ++i) {
+    const std::string name = "rollout-" + std::to_string(i);
+    auto worker = SpawnGrpo(
+        group, name,
+        {"--log_level", child_log_level, "rollout", "--learner_address_file", address_file.string(),
+         "--worker_id", name, "--metrics_port", "0", "--reward_options",
+         (multi_turn ? json::object() : DemoRewardOptions(o.target_length)).dump(),
+         "--auth_token_file", cfg.auth_token_file},
+        (dir / (name + ".log")).string());
+    if (!worker.ok()) return fail(worker.status());
+  }
   const int learner_out = (*learner)->stdout_fd;
   auto port = ReadLearnerPort(learner_out, group, **learner);
   if (!port.ok()) {
@@ -252,16 +267,18 @@ int RunDemo(const DemoOptions &o) {
     return fail(port.status().WithContext("starting the learner"));
   }
   const std::string address = "127.0.0.1:" + std::to_string(*port);
-  for (int64_t i = 0; i < o.workers; ++i) {
-    const std::string name = "rollout-" + std::to_string(i);
-    auto worker =
-        SpawnGrpo(group, name,
-                  {"--log_level", child_log_level, "rollout", "--learner_address", address,
-                   "--worker_id", name, "--metrics_port", "0", "--reward_options",
-                   (multi_turn ? json::object() : DemoRewardOptions(o.target_length)).dump(),
-                   "--auth_token_file", cfg.auth_token_file},
-                  (dir / (name + ".log")).string());
-    if (!worker.ok()) return fail(worker.status());
+  {
+    const fs::path partial = dir / "learner_address.partial";
+    std::ofstream out(partial);
+    out << address << "\n";
+    out.close();
+    std::error_code ec;
+    if (out) fs::rename(partial, address_file, ec);
+    if (!out || ec) return fail(Status::Internal("cannot write " + address_file.string()));
+  }
+  // A worker that failed while the learner started (reaped above, unseen by the monitor below).
+  for (const auto &c : group.processes()) {
+    if (c->reaped && c->exit_code != 0) return fail(Status::Aborted(Describe(*c)));
   }
   if (!o.json) {
     std::cout << "grpo demo: learner on " << address << " + " << o.workers << " rollout workers, "

@@ -6,10 +6,12 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -44,6 +46,8 @@ void InstallStopHandlers() {
 
 struct RolloutCliOptions {
   std::string learner_address;
+  std::string learner_address_file;
+  double learner_wait_seconds = 120;
   int64_t metrics_port = 9401;
   std::string worker_id;
   int64_t prompts_per_lease = 0;
@@ -53,17 +57,50 @@ struct RolloutCliOptions {
   std::vector<std::string> overrides;
 };
 
+// The address `file` holds once it exists (a line HOST:PORT; the writer renames it into place),
+// waiting up to `wait_seconds`; nullopt when stopped first (SIGTERM).
+StatusOr<std::optional<std::string>> WaitForAddressFile(const std::string& file,
+                                                        double wait_seconds) {
+  const auto end = std::chrono::steady_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(wait_seconds * 1000));
+  while (!g_stop.load()) {
+    std::ifstream in(file);
+    std::string address;
+    if (in && std::getline(in, address) && !address.empty()) return std::optional(address);
+    if (std::chrono::steady_clock::now() >= end) {
+      return Status::DeadlineExceeded("no learner address in --learner_address_file '" + file +
+                                      "' after " + std::to_string(wait_seconds) + " s");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return std::optional<std::string>();
+}
+
 int RunRollout(const RolloutCliOptions& o) {
   auto fail = [](const Status& s, int code) {
     std::cerr << "grpo rollout: " << s.ToString() << "\n";
     return code;
   };
+  if (o.learner_address.empty() == o.learner_address_file.empty()) {
+    return fail(Status::InvalidArgument(
+                    "give the learner's address: --learner_address or --learner_address_file"),
+                2);
+  }
+  std::string learner_address = o.learner_address;
+  if (!o.learner_address_file.empty()) {
+    // Started beside the learner (grpo demo): libtorch loads here while the learner starts.
+    InstallStopHandlers();
+    auto address = WaitForAddressFile(o.learner_address_file, o.learner_wait_seconds);
+    if (!address.ok()) return fail(address.status(), 1);
+    if (!*address) return 0;  // stopped before the learner served
+    learner_address = **address;
+  }
   common::GrpoConfig cfg;
   // GetWeights unless the config or --weight_sync_backend asks for a group (gloo, nccl,
   // cuda_ipc, auto): a one-off worker needs no rendezvous.
   cfg.weight_sync_backend = "grpc";
   if (Status s = common::ApplyConfigOverrides(cfg, o.overrides); !s.ok()) return fail(s, 2);
-  cfg.learner_address = o.learner_address;
+  cfg.learner_address = learner_address;
   if (Status s = cfg.Validate(); !s.ok()) return fail(s, 2);
   if (o.metrics_port < 0 || o.metrics_port > 65535) {
     return fail(Status::InvalidArgument("--metrics_port must be a port (0 = off)"), 2);
@@ -188,7 +225,13 @@ void AddRolloutCommands(CLI::App& app, CliAction* action) {
       "Rollout worker: lease prompts from a learner, generate and score groups, push them; "
       "config keys as --key value (the learner's generation keys win)");
   auto o = std::make_shared<RolloutCliOptions>();
-  cmd->add_option("--learner_address", o->learner_address, "the learner's HOST:PORT")->required();
+  cmd->add_option("--learner_address", o->learner_address, "the learner's HOST:PORT");
+  cmd->add_option("--learner_address_file", o->learner_address_file,
+                  "instead of --learner_address: a file that will hold the learner's HOST:PORT "
+                  "(the worker waits for it; grpo demo starts its workers beside the learner)");
+  cmd->add_option("--learner_wait_seconds", o->learner_wait_seconds,
+                  "how long to wait for --learner_address_file")
+      ->capture_default_str();
   cmd->add_option("--metrics_port", o->metrics_port, "Prometheus /metrics port (0 = off)")
       ->capture_default_str();
   cmd->add_option("--worker_id", o->worker_id, "worker id (default: assigned by the learner)");

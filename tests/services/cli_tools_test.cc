@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -270,6 +271,34 @@ TEST_F(CliTools, ConfigNamesAnUnknownKey) {
       RunCommand(GrpoBin() + " config --num_generations 4 --per_device_train_batch_size 4", &rc));
   EXPECT_EQ(rc, 0);
   EXPECT_EQ(out["num_generations"], 4);
+}
+
+// `grpo rollout` takes the learner's address or a file that will hold it (grpo demo's workers
+// start beside the learner): neither or both is bad input; a file that never appears is an error
+// after --learner_wait_seconds; SIGTERM while waiting ends the worker at once, exit 0.
+TEST_F(CliTools, RolloutWaitsForItsLearnerAddressFile) {
+  int rc;
+  std::string out = RunCommand(GrpoBin() + " rollout 2>&1", &rc);
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("--learner_address_file"), std::string::npos) << out;
+  out = RunCommand(GrpoBin() + " rollout --learner_address 127.0.0.1:1 --learner_address_file " +
+                       dir_ + "/nowhere 2>&1",
+                   &rc);
+  EXPECT_EQ(rc, 2) << out;
+  out = RunCommand(GrpoBin() + " rollout --learner_address_file " + dir_ +
+                       "/nowhere --learner_wait_seconds 0.3 2>&1",
+                   &rc);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("no learner address in --learner_address_file"), std::string::npos) << out;
+  // Stopped while it waits: `timeout` sends SIGTERM after 1 s; the worker exits 0 at once (a
+  // worker still waiting at 20 s would be killed, 137).
+  const auto t0 = std::chrono::steady_clock::now();
+  out = RunCommand("timeout --preserve-status -k 20 1 " + GrpoBin() +
+                       " rollout --learner_address_file " + dir_ +
+                       "/nowhere --learner_wait_seconds 60 2>&1",
+                   &rc);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10)) << out;
 }
 
 // The values of the last OPENMP DISPLAY ENVIRONMENT block in `text` (OMP_DISPLAY_ENV=VERBOSE).
