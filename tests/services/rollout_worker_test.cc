@@ -443,6 +443,14 @@ TEST(RolloutWorker, BadPromptsAreSkippedAndCounted) {
   EXPECT_EQ(fake.pushed[0].lease_id(), "lease-3");
 }
 
+// Sets `stop` and joins `run` (the thread of the worker's Run): the seconds that took.
+double SecondsToStop(std::atomic<bool>& stop, std::thread& run) {
+  const auto t0 = std::chrono::steady_clock::now();
+  stop = true;
+  run.join();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 TEST(RolloutWorker, StopFlagMakesRunReturnPromptlyWhileWaitingForPrompts) {
   FakeLearner fake;
   fake.job_done_when_empty = false;
@@ -460,11 +468,7 @@ TEST(RolloutWorker, StopFlagMakesRunReturnPromptlyWhileWaitingForPrompts) {
     }
     std::this_thread::sleep_for(milliseconds(20));
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  stop = true;
-  t.join();
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double seconds = SecondsToStop(stop, t);
   EXPECT_TRUE(result.ok()) << result.ToString();
   EXPECT_LT(seconds, 1.0);
   std::lock_guard<std::mutex> lock(fake.mu);
@@ -491,11 +495,7 @@ TEST(RolloutWorker, StopFlagCancelsALongPollInFlight) {
     std::this_thread::sleep_for(milliseconds(20));
   }
   std::this_thread::sleep_for(milliseconds(100));  // the lease is in the fake's hold
-  const auto t0 = std::chrono::steady_clock::now();
-  stop = true;
-  t.join();
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double seconds = SecondsToStop(stop, t);
   EXPECT_TRUE(result.ok()) << result.ToString();
   EXPECT_LT(seconds, 1.0);
   std::lock_guard<std::mutex> lock(fake.mu);
@@ -514,10 +514,7 @@ TEST(RolloutWorker, StopFlagDuringBackoffReturnsPromptly) {
   Status result = Status::Internal("not returned");
   std::thread t([&] { result = worker->Run(); });
   std::this_thread::sleep_for(milliseconds(700));
-  const auto t0 = std::chrono::steady_clock::now();
-  stop = true;
-  t.join();
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
+  EXPECT_LT(SecondsToStop(stop, t), 1.0);
   EXPECT_TRUE(result.ok()) << result.ToString();
   EXPECT_GE(worker->stats().rpc_retries, 2);
   EXPECT_EQ(worker->policy(), nullptr);
