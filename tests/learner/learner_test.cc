@@ -181,6 +181,13 @@ TEST(Admission, GenerationBatchArithmeticAndTheLeaseBudgetByHand) {
   in.training = false;
   in.worker_lag = 3;
   EXPECT_EQ(LeaseBudget(in), 0);
+  // A worker that says a version newer than the published one (a bogus hint, or a race with a
+  // publish) gets an up-to-date worker's budget, never more: 3 batches of 4, not 8.
+  in.buffer_capacity = 100;
+  in.worker_lag = 0;
+  EXPECT_EQ(LeaseBudget(in), 12);
+  in.worker_lag = -5;
+  EXPECT_EQ(LeaseBudget(in), 12);
 }
 
 TEST(WorkerRegistry, RanksStayDenseInRegistrationOrderAndRostersFollowTheBackend) {
