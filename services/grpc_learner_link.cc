@@ -1,5 +1,7 @@
 #include "services/grpc_learner_link.h"
 
+#include <optional>
+
 #include "common/mutex.h"
 #include "services/auth.h"
 #include "services/convert.h"
@@ -7,8 +9,11 @@
 namespace grpo::services {
 namespace {
 
-// How often a long poll in flight looks at the stop flag.
+// How often a long poll in flight looks at the stop flag, and how long after the stop it still
+// waits for the reply before it cancels: a reply already on its way (the learner leased while
+// the stop came) is taken, and its round runs as a stop during a round does.
 constexpr std::chrono::milliseconds kStopPoll{20};
+constexpr std::chrono::milliseconds kStopGrace{500};
 
 void Prepare(grpc::ClientContext& context, std::chrono::milliseconds timeout,
              const std::string& auth_token) {
@@ -76,9 +81,11 @@ StatusOr<rollout::LeaseReply> GrpcLearnerLink::LeasePrompts(const std::string& w
   });
   {
     common::MutexLock lock(&mu);
+    std::optional<std::chrono::steady_clock::time_point> cancel_at;
     bool cancelled = false;
     while (!done) {
-      if (!cancelled && stop_->load()) {
+      if (!cancel_at && stop_->load()) cancel_at = std::chrono::steady_clock::now() + kStopGrace;
+      if (!cancelled && cancel_at && std::chrono::steady_clock::now() >= *cancel_at) {
         context.TryCancel();  // the callback still runs (CANCELLED): wait for it
         cancelled = true;
       }

@@ -20,8 +20,9 @@ namespace grpo::services {
 class GrpcLearnerLink final : public rollout::LearnerLink {
  public:
   // No RPC here. `auth_token` empty = no auth metadata. `stop` (borrowed, may be null): a
-  // LeasePrompts long poll in flight is cancelled within kStopPoll of it turning true, so a
-  // stopped worker does not wait out the learner's long poll (up to 3 s).
+  // LeasePrompts long poll in flight is cancelled half a second after it turns true (a reply
+  // already on its way is taken), so a stopped worker does not wait out the learner's long poll
+  // (up to 3 s).
   GrpcLearnerLink(std::shared_ptr<grpc::Channel> channel, std::string auth_token,
                   const std::atomic<bool>* stop = nullptr);
 

@@ -63,6 +63,7 @@ StatusOr<std::optional<std::string>> WaitForAddressFile(const std::string& file,
                                                         double wait_seconds) {
   const auto end = std::chrono::steady_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(wait_seconds * 1000));
+  GRPO_LOG_INFO("rollout: waiting for the learner's address in {}", file);
   while (!g_stop.load()) {
     std::ifstream in(file);
     std::string address;

@@ -477,7 +477,8 @@ TEST(RolloutWorker, StopFlagMakesRunReturnPromptlyWhileWaitingForPrompts) {
 }
 
 // The learner holds a lease with nothing to give for up to 3 s (a long poll); a stopped worker
-// cancels the call rather than wait it out. The fake holds it 30 s.
+// cancels the call (half a second after the stop) rather than wait it out. The fake holds it
+// 30 s.
 TEST(RolloutWorker, StopFlagCancelsALongPollInFlight) {
   FakeLearner fake;
   fake.job_done_when_empty = false;
@@ -497,7 +498,7 @@ TEST(RolloutWorker, StopFlagCancelsALongPollInFlight) {
   std::this_thread::sleep_for(milliseconds(100));  // the lease is in the fake's hold
   const double seconds = SecondsToStop(stop, t);
   EXPECT_TRUE(result.ok()) << result.ToString();
-  EXPECT_LT(seconds, 1.0);
+  EXPECT_LT(seconds, 2.0);
   std::lock_guard<std::mutex> lock(fake.mu);
   EXPECT_EQ(fake.lease_calls, 1);
 }
