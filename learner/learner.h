@@ -200,9 +200,9 @@ class Learner {
       GRPO_EXCLUDES(mu_);
   // Leases at most `max_prompts` prompts within the lease budget (max_staleness and the buffer;
   // LeaseBudget), waiting up to kLeaseLongPoll (and no later than 500 ms before `deadline`) for
-  // budget. InvalidArgument for an empty id or a non-positive count, NotFound for an unknown
-  // worker, Unavailable while stopping, Cancelled once `cancel` (may be null) is tripped: the
-  // wait ends at once, and leases granted meanwhile go back.
+  // budget, or for prompts (the next pass). InvalidArgument for an empty id or a non-positive
+  // count, NotFound for an unknown worker, Unavailable while stopping, Cancelled once `cancel` (may
+  // be null) is tripped: the wait ends at once, and leases granted meanwhile go back.
   // `worker_version` >= 0: the policy version the worker starts these leases' groups with (it
   // takes no newer weights first): the budget is that of a worker so many versions behind
   // (admission.h), and a worker behind the published version gets no long poll (it should take

@@ -38,9 +38,9 @@ class LearnerLink {
   virtual StatusOr<HeartbeatReply> Heartbeat(const HeartbeatRequest& request,
                                              std::chrono::milliseconds timeout) = 0;
   // `weight_version`: the policy version the worker starts these leases' groups with (-1: it
-  // takes the published one first). `long_poll`: while there is no lease budget the learner may
-  // wait for it (up to 3 s) before it answers; false when rows decode and wait for the answer
-  // (it comes at once).
+  // takes the published one first). `long_poll`: while there is no lease budget, or no prompt
+  // queued, the learner may wait for one (up to 3 s) before it answers; false when rows decode
+  // and wait for the answer (it comes at once).
   virtual StatusOr<LeaseReply> LeasePrompts(const std::string& worker_id, int32_t max_prompts,
                                             int64_t weight_version, bool long_poll,
                                             std::chrono::milliseconds timeout) = 0;

@@ -75,6 +75,17 @@ class FakeLearner final : public v1::LearnerService::Service {
   std::function<void()> on_lease;  // called (without mu) after a lease call that leased rows
   std::function<void(FakeLearner&)> after_push;  // called under mu after each push
 
+  // Polls `done` under mu until it holds, for up to 4 s (the test's assertions say what then).
+  void Await(const std::function<bool()>& done) {
+    for (int i = 0; i < 200; ++i) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (done()) return;
+      }
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+  }
+
   // Recorded.
   int calls = 0;
   int register_calls = 0, lease_calls = 0, heartbeat_calls = 0;
@@ -461,13 +472,7 @@ TEST(RolloutWorker, StopFlagMakesRunReturnPromptlyWhileWaitingForPrompts) {
   Status result = Status::Internal("not returned");
   std::thread t([&] { result = worker->Run(); });
   // Registered, has weights, and heartbeats with its version.
-  for (int i = 0; i < 200; ++i) {
-    {
-      std::lock_guard<std::mutex> lock(fake.mu);
-      if (fake.lease_calls > 0 && fake.heartbeat_calls >= 2) break;
-    }
-    std::this_thread::sleep_for(milliseconds(20));
-  }
+  fake.Await([&] { return fake.lease_calls > 0 && fake.heartbeat_calls >= 2; });
   const double seconds = SecondsToStop(stop, t);
   EXPECT_TRUE(result.ok()) << result.ToString();
   EXPECT_LT(seconds, 1.0);
@@ -488,13 +493,7 @@ TEST(RolloutWorker, StopFlagCancelsALongPollInFlight) {
   auto worker = MakeWorker(Options(server.address(), &stop));
   Status result = Status::Internal("not returned");
   std::thread t([&] { result = worker->Run(); });
-  for (int i = 0; i < 200; ++i) {
-    {
-      std::lock_guard<std::mutex> lock(fake.mu);
-      if (fake.lease_calls > 0) break;
-    }
-    std::this_thread::sleep_for(milliseconds(20));
-  }
+  fake.Await([&] { return fake.lease_calls > 0; });
   std::this_thread::sleep_for(milliseconds(100));  // the lease is in the fake's hold
   const double seconds = SecondsToStop(stop, t);
   EXPECT_TRUE(result.ok()) << result.ToString();
