@@ -1,7 +1,7 @@
 #include "common/model/device.h"
 
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAFunctions.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <torch/cuda.h>
 
 #include <fstream>
 #include <sstream>
@@ -29,14 +29,16 @@ int64_t ProcStatusBytes(const char* field) {
 
 }  // namespace
 
-bool CudaAvailable() { return c10::cuda::device_count() > 0; }
+// libtorch's CUDA hooks and allocator registry: no CUDA symbol is linked (common/cuda/
+// cuda_module.h says why); without libtorch's CUDA part loaded they see no device.
+bool CudaAvailable() { return torch::cuda::device_count() > 0; }
 
 StatusOr<at::Device> ResolveDevice(std::string_view device) {
   if (!IsDeviceSpelling(device)) {
     return Status::InvalidArgument("config key 'device' must be auto, cpu, cuda or cuda:N, got '" +
                                    std::string(device) + "'");
   }
-  const int64_t visible = c10::cuda::device_count();
+  const int64_t visible = static_cast<int64_t>(torch::cuda::device_count());
   if (device == "cpu") return at::Device(at::kCPU);
   if (device == "auto") return visible > 0 ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
   const int64_t index = device == "cuda" ? 0 : std::stoll(std::string(device.substr(5)));
@@ -54,7 +56,7 @@ StatusOr<at::Device> ResolveDevice(std::string_view device) {
 
 int64_t PeakMemoryBytes(const at::Device& device) {
   if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto stats = c10::getDeviceAllocator(at::kCUDA)->getDeviceStats(device.index());
     return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
         .peak;
   }
@@ -63,7 +65,7 @@ int64_t PeakMemoryBytes(const at::Device& device) {
 
 int64_t CurrentMemoryBytes(const at::Device& device) {
   if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto stats = c10::getDeviceAllocator(at::kCUDA)->getDeviceStats(device.index());
     return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
         .current;
   }
@@ -73,7 +75,7 @@ int64_t CurrentMemoryBytes(const at::Device& device) {
 int64_t TotalMemoryBytes(const at::Device& device) {
   if (device.is_cuda()) {
     return static_cast<int64_t>(
-        c10::cuda::CUDACachingAllocator::get()->getMemoryInfo(device.index()).second);
+        c10::getDeviceAllocator(at::kCUDA)->getMemoryInfo(device.index()).second);
   }
   int64_t total = 0;
   {
@@ -99,7 +101,7 @@ int64_t TotalMemoryBytes(const at::Device& device) {
 }
 
 void ResetPeakMemory(const at::Device& device) {
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+  if (device.is_cuda()) c10::getDeviceAllocator(at::kCUDA)->resetPeakStats(device.index());
 }
 
 }  // namespace grpo::common

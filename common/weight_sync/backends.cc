@@ -3,12 +3,8 @@
 #include <charconv>
 #include <utility>
 
+#include "common/cuda/cuda_module.h"
 #include "common/weight_sync/gloo_weight_sync.h"
-#ifdef GRPO_HAVE_CUDA_SYNC
-#include "common/weight_sync/cuda_ipc_weight_sync.h"
-#include "common/weight_sync/cuda_util.h"
-#include "common/weight_sync/nccl_weight_sync.h"
-#endif
 
 namespace grpo::common {
 
@@ -20,13 +16,7 @@ bool WeightSyncBackendBuilt(std::string_view backend) {
     return false;
 #endif
   }
-  if (backend == kBackendNccl || backend == kBackendCudaIpc) {
-#ifdef GRPO_HAVE_CUDA_SYNC
-    return true;
-#else
-    return false;
-#endif
-  }
+  if (backend == kBackendNccl || backend == kBackendCudaIpc) return Cuda() != nullptr;
   return false;
 }
 
@@ -39,11 +29,14 @@ WeightSyncFactory BuiltinWeightSyncFactory(WeightSyncBackendOptions options) {
                                      "' is not a weight-sync group backend");
     }
     if (!WeightSyncBackendBuilt(backend)) {
-      return Status::Unimplemented(
-          std::string(backend) + " weight sync is not built into this binary (" +
-          (backend == kBackendGloo ? "libgloo-dev, GRPO_WITH_GLOO"
-                                   : "CUDA runtime and NCCL, GRPO_WITH_NCCL") +
-          ")");
+      if (backend == kBackendGloo) {
+        return Status::Unimplemented(
+            "gloo weight sync is not built into this binary (libgloo-dev, GRPO_WITH_GLOO)");
+      }
+      return Status::Unimplemented(std::string(backend) +
+                                   " weight sync needs the CUDA module (CUDA runtime and NCCL, "
+                                   "GRPO_WITH_NCCL), which this process does not have: " +
+                                   CudaModuleState());
     }
     WeightSyncOptions sync;
     sync.timeout = options.timeout;
@@ -54,21 +47,14 @@ WeightSyncFactory BuiltinWeightSyncFactory(WeightSyncBackendOptions options) {
       gloo.hostname = options.hostname;
       return CreateGlooWeightSync(std::move(store), rank, world_size, epoch, gloo);
     }
-#ifdef GRPO_HAVE_CUDA_SYNC
+    const CudaModule* cuda = Cuda();
     if (backend == kBackendNccl) {
-      NcclWeightSyncOptions nccl;
-      nccl.sync = sync;
-      nccl.device = options.cuda_device;
-      return CreateNcclWeightSync(std::move(store), rank, world_size, epoch, nccl);
+      return cuda->create_nccl_weight_sync(std::move(store), rank, world_size, epoch, sync,
+                                           options.cuda_device);
     }
-    CudaIpcWeightSyncOptions ipc;
-    ipc.sync = sync;
-    ipc.sync.bucket_bytes = options.ipc_bucket_bytes;
-    ipc.device = options.cuda_device;
-    return CreateCudaIpcWeightSync(std::move(store), rank, world_size, epoch, ipc);
-#else
-    return Status::Internal("unreachable");
-#endif
+    sync.bucket_bytes = options.ipc_bucket_bytes;
+    return cuda->create_cuda_ipc_weight_sync(std::move(store), rank, world_size, epoch, sync,
+                                             options.cuda_device);
   };
 }
 
@@ -87,9 +73,9 @@ SyncEndpoint LocalSyncEndpoint(const std::string& device) {
   const int ordinal = CudaOrdinal(device);
   if (ordinal < 0) return e;
   e.cuda = true;
-#ifdef GRPO_HAVE_CUDA_SYNC
-  if (StatusOr<std::string> uuid = CudaDeviceUuid(ordinal); uuid.ok()) e.gpu_uuid = *uuid;
-#endif
+  if (const CudaModule* cuda = Cuda()) {
+    if (StatusOr<std::string> uuid = cuda->device_uuid(ordinal); uuid.ok()) e.gpu_uuid = *uuid;
+  }
   return e;
 }
 

@@ -1,8 +1,9 @@
 // The weight-sync backends built into this binary, behind one factory: what the learner's
 // publisher (learner/weight_publisher.h) and a worker's group receiver
 // (rollout/group_weight_receiver.h) take, so that a backend is configuration, not code.
-// Target grpo_weight_sync_backends: Gloo when its headers were found, NCCL and CUDA IPC where
-// CUDA's runtime and NCCL were (GRPO_WITH_GLOO, GRPO_WITH_NCCL).
+// Target grpo_weight_sync_backends: Gloo when its headers were found (GRPO_WITH_GLOO); NCCL and
+// CUDA IPC when the process has the CUDA module (common/cuda/cuda_module.h; GRPO_WITH_NCCL
+// builds it where CUDA's runtime and NCCL are found).
 #pragma once
 
 #include <chrono>
@@ -33,16 +34,18 @@ struct WeightSyncBackendOptions {
   int64_t ipc_bucket_bytes = 256ll << 20;      // cuda_ipc (kDefaultCudaIpcBucketBytes)
 };
 
-// True when `backend` (gloo, nccl, cuda_ipc) is built into this binary.
+// True when `backend` (gloo, nccl, cuda_ipc) is in this process: gloo built in, nccl and
+// cuda_ipc with the CUDA module.
 bool WeightSyncBackendBuilt(std::string_view backend);
 
-// The factory of the built-in backends; Unimplemented for a backend that is not built (say
-// which option builds it), InvalidArgument for a name that is not a group backend.
+// The factory of the built-in backends; Unimplemented for a backend that is not here (say
+// which option builds it, or why the CUDA module is not loaded), InvalidArgument for a name
+// that is not a group backend.
 WeightSyncFactory BuiltinWeightSyncFactory(WeightSyncBackendOptions options);
 
 // Where this process computes, for AssignBackend: `device` as common/model/device.h resolves it
-// ("cpu", "cuda:N"). A CUDA device's UUID needs the CUDA runtime (built with the NCCL
-// backend); without it the UUID is empty and AssignBackend never sees two ends on one GPU.
+// ("cpu", "cuda:N"). A CUDA device's UUID needs the CUDA module; without it the UUID is empty
+// and AssignBackend never sees two ends on one GPU.
 SyncEndpoint LocalSyncEndpoint(const std::string& device);
 
 // The CUDA ordinal of "cuda" / "cuda:N" (0 for "cuda"); -1 for anything else.

@@ -12,11 +12,9 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#ifdef GRPO_HAVE_C10D_NCCL
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
 #endif
 
+#include "common/cuda/cuda_module.h"
 #include "common/logging.h"
 #include "common/weight_sync/gloo_weight_sync.h"
 
@@ -216,17 +214,12 @@ StatusOr<std::unique_ptr<RankGroup>> RankGroup::Join(const RankEnv& env,
                                       : c10d::ProcessGroupGloo::createDefaultDevice());
     impl->pg =
         c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, env.rank, env.world_size, pg_options);
-#ifdef GRPO_HAVE_C10D_NCCL
-    if (device.is_cuda()) {
+    if (const common::CudaModule* cuda = common::Cuda(); cuda != nullptr && device.is_cuda()) {
       // Its own prefix of the store: NCCL's unique id is exchanged there. Communicators are
       // created at the first collective, on the device of its tensors (cuda:LOCAL_RANK).
       auto nccl_store = c10::make_intrusive<c10d::PrefixStore>("grpo/ranks/nccl", impl->store);
-      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
-      nccl_options->timeout = timeout;
-      impl->nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(nccl_store, env.rank, env.world_size,
-                                                               nccl_options);
+      impl->nccl = cuda->create_nccl_backend(nccl_store, env.rank, env.world_size, timeout);
     }
-#endif
   } catch (const std::exception& e) {
     const std::string m = WhatOf(e);
     const auto ms =

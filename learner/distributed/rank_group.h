@@ -1,7 +1,7 @@
 // RankGroup: the learner's ranks as real processes on PyTorch's c10d (docs/ARCHITECTURE.md
 // "Learner ranks"): the world from torchrun's environment, a TCPStore served by rank 0 at
 // MASTER_ADDR:MASTER_PORT for the rendezvous, a ProcessGroupGloo over it for the collectives of
-// CPU tensors and, on a GPU where the build has c10d's NCCL (GRPO_HAVE_C10D_NCCL), a
+// CPU tensors and, on a GPU where the process has the CUDA module (common/cuda/), a
 // ProcessGroupNCCL for those of CUDA tensors (Gloo otherwise; every collective bounded by
 // rank_timeout_seconds), and a command channel on the same store by which rank 0 (the service)
 // tells the other ranks (trainers) what to do next.
@@ -42,7 +42,7 @@ class RankGroup final : public Collectives {
   // Joins the group: rank 0 serves the store and waits for the other ranks, which connect to
   // it, all within `timeout` (also the deadline of every collective). DeadlineExceeded naming
   // the ranks still missing; Unimplemented when built without Gloo. With a CUDA `device` (the
-  // rank's, cuda:LOCAL_RANK) CUDA tensors go over NCCL where it is built.
+  // rank's, cuda:LOCAL_RANK) CUDA tensors go over NCCL when the CUDA module is here.
   static StatusOr<std::unique_ptr<RankGroup>> Join(const RankEnv& env,
                                                    std::chrono::milliseconds timeout,
                                                    const at::Device& device = at::kCPU);

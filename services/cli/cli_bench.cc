@@ -2,7 +2,7 @@
 // own baseline measured in the same run; memory rows run each configuration in a fresh
 // process (this binary, re-executed with --child).
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAFunctions.h>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -174,7 +174,8 @@ json LogprobMemoryChild(const std::string& impl, int64_t G, int64_t micro, int r
         loss.backward();
       }
     }
-    if (device.is_cuda()) c10::cuda::device_synchronize();  // the timing covers the kernels
+    if (device.is_cuda())
+      torch::cuda::synchronize(device.index());  // the timing covers the kernels
   };
   // Peak RSS counts from here: model and its gradients exist after one step.
   step();

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/config.h"
+#include "common/cuda/cuda_module.h"
 #include "common/logging.h"
 #include "services/cli/cli.h"
 
@@ -130,13 +131,20 @@ static void DieWithParentIfAsked() {
 
 int main(int argc, char** argv) {
   ReexecWithRuntimeSettingsOnce(argc, argv);
+  // Before anything asks libtorch about CUDA (common/cuda/cuda_module.h).
+  if (grpo::Status s = grpo::common::LoadCudaModule(); !s.ok()) {
+    std::cerr << "grpo: " << s.ToString() << "\n";
+    return 1;
+  }
   DieWithParentIfAsked();
   // A write to a peer that closed its socket is an error to handle, not a signal that kills the
   // process: Gloo writes without MSG_NOSIGNAL, so a worker continued after a SIGSTOP outlasted
   // its group (the learner closed it) died of SIGPIPE (gloo_stall_test, chaos_test).
   std::signal(SIGPIPE, SIG_IGN);
   CLI::App app{"grpo-serve: distributed GRPO fine-tuning of language models"};
-  app.set_version_flag("--version", kVersion);
+  app.set_version_flag("--version", [] {
+    return std::string(kVersion) + "\nCUDA module: " + grpo::common::CudaModuleState();
+  });
   std::string log_level = "warn";
   app.add_option("--log_level", log_level, "trace|debug|info|warn|error|off (stderr)");
   app.require_subcommand(1);

@@ -302,6 +302,61 @@ TEST_F(CliTools, RolloutWaitsForItsLearnerAddressFile) {
   EXPECT_EQ(rc, 0) << out << grpo::testing::ReadFile(log);
 }
 
+// Whether a waiting `grpo rollout` started with `env` has libtorch's CUDA part mapped, as the
+// kernel lists the process's files (/proc/PID/maps): "mapped" or "unmapped".
+std::string CudaMappedInAWaitingWorker(const std::string& dir, const std::string& env) {
+  const std::string log = dir + "/rollout_maps.log";
+  int rc;
+  const std::string out = RunCommand(
+      "sh -c '" + env + " " + GrpoBin() + " --log_level info rollout --learner_address_file " +
+          dir + "/nowhere --learner_wait_seconds 60 2>" + log +
+          " & p=$!; i=0; until grep -q \"waiting for the learner\" " + log +
+          " || [ $i -ge 600 ]; do sleep 0.1; i=$((i+1)); done; "
+          "if grep -q libtorch_cuda.so /proc/$p/maps; then echo mapped; else echo unmapped; fi; "
+          "kill -TERM $p; wait $p' 2>&1",
+      &rc);
+  EXPECT_EQ(rc, 0) << out << grpo::testing::ReadFile(log);
+  return out.substr(0, out.find('\n'));
+}
+
+// The binary links libtorch without its CUDA part, and loads it (the CUDA module) only on a
+// machine with an NVIDIA device or when GRPO_CUDA=1 asks (common/cuda/cuda_module.h).
+TEST_F(CliTools, TheCudaModuleLoadsOnlyWhereItIsUseful) {
+  int rc;
+  const std::string ldd = RunCommand("ldd " + GrpoBin(), &rc);
+  ASSERT_EQ(rc, 0) << ldd;
+  for (const char* lib :
+       {"libtorch_cuda.so", "libc10_cuda.so", "libcublas", "libcudnn", "libnccl"}) {
+    EXPECT_EQ(ldd.find(lib), std::string::npos) << lib << " is linked:\n" << ldd;
+  }
+  std::string out = RunCommand("GRPO_CUDA=bogus " + GrpoBin() + " --version 2>&1", &rc);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("GRPO_CUDA='bogus': expected auto, 1, on, 0 or off"), std::string::npos)
+      << out;
+  out = RunCommand(
+      "GRPO_CUDA=1 GRPO_CUDA_MODULE=" + dir_ + "/no_module.so " + GrpoBin() + " --version 2>&1",
+      &rc);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("CUDA module " + dir_ + "/no_module.so"), std::string::npos) << out;
+
+  const bool nvidia = fs::exists("/dev/nvidiactl") || fs::exists("/proc/driver/nvidia/gpus");
+  out = RunCommand("env -u GRPO_CUDA " + GrpoBin() + " --version 2>&1", &rc);
+  EXPECT_EQ(rc, 0) << out;
+  if (!nvidia) {
+    EXPECT_NE(out.find("CUDA module: not loaded (no NVIDIA device here"), std::string::npos) << out;
+    EXPECT_EQ(CudaMappedInAWaitingWorker(dir_, "env -u GRPO_CUDA"), "unmapped");
+  }
+  EXPECT_EQ(CudaMappedInAWaitingWorker(dir_, "GRPO_CUDA=0"), "unmapped");
+  const fs::path module = fs::path(GrpoBin()).parent_path() / "libgrpo_cuda.so";
+  if (!fs::exists(module)) GTEST_SKIP() << "no CUDA module built (" << module << ")";
+  out = RunCommand("GRPO_CUDA=1 " + GrpoBin() + " --version 2>&1", &rc);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("CUDA module: loaded from " + module.lexically_normal().string()),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(CudaMappedInAWaitingWorker(dir_, "GRPO_CUDA=1"), "mapped");
+}
+
 // The values of the last OPENMP DISPLAY ENVIRONMENT block in `text` (OMP_DISPLAY_ENV=VERBOSE).
 std::map<std::string, std::string> LastLibgompDisplay(const std::string& text) {
   const size_t last = text.rfind("OPENMP DISPLAY ENVIRONMENT BEGIN");
