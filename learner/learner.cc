@@ -379,9 +379,11 @@ void Learner::Housekeep() {
     return;
   }
   if (counts->queued + counts->leased == 0 && counts->done() > 0 && PassMayEnd()) {
-    // Every prompt of this pass is trained, rejected, or accepted into the one partial batch
-    // that trains next: the job needs more steps, so start the next pass (that partial batch
-    // trains together with its first groups, before any other optimizer step).
+    // Every prompt of this pass is trained, rejected, or accepted into the buffer, and the job
+    // needs more steps than the buffer's whole batches give: start the next pass now, so that
+    // workers generate its first groups while the buffered batches train (the buffer is first
+    // in, first out: the pass's groups train before the next pass's, its last partial batch
+    // together with the next pass's first groups).
     auto next = ledger_->StartNextPass(std::numeric_limits<int64_t>::max());
     if (next.ok() && *next) {
       GRPO_LOG_INFO("learner: pass {} done; starting pass {}", counts->pass, counts->pass + 1);
@@ -394,7 +396,7 @@ void Learner::Housekeep() {
       // fill that batch (with dynamic sampling the rest of the pass may all be filtered): it
       // trains now.
       common::MutexLock lock(&mu_);
-      if (!buffer_.empty() && !drain_buffer_) {
+      if (!buffer_.empty() && !drain_buffer_ && !BatchReadyLocked()) {
         drain_buffer_ = true;
         GRPO_LOG_INFO(
             "learner: pass {} owes a training ({}); the {} buffered groups train now, short of a "
@@ -418,9 +420,12 @@ bool Learner::PassMayEnd() {
   std::vector<BufferedGroup> stale;
   {
     common::MutexLock lock(&mu_);
-    // Groups being accepted, or a full batch waiting, would train after other steps: wait.
+    // Groups being accepted: wait.
     if (!accepting_ms_.empty() || training_) return false;
-    if (BatchReadyLocked()) return false;
+    // The whole batches buffered already take the job to max_steps: the next pass would only
+    // be generated and dropped. (Were the count short, the pass starts after they trained.)
+    const int64_t whole_batches = static_cast<int64_t>(buffer_.size()) / batch_groups_;
+    if (global_step_ + whole_batches * versions_per_batch_ >= config_.max_steps) return false;
     // The partial batch trains next, at the current policy version: a group already too stale
     // for it goes back to its pass now, so that the pass is not left owing it.
     for (auto it = buffer_.begin(); it != buffer_.end();) {

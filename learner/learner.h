@@ -40,8 +40,9 @@
 // released).
 //
 // Pass boundaries (Housekeep): the next pass starts when nothing is QUEUED or LEASED, no
-// prompt owes an earlier pass, nothing is being accepted and the buffer holds less than one
-// generation batch; that partial batch trains next, together with the new pass's first groups.
+// prompt owes an earlier pass, nothing is being accepted and the buffer's whole batches do not
+// already take the job to max_steps. The buffer is first in, first out: the pass's batches
+// train before the new pass's groups, its partial batch together with the new pass's first.
 #pragma once
 
 #include <atomic>
@@ -312,8 +313,9 @@ class Learner {
   // failure is logged as an error and counted (grpo_ledger_errors_total), never silent.
   void RequeueUntrained(const TrainedGroup& key, std::string_view why);
   // Housekeep, before a pass boundary: true when nothing of the pass is being accepted or
-  // trained and the buffer holds less than one batch (which trains next, before any other
-  // step); buffered groups already too stale for that batch are requeued first (then false).
+  // trained and the buffer's whole batches do not already take the job to max_steps (full
+  // batches may wait: the next pass's groups queue behind them); buffered groups already too
+  // stale at the current version are requeued first (then false).
   bool PassMayEnd() GRPO_EXCLUDES(mu_);
   // Moves the job to `state` unless it already ended; tells subscribers.
   void ChangeState(JobState state, const std::string& message) GRPO_EXCLUDES(mu_);

@@ -7,9 +7,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -336,6 +338,76 @@ TEST_F(LearnerTest, TheStepThatEndsAPassStartsTheNextOne) {
   ASSERT_TRUE(WaitFor([&] { return learner_->TEST_ledger().Counts()->queued == 2; }, 10s));
   EXPECT_LT(Clock::now() - stepped, kHousekeepInterval / 2);
   EXPECT_EQ(learner_->TEST_ledger().Counts()->pass, 1);
+}
+
+// Holds the trainer inside the micro-batches of every step from Hold() until Release(): the
+// learner's training thread (which also runs housekeeping) stays in that step.
+struct StepHold {
+  std::atomic<bool> hold{false};
+  std::atomic<bool> entered{false};
+  std::function<Status(int64_t)> Hook() {
+    return [this](int64_t) {
+      while (hold.load()) {
+        entered = true;
+        std::this_thread::sleep_for(1ms);
+      }
+      return Status::OK();
+    };
+  }
+};
+
+// A pass whose prompts are all accepted starts the next one before its last batch trains: the
+// workers generate the next pass's first groups while that batch trains. A pass of 2 batches;
+// the second is pushed while the trainer is held, so its step cannot end: the next pass's 4
+// prompts are queued anyway, and the held step is still the second.
+TEST_F(LearnerTest, APassWhosePromptsAreAllAcceptedStartsTheNextBeforeItsLastBatchTrains) {
+  StepHold hold;
+  options_.TEST_micro_batch_fault = hold.Hook();
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(4)).ok());
+  PushOneBatch();
+  ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().global_step == 1; }, 30s));
+  hold.hold = true;
+  PushOneBatch();  // the pass's last 2 prompts: every prompt of pass 0 is accepted
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        auto c = learner_->TEST_ledger().Counts();
+        return c.ok() && c->pass == 1 && c->queued == 4;
+      },
+      5s))
+      << "pass 1 did not start while pass 0's last batch was held";
+  EXPECT_EQ(learner_->Snapshot().global_step, 1);
+  ASSERT_TRUE(WaitFor([&] { return hold.entered.load(); }, 10s));
+  hold.hold = false;
+  ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().global_step == 2; }, 30s));
+  // Pass 0's two steps trained its 4 prompts, each once.
+  auto trainings = learner_->TEST_ledger().Trainings();
+  ASSERT_TRUE(trainings.ok());
+  ASSERT_EQ(trainings->size(), 4u);
+  for (const auto& t : *trainings) EXPECT_EQ(t.pass, 0) << t.prompt_id;
+}
+
+// ... unless the buffered batches already take the job to max_steps: then no next pass is
+// generated only to be dropped. max_steps 2: the second batch is the job's last.
+TEST_F(LearnerTest, NoNextPassWhenTheBufferedBatchesReachMaxSteps) {
+  config_.max_steps = 2;
+  StepHold hold;
+  options_.TEST_micro_batch_fault = hold.Hook();
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(4)).ok());
+  PushOneBatch();
+  ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().global_step == 1; }, 30s));
+  hold.hold = true;
+  PushOneBatch();
+  // Housekeeping ran before the held step was taken (a batch was ready): it left pass 0 open.
+  ASSERT_TRUE(WaitFor([&] { return hold.entered.load(); }, 10s));
+  EXPECT_EQ(learner_->TEST_ledger().Counts()->pass, 0);
+  hold.hold = false;
+  ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().state == JobState::kDone; }, 30s));
+  EXPECT_EQ(learner_->TEST_ledger().Counts()->pass, 0);
+  EXPECT_EQ(learner_->Snapshot().global_step, 2);
 }
 
 // A worker that says it starts its groups with an older version than the published one gets the
