@@ -13,22 +13,16 @@
 namespace grpo::common {
 namespace {
 
-StatusOr<std::unique_ptr<WeightSync>> NcclWeightSync(c10::intrusive_ptr<c10d::Store> store,
-                                                     int rank, int world_size, int64_t epoch,
-                                                     const WeightSyncOptions& sync, int device) {
-  NcclWeightSyncOptions options;
+// The NCCL or CUDA IPC backend (`Options` with its `Create`) on CUDA device `device`.
+template <typename Options, StatusOr<std::unique_ptr<WeightSync>> (*Create)(
+                                c10::intrusive_ptr<c10d::Store>, int, int, int64_t, const Options&)>
+StatusOr<std::unique_ptr<WeightSync>> DeviceWeightSync(c10::intrusive_ptr<c10d::Store> store,
+                                                       int rank, int world_size, int64_t epoch,
+                                                       const WeightSyncOptions& sync, int device) {
+  Options options;
   options.sync = sync;
   options.device = device;
-  return CreateNcclWeightSync(std::move(store), rank, world_size, epoch, options);
-}
-
-StatusOr<std::unique_ptr<WeightSync>> CudaIpcWeightSync(c10::intrusive_ptr<c10d::Store> store,
-                                                        int rank, int world_size, int64_t epoch,
-                                                        const WeightSyncOptions& sync, int device) {
-  CudaIpcWeightSyncOptions options;
-  options.sync = sync;
-  options.device = device;
-  return CreateCudaIpcWeightSync(std::move(store), rank, world_size, epoch, options);
+  return Create(std::move(store), rank, world_size, epoch, options);
 }
 
 c10::intrusive_ptr<c10d::Backend> NcclBackend(c10::intrusive_ptr<c10d::Store> store, int rank,
@@ -40,8 +34,9 @@ c10::intrusive_ptr<c10d::Backend> NcclBackend(c10::intrusive_ptr<c10d::Store> st
 
 const CudaModule kModule = [] {
   CudaModule m;
-  m.create_nccl_weight_sync = &NcclWeightSync;
-  m.create_cuda_ipc_weight_sync = &CudaIpcWeightSync;
+  m.create_nccl_weight_sync = &DeviceWeightSync<NcclWeightSyncOptions, &CreateNcclWeightSync>;
+  m.create_cuda_ipc_weight_sync =
+      &DeviceWeightSync<CudaIpcWeightSyncOptions, &CreateCudaIpcWeightSync>;
   m.device_uuid = &CudaDeviceUuid;
   m.create_nccl_backend = &NcclBackend;
   return m;

@@ -115,6 +115,20 @@ class LearnerTest : public ::testing::Test {
     }
     ASSERT_EQ(tally.reply.accepted, 2);
   }
+  // Starts a learner whose trainer `hold` (a StepHold, below) can hold, trains the first of a
+  // 4-prompt pass's two batches, then holds the trainer and pushes the second: every prompt of
+  // pass 0 is accepted.
+  template <typename Hold>
+  void TrainAPassHoldingItsLastBatch(Hold& hold) {
+    options_.TEST_micro_batch_fault = hold.Hook();
+    Start();
+    RegisterW1();
+    ASSERT_TRUE(learner_->AddDataset("k", Prompts(4)).ok());
+    PushOneBatch();
+    ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().global_step == 1; }, 30s));
+    hold.hold = true;
+    PushOneBatch();
+  }
   // The files of `dir`, by name.
   static std::vector<std::string> FilesIn(const fs::path& dir) {
     std::vector<std::string> names;
@@ -362,14 +376,8 @@ struct StepHold {
 // prompts are queued anyway, and the held step is still the second.
 TEST_F(LearnerTest, APassWhosePromptsAreAllAcceptedStartsTheNextBeforeItsLastBatchTrains) {
   StepHold hold;
-  options_.TEST_micro_batch_fault = hold.Hook();
-  Start();
-  RegisterW1();
-  ASSERT_TRUE(learner_->AddDataset("k", Prompts(4)).ok());
-  PushOneBatch();
-  ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().global_step == 1; }, 30s));
-  hold.hold = true;
-  PushOneBatch();  // the pass's last 2 prompts: every prompt of pass 0 is accepted
+  TrainAPassHoldingItsLastBatch(hold);
+  if (HasFatalFailure()) return;
   EXPECT_TRUE(WaitFor(
       [&] {
         auto c = learner_->TEST_ledger().Counts();
@@ -393,14 +401,8 @@ TEST_F(LearnerTest, APassWhosePromptsAreAllAcceptedStartsTheNextBeforeItsLastBat
 TEST_F(LearnerTest, NoNextPassWhenTheBufferedBatchesReachMaxSteps) {
   config_.max_steps = 2;
   StepHold hold;
-  options_.TEST_micro_batch_fault = hold.Hook();
-  Start();
-  RegisterW1();
-  ASSERT_TRUE(learner_->AddDataset("k", Prompts(4)).ok());
-  PushOneBatch();
-  ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().global_step == 1; }, 30s));
-  hold.hold = true;
-  PushOneBatch();
+  TrainAPassHoldingItsLastBatch(hold);
+  if (HasFatalFailure()) return;
   // Housekeeping ran before the held step was taken (a batch was ready): it left pass 0 open.
   ASSERT_TRUE(WaitFor([&] { return hold.entered.load(); }, 10s));
   EXPECT_EQ(learner_->TEST_ledger().Counts()->pass, 0);
