@@ -71,6 +71,7 @@ void AddConfigCommand(CLI::App& app, grpo::services::CliAction* action) {
 //   - Not ACTIVE (spin for good): idle threads would hold the cores, and with Debian's libtorch
 //     on OpenBLAS spinning cost a step 3.27 s instead of 1.56 s.
 inline constexpr const char* kOmpSpinCount = "300000";
+inline constexpr const char* kOmpOurs = "GRPO_OMP_DEFAULTS";
 
 // The subcommand in argv (the first word that is not an option or --log_level's value).
 static std::string Subcommand(int argc, char** argv) {
@@ -96,10 +97,20 @@ static void ReexecWithRuntimeSettingsOnce(int argc, char** argv) {
     ::setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1", 1);
     changed = true;
   }
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("GOMP_SPINCOUNT") == nullptr) {
-    ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
-    ::setenv("GOMP_SPINCOUNT", IsServingCommand(Subcommand(argc, argv)) ? "0" : kOmpSpinCount, 1);
-    changed = true;
+  // kOmpOurs marks values a grpo process set (inherited by its children), not the user's: a
+  // serving command started under a computing one (`grpo bench peer_trl` runs `grpo demo`) takes
+  // its own spin count, not the bench's.
+  const bool ours = std::getenv(kOmpOurs) != nullptr;
+  if (ours ||
+      (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("GOMP_SPINCOUNT") == nullptr)) {
+    const char* spin = IsServingCommand(Subcommand(argc, argv)) ? "0" : kOmpSpinCount;
+    const char* now = std::getenv("GOMP_SPINCOUNT");
+    if (!ours || now == nullptr || std::string(now) != spin) {
+      ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+      ::setenv("GOMP_SPINCOUNT", spin, 1);
+      ::setenv(kOmpOurs, "1", 1);
+      changed = true;
+    }
   }
   // `grpo demo` computes nothing itself: its children (learner, workers) inherit the settings,
   // and the demo starts about half a second sooner (libtorch's load, paid once, not twice).

@@ -661,8 +661,12 @@ def main():
     e2e_model = init_model(e2e_preset, os.path.join(work, "model-" + e2e_preset))
     bench_model = init_model("bench", os.path.join(work, "model-bench"))
     job = grpo_job_config(steps)
-    omp = " ".join(f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-                   if k in os.environ) or ("grpo's OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT "
+    # GRPO_OMP_DEFAULTS: the values are grpo's own (set by `grpo bench`), which a serving
+    # command (the demo's learner and workers) replaces with its own (services/cli/main.cc).
+    omp = "" if "GRPO_OMP_DEFAULTS" in os.environ else " ".join(
+        f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+        if k in os.environ)
+    omp = omp or ("grpo's OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT "
                                            "300000 (train-local, bench) or 0 (demo's services)")
     settings = {"threads": THREADS, "ours": f"OMP_NUM_THREADS={THREADS}, {omp}, fp32",
                 "trl": f"torch.set_num_threads({THREADS}), fp32, use_cpu, bf16 False, "

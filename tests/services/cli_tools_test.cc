@@ -407,6 +407,15 @@ TEST_F(CliTools, OpenMpThreadsSpinBrieflyWhenComputingAloneAndNeverWhenServing) 
     EXPECT_EQ(sleeps["GOMP_SPINCOUNT"], "0") << serving << ": serving processes share the cores";
   }
   EXPECT_EQ(LibgompSettings("", "train-local --help")["GOMP_SPINCOUNT"], "300000");
+  // Under a computing grpo (`grpo bench peer_trl` runs `grpo demo`), a serving command takes its
+  // own spin count: those values were grpo's (GRPO_OMP_DEFAULTS), not the user's, which stay.
+  const std::string inherited = "OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=300000";
+  EXPECT_EQ(LibgompSettings("GRPO_OMP_DEFAULTS=1 " + inherited, "learner --help")["GOMP_SPINCOUNT"],
+            "0");
+  EXPECT_EQ(LibgompSettings(inherited, "learner --help")["GOMP_SPINCOUNT"], "300000");
+  EXPECT_EQ(
+      LibgompSettings("GRPO_OMP_DEFAULTS=1 " + inherited, "train-local --help")["GOMP_SPINCOUNT"],
+      "300000");
 }
 
 // `grpo demo` computes nothing and does not re-execute itself; its children (the learner and a
