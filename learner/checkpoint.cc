@@ -13,6 +13,7 @@
 #include <random>
 #include <sstream>
 
+#include "common/atomic_file.h"
 #include "common/logging.h"
 #include "common/model/safetensors.h"
 #include "common/sha256.h"
@@ -37,17 +38,7 @@ Status FsyncPath(const fs::path& p, bool directory) {
 }
 
 Status WriteFileAtomic(const fs::path& path, const std::string& content) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << content;
-    if (!out) return Status::Internal("cannot write " + tmp.string());
-  }
-  RETURN_IF_ERROR(FsyncPath(tmp, false));
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return Status::Internal("cannot rename " + tmp.string() + ": " + ec.message());
-  return FsyncPath(path.parent_path(), true);
+  return common::WriteFileAtomically(path.string(), content, common::Durability::kFsync);
 }
 
 std::string Hex(const at::Tensor& bytes) {

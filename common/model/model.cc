@@ -11,6 +11,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "common/atomic_file.h"
 #include "common/logging.h"
 
 namespace grpo::common {
@@ -42,21 +43,6 @@ bool IsBias(const std::string& name) {
 // Softmax-safe stand-in for -inf: a row whose keys are all blocked gets a uniform (finite)
 // distribution instead of NaN.
 double BlockedScore(at::ScalarType t) { return t == at::kHalf ? -65504.0 : -1e30; }
-
-Status WriteFileAtomic(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return Status::Internal(tmp + ": cannot open for writing");
-    out << bytes;
-    out.flush();
-    if (!out) return Status::Internal(tmp + ": write failed");
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return Status::Internal(path + ": rename failed: " + ec.message());
-  return Status::OK();
-}
 
 }  // namespace
 
@@ -301,7 +287,8 @@ Status Model::SaveWeightsFrom(const std::string& dir,
   fs::create_directories(dir, ec);
   if (ec) ready = Status::Internal(dir + ": cannot create directory: " + ec.message());
   if (ready.ok()) {
-    ready = WriteFileAtomic((fs::path(dir) / "config.json").string(), c.ToJson().dump(2) + "\n");
+    ready =
+        WriteFileAtomically((fs::path(dir) / "config.json").string(), c.ToJson().dump(2) + "\n");
   }
   if (ready.ok()) {
     auto made =

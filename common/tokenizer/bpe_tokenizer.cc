@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "common/atomic_file.h"
 #include "common/tokenizer/added_tokens.h"
 #include "common/tokenizer/tokenizer_util.h"
 
@@ -1048,7 +1049,7 @@ Status BpeTokenizer::Save(const std::string& path) const {
   } catch (const std::exception& e) {
     return Status::Internal(path + ": cannot serialise tokenizer: " + e.what());
   }
-  return internal::WriteFileAtomically(path, out);
+  return WriteFileAtomically(path, out);
 }
 
 }  // namespace grpo::common

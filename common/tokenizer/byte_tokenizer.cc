@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/atomic_file.h"
 #include "common/tokenizer/tokenizer_util.h"
 
 namespace grpo::common {
@@ -112,7 +113,7 @@ Status ByteTokenizer::Save(const std::string& path) const {
               {"normalizer", nullptr},     {"pre_tokenizer", byte_level},
               {"post_processor", nullptr}, {"decoder", byte_level},
               {"model", std::move(model)}};
-  return internal::WriteFileAtomically(path, doc.dump(2) + "\n");
+  return WriteFileAtomically(path, doc.dump(2) + "\n");
 }
 
 }  // namespace grpo::common

@@ -60,21 +60,4 @@ StatusOr<std::string> ReadFileToString(const std::string& path) {
   return std::move(buffer).str();
 }
 
-Status WriteFileAtomically(const std::string& path, std::string_view contents) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return Status::Internal(tmp + ": cannot open for writing: " + std::strerror(errno));
-    out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
-    out.flush();
-    if (!out) return Status::Internal(tmp + ": write failed");
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string err = std::strerror(errno);
-    std::remove(tmp.c_str());
-    return Status::Internal(path + ": cannot rename " + tmp + " over it: " + err);
-  }
-  return Status::OK();
-}
-
 }  // namespace grpo::common::internal

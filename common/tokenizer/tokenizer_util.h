@@ -26,7 +26,5 @@ void AppendByteLevel(std::string_view bytes, std::string* out);
 
 // The whole file; NotFound or Internal naming path.
 StatusOr<std::string> ReadFileToString(const std::string& path);
-// Writes path.tmp then renames it over path; Internal naming path on failure.
-Status WriteFileAtomically(const std::string& path, std::string_view contents);
 
 }  // namespace grpo::common::internal

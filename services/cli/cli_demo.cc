@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/atomic_file.h"
 #include "common/config.h"
 #include "common/logging.h"
 #include "common/process.h"
@@ -267,14 +268,8 @@ int RunDemo(const DemoOptions &o) {
     return fail(port.status().WithContext("starting the learner"));
   }
   const std::string address = "127.0.0.1:" + std::to_string(*port);
-  {
-    const fs::path partial = dir / "learner_address.partial";
-    std::ofstream out(partial);
-    out << address << "\n";
-    out.close();
-    std::error_code ec;
-    if (out) fs::rename(partial, address_file, ec);
-    if (!out || ec) return fail(Status::Internal("cannot write " + address_file.string()));
+  if (Status s = common::WriteFileAtomically(address_file.string(), address + "\n"); !s.ok()) {
+    return fail(s);
   }
   // A worker that failed while the learner started (reaped above, unseen by the monitor below).
   for (const auto &c : group.processes()) {
