@@ -426,8 +426,8 @@ bool Learner::PassMayEnd() {
     // be generated and dropped. (Were the count short, the pass starts after they trained.)
     const int64_t whole_batches = static_cast<int64_t>(buffer_.size()) / batch_groups_;
     if (global_step_ + whole_batches * versions_per_batch_ >= config_.max_steps) return false;
-    // The partial batch trains next, at the current policy version: a group already too stale
-    // for it goes back to its pass now, so that the pass is not left owing it.
+    // A buffered group already too stale at the current policy version (it only gets staler
+    // before it trains) goes back to its pass now, so that the pass is not left owing it.
     for (auto it = buffer_.begin(); it != buffer_.end();) {
       RejectReason reason = RejectReason::kGroupSize;
       if (!trainer_->ValidateGroup(it->group, &reason).ok() && reason == RejectReason::kStale) {
