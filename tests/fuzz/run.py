@@ -24,9 +24,9 @@ import time
 # Each target: its harness, the project sources it exercises (a "build:" path is generated into
 # the build tree), the libraries they link. "TORCH" stands for libtorch's (the wheel's lib/).
 TOKENIZER_SOURCES = ["common/status.cc", "common/logging.cc", "common/utf8.cc",
-                     "common/tokenizer/tokenizer.cc", "common/tokenizer/tokenizer_util.cc",
-                     "common/tokenizer/added_tokens.cc", "common/tokenizer/byte_tokenizer.cc",
-                     "common/tokenizer/bpe_tokenizer.cc"]
+                     "common/atomic_file.cc", "common/tokenizer/tokenizer.cc",
+                     "common/tokenizer/tokenizer_util.cc", "common/tokenizer/added_tokens.cc",
+                     "common/tokenizer/byte_tokenizer.cc", "common/tokenizer/bpe_tokenizer.cc"]
 TOKENIZER_LIBS = ["-lpcre2-8", "-licuuc", "-licudata", "-lspdlog", "-lfmt"]
 TARGETS = {
     "config_yaml": (["common/status.cc", "common/logging.cc", "common/utf8.cc", "common/config.cc"],
