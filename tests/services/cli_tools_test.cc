@@ -305,12 +305,17 @@ TEST_F(CliTools, RolloutWaitsForItsLearnerAddressFile) {
 // Whether a waiting `grpo rollout` started with `env` has libtorch's CUDA part mapped, as the
 // kernel lists the process's files (/proc/PID/maps): "mapped" or "unmapped".
 std::string CudaMappedInAWaitingWorker(const std::string& dir, const std::string& env) {
-  const std::string log = dir + "/rollout_maps.log";
+  // A log of its own each call: the shell below truncates it only once the worker's subshell
+  // runs, so a reused one could show the previous worker's line first (and this worker would
+  // get its SIGTERM before its handler is installed).
+  static int calls = 0;
+  const std::string log = dir + "/rollout_maps_" + std::to_string(++calls) + ".log";
+  fs::remove(log);
   int rc;
   const std::string out = RunCommand(
       "sh -c '" + env + " " + GrpoBin() + " --log_level info rollout --learner_address_file " +
           dir + "/nowhere --learner_wait_seconds 60 2>" + log +
-          " & p=$!; i=0; until grep -q \"waiting for the learner\" " + log +
+          " & p=$!; i=0; until grep -qs \"waiting for the learner\" " + log +
           " || [ $i -ge 600 ]; do sleep 0.1; i=$((i+1)); done; "
           "if grep -q libtorch_cuda.so /proc/$p/maps; then echo mapped; else echo unmapped; fi; "
           "kill -TERM $p; wait $p' 2>&1",
