@@ -8,7 +8,6 @@
 #include <iostream>
 #include <string_view>
 #include <system_error>
-#include <vector>
 
 #include "common/mutex.h"
 
@@ -41,16 +40,25 @@ bool HasNvidiaDevice() {
   return fs::exists("/dev/nvidiactl", ec) || fs::exists("/proc/driver/nvidia/gpus", ec);
 }
 
-// GRPO_CUDA_MODULE, else libgrpo_cuda.so beside the executable, else in ../lib/grpo/.
-std::vector<fs::path> Candidates() {
+// GRPO_CUDA_MODULE as it is, else the first of libgrpo_cuda.so beside the executable and in
+// ../lib/grpo/ from it that exists; NotFound naming the places looked at.
+StatusOr<fs::path> FindModule() {
   if (const char* path = std::getenv("GRPO_CUDA_MODULE"); path != nullptr && *path != '\0') {
-    return {fs::path(path)};
+    return fs::path(path);
   }
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (ec) return {};
+  if (ec) return Status::NotFound("no place to look for libgrpo_cuda.so: " + ec.message());
   const fs::path dir = exe.parent_path();
-  return {dir / "libgrpo_cuda.so", dir / ".." / "lib" / "grpo" / "libgrpo_cuda.so"};
+  std::string tried;
+  for (const fs::path& path :
+       {dir / "libgrpo_cuda.so", dir / ".." / "lib" / "grpo" / "libgrpo_cuda.so"}) {
+    const fs::path p = path.lexically_normal();
+    if (fs::exists(p, ec)) return p;
+    tried += (tried.empty() ? "" : ", ") + p.string();
+  }
+  return Status::NotFound("libgrpo_cuda.so is in none of " + tried +
+                          " (GRPO_CUDA_MODULE names another place)");
 }
 
 StatusOr<const CudaModule*> Open(const fs::path& path) {
@@ -107,29 +115,14 @@ Status LoadCudaModule() {
     SetState("not loaded (no NVIDIA device here; GRPO_CUDA=1 loads it anyway)");
     return Status::OK();
   }
-  const std::vector<fs::path> candidates = Candidates();
-  std::string tried;
-  Status last = Status::NotFound("no place to look for libgrpo_cuda.so");
-  for (const fs::path& path : candidates) {
-    std::error_code ec;
-    if (candidates.size() > 1 && !fs::exists(path, ec)) {
-      tried += (tried.empty() ? "" : ", ") + path.lexically_normal().string();
-      continue;
-    }
-    StatusOr<const CudaModule*> module = Open(path);
-    if (module.ok()) {
-      g_loaded.store(*module, std::memory_order_release);
-      SetState("loaded from " + path.lexically_normal().string());
-      return Status::OK();
-    }
-    last = module.status();
-    tried.clear();
-    break;
+  StatusOr<fs::path> path = FindModule();
+  StatusOr<const CudaModule*> module = path.ok() ? Open(*path) : path.status();
+  if (module.ok()) {
+    g_loaded.store(*module, std::memory_order_release);
+    SetState("loaded from " + path->lexically_normal().string());
+    return Status::OK();
   }
-  if (!tried.empty()) {
-    last = Status::NotFound("libgrpo_cuda.so is in none of " + tried +
-                            " (GRPO_CUDA_MODULE names another place)");
-  }
+  const Status last = module.status();
   SetState("not loaded: " + last.message());
   if (required) return last;
   // Logging is not set up yet (main() calls this first).

@@ -25,11 +25,11 @@
 
 namespace grpo::common {
 
-// Bumped whenever CudaModule changes: a module built from other sources is refused.
+// Bumped whenever CudaModule changes: the loader passes it to the module's entry, which refuses
+// a loader built from other sources.
 inline constexpr int kCudaModuleAbi = 1;
 
 struct CudaModule {
-  int abi = kCudaModuleAbi;
   // common/weight_sync/nccl_weight_sync.h and cuda_ipc_weight_sync.h, on CUDA device `device`.
   StatusOr<std::unique_ptr<WeightSync>> (*create_nccl_weight_sync)(
       c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, int64_t epoch,
