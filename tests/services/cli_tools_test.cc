@@ -276,6 +276,28 @@ TEST_F(CliTools, ConfigNamesAnUnknownKey) {
 // `grpo rollout` takes the learner's address or a file that will hold it (grpo demo's workers
 // start beside the learner): neither or both is bad input; a file that never appears is an error
 // after --learner_wait_seconds; SIGTERM while waiting ends the worker at once, exit 0.
+// Starts `env grpo --log_level info rollout` waiting for an address file that never comes; once
+// its log says it waits (its stop handler then installed) runs the shell command `probe` ($p is
+// the worker's pid), SIGTERMs it and waits for it. Returns the shell's output; *rc is the
+// worker's exit code (EXPECTed 0 by the caller as it needs).
+std::string WithAWaitingWorker(const std::string& dir, const std::string& env,
+                               const std::string& probe, int* rc) {
+  // A log of its own each call: the shell below truncates it only once the worker's subshell
+  // runs, so a reused one could show the previous worker's line first (and this worker would
+  // get its SIGTERM before its handler is installed).
+  static int calls = 0;
+  const std::string log = dir + "/rollout_wait_" + std::to_string(++calls) + ".log";
+  fs::remove(log);
+  const std::string out = RunCommand(
+      "sh -c '" + env + " " + GrpoBin() + " --log_level info rollout --learner_address_file " +
+          dir + "/nowhere --learner_wait_seconds 60 2>" + log +
+          " & p=$!; i=0; until grep -qs \"waiting for the learner\" " + log +
+          " || [ $i -ge 600 ]; do sleep 0.1; i=$((i+1)); done; " + probe +
+          "; kill -TERM $p; wait $p' 2>&1",
+      rc);
+  return out + grpo::testing::ReadFile(log);
+}
+
 TEST_F(CliTools, RolloutWaitsForItsLearnerAddressFile) {
   int rc;
   std::string out = RunCommand(GrpoBin() + " rollout 2>&1", &rc);
@@ -292,35 +314,18 @@ TEST_F(CliTools, RolloutWaitsForItsLearnerAddressFile) {
   EXPECT_NE(out.find("no learner address in --learner_address_file"), std::string::npos) << out;
   // Stopped while it waits (SIGTERM once its log says it waits, its handler then installed):
   // it exits 0 at once.
-  const std::string log = dir_ + "/rollout_wait.log";
-  out = RunCommand("sh -c '" + GrpoBin() + " --log_level info rollout --learner_address_file " +
-                       dir_ + "/nowhere --learner_wait_seconds 60 2>" + log +
-                       " & p=$!; i=0; until grep -q \"waiting for the learner\" " + log +
-                       " || [ $i -ge 600 ]; do sleep 0.1; i=$((i+1)); done; "
-                       "kill -TERM $p; wait $p' 2>&1",
-                   &rc);
-  EXPECT_EQ(rc, 0) << out << grpo::testing::ReadFile(log);
+  out = WithAWaitingWorker(dir_, "", "true", &rc);
+  EXPECT_EQ(rc, 0) << out;
 }
 
 // Whether a waiting `grpo rollout` started with `env` has libtorch's CUDA part mapped, as the
 // kernel lists the process's files (/proc/PID/maps): "mapped" or "unmapped".
 std::string CudaMappedInAWaitingWorker(const std::string& dir, const std::string& env) {
-  // A log of its own each call: the shell below truncates it only once the worker's subshell
-  // runs, so a reused one could show the previous worker's line first (and this worker would
-  // get its SIGTERM before its handler is installed).
-  static int calls = 0;
-  const std::string log = dir + "/rollout_maps_" + std::to_string(++calls) + ".log";
-  fs::remove(log);
   int rc;
-  const std::string out = RunCommand(
-      "sh -c '" + env + " " + GrpoBin() + " --log_level info rollout --learner_address_file " +
-          dir + "/nowhere --learner_wait_seconds 60 2>" + log +
-          " & p=$!; i=0; until grep -qs \"waiting for the learner\" " + log +
-          " || [ $i -ge 600 ]; do sleep 0.1; i=$((i+1)); done; "
-          "if grep -q libtorch_cuda.so /proc/$p/maps; then echo mapped; else echo unmapped; fi; "
-          "kill -TERM $p; wait $p' 2>&1",
-      &rc);
-  EXPECT_EQ(rc, 0) << out << grpo::testing::ReadFile(log);
+  const std::string out = WithAWaitingWorker(
+      dir, env,
+      "if grep -q libtorch_cuda.so /proc/$p/maps; then echo mapped; else echo unmapped; fi", &rc);
+  EXPECT_EQ(rc, 0) << out;
   return out.substr(0, out.find('\n'));
 }
 
