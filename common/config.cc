@@ -331,6 +331,7 @@ const std::vector<Field>& Fields() {
       MakeField("weight_sync_backend", &C::weight_sync_backend,
                 {"gloo", "nccl", "cuda_ipc", "auto", "grpc"}),
       MakeField("weight_sync_steps", &C::weight_sync_steps),
+      MakeField("weight_publish", &C::weight_publish, {"snapshot", "stream"}),
       MakeField("weight_sync_timeout_seconds", &C::weight_sync_timeout_seconds),
       MakeField("auth_token_file", &C::auth_token_file),
       MakeField("tls_cert_file", &C::tls_cert_file),

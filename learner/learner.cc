@@ -51,7 +51,13 @@ std::map<std::string, double> FlattenMetrics(const StepMetrics& step) {
 }  // namespace
 
 Learner::Learner(common::GrpoConfig config, LearnerOptions options)
-    : config_(std::move(config)), options_(std::move(options)) {}
+    : config_(std::move(config)),
+      options_(std::move(options)),
+      streams_weights_(config_.weight_publish == "stream"),
+      readers_([this] {
+        common::MutexLock lock(&mu_);
+        train_cv_.NotifyAll();
+      }) {}
 
 StatusOr<std::unique_ptr<Learner>> Learner::Create(common::GrpoConfig config,
                                                    std::unique_ptr<common::Model> policy,
@@ -201,6 +207,7 @@ Status Learner::Stop(bool checkpoint) {
   state_cv_.NotifyAll();
   epoch_store_->Stop();
   if (train_thread_.joinable()) train_thread_.join();
+  readers_.Close();  // after the training thread: none is served any more
   for (std::thread& t : sync_threads_) {
     if (t.joinable()) t.join();
   }
@@ -275,7 +282,7 @@ JobState Learner::job_state() const {
 
 int64_t Learner::published_version() const {
   common::MutexLock lock(&mu_);
-  return weights_ ? weights_->version : -1;
+  return published_version_;
 }
 
 std::map<std::string, int64_t> Learner::RefusedCounts() const {
@@ -313,7 +320,8 @@ void Learner::TrainLoop() {
     {
       common::MutexLock lock(&mu_);
       const auto deadline = Clock::now() + kWaitPollInterval;
-      while (!stopping_ && !housekeep_due_ && !(!TerminalLocked() && BatchReadyLocked())) {
+      while (!stopping_ && !housekeep_due_ && !(!TerminalLocked() && BatchReadyLocked()) &&
+             !(streams_weights_ && readers_.waiting())) {
         if (!train_cv_.WaitUntil(&mu_, deadline)) break;
       }
       if (stopping_) return;
@@ -323,6 +331,7 @@ void Learner::TrainLoop() {
       housekeep_due_ = false;
     }
     ReturnLeasesOfDropped(dropped);
+    if (streams_weights_) ServeReadersBetweenSteps();
     if (housekeep) {
       Housekeep();
       last_housekeep = Clock::now();
@@ -365,6 +374,23 @@ void Learner::TrainLoop() {
     }
     room_cv_.NotifyAll();  // leases held back for staleness may go out now
   }
+}
+
+void Learner::ServeReadersBetweenSteps() {
+  if (!readers_.waiting()) return;
+  bool publish = false;
+  {
+    common::MutexLock lock(&mu_);
+    if (global_step_ != last_published_step_) {
+      // The weights are past the published version (weight_sync_steps > 1): the readers wait
+      // for the next publish while batches train, and get this step published now when none
+      // is ready (they may be the workers that would fill it).
+      if (!TerminalLocked() && BatchReadyLocked()) return;
+      publish = true;
+    }
+  }
+  const Status s = publish ? PublishWeights() : ServeWeightReaders();
+  if (!s.ok()) GRPO_LOG_ERROR("learner: publish for GetWeights: {}", s.ToString());
 }
 
 void Learner::Housekeep() {
@@ -614,6 +640,17 @@ void Learner::RequeueUntrained(const TrainedGroup& key, std::string_view why) {
 }
 
 Status Learner::PublishWeights() {
+  if (streams_weights_) {
+    // No copy: the version is announced, and whoever reads it is served from the policy now
+    // (and at any later point where it is still this version: TrainLoop).
+    {
+      common::MutexLock lock(&mu_);
+      published_version_ = trainer_->policy_version();
+      last_published_step_ = global_step_;
+    }
+    state_cv_.NotifyAll();
+    return ServeWeightReaders();
+  }
   const auto publish_start = Clock::now();
   auto snap = std::make_shared<WeightSnapshot>();
   // A copy on the GPU too while a worker gets its weights over a GPU backend (NCCL, CUDA IPC):
@@ -664,11 +701,49 @@ Status Learner::PublishWeights() {
       std::chrono::duration<double>(Clock::now() - publish_start).count());
   {
     common::MutexLock lock(&mu_);
+    published_version_ = snap->version;
     weights_ = std::move(snap);
     last_published_step_ = global_step_;
   }
   state_cv_.NotifyAll();
   return Status::OK();
+}
+
+Status Learner::ServeWeightReaders() {
+  if (!readers_.waiting()) return Status::OK();
+  int64_t version = 0;
+  {
+    common::MutexLock lock(&mu_);
+    version = published_version_;
+  }
+  const auto start = Clock::now();
+  const size_t count = policy_->NamedParameters().size();
+  const bool sharded = trainer_->optimizer().ShardsParameters();
+  const Status served = readers_.Serve(version, count, [&](const WeightPut& put) -> Status {
+    if (!sharded) {
+      at::NoGradGuard no_grad;
+      for (const auto& [name, t] : policy_->NamedParameters()) put(name, t);
+      return Status::OK();
+    }
+    // full_shard: every rank joins the gather, a unit at a time; rank 0 hands each unit's
+    // tensors on and frees the unit before the next.
+    if (rank_link_) RETURN_IF_ERROR(rank_link_->Publish());
+    return trainer_->optimizer().StreamWeights(
+        "gather of the weights to stream at version " + std::to_string(version), false,
+        [&](const std::string& name, const at::Tensor& t) {
+          put(name, t);
+          return Status::OK();
+        });
+  });
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  metrics_.weight_sync_duration->Observe(seconds);
+  if (!served.ok()) {
+    GRPO_LOG_ERROR("learner: streaming version {} to its readers: {}", version, served.ToString());
+  } else {
+    GRPO_LOG_INFO("learner: policy version {} streamed over GetWeights in {:.3f} s", version,
+                  seconds);
+  }
+  return served;
 }
 
 void Learner::WeightSyncLoop(size_t index) {

@@ -78,6 +78,7 @@
 #include "learner/job.h"
 #include "learner/prompt_ledger.h"
 #include "learner/weight_publisher.h"
+#include "learner/weight_readers.h"
 #include "learner/worker_registry.h"
 
 namespace grpo::learner {
@@ -225,6 +226,15 @@ class Learner {
   StatusOr<std::shared_ptr<const WeightSnapshot>> WaitForWeights(
       int64_t min_version, const common::CancelToken* cancel, const std::string& incarnation = "")
       GRPO_EXCLUDES(mu_);
+  // GetWeights: the weights of a published version >= min_version (as WaitForWeights), each
+  // tensor handed to `sink` in Model::NamedParameters order. With `weight_publish: snapshot`
+  // the sink runs on the caller's thread over the snapshot; with `stream` the caller waits (up to
+  // kDefaultGetWeightsWait more) for the training thread, which runs the sink as it reads the
+  // policy (learner/weight_readers.h). Cancelled when the sink returned false.
+  Status ReadWeights(int64_t min_version, const common::CancelToken* cancel,
+                     const std::string& incarnation, const WeightSink& sink) GRPO_EXCLUDES(mu_);
+  // `weight_publish: stream`: no snapshot is kept; GetWeights is served by the training thread.
+  bool streams_weights() const { return streams_weights_; }
 
   // --- What clients ask.
   StatusOr<DatasetInfo> AddDataset(const std::string& idempotency_key,
@@ -298,7 +308,15 @@ class Learner {
   void TrainBatch(std::vector<BufferedGroup> batch, BatchFill fill) GRPO_EXCLUDES(mu_);
   // AcceptGroup 3a: the group has no learning signal; the ledger records it filtered.
   void FilterGroup(const common::RolloutGroup& group, PushTally* tally) GRPO_EXCLUDES(mu_);
+  // A new published version: the snapshot (`weight_publish: snapshot`), or (`stream`) the
+  // version alone, and the readers waiting are served.
   Status PublishWeights() GRPO_EXCLUDES(mu_);
+  // `stream`: hands the policy, a tensor at a time, to the readers waiting now (training thread,
+  // while the weights are the published version's).
+  Status ServeWeightReaders() GRPO_EXCLUDES(mu_);
+  // TrainLoop, between steps, with `stream`: serves the readers waiting when the weights are the
+  // published version's, or publishes them first when no batch is ready to train.
+  void ServeReadersBetweenSteps() GRPO_EXCLUDES(mu_);
   // One weight-sync thread per group backend (`index` into common::GroupBackends()): its
   // WeightPublisher serves the workers assigned that backend, broadcasting each newly
   // published version.
@@ -401,7 +419,11 @@ class Learner {
   std::map<std::string, int> bad_group_attempts_ GRPO_GUARDED_BY(mu_);  // by prompt id
   std::map<std::string, int64_t> refused_ GRPO_GUARDED_BY(mu_);         // by reason
   WorkerRegistry workers_ GRPO_GUARDED_BY(mu_);
-  std::shared_ptr<const WeightSnapshot> weights_ GRPO_GUARDED_BY(mu_);
+  std::shared_ptr<const WeightSnapshot> weights_ GRPO_GUARDED_BY(mu_);  // snapshot mode
+  int64_t published_version_ GRPO_GUARDED_BY(mu_) = -1;                 // in both modes
+  const bool streams_weights_;
+  // GetWeights calls waiting for the training thread (`weight_publish: stream`).
+  WeightReaders readers_;
   std::list<std::shared_ptr<Subscriber>> subscribers_ GRPO_GUARDED_BY(mu_);
 };
 

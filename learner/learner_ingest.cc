@@ -30,7 +30,7 @@ JobSnapshot Learner::Snapshot() {
   job.state = state_;
   job.global_step = global_step_;
   job.max_steps = config_.max_steps;
-  job.policy_version = weights_ ? weights_->version : trainer_->policy_version();
+  job.policy_version = published_version_ >= 0 ? published_version_ : trainer_->policy_version();
   job.workers = workers_.size();
   job.last_metrics = last_metrics_;
   job.message = message_;
@@ -63,10 +63,16 @@ StatusOr<common::Registration> Learner::Register(const common::RegisterRequest& 
 common::Registration Learner::RegisterWorker(const common::RegisterRequest& request) {
   common::MutexLock lock(&mu_);
   const common::SyncEndpoint worker_end{common::CudaOrdinal(request.device) >= 0, request.gpu_uuid};
-  const common::BackendAssignment assigned = common::AssignBackend(
+  common::BackendAssignment assigned = common::AssignBackend(
       request.weight_sync_backend, endpoint_, worker_end, [&](std::string_view b) {
         return options_.weight_sync_factory ? true : common::WeightSyncBackendBuilt(b);
       });
+  if (streams_weights_ && assigned.backend != common::kBackendGrpc) {
+    // The groups broadcast snapshots; a streaming learner keeps none.
+    assigned = {std::string(common::kBackendGrpc),
+                "weight_publish stream: the learner streams its weights over GetWeights only; "
+                "GetWeights (grpc) instead"};
+  }
   const WorkerRegistry::Registered w =
       workers_.Register(request.worker_id, request.hostname, request.pid,
                         request.weight_sync_backend, assigned.backend, Clock::now());
@@ -87,7 +93,7 @@ common::Registration Learner::RegisterWorker(const common::RegisterRequest& requ
   r.rank = w.rank;
   r.world_size = workers_.size() + 1;
   r.group_epoch = epoch_store_->epoch();
-  r.policy_version = weights_ ? weights_->version : 0;
+  r.policy_version = std::max<int64_t>(published_version_, 0);
   r.weight_sync_backend = assigned.backend;
   r.weight_sync_note = assigned.note;
   r.heartbeat_interval_ms = options_.heartbeat_interval.count();
@@ -107,7 +113,7 @@ StatusOr<common::HeartbeatReply> Learner::Heartbeat(const common::HeartbeatReque
                   common::EscapeForLog(request.worker_id));
   }
   common::HeartbeatReply reply;
-  reply.policy_version = weights_ ? weights_->version : 0;
+  reply.policy_version = std::max<int64_t>(published_version_, 0);
   reply.group_epoch = epoch_store_->epoch();
   reply.shutdown = JobOverForWorkersLocked();
   reply.learner_incarnation = incarnation_;
@@ -158,7 +164,7 @@ StatusOr<common::LeaseReply> Learner::LeasePrompts(const std::string& worker_id,
       int64_t budget = 0;
       {
         common::MutexLock lock(&mu_);
-        reply.policy_version = weights_ ? weights_->version : 0;
+        reply.policy_version = std::max<int64_t>(published_version_, 0);
         if (JobOverForWorkersLocked()) {
           reply.job_done = true;
           return reply;
@@ -481,8 +487,47 @@ void Learner::FilterGroup(const common::RolloutGroup& group, PushTally* tally) {
   train_cv_.NotifyAll();  // a short batch may be due (max_num_gen_batches)
 }
 
+Status Learner::ReadWeights(int64_t min_version, const common::CancelToken* cancel,
+                            const std::string& incarnation, const WeightSink& sink) {
+  if (!streams_weights_) {
+    ASSIGN_OR_RETURN(std::shared_ptr<const WeightSnapshot> snap,
+                     WaitForWeights(min_version, cancel, incarnation));
+    for (size_t i = 0; i < snap->tensors.size(); ++i) {
+      const auto& [name, t] = snap->tensors[i];
+      if (!sink(WeightPiece{snap->version, name, t, i, snap->tensors.size()})) {
+        return Status::Cancelled("the reader went away");
+      }
+    }
+    return Status::OK();
+  }
+  if (!incarnation.empty() && incarnation != incarnation_) min_version = 0;
+  {
+    const common::CancelToken::Subscription wake = common::CancelToken::Watch(cancel, [this] {
+      common::MutexLock lock(&mu_);
+      state_cv_.NotifyAll();
+    });
+    common::MutexLock lock(&mu_);
+    const auto deadline = Clock::now() + kDefaultGetWeightsWait;
+    while (!stopping_ && published_version_ < min_version &&
+           !common::CancelToken::Tripped(cancel)) {
+      if (!state_cv_.WaitUntil(&mu_, deadline)) break;
+    }
+    if (published_version_ < min_version) {
+      return Status::DeadlineExceeded("policy version " + std::to_string(min_version) +
+                                      " not published (at " + std::to_string(published_version_) +
+                                      ")");
+    }
+  }
+  // The training thread serves it with the version published then (>= min_version: versions
+  // only grow within an incarnation).
+  return readers_.Read(sink, Clock::now() + kDefaultGetWeightsWait, cancel);
+}
+
 StatusOr<std::shared_ptr<const WeightSnapshot>> Learner::WaitForWeights(
     int64_t min_version, const common::CancelToken* cancel, const std::string& incarnation) {
+  if (streams_weights_) {
+    return Status::FailedPrecondition("weight_publish stream keeps no snapshot (ReadWeights)");
+  }
   if (!incarnation.empty() && incarnation != incarnation_) min_version = 0;
   const common::CancelToken::Subscription wake = common::CancelToken::Watch(cancel, [this] {
     common::MutexLock lock(&mu_);

@@ -224,37 +224,44 @@ grpc::Status LearnerServer::ServeWeights(const v1::GetWeightsRequest& request,
   const int64_t chunk = request.chunk_bytes() > 0
                             ? std::min<int64_t>(request.chunk_bytes(), kDefaultWeightChunkBytes)
                             : kDefaultWeightChunkBytes;
-  auto weights =
-      learner_->WaitForWeights(request.min_version(), &call.cancel(), request.incarnation());
-  if (!weights.ok()) return ToGrpcStatus(weights.status());
-  const std::shared_ptr<const learner::WeightSnapshot> snap = *weights;
+  // Each tensor goes out in chunks as it comes: from the snapshot, or (weight_publish: stream)
+  // on the training thread as it reads the policy, a tensor at a time.
   v1::WeightChunk msg;
-  for (size_t i = 0; i < snap->tensors.size(); ++i) {
-    const auto& [name, t] = snap->tensors[i];
-    auto dtype = common::SafetensorsDtypeName(t.scalar_type());
-    if (!dtype.ok()) return ToGrpcStatus(dtype.status());
-    const int64_t bytes = static_cast<int64_t>(t.nbytes());
-    const char* data = static_cast<const char*>(t.data_ptr());
-    int64_t offset = 0;
-    do {
-      const int64_t n = std::min(chunk, bytes - offset);
-      msg.Clear();
-      msg.set_version(snap->version);
-      msg.set_incarnation(learner_->incarnation());
-      msg.set_name(name);
-      for (int64_t d : t.sizes()) msg.add_shape(d);
-      msg.set_dtype(*dtype);
-      msg.set_offset(offset);
-      if (n > 0) msg.set_data(data + offset, static_cast<size_t>(n));
-      msg.set_tensor_bytes(bytes);
-      offset += n;
-      msg.set_last(i + 1 == snap->tensors.size() && offset >= bytes);
-      if (!call.Write(msg)) {
-        return grpc::Status(grpc::StatusCode::CANCELLED, "GetWeights: the client went away");
-      }
-      learner_->metrics().weight_sync_bytes->Increment(static_cast<double>(n));
-    } while (offset < bytes);
-  }
+  Status sink_status = Status::OK();
+  const Status read = learner_->ReadWeights(
+      request.min_version(), &call.cancel(), request.incarnation(),
+      [&](const learner::WeightPiece& piece) {
+        auto dtype = common::SafetensorsDtypeName(piece.tensor.scalar_type());
+        if (!dtype.ok()) {
+          sink_status = dtype.status();
+          return false;
+        }
+        const int64_t bytes = static_cast<int64_t>(piece.tensor.nbytes());
+        const char* data = static_cast<const char*>(piece.tensor.data_ptr());
+        int64_t offset = 0;
+        do {
+          const int64_t n = std::min(chunk, bytes - offset);
+          msg.Clear();
+          msg.set_version(piece.version);
+          msg.set_incarnation(learner_->incarnation());
+          msg.set_name(piece.name);
+          for (int64_t d : piece.tensor.sizes()) msg.add_shape(d);
+          msg.set_dtype(*dtype);
+          msg.set_offset(offset);
+          if (n > 0) msg.set_data(data + offset, static_cast<size_t>(n));
+          msg.set_tensor_bytes(bytes);
+          offset += n;
+          msg.set_last(piece.index + 1 == piece.count && offset >= bytes);
+          if (!call.Write(msg)) {
+            sink_status = Status::Cancelled("GetWeights: the client went away");
+            return false;
+          }
+          learner_->metrics().weight_sync_bytes->Increment(static_cast<double>(n));
+        } while (offset < bytes);
+        return true;
+      });
+  if (!sink_status.ok()) return ToGrpcStatus(sink_status);
+  if (!read.ok()) return ToGrpcStatus(read);
   return grpc::Status::OK;
 }
 

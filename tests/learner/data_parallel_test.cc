@@ -3,7 +3,6 @@
 // numbers are TRL's: trl_reference_test); ranks are threads over FakeRankGroup, then real
 // processes over c10d (RankGroup: a TCPStore and ProcessGroupGloo on loopback), each started
 // from this binary. Faults: a rank that leaves, a rank that stalls past the deadline.
-#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -15,7 +14,6 @@
 #include <fstream>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -32,6 +30,7 @@
 #include "learner/distributed/sharded_adamw.h"
 #include "learner/distributed/state_shards.h"
 #include "learner/grpo_trainer.h"
+#include "tests/learner/counting_allocator.h"
 #include "tests/reserved_port.h"
 
 namespace grpo::learner {
@@ -42,6 +41,8 @@ using common::RolloutGroup;
 using distributed::Collectives;
 using distributed::FakeRankGroup;
 using distributed::SingleRank;
+using grpo::testing::CountingCpuAllocator;
+using grpo::testing::CountingScope;
 using grpo::testing::ReservedPort;
 
 std::unique_ptr<common::Model> TinyModel() {
@@ -915,78 +916,6 @@ TEST(DataParallelCheckpoints, ShardFilesMoveNoAdamWStateToRankZero) {
     fs::remove_all(dir);
   }
 }
-
-// What libtorch's CPU allocator has handed out and not taken back, and its peak since Reset:
-// wraps the allocator in place while a CountingScope lives. Its pointers are simple (context =
-// data, as libtorch's resizable storages require; the wrapped allocation is kept in a table until
-// freed), and the counter outlives every scope: a tensor it handed out may be freed after.
-class CountingCpuAllocator final : public c10::Allocator {
- public:
-  static CountingCpuAllocator& Get() {
-    static CountingCpuAllocator* const counter = new CountingCpuAllocator();
-    return *counter;
-  }
-  void Wrap(c10::Allocator* inner) { inner_ = inner; }
-  c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = inner_->allocate(n);
-    if (n == 0) return inner;
-    void* data = inner.get();
-    const c10::Device device = inner.device();
-    std::lock_guard<std::mutex> lock(mu_);
-    live_ += static_cast<int64_t>(n);
-    peak_ = std::max(peak_, live_);
-    held_.emplace(data, std::make_pair(std::move(inner), static_cast<int64_t>(n)));
-    return {data, data, &Free, device};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &Free; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-  // The bytes live now, the peak from now on.
-  int64_t Reset() {
-    std::lock_guard<std::mutex> lock(mu_);
-    peak_ = live_;
-    return live_;
-  }
-  int64_t peak() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return peak_;
-  }
-
- private:
-  CountingCpuAllocator() = default;
-  static void Free(void* data) {
-    CountingCpuAllocator& self = Get();
-    c10::DataPtr inner;  // freed after the lock
-    std::lock_guard<std::mutex> lock(self.mu_);
-    auto it = self.held_.find(data);
-    if (it == self.held_.end()) return;
-    self.live_ -= it->second.second;
-    inner = std::move(it->second.first);
-    self.held_.erase(it);
-  }
-  c10::Allocator* inner_ = nullptr;
-  std::mutex mu_;
-  std::map<void*, std::pair<c10::DataPtr, int64_t>> held_;
-  int64_t live_ = 0, peak_ = 0;
-};
-
-// Installs the counter over the CPU allocator for its lifetime (c10::SetCPUAllocator takes an
-// allocator of a priority at least the current one's: each install and restore goes one up).
-class CountingScope {
- public:
-  CountingScope() : previous_(c10::GetCPUAllocator()) {
-    CountingCpuAllocator::Get().Wrap(previous_);
-    c10::SetCPUAllocator(&CountingCpuAllocator::Get(), ++priority_);
-  }
-  ~CountingScope() { c10::SetCPUAllocator(previous_, ++priority_); }
-  CountingScope(const CountingScope&) = delete;
-  CountingScope& operator=(const CountingScope&) = delete;
-
- private:
-  static inline uint8_t priority_ = 0;
-  c10::Allocator* const previous_;
-};
 
 // A checkpoint at full_shard (2 thread ranks, a 12-layer model): each unit of the weights is
 // written as it is gathered, so beyond what it held before, the process's CPU allocator never

@@ -23,6 +23,7 @@
 #include "common/model/safetensors.h"
 #include "learner/admission.h"
 #include "learner/worker_registry.h"
+#include "tests/learner/counting_allocator.h"
 #include "tests/learner/tiny_config.h"
 
 namespace grpo::learner {
@@ -701,6 +702,151 @@ TEST_F(LearnerTest, AStopInsideAStepDumpsTheFlushedStep) {
   ASSERT_TRUE(ids.ok());
   EXPECT_EQ(ids->size(0), 4);  // the 2 groups of 2 it took
   EXPECT_EQ(nlohmann::json::parse((*f)->metadata().at("metrics"))["micro_batches"], 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// weight_publish: stream (README "Weight sync"): no copy of the weights is kept; GetWeights
+// readers are served by the training thread from the policy itself.
+
+// Every tensor a ReadWeights hands out, copied, and the versions it named.
+struct ReadResult {
+  Status status;
+  std::vector<int64_t> versions;
+  common::NamedTensors tensors;
+};
+ReadResult ReadAll(Learner& learner, int64_t min_version) {
+  ReadResult r;
+  r.status = learner.ReadWeights(min_version, nullptr, "", [&](const WeightPiece& p) {
+    r.versions.push_back(p.version);
+    r.tensors.emplace_back(p.name, p.tensor.clone());
+    return true;
+  });
+  return r;
+}
+
+// The snapshot a learner publishes at Start is a whole copy of the model in the CPU
+// allocator's live bytes (the counter sees it); a streaming learner holds nothing for it, and
+// serving a reader allocates nothing either (the CPU policy's own tensors are handed out).
+TEST_F(LearnerTest, AStreamingLearnerKeepsNoCopyOfItsWeights) {
+  auto model = common::Model::InitRandom(*common::ModelConfigPreset("tiny"), 7);
+  ASSERT_TRUE(model.ok());
+  int64_t whole = 0;
+  for (const at::Tensor& p : (*model)->Parameters()) whole += p.nbytes();
+  for (const std::string mode : {"snapshot", "stream"}) {
+    SCOPED_TRACE(mode);
+    config_ = testing::TinyLearnerConfig(dir_ / mode);
+    config_.weight_publish = mode;
+    learner_ = Make();
+    ASSERT_NE(learner_, nullptr);
+    testing::CountingScope counting;
+    testing::CountingCpuAllocator& allocator = testing::CountingCpuAllocator::Get();
+    const int64_t before = allocator.Reset();
+    ASSERT_TRUE(learner_->Start().ok());
+    const int64_t held = allocator.live() - before;
+    const int64_t reading = allocator.Reset();
+    int64_t pieces = 0;
+    ASSERT_TRUE(learner_
+                    ->ReadWeights(0, nullptr, "",
+                                  [&](const WeightPiece&) {
+                                    ++pieces;
+                                    return true;
+                                  })
+                    .ok());
+    const int64_t read_peak = allocator.peak() - reading;
+    EXPECT_EQ(pieces, static_cast<int64_t>((*model)->NamedParameters().size()));
+    if (mode == "snapshot") {
+      EXPECT_GE(held, whole);
+    } else {
+      EXPECT_LT(held, whole / 10) << "the whole weights are " << whole << " bytes";
+      EXPECT_LT(read_peak, whole / 10);
+    }
+    learner_.reset();
+  }
+}
+
+// What a streaming learner serves is what a snapshot learner of the same run publishes: the
+// initial model at version 0 (a fresh model of the same seed), and after a step the same
+// trained weights, bit for bit, at version 1.
+TEST_F(LearnerTest, StreamedWeightsEqualTheSnapshotsOfTheSameRun) {
+  auto fresh = common::Model::InitRandom(*common::ModelConfigPreset("tiny"), 7);
+  ASSERT_TRUE(fresh.ok());
+  std::map<std::string, ReadResult> at0, at1;
+  for (const std::string mode : {"snapshot", "stream"}) {
+    SCOPED_TRACE(mode);
+    config_ = testing::TinyLearnerConfig(dir_ / mode);
+    config_.weight_publish = mode;
+    Start();
+    at0[mode] = ReadAll(*learner_, 0);
+    RegisterW1();
+    ASSERT_TRUE(learner_->AddDataset("k", Prompts(4)).ok());
+    PushOneBatch();
+    ASSERT_TRUE(WaitFor([&] { return learner_->published_version() == 1; }, 30s));
+    at1[mode] = ReadAll(*learner_, 1);
+    learner_.reset();
+  }
+  const auto initial = (*fresh)->NamedParameters();
+  for (const std::string mode : {"snapshot", "stream"}) {
+    SCOPED_TRACE(mode);
+    ASSERT_TRUE(at0[mode].status.ok()) << at0[mode].status.ToString();
+    ASSERT_TRUE(at1[mode].status.ok()) << at1[mode].status.ToString();
+    ASSERT_EQ(at0[mode].tensors.size(), initial.size());
+    for (size_t i = 0; i < initial.size(); ++i) {
+      EXPECT_EQ(at0[mode].tensors[i].first, initial[i].first);
+      EXPECT_TRUE(at::equal(at0[mode].tensors[i].second, initial[i].second)) << initial[i].first;
+      EXPECT_EQ(at0[mode].versions[i], 0);
+      EXPECT_EQ(at1[mode].versions[i], 1);
+    }
+  }
+  const auto& snap = at1["snapshot"].tensors;
+  const auto& streamed = at1["stream"].tensors;
+  ASSERT_EQ(snap.size(), streamed.size());
+  int moved = 0;
+  for (size_t i = 0; i < snap.size(); ++i) {
+    EXPECT_EQ(streamed[i].first, snap[i].first);
+    EXPECT_TRUE(at::equal(streamed[i].second, snap[i].second)) << snap[i].first;
+    if (!at::equal(snap[i].second, initial[i].second)) ++moved;
+  }
+  EXPECT_GT(moved, 0) << "the step must have changed the weights compared";
+}
+
+// A streaming learner assigns every worker GetWeights, saying why: the groups broadcast
+// snapshots.
+TEST_F(LearnerTest, AStreamingLearnerAssignsGrpcToAGroupBackendRequest) {
+  config_.weight_publish = "stream";
+  Start();
+  common::RegisterRequest r;
+  r.worker_id = "w1";
+  r.weight_sync_backend = "gloo";
+  auto reg = learner_->Register(r);
+  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+  EXPECT_EQ(reg->weight_sync_backend, "grpc");
+  EXPECT_NE(reg->weight_sync_note.find("weight_publish stream"), std::string::npos)
+      << reg->weight_sync_note;
+}
+
+// With weight_sync_steps 2 the weights after step 1 are no published version. A reader that
+// asks then, with no batch ready to train, gets step 1 published and served (it may be the
+// worker that would fill the next batch); the learner does not wait for step 2.
+TEST_F(LearnerTest, AStreamingLearnerPublishesForAReaderWhenNoBatchIsReady) {
+  config_.weight_publish = "stream";
+  config_.weight_sync_steps = 2;
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(4)).ok());
+  PushOneBatch();
+  ASSERT_TRUE(WaitFor([&] { return learner_->Snapshot().global_step == 1; }, 30s));
+  EXPECT_EQ(learner_->published_version(), 0);
+  const ReadResult r = ReadAll(*learner_, 0);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  ASSERT_FALSE(r.versions.empty());
+  EXPECT_EQ(r.versions.front(), 1);
+  EXPECT_EQ(learner_->published_version(), 1);
+  // Those are the policy's weights now (training is idle).
+  const auto live = learner_->policy().NamedParameters();
+  ASSERT_EQ(r.tensors.size(), live.size());
+  for (size_t i = 0; i < live.size(); ++i) {
+    EXPECT_TRUE(at::equal(r.tensors[i].second, live[i].second)) << live[i].first;
+  }
 }
 
 }  // namespace

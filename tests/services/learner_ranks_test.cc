@@ -54,8 +54,9 @@ class LearnerRanksTest : public ::testing::Test {
   }
 
   // Both ranks of a world of two, rank 1 first (it waits for rank 0's store), with `extra`
-  // learner flags.
-  void StartRanks(int max_steps, const std::vector<std::string>& extra = {}) {
+  // learner flags, and a worker with `worker_extra` flags.
+  void StartRanks(int max_steps, const std::vector<std::string>& extra = {},
+                  const std::vector<std::string>& worker_extra = {}) {
     // Held while the ranks run: no concurrent test binds it before rank 0 does.
     master_port_ = std::make_unique<grpo::testing::ReservedPort>();
     const int master_port = master_port_->port();
@@ -84,10 +85,12 @@ class LearnerRanksTest : public ::testing::Test {
                    (dir_ / "data.jsonl").string() + " >" + (dir_ / "submit.out").string() + " 2>&1",
                &rc);
     ASSERT_EQ(rc, 0) << ReadFile(dir_ / "submit.out");
-    ASSERT_GT(children_->Spawn(
-                  "worker", {GrpoBin(), "rollout", "--learner_address", address_, "--metrics_port",
-                             "0", "--auth_token_file", (dir_ / "token").string()}),
-              0);
+    // At info: the test reads which versions it took.
+    std::vector<std::string> worker = {
+        GrpoBin(), "--log_level",    "info", "rollout",           "--learner_address",
+        address_,  "--metrics_port", "0",    "--auth_token_file", (dir_ / "token").string()};
+    worker.insert(worker.end(), worker_extra.begin(), worker_extra.end());
+    ASSERT_GT(children_->Spawn("worker", worker), 0);
   }
 
   std::string Logs() const {
@@ -176,6 +179,32 @@ INSTANTIATE_TEST_SUITE_P(Modes, LearnerRanksShards,
                          ::testing::Values(std::vector<std::string>{"--fsdp", "shard_grad_op"},
                                            std::vector<std::string>{"--fsdp", "full_shard",
                                                                     "--bf16", "true"}));
+
+// weight_publish stream at full_shard: no rank holds the whole weights. The worker (asking for
+// gloo) is assigned GetWeights, and each version it takes is gathered by both ranks a unit at a
+// time while rank 0 streams it; the job trains to max_steps only if the worker received newer
+// versions than the first.
+TEST_F(LearnerRanksTest, FullShardStreamsEachVersionToTheWorker) {
+  StartRanks(/*max_steps=*/3, {"--fsdp", "full_shard", "--weight_publish", "stream"},
+             {"--weight_sync_backend", "gloo"});
+  const auto rank0 = children_->Wait("rank0", seconds(240));
+  ASSERT_TRUE(rank0.has_value()) << "rank 0 still runs:\n" << Logs();
+  EXPECT_EQ(*rank0, 0) << Logs();
+  const auto rank1 = children_->Wait("rank1", seconds(30));
+  ASSERT_TRUE(rank1.has_value()) << Logs();
+  EXPECT_EQ(*rank1, 0) << Logs();
+  const std::string log0 = ReadFile(children_->Err("rank0"));
+  const std::string worker = ReadFile(children_->Err("worker"));
+  EXPECT_NE(log0.find("policy version 0 streamed over GetWeights"), std::string::npos) << Logs();
+  EXPECT_NE(worker.find("weight_publish stream"), std::string::npos) << Logs();
+  EXPECT_NE(worker.find("policy version 0 (learner"), std::string::npos) << Logs();
+  // A later version reached it the same way (the job's steps train on it: max_staleness).
+  bool later = false;
+  for (int v = 1; v <= 3; ++v) {
+    later |= worker.find("policy version " + std::to_string(v) + " (learner") != std::string::npos;
+  }
+  EXPECT_TRUE(later) << worker;
+}
 
 TEST_F(LearnerRanksTest, AKilledRankFailsTheJobAndRankZeroExitsNonZeroNamingTheCollective) {
   StartRanks(/*max_steps=*/1000);
