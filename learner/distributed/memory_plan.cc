@@ -182,10 +182,22 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   if (p.reference) p.reference_model = s * n;  // whole on every rank, in every mode (as built)
 
   // Weights published for rollout workers (learner/learner.cc PublishWeights): fp32 CPU tensors
-  // always, and a copy on the GPU while a worker takes them over NCCL or CUDA IPC.
+  // always, and a copy on the GPU while a worker takes them over NCCL or CUDA IPC. With
+  // `weight_publish: stream` none: each GetWeights reader is handed the policy's tensors (with
+  // full_shard, of the gathered unit the model state counts) a tensor at a time, copied to the
+  // host from a GPU, and sent in chunks; every worker is assigned grpc.
   const std::string& backend = cfg.weight_sync_backend;
   const bool gpu_backend = backend == "nccl" || backend == "cuda_ipc" || backend == "auto";
-  if (cuda) {
+  p.streams_weights = cfg.weight_publish == "stream";
+  if (p.streams_weights) {
+    p.runtime = cuda ? kCudaRuntimeBytes : kHostRuntimeBytes;
+    if (cuda) {
+      p.host_weight_snapshot = 4 * p.params.largest_tensor;
+      p.host_other = kHostRuntimeBytes + kGetWeightsChunkBytes;
+    } else {
+      p.weight_sync_bucket = kGetWeightsChunkBytes;
+    }
+  } else if (cuda) {
     p.runtime = kCudaRuntimeBytes;
     p.host_weight_snapshot = 2 * 4 * n;  // the published version and the next one being copied
     if (gpu_backend) p.weight_snapshot = 4 * n;
@@ -336,6 +348,7 @@ nlohmann::json MemoryPlan::ToJson() const {
   c["adamw_state"] = adamw_state;
   c["gathered_layer"] = gathered_layer;
   c["reference_model"] = reference_model;
+  j["weight_publish"] = streams_weights ? "stream" : "snapshot";
   c["weight_snapshot"] = weight_snapshot;
   c["weight_sync_bucket"] = weight_sync_bucket;
   c["runtime"] = runtime;
@@ -521,7 +534,8 @@ StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::Grpo
                     floor.config.fsdp + " and " + std::to_string(kMaxSuggestedWorldSize) + " ranks";
   msg += " a rank still needs " + FormatBytes(least.Total());
   if (least.weight_snapshot > 0) {
-    msg += " (the published weights " + FormatBytes(least.weight_snapshot) + ")";
+    msg += " (the published weights " + FormatBytes(least.weight_snapshot) +
+           ", which weight_publish: stream does not keep)";
   }
   return Status::NotFound(msg);
 }
@@ -577,7 +591,8 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
                 n >= 1e9 ? n / 1e9 : n / 1e6);
   o << p.model_type << ", " << params << " parameters; " << p.world_size
     << (p.world_size == 1 ? " rank" : " ranks") << " of " << p.device << ", fsdp " << fsdp << ", "
-    << cdt << ", gradient_checkpointing " << (p.gradient_checkpointing ? "on" : "off") << "\n";
+    << cdt << ", gradient_checkpointing " << (p.gradient_checkpointing ? "on" : "off")
+    << (p.streams_weights ? ", weight_publish stream" : "") << "\n";
   o << "micro-batch: " << p.micro_batch_rows << " rows x " << p.sequence_tokens << " tokens ("
     << p.prompt_length << " prompt + " << p.completion_length << " completion)\nthe LM head over "
     << p.completion_tokens << " tokens in chunks of " << p.chunk_tokens << "\n\n";
@@ -614,7 +629,9 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
   row("peak: activations + max(LM-head pass, layer backward)", p.MicroBatchPeak());
   o << "other phases and the service\n";
   row("optimizer step (all-reduce bucket, fp64 norm, AdamW temps)", p.optimizer_step);
-  row("published weights here (fp32; 2x while publishing)", p.weight_snapshot);
+  row(p.streams_weights ? "published weights here (weight_publish stream: none kept)"
+                        : "published weights here (fp32; 2x while publishing)",
+      p.weight_snapshot);
   row("weight-sync bucket", p.weight_sync_bucket);
   row(p.device == "cuda" ? "CUDA context and libraries" : "the process (libraries, threads)",
       p.runtime);
@@ -622,7 +639,9 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
   row("total: state + max(micro-batch, step, publish) + the rest", p.Total());
   if (device_bytes > 0) row(p.device + " memory of a rank", device_bytes);
   if (p.device == "cuda") {
-    row("host memory beside it (offloaded, 2 snapshots, process)", p.HostTotal());
+    row(p.streams_weights ? "host memory beside it (offloaded, a streamed tensor, process)"
+                          : "host memory beside it (offloaded, 2 snapshots, process)",
+        p.HostTotal());
   }
   for (const std::string& note : p.notes) o << "note: " << note << "\n";
   return o.str();

@@ -76,6 +76,7 @@ struct MemoryPlan {
   int64_t gathered_layer = 0;      // full_shard: the largest unit whole and its grad;
                                    // shard_grad_op: the gradient in flight in backward
   int64_t reference_model = 0;     // beta != 0: a frozen copy in the compute dtype
+  bool streams_weights = false;    // weight_publish: stream (no snapshot is kept)
   int64_t weight_snapshot = 0;     // published weights (fp32) held on this device
   int64_t weight_sync_bucket = 0;  // one flat bucket of the weight-sync backend on this device
   int64_t runtime = 0;             // kHostRuntimeBytes or kCudaRuntimeBytes

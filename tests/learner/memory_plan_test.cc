@@ -460,6 +460,50 @@ TEST(MemoryPlan7B, EightFullShardRanksWithCheckpointingFit) {
   EXPECT_TRUE(plan->Fits(k80GiB)) << FormatPlan(*plan, k80GiB);
 }
 
+// weight_publish stream keeps no snapshot. On the CPU the snapshot plan holds 4 bytes a
+// parameter for the published version and as much again while the next is made (28.4 GiB twice
+// for the 7B: 4 x 7,615,616,512); the streaming plan holds none of it, only GetWeights' chunk in
+// flight. On a GPU the device copy for GPU backends goes too (every worker is assigned grpc),
+// and the host keeps one tensor at a time: the [V, D] embedding, 4 x 152,064 x 3,584 bytes.
+TEST(MemoryPlan7B, AStreamingLearnerHoldsNoPublishedWeights) {
+  common::GrpoConfig cfg;
+  cfg.bf16 = true;
+  cfg.gradient_checkpointing = true;
+  cfg.per_device_train_batch_size = 1;
+  cfg.num_generations = 2;
+  cfg.steps_per_generation = 2;
+  cfg.fsdp = "full_shard";
+  const int64_t n = 7'615'616'512ll;
+  auto snapshot = PlanMemory(Qwen25_7B(), cfg, 64, "cpu");
+  cfg.weight_publish = "stream";
+  auto streamed = PlanMemory(Qwen25_7B(), cfg, 64, "cpu");
+  ASSERT_TRUE(snapshot.ok() && streamed.ok());
+  EXPECT_EQ(snapshot->weight_snapshot, 4 * n);
+  EXPECT_EQ(streamed->weight_snapshot, 0);
+  EXPECT_TRUE(streamed->streams_weights);
+  // Two snapshots, less the phase a streaming publish leaves to the micro-batch or the step
+  // (publishing is a phase of its own beside them).
+  const int64_t saved = snapshot->Total() - streamed->Total();
+  EXPECT_LE(saved, 2 * 4 * n);
+  EXPECT_GE(saved, 2 * 4 * n - std::max(streamed->MicroBatchPeak(), streamed->optimizer_step));
+  // At 64 ranks a rank's model state is 16 x 7.6 G / 64 = 1.9 GB: it fits 16 GiB only streaming.
+  EXPECT_FALSE(snapshot->Fits(16ll << 30)) << FormatPlan(*snapshot, 16ll << 30);
+  EXPECT_TRUE(streamed->Fits(16ll << 30)) << FormatPlan(*streamed, 16ll << 30);
+  EXPECT_NE(FormatPlan(*streamed, 0).find("weight_publish stream"), std::string::npos);
+
+  cfg.weight_sync_backend = "auto";
+  auto gpu = PlanMemory(Qwen25_7B(), cfg, 8, "cuda");
+  ASSERT_TRUE(gpu.ok());
+  EXPECT_EQ(gpu->weight_snapshot, 0);
+  EXPECT_EQ(gpu->weight_sync_bucket, 0);
+  EXPECT_EQ(gpu->host_weight_snapshot, 4 * 152064ll * 3584);
+  cfg.weight_publish = "snapshot";
+  auto gpu_snapshot = PlanMemory(Qwen25_7B(), cfg, 8, "cuda");
+  ASSERT_TRUE(gpu_snapshot.ok());
+  EXPECT_EQ(gpu_snapshot->weight_snapshot, 4 * n);
+  EXPECT_EQ(gpu_snapshot->host_weight_snapshot, 2 * 4 * n);
+}
+
 // The bench model's shape with sequences long enough that activations matter.
 ModelConfig Bench() { return Config("qwen2", 32768, 256, 704, 4, 4, 2, true); }
 
