@@ -321,7 +321,7 @@ void Learner::TrainLoop() {
       common::MutexLock lock(&mu_);
       const auto deadline = Clock::now() + kWaitPollInterval;
       while (!stopping_ && !housekeep_due_ && !(!TerminalLocked() && BatchReadyLocked()) &&
-             !(streams_weights_ && readers_.waiting())) {
+             !(streams_weights_ && readers_.waiting(published_version_))) {
         if (!train_cv_.WaitUntil(&mu_, deadline)) break;
       }
       if (stopping_) return;
@@ -377,10 +377,10 @@ void Learner::TrainLoop() {
 }
 
 void Learner::ServeReadersBetweenSteps() {
-  if (!readers_.waiting()) return;
   bool publish = false;
   {
     common::MutexLock lock(&mu_);
+    if (!readers_.waiting(published_version_)) return;
     if (global_step_ != last_published_step_) {
       // The weights are past the published version (weight_sync_steps > 1): the readers wait
       // for the next publish while batches train, and get this step published now when none
@@ -710,12 +710,12 @@ Status Learner::PublishWeights() {
 }
 
 Status Learner::ServeWeightReaders() {
-  if (!readers_.waiting()) return Status::OK();
   int64_t version = 0;
   {
     common::MutexLock lock(&mu_);
     version = published_version_;
   }
+  if (!readers_.waiting(version)) return Status::OK();
   const auto start = Clock::now();
   const size_t count = policy_->NamedParameters().size();
   const bool sharded = trainer_->optimizer().ShardsParameters();
@@ -740,7 +740,7 @@ Status Learner::ServeWeightReaders() {
   if (!served.ok()) {
     GRPO_LOG_ERROR("learner: streaming version {} to its readers: {}", version, served.ToString());
   } else {
-    GRPO_LOG_INFO("learner: policy version {} streamed over GetWeights in {:.3f} s", version,
+    GRPO_LOG_INFO("learner: policy version {} streamed to its readers in {:.3f} s", version,
                   seconds);
   }
   return served;
@@ -760,12 +760,13 @@ void Learner::WeightSyncLoop(size_t index) {
   WeightPublisher publisher(backend, epoch_store_, std::move(factory),
                             options_.weight_sync_timeout);
   GroupStats& stats = group_stats_[index];
+  bool waited = false;  // stream: the last round waited in WeightReaders::Read
   while (true) {
     std::shared_ptr<const WeightSnapshot> snap;
     std::vector<std::string> members;
     {
       common::MutexLock lock(&mu_);
-      state_cv_.WaitFor(&mu_, kWaitPollInterval);
+      if (!waited) state_cv_.WaitFor(&mu_, kWaitPollInterval);
       if (stopping_) break;
       snap = weights_;
       members = workers_.Members(backend);
@@ -773,12 +774,39 @@ void Learner::WeightSyncLoop(size_t index) {
     // A failure is logged and ends the epoch. Only a deadline that expired is a stall: an epoch
     // that ended under a rendezvous (a registration) or a peer that closed its connections (it
     // died) fails at once, and says nothing of who is silent.
-    const Status synced = publisher.Sync(members, snap);
+    const Status synced = streams_weights_ ? StreamToGroup(publisher, members, &waited)
+                                           : publisher.Sync(members, snap);
     if (synced.code() == StatusCode::kDeadlineExceeded) SuspendStalledMembers(backend, members);
     stats.syncs = publisher.syncs();
     stats.failures = publisher.failures();
   }
   publisher.Close();
+}
+
+Status Learner::StreamToGroup(WeightPublisher& publisher, const std::vector<std::string>& members,
+                              bool* waited) {
+  *waited = false;
+  ASSIGN_OR_RETURN(const bool live, publisher.Form(members));
+  if (!live) return Status::OK();
+  // The group is a reader that waits for each version after the one it sent, queued before
+  // that version is published so that the publish itself serves it. The training thread runs
+  // this sink, a collective per tensor, while this thread waits in Read (the publisher is
+  // never touched by both at once). The wait ends after kWaitPollInterval with nothing served,
+  // for the membership to be looked at again.
+  Status streamed = Status::OK();
+  const WeightSink sink = [&](const WeightPiece& piece) {
+    streamed = publisher.StreamPiece(piece, incarnation_);
+    return streamed.ok();
+  };
+  const Status read =
+      readers_.Read(sink, Clock::now() + kWaitPollInterval, nullptr, publisher.last_sent());
+  *waited = read.code() != StatusCode::kUnavailable;  // Unavailable: stopping
+  if (!streamed.ok()) return streamed;
+  if (!read.ok() && read.code() != StatusCode::kUnavailable &&
+      read.code() != StatusCode::kDeadlineExceeded) {
+    GRPO_LOG_WARN("learner: {} weight sync: {}", publisher.backend(), read.ToString());
+  }
+  return Status::OK();
 }
 
 void Learner::SuspendStalledMembers(const std::string& backend,

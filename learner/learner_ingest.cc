@@ -63,16 +63,10 @@ StatusOr<common::Registration> Learner::Register(const common::RegisterRequest& 
 common::Registration Learner::RegisterWorker(const common::RegisterRequest& request) {
   common::MutexLock lock(&mu_);
   const common::SyncEndpoint worker_end{common::CudaOrdinal(request.device) >= 0, request.gpu_uuid};
-  common::BackendAssignment assigned = common::AssignBackend(
+  const common::BackendAssignment assigned = common::AssignBackend(
       request.weight_sync_backend, endpoint_, worker_end, [&](std::string_view b) {
         return options_.weight_sync_factory ? true : common::WeightSyncBackendBuilt(b);
       });
-  if (streams_weights_ && assigned.backend != common::kBackendGrpc) {
-    // The groups broadcast snapshots; a streaming learner keeps none.
-    assigned = {std::string(common::kBackendGrpc),
-                "weight_publish stream: the learner streams its weights over GetWeights only; "
-                "GetWeights (grpc) instead"};
-  }
   const WorkerRegistry::Registered w =
       workers_.Register(request.worker_id, request.hostname, request.pid,
                         request.weight_sync_backend, assigned.backend, Clock::now());

@@ -44,17 +44,16 @@ Status WeightPublisher::Fail(int64_t epoch, const Status& s, const char* what) {
   return s;
 }
 
-Status WeightPublisher::Sync(const std::vector<std::string>& members,
-                             const std::shared_ptr<const WeightSnapshot>& weights) {
+StatusOr<bool> WeightPublisher::Form(const std::vector<std::string>& members) {
   phase_start_ = Clock::now();
   const int64_t epoch = store_->epoch();
   if (members.empty() || (sync_ && (sync_->epoch() != epoch || roster_ != members))) Close();
-  if (members.empty()) return Status::OK();
+  if (members.empty()) return false;
   if (!sync_ && formed_epoch_ == epoch) {
     // A second group in one epoch would reuse the first one's rendezvous keys: end the epoch
     // (every member rebuilds) and form the group in the next one.
     store_->AdvanceFrom(epoch);
-    return Status::OK();
+    return false;
   }
   if (!sync_) {
     formed_epoch_ = epoch;
@@ -74,6 +73,14 @@ Status WeightPublisher::Sync(const std::vector<std::string>& members,
     last_sent_ = -1;
     GRPO_LOG_INFO("learner: {} weight-sync group of {} ranks at epoch {}", backend_, world, epoch);
   }
+  return true;
+}
+
+Status WeightPublisher::Sync(const std::vector<std::string>& members,
+                             const std::shared_ptr<const WeightSnapshot>& weights) {
+  ASSIGN_OR_RETURN(const bool live, Form(members));
+  if (!live) return Status::OK();
+  const int64_t epoch = sync_->epoch();
   if (!weights || weights->version <= last_sent_) return Status::OK();
   const bool on_device = backend_ != common::kBackendGloo;
   // A version snapshotted before this group had members has no device copy: the members get
@@ -96,6 +103,38 @@ Status WeightPublisher::Sync(const std::vector<std::string>& members,
   last_sync_seconds_ = std::chrono::duration<double>(Clock::now() - t0).count();
   GRPO_LOG_INFO("learner: policy version {} broadcast over {} (epoch {}) in {:.3f} s",
                 weights->version, backend_, epoch, last_sync_seconds_);
+  return Status::OK();
+}
+
+Status WeightPublisher::StreamPiece(const WeightPiece& piece, const std::string& incarnation) {
+  if (!sync_) return Status::FailedPrecondition(backend_ + " weight sync: no group to stream to");
+  const int64_t epoch = sync_->epoch();
+  if (piece.index == 0) {
+    phase_start_ = Clock::now();
+    common::VersionAnnouncement a{piece.version, incarnation};
+    a.per_tensor = true;
+    Status s = store_->Set(epoch, common::VersionKey(backend_, seq_),
+                           common::FormatVersionAnnouncement(a));
+    if (s.ok()) s = sync_->Begin(piece.version);
+    if (!s.ok()) return Fail(epoch, s, "stream");
+  }
+  const bool on_device = backend_ != common::kBackendGloo;
+  common::NamedTensors one;
+  try {
+    one.emplace_back(piece.name, on_device ? piece.source.contiguous() : piece.tensor);
+  } catch (const c10::Error& e) {
+    return Fail(epoch, Status::Internal(e.what_without_backtrace()), "stream");
+  }
+  Status s = sync_->Broadcast(one);
+  if (s.ok() && piece.index + 1 == piece.count) s = sync_->Commit();
+  if (!s.ok()) return Fail(epoch, s, "stream");
+  if (piece.index + 1 < piece.count) return Status::OK();
+  ++seq_;
+  last_sent_ = piece.version;
+  syncs_ += 1;
+  last_sync_seconds_ = std::chrono::duration<double>(Clock::now() - phase_start_).count();
+  GRPO_LOG_INFO("learner: policy version {} streamed over {} (epoch {}, {} tensors) in {:.3f} s",
+                piece.version, backend_, epoch, piece.count, last_sync_seconds_);
   return Status::OK();
 }
 

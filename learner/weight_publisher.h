@@ -21,6 +21,7 @@
 #include "common/weight_sync/backends.h"
 #include "common/weight_sync/epoch_store.h"
 #include "common/weight_sync/weight_sync.h"
+#include "learner/weight_readers.h"
 
 namespace grpo::learner {
 
@@ -53,6 +54,18 @@ class WeightPublisher {
   // aborted and its epoch ended).
   Status Sync(const std::vector<std::string>& members,
               const std::shared_ptr<const WeightSnapshot>& weights);
+
+  // --- A streamed version (weight_publish: stream; learner/weight_readers.h).
+  // The group part of Sync: (re)forms the group for `members`. True when a group is live to
+  // stream to; the error of a failed join (the epoch then ended).
+  StatusOr<bool> Form(const std::vector<std::string>& members);
+  // The last version this group committed (-1: none).
+  int64_t last_sent() const { return last_sent_; }
+  // One tensor of a version streamed to the live group, as WeightReaders hands it out: the
+  // first piece announces the version (per_tensor) and begins it, each piece is one Broadcast
+  // (of the CPU tensor for gloo, of the producer's device tensor for GPU backends), the last
+  // commits. A failure aborts the group and ends its epoch, as Sync's.
+  Status StreamPiece(const WeightPiece& piece, const std::string& incarnation);
 
   // Tears the group down (peers see their next collective fail).
   void Close();

@@ -9,13 +9,14 @@
 namespace grpo::learner {
 
 Status WeightReaders::Read(const WeightSink& sink, Clock::time_point deadline,
-                           const common::CancelToken* cancel) {
+                           const common::CancelToken* cancel, int64_t after_version) {
   const common::CancelToken::Subscription wake = common::CancelToken::Watch(cancel, [this] {
     common::MutexLock lock(&mu_);
     cv_.NotifyAll();
   });
   Reader reader;
   reader.sink = &sink;
+  reader.after_version = after_version;
   {
     common::MutexLock lock(&mu_);
     if (closed_) return Status::Unavailable("the learner is stopping");
@@ -41,16 +42,19 @@ Status WeightReaders::Read(const WeightSink& sink, Clock::time_point deadline,
   return reader.status;
 }
 
-bool WeightReaders::waiting() const {
+bool WeightReaders::waiting(int64_t version) const {
   common::MutexLock lock(&mu_);
-  return !queued_.empty();
+  return std::any_of(queued_.begin(), queued_.end(),
+                     [&](const Reader* r) { return r->after_version < version; });
 }
 
 Status WeightReaders::Serve(int64_t version, size_t count, const WeightProducer& produce) {
   std::vector<Reader*> readers;
   {
     common::MutexLock lock(&mu_);
-    readers.swap(queued_);
+    std::vector<Reader*> later;
+    for (Reader* r : queued_) (r->after_version < version ? readers : later).push_back(r);
+    queued_.swap(later);
     for (Reader* r : readers) r->taken = true;
   }
   if (readers.empty()) return Status::OK();
@@ -65,8 +69,9 @@ Status WeightReaders::Serve(int64_t version, size_t count, const WeightProducer&
                                  " tensors announced (at '" + name + "')");
         return;
       }
-      const at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
-      const WeightPiece piece{version, name, cpu, index, count};
+      const at::Tensor source = tensor.detach();
+      const at::Tensor cpu = source.to(at::kCPU).contiguous();
+      const WeightPiece piece{version, name, cpu, index, count, source};
       for (Reader* r : readers) {
         if (r->failed) continue;
         // Nothing a sink does reaches the producer: a gather joined by every rank must run

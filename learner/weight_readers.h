@@ -6,7 +6,7 @@
 // full_shard), whatever the model's size, and nothing between publishes.
 //
 //   reader thread (GetWeights)            training thread
-//   Read(sink, deadline, cancel)  ----->  waiting() -> Serve(version, count, produce)
+//   Read(sink, deadline, cancel)  ----->  waiting(v) -> Serve(v, count, produce)
 //     waits until served                    produce(put): put(name, tensor) per tensor
 //                                            each put: sink(piece) of every queued reader
 //
@@ -30,14 +30,16 @@
 
 namespace grpo::learner {
 
-// One tensor of a streamed version: `tensor` is contiguous on the CPU and valid during the
-// sink's call only. `index` counts from 0 to `count` - 1 in Model::NamedParameters order.
+// One tensor of a streamed version, valid during the sink's call only: `tensor` contiguous on
+// the CPU, `source` as the producer put it (on the policy's device: what a GPU weight-sync
+// group sends). `index` counts from 0 to `count` - 1 in Model::NamedParameters order.
 struct WeightPiece {
   int64_t version = 0;
   const std::string& name;
   const at::Tensor& tensor;
   size_t index = 0;
   size_t count = 0;
+  const at::Tensor& source = tensor;
 };
 // Takes one piece; false when the reader went away (it gets no more pieces).
 using WeightSink = std::function<bool(const WeightPiece&)>;
@@ -55,22 +57,25 @@ class WeightReaders {
   WeightReaders(const WeightReaders&) = delete;
   WeightReaders& operator=(const WeightReaders&) = delete;
 
-  // Reader side. Queues `sink` and waits until a Serve has handed it every piece (OK), or the
-  // Serve failed (its error), or the sink returned false (Cancelled). While no Serve has taken
-  // it yet: DeadlineExceeded at `deadline`, Cancelled when `cancel` (may be null) trips,
-  // Unavailable after Close; the reader then leaves the queue. Once a Serve took it, it waits
-  // for that Serve to end (a sink that sees the cancellation should return false).
-  Status Read(const WeightSink& sink, Clock::time_point deadline, const common::CancelToken* cancel)
-      GRPO_EXCLUDES(mu_);
+  // Reader side. Queues `sink` for a version newer than `after_version` (-1: any) and waits
+  // until a Serve has handed it every piece (OK), or the Serve failed (its error), or the sink
+  // returned false (Cancelled). While no Serve has taken it yet: DeadlineExceeded at
+  // `deadline`, Cancelled when `cancel` (may be null) trips, Unavailable after Close; the reader
+  // then leaves the queue. Once a Serve took it, it waits for that Serve to end (a sink that
+  // sees the cancellation should return false). A weight-sync group waits here for each next
+  // version, its last one as `after_version`.
+  Status Read(const WeightSink& sink, Clock::time_point deadline, const common::CancelToken* cancel,
+              int64_t after_version = -1) GRPO_EXCLUDES(mu_);
 
   // Training thread.
-  // True while a reader waits to be served.
-  bool waiting() const GRPO_EXCLUDES(mu_);
-  // Serves the readers queued now (readers queued meanwhile wait for the next Serve): runs
-  // `produce`, handing each tensor it puts to every one of them as the piece `index` of `count`
-  // of `version`, copied to the CPU (contiguous) once for all of them. A tensor beyond `count`
-  // or fewer than `count` tensors fail every reader with Internal. Returns produce's status, or
-  // that Internal; OK when nobody was waiting (produce is not run).
+  // True while a reader waits that a Serve of `version` would serve.
+  bool waiting(int64_t version) const GRPO_EXCLUDES(mu_);
+  // Serves the readers queued now for `version` (readers queued meanwhile, or for a newer
+  // version, wait for a later Serve): runs `produce`, handing each tensor it puts to every one
+  // of them as the piece `index` of `count` of `version`, copied to the CPU (contiguous) once
+  // for all of them. A tensor beyond `count` or fewer than `count` tensors fail every reader
+  // with Internal. Returns produce's status, or that Internal; OK when nobody was waiting
+  // (produce is not run).
   Status Serve(int64_t version, size_t count, const WeightProducer& produce) GRPO_EXCLUDES(mu_);
   // Readers not yet served, and every later Read, get Unavailable.
   void Close() GRPO_EXCLUDES(mu_);
@@ -78,6 +83,7 @@ class WeightReaders {
  private:
   struct Reader {
     const WeightSink* sink = nullptr;
+    int64_t after_version = -1;
     bool taken = false;   // by a Serve
     bool done = false;    // the Serve ended; status is its answer
     bool failed = false;  // the sink returned false

@@ -220,7 +220,16 @@ Status GroupWeightReceiver::ServeEpoch(const GroupMembership& m, const std::stri
       break;
     }
     s = sync->Begin(common::kAnyVersion);
-    if (s.ok()) s = sync->Broadcast(fresh);
+    if (s.ok() && a->per_tensor) {
+      // A streamed version (weight_publish: stream): the learner sends a tensor at a time, as
+      // its ranks gather them.
+      for (size_t i = 0; i < fresh.size() && s.ok(); ++i) {
+        common::NamedTensors one{fresh[i]};
+        s = sync->Broadcast(one);
+      }
+    } else if (s.ok()) {
+      s = sync->Broadcast(fresh);
+    }
     if (s.ok()) s = sync->Commit();
     if (s.ok()) {
       versions_received_ += 1;

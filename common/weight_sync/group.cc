@@ -42,8 +42,8 @@ std::vector<std::string> ParseRoster(const std::string& text) {
 }
 
 std::string FormatVersionAnnouncement(const VersionAnnouncement& a) {
-  return a.incarnation.empty() ? std::to_string(a.version)
-                               : std::to_string(a.version) + " " + a.incarnation;
+  if (a.incarnation.empty()) return std::to_string(a.version);
+  return std::to_string(a.version) + " " + a.incarnation + (a.per_tensor ? " per_tensor" : "");
 }
 
 std::optional<VersionAnnouncement> ParseVersionAnnouncement(const std::string& text) {
@@ -56,7 +56,14 @@ std::optional<VersionAnnouncement> ParseVersionAnnouncement(const std::string& t
   VersionAnnouncement a;
   a.version = std::stoll(number);
   if (space != std::string::npos) {
-    a.incarnation = text.substr(space + 1);
+    std::string rest = text.substr(space + 1);
+    const size_t second = rest.find(' ');
+    if (second != std::string::npos) {
+      if (rest.substr(second + 1) != "per_tensor") return std::nullopt;
+      a.per_tensor = true;
+      rest.resize(second);
+    }
+    a.incarnation = std::move(rest);
     if (a.incarnation.empty() || a.incarnation.find_first_of(" \n") != std::string::npos) {
       return std::nullopt;
     }

@@ -183,21 +183,12 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
 
   // Weights published for rollout workers (learner/learner.cc PublishWeights): fp32 CPU tensors
   // always, and a copy on the GPU while a worker takes them over NCCL or CUDA IPC. With
-  // `weight_publish: stream` none: each GetWeights reader is handed the policy's tensors (with
-  // full_shard, of the gathered unit the model state counts) a tensor at a time, copied to the
-  // host from a GPU, and sent in chunks; every worker is assigned grpc.
+  // `weight_publish: stream` none: each reader (a GetWeights call, a weight-sync group) is
+  // handed the policy's tensors a tensor at a time (with full_shard, of the gathered unit the
+  // model state counts).
   const std::string& backend = cfg.weight_sync_backend;
   const bool gpu_backend = backend == "nccl" || backend == "cuda_ipc" || backend == "auto";
-  p.streams_weights = cfg.weight_publish == "stream";
-  if (p.streams_weights) {
-    p.runtime = cuda ? kCudaRuntimeBytes : kHostRuntimeBytes;
-    if (cuda) {
-      p.host_weight_snapshot = 4 * p.params.largest_tensor;
-      p.host_other = kHostRuntimeBytes + kGetWeightsChunkBytes;
-    } else {
-      p.weight_sync_bucket = kGetWeightsChunkBytes;
-    }
-  } else if (cuda) {
+  if (cuda) {
     p.runtime = kCudaRuntimeBytes;
     p.host_weight_snapshot = 2 * 4 * n;  // the published version and the next one being copied
     if (gpu_backend) p.weight_snapshot = 4 * n;
@@ -213,6 +204,13 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     p.runtime = kHostRuntimeBytes;
     p.weight_snapshot = 4 * n;
     p.weight_sync_bucket = backend == "grpc" ? kGetWeightsChunkBytes : kBucketBytes;
+  }
+  p.streams_weights = cfg.weight_publish == "stream";
+  if (p.streams_weights) {
+    // The groups' buckets stay (a tensor is broadcast from its own memory, or staged); the
+    // snapshots go. From a GPU each tensor is copied to the host once for the CPU readers.
+    p.weight_snapshot = 0;
+    p.host_weight_snapshot = cuda ? 4 * p.params.largest_tensor : 0;
   }
 
   // One micro-batch: rows padded to the longest prompt and completion (common::Model forward,

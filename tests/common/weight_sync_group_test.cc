@@ -190,9 +190,24 @@ TEST(WeightSyncGroup, AVersionAnnouncementCarriesItsLearnerIncarnation) {
   ASSERT_TRUE(bare.has_value());
   EXPECT_EQ(bare->version, 12);
   EXPECT_EQ(bare->incarnation, "");
-  for (const char* bad : {"", " 12", "x12", "12 ", "12 a b", "-3 a", "99999999999999999999 a"}) {
+  EXPECT_FALSE(a->per_tensor);
+  for (const char* bad : {"", " 12", "x12", "12 ", "12 a b", "-3 a", "99999999999999999999 a",
+                          "12 a per_tensor ", "12  per_tensor", "12 a per_tensor x"}) {
     EXPECT_FALSE(ParseVersionAnnouncement(bad).has_value()) << "'" << bad << "'";
   }
+}
+
+// A streamed version (weight_publish: stream) says so: its receivers make one Broadcast per
+// tensor, as the learner does.
+TEST(WeightSyncGroup, AStreamedVersionsAnnouncementSaysPerTensor) {
+  VersionAnnouncement streamed{805, "9f3a1c"};
+  streamed.per_tensor = true;
+  EXPECT_EQ(FormatVersionAnnouncement(streamed), "805 9f3a1c per_tensor");
+  const auto a = ParseVersionAnnouncement("805 9f3a1c per_tensor");
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->version, 805);
+  EXPECT_EQ(a->incarnation, "9f3a1c");
+  EXPECT_TRUE(a->per_tensor);
 }
 
 // The rule of AssignBackend, case by case (group.h).

@@ -809,21 +809,6 @@ TEST_F(LearnerTest, StreamedWeightsEqualTheSnapshotsOfTheSameRun) {
   EXPECT_GT(moved, 0) << "the step must have changed the weights compared";
 }
 
-// A streaming learner assigns every worker GetWeights, saying why: the groups broadcast
-// snapshots.
-TEST_F(LearnerTest, AStreamingLearnerAssignsGrpcToAGroupBackendRequest) {
-  config_.weight_publish = "stream";
-  Start();
-  common::RegisterRequest r;
-  r.worker_id = "w1";
-  r.weight_sync_backend = "gloo";
-  auto reg = learner_->Register(r);
-  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
-  EXPECT_EQ(reg->weight_sync_backend, "grpc");
-  EXPECT_NE(reg->weight_sync_note.find("weight_publish stream"), std::string::npos)
-      << reg->weight_sync_note;
-}
-
 // With weight_sync_steps 2 the weights after step 1 are no published version. A reader that
 // asks then, with no batch ready to train, gets step 1 published and served (it may be the
 // worker that would fill the next batch); the learner does not wait for step 2.

@@ -462,9 +462,9 @@ TEST(MemoryPlan7B, EightFullShardRanksWithCheckpointingFit) {
 
 // weight_publish stream keeps no snapshot. On the CPU the snapshot plan holds 4 bytes a
 // parameter for the published version and as much again while the next is made (28.4 GiB twice
-// for the 7B: 4 x 7,615,616,512); the streaming plan holds none of it, only GetWeights' chunk in
-// flight. On a GPU the device copy for GPU backends goes too (every worker is assigned grpc),
-// and the host keeps one tensor at a time: the [V, D] embedding, 4 x 152,064 x 3,584 bytes.
+// for the 7B: 4 x 7,615,616,512); the streaming plan holds none of it. On a GPU the device copy
+// for GPU backends goes too (the group's bucket stays), and the host keeps one tensor at a
+// time: the [V, D] embedding, 4 x 152,064 x 3,584 bytes.
 TEST(MemoryPlan7B, AStreamingLearnerHoldsNoPublishedWeights) {
   common::GrpoConfig cfg;
   cfg.bf16 = true;
@@ -495,13 +495,16 @@ TEST(MemoryPlan7B, AStreamingLearnerHoldsNoPublishedWeights) {
   auto gpu = PlanMemory(Qwen25_7B(), cfg, 8, "cuda");
   ASSERT_TRUE(gpu.ok());
   EXPECT_EQ(gpu->weight_snapshot, 0);
-  EXPECT_EQ(gpu->weight_sync_bucket, 0);
   EXPECT_EQ(gpu->host_weight_snapshot, 4 * 152064ll * 3584);
   cfg.weight_publish = "snapshot";
   auto gpu_snapshot = PlanMemory(Qwen25_7B(), cfg, 8, "cuda");
   ASSERT_TRUE(gpu_snapshot.ok());
   EXPECT_EQ(gpu_snapshot->weight_snapshot, 4 * n);
   EXPECT_EQ(gpu_snapshot->host_weight_snapshot, 2 * 4 * n);
+  EXPECT_EQ(gpu->weight_sync_bucket, gpu_snapshot->weight_sync_bucket);
+  // The device copy, counted again as the publishing phase when it is the largest one.
+  EXPECT_GE(gpu_snapshot->Total() - gpu->Total(), 4 * n);
+  EXPECT_LE(gpu_snapshot->Total() - gpu->Total(), 2 * 4 * n);
 }
 
 // The bench model's shape with sequences long enough that activations matter.

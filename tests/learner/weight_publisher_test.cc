@@ -184,6 +184,62 @@ TEST(WeightPublisher, TwoReceiversGetEachVersionBitEqualAndInstallIt) {
   EXPECT_EQ(a.receiver->groups_joined(), 1);
 }
 
+// weight_publish stream: no snapshot; the group waits as a reader of the learner's
+// WeightReaders for the version after the one it sent, and each Serve (the training thread)
+// hands it the weights a tensor at a time, one Broadcast each (the announcement says
+// per_tensor, so the receivers make the same calls). Each receiver holds each version bit for bit.
+TEST(WeightPublisher, AStreamedVersionReachesEachReceiverATensorAtATime) {
+  auto store = std::make_shared<common::InMemoryEpochStore>();
+  FakeGroups groups;
+  WeightPublisher publisher("gloo", store, groups.Factory(), kTimeout);
+  auto base = TinyModel(1);
+  Worker a = MakeWorker("w-a", store, groups), b = MakeWorker("w-b", store, groups);
+  const int64_t epoch = store->Advance();
+  for (Worker* w : {&a, &b}) w->receiver->SetGroup({w->id, epoch, "gloo", "inc-1"});
+  auto model_a = TinyModel(2), model_b = TinyModel(3);
+  EXPECT_FALSE(a.receiver->Receive(0, *model_a, 1ms).ok());
+  EXPECT_FALSE(b.receiver->Receive(0, *model_b, 1ms).ok());
+  WeightReaders readers(nullptr);
+  std::atomic<bool> stop{false};
+  std::thread group([&] {
+    while (!stop) {
+      auto live = publisher.Form({"w-a", "w-b"});
+      if (!live.ok() || !*live) {
+        std::this_thread::sleep_for(5ms);
+        continue;
+      }
+      Status streamed;
+      const WeightSink sink = [&](const WeightPiece& piece) {
+        streamed = publisher.StreamPiece(piece, "inc-1");
+        return streamed.ok();
+      };
+      (void)readers.Read(sink, Clock::now() + 50ms, nullptr, publisher.last_sent());
+    }
+  });
+  for (int64_t v : {1, 2}) {
+    const auto snap = Snapshot(*base, v, 0.5f * static_cast<float>(v));
+    ASSERT_TRUE(WaitFor([&] { return readers.waiting(v); }, 10s)) << v;
+    ASSERT_TRUE(readers
+                    .Serve(v, snap->tensors.size(),
+                           [&](const WeightPut& put) {
+                             for (const auto& [name, t] : snap->tensors) put(name, t);
+                             return Status::OK();
+                           })
+                    .ok());
+    for (Worker* w : {&a, &b}) {
+      ASSERT_TRUE(WaitFor([&] { return w->receiver->latest().first == v; }, 10s)) << w->id;
+      EXPECT_TRUE(testing::BitEqual(w->receiver->latest().second, snap->tensors)) << w->id;
+    }
+  }
+  ASSERT_TRUE(WaitFor([&] { return publisher.syncs() >= 2; }, 10s));
+  EXPECT_EQ(publisher.syncs(), 2);
+  EXPECT_EQ(publisher.failures(), 0);
+  EXPECT_EQ(publisher.last_sent(), 2);
+  stop = true;
+  group.join();
+  EXPECT_EQ(a.fallback->calls + b.fallback->calls, 2);  // the two 1 ms calls above only
+}
+
 TEST(WeightPublisher, ALostReceiverEndsTheEpochAndTheOtherRejoinsTheNext) {
   auto store = std::make_shared<common::InMemoryEpochStore>();
   FakeGroups groups;

@@ -63,7 +63,7 @@ std::future<Status> ReadAsync(WeightReaders& readers, const WeightSink& sink,
     return readers.Read(sink, deadline, cancel);
   });
   const auto end = Clock::now() + 10s;
-  while (!readers.waiting() && Clock::now() < end) std::this_thread::sleep_for(1ms);
+  while (!readers.waiting(0) && Clock::now() < end) std::this_thread::sleep_for(1ms);
   return f;
 }
 
@@ -106,7 +106,7 @@ TEST(WeightReaders, EveryQueuedReaderGetsEveryTensorInOrder) {
     EXPECT_TRUE(at::equal(s->tensors[1], at::tensor({10.f, 11.f, 12.f, 13.f, 14.f})));
     EXPECT_TRUE(at::equal(s->tensors[2], policy[2].second));
   }
-  EXPECT_FALSE(readers.waiting());
+  EXPECT_FALSE(readers.waiting(0));
 }
 
 // A non-contiguous tensor reaches the sink contiguous, with its values.
@@ -172,10 +172,37 @@ TEST(WeightReaders, AReaderQueuedDuringAServeWaitsForTheNext) {
   ASSERT_TRUE(ff.get().ok());
   EXPECT_EQ(first.names.size(), 3u);
   EXPECT_TRUE(late.names.empty());
-  EXPECT_TRUE(readers.waiting());
+  EXPECT_TRUE(readers.waiting(0));
   ASSERT_TRUE(readers.Serve(5, 3, Produce(policy)).ok());
   ASSERT_TRUE(fl.get().ok());
   EXPECT_EQ(late.versions, (std::vector<int64_t>{5, 5, 5}));
+}
+
+// A weight-sync group waits for the version after the one it sent: a Serve of that version
+// leaves it queued, the next one serves it.
+TEST(WeightReaders, AReaderAfterAVersionWaitsForANewerOne) {
+  WeightReaders readers(nullptr);
+  Seen s;
+  const WeightSink sink = s.Sink();
+  auto f = std::async(std::launch::async,
+                      [&] { return readers.Read(sink, Clock::now() + 30s, nullptr, 4); });
+  const auto end = Clock::now() + 10s;
+  while (!readers.waiting(5) && Clock::now() < end) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(readers.waiting(5));
+  EXPECT_FALSE(readers.waiting(4));
+  bool ran = false;
+  ASSERT_TRUE(readers
+                  .Serve(4, 3,
+                         [&](const WeightPut&) {
+                           ran = true;
+                           return Status::OK();
+                         })
+                  .ok());
+  EXPECT_FALSE(ran);  // nobody wanted version 4
+  EXPECT_TRUE(readers.waiting(5));
+  ASSERT_TRUE(readers.Serve(5, 3, Produce(Policy())).ok());
+  ASSERT_TRUE(f.get().ok());
+  EXPECT_EQ(s.versions, (std::vector<int64_t>{5, 5, 5}));
 }
 
 TEST(WeightReaders, DeadlineCancelAndCloseEndAWaitThatNoServeTook) {
@@ -186,13 +213,13 @@ TEST(WeightReaders, DeadlineCancelAndCloseEndAWaitThatNoServeTook) {
   const Status late = readers.Read(sink, t0 + 100ms, nullptr);
   EXPECT_EQ(late.code(), StatusCode::kDeadlineExceeded) << late.ToString();
   EXPECT_GE(Clock::now() - t0, 100ms);
-  EXPECT_FALSE(readers.waiting());  // it left the queue
+  EXPECT_FALSE(readers.waiting(0));  // it left the queue
 
   common::CancelToken cancel;
   auto fc = ReadAsync(readers, sink, Clock::now() + 30s, &cancel);
   cancel.Cancel();
   EXPECT_EQ(fc.get().code(), StatusCode::kCancelled);
-  EXPECT_FALSE(readers.waiting());
+  EXPECT_FALSE(readers.waiting(0));
 
   auto fx = ReadAsync(readers, sink, Clock::now() + 30s, nullptr);
   readers.Close();
