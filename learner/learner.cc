@@ -321,7 +321,7 @@ void Learner::TrainLoop() {
       common::MutexLock lock(&mu_);
       const auto deadline = Clock::now() + kWaitPollInterval;
       while (!stopping_ && !housekeep_due_ && !(!TerminalLocked() && BatchReadyLocked()) &&
-             !(streams_weights_ && readers_.waiting(published_version_))) {
+             !(streams_weights_ && readers_.waiting(published_version_) > 0)) {
         if (!train_cv_.WaitUntil(&mu_, deadline)) break;
       }
       if (stopping_) return;
@@ -380,7 +380,7 @@ void Learner::ServeReadersBetweenSteps() {
   bool publish = false;
   {
     common::MutexLock lock(&mu_);
-    if (!readers_.waiting(published_version_)) return;
+    if (readers_.waiting(published_version_) == 0) return;
     if (global_step_ != last_published_step_) {
       // The weights are past the published version (weight_sync_steps > 1): the readers wait
       // for the next publish while batches train, and get this step published now when none
@@ -390,7 +390,7 @@ void Learner::ServeReadersBetweenSteps() {
     }
   }
   const Status s = publish ? PublishWeights() : ServeWeightReaders();
-  if (!s.ok()) GRPO_LOG_ERROR("learner: publish for GetWeights: {}", s.ToString());
+  if (!s.ok()) GRPO_LOG_ERROR("learner: publish for the weights' readers: {}", s.ToString());
 }
 
 void Learner::Housekeep() {
@@ -715,7 +715,7 @@ Status Learner::ServeWeightReaders() {
     common::MutexLock lock(&mu_);
     version = published_version_;
   }
-  if (!readers_.waiting(version)) return Status::OK();
+  if (readers_.waiting(version) == 0) return Status::OK();
   const auto start = Clock::now();
   const size_t count = policy_->NamedParameters().size();
   const bool sharded = trainer_->optimizer().ShardsParameters();

@@ -308,6 +308,11 @@ class Learner {
   void TrainBatch(std::vector<BufferedGroup> batch, BatchFill fill) GRPO_EXCLUDES(mu_);
   // AcceptGroup 3a: the group has no learning signal; the ledger records it filtered.
   void FilterGroup(const common::RolloutGroup& group, PushTally* tally) GRPO_EXCLUDES(mu_);
+  // Until the published version is >= min_version (the incarnation rule of WaitForWeights):
+  // OK, or DeadlineExceeded after kDefaultGetWeightsWait (or at once when stopping or
+  // `cancel` trips).
+  Status WaitForPublished(int64_t min_version, const common::CancelToken* cancel,
+                          const std::string& incarnation) GRPO_EXCLUDES(mu_);
   // A new published version: the snapshot (`weight_publish: snapshot`), or (`stream`) the
   // version alone, and the readers waiting are served.
   Status PublishWeights() GRPO_EXCLUDES(mu_);

@@ -481,6 +481,26 @@ void Learner::FilterGroup(const common::RolloutGroup& group, PushTally* tally) {
   train_cv_.NotifyAll();  // a short batch may be due (max_num_gen_batches)
 }
 
+Status Learner::WaitForPublished(int64_t min_version, const common::CancelToken* cancel,
+                                 const std::string& incarnation) {
+  if (!incarnation.empty() && incarnation != incarnation_) min_version = 0;
+  const common::CancelToken::Subscription wake = common::CancelToken::Watch(cancel, [this] {
+    common::MutexLock lock(&mu_);
+    state_cv_.NotifyAll();
+  });
+  common::MutexLock lock(&mu_);
+  const auto deadline = Clock::now() + kDefaultGetWeightsWait;
+  while (!stopping_ && published_version_ < min_version && !common::CancelToken::Tripped(cancel)) {
+    if (!state_cv_.WaitUntil(&mu_, deadline)) break;
+  }
+  if (published_version_ < min_version) {
+    return Status::DeadlineExceeded("policy version " + std::to_string(min_version) +
+                                    " not published (at " + std::to_string(published_version_) +
+                                    ")");
+  }
+  return Status::OK();
+}
+
 Status Learner::ReadWeights(int64_t min_version, const common::CancelToken* cancel,
                             const std::string& incarnation, const WeightSink& sink) {
   if (!streams_weights_) {
@@ -494,24 +514,7 @@ Status Learner::ReadWeights(int64_t min_version, const common::CancelToken* canc
     }
     return Status::OK();
   }
-  if (!incarnation.empty() && incarnation != incarnation_) min_version = 0;
-  {
-    const common::CancelToken::Subscription wake = common::CancelToken::Watch(cancel, [this] {
-      common::MutexLock lock(&mu_);
-      state_cv_.NotifyAll();
-    });
-    common::MutexLock lock(&mu_);
-    const auto deadline = Clock::now() + kDefaultGetWeightsWait;
-    while (!stopping_ && published_version_ < min_version &&
-           !common::CancelToken::Tripped(cancel)) {
-      if (!state_cv_.WaitUntil(&mu_, deadline)) break;
-    }
-    if (published_version_ < min_version) {
-      return Status::DeadlineExceeded("policy version " + std::to_string(min_version) +
-                                      " not published (at " + std::to_string(published_version_) +
-                                      ")");
-    }
-  }
+  RETURN_IF_ERROR(WaitForPublished(min_version, cancel, incarnation));
   // The training thread serves it with the version published then (>= min_version: versions
   // only grow within an incarnation).
   return readers_.Read(sink, Clock::now() + kDefaultGetWeightsWait, cancel);
@@ -522,23 +525,9 @@ StatusOr<std::shared_ptr<const WeightSnapshot>> Learner::WaitForWeights(
   if (streams_weights_) {
     return Status::FailedPrecondition("weight_publish stream keeps no snapshot (ReadWeights)");
   }
-  if (!incarnation.empty() && incarnation != incarnation_) min_version = 0;
-  const common::CancelToken::Subscription wake = common::CancelToken::Watch(cancel, [this] {
-    common::MutexLock lock(&mu_);
-    state_cv_.NotifyAll();
-  });
+  RETURN_IF_ERROR(WaitForPublished(min_version, cancel, incarnation));
   common::MutexLock lock(&mu_);
-  const auto deadline = Clock::now() + kDefaultGetWeightsWait;
-  while (!stopping_ && !(weights_ && weights_->version >= min_version) &&
-         !common::CancelToken::Tripped(cancel)) {
-    if (!state_cv_.WaitUntil(&mu_, deadline)) break;
-  }
-  if (!weights_ || weights_->version < min_version) {
-    return Status::DeadlineExceeded("policy version " + std::to_string(min_version) +
-                                    " not published (at " +
-                                    std::to_string(weights_ ? weights_->version : -1) + ")");
-  }
-  return weights_;
+  return weights_;  // published with published_version_: at least min_version
 }
 
 // ---------------------------------------------------------------------------------------------

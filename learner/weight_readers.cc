@@ -42,10 +42,10 @@ Status WeightReaders::Read(const WeightSink& sink, Clock::time_point deadline,
   return reader.status;
 }
 
-bool WeightReaders::waiting(int64_t version) const {
+size_t WeightReaders::waiting(int64_t version) const {
   common::MutexLock lock(&mu_);
-  return std::any_of(queued_.begin(), queued_.end(),
-                     [&](const Reader* r) { return r->after_version < version; });
+  return static_cast<size_t>(std::count_if(
+      queued_.begin(), queued_.end(), [&](const Reader* r) { return r->after_version < version; }));
 }
 
 Status WeightReaders::Serve(int64_t version, size_t count, const WeightProducer& produce) {

@@ -68,8 +68,8 @@ class WeightReaders {
               int64_t after_version = -1) GRPO_EXCLUDES(mu_);
 
   // Training thread.
-  // True while a reader waits that a Serve of `version` would serve.
-  bool waiting(int64_t version) const GRPO_EXCLUDES(mu_);
+  // How many readers wait now that a Serve of `version` would serve.
+  size_t waiting(int64_t version) const GRPO_EXCLUDES(mu_);
   // Serves the readers queued now for `version` (readers queued meanwhile, or for a newer
   // version, wait for a later Serve): runs `produce`, handing each tensor it puts to every one
   // of them as the piece `index` of `count` of `version`, copied to the CPU (contiguous) once

@@ -6,7 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
+#include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -14,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/cancel_token.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
 #include "common/weight_sync/fake_weight_sync.h"
@@ -136,6 +140,50 @@ class PublisherThread {
   std::thread thread_;
 };
 
+// A group's thread with weight_publish stream (Learner::StreamToGroup): forms the group for
+// `members`, then waits in `readers` for the version after the one it sent, until `done`.
+class StreamingGroupThread {
+ public:
+  StreamingGroupThread(WeightPublisher& p, WeightReaders& readers, std::vector<std::string> members)
+      : thread_([&p, &readers, members, this] {
+          while (!stop_) {
+            auto live = p.Form(members);
+            if (!live.ok() || !*live) {
+              std::this_thread::sleep_for(5ms);
+              continue;
+            }
+            Status streamed;
+            const WeightSink sink = [&](const WeightPiece& piece) {
+              streamed = p.StreamPiece(piece, "inc-1");
+              return streamed.ok();
+            };
+            // Queued until served (the destructor's cancel ends a wait no Serve took).
+            (void)readers.Read(sink, Clock::now() + 60s, &cancel_, p.last_sent());
+            if (!streamed.ok()) failed_ += 1;
+          }
+        }) {}
+  ~StreamingGroupThread() {
+    stop_ = true;
+    cancel_.Cancel();
+    thread_.join();
+  }
+  int failed() const { return failed_.load(); }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<int> failed_{0};
+  common::CancelToken cancel_;
+  std::thread thread_;  // last: it starts once the members above exist
+};
+
+// What a Serve of `snap` hands out: its tensors in order.
+WeightProducer From(const std::shared_ptr<const WeightSnapshot>& snap) {
+  return [snap](const WeightPut& put) {
+    for (const auto& [name, t] : snap->tensors) put(name, t);
+    return Status::OK();
+  };
+}
+
 TEST(WeightPublisher, TwoReceiversGetEachVersionBitEqualAndInstallIt) {
   auto store = std::make_shared<common::InMemoryEpochStore>();
   FakeGroups groups;
@@ -200,32 +248,11 @@ TEST(WeightPublisher, AStreamedVersionReachesEachReceiverATensorAtATime) {
   EXPECT_FALSE(a.receiver->Receive(0, *model_a, 1ms).ok());
   EXPECT_FALSE(b.receiver->Receive(0, *model_b, 1ms).ok());
   WeightReaders readers(nullptr);
-  std::atomic<bool> stop{false};
-  std::thread group([&] {
-    while (!stop) {
-      auto live = publisher.Form({"w-a", "w-b"});
-      if (!live.ok() || !*live) {
-        std::this_thread::sleep_for(5ms);
-        continue;
-      }
-      Status streamed;
-      const WeightSink sink = [&](const WeightPiece& piece) {
-        streamed = publisher.StreamPiece(piece, "inc-1");
-        return streamed.ok();
-      };
-      (void)readers.Read(sink, Clock::now() + 50ms, nullptr, publisher.last_sent());
-    }
-  });
+  StreamingGroupThread group(publisher, readers, {"w-a", "w-b"});
   for (int64_t v : {1, 2}) {
     const auto snap = Snapshot(*base, v, 0.5f * static_cast<float>(v));
     ASSERT_TRUE(WaitFor([&] { return readers.waiting(v); }, 10s)) << v;
-    ASSERT_TRUE(readers
-                    .Serve(v, snap->tensors.size(),
-                           [&](const WeightPut& put) {
-                             for (const auto& [name, t] : snap->tensors) put(name, t);
-                             return Status::OK();
-                           })
-                    .ok());
+    ASSERT_TRUE(readers.Serve(v, snap->tensors.size(), From(snap)).ok());
     for (Worker* w : {&a, &b}) {
       ASSERT_TRUE(WaitFor([&] { return w->receiver->latest().first == v; }, 10s)) << w->id;
       EXPECT_TRUE(testing::BitEqual(w->receiver->latest().second, snap->tensors)) << w->id;
@@ -235,9 +262,51 @@ TEST(WeightPublisher, AStreamedVersionReachesEachReceiverATensorAtATime) {
   EXPECT_EQ(publisher.syncs(), 2);
   EXPECT_EQ(publisher.failures(), 0);
   EXPECT_EQ(publisher.last_sent(), 2);
-  stop = true;
-  group.join();
+  EXPECT_EQ(group.failed(), 0);
   EXPECT_EQ(a.fallback->calls + b.fallback->calls, 2);  // the two 1 ms calls above only
+}
+
+// A receiver lost while a version streams fails its group's broadcast within one deadline:
+// the group is given up (the epoch ends, as with snapshots) and the Serve goes on; another
+// reader of the same Serve (a GetWeights call) gets the whole version.
+TEST(WeightPublisher, ALostReceiverFailsItsGroupsStreamAndTheOtherReadersGetTheVersion) {
+  auto store = std::make_shared<common::InMemoryEpochStore>();
+  FakeGroups groups;
+  WeightPublisher publisher("gloo", store, groups.Factory(), kTimeout);
+  auto base = TinyModel(1);
+  Worker a = MakeWorker("w-a", store, groups), lost = MakeWorker("w-lost", store, groups);
+  const int64_t epoch = store->Advance();
+  for (Worker* w : {&a, &lost}) w->receiver->SetGroup({w->id, epoch, "gloo", "inc-1"});
+  auto model_a = TinyModel(2), model_lost = TinyModel(3);
+  (void)a.receiver->Receive(0, *model_a, 1ms);
+  (void)lost.receiver->Receive(0, *model_lost, 1ms);
+  WeightReaders readers(nullptr);
+  StreamingGroupThread group(publisher, readers, {"w-a", "w-lost"});
+  const auto v1 = Snapshot(*base, 1, 0);
+  ASSERT_TRUE(WaitFor([&] { return readers.waiting(1); }, 10s));
+  ASSERT_TRUE(readers.Serve(1, v1->tensors.size(), From(v1)).ok());
+  ASSERT_TRUE(WaitFor([&] { return lost.receiver->latest().first == 1; }, 10s));
+  lost.receiver.reset();  // the process is gone; the learner has not noticed yet
+  ASSERT_TRUE(WaitFor([&] { return readers.waiting(2); }, 10s));
+  size_t pieces = 0;
+  const WeightSink get_weights = [&](const WeightPiece&) {
+    ++pieces;
+    return true;
+  };
+  auto other = std::async(std::launch::async,
+                          [&] { return readers.Read(get_weights, Clock::now() + 30s, nullptr); });
+  const auto v2 = Snapshot(*base, 2, 1);
+  const auto t0 = Clock::now();
+  // Serve once the GetWeights reader is queued beside the group (both want version 2).
+  ASSERT_TRUE(WaitFor([&] { return readers.waiting(2) == 2; }, 10s));
+  const Status served = readers.Serve(2, v2->tensors.size(), From(v2));
+  EXPECT_TRUE(served.ok()) << served.ToString();
+  EXPECT_LT(Clock::now() - t0, kTimeout * 3);  // one deadline, not a hang
+  EXPECT_TRUE(other.get().ok());
+  EXPECT_EQ(pieces, v2->tensors.size());
+  // The failure ended the epoch (the thread then tries the same roster again, in vain).
+  ASSERT_TRUE(WaitFor([&] { return publisher.failures() >= 1 && group.failed() >= 1; }, 10s));
+  EXPECT_GE(store->epoch(), epoch + 1);
 }
 
 TEST(WeightPublisher, ALostReceiverEndsTheEpochAndTheOtherRejoinsTheNext) {
