@@ -184,6 +184,27 @@ WeightProducer From(const std::shared_ptr<const WeightSnapshot>& snap) {
   };
 }
 
+// A gloo publisher over the fakes with two workers registered in its first epoch, of learner
+// "inc-1" (as StreamingGroupThread announces), each receiver's thread started by a first,
+// failing Receive (it takes the model's layout), for the streamed tests.
+struct TwoWorkers {
+  explicit TwoWorkers(const std::string& second)
+      : a(MakeWorker("w-a", store, groups)), b(MakeWorker(second, store, groups)) {
+    epoch = store->Advance();
+    for (Worker* w : {&a, &b}) w->receiver->SetGroup({w->id, epoch, "gloo", "inc-1"});
+    EXPECT_FALSE(a.receiver->Receive(0, *model_a, 1ms).ok());
+    EXPECT_FALSE(b.receiver->Receive(0, *model_b, 1ms).ok());
+  }
+  std::shared_ptr<common::InMemoryEpochStore> store =
+      std::make_shared<common::InMemoryEpochStore>();
+  FakeGroups groups;
+  WeightPublisher publisher{"gloo", store, groups.Factory(), kTimeout};
+  std::unique_ptr<common::Model> base = TinyModel(1), model_a = TinyModel(2),
+                                 model_b = TinyModel(3);
+  Worker a, b;
+  int64_t epoch = 0;
+};
+
 TEST(WeightPublisher, TwoReceiversGetEachVersionBitEqualAndInstallIt) {
   auto store = std::make_shared<common::InMemoryEpochStore>();
   FakeGroups groups;
@@ -237,20 +258,14 @@ TEST(WeightPublisher, TwoReceiversGetEachVersionBitEqualAndInstallIt) {
 // hands it the weights a tensor at a time, one Broadcast each (the announcement says
 // per_tensor, so the receivers make the same calls). Each receiver holds each version bit for bit.
 TEST(WeightPublisher, AStreamedVersionReachesEachReceiverATensorAtATime) {
-  auto store = std::make_shared<common::InMemoryEpochStore>();
-  FakeGroups groups;
-  WeightPublisher publisher("gloo", store, groups.Factory(), kTimeout);
-  auto base = TinyModel(1);
-  Worker a = MakeWorker("w-a", store, groups), b = MakeWorker("w-b", store, groups);
-  const int64_t epoch = store->Advance();
-  for (Worker* w : {&a, &b}) w->receiver->SetGroup({w->id, epoch, "gloo", "inc-1"});
-  auto model_a = TinyModel(2), model_b = TinyModel(3);
-  EXPECT_FALSE(a.receiver->Receive(0, *model_a, 1ms).ok());
-  EXPECT_FALSE(b.receiver->Receive(0, *model_b, 1ms).ok());
+  TwoWorkers t("w-b");
+  const common::Model& base = *t.base;
+  Worker &a = t.a, &b = t.b;
+  WeightPublisher& publisher = t.publisher;
   WeightReaders readers(nullptr);
   StreamingGroupThread group(publisher, readers, {"w-a", "w-b"});
   for (int64_t v : {1, 2}) {
-    const auto snap = Snapshot(*base, v, 0.5f * static_cast<float>(v));
+    const auto snap = Snapshot(base, v, 0.5f * static_cast<float>(v));
     ASSERT_TRUE(WaitFor([&] { return readers.waiting(v); }, 10s)) << v;
     ASSERT_TRUE(readers.Serve(v, snap->tensors.size(), From(snap)).ok());
     for (Worker* w : {&a, &b}) {
@@ -270,19 +285,13 @@ TEST(WeightPublisher, AStreamedVersionReachesEachReceiverATensorAtATime) {
 // the group is given up (the epoch ends, as with snapshots) and the Serve goes on; another
 // reader of the same Serve (a GetWeights call) gets the whole version.
 TEST(WeightPublisher, ALostReceiverFailsItsGroupsStreamAndTheOtherReadersGetTheVersion) {
-  auto store = std::make_shared<common::InMemoryEpochStore>();
-  FakeGroups groups;
-  WeightPublisher publisher("gloo", store, groups.Factory(), kTimeout);
-  auto base = TinyModel(1);
-  Worker a = MakeWorker("w-a", store, groups), lost = MakeWorker("w-lost", store, groups);
-  const int64_t epoch = store->Advance();
-  for (Worker* w : {&a, &lost}) w->receiver->SetGroup({w->id, epoch, "gloo", "inc-1"});
-  auto model_a = TinyModel(2), model_lost = TinyModel(3);
-  (void)a.receiver->Receive(0, *model_a, 1ms);
-  (void)lost.receiver->Receive(0, *model_lost, 1ms);
+  TwoWorkers t("w-lost");
+  const common::Model& base = *t.base;
+  Worker& lost = t.b;
+  WeightPublisher& publisher = t.publisher;
   WeightReaders readers(nullptr);
   StreamingGroupThread group(publisher, readers, {"w-a", "w-lost"});
-  const auto v1 = Snapshot(*base, 1, 0);
+  const auto v1 = Snapshot(base, 1, 0);
   ASSERT_TRUE(WaitFor([&] { return readers.waiting(1); }, 10s));
   ASSERT_TRUE(readers.Serve(1, v1->tensors.size(), From(v1)).ok());
   ASSERT_TRUE(WaitFor([&] { return lost.receiver->latest().first == 1; }, 10s));
@@ -295,7 +304,7 @@ TEST(WeightPublisher, ALostReceiverFailsItsGroupsStreamAndTheOtherReadersGetTheV
   };
   auto other = std::async(std::launch::async,
                           [&] { return readers.Read(get_weights, Clock::now() + 30s, nullptr); });
-  const auto v2 = Snapshot(*base, 2, 1);
+  const auto v2 = Snapshot(base, 2, 1);
   const auto t0 = Clock::now();
   // Serve once the GetWeights reader is queued beside the group (both want version 2).
   ASSERT_TRUE(WaitFor([&] { return readers.waiting(2) == 2; }, 10s));
@@ -306,7 +315,7 @@ TEST(WeightPublisher, ALostReceiverFailsItsGroupsStreamAndTheOtherReadersGetTheV
   EXPECT_EQ(pieces, v2->tensors.size());
   // The failure ended the epoch (the thread then tries the same roster again, in vain).
   ASSERT_TRUE(WaitFor([&] { return publisher.failures() >= 1 && group.failed() >= 1; }, 10s));
-  EXPECT_GE(store->epoch(), epoch + 1);
+  EXPECT_GE(t.store->epoch(), t.epoch + 1);
 }
 
 TEST(WeightPublisher, ALostReceiverEndsTheEpochAndTheOtherRejoinsTheNext) {

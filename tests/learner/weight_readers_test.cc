@@ -56,27 +56,33 @@ struct Seen {
   }
 };
 
-// Starts a Read on another thread and waits until it is queued.
+// Starts a Read (for a version after `after_version`) on another thread and waits until it is
+// queued.
 std::future<Status> ReadAsync(WeightReaders& readers, const WeightSink& sink,
-                              Clock::time_point deadline, const common::CancelToken* cancel) {
-  auto f = std::async(std::launch::async, [&readers, &sink, deadline, cancel] {
-    return readers.Read(sink, deadline, cancel);
+                              Clock::time_point deadline, const common::CancelToken* cancel,
+                              int64_t after_version = -1) {
+  auto f = std::async(std::launch::async, [&readers, &sink, deadline, cancel, after_version] {
+    return readers.Read(sink, deadline, cancel, after_version);
   });
   const auto end = Clock::now() + 10s;
-  while (!readers.waiting(0) && Clock::now() < end) std::this_thread::sleep_for(1ms);
+  while (readers.waiting(after_version + 1) == 0 && Clock::now() < end) {
+    std::this_thread::sleep_for(1ms);
+  }
   return f;
+}
+
+// A producer that only notes it ran.
+WeightProducer NoteRun(bool* ran) {
+  return [ran](const WeightPut&) {
+    *ran = true;
+    return Status::OK();
+  };
 }
 
 TEST(WeightReaders, ServeWithNobodyWaitingRunsNothing) {
   WeightReaders readers(nullptr);
   bool ran = false;
-  EXPECT_TRUE(readers
-                  .Serve(3, 1,
-                         [&](const WeightPut&) {
-                           ran = true;
-                           return Status::OK();
-                         })
-                  .ok());
+  EXPECT_TRUE(readers.Serve(3, 1, NoteRun(&ran)).ok());
   EXPECT_FALSE(ran);
 }
 
@@ -106,7 +112,7 @@ TEST(WeightReaders, EveryQueuedReaderGetsEveryTensorInOrder) {
     EXPECT_TRUE(at::equal(s->tensors[1], at::tensor({10.f, 11.f, 12.f, 13.f, 14.f})));
     EXPECT_TRUE(at::equal(s->tensors[2], policy[2].second));
   }
-  EXPECT_FALSE(readers.waiting(0));
+  EXPECT_EQ(readers.waiting(0), 0u);
 }
 
 // A non-contiguous tensor reaches the sink contiguous, with its values.
@@ -172,7 +178,7 @@ TEST(WeightReaders, AReaderQueuedDuringAServeWaitsForTheNext) {
   ASSERT_TRUE(ff.get().ok());
   EXPECT_EQ(first.names.size(), 3u);
   EXPECT_TRUE(late.names.empty());
-  EXPECT_TRUE(readers.waiting(0));
+  EXPECT_EQ(readers.waiting(0), 1u);
   ASSERT_TRUE(readers.Serve(5, 3, Produce(policy)).ok());
   ASSERT_TRUE(fl.get().ok());
   EXPECT_EQ(late.versions, (std::vector<int64_t>{5, 5, 5}));
@@ -184,22 +190,13 @@ TEST(WeightReaders, AReaderAfterAVersionWaitsForANewerOne) {
   WeightReaders readers(nullptr);
   Seen s;
   const WeightSink sink = s.Sink();
-  auto f = std::async(std::launch::async,
-                      [&] { return readers.Read(sink, Clock::now() + 30s, nullptr, 4); });
-  const auto end = Clock::now() + 10s;
-  while (!readers.waiting(5) && Clock::now() < end) std::this_thread::sleep_for(1ms);
-  ASSERT_TRUE(readers.waiting(5));
-  EXPECT_FALSE(readers.waiting(4));
+  auto f = ReadAsync(readers, sink, Clock::now() + 30s, nullptr, /*after_version=*/4);
+  ASSERT_EQ(readers.waiting(5), 1u);
+  EXPECT_EQ(readers.waiting(4), 0u);
   bool ran = false;
-  ASSERT_TRUE(readers
-                  .Serve(4, 3,
-                         [&](const WeightPut&) {
-                           ran = true;
-                           return Status::OK();
-                         })
-                  .ok());
+  ASSERT_TRUE(readers.Serve(4, 3, NoteRun(&ran)).ok());
   EXPECT_FALSE(ran);  // nobody wanted version 4
-  EXPECT_TRUE(readers.waiting(5));
+  EXPECT_EQ(readers.waiting(5), 1u);
   ASSERT_TRUE(readers.Serve(5, 3, Produce(Policy())).ok());
   ASSERT_TRUE(f.get().ok());
   EXPECT_EQ(s.versions, (std::vector<int64_t>{5, 5, 5}));
@@ -213,13 +210,13 @@ TEST(WeightReaders, DeadlineCancelAndCloseEndAWaitThatNoServeTook) {
   const Status late = readers.Read(sink, t0 + 100ms, nullptr);
   EXPECT_EQ(late.code(), StatusCode::kDeadlineExceeded) << late.ToString();
   EXPECT_GE(Clock::now() - t0, 100ms);
-  EXPECT_FALSE(readers.waiting(0));  // it left the queue
+  EXPECT_EQ(readers.waiting(0), 0u);  // it left the queue
 
   common::CancelToken cancel;
   auto fc = ReadAsync(readers, sink, Clock::now() + 30s, &cancel);
   cancel.Cancel();
   EXPECT_EQ(fc.get().code(), StatusCode::kCancelled);
-  EXPECT_FALSE(readers.waiting(0));
+  EXPECT_EQ(readers.waiting(0), 0u);
 
   auto fx = ReadAsync(readers, sink, Clock::now() + 30s, nullptr);
   readers.Close();

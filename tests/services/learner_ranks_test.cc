@@ -93,6 +93,16 @@ class LearnerRanksTest : public ::testing::Test {
     ASSERT_GT(children_->Spawn("worker", worker), 0);
   }
 
+  // Rank 0 ends the job within 240 s, rank 1 within 30 s more; both exit 0.
+  void ExpectBothRanksExitZero() {
+    const auto rank0 = children_->Wait("rank0", seconds(240));
+    ASSERT_TRUE(rank0.has_value()) << "rank 0 still runs:\n" << Logs();
+    EXPECT_EQ(*rank0, 0) << Logs();
+    const auto rank1 = children_->Wait("rank1", seconds(30));
+    ASSERT_TRUE(rank1.has_value()) << Logs();
+    EXPECT_EQ(*rank1, 0) << Logs();
+  }
+
   std::string Logs() const {
     return "rank 0:\n" + grpo::testing::Tail(children_->Err("rank0")) + "\nrank 1:\n" +
            grpo::testing::Tail(children_->Err("rank1")) + "\nworker:\n" +
@@ -107,12 +117,7 @@ class LearnerRanksTest : public ::testing::Test {
 
 TEST_F(LearnerRanksTest, TwoRanksTrainTheJobToMaxStepsAndBothExitZero) {
   StartRanks(/*max_steps=*/3);
-  const auto rank0 = children_->Wait("rank0", seconds(240));
-  ASSERT_TRUE(rank0.has_value()) << "rank 0 still runs:\n" << Logs();
-  EXPECT_EQ(*rank0, 0) << Logs();
-  const auto rank1 = children_->Wait("rank1", seconds(30));
-  ASSERT_TRUE(rank1.has_value()) << Logs();
-  EXPECT_EQ(*rank1, 0) << Logs();
+  ASSERT_NO_FATAL_FAILURE(ExpectBothRanksExitZero());
   const std::string log0 = ReadFile(children_->Err("rank0"));
   const std::string log1 = ReadFile(children_->Err("rank1"));
   EXPECT_NE(log0.find("rank 0 of 2 learner ranks"), std::string::npos) << log0;
@@ -135,12 +140,7 @@ TEST_P(LearnerRanksShards, RanksWriteTheirShardsOfEveryCheckpoint) {
   std::vector<std::string> flags = GetParam();
   flags.insert(flags.end(), {"--save_steps", "2"});
   StartRanks(/*max_steps=*/3, flags);
-  const auto rank0 = children_->Wait("rank0", seconds(240));
-  ASSERT_TRUE(rank0.has_value()) << "rank 0 still runs:\n" << Logs();
-  EXPECT_EQ(*rank0, 0) << Logs();
-  const auto rank1 = children_->Wait("rank1", seconds(30));
-  ASSERT_TRUE(rank1.has_value()) << Logs();
-  EXPECT_EQ(*rank1, 0) << Logs();
+  ASSERT_NO_FATAL_FAILURE(ExpectBothRanksExitZero());
   EXPECT_NE(ReadFile(children_->Err("rank1")).find("rank 0 ended the job at step 3"),
             std::string::npos)
       << Logs();
@@ -187,12 +187,7 @@ INSTANTIATE_TEST_SUITE_P(Modes, LearnerRanksShards,
 TEST_F(LearnerRanksTest, FullShardStreamsEachVersionToTheWorker) {
   StartRanks(/*max_steps=*/3, {"--fsdp", "full_shard", "--weight_publish", "stream"},
              {"--weight_sync_backend", "gloo"});
-  const auto rank0 = children_->Wait("rank0", seconds(240));
-  ASSERT_TRUE(rank0.has_value()) << "rank 0 still runs:\n" << Logs();
-  EXPECT_EQ(*rank0, 0) << Logs();
-  const auto rank1 = children_->Wait("rank1", seconds(30));
-  ASSERT_TRUE(rank1.has_value()) << Logs();
-  EXPECT_EQ(*rank1, 0) << Logs();
+  ASSERT_NO_FATAL_FAILURE(ExpectBothRanksExitZero());
   const std::string log0 = ReadFile(children_->Err("rank0"));
   const std::string worker = ReadFile(children_->Err("worker"));
   EXPECT_NE(log0.find("weight sync gloo"), std::string::npos) << log0;
