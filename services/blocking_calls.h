@@ -103,6 +103,19 @@ class OneOperation {
     while (!done_) cv_.Wait(&mu_);
     return ok_;
   }
+  // As Wait; false without waiting on when `deadline` passes first (*timed_out then true).
+  bool WaitUntil(std::chrono::steady_clock::time_point deadline, bool* timed_out)
+      GRPO_EXCLUDES(mu_) {
+    common::MutexLock lock(&mu_);
+    while (!done_) {
+      if (!cv_.WaitUntil(&mu_, deadline) && !done_) {
+        *timed_out = true;
+        return false;
+      }
+    }
+    *timed_out = false;
+    return ok_;
+  }
 
  private:
   common::Mutex mu_;
@@ -177,6 +190,19 @@ class BlockingWriteReactor final : public grpc::ServerWriteReactor<Response> {
     write_.Begin();
     this->StartWrite(&msg);
     return write_.Wait();
+  }
+  // As Write, but a client that has not taken the message within `limit` (it stopped reading)
+  // has its call cancelled (`context`'s TryCancel): false, as for a client gone.
+  bool WriteWithin(const Response& msg, std::chrono::milliseconds limit,
+                   grpc::CallbackServerContext* context) {
+    write_.Begin();
+    this->StartWrite(&msg);
+    bool timed_out = false;
+    const bool ok = write_.WaitUntil(std::chrono::steady_clock::now() + limit, &timed_out);
+    if (!timed_out) return ok;
+    context->TryCancel();
+    (void)write_.Wait();  // the write completes (not ok) once the call is cancelled
+    return false;
   }
   void OnWriteDone(bool ok) override { write_.Done(ok); }
   void OnCancel() override { cancel_.Cancel(); }

@@ -214,13 +214,19 @@ grpc::ServerWriteReactor<v1::WeightChunk>* LearnerServer::GetWeights(
     grpc::CallbackServerContext* context, const v1::GetWeightsRequest* request) {
   return BlockingWriteReactor<v1::WeightChunk>::Start(
       call_threads_.get(), "GetWeights", CheckAuth(*context, auth_token_),
-      [this, request](BlockingWriteReactor<v1::WeightChunk>& call) {
-        return Guarded("GetWeights", [&] { return ServeWeights(*request, call); });
+      [this, request, context](BlockingWriteReactor<v1::WeightChunk>& call) {
+        return Guarded("GetWeights", [&] { return ServeWeights(*request, call, context); });
       });
 }
 
 grpc::Status LearnerServer::ServeWeights(const v1::GetWeightsRequest& request,
-                                         BlockingWriteReactor<v1::WeightChunk>& call) {
+                                         BlockingWriteReactor<v1::WeightChunk>& call,
+                                         grpc::CallbackServerContext* context) {
+  // Streaming, the sink runs on the training thread, which a client that stops reading must
+  // not hold up for longer than a stalled weight-sync group would.
+  const bool bounded = learner_->streams_weights();
+  const auto write_limit = std::chrono::milliseconds(
+      static_cast<int64_t>(learner_->config().weight_sync_timeout_seconds * 1000));
   const int64_t chunk = request.chunk_bytes() > 0
                             ? std::min<int64_t>(request.chunk_bytes(), kDefaultWeightChunkBytes)
                             : kDefaultWeightChunkBytes;
@@ -252,8 +258,8 @@ grpc::Status LearnerServer::ServeWeights(const v1::GetWeightsRequest& request,
           msg.set_tensor_bytes(bytes);
           offset += n;
           msg.set_last(piece.index + 1 == piece.count && offset >= bytes);
-          if (!call.Write(msg)) {
-            sink_status = Status::Cancelled("GetWeights: the client went away");
+          if (!(bounded ? call.WriteWithin(msg, write_limit, context) : call.Write(msg))) {
+            sink_status = Status::Cancelled("GetWeights: the client went away or stopped reading");
             return false;
           }
           learner_->metrics().weight_sync_bytes->Increment(static_cast<double>(n));

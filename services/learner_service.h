@@ -149,8 +149,10 @@ class LearnerServer final : public LearnerServiceBase {
  private:
   LearnerServer(common::GrpoConfig config, LearnerServerOptions options);
   // GetWeights' and WatchJob's stream loops, on a CallThreads thread.
+  // `context` cancels a streamed call whose client stops reading.
   grpc::Status ServeWeights(const v1::GetWeightsRequest& request,
-                            BlockingWriteReactor<v1::WeightChunk>& call);
+                            BlockingWriteReactor<v1::WeightChunk>& call,
+                            grpc::CallbackServerContext* context);
   grpc::Status ServeJobEvents(BlockingWriteReactor<v1::JobEvent>& call);
 
   const common::GrpoConfig config_;

@@ -90,6 +90,7 @@ class ChaosTest : public FaultToleranceTest {
     if (in_flight_) {
       args.insert(args.end(), {"--partial_rollouts", "true", "--continuous_batching", "true"});
     }
+    if (streamed_) args.insert(args.end(), {"--weight_publish", "stream"});
     if (dynamic_sampling_) {
       // A 0/1 reward that two completions of the tiny model often share: with dynamic sampling
       // about half the groups are filtered (a byte in a-m among 8 random ones: p ~ 0.34, so
@@ -148,6 +149,7 @@ class ChaosTest : public FaultToleranceTest {
 
   bool dynamic_sampling_ = false;
   bool in_flight_ = false;  // partial_rollouts + continuous_batching
+  bool streamed_ = false;   // weight_publish stream
 
   // In-flight weight updates: in every step's dump each completion token's version is one the
   // learner had published when the step trained (step s trains at version s - 1), at most
@@ -372,6 +374,15 @@ TEST_F(ChaosTest, InFlightUpdatesUnderRandomFaultsKeepEveryTokenWithinStaleness)
   in_flight_ = true;
   RunChaos(static_cast<uint64_t>(EnvInt("GRPO_CHAOS_SEED", 7)), EnvInt("GRPO_CHAOS_IF_SECONDS", 45),
            EnvInt("GRPO_CHAOS_IF_STEPS", 200));
+}
+
+// Issue 21 item 3: the weights streamed by the training thread (weight_publish stream), with no
+// snapshot, to the gloo groups and GetWeights, under the same faults: a killed or stopped
+// worker costs a stream one deadline, and every invariant holds.
+TEST_F(ChaosTest, StreamedWeightsUnderRandomFaultsLoseNothingTrainNothingTwice) {
+  streamed_ = true;
+  RunChaos(static_cast<uint64_t>(EnvInt("GRPO_CHAOS_SEED", 9)), EnvInt("GRPO_CHAOS_ST_SECONDS", 45),
+           EnvInt("GRPO_CHAOS_ST_STEPS", 200));
 }
 
 // Issue 21 item 5: a learner group of two ranks (launched as torchrun does: RANK, WORLD_SIZE,

@@ -447,7 +447,18 @@ Reassembled ReadWeights(grpc::ClientReader<v1::WeightChunk>* reader, int64_t max
   return r;
 }
 
-TEST_F(LearnerServiceTest, AGenerationBatchTrainsAStepAndGetWeightsStreamsTheNewPolicy) {
+// The same with either weight_publish: the snapshot's bytes, or the policy's streamed by the
+// training thread.
+class LearnerServicePublish : public LearnerServiceTest,
+                              public ::testing::WithParamInterface<const char*> {
+ protected:
+  void SetUp() override {
+    LearnerServiceTest::SetUp();
+    config_.weight_publish = GetParam();
+  }
+};
+
+TEST_P(LearnerServicePublish, AGenerationBatchTrainsAStepAndGetWeightsStreamsTheNewPolicy) {
   StartServer();
   Submit(Prompts(4));
   EXPECT_EQ(server_->published_version(), 0);
@@ -484,6 +495,48 @@ TEST_F(LearnerServiceTest, AGenerationBatchTrainsAStepAndGetWeightsStreamsTheNew
   EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
   EXPECT_EQ(job.prompts().trained(), 2);
   EXPECT_TRUE(job.last_metrics().count("loss"));
+}
+
+INSTANTIATE_TEST_SUITE_P(WeightPublish, LearnerServicePublish,
+                         ::testing::Values("snapshot", "stream"));
+
+// weight_publish stream: the training thread writes each chunk, so a client that stops reading
+// would hold training up. Its call is cancelled after weight_sync_timeout_seconds and a reader
+// beside it gets the whole version (the tiny model's 0.5 MB are far more than the flow-control
+// window a client that reads nothing lets through).
+TEST_F(LearnerServiceTest, AStreamingLearnerCancelsAGetWeightsClientThatStopsReading) {
+  config_.weight_publish = "stream";
+  config_.weight_sync_timeout_seconds = 1;
+  StartServer();
+  v1::GetWeightsRequest req;
+  req.set_min_version(0);
+  req.set_chunk_bytes(4096);
+  // A client whose transport takes no more than it is asked for: no BDP probing, a small
+  // lookahead, so a client that reads nothing holds the server's writes.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  auto tight = v1::LearnerService::NewStub(grpc::CreateCustomChannel(
+      "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials(), args));
+  auto stalled_ctx = Ctx();
+  auto stalled = tight->GetWeights(stalled_ctx.get(), req);
+  v1::WeightChunk first;
+  ASSERT_TRUE(stalled->Read(&first));  // the stream has begun; then this client reads no more
+  const auto t0 = std::chrono::steady_clock::now();
+  auto ctx = Ctx();
+  auto reader = stub_->GetWeights(ctx.get(), req);
+  Reassembled r = ReadWeights(reader.get(), 4096);
+  ASSERT_TRUE(reader->Finish().ok());
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.version, 0);
+  EXPECT_EQ(r.order.size(), server_->policy().NamedParameters().size());
+  EXPECT_LT(waited, 10.0) << "the stalled client held the stream up";
+  v1::WeightChunk c;
+  while (stalled->Read(&c)) {
+  }
+  const grpc::Status s = stalled->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << s.error_message();
 }
 
 class LearnerServiceBf16Test : public LearnerServiceTest {
