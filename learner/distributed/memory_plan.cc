@@ -388,7 +388,18 @@ namespace {
 // The knobs SuggestFix turns, in its order of preference.
 // shard_grad_op before full_shard: it gathers no weights (less communication), so it is the one
 // to take when both fit; at the ranks' own count full_shard usually needs fewer ranks.
-enum Knob { kCheckpointing, kBatch, kShardGradOp, kFullShard, kOffload, kRanks, kNumKnobs };
+// weight_publish stream after the batch: it changes no number the step computes, and costs
+// the training thread the time each version streams, not every step's.
+enum Knob {
+  kCheckpointing,
+  kBatch,
+  kStream,
+  kShardGradOp,
+  kFullShard,
+  kOffload,
+  kRanks,
+  kNumKnobs
+};
 
 struct Candidate {
   common::GrpoConfig config;
@@ -425,6 +436,7 @@ StatusOr<Suggestion> TryKnobs(const common::ModelConfig& m, const common::GrpoCo
   ASSIGN_OR_RETURN(common::FsdpSpec fsdp, common::ParseFsdp(config.fsdp));
   Candidate base{config, world_size};
   if (mask & (1u << kCheckpointing)) base.config.gradient_checkpointing = true;
+  if (mask & (1u << kStream)) base.config.weight_publish = "stream";
   if (mask & (1u << kShardGradOp)) fsdp.mode = common::FsdpMode::kShardGradOp;
   if (mask & (1u << kFullShard)) fsdp.mode = common::FsdpMode::kFullShard;
   if (mask & (1u << kOffload)) fsdp.offload = true;
@@ -466,6 +478,7 @@ StatusOr<Suggestion> TryKnobs(const common::ModelConfig& m, const common::GrpoCo
               {"steps_per_generation", std::to_string(*c.config.steps_per_generation)});
         }
       }
+      if (mask & (1u << kStream)) best.changes.push_back({"weight_publish", "stream"});
       if (mask & ((1u << kShardGradOp) | (1u << kFullShard) | (1u << kOffload))) {
         best.changes.push_back({"fsdp", c.config.fsdp});
       }
@@ -489,6 +502,7 @@ StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::Grpo
   unsigned usable = 0;
   if (!config.gradient_checkpointing) usable |= 1u << kCheckpointing;
   if (config.per_device_train_batch_size > 1) usable |= 1u << kBatch;
+  if (config.weight_publish != "stream") usable |= 1u << kStream;
   if (current.fsdp.mode == common::FsdpMode::kNoShard) usable |= 1u << kShardGradOp;
   if (current.fsdp.mode != common::FsdpMode::kFullShard) usable |= 1u << kFullShard;
   if (!current.fsdp.offload && current.device == "cuda") usable |= 1u << kOffload;
@@ -524,17 +538,15 @@ StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::Grpo
   // Nothing fits: say what every knob at its extreme still needs.
   Candidate floor{WithBatch(config, 1), kMaxSuggestedWorldSize};
   floor.config.gradient_checkpointing = true;
+  floor.config.weight_publish = "stream";
   floor.config.fsdp = current.device == "cuda" ? "full_shard offload" : "full_shard";
   MemoryPlan least;
   RETURN_IF_ERROR(CandidateFits(m, floor, device, device_bytes, SuggestOptions{}, &least).status());
   std::string msg = (o.built_only ? "nothing the trainer runs today fits " : "no change fits ") +
-                    FormatBytes(device_bytes) + " per rank: with gradient_checkpointing, 1 row, " +
+                    FormatBytes(device_bytes) +
+                    " per rank: with gradient_checkpointing, 1 row, weight_publish stream, " +
                     floor.config.fsdp + " and " + std::to_string(kMaxSuggestedWorldSize) + " ranks";
   msg += " a rank still needs " + FormatBytes(least.Total());
-  if (least.weight_snapshot > 0) {
-    msg += " (the published weights " + FormatBytes(least.weight_snapshot) +
-           ", which weight_publish: stream does not keep)";
-  }
   return Status::NotFound(msg);
 }
 

@@ -562,6 +562,7 @@ TEST(SuggestFix, TheFewestRanksThatFit) {
   cfg.steps_per_generation = 2;
   cfg.fsdp = "full_shard";
   cfg.bf16 = true;
+  cfg.weight_publish = "stream";
   auto fix = SuggestFix(Qwen25_7B(), cfg, 1, "cpu", k80GiB);
   ASSERT_TRUE(fix.ok()) << fix.status().ToString();
   ASSERT_EQ(fix->changes.size(), 1u);
@@ -630,15 +631,28 @@ TEST(SuggestFix, BuiltOnlyNeverSuggestsWhatTheTrainerRefuses) {
   ASSERT_TRUE(offload.ok()) << offload.status().ToString();
   EXPECT_EQ(offload->Text(), "set fsdp: full_shard offload");
   EXPECT_NEAR(offload->plan.Total() / double(1ll << 30), 71.05, 0.1);
-  // With 128 GiB of host beside the GPU the offloaded state (113 GiB) and the two published
-  // snapshots (2 x 4n = 56.7 GiB) do not fit it: full_shard at 2 ranks with checkpointing, the
-  // fp32 master shard 4n/2 = 14.19 GiB, its gradient 14.19, AdamW 8n/2 = 28.37, the gathered
-  // unit 5.08, the micro-batch 5.1, CUDA 1.0: 67.9 GiB. One rank holds 16n = 113 GiB of state
-  // alone; shard_grad_op at 2 ranks needs 92.3 (the whole bf16 weights and fp32 master, 42.6,
-  // beside the halves); without checkpointing the activations are 61.9.
+  // With 128 GiB of host beside the GPU the offloaded state (16n = 113.5 GiB) and the two
+  // published snapshots (2 x 4n = 56.7 GiB) do not fit it; streamed, the host holds the state
+  // and the step's temporaries of the largest unit (8 bytes x V x D, 4.06 GiB, as offload is
+  // planned), one tensor on its way to GetWeights (the [V, D] embedding: 4 x 152,064 x 3,584 =
+  // 2.03 GiB), the process (384 MiB) and a gloo bucket (16 MiB): 120.0 GiB, and the GPU the
+  // 71.0 above.
   SuggestOptions host128 = built;
   host128.host_bytes = 128ll << 30;
-  auto zero3 = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, host128);
+  auto streamed = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, host128);
+  ASSERT_TRUE(streamed.ok()) << streamed.status().ToString();
+  EXPECT_EQ(streamed->Text(), "set weight_publish: stream and fsdp: full_shard offload");
+  EXPECT_NEAR(streamed->plan.Total() / double(1ll << 30), 71.05, 0.1);
+  EXPECT_EQ(streamed->plan.HostTotal(), 16 * 7'615'616'512ll + 8 * 152064ll * 3584 +
+                                            4 * 152064ll * 3584 + (384ll << 20) + (16ll << 20));
+  // With 112 GiB the offloaded state alone does not fit the host: full_shard at 2 ranks with
+  // checkpointing, the fp32 master shard 4n/2 = 14.19 GiB, its gradient 14.19, AdamW 8n/2 =
+  // 28.37, the gathered unit 5.08, the micro-batch 5.1, CUDA 1.0: 67.9 GiB. One rank holds 16n
+  // = 113 GiB of state alone; shard_grad_op at 2 ranks needs 92.3 (the whole bf16 weights and
+  // fp32 master, 42.6, beside the halves); without checkpointing the activations are 61.9.
+  SuggestOptions host112 = built;
+  host112.host_bytes = 112ll << 30;
+  auto zero3 = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, host112);
   ASSERT_TRUE(zero3.ok()) << zero3.status().ToString();
   EXPECT_EQ(zero3->Text(),
             "set gradient_checkpointing: true, fsdp: full_shard and run 2 ranks (world_size 2)");
@@ -664,8 +678,8 @@ TEST(CheckFitsDevice, RefusesNamingTheKnob) {
   s = CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", 7ll << 30);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("nothing the trainer runs today fits 7.0 GiB per rank: with "
-                             "gradient_checkpointing, 1 row, full_shard offload and 1024 ranks a "
-                             "rank still needs "),
+                             "gradient_checkpointing, 1 row, weight_publish stream, full_shard "
+                             "offload and 1024 ranks a rank still needs "),
             std::string::npos)
       << s.message();
   // A knob built today is named as it is.
