@@ -180,9 +180,9 @@ struct GrpoConfig {
   int64_t weight_sync_steps = 1;
   // snapshot | stream (docs/ARCHITECTURE.md "Weight sync"): `snapshot` keeps each published
   // version as a CPU copy of the whole model (and a GPU copy for GPU backends) that the
-  // weight-sync groups and GetWeights read at any time; `stream` keeps none: GetWeights readers
-  // wait for the training thread, which streams the policy to them a tensor at a time (with
-  // full_shard a unit at a time, every rank gathering), and every worker is assigned grpc.
+  // weight-sync groups and GetWeights read at any time; `stream` keeps none: GetWeights calls
+  // and the groups wait for the training thread, which streams the policy to them a tensor at a
+  // time (with full_shard a unit at a time, every rank gathering) while training waits.
   std::string weight_publish = "snapshot";
   // The deadline of each weight-sync rendezvous and collective, in seconds: a worker that stalls
   // a broadcast (stopped, swapping, partitioned but connected) costs its group at most this

@@ -804,7 +804,9 @@ Status Learner::StreamToGroup(WeightPublisher& publisher, const std::vector<std:
   if (!streamed.ok()) return streamed;
   if (!read.ok() && read.code() != StatusCode::kUnavailable &&
       read.code() != StatusCode::kDeadlineExceeded) {
+    // The producer failed mid-version (a rank's gather): the group is left inside it.
     GRPO_LOG_WARN("learner: {} weight sync: {}", publisher.backend(), read.ToString());
+    publisher.AbortOpenStream(read);
   }
   return Status::OK();
 }

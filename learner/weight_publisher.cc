@@ -25,6 +25,7 @@ WeightPublisher::WeightPublisher(std::string backend,
 WeightPublisher::~WeightPublisher() { Close(); }
 
 void WeightPublisher::Close() {
+  streaming_ = false;
   if (sync_) sync_->Abort();
   sync_.reset();
   group_store_.reset();
@@ -106,6 +107,11 @@ Status WeightPublisher::Sync(const std::vector<std::string>& members,
   return Status::OK();
 }
 
+void WeightPublisher::AbortOpenStream(const Status& why) {
+  if (!streaming_ || !sync_) return;
+  (void)Fail(sync_->epoch(), why, "stream");
+}
+
 Status WeightPublisher::StreamPiece(const WeightPiece& piece, const std::string& incarnation) {
   if (!sync_) return Status::FailedPrecondition(backend_ + " weight sync: no group to stream to");
   const int64_t epoch = sync_->epoch();
@@ -117,6 +123,7 @@ Status WeightPublisher::StreamPiece(const WeightPiece& piece, const std::string&
                            common::FormatVersionAnnouncement(a));
     if (s.ok()) s = sync_->Begin(piece.version);
     if (!s.ok()) return Fail(epoch, s, "stream");
+    streaming_ = true;
   }
   const bool on_device = backend_ != common::kBackendGloo;
   common::NamedTensors one;
@@ -129,6 +136,7 @@ Status WeightPublisher::StreamPiece(const WeightPiece& piece, const std::string&
   if (s.ok() && piece.index + 1 == piece.count) s = sync_->Commit();
   if (!s.ok()) return Fail(epoch, s, "stream");
   if (piece.index + 1 < piece.count) return Status::OK();
+  streaming_ = false;
   ++seq_;
   last_sent_ = piece.version;
   syncs_ += 1;

@@ -66,6 +66,9 @@ class WeightPublisher {
   // (of the CPU tensor for gloo, of the producer's device tensor for GPU backends), the last
   // commits. A failure aborts the group and ends its epoch, as Sync's.
   Status StreamPiece(const WeightPiece& piece, const std::string& incarnation);
+  // A stream that ended before its last piece (the producer failed): the group, left inside a
+  // version, is aborted and its epoch ended with `why`. Nothing when no version is open.
+  void AbortOpenStream(const Status& why);
 
   // Tears the group down (peers see their next collective fail).
   void Close();
@@ -91,6 +94,7 @@ class WeightPublisher {
   std::vector<std::string> roster_;              // sync_'s members
   int64_t formed_epoch_ = 0;                     // the epoch of the last group formed
   int64_t seq_ = 0;                              // versions announced in sync_'s epoch
+  bool streaming_ = false;                       // a streamed version is begun, not committed
   int64_t last_sent_ = -1;
   std::atomic<int64_t> syncs_{0};
   std::atomic<int64_t> failures_{0};

@@ -158,8 +158,12 @@ class StreamingGroupThread {
               return streamed.ok();
             };
             // Queued until served (the destructor's cancel ends a wait no Serve took).
-            (void)readers.Read(sink, Clock::now() + 60s, &cancel_, p.last_sent());
+            const Status read = readers.Read(sink, Clock::now() + 60s, &cancel_, p.last_sent());
             if (!streamed.ok()) failed_ += 1;
+            // As Learner::StreamToGroup: a producer that failed mid-version.
+            if (streamed.ok() && !read.ok() && read.code() != StatusCode::kCancelled) {
+              p.AbortOpenStream(read);
+            }
           }
         }) {}
   ~StreamingGroupThread() {
@@ -316,6 +320,25 @@ TEST(WeightPublisher, ALostReceiverFailsItsGroupsStreamAndTheOtherReadersGetTheV
   // The failure ended the epoch (the thread then tries the same roster again, in vain).
   ASSERT_TRUE(WaitFor([&] { return publisher.failures() >= 1 && group.failed() >= 1; }, 10s));
   EXPECT_GE(t.store->epoch(), t.epoch + 1);
+}
+
+// A producer that fails mid-version (a rank's gather) leaves the group inside it: the group is
+// aborted and its epoch ended, and no receiver keeps the half-sent version.
+TEST(WeightPublisher, AStreamWhoseProducerFailsMidVersionAbortsTheGroup) {
+  TwoWorkers t("w-b");
+  WeightReaders readers(nullptr);
+  StreamingGroupThread group(t.publisher, readers, {"w-a", "w-b"});
+  const auto v1 = Snapshot(*t.base, 1, 0);
+  ASSERT_TRUE(WaitFor([&] { return readers.waiting(1) == 1; }, 10s));
+  const Status served = readers.Serve(1, v1->tensors.size(), [&](const WeightPut& put) {
+    put(v1->tensors[0].first, v1->tensors[0].second);
+    return Status::Aborted("rank 1 left the gather");
+  });
+  EXPECT_EQ(served.code(), StatusCode::kAborted);
+  ASSERT_TRUE(WaitFor([&] { return t.publisher.failures() == 1; }, 10s));
+  EXPECT_GE(t.store->epoch(), t.epoch + 1);
+  EXPECT_EQ(t.a.receiver->latest().first, -1);
+  EXPECT_EQ(t.b.receiver->latest().first, -1);
 }
 
 TEST(WeightPublisher, ALostReceiverEndsTheEpochAndTheOtherRejoinsTheNext) {
