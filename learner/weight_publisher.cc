@@ -16,16 +16,18 @@ using Clock = std::chrono::steady_clock;
 WeightPublisher::WeightPublisher(std::string backend,
                                  std::shared_ptr<common::InMemoryEpochStore> store,
                                  common::WeightSyncFactory factory,
-                                 std::chrono::milliseconds timeout)
+                                 std::chrono::milliseconds timeout, int64_t stream_group_bytes)
     : backend_(std::move(backend)),
       store_(std::move(store)),
       factory_(std::move(factory)),
-      timeout_(timeout) {}
+      timeout_(timeout),
+      stream_group_bytes_(stream_group_bytes) {}
 
 WeightPublisher::~WeightPublisher() { Close(); }
 
 void WeightPublisher::Close() {
   streaming_ = false;
+  pending_.clear();
   if (sync_) sync_->Abort();
   sync_.reset();
   group_store_.reset();
@@ -118,21 +120,39 @@ Status WeightPublisher::StreamPiece(const WeightPiece& piece, const std::string&
   if (piece.index == 0) {
     phase_start_ = Clock::now();
     common::VersionAnnouncement a{piece.version, incarnation};
-    a.per_tensor = true;
+    a.stream_group_bytes = stream_group_bytes_;
     Status s = store_->Set(epoch, common::VersionKey(backend_, seq_),
                            common::FormatVersionAnnouncement(a));
     if (s.ok()) s = sync_->Begin(piece.version);
     if (!s.ok()) return Fail(epoch, s, "stream");
     streaming_ = true;
+    grouping_.emplace(stream_group_bytes_);
+    pending_.clear();
   }
   const bool on_device = backend_ != common::kBackendGloo;
-  common::NamedTensors one;
+  Status s = Status::OK();
   try {
-    one.emplace_back(piece.name, on_device ? piece.source.contiguous() : piece.tensor);
+    const at::Tensor& t = on_device ? piece.source : piece.tensor;
+    // The groups the receivers make from their layout (common::StreamGrouping): small tensors
+    // are copied into the group being filled (at most stream_group_bytes_), a large one is sent
+    // from its own memory at once.
+    if (grouping_->Add(static_cast<int64_t>(t.nbytes())) && !pending_.empty()) {
+      s = sync_->Broadcast(pending_);
+      pending_.clear();
+    }
+    if (s.ok() && grouping_->Alone()) {
+      common::NamedTensors one{{piece.name, t.contiguous()}};
+      s = sync_->Broadcast(one);
+    } else if (s.ok()) {
+      pending_.emplace_back(piece.name, t.contiguous().clone());
+    }
+    if (s.ok() && piece.index + 1 == piece.count && !pending_.empty()) {
+      s = sync_->Broadcast(pending_);
+      pending_.clear();
+    }
   } catch (const c10::Error& e) {
-    return Fail(epoch, Status::Internal(e.what_without_backtrace()), "stream");
+    s = Status::Internal(e.what_without_backtrace());
   }
-  Status s = sync_->Broadcast(one);
   if (s.ok() && piece.index + 1 == piece.count) s = sync_->Commit();
   if (!s.ok()) return Fail(epoch, s, "stream");
   if (piece.index + 1 < piece.count) return Status::OK();

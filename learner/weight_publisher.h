@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "common/status.h"
 #include "common/weight_sync/backends.h"
 #include "common/weight_sync/epoch_store.h"
+#include "common/weight_sync/group.h"
 #include "common/weight_sync/weight_sync.h"
 #include "learner/weight_readers.h"
 
@@ -37,12 +39,18 @@ struct WeightSnapshot {
   common::NamedTensors device_tensors;
 };
 
+// A streamed version's tensors share a Broadcast up to this many bytes (common::StreamGrouping):
+// one gloo bucket, the copy a publisher holds at most while a version streams.
+inline constexpr int64_t kStreamGroupBytes = common::kDefaultBucketBytes;
+
 // Not thread-safe: one thread (the learner's weight-sync thread) drives a publisher.
 class WeightPublisher {
  public:
   // `backend` is gloo, nccl or cuda_ipc; `factory` creates rank 0 of it.
+  // `stream_group_bytes`: the cap of a streamed version's groups (announced with it).
   WeightPublisher(std::string backend, std::shared_ptr<common::InMemoryEpochStore> store,
-                  common::WeightSyncFactory factory, std::chrono::milliseconds timeout);
+                  common::WeightSyncFactory factory, std::chrono::milliseconds timeout,
+                  int64_t stream_group_bytes = kStreamGroupBytes);
   ~WeightPublisher();
 
   const std::string& backend() const { return backend_; }
@@ -62,9 +70,11 @@ class WeightPublisher {
   // The last version this group committed (-1: none).
   int64_t last_sent() const { return last_sent_; }
   // One tensor of a version streamed to the live group, as WeightReaders hands it out: the
-  // first piece announces the version (per_tensor) and begins it, each piece is one Broadcast
-  // (of the CPU tensor for gloo, of the producer's device tensor for GPU backends), the last
-  // commits. A failure aborts the group and ends its epoch, as Sync's.
+  // first piece announces the version (`stream <stream_group_bytes>`) and begins it; the tensors
+  // go in the groups of common::StreamGrouping (small ones copied into the group being
+  // filled, a large one sent from its memory at once), of the CPU tensor for gloo, of the
+  // producer's device tensor for GPU backends; the last piece sends the rest and commits. A
+  // failure aborts the group and ends its epoch, as Sync's.
   Status StreamPiece(const WeightPiece& piece, const std::string& incarnation);
   // A stream that ended before its last piece (the producer failed): the group, left inside a
   // version, is aborted and its epoch ended with `why`. Nothing when no version is open.
@@ -89,12 +99,15 @@ class WeightPublisher {
   const std::shared_ptr<common::InMemoryEpochStore> store_;
   const common::WeightSyncFactory factory_;
   const std::chrono::milliseconds timeout_;
+  const int64_t stream_group_bytes_;
   std::unique_ptr<common::WeightSync> sync_;
-  c10::intrusive_ptr<c10d::Store> group_store_;  // of sync_'s epoch, scoped to GroupPrefix
-  std::vector<std::string> roster_;              // sync_'s members
-  int64_t formed_epoch_ = 0;                     // the epoch of the last group formed
-  int64_t seq_ = 0;                              // versions announced in sync_'s epoch
-  bool streaming_ = false;                       // a streamed version is begun, not committed
+  c10::intrusive_ptr<c10d::Store> group_store_;     // of sync_'s epoch, scoped to GroupPrefix
+  std::vector<std::string> roster_;                 // sync_'s members
+  int64_t formed_epoch_ = 0;                        // the epoch of the last group formed
+  int64_t seq_ = 0;                                 // versions announced in sync_'s epoch
+  bool streaming_ = false;                          // a streamed version is begun, not committed
+  std::optional<common::StreamGrouping> grouping_;  // of the version being streamed
+  common::NamedTensors pending_;                    // copies of its group being filled
   int64_t last_sent_ = -1;
   std::atomic<int64_t> syncs_{0};
   std::atomic<int64_t> failures_{0};

@@ -220,13 +220,10 @@ Status GroupWeightReceiver::ServeEpoch(const GroupMembership& m, const std::stri
       break;
     }
     s = sync->Begin(common::kAnyVersion);
-    if (s.ok() && a->per_tensor) {
-      // A streamed version (weight_publish: stream): the learner sends a tensor at a time, as
-      // its ranks gather them.
-      for (size_t i = 0; i < fresh.size() && s.ok(); ++i) {
-        common::NamedTensors one{fresh[i]};
-        s = sync->Broadcast(one);
-      }
+    if (s.ok() && a->stream_group_bytes > 0) {
+      // A streamed version (weight_publish: stream): the learner sends the tensors as its ranks
+      // gather them, in the groups both ends derive from the layout.
+      s = common::BroadcastInStreamGroups(*sync, fresh, a->stream_group_bytes);
     } else if (s.ok()) {
       s = sync->Broadcast(fresh);
     }

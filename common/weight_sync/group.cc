@@ -43,8 +43,23 @@ std::vector<std::string> ParseRoster(const std::string& text) {
 
 std::string FormatVersionAnnouncement(const VersionAnnouncement& a) {
   if (a.incarnation.empty()) return std::to_string(a.version);
-  return std::to_string(a.version) + " " + a.incarnation + (a.per_tensor ? " per_tensor" : "");
+  std::string text = std::to_string(a.version) + " " + a.incarnation;
+  if (a.stream_group_bytes > 0) text += " stream " + std::to_string(a.stream_group_bytes);
+  return text;
 }
+
+namespace {
+
+// A decimal of 1 to 18 digits (no sign), or nullopt.
+std::optional<int64_t> ParseCount(const std::string& text) {
+  if (text.empty() || text.size() > 18 ||
+      text.find_first_not_of("0123456789") != std::string::npos) {
+    return std::nullopt;
+  }
+  return std::stoll(text);
+}
+
+}  // namespace
 
 std::optional<VersionAnnouncement> ParseVersionAnnouncement(const std::string& text) {
   const size_t space = text.find(' ');
@@ -59,8 +74,11 @@ std::optional<VersionAnnouncement> ParseVersionAnnouncement(const std::string& t
     std::string rest = text.substr(space + 1);
     const size_t second = rest.find(' ');
     if (second != std::string::npos) {
-      if (rest.substr(second + 1) != "per_tensor") return std::nullopt;
-      a.per_tensor = true;
+      const std::string tail = rest.substr(second + 1);
+      if (tail.rfind("stream ", 0) != 0) return std::nullopt;
+      const std::optional<int64_t> bytes = ParseCount(tail.substr(7));
+      if (!bytes || *bytes <= 0) return std::nullopt;
+      a.stream_group_bytes = *bytes;
       rest.resize(second);
     }
     a.incarnation = std::move(rest);

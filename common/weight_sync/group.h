@@ -50,13 +50,14 @@ std::vector<std::string> ParseRoster(const std::string& text);
 struct VersionAnnouncement {
   int64_t version = -1;
   std::string incarnation;  // empty from an older learner (the value was the version alone)
-  // The learner streams the version (weight_publish: stream): one Broadcast per tensor, in
+  // > 0: the learner streams the version (weight_publish: stream) as it produces it: one
+  // Broadcast per StreamGrouping (weight_sync.h) group of this many bytes at most, in
   // Model::NamedParameters order, instead of one for the whole list. Needs an incarnation.
-  bool per_tensor = false;
+  int64_t stream_group_bytes = 0;
 };
 std::string FormatVersionAnnouncement(const VersionAnnouncement& a);
-// Reads "<version>", "<version> <incarnation>" or "<version> <incarnation> per_tensor"; nullopt
-// when malformed.
+// Reads "<version>", "<version> <incarnation>" or "<version> <incarnation> stream <bytes>";
+// nullopt when malformed.
 std::optional<VersionAnnouncement> ParseVersionAnnouncement(const std::string& text);
 
 // Where one end of a weight sync computes: on a GPU (with the GPU's UUID, as

@@ -68,4 +68,51 @@ class WeightSync {
   virtual bool aborted() const = 0;
 };
 
+// How a streamed version's tensors share Broadcasts, the same at both ends: in order, a tensor of
+// at least `cap` bytes is a group alone; a smaller one joins the group being filled while its
+// bytes stay within `cap`, else it starts the next. Incremental: the learner learns each
+// tensor's size as it is produced, a receiver from its layout.
+class StreamGrouping {
+ public:
+  explicit StreamGrouping(int64_t cap) : cap_(cap) {}
+  // The next tensor, of `bytes` bytes: true when the group being filled is complete before it
+  // (it is then sent, and this tensor starts a new group).
+  bool Add(int64_t bytes) {
+    const bool alone = bytes >= cap_;
+    const bool full = count_ > 0 && (alone || last_alone_ || sum_ + bytes > cap_);
+    if (full) sum_ = count_ = 0;
+    sum_ += bytes;
+    ++count_;
+    last_alone_ = alone;
+    return full;
+  }
+  // The tensor just added can never share its group: send it at once.
+  bool Alone() const { return last_alone_; }
+
+ private:
+  const int64_t cap_;
+  int64_t sum_ = 0, count_ = 0;
+  bool last_alone_ = false;
+};
+
+// Broadcast of a streamed version with every tensor at hand (a receiver, whose tensors are its
+// layout): one Broadcast per StreamGrouping(cap) group, the calls the streaming learner makes.
+inline Status BroadcastInStreamGroups(WeightSync& sync, NamedTensors& tensors, int64_t cap) {
+  StreamGrouping grouping(cap);
+  NamedTensors group;
+  for (auto& named : tensors) {
+    if (grouping.Add(static_cast<int64_t>(named.second.nbytes())) && !group.empty()) {
+      RETURN_IF_ERROR(sync.Broadcast(group));
+      group.clear();
+    }
+    if (grouping.Alone()) {
+      NamedTensors one{named};
+      RETURN_IF_ERROR(sync.Broadcast(one));
+    } else {
+      group.push_back(named);
+    }
+  }
+  return group.empty() ? Status::OK() : sync.Broadcast(group);
+}
+
 }  // namespace grpo::common

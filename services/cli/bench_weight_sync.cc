@@ -28,6 +28,7 @@
 #include "common/rollout_types.h"
 #include "common/weight_sync/epoch_store.h"
 #include "common/weight_sync/gloo_weight_sync.h"
+#include "learner/weight_publisher.h"
 #include "services/auth.h"
 #include "services/cli/bench_services_util.h"
 #include "services/cli/bench_util.h"
@@ -90,8 +91,15 @@ int RunWeightSync(const ServiceBenchOptions& o) {
   common::GlooWeightSyncOptions gopts;
   gopts.sync.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(kSyncTimeout);
   gopts.hostname = "127.0.0.1";
+  // Each round broadcasts the version twice, the modes interleaved: the whole list in one
+  // Broadcast (weight_publish snapshot), then in the groups of a streamed version (stream; the
+  // learner side here sends views where the publisher copies the small tensors of a group).
+  auto broadcast = [](common::WeightSync& sync, common::NamedTensors& tensors, bool streamed) {
+    return streamed ? common::BroadcastInStreamGroups(sync, tensors, learner::kStreamGroupBytes)
+                    : sync.Broadcast(tensors);
+  };
   std::vector<Status> worker_status(workers, Status::OK());
-  std::vector<char> worker_equal(workers, 0);
+  std::vector<char> worker_equal(workers, 0), worker_equal_streamed(workers, 0);
   std::vector<std::thread> threads;
   const auto setup_t0 = Clock::now();
   for (int i = 0; i < workers; ++i) {
@@ -107,20 +115,25 @@ int RunWeightSync(const ServiceBenchOptions& o) {
       common::NamedTensors dst;
       for (const auto& [name, t] : src) dst.emplace_back(name, at::zeros_like(t));
       for (int r = 0; r < reps + 1; ++r) {
-        Status s = (*sync)->Begin(common::kAnyVersion);
-        if (s.ok()) s = (*sync)->Broadcast(dst);
-        if (s.ok()) s = (*sync)->Commit();
-        if (!s.ok()) {
-          worker_status[i] = s;
-          return;
+        for (const bool streamed : {false, true}) {
+          if (r == reps) {
+            for (auto& [name, t] : dst) t.zero_();  // the last round proves its own delivery
+          }
+          Status s = (*sync)->Begin(common::kAnyVersion);
+          if (s.ok()) s = broadcast(**sync, dst, streamed);
+          if (s.ok()) s = (*sync)->Commit();
+          if (!s.ok()) {
+            worker_status[i] = s;
+            return;
+          }
+          if (r == reps) (streamed ? worker_equal_streamed : worker_equal)[i] = BitEqual(dst, src);
         }
       }
-      worker_equal[i] = BitEqual(dst, src) ? 1 : 0;
     });
   }
   Status gloo_status = Status::OK();
   double setup_s = 0;
-  std::vector<double> gloo_samples;
+  std::vector<double> gloo_samples, streamed_samples;
   {
     auto store = c10::make_intrusive<common::C10dEpochStore>(
         server->epoch_store(), epoch,
@@ -130,13 +143,18 @@ int RunWeightSync(const ServiceBenchOptions& o) {
     if (!sync.ok()) {
       gloo_status = sync.status();
     } else {
+      int64_t version = 0;
       for (int r = 0; r < reps + 1 && gloo_status.ok(); ++r) {
-        const auto t0 = Clock::now();
-        Status s = (*sync)->Begin(r + 1);
-        if (s.ok()) s = (*sync)->Broadcast(src);
-        if (s.ok()) s = (*sync)->Commit();  // every rank agrees: all have every byte
-        gloo_status = s;
-        if (r > 0) gloo_samples.push_back(Seconds(t0));  // r == 0: warm-up
+        for (const bool streamed : {false, true}) {
+          if (!gloo_status.ok()) break;
+          const auto t0 = Clock::now();
+          Status s = (*sync)->Begin(++version);
+          if (s.ok()) s = broadcast(**sync, src, streamed);
+          if (s.ok()) s = (*sync)->Commit();  // every rank agrees: all have every byte
+          gloo_status = s;
+          // r == 0: warm-up
+          if (r > 0) (streamed ? streamed_samples : gloo_samples).push_back(Seconds(t0));
+        }
       }
       if (!gloo_status.ok()) (*sync)->Abort();
     }
@@ -147,9 +165,11 @@ int RunWeightSync(const ServiceBenchOptions& o) {
     if (gloo_status.ok() && !s.ok()) gloo_status = s;
   }
   if (!gloo_status.ok()) return Fail("weight_sync", gloo_status.WithContext("gloo"));
-  bool gloo_equal = true;
+  bool gloo_equal = true, streamed_equal = true;
   for (char e : worker_equal) gloo_equal = gloo_equal && e != 0;
+  for (char e : worker_equal_streamed) streamed_equal = streamed_equal && e != 0;
   const Timing gloo_t = Summarize(gloo_samples);
+  const Timing streamed_t = Summarize(streamed_samples);
 
   // --- gRPC GetWeights fallback: every worker thread streams the published version over its
   // own channel, reassembles it and loads it into its model (GrpcWeightReceiver::Receive, the
@@ -209,6 +229,9 @@ int RunWeightSync(const ServiceBenchOptions& o) {
   grow["setup_s"] = setup_s;
   grow["checksum"] = true;
   rows.push_back(grow);
+  json prow = sync_row("gloo_streamed", streamed_t, streamed_equal);
+  prow["tensors"] = static_cast<int64_t>(src.size());
+  rows.push_back(prow);
   json rrow = sync_row("grpc_getweights", grpc_t, grpc_equal);
   rrow["chunk_bytes"] = kDefaultWeightChunkBytes;
   rows.push_back(rrow);
@@ -232,6 +255,10 @@ int RunWeightSync(const ServiceBenchOptions& o) {
             << "  gloo: c10d ProcessGroupGloo broadcast, rendezvous over the learner's Store RPC "
                "(GrpcEpochStore), checksum verified at Commit; group setup "
             << std::setprecision(2) << setup_s << " s (not in the time)\n"
+            << "  gloo_streamed: the same group, the " << src.size()
+            << " tensors in the Broadcasts of a streamed version (weight_publish: stream: "
+               "groups of up to "
+            << learner::kStreamGroupBytes / 1048576 << " MiB); the rounds interleave\n"
             << "  grpc_getweights: LearnerService.GetWeights stream ("
             << kDefaultWeightChunkBytes / 1048576
             << " MiB chunks), reassembled and loaded into each worker's model\n"

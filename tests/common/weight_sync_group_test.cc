@@ -190,24 +190,40 @@ TEST(WeightSyncGroup, AVersionAnnouncementCarriesItsLearnerIncarnation) {
   ASSERT_TRUE(bare.has_value());
   EXPECT_EQ(bare->version, 12);
   EXPECT_EQ(bare->incarnation, "");
-  EXPECT_FALSE(a->per_tensor);
-  for (const char* bad : {"", " 12", "x12", "12 ", "12 a b", "-3 a", "99999999999999999999 a",
-                          "12 a per_tensor ", "12  per_tensor", "12 a per_tensor x"}) {
+  EXPECT_EQ(a->stream_group_bytes, 0);
+  for (const char* bad :
+       {"", " 12", "x12", "12 ", "12 a b", "-3 a", "99999999999999999999 a", "12 a stream",
+        "12 a stream 0", "12 a stream -4", "12 a stream 4 x", "12  stream 4", "12 a streams 4"}) {
     EXPECT_FALSE(ParseVersionAnnouncement(bad).has_value()) << "'" << bad << "'";
   }
 }
 
-// A streamed version (weight_publish: stream) says so: its receivers make one Broadcast per
-// tensor, as the learner does.
-TEST(WeightSyncGroup, AStreamedVersionsAnnouncementSaysPerTensor) {
+// A streamed version (weight_publish: stream) says so, with the byte cap of its groups: its
+// receivers make the learner's Broadcast calls from their layout.
+TEST(WeightSyncGroup, AStreamedVersionsAnnouncementCarriesItsGroupCap) {
   VersionAnnouncement streamed{805, "9f3a1c"};
-  streamed.per_tensor = true;
-  EXPECT_EQ(FormatVersionAnnouncement(streamed), "805 9f3a1c per_tensor");
-  const auto a = ParseVersionAnnouncement("805 9f3a1c per_tensor");
+  streamed.stream_group_bytes = 16777216;
+  EXPECT_EQ(FormatVersionAnnouncement(streamed), "805 9f3a1c stream 16777216");
+  const auto a = ParseVersionAnnouncement("805 9f3a1c stream 16777216");
   ASSERT_TRUE(a.has_value());
   EXPECT_EQ(a->version, 805);
   EXPECT_EQ(a->incarnation, "9f3a1c");
-  EXPECT_TRUE(a->per_tensor);
+  EXPECT_EQ(a->stream_group_bytes, 16777216);
+}
+
+// StreamGrouping by hand, cap 100: 30 + 50 share a group; 40 would make 120, so it starts the
+// next; 100 (at the cap) goes alone and ends that group; even an empty tensor after it starts
+// another, which 10 joins.
+TEST(WeightSyncGroup, StreamGroupingSharesUpToTheCapAndSendsALargeTensorAlone) {
+  StreamGrouping g(100);
+  std::vector<std::pair<bool, bool>> got;  // (the group before is complete, alone)
+  for (int64_t bytes : {30, 50, 40, 100, 0, 10}) {
+    const bool complete = g.Add(bytes);
+    got.emplace_back(complete, g.Alone());
+  }
+  const std::vector<std::pair<bool, bool>> want = {{false, false}, {false, false}, {true, false},
+                                                   {true, true},   {true, false},  {false, false}};
+  EXPECT_EQ(got, want);
 }
 
 // The rule of AssignBackend, case by case (group.h).

@@ -192,8 +192,10 @@ WeightProducer From(const std::shared_ptr<const WeightSnapshot>& snap) {
 // "inc-1" (as StreamingGroupThread announces), each receiver's thread started by a first,
 // failing Receive (it takes the model's layout), for the streamed tests.
 struct TwoWorkers {
-  explicit TwoWorkers(const std::string& second)
-      : a(MakeWorker("w-a", store, groups)), b(MakeWorker(second, store, groups)) {
+  explicit TwoWorkers(const std::string& second, int64_t stream_group_bytes = kStreamGroupBytes)
+      : publisher("gloo", store, groups.Factory(), kTimeout, stream_group_bytes),
+        a(MakeWorker("w-a", store, groups)),
+        b(MakeWorker(second, store, groups)) {
     epoch = store->Advance();
     for (Worker* w : {&a, &b}) w->receiver->SetGroup({w->id, epoch, "gloo", "inc-1"});
     EXPECT_FALSE(a.receiver->Receive(0, *model_a, 1ms).ok());
@@ -202,7 +204,7 @@ struct TwoWorkers {
   std::shared_ptr<common::InMemoryEpochStore> store =
       std::make_shared<common::InMemoryEpochStore>();
   FakeGroups groups;
-  WeightPublisher publisher{"gloo", store, groups.Factory(), kTimeout};
+  WeightPublisher publisher;
   std::unique_ptr<common::Model> base = TinyModel(1), model_a = TinyModel(2),
                                  model_b = TinyModel(3);
   Worker a, b;
@@ -259,10 +261,13 @@ TEST(WeightPublisher, TwoReceiversGetEachVersionBitEqualAndInstallIt) {
 
 // weight_publish stream: no snapshot; the group waits as a reader of the learner's
 // WeightReaders for the version after the one it sent, and each Serve (the training thread)
-// hands it the weights a tensor at a time, one Broadcast each (the announcement says
-// per_tensor, so the receivers make the same calls). Each receiver holds each version bit for bit.
+// hands it the weights a tensor at a time, sent in the groups of StreamGrouping (the
+// announcement carries their cap, so the receivers make the same calls). Each receiver holds
+// each version bit for bit. The cap here, 20,000 bytes, makes every kind of group of the tiny
+// model: the embedding (259 x 64 x 4 = 66,304 bytes) and the MLP matrices (176 x 64 x 4 =
+// 45,056) alone, and the norms and attention matrices (64 x 64 x 4 = 16,384) shared.
 TEST(WeightPublisher, AStreamedVersionReachesEachReceiverATensorAtATime) {
-  TwoWorkers t("w-b");
+  TwoWorkers t("w-b", /*stream_group_bytes=*/20000);
   const common::Model& base = *t.base;
   Worker &a = t.a, &b = t.b;
   WeightPublisher& publisher = t.publisher;
