@@ -774,41 +774,17 @@ void Learner::WeightSyncLoop(size_t index) {
     // A failure is logged and ends the epoch. Only a deadline that expired is a stall: an epoch
     // that ended under a rendezvous (a registration) or a peer that closed its connections (it
     // died) fails at once, and says nothing of who is silent.
-    const Status synced = streams_weights_ ? StreamToGroup(publisher, members, &waited)
-                                           : publisher.Sync(members, snap);
+    // Streaming, the round waits in readers_ for kWaitPollInterval at most, then looks at the
+    // membership again.
+    const Status synced =
+        streams_weights_ ? publisher.StreamRound(members, readers_, incarnation_,
+                                                 Clock::now() + kWaitPollInterval, nullptr, &waited)
+                         : publisher.Sync(members, snap);
     if (synced.code() == StatusCode::kDeadlineExceeded) SuspendStalledMembers(backend, members);
     stats.syncs = publisher.syncs();
     stats.failures = publisher.failures();
   }
   publisher.Close();
-}
-
-Status Learner::StreamToGroup(WeightPublisher& publisher, const std::vector<std::string>& members,
-                              bool* waited) {
-  *waited = false;
-  ASSIGN_OR_RETURN(const bool live, publisher.Form(members));
-  if (!live) return Status::OK();
-  // The group is a reader that waits for each version after the one it sent, queued before
-  // that version is published so that the publish itself serves it. The training thread runs
-  // this sink, a collective per tensor, while this thread waits in Read (the publisher is
-  // never touched by both at once). The wait ends after kWaitPollInterval with nothing served,
-  // for the membership to be looked at again.
-  Status streamed = Status::OK();
-  const WeightSink sink = [&](const WeightPiece& piece) {
-    streamed = publisher.StreamPiece(piece, incarnation_);
-    return streamed.ok();
-  };
-  const Status read =
-      readers_.Read(sink, Clock::now() + kWaitPollInterval, nullptr, publisher.last_sent());
-  *waited = read.code() != StatusCode::kUnavailable;  // Unavailable: stopping
-  if (!streamed.ok()) return streamed;
-  if (!read.ok() && read.code() != StatusCode::kUnavailable &&
-      read.code() != StatusCode::kDeadlineExceeded) {
-    // The producer failed mid-version (a rank's gather): the group is left inside it.
-    GRPO_LOG_WARN("learner: {} weight sync: {}", publisher.backend(), read.ToString());
-    publisher.AbortOpenStream(read);
-  }
-  return Status::OK();
 }
 
 void Learner::SuspendStalledMembers(const std::string& backend,

@@ -326,12 +326,6 @@ class Learner {
   // WeightPublisher serves the workers assigned that backend, broadcasting each newly
   // published version.
   void WeightSyncLoop(size_t index) GRPO_EXCLUDES(mu_);
-  // `stream`: (re)forms `publisher`'s group and queues it as a reader of the version after the
-  // one it sent (up to kWaitPollInterval, *waited then true); the training thread streams that
-  // version through it, a Broadcast per tensor. The stream's error (the group is then
-  // rebuilt), else OK.
-  Status StreamToGroup(WeightPublisher& publisher, const std::vector<std::string>& members,
-                       bool* waited) GRPO_EXCLUDES(mu_);
   Status Checkpoint() GRPO_EXCLUDES(mu_);
   // Checkpoint, tried `attempts` times with backoff (the final save at max_steps and at stop).
   Status CheckpointWithRetry(int attempts) GRPO_EXCLUDES(mu_);

@@ -109,6 +109,29 @@ Status WeightPublisher::Sync(const std::vector<std::string>& members,
   return Status::OK();
 }
 
+Status WeightPublisher::StreamRound(const std::vector<std::string>& members, WeightReaders& readers,
+                                    const std::string& incarnation, Clock::time_point deadline,
+                                    const common::CancelToken* cancel, bool* waited) {
+  *waited = false;
+  ASSIGN_OR_RETURN(const bool live, Form(members));
+  if (!live) return Status::OK();
+  Status streamed = Status::OK();
+  const WeightSink sink = [&](const WeightPiece& piece) {
+    streamed = StreamPiece(piece, incarnation);
+    return streamed.ok();
+  };
+  const Status read = readers.Read(sink, deadline, cancel, last_sent_);
+  *waited = read.code() != StatusCode::kUnavailable;
+  if (!streamed.ok()) return streamed;
+  if (!read.ok()) {
+    // Not served (a deadline, a cancel, readers closed: nothing is open then), or the producer
+    // failed mid-version (a rank's gather): the group is left inside it.
+    if (streaming_) GRPO_LOG_WARN("learner: {} weight sync: {}", backend_, read.ToString());
+    AbortOpenStream(read);
+  }
+  return Status::OK();
+}
+
 void WeightPublisher::AbortOpenStream(const Status& why) {
   if (!streaming_ || !sync_) return;
   (void)Fail(sync_->epoch(), why, "stream");

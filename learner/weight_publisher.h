@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cancel_token.h"
 #include "common/model/safetensors.h"
 #include "common/status.h"
 #include "common/weight_sync/backends.h"
@@ -64,21 +65,19 @@ class WeightPublisher {
               const std::shared_ptr<const WeightSnapshot>& weights);
 
   // --- A streamed version (weight_publish: stream; learner/weight_readers.h).
-  // The group part of Sync: (re)forms the group for `members`. True when a group is live to
-  // stream to; the error of a failed join (the epoch then ended).
-  StatusOr<bool> Form(const std::vector<std::string>& members);
+  // One round of a streaming group's thread: (re)forms the group for `members` and, when one is
+  // live, waits in `readers` (until `deadline`, or `cancel` trips; may be null) for the version
+  // after the one it sent, queued before that version is published so that the publish serves
+  // it. The serving (training) thread then runs this publisher's sink, StreamPiece, while this
+  // thread waits (the publisher is never touched by both at once). *waited: the round waited
+  // there (false: no group, or `readers` closed). The error of a failed join or stream (the
+  // group is then aborted and its epoch ended), else OK; a serve that failed midway (its
+  // producer) aborts the group left inside the version.
+  Status StreamRound(const std::vector<std::string>& members, WeightReaders& readers,
+                     const std::string& incarnation, std::chrono::steady_clock::time_point deadline,
+                     const common::CancelToken* cancel, bool* waited);
   // The last version this group committed (-1: none).
   int64_t last_sent() const { return last_sent_; }
-  // One tensor of a version streamed to the live group, as WeightReaders hands it out: the
-  // first piece announces the version (`stream <stream_group_bytes>`) and begins it; the tensors
-  // go in the groups of common::StreamGrouping (small ones copied into the group being
-  // filled, a large one sent from its memory at once), of the CPU tensor for gloo, of the
-  // producer's device tensor for GPU backends; the last piece sends the rest and commits. A
-  // failure aborts the group and ends its epoch, as Sync's.
-  Status StreamPiece(const WeightPiece& piece, const std::string& incarnation);
-  // A stream that ended before its last piece (the producer failed): the group, left inside a
-  // version, is aborted and its epoch ended with `why`. Nothing when no version is open.
-  void AbortOpenStream(const Status& why);
 
   // Tears the group down (peers see their next collective fail).
   void Close();
@@ -94,6 +93,19 @@ class WeightPublisher {
 
  private:
   Status Fail(int64_t epoch, const Status& s, const char* what);
+  // The group part of Sync and StreamRound: (re)forms the group for `members`. True when a
+  // group is live; the error of a failed join (the epoch then ended).
+  StatusOr<bool> Form(const std::vector<std::string>& members);
+  // One tensor of a version streamed to the live group, as WeightReaders hands it out: the
+  // first piece announces the version (`stream <stream_group_bytes>`) and begins it; the tensors
+  // go in the groups of common::StreamGrouping (small ones copied into the group being
+  // filled, a large one sent from its memory at once), of the CPU tensor for gloo, of the
+  // producer's device tensor for GPU backends; the last piece sends the rest and commits. A
+  // failure aborts the group and ends its epoch, as Sync's.
+  Status StreamPiece(const WeightPiece& piece, const std::string& incarnation);
+  // A stream that ended before its last piece: the group, left inside a version, is aborted
+  // and its epoch ended with `why`. Nothing when no version is open.
+  void AbortOpenStream(const Status& why);
 
   const std::string backend_;
   const std::shared_ptr<common::InMemoryEpochStore> store_;

@@ -140,30 +140,18 @@ class PublisherThread {
   std::thread thread_;
 };
 
-// A group's thread with weight_publish stream (Learner::StreamToGroup): forms the group for
-// `members`, then waits in `readers` for the version after the one it sent, until `done`.
+// A group's thread with weight_publish stream, as the learner's: StreamRound until destroyed,
+// each round queued until served (the destructor's cancel ends a wait no Serve took).
 class StreamingGroupThread {
  public:
   StreamingGroupThread(WeightPublisher& p, WeightReaders& readers, std::vector<std::string> members)
       : thread_([&p, &readers, members, this] {
           while (!stop_) {
-            auto live = p.Form(members);
-            if (!live.ok() || !*live) {
-              std::this_thread::sleep_for(5ms);
-              continue;
-            }
-            Status streamed;
-            const WeightSink sink = [&](const WeightPiece& piece) {
-              streamed = p.StreamPiece(piece, "inc-1");
-              return streamed.ok();
-            };
-            // Queued until served (the destructor's cancel ends a wait no Serve took).
-            const Status read = readers.Read(sink, Clock::now() + 60s, &cancel_, p.last_sent());
-            if (!streamed.ok()) failed_ += 1;
-            // As Learner::StreamToGroup: a producer that failed mid-version.
-            if (streamed.ok() && !read.ok() && read.code() != StatusCode::kCancelled) {
-              p.AbortOpenStream(read);
-            }
+            bool waited = false;
+            const Status s =
+                p.StreamRound(members, readers, "inc-1", Clock::now() + 60s, &cancel_, &waited);
+            if (!s.ok()) failed_ += 1;
+            if (!waited) std::this_thread::sleep_for(5ms);
           }
         }) {}
   ~StreamingGroupThread() {
