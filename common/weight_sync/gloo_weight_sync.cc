@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/weight_sync/gloo_rendezvous.h"
 #include "common/weight_sync/weight_sync_protocol.h"
 
 namespace grpo::common {
@@ -151,12 +152,8 @@ StatusOr<std::unique_ptr<WeightSync>> CreateGlooWeightSync(c10::intrusive_ptr<c1
   try {
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
         "grpo/weight_sync/" + std::to_string(epoch), std::move(store));
-    auto pg_options = c10d::ProcessGroupGloo::Options::create(options.sync.timeout);
-    pg_options->devices.push_back(
-        options.hostname.empty()
-            ? c10d::ProcessGroupGloo::createDefaultDevice()
-            : c10d::ProcessGroupGloo::createDeviceForHostname(options.hostname));
-    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, world_size, pg_options);
+    auto pg = JoinGlooGroup(std::move(prefixed), rank, world_size, options.sync.timeout,
+                            options.hostname);
     return std::unique_ptr<WeightSync>(
         std::make_unique<GlooWeightSync>(std::move(pg), rank, world_size, epoch, options.sync));
   } catch (const std::exception& e) {

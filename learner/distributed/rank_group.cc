@@ -16,6 +16,7 @@
 
 #include "common/cuda/cuda_module.h"
 #include "common/logging.h"
+#include "common/weight_sync/gloo_rendezvous.h"
 #include "common/weight_sync/gloo_weight_sync.h"
 
 namespace grpo::learner::distributed {
@@ -208,12 +209,8 @@ StatusOr<std::unique_ptr<RankGroup>> RankGroup::Join(const RankEnv& env,
     opts.timeout = timeout;
     impl->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>("grpo/ranks/pg", impl->store);
-    auto pg_options = c10d::ProcessGroupGloo::Options::create(timeout);
-    pg_options->devices.push_back(IsLoopback(env.master_addr)
-                                      ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                      : c10d::ProcessGroupGloo::createDefaultDevice());
-    impl->pg =
-        c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, env.rank, env.world_size, pg_options);
+    impl->pg = common::JoinGlooGroup(prefixed, env.rank, env.world_size, timeout,
+                                     IsLoopback(env.master_addr) ? "127.0.0.1" : "");
     if (const common::CudaModule* cuda = common::Cuda(); cuda != nullptr && device.is_cuda()) {
       // Its own prefix of the store: NCCL's unique id is exchanged there. Communicators are
       // created at the first collective, on the device of its tensors (cuda:LOCAL_RANK).

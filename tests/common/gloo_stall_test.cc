@@ -3,6 +3,7 @@
 // as children (GlooStallChild.DISABLED_Receive), meeting on a c10d TCPStore on loopback. The
 // kernel keeps acknowledging a stopped peer's TCP traffic, so only the collective's deadline can
 // end rank 0's wait: the group must fail within one deadline, not when the peer is continued.
+// The same holds for a rank stopped during its join (GlooStallRendezvous, JoinGlooGroup).
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
@@ -10,7 +11,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -33,6 +36,7 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kDeadline = 2000ms;  // of every collective
 constexpr auto kStop = 8s;          // how long rank 1 stays stopped
 constexpr int kWorld = 3;
+constexpr int kJoinOnly = -1;
 
 GlooWeightSyncOptions Loopback() {
   GlooWeightSyncOptions o;
@@ -45,13 +49,17 @@ GlooWeightSyncOptions Loopback() {
 // A receiver process: GRPO_STALL_RANK=<rank>, GRPO_STALL_PORT=<store port>.
 class Child {
  public:
-  Child(int rank, int port) {
+  // stop_after > 0: the child stops itself (SIGSTOP) after its stop_after-th store operation of
+  // the join, then leaves; kJoinOnly: it joins and leaves; 0: it receives versions.
+  Child(int rank, int port, int stop_after = 0) {
     const std::string env_rank = "GRPO_STALL_RANK=" + std::to_string(rank);
     const std::string env_port = "GRPO_STALL_PORT=" + std::to_string(port);
+    const std::string env_stop = "GRPO_STALL_STOP_AFTER=" + std::to_string(stop_after);
     std::vector<char*> envp;
     for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
     envp.push_back(const_cast<char*>(env_rank.c_str()));
     envp.push_back(const_cast<char*>(env_port.c_str()));
+    envp.push_back(const_cast<char*>(env_stop.c_str()));
     envp.push_back(nullptr);
     std::string self = "/proc/self/exe", filter = "--gtest_filter=GlooStallChild.DISABLED_Receive",
                 also = "--gtest_also_run_disabled_tests";
@@ -128,6 +136,85 @@ TEST(GlooStall, AStoppedButConnectedPeerCostsTheGroupOneDeadlineNotItsStop) {
   EXPECT_EQ(one.Wait(30s), 0) << "rank 1 did not leave the failed group after SIGCONT";
 }
 
+// A c10d::Store that forwards to another and stops this process (SIGSTOP) after its
+// `stop_after`-th set, get or wait: a rank stopped at a chosen point of gloo's rendezvous.
+class StoppingStore final : public c10d::Store {
+ public:
+  StoppingStore(c10::intrusive_ptr<c10d::Store> inner, int stop_after)
+      : c10d::Store(inner->getTimeout()), inner_(std::move(inner)), stop_after_(stop_after) {}
+  c10::intrusive_ptr<c10d::Store> clone() override {
+    return c10::intrusive_ptr<Store>::reclaim_copy(this);
+  }
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    inner_->set(key, value);
+    Count("set " + key);
+  }
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override {
+    return inner_->compareSet(key, expected, desired);
+  }
+  std::vector<uint8_t> get(const std::string& key) override {
+    auto v = inner_->get(key);
+    Count("get " + key);
+    return v;
+  }
+  int64_t add(const std::string& key, int64_t value) override { return inner_->add(key, value); }
+  bool deleteKey(const std::string& key) override { return inner_->deleteKey(key); }
+  bool check(const std::vector<std::string>& keys) override { return inner_->check(keys); }
+  int64_t getNumKeys() override { return inner_->getNumKeys(); }
+  void wait(const std::vector<std::string>& keys) override {
+    inner_->wait(keys);
+    Count("wait");
+  }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    inner_->wait(keys, timeout);
+    Count("wait " + (keys.empty() ? std::string() : keys[0]));
+  }
+
+ private:
+  void Count(const std::string& what) {
+    const int op = ++ops_;
+    if (op == stop_after_) {
+      fprintf(stderr, "rank stops after store operation %d (%s)\n", op, what.c_str());
+      raise(SIGSTOP);
+    }
+  }
+  c10::intrusive_ptr<c10d::Store> inner_;
+  const int stop_after_;
+  std::atomic<int> ops_{0};
+};
+
+// A rank that stops at any point of its join (after its 1st, 2nd, ... store operation: the
+// barrier's, then gloo's own) costs rank 0 at most one deadline: rank 0 joins (the stopped rank's
+// side of the connection is the kernel's) or fails with DeadlineExceeded. Before the join had one
+// deadline, 4 of these 8 points cost rank 0 10.0 s: gloo waits 5 times its timeout for a pair.
+class GlooStallRendezvous : public ::testing::TestWithParam<int> {};
+
+TEST_P(GlooStallRendezvous, ARankStoppedInItsJoinCostsTheOthersOneDeadline) {
+  c10d::TCPStoreOptions so;
+  so.port = 0;
+  so.isServer = true;
+  so.waitWorkers = false;
+  so.timeout = 60s;
+  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  Child one(1, store->getPort(), GetParam()), two(2, store->getPort(), kJoinOnly);
+  store->wait({"ready/1", "ready/2"}, 120s);
+  const auto start = Clock::now();
+  auto created = CreateGlooWeightSync(store, 0, kWorld, 1, Loopback());
+  const auto took = Clock::now() - start;
+  EXPECT_TRUE(created.ok() || created.status().code() == StatusCode::kDeadlineExceeded)
+      << created.status().ToString();
+  EXPECT_LT(took, kDeadline + 1500ms)
+      << "rank 0 " << (created.ok() ? "joined" : "failed") << " after "
+      << std::chrono::duration<double>(took).count() << " s: " << created.status().ToString();
+  // So does rank 2, which joined as rank 0 did.
+  EXPECT_NE(two.Wait(kDeadline + 2s), -1) << "rank 2 is still in its join";
+  kill(one.pid(), SIGCONT);
+}
+
+INSTANTIATE_TEST_SUITE_P(StopPoints, GlooStallRendezvous, ::testing::Range(1, 9));
+
 // The child: joins as GRPO_STALL_RANK and receives versions until its group fails; exit 0 then.
 TEST(GlooStallChild, DISABLED_Receive) {
   const char* rank_env = std::getenv("GRPO_STALL_RANK");
@@ -144,6 +231,15 @@ TEST(GlooStallChild, DISABLED_Receive) {
   so.timeout = 60s;
   auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
   store->set("ready/" + std::to_string(rank), std::vector<uint8_t>{1});
+  const char* stop_env = std::getenv("GRPO_STALL_STOP_AFTER");
+  const int stop_after = stop_env == nullptr ? 0 : std::atoi(stop_env);
+  if (stop_after != 0) {
+    // Whether the group forms depends on where the stopped rank stopped: nothing to expect.
+    c10::intrusive_ptr<c10d::Store> joining = store;
+    if (stop_after > 0) joining = c10::make_intrusive<StoppingStore>(store, stop_after);
+    (void)CreateGlooWeightSync(joining, rank, kWorld, 1, Loopback());
+    return;
+  }
   auto created = CreateGlooWeightSync(store, rank, kWorld, 1, Loopback());
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   NamedTensors into = MakeLayout(7, true);
