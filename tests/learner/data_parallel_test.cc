@@ -18,6 +18,7 @@
 #include <random>
 #include <thread>
 
+#include "common/counting_allocator.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
 #include "common/model/safetensors.h"
@@ -30,7 +31,6 @@
 #include "learner/distributed/sharded_adamw.h"
 #include "learner/distributed/state_shards.h"
 #include "learner/grpo_trainer.h"
-#include "tests/learner/counting_allocator.h"
 #include "tests/reserved_port.h"
 
 namespace grpo::learner {
@@ -41,8 +41,8 @@ using common::RolloutGroup;
 using distributed::Collectives;
 using distributed::FakeRankGroup;
 using distributed::SingleRank;
-using grpo::testing::CountingCpuAllocator;
-using grpo::testing::CountingScope;
+using grpo::common::CountingCpuAllocator;
+using grpo::common::CountingScope;
 using grpo::testing::ReservedPort;
 
 std::unique_ptr<common::Model> TinyModel() {

@@ -19,11 +19,11 @@
 #include <thread>
 #include <vector>
 
+#include "common/counting_allocator.h"
 #include "common/model/model_config.h"
 #include "common/model/safetensors.h"
 #include "learner/admission.h"
 #include "learner/worker_registry.h"
-#include "tests/learner/counting_allocator.h"
 #include "tests/learner/tiny_config.h"
 
 namespace grpo::learner {
@@ -738,8 +738,8 @@ TEST_F(LearnerTest, AStreamingLearnerKeepsNoCopyOfItsWeights) {
     config_.weight_publish = mode;
     learner_ = Make();
     ASSERT_NE(learner_, nullptr);
-    testing::CountingScope counting;
-    testing::CountingCpuAllocator& allocator = testing::CountingCpuAllocator::Get();
+    common::CountingScope counting;
+    common::CountingCpuAllocator& allocator = common::CountingCpuAllocator::Get();
     const int64_t before = allocator.Reset();
     ASSERT_TRUE(learner_->Start().ok());
     const int64_t held = allocator.live() - before;

@@ -1,5 +1,7 @@
-// A counter over libtorch's CPU allocator for tests that bound what a code path allocates
-// (the checkpoint and the weight stream of full_shard, the learner's published weights).
+// A counter over libtorch's CPU allocator: the live bytes of CPU tensors and their peak, which
+// is what `grpo plan` predicts on the CPU (the resident set adds glibc's free blocks). Used by
+// tests that bound what a code path allocates (the checkpoint and the weight stream of
+// full_shard, the learner's published weights) and by `grpo bench sharding`.
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -11,7 +13,7 @@
 #include <mutex>
 #include <utility>
 
-namespace grpo::testing {
+namespace grpo::common {
 
 // What libtorch's CPU allocator has handed out and not taken back, and its peak since Reset:
 // wraps the allocator in place while a CountingScope lives. Its pointers are simple (context =
@@ -89,4 +91,4 @@ class CountingScope {
   c10::Allocator* const previous_;
 };
 
-}  // namespace grpo::testing
+}  // namespace grpo::common
