@@ -1,7 +1,8 @@
 // A counter over libtorch's CPU allocator: the live bytes of CPU tensors and their peak, which
 // is what `grpo plan` predicts on the CPU (the resident set adds glibc's free blocks). Used by
 // tests that bound what a code path allocates (the checkpoint and the weight stream of
-// full_shard, the learner's published weights) and by `grpo bench sharding`.
+// full_shard, the learner's published weights) and by `grpo bench sharding`. A ThreadCount
+// also counts the allocations of one thread apart: a rank of ranks that are threads.
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <utility>
 
@@ -34,7 +36,12 @@ class CountingCpuAllocator final : public c10::Allocator {
     std::lock_guard<std::mutex> lock(mu_);
     live_ += static_cast<int64_t>(n);
     peak_ = std::max(peak_, live_);
-    held_.emplace(data, std::make_pair(std::move(inner), static_cast<int64_t>(n)));
+    const std::shared_ptr<Tally>& tally = ThreadTally();
+    if (tally) {
+      tally->live += static_cast<int64_t>(n);
+      tally->peak = std::max(tally->peak, tally->live);
+    }
+    held_.emplace(data, Held{std::move(inner), static_cast<int64_t>(n), tally});
     return {data, data, &Free, device};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &Free; }
@@ -56,21 +63,38 @@ class CountingCpuAllocator final : public c10::Allocator {
     return peak_;
   }
 
+  // The live bytes allocated by one thread (freed by any) and their peak, while the thread's
+  // ThreadCount lives.
+  struct Tally {
+    int64_t live = 0, peak = 0;
+  };
+  static std::shared_ptr<Tally>& ThreadTally() {
+    thread_local std::shared_ptr<Tally> tally;
+    return tally;
+  }
+  std::mutex& mutex() { return mu_; }
+
  private:
   CountingCpuAllocator() = default;
+  struct Held {
+    c10::DataPtr inner;
+    int64_t bytes = 0;
+    std::shared_ptr<Tally> tally;  // the allocating thread's, if it counted
+  };
   static void Free(void* data) {
     CountingCpuAllocator& self = Get();
     c10::DataPtr inner;  // freed after the lock
     std::lock_guard<std::mutex> lock(self.mu_);
     auto it = self.held_.find(data);
     if (it == self.held_.end()) return;
-    self.live_ -= it->second.second;
-    inner = std::move(it->second.first);
+    self.live_ -= it->second.bytes;
+    if (it->second.tally) it->second.tally->live -= it->second.bytes;
+    inner = std::move(it->second.inner);
     self.held_.erase(it);
   }
   c10::Allocator* inner_ = nullptr;
   std::mutex mu_;
-  std::map<void*, std::pair<c10::DataPtr, int64_t>> held_;
+  std::map<void*, Held> held_;
   int64_t live_ = 0, peak_ = 0;
 };
 
@@ -89,6 +113,30 @@ class CountingScope {
  private:
   static inline uint8_t priority_ = 0;
   c10::Allocator* const previous_;
+};
+
+// Counts this thread's allocations apart while it lives (a CountingScope must be installed):
+// live() and peak() are the bytes this thread allocated and not yet freed, and their peak since
+// the count began.
+class ThreadCount {
+ public:
+  ThreadCount() : tally_(std::make_shared<CountingCpuAllocator::Tally>()) {
+    CountingCpuAllocator::ThreadTally() = tally_;
+  }
+  ~ThreadCount() { CountingCpuAllocator::ThreadTally().reset(); }
+  ThreadCount(const ThreadCount&) = delete;
+  ThreadCount& operator=(const ThreadCount&) = delete;
+  int64_t live() const {
+    std::lock_guard<std::mutex> lock(CountingCpuAllocator::Get().mutex());
+    return tally_->live;
+  }
+  int64_t peak() const {
+    std::lock_guard<std::mutex> lock(CountingCpuAllocator::Get().mutex());
+    return tally_->peak;
+  }
+
+ private:
+  const std::shared_ptr<CountingCpuAllocator::Tally> tally_;
 };
 
 }  // namespace grpo::common

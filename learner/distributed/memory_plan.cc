@@ -69,12 +69,12 @@ bool FsdpBuilt(const common::FsdpSpec& fsdp, const std::string& device) {
 }
 
 int64_t MemoryPlan::MicroBatchPeak() const {
-  return activations() + std::max(lm_head_pass, layer_backward());
+  return activations() +
+         std::max(lm_head_pass + gathered_lm_head, layer_backward() + gathered_layer);
 }
 
 int64_t MemoryPlan::ModelState() const {
-  return parameters + gradients + master_weights + master_gradients + adamw_state + gathered_layer +
-         reference_model;
+  return parameters + gradients + master_weights + master_gradients + adamw_state + reference_model;
 }
 
 int64_t MemoryPlan::TrainingPeak() const {
@@ -84,7 +84,7 @@ int64_t MemoryPlan::TrainingPeak() const {
 int64_t MemoryPlan::Total() const {
   // Publishing copies the weights into a new snapshot while the last one is still held, on the
   // training thread between steps: a phase of its own, like the optimizer step.
-  const int64_t phase = std::max({MicroBatchPeak(), optimizer_step, weight_snapshot});
+  const int64_t phase = std::max({MicroBatchPeak(), optimizer_step, weight_snapshot, publish_unit});
   return ModelState() + weight_snapshot + weight_sync_bucket + runtime + phase;
 }
 
@@ -146,38 +146,55 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     p.parameters = 0;
     p.gradients = 0;
     p.host_offloaded = CeilDiv(16 * n, w) + 8 * CeilDiv(p.params.largest_unit, w);
-    p.gathered_layer = (2 * s + (cfg.bf16 ? 4 : 0)) * p.params.largest_unit;
   } else if (full && cfg.bf16) {
     // full_shard with bf16 as built (full_shard_adamw.h): no bf16 copy lives between uses; the
-    // fp32 shard is the master and the fp32 gradient shard its gradient (above), and a gather
-    // holds the unit's bf16 weights, its bf16 gradient and the fp32 flat it is reduced in.
+    // fp32 shard is the master and the fp32 gradient shard its gradient (above).
     p.parameters = 0;
     p.gradients = 0;
-    p.gathered_layer = (2 * s + 4) * p.params.largest_unit;
-  } else if (full) {
-    p.gathered_layer = 2 * s * p.params.largest_unit;  // the unit's weights and its gradient
-  } else if (sharded) {
-    p.gathered_layer = s * p.params.largest_unit;  // its gradient, before the reduce-scatter
   }
-  if (fsdp.mode == FsdpMode::kShardGradOp && w > 1 && !offload) {
+  // What sharding holds beside one micro-batch, in each of its two phases (MicroBatchPeak): the
+  // units gathered beside the LM-head pass, and beside one layer's backward. Measured against
+  // the live bytes of each rank in memory_plan_test (MemoryPlanRanks): counted once beside the
+  // whole micro-batch, the LM head's gradient was counted twice and a prefetched unit as large
+  // as the LM head, 1.2-1.3x the live peak of this project's bench model.
+  const int64_t head = p.params.embedding;  // the LM head's [V, D], tied or not
+  if (fsdp.mode == FsdpMode::kFullShard && (full || offload)) {
+    // full_shard as built (full_shard_adamw.h, Model::GatedForward): the LM head's unit is
+    // gathered for the head and stays whole until the micro-batch's backward ends
+    // (FinishBackward). The head's gradient is the LM-head pass's [V, D] accumulator, and then
+    // is held through every layer's backward: by autograd when tied (layer_backward's `held`),
+    // as the head's .grad when not. A layer's backward holds the layer whole, the gradients
+    // autograd returns, the flat they are packed into to be reduce-scattered (fp32 with bf16)
+    // and, with the prefetch (fsdp_prefetch), the layer before it, gathered.
+    const int64_t flat = cfg.bf16 ? 4 : s;
+    const int64_t prefetch = cfg.fsdp_prefetch ? s : 0;
+    p.gathered_lm_head = s * head;
+    p.gathered_layer = s * head + (m.tie_word_embeddings ? 0 : s * head) +
+                       (2 * s + flat + prefetch) * p.params.per_layer;
+  } else if (sharded && !offload) {
     // shard_grad_op as built (sharded_adamw.h): AdamW's state and the fp32 gradient shard the
-    // rounds sum into are 1/W; during backward each tensor's fresh gradient is moved into its
-    // fp32 bucket and the bucket reduced once whole, so in flight are one tensor's gradient and
-    // one bucket (at most 25 MiB; a tensor alone needs no copy). The weights, and with bf16 the
-    // fp32 master, stay whole on every rank; the master has no .grad. The step: one flat bucket
-    // of the all-gather (a larger tensor alone) and three of its chunks (the rank's weights,
+    // rounds sum into are 1/W; during backward each tensor's fresh gradient (layer_backward
+    // counts it) is moved into its fp32 bucket and the bucket reduced once whole: one bucket in
+    // flight beside a layer's backward (at most 25 MiB; a tensor alone needs no copy). The
+    // LM head's gradient is the LM-head pass's accumulator. The weights, and with bf16 the fp32
+    // master, stay whole on every rank; the master has no .grad. The step: one flat bucket of
+    // the all-gather (a larger tensor alone) and three of its chunks (the rank's weights,
     // sqrt(v) and the denominator; the fp64 norm copy is two).
     const int64_t bucket =
         std::max(std::min(kGradientBucketBytes, 4 * n), 4 * p.params.largest_tensor);
     p.gradients = CeilDiv(4 * n, w);
     p.master_weights = cfg.bf16 ? 4 * n : 0;
     p.master_gradients = 0;
-    p.gathered_layer = s * p.params.largest_tensor + std::min(kGradientBucketBytes, 4 * n);
+    p.gathered_layer = std::min(kGradientBucketBytes, 4 * n);
     p.optimizer_step = bucket + 3 * CeilDiv(bucket, w);
+  } else if (sharded) {
+    // shard_grad_op offload (not built; ZeRO's arithmetic): a unit's gradient before its
+    // reduce-scatter.
+    p.gathered_layer = s * p.params.largest_unit;
   }
-  // full_shard's prefetch (fsdp_prefetch): the next unit's weights whole beside it.
-  if (cfg.fsdp_prefetch && fsdp.mode == FsdpMode::kFullShard && (full || offload)) {
-    p.gathered_layer += s * p.params.largest_unit;
+  // Streaming the weights from full_shard (StreamWeights) gathers one unit at a time in fp32.
+  if (cfg.weight_publish == "stream" && fsdp.mode == FsdpMode::kFullShard && (full || offload)) {
+    p.publish_unit = 4 * p.params.largest_unit;
   }
   if (p.reference) p.reference_model = s * n;  // whole on every rank, in every mode (as built)
 
@@ -301,7 +318,8 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     p.notes.push_back("fsdp " + std::string(common::FsdpModeName(fsdp.mode)) + " with " +
                       std::to_string(w) + " ranks: every rank holds the whole model state");
   }
-  if (fsdp.mode != FsdpMode::kNoShard && w == 1) {
+  if (fsdp.mode != FsdpMode::kNoShard && w == 1 &&
+      !(offload && fsdp.mode == FsdpMode::kFullShard)) {
     p.notes.push_back("fsdp " + std::string(common::FsdpModeName(fsdp.mode)) +
                       " with 1 rank shards nothing (it is no_shard)");
   }
@@ -344,7 +362,9 @@ nlohmann::json MemoryPlan::ToJson() const {
   c["master_weights"] = master_weights;
   c["master_gradients"] = master_gradients;
   c["adamw_state"] = adamw_state;
+  c["gathered_lm_head"] = gathered_lm_head;
   c["gathered_layer"] = gathered_layer;
+  c["publish_unit"] = publish_unit;
   c["reference_model"] = reference_model;
   j["weight_publish"] = streams_weights ? "stream" : "snapshot";
   c["weight_snapshot"] = weight_snapshot;
@@ -622,9 +642,6 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
     row("fp32 master gradients", p.master_gradients);
   }
   row("AdamW state (2 fp32 moments)", p.adamw_state);
-  row(zero2 ? "gradient in flight in backward (one bucket + one tensor)"
-            : "gathered layer (the largest unit whole, sharded ranks)",
-      p.gathered_layer);
   row("reference model (beta != 0)", p.reference_model);
   o << "one micro-batch\n";
   row("activations, gradient_checkpointing off", p.activations_no_checkpointing,
@@ -635,7 +652,11 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
           "] fp32",
       p.logits_chunk);
   row("LM-head pass (the chunk + [V, D] and [N, D] gradients)", p.lm_head_pass);
+  row("  + beside it: the LM head's unit gathered (full_shard)", p.gathered_lm_head);
   row("backward of one layer", p.layer_backward());
+  row(zero2 ? "  + beside it: a gradient bucket in flight (shard_grad_op)"
+            : "  + beside it: gathered layer x3 + head unit (full_shard)",
+      p.gathered_layer);
   row("peak: activations + max(LM-head pass, layer backward)", p.MicroBatchPeak());
   o << "other phases and the service\n";
   row("optimizer step (all-reduce bucket, fp64 norm, AdamW temps)", p.optimizer_step);
@@ -643,6 +664,7 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
                         : "published weights here (fp32; 2x while publishing)",
       p.weight_snapshot);
   row("weight-sync bucket", p.weight_sync_bucket);
+  if (p.publish_unit > 0) row("streamed version: one unit gathered (fp32)", p.publish_unit);
   row(p.device == "cuda" ? "CUDA context and libraries" : "the process (libraries, threads)",
       p.runtime);
   o << "\n";

@@ -73,13 +73,12 @@ struct MemoryPlan {
   int64_t master_weights = 0;      // bf16: the fp32 master (the policy AdamW steps)
   int64_t master_gradients = 0;    // bf16: the master's fp32 .grad (MoveComputeGradsToMaster)
   int64_t adamw_state = 0;         // exp_avg + exp_avg_sq, fp32
-  int64_t gathered_layer = 0;      // full_shard: the largest unit whole and its grad;
-                                   // shard_grad_op: the gradient in flight in backward
   int64_t reference_model = 0;     // beta != 0: a frozen copy in the compute dtype
   bool streams_weights = false;    // weight_publish: stream (no snapshot is kept)
   int64_t weight_snapshot = 0;     // published weights (fp32) held on this device
   int64_t weight_sync_bucket = 0;  // one flat bucket of the weight-sync backend on this device
-  int64_t runtime = 0;             // kHostRuntimeBytes or kCudaRuntimeBytes
+  int64_t publish_unit = 0;  // weight_publish stream from full_shard: one unit gathered (fp32)
+  int64_t runtime = 0;       // kHostRuntimeBytes or kCudaRuntimeBytes
 
   // One micro-batch (per_device_train_batch_size rows of sequence_tokens).
   int64_t activations_no_checkpointing = 0;  // saved for backward, every layer whole
@@ -88,6 +87,11 @@ struct MemoryPlan {
   int64_t lm_head_pass = 0;  // logits chunk + the [V, D] and [N, D] gradient buffers at their peak
   int64_t layer_backward_no_checkpointing = 0;  // one layer's backward temporaries
   int64_t layer_backward_checkpointing = 0;     // + its recomputed activations
+  // What sharding holds beside the micro-batch. full_shard: the LM head's unit whole (both
+  // phases), and beside a layer's backward the head's gradient (untied), the layer whole, its
+  // gradients, their flat and the prefetched layer; shard_grad_op: a gradient bucket in flight.
+  int64_t gathered_lm_head = 0;  // beside the LM-head pass
+  int64_t gathered_layer = 0;    // beside one layer's backward
   // The optimizer step: the gradient all-reduce's bucket at several no_shard ranks, then the
   // grad-norm clip in fp64 and AdamW's temporaries, one tensor at a time; never at the same time
   // as a micro-batch.
@@ -107,9 +111,10 @@ struct MemoryPlan {
   int64_t layer_backward() const {
     return gradient_checkpointing ? layer_backward_checkpointing : layer_backward_no_checkpointing;
   }
-  // activations + max(LM-head pass, the backward of one layer).
+  // activations + max(LM-head pass + gathered_lm_head, one layer's backward + gathered_layer).
   int64_t MicroBatchPeak() const;
-  // The state the trainer holds all run (parameters ... reference model).
+  // The state the trainer holds all run (parameters ... reference model; not the gathered
+  // units, which MicroBatchPeak counts).
   int64_t ModelState() const;
   // What GrpoTrainer alone peaks at: ModelState + max(MicroBatchPeak, optimizer_step).
   int64_t TrainingPeak() const;

@@ -4,6 +4,7 @@
 // memory of a real training step measured in a fresh process.
 #include "learner/distributed/memory_plan.h"
 
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -15,10 +16,14 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "common/counting_allocator.h"
 #include "common/model/model.h"
 #include "common/weight_sync/backends.h"
 #include "common/weight_sync/weight_sync.h"
+#include "learner/distributed/collectives.h"
 #include "learner/grpo_trainer.h"
 #include "tests/test_util.h"
 
@@ -144,8 +149,9 @@ struct StateCase {
   bool bf16;
   int world;
   // Expected bytes: parameters, gradients, master weights, master gradients, AdamW state,
-  // gathered layer, optimizer step; host_offloaded (cuda).
-  int64_t params, grads, master, master_grads, adamw, gathered, step, host;
+  // gathered beside the LM head and beside a layer's backward, optimizer step; host_offloaded
+  // (cuda).
+  int64_t params, grads, master, master_grads, adamw, gathered_lm_head, gathered, step, host;
 };
 
 class MemoryPlanState : public ::testing::TestWithParam<StateCase> {};
@@ -162,6 +168,7 @@ TEST_P(MemoryPlanState, MatchesZeroArithmetic) {
   EXPECT_EQ(plan->master_weights, k.master);
   EXPECT_EQ(plan->master_gradients, k.master_grads);
   EXPECT_EQ(plan->adamw_state, k.adamw);
+  EXPECT_EQ(plan->gathered_lm_head, k.gathered_lm_head);
   EXPECT_EQ(plan->gathered_layer, k.gathered);
   EXPECT_EQ(plan->optimizer_step, k.step);
   EXPECT_EQ(plan->host_offloaded, k.host);
@@ -169,46 +176,52 @@ TEST_P(MemoryPlanState, MatchesZeroArithmetic) {
 
 // fp32: parameters 4P = 553,216, gradients 4P, AdamW 8P = 1,106,432; the step's temporaries
 // 8U = 512,000 (the fp64 copy of the embedding's gradient). shard_grad_op: as built, below;
-// full_shard divides the
-// parameters too and adds the unit's weights and gradient and the next unit's weights, which the
-// prefetch gathers meanwhile (3 x 4U = 768,000). One rank, or
-// no_shard: nothing divided.
+// full_shard divides the parameters too. Beside the LM-head pass full_shard holds the head's
+// unit (the tied embedding) whole, 4U = 256,000; beside a layer's backward still that unit,
+// and the layer L = 37,120 whole, its gradients, their flat and the prefetched layer before it:
+// 256,000 + 4 x 4L = 849,920. One rank, or no_shard: nothing divided, nothing gathered.
 // bf16: parameters and gradients 2P = 276,608, master and its gradient 4P each, AdamW 8P; offload
 // moves master, master gradient, AdamW and the step to the host.
 INSTANTIATE_TEST_SUITE_P(
     EveryModeAndWorldSize, MemoryPlanState,
     ::testing::Values(
-        StateCase{"no_shard", false, 1, 553'216, 553'216, 0, 0, 1'106'432, 0, 512'000, 0},
+        StateCase{"no_shard", false, 1, 553'216, 553'216, 0, 0, 1'106'432, 0, 0, 512'000, 0},
         // Data parallel: the step also holds the 25 MiB gradient all-reduce bucket, the larger.
-        StateCase{"no_shard", false, 2, 553'216, 553'216, 0, 0, 1'106'432, 0, 25ll << 20, 0},
-        StateCase{"no_shard", false, 4, 553'216, 553'216, 0, 0, 1'106'432, 0, 25ll << 20, 0},
-        StateCase{"shard_grad_op", false, 1, 553'216, 553'216, 0, 0, 1'106'432, 0, 512'000, 0},
+        StateCase{"no_shard", false, 2, 553'216, 553'216, 0, 0, 1'106'432, 0, 0, 25ll << 20, 0},
+        StateCase{"no_shard", false, 4, 553'216, 553'216, 0, 0, 1'106'432, 0, 0, 25ll << 20, 0},
+        StateCase{"shard_grad_op", false, 1, 553'216, 553'216, 0, 0, 1'106'432, 0, 0, 512'000, 0},
         // As built (learner/distributed/sharded_adamw.h): the fp32 gradient shard 4P / 2 =
-        // 276,608; AdamW 8P / 2 = 553,216; in flight during backward one tensor's gradient and
-        // one bucket (here the whole model, 4P < 25 MiB): 4U + 4P = 256,000 + 553,216 =
-        // 809,216; the step one bucket and three of its halves: 553,216 + 3 x 276,608 =
-        // 1,383,040.
-        StateCase{"shard_grad_op", false, 2, 553'216, 276'608, 0, 0, 553'216, 809'216, 1'383'040,
+        // 276,608; AdamW 8P / 2 = 553,216; beside a layer's backward one bucket in flight (here
+        // the whole model, 4P < 25 MiB): 553,216 (the layer's fresh gradient is the layer
+        // backward's, the LM head's the LM-head pass's); the step one bucket and three of its
+        // halves: 553,216 + 3 x 276,608 = 1,383,040.
+        StateCase{"shard_grad_op", false, 2, 553'216, 276'608, 0, 0, 553'216, 0, 553'216, 1'383'040,
                   0},
-        // / 4: 138,304; AdamW 276,608; in flight 809,216; step 553,216 + 3 x 138,304 = 968,128.
-        StateCase{"shard_grad_op", false, 4, 553'216, 138'304, 0, 0, 276'608, 809'216, 968'128, 0},
-        StateCase{"full_shard", false, 1, 553'216, 553'216, 0, 0, 1'106'432, 0, 512'000, 0},
-        StateCase{"full_shard", false, 2, 276'608, 276'608, 0, 0, 553'216, 768'000, 256'000, 0},
-        StateCase{"full_shard", false, 4, 138'304, 138'304, 0, 0, 276'608, 768'000, 128'000, 0},
+        // / 4: 138,304; AdamW 276,608; in flight 553,216; step 553,216 + 3 x 138,304 = 968,128.
+        StateCase{"shard_grad_op", false, 4, 553'216, 138'304, 0, 0, 276'608, 0, 553'216, 968'128,
+                  0},
+        StateCase{"full_shard", false, 1, 553'216, 553'216, 0, 0, 1'106'432, 0, 0, 512'000, 0},
+        StateCase{"full_shard", false, 2, 276'608, 276'608, 0, 0, 553'216, 256'000, 849'920,
+                  256'000, 0},
+        StateCase{"full_shard", false, 4, 138'304, 138'304, 0, 0, 276'608, 256'000, 849'920,
+                  128'000, 0},
         // bf16, no_shard: 2P, 2P, 4P, 4P, 8P, step 8U.
-        StateCase{"no_shard", true, 1, 276'608, 276'608, 553'216, 553'216, 1'106'432, 0, 512'000,
+        StateCase{"no_shard", true, 1, 276'608, 276'608, 553'216, 553'216, 1'106'432, 0, 0, 512'000,
                   0},
         // bf16, full_shard over 4 as built: no bf16 copy between uses (0, 0); the fp32 master
-        // shard and its gradient 4P/4 = 138,304 each; AdamW 8P/4 = 276,608; gathered: the
-        // unit's bf16 weights and gradient 2 x 2U, the fp32 flat it is reduced in 4U and the
-        // prefetched unit's bf16 weights 2U = 640,000; step 8U/4 = 128,000.
-        StateCase{"full_shard", true, 4, 0, 0, 138'304, 138'304, 276'608, 640'000, 128'000, 0},
-        // With offload as built: no model state on the GPU, the gathered unit as above; on the
+        // shard and its gradient 4P/4 = 138,304 each; AdamW 8P/4 = 276,608; beside the LM head
+        // the head's bf16 unit 2U = 128,000; beside a layer's backward that unit and the layer's
+        // bf16 weights and gradients 2 x 2L, the fp32 flat they are reduced in 4L and the
+        // prefetched layer's bf16 weights 2L: 128,000 + 10 x 37,120 = 499,200; step 8U/4 =
+        // 128,000.
+        StateCase{"full_shard", true, 4, 0, 0, 138'304, 138'304, 276'608, 128'000, 499'200, 128'000,
+                  0},
+        // With offload as built: no model state on the GPU, the gathered units as above; on the
         // host the four fp32 shards 16P/4 = 553,216 and the step's temporaries of one unit's
         // chunk 8 x U/4 = 128,000: 681,216.
-        StateCase{"full_shard offload", true, 4, 0, 0, 0, 0, 0, 640'000, 0, 681'216},
+        StateCase{"full_shard offload", true, 4, 0, 0, 0, 0, 0, 128'000, 499'200, 0, 681'216},
         // fp32 offload on one rank: AdamW (8P) and the step (8U) on the host = 1,618,432.
-        StateCase{"no_shard offload", false, 1, 553'216, 553'216, 0, 0, 0, 0, 0, 1'618'432}));
+        StateCase{"no_shard offload", false, 1, 553'216, 553'216, 0, 0, 0, 0, 0, 0, 1'618'432}));
 
 TEST(MemoryPlanSmall, ActivationsFromTheForwardsSavedTensorsFp32) {
   // B = 2 rows of T = 6 + 10 = 16 tokens (32 tokens), N = 20 completion tokens, chunk 8; s = 4.
@@ -379,18 +392,43 @@ TEST(MemoryPlanBounds, FiguresPast2To53AreExact) {
             (int64_t{1} << 55) + 4 * 1000 * 64 + (int64_t{1} << 34) + 4 * 128 * 64);
 }
 
-// full_shard without its prefetch (fsdp_prefetch: false): the unit and its gradient only,
-// 2 x 4U = 512,000 at 4 ranks, and the rest as with it.
-TEST(MemoryPlanSmall, FullShardWithoutPrefetchHoldsOneUnitLess) {
+// full_shard without its prefetch (fsdp_prefetch: false): beside a layer's backward the head's
+// unit 4U and the layer whole, its gradients and their flat, 3 x 4L: 256,000 + 445,440 =
+// 701,440 at 4 ranks, one layer 4L = 148,480 less. The layer's phase is the larger either way
+// (the LM-head pass 522,240 + 256,000 against the layer's 354,304 + 701,440), so the
+// micro-batch's peak falls by that layer; the model state is the same.
+TEST(MemoryPlanSmall, FullShardWithoutPrefetchHoldsOneLayerLess) {
   common::GrpoConfig cfg = SmallRun();
   cfg.fsdp = "full_shard";
   auto with = PlanMemory(Small(), cfg, 4, "cuda");
   cfg.fsdp_prefetch = false;
   auto without = PlanMemory(Small(), cfg, 4, "cuda");
   ASSERT_TRUE(with.ok() && without.ok());
-  EXPECT_EQ(without->gathered_layer, 512'000);
-  EXPECT_EQ(with->gathered_layer - without->gathered_layer, 4 * 64'000);
-  EXPECT_EQ(with->ModelState() - without->ModelState(), 4 * 64'000);
+  EXPECT_EQ(without->gathered_layer, 701'440);
+  EXPECT_EQ(with->gathered_layer - without->gathered_layer, 148'480);
+  EXPECT_EQ(without->gathered_lm_head, with->gathered_lm_head);
+  EXPECT_EQ(with->MicroBatchPeak() - without->MicroBatchPeak(), 148'480);
+  EXPECT_EQ(with->ModelState(), without->ModelState());
+}
+
+// full_shard at one rank shards nothing, unless offloaded on a GPU (ZeRO-Offload on one GPU:
+// the shards on the host, a unit gathered at a time); the note says which.
+TEST(MemoryPlanSmall, OneFullShardRankIsNoShardUnlessOffloaded) {
+  common::GrpoConfig cfg = SmallRun();
+  cfg.fsdp = "full_shard";
+  auto alone = PlanMemory(Small(), cfg, 1, "cuda");
+  cfg.fsdp = "full_shard offload";
+  auto offloaded = PlanMemory(Small(), cfg, 1, "cuda");
+  ASSERT_TRUE(alone.ok() && offloaded.ok());
+  auto says = [](const MemoryPlan& p) {
+    for (const std::string& n : p.notes)
+      if (n.find("shards nothing") != std::string::npos) return true;
+    return false;
+  };
+  EXPECT_TRUE(says(*alone));
+  EXPECT_EQ(alone->gathered_lm_head, 0);
+  EXPECT_FALSE(says(*offloaded));
+  EXPECT_EQ(offloaded->gathered_lm_head, 4 * 64'000);  // the tied head's unit, fp32
 }
 
 TEST(MemoryPlanSmall, CpuOffloadChangesNothingAndSaysSo) {
@@ -451,12 +489,17 @@ TEST(MemoryPlan7B, EightFullShardRanksWithCheckpointingFit) {
   auto plan = PlanMemory(Qwen25_7B(), cfg, 8, "cuda");
   ASSERT_TRUE(plan.ok());
   // 16 bytes per parameter over 8 ranks as built (the fp32 master, its gradient and AdamW; no
-  // bf16 copy between uses: 15.2 GB); a gathered [V, D] unit: its bf16 weights and gradient, the
-  // fp32 flat the gradient is reduced in, and the prefetched unit's bf16 weights.
+  // bf16 copy between uses: 15.2 GB). Beside the LM-head pass the head's unit, bf16 [V, D];
+  // beside a layer's backward that unit and the untied head's bf16 .grad, and a decoder layer
+  // (L = q 3584 x 3584 + 3584, k and v 2 x (512 x 3584 + 512), o 3584 x 3584, MLP 3 x 18944 x
+  // 3584, 2 norms x 3584 = 233,057,792) as bf16 weights and gradients, the fp32 flat they are
+  // reduced in and the prefetched layer's bf16 weights: 2 x 2VD + 10L.
   EXPECT_EQ(plan->parameters, 0);
   EXPECT_EQ(plan->master_weights + plan->master_gradients + plan->adamw_state,
             16 * 7'615'616'512ll / 8);
-  EXPECT_EQ(plan->gathered_layer, (2 + 2 + 4 + 2) * 152064ll * 3584);
+  EXPECT_EQ(plan->params.per_layer, 233'057'792);
+  EXPECT_EQ(plan->gathered_lm_head, 2 * 152064ll * 3584);
+  EXPECT_EQ(plan->gathered_layer, 4 * 152064ll * 3584 + 10 * 233'057'792ll);
   EXPECT_TRUE(plan->Fits(k80GiB)) << FormatPlan(*plan, k80GiB);
 }
 
@@ -621,33 +664,36 @@ TEST(SuggestFix, BuiltOnlyNeverSuggestsWhatTheTrainerRefuses) {
   ASSERT_TRUE(fix.ok()) << fix.status().ToString();
   EXPECT_TRUE(FsdpBuilt(fix->plan.fsdp, "cuda"));
   // The 7B model in bf16 (n = 7,615,616,512) on 80 GiB: full_shard offload is built and fits
-  // one rank, without checkpointing: the GPU holds no model state, only the gathered [V, D]
-  // unit 10 x 152,064 x 3,584 = 5.08 GiB (bf16 weights and gradient, the fp32 flat, the
-  // prefetched unit's bf16 weights), the micro-batch 65.0 and CUDA 1.0: 71.0 GiB (the host, not
-  // checked here, holds 16n = 113 GiB).
+  // one rank, without checkpointing: the GPU holds no model state, only the micro-batch with
+  // the units gathered beside it, and CUDA 1.0. Beside a layer's backward (1.19 GiB) the
+  // gathered units are the head's bf16 weights and .grad 4VD = 2.03 GiB and the layer's 10L =
+  // 2.17 GiB (MemoryPlan7B above): 5.39 GiB, more than the LM-head pass (3.07 + the head 2VD
+  // = 1.02); with the activations 61.90: 67.29, and 68.29 GiB in all (the host, not checked
+  // here, holds 16n = 113 GiB).
   common::GrpoConfig big;
   big.bf16 = true;
   auto offload = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, built);
   ASSERT_TRUE(offload.ok()) << offload.status().ToString();
   EXPECT_EQ(offload->Text(), "set fsdp: full_shard offload");
-  EXPECT_NEAR(offload->plan.Total() / double(1ll << 30), 71.05, 0.1);
+  EXPECT_NEAR(offload->plan.Total() / double(1ll << 30), 68.29, 0.01);
   // With 128 GiB of host beside the GPU the offloaded state (16n = 113.5 GiB) and the two
   // published snapshots (2 x 4n = 56.7 GiB) do not fit it; streamed, the host holds the state
   // and the step's temporaries of the largest unit (8 bytes x V x D, 4.06 GiB, as offload is
   // planned), one tensor on its way to GetWeights (the [V, D] embedding: 4 x 152,064 x 3,584 =
   // 2.03 GiB), the process (384 MiB) and a gloo bucket (16 MiB): 120.0 GiB, and the GPU the
-  // 71.0 above.
+  // 68.29 above.
   SuggestOptions host128 = built;
   host128.host_bytes = 128ll << 30;
   auto streamed = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, host128);
   ASSERT_TRUE(streamed.ok()) << streamed.status().ToString();
   EXPECT_EQ(streamed->Text(), "set weight_publish: stream and fsdp: full_shard offload");
-  EXPECT_NEAR(streamed->plan.Total() / double(1ll << 30), 71.05, 0.1);
+  EXPECT_NEAR(streamed->plan.Total() / double(1ll << 30), 68.29, 0.01);
   EXPECT_EQ(streamed->plan.HostTotal(), 16 * 7'615'616'512ll + 8 * 152064ll * 3584 +
                                             4 * 152064ll * 3584 + (384ll << 20) + (16ll << 20));
   // With 112 GiB the offloaded state alone does not fit the host: full_shard at 2 ranks with
   // checkpointing, the fp32 master shard 4n/2 = 14.19 GiB, its gradient 14.19, AdamW 8n/2 =
-  // 28.37, the gathered unit 5.08, the micro-batch 5.1, CUDA 1.0: 67.9 GiB. One rank holds 16n
+  // 28.37, the micro-batch (checkpointed activations 1.36 and a layer's backward 3.70 with the
+  // gathered 4.20 beside it) 9.27, CUDA 1.0: 67.0 GiB. One rank holds 16n
   // = 113 GiB of state alone; shard_grad_op at 2 ranks needs 92.3 (the whole bf16 weights and
   // fp32 master, 42.6, beside the halves); without checkpointing the activations are 61.9.
   SuggestOptions host112 = built;
@@ -656,12 +702,12 @@ TEST(SuggestFix, BuiltOnlyNeverSuggestsWhatTheTrainerRefuses) {
   ASSERT_TRUE(zero3.ok()) << zero3.status().ToString();
   EXPECT_EQ(zero3->Text(),
             "set gradient_checkpointing: true, fsdp: full_shard and run 2 ranks (world_size 2)");
-  EXPECT_NEAR(zero3->plan.Total() / double(1ll << 30), 67.9, 0.1);
-  // On 40 GiB, offloaded, with checkpointing: 5.08 + 5.1 + 1.0 = 11.2 GiB.
+  EXPECT_NEAR(zero3->plan.Total() / double(1ll << 30), 67.01, 0.01);
+  // On 40 GiB, offloaded, with checkpointing: the micro-batch 9.27 above + 1.0 = 10.27 GiB.
   auto at40 = SuggestFix(Qwen25_7B(), big, 1, "cuda", 40ll << 30, built);
   ASSERT_TRUE(at40.ok()) << at40.status().ToString();
   EXPECT_EQ(at40->Text(), "set gradient_checkpointing: true and fsdp: full_shard offload");
-  EXPECT_NEAR(at40->plan.Total() / double(1ll << 30), 11.17, 0.1);
+  EXPECT_NEAR(at40->plan.Total() / double(1ll << 30), 10.27, 0.01);
 }
 
 TEST(CheckFitsDevice, RefusesNamingTheKnob) {
@@ -670,14 +716,15 @@ TEST(CheckFitsDevice, RefusesNamingTheKnob) {
   Status s = CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", k80GiB);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
   // full_shard offload is built on a GPU: the refusal names it (SuggestFix above derives the
-  // 71.0 GiB by hand).
-  EXPECT_NE(s.message().find(": set fsdp: full_shard offload (71.0 GiB)"), std::string::npos)
+  // 68.3 GiB by hand).
+  EXPECT_NE(s.message().find(": set fsdp: full_shard offload (68.3 GiB)"), std::string::npos)
       << s.message();
-  // On 7 GiB nothing fits: at 1,024 ranks, offloaded, the gathered [V, D] unit (5.08 GiB) and
-  // CUDA (1.0) leave too little for a micro-batch of one row. It says so, at the knobs' extremes.
-  s = CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", 7ll << 30);
+  // On 6 GiB nothing fits: offloaded, the units gathered beside a layer's backward (4.20 GiB)
+  // and CUDA (1.0) leave too little for a micro-batch of one row. It says so, at the knobs'
+  // extremes.
+  s = CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", 6ll << 30);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(s.message().find("nothing the trainer runs today fits 7.0 GiB per rank: with "
+  EXPECT_NE(s.message().find("nothing the trainer runs today fits 6.0 GiB per rank: with "
                              "gradient_checkpointing, 1 row, weight_publish stream, full_shard "
                              "offload and 1024 ranks a rank still needs "),
             std::string::npos)
@@ -729,6 +776,25 @@ common::GrpoConfig MeasuredConfig(const std::string& mode) {
   return c;
 }
 
+// `groups` groups of full-length rows (the plan's worst case), rewards 0 .. G-1.
+std::vector<common::RolloutGroup> MeasuredGroups(const common::GrpoConfig& cfg, int64_t vocab,
+                                                 int groups) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> tok(0, static_cast<int>(vocab) - 1);
+  std::vector<common::RolloutGroup> out(groups);
+  for (int g = 0; g < groups; ++g) {
+    out[g].prompt_id = std::to_string(g);
+    for (int64_t i = 0; i < cfg.max_prompt_length; ++i) out[g].prompt_ids.push_back(tok(rng));
+    for (int64_t j = 0; j < cfg.num_generations; ++j) {
+      common::Completion c;
+      for (int64_t i = 0; i < cfg.max_completion_length; ++i) c.token_ids.push_back(tok(rng));
+      c.rewards = {static_cast<double>(j)};
+      out[g].completions.push_back(c);
+    }
+  }
+  return out;
+}
+
 // Child of MemoryPlanMeasured: GRPO_PLAN_CHILD=fp32|bf16|fp32-checkpointing. Warms libtorch up
 // on a tiny step, resets the peak resident set (clear_refs 5; where the kernel refuses, the
 // warm-up's lower peak stays below the step's), then trains one optimizer step of the bench
@@ -736,22 +802,6 @@ common::GrpoConfig MeasuredConfig(const std::string& mode) {
 TEST(MemoryPlanMeasuredChild, DISABLED_TrainOneStep) {
   const char* mode = std::getenv("GRPO_PLAN_CHILD");
   if (mode == nullptr) GTEST_SKIP() << "run by MemoryPlanMeasured only";
-  auto groups_of = [](const common::GrpoConfig& cfg, int64_t vocab, int groups) {
-    std::mt19937 rng(3);
-    std::uniform_int_distribution<int> tok(0, static_cast<int>(vocab) - 1);
-    std::vector<common::RolloutGroup> out(groups);
-    for (int g = 0; g < groups; ++g) {
-      out[g].prompt_id = std::to_string(g);
-      for (int64_t i = 0; i < cfg.max_prompt_length; ++i) out[g].prompt_ids.push_back(tok(rng));
-      for (int64_t j = 0; j < cfg.num_generations; ++j) {
-        common::Completion c;
-        for (int64_t i = 0; i < cfg.max_completion_length; ++i) c.token_ids.push_back(tok(rng));
-        c.rewards = {static_cast<double>(j)};
-        out[g].completions.push_back(c);
-      }
-    }
-    return out;
-  };
   {  // warm-up: thread pools, BLAS buffers, the autograd engine
     common::GrpoConfig cfg = MeasuredConfig(mode);
     cfg.max_prompt_length = 4;
@@ -761,12 +811,12 @@ TEST(MemoryPlanMeasuredChild, DISABLED_TrainOneStep) {
     ASSERT_TRUE(model.ok());
     auto trainer = GrpoTrainer::Create(cfg, model->get(), nullptr);
     ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
-    ASSERT_TRUE((*trainer)->TrainGenerationBatch(groups_of(cfg, tiny.vocab_size, 2)).ok());
+    ASSERT_TRUE((*trainer)->TrainGenerationBatch(MeasuredGroups(cfg, tiny.vocab_size, 2)).ok());
   }
   std::ofstream("/proc/self/clear_refs") << "5";
   const common::GrpoConfig cfg = MeasuredConfig(mode);
   const ModelConfig mc = Bench();
-  const auto groups = groups_of(cfg, mc.vocab_size, 2);  // 8 rows: two micro-batches of 4
+  const auto groups = MeasuredGroups(cfg, mc.vocab_size, 2);  // 8 rows: two micro-batches of 4
   const int64_t baseline = ProcStatusKib("VmRSS");
   auto model = common::Model::InitRandom(mc, 2);
   ASSERT_TRUE(model.ok());
@@ -850,6 +900,94 @@ TEST(MemoryPlanMeasuredActivations, CheckpointingSavesWhatThePlanSays) {
               measured / (1 << 20));
   EXPECT_NEAR(measured, predicted, 0.25 * predicted);
 }
+
+// The plan of a rank against the live tensor bytes each rank allocated (ranks are threads over
+// FakeRankGroup, each counted apart by common::ThreadCount; one intra-op thread, so that every
+// tensor is allocated on its rank's thread). Live bytes are what the plan counts: no allocator
+// of the process (glibc's free blocks) between the two, and the same figure every run.
+struct RanksCase {
+  const char* fsdp;
+  bool bf16;
+  int world;
+  bool tied;
+};
+
+class MemoryPlanRanks : public ::testing::TestWithParam<RanksCase> {};
+
+TEST_P(MemoryPlanRanks, TrainingPeakBoundsEveryRanksLiveBytesWithin7Percent) {
+  const RanksCase& k = GetParam();
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  common::CountingScope counting;
+  common::GrpoConfig cfg = MeasuredConfig(k.bf16 ? "bf16" : "fp32");
+  cfg.fsdp = k.fsdp;
+  ModelConfig mc = Bench();
+  mc.tie_word_embeddings = k.tied;
+  auto plan = PlanMemory(mc, cfg, k.world, "cpu");
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  // Two micro-batches of 4 rows on every rank: the second runs with every .grad allocated.
+  const auto groups = MeasuredGroups(cfg, mc.vocab_size, 2 * k.world);
+  FakeRankGroup group(k.world, std::chrono::seconds(60));
+  std::vector<int64_t> peaks(k.world, -1);
+  std::vector<std::string> errors(k.world);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < k.world; ++r) {
+    ranks.emplace_back([&, r] {
+      common::ThreadCount count;
+      auto model = common::Model::InitRandom(mc, 2);
+      if (!model.ok()) {
+        errors[r] = model.status().ToString();
+        return;
+      }
+      auto trainer = GrpoTrainer::Create(cfg, model->get(), nullptr, &group.Rank(r));
+      if (!trainer.ok()) {
+        errors[r] = trainer.status().ToString();
+        return;
+      }
+      auto result = (*trainer)->TrainGenerationBatch(groups);
+      if (!result.ok() || result->steps.size() != 1) {
+        errors[r] = result.ok() ? "expected one step" : result.status().ToString();
+        return;
+      }
+      peaks[r] = count.peak();
+    });
+  }
+  for (auto& t : ranks) t.join();
+  at::set_num_threads(threads);
+  const double predicted = static_cast<double>(plan->TrainingPeak());
+  for (int r = 0; r < k.world; ++r) {
+    ASSERT_TRUE(errors[r].empty()) << "rank " << r << ": " << errors[r];
+    std::printf(
+        "%s%s, %d ranks, %s: rank %d predicted %.2f MiB (state %.2f, micro-batch %.2f), "
+        "live peak %.2f MiB (%.3f)\n",
+        k.fsdp, k.bf16 ? " bf16" : "", k.world, k.tied ? "tied" : "untied", r,
+        predicted / (1 << 20), static_cast<double>(plan->ModelState()) / (1 << 20),
+        static_cast<double>(plan->MicroBatchPeak()) / (1 << 20),
+        static_cast<double>(peaks[r]) / (1 << 20), peaks[r] / predicted);
+    // An upper bound (a plan that falls short runs out of memory), and a close one: 0.954-0.977
+    // in every case here. Counted once beside the whole micro-batch, full_shard's gathered
+    // units gave 0.77-0.79, shard_grad_op's bucket and LM-head gradient 0.80-0.85.
+    EXPECT_LE(peaks[r], plan->TrainingPeak()) << "rank " << r;
+    EXPECT_GE(static_cast<double>(peaks[r]), 0.93 * predicted) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, MemoryPlanRanks,
+                         ::testing::Values(RanksCase{"no_shard", false, 2, true},
+                                           RanksCase{"shard_grad_op", false, 2, true},
+                                           RanksCase{"full_shard", false, 2, true},
+                                           RanksCase{"full_shard", false, 4, true},
+                                           RanksCase{"full_shard", true, 2, true},
+                                           RanksCase{"shard_grad_op", true, 2, true},
+                                           RanksCase{"no_shard", false, 2, false},
+                                           RanksCase{"shard_grad_op", false, 2, false},
+                                           RanksCase{"full_shard", false, 2, false},
+                                           RanksCase{"full_shard", true, 2, false}),
+                         [](const auto& info) {
+                           const RanksCase& k = info.param;
+                           return std::string(k.fsdp) + (k.bf16 ? "_bf16" : "") + "_" +
+                                  std::to_string(k.world) + (k.tied ? "_tied" : "_untied");
+                         });
 
 }  // namespace
 }  // namespace grpo::learner::distributed

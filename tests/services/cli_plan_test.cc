@@ -83,9 +83,10 @@ TEST_F(CliPlan, JsonCarriesEveryFigureAndTheSuggestion) {
   ASSERT_FALSE(j.is_discarded()) << out;
   for (const char* key :
        {"parameters", "gradients", "master_weights", "master_gradients", "adamw_state",
-        "gathered_layer", "reference_model", "weight_snapshot", "weight_sync_bucket", "runtime",
-        "activations_no_checkpointing", "activations_checkpointing", "logits_chunk", "lm_head_pass",
-        "layer_backward", "micro_batch_peak", "optimizer_step"}) {
+        "gathered_lm_head", "gathered_layer", "publish_unit", "reference_model", "weight_snapshot",
+        "weight_sync_bucket", "runtime", "activations_no_checkpointing",
+        "activations_checkpointing", "logits_chunk", "lm_head_pass", "layer_backward",
+        "micro_batch_peak", "optimizer_step"}) {
     EXPECT_TRUE(j["components"].contains(key)) << key;
   }
   EXPECT_EQ(j["num_parameters"], 7'615'616'512);
