@@ -330,8 +330,14 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   }
   if (!cuda) {
     // memory_plan_test: a step's VmHWM was 1.12-1.44x the plan with glibc's default mmap
-    // threshold, 0.98-1.02x with MALLOC_MMAP_THRESHOLD_=131072.
-    p.notes.push_back("cpu: live bytes; glibc keeps freed blocks, the resident set ran to 1.45x");
+    // threshold, 0.98-1.02x with MALLOC_MMAP_THRESHOLD_=131072 (which cost the step 30% of
+    // its speed: `grpo bench learner_step`, 1,740-1,770 against 2,376-2,512 tokens/s).
+    // `grpo bench sharding` (2026-12-05): the sharded ranks' resident set ran to 2.1x (bf16
+    // full_shard: many gathers and frees of buffers of different sizes), their live bytes
+    // 0.976-0.990x.
+    p.notes.push_back(
+        "cpu: live bytes; glibc keeps freed blocks, and the resident set ran to 1.4x the plan "
+        "unsharded, 2.1x sharded");
   }
   if (!cuda && fsdp.offload) {
     p.notes.push_back("device cpu: offload changes nothing (the device memory is host memory)");
