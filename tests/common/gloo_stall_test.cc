@@ -101,13 +101,18 @@ Status OneVersion(WeightSync& sync, int64_t version, NamedTensors& tensors) {
   return sync.Commit();
 }
 
-TEST(GlooStall, AStoppedButConnectedPeerCostsTheGroupOneDeadlineNotItsStop) {
+// The rendezvous store, served here on a free loopback port.
+c10::intrusive_ptr<c10d::TCPStore> ServerStore() {
   c10d::TCPStoreOptions so;
   so.port = 0;
   so.isServer = true;
   so.waitWorkers = false;
   so.timeout = 60s;
-  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+}
+
+TEST(GlooStall, AStoppedButConnectedPeerCostsTheGroupOneDeadlineNotItsStop) {
+  auto store = ServerStore();
   Child one(1, store->getPort()), two(2, store->getPort());
   // Both children are up before the rendezvous starts its deadline.
   store->wait({"ready/1", "ready/2"}, 120s);
@@ -192,12 +197,7 @@ class StoppingStore final : public c10d::Store {
 class GlooStallRendezvous : public ::testing::TestWithParam<int> {};
 
 TEST_P(GlooStallRendezvous, ARankStoppedInItsJoinCostsTheOthersOneDeadline) {
-  c10d::TCPStoreOptions so;
-  so.port = 0;
-  so.isServer = true;
-  so.waitWorkers = false;
-  so.timeout = 60s;
-  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  auto store = ServerStore();
   Child one(1, store->getPort(), GetParam()), two(2, store->getPort(), kJoinOnly);
   store->wait({"ready/1", "ready/2"}, 120s);
   const auto start = Clock::now();
