@@ -169,7 +169,7 @@ int ShardingChild(const ShardingBenchOptions& o) {
   at::set_num_threads(static_cast<int>(std::max(1u, cores / static_cast<unsigned>(world))));
   const int64_t base = ProcStatusBytes("VmRSS");  // before the model and the group
   // The bytes of live CPU tensors, what the plan predicts; the resident set adds what glibc
-  // keeps of freed blocks (1.1-1.5x here) and libtorch's own allocations.
+  // keeps of freed blocks (1.4-2.1x the plan here) and libtorch's own allocations.
   static common::CountingScope counting;
   const int64_t live_base = common::CountingCpuAllocator::Get().Reset();
   dist::SingleRank single;
