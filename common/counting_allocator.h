@@ -134,6 +134,11 @@ class ThreadCount {
     std::lock_guard<std::mutex> lock(CountingCpuAllocator::Get().mutex());
     return tally_->peak;
   }
+  // The peak from now on.
+  void Reset() {
+    std::lock_guard<std::mutex> lock(CountingCpuAllocator::Get().mutex());
+    tally_->peak = tally_->live;
+  }
 
  private:
   const std::shared_ptr<CountingCpuAllocator::Tally> tally_;

@@ -69,8 +69,9 @@ bool FsdpBuilt(const common::FsdpSpec& fsdp, const std::string& device) {
 }
 
 int64_t MemoryPlan::MicroBatchPeak() const {
-  return activations() +
-         std::max(lm_head_pass + gathered_lm_head, layer_backward() + gathered_layer);
+  return std::max(
+      activations() + std::max(lm_head_pass + gathered_lm_head, layer_backward() + gathered_layer),
+      finish_backward);
 }
 
 int64_t MemoryPlan::ModelState() const {
@@ -78,13 +79,14 @@ int64_t MemoryPlan::ModelState() const {
 }
 
 int64_t MemoryPlan::TrainingPeak() const {
-  return ModelState() + std::max(MicroBatchPeak(), optimizer_step);
+  return ModelState() + std::max({MicroBatchPeak(), optimizer_step, load});
 }
 
 int64_t MemoryPlan::Total() const {
   // Publishing copies the weights into a new snapshot while the last one is still held, on the
   // training thread between steps: a phase of its own, like the optimizer step.
-  const int64_t phase = std::max({MicroBatchPeak(), optimizer_step, weight_snapshot, publish_unit});
+  const int64_t phase =
+      std::max({MicroBatchPeak(), optimizer_step, load, weight_snapshot, publish_unit});
   return ModelState() + weight_snapshot + weight_sync_bucket + runtime + phase;
 }
 
@@ -166,11 +168,16 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     // as the head's .grad when not. A layer's backward holds the layer whole, the gradients
     // autograd returns, the flat they are packed into to be reduce-scattered (fp32 with bf16)
     // and, with the prefetch (fsdp_prefetch), the layer before it, gathered.
-    const int64_t flat = cfg.bf16 ? 4 : s;
+    const int64_t flat = 4;  // packed in the fp32 master's dtype (FullShardAdamW::Pack)
     const int64_t prefetch = cfg.fsdp_prefetch ? s : 0;
     p.gathered_lm_head = s * head;
     p.gathered_layer = s * head + (m.tie_word_embeddings ? 0 : s * head) +
                        (2 * s + flat + prefetch) * p.params.per_layer;
+    // After the backward (FinishBackward), with the activations freed: the head's unit still
+    // whole, the .grad of the units autograd accumulates (the head, and the embedding when
+    // untied: both [V, D]) and the fp32 flat the first is packed into for its reduce-scatter.
+    // Larger than the phases above only when the activations are small beside s x V x D.
+    p.finish_backward = s * head + (m.tie_word_embeddings ? 1 : 2) * s * head + 4 * head;
   } else if (sharded && !offload) {
     // shard_grad_op as built (sharded_adamw.h): AdamW's state and the fp32 gradient shard the
     // rounds sum into are 1/W; during backward each tensor's fresh gradient (layer_backward
@@ -191,6 +198,17 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     // shard_grad_op offload (not built; ZeRO's arithmetic): a unit's gradient before its
     // reduce-scatter.
     p.gathered_layer = s * p.params.largest_unit;
+  }
+  // Loading (full_shard as built: Model::Load, GrpoTrainer::Create, FullShardAdamW::Create):
+  // every rank loads the whole fp32 model on its device (and with bf16 makes the compute copy)
+  // before the shards are cut from it a unit at a time: the unit packed in fp32 for its
+  // broadcast (on the host with offload) and the unit's buffer its parameters become views of.
+  // Measured to the byte in memory_plan_test (MemoryPlanRanks, short rows). Every rank holds
+  // the whole model for a while, whatever the world size: a model larger than one device does
+  // not start (README "Know before you launch").
+  if (fsdp.mode == FsdpMode::kFullShard && (full || offload)) {
+    p.load = 4 * n + (cfg.bf16 ? 2 * n : 0) + (offload ? 0 : 4 * p.params.largest_unit) +
+             s * p.params.largest_unit;
   }
   // Streaming the weights from full_shard (StreamWeights) gathers one unit at a time in fp32.
   if (cfg.weight_publish == "stream" && fsdp.mode == FsdpMode::kFullShard && (full || offload)) {
@@ -370,6 +388,8 @@ nlohmann::json MemoryPlan::ToJson() const {
   c["adamw_state"] = adamw_state;
   c["gathered_lm_head"] = gathered_lm_head;
   c["gathered_layer"] = gathered_layer;
+  c["finish_backward"] = finish_backward;
+  c["load"] = load;
   c["publish_unit"] = publish_unit;
   c["reference_model"] = reference_model;
   j["weight_publish"] = streams_weights ? "stream" : "snapshot";
@@ -663,9 +683,11 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
   row(zero2 ? "  + beside it: a gradient bucket in flight (shard_grad_op)"
             : "  + beside it: gathered layer x3 + head unit (full_shard)",
       p.gathered_layer);
-  row("peak: activations + max(LM-head pass, layer backward)", p.MicroBatchPeak());
+  row("after the backward: head unit, .grads, flat (full_shard)", p.finish_backward);
+  row("peak: max(activations + max(LM head, layer), after)", p.MicroBatchPeak());
   o << "other phases and the service\n";
   row("optimizer step (all-reduce bucket, fp64 norm, AdamW temps)", p.optimizer_step);
+  row("loading: the whole model beside the shards (full_shard)", p.load);
   row(p.streams_weights ? "published weights here (weight_publish stream: none kept)"
                         : "published weights here (fp32; 2x while publishing)",
       p.weight_snapshot);

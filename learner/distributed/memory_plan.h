@@ -92,6 +92,13 @@ struct MemoryPlan {
   // gradients, their flat and the prefetched layer; shard_grad_op: a gradient bucket in flight.
   int64_t gathered_lm_head = 0;  // beside the LM-head pass
   int64_t gathered_layer = 0;    // beside one layer's backward
+  // full_shard: after the backward (no activations), the head's unit, the [V, D] .grad(s) of
+  // the units autograd accumulates and the fp32 flat one is packed into.
+  int64_t finish_backward = 0;
+  // full_shard: loading, before the first step (a phase of its own): the whole fp32 model as
+  // loaded on every rank, the bf16 compute copy with bf16, and one unit packed for its
+  // broadcast beside its buffer, while the shards are cut.
+  int64_t load = 0;
   // The optimizer step: the gradient all-reduce's bucket at several no_shard ranks, then the
   // grad-norm clip in fp64 and AdamW's temporaries, one tensor at a time; never at the same time
   // as a micro-batch.
@@ -111,12 +118,13 @@ struct MemoryPlan {
   int64_t layer_backward() const {
     return gradient_checkpointing ? layer_backward_checkpointing : layer_backward_no_checkpointing;
   }
-  // activations + max(LM-head pass + gathered_lm_head, one layer's backward + gathered_layer).
+  // The larger of activations + max(LM-head pass + gathered_lm_head, one layer's backward +
+  // gathered_layer) and finish_backward.
   int64_t MicroBatchPeak() const;
   // The state the trainer holds all run (parameters ... reference model; not the gathered
   // units, which MicroBatchPeak counts).
   int64_t ModelState() const;
-  // What GrpoTrainer alone peaks at: ModelState + max(MicroBatchPeak, optimizer_step).
+  // What GrpoTrainer alone peaks at: ModelState + max(MicroBatchPeak, optimizer_step, load).
   int64_t TrainingPeak() const;
   // The rank's predicted peak on its device: TrainingPeak + snapshot + bucket + runtime.
   int64_t Total() const;
