@@ -166,7 +166,7 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     // (FinishBackward). The head's gradient is the LM-head pass's [V, D] accumulator, and then
     // is held through every layer's backward: by autograd when tied (layer_backward's `held`),
     // as the head's .grad when not. A layer's backward holds the layer whole, the gradients
-    // autograd returns, the flat they are packed into to be reduce-scattered (fp32 with bf16)
+    // autograd returns, the fp32 flat they are packed into to be reduce-scattered
     // and, with the prefetch (fsdp_prefetch), the layer before it, gathered.
     const int64_t flat = 4;  // packed in the fp32 master's dtype (FullShardAdamW::Pack)
     const int64_t prefetch = cfg.fsdp_prefetch ? s : 0;
