@@ -26,8 +26,7 @@ WeightPublisher::WeightPublisher(std::string backend,
 WeightPublisher::~WeightPublisher() { Close(); }
 
 void WeightPublisher::Close() {
-  streaming_ = false;
-  pending_.clear();
+  stream_.reset();  // before sync_, which it refers to
   if (sync_) sync_->Abort();
   sync_.reset();
   group_store_.reset();
@@ -126,14 +125,14 @@ Status WeightPublisher::StreamRound(const std::vector<std::string>& members, Wei
   if (!read.ok()) {
     // Not served (a deadline, a cancel, readers closed: nothing is open then), or the producer
     // failed mid-version (a rank's gather): the group is left inside it.
-    if (streaming_) GRPO_LOG_WARN("learner: {} weight sync: {}", backend_, read.ToString());
+    if (stream_) GRPO_LOG_WARN("learner: {} weight sync: {}", backend_, read.ToString());
     AbortOpenStream(read);
   }
   return Status::OK();
 }
 
 void WeightPublisher::AbortOpenStream(const Status& why) {
-  if (!streaming_ || !sync_) return;
+  if (!stream_ || !sync_) return;
   (void)Fail(sync_->epoch(), why, "stream");
 }
 
@@ -148,38 +147,25 @@ Status WeightPublisher::StreamPiece(const WeightPiece& piece, const std::string&
                            common::FormatVersionAnnouncement(a));
     if (s.ok()) s = sync_->Begin(piece.version);
     if (!s.ok()) return Fail(epoch, s, "stream");
-    streaming_ = true;
-    grouping_.emplace(stream_group_bytes_);
-    pending_.clear();
+    stream_.emplace(*sync_, stream_group_bytes_, /*copy_grouped=*/true);
+  }
+  if (!stream_) {
+    return Fail(epoch, Status::FailedPrecondition("a piece of a version that was not begun"),
+                "stream");
   }
   const bool on_device = backend_ != common::kBackendGloo;
   Status s = Status::OK();
   try {
-    const at::Tensor& t = on_device ? piece.source : piece.tensor;
-    // The groups the receivers make from their layout (common::StreamGrouping): small tensors
-    // are copied into the group being filled (at most stream_group_bytes_), a large one is sent
-    // from its own memory at once.
-    if (grouping_->Add(static_cast<int64_t>(t.nbytes())) && !pending_.empty()) {
-      s = sync_->Broadcast(pending_);
-      pending_.clear();
-    }
-    if (s.ok() && grouping_->Alone()) {
-      common::NamedTensors one{{piece.name, t.contiguous()}};
-      s = sync_->Broadcast(one);
-    } else if (s.ok()) {
-      pending_.emplace_back(piece.name, t.contiguous().clone());
-    }
-    if (s.ok() && piece.index + 1 == piece.count && !pending_.empty()) {
-      s = sync_->Broadcast(pending_);
-      pending_.clear();
-    }
+    // In the groups the receivers make from their layout (common::StreamGroupBroadcast).
+    s = stream_->Put(piece.name, on_device ? piece.source : piece.tensor);
+    if (s.ok() && piece.index + 1 == piece.count) s = stream_->Finish();
   } catch (const c10::Error& e) {
     s = Status::Internal(e.what_without_backtrace());
   }
   if (s.ok() && piece.index + 1 == piece.count) s = sync_->Commit();
   if (!s.ok()) return Fail(epoch, s, "stream");
   if (piece.index + 1 < piece.count) return Status::OK();
-  streaming_ = false;
+  stream_.reset();
   ++seq_;
   last_sent_ = piece.version;
   syncs_ += 1;

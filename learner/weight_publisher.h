@@ -113,13 +113,12 @@ class WeightPublisher {
   const std::chrono::milliseconds timeout_;
   const int64_t stream_group_bytes_;
   std::unique_ptr<common::WeightSync> sync_;
-  c10::intrusive_ptr<c10d::Store> group_store_;     // of sync_'s epoch, scoped to GroupPrefix
-  std::vector<std::string> roster_;                 // sync_'s members
-  int64_t formed_epoch_ = 0;                        // the epoch of the last group formed
-  int64_t seq_ = 0;                                 // versions announced in sync_'s epoch
-  bool streaming_ = false;                          // a streamed version is begun, not committed
-  std::optional<common::StreamGrouping> grouping_;  // of the version being streamed
-  common::NamedTensors pending_;                    // copies of its group being filled
+  c10::intrusive_ptr<c10d::Store> group_store_;  // of sync_'s epoch, scoped to GroupPrefix
+  std::vector<std::string> roster_;              // sync_'s members
+  int64_t formed_epoch_ = 0;                     // the epoch of the last group formed
+  int64_t seq_ = 0;                              // versions announced in sync_'s epoch
+  // The streamed version begun and not committed (its groups' Broadcasts over *sync_).
+  std::optional<common::StreamGroupBroadcast> stream_;
   int64_t last_sent_ = -1;
   std::atomic<int64_t> syncs_{0};
   std::atomic<int64_t> failures_{0};

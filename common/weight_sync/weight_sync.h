@@ -95,24 +95,49 @@ class StreamGrouping {
   bool last_alone_ = false;
 };
 
-// Broadcast of a streamed version with every tensor at hand (a receiver, whose tensors are its
-// layout): one Broadcast per StreamGrouping(cap) group, the calls the streaming learner makes.
-inline Status BroadcastInStreamGroups(WeightSync& sync, NamedTensors& tensors, int64_t cap) {
-  StreamGrouping grouping(cap);
-  NamedTensors group;
-  for (auto& named : tensors) {
-    if (grouping.Add(static_cast<int64_t>(named.second.nbytes())) && !group.empty()) {
-      RETURN_IF_ERROR(sync.Broadcast(group));
-      group.clear();
+// The Broadcasts of a streamed version, one per StreamGrouping(cap) group: the calls both ends
+// make, the learner as it produces each tensor, a receiver over its layout. A tensor alone in
+// its group is broadcast at once from its own memory; the others are held until their group is
+// complete. `copy_grouped` (the sender): a held tensor is a contiguous copy, since its producer
+// may free it before the group goes; without it (a receiver) the held tensor is the layout's
+// own, which the Broadcast fills.
+class StreamGroupBroadcast {
+ public:
+  StreamGroupBroadcast(WeightSync& sync, int64_t cap, bool copy_grouped)
+      : sync_(sync), grouping_(cap), copy_grouped_(copy_grouped) {}
+  // The next tensor of the version.
+  Status Put(const std::string& name, const at::Tensor& t) {
+    if (grouping_.Add(static_cast<int64_t>(t.nbytes())) && !held_.empty()) {
+      RETURN_IF_ERROR(sync_.Broadcast(held_));
+      held_.clear();
     }
-    if (grouping.Alone()) {
-      NamedTensors one{named};
-      RETURN_IF_ERROR(sync.Broadcast(one));
-    } else {
-      group.push_back(named);
+    if (grouping_.Alone()) {
+      NamedTensors one{{name, copy_grouped_ ? t.contiguous() : t}};
+      return sync_.Broadcast(one);
     }
+    held_.emplace_back(name, copy_grouped_ ? t.contiguous().clone() : t);
+    return Status::OK();
   }
-  return group.empty() ? Status::OK() : sync.Broadcast(group);
+  // After the version's last tensor: the group still held.
+  Status Finish() {
+    if (held_.empty()) return Status::OK();
+    const Status s = sync_.Broadcast(held_);
+    held_.clear();
+    return s;
+  }
+
+ private:
+  WeightSync& sync_;
+  StreamGrouping grouping_;
+  const bool copy_grouped_;
+  NamedTensors held_;
+};
+
+// A streamed version with every tensor at hand (a receiver, whose tensors are its layout).
+inline Status BroadcastInStreamGroups(WeightSync& sync, NamedTensors& tensors, int64_t cap) {
+  StreamGroupBroadcast stream(sync, cap, /*copy_grouped=*/false);
+  for (const auto& [name, t] : tensors) RETURN_IF_ERROR(stream.Put(name, t));
+  return stream.Finish();
 }
 
 }  // namespace grpo::common
