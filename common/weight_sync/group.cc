@@ -1,5 +1,6 @@
 #include "common/weight_sync/group.h"
 
+#include <charconv>
 #include <sstream>
 
 namespace grpo::common {
@@ -50,33 +51,32 @@ std::string FormatVersionAnnouncement(const VersionAnnouncement& a) {
 
 namespace {
 
-// A decimal of 1 to 18 digits (no sign), or nullopt.
-std::optional<int64_t> ParseCount(const std::string& text) {
-  if (text.empty() || text.size() > 18 ||
-      text.find_first_not_of("0123456789") != std::string::npos) {
+// Digits only (no sign), within int64; nullopt otherwise.
+std::optional<int64_t> ParseDecimal(const std::string& text) {
+  if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos) {
     return std::nullopt;
   }
-  return std::stoll(text);
+  int64_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size()) return std::nullopt;
+  return value;
 }
 
 }  // namespace
 
 std::optional<VersionAnnouncement> ParseVersionAnnouncement(const std::string& text) {
   const size_t space = text.find(' ');
-  const std::string number = text.substr(0, space);
-  if (number.empty() || number.size() > 19 ||
-      number.find_first_not_of("0123456789") != std::string::npos) {
-    return std::nullopt;
-  }
+  const std::optional<int64_t> version = ParseDecimal(text.substr(0, space));
+  if (!version) return std::nullopt;
   VersionAnnouncement a;
-  a.version = std::stoll(number);
+  a.version = *version;
   if (space != std::string::npos) {
     std::string rest = text.substr(space + 1);
     const size_t second = rest.find(' ');
     if (second != std::string::npos) {
       const std::string tail = rest.substr(second + 1);
       if (tail.rfind("stream ", 0) != 0) return std::nullopt;
-      const std::optional<int64_t> bytes = ParseCount(tail.substr(7));
+      const std::optional<int64_t> bytes = ParseDecimal(tail.substr(7));
       if (!bytes || *bytes <= 0) return std::nullopt;
       a.stream_group_bytes = *bytes;
       rest.resize(second);

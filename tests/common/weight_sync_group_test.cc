@@ -192,8 +192,9 @@ TEST(WeightSyncGroup, AVersionAnnouncementCarriesItsLearnerIncarnation) {
   EXPECT_EQ(bare->incarnation, "");
   EXPECT_EQ(a->stream_group_bytes, 0);
   for (const char* bad :
-       {"", " 12", "x12", "12 ", "12 a b", "-3 a", "99999999999999999999 a", "12 a stream",
-        "12 a stream 0", "12 a stream -4", "12 a stream 4 x", "12  stream 4", "12 a streams 4"}) {
+       {"", " 12", "x12", "12 ", "12 a b", "-3 a", "99999999999999999999 a",
+        "9999999999999999999 a", "12 a stream 99999999999999999999", "12 a stream", "12 a stream 0",
+        "12 a stream -4", "12 a stream 4 x", "12  stream 4", "12 a streams 4"}) {
     EXPECT_FALSE(ParseVersionAnnouncement(bad).has_value()) << "'" << bad << "'";
   }
 }
