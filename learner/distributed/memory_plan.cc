@@ -117,6 +117,8 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   const bool sharded = fsdp.mode != FsdpMode::kNoShard && w > 1;
   const bool full = fsdp.mode == FsdpMode::kFullShard && w > 1;
   const bool offload = fsdp.offload && cuda;
+  // full_shard as built gathers units (FullShardAdamW): at several ranks, or offloaded at any.
+  const bool gathers = fsdp.mode == FsdpMode::kFullShard && (full || offload);
   auto shard = [&](int64_t bytes, bool divided) { return divided ? CeilDiv(bytes, w) : bytes; };
 
   p.parameters = shard(s * n, full);
@@ -160,7 +162,7 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   // whole micro-batch, the LM head's gradient was counted twice and a prefetched unit as large
   // as the LM head, 1.2-1.3x the live peak of this project's bench model.
   const int64_t head = p.params.embedding;  // the LM head's [V, D], tied or not
-  if (fsdp.mode == FsdpMode::kFullShard && (full || offload)) {
+  if (gathers) {
     // full_shard as built (full_shard_adamw.h, Model::GatedForward): the LM head's unit is
     // gathered for the head and stays whole until the micro-batch's backward ends
     // (FinishBackward). The head's gradient is the LM-head pass's [V, D] accumulator, and then
@@ -206,12 +208,12 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   // Measured to the byte in memory_plan_test (MemoryPlanRanks, short rows). Every rank holds
   // the whole model for a while, whatever the world size: a model larger than one device does
   // not start (README "Know before you launch").
-  if (fsdp.mode == FsdpMode::kFullShard && (full || offload)) {
+  if (gathers) {
     p.load = 4 * n + (cfg.bf16 ? 2 * n : 0) + (offload ? 0 : 4 * p.params.largest_unit) +
              s * p.params.largest_unit;
   }
   // Streaming the weights from full_shard (StreamWeights) gathers one unit at a time in fp32.
-  if (cfg.weight_publish == "stream" && fsdp.mode == FsdpMode::kFullShard && (full || offload)) {
+  if (cfg.weight_publish == "stream" && gathers) {
     p.publish_unit = 4 * p.params.largest_unit;
   }
   if (p.reference) p.reference_model = s * n;  // whole on every rank, in every mode (as built)
