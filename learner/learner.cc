@@ -886,9 +886,11 @@ void Learner::EndLedgerAtStep(int64_t saved_step) {
     GRPO_LOG_ERROR("learner: ledger at job end: {}", undone.status().ToString());
     return;
   }
-  if (!dropped.empty() || undone->requeued > 0) {
-    GRPO_LOG_INFO("learner: {} buffered groups dropped at job end; {} prompts back to QUEUED",
-                  dropped.size(), undone->requeued);
+  if (!dropped.empty() || undone->requeued > 0 || undone->moved_back > 0) {
+    GRPO_LOG_INFO(
+        "learner: {} buffered groups dropped at job end; {} prompts back to QUEUED, {} back to "
+        "a pass they owe",
+        dropped.size(), undone->requeued, undone->moved_back);
   }
 }
 

@@ -55,6 +55,41 @@ inline std::vector<Training> ReadTrainings(const fs::path& ledger, std::string* 
   return out;
 }
 
+// The ledger's row of each prompt, by marker: its state and the pass it is in (read with SQLite's
+// C API).
+struct PromptRow {
+  std::string state;
+  int64_t pass = 0;
+};
+
+inline std::map<std::string, PromptRow> ReadPromptRows(const fs::path& ledger, std::string* error) {
+  std::map<std::string, PromptRow> out;
+  sqlite3* db = nullptr;
+  if (sqlite3_open_v2(ledger.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) != SQLITE_OK) {
+    *error = "open " + ledger.string();
+    sqlite3_close(db);
+    return out;
+  }
+  sqlite3_stmt* st = nullptr;
+  if (sqlite3_prepare_v2(db, "SELECT row_json, state, pass FROM prompts", -1, &st, nullptr) !=
+      SQLITE_OK) {
+    *error = sqlite3_errmsg(db);
+  } else {
+    const std::regex marker("item [0-9][0-9]");
+    while (sqlite3_step(st) == SQLITE_ROW) {
+      const std::string row(reinterpret_cast<const char*>(sqlite3_column_text(st, 0)));
+      std::smatch m;
+      PromptRow r;
+      r.state = reinterpret_cast<const char*>(sqlite3_column_text(st, 1));
+      r.pass = sqlite3_column_int64(st, 2);
+      out[std::regex_search(row, m, marker) ? m.str() : "?"] = r;
+    }
+  }
+  sqlite3_finalize(st);
+  sqlite3_close(db);
+  return out;
+}
+
 // One step's dump: the marker, policy version and policy incarnation of each row, and the
 // incarnation of the learner that trained it.
 struct StepDump {
@@ -103,8 +138,11 @@ inline std::optional<StepDump> ReadStep(const fs::path& dump_dir, int64_t step,
 // Over the dumps of steps 1..max_steps and the ledger of a job on `prompts` prompts (the
 // dataset of WriteDataset): every row's weights were published by the learner process that
 // trained it, within max_staleness; every prompt trained or filtered once per completed pass
-// and at most once in the current one; the ledger's trainings agree with the dumps step by
-// step, one per (prompt, pass), passes in order. With `dynamic_sampling`, every trained group's
+// and at most once in the current one, and its ledger row in the pass it owes next; the
+// ledger's trainings agree with the dumps step by step, one per (prompt, pass), passes in order.
+// A completed pass is one every prompt is done with: the job's pass, or the one before it when
+// a prompt still owes that (its group of that pass was buffered when the next pass began, and
+// dropped untrained at the job's end). With `dynamic_sampling`, every trained group's
 // rewards differ (a group of equal ones is filtered, never trained) and some were filtered;
 // without it, none. Adds failures; returns the passes completed (-1 when the files cannot be
 // read).
@@ -157,9 +195,18 @@ inline int64_t ExpectHistoryHolds(const fs::path& out_dir, const fs::path& dump_
     ADD_FAILURE() << error;
     return -1;
   }
-  const int64_t passes_done = ledger->job_pass;
+  const int64_t job_pass = ledger->job_pass;
   const auto trainings = ReadTrainings(out_dir / "ledger.sqlite", &error);
   EXPECT_TRUE(error.empty()) << error;
+  const auto rows = ReadPromptRows(out_dir / "ledger.sqlite", &error);
+  EXPECT_TRUE(error.empty()) << error;
+  bool a_pass_owed = false;
+  for (const auto& [marker, row] : rows) {
+    EXPECT_TRUE(row.pass == job_pass || row.pass == job_pass - 1)
+        << marker << " is in pass " << row.pass << " of a job in pass " << job_pass;
+    a_pass_owed = a_pass_owed || row.pass < job_pass;
+  }
+  const int64_t passes_done = a_pass_owed ? job_pass - 1 : job_pass;
   std::map<std::string, int> filtered;  // marker -> passes filtered
   int64_t filtered_total = 0;
   for (const Training& t : trainings) {
@@ -176,7 +223,17 @@ inline int64_t ExpectHistoryHolds(const fs::path& out_dir, const fs::path& dump_
     const int done = times + filtered[Marker(i)];
     EXPECT_EQ(trained[Marker(i)] % kGenerations, 0) << Marker(i);
     EXPECT_GE(done, passes_done) << Marker(i) << " missed a completed pass";
-    EXPECT_LE(done, passes_done + 1) << Marker(i) << " trained (or filtered) twice in a pass";
+    EXPECT_LE(done, job_pass + 1) << Marker(i) << " trained (or filtered) twice in a pass";
+    // Its row is in the pass it owes next: done with that pass (trained, filtered) or not yet.
+    const auto row = rows.find(Marker(i));
+    if (row == rows.end()) {
+      ADD_FAILURE() << Marker(i) << " has no ledger row";
+    } else {
+      const bool done_with_row = row->second.state == "TRAINED" || row->second.state == "FILTERED";
+      EXPECT_EQ(done, row->second.pass + (done_with_row ? 1 : 0))
+          << Marker(i) << ": " << row->second.state << " in pass " << row->second.pass << " after "
+          << done << " passes trained or filtered";
+    }
     total += times;
   }
   // At most a full batch per step (the trainer may refuse a group that went stale in the buffer;
