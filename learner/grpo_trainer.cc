@@ -330,7 +330,16 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
                                    c10::toString(policy->dtype()));
   }
   const at::ScalarType compute_dtype = common::ComputeDtype(config.bf16);
-  if (reference) RETURN_IF_ERROR(reference->To(policy->device(), compute_dtype));
+  if (reference) {
+    RETURN_IF_ERROR(reference->Materialize().WithContext("reference model"));
+    RETURN_IF_ERROR(reference->To(policy->device(), compute_dtype));
+  }
+  // A deferred policy (Model::LoadDeferred) is read a shard a rank by full_shard's gate, and
+  // whole here for any other optimizer.
+  const int world = ranks != nullptr ? ranks->world_size() : 1;
+  if (policy->deferred() && !GatesParameters(fsdp, world, policy->device())) {
+    RETURN_IF_ERROR(policy->Materialize().WithContext("policy"));
+  }
 
   std::unique_ptr<GrpoTrainer> t(new GrpoTrainer(config, lc, policy, std::move(reference)));
   loss::EntropyControlConfig ec;

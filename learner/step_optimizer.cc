@@ -108,6 +108,12 @@ class ReplicatedAdamW final : public StepOptimizer {
 
 }  // namespace
 
+bool GatesParameters(const common::FsdpSpec& fsdp, int world_size, const at::Device& device) {
+  const bool offload = fsdp.offload && !device.is_cpu();
+  if (offload) return fsdp.mode == common::FsdpMode::kFullShard;  // else refused (Unimplemented)
+  return fsdp.mode == common::FsdpMode::kFullShard && world_size > 1;
+}
+
 StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
     const common::FsdpSpec& fsdp, common::NamedTensors params, std::vector<at::Tensor> compute,
     AdamWOptions options, distributed::Collectives* ranks, common::Model* model,

@@ -139,12 +139,19 @@ class StepOptimizer {
   std::string pending_state_shards;
 };
 
+// Whether MakeStepOptimizer's choice for `fsdp` at `world_size` ranks with the model on `device`
+// is full_shard's gate (FullShardAdamW: it fills the parameters, a unit at a time): full_shard at
+// several ranks, or offload on a GPU. Then a deferred model (Model::LoadDeferred) is read a
+// shard a rank; otherwise whole.
+bool GatesParameters(const common::FsdpSpec& fsdp, int world_size, const at::Device& device);
+
 // The StepOptimizer of `fsdp` at `ranks`' world size over `params` (borrowed: shared storage,
 // the fp32 master with bf16); `compute` are the tensors backward accumulates into, in the same
 // order (the bf16 copy's parameters, or `params`' own). full_shard at several ranks shards
 // `model` (borrowed, whose parameters `params` are; fp32), sets itself as the parameter gate of
 // `compute_model` (borrowed: the bf16 copy whose parameters `compute` are) or, without one, of
-// `model`, and is a collective (rank 0's weights are broadcast while they are cut into shards).
+// `model`, and is a collective (rank 0's weights are broadcast while they are cut into shards,
+// or each rank reads its own from a deferred `model`'s files).
 // `offload` with `model` on a GPU: full_shard with its shards on the host, at any world size
 // (the one-GPU case included); with the other modes Unimplemented.
 StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(

@@ -27,11 +27,6 @@ std::string ShapeString(at::IntArrayRef shape) {
   return s.str();
 }
 
-std::string DtypeName(at::ScalarType t) {
-  StatusOr<std::string> name = SafetensorsDtypeName(t);
-  return name.ok() ? *name : std::string(c10::toString(t));
-}
-
 bool IsNormWeight(const std::string& name) {
   return name.size() >= 11 && name.compare(name.size() - 11, 11, "norm.weight") == 0;
 }
@@ -138,6 +133,17 @@ NamedTensors Placed(const NamedTensors& params, const at::Device& device, at::Sc
   return out;
 }
 
+// Tensors of `params`' shapes on device in dtype that hold no memory (a deferred model's).
+NamedTensors Unallocated(const NamedTensors& params, const at::Device& device,
+                         at::ScalarType dtype) {
+  NamedTensors out;
+  out.reserve(params.size());
+  const auto options = at::TensorOptions().device(device).dtype(dtype);
+  for (const auto& [name, t] : params)
+    out.emplace_back(name, UnallocatedTensor(t.sizes(), options));
+  return out;
+}
+
 }  // namespace
 
 StatusOr<std::unique_ptr<Model>> Model::Copy(const at::Device& device, at::ScalarType dtype) const {
@@ -145,6 +151,11 @@ StatusOr<std::unique_ptr<Model>> Model::Copy(const at::Device& device, at::Scala
   try {
     at::NoGradGuard no_grad;
     std::unique_ptr<Model> m(new Model(config_));
+    if (deferred_) {
+      m->Bind(Unallocated(params_, device, dtype));
+      m->deferred_ = deferred_;
+      return m;
+    }
     m->Bind(Placed(params_, device, dtype, /*force_copy=*/true));
     return m;
   } catch (const c10::Error& e) {
@@ -157,7 +168,8 @@ Status Model::To(const at::Device& device, at::ScalarType dtype) {
   if (device == this->device() && dtype == this->dtype()) return Status::OK();
   try {
     at::NoGradGuard no_grad;
-    Bind(Placed(params_, device, dtype, /*force_copy=*/false));
+    Bind(deferred_ ? Unallocated(params_, device, dtype)
+                   : Placed(params_, device, dtype, /*force_copy=*/false));
     return Status::OK();
   } catch (const c10::Error& e) {
     return Status::Internal("Model::To: " + std::string(e.what_without_backtrace()));
@@ -195,58 +207,55 @@ StatusOr<std::unique_ptr<Model>> Model::InitRandom(const ModelConfig& config, ui
 
 StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, const at::Device& device,
                                              at::ScalarType dtype) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Model> m, LoadDeferred(dir, device, dtype));
+  RETURN_IF_ERROR(m->Materialize());
+  return m;
+}
+
+StatusOr<std::unique_ptr<Model>> Model::LoadDeferred(const std::string& dir,
+                                                     const at::Device& device,
+                                                     at::ScalarType dtype) {
   RETURN_IF_ERROR(CheckPlacement("Model::Load", dtype));
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig((fs::path(dir) / "config.json").string()));
-  ASSIGN_OR_RETURN(auto ckpt, SafetensorsCheckpoint::Open(dir));
-  const std::string index_path = (fs::path(dir) / "model.safetensors.index.json").string();
-  std::error_code ec;
-  const std::string weights_desc =
-      fs::exists(index_path, ec) ? index_path : (fs::path(dir) / "model.safetensors").string();
+  std::unique_ptr<Model> m(new Model(config));
+  const auto shapes = m->ParameterShapes();
+  ASSIGN_OR_RETURN(m->deferred_,
+                   ModelWeights::Open(dir, shapes, "config.json model_type " + config.model_type));
   try {
     at::NoGradGuard no_grad;
-    std::unique_ptr<Model> m(new Model(config));
-    auto shapes = m->ParameterShapes();
     NamedTensors params;
-    std::map<std::string, bool> expected;
+    const auto options = at::TensorOptions().device(device).dtype(dtype);
     for (const auto& [name, shape] : shapes) {
-      expected[name] = true;
-      const SafetensorInfo* info = ckpt->Find(name);
-      if (info == nullptr) {
-        return Status::NotFound(weights_desc + ": tensor '" + name + "' is missing (config.json " +
-                                "model_type " + config.model_type + ")");
-      }
-      const std::string file = ckpt->FileOf(name);
-      if (info->dtype != at::kFloat && info->dtype != at::kHalf && info->dtype != at::kBFloat16 &&
-          info->dtype != at::kDouble) {
-        return Status::InvalidArgument(
-            file + ": tensor '" + name + "': dtype " + DtypeName(info->dtype) +
-            " is not supported for weights (expected F32, F16, BF16 or F64)");
-      }
-      if (info->shape != shape) {
-        return Status::InvalidArgument(file + ": tensor '" + name + "': shape " +
-                                       ShapeString(info->shape) + " does not match " +
-                                       ShapeString(shape) + " implied by config.json");
-      }
-      ASSIGN_OR_RETURN(at::Tensor t, ckpt->Get(name));
-      params.emplace_back(name, t.to(device, dtype).contiguous());
+      params.emplace_back(name, UnallocatedTensor(shape, options));
     }
-    int unexpected = 0;
-    for (const auto& name : ckpt->Names()) {
-      if (expected.count(name) == 0) {
-        // Tied checkpoints sometimes carry lm_head.weight; old Llama ones rotary inv_freq.
-        GRPO_LOG_DEBUG("{}: ignoring unexpected tensor '{}'", dir, name);
-        ++unexpected;
-      }
-    }
-    if (unexpected > 0) GRPO_LOG_WARN("{}: ignored {} unexpected tensor(s)", dir, unexpected);
     m->Bind(std::move(params));
     return m;
   } catch (const c10::Error& e) {
-    return Status::Internal(dir + ": loading weights: " + std::string(e.what_without_backtrace()));
+    return Status::Internal(dir + ": " + std::string(e.what_without_backtrace()));
   }
 }
 
+Status Model::Materialize() {
+  if (!deferred_) return Status::OK();
+  NamedTensors params;
+  params.reserve(params_.size());
+  for (const auto& [name, p] : params_) {
+    ASSIGN_OR_RETURN(at::Tensor t, deferred_->Read(name, p.device(), p.scalar_type()));
+    params.emplace_back(name, std::move(t));
+  }
+  at::NoGradGuard no_grad;
+  Bind(std::move(params));
+  deferred_.reset();
+  return Status::OK();
+}
+
+std::shared_ptr<const ModelWeights> Model::TakeDeferredWeights() { return std::move(deferred_); }
+
 Status Model::Save(const std::string& dir, uint64_t max_shard_bytes) const {
+  if (deferred_) {
+    return Status::FailedPrecondition(dir + ": the model's weights are not read yet (they are in " +
+                                      deferred_->dir() + ")");
+  }
   return SaveWeights(dir, params_, max_shard_bytes);
 }
 
@@ -362,6 +371,10 @@ Status Model::LoadStateFrom(const NamedTensors& state) {
   }
   try {
     at::NoGradGuard no_grad;
+    if (deferred_) {  // the values come from `state`, not the files: each parameter its memory
+      for (auto& [name, p] : params_) p.set_data(at::empty(p.sizes(), p.options()));
+      deferred_.reset();
+    }
     for (auto& [name, p] : params_) p.copy_(*given.at(name));
   } catch (const c10::Error& e) {
     return Status::Internal("LoadStateFrom: " + std::string(e.what_without_backtrace()));
@@ -607,6 +620,7 @@ at::Tensor Model::LayerForward(const Layer& L, size_t li, const at::Tensor& x_in
 at::Tensor Model::Forward(const at::Tensor& ids, const at::Tensor& positions,
                           const at::Tensor& blocked, KvCache* cache,
                           bool gradient_checkpointing) const {
+  TORCH_CHECK(!deferred_, "the model's weights are not read yet (Model::LoadDeferred)");
   at::Tensor freqs = positions.to(inv_freq_.scalar_type()).unsqueeze(-1) * inv_freq_;  // [B,T,hd/2]
   at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(2);                           // [B,T,1,hd]
   at::Tensor cos = emb.cos().to(embed_.scalar_type());

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/model/model_config.h"
+#include "common/model/model_weights.h"
 #include "common/model/parameter_gate.h"
 #include "common/model/safetensors.h"
 #include "common/status.h"
@@ -47,6 +48,22 @@ class Model {
   static StatusOr<std::unique_ptr<Model>> Load(const std::string& dir,
                                                const at::Device& device = at::kCPU,
                                                at::ScalarType dtype = at::kFloat);
+  // As Load, but only config.json and the weights' names, dtypes and shapes are read now (the
+  // same errors): every parameter has its shape and no memory (UnallocatedTensor) until its
+  // values are read, by a full_shard optimizer each rank its own chunk of each unit
+  // (TakeDeferredWeights; no rank holds the whole model), or whole by Materialize. Copy and To
+  // of a deferred model make deferred ones; its forwards fail (TORCH_CHECK), and so do Save's.
+  static StatusOr<std::unique_ptr<Model>> LoadDeferred(const std::string& dir,
+                                                       const at::Device& device = at::kCPU,
+                                                       at::ScalarType dtype = at::kFloat);
+  // Whether the values are still in the files (LoadDeferred, not yet read or taken).
+  bool deferred() const { return deferred_ != nullptr; }
+  // Reads the whole model of a deferred one (each parameter converted to the model's device and
+  // dtype); nothing for a model that is not. The errors of reading; then nothing changed.
+  Status Materialize();
+  // The files a deferred model's values are in, handed to whoever fills its parameters (null
+  // when not deferred); the model is no longer deferred and its parameters stay without memory.
+  std::shared_ptr<const ModelWeights> TakeDeferredWeights();
   // Linears and embeddings ~ N(0, 0.02), norms 1, biases 0; a function of (config, seed) only:
   // drawn in fp32 on the CPU, then moved to `device` and cast to `dtype`, so every device gets
   // the same weights.
@@ -203,8 +220,9 @@ class Model {
   NamedTensors params_;
   at::Tensor embed_, final_norm_, lm_head_;  // lm_head_ is embed_ when tied
   std::vector<Layer> layers_;
-  at::Tensor inv_freq_;            // [head_dim / 2] fp32
-  ParameterGate* gate_ = nullptr;  // borrowed
+  at::Tensor inv_freq_;                           // [head_dim / 2] fp32
+  ParameterGate* gate_ = nullptr;                 // borrowed
+  std::shared_ptr<const ModelWeights> deferred_;  // LoadDeferred's files, until read or taken
 };
 
 }  // namespace grpo::common

@@ -30,4 +30,13 @@ class ParameterGate {
   virtual void TakeGradients(int unit, const std::vector<at::Tensor>& grads) = 0;
 };
 
+// A tensor of `sizes` that holds no memory: a storage of 0 bytes that keeps its allocator, as
+// a gated parameter between uses, or one whose values are not loaded yet (Model::LoadDeferred).
+// Whoever fills it gives its storage bytes first (full_shard's gate); nothing may read it before.
+inline at::Tensor UnallocatedTensor(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t = at::empty({0}, options);
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  return t;
+}
+
 }  // namespace grpo::common

@@ -593,6 +593,23 @@ StatusOr<at::Tensor> SafetensorsFile::Get(const std::string& name) const {
   }
 }
 
+StatusOr<at::Tensor> SafetensorsFile::View(const std::string& name) const {
+  const SafetensorInfo* info = Find(name);
+  if (info == nullptr) {
+    return FileError(StatusCode::kNotFound, path_, "no tensor " + Quote(name));
+  }
+  const auto options = at::TensorOptions().dtype(info->dtype);
+  const size_t itemsize = c10::elementSize(info->dtype);
+  const int64_t elements = static_cast<int64_t>((info->end - info->begin) / itemsize);
+  const uint8_t* src = data_ + info->begin;
+  if (reinterpret_cast<uintptr_t>(src) % itemsize != 0) {
+    return FileError(StatusCode::kFailedPrecondition, path_,
+                     "tensor " + Quote(name) + ": its bytes are not aligned to its dtype");
+  }
+  // The mapping is read-only (PROT_READ): the tensor must never be written.
+  return at::from_blob(const_cast<uint8_t*>(src), {elements}, options);
+}
+
 Status WriteSafetensors(const std::string& path, const NamedTensors& tensors,
                         const std::map<std::string, std::string>& metadata) {
   try {
@@ -648,6 +665,14 @@ StatusOr<at::Tensor> SafetensorsCheckpoint::Get(const std::string& name) const {
     return Status::NotFound("no tensor " + Quote(name) + " in the checkpoint");
   }
   return it->second->Get(name);
+}
+
+StatusOr<at::Tensor> SafetensorsCheckpoint::View(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) {
+    return Status::NotFound("no tensor " + Quote(name) + " in the checkpoint");
+  }
+  return it->second->View(name);
 }
 
 Status SafetensorsWriter::AddFile(const std::string& file_path, std::vector<SafetensorSpec> specs,

@@ -56,6 +56,11 @@ class SafetensorsFile {
   // A CPU tensor that owns a copy of the bytes (safe after this file is closed).
   // NotFound (naming the file and tensor) when absent.
   StatusOr<at::Tensor> Get(const std::string& name) const;
+  // The tensor's bytes where the file maps them, as a flat CPU tensor of its dtype: no copy,
+  // valid while this file is open, never to be written. Null data (a 0-element tensor) is fine.
+  // NotFound when absent; FailedPrecondition when the bytes are not aligned to the dtype's
+  // size (Get copies them then).
+  StatusOr<at::Tensor> View(const std::string& name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
  private:
@@ -86,6 +91,7 @@ class SafetensorsCheckpoint {
   std::vector<std::string> Names() const;
   const SafetensorInfo* Find(const std::string& name) const;
   StatusOr<at::Tensor> Get(const std::string& name) const;
+  StatusOr<at::Tensor> View(const std::string& name) const;
   // The file that holds `name` (for error messages); empty when absent.
   std::string FileOf(const std::string& name) const;
 

@@ -105,16 +105,27 @@ StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* 
   s->exp_avg_ = at::zeros({shard_numel}, state_opts);
   s->exp_avg_sq_ = at::zeros({shard_numel}, state_opts);
   s->backward_units_.assign(s->units_.size(), 0);
+  // Where the shards' values come from: a deferred model's files, each rank reading only its
+  // own chunk of each unit (sharded loading: no rank holds the whole model), or rank 0's
+  // weights, broadcast a unit at a time. The compute copy of a deferred model is one too.
+  const std::shared_ptr<const common::ModelWeights> files = model->TakeDeferredWeights();
+  if (compute != nullptr) (void)compute->TakeDeferredWeights();
+  RETURN_IF_ERROR(s->AgreeOnLoading(files != nullptr));
   at::NoGradGuard no_grad;
   for (int u = 0; u < static_cast<int>(s->units_.size()); ++u) {
     Unit& unit = s->units_[u];
-    // Rank 0's fp32 values of the unit, whole on every rank for a moment; each keeps its chunk.
-    std::vector<at::Tensor> flat = {s->Pack(
-        unit, [&](size_t i) { return master[i].second; }, s->weight_shard_.options())};
-    RETURN_IF_ERROR(ranks->Broadcast(
-        flat, "broadcast of rank 0's weights (" + UnitName(*gated, u) + ") for full_shard"));
-    s->weight_shard_.narrow(0, unit.shard_offset, unit.chunk)
-        .copy_(flat[0].narrow(0, ranks->rank() * unit.chunk, unit.chunk));
+    if (files != nullptr) {
+      RETURN_IF_ERROR(s->ReadChunk(unit, *files));
+    } else {
+      // Rank 0's fp32 values of the unit, whole on every rank for a moment; each keeps its
+      // chunk.
+      std::vector<at::Tensor> flat = {s->Pack(
+          unit, [&](size_t i) { return master[i].second; }, s->weight_shard_.options())};
+      RETURN_IF_ERROR(ranks->Broadcast(
+          flat, "broadcast of rank 0's weights (" + UnitName(*gated, u) + ") for full_shard"));
+      s->weight_shard_.narrow(0, unit.shard_offset, unit.chunk)
+          .copy_(flat[0].narrow(0, ranks->rank() * unit.chunk, unit.chunk));
+    }
     // The gated parameters become views of the unit's buffer (each keeps its own version
     // counter: set_data keeps the tensor's), whose storage is then freed.
     unit.flat = at::empty({unit.chunk * world}, s->params_.front().second.options());
@@ -127,13 +138,41 @@ StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* 
   if (compute != nullptr) {
     // The fp32 master's values are the shards now: its parameters keep their shapes (names and
     // shapes for checkpoints), not their memory.
-    for (auto& [name, p] : master) {
-      p.set_data(at::empty(p.sizes(), opts));
-      ResizeStorage(p, 0);
-    }
+    for (auto& [name, p] : master) p.set_data(common::UnallocatedTensor(p.sizes(), opts));
   }
   gated->SetParameterGate(s.get());
   return s;
+}
+
+Status FullShardAdamW::AgreeOnLoading(bool from_files) {
+  // Rank 0 says how it loads; a rank that loads otherwise would wait in collectives the others
+  // never make.
+  std::vector<at::Tensor> said = {at::full({1}, from_files ? 1.0 : 0.0, device_opts_)};
+  RETURN_IF_ERROR(ranks_->Broadcast(said, "broadcast of how rank 0 loads the model"));
+  if ((said[0].item<double>() != 0) != from_files) {
+    return Status::FailedPrecondition(
+        "full_shard: rank " + std::to_string(ranks_->rank()) +
+        (from_files ? " reads its shards from the model's files, but rank 0 broadcasts its weights"
+                    : " waits for rank 0's weights, but rank 0 reads its shards from the model's "
+                      "files") +
+        " (every rank must load the model the same way: model_name_or_path on each)");
+  }
+  return Status::OK();
+}
+
+Status FullShardAdamW::ReadChunk(const Unit& u, const common::ModelWeights& files) {
+  // This rank's elements of the unit's flat layout, [lo, hi): of each parameter the part that
+  // falls in it, read from the files into its place in the shard (the padding stays zero).
+  const int64_t lo = ranks_->rank() * u.chunk, hi = lo + u.chunk;
+  for (size_t k = 0; k < u.params.size(); ++k) {
+    const auto& [name, p] = params_[u.params[k]];
+    const int64_t begin = std::max(lo, u.offsets[k]);
+    const int64_t end = std::min(hi, u.offsets[k] + p.numel());
+    if (begin >= end) continue;
+    at::Tensor into = weight_shard_.narrow(0, u.shard_offset + (begin - lo), end - begin);
+    RETURN_IF_ERROR(files.ReadRange(name, begin - u.offsets[k], into));
+  }
+  return Status::OK();
 }
 
 template <typename Source>

@@ -74,7 +74,9 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   // otherwise) over `ranks` (borrowed) and sets itself as the gate of the model that computes:
   // `compute` (borrowed: `model`'s lower-precision copy, the same parameters in one floating
   // dtype) when given, else `model` (unset when destroyed, the parameters then left without
-  // values). A collective: every rank's shard is cut from rank 0's weights.
+  // values). A collective: every rank's shard is cut from rank 0's weights, or, when `model`
+  // is deferred (Model::LoadDeferred, on every rank), read by each rank from the model's files:
+  // its own chunk of each unit, the whole model nowhere (sharded loading).
   // With `offload` and the model on a GPU, the shards (fp32 master, gradient, AdamW's moments)
   // live in page-locked host memory and AdamW steps there (on the CPU `offload` changes nothing).
   static StatusOr<std::unique_ptr<FullShardAdamW>> Create(common::Model* model,
@@ -137,6 +139,12 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   // flat buffer of chunk x world_size, zero padded.
   template <typename Source>
   at::Tensor Pack(const Unit& u, Source source, const at::TensorOptions& options) const;
+  // Rank 0's way of loading (from_files: each rank reads its shards from a deferred model's
+  // files; else rank 0's weights are broadcast) told to every rank; FailedPrecondition on a rank
+  // whose own differs.
+  Status AgreeOnLoading(bool from_files);
+  // This rank's chunk of the unit read from the files into weight_shard_.
+  Status ReadChunk(const Unit& u, const common::ModelWeights& files);
   // The unit's storage back, counted as gathered.
   void Allocate(int unit);
   // This rank's chunk of the unit as its all-gather sends it.

@@ -16,6 +16,7 @@
 #include "learner/distributed/rank_group.h"
 #include "learner/distributed/trainer_rank.h"
 #include "learner/grpo_trainer.h"
+#include "learner/step_optimizer.h"
 #include "services/cli/cli.h"
 #include "services/learner_service.h"
 
@@ -50,10 +51,23 @@ StatusOr<std::string> ModelDir(const common::GrpoConfig& cfg) {
   return dir;
 }
 
+// The policy of a learner rank of `world` from model_name_or_path: deferred (Model::LoadDeferred)
+// where full_shard's gate fills its parameters, each rank then reading only its own shard of the
+// files (no rank holds the whole model: README "Know before you launch"); whole otherwise.
+// Without model_name_or_path every rank has the tiny model in memory and rank 0's is broadcast.
+StatusOr<std::unique_ptr<common::Model>> LoadPolicy(const common::GrpoConfig& cfg,
+                                                    const at::Device& device, int world) {
+  ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(cfg.fsdp));
+  if (learner::GatesParameters(fsdp, world, device)) {
+    return common::Model::LoadDeferred(cfg.model_name_or_path, device);
+  }
+  return common::Model::Load(cfg.model_name_or_path, device);
+}
+
 // The policy (and the reference when beta != 0) of a learner rank > 0. Rank 0 alone writes under
 // output_dir (the initial model, checkpoints, the ledger), so without model_name_or_path this
 // rank builds the same tiny model in memory; its weights are rank 0's after the first command.
-Status LoadTrainerRankModels(const common::GrpoConfig& cfg, const at::Device& device,
+Status LoadTrainerRankModels(const common::GrpoConfig& cfg, const at::Device& device, int world,
                              std::unique_ptr<common::Model>* policy,
                              std::unique_ptr<common::Model>* reference) {
   if (cfg.model_name_or_path.empty()) {
@@ -61,10 +75,14 @@ Status LoadTrainerRankModels(const common::GrpoConfig& cfg, const at::Device& de
     ASSIGN_OR_RETURN(*policy, common::Model::InitRandom(preset, cfg.seed));
     RETURN_IF_ERROR((*policy)->To(device, (*policy)->dtype()).WithContext("policy"));
   } else {
-    ASSIGN_OR_RETURN(*policy, common::Model::Load(cfg.model_name_or_path, device));
+    ASSIGN_OR_RETURN(*policy, LoadPolicy(cfg, device, world));
   }
-  if (cfg.beta != 0) {
-    ASSIGN_OR_RETURN(*reference, (*policy)->Copy(device, (*policy)->dtype()));
+  if (cfg.beta != 0) {  // whole on every rank
+    if ((*policy)->deferred()) {
+      ASSIGN_OR_RETURN(*reference, common::Model::Load(cfg.model_name_or_path, device));
+    } else {
+      ASSIGN_OR_RETURN(*reference, (*policy)->Copy(device, (*policy)->dtype()));
+    }
   }
   return Status::OK();
 }
@@ -76,7 +94,8 @@ int RunTrainerRank(const common::GrpoConfig& cfg, const at::Device& device,
   const std::string me = "grpo learner: rank " + std::to_string(ranks.rank()) + " of " +
                          std::to_string(ranks.world_size());
   std::unique_ptr<common::Model> policy, reference;
-  if (Status s = LoadTrainerRankModels(cfg, device, &policy, &reference); !s.ok()) {
+  if (Status s = LoadTrainerRankModels(cfg, device, ranks.world_size(), &policy, &reference);
+      !s.ok()) {
     std::cerr << me << ": " << s.ToString() << "\n";
     return 1;
   }
@@ -138,7 +157,8 @@ int RunLearner(const LearnerOptions& o) {
   fs::create_directories(cfg.output_dir, ec);
   auto model_dir = ModelDir(cfg);
   if (!model_dir.ok()) return fail(model_dir.status());
-  auto policy = common::Model::Load(*model_dir, *device);
+  auto policy = cfg.model_name_or_path.empty() ? common::Model::Load(*model_dir, *device)
+                                               : LoadPolicy(cfg, *device, rank_env->world_size);
   if (!policy.ok()) return fail(policy.status());
   std::unique_ptr<common::Model> reference;
   if (cfg.beta != 0) {

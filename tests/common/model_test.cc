@@ -651,7 +651,11 @@ Status LoadWithEditedWeights(const std::function<void(NamedTensors&)>& edit, std
   edit(tensors);
   *file = dir / "model.safetensors";
   EXPECT_TRUE(WriteSafetensors(*file, tensors).ok());
-  return Model::Load(dir.path()).status();
+  // LoadDeferred checks the same before reading a value, and says the same.
+  const Status deferred = Model::LoadDeferred(dir.path()).status();
+  const Status whole = Model::Load(dir.path()).status();
+  EXPECT_EQ(deferred.ToString(), whole.ToString());
+  return whole;
 }
 
 TEST(ModelLoadErrors, MissingTensorNamesFileAndTensor) {
@@ -776,6 +780,104 @@ TEST(ModelSaveLoad, Bf16WeightsAreWidenedToFp32) {
     EXPECT_EQ(got[i].second.scalar_type(), at::kFloat);
     EXPECT_TRUE(at::equal(got[i].second, bf16[i].second.to(at::kFloat))) << got[i].first;
   }
+}
+
+// ------------------------------------------------------------------------------------------
+// LoadDeferred (full_shard's sharded loading) and ModelWeights
+
+TEST(ModelDeferred, HoldsNoMemoryUntilMaterializedAndThenHoldsWhatLoadReads) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen3"), 24);
+  TempDir dir;
+  ASSERT_TRUE(model->Save(dir.path(), /*max_shard_bytes=*/8 * 1024).ok());
+  auto deferred = Model::LoadDeferred(dir.path());
+  ASSERT_TRUE(deferred.ok()) << deferred.status().ToString();
+  Model& m = **deferred;
+  EXPECT_TRUE(m.deferred());
+  for (const auto& [name, p] : m.NamedParameters()) {
+    EXPECT_EQ(p.storage().nbytes(), 0u) << name;
+    EXPECT_TRUE(p.is_contiguous()) << name;
+  }
+  ASSERT_EQ(m.NamedParameters().size(), model->NamedParameters().size());
+  for (size_t i = 0; i < m.NamedParameters().size(); ++i) {
+    EXPECT_EQ(m.NamedParameters()[i].second.sizes(), model->NamedParameters()[i].second.sizes());
+  }
+  // Nothing reads values that are not there: forwards refuse, Save refuses.
+  const at::Tensor ids = at::zeros({1, 3}, at::kLong), mask = at::ones({1, 3}, at::kLong);
+  EXPECT_THROW(m.ForwardHidden(ids, mask), c10::Error);
+  TempDir other;
+  EXPECT_EQ(m.Save(other.path()).code(), StatusCode::kFailedPrecondition);
+  // A copy in bf16 is deferred too, and materializes in bf16.
+  auto copy = m.Copy(at::kCPU, at::kBFloat16);
+  ASSERT_TRUE(copy.ok());
+  EXPECT_TRUE((*copy)->deferred());
+  EXPECT_EQ((*copy)->NamedParameters()[0].second.storage().nbytes(), 0u);
+  ASSERT_TRUE(m.Materialize().ok());
+  EXPECT_FALSE(m.deferred());
+  ExpectSameParameters(*model, m);
+  ASSERT_TRUE((*copy)->Materialize().ok());
+  const auto bf16 = (*copy)->NamedParameters();
+  for (size_t i = 0; i < bf16.size(); ++i) {
+    EXPECT_EQ(bf16[i].second.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(bf16[i].second, model->NamedParameters()[i].second.to(at::kBFloat16)));
+  }
+  // Values given by LoadStateFrom replace the files'.
+  auto given = Model::LoadDeferred(dir.path());
+  ASSERT_TRUE(given.ok());
+  ASSERT_TRUE((*given)->LoadStateFrom(model->NamedParameters()).ok());
+  EXPECT_FALSE((*given)->deferred());
+  ExpectSameParameters(*model, **given);
+}
+
+TEST(ModelWeights, ReadRangeReadsTheRowMajorElementsAndRefusesARangePastTheEnd) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("llama"), 25);
+  TempDir dir;
+  ASSERT_TRUE(model->Save(dir.path()).ok());
+  NamedTensors bf16;
+  for (const auto& [name, t] : model->NamedParameters())
+    bf16.emplace_back(name, t.to(at::kBFloat16));
+  ASSERT_TRUE(WriteSafetensors(dir / "model.safetensors", bf16).ok());
+  ModelWeights::Shapes shapes;
+  for (const auto& [name, t] : bf16) shapes.push_back({name, t.sizes().vec()});
+  auto weights = ModelWeights::Open(dir.path(), shapes, "test");
+  ASSERT_TRUE(weights.ok()) << weights.status().ToString();
+  const auto& [name, t] = bf16[1];  // a 2-D projection
+  const at::Tensor flat = t.reshape({-1}).to(at::kFloat);
+  for (const auto& [first, count] : std::vector<std::pair<int64_t, int64_t>>{
+           {0, 1}, {3, 17}, {flat.numel() - 5, 5}, {0, flat.numel()}, {7, 0}}) {
+    at::Tensor out = at::full({count}, -1.0f);
+    ASSERT_TRUE((*weights)->ReadRange(name, first, out).ok()) << first << " " << count;
+    EXPECT_TRUE(at::equal(out, flat.narrow(0, first, count))) << first << " " << count;
+  }
+  at::Tensor past = at::empty({6});
+  EXPECT_EQ((*weights)->ReadRange(name, flat.numel() - 5, past).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ((*weights)->ReadRange(name, -1, past).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*weights)->ReadRange("no.such.weight", 0, past).code(), StatusCode::kNotFound);
+}
+
+// A file whose data does not start at a multiple of 4 bytes (a header of odd length, which the
+// format allows): its F32 tensors cannot be viewed in place, and are read through a copy.
+TEST(ModelWeights, ReadsATensorWhoseBytesAreNotAligned) {
+  TempDir dir;
+  const std::vector<float> values = {1.5f, -2.0f, 3.25f};
+  const std::string header = R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}})";
+  ASSERT_NE((8 + header.size()) % 4, 0u);
+  {
+    std::ofstream f(dir / "model.safetensors", std::ios::binary);
+    const uint64_t n = header.size();
+    f.write(reinterpret_cast<const char*>(&n), 8);
+    f << header;
+    f.write(reinterpret_cast<const char*>(values.data()), 12);
+  }
+  auto file = SafetensorsFile::Open(dir / "model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  EXPECT_EQ((*file)->View("w").status().code(), StatusCode::kFailedPrecondition);
+  auto weights = ModelWeights::Open(dir.path(), {{"w", {3}}}, "test");
+  ASSERT_TRUE(weights.ok()) << weights.status().ToString();
+  at::Tensor out = at::empty({2});
+  ASSERT_TRUE((*weights)->ReadRange("w", 1, out).ok());
+  EXPECT_EQ(out[0].item<float>(), -2.0f);
+  EXPECT_EQ(out[1].item<float>(), 3.25f);
 }
 
 // ------------------------------------------------------------------------------------------

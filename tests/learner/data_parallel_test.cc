@@ -119,9 +119,14 @@ struct RunResult {
 
 // Trains the batches and flushes, as rank `ranks->rank()` (or alone when null); with a
 // reference model (its own random weights) when cfg.beta != 0.
-RunResult Train(const common::GrpoConfig& cfg, Collectives* ranks) {
+RunResult Train(const common::GrpoConfig& cfg, Collectives* ranks,
+                const std::function<std::unique_ptr<common::Model>()>& make_model = TinyModel) {
   RunResult out;
-  auto model = TinyModel();
+  auto model = make_model();
+  if (model == nullptr) {
+    out.error = "no model";
+    return out;
+  }
   std::unique_ptr<common::Model> reference;
   if (cfg.beta != 0) {
     auto ref = common::Model::InitRandom(model->config(), 8);
@@ -161,13 +166,14 @@ RunResult Train(const common::GrpoConfig& cfg, Collectives* ranks) {
 }
 
 // Train on `world` thread ranks over a fake group, rank r with config(r).
-std::vector<RunResult> TrainOnRanks(int world,
-                                    const std::function<common::GrpoConfig(int rank)>& config) {
+std::vector<RunResult> TrainOnRanks(
+    int world, const std::function<common::GrpoConfig(int rank)>& config,
+    const std::function<std::unique_ptr<common::Model>()>& make_model = TinyModel) {
   FakeRankGroup group(world, std::chrono::seconds(60));
   std::vector<RunResult> results(world);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] { results[r] = Train(config(r), &group.Rank(r)); });
+    threads.emplace_back([&, r] { results[r] = Train(config(r), &group.Rank(r), make_model); });
   }
   for (auto& t : threads) t.join();
   return results;
@@ -289,6 +295,95 @@ INSTANTIATE_TEST_SUITE_P(Bf16, DataParallelFullShard,
                          ::testing::Combine(::testing::Values("dapo", "grpo"),
                                             ::testing::Values(2, 4), ::testing::Bool(),
                                             ::testing::Values(true)));
+
+// Sharded loading (Model::LoadDeferred): each rank reads only its own chunk of each unit from
+// the model's files and takes the steps of one rank that read the whole model (Model::Load)
+// from the same files. The files hold BF16 (each value converted to fp32 as it is read) in
+// several shards (model.safetensors.index.json); the model tied and untied; at 4 ranks the
+// chunks of units that 4 does not divide end in padding, which must stay zero.
+class DataParallelShardedLoading : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {
+};  // world, tied, bf16
+
+TEST_P(DataParallelShardedLoading, EachRankReadsItsShardAndTakesTheWholeModelsSteps) {
+  const auto [world, tied, bf16] = GetParam();
+  namespace fs = std::filesystem;
+  auto preset = common::ModelConfigPreset("tiny");
+  ASSERT_TRUE(preset.ok());
+  common::ModelConfig mc = *preset;
+  mc.tie_word_embeddings = tied;
+  const fs::path dir =
+      fs::temp_directory_path() / ("grpo_dp_sharded_loading_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  {
+    auto m = common::Model::InitRandom(mc, 7);
+    ASSERT_TRUE(m.ok());
+    ASSERT_TRUE((*m)->Save(dir.string()).ok());  // config.json; the fp32 weights are replaced
+    fs::remove(dir / "model.safetensors");
+    common::NamedTensors half;
+    for (const auto& [name, p] : (*m)->NamedParameters()) {
+      half.emplace_back(name, p.to(at::kBFloat16));
+    }
+    ASSERT_TRUE(common::WriteSafetensorsCheckpoint(dir.string(), half, 64 << 10).ok());
+  }
+  ASSERT_TRUE(fs::exists(dir / "model.safetensors.index.json"));
+  const auto load = [&](bool deferred) -> std::unique_ptr<common::Model> {
+    auto m =
+        deferred ? common::Model::LoadDeferred(dir.string()) : common::Model::Load(dir.string());
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    if (!m.ok()) return nullptr;
+    EXPECT_EQ((*m)->deferred(), deferred);
+    return std::move(m).value();
+  };
+  common::GrpoConfig one = RankConfig("dapo", 1);
+  one.bf16 = bf16;
+  const RunResult single = Train(one, nullptr, [&] { return load(false); });
+  ASSERT_TRUE(single.error.empty()) << single.error;
+  ASSERT_EQ(single.steps.size(), 7u);
+  const std::vector<RunResult> results = TrainOnRanks(
+      world,
+      [&](int) {
+        common::GrpoConfig cfg = RankConfig("dapo", world, "full_shard");
+        cfg.bf16 = bf16;
+        return cfg;
+      },
+      [&] { return load(true); });
+  for (int r = 0; r < world; ++r) ExpectSameAsSingleRank(results[r], single, r);
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldsAndPrecisions, DataParallelShardedLoading,
+                         ::testing::Combine(::testing::Values(2, 4), ::testing::Bool(),
+                                            ::testing::Bool()));
+
+// A deferred model read by an optimizer that does not shard the parameters (no_shard,
+// shard_grad_op, one rank) is read whole, and trains as the model Load read.
+TEST(DataParallelShardedLoading, OtherModesReadTheWholeModel) {
+  namespace fs = std::filesystem;
+  auto preset = common::ModelConfigPreset("tiny");
+  ASSERT_TRUE(preset.ok());
+  const fs::path dir =
+      fs::temp_directory_path() / ("grpo_dp_whole_loading_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  {
+    auto m = common::Model::InitRandom(*preset, 7);
+    ASSERT_TRUE(m.ok());
+    ASSERT_TRUE((*m)->Save(dir.string()).ok());
+  }
+  const RunResult single = Train(RankConfig("dapo", 1), nullptr);  // TinyModel: the same weights
+  ASSERT_TRUE(single.error.empty()) << single.error;
+  const auto deferred = [&]() -> std::unique_ptr<common::Model> {
+    auto m = common::Model::LoadDeferred(dir.string());
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    return m.ok() ? std::move(m).value() : nullptr;
+  };
+  ExpectSameAsSingleRank(Train(RankConfig("dapo", 1, "full_shard"), nullptr, deferred), single, 0);
+  for (const char* fsdp : {"no_shard", "shard_grad_op"}) {
+    const std::vector<RunResult> results = TrainOnRanks(
+        2, [&](int) { return RankConfig("dapo", 2, fsdp); }, deferred);
+    for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(results[r], single, r);
+  }
+  fs::remove_all(dir);
+}
 
 // ZeRO-3's model state: after the steps each rank holds, of the parameters, only its fp32 chunk
 // of every unit: 4 x sum over units of ceil(unit / W) bytes (the tiny model's units: the tied
