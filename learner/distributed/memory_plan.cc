@@ -201,16 +201,19 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     // reduce-scatter.
     p.gathered_layer = s * p.params.largest_unit;
   }
-  // Loading (full_shard as built: Model::Load, GrpoTrainer::Create, FullShardAdamW::Create):
-  // every rank loads the whole fp32 model on its device (and with bf16 makes the compute copy)
-  // before the shards are cut from it a unit at a time: the unit packed in fp32 for its
-  // broadcast (on the host with offload) and the unit's buffer its parameters become views of.
-  // Measured to the byte in memory_plan_test (MemoryPlanRanks, short rows). Every rank holds
-  // the whole model for a while, whatever the world size: a model larger than one device does
-  // not start (README "Know before you launch").
-  if (gathers) {
-    p.load = 4 * n + (cfg.bf16 ? 2 * n : 0) + (offload ? 0 : 4 * p.params.largest_unit) +
-             s * p.params.largest_unit;
+  // Loading (full_shard as built: GrpoTrainer::Create, FullShardAdamW::Create), a phase of its
+  // own. From model_name_or_path (sharded loading, Model::LoadDeferred): each rank reads only
+  // its chunk of each unit from the files straight into its shard, and holds beside the shards
+  // one unit's buffer in the compute dtype, which the unit's parameters become views of before
+  // it is freed. A model built in memory (no model_name_or_path: the tiny preset, the benches)
+  // is whole on every rank (fp32, and with bf16 its compute copy) until the shards are cut from
+  // rank 0's, broadcast a unit at a time: the unit packed in fp32 (on the host with offload),
+  // freed before that buffer is made. Both measured in memory_plan_test (MemoryPlanRanks).
+  p.sharded_loading = gathers && !cfg.model_name_or_path.empty();
+  if (p.sharded_loading) {
+    p.load = s * p.params.largest_unit;
+  } else if (gathers) {
+    p.load = 4 * n + (cfg.bf16 ? 2 * n : 0) + (offload ? s : 4) * p.params.largest_unit;
   }
   // Streaming the weights from full_shard (StreamWeights) gathers one unit at a time in fp32.
   if (cfg.weight_publish == "stream" && gathers) {
@@ -392,6 +395,7 @@ nlohmann::json MemoryPlan::ToJson() const {
   c["gathered_layer"] = gathered_layer;
   c["finish_backward"] = finish_backward;
   c["load"] = load;
+  j["sharded_loading"] = sharded_loading;
   c["publish_unit"] = publish_unit;
   c["reference_model"] = reference_model;
   j["weight_publish"] = streams_weights ? "stream" : "snapshot";
@@ -689,7 +693,9 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
   row("peak: max(activations + max(LM head, layer), after)", p.MicroBatchPeak());
   o << "other phases and the service\n";
   row("optimizer step (all-reduce bucket, fp64 norm, AdamW temps)", p.optimizer_step);
-  row("loading: the whole model beside the shards (full_shard)", p.load);
+  row(p.sharded_loading ? "loading: one unit's buffer (full_shard, sharded loading)"
+                        : "loading: the whole model beside the shards (full_shard)",
+      p.load);
   row(p.streams_weights ? "published weights here (weight_publish stream: none kept)"
                         : "published weights here (fp32; 2x while publishing)",
       p.weight_snapshot);

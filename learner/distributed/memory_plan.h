@@ -95,10 +95,12 @@ struct MemoryPlan {
   // full_shard: after the backward (no activations), the head's unit, the [V, D] .grad(s) of
   // the units autograd accumulates and the fp32 flat one is packed into.
   int64_t finish_backward = 0;
-  // full_shard: loading, before the first step (a phase of its own): the whole fp32 model as
-  // loaded on every rank, the bf16 compute copy with bf16, and one unit packed for its
-  // broadcast beside its buffer, while the shards are cut.
+  // full_shard: loading, before the first step (a phase of its own). With sharded_loading
+  // (model_name_or_path given: each rank reads its own chunks from the files) one unit's buffer;
+  // otherwise (a model built in memory) the whole fp32 model on every rank, the bf16 compute
+  // copy with bf16, and one unit packed for its broadcast beside its buffer.
   int64_t load = 0;
+  bool sharded_loading = false;
   // The optimizer step: the gradient all-reduce's bucket at several no_shard ranks, then the
   // grad-norm clip in fp64 and AdamW's temporaries, one tensor at a time; never at the same time
   // as a micro-batch.

@@ -59,6 +59,8 @@ StatusOr<std::unique_ptr<common::Model>> LoadPolicy(const common::GrpoConfig& cf
                                                     const at::Device& device, int world) {
   ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(cfg.fsdp));
   if (learner::GatesParameters(fsdp, world, device)) {
+    GRPO_LOG_INFO("learner: sharded loading: this rank reads only its shards of {}",
+                  cfg.model_name_or_path);
     return common::Model::LoadDeferred(cfg.model_name_or_path, device);
   }
   return common::Model::Load(cfg.model_name_or_path, device);

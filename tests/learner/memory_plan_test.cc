@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
@@ -30,6 +31,7 @@
 namespace grpo::learner::distributed {
 namespace {
 
+namespace fs = std::filesystem;
 using common::ModelConfig;
 
 ModelConfig Config(std::string type, int64_t v, int64_t d, int64_t i, int64_t layers, int64_t heads,
@@ -555,6 +557,7 @@ TEST(MemoryPlan7B, AStreamingLearnerHoldsNoPublishedWeights) {
   cfg.num_generations = 2;
   cfg.steps_per_generation = 2;
   cfg.fsdp = "full_shard";
+  cfg.model_name_or_path = "/models/Qwen2.5-7B";  // each rank reads its shards (sharded loading)
   const int64_t n = 7'615'616'512ll;
   auto snapshot = PlanMemory(Qwen25_7B(), cfg, 64, "cpu");
   cfg.weight_publish = "stream";
@@ -563,19 +566,33 @@ TEST(MemoryPlan7B, AStreamingLearnerHoldsNoPublishedWeights) {
   EXPECT_EQ(snapshot->weight_snapshot, 4 * n);
   EXPECT_EQ(streamed->weight_snapshot, 0);
   EXPECT_TRUE(streamed->streams_weights);
-  // The snapshot held, 4n; the second one, made while the first is held, is a phase, and here
-  // loading is the larger phase: every rank loads the whole fp32 model and makes its bf16 copy
-  // before it keeps its shard (4n + 2n = 42.6 GiB, and the [V, D] head unit packed in fp32 and
-  // in bf16, 6 x 152,064 x 3,584 = 3.0 GiB: 45.6 GiB).
-  EXPECT_EQ(streamed->load, 6 * n + 6 * 152064ll * 3584);
-  EXPECT_EQ(snapshot->Total() - streamed->Total(), 4 * n);
-  // At 64 ranks a rank's model state is 16 x 7.6 G / 64 = 1.9 GB; with the load phase, the
-  // bucket and the process, 47.8 GiB streamed, 76.1 GiB with the snapshot: 64 GiB fits only
-  // streaming.
-  EXPECT_NEAR(streamed->Total() / double(1ll << 30), 47.76, 0.01);
-  EXPECT_NEAR(snapshot->Total() / double(1ll << 30), 76.14, 0.01);
-  EXPECT_FALSE(snapshot->Fits(64ll << 30)) << FormatPlan(*snapshot, 64ll << 30);
-  EXPECT_TRUE(streamed->Fits(64ll << 30)) << FormatPlan(*streamed, 64ll << 30);
+  // Loading holds one unit's bf16 buffer beside the shards: the [V, D] embedding,
+  // 2 x 152,064 x 3,584 bytes (1.02 GiB).
+  EXPECT_TRUE(streamed->sharded_loading);
+  EXPECT_EQ(streamed->load, 2 * 152064ll * 3584);
+  // Streamed, the largest phase is the micro-batch; with the snapshot, the snapshot held (4n)
+  // and the second one made while it is held (a phase of 4n, the largest).
+  const int64_t rest = streamed->weight_sync_bucket + streamed->runtime;
+  EXPECT_GT(streamed->MicroBatchPeak(), std::max(streamed->load, streamed->publish_unit));
+  EXPECT_EQ(streamed->Total(), streamed->ModelState() + rest + streamed->MicroBatchPeak());
+  EXPECT_EQ(snapshot->Total(), snapshot->ModelState() + rest + 4 * n + 4 * n);
+  // At 64 ranks a rank's model state is 16 x 7.6 G / 64 = 1.9 GB (1.77 GiB); with the
+  // micro-batch (5.2 GiB), the bucket and the process (0.39), 7.4 GiB streamed; with the two
+  // snapshots (8n = 56.74 GiB) 58.9: 16 GiB fits only streaming.
+  EXPECT_NEAR(streamed->Total() / double(1ll << 30), 7.38, 0.01);
+  EXPECT_NEAR(snapshot->Total() / double(1ll << 30), 58.90, 0.01);
+  EXPECT_FALSE(snapshot->Fits(16ll << 30)) << FormatPlan(*snapshot, 16ll << 30);
+  EXPECT_TRUE(streamed->Fits(16ll << 30)) << FormatPlan(*streamed, 16ll << 30);
+  // A model built in memory (no model_name_or_path) is whole on every rank while the shards are
+  // cut from rank 0's: the fp32 model and its bf16 copy (6n = 42.6 GiB) and the [V, D] unit
+  // packed in fp32 (2.03 GiB): 44.6 GiB, the largest phase.
+  common::GrpoConfig in_memory_cfg = cfg;
+  in_memory_cfg.model_name_or_path.clear();
+  auto in_memory = PlanMemory(Qwen25_7B(), in_memory_cfg, 64, "cpu");
+  ASSERT_TRUE(in_memory.ok());
+  EXPECT_FALSE(in_memory->sharded_loading);
+  EXPECT_EQ(in_memory->load, 6 * n + 4 * 152064ll * 3584);
+  EXPECT_EQ(in_memory->Total(), streamed->Total() - streamed->MicroBatchPeak() + in_memory->load);
   EXPECT_NE(FormatPlan(*streamed, 0).find("weight_publish stream"), std::string::npos);
 
   cfg.weight_sync_backend = "auto";
@@ -739,9 +756,9 @@ TEST(SuggestFix, BuiltOnlyNeverSuggestsWhatTheTrainerRefuses) {
   // With 112 GiB the offloaded state alone (16n = 113 GiB) does not fit the host; over 2 ranks
   // it does (56.7 GiB, with one unit's step temporaries 2.03, a streamed tensor 2.03, the
   // process and a bucket: 61.2), and the GPU holds the 68.29 above. full_shard at 2 ranks
-  // without offload no longer fits: its state 56.7 GiB beside the load phase (every rank loads
-  // the whole fp32 model and its bf16 copy, 42.6 GiB, and packs the [V, D] unit: 45.6) is
-  // 102.3 GiB.
+  // without offload does not fit: its state 56.7 GiB beside the load phase of a model built in
+  // memory (`big` names no model_name_or_path: every rank holds the whole fp32 model and its
+  // bf16 copy, 42.6 GiB, and packs the [V, D] unit in fp32: 44.6) is 101.3 GiB.
   SuggestOptions host112 = built;
   host112.host_bytes = 112ll << 30;
   auto zero3 = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, host112);
@@ -750,13 +767,39 @@ TEST(SuggestFix, BuiltOnlyNeverSuggestsWhatTheTrainerRefuses) {
             "set weight_publish: stream, fsdp: full_shard offload and run 2 ranks (world_size 2)");
   EXPECT_NEAR(zero3->plan.Total() / double(1ll << 30), 68.29, 0.01);
   EXPECT_LE(zero3->plan.HostTotal(), 112ll << 30);
-  // On 40 GiB nothing built fits: offloaded, every rank still loads the whole fp32 model and
-  // its bf16 copy on the GPU (6n = 42.6 GiB) with the [V, D] unit's bf16 buffer (1.0 GiB) and
-  // CUDA (1.0): 44.6 GiB, whatever the world size.
+  // On 40 GiB nothing built fits a model built in memory: offloaded, every rank still holds
+  // the whole fp32 model and its bf16 copy on the GPU (6n = 42.6 GiB) with the [V, D] unit's
+  // bf16 buffer (1.0 GiB) and CUDA (1.0): 44.6 GiB, whatever the world size. Read from its
+  // files a shard a rank, it fits (SuggestFix.ShardedLoadingFitsA7BOnOne40GiBGpu).
   auto at40 = SuggestFix(Qwen25_7B(), big, 1, "cuda", 40ll << 30, built);
   EXPECT_EQ(at40.status().code(), StatusCode::kNotFound);
   EXPECT_NE(at40.status().message().find("a rank still needs 44.6 GiB"), std::string::npos)
       << at40.status().ToString();
+}
+
+// The 7B in bf16 read from its files (model_name_or_path: sharded loading) on one 40 GiB GPU:
+// full_shard offload with checkpointing fits. Offloaded, the GPU holds no model state; loading
+// holds one unit's bf16 buffer (the [V, D] embedding, 2VD = 1.02 GiB), less than the
+// micro-batch's peak with its gathered units; with CUDA's 1 GiB and no weight-sync bucket on the
+// GPU the rank needs 10.3 GiB. The model built in memory needed 44.6 (above).
+TEST(SuggestFix, ShardedLoadingFitsA7BOnOne40GiBGpu) {
+  common::GrpoConfig cfg;
+  cfg.bf16 = true;
+  cfg.model_name_or_path = "/models/Qwen2.5-7B";
+  SuggestOptions built;
+  built.built_only = true;
+  auto fix = SuggestFix(Qwen25_7B(), cfg, 1, "cuda", 40ll << 30, built);
+  ASSERT_TRUE(fix.ok()) << fix.status().ToString();
+  EXPECT_EQ(fix->Text(), "set gradient_checkpointing: true and fsdp: full_shard offload");
+  const MemoryPlan& p = fix->plan;
+  EXPECT_TRUE(p.sharded_loading);
+  EXPECT_EQ(p.load, 2 * 152064ll * 3584);
+  EXPECT_EQ(p.ModelState(), 0);
+  EXPECT_GT(p.MicroBatchPeak(), p.load);
+  EXPECT_EQ(p.Total(), p.runtime + p.weight_sync_bucket + p.weight_snapshot +
+                           std::max({p.MicroBatchPeak(), p.optimizer_step, p.weight_snapshot,
+                                     p.publish_unit}));
+  EXPECT_NEAR(p.Total() / double(1ll << 30), 10.3, 0.05);
 }
 
 TEST(CheckFitsDevice, RefusesNamingTheKnob) {
@@ -963,6 +1006,9 @@ struct RanksCase {
   // rank's count there depends on the other thread's timing (FakeRankGroup's reduce-scatter
   // shares the ranks' buffers: 0-16 MiB more here), which processes do not share.
   bool short_rows = false;
+  // full_shard: the model built in memory on every rank (rank 0's broadcast) rather than read
+  // from its files a shard a rank (model_name_or_path, Model::LoadDeferred).
+  bool in_memory = false;
 };
 
 class MemoryPlanRanks : public ::testing::TestWithParam<RanksCase> {};
@@ -977,7 +1023,20 @@ TEST_P(MemoryPlanRanks, EachPhaseBoundsEveryRanksLiveBytesWithin7Percent) {
   if (k.short_rows) cfg.max_prompt_length = cfg.max_completion_length = 4;
   ModelConfig mc = Bench();
   mc.tie_word_embeddings = k.tied;
+  // full_shard reads the model from its files, each rank its shards, as `grpo learner` does
+  // with model_name_or_path; the other modes and `in_memory` build it on every rank.
+  const bool from_files = std::string(k.fsdp) == "full_shard" && !k.in_memory;
+  const fs::path dir =
+      fs::temp_directory_path() / ("grpo_plan_ranks_" + std::to_string(::getpid()) + "_" + k.fsdp);
+  if (from_files) {
+    fs::remove_all(dir);
+    auto saved = common::Model::InitRandom(mc, 2);
+    ASSERT_TRUE(saved.ok());
+    ASSERT_TRUE((*saved)->Save(dir.string()).ok());
+    cfg.model_name_or_path = dir.string();
+  }
   auto plan = PlanMemory(mc, cfg, k.world, "cpu");
+  EXPECT_EQ(plan->sharded_loading, from_files);
   ASSERT_TRUE(plan.ok()) << plan.status().ToString();
   // Two micro-batches of 4 rows on every rank: the second runs with every .grad allocated.
   const auto groups = MeasuredGroups(cfg, mc.vocab_size, 2 * k.world);
@@ -989,7 +1048,8 @@ TEST_P(MemoryPlanRanks, EachPhaseBoundsEveryRanksLiveBytesWithin7Percent) {
   for (int r = 0; r < k.world; ++r) {
     ranks.emplace_back([&, r] {
       common::ThreadCount count;
-      auto model = common::Model::InitRandom(mc, 2);
+      auto model =
+          from_files ? common::Model::LoadDeferred(dir.string()) : common::Model::InitRandom(mc, 2);
       if (!model.ok()) {
         errors[r] = model.status().ToString();
         return;
@@ -1011,6 +1071,7 @@ TEST_P(MemoryPlanRanks, EachPhaseBoundsEveryRanksLiveBytesWithin7Percent) {
   }
   for (auto& t : ranks) t.join();
   at::set_num_threads(threads);
+  if (from_files) fs::remove_all(dir);
   // What the plan leaves out: scalars, ids, a generator's state (a few hundred bytes here).
   constexpr int64_t kSmall = 64 << 10;
   const int64_t state = plan->ModelState();
@@ -1050,11 +1111,14 @@ INSTANTIATE_TEST_SUITE_P(
         RanksCase{"no_shard", false, 2, false}, RanksCase{"shard_grad_op", false, 2, false},
         RanksCase{"full_shard", false, 2, false}, RanksCase{"full_shard", true, 2, false},
         RanksCase{"full_shard", false, 2, false, true},
-        RanksCase{"full_shard", false, 2, true, true}),
+        RanksCase{"full_shard", false, 2, true, true},
+        RanksCase{"full_shard", false, 2, true, true, /*in_memory=*/true},
+        RanksCase{"full_shard", false, 2, false, false, /*in_memory=*/true}),
     [](const auto& info) {
       const RanksCase& k = info.param;
       return std::string(k.fsdp) + (k.bf16 ? "_bf16" : "") + "_" + std::to_string(k.world) +
-             (k.tied ? "_tied" : "_untied") + (k.short_rows ? "_short" : "");
+             (k.tied ? "_tied" : "_untied") + (k.short_rows ? "_short" : "") +
+             (k.in_memory ? "_in_memory" : "");
     });
 
 }  // namespace
