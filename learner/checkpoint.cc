@@ -354,20 +354,31 @@ std::vector<std::string> PruneCheckpoints(const std::string& output_dir, int64_t
 
 Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
   RETURN_IF_ERROR(VerifyCheckpoint(dir));
-  ASSIGN_OR_RETURN(auto weights, common::SafetensorsCheckpoint::Open(dir));
-  common::NamedTensors state;
-  for (const auto& name : weights->Names()) {
-    ASSIGN_OR_RETURN(at::Tensor t, weights->Get(name));
-    state.emplace_back(name, t);
-  }
   // Tied models store no lm_head.weight; LoadStateFrom wants exactly the live names.
   common::NamedTensors live = trainer.policy().NamedParameters();
   common::NamedTensors ordered;
-  for (const auto& [name, p] : live) {
-    auto it =
-        std::find_if(state.begin(), state.end(), [&](const auto& kv) { return kv.first == name; });
-    if (it == state.end()) return Status::DataLoss(dir + ": model.safetensors lacks " + name);
-    ordered.emplace_back(name, it->second);
+  // Sharded parameters (full_shard): the files are checked here and each rank reads only its own
+  // shard of them (this one now, the others in SyncFromRankZero); never whole on rank 0.
+  std::shared_ptr<const common::ModelWeights> files;
+  if (trainer.optimizer().ShardsParameters()) {
+    common::ModelWeights::Shapes shapes;
+    for (const auto& [name, p] : live) shapes.push_back({name, p.sizes().vec()});
+    auto opened = common::ModelWeights::Open(dir, shapes, "a checkpoint of this model");
+    if (!opened.ok()) return Status::DataLoss(dir + ": " + opened.status().ToString());
+    files = std::move(opened).value();
+  } else {
+    ASSIGN_OR_RETURN(auto weights, common::SafetensorsCheckpoint::Open(dir));
+    common::NamedTensors state;
+    for (const auto& name : weights->Names()) {
+      ASSIGN_OR_RETURN(at::Tensor t, weights->Get(name));
+      state.emplace_back(name, t);
+    }
+    for (const auto& [name, p] : live) {
+      auto it = std::find_if(state.begin(), state.end(),
+                             [&](const auto& kv) { return kv.first == name; });
+      if (it == state.end()) return Status::DataLoss(dir + ": model.safetensors lacks " + name);
+      ordered.emplace_back(name, it->second);
+    }
   }
   // The AdamW state: whole (optimizer.safetensors), or per-rank shards of any world size. An
   // optimizer that holds it whole assembles it; a sharded one (several ranks) reads only its
@@ -403,9 +414,14 @@ Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
   }
   ASSIGN_OR_RETURN(at::Tensor rng, Unhex(ts["cpu_rng_state"].get<std::string>()));
   // Everything read and checked; now change state.
-  RETURN_IF_ERROR((trainer.optimizer().ShardsParameters() ? trainer.optimizer().LoadWeights(ordered)
-                                                          : trainer.policy().LoadStateFrom(ordered))
-                      .WithContext(dir));
+  if (files != nullptr) {
+    ASSIGN_OR_RETURN(std::string fingerprint, common::Sha256File((fs::path(dir) / kSums).string()));
+    RETURN_IF_ERROR(trainer.optimizer()
+                        .LoadWeightsFrom({std::move(files), kSums, std::move(fingerprint)})
+                        .WithContext(dir));
+  } else {
+    RETURN_IF_ERROR(trainer.policy().LoadStateFrom(ordered).WithContext(dir));
+  }
   if (shards_pending) {
     trainer.optimizer().pending_state_shards = dir;
   } else {

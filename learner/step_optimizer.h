@@ -118,6 +118,19 @@ class StepOptimizer {
     (void)weights;
     return Status::Unimplemented("LoadWeights: the parameters are not sharded");
   }
+  // Sharded only (Unimplemented otherwise), no collective: this rank's shard of the weights in
+  // `files` (a checkpoint's, checked against the parameters), read from them, never whole. Rank 0
+  // keeps `files` until SyncFromRankZero has every rank that sees the same checkpoint (the
+  // SHA-256 of `dir/fingerprint_file` is `fingerprint`) read its own there; the others get theirs
+  // from rank 0, which then reads the weights whole.
+  struct WeightFiles {
+    std::shared_ptr<const common::ModelWeights> files;
+    std::string fingerprint_file, fingerprint;
+  };
+  virtual Status LoadWeightsFrom(WeightFiles files) {
+    (void)files;
+    return Status::Unimplemented("LoadWeightsFrom: the parameters are not sharded");
+  }
 
   // --- Per-rank checkpoint shards of a sharded AdamW state (distributed/state_shards.h).
   // A run of one parameter's flattened elements whose AdamW moments this rank holds.

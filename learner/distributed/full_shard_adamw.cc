@@ -5,13 +5,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <unordered_map>
 #include <utility>
 
+#include "common/logging.h"
+#include "common/sha256.h"
 #include "learner/distributed/shard_norm.h"
 
 namespace grpo::learner::distributed {
+
+std::function<bool(int rank)> TEST_weight_files_probe;
+
 namespace {
 
 // Gives the storage behind `t` `bytes` bytes (fresh, uninitialised), or frees it with 0: the
@@ -532,13 +538,96 @@ Status FullShardAdamW::LoadWeights(const common::NamedTensors& weights) {
   return Status::OK();
 }
 
+Status FullShardAdamW::LoadWeightsFrom(WeightFiles files) {
+  if (files.files == nullptr) return Status::InvalidArgument("LoadWeightsFrom: no files");
+  at::NoGradGuard no_grad;
+  for (const Unit& u : units_) RETURN_IF_ERROR(ReadChunk(u, *files.files));
+  if (ranks_->rank() == 0 && ranks_->world_size() > 1) {
+    pending_weights_.clear();
+    pending_files_ = std::move(files);
+  }
+  return Status::OK();
+}
+
+Status FullShardAdamW::HandOutWeightFiles(const std::string& what) {
+  const bool root = ranks_->rank() == 0;
+  // The checkpoint's directory, the file that fingerprints it and the fingerprint, as one string.
+  std::string said;
+  if (root) {
+    said = pending_files_.files->dir() + '\n' + pending_files_.fingerprint_file + '\n' +
+           pending_files_.fingerprint;
+  }
+  std::vector<at::Tensor> head = {
+      at::tensor(std::vector<int64_t>{static_cast<int64_t>(said.size())}, at::kLong)};
+  RETURN_IF_ERROR(ranks_->Broadcast(head, what + " (the checkpoint's name)"));
+  std::vector<at::Tensor> bytes = {at::zeros({head[0].item<int64_t>()}, at::kByte)};
+  if (root) std::memcpy(bytes[0].data_ptr<uint8_t>(), said.data(), said.size());
+  RETURN_IF_ERROR(ranks_->Broadcast(bytes, what + " (the checkpoint's name)"));
+  said.assign(reinterpret_cast<const char*>(bytes[0].data_ptr<uint8_t>()), bytes[0].numel());
+  // Every other rank reads its chunks where it sees the same checkpoint (the same fingerprint),
+  // a shared output_dir; a rank on another machine without one does not.
+  Status mine = Status::OK();
+  if (!root) {
+    mine = [&]() -> Status {
+      const size_t a = said.find('\n'), b = said.find('\n', a + 1);
+      if (a == std::string::npos || b == std::string::npos) {
+        return Status::Internal("malformed checkpoint name from rank 0");
+      }
+      const std::string dir = said.substr(0, a), file = said.substr(a + 1, b - a - 1);
+      ASSIGN_OR_RETURN(const std::string sum, common::Sha256File(dir + "/" + file));
+      if (sum != said.substr(b + 1) ||
+          (TEST_weight_files_probe && !TEST_weight_files_probe(ranks_->rank()))) {
+        return Status::NotFound(dir + " is not the checkpoint rank 0 restored");
+      }
+      common::ModelWeights::Shapes shapes;
+      for (const auto& [name, p] : params_) shapes.push_back({name, p.sizes().vec()});
+      ASSIGN_OR_RETURN(auto files, common::ModelWeights::Open(dir, shapes, "a checkpoint"));
+      for (const Unit& u : units_) RETURN_IF_ERROR(ReadChunk(u, *files));
+      return Status::OK();
+    }();
+  }
+  std::vector<at::Tensor> blind = {at::full({1}, mine.ok() ? 0.0 : 1.0, device_opts_)};
+  RETURN_IF_ERROR(ranks_->AllReduceSum(blind, what + " (who read its shard)"));
+  const int64_t missed = static_cast<int64_t>(blind[0].item<double>());
+  WeightFiles files = std::move(pending_files_);
+  pending_files_ = WeightFiles{};
+  if (missed == 0) return Status::OK();
+  // Rank 0's weights, whole, a unit at a time (each rank keeps its chunk), as after LoadWeights.
+  if (root) {
+    GRPO_LOG_WARN(
+        "full_shard: {} of {} learner ranks do not see {} ({}): rank 0 reads its weights whole "
+        "and hands them out",
+        missed, ranks_->world_size(), files.files->dir(),
+        mine.ok() ? std::string("output_dir is not shared") : mine.ToString());
+  }
+  for (int u = 0; u < static_cast<int>(units_.size()); ++u) {
+    const Unit& unit = units_[u];
+    std::vector<at::Tensor> flat = {
+        at::zeros({unit.chunk * ranks_->world_size()}, weight_shard_.options())};
+    if (root) {
+      for (size_t k = 0; k < unit.params.size(); ++k) {
+        const auto& [name, p] = params_[unit.params[k]];
+        at::Tensor into = flat[0].narrow(0, unit.offsets[k], p.numel());
+        RETURN_IF_ERROR(files.files->ReadRange(name, 0, into));
+      }
+    }
+    RETURN_IF_ERROR(ranks_->Broadcast(flat, what + " (" + UnitName(*model_, u) + ")"));
+    weight_shard_.narrow(0, unit.shard_offset, unit.chunk)
+        .copy_(flat[0].narrow(0, ranks_->rank() * unit.chunk, unit.chunk));
+  }
+  return Status::OK();
+}
+
 Status FullShardAdamW::SyncFromRankZero(const std::string& what) {
   at::NoGradGuard no_grad;
   const bool root = ranks_->rank() == 0;
-  std::vector<at::Tensor> head = {
-      at::tensor(std::vector<int64_t>{root && !pending_state_.empty() ? 1 : 0,
-                                      root && !pending_weights_.empty() ? 1 : 0, step_},
-                 at::kLong)};
+  // What rank 0 restored: its state whole, its weights whole (1) or in their files (2).
+  const int64_t weights = !root                             ? 0
+                          : pending_files_.files != nullptr ? 2
+                          : !pending_weights_.empty()       ? 1
+                                                            : 0;
+  std::vector<at::Tensor> head = {at::tensor(
+      std::vector<int64_t>{root && !pending_state_.empty() ? 1 : 0, weights, step_}, at::kLong)};
   RETURN_IF_ERROR(ranks_->Broadcast(head, what + " (step)"));
   const int64_t* h = head[0].data_ptr<int64_t>();
   step_ = h[2];
@@ -556,7 +645,8 @@ Status FullShardAdamW::SyncFromRankZero(const std::string& what) {
     }
     return Status::OK();
   };
-  if (h[1] != 0) RETURN_IF_ERROR(hand_out(weight_shard_, pending_weights_, 1, 0));
+  if (h[1] == 1) RETURN_IF_ERROR(hand_out(weight_shard_, pending_weights_, 1, 0));
+  if (h[1] == 2) RETURN_IF_ERROR(HandOutWeightFiles(what));
   if (h[0] != 0) {
     RETURN_IF_ERROR(hand_out(exp_avg_, pending_state_, 2, 0));
     RETURN_IF_ERROR(hand_out(exp_avg_sq_, pending_state_, 2, 1));

@@ -54,6 +54,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -67,6 +68,10 @@
 #include "learner/step_optimizer.h"
 
 namespace grpo::learner::distributed {
+
+// Tests: whether a rank > 0 sees the checkpoint rank 0 restored (null: the fingerprint decides),
+// as ranks on machines that do not share output_dir.
+extern std::function<bool(int rank)> TEST_weight_files_probe;
 
 class FullShardAdamW final : public StepOptimizer, public common::ParameterGate {
  public:
@@ -110,6 +115,7 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   Status StreamWeights(const std::string& what, bool every_rank,
                        const common::Model::WeightPut& put) override;
   Status LoadWeights(const common::NamedTensors& weights) override;
+  Status LoadWeightsFrom(WeightFiles files) override;
 
   // ParameterGate.
   void Acquire(int unit) override;
@@ -145,6 +151,10 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   Status AgreeOnLoading(bool from_files);
   // This rank's chunk of the unit read from the files into weight_shard_.
   Status ReadChunk(const Unit& u, const common::ModelWeights& files);
+  // SyncFromRankZero's part for a checkpoint rank 0 restored from its files (LoadWeightsFrom):
+  // every rank that sees the same checkpoint reads its own chunks there; if any does not, rank 0
+  // reads the weights whole and hands each its chunk, as for LoadWeights.
+  Status HandOutWeightFiles(const std::string& what);
   // The unit's storage back, counted as gathered.
   void Allocate(int unit);
   // This rank's chunk of the unit as its all-gather sends it.
@@ -209,6 +219,8 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   // Rank 0 after LoadStateDict / LoadWeights: the whole restored state and weights, until
   // SyncFromRankZero hands them out.
   common::NamedTensors pending_state_, pending_weights_;
+  // Rank 0 after LoadWeightsFrom: the checkpoint's files, until SyncFromRankZero.
+  WeightFiles pending_files_;
 };
 
 }  // namespace grpo::learner::distributed

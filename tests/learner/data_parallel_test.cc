@@ -115,6 +115,9 @@ struct RunResult {
   std::vector<StepMetrics> steps;
   std::vector<at::Tensor> weights;
   std::string error;
+  // TrainPart: the peak of the CPU bytes this rank allocated while it restored a checkpoint and
+  // synced with rank 0 (counted only under a common::CountingScope).
+  int64_t restore_peak = -1;
 };
 
 // Trains the batches and flushes, as rank `ranks->rank()` (or alone when null); with a
@@ -732,11 +735,15 @@ RunResult TrainPart(const common::GrpoConfig& cfg, Collectives* ranks, size_t fi
   auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr, ranks);
   if (!trainer.ok()) return {{}, {}, trainer.status().ToString()};
   const int rank = ranks != nullptr ? ranks->rank() : 0;
-  if (!restore_dir.empty() && rank == 0) {
-    if (Status s = RestoreCheckpoint(**trainer, restore_dir); !s.ok())
-      return {{}, {}, s.ToString()};
+  {
+    common::ThreadCount restoring;
+    if (!restore_dir.empty() && rank == 0) {
+      if (Status s = RestoreCheckpoint(**trainer, restore_dir); !s.ok())
+        return {{}, {}, s.ToString()};
+    }
+    if (Status s = (*trainer)->SyncFromRankZero(); !s.ok()) return {{}, {}, s.ToString()};
+    out.restore_peak = restoring.peak();
   }
-  if (Status s = (*trainer)->SyncFromRankZero(); !s.ok()) return {{}, {}, s.ToString()};
   const auto batches = Batches();
   for (size_t b = first; b < last; ++b) {
     auto r = (*trainer)->TrainGenerationBatch(batches[b]);
@@ -915,8 +922,28 @@ TEST_P(ShardedCheckpoints, ResumeAtAnotherWorldSize) {
       EXPECT_TRUE(saved[i].equal(four[0].weights[i])) << "parameter " << i;
     }
   }
-  const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4, "", mode_);
+  std::vector<RunResult> two;
+  {
+    common::CountingScope counting;
+    two = TrainPartOnRanks(2, 1, 2, at4, "", mode_);
+  }
   for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(two[r], tail_of_reference_, r);
+  if (mode_ == "full_shard") {
+    // Each rank read only its shard of the checkpoint's weights (and its runs of the AdamW
+    // shards): rank 0 never held them whole (4 bytes x every parameter), at most one tensor
+    // of the files in fp32 at a time.
+    auto model = TinyModel();
+    int64_t whole = 0, largest = 0;
+    for (const at::Tensor& p : model->Parameters()) {
+      whole += 4 * p.numel();
+      largest = std::max<int64_t>(largest, 4 * p.numel());
+    }
+    for (int r = 0; r < 2; ++r) {
+      std::printf("rank %d restored with a peak of %lld bytes (the whole weights: %lld)\n", r,
+                  static_cast<long long>(two[r].restore_peak), static_cast<long long>(whole));
+      EXPECT_LE(two[r].restore_peak, largest + (64 << 10)) << "rank " << r;
+    }
+  }
   ExpectSameAsSingleRank(TrainPart(RankConfig("dapo", 1), nullptr, 1, 2, at4, ""),
                          tail_of_reference_, 0);
 
@@ -945,7 +972,10 @@ TEST_P(ShardedCheckpoints, RanksThatDoNotShareTheDirectoryGatherTheStateThroughR
     EXPECT_NE(e.path().filename().string(), ".shard-probe");
   }
   EXPECT_TRUE(VerifyCheckpoint(at4.string()).ok());
+  // Nor, on resume, does rank 1 see the directory: rank 0 hands out the weights of full_shard.
+  distributed::TEST_weight_files_probe = [](int rank) { return rank != 1; };
   const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4.string(), "", mode_);
+  distributed::TEST_weight_files_probe = nullptr;
   for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(two[r], tail_of_reference_, r);
 }
 
