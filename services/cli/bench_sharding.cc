@@ -147,21 +147,6 @@ class TimedCollectives final : public dist::Collectives {
   dist::Collectives* inner_;
 };
 
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  int port = 0;
-  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  if (fd >= 0) ::close(fd);
-  return port;
-}
-
 // One rank: trains a warm-up step and `reps` timed steps, prints one JSON line.
 int ShardingChild(const ShardingBenchOptions& o) {
   const int world = o.world_size;

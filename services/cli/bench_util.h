@@ -99,6 +99,9 @@ int BenchLongTail(bool as_json, int reps);
 // A field of /proc/self/status ("VmRSS", "VmHWM") in bytes; 0 when absent.
 int64_t ProcStatusBytes(const char* key);
 
+// A free TCP port on loopback (0 when none could be had): a rendezvous for ranks as processes.
+int FreePort();
+
 // grpo bench sharding (services/cli/bench_sharding.cc): the learner at world size 1, 2 and 4 for
 // each fsdp mode, each rank a process of this binary (`--child`).
 struct ShardingBenchOptions {
@@ -111,5 +114,19 @@ struct ShardingBenchOptions {
   std::string out_path;  // internal (child): rank 0's final weights
 };
 int BenchSharding(const ShardingBenchOptions& o);
+
+// grpo bench loading (services/cli/bench_loading.cc): full_shard ranks as processes of this
+// binary load a model of 1.4 GB (fp32) from its files, each reading its shards (sharded loading)
+// against the whole model on every rank with rank 0's broadcast, at 2 and 4 ranks.
+struct LoadingBenchOptions {
+  bool json = false;
+  int reps = 5;
+  int64_t layers = 0;     // decoder layers (0: 16)
+  bool child = false;     // internal: one rank of one configuration
+  int world_size = 1;     // internal (child)
+  std::string impl;       // internal (child): sharded | whole
+  std::string model_dir;  // internal (child)
+};
+int BenchLoading(const LoadingBenchOptions& o);
 
 }  // namespace grpo::services::bench

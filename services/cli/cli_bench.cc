@@ -2,6 +2,9 @@
 // own baseline measured in the same run; memory rows run each configuration in a fresh
 // process (this binary, re-executed with --child).
 #include <ATen/ATen.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <torch/cuda.h>
 #include <unistd.h>
 
@@ -61,6 +64,21 @@ int64_t ProcStatusBytes(const char* key) {
     if (line.rfind(k, 0) == 0) return std::stoll(line.substr(k.size())) * 1024;
   }
   return 0;
+}
+
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  if (fd >= 0) ::close(fd);
+  return port;
 }
 
 Timing LearnerStepTiming(int reps, int64_t micro, bool gradient_checkpointing, double* peak_mib,
@@ -438,7 +456,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
       "Benchmarks (method: docs/BENCHMARKS.md in the "
       "repository): logprob_memory | learner_step | "
       "decode | episodes | partial_rollouts | long_tail | long_tail_e2e | weight_sync | ingest | "
-      "e2e | sharding | peer_trl");
+      "e2e | sharding | loading | peer_trl");
   struct Opts {
     std::string name;
     bool json = false, child = false;
@@ -458,11 +476,11 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   cmd->add_option(
          "name", o->name,
          "logprob_memory | learner_step | decode | episodes | partial_rollouts | long_tail | "
-         "long_tail_e2e | weight_sync | ingest | e2e | sharding | peer_trl")
+         "long_tail_e2e | weight_sync | ingest | e2e | sharding | loading | peer_trl")
       ->required()
       ->check(CLI::IsMember({"logprob_memory", "learner_step", "decode", "episodes",
                              "partial_rollouts", "long_tail", "long_tail_e2e", "weight_sync",
-                             "ingest", "e2e", "sharding", "peer_trl"}));
+                             "ingest", "e2e", "sharding", "loading", "peer_trl"}));
   cmd->add_flag("--json", o->json, "one JSON object per row");
   cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)");
   cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
@@ -470,13 +488,17 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   cmd->add_flag("--gradient_checkpointing", o->gradient_checkpointing,
                 "learner_step: recompute each decoder layer in backward");
   cmd->add_option("--layers", o->layers,
-                  "learner_step: decoder layers (default: the bench model's 4)");
+                  "learner_step: decoder layers (default: the bench model's 4); loading: of its "
+                  "model (default 16)");
   cmd->add_flag("--child", o->child, "internal: one logprob_memory configuration, or one rank");
-  cmd->add_option("--world_size", o->world_size, "internal: sharding child's world size");
+  cmd->add_option("--world_size", o->world_size,
+                  "internal: sharding or loading child's world size");
   cmd->add_option("--fsdp", o->fsdp, "internal: sharding child's fsdp mode");
-  cmd->add_option("--out", o->out, "internal: sharding child's weights file");
+  cmd->add_option("--out", o->out,
+                  "internal: sharding child's weights file; loading child's model directory");
   cmd->add_flag("--bf16", o->bf16, "internal: sharding child trains in bf16");
-  cmd->add_option("--impl", o->impl, "internal: chunked | chunked_batch_G | naive");
+  cmd->add_option("--impl", o->impl,
+                  "internal: chunked | chunked_batch_G | naive; loading: sharded | whole");
   cmd->add_option("--workers", o->workers,
                   "weight_sync, ingest (default 2), e2e and long_tail_e2e (default 1): simulated "
                   "workers");
@@ -531,6 +553,17 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
       }
       if (o->name == "partial_rollouts") return bench::BenchPartialRollouts(o->json, o->reps);
       if (o->name == "long_tail") return bench::BenchLongTail(o->json, o->reps);
+      if (o->name == "loading") {
+        bench::LoadingBenchOptions lo;
+        lo.json = o->json;
+        lo.reps = o->reps;
+        lo.layers = o->layers;
+        lo.child = o->child;
+        lo.world_size = o->world_size;
+        lo.impl = o->impl;
+        lo.model_dir = o->out;
+        return bench::BenchLoading(lo);
+      }
       if (o->name == "sharding") {
         bench::ShardingBenchOptions so;
         so.json = o->json;
