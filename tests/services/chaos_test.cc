@@ -411,14 +411,15 @@ class RankChaosTest : public FaultToleranceTest {
   int StartGroup(int port) {
     ++groups_;
     master_port_ = std::make_unique<ReservedPort>();  // a fresh rendezvous for each group
-    const std::vector<std::string> extra = {"--max_steps",
-                                            std::to_string(kMaxSteps),
-                                            "--save_steps",
-                                            "2",
-                                            "--max_staleness",
-                                            std::to_string(kMaxStaleness),
-                                            "--rank_timeout_seconds",
-                                            std::to_string(kRankTimeoutSeconds)};
+    std::vector<std::string> extra = {"--max_steps",
+                                      std::to_string(kMaxSteps),
+                                      "--save_steps",
+                                      "2",
+                                      "--max_staleness",
+                                      std::to_string(kMaxStaleness),
+                                      "--rank_timeout_seconds",
+                                      std::to_string(kRankTimeoutSeconds)};
+    extra.insert(extra.end(), mode_flags_.begin(), mode_flags_.end());
     ::setenv("WORLD_SIZE", "2", 1);
     ::setenv("MASTER_ADDR", "127.0.0.1", 1);
     ::setenv("MASTER_PORT", std::to_string(master_port_->port()).c_str(), 1);
@@ -452,11 +453,53 @@ class RankChaosTest : public FaultToleranceTest {
 
   std::string GroupLogs() { return Logs({RankName(0), RankName(1), "worker-a"}); }
 
+  // The faults, one group after another, and the final history (the tests below).
+  void RunFaults();
+
   int groups_ = 0;
   std::unique_ptr<ReservedPort> master_port_;
+  std::vector<std::string> mode_flags_;  // every rank's, beside the fixture's
 };
 
 TEST_F(RankChaosTest, KilledAndStoppedRanksRestartTheGroupAndLoseNothing) {
+  ASSERT_NO_FATAL_FAILURE(RunFaults());
+}
+
+// The same faults at full_shard from a model directory: every group's ranks read only their
+// shards of the model (sharded loading), and each restarted group's ranks read their shards of
+// rank 0's last checkpoint (sharded resume: they share its output_dir, so none is handed out
+// through rank 0).
+TEST_F(RankChaosTest, FullShardRanksLoadAndResumeFromTheirShardsAndLoseNothing) {
+  int rc = -1;
+  const fs::path model = dir_ / "model";
+  grpo::testing::RunCommand(GrpoBin() + " init-model --preset tiny --seed 3 --out " +
+                                model.string() + " >" + (dir_ / "init.out").string() + " 2>&1",
+                            &rc);
+  ASSERT_EQ(rc, 0) << ReadFile(dir_ / "init.out");
+  mode_flags_ = {"--fsdp", "full_shard", "--model_name_or_path", model.string()};
+  ASSERT_NO_FATAL_FAILURE(RunFaults());
+  for (int group = 1; group <= groups_; ++group) {
+    for (int rank : {0, 1}) {
+      const std::string log =
+          ReadFile(children_->Err("rank" + std::to_string(rank) + "." + std::to_string(group)));
+      EXPECT_NE(log.find("sharded loading: this rank reads only its shards of " + model.string()),
+                std::string::npos)
+          << "group " << group << " rank " << rank << "\n"
+          << log;
+      EXPECT_EQ(log.find("reads its weights whole"), std::string::npos)
+          << "group " << group << " rank " << rank << "\n"
+          << log;
+    }
+  }
+  // Groups 2-4 resumed from a checkpoint (rank 0's log names it).
+  for (int group = 2; group <= groups_; ++group) {
+    EXPECT_NE(ReadFile(children_->Err("rank0." + std::to_string(group))).find("resumed from"),
+              std::string::npos)
+        << "group " << group;
+  }
+}
+
+void RankChaosTest::RunFaults() {
   WriteDataset(dir_ / "data.jsonl", kPrompts);
   reserved_port_ = std::make_unique<ReservedPort>();
   const int port = reserved_port_->port();
