@@ -19,14 +19,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string ShapeString(at::IntArrayRef shape) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
-  s << "]";
-  return s.str();
-}
-
 bool IsNormWeight(const std::string& name) {
   return name.size() >= 11 && name.compare(name.size() - 11, 11, "norm.weight") == 0;
 }

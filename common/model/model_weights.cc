@@ -9,14 +9,6 @@
 namespace grpo::common {
 namespace {
 
-std::string ShapeString(at::IntArrayRef shape) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
-  s << "]";
-  return s.str();
-}
-
 std::string DtypeName(at::ScalarType t) {
   StatusOr<std::string> name = SafetensorsDtypeName(t);
   return name.ok() ? *name : std::string(c10::toString(t));

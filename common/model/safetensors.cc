@@ -47,12 +47,6 @@ constexpr DtypeEntry kDtypes[] = {
 
 std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
-}
-
 std::string OffsetsString(uint64_t begin, uint64_t end) {
   return "[" + std::to_string(begin) + ", " + std::to_string(end) + "]";
 }
@@ -472,6 +466,12 @@ std::vector<std::vector<TensorLayout>> ShardLayouts(std::vector<TensorLayout> te
 }
 
 }  // namespace
+
+std::string ShapeString(at::IntArrayRef shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
 
 StatusOr<std::string> SafetensorsDtypeName(at::ScalarType dtype) {
   for (const DtypeEntry& e : kDtypes) {

@@ -28,6 +28,9 @@ StatusOr<std::string> SafetensorsDtypeName(at::ScalarType dtype);
 // The inverse; InvalidArgument naming `name` when it is unknown or unsupported.
 StatusOr<at::ScalarType> ParseSafetensorsDtype(const std::string& name);
 
+// A shape as errors name it: "[2, 3]".
+std::string ShapeString(at::IntArrayRef shape);
+
 // Supported on disk: F32, F16, BF16, I64, I32 (plus F64, I16, I8, U8, BOOL for convenience).
 struct SafetensorInfo {
   std::string name;

@@ -105,37 +105,6 @@ int LoadingChild(const LoadingBenchOptions& o) {
   return 0;
 }
 
-// One configuration's ranks as processes; their JSON lines, or an empty vector when one failed.
-std::vector<json> RunRanks(int world, const std::string& impl, const std::string& model_dir) {
-  const std::string exe = "/proc/" + std::to_string(::getpid()) + "/exe";
-  const int port = FreePort();
-  std::vector<std::unique_ptr<FILE, int (*)(FILE*)>> children;
-  for (int r = 0; r < world; ++r) {
-    const std::string cmd = "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
-                            " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " " +
-                            exe + " bench loading --child --world_size " + std::to_string(world) +
-                            " --impl " + impl + " --out " + model_dir;
-    children.emplace_back(popen(cmd.c_str(), "r"), &pclose);
-  }
-  std::vector<json> ranks;
-  bool failed = false;
-  for (auto& child : children) {
-    std::string out;
-    char buf[4096];
-    size_t n;
-    while (child && (n = fread(buf, 1, sizeof(buf), child.get())) > 0) out.append(buf, n);
-    const int rc = child ? pclose(child.release()) : -1;
-    const size_t brace = out.rfind('{');
-    if (rc != 0 || brace == std::string::npos) {
-      failed = true;
-      continue;
-    }
-    ranks.push_back(json::parse(out.substr(brace)));
-  }
-  if (failed) ranks.clear();
-  return ranks;
-}
-
 }  // namespace
 
 int BenchLoading(const LoadingBenchOptions& o) {
@@ -170,7 +139,9 @@ int BenchLoading(const LoadingBenchOptions& o) {
       std::vector<double> seconds;
       for (int rep = 0; rep < std::max(1, o.reps); ++rep) {
         std::cerr << "loading: " << world << " ranks, " << impl << ", run " << rep + 1 << " ...\n";
-        const std::vector<json> ranks = RunRanks(world, impl, dir.string());
+        const std::vector<json> ranks =
+            RunRankProcesses(world, "bench loading --child --world_size " + std::to_string(world) +
+                                        " --impl " + impl + " --out " + dir.string());
         if (static_cast<int>(ranks.size()) != world) {
           std::cerr << "loading: a rank of " << world << " ranks, " << impl << " failed\n";
           fs::remove_all(dir);

@@ -276,7 +276,6 @@ int BenchSharding(const ShardingBenchOptions& o) {
   const fs::path dir =
       fs::temp_directory_path() / ("grpo_bench_sharding_" + std::to_string(::getpid()));
   fs::create_directories(dir);
-  const std::string exe = "/proc/" + std::to_string(::getpid()) + "/exe";
   auto model = BenchModel();
   const double psi = static_cast<double>(model->NumParameters());
   const std::vector<ShardingRun> configs = {
@@ -301,32 +300,11 @@ int BenchSharding(const ShardingBenchOptions& o) {
     }
     std::cerr << "sharding: world size " << world << ", " << mode << (run.bf16 ? ", bf16" : "")
               << " ...\n";
-    const int port = FreePort();
-    std::vector<std::unique_ptr<FILE, int (*)(FILE*)>> children;
-    for (int r = 0; r < world; ++r) {
-      const std::string cmd =
-          "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
-          " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " " + exe +
-          " bench sharding --child --world_size " + std::to_string(world) + " --fsdp " + mode +
-          " --reps " + std::to_string(o.reps) + " --out " + weights + (run.bf16 ? " --bf16" : "");
-      children.emplace_back(popen(cmd.c_str(), "r"), &pclose);
-    }
-    std::vector<json> ranks;
-    bool failed = false;
-    for (auto& child : children) {
-      std::string out;
-      char buf[4096];
-      size_t n;
-      while (child && (n = fread(buf, 1, sizeof(buf), child.get())) > 0) out.append(buf, n);
-      const int rc = child ? pclose(child.release()) : -1;
-      const size_t brace = out.rfind('{');
-      if (rc != 0 || brace == std::string::npos) {
-        failed = true;
-        continue;
-      }
-      ranks.push_back(json::parse(out.substr(brace)));
-    }
-    if (failed || static_cast<int>(ranks.size()) != world) {
+    const std::vector<json> ranks =
+        RunRankProcesses(world, "bench sharding --child --world_size " + std::to_string(world) +
+                                    " --fsdp " + mode + " --reps " + std::to_string(o.reps) +
+                                    " --out " + weights + (run.bf16 ? " --bf16" : ""));
+    if (static_cast<int>(ranks.size()) != world) {
       std::cerr << "sharding: a rank of world size " << world << ", " << mode << " failed\n";
       fs::remove_all(dir);
       return 1;

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -101,6 +102,11 @@ int64_t ProcStatusBytes(const char* key);
 
 // A free TCP port on loopback (0 when none could be had): a rendezvous for ranks as processes.
 int FreePort();
+
+// `world` ranks as processes of this binary, each run with `args` after it and the variables
+// torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port); the last JSON object
+// each printed on stdout, in rank order, or an empty vector when any failed.
+std::vector<nlohmann::json> RunRankProcesses(int world, const std::string& args);
 
 // grpo bench sharding (services/cli/bench_sharding.cc): the learner at world size 1, 2 and 4 for
 // each fsdp mode, each rank a process of this binary (`--child`).

@@ -81,6 +81,35 @@ int FreePort() {
   return port;
 }
 
+std::vector<nlohmann::json> RunRankProcesses(int world, const std::string& args) {
+  const std::string exe = "/proc/" + std::to_string(::getpid()) + "/exe";
+  const int port = FreePort();
+  std::vector<std::unique_ptr<FILE, int (*)(FILE*)>> children;
+  for (int r = 0; r < world; ++r) {
+    const std::string cmd = "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
+                            " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " " +
+                            exe + " " + args;
+    children.emplace_back(popen(cmd.c_str(), "r"), &pclose);
+  }
+  std::vector<nlohmann::json> ranks;
+  bool failed = false;
+  for (auto& child : children) {
+    std::string out;
+    char buf[4096];
+    size_t n;
+    while (child && (n = fread(buf, 1, sizeof(buf), child.get())) > 0) out.append(buf, n);
+    const int rc = child ? pclose(child.release()) : -1;
+    const size_t brace = out.rfind('{');
+    if (rc != 0 || brace == std::string::npos) {
+      failed = true;
+      continue;
+    }
+    ranks.push_back(nlohmann::json::parse(out.substr(brace)));
+  }
+  if (failed) ranks.clear();
+  return ranks;
+}
+
 Timing LearnerStepTiming(int reps, int64_t micro, bool gradient_checkpointing, double* peak_mib,
                          int64_t layers) {
   auto model = BenchModel(layers);

@@ -765,14 +765,19 @@ TEST(ModelSaveLoad, ShardedCheckpointLoads) {
   ExpectSameParameters(*model, **loaded);
 }
 
+// `model` saved in `dir` with its weights in BF16 (`*bf16`, as written).
+void SaveInBf16(const Model& model, const TempDir& dir, NamedTensors* bf16) {
+  ASSERT_TRUE(model.Save(dir.path()).ok());
+  for (const auto& [name, t] : model.NamedParameters())
+    bf16->emplace_back(name, t.to(at::kBFloat16));
+  ASSERT_TRUE(WriteSafetensors(dir / "model.safetensors", *bf16).ok());
+}
+
 TEST(ModelSaveLoad, Bf16WeightsAreWidenedToFp32) {
   std::unique_ptr<Model> model = RandomModel(SmallConfig("llama"), 23);
   TempDir dir;
-  ASSERT_TRUE(model->Save(dir.path()).ok());
   NamedTensors bf16;
-  for (const auto& [name, t] : model->NamedParameters())
-    bf16.emplace_back(name, t.to(at::kBFloat16));
-  ASSERT_TRUE(WriteSafetensors(dir / "model.safetensors", bf16).ok());
+  ASSERT_NO_FATAL_FAILURE(SaveInBf16(*model, dir, &bf16));
   auto loaded = Model::Load(dir.path());
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   auto got = (*loaded)->NamedParameters();
@@ -831,11 +836,8 @@ TEST(ModelDeferred, HoldsNoMemoryUntilMaterializedAndThenHoldsWhatLoadReads) {
 TEST(ModelWeights, ReadRangeReadsTheRowMajorElementsAndRefusesARangePastTheEnd) {
   std::unique_ptr<Model> model = RandomModel(SmallConfig("llama"), 25);
   TempDir dir;
-  ASSERT_TRUE(model->Save(dir.path()).ok());
   NamedTensors bf16;
-  for (const auto& [name, t] : model->NamedParameters())
-    bf16.emplace_back(name, t.to(at::kBFloat16));
-  ASSERT_TRUE(WriteSafetensors(dir / "model.safetensors", bf16).ok());
+  ASSERT_NO_FATAL_FAILURE(SaveInBf16(*model, dir, &bf16));
   ModelWeights::Shapes shapes;
   for (const auto& [name, t] : bf16) shapes.push_back({name, t.sizes().vec()});
   auto weights = ModelWeights::Open(dir.path(), shapes, "test");
