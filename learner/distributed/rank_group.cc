@@ -49,6 +49,12 @@ StatusOr<RankEnv> ParseRankEnv(const std::function<const char*(const char*)>& ge
   ASSIGN_OR_RETURN(const int offset, IntVar(getenv, "GRPO_RANK_OFFSET", 0));
   ASSIGN_OR_RETURN(env.rank, IntVar(getenv, "RANK", index + offset));
   ASSIGN_OR_RETURN(env.local_rank, IntVar(getenv, "LOCAL_RANK", env.rank));
+  ASSIGN_OR_RETURN(env.local_world_size, IntVar(getenv, "LOCAL_WORLD_SIZE", 1));
+  if (env.local_world_size < 1 || env.local_world_size > env.world_size) {
+    return Status::InvalidArgument(
+        "environment variable LOCAL_WORLD_SIZE=" + std::to_string(env.local_world_size) +
+        " is not between 1 and WORLD_SIZE=" + std::to_string(env.world_size));
+  }
   if (env.rank >= env.world_size) {
     return Status::InvalidArgument("environment variable RANK=" + std::to_string(env.rank) +
                                    " is outside WORLD_SIZE=" + std::to_string(env.world_size));

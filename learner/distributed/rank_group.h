@@ -23,6 +23,7 @@ struct RankEnv {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
+  int local_world_size = 1;  // the ranks on this host (torchrun's LOCAL_WORLD_SIZE)
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;  // torchrun's default
 };
@@ -30,6 +31,7 @@ struct RankEnv {
 // The world from the environment: RANK (or, in a Kubernetes indexed Job, JOB_COMPLETION_INDEX
 // plus GRPO_RANK_OFFSET, default 0: deploy/k8s runs rank 0 in the learner's StatefulSet and
 // ranks 1.. as an indexed Job with offset 1), WORLD_SIZE, LOCAL_RANK (default: RANK),
+// LOCAL_WORLD_SIZE (default 1: one rank a host, as a pod; at most WORLD_SIZE),
 // MASTER_ADDR, MASTER_PORT, as torchrun, Kubeflow's PyTorchJob and the manifests of deploy/k8s
 // set them. Without WORLD_SIZE (or with 1) the world
 // is this one process. InvalidArgument naming the variable on a bad value (not a number, rank

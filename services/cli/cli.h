@@ -39,9 +39,10 @@ void AddClientCommands(CLI::App& app, CliAction* action);
 void AddPlanCommand(CLI::App& app, CliAction* action);
 // The learner's start-up check (cli_plan.cc): the memory plan of `cfg` for its model's
 // config.json (the tiny preset when model_name_or_path is empty) with `world_size` ranks on
-// `device` (cpu, cuda:N). FailedPrecondition naming the change that fits when the device's
-// memory is too small; NotFound / InvalidArgument for a missing or bad config.json or device.
+// `device` (cpu, cuda:N). On the CPU the `local_world_size` ranks on this host share its memory:
+// each has its share. FailedPrecondition naming the change that fits when the device's memory is
+// too small; NotFound / InvalidArgument for a missing or bad config.json or device.
 Status CheckLearnerMemoryPlan(const common::GrpoConfig& cfg, int world_size,
-                              const std::string& device);
+                              const std::string& device, int local_world_size = 1);
 
 }  // namespace grpo::services

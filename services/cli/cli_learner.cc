@@ -143,7 +143,9 @@ int RunLearner(const LearnerOptions& o) {
   auto device = common::ResolveDevice(cfg.device);
   if (!device.ok()) return fail(device.status(), 2);
   // Refuse what cannot fit the device, naming the knob, before any weight is loaded (grpo plan).
-  if (Status s = CheckLearnerMemoryPlan(cfg, rank_env->world_size, device->str()); !s.ok()) {
+  if (Status s = CheckLearnerMemoryPlan(cfg, rank_env->world_size, device->str(),
+                                        rank_env->local_world_size);
+      !s.ok()) {
     return fail(s, 2);
   }
   std::unique_ptr<learner::distributed::RankGroup> ranks;

@@ -229,7 +229,7 @@ int RunPlan(const PlanOptions& o) {
 }  // namespace
 
 Status CheckLearnerMemoryPlan(const common::GrpoConfig& cfg, int world_size,
-                              const std::string& device) {
+                              const std::string& device, int local_world_size) {
   std::string source;
   ASSIGN_OR_RETURN(const common::ModelConfig model, PlannedModel(cfg, &source));
   ASSIGN_OR_RETURN(const at::Device d, common::ResolveDevice(device));
@@ -238,8 +238,15 @@ Status CheckLearnerMemoryPlan(const common::GrpoConfig& cfg, int world_size,
     GRPO_LOG_INFO("fsdp '{}': offload changes nothing on the CPU, whose memory is the host's",
                   cfg.fsdp);
   }
-  return dist::CheckFitsDevice(model, cfg, world_size, d.is_cuda() ? "cuda" : "cpu",
-                               common::TotalMemoryBytes(d));
+  if (d.is_cuda() || local_world_size <= 1) {
+    return dist::CheckFitsDevice(model, cfg, world_size, d.is_cuda() ? "cuda" : "cpu",
+                                 common::TotalMemoryBytes(d));
+  }
+  // CPU ranks on one host: each has its share of the host's memory.
+  const int64_t host = common::TotalMemoryBytes(d);
+  return dist::CheckFitsDevice(model, cfg, world_size, "cpu", host / local_world_size)
+      .WithContext("this host's " + dist::FormatBytes(host) + " shared by its " +
+                   std::to_string(local_world_size) + " learner ranks (LOCAL_WORLD_SIZE)");
 }
 
 void AddPlanCommand(CLI::App& app, CliAction* action) {

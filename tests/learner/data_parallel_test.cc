@@ -1356,8 +1356,13 @@ TEST(RankEnv, ReadsTorchrunsVariablesAndNamesABadOne) {
   EXPECT_EQ(torchrun->rank, 3);
   EXPECT_EQ(torchrun->world_size, 4);
   EXPECT_EQ(torchrun->local_rank, 1);
+  EXPECT_EQ(torchrun->local_world_size, 1);  // not given: one rank a host
   EXPECT_EQ(torchrun->master_addr, "10.0.0.2");
   EXPECT_EQ(torchrun->master_port, 29400);
+  auto local =
+      from({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}});
+  ASSERT_TRUE(local.ok()) << local.status().ToString();
+  EXPECT_EQ(local->local_world_size, 2);
   // A Kubernetes indexed Job names the rank by its completion index.
   auto indexed = from({{"JOB_COMPLETION_INDEX", "2"}, {"WORLD_SIZE", "3"}, {"MASTER_ADDR", "a"}});
   ASSERT_TRUE(indexed.ok());
@@ -1385,6 +1390,10 @@ TEST(RankEnv, ReadsTorchrunsVariablesAndNamesABadOne) {
             "RANK=2"},
            {{{"WORLD_SIZE", "2"}, {"GRPO_RANK_OFFSET", "-1"}}, "GRPO_RANK_OFFSET"},
            {{{"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}}, "MASTER_PORT"},
+           {{{"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"LOCAL_WORLD_SIZE", "3"}},
+            "LOCAL_WORLD_SIZE=3"},
+           {{{"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"LOCAL_WORLD_SIZE", "0"}},
+            "LOCAL_WORLD_SIZE=0"},
        }) {
     auto r = from(bad.vars);
     ASSERT_FALSE(r.ok()) << bad.names;

@@ -172,4 +172,43 @@ TEST_F(CliPlan, LearnerRefusesWhatCannotFitBeforeLoadingWeights) {
   EXPECT_NE(out.find("gradient_checkpointing"), std::string::npos) << out;  // the knob
 }
 
+// CPU ranks on one host share its memory (torchrun's LOCAL_WORLD_SIZE): each rank's plan must fit
+// its share. The bench model's plan (T) fits this host (M) alone; with M / T + 1 ranks on the
+// host each has less than T, and the learner refuses at once (exit 2, naming the sharing), before
+// it joins the group. With one rank on the host the same plan passes, and the learner goes on to
+// join its group (which fails here: nobody else comes, exit 1).
+TEST_F(CliPlan, CpuRanksOnOneHostShareItsMemory) {
+  int rc = -1;
+  const std::string plan =
+      Plan("--model_name_or_path " + Model("bench") + " --device cpu --json", &rc);
+  ASSERT_EQ(rc, 0) << plan;
+  const json j = json::parse(plan.substr(plan.find('{')), nullptr, false);
+  ASSERT_TRUE(j.is_object()) << plan;
+  const int64_t total = j["total_bytes"].get<int64_t>();
+  const int64_t host = j["device_memory_bytes"].get<int64_t>();
+  ASSERT_LE(total, host);
+  const int64_t ranks = host / total + 1;
+  ASSERT_LT(host / ranks, total);
+  auto learner = [&](int64_t local) {
+    int code = -1;
+    const std::string out = RunCommand(
+        "RANK=0 WORLD_SIZE=" + std::to_string(ranks) +
+            " LOCAL_WORLD_SIZE=" + std::to_string(local) + " MASTER_ADDR=127.0.0.1 MASTER_PORT=1 " +
+            GrpoBin() + " learner --model_name_or_path " + Model("bench") +
+            " --device cpu --reward_funcs length --rank_timeout_seconds 1 --output_dir " +
+            (dir_ / "out").string() + " --grpc_port 0 --metrics_port 0 2>&1",
+        &code);
+    return std::make_pair(code, out);
+  };
+  const auto [shared_rc, shared] = learner(ranks);
+  EXPECT_EQ(shared_rc, 2) << shared;
+  EXPECT_NE(shared.find("memory plan"), std::string::npos) << shared;
+  EXPECT_NE(shared.find("shared by its " + std::to_string(ranks) + " learner ranks"),
+            std::string::npos)
+      << shared;
+  const auto [alone_rc, alone] = learner(1);
+  EXPECT_EQ(alone_rc, 1) << alone;
+  EXPECT_EQ(alone.find("memory plan"), std::string::npos) << alone;
+}
+
 }  // namespace
