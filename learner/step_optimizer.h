@@ -121,8 +121,8 @@ class StepOptimizer {
   // Sharded only (Unimplemented otherwise), no collective: this rank's shard of the weights in
   // `files` (a checkpoint's, checked against the parameters), read from them, never whole. Rank 0
   // keeps `files` until SyncFromRankZero has every rank that sees the same checkpoint (the
-  // SHA-256 of `dir/fingerprint_file` is `fingerprint`) read its own there; the others get theirs
-  // from rank 0, which then reads the weights whole.
+  // SHA-256 of `dir/fingerprint_file` is `fingerprint`) read its own there; if any cannot, rank 0
+  // reads the weights a unit at a time and hands each rank its chunk.
   struct WeightFiles {
     std::shared_ptr<const common::ModelWeights> files;
     std::string fingerprint_file, fingerprint;

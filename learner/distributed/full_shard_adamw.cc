@@ -592,11 +592,11 @@ Status FullShardAdamW::HandOutWeightFiles(const std::string& what) {
   WeightFiles files = std::move(pending_files_);
   pending_files_ = WeightFiles{};
   if (missed == 0) return Status::OK();
-  // Rank 0's weights, whole, a unit at a time (each rank keeps its chunk), as after LoadWeights.
+  // Rank 0 reads the weights a unit at a time and broadcasts each (each rank keeps its chunk).
   if (root) {
     GRPO_LOG_WARN(
-        "full_shard: {} of {} learner ranks do not see {} ({}): rank 0 reads its weights whole "
-        "and hands them out",
+        "full_shard: {} of {} learner ranks do not see {} ({}): rank 0 reads the weights and "
+        "hands each rank its chunk, a unit at a time",
         missed, ranks_->world_size(), files.files->dir(),
         mine.ok() ? std::string("output_dir is not shared") : mine.ToString());
   }

@@ -153,7 +153,7 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   Status ReadChunk(const Unit& u, const common::ModelWeights& files);
   // SyncFromRankZero's part for a checkpoint rank 0 restored from its files (LoadWeightsFrom):
   // every rank that sees the same checkpoint reads its own chunks there; if any does not, rank 0
-  // reads the weights whole and hands each its chunk, as for LoadWeights.
+  // reads the weights a unit at a time and hands each rank its chunk.
   Status HandOutWeightFiles(const std::string& what);
   // The unit's storage back, counted as gathered.
   void Allocate(int unit);

@@ -486,7 +486,7 @@ TEST_F(RankChaosTest, FullShardRanksLoadAndResumeFromTheirShardsAndLoseNothing) 
                 std::string::npos)
           << "group " << group << " rank " << rank << "\n"
           << log;
-      EXPECT_EQ(log.find("reads its weights whole"), std::string::npos)
+      EXPECT_EQ(log.find("hands each rank its chunk"), std::string::npos)
           << "group " << group << " rank " << rank << "\n"
           << log;
     }
