@@ -86,8 +86,11 @@ Status ModelWeights::ReadRange(const std::string& name, int64_t first, at::Tenso
   try {
     auto view = checkpoint_->View(name);
     if (view.ok()) {
-      // Straight from the mapped file into `out`, converted on the way: no copy of the tensor.
+      // Straight from the mapped file into `out`, converted on the way: no copy of the tensor;
+      // then its pages leave the resident set (a rank holds its shard, not the file's pages).
       out.copy_(view->narrow(0, first, count));
+      const uint64_t size = view->element_size();
+      checkpoint_->DoneReading(name, first * size, (first + count) * size);
     } else if (view.status().code() == StatusCode::kFailedPrecondition) {
       // Bytes not aligned to the dtype (a file whose header length is not a multiple of 8):
       // through a copy of the whole tensor.

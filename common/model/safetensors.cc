@@ -586,11 +586,25 @@ StatusOr<at::Tensor> SafetensorsFile::Get(const std::string& name) const {
   try {
     at::Tensor out = at::empty(info->shape, at::TensorOptions().dtype(info->dtype));
     if (nbytes > 0) std::memcpy(out.data_ptr(), src, nbytes);
+    DoneReading(name, 0, nbytes);  // the copy holds them now
     return out;
   } catch (const std::exception& e) {
     return FileError(StatusCode::kInternal, path_,
                      "tensor " + Quote(name) + ": allocation failed: " + e.what());
   }
+}
+
+void SafetensorsFile::DoneReading(const std::string& name, uint64_t begin, uint64_t end) const {
+  const SafetensorInfo* info = Find(name);
+  if (info == nullptr || map_ == nullptr) return;
+  end = std::min(end, info->end - info->begin);
+  if (begin >= end) return;
+  // The whole pages the bytes touch (a page shared with a neighbour is mapped again when read):
+  // the mapping is private and read-only, so MADV_DONTNEED only drops them from the resident set.
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(data_ + info->begin + begin) / page * page;
+  const uintptr_t hi = reinterpret_cast<uintptr_t>(data_ + info->begin + end);
+  ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
 }
 
 StatusOr<at::Tensor> SafetensorsFile::View(const std::string& name) const {
@@ -665,6 +679,12 @@ StatusOr<at::Tensor> SafetensorsCheckpoint::Get(const std::string& name) const {
     return Status::NotFound("no tensor " + Quote(name) + " in the checkpoint");
   }
   return it->second->Get(name);
+}
+
+void SafetensorsCheckpoint::DoneReading(const std::string& name, uint64_t begin,
+                                        uint64_t end) const {
+  auto it = index_.find(name);
+  if (it != index_.end()) it->second->DoneReading(name, begin, end);
 }
 
 StatusOr<at::Tensor> SafetensorsCheckpoint::View(const std::string& name) const {

@@ -64,6 +64,10 @@ class SafetensorsFile {
   // NotFound when absent; FailedPrecondition when the bytes are not aligned to the dtype's
   // size (Get copies them then).
   StatusOr<at::Tensor> View(const std::string& name) const;
+  // Bytes [begin, end) of the tensor's data are read: their pages leave this process's resident
+  // set (they stay in the page cache, and a later read maps them again). Nothing for a name that
+  // is absent.
+  void DoneReading(const std::string& name, uint64_t begin, uint64_t end) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
  private:
@@ -95,6 +99,7 @@ class SafetensorsCheckpoint {
   const SafetensorInfo* Find(const std::string& name) const;
   StatusOr<at::Tensor> Get(const std::string& name) const;
   StatusOr<at::Tensor> View(const std::string& name) const;
+  void DoneReading(const std::string& name, uint64_t begin, uint64_t end) const;
   // The file that holds `name` (for error messages); empty when absent.
   std::string FileOf(const std::string& name) const;
 

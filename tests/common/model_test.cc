@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -855,6 +856,50 @@ TEST(ModelWeights, ReadRangeReadsTheRowMajorElementsAndRefusesARangePastTheEnd) 
             StatusCode::kInvalidArgument);
   EXPECT_EQ((*weights)->ReadRange(name, -1, past).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ((*weights)->ReadRange("no.such.weight", 0, past).code(), StatusCode::kNotFound);
+}
+
+// The resident bytes of this process's mappings of `path` (/proc/self/smaps), -1 when unmapped.
+int64_t MappedResidentBytes(const std::string& path) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  int64_t total = -1;
+  bool in_file = false;
+  while (std::getline(smaps, line)) {
+    const bool header = !line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) &&
+                        line.find('-') != std::string::npos && line.find(':') > line.find(' ');
+    if (header) {
+      in_file = line.size() >= path.size() &&
+                line.compare(line.size() - path.size(), path.size(), path) == 0;
+      if (in_file && total < 0) total = 0;
+    } else if (in_file && line.rfind("Rss:", 0) == 0) {
+      total += std::stoll(line.substr(4)) * 1024;
+    }
+  }
+  return total;
+}
+
+// What a rank read of the mapped file leaves its resident set: a sharded rank holds its shard,
+// not the file's pages (the page cache keeps them for the next reader). Reading 4 MiB of F32
+// leaves at most the header's pages mapped.
+TEST(ModelWeights, ReadPagesLeaveTheResidentSet) {
+  TempDir dir;
+  const at::Tensor big = at::arange(1 << 20, at::kFloat);  // 4 MiB
+  ASSERT_TRUE(WriteSafetensors(dir / "model.safetensors", {{"w", big}}).ok());
+  const std::string path = fs::canonical(dir / "model.safetensors").string();
+  auto weights = ModelWeights::Open(dir.path(), {{"w", {1 << 20}}}, "test");
+  ASSERT_TRUE(weights.ok()) << weights.status().ToString();
+  at::Tensor half = at::empty({1 << 19});
+  ASSERT_TRUE((*weights)->ReadRange("w", 1 << 19, half).ok());
+  EXPECT_TRUE(at::equal(half, big.narrow(0, 1 << 19, 1 << 19)));
+  at::Tensor rest = at::empty({1 << 19});
+  ASSERT_TRUE((*weights)->ReadRange("w", 0, rest).ok());
+  const int64_t resident = MappedResidentBytes(path);
+  ASSERT_GE(resident, 0) << "the file is not mapped";
+  EXPECT_LE(resident, 16 << 10) << "the read pages stayed resident";
+  auto whole = (*weights)->Read("w", at::kCPU, at::kFloat);
+  ASSERT_TRUE(whole.ok());
+  EXPECT_TRUE(at::equal(*whole, big));
+  EXPECT_LE(MappedResidentBytes(path), 16 << 10) << "Get left the pages it copied";
 }
 
 // A file whose data does not start at a multiple of 4 bytes (a header of odd length, which the
