@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace grpo::learner::distributed {
 
@@ -73,6 +74,23 @@ Status BucketedAllReduceSum(Collectives& collectives, const std::vector<at::Tens
   return OverBuckets(tensors, bucket_bytes, [&](std::vector<at::Tensor>& flat) {
     return collectives.AllReduceSum(flat, what);
   });
+}
+
+Status BroadcastString(Collectives& collectives, std::string* text, const std::string& what) {
+  const bool root = collectives.rank() == 0;
+  std::vector<at::Tensor> head = {
+      at::tensor(std::vector<int64_t>{root ? static_cast<int64_t>(text->size()) : 0}, at::kLong)};
+  RETURN_IF_ERROR(collectives.Broadcast(head, what + " (its length)"));
+  if (head[0].item<int64_t>() == 0) {  // every rank knows: no second broadcast
+    text->clear();
+    return Status::OK();
+  }
+  std::vector<at::Tensor> bytes = {at::zeros({head[0].item<int64_t>()}, at::kByte)};
+  if (root) std::memcpy(bytes[0].data_ptr<uint8_t>(), text->data(), text->size());
+  RETURN_IF_ERROR(collectives.Broadcast(bytes, what));
+  text->assign(reinterpret_cast<const char*>(bytes[0].data_ptr<uint8_t>()),
+               static_cast<size_t>(bytes[0].numel()));
+  return Status::OK();
 }
 
 Status BucketedBroadcast(Collectives& collectives, const std::vector<at::Tensor>& tensors,

@@ -95,6 +95,9 @@ class SingleRank : public Collectives {
 // Tensors of one dtype and device.
 Status BucketedAllReduceSum(Collectives& collectives, const std::vector<at::Tensor>& tensors,
                             int64_t bucket_bytes, const std::string& what);
+// Rank 0's `*text` into every rank's (its length, then, unless it is empty, its bytes; the other
+// ranks' own text is ignored).
+Status BroadcastString(Collectives& collectives, std::string* text, const std::string& what);
 // Rank 0's values of `tensors` into every rank's, in buckets as BucketedAllReduceSum.
 Status BucketedBroadcast(Collectives& collectives, const std::vector<at::Tensor>& tensors,
                          int64_t bucket_bytes, const std::string& what);

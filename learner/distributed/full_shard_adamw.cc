@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <map>
 #include <unordered_map>
 #include <utility>
@@ -557,13 +556,7 @@ Status FullShardAdamW::HandOutWeightFiles(const std::string& what) {
     said = pending_files_.files->dir() + '\n' + pending_files_.fingerprint_file + '\n' +
            pending_files_.fingerprint;
   }
-  std::vector<at::Tensor> head = {
-      at::tensor(std::vector<int64_t>{static_cast<int64_t>(said.size())}, at::kLong)};
-  RETURN_IF_ERROR(ranks_->Broadcast(head, what + " (the checkpoint's name)"));
-  std::vector<at::Tensor> bytes = {at::zeros({head[0].item<int64_t>()}, at::kByte)};
-  if (root) std::memcpy(bytes[0].data_ptr<uint8_t>(), said.data(), said.size());
-  RETURN_IF_ERROR(ranks_->Broadcast(bytes, what + " (the checkpoint's name)"));
-  said.assign(reinterpret_cast<const char*>(bytes[0].data_ptr<uint8_t>()), bytes[0].numel());
+  RETURN_IF_ERROR(BroadcastString(*ranks_, &said, what + " (the checkpoint's name)"));
   // Every other rank reads its chunks where it sees the same checkpoint (the same fingerprint),
   // a shared output_dir; a rank on another machine without one does not.
   Status mine = Status::OK();

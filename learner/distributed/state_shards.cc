@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <regex>
 
@@ -211,18 +210,9 @@ StatusOr<common::NamedTensors> WholeStateFromShards(const StateShards& shards,
 
 Status HandOutStateShards(StepOptimizer& optimizer, Collectives& ranks, const std::string& what) {
   if (ranks.world_size() == 1) return Status::OK();
-  const bool root = ranks.rank() == 0;
-  const std::string dir = root ? optimizer.pending_state_shards : std::string();
-  std::vector<at::Tensor> head = {
-      at::tensor(std::vector<int64_t>{static_cast<int64_t>(dir.size())}, at::kLong)};
-  RETURN_IF_ERROR(ranks.Broadcast(head, what + " (its directory's length)"));
-  const int64_t length = head[0].item<int64_t>();
-  if (length == 0) return Status::OK();
-  std::vector<at::Tensor> bytes = {at::zeros({length}, at::kByte)};
-  if (root) std::memcpy(bytes[0].data_ptr<uint8_t>(), dir.data(), dir.size());
-  RETURN_IF_ERROR(ranks.Broadcast(bytes, what + " (its directory)"));
-  const std::string path(reinterpret_cast<const char*>(bytes[0].data_ptr<uint8_t>()),
-                         static_cast<size_t>(length));
+  std::string path = ranks.rank() == 0 ? optimizer.pending_state_shards : std::string();
+  RETURN_IF_ERROR(BroadcastString(ranks, &path, what + " (its directory)"));
+  if (path.empty()) return Status::OK();
   Status mine = [&]() -> Status {
     ASSIGN_OR_RETURN(std::unique_ptr<StateShards> shards, StateShards::Open(path));
     return LoadStateShards(*shards, optimizer);

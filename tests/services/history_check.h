@@ -4,6 +4,7 @@
 // file (SQLite, read-only). Shared by chaos_test and elastic_workers_test.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <optional>
 #include <regex>
@@ -15,8 +16,36 @@
 
 namespace grpo::testing::faults {
 
-// The ledger's record of trainings: (prompt marker, pass, step, filtered), read with SQLite's C
-// API. A filtered one (dynamic sampling) is a pass the prompt is done with untrained.
+// Calls `row` for each row of `sql` over the ledger file (SQLite's C API, read-only); sets
+// `*error` when the file or the query fails.
+inline void ForEachLedgerRow(const fs::path& ledger, const char* sql,
+                             const std::function<void(sqlite3_stmt*)>& row, std::string* error) {
+  sqlite3* db = nullptr;
+  if (sqlite3_open_v2(ledger.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) != SQLITE_OK) {
+    *error = "open " + ledger.string();
+    sqlite3_close(db);
+    return;
+  }
+  sqlite3_stmt* st = nullptr;
+  if (sqlite3_prepare_v2(db, sql, -1, &st, nullptr) != SQLITE_OK) {
+    *error = sqlite3_errmsg(db);
+  } else {
+    while (sqlite3_step(st) == SQLITE_ROW) row(st);
+  }
+  sqlite3_finalize(st);
+  sqlite3_close(db);
+}
+
+// The dataset's marker ("item 07") in a prompt's row_json (column `col`), "?" when none.
+inline std::string MarkerOf(sqlite3_stmt* st, int col) {
+  static const std::regex marker("item [0-9][0-9]");
+  const std::string row(reinterpret_cast<const char*>(sqlite3_column_text(st, col)));
+  std::smatch m;
+  return std::regex_search(row, m, marker) ? m.str() : "?";
+}
+
+// The ledger's record of trainings: (prompt marker, pass, step, filtered). A filtered one
+// (dynamic sampling) is a pass the prompt is done with untrained.
 struct Training {
   std::string marker;
   int64_t pass = 0, step = 0;
@@ -25,38 +54,19 @@ struct Training {
 
 inline std::vector<Training> ReadTrainings(const fs::path& ledger, std::string* error) {
   std::vector<Training> out;
-  sqlite3* db = nullptr;
-  if (sqlite3_open_v2(ledger.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) != SQLITE_OK) {
-    *error = "open " + ledger.string();
-    sqlite3_close(db);
-    return out;
-  }
-  sqlite3_stmt* st = nullptr;
-  const char* sql =
+  ForEachLedgerRow(
+      ledger,
       "SELECT p.row_json, t.pass, t.step, t.filtered FROM trainings t "
-      "JOIN prompts p ON p.id = t.prompt_id";
-  if (sqlite3_prepare_v2(db, sql, -1, &st, nullptr) != SQLITE_OK) {
-    *error = sqlite3_errmsg(db);
-  } else {
-    const std::regex marker("item [0-9][0-9]");
-    while (sqlite3_step(st) == SQLITE_ROW) {
-      const std::string row(reinterpret_cast<const char*>(sqlite3_column_text(st, 0)));
-      std::smatch m;
-      Training t;
-      t.marker = std::regex_search(row, m, marker) ? m.str() : "?";
-      t.pass = sqlite3_column_int64(st, 1);
-      t.step = sqlite3_column_int64(st, 2);
-      t.filtered = sqlite3_column_int64(st, 3) != 0;
-      out.push_back(t);
-    }
-  }
-  sqlite3_finalize(st);
-  sqlite3_close(db);
+      "JOIN prompts p ON p.id = t.prompt_id",
+      [&](sqlite3_stmt* st) {
+        out.push_back(Training{MarkerOf(st, 0), sqlite3_column_int64(st, 1),
+                               sqlite3_column_int64(st, 2), sqlite3_column_int64(st, 3) != 0});
+      },
+      error);
   return out;
 }
 
-// The ledger's row of each prompt, by marker: its state and the pass it is in (read with SQLite's
-// C API).
+// The ledger's row of each prompt, by marker: its state and the pass it is in.
 struct PromptRow {
   std::string state;
   int64_t pass = 0;
@@ -64,29 +74,13 @@ struct PromptRow {
 
 inline std::map<std::string, PromptRow> ReadPromptRows(const fs::path& ledger, std::string* error) {
   std::map<std::string, PromptRow> out;
-  sqlite3* db = nullptr;
-  if (sqlite3_open_v2(ledger.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) != SQLITE_OK) {
-    *error = "open " + ledger.string();
-    sqlite3_close(db);
-    return out;
-  }
-  sqlite3_stmt* st = nullptr;
-  if (sqlite3_prepare_v2(db, "SELECT row_json, state, pass FROM prompts", -1, &st, nullptr) !=
-      SQLITE_OK) {
-    *error = sqlite3_errmsg(db);
-  } else {
-    const std::regex marker("item [0-9][0-9]");
-    while (sqlite3_step(st) == SQLITE_ROW) {
-      const std::string row(reinterpret_cast<const char*>(sqlite3_column_text(st, 0)));
-      std::smatch m;
-      PromptRow r;
-      r.state = reinterpret_cast<const char*>(sqlite3_column_text(st, 1));
-      r.pass = sqlite3_column_int64(st, 2);
-      out[std::regex_search(row, m, marker) ? m.str() : "?"] = r;
-    }
-  }
-  sqlite3_finalize(st);
-  sqlite3_close(db);
+  ForEachLedgerRow(
+      ledger, "SELECT row_json, state, pass FROM prompts",
+      [&](sqlite3_stmt* st) {
+        out[MarkerOf(st, 0)] = PromptRow{reinterpret_cast<const char*>(sqlite3_column_text(st, 1)),
+                                         sqlite3_column_int64(st, 2)};
+      },
+      error);
   return out;
 }
 
