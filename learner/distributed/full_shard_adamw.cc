@@ -1,7 +1,6 @@
 #include "learner/distributed/full_shard_adamw.h"
 
 #include <ATen/core/grad_mode.h>
-#include <c10/core/StorageImpl.h>
 
 #include <algorithm>
 #include <cmath>
@@ -17,33 +16,11 @@ namespace grpo::learner::distributed {
 
 std::function<bool(int rank)> TEST_weight_files_probe;
 
-namespace {
+FullShardAdamW::FullShardAdamW(common::Model* model, AdamWOptions options, Collectives* ranks,
+                               bool prefetch)
+    : GatheredUnits(model, ranks, prefetch), options_(options) {}
 
-// Gives the storage behind `t` `bytes` bytes (fresh, uninitialised), or frees it with 0: the
-// tensors that view it keep their shapes (FSDP's untyped_storage().resize_()).
-void ResizeStorage(const at::Tensor& t, size_t bytes) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  if (s->nbytes() == bytes) return;
-  TORCH_CHECK(s->allocator() != nullptr, "full_shard: a unit's storage has no allocator");
-  s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
-  s->set_nbytes(bytes);
-}
-
-std::string UnitName(const common::Model& model, int unit) {
-  if (unit == 0) return "the embedding";
-  if (unit == model.NormUnit()) return "the final norm";
-  if (unit == model.LmHeadUnit()) return "the lm_head";
-  return "layer " + std::to_string(unit - 1);
-}
-
-}  // namespace
-
-FullShardAdamW::FullShardAdamW(common::Model* model, AdamWOptions options, Collectives* ranks)
-    : model_(model), params_(model->NamedParameters()), options_(options), ranks_(ranks) {}
-
-FullShardAdamW::~FullShardAdamW() {
-  if (model_->parameter_gate() == this) model_->SetParameterGate(nullptr);
-}
+FullShardAdamW::~FullShardAdamW() = default;
 
 StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* model,
                                                                  AdamWOptions options,
@@ -80,26 +57,9 @@ StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* 
           "floating dtype on its device");
     }
   }
-  std::unique_ptr<FullShardAdamW> s(new FullShardAdamW(gated, options, ranks));
-  s->prefetch_on_ = prefetch;
-  std::unordered_map<std::string, size_t> index;
-  for (size_t i = 0; i < s->params_.size(); ++i) index[s->params_[i].first] = i;
-  const int64_t world = ranks->world_size();
-  int64_t shard_numel = 0;
-  for (int u = 0; u < gated->NumUnits(); ++u) {
-    Unit unit;
-    for (const auto& [name, p] : gated->UnitParameters(u)) {
-      unit.params.push_back(index.at(name));
-      unit.offsets.push_back(unit.numel);
-      unit.numel += p.numel();
-    }
-    unit.chunk = (unit.numel + world - 1) / world;
-    unit.shard_offset = shard_numel;
-    shard_numel += unit.chunk;
-    s->units_.push_back(std::move(unit));
-  }
+  std::unique_ptr<FullShardAdamW> s(new FullShardAdamW(gated, options, ranks, prefetch));
+  const int64_t shard_numel = s->LayOut();
   const auto opts = master.front().second.options().requires_grad(false);
-  s->device_opts_ = opts;
   // Offload (ZeRO-Offload's optimizer on the host, here with ZeRO-3's parameters): the shards,
   // page-locked beside a GPU so that their copies to and from it are DMA.
   const bool host = offload && !model->device().is_cpu();
@@ -115,167 +75,24 @@ StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* 
   // weights, broadcast a unit at a time. The compute copy of a deferred model is one too.
   const std::shared_ptr<const common::ModelWeights> files = model->TakeDeferredWeights();
   if (compute != nullptr) (void)compute->TakeDeferredWeights();
-  RETURN_IF_ERROR(s->AgreeOnLoading(files != nullptr));
-  at::NoGradGuard no_grad;
-  for (int u = 0; u < static_cast<int>(s->units_.size()); ++u) {
-    Unit& unit = s->units_[u];
-    if (files != nullptr) {
-      RETURN_IF_ERROR(s->ReadChunk(unit, *files));
-    } else {
-      // Rank 0's fp32 values of the unit, whole on every rank for a moment; each keeps its
-      // chunk.
-      std::vector<at::Tensor> flat = {s->Pack(
-          unit, [&](size_t i) { return master[i].second; }, s->weight_shard_.options())};
-      RETURN_IF_ERROR(ranks->Broadcast(
-          flat, "broadcast of rank 0's weights (" + UnitName(*gated, u) + ") for full_shard"));
-      s->weight_shard_.narrow(0, unit.shard_offset, unit.chunk)
-          .copy_(flat[0].narrow(0, ranks->rank() * unit.chunk, unit.chunk));
+  RETURN_IF_ERROR(s->AgreeOnLoading(files != nullptr, "the policy"));
+  {
+    std::vector<at::Tensor> values;  // rank 0's fp32 weights, without files
+    if (files == nullptr) {
+      for (const auto& [name, p] : master) values.push_back(p);
     }
-    // The gated parameters become views of the unit's buffer (each keeps its own version
-    // counter: set_data keeps the tensor's), whose storage is then freed.
-    unit.flat = at::empty({unit.chunk * world}, s->params_.front().second.options());
-    for (size_t k = 0; k < unit.params.size(); ++k) {
-      at::Tensor& p = s->params_[unit.params[k]].second;
-      p.set_data(unit.flat.narrow(0, unit.offsets[k], p.numel()).view(p.sizes()));
-    }
-    s->Free(u);
+    master.clear();  // not a reference more to a unit's memory than Shard frees
+    RETURN_IF_ERROR(s->Shard(files.get(), values, "full_shard"));
   }
   if (compute != nullptr) {
     // The fp32 master's values are the shards now: its parameters keep their shapes (names and
     // shapes for checkpoints), not their memory.
-    for (auto& [name, p] : master) p.set_data(common::UnallocatedTensor(p.sizes(), opts));
+    at::NoGradGuard no_grad;
+    for (auto& [name, p] : model->NamedParameters()) {
+      p.set_data(common::UnallocatedTensor(p.sizes(), opts));
+    }
   }
-  gated->SetParameterGate(s.get());
   return s;
-}
-
-Status FullShardAdamW::AgreeOnLoading(bool from_files) {
-  // Rank 0 says how it loads; a rank that loads otherwise would wait in collectives the others
-  // never make.
-  std::vector<at::Tensor> said = {at::full({1}, from_files ? 1.0 : 0.0, device_opts_)};
-  RETURN_IF_ERROR(ranks_->Broadcast(said, "broadcast of how rank 0 loads the model"));
-  if ((said[0].item<double>() != 0) != from_files) {
-    return Status::FailedPrecondition(
-        "full_shard: rank " + std::to_string(ranks_->rank()) +
-        (from_files ? " reads its shards from the model's files, but rank 0 broadcasts its weights"
-                    : " waits for rank 0's weights, but rank 0 reads its shards from the model's "
-                      "files") +
-        " (every rank must load the model the same way: model_name_or_path on each)");
-  }
-  return Status::OK();
-}
-
-Status FullShardAdamW::ReadChunk(const Unit& u, const common::ModelWeights& files) {
-  // This rank's elements of the unit's flat layout, [lo, hi): of each parameter the part that
-  // falls in it, read from the files into its place in the shard (the padding stays zero).
-  const int64_t lo = ranks_->rank() * u.chunk, hi = lo + u.chunk;
-  for (size_t k = 0; k < u.params.size(); ++k) {
-    const auto& [name, p] = params_[u.params[k]];
-    const int64_t begin = std::max(lo, u.offsets[k]);
-    const int64_t end = std::min(hi, u.offsets[k] + p.numel());
-    if (begin >= end) continue;
-    at::Tensor into = weight_shard_.narrow(0, u.shard_offset + (begin - lo), end - begin);
-    RETURN_IF_ERROR(files.ReadRange(name, begin - u.offsets[k], into));
-  }
-  return Status::OK();
-}
-
-template <typename Source>
-at::Tensor FullShardAdamW::Pack(const Unit& u, Source source,
-                                const at::TensorOptions& options) const {
-  at::Tensor flat = at::zeros({u.chunk * ranks_->world_size()}, options);
-  for (size_t k = 0; k < u.params.size(); ++k) {
-    const at::Tensor t = source(u.params[k]);
-    if (!t.defined()) continue;
-    flat.narrow(0, u.offsets[k], t.numel()).copy_(t.reshape({-1}));
-  }
-  return flat;
-}
-
-at::Tensor FullShardAdamW::ChunkToSend(const Unit& u) const {
-  // This rank's chunk on the model's device (from the host with offload), in the dtype that
-  // computes (bf16: half the bytes to send).
-  return weight_shard_.narrow(0, u.shard_offset, u.chunk).to(u.flat.device(), u.flat.scalar_type());
-}
-
-void FullShardAdamW::Allocate(int unit) {
-  Unit& u = units_[unit];
-  ResizeStorage(u.flat, static_cast<size_t>(u.flat.numel()) * u.flat.element_size());
-  u.gathered = true;
-  max_gathered_ = std::max(max_gathered_, ++gathered_now_);
-  ++all_gathers_;
-}
-
-Status FullShardAdamW::Gather(int unit, const std::string& what) {
-  Unit& u = units_[unit];
-  if (prefetch_.unit == unit) return FinishPrefetch();
-  if (u.gathered) return Status::OK();
-  at::NoGradGuard no_grad;
-  Allocate(unit);
-  return ranks_->AllGather(ChunkToSend(u), u.flat,
-                           "all-gather of " + UnitName(*model_, unit) + what);
-}
-
-Status FullShardAdamW::StartPrefetch(int unit, const std::string& what) {
-  Unit& u = units_[unit];
-  at::NoGradGuard no_grad;
-  Allocate(unit);
-  prefetch_.unit = unit;
-  prefetch_.input = ChunkToSend(u);
-  prefetch_.pending = ranks_->AllGatherAsync(
-      prefetch_.input, u.flat, "all-gather of " + UnitName(*model_, unit) + " (prefetched)" + what);
-  ++prefetches_;
-  return Status::OK();
-}
-
-Status FullShardAdamW::FinishPrefetch() {
-  if (prefetch_.unit < 0) return Status::OK();
-  Prefetch done = std::move(prefetch_);
-  prefetch_ = Prefetch{};
-  return done.pending->Wait();
-}
-
-int FullShardAdamW::NextUnit(int unit, int last) const {
-  const int norm = model_->NormUnit(), head = model_->LmHeadUnit();
-  if (backward_order_) return unit > model_->LayerUnit(0) && unit <= norm ? unit - 1 : -1;
-  if (unit == head && last == norm) return -1;  // the head ends the forward
-  if (unit == norm) return head;
-  return unit < norm ? unit + 1 : -1;  // the embedding or a layer: the next one
-}
-
-Status FullShardAdamW::Use(int unit, const std::string& what) {
-  // A unit held already (the head asked for again) costs nothing and predicts nothing.
-  if (units_[unit].gathered && prefetch_.unit != unit) return Status::OK();
-  const int last = last_used_;
-  last_used_ = unit;
-  // The final norm right after the head: the backward, which gathers the layers last to first.
-  if (unit == model_->NormUnit() && last == model_->LmHeadUnit()) backward_order_ = true;
-  if (prefetch_.unit >= 0 && prefetch_.unit != unit) {
-    // Not the unit predicted (a path the prediction does not know): it stays gathered until
-    // released; every rank took the same path, so the collectives still match.
-    RETURN_IF_ERROR(FinishPrefetch());
-  }
-  RETURN_IF_ERROR(Gather(unit, what));
-  const int next = prefetch_on_ ? NextUnit(unit, last) : -1;
-  if (next >= 0 && !units_[next].gathered) RETURN_IF_ERROR(StartPrefetch(next, what));
-  return Status::OK();
-}
-
-void FullShardAdamW::Free(int unit) {
-  Unit& u = units_[unit];
-  if (prefetch_.unit == unit) {
-    Status s = FinishPrefetch();  // its buffer is being written: not freed under it
-    if (error_.ok() && !s.ok()) error_ = s;
-  }
-  ResizeStorage(u.flat, 0);
-  if (u.gathered) --gathered_now_;
-  u.gathered = false;
-}
-
-void FullShardAdamW::ReleaseAll() {
-  for (int u = 0; u < static_cast<int>(units_.size()); ++u) Free(u);
-  last_used_ = -1;
-  backward_order_ = false;
 }
 
 Status FullShardAdamW::ReduceScatter(int unit, const at::Tensor& flat, const std::string& what) {
@@ -286,22 +103,6 @@ Status FullShardAdamW::ReduceScatter(int unit, const at::Tensor& flat, const std
   grad_shard_.narrow(0, u.shard_offset, u.chunk).add_(summed.to(grad_shard_.device()));
   return Status::OK();
 }
-
-void FullShardAdamW::ThrowIfFailed(const Status& s) {
-  if (s.ok()) return;
-  if (error_.ok()) error_ = s;
-  TORCH_CHECK(false, s.ToString());
-}
-
-Status FullShardAdamW::TakeError() {
-  Status s = error_;
-  error_ = Status::OK();
-  return s;
-}
-
-void FullShardAdamW::Acquire(int unit) { ThrowIfFailed(Use(unit, where_)); }
-
-void FullShardAdamW::Release(int unit) { Free(unit); }
 
 void FullShardAdamW::TakeGradients(int unit, const std::vector<at::Tensor>& grads) {
   at::NoGradGuard no_grad;
@@ -352,18 +153,6 @@ Status FullShardAdamW::FinishBackward(bool zeros) {
   return status;
 }
 
-Status FullShardAdamW::JoinNoGradForward(const std::string& where) {
-  // ForwardHidden without grad: each unit used and released in turn; then LmHeadWeight (Use
-  // prefetches as the forward's acquisitions do).
-  for (int u = 0; u <= model_->NormUnit(); ++u) {
-    RETURN_IF_ERROR(Use(u, where));
-    Free(u);
-  }
-  RETURN_IF_ERROR(Use(model_->LmHeadUnit(), where));
-  ReleaseAll();
-  return Status::OK();
-}
-
 Status FullShardAdamW::JoinMicroBatch(const std::string& where) {
   where_ = where;
   // The forward: as JoinNoGradForward, but the lm_head stays gathered through the backward.
@@ -386,14 +175,7 @@ Status FullShardAdamW::JoinMicroBatch(const std::string& where) {
 Status FullShardAdamW::RunNoGradForwards(int64_t own, int64_t all,
                                          const std::function<void(int64_t)>& forward,
                                          const std::string& where) {
-  where_ = where;
-  for (int64_t i = 0; i < own; ++i) {
-    forward(i);
-    ReleaseAll();  // the lm_head, which LmHeadWeight left gathered
-    RETURN_IF_ERROR(TakeError());
-  }
-  for (int64_t i = own; i < all; ++i) RETURN_IF_ERROR(JoinNoGradForward(where));
-  return Status::OK();
+  return RunJoinedForwards(own, all, forward, where);
 }
 
 void FullShardAdamW::BeforeBackward(const std::string& where) {
@@ -719,15 +501,6 @@ int64_t FullShardAdamW::ResidentBytes() const {
 int64_t FullShardAdamW::ResidentParameterBytes() const {
   int64_t bytes = weight_shard_.nbytes();
   for (const Unit& u : units_) bytes += static_cast<int64_t>(u.flat.storage().nbytes());
-  return bytes;
-}
-
-int64_t FullShardAdamW::LargestUnitBytes() const {
-  int64_t bytes = 0;
-  for (const Unit& u : units_) {
-    bytes = std::max(bytes,
-                     u.chunk * ranks_->world_size() * static_cast<int64_t>(u.flat.element_size()));
-  }
   return bytes;
 }
 

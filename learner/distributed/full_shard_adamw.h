@@ -60,10 +60,10 @@
 #include <vector>
 
 #include "common/model/model.h"
-#include "common/model/parameter_gate.h"
 #include "common/model/safetensors.h"
 #include "common/status.h"
 #include "learner/distributed/collectives.h"
+#include "learner/distributed/gathered_units.h"
 #include "learner/optimizer.h"
 #include "learner/step_optimizer.h"
 
@@ -73,7 +73,7 @@ namespace grpo::learner::distributed {
 // as ranks on machines that do not share output_dir.
 extern std::function<bool(int rank)> TEST_weight_files_probe;
 
-class FullShardAdamW final : public StepOptimizer, public common::ParameterGate {
+class FullShardAdamW final : public StepOptimizer, public GatheredUnits {
  public:
   // Shards `model` (borrowed; fp32, contiguous parameters on one device: InvalidArgument
   // otherwise) over `ranks` (borrowed) and sets itself as the gate of the model that computes:
@@ -117,59 +117,15 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   Status LoadWeights(const common::NamedTensors& weights) override;
   Status LoadWeightsFrom(WeightFiles files) override;
 
-  // ParameterGate.
-  void Acquire(int unit) override;
-  void Release(int unit) override;
+  // ParameterGate (Acquire and Release: GatheredUnits').
   void TakeGradients(int unit, const std::vector<at::Tensor>& grads) override;
 
-  // Observations for tests: all-gathers of units so far, and the most units gathered at once.
-  int64_t all_gathers() const { return all_gathers_; }
-  int64_t prefetches() const { return prefetches_; }
-  int max_units_gathered() const { return max_gathered_; }
-  // The largest unit's padded size in bytes (what one gathered unit costs).
-  int64_t LargestUnitBytes() const;
-
  private:
-  struct Unit {
-    std::vector<size_t> params;    // indices in params_
-    std::vector<int64_t> offsets;  // of each in the flat buffer
-    int64_t numel = 0;             // the parameters' elements
-    int64_t chunk = 0;             // ceil(numel / world_size): one rank's part
-    int64_t shard_offset = 0;      // where this rank's chunk starts in the shard buffers
-    at::Tensor flat;  // [chunk x world_size], the compute dtype: the gated parameters' storage
-    bool gathered = false;
-  };
-
-  FullShardAdamW(common::Model* model, AdamWOptions options, Collectives* ranks);
-  // The unit's elements from `source(i)` for each of its parameters (undefined = zeros) as one
-  // flat buffer of chunk x world_size, zero padded.
-  template <typename Source>
-  at::Tensor Pack(const Unit& u, Source source, const at::TensorOptions& options) const;
-  // Rank 0's way of loading (from_files: each rank reads its shards from a deferred model's
-  // files; else rank 0's weights are broadcast) told to every rank; FailedPrecondition on a rank
-  // whose own differs.
-  Status AgreeOnLoading(bool from_files);
-  // This rank's chunk of the unit read from the files into weight_shard_.
-  Status ReadChunk(const Unit& u, const common::ModelWeights& files);
+  FullShardAdamW(common::Model* model, AdamWOptions options, Collectives* ranks, bool prefetch);
   // SyncFromRankZero's part for a checkpoint rank 0 restored from its files (LoadWeightsFrom):
   // every rank that sees the same checkpoint reads its own chunks there; if any does not, rank 0
   // reads the weights a unit at a time and hands each rank its chunk.
   Status HandOutWeightFiles(const std::string& what);
-  // The unit's storage back, counted as gathered.
-  void Allocate(int unit);
-  // This rank's chunk of the unit as its all-gather sends it.
-  at::Tensor ChunkToSend(const Unit& u) const;
-  // The unit's values here: at once, or the prefetch of it waited for; nothing if held.
-  Status Gather(int unit, const std::string& what);
-  // The gate's (and the joins') acquisition: Gather, then the next unit's gather started
-  // (NextUnit) so that it runs while this one computes.
-  Status Use(int unit, const std::string& what);
-  // The unit a forward or backward uses after `unit` (used after `last`), or -1.
-  int NextUnit(int unit, int last) const;
-  Status StartPrefetch(int unit, const std::string& what);
-  Status FinishPrefetch();
-  void Free(int unit);
-  void ReleaseAll();
   // Sums `flat` (chunk x world_size, this rank's contribution) over the ranks into this rank's
   // gradient shard.
   Status ReduceScatter(int unit, const at::Tensor& flat, const std::string& what);
@@ -181,41 +137,16 @@ class FullShardAdamW final : public StepOptimizer, public common::ParameterGate 
   Status FinishBackward(bool zeros);
   // The collectives of one training micro-batch this rank does not run, with zero gradients.
   Status JoinMicroBatch(const std::string& where);
-  // The collectives of one no-grad forward this rank does not run.
-  Status JoinNoGradForward(const std::string& where);
   // The round of world_size positions is over: JoinMicroBatch unless this rank's backward ran.
   Status EndRound(const std::string& where);
-  // Throws the first error of the gate's collectives as c10::Error (the gate cannot return one).
-  void ThrowIfFailed(const Status& s);
-  Status TakeError();
-
-  common::Model* model_;         // the gated one: the compute copy, or the fp32 model itself
-  common::NamedTensors params_;  // model_'s, in NamedParameters' order
+  // model_ (GatheredUnits'): the compute copy, or the fp32 model itself; weight_shard_ the fp32
+  // master weights; device_opts_ the gradients' before their reduce.
   AdamWOptions options_;
-  Collectives* ranks_;
-  std::vector<Unit> units_;
-  std::string where_;  // names the gate's collectives of the forward or backward running now
-  Status error_;       // the first failure of the gate's collectives since the last check
   std::vector<int> backward_units_;  // TakeGradients per unit in the running backward
-  // The all-gather started ahead of its use (at most one), with the chunk it sends.
-  struct Prefetch {
-    int unit = -1;
-    at::Tensor input;
-    std::unique_ptr<PendingCollective> pending;
-  };
-  Prefetch prefetch_;
-  int last_used_ = -1;           // the unit Use took last since the last ReleaseAll
-  bool backward_order_ = false;  // the uses go the final norm, then the layers last to first
-  int64_t prefetches_ = 0;
-  bool prefetch_on_ = true;
-  bool round_reduced_ = false;  // this rank ran a backward in the round now open
-  // fp32, the sum of this rank's chunks (padding included): the master weights, the step's
-  // summed gradient, AdamW's moments; on the model's device, or the host with offload.
-  at::Tensor weight_shard_, grad_shard_, exp_avg_, exp_avg_sq_;
-  at::TensorOptions device_opts_;  // fp32 on the model's device: gradients before their reduce
+  bool round_reduced_ = false;       // this rank ran a backward in the round now open
+  // fp32, beside weight_shard_ and laid out as it: the step's summed gradient, AdamW's moments.
+  at::Tensor grad_shard_, exp_avg_, exp_avg_sq_;
   int64_t step_ = 0;
-  int64_t all_gathers_ = 0;
-  int gathered_now_ = 0, max_gathered_ = 0;
   // Rank 0 after LoadStateDict / LoadWeights: the whole restored state and weights, until
   // SyncFromRankZero hands them out.
   common::NamedTensors pending_state_, pending_weights_;
