@@ -330,18 +330,31 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
                                    c10::toString(policy->dtype()));
   }
   const at::ScalarType compute_dtype = common::ComputeDtype(config.bf16);
-  if (reference) {
-    RETURN_IF_ERROR(reference->Materialize().WithContext("reference model"));
-    RETURN_IF_ERROR(reference->To(policy->device(), compute_dtype));
-  }
-  // A deferred policy (Model::LoadDeferred) is read a shard a rank by full_shard's gate, and
-  // whole here for any other optimizer.
+  // A deferred model (Model::LoadDeferred) is read a shard a rank where full_shard's gate fills
+  // the policy's parameters, and whole here otherwise; so is the reference, which is then
+  // sharded too (FrozenShards).
   const int world = ranks != nullptr ? ranks->world_size() : 1;
-  if (policy->deferred() && !GatesParameters(fsdp, world, policy->device())) {
+  const bool gates = GatesParameters(fsdp, world, policy->device());
+  if (policy->deferred() && !gates) {
     RETURN_IF_ERROR(policy->Materialize().WithContext("policy"));
+  }
+  if (reference) {
+    if (!gates) RETURN_IF_ERROR(reference->Materialize().WithContext("reference model"));
+    RETURN_IF_ERROR(reference->To(policy->device(), compute_dtype));
   }
 
   std::unique_ptr<GrpoTrainer> t(new GrpoTrainer(config, lc, policy, std::move(reference)));
+  if (ranks != nullptr) t->ranks_ = ranks;
+  if (t->reference_) {
+    t->reference_->SetRequiresGrad(false);
+    if (gates) {
+      // Before the policy's shards: the whole reference (a model built in memory) is gone
+      // before the policy's loading phase.
+      ASSIGN_OR_RETURN(t->reference_shards_,
+                       distributed::FrozenShards::Create(t->reference_.get(), t->ranks_,
+                                                         fsdp.offload, fsdp.prefetch));
+    }
+  }
   loss::EntropyControlConfig ec;
   ec.entropy_coef = config.entropy_coef;
   ec.adaptive = config.use_adaptive_entropy;
@@ -350,14 +363,12 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
   ec.coef_delta = config.entropy_coef_delta;
   ec.target = config.entropy_target;
   t->entropy_control_ = loss::EntropyController(ec);
-  if (ranks != nullptr) t->ranks_ = ranks;
   t->schedule_ = schedule;
   policy->SetRequiresGrad(true);
   if (config.bf16) {
     ASSIGN_OR_RETURN(t->compute_, policy->Copy(policy->device(), compute_dtype));
     t->compute_->SetRequiresGrad(true);
   }
-  if (t->reference_) t->reference_->SetRequiresGrad(false);
   ASSIGN_OR_RETURN(t->optimizer_,
                    MakeStepOptimizer(fsdp, policy->NamedParameters(),
                                      t->compute_ ? t->compute_->Parameters() : policy->Parameters(),
@@ -567,9 +578,16 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
           n_own, most_trained, [&](int64_t i) { no_grad_logprobs(compute, batch.old, i); },
           " of the old log-probs of step " + std::to_string(global_step_ + 1)));
     }
-    if (reference_) {  // whole on every rank, whatever `fsdp` says
+    if (reference_) {
       batch.ref = at::zeros({N, cmax}, at::kFloat);
-      for (int64_t i = 0; i < n_own; ++i) no_grad_logprobs(*reference_, batch.ref, i);
+      auto forward = [&](int64_t i) { no_grad_logprobs(*reference_, batch.ref, i); };
+      if (reference_shards_) {
+        RETURN_IF_ERROR(reference_shards_->RunNoGradForwards(
+            n_own, most_trained, forward,
+            " of the reference log-probs of step " + std::to_string(global_step_ + 1)));
+      } else {
+        for (int64_t i = 0; i < n_own; ++i) forward(i);
+      }
     }
   } catch (const c10::Error& e) {
     return Status::Internal(std::string("old/ref log-probs: ") + e.what_without_backtrace());

@@ -24,6 +24,7 @@
 #include "common/rollout_types.h"
 #include "common/status.h"
 #include "learner/distributed/collectives.h"
+#include "learner/distributed/frozen_shards.h"
 #include "learner/group_check.h"
 #include "learner/grpo_loss.h"
 #include "learner/loss/entropy_bonus.h"
@@ -120,9 +121,11 @@ class GrpoTrainer {
   // every collective is matched however few micro-batches a rank has. full_shard shards the
   // policy's parameters too (distributed/full_shard_adamw.h): its tensors then hold no values
   // between uses and the whole weights are read through optimizer().GatherWeights; Create is
-  // then a collective (with bf16 the gate sits on the bf16 compute copy). `offload` on a GPU is
-  // full_shard's, with its shards on the host, at any world size (Unimplemented with the other
-  // modes). Batch dumps at world size > 1 are rank 0's, of the whole step.
+  // then a collective (with bf16 the gate sits on the bf16 compute copy), and so is the
+  // reference's: sharded too (distributed/frozen_shards.h), read a shard a rank when deferred.
+  // `offload` on a GPU is full_shard's, with its shards on the host, at any world size
+  // (Unimplemented with the other modes). Batch dumps at world size > 1 are rank 0's, of the whole
+  // step.
   static StatusOr<std::unique_ptr<GrpoTrainer>> Create(const common::GrpoConfig& config,
                                                        common::Model* policy,
                                                        std::unique_ptr<common::Model> reference,
@@ -179,6 +182,8 @@ class GrpoTrainer {
   const common::Model& compute_model() const { return compute_ ? *compute_ : *policy_; }
   // AdamW over the ranks as `fsdp` says; its StateDict is a collective when sharded.
   StepOptimizer& optimizer() { return *optimizer_; }
+  // The reference's shards where full_shard shards it (beta != 0), else null.
+  const distributed::FrozenShards* reference_shards() const { return reference_shards_.get(); }
   // The learner process id (64-bit hex) written into batch dumps as learner_incarnation, next to
   // each row's policy_incarnation (the chaos test checks that they agree).
   void set_dump_incarnation(std::string incarnation) { dump_incarnation_ = std::move(incarnation); }
@@ -241,6 +246,9 @@ class GrpoTrainer {
   common::Model* policy_;
   std::unique_ptr<common::Model> compute_;  // bf16 compute copy, or null (fp32)
   std::unique_ptr<common::Model> reference_;
+  // Where full_shard's gate fills the policy's parameters: the reference's shards, the gate of
+  // reference_ (after it: destroyed first); null with the reference whole.
+  std::unique_ptr<distributed::FrozenShards> reference_shards_;
   std::unique_ptr<StepOptimizer> optimizer_;
   distributed::SingleRank single_rank_;
   distributed::Collectives* ranks_ = &single_rank_;  // never null

@@ -201,25 +201,44 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     // reduce-scatter.
     p.gathered_layer = s * p.params.largest_unit;
   }
-  // Loading (full_shard as built: GrpoTrainer::Create, FullShardAdamW::Create), a phase of its
-  // own. From model_name_or_path (sharded loading, Model::LoadDeferred): each rank reads only
-  // its chunk of each unit from the files straight into its shard, and holds beside the shards
-  // one unit's buffer in the compute dtype, which the unit's parameters become views of before
-  // it is freed. A model built in memory (no model_name_or_path: the tiny preset, the benches)
-  // is whole on every rank (fp32, and with bf16 its compute copy) until the shards are cut from
-  // rank 0's, broadcast a unit at a time: the unit packed in fp32 (on the host with offload),
-  // freed before that buffer is made. Both measured in memory_plan_test (MemoryPlanRanks).
+  // Loading (full_shard as built: GrpoTrainer::Create, FullShardAdamW::Create, and first the
+  // reference's FrozenShards::Create), a phase of its own. From model_name_or_path (sharded
+  // loading, Model::LoadDeferred): each rank reads only its chunk of each unit from the files
+  // straight into its shard, and holds beside the shards one unit's buffer in the compute
+  // dtype, which the unit's parameters become views of before it is freed. A model built in
+  // memory (no model_name_or_path: the tiny preset, the benches) is whole on every rank (fp32,
+  // and with bf16 its compute copy) until the shards are cut from rank 0's, broadcast a unit at
+  // a time: the unit packed in fp32 (on the host with offload), freed before that buffer is
+  // made; a reference built in memory is whole beside the whole fp32 policy until it is
+  // sharded (with bf16 its fp32 values beside the bf16 ones while it is cast; the unit packed
+  // in its dtype otherwise). Measured in memory_plan_test (MemoryPlanRanks) but for the
+  // reference built in memory, an upper bound.
   p.sharded_loading = gathers && !cfg.model_name_or_path.empty();
   if (p.sharded_loading) {
     p.load = s * p.params.largest_unit;
   } else if (gathers) {
     p.load = 4 * n + (cfg.bf16 ? 2 * n : 0) + (offload ? s : 4) * p.params.largest_unit;
+    if (p.reference) {
+      p.load = std::max(p.load, 4 * n + (cfg.bf16 ? 6 * n : 4 * n + 4 * p.params.largest_unit));
+    }
   }
   // Streaming the weights from full_shard (StreamWeights) gathers one unit at a time in fp32.
   if (cfg.weight_publish == "stream" && gathers) {
     p.publish_unit = 4 * p.params.largest_unit;
   }
-  if (p.reference) p.reference_model = s * n;  // whole on every rank, in every mode (as built)
+  // The reference model (beta != 0), frozen in the compute dtype: whole on every rank, or where
+  // full_shard gathers the policy's units, 1/W of it a rank (FrozenShards: on the host with
+  // offload). Its gathered units are used in its own no-grad forwards, with none of the
+  // policy's gathered: within the micro-batch phases above.
+  if (p.reference) {
+    if (!gathers) {
+      p.reference_model = s * n;
+    } else if (offload) {
+      p.host_offloaded += CeilDiv(s * n, w);
+    } else {
+      p.reference_model = CeilDiv(s * n, w);
+    }
+  }
 
   // Weights published for rollout workers (learner/learner.cc PublishWeights): fp32 CPU tensors
   // always, and a copy on the GPU while a worker takes them over NCCL or CUDA IPC. With

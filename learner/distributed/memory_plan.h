@@ -73,7 +73,8 @@ struct MemoryPlan {
   int64_t master_weights = 0;      // bf16: the fp32 master (the policy AdamW steps)
   int64_t master_gradients = 0;    // bf16: the master's fp32 .grad (MoveComputeGradsToMaster)
   int64_t adamw_state = 0;         // exp_avg + exp_avg_sq, fp32
-  int64_t reference_model = 0;     // beta != 0: a frozen copy in the compute dtype
+  int64_t reference_model = 0;     // beta != 0: a frozen copy in the compute dtype (1/W where
+                                   // full_shard gathers; on the host with offload)
   bool streams_weights = false;    // weight_publish: stream (no snapshot is kept)
   int64_t weight_snapshot = 0;     // published weights (fp32) held on this device
   int64_t weight_sync_bucket = 0;  // one flat bucket of the weight-sync backend on this device

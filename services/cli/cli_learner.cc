@@ -51,16 +51,18 @@ StatusOr<std::string> ModelDir(const common::GrpoConfig& cfg) {
   return dir;
 }
 
-// The policy of a learner rank of `world` from model_name_or_path: deferred (Model::LoadDeferred)
-// where full_shard's gate fills its parameters, each rank then reading only its own shard of the
-// files (no rank holds the whole model: README "Know before you launch"); whole otherwise.
-// Without model_name_or_path every rank has the tiny model in memory and rank 0's is broadcast.
-StatusOr<std::unique_ptr<common::Model>> LoadPolicy(const common::GrpoConfig& cfg,
-                                                    const at::Device& device, int world) {
+// The policy (or the reference: `what`) of a learner rank of `world` from model_name_or_path:
+// deferred (Model::LoadDeferred) where full_shard's gate fills the policy's parameters, each rank
+// then reading only its own shard of the files (no rank holds the whole model: README "Know
+// before you launch"); whole otherwise. Without model_name_or_path every rank has the tiny model
+// in memory and rank 0's is broadcast.
+StatusOr<std::unique_ptr<common::Model>> LoadModel(const common::GrpoConfig& cfg,
+                                                   const at::Device& device, int world,
+                                                   const char* what) {
   ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(cfg.fsdp));
   if (learner::GatesParameters(fsdp, world, device)) {
-    GRPO_LOG_INFO("learner: sharded loading: this rank reads only its shards of {}",
-                  cfg.model_name_or_path);
+    GRPO_LOG_INFO("learner: sharded loading: this rank reads only its shards of {} ({})",
+                  cfg.model_name_or_path, what);
     return common::Model::LoadDeferred(cfg.model_name_or_path, device);
   }
   return common::Model::Load(cfg.model_name_or_path, device);
@@ -77,13 +79,13 @@ Status LoadTrainerRankModels(const common::GrpoConfig& cfg, const at::Device& de
     ASSIGN_OR_RETURN(*policy, common::Model::InitRandom(preset, cfg.seed));
     RETURN_IF_ERROR((*policy)->To(device, (*policy)->dtype()).WithContext("policy"));
   } else {
-    ASSIGN_OR_RETURN(*policy, LoadPolicy(cfg, device, world));
+    ASSIGN_OR_RETURN(*policy, LoadModel(cfg, device, world, "the policy"));
   }
-  if (cfg.beta != 0) {  // whole on every rank
-    if ((*policy)->deferred()) {
-      ASSIGN_OR_RETURN(*reference, common::Model::Load(cfg.model_name_or_path, device));
-    } else {
+  if (cfg.beta != 0) {  // as the policy: deferred, or whole (rank 0's then broadcast if sharded)
+    if (cfg.model_name_or_path.empty()) {
       ASSIGN_OR_RETURN(*reference, (*policy)->Copy(device, (*policy)->dtype()));
+    } else {
+      ASSIGN_OR_RETURN(*reference, LoadModel(cfg, device, world, "the reference model"));
     }
   }
   return Status::OK();
@@ -161,12 +163,15 @@ int RunLearner(const LearnerOptions& o) {
   fs::create_directories(cfg.output_dir, ec);
   auto model_dir = ModelDir(cfg);
   if (!model_dir.ok()) return fail(model_dir.status());
-  auto policy = cfg.model_name_or_path.empty() ? common::Model::Load(*model_dir, *device)
-                                               : LoadPolicy(cfg, *device, rank_env->world_size);
+  auto policy = cfg.model_name_or_path.empty()
+                    ? common::Model::Load(*model_dir, *device)
+                    : LoadModel(cfg, *device, rank_env->world_size, "the policy");
   if (!policy.ok()) return fail(policy.status());
   std::unique_ptr<common::Model> reference;
   if (cfg.beta != 0) {
-    auto ref = common::Model::Load(*model_dir, *device);
+    auto ref = cfg.model_name_or_path.empty()
+                   ? common::Model::Load(*model_dir, *device)
+                   : LoadModel(cfg, *device, rank_env->world_size, "the reference model");
     if (!ref.ok()) return fail(ref.status());
     reference = std::move(ref).value();
   }

@@ -115,7 +115,9 @@ TEST(CudaParity, SampledDecodeWithStopTokensMatchesTheCpu) {
 // host shards onto the GPU; gradients go back to the host, where AdamW steps), in fp32 and in
 // bf16, with gradient checkpointing: the steps (loss, grad_norm) and the weights after them
 // equal the plain trainer's on the same GPU (no_shard), to 1e-5. Between steps the GPU holds no
-// parameter values and AdamW's state is on the host.
+// parameter values and AdamW's state is on the host. With beta 0.04 and a reference of other
+// weights (the tiny model of seed 8, whole on the GPU in the plain run): offloaded, its shard is
+// on the host too (FrozenShards) and its parameters hold no GPU memory.
 TEST(CudaParity, FullShardOffloadOnOneGpuTakesThePlainSteps) {
   SKIP_WITHOUT_CUDA();
   auto cpu = PrecisionTinyModel();
@@ -136,8 +138,14 @@ TEST(CudaParity, FullShardOffloadOnOneGpuTakesThePlainSteps) {
       cfg.per_device_train_batch_size = 4;
       cfg.gradient_accumulation_steps = 2;  // 4 micro-batches a batch: 2 steps a pass
       cfg.max_grad_norm = 1.0;
+      cfg.beta = 0.04;
       auto model = PrecisionTinyModel(kCuda);
-      auto trainer = learner::GrpoTrainer::Create(cfg, model.get(), nullptr);
+      auto tiny = common::ModelConfigPreset("tiny");
+      EXPECT_TRUE(tiny.ok());
+      auto reference = common::Model::InitRandom(*tiny, 8);
+      EXPECT_TRUE(reference.ok());
+      common::Model* ref = reference->get();
+      auto trainer = learner::GrpoTrainer::Create(cfg, model.get(), std::move(reference).value());
       EXPECT_TRUE(trainer.ok()) << trainer.status().ToString();
       if (!trainer.ok()) return out;
       auto r = (*trainer)->TrainGenerationBatch(groups);
@@ -152,6 +160,10 @@ TEST(CudaParity, FullShardOffloadOnOneGpuTakesThePlainSteps) {
         const auto pieces = (*trainer)->optimizer().StatePieces();
         EXPECT_FALSE(pieces.empty());
         for (const auto& piece : pieces) EXPECT_TRUE(piece.moments[0].is_cpu()) << piece.param;
+        EXPECT_NE((*trainer)->reference_shards(), nullptr);
+        for (const at::Tensor& p : ref->Parameters()) {
+          EXPECT_EQ(p.storage().nbytes(), 0u) << "the reference holds GPU memory between steps";
+        }
         auto gathered = (*trainer)->optimizer().GatherWeights("the test's weights", true);
         EXPECT_TRUE(gathered.ok()) << gathered.status().ToString();
         if (gathered.ok()) {

@@ -40,6 +40,7 @@ using common::Completion;
 using common::RolloutGroup;
 using distributed::Collectives;
 using distributed::FakeRankGroup;
+using distributed::FrozenShards;
 using distributed::SingleRank;
 using grpo::common::CountingCpuAllocator;
 using grpo::common::CountingScope;
@@ -118,12 +119,27 @@ struct RunResult {
   // TrainPart: the peak of the CPU bytes this rank allocated while it restored a checkpoint and
   // synced with rank 0 (counted only under a common::CountingScope).
   int64_t restore_peak = -1;
+  // With beta != 0: the bytes of the reference's parameters between uses, and of its shard
+  // (-1: not sharded), and its units' all-gathers.
+  int64_t reference_parameter_bytes = -1, reference_shard_bytes = -1, reference_gathers = 0;
 };
 
-// Trains the batches and flushes, as rank `ranks->rank()` (or alone when null); with a
-// reference model (its own random weights) when cfg.beta != 0.
+using ModelMaker = std::function<std::unique_ptr<common::Model>()>;
+
+// The reference of Train when beta != 0: the tiny model with its own random weights.
+std::unique_ptr<common::Model> TinyReference() {
+  auto cfg = common::ModelConfigPreset("tiny");
+  EXPECT_TRUE(cfg.ok());
+  auto m = common::Model::InitRandom(*cfg, 8);
+  EXPECT_TRUE(m.ok());
+  return std::move(m).value();
+}
+
+// Trains the batches and flushes, as rank `ranks->rank()` (or alone when null); with the
+// reference `make_reference` makes when cfg.beta != 0.
 RunResult Train(const common::GrpoConfig& cfg, Collectives* ranks,
-                const std::function<std::unique_ptr<common::Model>()>& make_model = TinyModel) {
+                const ModelMaker& make_model = TinyModel,
+                const ModelMaker& make_reference = TinyReference) {
   RunResult out;
   auto model = make_model();
   if (model == nullptr) {
@@ -131,11 +147,8 @@ RunResult Train(const common::GrpoConfig& cfg, Collectives* ranks,
     return out;
   }
   std::unique_ptr<common::Model> reference;
-  if (cfg.beta != 0) {
-    auto ref = common::Model::InitRandom(model->config(), 8);
-    EXPECT_TRUE(ref.ok());
-    reference = std::move(ref).value();
-  }
+  if (cfg.beta != 0) reference = make_reference();
+  common::Model* const ref = reference.get();
   auto trainer = GrpoTrainer::Create(cfg, model.get(), std::move(reference), ranks);
   if (!trainer.ok()) {
     out.error = trainer.status().ToString();
@@ -155,6 +168,16 @@ RunResult Train(const common::GrpoConfig& cfg, Collectives* ranks,
     return out;
   }
   if (flushed->has_value()) out.steps.push_back(**flushed);
+  if (ref != nullptr) {
+    out.reference_parameter_bytes = 0;
+    for (const at::Tensor& p : ref->Parameters()) {
+      out.reference_parameter_bytes += static_cast<int64_t>(p.storage().nbytes());
+    }
+    if (const FrozenShards* shards = (*trainer)->reference_shards(); shards != nullptr) {
+      out.reference_shard_bytes = shards->ShardBytes();
+      out.reference_gathers = shards->all_gathers();
+    }
+  }
   if ((*trainer)->optimizer().ShardsParameters()) {  // full_shard: whole nowhere, gathered
     auto gathered = (*trainer)->optimizer().GatherWeights("the test's weights", true);
     if (!gathered.ok()) {
@@ -169,14 +192,16 @@ RunResult Train(const common::GrpoConfig& cfg, Collectives* ranks,
 }
 
 // Train on `world` thread ranks over a fake group, rank r with config(r).
-std::vector<RunResult> TrainOnRanks(
-    int world, const std::function<common::GrpoConfig(int rank)>& config,
-    const std::function<std::unique_ptr<common::Model>()>& make_model = TinyModel) {
+std::vector<RunResult> TrainOnRanks(int world,
+                                    const std::function<common::GrpoConfig(int rank)>& config,
+                                    const ModelMaker& make_model = TinyModel,
+                                    const ModelMaker& make_reference = TinyReference) {
   FakeRankGroup group(world, std::chrono::seconds(60));
   std::vector<RunResult> results(world);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] { results[r] = Train(config(r), &group.Rank(r), make_model); });
+    threads.emplace_back(
+        [&, r] { results[r] = Train(config(r), &group.Rank(r), make_model, make_reference); });
   }
   for (auto& t : threads) t.join();
   return results;
@@ -387,6 +412,88 @@ TEST(DataParallelShardedLoading, OtherModesReadTheWholeModel) {
   }
   fs::remove_all(dir);
 }
+
+// The reference model (beta 0.04) under full_shard (FrozenShards): the policy and a reference of
+// other weights, each saved as BF16 in several files, read a shard a rank (Model::LoadDeferred)
+// on 2 and 4 ranks take the steps of one rank that read both whole (Model::Load): the loss holds
+// the KL term, so every rank's reference log-probs must be the whole model's, also on the ranks
+// that join the forwards of a partial last round (Batches() ends in a step of 2 micro-batches).
+// Between uses each rank's reference holds no parameter memory, only its shard: s x the sum over
+// units of ceil(unit / W) elements (the tiny model's units by hand, as below), s the compute
+// dtype's bytes; and every rank gathered its units as often as the others.
+class DataParallelFullShardReference : public ::testing::TestWithParam<std::tuple<int, bool>> {
+};  // world, bf16
+
+TEST_P(DataParallelFullShardReference, EachRankHoldsItsShareOfTheReferenceAndTakesTheSteps) {
+  const auto [world, bf16] = GetParam();
+  namespace fs = std::filesystem;
+  auto preset = common::ModelConfigPreset("tiny");
+  ASSERT_TRUE(preset.ok());
+  const common::ModelConfig& c = *preset;
+  const int64_t d = c.hidden_size, q = c.num_attention_heads * c.head_dim;
+  const int64_t kv = c.num_key_value_heads * c.head_dim, i = c.intermediate_size;
+  const int64_t layer = q * d + 2 * kv * d + d * q + q + 2 * kv + 3 * i * d + 2 * d;
+  ASSERT_TRUE(c.tie_word_embeddings);
+  ASSERT_EQ(c.num_hidden_layers, 2);
+  const std::vector<int64_t> units = {c.vocab_size * d, layer, layer, d};
+  int64_t n = 0, chunks = 0;
+  for (int64_t u : units) {
+    n += u;
+    chunks += (u + world - 1) / world;
+  }
+  const int64_t s = bf16 ? 2 : 4;
+  const fs::path base =
+      fs::temp_directory_path() / ("grpo_dp_reference_" + std::to_string(::getpid()));
+  fs::remove_all(base);
+  for (const auto& [name, seed] : {std::pair{"policy", 7}, std::pair{"reference", 8}}) {
+    auto m = common::Model::InitRandom(c, seed);
+    ASSERT_TRUE(m.ok());
+    const std::string dir = (base / name).string();
+    ASSERT_TRUE((*m)->Save(dir).ok());  // config.json; the fp32 weights are replaced
+    fs::remove(fs::path(dir) / "model.safetensors");
+    common::NamedTensors half;
+    for (const auto& [pname, p] : (*m)->NamedParameters()) {
+      half.emplace_back(pname, p.to(at::kBFloat16));
+    }
+    ASSERT_TRUE(common::WriteSafetensorsCheckpoint(dir, half, 64 << 10).ok());
+  }
+  const auto load = [&](const char* name, bool deferred) {
+    return [&, name, deferred]() -> std::unique_ptr<common::Model> {
+      const std::string dir = (base / name).string();
+      auto m = deferred ? common::Model::LoadDeferred(dir) : common::Model::Load(dir);
+      EXPECT_TRUE(m.ok()) << m.status().ToString();
+      return m.ok() ? std::move(m).value() : nullptr;
+    };
+  };
+  common::GrpoConfig one = RankConfig("dapo", 1);
+  one.bf16 = bf16;
+  one.beta = 0.04;
+  const RunResult single = Train(one, nullptr, load("policy", false), load("reference", false));
+  ASSERT_TRUE(single.error.empty()) << single.error;
+  ASSERT_EQ(single.steps.size(), 7u);
+  EXPECT_EQ(single.reference_parameter_bytes, s * n) << "whole on one rank";
+  EXPECT_EQ(single.reference_shard_bytes, -1);
+  const std::vector<RunResult> results = TrainOnRanks(
+      world,
+      [&](int) {
+        common::GrpoConfig cfg = RankConfig("dapo", world, "full_shard");
+        cfg.bf16 = bf16;
+        cfg.beta = 0.04;
+        return cfg;
+      },
+      load("policy", true), load("reference", true));
+  for (int r = 0; r < world; ++r) {
+    ExpectSameAsSingleRank(results[r], single, r);
+    EXPECT_EQ(results[r].reference_parameter_bytes, 0) << "rank " << r;
+    EXPECT_EQ(results[r].reference_shard_bytes, s * chunks) << "rank " << r;
+    EXPECT_GT(results[r].reference_gathers, 0) << "rank " << r;
+    EXPECT_EQ(results[r].reference_gathers, results[0].reference_gathers) << "rank " << r;
+  }
+  fs::remove_all(base);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldsAndPrecisions, DataParallelFullShardReference,
+                         ::testing::Combine(::testing::Values(2, 4), ::testing::Bool()));
 
 // ZeRO-3's model state: after the steps each rank holds, of the parameters, only its fp32 chunk
 // of every unit: 4 x sum over units of ceil(unit / W) bytes (the tiny model's units: the tied
@@ -1287,7 +1394,8 @@ TEST_P(DataParallelDumps, RankZerosDumpsAreTheSingleRanks) {
 INSTANTIATE_TEST_SUITE_P(Modes, DataParallelDumps,
                          ::testing::Values(std::make_tuple(2, std::string("no_shard"), 0.0),
                                            std::make_tuple(4, std::string("full_shard"), 0.0),
-                                           std::make_tuple(2, std::string("shard_grad_op"), 0.04)));
+                                           std::make_tuple(2, std::string("shard_grad_op"), 0.04),
+                                           std::make_tuple(4, std::string("full_shard"), 0.04)));
 
 TEST(GroupCodec, RoundTripsEveryFieldAndRefusesTruncatedBytes) {
   std::vector<RolloutGroup> groups = MakeGroups(3, 5);

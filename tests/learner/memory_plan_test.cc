@@ -283,6 +283,26 @@ TEST(MemoryPlanSmall, ReferenceModelWhenBetaIsNotZero) {
   ASSERT_TRUE(none.ok() && with.ok());
   EXPECT_EQ(none->reference_model, 0);
   EXPECT_EQ(with->reference_model, 2 * 138'304);  // a bf16 copy
+  // Where full_shard gathers the policy's units, the reference is sharded too (FrozenShards):
+  // 1/4 of the bf16 copy a rank; with offload on a GPU on the host, beside the policy's four
+  // fp32 shards and the step's 8 bytes a chunk of the largest unit (the 64 x 1000 embedding).
+  // Not where the policy stays whole (no_shard), nor at one CPU rank.
+  cfg.fsdp = "full_shard";
+  auto sharded = PlanMemory(Small(), cfg, 4, "cpu");
+  ASSERT_TRUE(sharded.ok());
+  EXPECT_EQ(sharded->reference_model, 2 * 138'304 / 4);
+  cfg.fsdp = "full_shard offload";
+  auto offloaded = PlanMemory(Small(), cfg, 2, "cuda");
+  ASSERT_TRUE(offloaded.ok());
+  EXPECT_EQ(offloaded->reference_model, 0);
+  EXPECT_EQ(offloaded->host_offloaded, 16 * 138'304 / 2 + 8 * 64'000 / 2 + 2 * 138'304 / 2);
+  cfg.fsdp = "no_shard";
+  auto whole = PlanMemory(Small(), cfg, 4, "cpu");
+  cfg.fsdp = "full_shard";
+  auto alone = PlanMemory(Small(), cfg, 1, "cpu");
+  ASSERT_TRUE(whole.ok() && alone.ok());
+  EXPECT_EQ(whole->reference_model, 2 * 138'304);
+  EXPECT_EQ(alone->reference_model, 2 * 138'304);
 }
 
 // The plan notes the autograd LM-head path exactly where the trainer takes it: the plan spells
@@ -1009,6 +1029,9 @@ struct RanksCase {
   // full_shard: the model built in memory on every rank (rank 0's broadcast) rather than read
   // from its files a shard a rank (model_name_or_path, Model::LoadDeferred).
   bool in_memory = false;
+  // beta != 0: a reference model, from the files as the policy (another seed's weights) or
+  // built in memory with it; sharded where full_shard is (FrozenShards).
+  double beta = 0;
 };
 
 class MemoryPlanRanks : public ::testing::TestWithParam<RanksCase> {};
@@ -1020,6 +1043,7 @@ TEST_P(MemoryPlanRanks, EachPhaseBoundsEveryRanksLiveBytesWithin7Percent) {
   common::CountingScope counting;
   common::GrpoConfig cfg = MeasuredConfig(k.bf16 ? "bf16" : "fp32");
   cfg.fsdp = k.fsdp;
+  cfg.beta = k.beta;
   if (k.short_rows) cfg.max_prompt_length = cfg.max_completion_length = 4;
   ModelConfig mc = Bench();
   mc.tie_word_embeddings = k.tied;
@@ -1028,12 +1052,19 @@ TEST_P(MemoryPlanRanks, EachPhaseBoundsEveryRanksLiveBytesWithin7Percent) {
   const bool from_files = std::string(k.fsdp) == "full_shard" && !k.in_memory;
   const fs::path dir =
       fs::temp_directory_path() / ("grpo_plan_ranks_" + std::to_string(::getpid()) + "_" + k.fsdp);
+  const fs::path ref_dir = dir.string() + "_reference";
   if (from_files) {
     fs::remove_all(dir);
+    fs::remove_all(ref_dir);
     auto saved = common::Model::InitRandom(mc, 2);
     ASSERT_TRUE(saved.ok());
     ASSERT_TRUE((*saved)->Save(dir.string()).ok());
     cfg.model_name_or_path = dir.string();
+    if (k.beta != 0) {
+      auto ref = common::Model::InitRandom(mc, 3);
+      ASSERT_TRUE(ref.ok());
+      ASSERT_TRUE((*ref)->Save(ref_dir.string()).ok());
+    }
   }
   auto plan = PlanMemory(mc, cfg, k.world, "cpu");
   EXPECT_EQ(plan->sharded_loading, from_files);
@@ -1054,7 +1085,17 @@ TEST_P(MemoryPlanRanks, EachPhaseBoundsEveryRanksLiveBytesWithin7Percent) {
         errors[r] = model.status().ToString();
         return;
       }
-      auto trainer = GrpoTrainer::Create(cfg, model->get(), nullptr, &group.Rank(r));
+      std::unique_ptr<common::Model> reference;
+      if (k.beta != 0) {
+        auto ref = from_files ? common::Model::LoadDeferred(ref_dir.string())
+                              : common::Model::InitRandom(mc, 3);
+        if (!ref.ok()) {
+          errors[r] = ref.status().ToString();
+          return;
+        }
+        reference = std::move(ref).value();
+      }
+      auto trainer = GrpoTrainer::Create(cfg, model->get(), std::move(reference), &group.Rank(r));
       if (!trainer.ok()) {
         errors[r] = trainer.status().ToString();
         return;
@@ -1072,6 +1113,7 @@ TEST_P(MemoryPlanRanks, EachPhaseBoundsEveryRanksLiveBytesWithin7Percent) {
   for (auto& t : ranks) t.join();
   at::set_num_threads(threads);
   if (from_files) fs::remove_all(dir);
+  if (from_files) fs::remove_all(ref_dir);
   // What the plan leaves out: scalars, ids, a generator's state (a few hundred bytes here).
   constexpr int64_t kSmall = 64 << 10;
   const int64_t state = plan->ModelState();
@@ -1113,12 +1155,15 @@ INSTANTIATE_TEST_SUITE_P(
         RanksCase{"full_shard", false, 2, false, true},
         RanksCase{"full_shard", false, 2, true, true},
         RanksCase{"full_shard", false, 2, true, true, /*in_memory=*/true},
-        RanksCase{"full_shard", false, 2, false, false, /*in_memory=*/true}),
+        RanksCase{"full_shard", false, 2, false, false, /*in_memory=*/true},
+        RanksCase{"full_shard", false, 2, true, false, false, /*beta=*/0.04},
+        RanksCase{"full_shard", true, 2, false, false, false, /*beta=*/0.04},
+        RanksCase{"no_shard", false, 2, true, false, false, /*beta=*/0.04}),
     [](const auto& info) {
       const RanksCase& k = info.param;
       return std::string(k.fsdp) + (k.bf16 ? "_bf16" : "") + "_" + std::to_string(k.world) +
              (k.tied ? "_tied" : "_untied") + (k.short_rows ? "_short" : "") +
-             (k.in_memory ? "_in_memory" : "");
+             (k.in_memory ? "_in_memory" : "") + (k.beta != 0 ? "_reference" : "");
     });
 
 }  // namespace

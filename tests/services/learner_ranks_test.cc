@@ -202,7 +202,8 @@ TEST_F(LearnerRanksTest, FullShardStreamsEachVersionToTheWorker) {
 }
 
 // full_shard from model_name_or_path: each rank reads only its shards of the model's files
-// (sharded loading, Model::LoadDeferred), and the job trains to max_steps. Read at a wrong
+// (sharded loading, Model::LoadDeferred), for the policy and, with beta 0.04, the reference
+// (FrozenShards), and the job trains to max_steps. Read at a wrong
 // place, a weight would be another's (a norm's ones, a projection's N(0, 0.02) values): the
 // checkpoint after 3 steps of AdamW at lr 1e-6 (each step moves a weight by about lr at most)
 // is within 1e-4 of the initial model everywhere, and has moved.
@@ -213,16 +214,18 @@ TEST_F(LearnerRanksTest, FullShardRanksReadOnlyTheirShardsOfTheModel) {
                  (dir_ / "init.out").string() + " 2>&1",
              &rc);
   ASSERT_EQ(rc, 0) << ReadFile(dir_ / "init.out");
-  StartRanks(/*max_steps=*/3, {"--fsdp", "full_shard", "--model_name_or_path", model.string()});
+  StartRanks(/*max_steps=*/3,
+             {"--fsdp", "full_shard", "--model_name_or_path", model.string(), "--beta", "0.04"});
   ASSERT_NO_FATAL_FAILURE(ExpectBothRanksExitZero());
   for (const char* rank : {"rank0", "rank1"}) {
-    EXPECT_NE(ReadFile(children_->Err(rank))
-                  .find("sharded loading: this rank reads only its "
-                        "shards of " +
-                        model.string()),
-              std::string::npos)
-        << rank << "\n"
-        << Logs();
+    for (const char* what : {"the policy", "the reference model"}) {
+      EXPECT_NE(ReadFile(children_->Err(rank))
+                    .find("sharded loading: this rank reads only its shards of " + model.string() +
+                          " (" + what + ")"),
+                std::string::npos)
+          << rank << ": " << what << "\n"
+          << Logs();
+    }
   }
   auto initial = grpo::common::SafetensorsFile::Open((model / "model.safetensors").string());
   auto trained = grpo::common::SafetensorsFile::Open(
