@@ -361,9 +361,8 @@ Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
   // shard of them (this one now, the others in SyncFromRankZero); never whole on rank 0.
   std::shared_ptr<const common::ModelWeights> files;
   if (trainer.optimizer().ShardsParameters()) {
-    common::ModelWeights::Shapes shapes;
-    for (const auto& [name, p] : live) shapes.push_back({name, p.sizes().vec()});
-    auto opened = common::ModelWeights::Open(dir, shapes, "a checkpoint of this model");
+    auto opened = common::ModelWeights::Open(dir, trainer.policy().ParameterShapes(),
+                                             "a checkpoint of this model");
     if (!opened.ok()) return Status::DataLoss(dir + ": " + opened.status().ToString());
     files = std::move(opened).value();
   } else {

@@ -106,6 +106,9 @@ class Model {
   const ModelConfig& config() const { return config_; }
   // The live parameters (shared storage) under their Hugging Face names, in checkpoint order.
   NamedTensors NamedParameters() const { return params_; }
+  // The parameters' names and shapes from the config, in the same order (what
+  // ModelWeights::Open checks a model's files against).
+  std::vector<std::pair<std::string, std::vector<int64_t>>> ParameterShapes() const;
   std::vector<at::Tensor> Parameters() const;
   int64_t NumParameters() const;
   void SetRequiresGrad(bool requires_grad);
@@ -189,8 +192,6 @@ class Model {
   friend class GatedUnitFunction;
 
   explicit Model(ModelConfig config) : config_(std::move(config)) {}
-  // The expected parameter names and shapes, in checkpoint order.
-  std::vector<std::pair<std::string, std::vector<int64_t>>> ParameterShapes() const;
   // Sets params_ (order of ParameterShapes) and the typed handles below.
   void Bind(NamedTensors params);
 

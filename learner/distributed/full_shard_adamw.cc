@@ -354,9 +354,8 @@ Status FullShardAdamW::HandOutWeightFiles(const std::string& what) {
           (TEST_weight_files_probe && !TEST_weight_files_probe(ranks_->rank()))) {
         return Status::NotFound(dir + " is not the checkpoint rank 0 restored");
       }
-      common::ModelWeights::Shapes shapes;
-      for (const auto& [name, p] : params_) shapes.push_back({name, p.sizes().vec()});
-      ASSIGN_OR_RETURN(auto files, common::ModelWeights::Open(dir, shapes, "a checkpoint"));
+      ASSIGN_OR_RETURN(auto files,
+                       common::ModelWeights::Open(dir, model_->ParameterShapes(), "a checkpoint"));
       for (const Unit& u : units_) RETURN_IF_ERROR(ReadChunk(u, *files));
       return Status::OK();
     }();
@@ -367,7 +366,7 @@ Status FullShardAdamW::HandOutWeightFiles(const std::string& what) {
   WeightFiles files = std::move(pending_files_);
   pending_files_ = WeightFiles{};
   if (missed == 0) return Status::OK();
-  // Rank 0 reads the weights a unit at a time and broadcasts each (each rank keeps its chunk).
+  // Rank 0 reads the weights a unit at a time and hands each rank its chunk.
   if (root) {
     GRPO_LOG_WARN(
         "full_shard: {} of {} learner ranks do not see {} ({}): rank 0 reads the weights and "
@@ -375,19 +374,24 @@ Status FullShardAdamW::HandOutWeightFiles(const std::string& what) {
         missed, ranks_->world_size(), files.files->dir(),
         mine.ok() ? std::string("output_dir is not shared") : mine.ToString());
   }
+  return HandOut(
+      weight_shard_,
+      [&](size_t i, at::Tensor& into) { return files.files->ReadRange(params_[i].first, 0, into); },
+      what);
+}
+
+Status FullShardAdamW::HandOut(at::Tensor& shard, const Fill& fill, const std::string& what) {
+  const bool root = ranks_->rank() == 0;
   for (int u = 0; u < static_cast<int>(units_.size()); ++u) {
     const Unit& unit = units_[u];
     std::vector<at::Tensor> flat = {
-        at::zeros({unit.chunk * ranks_->world_size()}, weight_shard_.options())};
-    if (root) {
-      for (size_t k = 0; k < unit.params.size(); ++k) {
-        const auto& [name, p] = params_[unit.params[k]];
-        at::Tensor into = flat[0].narrow(0, unit.offsets[k], p.numel());
-        RETURN_IF_ERROR(files.files->ReadRange(name, 0, into));
-      }
+        at::zeros({unit.chunk * ranks_->world_size()}, shard.options())};
+    for (size_t k = 0; root && k < unit.params.size(); ++k) {
+      at::Tensor into = flat[0].narrow(0, unit.offsets[k], params_[unit.params[k]].second.numel());
+      RETURN_IF_ERROR(fill(unit.params[k], into));
     }
     RETURN_IF_ERROR(ranks_->Broadcast(flat, what + " (" + UnitName(*model_, u) + ")"));
-    weight_shard_.narrow(0, unit.shard_offset, unit.chunk)
+    shard.narrow(0, unit.shard_offset, unit.chunk)
         .copy_(flat[0].narrow(0, ranks_->rank() * unit.chunk, unit.chunk));
   }
   return Status::OK();
@@ -406,19 +410,17 @@ Status FullShardAdamW::SyncFromRankZero(const std::string& what) {
   RETURN_IF_ERROR(ranks_->Broadcast(head, what + " (step)"));
   const int64_t* h = head[0].data_ptr<int64_t>();
   step_ = h[2];
-  const int64_t rank = ranks_->rank();
   // Rank 0's restored weights and state, a unit at a time: each rank keeps its chunk. Without
   // them every shard is already its rank's part of rank 0's (Create cut them from its weights).
   auto hand_out = [&](at::Tensor& shard, const common::NamedTensors& whole, size_t stride,
-                      size_t which) -> Status {
-    for (const Unit& u : units_) {
-      std::vector<at::Tensor> flat = {Pack(
-          u, [&](size_t i) { return root ? whole[stride * i + which].second : at::Tensor(); },
-          shard.options())};
-      RETURN_IF_ERROR(ranks_->Broadcast(flat, what));
-      shard.narrow(0, u.shard_offset, u.chunk).copy_(flat[0].narrow(0, rank * u.chunk, u.chunk));
-    }
-    return Status::OK();
+                      size_t which) {
+    return HandOut(
+        shard,
+        [&](size_t i, at::Tensor& into) {
+          into.copy_(whole[stride * i + which].second.reshape({-1}));
+          return Status::OK();
+        },
+        what);
   };
   if (h[1] == 1) RETURN_IF_ERROR(hand_out(weight_shard_, pending_weights_, 1, 0));
   if (h[1] == 2) RETURN_IF_ERROR(HandOutWeightFiles(what));

@@ -126,6 +126,11 @@ class FullShardAdamW final : public StepOptimizer, public GatheredUnits {
   // every rank that sees the same checkpoint reads its own chunks there; if any does not, rank 0
   // reads the weights a unit at a time and hands each rank its chunk.
   Status HandOutWeightFiles(const std::string& what);
+  // Rank 0's values of every parameter, `fill(i, into)` of params_[i] into its place in its
+  // unit's flat buffer (rank 0 only), broadcast a unit at a time; each rank keeps its chunk of
+  // each in `shard`.
+  using Fill = std::function<Status(size_t i, at::Tensor& into)>;
+  Status HandOut(at::Tensor& shard, const Fill& fill, const std::string& what);
   // Sums `flat` (chunk x world_size, this rank's contribution) over the ranks into this rank's
   // gradient shard.
   Status ReduceScatter(int unit, const at::Tensor& flat, const std::string& what);
