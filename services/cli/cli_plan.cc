@@ -30,6 +30,7 @@ namespace dist = learner::distributed;
 struct PlanOptions {
   std::vector<std::string> overrides;
   std::optional<int> world_size;
+  std::optional<int> local_world_size;
   std::optional<double> device_memory_gb;
   std::optional<double> host_memory_gb;
   bool json = false;
@@ -52,16 +53,12 @@ StatusOr<common::ModelConfig> PlannedModel(const common::GrpoConfig& cfg, std::s
 
 // WORLD_SIZE as the learner reads it (distributed::ParseRankEnv), without the rendezvous
 // address a plan does not need.
-StatusOr<int> WorldSizeFromEnvironment() {
-  ASSIGN_OR_RETURN(const learner::distributed::RankEnv env,
-                   learner::distributed::ParseRankEnv([](const char* name) -> const char* {
-                     const char* value = std::getenv(name);
-                     if (value == nullptr && std::strcmp(name, "MASTER_ADDR") == 0) {
-                       return "127.0.0.1";
-                     }
-                     return value;
-                   }));
-  return env.world_size;
+StatusOr<learner::distributed::RankEnv> RankEnvFromEnvironment() {
+  return learner::distributed::ParseRankEnv([](const char* name) -> const char* {
+    const char* value = std::getenv(name);
+    if (value == nullptr && std::strcmp(name, "MASTER_ADDR") == 0) return "127.0.0.1";
+    return value;
+  });
 }
 
 // "cpu" or "cuda" for the planner; "auto" is cuda where this machine sees a GPU.
@@ -98,7 +95,17 @@ std::string Wrapped(const std::string& text) {
 
 std::string SuggestionText(const StatusOr<dist::Suggestion>& fix) {
   if (!fix.ok()) return fix.status().message();
-  return fix->Text() + " (" + dist::FormatBytes(fix->plan.Total()) + " per rank)";
+  std::string text = fix->Text() + " (" + dist::FormatBytes(fix->plan.Total()) + " per rank)";
+  const int ranks = fix->plan.world_size;
+  bool more_ranks = false;
+  for (const auto& c : fix->changes) more_ranks |= c.key == "world_size";
+  if (more_ranks && fix->plan.device == "cpu") {
+    // A CPU rank's memory is its host's: ranks on one host divide it (LOCAL_WORLD_SIZE).
+    text += "; CPU ranks share their host's memory: the " + std::to_string(ranks) + " ranks need " +
+            dist::FormatBytes(fix->plan.Total() * ranks) +
+            " across their hosts (--local_world_size plans one host's share)";
+  }
+  return text;
 }
 
 nlohmann::json SuggestionJson(const StatusOr<dist::Suggestion>& fix, const std::string& device) {
@@ -131,13 +138,14 @@ int RunPlan(const PlanOptions& o) {
   std::string source;
   StatusOr<common::ModelConfig> model = PlannedModel(cfg, &source);
   if (!model.ok()) return fail(model.status());
-  int world_size = 1;
-  if (o.world_size) {
-    world_size = *o.world_size;
-  } else {
-    StatusOr<int> env = WorldSizeFromEnvironment();
-    if (!env.ok()) return fail(env.status());
-    world_size = *env;
+  StatusOr<learner::distributed::RankEnv> env = RankEnvFromEnvironment();
+  if (!env.ok() && !(o.world_size && o.local_world_size)) return fail(env.status());
+  const int world_size = o.world_size ? *o.world_size : env->world_size;
+  const int local_world_size = o.local_world_size ? *o.local_world_size : env->local_world_size;
+  if (local_world_size > world_size) {
+    return fail(Status::InvalidArgument("--local_world_size " + std::to_string(local_world_size) +
+                                        " is more than the " + std::to_string(world_size) +
+                                        " ranks of world_size"));
   }
   const std::string device = PlannedDevice(cfg.device);
   const bool gpu_here = device == "cuda" && common::CudaAvailable();
@@ -148,7 +156,8 @@ int RunPlan(const PlanOptions& o) {
     }
     device_bytes = GiB(*o.device_memory_gb);
   } else if (device == "cpu") {
-    device_bytes = common::TotalMemoryBytes(at::Device(at::kCPU));
+    // This host's memory, shared by its learner ranks (as the learner's own check divides it).
+    device_bytes = common::TotalMemoryBytes(at::Device(at::kCPU)) / local_world_size;
   } else if (gpu_here) {
     StatusOr<at::Device> d = common::ResolveDevice(cfg.device == "auto" ? "cuda" : cfg.device);
     if (!d.ok()) return fail(d.status());
@@ -194,6 +203,7 @@ int RunPlan(const PlanOptions& o) {
     nlohmann::json j = plan->ToJson();
     j["model"] = source;
     j["device_memory_bytes"] = device_bytes;
+    j["local_world_size"] = local_world_size;
     j["fits"] = fits;
     if (device == "cuda") {
       j["host_memory_bytes"] = host_bytes > 0 ? nlohmann::json(host_bytes) : nlohmann::json();
@@ -204,6 +214,10 @@ int RunPlan(const PlanOptions& o) {
     std::cout << j.dump(2) << "\n";
   } else {
     std::cout << "model: " << source << "\n" << dist::FormatPlan(*plan, device_bytes);
+    if (device == "cpu" && !o.device_memory_gb && local_world_size > 1) {
+      std::cout << "  (this host's " << dist::FormatBytes(device_bytes * local_world_size)
+                << " shared by its " << local_world_size << " learner ranks)\n";
+    }
     if (!host_fits) {
       std::cout << "host memory does not fit: " << dist::FormatBytes(plan->HostTotal())
                 << " needed, " << dist::FormatBytes(host_bytes) << " available\n";
@@ -257,6 +271,10 @@ void AddPlanCommand(CLI::App& app, CliAction* action) {
       "--config FILE). Exit 0 fits, 1 does not fit, 2 bad input");
   auto o = std::make_shared<PlanOptions>();
   cmd->add_option("--world_size", o->world_size, "learner ranks (default: WORLD_SIZE, else 1)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--local_world_size", o->local_world_size,
+                  "learner ranks on this host, which share its memory on cpu (default: "
+                  "LOCAL_WORLD_SIZE, else 1)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--device_memory_gb", o->device_memory_gb,
                   "memory of one rank's device in GiB (default: this machine's memory on cpu, "

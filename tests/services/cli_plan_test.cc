@@ -176,7 +176,9 @@ TEST_F(CliPlan, LearnerRefusesWhatCannotFitBeforeLoadingWeights) {
 // its share. The bench model's plan (T) fits this host (M) alone; with M / T + 1 ranks on the
 // host each has less than T, and the learner refuses at once (exit 2, naming the sharing), before
 // it joins the group. With one rank on the host the same plan passes, and the learner goes on to
-// join its group (which fails here: nobody else comes, exit 1).
+// join its group (which fails here: nobody else comes, exit 1). `grpo plan` plans the same
+// share: --local_world_size (or LOCAL_WORLD_SIZE) divides the host's memory, and the plan no
+// longer fits.
 TEST_F(CliPlan, CpuRanksOnOneHostShareItsMemory) {
   int rc = -1;
   const std::string plan =
@@ -209,6 +211,48 @@ TEST_F(CliPlan, CpuRanksOnOneHostShareItsMemory) {
   const auto [alone_rc, alone] = learner(1);
   EXPECT_EQ(alone_rc, 1) << alone;
   EXPECT_EQ(alone.find("memory plan"), std::string::npos) << alone;
+  const std::string n = std::to_string(ranks);
+  for (const auto& [args, env] :
+       {std::pair{" --world_size " + n + " --local_world_size " + n, std::string("WORLD_SIZE=1")},
+        std::pair{std::string(), "WORLD_SIZE=" + n + " LOCAL_WORLD_SIZE=" + n}}) {
+    const std::string out =
+        Plan("--model_name_or_path " + Model("bench") + " --device cpu --json" + args, &rc, env);
+    EXPECT_EQ(rc, 1) << out;
+    const json share = json::parse(out.substr(out.find('{')), nullptr, false);
+    ASSERT_TRUE(share.is_object()) << out;
+    EXPECT_EQ(share["device_memory_bytes"].get<int64_t>(), host / ranks) << out;
+    EXPECT_EQ(share["local_world_size"].get<int64_t>(), ranks) << out;
+  }
+}
+
+// A suggestion of more ranks on the CPU says what they need together: each rank's memory is its
+// host's (the 7B in 16 GiB ranks: the suggestion runs 18 ranks, 287.7 GiB in all).
+TEST_F(CliPlan, MoreCpuRanksSayWhatTheirHostsNeedInAll) {
+  int rc = -1;
+  const std::string text = Plan(
+      "--model_name_or_path " + Model("qwen2.5-7b") + " --device cpu --device_memory_gb 16", &rc);
+  EXPECT_EQ(rc, 1) << text;
+  const std::string out = Plan(
+      "--model_name_or_path " + Model("qwen2.5-7b") + " --device cpu --device_memory_gb 16 --json",
+      &rc);
+  const json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  ASSERT_TRUE(j.is_object()) << out;
+  int64_t ranks = 0;
+  for (const auto& c : j["suggestion"]["changes"]) {
+    if (c["key"] == "world_size") ranks = std::stoll(c["value"].get<std::string>());
+  }
+  ASSERT_GT(ranks, 1) << out;
+  const int64_t total = j["suggestion"]["total_bytes"].get<int64_t>();
+  char need[64];
+  std::snprintf(need, sizeof(need), "%.1f GiB", static_cast<double>(total * ranks) / (1ll << 30));
+  std::string flat = text;  // the text is wrapped at 100 columns
+  for (size_t at = flat.find("\n  "); at != std::string::npos; at = flat.find("\n  ")) {
+    flat.replace(at, 3, " ");
+  }
+  EXPECT_NE(flat.find("CPU ranks share their host's memory: the " + std::to_string(ranks) +
+                      " ranks need " + need + " across their hosts"),
+            std::string::npos)
+      << text;
 }
 
 }  // namespace
