@@ -4,7 +4,9 @@
 // ProcessGroupGloo on loopback); every configuration trains the same global step (16
 // completions of 64 + 128 tokens, 4 groups of 4, micro-batches of 2: gradient accumulation 8 / W
 // per rank) from the same weights, so rows compare one to another and to world size 1. The bf16
-// rows (one rank, and full_shard at 2 and 4) compare to the single bf16 rank.
+// rows (one rank, and full_shard at 2 and 4) compare to the single bf16 rank. With --beta every
+// row trains with a reference model too (a copy of the policy: whole, or sharded where
+// full_shard is), and reports its bytes per rank.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <arpa/inet.h>
@@ -45,9 +47,10 @@ constexpr int kGenerations = 4;
 constexpr int kMicro = 2;
 constexpr int kStepMicroBatches = kGroups * kGenerations / kMicro;  // over all ranks
 
-common::GrpoConfig ShardingConfig(int world, const std::string& fsdp, bool bf16) {
+common::GrpoConfig ShardingConfig(int world, const std::string& fsdp, bool bf16, double beta) {
   common::GrpoConfig c;
   c.bf16 = bf16;
+  c.beta = beta;
   c.num_generations = kGenerations;
   c.per_device_train_batch_size = kMicro;
   c.gradient_accumulation_steps = kStepMicroBatches / world;
@@ -177,8 +180,18 @@ int ShardingChild(const ShardingBenchOptions& o) {
   TimedCollectives timed(inner);
   auto model = BenchModel();
   const auto groups = ShardingGroups(model->config().vocab_size);
-  auto trainer = learner::GrpoTrainer::Create(ShardingConfig(world, o.fsdp, o.bf16), model.get(),
-                                              nullptr, &timed);
+  std::unique_ptr<common::Model> reference;
+  if (o.beta != 0) {
+    auto copy = model->Copy(model->device(), model->dtype());
+    if (!copy.ok()) {
+      std::cerr << copy.status().ToString() << "\n";
+      return 1;
+    }
+    reference = std::move(copy).value();
+  }
+  common::Model* const ref = reference.get();
+  auto trainer = learner::GrpoTrainer::Create(ShardingConfig(world, o.fsdp, o.bf16, o.beta),
+                                              model.get(), std::move(reference), &timed);
   if (!trainer.ok()) {
     std::cerr << trainer.status().ToString() << "\n";
     return 1;
@@ -207,6 +220,13 @@ int ShardingChild(const ShardingBenchOptions& o) {
       if (p.grad().defined()) state += p.grad().nbytes();
     }
   }
+  // The reference's bytes between steps: its shard, or its whole parameters.
+  int64_t reference_bytes = 0;
+  if (const dist::FrozenShards* shards = (*trainer)->reference_shards(); shards != nullptr) {
+    reference_bytes = shards->ShardBytes();
+  } else if (ref != nullptr) {
+    for (const at::Tensor& p : ref->Parameters()) reference_bytes += p.nbytes();
+  }
   common::NamedTensors weights;
   if ((*trainer)->optimizer().ShardsParameters()) {  // full_shard: gathered a unit at a time
     auto gathered = (*trainer)->optimizer().GatherWeights("the bench's weights", false);
@@ -225,10 +245,15 @@ int ShardingChild(const ShardingBenchOptions& o) {
     }
   }
   const Timing st = Summarize(step_s), ct = Summarize(comm_s);
-  std::cout << json{{"rank", timed.rank()},       {"model_state_bytes", state},
-                    {"peak_bytes", peak},         {"live_peak_bytes", live_peak},
-                    {"step_seconds", st.median},  {"step_seconds_min", st.min},
-                    {"step_seconds_max", st.max}, {"comm_seconds", ct.median}}
+  std::cout << json{{"rank", timed.rank()},
+                    {"model_state_bytes", state},
+                    {"reference_bytes", reference_bytes},
+                    {"peak_bytes", peak},
+                    {"live_peak_bytes", live_peak},
+                    {"step_seconds", st.median},
+                    {"step_seconds_min", st.min},
+                    {"step_seconds_max", st.max},
+                    {"comm_seconds", ct.median}}
                    .dump()
             << "\n";
   return 0;
@@ -288,9 +313,13 @@ int BenchSharding(const ShardingBenchOptions& o) {
     const int world = run.world;
     const std::string& mode = run.mode;
     const std::string weights = (dir / ("w" + run.Name())).string();
-    json row = {{"bench", "sharding"}, {"world_size", world}, {"mode", mode}, {"bf16", run.bf16}};
-    auto plan =
-        dist::PlanMemory(model->config(), ShardingConfig(world, mode, run.bf16), world, "cpu");
+    json row = {{"bench", "sharding"},
+                {"world_size", world},
+                {"mode", mode},
+                {"bf16", run.bf16},
+                {"beta", o.beta}};
+    auto plan = dist::PlanMemory(model->config(), ShardingConfig(world, mode, run.bf16, o.beta),
+                                 world, "cpu");
     row["predicted_peak_bytes_per_rank"] = plan.ok() ? plan->TrainingPeak() : -1;
     row["zero_formula_model_state_bytes"] = ZeroFormulaBytes(mode, world, psi, run.bf16);
     row["built"] = dist::FsdpBuilt(*common::ParseFsdp(mode), "cpu");
@@ -300,24 +329,26 @@ int BenchSharding(const ShardingBenchOptions& o) {
     }
     std::cerr << "sharding: world size " << world << ", " << mode << (run.bf16 ? ", bf16" : "")
               << " ...\n";
-    const std::vector<json> ranks =
-        RunRankProcesses(world, "bench sharding --child --world_size " + std::to_string(world) +
-                                    " --fsdp " + mode + " --reps " + std::to_string(o.reps) +
-                                    " --out " + weights + (run.bf16 ? " --bf16" : ""));
+    const std::vector<json> ranks = RunRankProcesses(
+        world, "bench sharding --child --world_size " + std::to_string(world) + " --fsdp " + mode +
+                   " --reps " + std::to_string(o.reps) + " --out " + weights +
+                   (run.bf16 ? " --bf16" : "") + " --beta " + std::to_string(o.beta));
     if (static_cast<int>(ranks.size()) != world) {
       std::cerr << "sharding: a rank of world size " << world << ", " << mode << " failed\n";
       fs::remove_all(dir);
       return 1;
     }
-    int64_t state = 0, peak = 0, live_peak = 0;
+    int64_t state = 0, peak = 0, live_peak = 0, reference = 0;
     double comm = 0;
     for (const json& r : ranks) {
       state = std::max(state, r["model_state_bytes"].get<int64_t>());
+      reference = std::max(reference, r["reference_bytes"].get<int64_t>());
       peak = std::max(peak, r["peak_bytes"].get<int64_t>());
       live_peak = std::max(live_peak, r["live_peak_bytes"].get<int64_t>());
       comm = std::max(comm, r["comm_seconds"].get<double>());
     }
     row["model_state_bytes_per_rank"] = state;
+    row["reference_bytes_per_rank"] = reference;
     row["peak_bytes_per_rank"] = peak;
     row["live_peak_bytes_per_rank"] = live_peak;
     row["step_seconds"] = ranks[0]["step_seconds"];
@@ -353,12 +384,17 @@ int BenchSharding(const ShardingBenchOptions& o) {
   std::cout << "sharding: bench model (" << static_cast<int64_t>(psi)
             << " parameters, fp32 and bf16), one step = 16 x (64 + 128) tokens in micro-batches "
                "of 2, Gloo on loopback, this machine's cores shared by the ranks; bf16 rows "
-               "against the single bf16 rank\n"
+               "against the single bf16 rank"
+            << (o.beta != 0 ? "; beta " + std::to_string(o.beta) +
+                                  " (ref MiB: the reference model per rank, beside the state "
+                                  "column's optimizer state)"
+                            : std::string())
+            << "\n"
             << std::left << std::setw(6) << "ranks" << std::setw(20) << "fsdp" << std::right
             << std::setw(12) << "state MiB" << std::setw(11) << "ZeRO MiB" << std::setw(11)
             << "peak MiB" << std::setw(11) << "live MiB" << std::setw(11) << "plan MiB"
             << std::setw(10) << "step s" << std::setw(9) << "vs 1" << std::setw(10) << "comm s"
-            << std::setw(12) << "max diff\n";
+            << std::setw(12) << "max diff" << (o.beta != 0 ? "    ref MiB" : "") << "\n";
   for (const json& r : rows) {
     std::cout << std::left << std::setw(6) << r["world_size"].get<int>() << std::setw(20)
               << r["mode"].get<std::string>() + (r["bf16"].get<bool>() ? " bf16" : "") << std::right
@@ -379,7 +415,9 @@ int BenchSharding(const ShardingBenchOptions& o) {
               << r["step_seconds_vs_single_rank"].get<double>() << std::setprecision(3)
               << std::setw(10) << r["comm_seconds"].get<double>() << std::scientific
               << std::setprecision(1) << std::setw(11)
-              << r["max_rel_diff_vs_single_rank"].get<double>() << "\n";
+              << r["max_rel_diff_vs_single_rank"].get<double>() << std::fixed;
+    if (o.beta != 0) std::cout << std::setw(11) << mib(r["reference_bytes_per_rank"]);
+    std::cout << "\n";
   }
   return 0;
 }

@@ -118,6 +118,7 @@ struct ShardingBenchOptions {
   std::string fsdp;      // internal (child)
   bool bf16 = false;     // internal (child)
   std::string out_path;  // internal (child): rank 0's final weights
+  double beta = 0;       // != 0: every row with a reference model (a copy of the policy)
 };
 int BenchSharding(const ShardingBenchOptions& o);
 

@@ -500,6 +500,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
     int world_size = 1;
     std::string fsdp = "no_shard", out;
     bool bf16 = false;
+    double beta = 0;
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option(
@@ -526,6 +527,8 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   cmd->add_option("--out", o->out,
                   "internal: sharding child's weights file; loading child's model directory");
   cmd->add_flag("--bf16", o->bf16, "internal: sharding child trains in bf16");
+  cmd->add_option("--beta", o->beta,
+                  "sharding: the KL coefficient of every row (default 0: no reference model)");
   cmd->add_option("--impl", o->impl,
                   "internal: chunked | chunked_batch_G | naive; loading: sharded | whole");
   cmd->add_option("--workers", o->workers,
@@ -602,6 +605,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
         so.fsdp = o->fsdp;
         so.bf16 = o->bf16;
         so.out_path = o->out;
+        so.beta = o->beta;
         return bench::BenchSharding(so);
       }
       if (o->name == "logprob_memory") {
