@@ -91,7 +91,7 @@ namespace {
 
 // Where the AdamW state of a checkpoint goes.
 enum class StateLayout {
-  kWhole,      // optimizer.safetensors, written by rank 0 (gathered there when sharded)
+  kWhole,      // optimizer.safetensors, written by rank 0 (a parameter at a time when sharded)
   kShards,     // optimizer-rank-<r>-of-<N>.safetensors, each rank's own (state_shards.h)
   kAbandoned,  // the checkpoint failed before its state was written: no more collectives
 };
@@ -145,7 +145,7 @@ StatusOr<StateLayout> SaveStateShards(GrpoTrainer& trainer, const fs::path& tmp_
     if (root) {
       GRPO_LOG_WARN(
           "checkpoint: {} of {} learner ranks do not see {} (output_dir is not shared): the AdamW "
-          "state goes through rank 0, whole",
+          "state goes through rank 0, a parameter at a time",
           not_shared, ranks.world_size(), tmp_dir.string());
     }
     return StateLayout::kWhole;
@@ -181,8 +181,13 @@ Status JoinSaveCheckpoint(GrpoTrainer& trainer, const std::string& output_dir) {
     if (layout == StateLayout::kAbandoned) return Status::OK();
   }
   if (layout == StateLayout::kWhole) {
+    // Sharded (ranks that do not share output_dir): rank 0 writes it a parameter at a time.
     RETURN_IF_ERROR(
-        trainer.optimizer().StateDict("gather of the AdamW state for " + name).status());
+        StateIsSharded(trainer)
+            ? distributed::WriteStateThroughRankZero(
+                  trainer.optimizer(), trainer.policy().NamedParameters(), trainer.ranks(), "",
+                  "gather of the AdamW state for " + name)
+            : trainer.optimizer().StateDict("gather of the AdamW state for " + name).status());
   }
   if (!trainer.optimizer().ShardsParameters()) return Status::OK();
   return trainer.optimizer().StreamWeights(
@@ -212,8 +217,17 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
   } else {
     RETURN_IF_ERROR(prepared);
   }
+  // A sharded state through rank 0 (ranks that do not share output_dir) is written a parameter
+  // at a time; its write's error waits until the weights' collectives, which every rank makes,
+  // are done. Otherwise the state is whole here (one rank, no_shard).
   common::NamedTensors whole_state;
-  if (layout == StateLayout::kWhole) {
+  Status state_written = Status::OK();
+  const bool whole_here = layout == StateLayout::kWhole && !StateIsSharded(trainer);
+  if (layout == StateLayout::kWhole && !whole_here) {
+    state_written = distributed::WriteStateThroughRankZero(
+        trainer.optimizer(), trainer.policy().NamedParameters(), trainer.ranks(),
+        (tmp_dir / "optimizer.safetensors").string(), "gather of the AdamW state for " + name);
+  } else if (whole_here) {
     ASSIGN_OR_RETURN(whole_state,
                      trainer.optimizer().StateDict("gather of the AdamW state for " + name));
   }
@@ -228,7 +242,8 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
   } else {
     RETURN_IF_ERROR(trainer.policy().Save(tmp_dir.string()));
   }
-  if (layout == StateLayout::kWhole) {
+  RETURN_IF_ERROR(state_written);
+  if (whole_here) {
     common::NamedTensors optimizer_state;  // on the CPU whatever the trainer's device
     try {
       for (const auto& [name, t] : whole_state) {
@@ -381,10 +396,13 @@ Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
   }
   // The AdamW state: whole (optimizer.safetensors), or per-rank shards of any world size. An
   // optimizer that holds it whole assembles it; a sharded one (several ranks) reads only its
-  // own runs, on every rank, when SyncFromRankZero hands the directory out.
+  // own runs, on every rank, when SyncFromRankZero hands the directory out, or takes them from
+  // rank 0 a parameter at a time when the state is in one file.
   common::NamedTensors opt_state;
-  bool shards_pending = false;
-  if (fs::exists(fs::path(dir) / "optimizer.safetensors")) {
+  bool shards_pending = false, file_pending = false;
+  if (fs::exists(fs::path(dir) / "optimizer.safetensors") && StateIsSharded(trainer)) {
+    file_pending = true;
+  } else if (fs::exists(fs::path(dir) / "optimizer.safetensors")) {
     ASSIGN_OR_RETURN(auto opt_file, common::SafetensorsFile::Open(
                                         (fs::path(dir) / "optimizer.safetensors").string()));
     for (const auto& name : opt_file->Names()) {
@@ -423,6 +441,8 @@ Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
   }
   if (shards_pending) {
     trainer.optimizer().pending_state_shards = dir;
+  } else if (file_pending) {
+    trainer.optimizer().pending_state_file = (fs::path(dir) / "optimizer.safetensors").string();
   } else {
     RETURN_IF_ERROR(trainer.optimizer().LoadStateDict(opt_state).WithContext(dir));
   }

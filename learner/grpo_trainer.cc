@@ -830,6 +830,10 @@ Status GrpoTrainer::SyncFromRankZero() {
   // A checkpoint of per-rank AdamW shards that rank 0 restored: each rank reads its own runs.
   RETURN_IF_ERROR(distributed::HandOutStateShards(*optimizer_, *ranks_,
                                                   "hand-out of the checkpoint's AdamW shards"));
+  // The same state in one file (saved by ranks that did not share output_dir): from rank 0, a
+  // parameter at a time.
+  RETURN_IF_ERROR(distributed::HandOutStateFile(*optimizer_, policy_->NamedParameters(), *ranks_,
+                                                "hand-out of the checkpoint's AdamW state"));
   // Sharded parameters: rank 0's restored weights too, a unit at a time.
   RETURN_IF_ERROR(optimizer_->SyncFromRankZero("broadcast of rank 0's AdamW state"));
   std::vector<at::Tensor> counters = {

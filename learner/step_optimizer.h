@@ -150,6 +150,10 @@ class StepOptimizer {
   // Rank 0: a checkpoint directory of per-rank shard files that GrpoTrainer::SyncFromRankZero
   // hands out (each rank reads its own runs there); empty when none.
   std::string pending_state_shards;
+  // Rank 0: a whole optimizer.safetensors of a sharded state (ranks that did not share
+  // output_dir when it was saved) that SyncFromRankZero hands out a parameter at a time; empty
+  // when none.
+  std::string pending_state_file;
 };
 
 // Whether MakeStepOptimizer's choice for `fsdp` at `world_size` ranks with the model on `device`

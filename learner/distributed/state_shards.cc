@@ -4,6 +4,8 @@
 #include <charconv>
 #include <cstdio>
 #include <filesystem>
+#include <map>
+#include <memory>
 #include <regex>
 
 namespace grpo::learner::distributed {
@@ -230,6 +232,143 @@ Status HandOutStateShards(StepOptimizer& optimizer, Collectives& ranks, const st
   if (n > 0) {
     return Status::DataLoss(std::to_string(static_cast<int>(n)) +
                             " learner rank(s) could not read their AdamW shard from " + path);
+  }
+  return Status::OK();
+}
+
+namespace {
+
+// This rank's runs by parameter, and the device their buffers are made on (every rank's runs
+// are on the same kind of device, so the collectives of a parameter match).
+struct PiecesByParam {
+  std::vector<StepOptimizer::StatePiece> pieces;
+  std::map<std::string, std::vector<const StepOptimizer::StatePiece*>> of;
+  at::Device device = at::kCPU;
+};
+
+PiecesByParam MapPieces(StepOptimizer& optimizer) {
+  PiecesByParam m;
+  m.pieces = optimizer.StatePieces();
+  for (const auto& piece : m.pieces) m.of[piece.param].push_back(&piece);
+  if (!m.pieces.empty()) m.device = m.pieces.front().moments[0].device();
+  return m;
+}
+
+}  // namespace
+
+Status WriteStateThroughRankZero(StepOptimizer& optimizer, const common::NamedTensors& params,
+                                 Collectives& ranks, const std::string& path,
+                                 const std::string& what) {
+  at::NoGradGuard no_grad;
+  const PiecesByParam mine = MapPieces(optimizer);
+  std::unique_ptr<common::SafetensorsWriter> writer;
+  Status written = Status::OK();  // rank 0's first failure to write; the collectives go on
+  if (ranks.rank() == 0) {
+    std::vector<common::SafetensorSpec> specs;
+    for (const auto& [name, p] : params) {
+      for (const char* moment : kMoments) {
+        specs.push_back({std::string(moment) + "." + name, at::kFloat, p.sizes().vec()});
+      }
+    }
+    specs.push_back({"step", at::kLong, {}});
+    auto created = common::SafetensorsWriter::CreateFile(path, specs);
+    if (created.ok()) {
+      writer = std::move(created).value();
+    } else {
+      written = created.status();
+    }
+  }
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(mine.device);
+  for (const auto& [name, p] : params) {
+    const auto runs = mine.of.find(name);
+    for (int which : {0, 1}) {
+      std::vector<at::Tensor> whole = {at::zeros({p.numel()}, opts)};
+      if (runs != mine.of.end()) {
+        for (const StepOptimizer::StatePiece* piece : runs->second) {
+          whole[0].narrow(0, piece->offset, piece->numel).copy_(piece->moments[which]);
+        }
+      }
+      RETURN_IF_ERROR(ranks.AllReduceSum(
+          whole, what + " (" + kMoments[which] + " of '" + name + "', through rank 0)"));
+      if (writer != nullptr && written.ok()) {
+        written = writer->Write(std::string(kMoments[which]) + "." + name,
+                                whole[0].view(p.sizes()).to(at::kCPU));
+      }
+    }
+  }
+  if (writer != nullptr && written.ok()) {
+    written = writer->Write("step", at::scalar_tensor(optimizer.step_count(), at::kLong));
+  }
+  if (writer != nullptr && written.ok()) written = writer->Finish();
+  return written;
+}
+
+Status HandOutStateFile(StepOptimizer& optimizer, const common::NamedTensors& params,
+                        Collectives& ranks, const std::string& what) {
+  if (ranks.world_size() == 1) return Status::OK();
+  const bool root = ranks.rank() == 0;
+  std::string path = root ? optimizer.pending_state_file : std::string();
+  optimizer.pending_state_file.clear();
+  RETURN_IF_ERROR(BroadcastString(ranks, &path, what + " (its file)"));
+  if (path.empty()) return Status::OK();
+  // Rank 0 checks the whole file before any rank changes its state, and says so.
+  std::unique_ptr<common::SafetensorsFile> file;
+  int64_t step = 0;
+  Status checked = Status::OK();
+  if (root) {
+    checked = [&]() -> Status {
+      ASSIGN_OR_RETURN(file, common::SafetensorsFile::Open(path));
+      for (const auto& [name, p] : params) {
+        for (const char* moment : kMoments) {
+          const std::string key = std::string(moment) + "." + name;
+          const common::SafetensorInfo* info = file->Find(key);
+          if (info == nullptr || info->shape != p.sizes().vec()) {
+            return Status::DataLoss(path + ": no tensor '" + key + "' of the parameter's shape");
+          }
+        }
+      }
+      ASSIGN_OR_RETURN(at::Tensor s, file->Get("step"));
+      step = s.item<int64_t>();
+      return Status::OK();
+    }();
+  }
+  std::vector<at::Tensor> head = {
+      at::tensor(std::vector<int64_t>{checked.ok() ? 1 : 0, step}, at::kLong)};
+  RETURN_IF_ERROR(ranks.Broadcast(head, what + " (its step)"));
+  if (head[0][0].item<int64_t>() == 0) {
+    return root ? Status::DataLoss("cannot hand out the AdamW state: " + checked.ToString())
+                : Status::DataLoss("rank 0 cannot read the AdamW state of " + path);
+  }
+  at::NoGradGuard no_grad;
+  const PiecesByParam mine = MapPieces(optimizer);
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(mine.device);
+  Status read = Status::OK();  // rank 0's; the broadcasts go on
+  for (const auto& [name, p] : params) {
+    const auto runs = mine.of.find(name);
+    for (int which : {0, 1}) {
+      std::vector<at::Tensor> whole = {at::zeros({p.numel()}, opts)};
+      if (root && read.ok()) {
+        auto t = file->Get(std::string(kMoments[which]) + "." + name);
+        if (t.ok()) {
+          whole[0].copy_(t->reshape({-1}));
+        } else {
+          read = t.status();
+        }
+      }
+      RETURN_IF_ERROR(
+          ranks.Broadcast(whole, what + " (" + kMoments[which] + " of '" + name + "')"));
+      if (runs == mine.of.end()) continue;
+      for (const StepOptimizer::StatePiece* piece : runs->second) {
+        piece->moments[which].copy_(whole[0].narrow(0, piece->offset, piece->numel));
+      }
+    }
+  }
+  optimizer.SetStepCount(head[0][1].item<int64_t>());
+  std::vector<at::Tensor> failed = {at::tensor(std::vector<double>{read.ok() ? 0.0 : 1.0})};
+  RETURN_IF_ERROR(ranks.AllReduceSum(failed, what + " (its outcome)"));
+  if (!read.ok()) return Status::DataLoss(path + ": " + read.ToString());
+  if (failed[0].item<double>() > 0) {
+    return Status::DataLoss("rank 0 could not read the AdamW state of " + path);
   }
   return Status::OK();
 }

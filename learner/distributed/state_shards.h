@@ -69,4 +69,22 @@ StatusOr<common::NamedTensors> WholeStateFromShards(const StateShards& shards,
 // (DataLoss, naming it). Nothing happens when rank 0 has none.
 Status HandOutStateShards(StepOptimizer& optimizer, Collectives& ranks, const std::string& what);
 
+// Ranks that do not share output_dir (no shard files): the whole state in one file at `path`,
+// named as AdamW::StateDict names it, written by rank 0 a parameter at a time. A collective:
+// each moment of each parameter of `params` (the model's, in its order) is put together on every
+// rank from the ranks' runs (an all-reduce of a buffer of the parameter's size, zeros but for
+// each rank's own runs) and rank 0 writes it (through `path.tmp`): no rank holds more than one
+// moment of one parameter beside its shard. Every rank makes every collective whatever rank 0's
+// writes do; rank 0 returns its write's error after them (others ignore `path`).
+Status WriteStateThroughRankZero(StepOptimizer& optimizer, const common::NamedTensors& params,
+                                 Collectives& ranks, const std::string& path,
+                                 const std::string& what);
+
+// A collective, the other way: rank 0's `optimizer.pending_state_file` (cleared after) is read
+// by rank 0 a moment of a parameter at a time and broadcast, each rank keeping its own runs, and
+// the step count set on every rank. Nothing happens when rank 0 has none. DataLoss on every rank
+// when rank 0 cannot read it (a missing or misshapen tensor is found before anything changes).
+Status HandOutStateFile(StepOptimizer& optimizer, const common::NamedTensors& params,
+                        Collectives& ranks, const std::string& what);
+
 }  // namespace grpo::learner::distributed

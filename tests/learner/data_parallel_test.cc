@@ -46,13 +46,15 @@ using grpo::common::CountingCpuAllocator;
 using grpo::common::CountingScope;
 using grpo::testing::ReservedPort;
 
-std::unique_ptr<common::Model> TinyModel() {
+std::unique_ptr<common::Model> TinyModelOfSeed(uint64_t seed) {
   auto cfg = common::ModelConfigPreset("tiny");
   EXPECT_TRUE(cfg.ok());
-  auto m = common::Model::InitRandom(*cfg, 7);
+  auto m = common::Model::InitRandom(*cfg, seed);
   EXPECT_TRUE(m.ok());
   return std::move(m).value();
 }
+
+std::unique_ptr<common::Model> TinyModel() { return TinyModelOfSeed(7); }
 
 // `groups` groups of 4 completions of varied lengths and rewards, with behaviour log-probs.
 std::vector<RolloutGroup> MakeGroups(int groups, uint32_t seed) {
@@ -127,13 +129,7 @@ struct RunResult {
 using ModelMaker = std::function<std::unique_ptr<common::Model>()>;
 
 // The reference of Train when beta != 0: the tiny model with its own random weights.
-std::unique_ptr<common::Model> TinyReference() {
-  auto cfg = common::ModelConfigPreset("tiny");
-  EXPECT_TRUE(cfg.ok());
-  auto m = common::Model::InitRandom(*cfg, 8);
-  EXPECT_TRUE(m.ok());
-  return std::move(m).value();
-}
+std::unique_ptr<common::Model> TinyReference() { return TinyModelOfSeed(8); }
 
 // Trains the batches and flushes, as rank `ranks->rank()` (or alone when null); with the
 // reference `make_reference` makes when cfg.beta != 0.
@@ -1081,21 +1077,48 @@ TEST_P(ShardedCheckpoints, RanksThatDoNotShareTheDirectoryGatherTheStateThroughR
   EXPECT_TRUE(VerifyCheckpoint(at4.string()).ok());
   // Nor, on resume, does rank 1 see the directory: rank 0 hands out the weights of full_shard.
   distributed::TEST_weight_files_probe = [](int rank) { return rank != 1; };
-  const std::vector<RunResult> two = TrainPartOnRanks(2, 1, 2, at4.string(), "", mode_);
+  std::vector<RunResult> two;
+  {
+    common::CountingScope counting;
+    two = TrainPartOnRanks(2, 1, 2, at4.string(), "", mode_);
+  }
   distributed::TEST_weight_files_probe = nullptr;
   for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(two[r], tail_of_reference_, r);
+  // Rank 0 handed the state out a parameter at a time (HandOutStateFile): beyond the weights'
+  // own restore (whole under shard_grad_op, whose ranks hold them whole; a unit under
+  // full_shard) it held at most the file's copy of one moment and the buffer it broadcasts, not
+  // the whole state (8 bytes x every parameter, twice the weights) as before.
+  auto model = TinyModel();
+  int64_t state = 0, largest = 0;
+  for (const at::Tensor& p : model->Parameters()) {
+    state += 8 * p.numel();
+    largest = std::max<int64_t>(largest, 4 * p.numel());
+  }
+  const int64_t weights = state / 2;
+  for (int r = 0; r < 2; ++r) {
+    std::printf(
+        "rank %d restored through rank 0 with a peak of %lld bytes (the whole state: %lld, "
+        "its largest moment %lld)\n",
+        r, static_cast<long long>(two[r].restore_peak), static_cast<long long>(state),
+        static_cast<long long>(largest));
+    EXPECT_LE(two[r].restore_peak, weights + 2 * largest + (64 << 10)) << "rank " << r;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(DataParallelCheckpoints, ShardedCheckpoints,
                          ::testing::Values("shard_grad_op", "full_shard"));
 
-// Forwards to a rank's Collectives and counts the bytes all-gathered for AdamW's state.
+// Forwards to a rank's Collectives and counts the bytes all-gathered or all-reduced for AdamW's
+// state.
 class AdamWGatherCounter final : public Collectives {
  public:
   explicit AdamWGatherCounter(Collectives& inner) : inner_(inner) {}
   int rank() const override { return inner_.rank(); }
   int world_size() const override { return inner_.world_size(); }
   Status AllReduceSum(std::vector<at::Tensor>& t, const std::string& what) override {
+    if (what.find("AdamW") != std::string::npos) {
+      for (const at::Tensor& x : t) adamw_bytes += x.nbytes();
+    }
     return inner_.AllReduceSum(t, what);
   }
   Status AllReduceMax(std::vector<at::Tensor>& t, const std::string& what) override {
@@ -1118,7 +1141,8 @@ class AdamWGatherCounter final : public Collectives {
 };
 
 // While the ranks write their own shards, no AdamW state moves to rank 0; when a rank does not
-// see the directory, the whole state (8 bytes a parameter, and the chunks' padding) does.
+// see the directory, the whole state (8 bytes a parameter) does, a parameter at a time (the
+// probe's and outcome's one-element all-reduces are named otherwise).
 TEST(DataParallelCheckpoints, ShardFilesMoveNoAdamWStateToRankZero) {
   namespace fs = std::filesystem;
   int64_t total = 0;
@@ -1142,8 +1166,7 @@ TEST(DataParallelCheckpoints, ShardFilesMoveNoAdamWStateToRankZero) {
     if (shared) {
       EXPECT_EQ(rank0.adamw_bytes, 0);
     } else {
-      EXPECT_GE(rank0.adamw_bytes, 8 * total);
-      EXPECT_LE(rank0.adamw_bytes, 8 * (total + 2));  // one bucket: at most 1 padding element
+      EXPECT_EQ(rank0.adamw_bytes, 8 * total);
     }
     fs::remove_all(dir);
   }
@@ -1152,12 +1175,19 @@ TEST(DataParallelCheckpoints, ShardFilesMoveNoAdamWStateToRankZero) {
 // A checkpoint at full_shard (2 thread ranks, a 12-layer model): each unit of the weights is
 // written as it is gathered, so beyond what it held before, the process's CPU allocator never
 // holds three units (rank 0's being written, rank 1's next gather), where the whole weights
-// are 12 units and more; the AdamW shards are written a run at a time too (not copied whole).
-// Before, rank 0 gathered the whole weights and then wrote them. No step is taken, so the
-// weights written are the initial ones: those of a fresh model from the same seed.
-TEST(DataParallelCheckpoints, FullShardWritesTheWeightsAUnitAtATime) {
+// are 12 units and more; the AdamW shards are written a run at a time too (not copied whole),
+// and so is the state that goes through rank 0 when rank 1 does not see the directory (a
+// parameter's moment at a time: rank 0's buffer and rank 1's; the whole state is twice the
+// weights). Before, rank 0 gathered the whole weights and then wrote them, and the state whole
+// when it went through rank 0. No step is taken, so the weights written are the initial ones:
+// those of a fresh model from the same seed.
+class FullShardCheckpointMemory : public ::testing::TestWithParam<bool> {};  // shared output_dir
+
+TEST_P(FullShardCheckpointMemory, WritesTheWeightsAndTheStateAUnitAtATime) {
   namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / ("grpo_dp_stream_" + std::to_string(::getpid()));
+  const bool shared = GetParam();
+  const fs::path dir = fs::temp_directory_path() /
+                       ("grpo_dp_stream_" + std::to_string(shared) + std::to_string(::getpid()));
   fs::remove_all(dir);
   auto config = common::ModelConfigPreset("tiny");
   ASSERT_TRUE(config.ok());
@@ -1175,6 +1205,7 @@ TEST(DataParallelCheckpoints, FullShardWritesTheWeightsAUnitAtATime) {
   std::vector<std::string> errors(2);
   std::vector<int64_t> unit(2, 0);
   std::vector<std::thread> threads;
+  if (!shared) TEST_state_shard_probe = [](int rank) { return rank == 0; };
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
       auto model = common::Model::InitRandom(*config, 7);
@@ -1194,15 +1225,16 @@ TEST(DataParallelCheckpoints, FullShardWritesTheWeightsAUnitAtATime) {
     });
   }
   for (auto& t : threads) t.join();
+  TEST_state_shard_probe = nullptr;
   const int64_t extra = allocator.peak() - before;
   for (int r = 0; r < 2; ++r) ASSERT_TRUE(errors[r].empty()) << r << ": " << errors[r];
   ASSERT_GT(whole, 4 * unit[0]) << "the model's units must be small against the whole";
   EXPECT_LT(extra, 3 * unit[0]) << "whole weights " << whole << " bytes, a unit " << unit[0];
   std::printf(
-      "checkpoint at full_shard: %lld bytes beyond the ranks' own at the peak; a unit "
+      "checkpoint at full_shard (%s): %lld bytes beyond the ranks' own at the peak; a unit "
       "%lld, the whole weights %lld\n",
-      static_cast<long long>(extra), static_cast<long long>(unit[0]),
-      static_cast<long long>(whole));
+      shared ? "shard files" : "the state through rank 0", static_cast<long long>(extra),
+      static_cast<long long>(unit[0]), static_cast<long long>(whole));
 
   auto written = common::SafetensorsCheckpoint::Open((dir / "checkpoint-0").string());
   ASSERT_TRUE(written.ok()) << written.status().ToString();
@@ -1211,9 +1243,24 @@ TEST(DataParallelCheckpoints, FullShardWritesTheWeightsAUnitAtATime) {
     ASSERT_TRUE(got.ok()) << got.status().ToString();
     EXPECT_TRUE(at::equal(*got, p)) << name;
   }
+  EXPECT_EQ(fs::exists(dir / "checkpoint-0" / "optimizer.safetensors"), !shared);
+  if (!shared) {  // no step yet: every moment zero, as AdamW::StateDict names them
+    auto state =
+        common::SafetensorsFile::Open((dir / "checkpoint-0" / "optimizer.safetensors").string());
+    ASSERT_TRUE(state.ok()) << state.status().ToString();
+    EXPECT_EQ((*state)->Names().size(), 2 * (*reference)->NamedParameters().size() + 1);
+    for (const auto& [name, p] : (*reference)->NamedParameters()) {
+      auto m = (*state)->Get("exp_avg_sq." + name);
+      ASSERT_TRUE(m.ok()) << name;
+      EXPECT_EQ(m->sizes(), p.sizes()) << name;
+      EXPECT_EQ(m->abs().sum().item<double>(), 0.0) << name;
+    }
+  }
   EXPECT_TRUE(VerifyCheckpoint((dir / "checkpoint-0").string()).ok());
   fs::remove_all(dir);
 }
+
+INSTANTIATE_TEST_SUITE_P(DataParallelCheckpoints, FullShardCheckpointMemory, ::testing::Bool());
 
 // The shard files' reader on files written by hand: runs of a parameter from two files are
 // put together whatever the cut; a gap in the runs, a missing file and a mixed world size are
