@@ -233,16 +233,18 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
   }
   // full_shard: the weights too, each unit written as it is gathered (JoinSaveCheckpoint on the
   // other ranks), so rank 0 never holds them whole.
-  if (trainer.optimizer().ShardsParameters()) {
-    RETURN_IF_ERROR(trainer.policy().SaveWeightsFrom(
-        tmp_dir.string(), [&](const common::Model::WeightPut& put) {
-          return trainer.optimizer().StreamWeights("gather of the weights for " + name,
+  // The state's error first: when it was a collective's, the weights' say only "failed earlier".
+  const Status weights_written =
+      trainer.optimizer().ShardsParameters()
+          ? trainer.policy().SaveWeightsFrom(tmp_dir.string(),
+                                             [&](const common::Model::WeightPut& put) {
+                                               return trainer.optimizer().StreamWeights(
+                                                   "gather of the weights for " + name,
                                                    /*every_rank=*/false, put);
-        }));
-  } else {
-    RETURN_IF_ERROR(trainer.policy().Save(tmp_dir.string()));
-  }
+                                             })
+          : trainer.policy().Save(tmp_dir.string());
   RETURN_IF_ERROR(state_written);
+  RETURN_IF_ERROR(weights_written);
   if (whole_here) {
     common::NamedTensors optimizer_state;  // on the CPU whatever the trainer's device
     try {

@@ -425,7 +425,9 @@ class RankChaosTest : public FaultToleranceTest {
     ::setenv("MASTER_PORT", std::to_string(master_port_->port()).c_str(), 1);
     ::setenv("RANK", "1", 1);
     int bound = 0;
-    if (children_->Spawn(RankName(1), LearnerArgs(port, extra)) > 0) {
+    std::vector<std::string> rank1 = extra;
+    rank1.insert(rank1.end(), rank1_flags_.begin(), rank1_flags_.end());
+    if (children_->Spawn(RankName(1), LearnerArgs(port, rank1)) > 0) {
       ::setenv("RANK", "0", 1);
       bound = StartLearner(RankName(0), port, extra);
     } else {
@@ -458,7 +460,8 @@ class RankChaosTest : public FaultToleranceTest {
 
   int groups_ = 0;
   std::unique_ptr<ReservedPort> master_port_;
-  std::vector<std::string> mode_flags_;  // every rank's, beside the fixture's
+  std::vector<std::string> mode_flags_;   // every rank's, beside the fixture's
+  std::vector<std::string> rank1_flags_;  // rank 1's alone, after the others (they win)
 };
 
 TEST_F(RankChaosTest, KilledAndStoppedRanksRestartTheGroupAndLoseNothing) {
@@ -496,6 +499,40 @@ TEST_F(RankChaosTest, FullShardRanksLoadAndResumeFromTheirShardsAndLoseNothing) 
     EXPECT_NE(ReadFile(children_->Err("rank0." + std::to_string(group))).find("resumed from"),
               std::string::npos)
         << "group " << group;
+  }
+}
+
+// The same faults where rank 1 does not see rank 0's output_dir (its own, as a Kubernetes pod
+// with its own volume): every checkpoint's AdamW state goes through rank 0 a parameter at a
+// time into one file, and every resumed group's rank 1 takes its runs of that state from rank 0
+// (HandOutStateFile; on one machine it still reads its chunks of the weights at rank 0's path).
+// Nothing is lost or trained twice.
+TEST_F(RankChaosTest, FullShardRanksThatDoNotShareOutputDirResumeThroughRankZero) {
+  int rc = -1;
+  const fs::path model = dir_ / "model";
+  grpo::testing::RunCommand(GrpoBin() + " init-model --preset tiny --seed 3 --out " +
+                                model.string() + " >" + (dir_ / "init.out").string() + " 2>&1",
+                            &rc);
+  ASSERT_EQ(rc, 0) << ReadFile(dir_ / "init.out");
+  mode_flags_ = {"--fsdp", "full_shard", "--model_name_or_path", model.string()};
+  const fs::path own = dir_ / "rank1-output";
+  rank1_flags_ = {"--output_dir", own.string()};
+  ASSERT_NO_FATAL_FAILURE(RunFaults());
+  for (int group = 1; group <= groups_; ++group) {
+    EXPECT_NE(ReadFile(children_->Err("rank0." + std::to_string(group)))
+                  .find("the AdamW state goes through rank 0, a parameter at a time"),
+              std::string::npos)
+        << "group " << group;
+  }
+  for (int group = 2; group <= groups_; ++group) {
+    EXPECT_NE(ReadFile(children_->Err("rank0." + std::to_string(group))).find("resumed from"),
+              std::string::npos)
+        << "group " << group;
+  }
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(own, ec)) {
+    EXPECT_EQ(e.path().filename().string().rfind("checkpoint-", 0), std::string::npos)
+        << "rank 1 wrote " << e.path();
   }
 }
 
