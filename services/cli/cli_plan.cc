@@ -51,8 +51,8 @@ StatusOr<common::ModelConfig> PlannedModel(const common::GrpoConfig& cfg, std::s
   return common::LoadModelConfig(*source);
 }
 
-// WORLD_SIZE as the learner reads it (distributed::ParseRankEnv), without the rendezvous
-// address a plan does not need.
+// torchrun's variables as the learner reads them (distributed::ParseRankEnv: WORLD_SIZE,
+// LOCAL_WORLD_SIZE), without the rendezvous address a plan does not need.
 StatusOr<learner::distributed::RankEnv> RankEnvFromEnvironment() {
   return learner::distributed::ParseRankEnv([](const char* name) -> const char* {
     const char* value = std::getenv(name);

@@ -458,6 +458,16 @@ class RankChaosTest : public FaultToleranceTest {
   // The faults, one group after another, and the final history (the tests below).
   void RunFaults();
 
+  // Every rank at full_shard, reading the tiny model that `grpo init-model` writes to `model`.
+  void UseFullShardFrom(const fs::path& model) {
+    int rc = -1;
+    grpo::testing::RunCommand(GrpoBin() + " init-model --preset tiny --seed 3 --out " +
+                                  model.string() + " >" + (dir_ / "init.out").string() + " 2>&1",
+                              &rc);
+    ASSERT_EQ(rc, 0) << ReadFile(dir_ / "init.out");
+    mode_flags_ = {"--fsdp", "full_shard", "--model_name_or_path", model.string()};
+  }
+
   int groups_ = 0;
   std::unique_ptr<ReservedPort> master_port_;
   std::vector<std::string> mode_flags_;   // every rank's, beside the fixture's
@@ -473,13 +483,8 @@ TEST_F(RankChaosTest, KilledAndStoppedRanksRestartTheGroupAndLoseNothing) {
 // rank 0's last checkpoint (sharded resume: they share its output_dir, so none is handed out
 // through rank 0).
 TEST_F(RankChaosTest, FullShardRanksLoadAndResumeFromTheirShardsAndLoseNothing) {
-  int rc = -1;
   const fs::path model = dir_ / "model";
-  grpo::testing::RunCommand(GrpoBin() + " init-model --preset tiny --seed 3 --out " +
-                                model.string() + " >" + (dir_ / "init.out").string() + " 2>&1",
-                            &rc);
-  ASSERT_EQ(rc, 0) << ReadFile(dir_ / "init.out");
-  mode_flags_ = {"--fsdp", "full_shard", "--model_name_or_path", model.string()};
+  ASSERT_NO_FATAL_FAILURE(UseFullShardFrom(model));
   ASSERT_NO_FATAL_FAILURE(RunFaults());
   for (int group = 1; group <= groups_; ++group) {
     for (int rank : {0, 1}) {
@@ -508,13 +513,8 @@ TEST_F(RankChaosTest, FullShardRanksLoadAndResumeFromTheirShardsAndLoseNothing) 
 // (HandOutStateFile; on one machine it still reads its chunks of the weights at rank 0's path).
 // Nothing is lost or trained twice.
 TEST_F(RankChaosTest, FullShardRanksThatDoNotShareOutputDirResumeThroughRankZero) {
-  int rc = -1;
   const fs::path model = dir_ / "model";
-  grpo::testing::RunCommand(GrpoBin() + " init-model --preset tiny --seed 3 --out " +
-                                model.string() + " >" + (dir_ / "init.out").string() + " 2>&1",
-                            &rc);
-  ASSERT_EQ(rc, 0) << ReadFile(dir_ / "init.out");
-  mode_flags_ = {"--fsdp", "full_shard", "--model_name_or_path", model.string()};
+  ASSERT_NO_FATAL_FAILURE(UseFullShardFrom(model));
   const fs::path own = dir_ / "rank1-output";
   rank1_flags_ = {"--output_dir", own.string()};
   ASSERT_NO_FATAL_FAILURE(RunFaults());
