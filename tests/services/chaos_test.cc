@@ -427,7 +427,14 @@ class RankChaosTest : public FaultToleranceTest {
     int bound = 0;
     std::vector<std::string> rank1 = extra;
     rank1.insert(rank1.end(), rank1_flags_.begin(), rank1_flags_.end());
-    if (children_->Spawn(RankName(1), LearnerArgs(port, rank1)) > 0) {
+    std::vector<std::string> args = LearnerArgs(port, rank1);
+    if (!rank1_hides_.empty()) {
+      // A mount namespace of its own, with an empty tmpfs over the directory.
+      args.insert(args.begin(),
+                  {"/usr/bin/unshare", "-m", "/bin/sh", "-c",
+                   "mount -t tmpfs grpo-hidden \"$0\" && exec \"$@\"", rank1_hides_.string()});
+    }
+    if (children_->Spawn(RankName(1), args) > 0) {
       ::setenv("RANK", "0", 1);
       bound = StartLearner(RankName(0), port, extra);
     } else {
@@ -472,6 +479,7 @@ class RankChaosTest : public FaultToleranceTest {
   std::unique_ptr<ReservedPort> master_port_;
   std::vector<std::string> mode_flags_;   // every rank's, beside the fixture's
   std::vector<std::string> rank1_flags_;  // rank 1's alone, after the others (they win)
+  fs::path rank1_hides_;  // a directory rank 1 does not see (its mount namespace's own tmpfs)
 };
 
 TEST_F(RankChaosTest, KilledAndStoppedRanksRestartTheGroupAndLoseNothing) {
@@ -507,16 +515,27 @@ TEST_F(RankChaosTest, FullShardRanksLoadAndResumeFromTheirShardsAndLoseNothing) 
   }
 }
 
-// The same faults where rank 1 does not see rank 0's output_dir (its own, as a Kubernetes pod
-// with its own volume): every checkpoint's AdamW state goes through rank 0 a parameter at a
-// time into one file, and every resumed group's rank 1 takes its runs of that state from rank 0
-// (HandOutStateFile; on one machine it still reads its chunks of the weights at rank 0's path).
+// The same faults where rank 1 does not see rank 0's output_dir, as a Kubernetes pod whose
+// volume is not rank 0's: rank 1 runs in a mount namespace of its own in which that directory is
+// an empty tmpfs (`unshare -m`, root; without the privilege for one, rank 1 gets an output_dir
+// of its own instead, and still sees rank 0's checkpoints at their path). Every checkpoint's
+// AdamW state goes through rank 0 a parameter at a time into one file, and every resumed group's
+// rank 1 takes its runs of that state, and (hidden) its chunks of the weights, from rank 0.
 // Nothing is lost or trained twice.
 TEST_F(RankChaosTest, FullShardRanksThatDoNotShareOutputDirResumeThroughRankZero) {
   const fs::path model = dir_ / "model";
   ASSERT_NO_FATAL_FAILURE(UseFullShardFrom(model));
-  const fs::path own = dir_ / "rank1-output";
-  rank1_flags_ = {"--output_dir", own.string()};
+  int rc = -1;
+  grpo::testing::RunCommand("/usr/bin/unshare -m /bin/true 2>&1", &rc);
+  const bool hidden = rc == 0;
+  if (hidden) {
+    fs::create_directories(out_dir());  // the mount point, before rank 1 starts
+    rank1_hides_ = out_dir();
+  } else {
+    rank1_flags_ = {"--output_dir", (dir_ / "rank1-output").string()};
+  }
+  std::cerr << (hidden ? "rank 1 in a mount namespace without rank 0's output_dir\n"
+                       : "no mount namespace here: rank 1 on an output_dir of its own\n");
   ASSERT_NO_FATAL_FAILURE(RunFaults());
   for (int group = 1; group <= groups_; ++group) {
     EXPECT_NE(ReadFile(children_->Err("rank0." + std::to_string(group)))
@@ -525,14 +544,14 @@ TEST_F(RankChaosTest, FullShardRanksThatDoNotShareOutputDirResumeThroughRankZero
         << "group " << group;
   }
   for (int group = 2; group <= groups_; ++group) {
-    EXPECT_NE(ReadFile(children_->Err("rank0." + std::to_string(group))).find("resumed from"),
-              std::string::npos)
-        << "group " << group;
-  }
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(own, ec)) {
-    EXPECT_EQ(e.path().filename().string().rfind("checkpoint-", 0), std::string::npos)
-        << "rank 1 wrote " << e.path();
+    const std::string log0 = ReadFile(children_->Err("rank0." + std::to_string(group)));
+    EXPECT_NE(log0.find("resumed from"), std::string::npos) << "group " << group;
+    if (hidden) {
+      EXPECT_NE(log0.find("rank 0 reads the weights and hands each rank its chunk"),
+                std::string::npos)
+          << "group " << group << "\n"
+          << log0;
+    }
   }
 }
 
