@@ -27,10 +27,9 @@ StatusOr<std::unique_ptr<FrozenShards>> FrozenShards::Create(common::Model* mode
   }
   std::unique_ptr<FrozenShards> s(new FrozenShards(model, ranks, prefetch));
   const int64_t shard_numel = s->LayOut();
-  const bool host = offload && !model->device().is_cpu();
-  auto opts = params.front().second.options().requires_grad(false);
-  if (host) opts = opts.device(at::kCPU).pinned_memory(model->device().is_cuda());
-  s->weight_shard_ = at::zeros({shard_numel}, opts);
+  s->weight_shard_ = at::zeros(
+      {shard_numel},
+      ShardOptions(params.front().second.options().requires_grad(false), model->device(), offload));
   const std::shared_ptr<const common::ModelWeights> files = model->TakeDeferredWeights();
   RETURN_IF_ERROR(s->AgreeOnLoading(files != nullptr, "the reference model"));
   std::vector<at::Tensor> values;  // rank 0's, without files

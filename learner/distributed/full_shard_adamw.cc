@@ -60,11 +60,9 @@ StatusOr<std::unique_ptr<FullShardAdamW>> FullShardAdamW::Create(common::Model* 
   std::unique_ptr<FullShardAdamW> s(new FullShardAdamW(gated, options, ranks, prefetch));
   const int64_t shard_numel = s->LayOut();
   const auto opts = master.front().second.options().requires_grad(false);
-  // Offload (ZeRO-Offload's optimizer on the host, here with ZeRO-3's parameters): the shards,
-  // page-locked beside a GPU so that their copies to and from it are DMA.
-  const bool host = offload && !model->device().is_cpu();
-  const auto state_opts =
-      host ? opts.device(at::kCPU).pinned_memory(model->device().is_cuda()) : opts;
+  // Offload (ZeRO-Offload's optimizer on the host, here with ZeRO-3's parameters): the shards
+  // on the host.
+  const auto state_opts = ShardOptions(opts, model->device(), offload);
   s->weight_shard_ = at::zeros({shard_numel}, state_opts);
   s->grad_shard_ = at::zeros({shard_numel}, state_opts);
   s->exp_avg_ = at::zeros({shard_numel}, state_opts);

@@ -61,6 +61,12 @@ int64_t GatheredUnits::LayOut() {
   return shard_numel;
 }
 
+at::TensorOptions GatheredUnits::ShardOptions(const at::TensorOptions& opts,
+                                              const at::Device& device, bool offload) {
+  if (!offload || device.is_cpu()) return opts;
+  return opts.device(at::kCPU).pinned_memory(device.is_cuda());
+}
+
 Status GatheredUnits::Shard(const common::ModelWeights* files,
                             const std::vector<at::Tensor>& values, const std::string& what) {
   at::NoGradGuard no_grad;

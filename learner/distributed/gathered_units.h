@@ -73,6 +73,10 @@ class GatheredUnits : public common::ParameterGate {
 
   // Lays out the gated model's units; returns the weight shard's size in elements.
   int64_t LayOut();
+  // Where a model on `device` keeps its shards: `opts` as given, or with `offload` off the CPU
+  // in the host's memory, page-locked beside a GPU so that copies to and from it are DMA.
+  static at::TensorOptions ShardOptions(const at::TensorOptions& opts, const at::Device& device,
+                                        bool offload);
   // A collective: fills weight_shard_ (allocated by the caller, LayOut's size), a unit at a time,
   // from `files` (each rank reads its own chunks: sharded loading) or, without them, from rank
   // 0's `values` (in params_' order, whole on every rank until its unit is cut), broadcast
