@@ -69,12 +69,7 @@ int LoadingChild(const LoadingBenchOptions& o) {
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   at::set_num_threads(static_cast<int>(std::max(1u, cores / static_cast<unsigned>(o.world_size))));
   static common::CountingScope counting;
-  auto env = dist::RankEnvFromEnvironment();
-  if (!env.ok()) {
-    std::cerr << env.status().ToString() << "\n";
-    return 1;
-  }
-  auto group = dist::RankGroup::Join(*env, std::chrono::seconds(300));
+  auto group = JoinRankProcesses();
   if (!group.ok()) {
     std::cerr << group.status().ToString() << "\n";
     return 1;

@@ -164,12 +164,7 @@ int ShardingChild(const ShardingBenchOptions& o) {
   std::unique_ptr<dist::RankGroup> group;
   dist::Collectives* inner = &single;
   if (world > 1) {
-    auto env = dist::RankEnvFromEnvironment();
-    if (!env.ok()) {
-      std::cerr << env.status().ToString() << "\n";
-      return 1;
-    }
-    auto joined = dist::RankGroup::Join(*env, std::chrono::seconds(300));
+    auto joined = JoinRankProcesses();
     if (!joined.ok()) {
       std::cerr << joined.status().ToString() << "\n";
       return 1;

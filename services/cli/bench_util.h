@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "common/model/model.h"
+#include "common/status.h"
+#include "learner/distributed/rank_group.h"
 
 namespace grpo::services::bench {
 
@@ -107,6 +109,10 @@ int FreePort();
 // torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port); the last JSON object
 // each printed on stdout, in rank order, or an empty vector when any failed.
 std::vector<nlohmann::json> RunRankProcesses(int world, const std::string& args);
+
+// The child's side of RunRankProcesses: the group of torchrun's variables, joined within 300 s;
+// the status of the variables or of the join otherwise.
+StatusOr<std::unique_ptr<learner::distributed::RankGroup>> JoinRankProcesses();
 
 // grpo bench sharding (services/cli/bench_sharding.cc): the learner at world size 1, 2 and 4 for
 // each fsdp mode, each rank a process of this binary (`--child`).

@@ -81,6 +81,12 @@ int FreePort() {
   return port;
 }
 
+StatusOr<std::unique_ptr<learner::distributed::RankGroup>> JoinRankProcesses() {
+  ASSIGN_OR_RETURN(const learner::distributed::RankEnv env,
+                   learner::distributed::RankEnvFromEnvironment());
+  return learner::distributed::RankGroup::Join(env, std::chrono::seconds(300));
+}
+
 std::vector<nlohmann::json> RunRankProcesses(int world, const std::string& args) {
   const std::string exe = "/proc/" + std::to_string(::getpid()) + "/exe";
   const int port = FreePort();
