@@ -287,7 +287,8 @@ GrpoTrainer::GrpoTrainer(common::GrpoConfig config, GrpoLossConfig loss_config,
 StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoConfig& config,
                                                            common::Model* policy,
                                                            std::unique_ptr<common::Model> reference,
-                                                           distributed::Collectives* ranks) {
+                                                           distributed::Collectives* ranks,
+                                                           std::optional<at::Device> device) {
   RETURN_IF_ERROR(config.Validate());
   if (policy == nullptr) return Status::InvalidArgument("GrpoTrainer: no policy model");
   ASSIGN_OR_RETURN(common::FsdpSpec fsdp, common::ParseFsdp(config.fsdp));
@@ -330,17 +331,23 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
                                    c10::toString(policy->dtype()));
   }
   const at::ScalarType compute_dtype = common::ComputeDtype(config.bf16);
+  at::Device where = device.value_or(policy->device());
   // A deferred model (Model::LoadDeferred) is read a shard a rank where full_shard's gate fills
   // the policy's parameters, and whole here otherwise; so is the reference, which is then
   // sharded too (FrozenShards).
   const int world = ranks != nullptr ? ranks->world_size() : 1;
-  const bool gates = GatesParameters(fsdp, world, policy->device());
+  const bool gates = GatesParameters(fsdp, world, where);
+  // no_shard / shard_grad_op offload on a GPU: the policy is the fp32 master and stays on the
+  // host (moved there if it was loaded on the device); a compute copy on the device runs.
+  const bool host_master = HostsMaster(fsdp, where);
+  if (!host_master) where = policy->device();  // everything runs where the policy is
   if (policy->deferred() && !gates) {
     RETURN_IF_ERROR(policy->Materialize().WithContext("policy"));
   }
+  if (host_master) RETURN_IF_ERROR(policy->To(at::kCPU, policy->dtype()).WithContext("policy"));
   if (reference) {
     if (!gates) RETURN_IF_ERROR(reference->Materialize().WithContext("reference model"));
-    RETURN_IF_ERROR(reference->To(policy->device(), compute_dtype));
+    RETURN_IF_ERROR(reference->To(where, compute_dtype));
   }
 
   std::unique_ptr<GrpoTrainer> t(new GrpoTrainer(config, lc, policy, std::move(reference)));
@@ -365,8 +372,9 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
   t->entropy_control_ = loss::EntropyController(ec);
   t->schedule_ = schedule;
   policy->SetRequiresGrad(true);
-  if (config.bf16) {
-    ASSIGN_OR_RETURN(t->compute_, policy->Copy(policy->device(), compute_dtype));
+  if (config.bf16 || host_master) {
+    ASSIGN_OR_RETURN(t->compute_,
+                     policy->Copy(where, config.bf16 ? compute_dtype : policy->dtype()));
     t->compute_->SetRequiresGrad(true);
   }
   ASSIGN_OR_RETURN(t->optimizer_,
@@ -379,7 +387,8 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
 }
 
 // Not with sharded parameters (full_shard): the gate takes the compute copy's gradients, and
-// each gather casts the fp32 shard to the copy's dtype.
+// each gather casts the fp32 shard to the copy's dtype. With the master on the host the
+// gradients cross to it here, once a micro-batch.
 void GrpoTrainer::MoveComputeGradsToMaster() {
   if (!compute_ || optimizer_->ShardsParameters()) return;
   at::NoGradGuard no_grad;
@@ -390,9 +399,9 @@ void GrpoTrainer::MoveComputeGradsToMaster() {
     if (!g.defined()) continue;
     at::Tensor m = master[i];
     if (m.grad().defined()) {
-      m.mutable_grad().add_(g.to(at::kFloat));
+      m.mutable_grad().add_(g.to(m.device(), m.scalar_type()));
     } else {
-      m.mutable_grad() = g.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      m.mutable_grad() = g.to(m.device(), m.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
     }
     compute[i].mutable_grad().zero_();
   }
@@ -547,7 +556,7 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
     mine[m] = by[ranks_->rank()];
   }
   const int64_t most_trained = *std::max_element(trained_by.begin(), trained_by.end());
-  const at::Device device = policy_->device();
+  const at::Device device = compute_model().device();
   try {
     RefreshComputeCopy();  // the master may have changed since (checkpoint restore)
   } catch (const c10::Error& e) {
@@ -910,7 +919,7 @@ StatusOr<StepMetrics> GrpoTrainer::FinishStep(int64_t divisor) {
   sm.has_logprob_mismatch = os.mismatch_tokens > 0;
   sm.logprob_mismatch_mean = os.mismatch_sum / std::max(1.0, os.mismatch_tokens);
   sm.logprob_mismatch_max = os.mismatch_max;
-  sm.peak_memory_bytes = common::PeakMemoryBytes(policy_->device());
+  sm.peak_memory_bytes = common::PeakMemoryBytes(compute_model().device());
   sm.micro_batches = os.micro;
   if (!config_.dump_batches_dir.empty() && !os.dump.prompts.empty()) {
     os.sm = sm;

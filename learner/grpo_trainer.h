@@ -96,7 +96,8 @@ struct GenerationBatchResult {
 
 // Not thread-safe: one training thread owns it, except that ValidateGroup and policy_version()
 // may run on other threads concurrently with training (a service validates groups at ingest).
-// The policy is borrowed and updated in place. Everything runs on the policy's device.
+// The policy is borrowed and updated in place. Everything runs on the policy's device (but
+// beside a master on the host: see Create's `offload`).
 // With `bf16` the policy is the fp32 master: the trainer owns a bf16 compute copy that runs
 // every forward and backward (old/ref log-probs too); its gradients are added into the
 // master's fp32 .grad after each micro-batch, AdamW (fp32 state) steps the master, and the copy
@@ -123,13 +124,18 @@ class GrpoTrainer {
   // between uses and the whole weights are read through optimizer().GatherWeights; Create is
   // then a collective (with bf16 the gate sits on the bf16 compute copy), and so is the
   // reference's: sharded too (distributed/frozen_shards.h), read a shard a rank when deferred.
-  // `offload` on a GPU is full_shard's, with its shards on the host, at any world size
-  // (Unimplemented with the other modes). Batch dumps at world size > 1 are rank 0's, of the whole
+  // `offload` on a GPU: full_shard's shards on the host, at any world size; with no_shard and
+  // shard_grad_op the fp32 master (the policy, its gradient, AdamW's state) on the host and a
+  // compute copy (bf16, or fp32) on the GPU that runs every forward and backward, its gradients
+  // added into the master's after each micro-batch (step_optimizer.h HostsMaster). `device`:
+  // where the trainer computes (the policy's device when unset); the policy must be there,
+  // except with the master on the host, where it may be on the host already (loaded there: the
+  // GPU never holds it whole in fp32). Batch dumps at world size > 1 are rank 0's, of the whole
   // step.
-  static StatusOr<std::unique_ptr<GrpoTrainer>> Create(const common::GrpoConfig& config,
-                                                       common::Model* policy,
-                                                       std::unique_ptr<common::Model> reference,
-                                                       distributed::Collectives* ranks = nullptr);
+  static StatusOr<std::unique_ptr<GrpoTrainer>> Create(
+      const common::GrpoConfig& config, common::Model* policy,
+      std::unique_ptr<common::Model> reference, distributed::Collectives* ranks = nullptr,
+      std::optional<at::Device> device = std::nullopt);
 
   // OK when the group can be trained on now; otherwise InvalidArgument whose message says why,
   // and `*reason` (when given) the reason's code.
@@ -178,7 +184,8 @@ class GrpoTrainer {
   int64_t policy_version() const { return policy_version_; }
   const common::GrpoConfig& config() const { return config_; }
   common::Model& policy() { return *policy_; }
-  // The model that runs forward/backward: the bf16 copy with `bf16`, else the policy.
+  // The model that runs forward/backward: the bf16 copy with `bf16` (or the GPU copy beside a
+  // master on the host), else the policy. Its device is the one the trainer computes on.
   const common::Model& compute_model() const { return compute_ ? *compute_ : *policy_; }
   // AdamW over the ranks as `fsdp` says; its StateDict is a collective when sharded.
   StepOptimizer& optimizer() { return *optimizer_; }
@@ -236,15 +243,17 @@ class GrpoTrainer {
   // ranks a collective (the log-probs are summed over the ranks) and rank 0 writes.
   Status DumpStep(const OpenStep& step, int64_t step_number) const;
 
-  // Adds the compute copy's gradients into the master's fp32 .grad and zeroes them (bf16 only).
+  // Adds the compute copy's gradients into the master's fp32 .grad and zeroes them (with a
+  // compute copy only).
   void MoveComputeGradsToMaster();
-  // Copies the master weights into the compute copy (bf16 only).
+  // Copies the master weights into the compute copy (with one only).
   void RefreshComputeCopy();
 
   common::GrpoConfig config_;
   GrpoLossConfig loss_config_;
   common::Model* policy_;
-  std::unique_ptr<common::Model> compute_;  // bf16 compute copy, or null (fp32)
+  // The compute copy (bf16, or on the GPU beside a master on the host), or null.
+  std::unique_ptr<common::Model> compute_;
   std::unique_ptr<common::Model> reference_;
   // Where full_shard's gate fills the policy's parameters: the reference's shards, the gate of
   // reference_ (after it: destroyed first); null with the reference whole.

@@ -116,11 +116,14 @@ StatusOr<std::unique_ptr<Learner>> Learner::Create(common::GrpoConfig config,
   ASSIGN_OR_RETURN(s->ledger_, PromptLedger::Open(ledger_path, ledger_options));
 
   // The policy trains on `device` in its own dtype (the fp32 master with `bf16`: GrpoTrainer
-  // builds the bf16 compute copy); PublishWeights snapshots it to the CPU.
+  // builds the bf16 compute copy), or stays on the host as the master beside a compute copy on
+  // `device` (no_shard / shard_grad_op offload); PublishWeights snapshots it to the CPU.
   s->policy_ = std::move(policy);
-  RETURN_IF_ERROR(s->policy_->To(device, s->policy_->dtype()).WithContext("policy"));
+  ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(cfg.fsdp));
+  const at::Device home = HostsMaster(fsdp, device) ? at::Device(at::kCPU) : device;
+  RETURN_IF_ERROR(s->policy_->To(home, s->policy_->dtype()).WithContext("policy"));
   ASSIGN_OR_RETURN(s->trainer_, GrpoTrainer::Create(cfg, s->policy_.get(), std::move(reference),
-                                                    s->options_.ranks));
+                                                    s->options_.ranks, device));
   s->trainer_->set_dump_incarnation(s->incarnation_);
   if (s->options_.TEST_micro_batch_fault) {
     s->trainer_->TEST_set_micro_batch_fault(s->options_.TEST_micro_batch_fault);
@@ -656,7 +659,8 @@ Status Learner::PublishWeights() {
   // A copy on the GPU too while a worker gets its weights over a GPU backend (NCCL, CUDA IPC):
   // it costs one model's memory there, so only then.
   bool on_device = false;
-  if (!policy_->device().is_cpu()) {
+  const at::Device device = trainer_->compute_model().device();
+  if (!device.is_cpu()) {
     common::MutexLock lock(&mu_);
     on_device = workers_.AnyAssigned({common::kBackendNccl, common::kBackendCudaIpc});
   }
@@ -681,8 +685,10 @@ Status Learner::PublishWeights() {
       snap->tensors = std::move(gathered);
     } else {
       for (const auto& [name, t] : sharded ? gathered : policy_->NamedParameters()) {
-        if (on_device) {
-          at::Tensor copy = t.detach().contiguous().clone();
+        if (on_device) {  // the master may be on the host (offload): copied to the device
+          at::Tensor copy = t.detach()
+                                .to(device, t.scalar_type(), /*non_blocking=*/false, /*copy=*/true)
+                                .contiguous();
           // The CPU copy is made from the device copy and waits for it, so both are complete
           // when the snapshot is published.
           snap->tensors.emplace_back(name, copy.to(at::kCPU));
@@ -754,7 +760,7 @@ void Learner::WeightSyncLoop(size_t index) {
     o.timeout = options_.weight_sync_timeout;
     o.hostname = options_.weight_sync_hostname.empty() ? config_.weight_sync_hostname
                                                        : options_.weight_sync_hostname;
-    o.cuda_device = std::max(0, common::CudaOrdinal(policy_->device().str()));
+    o.cuda_device = std::max(0, common::CudaOrdinal(trainer_->compute_model().device().str()));
     factory = common::BuiltinWeightSyncFactory(o);
   }
   WeightPublisher publisher(backend, epoch_store_, std::move(factory),

@@ -14,11 +14,13 @@ namespace {
 
 // no_shard: every rank holds the whole gradient and the whole AdamW state (DDP). At one rank
 // every collective is skipped, so the single-process step is the one it always was.
+// With the master on the host (HostsMaster) the gradients are summed on `through`, the compute
+// copy's device (NCCL there), a bucket at a time.
 class ReplicatedAdamW final : public StepOptimizer {
  public:
   ReplicatedAdamW(common::NamedTensors params, AdamWOptions options,
-                  distributed::Collectives* ranks)
-      : params_(params), adamw_(std::move(params), options), ranks_(ranks) {}
+                  distributed::Collectives* ranks, at::Device through)
+      : params_(params), adamw_(std::move(params), options), ranks_(ranks), through_(through) {}
 
   void BeforeBackward(const std::string&) override {}
   Status AfterBackward(const std::string&) override { return Status::OK(); }
@@ -33,7 +35,7 @@ class ReplicatedAdamW final : public StepOptimizer {
       grads.push_back(p.grad());
     }
     return distributed::BucketedAllReduceSum(*ranks_, grads, distributed::kDefaultBucketBytes,
-                                             "all-reduce of the gradients" + where);
+                                             "all-reduce of the gradients" + where, through_);
   }
 
   void ScaleGradients(double scale) override {
@@ -104,9 +106,17 @@ class ReplicatedAdamW final : public StepOptimizer {
   common::NamedTensors params_;
   AdamW adamw_;
   distributed::Collectives* ranks_;
+  at::Device through_;
 };
 
 }  // namespace
+
+bool TEST_host_master_on_cpu = false;
+
+bool HostsMaster(const common::FsdpSpec& fsdp, const at::Device& device) {
+  return fsdp.offload && fsdp.mode != common::FsdpMode::kFullShard &&
+         (!device.is_cpu() || TEST_host_master_on_cpu);
+}
 
 bool GatesParameters(const common::FsdpSpec& fsdp, int world_size, const at::Device& device) {
   const bool offload = fsdp.offload && !device.is_cpu();
@@ -119,17 +129,21 @@ StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
     AdamWOptions options, distributed::Collectives* ranks, common::Model* model,
     common::Model* compute_model) {
   const int world = ranks->world_size();
-  // Offload matters on a GPU only (on the CPU the host is the device): it is built with
-  // full_shard, whose shards then live on the host, at any world size.
+  // Offload matters on a GPU only (on the CPU the host is the device): full_shard's shards then
+  // live on the host, at any world size; the other modes get the master on the host from
+  // GrpoTrainer::Create (HostsMaster), so their `params` are host tensors here.
   const bool offload = fsdp.offload && model != nullptr && !model->device().is_cpu();
   if (offload && fsdp.mode != common::FsdpMode::kFullShard) {
-    return Status::Unimplemented(
-        "config key 'fsdp': offload on a GPU is built with full_shard (fsdp: full_shard offload, "
-        "at any number of ranks), not with " +
-        std::string(fsdp.mode == common::FsdpMode::kNoShard ? "no_shard" : "shard_grad_op"));
+    return Status::InvalidArgument(
+        "config key 'fsdp': " +
+        std::string(fsdp.mode == common::FsdpMode::kNoShard ? "no_shard" : "shard_grad_op") +
+        " offload needs the fp32 master on the host (GrpoTrainer::Create puts it there), not on " +
+        model->device().str());
   }
   if ((world == 1 && !offload) || fsdp.mode == common::FsdpMode::kNoShard) {
-    return std::unique_ptr<StepOptimizer>(new ReplicatedAdamW(std::move(params), options, ranks));
+    const at::Device through = compute.empty() ? at::Device(at::kCPU) : compute.front().device();
+    return std::unique_ptr<StepOptimizer>(
+        new ReplicatedAdamW(std::move(params), options, ranks, through));
   }
   if (fsdp.mode == common::FsdpMode::kShardGradOp) {
     ASSIGN_OR_RETURN(auto sharded, distributed::ShardedAdamW::Create(

@@ -156,6 +156,15 @@ class StepOptimizer {
   std::string pending_state_file;
 };
 
+// Whether the trainer keeps the fp32 master weights (its policy model, their gradient and
+// AdamW's state) on the host while a compute copy on `device` runs every forward and backward:
+// `offload` beside no_shard or shard_grad_op with the model on a GPU (ZeRO-Offload: the
+// optimizer on the host, the parameters whole on the GPU). full_shard offload keeps its shards
+// on the host instead (GatesParameters). Tests: TEST_host_master_on_cpu makes the CPU count as a
+// device here, the master and its compute copy then both in host memory.
+bool HostsMaster(const common::FsdpSpec& fsdp, const at::Device& device);
+extern bool TEST_host_master_on_cpu;
+
 // Whether MakeStepOptimizer's choice for `fsdp` at `world_size` ranks with the model on `device`
 // is full_shard's gate (FullShardAdamW: it fills the parameters, a unit at a time): full_shard at
 // several ranks, or offload on a GPU. Then a deferred model (Model::LoadDeferred) is read a
@@ -170,7 +179,10 @@ bool GatesParameters(const common::FsdpSpec& fsdp, int world_size, const at::Dev
 // `model`, and is a collective (rank 0's weights are broadcast while they are cut into shards,
 // or each rank reads its own from a deferred `model`'s files).
 // `offload` with `model` on a GPU: full_shard with its shards on the host, at any world size
-// (the one-GPU case included); with the other modes Unimplemented.
+// (the one-GPU case included). The other modes offload with the master on the host
+// (HostsMaster): `params` and `model` are then host tensors, `compute` the GPU copy's, and the
+// gradients' collectives run on the compute copy's device; InvalidArgument for them with a
+// master on a GPU.
 StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
     const common::FsdpSpec& fsdp, common::NamedTensors params, std::vector<at::Tensor> compute,
     AdamWOptions options, distributed::Collectives* ranks, common::Model* model = nullptr,

@@ -45,15 +45,18 @@ std::vector<std::vector<at::Tensor>> Buckets(const std::vector<at::Tensor>& tens
   return buckets;
 }
 
-// Runs `op` on each bucket flattened into one buffer, then copies the buffer back.
+// Runs `op` on each bucket flattened into one buffer (on `through` when given), then copies the
+// buffer back.
 template <typename Op>
-Status OverBuckets(const std::vector<at::Tensor>& tensors, int64_t bucket_bytes, Op op) {
+Status OverBuckets(const std::vector<at::Tensor>& tensors, int64_t bucket_bytes, Op op,
+                   std::optional<at::Device> through = std::nullopt) {
   at::NoGradGuard no_grad;
   for (const std::vector<at::Tensor>& bucket : Buckets(tensors, bucket_bytes)) {
     std::vector<at::Tensor> flat_views;
     for (const at::Tensor& t : bucket) flat_views.push_back(t.reshape({-1}));
     std::vector<at::Tensor> flat = {
         bucket.size() == 1 && bucket[0].is_contiguous() ? flat_views[0] : at::cat(flat_views)};
+    if (through.has_value() && flat[0].device() != *through) flat[0] = flat[0].to(*through);
     RETURN_IF_ERROR(op(flat));
     if (flat[0].data_ptr() == bucket[0].data_ptr()) continue;  // reduced in place
     int64_t at_elem = 0;
@@ -69,11 +72,12 @@ Status OverBuckets(const std::vector<at::Tensor>& tensors, int64_t bucket_bytes,
 }  // namespace
 
 Status BucketedAllReduceSum(Collectives& collectives, const std::vector<at::Tensor>& tensors,
-                            int64_t bucket_bytes, const std::string& what) {
+                            int64_t bucket_bytes, const std::string& what,
+                            std::optional<at::Device> through) {
   if (collectives.world_size() == 1 || tensors.empty()) return Status::OK();
-  return OverBuckets(tensors, bucket_bytes, [&](std::vector<at::Tensor>& flat) {
-    return collectives.AllReduceSum(flat, what);
-  });
+  return OverBuckets(
+      tensors, bucket_bytes,
+      [&](std::vector<at::Tensor>& flat) { return collectives.AllReduceSum(flat, what); }, through);
 }
 
 Status BroadcastString(Collectives& collectives, std::string* text, const std::string& what) {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -92,9 +93,11 @@ class SingleRank : public Collectives {
 // Sums `tensors` over the ranks in buckets of at most `bucket_bytes` (each bucket one flat
 // buffer, one collective: DDP's bucketing, 25 MiB by default there too), so a model of many
 // small tensors costs few collectives and the extra memory is one bucket, not a model.
-// Tensors of one dtype and device.
+// Tensors of one dtype and device; with `through` (another device: the GPU beside a master on
+// the host) each bucket is summed there and copied back.
 Status BucketedAllReduceSum(Collectives& collectives, const std::vector<at::Tensor>& tensors,
-                            int64_t bucket_bytes, const std::string& what);
+                            int64_t bucket_bytes, const std::string& what,
+                            std::optional<at::Device> through = std::nullopt);
 // Rank 0's `*text` into every rank's (its length, then, unless it is empty, its bytes; the other
 // ranks' own text is ignored).
 Status BroadcastString(Collectives& collectives, std::string* text, const std::string& what);

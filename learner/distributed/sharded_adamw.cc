@@ -103,6 +103,7 @@ StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(common::NamedTensor
   }
   const auto opts = first.options();
   s->grad_shard_ = at::zeros({shard_numel}, opts);
+  s->comm_ = opts.device(s->compute_.front().device());
   s->exp_avg_ = at::zeros({shard_numel}, opts);
   s->exp_avg_sq_ = at::zeros({shard_numel}, opts);
   return s;
@@ -135,10 +136,11 @@ void ShardedAdamW::OnGradientReady(size_t i) {
   } else {
     const int64_t padded = bucket.chunk * ranks_->world_size();
     if (!p.flat.defined() && bucket.last - bucket.first == 1 && grad.numel() == padded &&
-        grad.scalar_type() == grad_shard_.scalar_type() && grad.is_contiguous()) {
+        grad.scalar_type() == grad_shard_.scalar_type() && grad.device() == comm_.device() &&
+        grad.is_contiguous()) {
       p.flat = grad.view({-1});  // a tensor alone that needs no padding: no copy
     } else {
-      if (!p.flat.defined()) p.flat = at::zeros({padded}, grad_shard_.options());
+      if (!p.flat.defined()) p.flat = at::zeros({padded}, comm_);
       p.flat.narrow(0, bucket.param_offsets[i - bucket.first], grad.numel())
           .add_(grad.reshape({-1}));
     }
@@ -157,13 +159,12 @@ void ShardedAdamW::ReduceReadyBuckets(bool all) {
     const Bucket& b = buckets_[next_bucket_];
     Pending& p = pending_round_[next_bucket_];
     if (!all && p.arrived < b.last - b.first) return;
-    if (!p.flat.defined())
-      p.flat = at::zeros({b.chunk * ranks_->world_size()}, grad_shard_.options());
-    at::Tensor summed = at::empty({b.chunk}, grad_shard_.options());
+    if (!p.flat.defined()) p.flat = at::zeros({b.chunk * ranks_->world_size()}, comm_);
+    at::Tensor summed = at::empty({b.chunk}, comm_);
     // After a failure the group is not used again: its later collectives fail at once.
     Status s = ranks_->ReduceScatterSum(p.flat, summed, "reduce-scatter of the gradients" + where_);
     if (s.ok()) {
-      grad_shard_.narrow(0, b.shard_offset, b.chunk).add_(summed);
+      grad_shard_.narrow(0, b.shard_offset, b.chunk).add_(summed.to(grad_shard_.device()));
     } else if (round_error_.ok()) {
       round_error_ = s;
     }
@@ -243,9 +244,10 @@ Status ShardedAdamW::Step(double lr, const std::string& where) {
     at::Tensor m = exp_avg_.narrow(0, b.shard_offset, b.chunk);
     at::Tensor v = exp_avg_sq_.narrow(0, b.shard_offset, b.chunk);
     AdamWUpdate(p, g, m, v, options_, lr, step_);
-    // Every rank's chunks into every rank's parameters.
-    at::Tensor whole = at::empty({b.chunk * ranks_->world_size()}, grad_shard_.options());
-    RETURN_IF_ERROR(ranks_->AllGather(p, whole, "all-gather of the weights" + where));
+    // Every rank's chunks into every rank's parameters (gathered on the compute device).
+    at::Tensor whole = at::empty({b.chunk * ranks_->world_size()}, comm_);
+    RETURN_IF_ERROR(
+        ranks_->AllGather(p.to(comm_.device()), whole, "all-gather of the weights" + where));
     for (size_t i = b.first; i < b.last; ++i) {
       at::Tensor& param = params_[i].second;
       param.copy_(whole.narrow(0, b.param_offsets[i - b.first], param.numel()).view(param.sizes()));

@@ -24,6 +24,12 @@
 //
 // The parameters themselves stay whole on every rank (full_shard_adamw.h shards them), and so
 // does the fp32 master with bf16.
+//
+// Offload (`fsdp: shard_grad_op offload` on a GPU; ZeRO-Offload): `params` are the fp32 master
+// on the host and `compute` the GPU copy's. The buckets are reduce-scattered and all-gathered on
+// the GPU (NCCL); each reduced chunk is added into the gradient shard on the host, where the norm
+// and AdamW run, and the gathered weights are copied into the host master (the trainer then
+// refreshes the GPU copy from it).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -127,6 +133,9 @@ class ShardedAdamW final : public StepOptimizer {
   // rank's part, and AdamW's moments for it.
   at::Tensor grad_shard_;
   at::Tensor exp_avg_, exp_avg_sq_;
+  // fp32 on the compute tensors' device: the buckets of the reduce-scatters and all-gathers (on
+  // the GPU beside a master on the host, step_optimizer.h HostsMaster).
+  at::TensorOptions comm_;
   int64_t step_ = 0;
   bool round_reduced_ = false;  // this rank reduce-scattered in the round now open
   // Rank 0 after LoadStateDict: the whole restored state, until SyncFromRankZero hands it out.

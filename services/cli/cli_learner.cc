@@ -68,6 +68,14 @@ StatusOr<std::unique_ptr<common::Model>> LoadModel(const common::GrpoConfig& cfg
   return common::Model::Load(cfg.model_name_or_path, device);
 }
 
+// Where the policy is loaded: on the host when it is the fp32 master there beside a compute copy
+// on `device` (no_shard / shard_grad_op offload on a GPU: the GPU never holds it whole in fp32),
+// else on `device`.
+at::Device PolicyHome(const common::GrpoConfig& cfg, const at::Device& device) {
+  auto fsdp = common::ParseFsdp(cfg.fsdp);
+  return fsdp.ok() && learner::HostsMaster(*fsdp, device) ? at::Device(at::kCPU) : device;
+}
+
 // The policy (and the reference when beta != 0) of a learner rank > 0. Rank 0 alone writes under
 // output_dir (the initial model, checkpoints, the ledger), so without model_name_or_path this
 // rank builds the same tiny model in memory; its weights are rank 0's after the first command.
@@ -77,9 +85,10 @@ Status LoadTrainerRankModels(const common::GrpoConfig& cfg, const at::Device& de
   if (cfg.model_name_or_path.empty()) {
     ASSIGN_OR_RETURN(const common::ModelConfig preset, common::ModelConfigPreset("tiny"));
     ASSIGN_OR_RETURN(*policy, common::Model::InitRandom(preset, cfg.seed));
-    RETURN_IF_ERROR((*policy)->To(device, (*policy)->dtype()).WithContext("policy"));
+    RETURN_IF_ERROR(
+        (*policy)->To(PolicyHome(cfg, device), (*policy)->dtype()).WithContext("policy"));
   } else {
-    ASSIGN_OR_RETURN(*policy, LoadModel(cfg, device, world, "the policy"));
+    ASSIGN_OR_RETURN(*policy, LoadModel(cfg, PolicyHome(cfg, device), world, "the policy"));
   }
   if (cfg.beta != 0) {  // as the policy: deferred, or whole (rank 0's then broadcast if sharded)
     if (cfg.model_name_or_path.empty()) {
@@ -103,7 +112,8 @@ int RunTrainerRank(const common::GrpoConfig& cfg, const at::Device& device,
     std::cerr << me << ": " << s.ToString() << "\n";
     return 1;
   }
-  auto trainer = learner::GrpoTrainer::Create(cfg, policy.get(), std::move(reference), &ranks);
+  auto trainer =
+      learner::GrpoTrainer::Create(cfg, policy.get(), std::move(reference), &ranks, device);
   if (!trainer.ok()) {
     std::cerr << me << ": " << trainer.status().ToString() << "\n";
     return trainer.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
@@ -163,9 +173,10 @@ int RunLearner(const LearnerOptions& o) {
   fs::create_directories(cfg.output_dir, ec);
   auto model_dir = ModelDir(cfg);
   if (!model_dir.ok()) return fail(model_dir.status());
+  const at::Device home = PolicyHome(cfg, *device);
   auto policy = cfg.model_name_or_path.empty()
-                    ? common::Model::Load(*model_dir, *device)
-                    : LoadModel(cfg, *device, rank_env->world_size, "the policy");
+                    ? common::Model::Load(*model_dir, home)
+                    : LoadModel(cfg, home, rank_env->world_size, "the policy");
   if (!policy.ok()) return fail(policy.status());
   std::unique_ptr<common::Model> reference;
   if (cfg.beta != 0) {

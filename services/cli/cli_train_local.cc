@@ -89,10 +89,14 @@ int RunTrainLocal(const TrainLocalOptions& o) {
       if (!s.ok()) return fail(s);
     }
   }
-  // `device`; with `bf16` the trainer keeps this fp32 master and trains a bf16 copy.
+  // `device`; with `bf16` the trainer keeps this fp32 master and trains a bf16 copy (with
+  // no_shard / shard_grad_op offload on a GPU the master is loaded on the host, the copy there).
   auto device = common::ResolveDevice(cfg.device);
   if (!device.ok()) return fail(device.status(), 2);
-  auto model_or = common::Model::Load(model_dir, *device);
+  auto fsdp = common::ParseFsdp(cfg.fsdp);
+  if (!fsdp.ok()) return fail(fsdp.status(), 2);
+  auto model_or = common::Model::Load(
+      model_dir, learner::HostsMaster(*fsdp, *device) ? at::Device(at::kCPU) : *device);
   if (!model_or.ok()) return fail(model_or.status());
   std::shared_ptr<common::Model> model = std::move(model_or).value();
   auto tok_or = common::LoadTokenizer(model_dir);
@@ -127,7 +131,8 @@ int RunTrainLocal(const TrainLocalOptions& o) {
     if (!ref_or.ok()) return fail(ref_or.status().WithContext("reference model"));
     reference = std::move(ref_or).value();
   }
-  auto trainer_or = learner::GrpoTrainer::Create(cfg, model.get(), std::move(reference));
+  auto trainer_or =
+      learner::GrpoTrainer::Create(cfg, model.get(), std::move(reference), nullptr, *device);
   if (!trainer_or.ok()) return fail(trainer_or.status(), 2);
   learner::GrpoTrainer& trainer = **trainer_or;
   if (trainer.optimizer().ShardsParameters()) {

@@ -117,7 +117,10 @@ TEST(CudaParity, SampledDecodeWithStopTokensMatchesTheCpu) {
 // equal the plain trainer's on the same GPU (no_shard), to 1e-5. Between steps the GPU holds no
 // parameter values and AdamW's state is on the host. With beta 0.04 and a reference of other
 // weights (the tiny model of seed 8, whole on the GPU in the plain run): offloaded, its shard is
-// on the host too (FrozenShards) and its parameters hold no GPU memory.
+// on the host too (FrozenShards) and its parameters hold no GPU memory. `no_shard offload` and
+// `shard_grad_op offload` (the fp32 master on the host, a compute copy on the GPU; at one rank
+// the two are one): the same steps, the master and AdamW's state on the host, the compute copy
+// on the GPU.
 TEST(CudaParity, FullShardOffloadOnOneGpuTakesThePlainSteps) {
   SKIP_WITHOUT_CUDA();
   auto cpu = PrecisionTinyModel();
@@ -170,25 +173,42 @@ TEST(CudaParity, FullShardOffloadOnOneGpuTakesThePlainSteps) {
           for (const auto& [name, w] : *gathered) out.weights.push_back(w.cpu());
         }
       } else {
-        for (const at::Tensor& p : model->Parameters()) out.weights.push_back(p.detach().cpu());
+        const bool host_master = fsdp != "no_shard";
+        for (const at::Tensor& p : model->Parameters()) {
+          EXPECT_EQ(p.is_cpu(), host_master) << fsdp;
+          out.weights.push_back(p.detach().cpu());
+        }
+        for (const at::Tensor& p : (*trainer)->compute_model().Parameters()) {
+          EXPECT_TRUE(p.is_cuda()) << fsdp;
+        }
+        auto state = (*trainer)->optimizer().StateDict("the test's state");
+        EXPECT_TRUE(state.ok()) << state.status().ToString();
+        if (state.ok()) {
+          for (const auto& [name, t] : *state) {
+            if (name != "step") EXPECT_EQ(t.is_cpu(), host_master) << fsdp << " " << name;
+          }
+        }
       }
       return out;
     };
     const Run plain = train("no_shard");
-    const Run offloaded = train("full_shard offload");
-    ASSERT_EQ(plain.steps.size(), 2u) << "bf16 " << bf16;
-    ASSERT_EQ(offloaded.steps.size(), plain.steps.size()) << "bf16 " << bf16;
-    for (size_t i = 0; i < plain.steps.size(); ++i) {
-      const auto& a = offloaded.steps[i];
-      const auto& b = plain.steps[i];
-      EXPECT_NEAR(a.loss, b.loss, 1e-6 + 1e-5 * std::abs(b.loss)) << "bf16 " << bf16;
-      EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-6 + 1e-5 * b.grad_norm) << "bf16 " << bf16;
-    }
-    ASSERT_EQ(offloaded.weights.size(), plain.weights.size());
-    for (size_t i = 0; i < plain.weights.size(); ++i) {
-      const double scale = plain.weights[i].abs().max().item<double>();
-      EXPECT_LE((offloaded.weights[i] - plain.weights[i]).abs().max().item<double>(), 1e-5 * scale)
-          << "bf16 " << bf16 << " parameter " << i;
+    for (const char* fsdp : {"full_shard offload", "no_shard offload", "shard_grad_op offload"}) {
+      const Run offloaded = train(fsdp);
+      ASSERT_EQ(plain.steps.size(), 2u) << "bf16 " << bf16;
+      ASSERT_EQ(offloaded.steps.size(), plain.steps.size()) << "bf16 " << bf16;
+      for (size_t i = 0; i < plain.steps.size(); ++i) {
+        const auto& a = offloaded.steps[i];
+        const auto& b = plain.steps[i];
+        EXPECT_NEAR(a.loss, b.loss, 1e-6 + 1e-5 * std::abs(b.loss)) << "bf16 " << bf16;
+        EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-6 + 1e-5 * b.grad_norm) << "bf16 " << bf16;
+      }
+      ASSERT_EQ(offloaded.weights.size(), plain.weights.size());
+      for (size_t i = 0; i < plain.weights.size(); ++i) {
+        const double scale = plain.weights[i].abs().max().item<double>();
+        EXPECT_LE((offloaded.weights[i] - plain.weights[i]).abs().max().item<double>(),
+                  1e-5 * scale)
+            << "bf16 " << bf16 << " parameter " << i << " " << fsdp;
+      }
     }
   }
 }

@@ -124,6 +124,8 @@ struct RunResult {
   // With beta != 0: the bytes of the reference's parameters between uses, and of its shard
   // (-1: not sharded), and its units' all-gathers.
   int64_t reference_parameter_bytes = -1, reference_shard_bytes = -1, reference_gathers = 0;
+  // Train: whether the policy itself ran the forwards (no compute copy).
+  bool computes_on_policy = false;
 };
 
 using ModelMaker = std::function<std::unique_ptr<common::Model>()>;
@@ -164,6 +166,7 @@ RunResult Train(const common::GrpoConfig& cfg, Collectives* ranks,
     return out;
   }
   if (flushed->has_value()) out.steps.push_back(**flushed);
+  out.computes_on_policy = &(*trainer)->compute_model() == model.get();
   if (ref != nullptr) {
     out.reference_parameter_bytes = 0;
     for (const at::Tensor& p : ref->Parameters()) {
@@ -803,6 +806,47 @@ INSTANTIATE_TEST_SUITE_P(Modes, DataParallelBf16,
                                            std::tuple{"full_shard", 2, true},
                                            std::tuple{"full_shard", 4, false}));
 
+// Makes the CPU count as a device for step_optimizer.h HostsMaster while it lives.
+class HostMasterOnCpu {
+ public:
+  HostMasterOnCpu() { learner::TEST_host_master_on_cpu = true; }
+  ~HostMasterOnCpu() { learner::TEST_host_master_on_cpu = false; }
+};
+
+// no_shard and shard_grad_op offload, the fp32 master on the host (step_optimizer.h
+// HostsMaster). The CPU counts as the device here, so the master (the policy) and the compute
+// copy that runs every forward and backward are two models in host memory, and each step
+// crosses between them where it crosses PCIe on a GPU: the gradients into the master after
+// each micro-batch, the updated master into the copy. At 1, 2 and 4 ranks, fp32 and bf16: the
+// steps and the weights equal the plain single rank's, and the policy is not the model that
+// computes.
+class DataParallelHostMaster : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {
+};
+
+TEST_P(DataParallelHostMaster, RanksTakeTheSingleRanksStepsWithTheMasterApart) {
+  const auto [fsdp, world, bf16] = GetParam();
+  HostMasterOnCpu on;
+  common::GrpoConfig one = RankConfig("dapo", 1);
+  one.bf16 = bf16;
+  const RunResult single = Train(one, nullptr);
+  ASSERT_TRUE(single.error.empty()) << single.error;
+  ASSERT_EQ(single.steps.size(), 7u);
+  EXPECT_EQ(single.computes_on_policy, !bf16);
+  const std::vector<RunResult> results = TrainOnRanks(world, [&](int) {
+    common::GrpoConfig cfg = RankConfig("dapo", world, fsdp + " offload");
+    cfg.bf16 = bf16;
+    return cfg;
+  });
+  for (int r = 0; r < world; ++r) {
+    ExpectSameAsSingleRank(results[r], single, r);
+    EXPECT_FALSE(results[r].computes_on_policy) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Offload, DataParallelHostMaster,
+                         ::testing::Combine(::testing::Values("no_shard", "shard_grad_op"),
+                                            ::testing::Values(1, 2, 4), ::testing::Bool()));
+
 // The fake's reduce-scatter and all-gather, by hand: rank r passes [r, r+1, r+2, r+3] at 2 ranks.
 TEST(FakeRankGroupCollectives, ReduceScatterAndAllGatherByHand) {
   FakeRankGroup group(2, std::chrono::seconds(10));
@@ -926,6 +970,31 @@ TEST(DataParallelCheckpoints, ResumeAtAnotherWorldSizeTakesTheUninterruptedSteps
   const std::vector<RunResult> resumed =
       TrainPartOnRanks(2, 1, 2, (dir / "at1" / "checkpoint-4").string(), "");
   for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
+  fs::remove_all(dir);
+}
+
+// With the master on the host (no_shard / shard_grad_op offload, the CPU counting as the device):
+// a checkpoint saved at 2 ranks after batch 0 holds the master, and resumed at 2 offloaded ranks
+// (the compute copy refreshed from the restored master) and at 1 plain rank it takes the
+// uninterrupted single rank's steps.
+TEST(DataParallelCheckpoints, HostMasterResumesTheUninterruptedSteps) {
+  namespace fs = std::filesystem;
+  HostMasterOnCpu on;
+  const fs::path dir = fs::temp_directory_path() / ("grpo_dp_host_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const RunResult tail_of_reference = UninterruptedAfterBatchZero();
+  ASSERT_TRUE(tail_of_reference.error.empty()) << tail_of_reference.error;
+  for (const std::string fsdp : {"no_shard offload", "shard_grad_op offload"}) {
+    const fs::path at2 = dir / (fsdp.substr(0, fsdp.find(' ')));
+    const std::vector<RunResult> saved = TrainPartOnRanks(2, 0, 1, "", at2.string(), fsdp);
+    for (int r = 0; r < 2; ++r)
+      ASSERT_TRUE(saved[r].error.empty()) << fsdp << ": " << saved[r].error;
+    const std::string ckpt = (at2 / "checkpoint-4").string();
+    const std::vector<RunResult> resumed = TrainPartOnRanks(2, 1, 2, ckpt, "", fsdp);
+    for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
+    ExpectSameAsSingleRank(TrainPart(RankConfig("dapo", 1), nullptr, 1, 2, ckpt, ""),
+                           tail_of_reference, 0);
+  }
   fs::remove_all(dir);
 }
 
