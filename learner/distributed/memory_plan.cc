@@ -64,10 +64,6 @@ ParameterCounts CountParameters(const common::ModelConfig& m) {
   return c;
 }
 
-bool FsdpBuilt(const common::FsdpSpec& fsdp, const std::string& device) {
-  return !fsdp.offload || !IsCuda(device) || fsdp.mode == FsdpMode::kFullShard;
-}
-
 int64_t MemoryPlan::MicroBatchPeak() const {
   return std::max(
       activations() + std::max(lm_head_pass + gathered_lm_head, layer_backward() + gathered_layer),
@@ -119,6 +115,9 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   const bool offload = fsdp.offload && cuda;
   // full_shard as built gathers units (FullShardAdamW): at several ranks, or offloaded at any.
   const bool gathers = fsdp.mode == FsdpMode::kFullShard && (full || offload);
+  // no_shard / shard_grad_op offload as built: the fp32 master on the host, a compute copy on
+  // the GPU (step_optimizer.h HostsMaster).
+  const bool host_master = offload && fsdp.mode != FsdpMode::kFullShard;
   auto shard = [&](int64_t bytes, bool divided) { return divided ? CeilDiv(bytes, w) : bytes; };
 
   p.parameters = shard(s * n, full);
@@ -132,16 +131,37 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   // buckets before the step (learner/distributed/collectives.h BucketedAllReduceSum).
   const int64_t all_reduce = fsdp.mode == FsdpMode::kNoShard && w > 1 ? kGradientBucketBytes : 0;
   const int64_t step = std::max(temporaries, all_reduce);
-  if (offload) {
-    // ZeRO-Offload: the optimizer (its state, the fp32 master and its gradient) runs on the host.
-    p.host_offloaded = 2 * master + adamw + step;
-  } else {
+  if (!offload) {
     p.master_weights = master;
     p.master_gradients = master;
     p.adamw_state = adamw;
     p.optimizer_step = step;
   }
-  if (offload && fsdp.mode == FsdpMode::kFullShard) {
+  if (host_master) {
+    // no_shard / shard_grad_op offload as built (ZeRO-Offload; step_optimizer.h HostsMaster):
+    // on the host the fp32 master, whole with either mode (as the GPU's fp32 master is in
+    // shard_grad_op's ZeRO-2 as built), its fp32 gradient (whole with no_shard, which adds each
+    // micro-batch's into it; shard_grad_op's 1/W shard), AdamW's state (1/W with shard_grad_op)
+    // and the step's temporaries. On the GPU the compute copy, whole; with no_shard its gradient
+    // (kept between micro-batches, zeroed), summed over the ranks a 25 MiB bucket at a time
+    // staged on the GPU; shard_grad_op's fresh gradients go into their fp32 bucket on the GPU as
+    // without offload (below) and to the host chunk by chunk, its step all-gathers a bucket on
+    // the GPU beside this rank's chunk of it.
+    // With bf16 a tensor that crosses (a gradient to the host, the master into the copy) is
+    // converted on the GPU: one tensor in fp32 there.
+    p.parameters = s * n;
+    p.gradients = sharded ? 0 : s * n;
+    p.host_offloaded = 4 * n + shard(4 * n, sharded) + adamw + temporaries;
+    const int64_t cast = cfg.bf16 ? 4 * p.params.largest_tensor : 0;
+    if (sharded) {
+      const int64_t bucket =
+          std::max(std::min(kGradientBucketBytes, 4 * n), 4 * p.params.largest_tensor);
+      p.gathered_layer = std::min(kGradientBucketBytes, 4 * n);
+      p.optimizer_step = std::max(bucket + CeilDiv(bucket, w), cast);
+    } else {
+      p.optimizer_step = std::max(all_reduce, cast);
+    }
+  } else if (offload && fsdp.mode == FsdpMode::kFullShard) {
     // full_shard offload as built (full_shard_adamw.h), at any world size: the four fp32 shards
     // (the master, its gradient, AdamW's moments: 16 bytes a parameter over the ranks) and the
     // step (AdamW's temporaries and the fp64 norm copy of one unit's chunk) on the host; the
@@ -196,10 +216,6 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     p.master_gradients = 0;
     p.gathered_layer = std::min(kGradientBucketBytes, 4 * n);
     p.optimizer_step = bucket + 3 * CeilDiv(bucket, w);
-  } else if (sharded) {
-    // shard_grad_op offload (not built; ZeRO's arithmetic): a unit's gradient before its
-    // reduce-scatter.
-    p.gathered_layer = s * p.params.largest_unit;
   }
   // Loading (full_shard as built: GrpoTrainer::Create, FullShardAdamW::Create, and first the
   // reference's FrozenShards::Create), a phase of its own. From model_name_or_path (sharded
@@ -365,10 +381,11 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     p.notes.push_back("fsdp " + std::string(common::FsdpModeName(fsdp.mode)) +
                       " with 1 rank shards nothing (it is no_shard)");
   }
-  if (offload && !cfg.bf16) {
+  if (host_master) {
     p.notes.push_back(
-        "offload in fp32: AdamW state on the host; parameters and gradients stay on "
-        "the device (they are the compute weights)");
+        "offload with " + std::string(common::FsdpModeName(fsdp.mode)) +
+        ": the fp32 master, its gradient and AdamW's state on the host; a compute copy of the "
+        "weights on the GPU, its gradients copied to the host after each micro-batch");
   }
   if (!cuda) {
     // memory_plan_test: a step's VmHWM was 1.12-1.44x the plan with glibc's default mmap
@@ -482,7 +499,6 @@ StatusOr<bool> CandidateFits(const common::ModelConfig& m, const Candidate& c,
                              const SuggestOptions& o, MemoryPlan* out) {
   ASSIGN_OR_RETURN(MemoryPlan p, PlanMemory(m, c.config, c.world_size, device));
   *out = std::move(p);
-  if (o.built_only && !FsdpBuilt(out->fsdp, device)) return false;
   const bool host_ok =
       o.host_bytes <= 0 || out->device != "cuda" || out->HostTotal() <= o.host_bytes;
   return out->Fits(device_bytes) && host_ok;
@@ -613,8 +629,7 @@ StatusOr<Suggestion> SuggestFix(const common::ModelConfig& m, const common::Grpo
   floor.config.fsdp = current.device == "cuda" ? "full_shard offload" : "full_shard";
   MemoryPlan least;
   RETURN_IF_ERROR(CandidateFits(m, floor, device, device_bytes, SuggestOptions{}, &least).status());
-  std::string msg = (o.built_only ? "nothing the trainer runs today fits " : "no change fits ") +
-                    FormatBytes(device_bytes) +
+  std::string msg = "no change fits " + FormatBytes(device_bytes) +
                     " per rank: with gradient_checkpointing, 1 row, weight_publish stream, " +
                     floor.config.fsdp + " and " + std::to_string(kMaxSuggestedWorldSize) + " ranks";
   msg += " a rank still needs " + FormatBytes(least.Total());
@@ -630,18 +645,11 @@ Status CheckFitsDevice(const common::ModelConfig& m, const common::GrpoConfig& c
                     plan.device + " memory but has " + FormatBytes(device_bytes) + " (" +
                     std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks") +
                     ", fsdp " + config.fsdp + "; `grpo plan` prints the breakdown): ";
-  SuggestOptions built;
-  built.built_only = true;
-  StatusOr<Suggestion> fix = SuggestFix(m, config, world_size, device, device_bytes, built);
+  StatusOr<Suggestion> fix = SuggestFix(m, config, world_size, device, device_bytes);
   if (fix.ok()) {
     msg += fix->Text() + " (" + FormatBytes(fix->plan.Total()) + ")";
   } else {
     msg += fix.status().message();
-    StatusOr<Suggestion> later = SuggestFix(m, config, world_size, device, device_bytes);
-    if (later.ok()) {
-      msg += "; once offload is built beside no_shard and shard_grad_op: " + later->Text() + " (" +
-             FormatBytes(later->plan.Total()) + ")";
-    }
   }
   return Status::FailedPrecondition(msg);
 }

@@ -156,24 +156,10 @@ struct Suggestion {
   std::string Text() const;  // "set gradient_checkpointing: true and fsdp: full_shard ..."
 };
 
-// Whether GrpoTrainer runs `fsdp` on `device` today: no_shard (DDP), shard_grad_op (ZeRO-2)
-// and full_shard (ZeRO-3) at any world size, with or without `bf16`; offload on the CPU (where
-// it changes nothing) and, on a GPU, with full_shard (at any world size, one included).
-// GrpoTrainer::Create refuses the rest (no_shard or shard_grad_op offload on a GPU) as
-// Unimplemented. The plan of shard_grad_op is what is built (PlanMemory); of full_shard,
-// ZeRO-3's arithmetic with one gathered unit and the prefetched one's weights (the built
-// trainer holds the lm_head beside them, and the embedding's and lm_head's whole .grad during
-// backward: not counted yet),
-// with bf16 and with offload as built (no bf16 copy between uses; offloaded, no model state on
-// the GPU); of the other offloads, ZeRO's arithmetic.
-bool FsdpBuilt(const common::FsdpSpec& fsdp, const std::string& device);
-
 struct SuggestOptions {
   // > 0 (CUDA): the host memory beside each GPU, which must hold HostTotal too (offload moves
   // the optimizer's state there). 0: not checked.
   int64_t host_bytes = 0;
-  // Only changes GrpoTrainer runs today (FsdpBuilt): what the learner's refusal may suggest.
-  bool built_only = false;
 };
 
 // The smallest change that fits `device_bytes`: single changes first, in this order:
@@ -190,8 +176,7 @@ StatusOr<Suggestion> SuggestFix(const common::ModelConfig& model, const common::
 
 // OK when the plan fits `device_bytes` (or device_bytes <= 0: unknown, nothing is checked);
 // FailedPrecondition otherwise, saying the predicted and available bytes and the change that
-// fits among those built today (SuggestFix with built_only), and the one that would once
-// sharding is built when that is all that fits. The learner calls it at start.
+// fits (SuggestFix), or what a rank needs at best. The learner calls it at start.
 Status CheckFitsDevice(const common::ModelConfig& model, const common::GrpoConfig& config,
                        int world_size, const std::string& device, int64_t device_bytes);
 

@@ -108,7 +108,7 @@ std::string SuggestionText(const StatusOr<dist::Suggestion>& fix) {
   return text;
 }
 
-nlohmann::json SuggestionJson(const StatusOr<dist::Suggestion>& fix, const std::string& device) {
+nlohmann::json SuggestionJson(const StatusOr<dist::Suggestion>& fix) {
   nlohmann::json s;
   s["changes"] = nlohmann::json::array();
   if (!fix.ok()) {
@@ -118,7 +118,6 @@ nlohmann::json SuggestionJson(const StatusOr<dist::Suggestion>& fix, const std::
   s["text"] = fix->Text();
   for (const auto& c : fix->changes) s["changes"].push_back({{"key", c.key}, {"value", c.value}});
   s["total_bytes"] = fix->plan.Total();
-  s["built"] = dist::FsdpBuilt(fix->plan.fsdp, device);
   return s;
 }
 
@@ -184,19 +183,11 @@ int RunPlan(const PlanOptions& o) {
   if (!plan.ok()) return fail(plan.status());
   const bool fits = plan->Fits(device_bytes);
   const bool host_fits = device == "cpu" || host_bytes <= 0 || plan->HostTotal() <= host_bytes;
-  // Every knob, ZeRO's arithmetic; and, when that needs sharding or offload not built yet, the
-  // change the trainer runs today.
-  std::optional<StatusOr<dist::Suggestion>> fix, built_fix;
-  bool fix_built = true;
+  std::optional<StatusOr<dist::Suggestion>> fix;
   if (!fits || !host_fits) {
     dist::SuggestOptions so;
     so.host_bytes = host_bytes;
     fix = dist::SuggestFix(*model, cfg, world_size, device, device_bytes, so);
-    fix_built = fix->ok() && dist::FsdpBuilt((*fix)->plan.fsdp, device);
-    if (!fix_built) {
-      so.built_only = true;
-      built_fix = dist::SuggestFix(*model, cfg, world_size, device, device_bytes, so);
-    }
   }
 
   if (o.json) {
@@ -209,8 +200,7 @@ int RunPlan(const PlanOptions& o) {
       j["host_memory_bytes"] = host_bytes > 0 ? nlohmann::json(host_bytes) : nlohmann::json();
       j["host_fits"] = host_fits;
     }
-    j["suggestion"] = fix ? SuggestionJson(*fix, device) : nlohmann::json();
-    j["suggestion_built_today"] = built_fix ? SuggestionJson(*built_fix, device) : j["suggestion"];
+    j["suggestion"] = fix ? SuggestionJson(*fix) : nlohmann::json();
     std::cout << j.dump(2) << "\n";
   } else {
     std::cout << "model: " << source << "\n" << dist::FormatPlan(*plan, device_bytes);
@@ -227,14 +217,6 @@ int RunPlan(const PlanOptions& o) {
                 << dist::FormatBytes(device_bytes) << "\n";
     } else {
       std::cout << Wrapped("does not fit: " + SuggestionText(*fix));
-      if (!fix_built && fix->ok()) {
-        const dist::MemoryPlan& p = (*fix)->plan;
-        std::cout << Wrapped(
-            "not built yet: fsdp " + p.ToJson()["fsdp"].get<std::string>() + " at " +
-            std::to_string(p.world_size) + (p.world_size == 1 ? " rank" : " ranks") + " on " +
-            p.device + " (GrpoTrainer refuses it)" +
-            (built_fix->ok() ? "; what runs today: " : "; ") + SuggestionText(*built_fix));
-      }
     }
   }
   return fits && host_fits ? 0 : 1;

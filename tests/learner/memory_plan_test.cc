@@ -222,8 +222,27 @@ INSTANTIATE_TEST_SUITE_P(
         // host the four fp32 shards 16P/4 = 553,216 and the step's temporaries of one unit's
         // chunk 8 x U/4 = 128,000: 681,216.
         StateCase{"full_shard offload", true, 4, 0, 0, 0, 0, 0, 128'000, 499'200, 0, 681'216},
-        // fp32 offload on one rank: AdamW (8P) and the step (8U) on the host = 1,618,432.
-        StateCase{"no_shard offload", false, 1, 553'216, 553'216, 0, 0, 0, 0, 0, 0, 1'618'432}));
+        // no_shard / shard_grad_op offload as built (step_optimizer.h HostsMaster): the compute
+        // copy on the GPU, the fp32 master on the host. fp32 at one rank: the copy 4P and its
+        // gradient 4P on the GPU; on the host the master 4P, its gradient 4P, AdamW 8P and the
+        // step 8U: 16 x 138,304 + 512,000 = 2,724,864; no GPU step buffer (fp32 crosses as it is).
+        StateCase{"no_shard offload", false, 1, 553'216, 553'216, 0, 0, 0, 0, 0, 0, 2'724'864},
+        // bf16 at 2 ranks: the copy 2P and its gradient 2P; the step on the GPU the larger of the
+        // 25 MiB all-reduce bucket and a tensor cast to fp32 as it crosses (4U = 256,000); the
+        // host as above, 2,724,864.
+        StateCase{"no_shard offload", true, 2, 276'608, 276'608, 0, 0, 0, 0, 0, 25ll << 20,
+                  2'724'864},
+        // shard_grad_op, fp32 at 2 ranks: the copy 4P; no gradient kept on the GPU, one fp32
+        // bucket in flight (the whole model, 553,216); the step all-gathers a bucket beside
+        // this rank's half of it: 553,216 + 276,608 = 829,824. Host: the master whole 4P, the
+        // gradient shard 4P/2 = 276,608, AdamW 8P/2 = 553,216, the step 8U/2 = 256,000:
+        // 1,639,040.
+        StateCase{"shard_grad_op offload", false, 2, 553'216, 0, 0, 0, 0, 0, 553'216, 829'824,
+                  1'639'040},
+        // bf16 at 4: the copy 2P; the step 553,216 + 138,304 = 691,520 (more than the cast,
+        // 256,000); host 553,216 + 138,304 + 276,608 + 128,000 = 1,096,128.
+        StateCase{"shard_grad_op offload", true, 4, 276'608, 0, 0, 0, 0, 0, 553'216, 691'520,
+                  1'096'128}));
 
 TEST(MemoryPlanSmall, ActivationsFromTheForwardsSavedTensorsFp32) {
   // B = 2 rows of T = 6 + 10 = 16 tokens (32 tokens), N = 20 completion tokens, chunk 8; s = 4.
@@ -722,64 +741,51 @@ TEST(SuggestFix, NotFoundWhenNothingFits) {
   EXPECT_EQ(fix.status().code(), StatusCode::kNotFound);
 }
 
-TEST(FsdpBuilt, FollowsWhatTheTrainerRunsToday) {
-  auto spec = [](const char* text) { return *common::ParseFsdp(text); };
-  // Every mode at any world size, with or without bf16; offload only where it is a no-op.
-  EXPECT_TRUE(FsdpBuilt(spec("no_shard"), "cuda"));   // DDP
-  EXPECT_TRUE(FsdpBuilt(spec("full_shard"), "cpu"));  // ZeRO-3
-  EXPECT_TRUE(FsdpBuilt(spec("full_shard"), "cuda"));
-  EXPECT_TRUE(FsdpBuilt(spec("shard_grad_op"), "cuda"));  // ZeRO-2
-  EXPECT_FALSE(FsdpBuilt(spec("shard_grad_op offload"), "cuda"));
-  EXPECT_TRUE(FsdpBuilt(spec("no_shard offload"), "cpu"));
-  EXPECT_FALSE(FsdpBuilt(spec("no_shard offload"), "cuda"));
-}
-
-TEST(SuggestFix, BuiltOnlyNeverSuggestsWhatTheTrainerRefuses) {
-  common::GrpoConfig cfg;
-  cfg.max_prompt_length = 1024;
-  cfg.max_completion_length = 1024;
-  auto off = PlanMemory(Bench(), cfg, 1, "cuda");
-  ASSERT_TRUE(off.ok());
-  // Half of the plan: checkpointing does it, built today.
-  SuggestOptions built;
-  built.built_only = true;
-  auto fix = SuggestFix(Bench(), cfg, 1, "cuda", off->Total() / 2, built);
-  ASSERT_TRUE(fix.ok()) << fix.status().ToString();
-  EXPECT_TRUE(FsdpBuilt(fix->plan.fsdp, "cuda"));
-  // The 7B model in bf16 (n = 7,615,616,512) on 80 GiB: full_shard offload is built and fits
-  // one rank, without checkpointing: the GPU holds no model state, only the micro-batch with
-  // the units gathered beside it, and CUDA 1.0. Beside a layer's backward (1.19 GiB) the
-  // gathered units are the head's bf16 weights and .grad 4VD = 2.03 GiB and the layer's 10L =
-  // 2.17 GiB (MemoryPlan7B above): 5.39 GiB, more than the LM-head pass (3.07 + the head 2VD
-  // = 1.02); with the activations 61.90: 67.29, and 68.29 GiB in all (the host, not checked
-  // here, holds 16n = 113 GiB).
+// The 7B in bf16 (n = 7,615,616,512, V x D = 152,064 x 3,584) on one 80 GiB GPU, a model built
+// in memory. The first change that fits is checkpointing with no_shard offload (two knobs,
+// checkpointing first): on the GPU the bf16 compute copy and its gradient (4n = 28.37 GiB), the
+// checkpointed micro-batch (as planned without offload, the same forward: the kept layer inputs
+// 1.4 GiB and one recomputed layer's backward 3.7) and CUDA's 1 GiB: 34.43 GiB. The GPU step (a
+// [V, D] tensor cast to fp32 as it crosses, 4VD = 2.03 GiB) is smaller than the micro-batch.
+// The host: the fp32 master, its gradient and AdamW (16n) and the step (8VD).
+TEST(SuggestFix, SevenBInBf16OnOne80GiBGpuOffloadsTheMaster) {
+  const int64_t n = 7'615'616'512, vd = 152064ll * 3584;
   common::GrpoConfig big;
   big.bf16 = true;
-  auto offload = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, built);
+  common::GrpoConfig checkpointed = big;
+  checkpointed.gradient_checkpointing = true;
+  auto plain = PlanMemory(Qwen25_7B(), checkpointed, 1, "cuda");
+  ASSERT_TRUE(plain.ok());
+  auto offload = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB);
   ASSERT_TRUE(offload.ok()) << offload.status().ToString();
-  EXPECT_EQ(offload->Text(), "set fsdp: full_shard offload");
-  EXPECT_NEAR(offload->plan.Total() / double(1ll << 30), 68.29, 0.01);
+  EXPECT_EQ(offload->Text(), "set gradient_checkpointing: true and fsdp: no_shard offload");
+  const MemoryPlan& p = offload->plan;
+  EXPECT_EQ(p.ModelState(), 4 * n);
+  EXPECT_EQ(p.optimizer_step, 4 * vd);
+  EXPECT_EQ(p.MicroBatchPeak(), plain->MicroBatchPeak());
+  EXPECT_EQ(p.Total(), 4 * n + plain->MicroBatchPeak() + kCudaRuntimeBytes);
+  EXPECT_NEAR(p.Total() / double(1ll << 30), 34.43, 0.01);
+  EXPECT_EQ(p.host_offloaded, 16 * n + 8 * vd);
   // With 128 GiB of host beside the GPU the offloaded state (16n = 113.5 GiB) and the two
-  // published snapshots (2 x 4n = 56.7 GiB) do not fit it; streamed, the host holds the state
-  // and the step's temporaries of the largest unit (8 bytes x V x D, 4.06 GiB, as offload is
-  // planned), one tensor on its way to GetWeights (the [V, D] embedding: 4 x 152,064 x 3,584 =
-  // 2.03 GiB), the process (384 MiB) and a gloo bucket (16 MiB): 120.0 GiB, and the GPU the
-  // 68.29 above.
-  SuggestOptions host128 = built;
+  // published snapshots (2 x 4n = 56.7 GiB) do not fit it; streamed, the host holds the state,
+  // the step's temporaries (8VD = 4.06 GiB), one tensor on its way to GetWeights (the [V, D]
+  // embedding: 4VD = 2.03 GiB), the process (384 MiB) and a gloo bucket (16 MiB): 120.0 GiB.
+  SuggestOptions host128;
   host128.host_bytes = 128ll << 30;
   auto streamed = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, host128);
   ASSERT_TRUE(streamed.ok()) << streamed.status().ToString();
-  EXPECT_EQ(streamed->Text(), "set weight_publish: stream and fsdp: full_shard offload");
-  EXPECT_NEAR(streamed->plan.Total() / double(1ll << 30), 68.29, 0.01);
-  EXPECT_EQ(streamed->plan.HostTotal(), 16 * 7'615'616'512ll + 8 * 152064ll * 3584 +
-                                            4 * 152064ll * 3584 + (384ll << 20) + (16ll << 20));
-  // With 112 GiB the offloaded state alone (16n = 113 GiB) does not fit the host; over 2 ranks
-  // it does (56.7 GiB, with one unit's step temporaries 2.03, a streamed tensor 2.03, the
-  // process and a bucket: 61.2), and the GPU holds the 68.29 above. full_shard at 2 ranks
-  // without offload does not fit: its state 56.7 GiB beside the load phase of a model built in
-  // memory (`big` names no model_name_or_path: every rank holds the whole fp32 model and its
-  // bf16 copy, 42.6 GiB, and packs the [V, D] unit in fp32: 44.6) is 101.3 GiB.
-  SuggestOptions host112 = built;
+  EXPECT_EQ(streamed->Text(),
+            "set gradient_checkpointing: true, weight_publish: stream and fsdp: no_shard offload");
+  EXPECT_EQ(streamed->plan.Total(), p.Total());
+  EXPECT_EQ(streamed->plan.HostTotal(), 16 * n + 8 * vd + 4 * vd + (384ll << 20) + (16ll << 20));
+  // With 112 GiB the offloaded state alone (16n) does not fit the host. shard_grad_op offload
+  // keeps the master whole there (4n + 6n / N): at 2 ranks 10n = 70.9 GiB, which fits only
+  // streamed and with checkpointing (five knobs); full_shard offload over 2 ranks (16n / 2 =
+  // 56.7 GiB, with one unit's step temporaries 2.03, a streamed tensor 2.03, the process and a
+  // bucket: 61.2) fits with four, and the GPU holds 68.29 GiB without checkpointing: offloaded
+  // no model state, beside a layer's backward (1.19 GiB) the head's bf16 weights and .grad
+  // 4VD = 2.03 GiB and the layer's 10L = 2.17 GiB, with the activations 61.90, and CUDA 1.0.
+  SuggestOptions host112;
   host112.host_bytes = 112ll << 30;
   auto zero3 = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, host112);
   ASSERT_TRUE(zero3.ok()) << zero3.status().ToString();
@@ -787,31 +793,30 @@ TEST(SuggestFix, BuiltOnlyNeverSuggestsWhatTheTrainerRefuses) {
             "set weight_publish: stream, fsdp: full_shard offload and run 2 ranks (world_size 2)");
   EXPECT_NEAR(zero3->plan.Total() / double(1ll << 30), 68.29, 0.01);
   EXPECT_LE(zero3->plan.HostTotal(), 112ll << 30);
-  // On 40 GiB nothing built fits a model built in memory: offloaded, every rank still holds
-  // the whole fp32 model and its bf16 copy on the GPU (6n = 42.6 GiB) with the [V, D] unit's
-  // bf16 buffer (1.0 GiB) and CUDA (1.0): 44.6 GiB, whatever the world size. Read from its
-  // files a shard a rank, it fits (SuggestFix.ShardedLoadingFitsA7BOnOne40GiBGpu).
-  auto at40 = SuggestFix(Qwen25_7B(), big, 1, "cuda", 40ll << 30, built);
-  EXPECT_EQ(at40.status().code(), StatusCode::kNotFound);
-  EXPECT_NE(at40.status().message().find("a rank still needs 44.6 GiB"), std::string::npos)
-      << at40.status().ToString();
+  // On 40 GiB the same no_shard offload fits a model built in memory: the master is made on
+  // the host and only its bf16 copy reaches the GPU (no loading phase there).
+  auto at40 = SuggestFix(Qwen25_7B(), big, 1, "cuda", 40ll << 30);
+  ASSERT_TRUE(at40.ok()) << at40.status().ToString();
+  EXPECT_EQ(at40->Text(), "set gradient_checkpointing: true and fsdp: no_shard offload");
+  EXPECT_EQ(at40->plan.load, 0);
 }
 
-// The 7B in bf16 read from its files (model_name_or_path: sharded loading) on one 40 GiB GPU:
-// full_shard offload with checkpointing fits. Offloaded, the GPU holds no model state; loading
+// The 7B in bf16 read from its files (model_name_or_path: sharded loading) on one 40 GiB GPU
+// with full_shard offload and checkpointing. Offloaded, the GPU holds no model state; loading
 // holds one unit's bf16 buffer (the [V, D] embedding, 2VD = 1.02 GiB), less than the
 // micro-batch's peak with its gathered units; with CUDA's 1 GiB and no weight-sync bucket on the
-// GPU the rank needs 10.3 GiB. The model built in memory needed 44.6 (above).
-TEST(SuggestFix, ShardedLoadingFitsA7BOnOne40GiBGpu) {
+// GPU the rank needs 10.3 GiB. A model built in memory needs 44.6 GiB so (every rank holds it
+// whole in fp32 and its bf16 copy while it is cut into shards: 6n = 42.6 GiB, the [V, D] unit's
+// bf16 buffer 1.0, CUDA 1.0).
+TEST(MemoryPlan7B, ShardedLoadingFitsFullShardOffloadOnOne40GiBGpu) {
   common::GrpoConfig cfg;
   cfg.bf16 = true;
   cfg.model_name_or_path = "/models/Qwen2.5-7B";
-  SuggestOptions built;
-  built.built_only = true;
-  auto fix = SuggestFix(Qwen25_7B(), cfg, 1, "cuda", 40ll << 30, built);
-  ASSERT_TRUE(fix.ok()) << fix.status().ToString();
-  EXPECT_EQ(fix->Text(), "set gradient_checkpointing: true and fsdp: full_shard offload");
-  const MemoryPlan& p = fix->plan;
+  cfg.gradient_checkpointing = true;
+  cfg.fsdp = "full_shard offload";
+  auto plan = PlanMemory(Qwen25_7B(), cfg, 1, "cuda");
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  const MemoryPlan& p = *plan;
   EXPECT_TRUE(p.sharded_loading);
   EXPECT_EQ(p.load, 2 * 152064ll * 3584);
   EXPECT_EQ(p.ModelState(), 0);
@@ -820,6 +825,10 @@ TEST(SuggestFix, ShardedLoadingFitsA7BOnOne40GiBGpu) {
                            std::max({p.MicroBatchPeak(), p.optimizer_step, p.weight_snapshot,
                                      p.publish_unit}));
   EXPECT_NEAR(p.Total() / double(1ll << 30), 10.3, 0.05);
+  cfg.model_name_or_path.clear();
+  auto in_memory = PlanMemory(Qwen25_7B(), cfg, 1, "cuda");
+  ASSERT_TRUE(in_memory.ok());
+  EXPECT_NEAR(in_memory->Total() / double(1ll << 30), 44.6, 0.05);
 }
 
 TEST(CheckFitsDevice, RefusesNamingTheKnob) {
@@ -827,21 +836,24 @@ TEST(CheckFitsDevice, RefusesNamingTheKnob) {
   cfg.bf16 = true;
   Status s = CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", k80GiB);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
-  // full_shard offload is built on a GPU: the refusal names it (SuggestFix above derives the
-  // 68.3 GiB by hand).
-  EXPECT_NE(s.message().find(": set fsdp: full_shard offload (68.3 GiB)"), std::string::npos)
+  // The refusal names the change SuggestFix finds (its figure derived by hand above).
+  auto fix = SuggestFix(Qwen25_7B(), cfg, 1, "cuda", k80GiB);
+  ASSERT_TRUE(fix.ok());
+  EXPECT_NE(s.message().find(": set gradient_checkpointing: true and fsdp: no_shard offload (" +
+                             FormatBytes(fix->plan.Total()) + ")"),
+            std::string::npos)
       << s.message();
   // On 6 GiB nothing fits: offloaded, the units gathered beside a layer's backward (4.20 GiB)
   // and CUDA (1.0) leave too little for a micro-batch of one row. It says so, at the knobs'
   // extremes.
   s = CheckFitsDevice(Qwen25_7B(), cfg, 1, "cuda", 6ll << 30);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(s.message().find("nothing the trainer runs today fits 6.0 GiB per rank: with "
+  EXPECT_NE(s.message().find("no change fits 6.0 GiB per rank: with "
                              "gradient_checkpointing, 1 row, weight_publish stream, full_shard "
                              "offload and 1024 ranks a rank still needs "),
             std::string::npos)
       << s.message();
-  // A knob built today is named as it is.
+  // A single knob is named as it is.
   common::GrpoConfig longer;
   longer.max_prompt_length = 1024;
   longer.max_completion_length = 1024;
