@@ -233,6 +233,16 @@ Status CheckLearnerMemoryPlan(const common::GrpoConfig& cfg, int world_size,
   if (fsdp.offload && !d.is_cuda()) {
     GRPO_LOG_INFO("fsdp '{}': offload changes nothing on the CPU, whose memory is the host's",
                   cfg.fsdp);
+  } else if (fsdp.offload && fsdp.mode == common::FsdpMode::kFullShard) {
+    GRPO_LOG_INFO(
+        "fsdp '{}': the fp32 shards, their gradient and AdamW's state on the host; {} "
+        "holds only the units it gathers",
+        cfg.fsdp, d.str());
+  } else if (fsdp.offload) {
+    GRPO_LOG_INFO(
+        "fsdp '{}': the fp32 master, its gradient and AdamW's state on the host; a {} "
+        "compute copy on {}",
+        cfg.fsdp, cfg.bf16 ? "bf16" : "fp32", d.str());
   }
   if (d.is_cuda() || local_world_size <= 1) {
     return dist::CheckFitsDevice(model, cfg, world_size, d.is_cuda() ? "cuda" : "cpu",
