@@ -103,10 +103,15 @@ common::GrpoConfig RankConfig(const std::string& loss_type, int world_size) {
   c.max_steps = 50;
   // AdamW divides each gradient element by its own RMS + eps: where an element's micro-batch
   // terms cancel to ~0, the float32 rounding of a different summation order (ranks sum
-  // (g1 + g3) + (g2 + g4), one rank g1 + g2 + g3 + g4) is ~1e-10, and with eps 1e-8 AdamW turns
-  // it into a change of lr x 1e-2: 1.4e-4 norm-wise relative after 7 steps, measured. eps 1e-4
-  // keeps that amplification below the check (1.3e-6 measured) while the update stays AdamW's.
-  c.adam_epsilon = 1e-4;
+  // (g1 + g3) + (g2 + g4), one rank g1 + g2 + g3 + g4) is left, and AdamW turns it into a change
+  // of up to lr / eps times it: with eps 1e-8, 1.4e-4 norm-wise relative after 7 steps. eps 1e-4
+  // kept that below the check on the machines before (1.3e-6 measured) but not on an AVX2 EPYC
+  // (2026-12-05), where other kernels round otherwise: there the worst parameter of
+  // DataParallelDumps' shard_grad_op case with a reference ended 1.03x the check's
+  // max-abs bound (1.04e-6 against 1.01e-6; the same at the commit before this one), and with
+  // eps 1e-3 the worst of every case here is 0.074x that bound and 0.032x the norm-wise one. The
+  // update stays AdamW's (elements above 1e-3 still divided by their own RMS).
+  c.adam_epsilon = 1e-3;
   c.max_grad_norm = 0.5;  // clipping on: the norm is of the summed gradient
   c.beta = 0;
   c.max_staleness = 10;  // the second batch (generated at version 0) trains after 4 steps
