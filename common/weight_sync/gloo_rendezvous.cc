@@ -6,10 +6,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "common/logging.h"
 
 namespace grpo::common {
 
@@ -71,11 +75,30 @@ class DeadlineStore final : public c10d::Store {
 
 }  // namespace
 
+void DisableFlightRecorder() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    for (const char* name : {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}) {
+      if (const char* set = std::getenv(name); set != nullptr) {
+        if (std::string(set) != "0") {
+          GRPO_LOG_WARN(
+              "{}={} keeps c10d's flight recorder on: with several process groups in this "
+              "process (weight sync, learner ranks) its records race (torch 2.11) and can crash it",
+              name, set);
+        }
+        return;
+      }
+    }
+    ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+  });
+}
+
 c10::intrusive_ptr<c10d::ProcessGroupGloo> JoinGlooGroup(c10::intrusive_ptr<c10d::Store> store,
                                                          int rank, int world_size,
                                                          milliseconds timeout,
                                                          const std::string& hostname) {
   TORCH_CHECK(timeout.count() > 0, "gloo rendezvous: timeout must be > 0");
+  DisableFlightRecorder();
   const Clock::time_point deadline = Clock::now() + timeout;
 
   // 1. Every rank arrives, within the deadline.

@@ -12,6 +12,9 @@
 // So a rank stopped anywhere in its join costs the others one deadline; only a second rank
 // stopped in phase 3 adds another (gloo connects its pairs one after the other). The group's
 // timeout is `timeout` afterwards.
+//
+// Before the process's first group, c10d's flight recorder is turned off (see
+// DisableFlightRecorder below) unless the user set its size.
 #pragma once
 
 #ifdef GRPO_HAVE_GLOO
@@ -22,6 +25,17 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 namespace grpo::common {
+
+// c10d's flight recorder (torch 2.11; on unless TORCH_FR_BUFFER_SIZE or
+// TORCH_NCCL_TRACE_BUFFER_SIZE is 0) is one per process, and records every collective of every
+// group; it looks up and inserts each group's status in a std::map before it takes its mutex
+// (FlightRecorderDetail.hpp, recordWithResetEnabled). Two groups of one process that issue
+// collectives at once (the learner's weight-sync groups and its rank group; a test's ranks as
+// threads) corrupt that map: gloo_weight_sync_test died of SIGSEGV in _Rb_tree_insert_and_rebalance
+// under ProcessGroupGloo::enqueue, in CI once and here 3 times in 104 runs under load. So the first
+// JoinGlooGroup of a process sets TORCH_FR_BUFFER_SIZE=0 before any group exists (the recorder
+// reads it once, when first used); a size the user set is kept, with a warning. Idempotent.
+void DisableFlightRecorder();
 
 // Throws what c10d throws (c10::Error, std::runtime_error) when the group does not form; a
 // message that passed a deadline says "timed out". `hostname` is the address this rank listens
