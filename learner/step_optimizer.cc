@@ -120,7 +120,7 @@ bool HostsMaster(const common::FsdpSpec& fsdp, const at::Device& device) {
 
 bool GatesParameters(const common::FsdpSpec& fsdp, int world_size, const at::Device& device) {
   const bool offload = fsdp.offload && !device.is_cpu();
-  if (offload) return fsdp.mode == common::FsdpMode::kFullShard;  // else refused (Unimplemented)
+  if (offload) return fsdp.mode == common::FsdpMode::kFullShard;  // else a host master
   return fsdp.mode == common::FsdpMode::kFullShard && world_size > 1;
 }
 
