@@ -120,8 +120,8 @@ StatusOr<std::unique_ptr<Learner>> Learner::Create(common::GrpoConfig config,
   // `device` (no_shard / shard_grad_op offload); PublishWeights snapshots it to the CPU.
   s->policy_ = std::move(policy);
   ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(cfg.fsdp));
-  const at::Device home = HostsMaster(fsdp, device) ? at::Device(at::kCPU) : device;
-  RETURN_IF_ERROR(s->policy_->To(home, s->policy_->dtype()).WithContext("policy"));
+  RETURN_IF_ERROR(
+      s->policy_->To(MasterHome(fsdp, device), s->policy_->dtype()).WithContext("policy"));
   ASSIGN_OR_RETURN(s->trainer_, GrpoTrainer::Create(cfg, s->policy_.get(), std::move(reference),
                                                     s->options_.ranks, device));
   s->trainer_->set_dump_incarnation(s->incarnation_);

@@ -118,6 +118,10 @@ bool HostsMaster(const common::FsdpSpec& fsdp, const at::Device& device) {
          (!device.is_cpu() || TEST_host_master_on_cpu);
 }
 
+at::Device MasterHome(const common::FsdpSpec& fsdp, const at::Device& device) {
+  return HostsMaster(fsdp, device) ? at::Device(at::kCPU) : device;
+}
+
 bool GatesParameters(const common::FsdpSpec& fsdp, int world_size, const at::Device& device) {
   const bool offload = fsdp.offload && !device.is_cpu();
   if (offload) return fsdp.mode == common::FsdpMode::kFullShard;  // else a host master

@@ -164,6 +164,9 @@ class StepOptimizer {
 // device here, the master and its compute copy then both in host memory.
 bool HostsMaster(const common::FsdpSpec& fsdp, const at::Device& device);
 extern bool TEST_host_master_on_cpu;
+// Where the policy is loaded to train on `device`: the host when it is the master there
+// (HostsMaster: the GPU never holds it whole in fp32), else `device`.
+at::Device MasterHome(const common::FsdpSpec& fsdp, const at::Device& device);
 
 // Whether MakeStepOptimizer's choice for `fsdp` at `world_size` ranks with the model on `device`
 // is full_shard's gate (FullShardAdamW: it fills the parameters, a unit at a time): full_shard at

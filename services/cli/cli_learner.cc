@@ -68,12 +68,10 @@ StatusOr<std::unique_ptr<common::Model>> LoadModel(const common::GrpoConfig& cfg
   return common::Model::Load(cfg.model_name_or_path, device);
 }
 
-// Where the policy is loaded: on the host when it is the fp32 master there beside a compute copy
-// on `device` (no_shard / shard_grad_op offload on a GPU: the GPU never holds it whole in fp32),
-// else on `device`.
+// learner::MasterHome of the config's `fsdp` (a bad spelling is refused later, by the trainer).
 at::Device PolicyHome(const common::GrpoConfig& cfg, const at::Device& device) {
   auto fsdp = common::ParseFsdp(cfg.fsdp);
-  return fsdp.ok() && learner::HostsMaster(*fsdp, device) ? at::Device(at::kCPU) : device;
+  return fsdp.ok() ? learner::MasterHome(*fsdp, device) : device;
 }
 
 // The policy (and the reference when beta != 0) of a learner rank > 0. Rank 0 alone writes under

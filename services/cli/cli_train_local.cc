@@ -95,8 +95,7 @@ int RunTrainLocal(const TrainLocalOptions& o) {
   if (!device.ok()) return fail(device.status(), 2);
   auto fsdp = common::ParseFsdp(cfg.fsdp);
   if (!fsdp.ok()) return fail(fsdp.status(), 2);
-  auto model_or = common::Model::Load(
-      model_dir, learner::HostsMaster(*fsdp, *device) ? at::Device(at::kCPU) : *device);
+  auto model_or = common::Model::Load(model_dir, learner::MasterHome(*fsdp, *device));
   if (!model_or.ok()) return fail(model_or.status());
   std::shared_ptr<common::Model> model = std::move(model_or).value();
   auto tok_or = common::LoadTokenizer(model_dir);

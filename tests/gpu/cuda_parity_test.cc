@@ -193,9 +193,9 @@ TEST(CudaParity, FullShardOffloadOnOneGpuTakesThePlainSteps) {
       return out;
     };
     const Run plain = train("no_shard");
+    ASSERT_EQ(plain.steps.size(), 2u) << "bf16 " << bf16;
     for (const char* fsdp : {"full_shard offload", "no_shard offload", "shard_grad_op offload"}) {
       const Run offloaded = train(fsdp);
-      ASSERT_EQ(plain.steps.size(), 2u) << "bf16 " << bf16;
       ASSERT_EQ(offloaded.steps.size(), plain.steps.size()) << "bf16 " << bf16;
       for (size_t i = 0; i < plain.steps.size(); ++i) {
         const auto& a = offloaded.steps[i];

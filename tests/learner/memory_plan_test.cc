@@ -785,6 +785,10 @@ TEST(SuggestFix, SevenBInBf16OnOne80GiBGpuOffloadsTheMaster) {
   // bucket: 61.2) fits with four, and the GPU holds 68.29 GiB without checkpointing: offloaded
   // no model state, beside a layer's backward (1.19 GiB) the head's bf16 weights and .grad
   // 4VD = 2.03 GiB and the layer's 10L = 2.17 GiB, with the activations 61.90, and CUDA 1.0.
+  // full_shard at 2 ranks without offload does not fit: its state 56.7 GiB beside the load
+  // phase of a model built in memory (`big` names no model_name_or_path: every rank holds the
+  // whole fp32 model and its bf16 copy, 42.6 GiB, and packs the [V, D] unit in fp32: 44.6) is
+  // 101.3 GiB.
   SuggestOptions host112;
   host112.host_bytes = 112ll << 30;
   auto zero3 = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, host112);
