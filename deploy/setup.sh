@@ -46,6 +46,7 @@ PACKAGES=(
   prometheus-cpp-dev  # common/metrics: the registry, families and text exposition
   nlohmann-json3-dev libspdlog-dev libfmt-dev libcli11-dev libyaml-cpp-dev
   libsqlite3-dev libpcre2-dev libicu-dev
+  libtcmalloc-minimal4  # the grpo binary's malloc (CMakeLists.txt GRPO_MALLOC)
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   clang-14  # thread_safety_test: clang -Wthread-safety checks the lock annotations
   python3 python3-venv

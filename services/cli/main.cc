@@ -14,6 +14,7 @@
 #include "common/config.h"
 #include "common/cuda/cuda_module.h"
 #include "common/logging.h"
+#include "common/malloc_info.h"
 #include "services/cli/cli.h"
 
 namespace {
@@ -50,7 +51,8 @@ void AddConfigCommand(CLI::App& app, grpo::services::CliAction* action) {
 // - GLIBC_TUNABLES=glibc.malloc.hugetlb=1: libtorch frees and re-allocates its activation
 //   buffers every step, and fresh pages are expensive on VMs (about 33 us per 4 KiB page fault
 //   measured here); glibc backs large blocks with transparent huge pages only when asked.
-//   `grpo bench learner_step`: 21.6 s vs 37.6 s per step.
+//   `grpo bench learner_step`: 21.6 s vs 37.6 s per step. For a binary built with glibc's
+//   malloc (GRPO_MALLOC=system); tcmalloc, the default, reads no glibc.malloc tunable.
 // - OMP_WAIT_POLICY=PASSIVE, with GOMP_SPINCOUNT=300000 for commands that compute alone (set
 //   together, only when the user set neither):
 //   - For a command that has the machine to itself (train-local, generate, bench, the model
@@ -154,7 +156,8 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   CLI::App app{"grpo-serve: distributed GRPO fine-tuning of language models"};
   app.set_version_flag("--version", [] {
-    return std::string(kVersion) + "\nCUDA module: " + grpo::common::CudaModuleState();
+    return std::string(kVersion) + "\nCUDA module: " + grpo::common::CudaModuleState() +
+           "\nmalloc: " + grpo::common::MallocName();
   });
   std::string log_level = "warn";
   app.add_option("--log_level", log_level, "trace|debug|info|warn|error|off (stderr)");

@@ -367,6 +367,49 @@ TEST_F(CliTools, TheCudaModuleLoadsOnlyWhereItIsUseful) {
   EXPECT_EQ(CudaMappedInAWaitingWorker(dir_, "GRPO_CUDA=1"), "mapped");
 }
 
+// The binary's malloc is tcmalloc (CMakeLists.txt GRPO_MALLOC) for every library, libtorch's
+// allocations included: the dynamic linker's own record of where each library's malloc and
+// free bind (every symbol bound at start, LD_BIND_NOW), not the binary's word for it.
+TEST_F(CliTools, EveryLibraryOfTheBinaryAllocatesWithTcmalloc) {
+  if (!GRPO_TCMALLOC_LINKED) GTEST_SKIP() << "built with GRPO_MALLOC=system or a sanitizer";
+  int rc;
+  const std::string version = RunCommand(GrpoBin() + " --version 2>&1", &rc);
+  EXPECT_EQ(rc, 0) << version;
+  EXPECT_NE(version.find("\nmalloc: tcmalloc"), std::string::npos) << version;
+  const std::string bindings =
+      RunCommand("LD_BIND_NOW=1 LD_DEBUG=bindings " + GrpoBin() + " --version 2>&1", &rc);
+  ASSERT_EQ(rc, 0) << bindings.substr(0, 2000);
+  // "binding file /path/libtorch_cpu.so [0] to /path/libtcmalloc_minimal.so.4 [0]: normal
+  // symbol `posix_memalign'"
+  std::map<std::string, int> to_tcmalloc;
+  std::vector<std::string> elsewhere;
+  std::istringstream lines(bindings);
+  for (std::string line; std::getline(lines, line);) {
+    bool allocating = false;
+    for (const char* fn : {"malloc", "free", "calloc", "realloc", "posix_memalign"}) {
+      if (line.find("normal symbol `" + std::string(fn) + "'") != std::string::npos) {
+        allocating = true;
+      }
+    }
+    if (!allocating) continue;
+    const size_t file = line.find("binding file "), to = line.find(" to ");
+    if (file == std::string::npos || to == std::string::npos) continue;
+    const std::string from = line.substr(file + 13, line.find(' ', file + 13) - file - 13);
+    if (line.find("libtcmalloc_minimal.so", to) != std::string::npos) {
+      ++to_tcmalloc[fs::path(from).filename().string()];
+    } else {
+      elsewhere.push_back(line);
+    }
+  }
+  EXPECT_TRUE(elsewhere.empty()) << elsewhere.size()
+                                 << " bindings elsewhere, the first: " << elsewhere[0];
+  for (const char* lib : {"libtorch_cpu.so", "libc10.so", "libgrpc.so", "libstdc++.so"}) {
+    bool found = false;
+    for (const auto& [name, n] : to_tcmalloc) found = found || name.rfind(lib, 0) == 0;
+    EXPECT_TRUE(found) << lib << "'s malloc or free is not bound to tcmalloc";
+  }
+}
+
 // The values of the last OPENMP DISPLAY ENVIRONMENT block in `text` (OMP_DISPLAY_ENV=VERBOSE).
 std::map<std::string, std::string> LastLibgompDisplay(const std::string& text) {
   const size_t last = text.rfind("OPENMP DISPLAY ENVIRONMENT BEGIN");
