@@ -10,6 +10,8 @@
 #include <string_view>
 #include <utility>
 
+#include "common/malloc_info.h"
+
 namespace grpo::learner::distributed {
 namespace {
 
@@ -388,15 +390,19 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
         "weights on the GPU, its gradients copied to the host after each micro-batch");
   }
   if (!cuda) {
-    // memory_plan_test: a step's VmHWM was 1.12-1.44x the plan with glibc's default mmap
-    // threshold, 0.98-1.02x with MALLOC_MMAP_THRESHOLD_=131072 (which cost the step 30% of
-    // its speed: `grpo bench learner_step`, 1,740-1,770 against 2,376-2,512 tokens/s).
-    // `grpo bench sharding` (2026-12-05): the sharded ranks' resident set ran to 2.1x (bf16
-    // full_shard: many gathers and frees of buffers of different sizes), their live bytes
-    // 0.976-0.990x.
-    p.notes.push_back(
-        "cpu: live bytes; glibc keeps freed blocks, and the resident set ran to 1.4x the plan "
-        "unsharded, 2.1x sharded");
+    // `grpo bench sharding` (2026-12-06, README "Sharding, measured"): the live tensor bytes
+    // were 0.976-0.988x the plan in every row; a rank's peak resident set 1.10-1.35x under
+    // tcmalloc (the grpo binary's malloc; about 20 MiB of it libtorch's code, paged in by the
+    // first step), 1.27-1.91x under glibc's, which kept freed blocks in pieces too small for the
+    // next step's (memory_plan_test: 0.98-1.02x with MALLOC_MMAP_THRESHOLD_=131072, which cost
+    // the step 30% of its speed).
+    p.notes.push_back(common::MallocName() == "tcmalloc"
+                          ? "cpu: live bytes; tcmalloc's free blocks and libtorch's code put a "
+                            "rank's resident set at 1.1-1.35x the training peak (grpo bench "
+                            "sharding)"
+                          : "cpu: live bytes; under " + common::MallocName() +
+                                "'s malloc a rank's resident set ran to 1.3-1.9x the training "
+                                "peak (the freed blocks it keeps; grpo links tcmalloc)");
   }
   if (!cuda && fsdp.offload) {
     p.notes.push_back("device cpu: offload changes nothing (the device memory is host memory)");

@@ -19,8 +19,10 @@
 namespace grpo::learner::distributed {
 
 // What the process needs beside its tensors. CPU: an idle `grpo learner` with the tiny model
-// (libtorch, gRPC, SQLite mapped in) measured 373 MiB resident. CUDA: the context, cuBLAS and its
-// workspace; an assumption (0.5-1 GiB is what PyTorch users report), not measured here.
+// (libtorch, gRPC, SQLite mapped in) measured 373 MiB resident (369 MiB on 2026-12-06, with
+// GRPO_CUDA=1) with libtorch's CUDA part loaded, as it is on a machine with an NVIDIA device
+// (README "One libtorch"), and 141 MiB without it. CUDA: the context, cuBLAS and its workspace;
+// an assumption (0.5-1 GiB is what PyTorch users report), not measured here.
 inline constexpr int64_t kHostRuntimeBytes = 384ll << 20;
 inline constexpr int64_t kCudaRuntimeBytes = 1ll << 30;
 // The largest figure a plan holds (256 PiB): far beyond any device, and small enough that a

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common/counting_allocator.h"
+#include "common/malloc_info.h"
 #include "common/model/safetensors.h"
 #include "learner/distributed/collectives.h"
 #include "learner/distributed/memory_plan.h"
@@ -156,8 +157,10 @@ int ShardingChild(const ShardingBenchOptions& o) {
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   at::set_num_threads(static_cast<int>(std::max(1u, cores / static_cast<unsigned>(world))));
   const int64_t base = ProcStatusBytes("VmRSS");  // before the model and the group
-  // The bytes of live CPU tensors, what the plan predicts; the resident set adds what glibc
-  // keeps of freed blocks (1.4-2.1x the plan here) and libtorch's own allocations.
+  // The pages of files (libtorch's code that the step runs first) the resident set gains.
+  const int64_t file_base = ProcStatusBytes("RssFile");
+  // The bytes of live CPU tensors, what the plan predicts; the resident set adds what the malloc
+  // keeps of freed blocks (README "Sharding, measured") and libtorch's own allocations.
   static common::CountingScope counting;
   const int64_t live_base = common::CountingCpuAllocator::Get().Reset();
   dist::SingleRank single;
@@ -245,6 +248,8 @@ int ShardingChild(const ShardingBenchOptions& o) {
                     {"reference_bytes", reference_bytes},
                     {"peak_bytes", peak},
                     {"live_peak_bytes", live_peak},
+                    {"malloc", common::MallocName()},
+                    {"file_pages_bytes", ProcStatusBytes("RssFile") - file_base},
                     {"step_seconds", st.median},
                     {"step_seconds_min", st.min},
                     {"step_seconds_max", st.max},
@@ -328,19 +333,22 @@ int BenchSharding(const ShardingBenchOptions& o) {
       fs::remove_all(dir);
       return 1;
     }
-    int64_t state = 0, peak = 0, live_peak = 0, reference = 0;
+    int64_t state = 0, peak = 0, live_peak = 0, reference = 0, file_pages = 0;
     double comm = 0;
     for (const json& r : ranks) {
       state = std::max(state, r["model_state_bytes"].get<int64_t>());
       reference = std::max(reference, r["reference_bytes"].get<int64_t>());
       peak = std::max(peak, r["peak_bytes"].get<int64_t>());
       live_peak = std::max(live_peak, r["live_peak_bytes"].get<int64_t>());
+      file_pages = std::max(file_pages, r["file_pages_bytes"].get<int64_t>());
       comm = std::max(comm, r["comm_seconds"].get<double>());
     }
     row["model_state_bytes_per_rank"] = state;
     row["reference_bytes_per_rank"] = reference;
     row["peak_bytes_per_rank"] = peak;
     row["live_peak_bytes_per_rank"] = live_peak;
+    row["file_pages_bytes_per_rank"] = file_pages;
+    row["malloc"] = ranks[0]["malloc"];  // whose free blocks the resident set holds
     row["step_seconds"] = ranks[0]["step_seconds"];
     row["step_seconds_min"] = ranks[0]["step_seconds_min"];
     row["step_seconds_max"] = ranks[0]["step_seconds_max"];
@@ -374,7 +382,8 @@ int BenchSharding(const ShardingBenchOptions& o) {
   std::cout << "sharding: bench model (" << static_cast<int64_t>(psi)
             << " parameters, fp32 and bf16), one step = 16 x (64 + 128) tokens in micro-batches "
                "of 2, Gloo on loopback, this machine's cores shared by the ranks; bf16 rows "
-               "against the single bf16 rank"
+               "against the single bf16 rank; malloc "
+            << (rows.empty() ? std::string("?") : rows[0]["malloc"].get<std::string>())
             << (o.beta != 0 ? "; beta " + std::to_string(o.beta) +
                                   " (ref MiB: the reference model per rank, beside the state "
                                   "column's optimizer state)"
