@@ -1,7 +1,9 @@
 #include "common/malloc_info.h"
 
 #include <dlfcn.h>
+#include <malloc.h>
 
+#include <cstddef>
 #include <cstring>
 
 namespace grpo::common {
@@ -18,6 +20,29 @@ std::string MallocName() {
   if (file.rfind("libc.so", 0) == 0) return "glibc";
   if (file.rfind("libjemalloc", 0) == 0) return "jemalloc";
   return file;
+}
+
+MallocBytes ReadMallocBytes() {
+  MallocBytes bytes;
+  if (MallocName() == "tcmalloc") {
+    // gperftools' C API, looked up so that nothing but the grpo binary links tcmalloc.
+    using Property = int (*)(const char*, size_t*);
+    const auto get =
+        reinterpret_cast<Property>(dlsym(RTLD_DEFAULT, "MallocExtension_GetNumericProperty"));
+    size_t allocated = 0, heap = 0, unmapped = 0;
+    if (get != nullptr && get("generic.current_allocated_bytes", &allocated) != 0 &&
+        get("generic.heap_size", &heap) != 0 &&
+        get("tcmalloc.pageheap_unmapped_bytes", &unmapped) != 0) {
+      bytes.allocated = static_cast<int64_t>(allocated);
+      bytes.free = static_cast<int64_t>(heap) - static_cast<int64_t>(allocated) -
+                   static_cast<int64_t>(unmapped);
+    }
+  } else if (MallocName() == "glibc") {
+    const struct mallinfo2 info = mallinfo2();
+    bytes.allocated = static_cast<int64_t>(info.uordblks + info.hblkhd);
+    bytes.free = static_cast<int64_t>(info.fordblks);
+  }
+  return bytes;
 }
 
 }  // namespace grpo::common

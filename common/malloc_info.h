@@ -4,6 +4,7 @@
 // report a resident set name it beside.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace grpo::common {
@@ -11,5 +12,17 @@ namespace grpo::common {
 // The malloc every library of the process binds to: "tcmalloc" (gperftools), "glibc",
 // "jemalloc", or the file name of the library that defines it.
 std::string MallocName();
+
+// The bytes the program holds from malloc, and the bytes the malloc holds free in memory it has
+// not given back to the kernel (most of it resident); -1 each when unknown. tcmalloc:
+// generic.current_allocated_bytes, and generic.heap_size less that and the pages it unmapped
+// (tcmalloc.pageheap_unmapped_bytes). glibc: mallinfo2's bytes in use (arenas and mmapped
+// chunks) and its free bytes in the arenas. Takes the malloc's locks briefly: for a scrape, not
+// a hot path.
+struct MallocBytes {
+  int64_t allocated = -1;
+  int64_t free = -1;
+};
+MallocBytes ReadMallocBytes();
 
 }  // namespace grpo::common

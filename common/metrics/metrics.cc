@@ -294,7 +294,18 @@ StatusOr<Histogram*> Registry::AddHistogram(std::string name, std::string help,
   return raw;
 }
 
+void Registry::OnExpose(std::function<void()> refresh) {
+  MutexLock lock(&mu_);
+  on_expose_.push_back(std::move(refresh));
+}
+
 std::string Registry::Expose() const {
+  std::vector<std::function<void()>> refresh;
+  {
+    MutexLock lock(&mu_);
+    refresh = on_expose_;
+  }
+  for (const auto& f : refresh) f();
   MutexLock lock(&mu_);
   std::vector<prometheus::MetricFamily> collected = prometheus_->Collect();
   for (prometheus::MetricFamily& f : collected) {

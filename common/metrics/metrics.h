@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <map>
 #include <memory>
@@ -151,7 +152,12 @@ class Registry {
   // Prometheus text format 0.0.4, written by prometheus::TextSerializer: families sorted by
   // name, series and their labels in declaration order; a family without series is left out.
   // Values carry 16 significant digits (prometheus-cpp's precision), NaN is written `Nan`.
+  // Runs the OnExpose functions first.
   std::string Expose() const GRPO_EXCLUDES(mu_);
+  // `refresh` runs at the start of every Expose, outside the registry's lock (it may update
+  // this registry's families): for series read when scraped, such as the process's
+  // (common/metrics/process_metrics.h). Concurrent scrapes may run it concurrently.
+  void OnExpose(std::function<void()> refresh) GRPO_EXCLUDES(mu_);
 
   static constexpr int64_t kMaxSeriesPerFamily = 1024;
 
@@ -163,6 +169,7 @@ class Registry {
   // Holds every series; its own lock guards its family list.
   const std::unique_ptr<prometheus::Registry> prometheus_ GRPO_GUARDED_BY(mu_);
   std::map<std::string, std::unique_ptr<MetricFamily>> families_ GRPO_GUARDED_BY(mu_);
+  std::vector<std::function<void()>> on_expose_ GRPO_GUARDED_BY(mu_);
 };
 
 }  // namespace grpo::common

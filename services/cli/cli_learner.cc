@@ -9,6 +9,7 @@
 #include "common/config.h"
 #include "common/logging.h"
 #include "common/metrics/http_exposer.h"
+#include "common/metrics/process_metrics.h"
 #include "common/model/device.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
@@ -184,9 +185,14 @@ int RunLearner(const LearnerOptions& o) {
     if (!ref.ok()) return fail(ref.status());
     reference = std::move(ref).value();
   }
+  // The registry /metrics serves: the learner's families and the process's (CPU, memory, file
+  // descriptors, malloc). Declared before the server, which borrows it.
+  common::Registry registry;
+  if (Status s = common::AddProcessMetrics(&registry); !s.ok()) return fail(s);
   LearnerServerOptions options;
   options.model_dir = *model_dir;
   options.ranks = ranks.get();
+  options.metrics_registry = &registry;
   auto server =
       LearnerServer::Create(cfg, std::move(policy).value(), std::move(reference), options);
   if (!server.ok()) {

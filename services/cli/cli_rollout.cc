@@ -21,6 +21,7 @@
 #include "common/logging.h"
 #include "common/metrics/http_exposer.h"
 #include "common/metrics/metrics.h"
+#include "common/metrics/process_metrics.h"
 #include "rollout/reward.h"
 #include "services/auth.h"
 #include "services/cli/cli.h"
@@ -122,6 +123,7 @@ int RunRollout(const RolloutCliOptions& o) {
   common::Registry registry;
   std::unique_ptr<common::HttpExposer> exposer;
   if (o.metrics_port > 0) {
+    if (Status s = common::AddProcessMetrics(&registry); !s.ok()) return fail(s, 1);
     exposer = std::make_unique<common::HttpExposer>(registry, nullptr,
                                                     common::HttpExposerLimitsFrom(cfg));
     if (Status s = exposer->Start(cfg.metrics_bind_address, static_cast<uint16_t>(o.metrics_port));

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "common/metrics/grpo_metrics.h"
+#include "common/metrics/process_metrics.h"
 #include "tests/test_util.h"
 
 namespace grpo::testing {
@@ -48,7 +49,7 @@ inline std::string ReadRepoFile(const std::string& relative) {
 }
 
 // Sample names (with _bucket/_sum/_count) and label names of the exposition of a registry
-// holding every LearnerMetrics and WorkerMetrics family.
+// holding every LearnerMetrics and WorkerMetrics family and the process's.
 struct ExposedNames {
   std::set<std::string> metrics;
   std::set<std::string> labels;
@@ -59,6 +60,7 @@ inline ExposedNames ProjectMetricNames() {
   const std::vector<std::string> reward_funcs = {"accuracy", "format"};
   EXPECT_TRUE(common::LearnerMetrics::Create(registry, reward_funcs).ok());
   EXPECT_TRUE(common::WorkerMetrics::Create(registry, reward_funcs).ok());
+  EXPECT_TRUE(common::AddProcessMetrics(&registry).ok());  // both serve the process's series
   ExposedNames names;
   std::istringstream in(registry.Expose());
   for (std::string line; std::getline(in, line);) {

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "tests/reserved_port.h"
 #include "tests/test_util.h"
 
 namespace {
@@ -408,6 +409,46 @@ TEST_F(CliTools, EveryLibraryOfTheBinaryAllocatesWithTcmalloc) {
     for (const auto& [name, n] : to_tcmalloc) found = found || name.rfind(lib, 0) == 0;
     EXPECT_TRUE(found) << lib << "'s malloc or free is not bound to tcmalloc";
   }
+}
+
+// A serving process's /metrics carries the process's series (common/metrics/process_metrics.h),
+// and its malloc figures are tcmalloc's: a worker looking for its learner holds megabytes from
+// malloc (libtorch, gRPC), and its resident set is above what it holds.
+TEST_F(CliTools, AWorkersMetricsCarryTheProcessAndTcmallocSeries) {
+  if (!GRPO_TCMALLOC_LINKED) GTEST_SKIP() << "built with GRPO_MALLOC=system or a sanitizer";
+  grpo::testing::ReservedPort port;
+  ASSERT_NE(port.port(), 0);
+  // The worker retries its Register (no learner on port 1) with /metrics served; bash reads
+  // one scrape.
+  const std::string script = dir_ + "/scrape_a_worker.sh";
+  std::ofstream(script) << "log=" << dir_ << "/scrape_a_worker.log\n"
+                        << GrpoBin() << " rollout --learner_address 127.0.0.1:1 --metrics_port "
+                        << port.port() << " 2>$log &\n"
+                        << "p=$!; i=0\n"
+                        << "until grep -qs 'Register failed' $log || [ $i -ge 600 ]; do "
+                           "sleep 0.1; i=$((i+1)); done\n"
+                        << "exec 3<>/dev/tcp/127.0.0.1/" << port.port() << "\n"
+                        << "printf 'GET /metrics HTTP/1.0\\r\\n\\r\\n' >&3\n"
+                        << "cat <&3\n"
+                        << "kill -TERM $p; wait $p\n";
+  int rc;
+  const std::string out = RunCommand("bash " + script + " 2>&1", &rc);
+  EXPECT_EQ(rc, 0) << out;
+  auto value = [&](const std::string& name) {
+    const size_t at = out.find("\n" + name + " ");
+    return at == std::string::npos ? -1.0 : std::stod(out.substr(at + name.size() + 2));
+  };
+  EXPECT_NE(out.find("# HELP grpo_malloc_allocated_bytes Bytes the process holds from malloc "
+                     "(tcmalloc)"),
+            std::string::npos)
+      << out;
+  const double allocated = value("grpo_malloc_allocated_bytes");
+  const double resident = value("process_resident_memory_bytes");
+  EXPECT_GT(allocated, 1 << 20) << out;
+  EXPECT_GT(resident, allocated) << out;
+  EXPECT_GE(value("grpo_malloc_free_bytes"), 0) << out;
+  EXPECT_GT(value("process_cpu_seconds_total"), 0) << out;
+  EXPECT_GT(value("process_open_fds"), 3) << out;
 }
 
 // The values of the last OPENMP DISPLAY ENVIRONMENT block in `text` (OMP_DISPLAY_ENV=VERBOSE).
