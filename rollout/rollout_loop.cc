@@ -327,6 +327,10 @@ Status RolloutLoop::ApplyRegistration(const Registration& r) {
     // The registration is the learner's word on its version (NoteLearnerVersion only raises it).
     learner_version_ = r.policy_version;
     WakeFetcher();
+    // Under the lock with the sequence, so that a heartbeat answered across this registration
+    // neither asks for another nor is noted (HeartbeatLoop).
+    ++registration_seq_;
+    needs_register_ = false;
   }
   {
     common::MutexLock lock(&mu_);
@@ -339,7 +343,6 @@ Status RolloutLoop::ApplyRegistration(const Registration& r) {
   rank_ = r.rank;
   group_epoch_ = r.group_epoch;
   receiver_->SetGroup({r.worker_id, r.group_epoch, r.weight_sync_backend, r.learner_incarnation});
-  needs_register_ = false;
   counters_.registrations += 1;
   GRPO_LOG_INFO("registered as {} (rank {}/{}, epoch {}, policy version {})", r.worker_id, r.rank,
                 r.world_size, r.group_epoch, r.policy_version);
@@ -755,6 +758,7 @@ void RolloutLoop::CountRewardFailures(const RewardCallReport& report) {
 void RolloutLoop::HeartbeatLoop() {
   while (true) {
     std::string id, assigned, registered_with;
+    int64_t seq = 0;
     {
       common::MutexLock lock(&mu_);
       // One heartbeat_interval_ from when the lock is held, as wait_for with a predicate.
@@ -766,6 +770,7 @@ void RolloutLoop::HeartbeatLoop() {
       id = worker_id_;
       assigned = assigned_backend_;
       registered_with = learner_incarnation_;
+      seq = registration_seq_;
     }
     HeartbeatRequest request;
     request.worker_id = id;
@@ -776,20 +781,30 @@ void RolloutLoop::HeartbeatLoop() {
     if (response.ok()) {
       counters_.heartbeats += 1;
       if (response->shutdown) learner_shutdown_ = true;
-      if (!response->learner_incarnation.empty() &&
-          response->learner_incarnation != registered_with) {
+    } else {
+      counters_.heartbeat_failures += 1;
+      GRPO_LOG_DEBUG("Heartbeat failed: {}", response.status().ToString());
+    }
+    {
+      common::MutexLock lock(&mu_);
+      // The loop registered while this heartbeat was in flight (a lease or push answered
+      // NOT_FOUND, a restarted learner): the answer describes the membership before it. Asking
+      // for another registration on it registered the worker twice with a restarted learner.
+      if (registration_seq_ != seq) continue;
+      if (!response.ok()) {
+        if (response.status().code() == StatusCode::kNotFound) needs_register_ = true;
+      } else if (!response->learner_incarnation.empty() &&
+                 response->learner_incarnation != registered_with) {
         // Another learner process answers (it restarted): its versions and epochs are numbered
         // anew, so nothing of this answer is noted. Register again and take its weights.
         needs_register_ = true;
         continue;
       }
+    }
+    if (response.ok()) {
       NoteLearnerVersion(response->policy_version);
       group_epoch_ = response->group_epoch;
       receiver_->SetGroup({id, response->group_epoch, assigned, registered_with});
-    } else {
-      counters_.heartbeat_failures += 1;
-      if (response.status().code() == StatusCode::kNotFound) needs_register_ = true;
-      GRPO_LOG_DEBUG("Heartbeat failed: {}", response.status().ToString());
     }
   }
 }

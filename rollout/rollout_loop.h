@@ -305,6 +305,8 @@ class RolloutLoop {
   // it; a group of another learner's weights is refused).
   std::string learner_incarnation_ GRPO_GUARDED_BY(mu_);
   std::string policy_incarnation_ GRPO_GUARDED_BY(mu_);
+  // Registrations applied: a heartbeat answered across one is stale (HeartbeatLoop).
+  int64_t registration_seq_ GRPO_GUARDED_BY(mu_) = 0;
   std::atomic<int32_t> leases_held_{0};
   std::atomic<bool> learner_shutdown_{false};  // Heartbeat said shutdown
   std::atomic<bool> needs_register_{false};    // the learner does not know this worker

@@ -74,6 +74,13 @@ class FakeLearner final : public v1::LearnerService::Service {
   json config = GenerationConfig();
   std::function<void()> on_lease;  // called (without mu) after a lease call that leased rows
   std::function<void(FakeLearner&)> after_push;  // called under mu after each push
+  // A restart seen by a heartbeat in flight: with restart_on_heartbeat set, the next heartbeat
+  // restarts this learner (restart(*this) under mu: a new incarnation, unknown_worker) and is
+  // answered only once `answer_heartbeat(*this)` holds, polled under mu. LeasePrompts waits for
+  // that restart, so the worker's next lease meets it.
+  bool restart_on_heartbeat = false;
+  std::function<void(FakeLearner&)> restart;
+  std::function<bool(FakeLearner&)> answer_heartbeat;
 
   // Polls `done` under mu until it holds, for up to 4 s (the test's assertions say what then).
   void Await(const std::function<bool()>& done) {
@@ -114,8 +121,17 @@ class FakeLearner final : public v1::LearnerService::Service {
 
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
                          v1::HeartbeatResponse* resp) override {
-    std::lock_guard<std::mutex> lock(mu);
+    std::unique_lock<std::mutex> lock(mu);
     if (Unavailable()) return Fail();
+    if (restart_on_heartbeat) {
+      restart_on_heartbeat = false;
+      restart(*this);
+      while (!answer_heartbeat(*this)) {
+        lock.unlock();
+        std::this_thread::sleep_for(milliseconds(2));
+        lock.lock();
+      }
+    }
     ++heartbeat_calls;
     heartbeat_versions.push_back(req->weight_version());
     resp->set_policy_version(version);
@@ -129,8 +145,13 @@ class FakeLearner final : public v1::LearnerService::Service {
     std::function<void()> hook;
     milliseconds hold{0};
     {
-      std::lock_guard<std::mutex> lock(mu);
+      std::unique_lock<std::mutex> lock(mu);
       if (Unavailable()) return Fail();
+      while (restart_on_heartbeat) {  // the restart a heartbeat makes comes first
+        lock.unlock();
+        std::this_thread::sleep_for(milliseconds(2));
+        lock.lock();
+      }
       ++lease_calls;
       if (unknown_worker) {
         return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown worker: Register again");
@@ -434,6 +455,41 @@ TEST(RolloutWorker, AfterALearnerRestartItTakesTheNewLearnersWeightsAndTagsGroup
     EXPECT_EQ(fake.pushed[i].policy_version(), 1) << i;
     EXPECT_EQ(fake.pushed[i].policy_incarnation(), "inc-2") << i;
   }
+}
+
+// A heartbeat sent to the old learner and answered by the restarted one after the worker has
+// registered with it (its lease met the restart first) asks for nothing: before, its answer (an
+// incarnation other than the one the heartbeat was sent under) set needs_register_ again, and the
+// worker registered a second time with the same learner (1 run in ~100 of the test above).
+TEST(RolloutWorker, AHeartbeatAnsweredAcrossARegistrationAsksForNoOther) {
+  FakeLearner fake;
+  fake.rows = {kPromptRow, kMessagesRow, kPromptRow, kMessagesRow};
+  fake.version = 3;
+  const std::shared_ptr<common::Model> restored = TinyModel(33);
+  fake.after_push = [](FakeLearner& f) {
+    if (f.incarnation == "inc-1") f.restart_on_heartbeat = true;
+  };
+  fake.restart = [restored](FakeLearner& f) {
+    f.incarnation = "inc-2";
+    f.version = 1;
+    f.model = restored;
+    f.unknown_worker = true;
+  };
+  // Answered once the worker has registered again and taken the new learner's weights (so the
+  // registration is applied whole before the answer arrives).
+  fake.answer_heartbeat = [](FakeLearner& f) {
+    return f.register_calls >= 2 && f.weights_served.size() >= 2;
+  };
+  FakeLearnerServer server(&fake);
+  auto worker = MakeWorker(Options(server.address()));
+  ASSERT_TRUE(worker->Run().ok());
+
+  EXPECT_EQ(worker->policy_version(), 1);
+  std::lock_guard<std::mutex> lock(fake.mu);
+  EXPECT_EQ(fake.register_calls, 2);
+  EXPECT_EQ(fake.weights_served, (std::vector<int64_t>{3, 1}));
+  ASSERT_EQ(fake.pushed.size(), 4u);
+  for (int i = 2; i < 4; ++i) EXPECT_EQ(fake.pushed[i].policy_incarnation(), "inc-2") << i;
 }
 
 TEST(RolloutWorker, BadPromptsAreSkippedAndCounted) {
