@@ -125,16 +125,15 @@ Status AddProcessMetrics(Registry* registry) {
   ASSIGN_OR_RETURN(f->start_time,
                    registry->AddGauge("process_start_time_seconds",
                                       "Start time of the process since unix epoch in seconds."));
-  ASSIGN_OR_RETURN(f->malloc_allocated,
-                   registry->AddGauge("grpo_malloc_allocated_bytes",
-                                      "Bytes the process holds from malloc (" + MallocName() +
-                                          "), tensors "
-                                          "included."));
+  const std::string name = MallocName();
+  ASSIGN_OR_RETURN(f->malloc_allocated, registry->AddGauge("grpo_malloc_allocated_bytes",
+                                                           "Bytes the process holds from malloc (" +
+                                                               name + "), tensors included."));
   ASSIGN_OR_RETURN(f->malloc_free,
                    registry->AddGauge("grpo_malloc_free_bytes",
-                                      "Bytes malloc (" + MallocName() +
-                                          ") keeps free for reuse, not given "
-                                          "back to the kernel (most of it resident)."));
+                                      "Bytes malloc (" + name +
+                                          ") keeps free for reuse, not given back to the kernel "
+                                          "(most of it resident)."));
   const ProcStat stat = ReadProcStat();
   if (const double boot = BootTime(); boot >= 0 && stat.start_seconds >= 0) {
     f->start_time->Set(boot + stat.start_seconds);
