@@ -460,7 +460,7 @@ TEST(RolloutWorker, AfterALearnerRestartItTakesTheNewLearnersWeightsAndTagsGroup
 // A heartbeat sent to the old learner and answered by the restarted one after the worker has
 // registered with it (its lease met the restart first) asks for nothing: before, its answer (an
 // incarnation other than the one the heartbeat was sent under) set needs_register_ again, and the
-// worker registered a second time with the same learner (1 run in ~100 of the test above).
+// worker registered a second time with the same learner (the test above failed so once in CI).
 TEST(RolloutWorker, AHeartbeatAnsweredAcrossARegistrationAsksForNoOther) {
   FakeLearner fake;
   fake.rows = {kPromptRow, kMessagesRow, kPromptRow, kMessagesRow};
