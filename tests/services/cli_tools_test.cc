@@ -14,6 +14,8 @@
 #include <sstream>
 
 #include "tests/reserved_port.h"
+#include "tests/services/http_test_util.h"
+#include "tests/services/process_util.h"
 #include "tests/test_util.h"
 
 namespace {
@@ -418,22 +420,21 @@ TEST_F(CliTools, AWorkersMetricsCarryTheProcessAndTcmallocSeries) {
   if (!GRPO_TCMALLOC_LINKED) GTEST_SKIP() << "built with GRPO_MALLOC=system or a sanitizer";
   grpo::testing::ReservedPort port;
   ASSERT_NE(port.port(), 0);
-  // The worker retries its Register (no learner on port 1) with /metrics served; bash reads
-  // one scrape.
-  const std::string script = dir_ + "/scrape_a_worker.sh";
-  std::ofstream(script) << "log=" << dir_ << "/scrape_a_worker.log\n"
-                        << GrpoBin() << " rollout --learner_address 127.0.0.1:1 --metrics_port "
-                        << port.port() << " 2>$log &\n"
-                        << "p=$!; i=0\n"
-                        << "until grep -qs 'Register failed' $log || [ $i -ge 600 ]; do "
-                           "sleep 0.1; i=$((i+1)); done\n"
-                        << "exec 3<>/dev/tcp/127.0.0.1/" << port.port() << "\n"
-                        << "printf 'GET /metrics HTTP/1.0\\r\\n\\r\\n' >&3\n"
-                        << "cat <&3\n"
-                        << "kill -TERM $p; wait $p\n";
-  int rc;
-  const std::string out = RunCommand("bash " + script + " 2>&1", &rc);
-  EXPECT_EQ(rc, 0) << out;
+  // The worker retries its Register (no learner on port 1) with /metrics served.
+  grpo::testing::Children children(dir_);
+  ASSERT_GT(children.Spawn("worker", {GrpoBin(), "rollout", "--learner_address", "127.0.0.1:1",
+                                      "--metrics_port", std::to_string(port.port())}),
+            0);
+  std::string out;
+  ASSERT_TRUE(grpo::testing::WaitUntil(
+      [&] {
+        const auto r = grpo::testing::HttpGet(static_cast<uint16_t>(port.port()), "/metrics");
+        if (r && r->status == 200) out = r->body;
+        return !out.empty();
+      },
+      std::chrono::seconds(60)))
+      << grpo::testing::Tail(children.Err("worker"));
+  children.Kill("worker");
   auto value = [&](const std::string& name) {
     const size_t at = out.find("\n" + name + " ");
     return at == std::string::npos ? -1.0 : std::stod(out.substr(at + name.size() + 2));
