@@ -8,9 +8,11 @@
 
 namespace grpo::common {
 
-std::string MallocName() {
-  // The library that defines the malloc every library binds to (the first in the global scope:
-  // LD_PRELOAD's, then the binary's own libraries in link order, glibc last).
+namespace {
+
+// The library that defines the malloc every library binds to (the first in the global scope:
+// LD_PRELOAD's, then the binary's own libraries in link order, glibc last).
+std::string BoundMalloc() {
   Dl_info info{};
   void* const bound = dlsym(RTLD_DEFAULT, "malloc");
   if (bound == nullptr || dladdr(bound, &info) == 0 || info.dli_fname == nullptr) return "unknown";
@@ -22,9 +24,18 @@ std::string MallocName() {
   return file;
 }
 
+}  // namespace
+
+std::string MallocName() {
+  // Fixed once the process has started: looked up once.
+  static const std::string name = BoundMalloc();
+  return name;
+}
+
 MallocBytes ReadMallocBytes() {
   MallocBytes bytes;
-  if (MallocName() == "tcmalloc") {
+  const std::string name = MallocName();
+  if (name == "tcmalloc") {
     // gperftools' C API, looked up so that nothing but the grpo binary links tcmalloc.
     using Property = int (*)(const char*, size_t*);
     const auto get =
@@ -37,7 +48,7 @@ MallocBytes ReadMallocBytes() {
       bytes.free = static_cast<int64_t>(heap) - static_cast<int64_t>(allocated) -
                    static_cast<int64_t>(unmapped);
     }
-  } else if (MallocName() == "glibc") {
+  } else if (name == "glibc") {
     const struct mallinfo2 info = mallinfo2();
     bytes.allocated = static_cast<int64_t>(info.uordblks + info.hblkhd);
     bytes.free = static_cast<int64_t>(info.fordblks);

@@ -396,11 +396,12 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     // first step), 1.27-1.91x under glibc's, which kept freed blocks in pieces too small for the
     // next step's (memory_plan_test: 0.98-1.02x with MALLOC_MMAP_THRESHOLD_=131072, which cost
     // the step 30% of its speed).
-    p.notes.push_back(common::MallocName() == "tcmalloc"
+    const std::string malloc_name = common::MallocName();
+    p.notes.push_back(malloc_name == "tcmalloc"
                           ? "cpu: live bytes; tcmalloc's free blocks and libtorch's code put a "
                             "rank's resident set at 1.1-1.35x the training peak (grpo bench "
                             "sharding)"
-                          : "cpu: live bytes; under " + common::MallocName() +
+                          : "cpu: live bytes; under " + malloc_name +
                                 "'s malloc a rank's resident set ran to 1.3-1.9x the training "
                                 "peak (the freed blocks it keeps; grpo links tcmalloc)");
   }
