@@ -231,8 +231,8 @@ StatusOr<std::string> SaveCheckpoint(GrpoTrainer& trainer, const std::string& ou
     ASSIGN_OR_RETURN(whole_state,
                      trainer.optimizer().StateDict("gather of the AdamW state for " + name));
   }
-  // full_shard: the weights too, each unit written as it is gathered (JoinSaveCheckpoint on the
-  // other ranks), so rank 0 never holds them whole.
+  // Sharded parameters: the weights too, each unit (or bucket) written as it is gathered
+  // (JoinSaveCheckpoint on the other ranks), so rank 0 never holds them whole.
   // The state's error first: when it was a collective's, the weights' say only "failed earlier".
   const Status weights_written =
       trainer.optimizer().ShardsParameters()
@@ -374,8 +374,9 @@ Status RestoreCheckpoint(GrpoTrainer& trainer, const std::string& dir) {
   // Tied models store no lm_head.weight; LoadStateFrom wants exactly the live names.
   common::NamedTensors live = trainer.policy().NamedParameters();
   common::NamedTensors ordered;
-  // Sharded parameters (full_shard): the files are checked here and each rank reads only its own
-  // shard of them (this one now, the others in SyncFromRankZero); never whole on rank 0.
+  // Sharded parameters (full_shard, shard_grad_op's sharded master): the files are checked here
+  // and read a unit or bucket at a time (this rank now, the others in SyncFromRankZero); never
+  // whole in fp32 on rank 0.
   std::shared_ptr<const common::ModelWeights> files;
   if (trainer.optimizer().ShardsParameters()) {
     auto opened = common::ModelWeights::Open(dir, trainer.policy().ParameterShapes(),

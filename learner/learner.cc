@@ -664,8 +664,8 @@ Status Learner::PublishWeights() {
     common::MutexLock lock(&mu_);
     on_device = workers_.AnyAssigned({common::kBackendNccl, common::kBackendCudaIpc});
   }
-  // full_shard: the weights exist whole nowhere; every rank joins their gather (a unit at a
-  // time, each copied to the CPU here).
+  // full_shard (and shard_grad_op's sharded fp32 master): the weights exist whole nowhere;
+  // every rank joins their gather (a unit or a bucket at a time, each copied to the CPU here).
   common::NamedTensors gathered;
   if (trainer_->optimizer().ShardsParameters()) {
     if (rank_link_) RETURN_IF_ERROR(rank_link_->Publish());
@@ -731,8 +731,8 @@ Status Learner::ServeWeightReaders() {
       for (const auto& [name, t] : policy_->NamedParameters()) put(name, t);
       return Status::OK();
     }
-    // full_shard: every rank joins the gather, a unit at a time; rank 0 hands each unit's
-    // tensors on and frees the unit before the next.
+    // Sharded: every rank joins the gather, a unit (or bucket) at a time; rank 0 hands each
+    // one's tensors on and frees it before the next.
     if (rank_link_) RETURN_IF_ERROR(rank_link_->Publish());
     return trainer_->optimizer().StreamWeights(
         "gather of the weights to stream at version " + std::to_string(version), false,

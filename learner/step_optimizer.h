@@ -4,9 +4,11 @@
 // ranks with an all-reduce and runs AdamW on the whole model on every rank.
 // distributed::ShardedAdamW (shard_grad_op, ZeRO-2) keeps 1/world_size of the gradient and of
 // AdamW's state on each rank: reduce-scatter during backward, AdamW on the shard, all-gather of
-// the weights. distributed::FullShardAdamW (full_shard, ZeRO-3) keeps 1/world_size of the
-// parameters too: the model's units are gathered around each use (common/model/parameter_gate.h)
-// and the parameters are whole nowhere between uses (ShardsParameters).
+// the weights; beside a compute copy (bf16, or offload) it keeps 1/world_size of the fp32 master
+// too, and the master model's parameters hold nothing (ShardsParameters).
+// distributed::FullShardAdamW (full_shard, ZeRO-3) keeps 1/world_size of the parameters too: the
+// model's units are gathered around each use (common/model/parameter_gate.h) and the parameters
+// are whole nowhere between uses (ShardsParameters).
 //
 // The trainer's calls, in order, per step: ZeroGrad; for each micro-batch position of the step
 // (on every rank, whichever rank back-propagates it) BeforeBackward and AfterBackward around the
@@ -78,7 +80,8 @@ class StepOptimizer {
   // rank's fp32 shard and the units gathered now).
   virtual int64_t ResidentParameterBytes() const = 0;
 
-  // --- Parameters sharded over the ranks (full_shard). The others keep the defaults.
+  // --- Parameters sharded over the ranks (full_shard; shard_grad_op's fp32 master beside a
+  // compute copy). The others keep the defaults.
   // True when the policy's parameter tensors hold no values between uses: whoever reads or
   // writes the whole weights goes through GatherWeights and LoadWeights.
   virtual bool ShardsParameters() const { return false; }

@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <unordered_map>
 #include <utility>
 
+#include "common/model/parameter_gate.h"
 #include "learner/distributed/shard_norm.h"
 
 namespace grpo::learner::distributed {
@@ -101,12 +103,86 @@ StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(common::NamedTensor
     torch::autograd::impl::set_post_acc_grad_hooks(s->compute_[i],
                                                    std::make_unique<GradientReady>(s.get(), i));
   }
-  const auto opts = first.options();
+  // The compute tensors are the parameters (fp32 on the device), or all another model's: then
+  // the master is sharded too.
+  size_t same = 0;
+  for (size_t i = 0; i < s->params_.size(); ++i) {
+    same += s->compute_[i].is_same(s->params_[i].second) ? 1 : 0;
+  }
+  if (same != 0 && same != s->params_.size()) {
+    return Status::InvalidArgument(
+        "ShardedAdamW: some compute tensors are the parameters and some are not");
+  }
+  const at::Device compute_device = s->compute_.front().device();
+  // With the master on the host beside a GPU (offload) the shards are page-locked, so that
+  // copies to and from the GPU are DMA.
+  const auto opts = first.options().requires_grad(false).pinned_memory(first.device().is_cpu() &&
+                                                                       compute_device.is_cuda());
   s->grad_shard_ = at::zeros({shard_numel}, opts);
-  s->comm_ = opts.device(s->compute_.front().device());
+  s->comm_ = first.options().requires_grad(false).device(compute_device);
   s->exp_avg_ = at::zeros({shard_numel}, opts);
   s->exp_avg_sq_ = at::zeros({shard_numel}, opts);
+  if (same == 0) {
+    s->master_ = at::zeros({shard_numel}, opts);
+    s->gather_ = s->comm_.dtype(s->compute_.front().scalar_type());
+    // Rank 0's weights: each rank's chunks and every rank's compute copy (the ranks' own
+    // weights are not used: as the trainer's broadcast of rank 0's weights would do).
+    at::NoGradGuard no_grad;
+    RETURN_IF_ERROR(s->HandOutWeights(
+        [&](size_t i, at::Tensor& into) {
+          into.copy_(s->params_[i].second.reshape({-1}));
+          return Status::OK();
+        },
+        "broadcast of rank 0's weights for shard_grad_op"));
+    // The fp32 values are the shards now: the master's parameters keep their names and shapes
+    // (checkpoints, the plan), not their memory.
+    const at::TensorOptions master_opts = s->params_.front().second.options();
+    for (auto& [name, p] : s->params_) {
+      p.set_data(common::UnallocatedTensor(p.sizes(), master_opts));
+    }
+  }
   return s;
+}
+
+StatusOr<at::Tensor> ShardedAdamW::FillBucket(const Bucket& b, const Fill& fill) const {
+  at::Tensor flat = at::zeros({b.chunk * ranks_->world_size()}, at::kFloat);
+  for (size_t i = b.first; i < b.last; ++i) {
+    at::Tensor into = flat.narrow(0, b.param_offsets[i - b.first], params_[i].second.numel());
+    RETURN_IF_ERROR(fill(i, into));
+  }
+  return flat;
+}
+
+void ShardedAdamW::TakeBucket(const Bucket& b, const at::Tensor& flat) {
+  master_.narrow(0, b.shard_offset, b.chunk)
+      .copy_(flat.narrow(0, ranks_->rank() * b.chunk, b.chunk));
+  for (size_t i = b.first; i < b.last; ++i) {
+    at::Tensor& c = compute_[i];
+    c.copy_(flat.narrow(0, b.param_offsets[i - b.first], c.numel()).view(c.sizes()));
+  }
+}
+
+Status ShardedAdamW::HandOutWeights(const Fill& fill, const std::string& what) {
+  at::NoGradGuard no_grad;
+  const bool root = ranks_->rank() == 0;
+  Status filled = Status::OK();
+  for (size_t k = 0; k < buckets_.size(); ++k) {
+    const Bucket& b = buckets_[k];
+    std::vector<at::Tensor> flat(1);
+    if (root && filled.ok()) {
+      StatusOr<at::Tensor> values = FillBucket(b, fill);
+      if (values.ok()) {
+        flat[0] = values->to(comm_.device());
+      } else {
+        filled = values.status();
+      }
+    }
+    if (!flat[0].defined()) flat[0] = at::zeros({b.chunk * ranks_->world_size()}, comm_);
+    RETURN_IF_ERROR(ranks_->Broadcast(flat, what + " (bucket " + std::to_string(k + 1) + " of " +
+                                                std::to_string(buckets_.size()) + ")"));
+    TakeBucket(b, flat[0]);
+  }
+  return filled;
 }
 
 template <typename Source>
@@ -232,24 +308,33 @@ StatusOr<double> ShardedAdamW::ClipGradNorm(double max_norm, const std::string& 
 Status ShardedAdamW::Step(double lr, const std::string& where) {
   at::NoGradGuard no_grad;
   ++step_;
-  for (const Bucket& b : buckets_) {
-    // This rank's chunk of the weights, updated as AdamW::Step updates a parameter.
-    at::Tensor p = at::zeros({b.chunk}, grad_shard_.options());
-    for (const Piece& piece : b.mine) {
-      p.narrow(0, piece.chunk_offset, piece.numel)
-          .copy_(
-              params_[piece.param].second.reshape({-1}).narrow(0, piece.param_offset, piece.numel));
+  for (size_t k = 0; k < buckets_.size(); ++k) {
+    const Bucket& b = buckets_[k];
+    // This rank's chunk of the weights, updated as AdamW::Step updates a parameter: the master's
+    // own chunk in place, or a copy cut from the whole parameters.
+    at::Tensor p;
+    if (master_.defined()) {
+      p = master_.narrow(0, b.shard_offset, b.chunk);
+    } else {
+      p = at::zeros({b.chunk}, grad_shard_.options());
+      for (const Piece& piece : b.mine) {
+        p.narrow(0, piece.chunk_offset, piece.numel)
+            .copy_(params_[piece.param].second.reshape({-1}).narrow(0, piece.param_offset,
+                                                                    piece.numel));
+      }
     }
     const at::Tensor g = grad_shard_.narrow(0, b.shard_offset, b.chunk);
     at::Tensor m = exp_avg_.narrow(0, b.shard_offset, b.chunk);
     at::Tensor v = exp_avg_sq_.narrow(0, b.shard_offset, b.chunk);
     AdamWUpdate(p, g, m, v, options_, lr, step_);
-    // Every rank's chunks into every rank's parameters (gathered on the compute device).
-    at::Tensor whole = at::empty({b.chunk * ranks_->world_size()}, comm_);
-    RETURN_IF_ERROR(
-        ranks_->AllGather(p.to(comm_.device()), whole, "all-gather of the weights" + where));
+    // Every rank's chunks into every rank's parameters, or with the master sharded into the
+    // compute copy, in its dtype (gathered on the compute device).
+    const at::TensorOptions into = master_.defined() ? gather_ : comm_;
+    at::Tensor whole = at::empty({b.chunk * ranks_->world_size()}, into);
+    RETURN_IF_ERROR(ranks_->AllGather(p.to(into.device(), into.dtype().toScalarType()), whole,
+                                      "all-gather of the weights" + where));
     for (size_t i = b.first; i < b.last; ++i) {
-      at::Tensor& param = params_[i].second;
+      at::Tensor& param = master_.defined() ? compute_[i] : params_[i].second;
       param.copy_(whole.narrow(0, b.param_offsets[i - b.first], param.numel()).view(param.sizes()));
     }
   }
@@ -313,12 +398,35 @@ Status ShardedAdamW::LoadStateDict(const common::NamedTensors& state) {
 Status ShardedAdamW::SyncFromRankZero(const std::string& what) {
   at::NoGradGuard no_grad;
   const bool root = ranks_->rank() == 0;
-  std::vector<at::Tensor> head = {
-      at::tensor(std::vector<int64_t>{root && !pending_.empty() ? 1 : 0, step_}, at::kLong)};
+  // What rank 0 restored: its state whole; its weights whole (1) or in their files (2).
+  const int64_t weights = !root                       ? 0
+                          : pending_files_ != nullptr ? 2
+                          : !pending_weights_.empty() ? 1
+                                                      : 0;
+  std::vector<at::Tensor> head = {at::tensor(
+      std::vector<int64_t>{root && !pending_.empty() ? 1 : 0, weights, step_}, at::kLong)};
   RETURN_IF_ERROR(ranks_->Broadcast(head, what + " (step)"));
   const int64_t* h = head[0].data_ptr<int64_t>();
-  step_ = h[1];
-  if (h[0] == 0) return Status::OK();  // nothing restored: every shard is its rank's own
+  step_ = h[2];
+  // Rank 0's restored weights (the master sharded: LoadWeights, LoadWeightsFrom), a bucket at a
+  // time: each rank keeps its chunk, and every compute copy takes the whole.
+  if (h[1] == 1) {
+    RETURN_IF_ERROR(HandOutWeights(
+        [&](size_t i, at::Tensor& into) {
+          into.copy_(pending_weights_[i].second.reshape({-1}));
+          return Status::OK();
+        },
+        what + " (weights)"));
+  } else if (h[1] == 2) {
+    RETURN_IF_ERROR(HandOutWeights(
+        [&](size_t i, at::Tensor& into) {
+          return pending_files_->ReadRange(params_[i].first, 0, into);
+        },
+        what + " (weights)"));
+  }
+  pending_weights_.clear();
+  pending_files_.reset();
+  if (h[0] == 0) return Status::OK();  // no state restored: every shard is its rank's own
   // Rank 0's restored state, bucket by bucket: each rank keeps its chunk.
   for (auto [shard, which] : {std::pair{&exp_avg_, 0}, std::pair{&exp_avg_sq_, 1}}) {
     for (const Bucket& b : buckets_) {
@@ -364,9 +472,108 @@ int64_t ShardedAdamW::ResidentBytes() const {
 }
 
 int64_t ShardedAdamW::ResidentParameterBytes() const {
+  if (master_.defined()) return master_.nbytes();  // the parameters hold no memory
   int64_t bytes = 0;
   for (const auto& [name, p] : params_) bytes += p.nbytes();
   return bytes;
+}
+
+Status ShardedAdamW::StreamWeights(const std::string& what, bool every_rank,
+                                   const common::Model::WeightPut& put) {
+  if (!master_.defined()) {
+    return Status::Unimplemented("StreamWeights: the parameters are whole on every rank");
+  }
+  at::NoGradGuard no_grad;
+  const bool keep = every_rank || ranks_->rank() == 0;
+  Status put_status = Status::OK();
+  // The fp32 master, a bucket at a time (not the compute copy: with bf16 it would round it),
+  // gathered where the collectives run.
+  for (size_t k = 0; k < buckets_.size(); ++k) {
+    const Bucket& b = buckets_[k];
+    at::Tensor whole = at::empty({b.chunk * ranks_->world_size()}, comm_);
+    RETURN_IF_ERROR(
+        ranks_->AllGather(master_.narrow(0, b.shard_offset, b.chunk).to(comm_.device()), whole,
+                          "all-gather of the weights (bucket " + std::to_string(k + 1) + " of " +
+                              std::to_string(buckets_.size()) + ") for " + what));
+    if (!keep) continue;
+    for (size_t i = b.first; i < b.last && put_status.ok(); ++i) {
+      const auto& [name, p] = params_[i];
+      put_status =
+          put(name, whole.narrow(0, b.param_offsets[i - b.first], p.numel()).view(p.sizes()));
+    }
+  }
+  return put_status;
+}
+
+StatusOr<common::NamedTensors> ShardedAdamW::GatherWeights(const std::string& what,
+                                                           bool every_rank) {
+  std::vector<at::Tensor> values(params_.size());
+  size_t next = 0;  // StreamWeights puts the parameters in their order
+  RETURN_IF_ERROR(StreamWeights(what, every_rank, [&](const std::string&, const at::Tensor& t) {
+    values[next++] = t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    return Status::OK();
+  }));
+  common::NamedTensors out;
+  if (!every_rank && ranks_->rank() != 0) return out;
+  for (size_t i = 0; i < params_.size(); ++i) out.emplace_back(params_[i].first, values[i]);
+  return out;
+}
+
+Status ShardedAdamW::LoadWeights(const common::NamedTensors& weights) {
+  if (!master_.defined()) {
+    return Status::Unimplemented("LoadWeights: the parameters are whole on every rank");
+  }
+  std::unordered_map<std::string, const at::Tensor*> given;
+  for (const auto& [name, t] : weights) given[name] = &t;
+  common::NamedTensors values;
+  for (const auto& [name, p] : params_) {
+    auto it = given.find(name);
+    if (it == given.end()) return Status::InvalidArgument("LoadWeights: '" + name + "' missing");
+    if (!it->second->defined() || !at::isFloatingType(it->second->scalar_type()) ||
+        it->second->sizes() != p.sizes()) {
+      return Status::InvalidArgument("LoadWeights: '" + name +
+                                     "' is not a float tensor of the parameter's shape");
+    }
+    values.emplace_back(name, it->second->to(at::kCPU, at::kFloat));
+  }
+  if (given.size() != params_.size()) {
+    return Status::InvalidArgument("LoadWeights: tensors that are not parameters of the model");
+  }
+  at::NoGradGuard no_grad;
+  for (const Bucket& b : buckets_) {
+    ASSIGN_OR_RETURN(const at::Tensor flat, FillBucket(b, [&](size_t i, at::Tensor& into) {
+                       into.copy_(values[i].second.reshape({-1}));
+                       return Status::OK();
+                     }));
+    TakeBucket(b, flat);
+  }
+  if (ranks_->rank() == 0) {
+    pending_files_.reset();
+    pending_weights_ = std::move(values);
+  }
+  return Status::OK();
+}
+
+Status ShardedAdamW::LoadWeightsFrom(WeightFiles files) {
+  if (!master_.defined()) {
+    return Status::Unimplemented("LoadWeightsFrom: the parameters are whole on every rank");
+  }
+  if (files.files == nullptr) return Status::InvalidArgument("LoadWeightsFrom: no files");
+  at::NoGradGuard no_grad;
+  // A bucket at a time: this rank's chunk and its compute copy. Every rank holds the whole
+  // weights (the compute copy), so rank 0 hands them out from the files in SyncFromRankZero,
+  // read again a bucket at a time.
+  for (const Bucket& b : buckets_) {
+    ASSIGN_OR_RETURN(const at::Tensor flat, FillBucket(b, [&](size_t i, at::Tensor& into) {
+                       return files.files->ReadRange(params_[i].first, 0, into);
+                     }));
+    TakeBucket(b, flat);
+  }
+  if (ranks_->rank() == 0) {
+    pending_weights_.clear();
+    pending_files_ = std::move(files.files);
+  }
+  return Status::OK();
 }
 
 }  // namespace grpo::learner::distributed

@@ -22,23 +22,38 @@
 //    of the weights, and each bucket's updated chunks are all-gathered into every rank's
 //    parameters.
 //
-// The parameters themselves stay whole on every rank (full_shard_adamw.h shards them), and so
-// does the fp32 master with bf16.
+// The parameters themselves stay whole on every rank (full_shard_adamw.h shards them).
 //
-// Offload (`fsdp: shard_grad_op offload` on a GPU; ZeRO-Offload): `params` are the fp32 master
-// on the host and `compute` the GPU copy's. The buckets are reduce-scattered and all-gathered on
-// the GPU (NCCL); each reduced chunk is added into the gradient shard on the host, where the norm
-// and AdamW run, and the gathered weights are copied into the host master (the trainer then
-// refreshes the GPU copy from it).
+// The fp32 master (ZeRO-2 with mixed precision, and ZeRO-Offload's partitioned optimizer) is
+// sharded too whenever the compute tensors are not the parameters themselves: with `bf16` (a
+// bf16 compute copy) and with the master on the host (offload on a GPU, step_optimizer.h
+// HostsMaster). Each rank then keeps its chunk of every bucket of the fp32 weights beside its
+// gradient and moments (16 bytes a parameter over the ranks), and the whole weights exist only
+// in the compute copy: Create cuts the chunks from rank 0's weights (a collective: a bucket at
+// a time, the compute copy filled from the same broadcast) and frees the master model's
+// parameters, which keep their names and shapes and no memory (ShardsParameters: checkpoints
+// and publishing gather the fp32 values a bucket at a time). The step updates the rank's chunk
+// in place and all-gathers it in the compute dtype straight into the compute copy (bf16: half
+// the bytes). Without either (fp32, no offload) the parameters are the compute tensors: whole
+// on every rank, as ZeRO-2 keeps them.
+//
+// Offload (`fsdp: shard_grad_op offload` on a GPU; ZeRO-Offload): the master shard, the
+// gradient shard and the moments live in page-locked host memory and `compute` is the GPU copy.
+// The buckets are reduce-scattered and all-gathered on the GPU (NCCL); each reduced chunk is
+// added into the gradient shard on the host, where the norm and AdamW run, and the updated
+// chunk crosses to the GPU to be all-gathered into the copy.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "common/model/model.h"
+#include "common/model/model_weights.h"
 #include "common/model/safetensors.h"
 #include "common/status.h"
 #include "learner/distributed/collectives.h"
@@ -51,8 +66,10 @@ class ShardedAdamW final : public StepOptimizer {
  public:
   // `params` borrowed (shared storage), contiguous, of one floating dtype and device;
   // InvalidArgument otherwise. `compute`: the tensors backward accumulates into, one per
-  // parameter in the same order and shapes (the parameters themselves in fp32); their hooks
-  // are removed with the optimizer. `ranks` borrowed, world size >= 1.
+  // parameter in the same order and shapes: the parameters themselves (fp32 on the device), or
+  // all of them another model's (a compute copy), and then the master is sharded (above): a
+  // collective, after which `params` hold no memory. Their hooks are removed with the
+  // optimizer. `ranks` borrowed, world size >= 1.
   static StatusOr<std::unique_ptr<ShardedAdamW>> Create(common::NamedTensors params,
                                                         std::vector<at::Tensor> compute,
                                                         AdamWOptions options, Collectives* ranks,
@@ -75,6 +92,13 @@ class ShardedAdamW final : public StepOptimizer {
   void SetStepCount(int64_t step) override { step_ = step; }
   int64_t ResidentBytes() const override;
   int64_t ResidentParameterBytes() const override;
+  // With the master sharded (a compute copy): the fp32 weights are gathered a bucket at a time.
+  bool ShardsParameters() const override { return master_.defined(); }
+  StatusOr<common::NamedTensors> GatherWeights(const std::string& what, bool every_rank) override;
+  Status StreamWeights(const std::string& what, bool every_rank,
+                       const common::Model::WeightPut& put) override;
+  Status LoadWeights(const common::NamedTensors& weights) override;
+  Status LoadWeightsFrom(WeightFiles files) override;
 
  private:
   // A run of one parameter's elements inside this rank's chunk of a bucket.
@@ -111,6 +135,18 @@ class ShardedAdamW final : public StepOptimizer {
   // each parameter's `source(i)` (an undefined tensor counts as zeros).
   template <typename Source>
   at::Tensor PackBucket(const Bucket& b, Source source) const;
+  // Rank 0's fp32 value of parameter i into `into` (its place in a host flat buffer).
+  using Fill = std::function<Status(size_t i, at::Tensor& into)>;
+  // A collective, with the master sharded: rank 0's weights (`fill`, called on rank 0 alone)
+  // broadcast a bucket at a time; each rank keeps its chunk in master_ and the whole bucket in
+  // the compute copy. After a failed `fill` rank 0 broadcasts zeros for the rest (the others do
+  // not know) and returns that error.
+  Status HandOutWeights(const Fill& fill, const std::string& what);
+  // The bucket's values from `fill` as one host flat buffer of world_size x chunk.
+  StatusOr<at::Tensor> FillBucket(const Bucket& b, const Fill& fill) const;
+  // This rank's chunk of the bucket `flat` (whole: world_size x chunk) into master_, and the
+  // whole of it into the compute copy.
+  void TakeBucket(const Bucket& b, const at::Tensor& flat);
   // Ends the round: reduces every bucket not reduced yet (zeros for a rank that back-propagated
   // nothing in it); the first error of any of the round's collectives.
   Status ReduceRound(const std::string& where);
@@ -140,6 +176,15 @@ class ShardedAdamW final : public StepOptimizer {
   bool round_reduced_ = false;  // this rank reduce-scattered in the round now open
   // Rank 0 after LoadStateDict: the whole restored state, until SyncFromRankZero hands it out.
   common::NamedTensors pending_;
+  // With the master sharded: this rank's fp32 chunks of the weights, laid out as grad_shard_
+  // (undefined otherwise: the parameters are whole); the compute copy's dtype on its device,
+  // in which the step all-gathers the weights.
+  at::Tensor master_;
+  at::TensorOptions gather_;
+  // Rank 0 after LoadWeights / LoadWeightsFrom: the weights until SyncFromRankZero hands them
+  // out (as values, or read again from the files).
+  common::NamedTensors pending_weights_;
+  std::shared_ptr<const common::ModelWeights> pending_files_;
 };
 
 }  // namespace grpo::learner::distributed

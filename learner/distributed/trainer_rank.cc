@@ -43,7 +43,8 @@ Status ServeRankZero(RankGroup& group, GrpoTrainer& trainer) {
         RETURN_IF_ERROR(JoinSaveCheckpoint(trainer, trainer.config().output_dir));
         break;
       case RankCommand::kPublish:
-        // full_shard: rank 0 publishes the weights, gathered a unit at a time.
+        // Sharded parameters: rank 0 publishes the weights, gathered a unit (or bucket) at a
+        // time.
         RETURN_IF_ERROR(trainer.optimizer()
                             .GatherWeights("gather of the weights to publish at step " +
                                                std::to_string(trainer.global_step()),

@@ -725,9 +725,10 @@ TEST(DataParallelSharding, GradientsAreReducedBucketByBucketDuringBackward) {
 // bf16, one step from the same weights, so every run's bf16 weights are the same and only the
 // fp32 summation order differs: loss, grad_norm and the updated master weights equal one rank's
 // with the same accumulation. shard_grad_op: the hooks sit on the bf16 compute copy, whose
-// gradients go into fp32 buckets (the fp32 master gets no .grad). full_shard: the gate sits on
-// the bf16 copy, each gather casts the fp32 shard to bf16, and between steps neither model's
-// parameters hold memory (the fp32 shard alone does, 4 bytes per element as without bf16).
+// gradients go into fp32 buckets (the fp32 master gets no .grad), and the fp32 master is each
+// rank's chunks (ZeRO-2 with mixed precision), the master model's parameters empty. full_shard: the
+// gate sits on the bf16 copy, each gather casts the fp32 shard to bf16, and between steps neither
+// model's parameters hold memory (the fp32 shard alone does, 4 bytes per element as without bf16).
 class DataParallelBf16 : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {};
 
 TEST_P(DataParallelBf16, OneStepEqualsTheSingleRanks) {
@@ -751,7 +752,9 @@ TEST_P(DataParallelBf16, OneStepEqualsTheSingleRanks) {
     if (r->steps.size() != 1) return One{{}, {}, "steps: " + std::to_string(r->steps.size())};
     out.metrics = r->steps[0];
     const bool full = w > 1 && fsdp == "full_shard";
-    if (full) {
+    // Both shard the fp32 master at several ranks: it is gathered.
+    if (w > 1 && !(*t)->optimizer().ShardsParameters()) return One{{}, {}, "the master is whole"};
+    if (w > 1) {
       auto gathered = (*t)->optimizer().GatherWeights("the test's weights", true);
       if (!gathered.ok()) return One{{}, {}, gathered.status().ToString()};
       for (const auto& [name, v] : *gathered) out.weights.push_back(v);
@@ -763,7 +766,31 @@ TEST_P(DataParallelBf16, OneStepEqualsTheSingleRanks) {
          {static_cast<const common::Model*>(model.get()), &(*t)->compute_model()}) {
       for (const at::Tensor& p : m->Parameters()) {
         if (p.grad().defined()) out.error = "a whole .grad left after the step";
-        if (full && p.storage().nbytes() != 0) out.error = "a parameter holds memory";
+        // full_shard: neither model between uses; shard_grad_op: the fp32 master.
+        if ((full || m == model.get()) && p.storage().nbytes() != 0) {
+          out.error = "a parameter holds memory";
+        }
+      }
+    }
+    if (!full) {
+      // shard_grad_op: the fp32 master is this rank's chunks (its padding: under world per
+      // bucket) beside the whole bf16 copy.
+      int64_t chunks = 0;
+      for (const auto& piece : (*t)->optimizer().StatePieces()) chunks += piece.numel;
+      const int64_t bytes = (*t)->optimizer().ResidentParameterBytes();
+      if (bytes < 4 * chunks || bytes >= 4 * (chunks + 4 * w)) {
+        out.error = "resident master bytes " + std::to_string(bytes) + " for " +
+                    std::to_string(chunks) + " elements";
+      }
+      int64_t whole = 0;
+      for (const at::Tensor& p : model->Parameters()) whole += p.numel();
+      if (chunks * w < whole || chunks * w >= whole + 4 * w * w) {
+        out.error = std::to_string(chunks) + " elements a rank of " + std::to_string(whole);
+      }
+      for (const at::Tensor& p : (*t)->compute_model().Parameters()) {
+        if (p.scalar_type() != at::kBFloat16 || p.storage().nbytes() != p.nbytes()) {
+          out.error = "the compute copy is not whole bf16";
+        }
       }
     }
     if (full) {
@@ -807,9 +834,57 @@ TEST_P(DataParallelBf16, OneStepEqualsTheSingleRanks) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, DataParallelBf16,
                          ::testing::Values(std::tuple{"shard_grad_op", 2, false},
+                                           std::tuple{"shard_grad_op", 4, true},
                                            std::tuple{"full_shard", 2, false},
                                            std::tuple{"full_shard", 2, true},
                                            std::tuple{"full_shard", 4, false}));
+
+// shard_grad_op with bf16 cuts each rank's chunks of the fp32 master from rank 0's weights, and
+// every rank's bf16 copy is rank 0's: rank 1 starts from other weights (another seed) and holds
+// rank 0's after the trainer is made, before any step.
+TEST(DataParallelSharding, TheShardedMasterIsCutFromRankZerosWeights) {
+  auto zero = TinyModel();
+  std::vector<at::Tensor> expected;
+  for (const at::Tensor& p : zero->Parameters()) expected.push_back(p.detach().clone());
+  auto other = TinyModelOfSeed(8);
+  ASSERT_GT((other->Parameters()[1] - expected[1]).abs().max().item<double>(), 0.0);
+  FakeRankGroup group(2, std::chrono::seconds(60));
+  std::vector<std::string> errors(2);
+  std::vector<std::vector<at::Tensor>> gathered(2), copies(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      common::GrpoConfig cfg = RankConfig("dapo", 2, "shard_grad_op");
+      cfg.bf16 = true;
+      common::Model* model = r == 0 ? zero.get() : other.get();
+      auto t = GrpoTrainer::Create(cfg, model, nullptr, &group.Rank(r));
+      if (!t.ok()) {
+        errors[r] = t.status().ToString();
+        return;
+      }
+      auto w = (*t)->optimizer().GatherWeights("the test's weights", /*every_rank=*/true);
+      if (!w.ok()) {
+        errors[r] = w.status().ToString();
+        return;
+      }
+      for (const auto& [name, v] : *w) gathered[r].push_back(v);
+      for (const at::Tensor& c : (*t)->compute_model().Parameters()) {
+        copies[r].push_back(c.detach().clone());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(errors[r], "") << "rank " << r;
+    ASSERT_EQ(gathered[r].size(), expected.size());
+    ASSERT_EQ(copies[r].size(), expected.size());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_TRUE(at::equal(gathered[r][i], expected[i])) << "rank " << r << " parameter " << i;
+      EXPECT_TRUE(at::equal(copies[r][i], expected[i].to(at::kBFloat16)))
+          << "rank " << r << " parameter " << i;
+    }
+  }
+}
 
 // Makes the CPU count as a device for step_optimizer.h HostsMaster while it lives.
 class HostMasterOnCpu {
@@ -1003,13 +1078,17 @@ TEST(DataParallelCheckpoints, HostMasterResumesTheUninterruptedSteps) {
   fs::remove_all(dir);
 }
 
-// full_shard with bf16: the checkpoint holds the fp32 master (gathered from the shards, not
-// the bf16 units) and the AdamW shards; saved at 2 ranks after batch 0 and resumed at 2, the
-// resumed steps are those of the uninterrupted single bf16 rank.
-TEST(DataParallelCheckpoints, Bf16FullShardResumesTheUninterruptedSteps) {
+// Sharded with bf16 (full_shard, and shard_grad_op, which shards the fp32 master too): the
+// checkpoint holds the fp32 master (gathered from the shards, not the bf16 copy or units) and
+// the AdamW shards; saved at 4 ranks after batch 0 and resumed at 2 and at 1, the resumed steps
+// are those of the uninterrupted single bf16 rank.
+class Bf16ShardedCheckpoints : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Bf16ShardedCheckpoints, ResumeAtAnotherWorldSizeTakesTheUninterruptedSteps) {
   namespace fs = std::filesystem;
+  const std::string fsdp = GetParam();
   const fs::path dir =
-      fs::temp_directory_path() / ("grpo_dp_bf16_ckpt_" + std::to_string(::getpid()));
+      fs::temp_directory_path() / ("grpo_dp_bf16_ckpt_" + fsdp + "_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   common::GrpoConfig one = RankConfig("dapo", 1);
   one.bf16 = true;
@@ -1019,19 +1098,23 @@ TEST(DataParallelCheckpoints, Bf16FullShardResumesTheUninterruptedSteps) {
   tail_of_reference.steps.erase(tail_of_reference.steps.begin(),
                                 tail_of_reference.steps.begin() + 4);
   const std::vector<RunResult> saved =
-      TrainPartOnRanks(2, 0, 1, "", (dir / "at2").string(), "full_shard", /*bf16=*/true);
-  for (int r = 0; r < 2; ++r) ASSERT_TRUE(saved[r].error.empty()) << r << ": " << saved[r].error;
-  auto weights =
-      common::SafetensorsFile::Open((dir / "at2" / "checkpoint-4" / "model.safetensors").string());
+      TrainPartOnRanks(4, 0, 1, "", (dir / "at4").string(), fsdp, /*bf16=*/true);
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(saved[r].error.empty()) << r << ": " << saved[r].error;
+  const fs::path ckpt = dir / "at4" / "checkpoint-4";
+  auto weights = common::SafetensorsFile::Open((ckpt / "model.safetensors").string());
   ASSERT_TRUE(weights.ok()) << weights.status().ToString();
   for (const std::string& name : (*weights)->Names()) {
     EXPECT_EQ((*weights)->Get(name)->scalar_type(), at::kFloat) << name;
   }
-  const std::vector<RunResult> resumed = TrainPartOnRanks(
-      2, 1, 2, (dir / "at2" / "checkpoint-4").string(), "", "full_shard", /*bf16=*/true);
+  const std::vector<RunResult> resumed =
+      TrainPartOnRanks(2, 1, 2, ckpt.string(), "", fsdp, /*bf16=*/true);
   for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
+  ExpectSameAsSingleRank(TrainPart(one, nullptr, 1, 2, ckpt.string(), ""), tail_of_reference, 0);
   fs::remove_all(dir);
 }
+
+INSTANTIATE_TEST_SUITE_P(DataParallelCheckpoints, Bf16ShardedCheckpoints,
+                         ::testing::Values("full_shard", "shard_grad_op"));
 
 // A sharded checkpoint: each rank writes its shard of AdamW's state, and at full_shard rank 0
 // gathers each unit of the weights and writes them whole: saved at 4 sharded ranks it resumes
@@ -1785,6 +1868,9 @@ INSTANTIATE_TEST_SUITE_P(
                       // ZeRO-2 over c10d's _reduce_scatter_base and _allgather_base (Gloo).
                       std::make_tuple("dapo", 4, "shard_grad_op", false),
                       std::make_tuple("grpo", 2, "shard_grad_op", false),
+                      // With bf16 the fp32 master sharded too: rank 0's weights broadcast a
+                      // bucket at a time, the updated chunks all-gathered in bf16.
+                      std::make_tuple("dr_grpo", 2, "shard_grad_op", true),
                       // ZeRO-3: the gathers and reduce-scatters of each unit over Gloo; with bf16
                       // the gathers are of bf16 chunks.
                       std::make_tuple("dapo", 4, "full_shard", false),
