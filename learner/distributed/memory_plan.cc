@@ -141,25 +141,30 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   }
   if (host_master) {
     // no_shard / shard_grad_op offload as built (ZeRO-Offload; step_optimizer.h HostsMaster):
-    // on the host the fp32 master, whole with either mode (as the GPU's fp32 master is in
-    // shard_grad_op's ZeRO-2 as built), its fp32 gradient (whole with no_shard, which adds each
+    // on the host the fp32 master (whole with no_shard; shard_grad_op's 1/W chunks, as
+    // ZeRO-Offload partitions it), its fp32 gradient (whole with no_shard, which adds each
     // micro-batch's into it; shard_grad_op's 1/W shard), AdamW's state (1/W with shard_grad_op)
     // and the step's temporaries. On the GPU the compute copy, whole; with no_shard its gradient
     // (kept between micro-batches, zeroed), summed over the ranks a 25 MiB bucket at a time
     // staged on the GPU; shard_grad_op's fresh gradients go into their fp32 bucket on the GPU as
-    // without offload (below) and to the host chunk by chunk, its step all-gathers a bucket on
-    // the GPU beside this rank's chunk of it.
-    // With bf16 a tensor that crosses (a gradient to the host, the master into the copy) is
-    // converted on the GPU: one tensor in fp32 there.
+    // without offload (below) and to the host chunk by chunk, its step all-gathers a bucket in
+    // the compute dtype on the GPU beside this rank's chunk of it. shard_grad_op loads the
+    // whole fp32 model on the host, cuts its chunks from rank 0's a bucket at a time (the flat
+    // bucket of the broadcast on the GPU) and frees it: the host's load phase.
+    // With bf16 a tensor that crosses (no_shard: a gradient to the host, the master into the
+    // copy) is converted on the GPU: one tensor in fp32 there.
     p.parameters = s * n;
     p.gradients = sharded ? 0 : s * n;
-    p.host_offloaded = 4 * n + shard(4 * n, sharded) + adamw + temporaries;
+    p.host_offloaded = 2 * shard(4 * n, sharded) + adamw + temporaries;
     const int64_t cast = cfg.bf16 ? 4 * p.params.largest_tensor : 0;
     if (sharded) {
       const int64_t bucket =
           std::max(std::min(kGradientBucketBytes, 4 * n), 4 * p.params.largest_tensor);
+      const int64_t gather = bucket / 4 * s;
       p.gathered_layer = std::min(kGradientBucketBytes, 4 * n);
-      p.optimizer_step = std::max(bucket + CeilDiv(bucket, w), cast);
+      p.optimizer_step = gather + CeilDiv(gather, w);
+      p.load = bucket;
+      p.host_load = 4 * n;
     } else {
       p.optimizer_step = std::max(all_reduce, cast);
     }
@@ -207,17 +212,26 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     // rounds sum into are 1/W; during backward each tensor's fresh gradient (layer_backward
     // counts it) is moved into its fp32 bucket and the bucket reduced once whole: one bucket in
     // flight beside a layer's backward (at most 25 MiB; a tensor alone needs no copy). The
-    // LM head's gradient is the LM-head pass's accumulator. The weights, and with bf16 the fp32
-    // master, stay whole on every rank; the master has no .grad. The step: one flat bucket of
-    // the all-gather (a larger tensor alone) and three of its chunks (the rank's weights,
-    // sqrt(v) and the denominator; the fp64 norm copy is two).
+    // LM head's gradient is the LM-head pass's accumulator. The weights stay whole on every
+    // rank; with bf16 the fp32 master is 1/W too (ZeRO-2 with mixed precision) and has no
+    // .grad. The step: one flat bucket of the all-gather (a larger tensor alone) and three of
+    // its chunks (the rank's weights, sqrt(v) and the denominator; the fp64 norm copy is two);
+    // with bf16 the rank's chunk is updated in place, cast to bf16 and all-gathered in bf16.
+    // Loading with bf16: the whole fp32 model beside the state until the chunks are cut from
+    // rank 0's, a bucket at a time (its flat fp32 buffer of the broadcast).
     const int64_t bucket =
         std::max(std::min(kGradientBucketBytes, 4 * n), 4 * p.params.largest_tensor);
     p.gradients = CeilDiv(4 * n, w);
-    p.master_weights = cfg.bf16 ? 4 * n : 0;
+    p.master_weights = cfg.bf16 ? CeilDiv(4 * n, w) : 0;
     p.master_gradients = 0;
     p.gathered_layer = std::min(kGradientBucketBytes, 4 * n);
-    p.optimizer_step = bucket + 3 * CeilDiv(bucket, w);
+    if (cfg.bf16) {
+      const int64_t gather = bucket / 2;
+      p.optimizer_step = gather + CeilDiv(gather, w) + 2 * CeilDiv(bucket, w);
+      p.load = 4 * n + bucket;
+    } else {
+      p.optimizer_step = bucket + 3 * CeilDiv(bucket, w);
+    }
   }
   // Loading (full_shard as built: GrpoTrainer::Create, FullShardAdamW::Create, and first the
   // reference's FrozenShards::Create), a phase of its own. From model_name_or_path (sharded
@@ -240,9 +254,13 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
       p.load = std::max(p.load, 4 * n + (cfg.bf16 ? 6 * n : 4 * n + 4 * p.params.largest_unit));
     }
   }
-  // Streaming the weights from full_shard (StreamWeights) gathers one unit at a time in fp32.
+  // Streaming the weights from full_shard (StreamWeights) gathers one unit at a time in fp32;
+  // from shard_grad_op's sharded master (bf16, or offload) one bucket in fp32.
   if (cfg.weight_publish == "stream" && gathers) {
     p.publish_unit = 4 * p.params.largest_unit;
+  } else if (cfg.weight_publish == "stream" && sharded && fsdp.mode == FsdpMode::kShardGradOp &&
+             (cfg.bf16 || host_master)) {
+    p.publish_unit = std::max(std::min(kGradientBucketBytes, 4 * n), 4 * p.params.largest_tensor);
   }
   // The reference model (beta != 0), frozen in the compute dtype: whole on every rank, or where
   // full_shard gathers the policy's units, 1/W of it a rank (FrozenShards: on the host with
@@ -457,6 +475,7 @@ nlohmann::json MemoryPlan::ToJson() const {
   j["training_peak_bytes"] = TrainingPeak();
   j["total_bytes"] = Total();
   j["host"] = {{"offloaded", host_offloaded},
+               {"load", host_load},
                {"weight_snapshot", host_weight_snapshot},
                {"other", host_other},
                {"total_bytes", HostTotal()}};
@@ -728,7 +747,9 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
   o << "other phases and the service\n";
   row("optimizer step (all-reduce bucket, fp64 norm, AdamW temps)", p.optimizer_step);
   row(p.sharded_loading ? "loading: one unit's buffer (full_shard, sharded loading)"
-                        : "loading: the whole model beside the shards (full_shard)",
+      : p.fsdp.mode == FsdpMode::kShardGradOp
+          ? "loading: the fp32 model and a bucket, until the master is cut (shard_grad_op)"
+          : "loading: the whole model beside the shards (full_shard)",
       p.load);
   row(p.streams_weights ? "published weights here (weight_publish stream: none kept)"
                         : "published weights here (fp32; 2x while publishing)",

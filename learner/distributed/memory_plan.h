@@ -7,6 +7,7 @@
 // Models", 2020): shard_grad_op = ZeRO-2, full_shard = ZeRO-3, offload = ZeRO-Offload.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -72,7 +73,8 @@ struct MemoryPlan {
   int64_t parameters = 0;          // compute dtype: the fp32 policy, or the bf16 copy with bf16
   int64_t gradients = 0;           // their .grad (kept between steps: AdamW::ZeroGrad zeroes;
                                    // shard_grad_op: the fp32 shard, see PlanMemory)
-  int64_t master_weights = 0;      // bf16: the fp32 master (the policy AdamW steps)
+  int64_t master_weights = 0;      // bf16: the fp32 master (the policy AdamW steps; 1/W
+                                   // with shard_grad_op and full_shard)
   int64_t master_gradients = 0;    // bf16: the master's fp32 .grad (MoveComputeGradsToMaster)
   int64_t adamw_state = 0;         // exp_avg + exp_avg_sq, fp32
   int64_t reference_model = 0;     // beta != 0: a frozen copy in the compute dtype (1/W where
@@ -101,7 +103,9 @@ struct MemoryPlan {
   // full_shard: loading, before the first step (a phase of its own). With sharded_loading
   // (model_name_or_path given: each rank reads its own chunks from the files) one unit's buffer;
   // otherwise (a model built in memory) the whole fp32 model on every rank, the bf16 compute
-  // copy with bf16, and one unit packed for its broadcast beside its buffer.
+  // copy with bf16, and one unit packed for its broadcast beside its buffer. shard_grad_op with
+  // its master sharded (bf16, or offload): the whole fp32 model (on the host with offload:
+  // host_load) and one flat bucket of the broadcast that cuts its chunks.
   int64_t load = 0;
   bool sharded_loading = false;
   // The optimizer step: the gradient all-reduce's bucket at several no_shard ranks, then the
@@ -112,6 +116,9 @@ struct MemoryPlan {
   // Host memory beside a CUDA device: offloaded state, rank 0's CPU weight snapshots, a gloo or
   // grpc bucket and the process itself.
   int64_t host_offloaded = 0;
+  // shard_grad_op offload: the whole fp32 model loaded on the host until its master chunks are
+  // cut from it (beside host_offloaded).
+  int64_t host_load = 0;
   int64_t host_weight_snapshot = 0;
   int64_t host_other = 0;
 
@@ -133,7 +140,10 @@ struct MemoryPlan {
   int64_t TrainingPeak() const;
   // The rank's predicted peak on its device: TrainingPeak + snapshot + bucket + runtime.
   int64_t Total() const;
-  int64_t HostTotal() const { return host_offloaded + host_weight_snapshot + host_other; }
+  // Loading and publishing are phases of their own (the snapshot is first taken after loading).
+  int64_t HostTotal() const {
+    return host_offloaded + std::max(host_load, host_weight_snapshot) + host_other;
+  }
   bool Fits(int64_t device_bytes) const { return Total() <= device_bytes; }
 
   // Every figure by name (the JSON of `grpo plan --json`).

@@ -234,15 +234,50 @@ INSTANTIATE_TEST_SUITE_P(
                   2'724'864},
         // shard_grad_op, fp32 at 2 ranks: the copy 4P; no gradient kept on the GPU, one fp32
         // bucket in flight (the whole model, 553,216); the step all-gathers a bucket beside
-        // this rank's half of it: 553,216 + 276,608 = 829,824. Host: the master whole 4P, the
-        // gradient shard 4P/2 = 276,608, AdamW 8P/2 = 553,216, the step 8U/2 = 256,000:
-        // 1,639,040.
+        // this rank's half of it: 553,216 + 276,608 = 829,824. Host: the master's half 4P/2 =
+        // 276,608 (ZeRO-Offload partitions it), the gradient shard 4P/2 = 276,608, AdamW 8P/2 =
+        // 553,216, the step 8U/2 = 256,000: 1,362,432.
         StateCase{"shard_grad_op offload", false, 2, 553'216, 0, 0, 0, 0, 0, 553'216, 829'824,
-                  1'639'040},
-        // bf16 at 4: the copy 2P; the step 553,216 + 138,304 = 691,520 (more than the cast,
-        // 256,000); host 553,216 + 138,304 + 276,608 + 128,000 = 1,096,128.
-        StateCase{"shard_grad_op offload", true, 4, 276'608, 0, 0, 0, 0, 0, 553'216, 691'520,
-                  1'096'128}));
+                  1'362'432},
+        // bf16 at 4: the copy 2P; the step gathers a bucket in bf16 beside this rank's quarter
+        // of it: 276,608 + 69,152 = 345,760; host 138,304 + 138,304 + 276,608 + 128,000 =
+        // 681,216.
+        StateCase{"shard_grad_op offload", true, 4, 276'608, 0, 0, 0, 0, 0, 553'216, 345'760,
+                  681'216},
+        // shard_grad_op with bf16 at 2 (ZeRO-2 with mixed precision): the bf16 copy 2P whole;
+        // the fp32 gradient shard, the fp32 master's half and AdamW's 4P/2, 4P/2 and 8P/2; one
+        // fp32 bucket in flight (553,216); the step: the rank's fp32 half updated in place,
+        // sqrt(v) and the denominator (2 x 276,608), cast to bf16 (138,304) and all-gathered
+        // into a bf16 bucket (276,608): 968,128.
+        StateCase{"shard_grad_op", true, 2, 276'608, 276'608, 276'608, 0, 553'216, 0, 553'216,
+                  968'128, 0}));
+
+// Loading with shard_grad_op's master sharded: the whole fp32 model (4P = 553,216) until the
+// chunks are cut from rank 0's, beside one flat fp32 bucket of the broadcast (here the whole
+// model, 553,216); with offload the model on the host (host_load) and the bucket on the GPU.
+TEST(MemoryPlanSmall, ShardGradOpLoadsTheWholeMasterBeforeCuttingIt) {
+  common::GrpoConfig cfg = SmallRun();
+  cfg.fsdp = "shard_grad_op";
+  cfg.bf16 = true;
+  auto plan = PlanMemory(Small(), cfg, 2, "cuda");
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->load, 1'106'432);
+  EXPECT_EQ(plan->host_load, 0);
+  cfg.fsdp = "shard_grad_op offload";
+  plan = PlanMemory(Small(), cfg, 2, "cuda");
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->load, 553'216);
+  EXPECT_EQ(plan->host_load, 553'216);
+  // Beside the offloaded state (4P/2 + 4P/2 + 8P/2 + 8U/2 = 1,362,432) and the process, the
+  // larger of the loaded model and the two snapshots (2 x 4P).
+  EXPECT_EQ(plan->HostTotal(), 1'362'432 + 2 * 553'216 + plan->host_other);
+  // fp32 without offload: the parameters are the master, nothing to cut.
+  cfg.fsdp = "shard_grad_op";
+  cfg.bf16 = false;
+  plan = PlanMemory(Small(), cfg, 2, "cuda");
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->load, 0);
+}
 
 TEST(MemoryPlanSmall, ActivationsFromTheForwardsSavedTensorsFp32) {
   // B = 2 rows of T = 6 + 10 = 16 tokens (32 tokens), N = 20 completion tokens, chunk 8; s = 4.
@@ -779,8 +814,10 @@ TEST(SuggestFix, SevenBInBf16OnOne80GiBGpuOffloadsTheMaster) {
   EXPECT_EQ(streamed->plan.Total(), p.Total());
   EXPECT_EQ(streamed->plan.HostTotal(), 16 * n + 8 * vd + 4 * vd + (384ll << 20) + (16ll << 20));
   // With 112 GiB the offloaded state alone (16n) does not fit the host. shard_grad_op offload
-  // keeps the master whole there (4n + 6n / N): at 2 ranks 10n = 70.9 GiB, which fits only
-  // streamed and with checkpointing (five knobs); full_shard offload over 2 ranks (16n / 2 =
+  // partitions it (16n / N), but loads the whole fp32 model there first (4n): at 2 ranks 8n =
+  // 56.7 GiB beside 4n = 28.4 GiB loading, or beside the two snapshots (8n): it fits only
+  // streamed, and the GPU (the bf16 copy 2n beside the activations) only with checkpointing
+  // (five knobs); full_shard offload over 2 ranks (16n / 2 =
   // 56.7 GiB, with one unit's step temporaries 2.03, a streamed tensor 2.03, the process and a
   // bucket: 61.2) fits with four, and the GPU holds 68.29 GiB without checkpointing: offloaded
   // no model state, beside a layer's backward (1.19 GiB) the head's bf16 weights and .grad
