@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <unordered_map>
 #include <utility>
 
 #include "common/model/parameter_gate.h"
@@ -398,33 +397,22 @@ Status ShardedAdamW::LoadStateDict(const common::NamedTensors& state) {
 Status ShardedAdamW::SyncFromRankZero(const std::string& what) {
   at::NoGradGuard no_grad;
   const bool root = ranks_->rank() == 0;
-  // What rank 0 restored: its state whole; its weights whole (1) or in their files (2).
-  const int64_t weights = !root                       ? 0
-                          : pending_files_ != nullptr ? 2
-                          : !pending_weights_.empty() ? 1
-                                                      : 0;
+  // What rank 0 restored: its state whole; its weights, in their files (the master sharded).
+  const bool weights = root && pending_files_ != nullptr;
   std::vector<at::Tensor> head = {at::tensor(
-      std::vector<int64_t>{root && !pending_.empty() ? 1 : 0, weights, step_}, at::kLong)};
+      std::vector<int64_t>{root && !pending_.empty() ? 1 : 0, weights ? 1 : 0, step_}, at::kLong)};
   RETURN_IF_ERROR(ranks_->Broadcast(head, what + " (step)"));
   const int64_t* h = head[0].data_ptr<int64_t>();
   step_ = h[2];
-  // Rank 0's restored weights (the master sharded: LoadWeights, LoadWeightsFrom), a bucket at a
-  // time: each rank keeps its chunk, and every compute copy takes the whole.
-  if (h[1] == 1) {
-    RETURN_IF_ERROR(HandOutWeights(
-        [&](size_t i, at::Tensor& into) {
-          into.copy_(pending_weights_[i].second.reshape({-1}));
-          return Status::OK();
-        },
-        what + " (weights)"));
-  } else if (h[1] == 2) {
+  // Rank 0's restored weights (LoadWeightsFrom), read again from the files a bucket at a time:
+  // each rank keeps its chunk, and every compute copy takes the whole.
+  if (h[1] != 0) {
     RETURN_IF_ERROR(HandOutWeights(
         [&](size_t i, at::Tensor& into) {
           return pending_files_->ReadRange(params_[i].first, 0, into);
         },
         what + " (weights)"));
   }
-  pending_weights_.clear();
   pending_files_.reset();
   if (h[0] == 0) return Status::OK();  // no state restored: every shard is its rank's own
   // Rank 0's restored state, bucket by bucket: each rank keeps its chunk.
@@ -519,41 +507,6 @@ StatusOr<common::NamedTensors> ShardedAdamW::GatherWeights(const std::string& wh
   return out;
 }
 
-Status ShardedAdamW::LoadWeights(const common::NamedTensors& weights) {
-  if (!master_.defined()) {
-    return Status::Unimplemented("LoadWeights: the parameters are whole on every rank");
-  }
-  std::unordered_map<std::string, const at::Tensor*> given;
-  for (const auto& [name, t] : weights) given[name] = &t;
-  common::NamedTensors values;
-  for (const auto& [name, p] : params_) {
-    auto it = given.find(name);
-    if (it == given.end()) return Status::InvalidArgument("LoadWeights: '" + name + "' missing");
-    if (!it->second->defined() || !at::isFloatingType(it->second->scalar_type()) ||
-        it->second->sizes() != p.sizes()) {
-      return Status::InvalidArgument("LoadWeights: '" + name +
-                                     "' is not a float tensor of the parameter's shape");
-    }
-    values.emplace_back(name, it->second->to(at::kCPU, at::kFloat));
-  }
-  if (given.size() != params_.size()) {
-    return Status::InvalidArgument("LoadWeights: tensors that are not parameters of the model");
-  }
-  at::NoGradGuard no_grad;
-  for (const Bucket& b : buckets_) {
-    ASSIGN_OR_RETURN(const at::Tensor flat, FillBucket(b, [&](size_t i, at::Tensor& into) {
-                       into.copy_(values[i].second.reshape({-1}));
-                       return Status::OK();
-                     }));
-    TakeBucket(b, flat);
-  }
-  if (ranks_->rank() == 0) {
-    pending_files_.reset();
-    pending_weights_ = std::move(values);
-  }
-  return Status::OK();
-}
-
 Status ShardedAdamW::LoadWeightsFrom(WeightFiles files) {
   if (!master_.defined()) {
     return Status::Unimplemented("LoadWeightsFrom: the parameters are whole on every rank");
@@ -569,10 +522,7 @@ Status ShardedAdamW::LoadWeightsFrom(WeightFiles files) {
                      }));
     TakeBucket(b, flat);
   }
-  if (ranks_->rank() == 0) {
-    pending_weights_.clear();
-    pending_files_ = std::move(files.files);
-  }
+  if (ranks_->rank() == 0) pending_files_ = std::move(files.files);
   return Status::OK();
 }
 

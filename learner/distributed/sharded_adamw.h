@@ -97,7 +97,6 @@ class ShardedAdamW final : public StepOptimizer {
   StatusOr<common::NamedTensors> GatherWeights(const std::string& what, bool every_rank) override;
   Status StreamWeights(const std::string& what, bool every_rank,
                        const common::Model::WeightPut& put) override;
-  Status LoadWeights(const common::NamedTensors& weights) override;
   Status LoadWeightsFrom(WeightFiles files) override;
 
  private:
@@ -181,9 +180,8 @@ class ShardedAdamW final : public StepOptimizer {
   // in which the step all-gathers the weights.
   at::Tensor master_;
   at::TensorOptions gather_;
-  // Rank 0 after LoadWeights / LoadWeightsFrom: the weights until SyncFromRankZero hands them
-  // out (as values, or read again from the files).
-  common::NamedTensors pending_weights_;
+  // Rank 0 after LoadWeightsFrom: the checkpoint's files, until SyncFromRankZero hands the
+  // weights out (read again a bucket at a time).
   std::shared_ptr<const common::ModelWeights> pending_files_;
 };
 
