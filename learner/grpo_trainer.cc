@@ -340,8 +340,11 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
   // no_shard / shard_grad_op offload on a GPU: the policy is the fp32 master and stays on the
   // host (moved there if it was loaded on the device); a compute copy on the device runs.
   const bool host_master = HostsMaster(fsdp, where);
+  // shard_grad_op beside a compute copy: a deferred policy's master is read a chunk a rank
+  // (ShardedAdamW) and its copy whole in the compute dtype (below).
+  const bool master_chunks = ShardsMasterBesideCopy(fsdp, world, config.bf16, where);
   if (!host_master) where = policy->device();  // everything runs where the policy is
-  if (policy->deferred() && !gates) {
+  if (policy->deferred() && !gates && !master_chunks) {
     RETURN_IF_ERROR(policy->Materialize().WithContext("policy"));
   }
   if (host_master) RETURN_IF_ERROR(policy->To(at::kCPU, policy->dtype()).WithContext("policy"));
@@ -375,6 +378,9 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
   if (config.bf16 || host_master) {
     ASSIGN_OR_RETURN(t->compute_,
                      policy->Copy(where, config.bf16 ? compute_dtype : policy->dtype()));
+    // shard_grad_op's copy of a deferred policy is read whole from its files, a tensor at a
+    // time (full_shard's gate fills its own a unit at a time).
+    if (master_chunks) RETURN_IF_ERROR(t->compute_->Materialize().WithContext("compute copy"));
     t->compute_->SetRequiresGrad(true);
   }
   ASSIGN_OR_RETURN(t->optimizer_,

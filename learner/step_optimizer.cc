@@ -128,6 +128,12 @@ bool GatesParameters(const common::FsdpSpec& fsdp, int world_size, const at::Dev
   return fsdp.mode == common::FsdpMode::kFullShard && world_size > 1;
 }
 
+bool ShardsMasterBesideCopy(const common::FsdpSpec& fsdp, int world_size, bool bf16,
+                            const at::Device& device) {
+  return fsdp.mode == common::FsdpMode::kShardGradOp && world_size > 1 &&
+         (bf16 || HostsMaster(fsdp, device));
+}
+
 StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
     const common::FsdpSpec& fsdp, common::NamedTensors params, std::vector<at::Tensor> compute,
     AdamWOptions options, distributed::Collectives* ranks, common::Model* model,
@@ -150,9 +156,11 @@ StatusOr<std::unique_ptr<StepOptimizer>> MakeStepOptimizer(
         new ReplicatedAdamW(std::move(params), options, ranks, through));
   }
   if (fsdp.mode == common::FsdpMode::kShardGradOp) {
+    // A deferred policy's files: each rank reads its chunks of the master there.
     ASSIGN_OR_RETURN(auto sharded, distributed::ShardedAdamW::Create(
                                        std::move(params), std::move(compute), options, ranks,
-                                       distributed::kDefaultBucketBytes));
+                                       distributed::kDefaultBucketBytes,
+                                       model != nullptr ? model->TakeDeferredWeights() : nullptr));
     return std::unique_ptr<StepOptimizer>(std::move(sharded));
   }
   if (model == nullptr) {

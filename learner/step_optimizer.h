@@ -177,6 +177,14 @@ at::Device MasterHome(const common::FsdpSpec& fsdp, const at::Device& device);
 // shard a rank; otherwise whole.
 bool GatesParameters(const common::FsdpSpec& fsdp, int world_size, const at::Device& device);
 
+// Whether MakeStepOptimizer's choice keeps the fp32 master as each rank's chunks beside a whole
+// compute copy on `device` (ShardedAdamW: shard_grad_op at several ranks with `bf16`, or with
+// the master on the host, HostsMaster). Then a deferred policy (Model::LoadDeferred) is read
+// whole in the compute dtype for the copy and a chunk a rank for the master: no rank holds the
+// whole fp32 model.
+bool ShardsMasterBesideCopy(const common::FsdpSpec& fsdp, int world_size, bool bf16,
+                            const at::Device& device);
+
 // The StepOptimizer of `fsdp` at `ranks`' world size over `params` (borrowed: shared storage,
 // the fp32 master with bf16); `compute` are the tensors backward accumulates into, in the same
 // order (the bf16 copy's parameters, or `params`' own). full_shard at several ranks shards

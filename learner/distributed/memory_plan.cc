@@ -148,9 +148,11 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     // (kept between micro-batches, zeroed), summed over the ranks a 25 MiB bucket at a time
     // staged on the GPU; shard_grad_op's fresh gradients go into their fp32 bucket on the GPU as
     // without offload (below) and to the host chunk by chunk, its step all-gathers a bucket in
-    // the compute dtype on the GPU beside this rank's chunk of it. shard_grad_op loads the
-    // whole fp32 model on the host, cuts its chunks from rank 0's a bucket at a time (the flat
-    // bucket of the broadcast on the GPU) and frees it: the host's load phase.
+    // the compute dtype on the GPU beside this rank's chunk of it. shard_grad_op's load phase:
+    // from model_name_or_path each rank reads its master's chunks from the files and the copy a
+    // tensor at a time (through the host in the file's dtype); built in memory the whole fp32
+    // model on the host, its chunks cut from rank 0's a bucket at a time (the flat bucket of
+    // the broadcast on the GPU), then freed.
     // With bf16 a tensor that crosses (no_shard: a gradient to the host, the master into the
     // copy) is converted on the GPU: one tensor in fp32 there.
     p.parameters = s * n;
@@ -163,8 +165,16 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
       const int64_t gather = bucket / 4 * s;
       p.gathered_layer = std::min(kGradientBucketBytes, 4 * n);
       p.optimizer_step = gather + CeilDiv(gather, w);
-      p.load = bucket;
-      p.host_load = 4 * n;
+      if (cfg.model_name_or_path.empty()) {
+        p.load = bucket;
+        p.host_load = 4 * n;
+      } else {
+        // Sharded loading: the copy read a tensor at a time (each in the file's dtype on the
+        // host first, fp32 at most) before the host's shards exist, then this rank's chunks of
+        // the master straight from the files: beyond those shards only a larger tensor.
+        p.host_load =
+            std::max<int64_t>(0, 4 * p.params.largest_tensor - (p.host_offloaded - temporaries));
+      }
     } else {
       p.optimizer_step = std::max(all_reduce, cast);
     }
@@ -217,8 +227,8 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     // .grad. The step: one flat bucket of the all-gather (a larger tensor alone) and three of
     // its chunks (the rank's weights, sqrt(v) and the denominator; the fp64 norm copy is two);
     // with bf16 the rank's chunk is updated in place, cast to bf16 and all-gathered in bf16.
-    // Loading with bf16: the whole fp32 model beside the state until the chunks are cut from
-    // rank 0's, a bucket at a time (its flat fp32 buffer of the broadcast).
+    // Loading with bf16 built in memory: the whole fp32 model beside the state until the
+    // chunks are cut from rank 0's, a bucket at a time (its flat fp32 buffer of the broadcast).
     const int64_t bucket =
         std::max(std::min(kGradientBucketBytes, 4 * n), 4 * p.params.largest_tensor);
     p.gradients = CeilDiv(4 * n, w);
@@ -228,7 +238,15 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     if (cfg.bf16) {
       const int64_t gather = bucket / 2;
       p.optimizer_step = gather + CeilDiv(gather, w) + 2 * CeilDiv(bucket, w);
-      p.load = 4 * n + bucket;
+      // From model_name_or_path (sharded loading): the bf16 copy read a tensor at a time (each
+      // in the file's dtype first, fp32 at most) before the optimizer's shards exist, then this
+      // rank's chunks of the master straight from the files: beyond the shards only a larger
+      // tensor (memory_plan_test measures the state alone). Built in memory: the whole fp32
+      // model beside the state.
+      const int64_t shards = p.gradients + p.master_weights + p.adamw_state;
+      p.load = cfg.model_name_or_path.empty()
+                   ? 4 * n + bucket
+                   : std::max<int64_t>(0, 4 * p.params.largest_tensor - shards);
     } else {
       p.optimizer_step = bucket + 3 * CeilDiv(bucket, w);
     }
@@ -245,8 +263,10 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   // sharded (with bf16 its fp32 values beside the bf16 ones while it is cast; the unit packed
   // in its dtype otherwise). Measured in memory_plan_test (MemoryPlanRanks) but for the
   // reference built in memory, an upper bound.
-  p.sharded_loading = gathers && !cfg.model_name_or_path.empty();
-  if (p.sharded_loading) {
+  p.sharded_loading =
+      (gathers || (sharded && fsdp.mode == FsdpMode::kShardGradOp && (cfg.bf16 || host_master))) &&
+      !cfg.model_name_or_path.empty();
+  if (p.sharded_loading && gathers) {
     p.load = s * p.params.largest_unit;
   } else if (gathers) {
     p.load = 4 * n + (cfg.bf16 ? 2 * n : 0) + (offload ? s : 4) * p.params.largest_unit;
@@ -409,7 +429,7 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   }
   if (!cuda) {
     // `grpo bench sharding` (2026-12-06, README "Sharding, measured"): the live tensor bytes
-    // were 0.976-0.988x the plan in every row; a rank's peak resident set 1.10-1.35x under
+    // were 0.976-0.988x the plan in every row; a rank's peak resident set 1.11-1.40x under
     // tcmalloc (the grpo binary's malloc; about 20 MiB of it libtorch's code, paged in by the
     // first step), 1.27-1.91x under glibc's, which kept freed blocks in pieces too small for the
     // next step's (memory_plan_test: 0.98-1.02x with MALLOC_MMAP_THRESHOLD_=131072, which cost
@@ -417,7 +437,7 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     const std::string malloc_name = common::MallocName();
     p.notes.push_back(malloc_name == "tcmalloc"
                           ? "cpu: live bytes; tcmalloc's free blocks and libtorch's code put a "
-                            "rank's resident set at 1.1-1.35x the training peak (grpo bench "
+                            "rank's resident set at 1.1-1.4x the training peak (grpo bench "
                             "sharding)"
                           : "cpu: live bytes; under " + malloc_name +
                                 "'s malloc a rank's resident set ran to 1.3-1.9x the training "
@@ -746,10 +766,11 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
   row("peak: max(activations + max(LM head, layer), after)", p.MicroBatchPeak());
   o << "other phases and the service\n";
   row("optimizer step (all-reduce bucket, fp64 norm, AdamW temps)", p.optimizer_step);
-  row(p.sharded_loading ? "loading: one unit's buffer (full_shard, sharded loading)"
-      : p.fsdp.mode == FsdpMode::kShardGradOp
-          ? "loading: the fp32 model and a bucket, until the master is cut (shard_grad_op)"
-          : "loading: the whole model beside the shards (full_shard)",
+  const bool zero2_load = p.fsdp.mode == FsdpMode::kShardGradOp;
+  row(zero2_load ? (p.sharded_loading ? "loading: one tensor of the copy (shard_grad_op, sharded)"
+                                      : "loading: the fp32 model and a bucket (shard_grad_op)")
+      : p.sharded_loading ? "loading: one unit's buffer (full_shard, sharded loading)"
+                          : "loading: the whole model beside the shards (full_shard)",
       p.load);
   row(p.streams_weights ? "published weights here (weight_publish stream: none kept)"
                         : "published weights here (fp32; 2x while publishing)",

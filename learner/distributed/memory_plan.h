@@ -104,8 +104,10 @@ struct MemoryPlan {
   // (model_name_or_path given: each rank reads its own chunks from the files) one unit's buffer;
   // otherwise (a model built in memory) the whole fp32 model on every rank, the bf16 compute
   // copy with bf16, and one unit packed for its broadcast beside its buffer. shard_grad_op with
-  // its master sharded (bf16, or offload): the whole fp32 model (on the host with offload:
-  // host_load) and one flat bucket of the broadcast that cuts its chunks.
+  // its master sharded (bf16, or offload): from model_name_or_path (sharded_loading) one tensor
+  // read for the compute copy in the file's dtype (fp32 at most; on the host with offload:
+  // host_load), each rank reading its master's chunks from the files; built in memory the whole
+  // fp32 model (on the host with offload) and one flat bucket of the broadcast that cuts them.
   int64_t load = 0;
   bool sharded_loading = false;
   // The optimizer step: the gradient all-reduce's bucket at several no_shard ranks, then the

@@ -31,11 +31,9 @@ ShardedAdamW::~ShardedAdamW() {
   for (const at::Tensor& c : compute_) torch::autograd::impl::set_post_acc_grad_hooks(c, nullptr);
 }
 
-StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(common::NamedTensors params,
-                                                             std::vector<at::Tensor> compute,
-                                                             AdamWOptions options,
-                                                             Collectives* ranks,
-                                                             int64_t bucket_bytes) {
+StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(
+    common::NamedTensors params, std::vector<at::Tensor> compute, AdamWOptions options,
+    Collectives* ranks, int64_t bucket_bytes, std::shared_ptr<const common::ModelWeights> files) {
   if (ranks == nullptr || ranks->world_size() < 1) {
     return Status::InvalidArgument("ShardedAdamW: no rank group");
   }
@@ -112,6 +110,10 @@ StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(common::NamedTensor
     return Status::InvalidArgument(
         "ShardedAdamW: some compute tensors are the parameters and some are not");
   }
+  if (same != 0 && files != nullptr) {
+    return Status::InvalidArgument(
+        "ShardedAdamW: the parameters compute, so they are read whole, not from files");
+  }
   const at::Device compute_device = s->compute_.front().device();
   // With the master on the host beside a GPU (offload) the shards are page-locked, so that
   // copies to and from the GPU are DMA.
@@ -124,15 +126,27 @@ StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(common::NamedTensor
   if (same == 0) {
     s->master_ = at::zeros({shard_numel}, opts);
     s->gather_ = s->comm_.dtype(s->compute_.front().scalar_type());
-    // Rank 0's weights: each rank's chunks and every rank's compute copy (the ranks' own
-    // weights are not used: as the trainer's broadcast of rank 0's weights would do).
     at::NoGradGuard no_grad;
-    RETURN_IF_ERROR(s->HandOutWeights(
-        [&](size_t i, at::Tensor& into) {
-          into.copy_(s->params_[i].second.reshape({-1}));
-          return Status::OK();
-        },
-        "broadcast of rank 0's weights for shard_grad_op"));
+    RETURN_IF_ERROR(s->AgreeOnLoading(files != nullptr));
+    if (files != nullptr) {
+      // Sharded loading: this rank's chunks from the files (the compute copy was read whole).
+      for (const Bucket& b : s->buckets_) {
+        for (const Piece& piece : b.mine) {
+          at::Tensor into = s->master_.narrow(0, b.shard_offset + piece.chunk_offset, piece.numel);
+          RETURN_IF_ERROR(
+              files->ReadRange(s->params_[piece.param].first, piece.param_offset, into));
+        }
+      }
+    } else {
+      // Rank 0's weights: each rank's chunks and every rank's compute copy (the ranks' own
+      // weights are not used: as the trainer's broadcast of rank 0's weights would do).
+      RETURN_IF_ERROR(s->HandOutWeights(
+          [&](size_t i, at::Tensor& into) {
+            into.copy_(s->params_[i].second.reshape({-1}));
+            return Status::OK();
+          },
+          "broadcast of rank 0's weights for shard_grad_op"));
+    }
     // The fp32 values are the shards now: the master's parameters keep their names and shapes
     // (checkpoints, the plan), not their memory.
     const at::TensorOptions master_opts = s->params_.front().second.options();
@@ -141,6 +155,21 @@ StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(common::NamedTensor
     }
   }
   return s;
+}
+
+Status ShardedAdamW::AgreeOnLoading(bool from_files) {
+  // Rank 0 says how it loads; a rank that loads otherwise would wait in collectives the others
+  // never make.
+  std::vector<at::Tensor> said = {at::full({1}, from_files ? 1.0 : 0.0, comm_)};
+  RETURN_IF_ERROR(ranks_->Broadcast(said, "broadcast of how rank 0 loads the policy"));
+  if ((said[0].item<double>() != 0) == from_files) return Status::OK();
+  return Status::FailedPrecondition(
+      "shard_grad_op: rank " + std::to_string(ranks_->rank()) +
+      (from_files ? " reads its chunks of the master from the model's files, but rank 0 "
+                    "broadcasts its weights"
+                  : " waits for rank 0's weights, but rank 0 reads its chunks from the model's "
+                    "files") +
+      " (every rank must load the model the same way: model_name_or_path on each)");
 }
 
 StatusOr<at::Tensor> ShardedAdamW::FillBucket(const Bucket& b, const Fill& fill) const {

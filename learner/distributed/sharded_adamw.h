@@ -70,10 +70,13 @@ class ShardedAdamW final : public StepOptimizer {
   // all of them another model's (a compute copy), and then the master is sharded (above): a
   // collective, after which `params` hold no memory. Their hooks are removed with the
   // optimizer. `ranks` borrowed, world size >= 1.
-  static StatusOr<std::unique_ptr<ShardedAdamW>> Create(common::NamedTensors params,
-                                                        std::vector<at::Tensor> compute,
-                                                        AdamWOptions options, Collectives* ranks,
-                                                        int64_t bucket_bytes);
+  // With the master sharded and `files` (a deferred policy's: Model::TakeDeferredWeights) each
+  // rank reads its own chunks there, and its compute copy holds the weights already (every rank
+  // must load the same way: FailedPrecondition otherwise); without, they are cut from rank 0's.
+  static StatusOr<std::unique_ptr<ShardedAdamW>> Create(
+      common::NamedTensors params, std::vector<at::Tensor> compute, AdamWOptions options,
+      Collectives* ranks, int64_t bucket_bytes,
+      std::shared_ptr<const common::ModelWeights> files = nullptr);
   ~ShardedAdamW() override;
 
   void BeforeBackward(const std::string& where) override;
@@ -141,6 +144,9 @@ class ShardedAdamW final : public StepOptimizer {
   // the compute copy. After a failed `fill` rank 0 broadcasts zeros for the rest (the others do
   // not know) and returns that error.
   Status HandOutWeights(const Fill& fill, const std::string& what);
+  // A collective: rank 0's way of loading (from files, or broadcast) told to every rank;
+  // FailedPrecondition on a rank whose own differs.
+  Status AgreeOnLoading(bool from_files);
   // The bucket's values from `fill` as one host flat buffer of world_size x chunk.
   StatusOr<at::Tensor> FillBucket(const Bucket& b, const Fill& fill) const;
   // This rank's chunk of the bucket `flat` (whole: world_size x chunk) into master_, and the

@@ -4,9 +4,9 @@
 // ProcessGroupGloo on loopback); every configuration trains the same global step (16
 // completions of 64 + 128 tokens, 4 groups of 4, micro-batches of 2: gradient accumulation 8 / W
 // per rank) from the same weights, so rows compare one to another and to world size 1. The bf16
-// rows (one rank, and full_shard at 2 and 4) compare to the single bf16 rank. With --beta every
-// row trains with a reference model too (a copy of the policy: whole, or sharded where
-// full_shard is), and reports its bytes per rank.
+// rows (one rank, and shard_grad_op and full_shard at 2 and 4) compare to the single bf16 rank.
+// With --beta every row trains with a reference model too (a copy of the policy: whole, or sharded
+// where full_shard is), and reports its bytes per rank.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <arpa/inet.h>
@@ -226,7 +226,8 @@ int ShardingChild(const ShardingBenchOptions& o) {
     for (const at::Tensor& p : ref->Parameters()) reference_bytes += p.nbytes();
   }
   common::NamedTensors weights;
-  if ((*trainer)->optimizer().ShardsParameters()) {  // full_shard: gathered a unit at a time
+  // full_shard, and shard_grad_op's sharded master: gathered a unit or a bucket at a time.
+  if ((*trainer)->optimizer().ShardsParameters()) {
     auto gathered = (*trainer)->optimizer().GatherWeights("the bench's weights", false);
     if (!gathered.ok()) {
       std::cerr << gathered.status().ToString() << "\n";
@@ -278,7 +279,9 @@ double MaxRelDiff(const std::string& a_path, const std::string& b_path) {
 // The ZeRO paper's model-state bytes per rank (Rajbhandari et al. 2020, section 5): fp32, its
 // K = 8 (fp32 weights and gradient, two fp32 moments): DDP 16 psi; P_os+g (shard_grad_op)
 // 4 psi + 12 psi / N; P_os+g+p (full_shard) 16 psi / N. Mixed precision, its K = 12 (fp32
-// master and two moments beside bf16 weights and gradient): DDP 16 psi; P_os+g+p 16 psi / N.
+// master and two moments beside bf16 weights and gradient): DDP 16 psi; P_os+g 2 psi + 14 psi /
+// N; P_os+g+p 16 psi / N. (shard_grad_op as built keeps an fp32 gradient shard, not a bf16 one:
+// 2 psi / N above the paper's P_os+g.)
 double ZeroFormulaBytes(const std::string& mode, int world, double psi, bool bf16) {
   if (mode == "no_shard" || world == 1) return 16 * psi;
   if (mode == "shard_grad_op")
@@ -304,10 +307,10 @@ int BenchSharding(const ShardingBenchOptions& o) {
   auto model = BenchModel();
   const double psi = static_cast<double>(model->NumParameters());
   const std::vector<ShardingRun> configs = {
-      {1, "no_shard", false},   {2, "no_shard", false}, {2, "shard_grad_op", false},
-      {2, "full_shard", false}, {4, "no_shard", false}, {4, "shard_grad_op", false},
-      {4, "full_shard", false}, {1, "no_shard", true},  {2, "full_shard", true},
-      {4, "full_shard", true}};
+      {1, "no_shard", false},   {2, "no_shard", false},     {2, "shard_grad_op", false},
+      {2, "full_shard", false}, {4, "no_shard", false},     {4, "shard_grad_op", false},
+      {4, "full_shard", false}, {1, "no_shard", true},      {2, "shard_grad_op", true},
+      {2, "full_shard", true},  {4, "shard_grad_op", true}, {4, "full_shard", true}};
   std::vector<json> rows;
   for (const ShardingRun& run : configs) {
     const int world = run.world;

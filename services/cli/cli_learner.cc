@@ -52,21 +52,31 @@ StatusOr<std::string> ModelDir(const common::GrpoConfig& cfg) {
   return dir;
 }
 
-// The policy (or the reference: `what`) of a learner rank of `world` from model_name_or_path:
-// deferred (Model::LoadDeferred) where full_shard's gate fills the policy's parameters, each rank
-// then reading only its own shard of the files (no rank holds the whole model: README "Know
-// before you launch"); whole otherwise. Without model_name_or_path every rank has the tiny model
-// in memory and rank 0's is broadcast.
+// The policy (or the reference: `what`) of a learner rank of `world` training on `device` from
+// model_name_or_path, placed on `home`: deferred (Model::LoadDeferred) where full_shard's gate
+// fills the policy's parameters, each rank then reading only its own shard of the files (no
+// rank holds the whole model: README "Know before you launch"), and for the policy where
+// shard_grad_op keeps its fp32 master in chunks beside a compute copy (the copy read whole, the
+// master a chunk a rank); whole otherwise. Without model_name_or_path every rank has the tiny
+// model in memory and rank 0's is broadcast.
 StatusOr<std::unique_ptr<common::Model>> LoadModel(const common::GrpoConfig& cfg,
-                                                   const at::Device& device, int world,
-                                                   const char* what) {
+                                                   const at::Device& home, const at::Device& device,
+                                                   int world, bool is_policy) {
   ASSIGN_OR_RETURN(const common::FsdpSpec fsdp, common::ParseFsdp(cfg.fsdp));
-  if (learner::GatesParameters(fsdp, world, device)) {
+  const char* what = is_policy ? "the policy" : "the reference model";
+  if (learner::GatesParameters(fsdp, world, home)) {
     GRPO_LOG_INFO("learner: sharded loading: this rank reads only its shards of {} ({})",
                   cfg.model_name_or_path, what);
-    return common::Model::LoadDeferred(cfg.model_name_or_path, device);
+    return common::Model::LoadDeferred(cfg.model_name_or_path, home);
   }
-  return common::Model::Load(cfg.model_name_or_path, device);
+  if (is_policy && learner::ShardsMasterBesideCopy(fsdp, world, cfg.bf16, device)) {
+    GRPO_LOG_INFO(
+        "learner: sharded loading: this rank reads its chunks of the fp32 master of {} and its "
+        "compute copy whole",
+        cfg.model_name_or_path);
+    return common::Model::LoadDeferred(cfg.model_name_or_path, home);
+  }
+  return common::Model::Load(cfg.model_name_or_path, home);
 }
 
 // learner::MasterHome of the config's `fsdp` (a bad spelling is refused later, by the trainer).
@@ -87,13 +97,13 @@ Status LoadTrainerRankModels(const common::GrpoConfig& cfg, const at::Device& de
     RETURN_IF_ERROR(
         (*policy)->To(PolicyHome(cfg, device), (*policy)->dtype()).WithContext("policy"));
   } else {
-    ASSIGN_OR_RETURN(*policy, LoadModel(cfg, PolicyHome(cfg, device), world, "the policy"));
+    ASSIGN_OR_RETURN(*policy, LoadModel(cfg, PolicyHome(cfg, device), device, world, true));
   }
   if (cfg.beta != 0) {  // as the policy: deferred, or whole (rank 0's then broadcast if sharded)
     if (cfg.model_name_or_path.empty()) {
       ASSIGN_OR_RETURN(*reference, (*policy)->Copy(device, (*policy)->dtype()));
     } else {
-      ASSIGN_OR_RETURN(*reference, LoadModel(cfg, device, world, "the reference model"));
+      ASSIGN_OR_RETURN(*reference, LoadModel(cfg, device, device, world, false));
     }
   }
   return Status::OK();
@@ -175,13 +185,13 @@ int RunLearner(const LearnerOptions& o) {
   const at::Device home = PolicyHome(cfg, *device);
   auto policy = cfg.model_name_or_path.empty()
                     ? common::Model::Load(*model_dir, home)
-                    : LoadModel(cfg, home, rank_env->world_size, "the policy");
+                    : LoadModel(cfg, home, *device, rank_env->world_size, true);
   if (!policy.ok()) return fail(policy.status());
   std::unique_ptr<common::Model> reference;
   if (cfg.beta != 0) {
     auto ref = cfg.model_name_or_path.empty()
                    ? common::Model::Load(*model_dir, *device)
-                   : LoadModel(cfg, *device, rank_env->world_size, "the reference model");
+                   : LoadModel(cfg, *device, *device, rank_env->world_size, false);
     if (!ref.ok()) return fail(ref.status());
     reference = std::move(ref).value();
   }

@@ -333,11 +333,12 @@ INSTANTIATE_TEST_SUITE_P(Bf16, DataParallelFullShard,
 // from the same files. The files hold BF16 (each value converted to fp32 as it is read) in
 // several shards (model.safetensors.index.json); the model tied and untied; at 4 ranks the
 // chunks of units that 4 does not divide end in padding, which must stay zero.
-class DataParallelShardedLoading : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {
-};  // world, tied, bf16
+class DataParallelShardedLoading
+    : public ::testing::TestWithParam<std::tuple<int, bool, bool, std::string>> {
+};  // world, tied, bf16, fsdp
 
 TEST_P(DataParallelShardedLoading, EachRankReadsItsShardAndTakesTheWholeModelsSteps) {
-  const auto [world, tied, bf16] = GetParam();
+  const auto [world, tied, bf16, fsdp] = GetParam();
   namespace fs = std::filesystem;
   auto preset = common::ModelConfigPreset("tiny");
   ASSERT_TRUE(preset.ok());
@@ -373,8 +374,8 @@ TEST_P(DataParallelShardedLoading, EachRankReadsItsShardAndTakesTheWholeModelsSt
   ASSERT_EQ(single.steps.size(), 7u);
   const std::vector<RunResult> results = TrainOnRanks(
       world,
-      [&](int) {
-        common::GrpoConfig cfg = RankConfig("dapo", world, "full_shard");
+      [&, fsdp = fsdp](int) {
+        common::GrpoConfig cfg = RankConfig("dapo", world, fsdp);
         cfg.bf16 = bf16;
         return cfg;
       },
@@ -383,9 +384,16 @@ TEST_P(DataParallelShardedLoading, EachRankReadsItsShardAndTakesTheWholeModelsSt
   fs::remove_all(dir);
 }
 
+// full_shard reads each rank's chunks of every unit; shard_grad_op with bf16 each rank's chunks
+// of its fp32 master and its bf16 copy whole (in fp32 it reads the model whole: the parameters
+// compute).
 INSTANTIATE_TEST_SUITE_P(WorldsAndPrecisions, DataParallelShardedLoading,
                          ::testing::Combine(::testing::Values(2, 4), ::testing::Bool(),
-                                            ::testing::Bool()));
+                                            ::testing::Bool(), ::testing::Values("full_shard")));
+INSTANTIATE_TEST_SUITE_P(ShardGradOp, DataParallelShardedLoading,
+                         ::testing::Combine(::testing::Values(2, 4), ::testing::Bool(),
+                                            ::testing::Values(true),
+                                            ::testing::Values("shard_grad_op")));
 
 // A deferred model read by an optimizer that does not shard the parameters (no_shard,
 // shard_grad_op, one rank) is read whole, and trains as the model Load read.

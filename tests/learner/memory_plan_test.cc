@@ -255,7 +255,7 @@ INSTANTIATE_TEST_SUITE_P(
 // Loading with shard_grad_op's master sharded: the whole fp32 model (4P = 553,216) until the
 // chunks are cut from rank 0's, beside one flat fp32 bucket of the broadcast (here the whole
 // model, 553,216); with offload the model on the host (host_load) and the bucket on the GPU.
-TEST(MemoryPlanSmall, ShardGradOpLoadsTheWholeMasterBeforeCuttingIt) {
+TEST(MemoryPlanSmall, ShardGradOpLoadsTheMasterWholeInMemoryAndAChunkARankFromFiles) {
   common::GrpoConfig cfg = SmallRun();
   cfg.fsdp = "shard_grad_op";
   cfg.bf16 = true;
@@ -271,6 +271,25 @@ TEST(MemoryPlanSmall, ShardGradOpLoadsTheWholeMasterBeforeCuttingIt) {
   // Beside the offloaded state (4P/2 + 4P/2 + 8P/2 + 8U/2 = 1,362,432) and the process, the
   // larger of the loaded model and the two snapshots (2 x 4P).
   EXPECT_EQ(plan->HostTotal(), 1'362'432 + 2 * 553'216 + plan->host_other);
+  // Read from model_name_or_path (sharded loading): the copy a tensor at a time before the
+  // shards exist, then each rank's chunks; the largest tensor in fp32 (4U = 256,000) is below
+  // the shards (4P/2 + 4P/2 + 8P/2 = 1,106,432), so nothing beyond them, on the GPU or the host.
+  cfg.model_name_or_path = "/models/small";
+  plan = PlanMemory(Small(), cfg, 2, "cuda");
+  ASSERT_TRUE(plan.ok());
+  EXPECT_TRUE(plan->sharded_loading);
+  EXPECT_EQ(plan->load, 0);
+  EXPECT_EQ(plan->host_load, 0);
+  cfg.fsdp = "shard_grad_op";
+  plan = PlanMemory(Small(), cfg, 2, "cuda");
+  ASSERT_TRUE(plan.ok());
+  EXPECT_TRUE(plan->sharded_loading);
+  EXPECT_EQ(plan->load, 0);
+  // At 32 ranks the shards (16P/32 = 69,152) are below that tensor: 256,000 - 69,152.
+  plan = PlanMemory(Small(), cfg, 32, "cuda");
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->load, 186'848);
+  cfg.model_name_or_path.clear();
   // fp32 without offload: the parameters are the master, nothing to cut.
   cfg.fsdp = "shard_grad_op";
   cfg.bf16 = false;
@@ -1079,8 +1098,8 @@ struct RanksCase {
   // rank's count there depends on the other thread's timing (FakeRankGroup's reduce-scatter
   // shares the ranks' buffers: 0-16 MiB more here), which processes do not share.
   bool short_rows = false;
-  // full_shard: the model built in memory on every rank (rank 0's broadcast) rather than read
-  // from its files a shard a rank (model_name_or_path, Model::LoadDeferred).
+  // full_shard, shard_grad_op bf16: the model built in memory on every rank (rank 0's broadcast)
+  // rather than read from its files a shard a rank (model_name_or_path, Model::LoadDeferred).
   bool in_memory = false;
   // beta != 0: a reference model, from the files as the policy (another seed's weights) or
   // built in memory with it; sharded where full_shard is (FrozenShards).
@@ -1101,8 +1120,11 @@ TEST_P(MemoryPlanRanks, EachPhaseBoundsEveryRanksLiveBytesWithin7Percent) {
   ModelConfig mc = Bench();
   mc.tie_word_embeddings = k.tied;
   // full_shard reads the model from its files, each rank its shards, as `grpo learner` does
-  // with model_name_or_path; the other modes and `in_memory` build it on every rank.
-  const bool from_files = std::string(k.fsdp) == "full_shard" && !k.in_memory;
+  // with model_name_or_path, and so does shard_grad_op with bf16 (its master's chunks, its bf16
+  // copy whole); the other modes and `in_memory` build it on every rank.
+  const std::string fsdp = k.fsdp;
+  const bool from_files =
+      (fsdp == "full_shard" || (fsdp == "shard_grad_op" && k.bf16)) && !k.in_memory;
   const fs::path dir =
       fs::temp_directory_path() / ("grpo_plan_ranks_" + std::to_string(::getpid()) + "_" + k.fsdp);
   const fs::path ref_dir = dir.string() + "_reference";
@@ -1190,8 +1212,10 @@ TEST_P(MemoryPlanRanks, EachPhaseBoundsEveryRanksLiveBytesWithin7Percent) {
     EXPECT_GE(static_cast<double>(train_peaks[r]), 0.93 * train) << "rank " << r << ": training";
     EXPECT_LE(std::max(train_peaks[r], load_peaks[r]), plan->TrainingPeak() + kSmall)
         << "rank " << r;
-    if (plan->load > 0) {  // full_shard: the whole model while the shards are cut
+    if (plan->load > 0 || plan->sharded_loading) {  // what loading holds beside the state
       EXPECT_LE(load_peaks[r], load + kSmall) << "rank " << r << ": loading";
+    }
+    if (plan->load > 0) {
       EXPECT_GE(static_cast<double>(load_peaks[r]), 0.93 * load) << "rank " << r << ": loading";
     }
   }
@@ -1203,6 +1227,8 @@ INSTANTIATE_TEST_SUITE_P(
         RanksCase{"no_shard", false, 2, true}, RanksCase{"shard_grad_op", false, 2, true},
         RanksCase{"full_shard", false, 2, true}, RanksCase{"full_shard", false, 4, true},
         RanksCase{"full_shard", true, 2, true}, RanksCase{"shard_grad_op", true, 2, true},
+        // shard_grad_op bf16 built in memory: the whole fp32 model until the master is cut.
+        RanksCase{"shard_grad_op", true, 2, true, false, true},
         RanksCase{"no_shard", false, 2, false}, RanksCase{"shard_grad_op", false, 2, false},
         RanksCase{"full_shard", false, 2, false}, RanksCase{"full_shard", true, 2, false},
         RanksCase{"full_shard", false, 2, false, true},

@@ -175,10 +175,13 @@ TEST_P(LearnerRanksShards, RanksWriteTheirShardsOfEveryCheckpoint) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, LearnerRanksShards,
-                         ::testing::Values(std::vector<std::string>{"--fsdp", "shard_grad_op"},
-                                           std::vector<std::string>{"--fsdp", "full_shard",
-                                                                    "--bf16", "true"}));
+INSTANTIATE_TEST_SUITE_P(
+    Modes, LearnerRanksShards,
+    ::testing::Values(std::vector<std::string>{"--fsdp", "shard_grad_op"},
+                      std::vector<std::string>{"--fsdp", "full_shard", "--bf16", "true"},
+                      // The fp32 master sharded too, gathered a bucket at
+                      // a time into the checkpoint.
+                      std::vector<std::string>{"--fsdp", "shard_grad_op", "--bf16", "true"}));
 
 // weight_publish stream at full_shard: no rank holds the whole weights. Each version goes to
 // the worker's gloo group a tensor at a time while both ranks gather it a unit at a time (and
@@ -201,29 +204,37 @@ TEST_F(LearnerRanksTest, FullShardStreamsEachVersionToTheWorker) {
   EXPECT_TRUE(later) << worker;
 }
 
-// full_shard from model_name_or_path: each rank reads only its shards of the model's files
-// (sharded loading, Model::LoadDeferred), for the policy and, with beta 0.04, the reference
-// (FrozenShards), and the job trains to max_steps. Read at a wrong
-// place, a weight would be another's (a norm's ones, a projection's N(0, 0.02) values): the
-// checkpoint after 3 steps of AdamW at lr 1e-6 (each step moves a weight by about lr at most)
-// is within 1e-4 of the initial model everywhere, and has moved.
-TEST_F(LearnerRanksTest, FullShardRanksReadOnlyTheirShardsOfTheModel) {
+// From model_name_or_path each rank reads only its part of the model's files: full_shard its
+// shards (sharded loading, Model::LoadDeferred), for the policy and, with beta 0.04, the
+// reference (FrozenShards); shard_grad_op with bf16 its chunks of the fp32 master (and its bf16
+// copy whole). The job trains to max_steps. Read at a wrong place, a weight would be another's
+// (a norm's ones, a projection's N(0, 0.02) values): the checkpoint after 3 steps of AdamW at
+// lr 1e-6 (each step moves a weight by about lr at most) is within 1e-4 of the initial model
+// everywhere, and has moved.
+struct ShardedLoadingCase {
+  std::vector<std::string> flags;
+  std::vector<std::string> logs;  // each rank's log has each, with the model's directory in it
+};
+
+class LearnerRanksShardedLoading : public LearnerRanksTest,
+                                   public ::testing::WithParamInterface<ShardedLoadingCase> {};
+
+TEST_P(LearnerRanksShardedLoading, RanksReadOnlyTheirPartOfTheModel) {
   int rc = -1;
   const fs::path model = dir_ / "model";
   RunCommand(GrpoBin() + " init-model --preset tiny --seed 5 --out " + model.string() + " >" +
                  (dir_ / "init.out").string() + " 2>&1",
              &rc);
   ASSERT_EQ(rc, 0) << ReadFile(dir_ / "init.out");
-  StartRanks(/*max_steps=*/3,
-             {"--fsdp", "full_shard", "--model_name_or_path", model.string(), "--beta", "0.04"});
+  std::vector<std::string> flags = GetParam().flags;
+  flags.insert(flags.end(), {"--model_name_or_path", model.string()});
+  StartRanks(/*max_steps=*/3, flags);
   ASSERT_NO_FATAL_FAILURE(ExpectBothRanksExitZero());
   for (const char* rank : {"rank0", "rank1"}) {
-    for (const char* what : {"the policy", "the reference model"}) {
-      EXPECT_NE(ReadFile(children_->Err(rank))
-                    .find("sharded loading: this rank reads only its shards of " + model.string() +
-                          " (" + what + ")"),
-                std::string::npos)
-          << rank << ": " << what << "\n"
+    for (std::string line : GetParam().logs) {
+      line.replace(line.find("<dir>"), 5, model.string());
+      EXPECT_NE(ReadFile(children_->Err(rank)).find(line), std::string::npos)
+          << rank << ": " << line << "\n"
           << Logs();
     }
   }
@@ -236,12 +247,25 @@ TEST_F(LearnerRanksTest, FullShardRanksReadOnlyTheirShardsOfTheModel) {
     const auto a = (*initial)->Get(name);
     const auto b = (*trained)->Get(name);
     ASSERT_TRUE(a.ok() && b.ok()) << name;
+    EXPECT_EQ(b->scalar_type(), at::kFloat) << name;
     const double diff = (*b - *a).abs().max().item<double>();
     EXPECT_LE(diff, 1e-4) << name;
     moved = std::max(moved, diff);
   }
   EXPECT_GT(moved, 0.0) << "the job trained nothing";
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, LearnerRanksShardedLoading,
+    ::testing::Values(
+        ShardedLoadingCase{{"--fsdp", "full_shard", "--beta", "0.04"},
+                           {"sharded loading: this rank reads only its shards of <dir> (the "
+                            "policy)",
+                            "sharded loading: this rank reads only its shards of <dir> (the "
+                            "reference model)"}},
+        ShardedLoadingCase{{"--fsdp", "shard_grad_op", "--bf16", "true"},
+                           {"sharded loading: this rank reads its chunks of the fp32 master of "
+                            "<dir>"}}));
 
 TEST_F(LearnerRanksTest, AKilledRankFailsTheJobAndRankZeroExitsNonZeroNamingTheCollective) {
   StartRanks(/*max_steps=*/1000);
