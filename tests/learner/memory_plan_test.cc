@@ -859,6 +859,26 @@ TEST(SuggestFix, SevenBInBf16OnOne80GiBGpuOffloadsTheMaster) {
   ASSERT_TRUE(at40.ok()) << at40.status().ToString();
   EXPECT_EQ(at40->Text(), "set gradient_checkpointing: true and fsdp: no_shard offload");
   EXPECT_EQ(at40->plan.load, 0);
+  // Read from its files (model_name_or_path) with 112 GiB of host, two ZeRO-2 ranks fit without
+  // offload: each holds the bf16 copy 2n and half of the fp32 gradient, master and moments
+  // (16n / 2), 10n = 70.9 GiB, reads its chunks of the master from the files (no load phase),
+  // and holds the checkpointed micro-batch (as planned without sharding, plus at most one
+  // 25 MiB gradient bucket in flight) and CUDA's 1 GiB: 77.0 GiB. shard_grad_op is tried before
+  // full_shard. With the master whole on every rank (before 2026-12-06) it was 91.2 GiB.
+  common::GrpoConfig from_files = big;
+  from_files.model_name_or_path = "/models/Qwen2.5-7B";
+  auto zero2 = SuggestFix(Qwen25_7B(), from_files, 1, "cuda", k80GiB, host112);
+  ASSERT_TRUE(zero2.ok()) << zero2.status().ToString();
+  EXPECT_EQ(zero2->Text(),
+            "set gradient_checkpointing: true, fsdp: shard_grad_op and run 2 ranks (world_size 2)");
+  const MemoryPlan& z = zero2->plan;
+  EXPECT_EQ(z.ModelState(), 10 * n);
+  EXPECT_TRUE(z.sharded_loading);
+  EXPECT_EQ(z.load, 0);
+  EXPECT_GE(z.Total(), 10 * n + plain->MicroBatchPeak() + kCudaRuntimeBytes);
+  EXPECT_LE(z.Total(), 10 * n + plain->MicroBatchPeak() + kCudaRuntimeBytes + (25ll << 20));
+  EXPECT_NEAR(z.Total() / double(1ll << 30), 77.01, 0.01);
+  EXPECT_LE(z.HostTotal(), 112ll << 30);
 }
 
 // The 7B in bf16 read from its files (model_name_or_path: sharded loading) on one 40 GiB GPU
