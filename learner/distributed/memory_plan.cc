@@ -120,7 +120,14 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   // no_shard / shard_grad_op offload as built: the fp32 master on the host, a compute copy on
   // the GPU (step_optimizer.h HostsMaster).
   const bool host_master = offload && fsdp.mode != FsdpMode::kFullShard;
+  // shard_grad_op's fp32 master in 1/W chunks beside a compute copy (bf16, or the host master):
+  // ShardedAdamW as built (step_optimizer.h ShardsMasterBesideCopy).
+  const bool master_chunks =
+      fsdp.mode == FsdpMode::kShardGradOp && w > 1 && (cfg.bf16 || host_master);
   auto shard = [&](int64_t bytes, bool divided) { return divided ? CeilDiv(bytes, w) : bytes; };
+  // shard_grad_op's flat fp32 bucket (sharded_adamw.h): 25 MiB at most, a larger tensor alone.
+  const int64_t zero2_bucket =
+      std::max(std::min(kGradientBucketBytes, 4 * n), 4 * p.params.largest_tensor);
 
   p.parameters = shard(s * n, full);
   p.gradients = shard(s * n, sharded);
@@ -160,13 +167,11 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     p.host_offloaded = 2 * shard(4 * n, sharded) + adamw + temporaries;
     const int64_t cast = cfg.bf16 ? 4 * p.params.largest_tensor : 0;
     if (sharded) {
-      const int64_t bucket =
-          std::max(std::min(kGradientBucketBytes, 4 * n), 4 * p.params.largest_tensor);
-      const int64_t gather = bucket / 4 * s;
+      const int64_t gather = zero2_bucket / 4 * s;
       p.gathered_layer = std::min(kGradientBucketBytes, 4 * n);
       p.optimizer_step = gather + CeilDiv(gather, w);
       if (cfg.model_name_or_path.empty()) {
-        p.load = bucket;
+        p.load = zero2_bucket;
         p.host_load = 4 * n;
       } else {
         // Sharded loading: the copy read a tensor at a time (each in the file's dtype on the
@@ -229,15 +234,13 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     // with bf16 the rank's chunk is updated in place, cast to bf16 and all-gathered in bf16.
     // Loading with bf16 built in memory: the whole fp32 model beside the state until the
     // chunks are cut from rank 0's, a bucket at a time (its flat fp32 buffer of the broadcast).
-    const int64_t bucket =
-        std::max(std::min(kGradientBucketBytes, 4 * n), 4 * p.params.largest_tensor);
     p.gradients = CeilDiv(4 * n, w);
     p.master_weights = cfg.bf16 ? CeilDiv(4 * n, w) : 0;
     p.master_gradients = 0;
     p.gathered_layer = std::min(kGradientBucketBytes, 4 * n);
     if (cfg.bf16) {
-      const int64_t gather = bucket / 2;
-      p.optimizer_step = gather + CeilDiv(gather, w) + 2 * CeilDiv(bucket, w);
+      const int64_t gather = zero2_bucket / 2;
+      p.optimizer_step = gather + CeilDiv(gather, w) + 2 * CeilDiv(zero2_bucket, w);
       // From model_name_or_path (sharded loading): the bf16 copy read a tensor at a time (each
       // in the file's dtype first, fp32 at most) before the optimizer's shards exist, then this
       // rank's chunks of the master straight from the files: beyond the shards only a larger
@@ -245,10 +248,10 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
       // model beside the state.
       const int64_t shards = p.gradients + p.master_weights + p.adamw_state;
       p.load = cfg.model_name_or_path.empty()
-                   ? 4 * n + bucket
+                   ? 4 * n + zero2_bucket
                    : std::max<int64_t>(0, 4 * p.params.largest_tensor - shards);
     } else {
-      p.optimizer_step = bucket + 3 * CeilDiv(bucket, w);
+      p.optimizer_step = zero2_bucket + 3 * CeilDiv(zero2_bucket, w);
     }
   }
   // Loading (full_shard as built: GrpoTrainer::Create, FullShardAdamW::Create, and first the
@@ -263,9 +266,7 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   // sharded (with bf16 its fp32 values beside the bf16 ones while it is cast; the unit packed
   // in its dtype otherwise). Measured in memory_plan_test (MemoryPlanRanks) but for the
   // reference built in memory, an upper bound.
-  p.sharded_loading =
-      (gathers || (sharded && fsdp.mode == FsdpMode::kShardGradOp && (cfg.bf16 || host_master))) &&
-      !cfg.model_name_or_path.empty();
+  p.sharded_loading = (gathers || master_chunks) && !cfg.model_name_or_path.empty();
   if (p.sharded_loading && gathers) {
     p.load = s * p.params.largest_unit;
   } else if (gathers) {
@@ -278,9 +279,8 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   // from shard_grad_op's sharded master (bf16, or offload) one bucket in fp32.
   if (cfg.weight_publish == "stream" && gathers) {
     p.publish_unit = 4 * p.params.largest_unit;
-  } else if (cfg.weight_publish == "stream" && sharded && fsdp.mode == FsdpMode::kShardGradOp &&
-             (cfg.bf16 || host_master)) {
-    p.publish_unit = std::max(std::min(kGradientBucketBytes, 4 * n), 4 * p.params.largest_tensor);
+  } else if (cfg.weight_publish == "stream" && master_chunks) {
+    p.publish_unit = zero2_bucket;
   }
   // The reference model (beta != 0), frozen in the compute dtype: whole on every rank, or where
   // full_shard gathers the policy's units, 1/W of it a rank (FrozenShards: on the host with
@@ -776,7 +776,8 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
                         : "published weights here (fp32; 2x while publishing)",
       p.weight_snapshot);
   row("weight-sync bucket", p.weight_sync_bucket);
-  if (p.publish_unit > 0) row("streamed version: one unit gathered (fp32)", p.publish_unit);
+  if (p.publish_unit > 0)
+    row("streamed version: one unit or bucket gathered (fp32)", p.publish_unit);
   row(p.device == "cuda" ? "CUDA context and libraries" : "the process (libraries, threads)",
       p.runtime);
   o << "\n";

@@ -82,7 +82,8 @@ struct MemoryPlan {
   bool streams_weights = false;    // weight_publish: stream (no snapshot is kept)
   int64_t weight_snapshot = 0;     // published weights (fp32) held on this device
   int64_t weight_sync_bucket = 0;  // one flat bucket of the weight-sync backend on this device
-  int64_t publish_unit = 0;  // weight_publish stream from full_shard: one unit gathered (fp32)
+  int64_t publish_unit = 0;  // weight_publish stream, sharded: one unit (full_shard) or bucket
+                             // (shard_grad_op's master) gathered, fp32
   int64_t runtime = 0;       // kHostRuntimeBytes or kCudaRuntimeBytes
 
   // One micro-batch (per_device_train_batch_size rows of sequence_tokens).

@@ -780,38 +780,27 @@ TEST_P(DataParallelBf16, OneStepEqualsTheSingleRanks) {
         }
       }
     }
+    // Both: the resident parameters are the fp32 master's chunks of this rank (their padding:
+    // under world per unit or bucket) and nothing else.
+    int64_t chunks = 0;
+    for (const auto& piece : (*t)->optimizer().StatePieces()) chunks += piece.numel;
+    const int64_t bytes = (*t)->optimizer().ResidentParameterBytes();
+    if (bytes < 4 * chunks || bytes >= 4 * (chunks + 4 * w)) {
+      out.error = "resident parameter bytes " + std::to_string(bytes) + " for " +
+                  std::to_string(chunks) + " elements";
+    }
+    // The compute copy is bf16: whole with shard_grad_op, gathered a unit at a time with
+    // full_shard (empty between uses, above).
+    for (const at::Tensor& p : (*t)->compute_model().Parameters()) {
+      if (p.scalar_type() != at::kBFloat16) out.error = "a compute parameter is not bf16";
+      if (!full && p.storage().nbytes() != p.nbytes()) out.error = "the compute copy is not whole";
+    }
     if (!full) {
-      // shard_grad_op: the fp32 master is this rank's chunks (its padding: under world per
-      // bucket) beside the whole bf16 copy.
-      int64_t chunks = 0;
-      for (const auto& piece : (*t)->optimizer().StatePieces()) chunks += piece.numel;
-      const int64_t bytes = (*t)->optimizer().ResidentParameterBytes();
-      if (bytes < 4 * chunks || bytes >= 4 * (chunks + 4 * w)) {
-        out.error = "resident master bytes " + std::to_string(bytes) + " for " +
-                    std::to_string(chunks) + " elements";
-      }
+      // shard_grad_op: the chunks make the model once over the ranks.
       int64_t whole = 0;
       for (const at::Tensor& p : model->Parameters()) whole += p.numel();
       if (chunks * w < whole || chunks * w >= whole + 4 * w * w) {
         out.error = std::to_string(chunks) + " elements a rank of " + std::to_string(whole);
-      }
-      for (const at::Tensor& p : (*t)->compute_model().Parameters()) {
-        if (p.scalar_type() != at::kBFloat16 || p.storage().nbytes() != p.nbytes()) {
-          out.error = "the compute copy is not whole bf16";
-        }
-      }
-    }
-    if (full) {
-      for (const at::Tensor& p : (*t)->compute_model().Parameters()) {
-        if (p.scalar_type() != at::kBFloat16) out.error = "a gathered parameter is not bf16";
-      }
-      int64_t chunks = 0;
-      for (const auto& piece : (*t)->optimizer().StatePieces()) chunks += piece.numel;
-      // The fp32 shard (its padding: under world per unit) and nothing else.
-      const int64_t bytes = (*t)->optimizer().ResidentParameterBytes();
-      if (bytes < 4 * chunks || bytes >= 4 * (chunks + 4 * w)) {
-        out.error = "resident parameter bytes " + std::to_string(bytes) + " for " +
-                    std::to_string(chunks) + " elements";
       }
     }
     return out;
