@@ -395,6 +395,58 @@ INSTANTIATE_TEST_SUITE_P(ShardGradOp, DataParallelShardedLoading,
                                             ::testing::Values(true),
                                             ::testing::Values("shard_grad_op")));
 
+// Every rank must load the policy the same way: a rank that builds it in memory while rank 0
+// reads its part from the files (or the other way round) would wait in collectives the others
+// never make. It fails at once, naming the fix. Rank 0 reading from the files waits for nothing
+// and is made; rank 0 broadcasting its weights waits for the failed rank until the group's
+// deadline (2 s here), as for any rank that leaves, and fails.
+class DataParallelLoadingMismatch : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DataParallelLoadingMismatch, ARankThatLoadsOtherwiseFailsAtOnce) {
+  namespace fs = std::filesystem;
+  const std::string fsdp = GetParam();
+  auto preset = common::ModelConfigPreset("tiny");
+  ASSERT_TRUE(preset.ok());
+  const fs::path dir = fs::temp_directory_path() /
+                       ("grpo_dp_loading_mismatch_" + fsdp + "_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  {
+    auto m = common::Model::InitRandom(*preset, 7);
+    ASSERT_TRUE(m.ok());
+    ASSERT_TRUE((*m)->Save(dir.string()).ok());
+  }
+  for (const bool rank0_from_files : {true, false}) {
+    FakeRankGroup group(2, std::chrono::seconds(2));
+    std::vector<Status> made(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        const bool from_files = (r == 0) == rank0_from_files;
+        StatusOr<std::unique_ptr<common::Model>> model =
+            from_files ? common::Model::LoadDeferred(dir.string())
+                       : StatusOr<std::unique_ptr<common::Model>>(TinyModel());
+        if (!model.ok()) {
+          made[r] = model.status();
+          return;
+        }
+        common::GrpoConfig cfg = RankConfig("dapo", 2, fsdp);
+        cfg.bf16 = true;
+        made[r] = GrpoTrainer::Create(cfg, model->get(), nullptr, &group.Rank(r)).status();
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(made[0].ok(), rank0_from_files) << made[0].ToString();
+    EXPECT_EQ(made[1].code(), StatusCode::kFailedPrecondition) << made[1].ToString();
+    EXPECT_NE(made[1].message().find("every rank must load the model the same way"),
+              std::string::npos)
+        << made[1].ToString();
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DataParallelLoadingMismatch,
+                         ::testing::Values("full_shard", "shard_grad_op"));
+
 // A deferred model read by an optimizer that does not shard the parameters (no_shard,
 // shard_grad_op, one rank) is read whole, and trains as the model Load read.
 TEST(DataParallelShardedLoading, OtherModesReadTheWholeModel) {
