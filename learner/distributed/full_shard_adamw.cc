@@ -8,13 +8,10 @@
 #include <unordered_map>
 #include <utility>
 
-#include "common/logging.h"
-#include "common/sha256.h"
+#include "learner/distributed/seen_checkpoint.h"
 #include "learner/distributed/shard_norm.h"
 
 namespace grpo::learner::distributed {
-
-std::function<bool(int rank)> TEST_weight_files_probe;
 
 FullShardAdamW::FullShardAdamW(common::Model* model, AdamWOptions options, Collectives* ranks,
                                bool prefetch)
@@ -329,49 +326,22 @@ Status FullShardAdamW::LoadWeightsFrom(WeightFiles files) {
 }
 
 Status FullShardAdamW::HandOutWeightFiles(const std::string& what) {
-  const bool root = ranks_->rank() == 0;
-  // The checkpoint's directory, the file that fingerprints it and the fingerprint, as one string.
-  std::string said;
-  if (root) {
-    said = pending_files_.files->dir() + '\n' + pending_files_.fingerprint_file + '\n' +
-           pending_files_.fingerprint;
-  }
-  RETURN_IF_ERROR(BroadcastString(*ranks_, &said, what + " (the checkpoint's name)"));
-  // Every other rank reads its chunks where it sees the same checkpoint (the same fingerprint),
-  // a shared output_dir; a rank on another machine without one does not.
-  Status mine = Status::OK();
-  if (!root) {
-    mine = [&]() -> Status {
-      const size_t a = said.find('\n'), b = said.find('\n', a + 1);
-      if (a == std::string::npos || b == std::string::npos) {
-        return Status::Internal("malformed checkpoint name from rank 0");
-      }
-      const std::string dir = said.substr(0, a), file = said.substr(a + 1, b - a - 1);
-      ASSIGN_OR_RETURN(const std::string sum, common::Sha256File(dir + "/" + file));
-      if (sum != said.substr(b + 1) ||
-          (TEST_weight_files_probe && !TEST_weight_files_probe(ranks_->rank()))) {
-        return Status::NotFound(dir + " is not the checkpoint rank 0 restored");
-      }
-      ASSIGN_OR_RETURN(auto files,
-                       common::ModelWeights::Open(dir, model_->ParameterShapes(), "a checkpoint"));
-      for (const Unit& u : units_) RETURN_IF_ERROR(ReadChunk(u, *files));
-      return Status::OK();
-    }();
-  }
-  std::vector<at::Tensor> blind = {at::full({1}, mine.ok() ? 0.0 : 1.0, device_opts_)};
-  RETURN_IF_ERROR(ranks_->AllReduceSum(blind, what + " (who read its shard)"));
-  const int64_t missed = static_cast<int64_t>(blind[0].item<double>());
+  // Every other rank reads its chunks where it sees the same checkpoint, a shared output_dir;
+  // a rank on another machine without one does not.
   WeightFiles files = std::move(pending_files_);
   pending_files_ = WeightFiles{};
+  ASSIGN_OR_RETURN(
+      const int64_t missed,
+      ReadShardsWhereSeen(
+          *ranks_, files, model_->ParameterShapes(),
+          [&](const common::ModelWeights& seen) -> Status {
+            for (const Unit& u : units_) RETURN_IF_ERROR(ReadChunk(u, seen));
+            return Status::OK();
+          },
+          device_opts_,
+          "full_shard: rank 0 reads the weights and hands each rank its chunk, a unit at a time",
+          what));
   if (missed == 0) return Status::OK();
-  // Rank 0 reads the weights a unit at a time and hands each rank its chunk.
-  if (root) {
-    GRPO_LOG_WARN(
-        "full_shard: {} of {} learner ranks do not see {} ({}): rank 0 reads the weights and "
-        "hands each rank its chunk, a unit at a time",
-        missed, ranks_->world_size(), files.files->dir(),
-        mine.ok() ? std::string("output_dir is not shared") : mine.ToString());
-  }
   return HandOut(
       weight_shard_,
       [&](size_t i, at::Tensor& into) { return files.files->ReadRange(params_[i].first, 0, into); },

@@ -69,10 +69,6 @@
 
 namespace grpo::learner::distributed {
 
-// Tests: whether a rank > 0 sees the checkpoint rank 0 restored (null: the fingerprint decides),
-// as ranks on machines that do not share output_dir.
-extern std::function<bool(int rank)> TEST_weight_files_probe;
-
 class FullShardAdamW final : public StepOptimizer, public GatheredUnits {
  public:
   // Shards `model` (borrowed; fp32, contiguous parameters on one device: InvalidArgument

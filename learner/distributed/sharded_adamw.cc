@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "common/model/parameter_gate.h"
+#include "learner/distributed/seen_checkpoint.h"
 #include "learner/distributed/shard_norm.h"
 
 namespace grpo::learner::distributed {
@@ -130,13 +131,7 @@ StatusOr<std::unique_ptr<ShardedAdamW>> ShardedAdamW::Create(
     RETURN_IF_ERROR(s->AgreeOnLoading(files != nullptr));
     if (files != nullptr) {
       // Sharded loading: this rank's chunks from the files (the compute copy was read whole).
-      for (const Bucket& b : s->buckets_) {
-        for (const Piece& piece : b.mine) {
-          at::Tensor into = s->master_.narrow(0, b.shard_offset + piece.chunk_offset, piece.numel);
-          RETURN_IF_ERROR(
-              files->ReadRange(s->params_[piece.param].first, piece.param_offset, into));
-        }
-      }
+      RETURN_IF_ERROR(s->ReadMyChunks(*files));
     } else {
       // Rank 0's weights: each rank's chunks and every rank's compute copy (the ranks' own
       // weights are not used: as the trainer's broadcast of rank 0's weights would do).
@@ -170,6 +165,39 @@ Status ShardedAdamW::AgreeOnLoading(bool from_files) {
                   : " waits for rank 0's weights, but rank 0 reads its chunks from the model's "
                     "files") +
       " (every rank must load the model the same way: model_name_or_path on each)");
+}
+
+Status ShardedAdamW::ReadMyChunks(const common::ModelWeights& files) {
+  for (const Bucket& b : buckets_) {
+    for (const Piece& piece : b.mine) {
+      at::Tensor into = master_.narrow(0, b.shard_offset + piece.chunk_offset, piece.numel);
+      RETURN_IF_ERROR(files.ReadRange(params_[piece.param].first, piece.param_offset, into));
+    }
+  }
+  return Status::OK();
+}
+
+Status ShardedAdamW::GatherBucket(const Bucket& b, const at::Tensor& chunk,
+                                  const std::string& what) {
+  const at::TensorOptions into = master_.defined() ? gather_ : comm_;
+  at::Tensor whole = at::empty({b.chunk * ranks_->world_size()}, into);
+  RETURN_IF_ERROR(
+      ranks_->AllGather(chunk.to(into.device(), into.dtype().toScalarType()), whole, what));
+  for (size_t i = b.first; i < b.last; ++i) {
+    at::Tensor& param = master_.defined() ? compute_[i] : params_[i].second;
+    param.copy_(whole.narrow(0, b.param_offsets[i - b.first], param.numel()).view(param.sizes()));
+  }
+  return Status::OK();
+}
+
+Status ShardedAdamW::GatherComputeCopy(const std::string& what) {
+  for (size_t k = 0; k < buckets_.size(); ++k) {
+    const Bucket& b = buckets_[k];
+    RETURN_IF_ERROR(GatherBucket(b, master_.narrow(0, b.shard_offset, b.chunk),
+                                 what + " (bucket " + std::to_string(k + 1) + " of " +
+                                     std::to_string(buckets_.size()) + ")"));
+  }
+  return Status::OK();
 }
 
 StatusOr<at::Tensor> ShardedAdamW::FillBucket(const Bucket& b, const Fill& fill) const {
@@ -355,16 +383,7 @@ Status ShardedAdamW::Step(double lr, const std::string& where) {
     at::Tensor m = exp_avg_.narrow(0, b.shard_offset, b.chunk);
     at::Tensor v = exp_avg_sq_.narrow(0, b.shard_offset, b.chunk);
     AdamWUpdate(p, g, m, v, options_, lr, step_);
-    // Every rank's chunks into every rank's parameters, or with the master sharded into the
-    // compute copy, in its dtype (gathered on the compute device).
-    const at::TensorOptions into = master_.defined() ? gather_ : comm_;
-    at::Tensor whole = at::empty({b.chunk * ranks_->world_size()}, into);
-    RETURN_IF_ERROR(ranks_->AllGather(p.to(into.device(), into.dtype().toScalarType()), whole,
-                                      "all-gather of the weights" + where));
-    for (size_t i = b.first; i < b.last; ++i) {
-      at::Tensor& param = master_.defined() ? compute_[i] : params_[i].second;
-      param.copy_(whole.narrow(0, b.param_offsets[i - b.first], param.numel()).view(param.sizes()));
-    }
+    RETURN_IF_ERROR(GatherBucket(b, p, "all-gather of the weights" + where));
   }
   return Status::OK();
 }
@@ -427,22 +446,13 @@ Status ShardedAdamW::SyncFromRankZero(const std::string& what) {
   at::NoGradGuard no_grad;
   const bool root = ranks_->rank() == 0;
   // What rank 0 restored: its state whole; its weights, in their files (the master sharded).
-  const bool weights = root && pending_files_ != nullptr;
+  const bool weights = root && pending_files_.files != nullptr;
   std::vector<at::Tensor> head = {at::tensor(
       std::vector<int64_t>{root && !pending_.empty() ? 1 : 0, weights ? 1 : 0, step_}, at::kLong)};
   RETURN_IF_ERROR(ranks_->Broadcast(head, what + " (step)"));
   const int64_t* h = head[0].data_ptr<int64_t>();
   step_ = h[2];
-  // Rank 0's restored weights (LoadWeightsFrom), read again from the files a bucket at a time:
-  // each rank keeps its chunk, and every compute copy takes the whole.
-  if (h[1] != 0) {
-    RETURN_IF_ERROR(HandOutWeights(
-        [&](size_t i, at::Tensor& into) {
-          return pending_files_->ReadRange(params_[i].first, 0, into);
-        },
-        what + " (weights)"));
-  }
-  pending_files_.reset();
+  if (h[1] != 0) RETURN_IF_ERROR(HandOutWeightFiles(what + " (weights)"));
   if (h[0] == 0) return Status::OK();  // no state restored: every shard is its rank's own
   // Rank 0's restored state, bucket by bucket: each rank keeps its chunk.
   for (auto [shard, which] : {std::pair{&exp_avg_, 0}, std::pair{&exp_avg_sq_, 1}}) {
@@ -542,17 +552,30 @@ Status ShardedAdamW::LoadWeightsFrom(WeightFiles files) {
   }
   if (files.files == nullptr) return Status::InvalidArgument("LoadWeightsFrom: no files");
   at::NoGradGuard no_grad;
-  // A bucket at a time: this rank's chunk and its compute copy. Every rank holds the whole
-  // weights (the compute copy), so rank 0 hands them out from the files in SyncFromRankZero,
-  // read again a bucket at a time.
-  for (const Bucket& b : buckets_) {
-    ASSIGN_OR_RETURN(const at::Tensor flat, FillBucket(b, [&](size_t i, at::Tensor& into) {
-                       return files.files->ReadRange(params_[i].first, 0, into);
-                     }));
-    TakeBucket(b, flat);
-  }
-  if (ranks_->rank() == 0) pending_files_ = std::move(files.files);
+  RETURN_IF_ERROR(ReadMyChunks(*files.files));
+  // Alone, the chunks are the weights; otherwise every rank's compute copy is gathered from every
+  // rank's chunks in SyncFromRankZero, once the others have read theirs.
+  if (ranks_->world_size() == 1) return GatherComputeCopy("the restored weights");
+  if (ranks_->rank() == 0) pending_files_ = std::move(files);
   return Status::OK();
+}
+
+Status ShardedAdamW::HandOutWeightFiles(const std::string& what) {
+  WeightFiles files = std::move(pending_files_);
+  pending_files_ = WeightFiles{};
+  common::ModelWeights::Shapes shapes;
+  for (const auto& [name, p] : params_) shapes.emplace_back(name, p.sizes().vec());
+  ASSIGN_OR_RETURN(
+      const int64_t missed,
+      ReadShardsWhereSeen(
+          *ranks_, files, shapes,
+          [&](const common::ModelWeights& seen) { return ReadMyChunks(seen); }, comm_,
+          "shard_grad_op: rank 0 reads the weights and broadcasts them, a bucket at a time", what));
+  // Every rank's compute copy is every rank's chunks, gathered in its dtype (as after a step).
+  if (missed == 0) return GatherComputeCopy("all-gather of " + what);
+  return HandOutWeights(
+      [&](size_t i, at::Tensor& into) { return files.files->ReadRange(params_[i].first, 0, into); },
+      what);
 }
 
 }  // namespace grpo::learner::distributed

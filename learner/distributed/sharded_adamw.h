@@ -34,8 +34,10 @@
 // parameters, which keep their names and shapes and no memory (ShardsParameters: checkpoints
 // and publishing gather the fp32 values a bucket at a time). The step updates the rank's chunk
 // in place and all-gathers it in the compute dtype straight into the compute copy (bf16: half
-// the bytes). Without either (fp32, no offload) the parameters are the compute tensors: whole
-// on every rank, as ZeRO-2 keeps them.
+// the bytes). A restore reads each rank's chunks from the checkpoint's files where the rank
+// sees them (seen_checkpoint.h) and gathers the compute copies the same way; rank 0 broadcasts
+// the weights a bucket at a time only to ranks that do not. Without either (fp32, no offload) the
+// parameters are the compute tensors: whole on every rank, as ZeRO-2 keeps them.
 //
 // Offload (`fsdp: shard_grad_op offload` on a GPU; ZeRO-Offload): the master shard, the
 // gradient shard and the moments live in page-locked host memory and `compute` is the GPU copy.
@@ -147,6 +149,18 @@ class ShardedAdamW final : public StepOptimizer {
   // A collective: rank 0's way of loading (from files, or broadcast) told to every rank;
   // FailedPrecondition on a rank whose own differs.
   Status AgreeOnLoading(bool from_files);
+  // With the master sharded: this rank's chunks of every bucket, read from `files` (never whole).
+  Status ReadMyChunks(const common::ModelWeights& files);
+  // Every rank's `chunk` of bucket b (this rank's, fp32) all-gathered into every rank's
+  // parameters, or with the master sharded into the compute copy, in its dtype (on the compute
+  // device).
+  Status GatherBucket(const Bucket& b, const at::Tensor& chunk, const std::string& what);
+  // A collective, with the master sharded: every bucket's chunks into every compute copy.
+  Status GatherComputeCopy(const std::string& what);
+  // A collective, in SyncFromRankZero after rank 0's LoadWeightsFrom: each rank that sees
+  // rank 0's checkpoint reads its chunks there and the compute copies are gathered from them;
+  // if any rank does not, rank 0 reads the weights and broadcasts them a bucket at a time.
+  Status HandOutWeightFiles(const std::string& what);
   // The bucket's values from `fill` as one host flat buffer of world_size x chunk.
   StatusOr<at::Tensor> FillBucket(const Bucket& b, const Fill& fill) const;
   // This rank's chunk of the bucket `flat` (whole: world_size x chunk) into master_, and the
@@ -186,9 +200,9 @@ class ShardedAdamW final : public StepOptimizer {
   // in which the step all-gathers the weights.
   at::Tensor master_;
   at::TensorOptions gather_;
-  // Rank 0 after LoadWeightsFrom: the checkpoint's files, until SyncFromRankZero hands the
-  // weights out (read again a bucket at a time).
-  std::shared_ptr<const common::ModelWeights> pending_files_;
+  // Rank 0 after LoadWeightsFrom (several ranks): the checkpoint's files, until
+  // SyncFromRankZero has the other ranks read their chunks there (HandOutWeightFiles).
+  WeightFiles pending_files_;
 };
 
 }  // namespace grpo::learner::distributed

@@ -15,6 +15,7 @@
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -28,6 +29,7 @@
 #include "learner/distributed/full_shard_adamw.h"
 #include "learner/distributed/group_codec.h"
 #include "learner/distributed/rank_group.h"
+#include "learner/distributed/seen_checkpoint.h"
 #include "learner/distributed/sharded_adamw.h"
 #include "learner/distributed/state_shards.h"
 #include "learner/grpo_trainer.h"
@@ -126,6 +128,9 @@ struct RunResult {
   // TrainPart: the peak of the CPU bytes this rank allocated while it restored a checkpoint and
   // synced with rank 0 (counted only under a common::CountingScope).
   int64_t restore_peak = -1;
+  // TrainPart at several ranks: the bytes this rank broadcast (or received) and all-gathered
+  // (the gathered outputs) while it restored and synced with rank 0.
+  int64_t restore_broadcast_bytes = 0, restore_gather_bytes = 0;
   // With beta != 0: the bytes of the reference's parameters between uses, and of its shard
   // (-1: not sharded), and its units' all-gathers.
   int64_t reference_parameter_bytes = -1, reference_shard_bytes = -1, reference_gathers = 0;
@@ -1001,6 +1006,41 @@ TEST(FakeRankGroupCollectives, ReduceScatterAndAllGatherByHand) {
   }
 }
 
+// Forwards to a rank's Collectives and counts the bytes it broadcasts and all-gathers.
+class TrafficCounter final : public Collectives {
+ public:
+  explicit TrafficCounter(Collectives& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  Status AllReduceSum(std::vector<at::Tensor>& t, const std::string& what) override {
+    return inner_.AllReduceSum(t, what);
+  }
+  Status AllReduceMax(std::vector<at::Tensor>& t, const std::string& what) override {
+    return inner_.AllReduceMax(t, what);
+  }
+  Status Broadcast(std::vector<at::Tensor>& t, const std::string& what) override {
+    for (const at::Tensor& x : t) broadcast_bytes += x.nbytes();
+    return inner_.Broadcast(t, what);
+  }
+  Status ReduceScatterSum(const at::Tensor& in, at::Tensor& out, const std::string& what) override {
+    return inner_.ReduceScatterSum(in, out, what);
+  }
+  Status AllGather(const at::Tensor& in, at::Tensor& out, const std::string& what) override {
+    gather_bytes += out.nbytes();
+    return inner_.AllGather(in, out, what);
+  }
+  std::unique_ptr<distributed::PendingCollective> AllGatherAsync(const at::Tensor& in,
+                                                                 at::Tensor& out,
+                                                                 const std::string& what) override {
+    gather_bytes += out.nbytes();
+    return inner_.AllGatherAsync(in, out, what);
+  }
+  int64_t broadcast_bytes = 0, gather_bytes = 0;
+
+ private:
+  Collectives& inner_;
+};
+
 // Batches [first, last) of Batches() (and the flush after the last), as rank `ranks->rank()`:
 // restored from `restore_dir` first when given (rank 0 reads it, SyncFromRankZero hands it to
 // the others), and saved to `save_dir` after (by rank 0) when given.
@@ -1008,17 +1048,25 @@ RunResult TrainPart(const common::GrpoConfig& cfg, Collectives* ranks, size_t fi
                     const std::string& restore_dir, const std::string& save_dir) {
   RunResult out;
   auto model = TinyModel();
-  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr, ranks);
+  std::optional<TrafficCounter> counted;
+  if (ranks != nullptr) counted.emplace(*ranks);
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr, counted ? &*counted : nullptr);
   if (!trainer.ok()) return {{}, {}, trainer.status().ToString()};
   const int rank = ranks != nullptr ? ranks->rank() : 0;
   {
     common::ThreadCount restoring;
+    const int64_t broadcast_before = counted ? counted->broadcast_bytes : 0;
+    const int64_t gather_before = counted ? counted->gather_bytes : 0;
     if (!restore_dir.empty() && rank == 0) {
       if (Status s = RestoreCheckpoint(**trainer, restore_dir); !s.ok())
         return {{}, {}, s.ToString()};
     }
     if (Status s = (*trainer)->SyncFromRankZero(); !s.ok()) return {{}, {}, s.ToString()};
     out.restore_peak = restoring.peak();
+    if (counted) {
+      out.restore_broadcast_bytes = counted->broadcast_bytes - broadcast_before;
+      out.restore_gather_bytes = counted->gather_bytes - gather_before;
+    }
   }
   const auto batches = Batches();
   for (size_t b = first; b < last; ++b) {
@@ -1129,7 +1177,8 @@ TEST(DataParallelCheckpoints, HostMasterResumesTheUninterruptedSteps) {
 
 // Sharded with bf16 (full_shard, and shard_grad_op, which shards the fp32 master too): the
 // checkpoint holds the fp32 master (gathered from the shards, not the bf16 copy or units) and
-// the AdamW shards; saved at 4 ranks after batch 0 and resumed at 2 and at 1, the resumed steps
+// the AdamW shards; saved at 4 ranks after batch 0 and resumed at 2 (each rank reading its
+// shard, or through rank 0 when a rank does not see the files) and at 1, the resumed steps
 // are those of the uninterrupted single bf16 rank.
 class Bf16ShardedCheckpoints : public ::testing::TestWithParam<std::string> {};
 
@@ -1155,9 +1204,39 @@ TEST_P(Bf16ShardedCheckpoints, ResumeAtAnotherWorldSizeTakesTheUninterruptedStep
   for (const std::string& name : (*weights)->Names()) {
     EXPECT_EQ((*weights)->Get(name)->scalar_type(), at::kFloat) << name;
   }
+  int64_t numel = 0;  // of the model's parameters
+  for (const at::Tensor& p : TinyModel()->Parameters()) numel += p.numel();
   const std::vector<RunResult> resumed =
       TrainPartOnRanks(2, 1, 2, ckpt.string(), "", fsdp, /*bf16=*/true);
-  for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
+  for (int r = 0; r < 2; ++r) {
+    ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
+    // Each rank read its own shard of the fp32 weights from the files: no weights were
+    // broadcast (only the checkpoint's name, counters and flags), and shard_grad_op's bf16
+    // compute copy was all-gathered from the ranks' chunks (2 bytes a parameter, and the
+    // buckets' padding).
+    std::printf("rank %d restored: %lld bytes broadcast, %lld all-gathered (%lld parameters)\n", r,
+                static_cast<long long>(resumed[r].restore_broadcast_bytes),
+                static_cast<long long>(resumed[r].restore_gather_bytes),
+                static_cast<long long>(numel));
+    EXPECT_LT(resumed[r].restore_broadcast_bytes, 4096) << "rank " << r;
+    if (fsdp == "shard_grad_op") {
+      EXPECT_GE(resumed[r].restore_gather_bytes, 2 * numel) << "rank " << r;
+      EXPECT_LT(resumed[r].restore_gather_bytes, 2 * numel + 4096) << "rank " << r;
+    } else {
+      EXPECT_EQ(resumed[r].restore_gather_bytes, 0) << "rank " << r;
+    }
+  }
+  // When rank 1 does not see the checkpoint (output_dir not shared), rank 0 broadcasts the fp32
+  // weights instead (4 bytes a parameter), and the steps are the same.
+  distributed::TEST_weight_files_probe = [](int rank) { return rank != 1; };
+  const std::vector<RunResult> through_rank_zero =
+      TrainPartOnRanks(2, 1, 2, ckpt.string(), "", fsdp, /*bf16=*/true);
+  distributed::TEST_weight_files_probe = nullptr;
+  for (int r = 0; r < 2; ++r) {
+    ExpectSameAsSingleRank(through_rank_zero[r], tail_of_reference, r);
+    EXPECT_GE(through_rank_zero[r].restore_broadcast_bytes, 4 * numel) << "rank " << r;
+    EXPECT_EQ(through_rank_zero[r].restore_gather_bytes, 0) << "rank " << r;
+  }
   ExpectSameAsSingleRank(TrainPart(one, nullptr, 1, 2, ckpt.string(), ""), tail_of_reference, 0);
   fs::remove_all(dir);
 }
