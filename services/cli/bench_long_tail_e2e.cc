@@ -32,6 +32,7 @@ struct Mode {
   std::string name;
   int64_t max_staleness;
   bool partial_rollouts, continuous_batching;
+  std::string kv_cache = "recompute";  // partial_rollout_kv_cache, with partial_rollouts
 };
 
 E2eJob LongTailJob(const Mode& m, int64_t steps, int workers) {
@@ -45,6 +46,7 @@ E2eJob LongTailJob(const Mode& m, int64_t steps, int workers) {
   job.config.max_staleness = m.max_staleness;
   job.config.partial_rollouts = m.partial_rollouts;
   job.config.continuous_batching = m.continuous_batching;
+  job.config.partial_rollout_kv_cache = m.kv_cache;
   const std::vector<json> rows = BuiltinDataset();
   for (int64_t copy = 0; copy < kDatasetCopies; ++copy) {
     for (size_t i = 0; i < rows.size(); ++i) {
@@ -67,11 +69,14 @@ int BenchLongTailE2e(const ServiceBenchOptions& o) {
   const std::vector<Mode> modes = {{"sync", 0, false, false},
                                    {"async", 1, false, false},
                                    {"async+in_flight", 1, true, false},
+                                   {"async+in_flight_keep", 1, true, false, "keep"},
                                    {"async+continuous", 1, false, true},
                                    {"async+in_flight+continuous", 1, true, true},
+                                   {"async+in_flight_keep+continuous", 1, true, true, "keep"},
                                    {"async2", 2, false, false},
                                    {"async2+continuous", 2, false, true},
-                                   {"async2+in_flight+continuous", 2, true, true}};
+                                   {"async2+in_flight+continuous", 2, true, true},
+                                   {"async2+in_flight_keep+continuous", 2, true, true, "keep"}};
   // The modes interleaved, `reps` rounds of all of them: this VM's speed drifts by tens of per
   // cent within minutes, so each round's ratios (to its own sync and async runs) are the
   // figures, and each row reports their median, min and max over the rounds.
@@ -109,31 +114,33 @@ int BenchLongTailE2e(const ServiceBenchOptions& o) {
       refused += r.stale_refused;
       refused_max = std::max(refused_max, r.stale_refused);
     }
-    rows.push_back({{"bench", "long_tail_e2e"},
-                    {"mode", modes[i].name},
-                    {"max_staleness", runs[i][0].max_staleness},
-                    {"workers", workers},
-                    {"partial_rollouts", modes[i].partial_rollouts},
-                    {"continuous_batching", modes[i].continuous_batching},
-                    {"steps", runs[i][0].steps},
-                    {"reps", reps},
-                    {"batches_timed", runs[i][0].batches_timed},
-                    {"steps_per_second", speed.median},
-                    {"steps_per_second_min", speed.min},
-                    {"steps_per_second_max", speed.max},
-                    {"vs_sync", vs_sync.median},
-                    {"vs_sync_min", vs_sync.min},
-                    {"vs_sync_max", vs_sync.max},
-                    {"vs_async", vs_async.median},
-                    {"vs_async_min", vs_async.min},
-                    {"vs_async_max", vs_async.max},
-                    {"learner_idle_fraction", idle.median},
-                    {"t_step_s", t_step.median},
-                    {"stale_groups_refused", refused},
-                    {"stale_groups_refused_max_per_run", refused_max},
-                    {"reward_first", first.median},
-                    {"reward_last", last.median},
-                    {"wall_s", wall.median}});
+    rows.push_back(
+        {{"bench", "long_tail_e2e"},
+         {"mode", modes[i].name},
+         {"max_staleness", runs[i][0].max_staleness},
+         {"workers", workers},
+         {"partial_rollouts", modes[i].partial_rollouts},
+         {"continuous_batching", modes[i].continuous_batching},
+         {"partial_rollout_kv_cache", modes[i].partial_rollouts ? modes[i].kv_cache : ""},
+         {"steps", runs[i][0].steps},
+         {"reps", reps},
+         {"batches_timed", runs[i][0].batches_timed},
+         {"steps_per_second", speed.median},
+         {"steps_per_second_min", speed.min},
+         {"steps_per_second_max", speed.max},
+         {"vs_sync", vs_sync.median},
+         {"vs_sync_min", vs_sync.min},
+         {"vs_sync_max", vs_sync.max},
+         {"vs_async", vs_async.median},
+         {"vs_async_min", vs_async.min},
+         {"vs_async_max", vs_async.max},
+         {"learner_idle_fraction", idle.median},
+         {"t_step_s", t_step.median},
+         {"stale_groups_refused", refused},
+         {"stale_groups_refused_max_per_run", refused_max},
+         {"reward_first", first.median},
+         {"reward_last", last.median},
+         {"wall_s", wall.median}});
   }
   if (o.json) {
     for (const json& r : rows) std::cout << r.dump() << "\n";
@@ -150,13 +157,13 @@ int BenchLongTailE2e(const ServiceBenchOptions& o) {
   std::cout << "  medians over " << reps
             << " interleaved rounds; vs sync and vs async are each round's own ratios (median, "
                "[min, max]); refused = stale groups over all rounds\n";
-  std::cout << std::left << std::setw(28) << "mode" << std::right << std::setw(9) << "step/s"
+  std::cout << std::left << std::setw(34) << "mode" << std::right << std::setw(9) << "step/s"
             << std::setw(9) << "vs sync" << std::setw(10) << "vs async" << std::setw(19)
             << "[min, max]" << std::setw(7) << "idle" << std::setw(8) << "t s" << std::setw(9)
             << "refused" << std::setw(16) << "reward" << std::setw(8) << "wall s"
             << "\n";
   for (const json& r : rows) {
-    std::cout << std::left << std::setw(28) << r["mode"].get<std::string>() << std::right
+    std::cout << std::left << std::setw(34) << r["mode"].get<std::string>() << std::right
               << std::setprecision(3) << std::setw(9) << r["steps_per_second"].get<double>()
               << std::setprecision(2) << std::setw(8) << r["vs_sync"].get<double>() << "x"
               << std::setw(9) << r["vs_async"].get<double>() << "x" << std::setw(8) << "["
