@@ -787,6 +787,38 @@ TEST(DataParallelSharding, GradientsAreReducedBucketByBucketDuringBackward) {
   }
 }
 
+// One rank with its master sharded (a bf16 compute copy): restored from a checkpoint's files
+// (LoadWeightsFrom), its chunks are the whole fp32 master and its copy is filled from them at
+// once, there being no SyncFromRankZero to gather it; both equal the saved model's weights.
+TEST(DataParallelSharding, AloneTheRestoredChunksAreTheMasterAndFillTheCopy) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("grpo_dp_alone_restore_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  auto saved = TinyModelOfSeed(11);
+  ASSERT_TRUE(saved->Save(dir.string()).ok());
+  auto policy = TinyModel();
+  std::vector<at::Tensor> copy;
+  for (const at::Tensor& p : policy->Parameters()) copy.push_back(p.detach().to(at::kBFloat16));
+  SingleRank alone;
+  auto opt = distributed::ShardedAdamW::Create(policy->NamedParameters(), copy, {}, &alone,
+                                               /*bucket_bytes=*/16 << 10);
+  ASSERT_TRUE(opt.ok()) << opt.status().ToString();
+  ASSERT_TRUE((*opt)->ShardsParameters());
+  auto files = common::ModelWeights::Open(dir.string(), saved->ParameterShapes(), "the test's");
+  ASSERT_TRUE(files.ok()) << files.status().ToString();
+  ASSERT_TRUE((*opt)->LoadWeightsFrom({*files, "", ""}).ok());
+  auto master = (*opt)->GatherWeights("the test's weights", true);
+  ASSERT_TRUE(master.ok()) << master.status().ToString();
+  const std::vector<at::Tensor> want = saved->Parameters();
+  ASSERT_EQ(master->size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_TRUE((*master)[i].second.equal(want[i])) << (*master)[i].first;
+    EXPECT_TRUE(copy[i].equal(want[i].to(at::kBFloat16))) << (*master)[i].first;
+  }
+  fs::remove_all(dir);
+}
+
 // bf16, one step from the same weights, so every run's bf16 weights are the same and only the
 // fp32 summation order differs: loss, grad_norm and the updated master weights equal one rank's
 // with the same accumulation. shard_grad_op: the hooks sit on the bf16 compute copy, whose
@@ -1152,8 +1184,8 @@ TEST(DataParallelCheckpoints, ResumeAtAnotherWorldSizeTakesTheUninterruptedSteps
 
 // With the master on the host (no_shard / shard_grad_op offload, the CPU counting as the device):
 // a checkpoint saved at 2 ranks after batch 0 holds the master, and resumed at 2 offloaded ranks
-// (the compute copy refreshed from the restored master) and at 1 plain rank it takes the
-// uninterrupted single rank's steps.
+// (the compute copy refreshed from the restored master), at 1 offloaded rank and at 1 plain rank
+// it takes the uninterrupted single rank's steps.
 TEST(DataParallelCheckpoints, HostMasterResumesTheUninterruptedSteps) {
   namespace fs = std::filesystem;
   HostMasterOnCpu on;
@@ -1169,6 +1201,9 @@ TEST(DataParallelCheckpoints, HostMasterResumesTheUninterruptedSteps) {
     const std::string ckpt = (at2 / "checkpoint-4").string();
     const std::vector<RunResult> resumed = TrainPartOnRanks(2, 1, 2, ckpt, "", fsdp);
     for (int r = 0; r < 2; ++r) ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
+    // One offloaded rank (the master on the host, replicated: shard_grad_op shards nothing
+    // alone) and one plain rank.
+    ExpectSameAsSingleRank(TrainPartOnRanks(1, 1, 2, ckpt, "", fsdp)[0], tail_of_reference, 0);
     ExpectSameAsSingleRank(TrainPart(RankConfig("dapo", 1), nullptr, 1, 2, ckpt, ""),
                            tail_of_reference, 0);
   }
@@ -1237,6 +1272,10 @@ TEST_P(Bf16ShardedCheckpoints, ResumeAtAnotherWorldSizeTakesTheUninterruptedStep
     EXPECT_GE(through_rank_zero[r].restore_broadcast_bytes, 4 * numel) << "rank " << r;
     EXPECT_EQ(through_rank_zero[r].restore_gather_bytes, 0) << "rank " << r;
   }
+  // At one rank of the mode (full_shard's shards are then the whole weights) and at one plain
+  // rank.
+  ExpectSameAsSingleRank(TrainPartOnRanks(1, 1, 2, ckpt.string(), "", fsdp, /*bf16=*/true)[0],
+                         tail_of_reference, 0);
   ExpectSameAsSingleRank(TrainPart(one, nullptr, 1, 2, ckpt.string(), ""), tail_of_reference, 0);
   fs::remove_all(dir);
 }
