@@ -280,6 +280,15 @@ Status RolloutLoop::ApplyRegistration(const Registration& r) {
     episode_options_ = std::move(episode_options);
   }
 
+  if (merged.bf16 && device_.is_cpu()) {
+    std::call_once(cpu_bf16_checked_, [] {
+      const std::string warning = common::CpuBf16Warning(common::MeasureCpuBf16Matmul());
+      if (!warning.empty()) {
+        GRPO_LOG_WARN("{} (a worker generates in the learner's precision: bf16 is its key)",
+                      warning);
+      }
+    });
+  }
   const std::shared_ptr<const common::Model> held = policy();
   if (r.model_config_json != model_config_json_ ||
       (held != nullptr && held->dtype() != common::ComputeDtype(merged.bf16))) {

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -263,6 +264,9 @@ class RolloutLoop {
 
   const RolloutLoopOptions options_;
   const at::Device device_;  // options_.config.device, resolved: where generation runs
+  // The learner's bf16 on a CPU that emulates it is said once per process (common/model/device.h
+  // CpuBf16Warning).
+  std::once_flag cpu_bf16_checked_;
   LearnerLink* const link_;  // borrowed, thread-safe
   Backoff backoff_;          // main thread only
 

@@ -1,8 +1,11 @@
 #include "common/model/device.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -102,6 +105,39 @@ int64_t TotalMemoryBytes(const at::Device& device) {
 
 void ResetPeakMemory(const at::Device& device) {
   if (device.is_cuda()) c10::getDeviceAllocator(at::kCUDA)->resetPeakStats(device.index());
+}
+
+CpuBf16Speed MeasureCpuBf16Matmul() {
+  // Fixed inputs from a generator of their own: the process's random state stays as it was.
+  at::Generator g = at::detail::createCPUGenerator(0);
+  const at::Tensor a = at::randn({64, 256}, g), b = at::randn({256, 256}, g);
+  const auto best = [](const at::Tensor& x, const at::Tensor& y) {
+    at::mm(x, y);  // warm-up: the kernel's first call picks and pages in its code
+    double out = 0;
+    for (int i = 0; i < 3; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      at::mm(x, y);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      out = i == 0 ? s : std::min(out, s);
+    }
+    return out;
+  };
+  CpuBf16Speed speed;
+  speed.fp32_seconds = best(a, b);
+  speed.bf16_seconds = best(a.to(at::kBFloat16), b.to(at::kBFloat16));
+  return speed;
+}
+
+std::string CpuBf16Warning(const CpuBf16Speed& speed) {
+  const double slowdown = speed.slowdown();
+  if (slowdown < kCpuBf16SlowdownToWarn) return "";
+  std::ostringstream out;
+  out.precision(slowdown < 10 ? 2 : 3);
+  out << "bf16 on the CPU: a bf16 matrix product runs " << slowdown
+      << "x slower than fp32 on this CPU (libtorch emulates bf16 where the CPU has no bf16 "
+         "instructions: AVX512-BF16 or AMX), so here bf16 saves memory and costs the run most of "
+         "its speed; set bf16: false unless the model needs the memory (grpo plan shows it)";
+  return out.str();
 }
 
 }  // namespace grpo::common

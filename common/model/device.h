@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 
 #include "common/status.h"
@@ -34,5 +35,20 @@ int64_t CurrentMemoryBytes(const at::Device& device);
 int64_t TotalMemoryBytes(const at::Device& device);
 // Resets the CUDA allocator's peak statistics of `device`; no-op on CPU.
 void ResetPeakMemory(const at::Device& device);
+
+// `bf16` on the CPU: libtorch multiplies bf16 matrices with the CPU's own bf16 instructions where
+// it has them (AVX512-BF16, AMX) and emulates them otherwise, a hundred times slower than fp32
+// and more (155x on an AVX2 EPYC), so that there bf16 saves memory and costs the run its speed.
+// The time of one 64 x 256 by 256 x 256 product in each dtype on this CPU (the best of a few).
+struct CpuBf16Speed {
+  double fp32_seconds = 0, bf16_seconds = 0;
+  double slowdown() const { return fp32_seconds > 0 ? bf16_seconds / fp32_seconds : 0; }
+};
+CpuBf16Speed MeasureCpuBf16Matmul();
+// bf16 this many times slower than fp32 or more is worth a warning.
+inline constexpr double kCpuBf16SlowdownToWarn = 4.0;
+// The warning a run with `bf16` on the CPU logs at start (the measured slowdown and the way
+// out), or empty when bf16 is less than kCpuBf16SlowdownToWarn times slower.
+std::string CpuBf16Warning(const CpuBf16Speed& speed);
 
 }  // namespace grpo::common

@@ -3,6 +3,8 @@
 // the process exit code (0 success, 1 runtime failure, 2 bad input).
 #pragma once
 
+#include <c10/core/Device.h>
+
 #include <CLI/CLI.hpp>
 #include <functional>
 #include <string>
@@ -44,5 +46,9 @@ void AddPlanCommand(CLI::App& app, CliAction* action);
 // too small; NotFound / InvalidArgument for a missing or bad config.json or device.
 Status CheckLearnerMemoryPlan(const common::GrpoConfig& cfg, int world_size,
                               const std::string& device, int local_world_size = 1);
+// The start-up warning of `bf16` on a CPU that emulates it (cli_plan.cc; common/model/device.h
+// CpuBf16Warning), logged by learner and train-local: measured only when `bf16` is set and
+// `device` is the CPU.
+void WarnOfCpuBf16(const common::GrpoConfig& cfg, const c10::Device& device);
 
 }  // namespace grpo::services

@@ -178,6 +178,7 @@ int RunLearner(const LearnerOptions& o) {
     ranks = std::move(joined).value();
     if (rank_env->rank > 0) return RunTrainerRank(cfg, *device, *ranks);
   }
+  WarnOfCpuBf16(cfg, *device);
   std::error_code ec;
   fs::create_directories(cfg.output_dir, ec);
   auto model_dir = ModelDir(cfg);

@@ -224,6 +224,12 @@ int RunPlan(const PlanOptions& o) {
 
 }  // namespace
 
+void WarnOfCpuBf16(const common::GrpoConfig& cfg, const c10::Device& device) {
+  if (!cfg.bf16 || !device.is_cpu()) return;
+  const std::string warning = common::CpuBf16Warning(common::MeasureCpuBf16Matmul());
+  if (!warning.empty()) GRPO_LOG_WARN("{}", warning);
+}
+
 Status CheckLearnerMemoryPlan(const common::GrpoConfig& cfg, int world_size,
                               const std::string& device, int local_world_size) {
   std::string source;

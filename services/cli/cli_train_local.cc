@@ -93,6 +93,7 @@ int RunTrainLocal(const TrainLocalOptions& o) {
   // no_shard / shard_grad_op offload on a GPU the master is loaded on the host, the copy there).
   auto device = common::ResolveDevice(cfg.device);
   if (!device.ok()) return fail(device.status(), 2);
+  WarnOfCpuBf16(cfg, *device);
   auto fsdp = common::ParseFsdp(cfg.fsdp);
   if (!fsdp.ok()) return fail(fsdp.status(), 2);
   auto model_or = common::Model::Load(model_dir, learner::MasterHome(*fsdp, *device));

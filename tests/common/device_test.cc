@@ -3,9 +3,13 @@
 // own fp32 -> bf16 rounding.
 #include "common/model/device.h"
 
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "../precision_test_util.h"
+#include "../test_util.h"
 
 namespace grpo::common {
 namespace {
@@ -49,6 +53,43 @@ TEST(ResolveDevice, CudaIndexPastTheVisibleGpusIsInvalidArgument) {
   auto d = ResolveDevice("cuda:999");
   ASSERT_FALSE(d.ok());
   EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+}
+
+// The warning of bf16 on a CPU that emulates it: none under 4x (a CPU with bf16 instructions
+// multiplies bf16 no slower than fp32), the measured factor and the way out above.
+TEST(CpuBf16, TheWarningNamesTheSlowdownAndTheKnobAboveFourTimes) {
+  EXPECT_EQ(CpuBf16Warning({1e-3, 0.5e-3}), "");
+  EXPECT_EQ(CpuBf16Warning({1e-3, 3.9e-3}), "");
+  const std::string slow = CpuBf16Warning({1e-3, 155e-3});
+  EXPECT_NE(slow.find("155x slower than fp32"), std::string::npos) << slow;
+  EXPECT_NE(slow.find("set bf16: false"), std::string::npos) << slow;
+  EXPECT_NE(CpuBf16Warning({1e-3, 4.5e-3}).find("4.5x slower"), std::string::npos);
+  EXPECT_EQ(CpuBf16Warning({0, 1e-3}), "");  // nothing measured
+}
+
+// The measurement times the same product in both dtypes without touching the process's random
+// state (seeded runs stay reproducible), and agrees with PyTorch's own timing of that product
+// (tests/reference/bf16_matmul_speed.py, the same intra-op threads) on whether this CPU
+// emulates bf16, wherever PyTorch's factor is clear: under 2x (bf16 instructions) or over 10x.
+TEST(CpuBf16, TheMeasurementAgreesWithPyTorchOnWhetherThisCpuEmulatesBf16) {
+  ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch"));
+  at::manual_seed(5);
+  const at::Tensor before = at::rand({4});
+  at::manual_seed(5);
+  const CpuBf16Speed ours = MeasureCpuBf16Matmul();
+  EXPECT_TRUE(at::equal(at::rand({4}), before)) << "the measurement drew from the global generator";
+  ASSERT_TRUE(std::isfinite(ours.slowdown()) && ours.fp32_seconds > 0 && ours.bf16_seconds > 0);
+  const nlohmann::json theirs = grpo::testing::RunReference(
+      "bf16_matmul_speed.py",
+      {{"m", 64}, {"k", 256}, {"n", 256}, {"threads", at::get_num_threads()}});
+  ASSERT_FALSE(theirs.is_null());
+  const double factor = theirs["slowdown"].get<double>();
+  std::printf("bf16 / fp32 on this CPU: %.2fx here, %.2fx in PyTorch\n", ours.slowdown(), factor);
+  if (factor > 2 && factor < 10) {
+    GTEST_SKIP() << "PyTorch's own factor " << factor << " is too near the threshold to decide";
+  }
+  EXPECT_EQ(!CpuBf16Warning(ours).empty(), factor >= 10)
+      << "here " << ours.slowdown() << "x, PyTorch " << factor << "x";
 }
 
 TEST(ModelPlacement, Bf16CopyHoldsTheRoundedMasterAndLeavesItFp32) {
