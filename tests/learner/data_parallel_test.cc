@@ -1241,22 +1241,30 @@ TEST_P(Bf16ShardedCheckpoints, ResumeAtAnotherWorldSizeTakesTheUninterruptedStep
   }
   int64_t numel = 0;  // of the model's parameters
   for (const at::Tensor& p : TinyModel()->Parameters()) numel += p.numel();
-  const std::vector<RunResult> resumed =
-      TrainPartOnRanks(2, 1, 2, ckpt.string(), "", fsdp, /*bf16=*/true);
+  std::vector<RunResult> resumed;
+  {
+    common::CountingScope counting;
+    resumed = TrainPartOnRanks(2, 1, 2, ckpt.string(), "", fsdp, /*bf16=*/true);
+  }
   for (int r = 0; r < 2; ++r) {
     ExpectSameAsSingleRank(resumed[r], tail_of_reference, r);
     // Each rank read its own shard of the fp32 weights from the files: no weights were
     // broadcast (only the checkpoint's name, counters and flags), and shard_grad_op's bf16
     // compute copy was all-gathered from the ranks' chunks (2 bytes a parameter, and the
     // buckets' padding).
-    std::printf("rank %d restored: %lld bytes broadcast, %lld all-gathered (%lld parameters)\n", r,
-                static_cast<long long>(resumed[r].restore_broadcast_bytes),
-                static_cast<long long>(resumed[r].restore_gather_bytes),
-                static_cast<long long>(numel));
+    std::printf(
+        "rank %d restored: %lld bytes broadcast, %lld all-gathered (%lld parameters), a peak of "
+        "%lld bytes allocated\n",
+        r, static_cast<long long>(resumed[r].restore_broadcast_bytes),
+        static_cast<long long>(resumed[r].restore_gather_bytes), static_cast<long long>(numel),
+        static_cast<long long>(resumed[r].restore_peak));
     EXPECT_LT(resumed[r].restore_broadcast_bytes, 4096) << "rank " << r;
     if (fsdp == "shard_grad_op") {
       EXPECT_GE(resumed[r].restore_gather_bytes, 2 * numel) << "rank " << r;
       EXPECT_LT(resumed[r].restore_gather_bytes, 2 * numel + 4096) << "rank " << r;
+      // Beyond its shards a rank held one bucket in bf16 and its chunk's cast (the whole tiny
+      // model is one bucket), never the fp32 weights (4 bytes a parameter) rank 0 once read.
+      EXPECT_LT(resumed[r].restore_peak, 3 * numel + (64 << 10)) << "rank " << r;
     } else {
       EXPECT_EQ(resumed[r].restore_gather_bytes, 0) << "rank " << r;
     }
