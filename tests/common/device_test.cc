@@ -68,20 +68,22 @@ TEST(CpuBf16, TheWarningNamesTheSlowdownAndTheKnobAboveFourTimes) {
 }
 
 // The measurement times the same product in both dtypes without touching the process's random
-// state (seeded runs stay reproducible), and agrees with PyTorch's own timing of that product
-// (tests/reference/bf16_matmul_speed.py, the same intra-op threads) on whether this CPU
-// emulates bf16, wherever PyTorch's factor is clear: under 2x (bf16 instructions) or over 10x.
+// state (seeded runs stay reproducible) or the caller's intra-op threads, and agrees with PyTorch's
+// own timing of that product (tests/reference/bf16_matmul_speed.py, one intra-op thread too) on
+// whether this CPU emulates bf16, wherever PyTorch's factor is clear: under 2x (bf16 instructions)
+// or over 10x.
 TEST(CpuBf16, TheMeasurementAgreesWithPyTorchOnWhetherThisCpuEmulatesBf16) {
   ASSERT_TRUE(grpo::testing::ReferencePythonHas("torch"));
   at::manual_seed(5);
   const at::Tensor before = at::rand({4});
   at::manual_seed(5);
+  const int threads = at::get_num_threads();
   const CpuBf16Speed ours = MeasureCpuBf16Matmul();
   EXPECT_TRUE(at::equal(at::rand({4}), before)) << "the measurement drew from the global generator";
+  EXPECT_EQ(at::get_num_threads(), threads) << "the measurement changed the caller's threads";
   ASSERT_TRUE(std::isfinite(ours.slowdown()) && ours.fp32_seconds > 0 && ours.bf16_seconds > 0);
   const nlohmann::json theirs = grpo::testing::RunReference(
-      "bf16_matmul_speed.py",
-      {{"m", 64}, {"k", 256}, {"n", 256}, {"threads", at::get_num_threads()}});
+      "bf16_matmul_speed.py", {{"m", 64}, {"k", 256}, {"n", 256}, {"threads", 1}});
   ASSERT_FALSE(theirs.is_null());
   const double factor = theirs["slowdown"].get<double>();
   std::printf("bf16 / fp32 on this CPU: %.2fx here, %.2fx in PyTorch\n", ours.slowdown(), factor);
