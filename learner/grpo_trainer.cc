@@ -434,12 +434,15 @@ Status GrpoTrainer::ValidateGroup(const RolloutGroup& g, RejectReason* reason) c
 
 namespace {
 
-// Runs `body`, with a libtorch or standard exception turned into Internal (the edge of learner/).
+// Runs `body`, with a libtorch or standard exception turned into Internal (the edge of learner/),
+// except a collective's failure that the optimizer's gate could only throw: that Status, with
+// its own code (a rank that left is Unavailable, one that stalled DeadlineExceeded).
 template <typename Body>
-auto CatchAsStatus(Body&& body) -> decltype(body()) {
+auto CatchAsStatus(StepOptimizer& optimizer, Body&& body) -> decltype(body()) {
   try {
     return body();
   } catch (const c10::Error& e) {
+    if (Status failed = optimizer.TakeGateError(); !failed.ok()) return failed;
     return Status::Internal(std::string("training step: ") + e.what_without_backtrace());
   } catch (const std::exception& e) {
     return Status::Internal(std::string("training step: ") + e.what());
@@ -450,13 +453,13 @@ auto CatchAsStatus(Body&& body) -> decltype(body()) {
 
 StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatch(
     const std::vector<RolloutGroup>& groups) {
-  auto result = CatchAsStatus([&] { return TrainGenerationBatchOrFail(groups); });
+  auto result = CatchAsStatus(*optimizer_, [&] { return TrainGenerationBatchOrFail(groups); });
   if (!result.ok()) DiscardOpenStep();
   return result;
 }
 
 StatusOr<std::optional<StepMetrics>> GrpoTrainer::FlushPartialStep() {
-  auto result = CatchAsStatus([&] { return FlushPartialStepOrFail(); });
+  auto result = CatchAsStatus(*optimizer_, [&] { return FlushPartialStepOrFail(); });
   if (!result.ok()) DiscardOpenStep();
   return result;
 }

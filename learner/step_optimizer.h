@@ -95,6 +95,10 @@ class StepOptimizer {
     for (int64_t i = 0; i < own; ++i) forward(i);
     return Status::OK();
   }
+  // The first failure of a collective this optimizer made inside a forward or backward, where
+  // it could only throw it as c10::Error (full_shard's gate), with its own code (Unavailable,
+  // DeadlineExceeded, Aborted); cleared by the call and by ZeroGrad. OK when none.
+  virtual Status TakeGateError() { return Status::OK(); }
   // Sharded only (Unimplemented otherwise), collectives: the whole weights (fp32, on the CPU,
   // named and ordered as Model::NamedParameters) on rank 0, or on every rank with
   // `every_rank`; other ranks get an empty list. One unit is gathered at a time.

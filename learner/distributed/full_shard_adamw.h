@@ -107,6 +107,7 @@ class FullShardAdamW final : public StepOptimizer, public GatheredUnits {
   bool ShardsParameters() const override { return true; }
   Status RunNoGradForwards(int64_t own, int64_t all, const std::function<void(int64_t)>& forward,
                            const std::string& where) override;
+  Status TakeGateError() override { return TakeError(); }
   StatusOr<common::NamedTensors> GatherWeights(const std::string& what, bool every_rank) override;
   Status StreamWeights(const std::string& what, bool every_rank,
                        const common::Model::WeightPut& put) override;

@@ -248,7 +248,15 @@ Status GatheredUnits::RunJoinedForwards(int64_t own, int64_t all,
                                         const std::string& where) {
   where_ = where;
   for (int64_t i = 0; i < own; ++i) {
-    forward(i);
+    try {
+      forward(i);
+    } catch (const c10::Error&) {
+      // The gate threw its collective's failure (it cannot return one): that Status, with its
+      // code, rather than the exception's text; any other libtorch error propagates.
+      ReleaseAll();
+      if (Status failed = TakeError(); !failed.ok()) return failed;
+      throw;
+    }
     ReleaseAll();  // the lm_head, which LmHeadWeight left gathered
     RETURN_IF_ERROR(TakeError());
   }

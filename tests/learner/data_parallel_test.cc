@@ -1697,6 +1697,73 @@ TEST(DataParallelFaults, ARankThatNeverJoinsFailsTheStepAtTheDeadline) {
   EXPECT_LT(s, 10.0);
 }
 
+// full_shard's collectives run inside the forwards and backwards, where its gate can only throw
+// (c10::Error): the step still fails with the collective's own code and message, as the other
+// modes' do, whether the first forward is the old log-probs' no-grad one (num_iterations 2, 4
+// groups: 8 micro-batches where a step takes 4) or the training step's (num_iterations 1, 2
+// groups: one step, on-policy, so no old log-probs). Until 2026-12-06 it failed as Internal.
+class DataParallelGateFaults : public ::testing::TestWithParam<bool> {  // old log-probs first
+ protected:
+  common::GrpoConfig Config() const {
+    auto cfg = RankConfig("dapo", 2, "full_shard");
+    cfg.num_iterations = GetParam() ? 2 : 1;
+    return cfg;
+  }
+  std::vector<RolloutGroup> Groups() const { return MakeGroups(GetParam() ? 4 : 2, 11); }
+};
+
+TEST_P(DataParallelGateFaults, ARankThatLeavesFailsTheStepAsUnavailable) {
+  FakeRankGroup group(2, std::chrono::seconds(60));
+  const common::GrpoConfig cfg = Config();
+  std::vector<std::unique_ptr<common::Model>> models(2);
+  std::vector<std::unique_ptr<GrpoTrainer>> trainers(2);
+  std::vector<std::thread> made;
+  for (int r = 0; r < 2; ++r) {  // Create is a collective under full_shard
+    made.emplace_back([&, r] {
+      models[r] = TinyModel();
+      auto t = GrpoTrainer::Create(cfg, models[r].get(), nullptr, &group.Rank(r));
+      if (t.ok()) trainers[r] = std::move(t).value();
+    });
+  }
+  for (auto& t : made) t.join();
+  ASSERT_TRUE(trainers[0] && trainers[1]);
+  group.FailRank(1);  // dies before its first step
+  auto r = trainers[0]->TrainGenerationBatch(Groups());
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("rank 1 left"), std::string::npos) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("step 1"), std::string::npos) << r.status().ToString();
+  EXPECT_EQ(trainers[0]->global_step(), 0);
+  EXPECT_EQ(trainers[0]->open_step_micro_batches(), 0);
+}
+
+TEST_P(DataParallelGateFaults, ARankThatStallsFailsTheStepAtTheDeadline) {
+  FakeRankGroup group(2, std::chrono::milliseconds(500));
+  const common::GrpoConfig cfg = Config();
+  std::vector<std::unique_ptr<common::Model>> models(2);
+  std::vector<std::unique_ptr<GrpoTrainer>> trainers(2);
+  std::vector<std::thread> made;
+  for (int r = 0; r < 2; ++r) {
+    made.emplace_back([&, r] {
+      models[r] = TinyModel();
+      auto t = GrpoTrainer::Create(cfg, models[r].get(), nullptr, &group.Rank(r));
+      if (t.ok()) trainers[r] = std::move(t).value();
+    });
+  }
+  for (auto& t : made) t.join();
+  ASSERT_TRUE(trainers[0] && trainers[1]);
+  const auto start = std::chrono::steady_clock::now();
+  auto r = trainers[0]->TrainGenerationBatch(Groups());  // rank 1 never joins
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("rank 1 did not join"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_LT(s, 10.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(DataParallelFaults, DataParallelGateFaults, ::testing::Bool());
+
 // At one rank every mode is the identity: full_shard with bf16 and offload trains alone.
 TEST(DataParallelConfig, EveryModeRunsAtOneRank) {
   auto model = TinyModel();
