@@ -1038,10 +1038,10 @@ TEST(FakeRankGroupCollectives, ReduceScatterAndAllGatherByHand) {
   }
 }
 
-// Forwards to a rank's Collectives and counts the bytes it broadcasts and all-gathers.
-class TrafficCounter final : public Collectives {
+// Forwards every collective to a rank's Collectives: tests override what they observe.
+class ForwardingRank : public Collectives {
  public:
-  explicit TrafficCounter(Collectives& inner) : inner_(inner) {}
+  explicit ForwardingRank(Collectives& inner) : inner_(inner) {}
   int rank() const override { return inner_.rank(); }
   int world_size() const override { return inner_.world_size(); }
   Status AllReduceSum(std::vector<at::Tensor>& t, const std::string& what) override {
@@ -1051,26 +1051,43 @@ class TrafficCounter final : public Collectives {
     return inner_.AllReduceMax(t, what);
   }
   Status Broadcast(std::vector<at::Tensor>& t, const std::string& what) override {
-    for (const at::Tensor& x : t) broadcast_bytes += x.nbytes();
     return inner_.Broadcast(t, what);
   }
   Status ReduceScatterSum(const at::Tensor& in, at::Tensor& out, const std::string& what) override {
     return inner_.ReduceScatterSum(in, out, what);
   }
   Status AllGather(const at::Tensor& in, at::Tensor& out, const std::string& what) override {
-    gather_bytes += out.nbytes();
     return inner_.AllGather(in, out, what);
   }
   std::unique_ptr<distributed::PendingCollective> AllGatherAsync(const at::Tensor& in,
                                                                  at::Tensor& out,
                                                                  const std::string& what) override {
-    gather_bytes += out.nbytes();
     return inner_.AllGatherAsync(in, out, what);
   }
-  int64_t broadcast_bytes = 0, gather_bytes = 0;
 
  private:
   Collectives& inner_;
+};
+
+// Counts the bytes a rank broadcasts (or receives) and all-gathers (the gathered outputs).
+class TrafficCounter final : public ForwardingRank {
+ public:
+  using ForwardingRank::ForwardingRank;
+  Status Broadcast(std::vector<at::Tensor>& t, const std::string& what) override {
+    for (const at::Tensor& x : t) broadcast_bytes += x.nbytes();
+    return ForwardingRank::Broadcast(t, what);
+  }
+  Status AllGather(const at::Tensor& in, at::Tensor& out, const std::string& what) override {
+    gather_bytes += out.nbytes();
+    return ForwardingRank::AllGather(in, out, what);
+  }
+  std::unique_ptr<distributed::PendingCollective> AllGatherAsync(const at::Tensor& in,
+                                                                 at::Tensor& out,
+                                                                 const std::string& what) override {
+    gather_bytes += out.nbytes();
+    return ForwardingRank::AllGatherAsync(in, out, what);
+  }
+  int64_t broadcast_bytes = 0, gather_bytes = 0;
 };
 
 // Batches [first, last) of Batches() (and the flush after the last), as rank `ranks->rank()`:
@@ -1442,34 +1459,20 @@ INSTANTIATE_TEST_SUITE_P(DataParallelCheckpoints, ShardedCheckpoints,
 
 // Forwards to a rank's Collectives and counts the bytes all-gathered or all-reduced for AdamW's
 // state.
-class AdamWGatherCounter final : public Collectives {
+class AdamWGatherCounter final : public ForwardingRank {
  public:
-  explicit AdamWGatherCounter(Collectives& inner) : inner_(inner) {}
-  int rank() const override { return inner_.rank(); }
-  int world_size() const override { return inner_.world_size(); }
+  using ForwardingRank::ForwardingRank;
   Status AllReduceSum(std::vector<at::Tensor>& t, const std::string& what) override {
     if (what.find("AdamW") != std::string::npos) {
       for (const at::Tensor& x : t) adamw_bytes += x.nbytes();
     }
-    return inner_.AllReduceSum(t, what);
-  }
-  Status AllReduceMax(std::vector<at::Tensor>& t, const std::string& what) override {
-    return inner_.AllReduceMax(t, what);
-  }
-  Status Broadcast(std::vector<at::Tensor>& t, const std::string& what) override {
-    return inner_.Broadcast(t, what);
-  }
-  Status ReduceScatterSum(const at::Tensor& in, at::Tensor& out, const std::string& what) override {
-    return inner_.ReduceScatterSum(in, out, what);
+    return ForwardingRank::AllReduceSum(t, what);
   }
   Status AllGather(const at::Tensor& in, at::Tensor& out, const std::string& what) override {
     if (what.find("AdamW") != std::string::npos) adamw_bytes += out.nbytes();
-    return inner_.AllGather(in, out, what);
+    return ForwardingRank::AllGather(in, out, what);
   }
   int64_t adamw_bytes = 0;
-
- private:
-  Collectives& inner_;
 };
 
 // While the ranks write their own shards, no AdamW state moves to rank 0; when a rank does not
@@ -1710,50 +1713,43 @@ class DataParallelGateFaults : public ::testing::TestWithParam<bool> {  // old l
     return cfg;
   }
   std::vector<RolloutGroup> Groups() const { return MakeGroups(GetParam() ? 4 : 2, 11); }
+  // A group of 2 ranks with collectives' `deadline` and both ranks' trainers (Create is a
+  // collective under full_shard).
+  void MakeTrainers(std::chrono::milliseconds deadline) {
+    group_.emplace(2, deadline);
+    std::vector<std::thread> made;
+    for (int r = 0; r < 2; ++r) {
+      made.emplace_back([&, r] {
+        models_[r] = TinyModel();
+        auto t = GrpoTrainer::Create(Config(), models_[r].get(), nullptr, &group_->Rank(r));
+        if (t.ok()) trainers_[r] = std::move(t).value();
+      });
+    }
+    for (auto& t : made) t.join();
+  }
+  std::optional<FakeRankGroup> group_;  // outlives the trainers, which borrow its ranks
+  std::unique_ptr<common::Model> models_[2];
+  std::unique_ptr<GrpoTrainer> trainers_[2];
 };
 
 TEST_P(DataParallelGateFaults, ARankThatLeavesFailsTheStepAsUnavailable) {
-  FakeRankGroup group(2, std::chrono::seconds(60));
-  const common::GrpoConfig cfg = Config();
-  std::vector<std::unique_ptr<common::Model>> models(2);
-  std::vector<std::unique_ptr<GrpoTrainer>> trainers(2);
-  std::vector<std::thread> made;
-  for (int r = 0; r < 2; ++r) {  // Create is a collective under full_shard
-    made.emplace_back([&, r] {
-      models[r] = TinyModel();
-      auto t = GrpoTrainer::Create(cfg, models[r].get(), nullptr, &group.Rank(r));
-      if (t.ok()) trainers[r] = std::move(t).value();
-    });
-  }
-  for (auto& t : made) t.join();
-  ASSERT_TRUE(trainers[0] && trainers[1]);
-  group.FailRank(1);  // dies before its first step
-  auto r = trainers[0]->TrainGenerationBatch(Groups());
+  MakeTrainers(std::chrono::seconds(60));
+  ASSERT_TRUE(trainers_[0] && trainers_[1]);
+  group_->FailRank(1);  // dies before its first step
+  auto r = trainers_[0]->TrainGenerationBatch(Groups());
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
   EXPECT_NE(r.status().message().find("rank 1 left"), std::string::npos) << r.status().ToString();
   EXPECT_NE(r.status().message().find("step 1"), std::string::npos) << r.status().ToString();
-  EXPECT_EQ(trainers[0]->global_step(), 0);
-  EXPECT_EQ(trainers[0]->open_step_micro_batches(), 0);
+  EXPECT_EQ(trainers_[0]->global_step(), 0);
+  EXPECT_EQ(trainers_[0]->open_step_micro_batches(), 0);
 }
 
 TEST_P(DataParallelGateFaults, ARankThatStallsFailsTheStepAtTheDeadline) {
-  FakeRankGroup group(2, std::chrono::milliseconds(500));
-  const common::GrpoConfig cfg = Config();
-  std::vector<std::unique_ptr<common::Model>> models(2);
-  std::vector<std::unique_ptr<GrpoTrainer>> trainers(2);
-  std::vector<std::thread> made;
-  for (int r = 0; r < 2; ++r) {
-    made.emplace_back([&, r] {
-      models[r] = TinyModel();
-      auto t = GrpoTrainer::Create(cfg, models[r].get(), nullptr, &group.Rank(r));
-      if (t.ok()) trainers[r] = std::move(t).value();
-    });
-  }
-  for (auto& t : made) t.join();
-  ASSERT_TRUE(trainers[0] && trainers[1]);
+  MakeTrainers(std::chrono::milliseconds(500));
+  ASSERT_TRUE(trainers_[0] && trainers_[1]);
   const auto start = std::chrono::steady_clock::now();
-  auto r = trainers[0]->TrainGenerationBatch(Groups());  // rank 1 never joins
+  auto r = trainers_[0]->TrainGenerationBatch(Groups());  // rank 1 never joins
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
