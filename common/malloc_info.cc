@@ -56,4 +56,16 @@ MallocBytes ReadMallocBytes() {
   return bytes;
 }
 
+void ReleaseFreeMemory() {
+  const std::string name = MallocName();
+  if (name == "tcmalloc") {
+    using Release = void (*)();
+    const auto release =
+        reinterpret_cast<Release>(dlsym(RTLD_DEFAULT, "MallocExtension_ReleaseFreeMemory"));
+    if (release != nullptr) release();
+  } else if (name == "glibc") {
+    malloc_trim(0);
+  }
+}
+
 }  // namespace grpo::common

@@ -25,4 +25,10 @@ struct MallocBytes {
 };
 MallocBytes ReadMallocBytes();
 
+// Gives the free memory the malloc keeps back to the kernel (tcmalloc's ReleaseFreeMemory,
+// glibc's malloc_trim), so that what the next allocations take shows in the resident set
+// again: the benchmarks that read a step's peak resident set (VmHWM) start it from here. Without
+// it tcmalloc hands a step the pages the previous step freed and the peak reads ~0.
+void ReleaseFreeMemory();
+
 }  // namespace grpo::common

@@ -21,6 +21,7 @@
 #include <random>
 #include <sstream>
 
+#include "common/malloc_info.h"
 #include "common/model/device.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
@@ -146,7 +147,8 @@ Timing LearnerStepTiming(int reps, int64_t micro, bool gradient_checkpointing, d
     auto r = trainer->TrainGenerationBatch({g});
     if (!r.ok() || r->steps.size() != 1) std::abort();
   };
-  step();                                         // optimizer state and gradients exist now
+  step();                       // optimizer state and gradients exist now
+  common::ReleaseFreeMemory();  // what the step frees is not counted as resident before it
   std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to the current RSS
   const int64_t base = ProcStatusBytes("VmRSS");
   const Timing t = TimeIt(reps, step);
@@ -237,6 +239,7 @@ json LogprobMemoryChild(const std::string& impl, int64_t G, int64_t micro, int r
     common::ResetPeakMemory(device);
     base = common::CurrentMemoryBytes(device);
   } else {
+    common::ReleaseFreeMemory();  // what the step frees is not counted as resident before it
     std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to the current RSS
     base = ProcStatusBytes("VmRSS");
   }

@@ -266,6 +266,24 @@ TEST_F(CliTools, ServiceBenchmarksRunAgainstARealLearner) {
   EXPECT_TRUE(pushed) << "no grpc_push row";
 }
 
+// The memory benchmarks read a step's peak resident set above the one before it (VmHWM after
+// clear_refs). `grpo` runs on tcmalloc, which keeps what a step frees and hands it to the next
+// step, so that the peak read ~0 (peer_trl's "peak learner MiB at G = 16 / 64": 0.33 and -0.06
+// on 2026-12-06) until the benchmark gave the free memory back first. The learner's chunked
+// log-probs of a micro-batch of 4 x 128 completion tokens (one chunk: under 1024 tokens) hold
+// their [512, 32768] fp32 logits at once: 64 MiB at the least, whatever G.
+TEST_F(CliTools, MemoryBenchmarksReadAStepsPeakOnTcmalloc) {
+  int rc = 0;
+  const auto rows =
+      Lines(RunCommand(GrpoBin() + " bench logprob_memory --child --impl chunked --G 16 "
+                                   "--micro_batch 4 --reps 1 2>/dev/null",
+                       &rc));
+  ASSERT_EQ(rc, 0);
+  ASSERT_EQ(rows.size(), 1u);
+  const double logits_mib = 4.0 * 128 * 32768 * 4 / (1 << 20);
+  EXPECT_GE(rows[0]["peak_mib"].get<double>(), logits_mib) << rows[0].dump();
+}
+
 TEST_F(CliTools, ConfigNamesAnUnknownKey) {
   int rc;
   RunCommand(GrpoBin() + " config --num_generaton 4 2>/dev/null", &rc);
