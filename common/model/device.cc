@@ -111,9 +111,12 @@ void ResetPeakMemory(const at::Device& device) {
 
 CpuBf16Speed MeasureCpuBf16Matmul() {
   CpuBf16Speed speed;
-  // On a thread of its own with one intra-op thread (libtorch's thread count is the calling
-  // thread's): on busy cores waking a second thread can cost a small product more than the
-  // product itself, in either dtype, and the ratio would measure the scheduler.
+  // On a thread of its own with one intra-op thread: on busy cores waking a second thread can
+  // cost a small product more than the product itself, in either dtype, and the ratio would
+  // measure the scheduler. The caller's thread count is untouched (OpenMP's and MKL's are per
+  // thread), but at::set_num_threads also sets the count that a thread adopts at its first
+  // parallel op, which a thread starting one meanwhile would take (1); the callers run this at
+  // start-up, before their computing threads, and the count is restored after.
   std::thread([&speed] {
     const int threads = at::get_num_threads();
     at::set_num_threads(1);

@@ -40,7 +40,8 @@ void ResetPeakMemory(const at::Device& device);
 // it has them (AVX512-BF16, AMX) and emulates them otherwise, a hundred times slower than fp32
 // and more (155x on an AVX2 EPYC), so that there bf16 saves memory and costs the run its speed.
 // The time of one 64 x 256 by 256 x 256 product in each dtype on this CPU, on one intra-op
-// thread (the best of 5, interleaved).
+// thread (the best of 5, interleaved). For start-up, before the process's computing threads
+// (device.cc says why).
 struct CpuBf16Speed {
   double fp32_seconds = 0, bf16_seconds = 0;
   double slowdown() const { return fp32_seconds > 0 ? bf16_seconds / fp32_seconds : 0; }
