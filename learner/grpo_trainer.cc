@@ -542,13 +542,12 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
   const int64_t ga = step_micro_batches();  // over all ranks
   const int64_t world = ranks_->world_size();
   const int64_t num_micro = (N + bs - 1) / bs;
-  const bool off_policy =
-      std::any_of(batch.staleness.begin(), batch.staleness.end(), [](int64_t s) { return s > 0; });
-  // `old` = logp.detach() only when no optimizer step falls between this batch's generation and
-  // its last micro-batch: on-policy and every pass of it inside the step now open
-  // (docs/GRPO_SPEC.md "Per-token loss").
+  // `old` is the policy's log-probs at the start of this batch. When every pass of it falls
+  // inside the optimizer step now open, the policy cannot move before its last micro-batch and
+  // `old` = logp.detach(), with no extra forward, on- or off-policy: the versions a stale group
+  // missed are corrected through `beh`, not `old` (docs/GRPO_SPEC.md "When `old` is computed").
   const int64_t open_micro = open_ ? open_->micro : 0;
-  const bool need_old = off_policy || open_micro + config_.num_iterations * num_micro > ga;
+  const bool need_old = open_micro + config_.num_iterations * num_micro > ga;
   // The rank that back-propagates micro-batch m of pass `it`: its position in its step's
   // stream, modulo the world size (a step's micro-batches are dealt round-robin).
   auto owner = [&](int64_t it, int64_t m) {

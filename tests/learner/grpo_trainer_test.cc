@@ -1,5 +1,6 @@
 #include "learner/grpo_trainer.h"
 
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -311,6 +312,84 @@ TEST(GrpoTrainer, BatchSpanningTwoStepsUsesOldLogprobsFromItsStart) {
   ASSERT_TRUE(old.ok() && now.ok() && mask.ok());
   const double moved = ((*now - *old).abs() * *mask).max().item<double>();
   EXPECT_GT(moved, 0.1);
+}
+
+// docs/GRPO_SPEC.md "When `old` is computed": a stale batch (generated one version back) whose
+// one pass fits inside one optimizer step needs no forward for `old`: the policy cannot move
+// before its last micro-batch, so `old` is the current policy's log-probs, logp.detach(). The
+// versions the groups missed are corrected through `beh` (sequence_mask here). Checked by hand:
+// `old` from the model's own full-logits forward after step 1 (log_softmax in double, one
+// unpadded sequence at a time), `beh` = old + d_i / |o_i| per token, so rho_i = exp(-d_i); one
+// sequence gets rho = e^2 > the cap (3) and is masked. At ratio 1 the dapo loss is
+// -sum_i w_i A_i |o_i| / sum_i |o_i| (A: the group's z-scores, unbiased std + 1e-4), and
+// logprob_mismatch/mean is sum_i |d_i| / sum_i |o_i|. And no `old` was computed: the step's dump
+// has no old_logprobs (an extra forward would have written them).
+TEST(GrpoTrainer, AStaleBatchInsideOneStepTakesOldFromTheStepsOwnForward) {
+  common::GrpoConfig cfg = BaseConfig();
+  cfg.loss_type = "dapo";
+  cfg.importance_sampling_correction = "sequence_mask";
+  cfg.max_staleness = 1;
+  cfg.dump_batches_dir = ::testing::TempDir() + "/grpo_stale_old_test";
+  std::filesystem::remove_all(cfg.dump_batches_dir);
+  auto model = TinyModel();
+  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr);
+  ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
+  auto first = (*trainer)->TrainGenerationBatch(MakeGroups(2, 4, 31));  // version 0 -> 1
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_EQ((*trainer)->policy_version(), 1);
+
+  auto groups = MakeGroups(2, 4, 37, /*version=*/0);  // one version stale
+  double tokens = 0, mismatch = 0;
+  std::vector<double> d_of;  // d_i per sequence, in batch order
+  {
+    at::NoGradGuard no_grad;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (size_t j = 0; j < groups[g].completions.size(); ++j) {
+        Completion& c = groups[g].completions[j];
+        std::vector<int64_t> seq(groups[g].prompt_ids.begin(), groups[g].prompt_ids.end());
+        seq.insert(seq.end(), c.token_ids.begin(), c.token_ids.end());
+        const auto T = static_cast<int64_t>(seq.size());
+        const auto P = static_cast<int64_t>(groups[g].prompt_ids.size());
+        const at::Tensor ids = at::tensor(seq, at::kLong).view({1, T});
+        const at::Tensor logits =
+            model->Logits(model->ForwardHidden(ids, at::ones({1, T}, at::kLong)))[0];
+        const at::Tensor lsm = at::log_softmax(logits.to(at::kDouble), -1);
+        const double d = (g == 0 && j == 0) ? -2.0 : 0.1 * (static_cast<double>(j) - 1.5);
+        const auto n = static_cast<double>(c.token_ids.size());
+        c.logprobs.clear();
+        for (size_t t = 0; t < c.token_ids.size(); ++t) {
+          const double old = lsm[P - 1 + static_cast<int64_t>(t)][c.token_ids[t]].item<double>();
+          c.logprobs.push_back(static_cast<float>(old + d / n));
+        }
+        d_of.push_back(d);
+        tokens += n;
+        mismatch += std::abs(d);
+      }
+    }
+  }
+  double want_loss = 0;
+  size_t i = 0;
+  for (const auto& g : groups) {
+    double mean = 0, var = 0;
+    for (const auto& c : g.completions) mean += *c.rewards[0] / 4.0;
+    for (const auto& c : g.completions) var += std::pow(*c.rewards[0] - mean, 2) / 3.0;
+    for (const auto& c : g.completions) {
+      const double a = (*c.rewards[0] - mean) / (std::sqrt(var) + 1e-4);
+      const double rho = std::exp(-d_of[i++]);
+      const double w = rho <= 3.0 ? rho : 0.0;
+      want_loss += -w * a * static_cast<double>(c.token_ids.size()) / tokens;
+    }
+  }
+  auto r = (*trainer)->TrainGenerationBatch(groups);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->steps.size(), 1u);
+  EXPECT_NEAR(r->steps[0].staleness_mean, 1.0, 1e-12);
+  EXPECT_NEAR(r->steps[0].loss, want_loss, 1e-4 * std::abs(want_loss) + 1e-6);
+  EXPECT_NEAR(r->steps[0].logprob_mismatch_mean, mismatch / tokens, 1e-5);
+  auto f = common::SafetensorsFile::Open(cfg.dump_batches_dir + "/step-00000002.safetensors");
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ((*f)->Find("old_logprobs"), nullptr) << "a forward computed `old`";
+  EXPECT_NE((*f)->Find("logprobs"), nullptr);
 }
 
 // An optimizer step is always gradient_accumulation_steps micro-batches, spanning generation
