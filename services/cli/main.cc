@@ -1,11 +1,14 @@
 // `grpo`: the one executable of grpo-serve. Containers run it with different subcommands.
 #include <ATen/Parallel.h>
+#include <alloca.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <string>
 #include <thread>
@@ -46,13 +49,9 @@ void AddConfigCommand(CLI::App& app, grpo::services::CliAction* action) {
 
 }  // namespace
 
-// Two settings that glibc and libgomp read only at start-up, applied by re-executing once;
-// values the user set are left as they are.
-// - GLIBC_TUNABLES=glibc.malloc.hugetlb=1: libtorch frees and re-allocates its activation
-//   buffers every step, and fresh pages are expensive on VMs (about 33 us per 4 KiB page fault
-//   measured here); glibc backs large blocks with transparent huge pages only when asked.
-//   `grpo bench learner_step`: 21.6 s vs 37.6 s per step. For a binary built with glibc's
-//   malloc (GRPO_MALLOC=system); tcmalloc, the default, reads no glibc.malloc tunable.
+// Two settings that glibc and libgomp read only at start-up; values the user set are left as
+// they are. The process re-executes itself once with them, from its .preinit_array (below),
+// before any library's initialiser has run.
 // - OMP_WAIT_POLICY=PASSIVE, with GOMP_SPINCOUNT=300000 for commands that compute alone (set
 //   together, only when the user set neither):
 //   - For a command that has the machine to itself (train-local, generate, bench, the model
@@ -72,52 +71,134 @@ void AddConfigCommand(CLI::App& app, grpo::services::CliAction* action) {
 //     of 36.
 //   - Not ACTIVE (spin for good): idle threads would hold the cores, and with Debian's libtorch
 //     on OpenBLAS spinning cost a step 3.27 s instead of 1.56 s.
-inline constexpr const char* kOmpSpinCount = "300000";
-inline constexpr const char* kOmpOurs = "GRPO_OMP_DEFAULTS";
+// - GLIBC_TUNABLES=glibc.malloc.hugetlb=1, for a binary on glibc's malloc (GRPO_MALLOC=system;
+//   tcmalloc, the default, reads no glibc.malloc tunable): libtorch frees and re-allocates its
+//   activation buffers every step, and fresh pages are expensive on VMs (about 33 us per 4 KiB
+//   page fault measured here); glibc backs large blocks with transparent huge pages only when
+//   asked. `grpo bench learner_step`: 21.6 s vs 37.6 s per step.
+constexpr const char* kSpinAlone = "GOMP_SPINCOUNT=300000";
+constexpr const char* kSpinServing = "GOMP_SPINCOUNT=0";
+constexpr const char* kOmpOurs = "GRPO_OMP_DEFAULTS";
+constexpr const char* kReexecPid = "GRPO_REEXEC_PID";
 
-// The subcommand in argv (the first word that is not an option or --log_level's value).
-static std::string Subcommand(int argc, char** argv) {
+// Plain C from here to the .preinit_array entry: it runs before any library is initialised.
+
+// The subcommand in argv (the first word that is not an option or --log_level's value), or
+// nullptr.
+static const char* Subcommand(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--log_level") {
+    if (std::strcmp(argv[i], "--log_level") == 0) {
       ++i;
       continue;
     }
-    if (!a.empty() && a[0] != '-') return a;
+    if (argv[i][0] != '\0' && argv[i][0] != '-') return argv[i];
   }
-  return "";
+  return nullptr;
 }
 
-static bool IsServingCommand(const std::string& command) {
-  return command == "learner" || command == "rollout" || command == "reward-server" ||
-         command == "env-server" || command == "demo";
+static bool IsServingCommand(const char* command) {
+  if (command == nullptr) return false;
+  for (const char* serving : {"learner", "rollout", "reward-server", "env-server", "demo"}) {
+    if (std::strcmp(command, serving) == 0) return true;
+  }
+  return false;
 }
 
-static void ReexecWithRuntimeSettingsOnce(int argc, char** argv) {
-  bool changed = false;
-  if (std::getenv("GLIBC_TUNABLES") == nullptr) {
-    ::setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1", 1);
-    changed = true;
+// The value of `name` in envp, or nullptr.
+static const char* EnvValue(char** envp, const char* name) {
+  const size_t n = std::strlen(name);
+  for (char** e = envp; *e != nullptr; ++e) {
+    if (std::strncmp(*e, name, n) == 0 && (*e)[n] == '=') return *e + n + 1;
   }
-  // kOmpOurs marks values a grpo process set (inherited by its children), not the user's: a
-  // serving command started under a computing one (`grpo bench peer_trl` runs `grpo demo`) takes
-  // its own spin count, not the bench's.
-  const bool ours = std::getenv(kOmpOurs) != nullptr;
-  if (ours ||
-      (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("GOMP_SPINCOUNT") == nullptr)) {
-    const char* spin = IsServingCommand(Subcommand(argc, argv)) ? "0" : kOmpSpinCount;
-    const char* now = std::getenv("GOMP_SPINCOUNT");
-    if (!ours || now == nullptr || std::string(now) != spin) {
-      ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
-      ::setenv("GOMP_SPINCOUNT", spin, 1);
-      ::setenv(kOmpOurs, "1", 1);
-      changed = true;
+  return nullptr;
+}
+
+// The settings this process lacks, as "NAME=value" in add[] (room for 4); returns how many.
+static int MissingStartupSettings(int argc, char** argv, char** envp, const char** add) {
+  int adding = 0;
+#ifdef GRPO_GLIBC_MALLOC
+  if (EnvValue(envp, "GLIBC_TUNABLES") == nullptr)
+    add[adding++] = "GLIBC_TUNABLES=glibc.malloc.hugetlb=1";
+#endif
+  const bool ours = EnvValue(envp, kOmpOurs) != nullptr;
+  if (ours || (EnvValue(envp, "OMP_WAIT_POLICY") == nullptr &&
+               EnvValue(envp, "GOMP_SPINCOUNT") == nullptr)) {
+    const char* spin_setting = IsServingCommand(Subcommand(argc, argv)) ? kSpinServing : kSpinAlone;
+    const char* spin = std::strchr(spin_setting, '=') + 1;
+    const char* policy = EnvValue(envp, "OMP_WAIT_POLICY");
+    const char* now = EnvValue(envp, "GOMP_SPINCOUNT");
+    if (!ours || policy == nullptr || std::strcmp(policy, "PASSIVE") != 0 || now == nullptr ||
+        std::strcmp(now, spin) != 0) {
+      add[adding++] = "OMP_WAIT_POLICY=PASSIVE";
+      add[adding++] = spin_setting;
+      if (!ours) add[adding++] = "GRPO_OMP_DEFAULTS=1";
     }
   }
-  // `grpo demo` computes nothing itself: its children (learner, workers) inherit the settings,
-  // and the demo starts about half a second sooner (libtorch's load, paid once, not twice).
-  if (Subcommand(argc, argv) == "demo") return;
-  if (changed) ::execv("/proc/self/exe", argv);  // returns only on failure: carry on without
+  return adding;
+}
+
+static bool IsDemo(int argc, char** argv) {
+  const char* command = Subcommand(argc, argv);
+  return command != nullptr && std::strcmp(command, "demo") == 0;
+}
+
+// Runs from the executable's .preinit_array, which the dynamic loader calls with (argc, argv,
+// envp) after relocating every library and before any library's initialiser: libgomp's (which
+// reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once), libtorch's (its operator registry: most of the
+// 0.29 s a load takes on this 2-core VM) and glibc's, which resets the environment to envp, so a
+// setenv here would be lost. When a setting is missing, the process re-executes itself at once
+// with it added (about 50 ms here: the libraries mapped and relocated again). Before, the
+// re-execution came from main(), after libtorch had been initialised: every `grpo` command
+// loaded it twice (`grpo config`: 0.66 s against 0.35-0.42 s now). `grpo demo` computes nothing
+// itself: it does not re-execute, and sets the settings for its children (learner, workers) in
+// main() instead (ApplyStartupSettingsForChildren).
+// kOmpOurs marks values a grpo process set (inherited by its children), not the user's: a
+// serving command started under a computing one (`grpo bench peer_trl` runs `grpo demo`) takes
+// its own spin count, not the bench's. kReexecPid (this process's id) is set on the
+// re-execution: a process re-executes itself at most once, whatever the loader makes of the
+// environment.
+static void ReexecWithStartupSettings(int argc, char** argv, char** envp) {
+  if (IsDemo(argc, argv)) return;
+  char pid_setting[40];
+  std::snprintf(pid_setting, sizeof(pid_setting), "%s=%ld", kReexecPid,
+                static_cast<long>(::getpid()));
+  const char* done = EnvValue(envp, kReexecPid);
+  if (done != nullptr && std::strcmp(done, std::strchr(pid_setting, '=') + 1) == 0) return;
+  const char* add[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
+  int adding = MissingStartupSettings(argc, argv, envp, add);
+  if (adding == 0) return;
+  add[adding++] = pid_setting;
+  // On the stack: nothing here may need an initialised library (not even malloc's).
+  size_t kept = 0;
+  for (char** e = envp; *e != nullptr; ++e) ++kept;
+  char** env = static_cast<char**>(alloca((kept + adding + 1) * sizeof(char*)));
+  size_t n = 0;
+  for (char** e = envp; *e != nullptr; ++e) {
+    bool replaced = false;  // what is set here: OMP_WAIT_POLICY, GOMP_SPINCOUNT, kReexecPid
+    for (int i = 0; i < adding; ++i) {
+      const size_t name = static_cast<size_t>(std::strchr(add[i], '=') - add[i]);
+      replaced = replaced || (std::strncmp(*e, add[i], name + 1) == 0);
+    }
+    if (!replaced) env[n++] = *e;
+  }
+  for (int i = 0; i < adding; ++i) env[n++] = const_cast<char*>(add[i]);
+  env[n] = nullptr;
+  ::execve("/proc/self/exe", argv, env);  // returns only on failure: carry on without
+}
+
+__attribute__((section(".preinit_array"), used)) static void (*const kReexecWithStartupSettings)(
+    int, char**, char**) = &ReexecWithStartupSettings;
+
+// `grpo demo`: the settings its children inherit (it started without them).
+static void ApplyStartupSettingsForChildren(int argc, char** argv) {
+  if (!IsDemo(argc, argv)) return;
+  const char* add[4] = {nullptr, nullptr, nullptr, nullptr};
+  const int adding = MissingStartupSettings(argc, argv, environ, add);
+  for (int i = 0; i < adding; ++i) {
+    const std::string setting = add[i];
+    const size_t eq = setting.find('=');
+    ::setenv(setting.substr(0, eq).c_str(), setting.substr(eq + 1).c_str(), 1);
+  }
 }
 
 // GRPO_PARENT_PID=<pid>: end (SIGTERM) when the process that started this one ends, and at once
@@ -143,7 +224,7 @@ static void DieWithParentIfAsked() {
 }
 
 int main(int argc, char** argv) {
-  ReexecWithRuntimeSettingsOnce(argc, argv);
+  ApplyStartupSettingsForChildren(argc, argv);
   // Before anything asks libtorch about CUDA (common/cuda/cuda_module.h).
   if (grpo::Status s = grpo::common::LoadCudaModule(); !s.ok()) {
     std::cerr << "grpo: " << s.ToString() << "\n";
