@@ -3,7 +3,8 @@ grpo-serve, same model directory, task, config and seed, measured side by side i
 (docs/BENCHMARKS.md). Run through `grpo bench peer_trl [--json] [--fast]`, or directly with
 the venv's Python (GRPO_BIN names the grpo binary; default <source>/build/services/grpo).
 
-Rows (ratio = ours / TRL, measured in this run):
+Rows (ratio = ours / TRL, measured in this run; the end-to-end rows are medians over
+--e2e-rounds rounds of both sides back to back, with each round's own ratio in round_ratios):
   e2e_steps_per_s, e2e_time_to_threshold_s : the demo task (train-local vs GRPOTrainer.train)
   services_e2e_steps_per_s,                : the same through the services (grpo demo: a learner
   services_e2e_time_to_threshold_s           and workers as processes on loopback, max_staleness
@@ -626,6 +627,9 @@ def main():
     ap.add_argument("--fast", action="store_true", help="tiny model end to end, fewer steps")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     ap.add_argument("--steps", type=int, default=0, help="end-to-end optimizer steps per side")
+    ap.add_argument("--e2e-rounds", type=int, default=3,
+                    help="end-to-end rounds (both sides and every services layout each round; "
+                         "medians reported)")
     ap.add_argument("--G", type=int, nargs="+", default=None,
                     help="memory rows (default 4 8 16 32 64; --fast: 4 16 64)")
     ap.add_argument("--threshold", type=float, default=-6.0,
@@ -675,7 +679,7 @@ def main():
                             f"trl {trl.__version__}",
                 "e2e_model": e2e_preset, "job": job,
                 "ours_extra": "importance_sampling_correction none (TRL has none without vLLM)",
-                "reps": a.reps}
+                "reps": a.reps, "e2e_rounds": a.e2e_rounds}
     rows = []
     t_run = time.perf_counter()
     _log = log
@@ -696,46 +700,71 @@ def main():
     row("loss_agreement_checks_passed", passed, passed + failed, "checks", "higher",
         failed=failed)
 
-    # 2. end to end
-    log(f"[peer_trl] end to end: demo task, {e2e_preset} model, {steps} steps per side ...")
-    ours_e2e = run_ours_e2e(e2e_model, job, work)
-    trl_e2e = run_trl_e2e(e2e_model, job, work)
+    # 2. end to end: `--e2e-rounds` rounds, each running train-local, TRL's trainer and the
+    # services at every layout back to back (this VM's speed drifts by tens of per cent within
+    # minutes, and not alike for both sides); each figure is the median over the rounds, and
+    # each ratio row carries every round's own ratio.
+    log(f"[peer_trl] end to end: demo task, {e2e_preset} model, {steps} steps per side, "
+        f"{a.e2e_rounds} rounds ...")
     # The services at each thread layout (workers x intra-op threads per process); the best.
     layouts = [(w, t) for w in (1, 2) for t in sorted({1, THREADS})]
-    log(f"[peer_trl] end to end through the services (grpo demo), layouts (workers, threads) "
-        f"{layouts} ...")
-    services_runs = [run_ours_services_e2e(e2e_model, job, work, w, t) for w, t in layouts]
-    for r in services_runs:
-        r["steps_per_s"] = len(r["times"]) / r["times"][-1]
-    services_e2e = max(services_runs, key=lambda r: r["steps_per_s"])
-    for name, r in (("ours", ours_e2e), ("trl", trl_e2e), ("services", services_e2e)):
-        r["steps_per_s"] = len(r["times"]) / r["times"][-1]
-        r["thr_s"], r["thr_step"] = moving_threshold(r["times"], r["rewards"], a.threshold, 5)
-        k = max(1, min(10, len(r["rewards"]) // 3))
-        r["first"] = sum(r["rewards"][:k]) / k
-        r["last"] = sum(r["rewards"][-k:]) / k
-    row("e2e_steps_per_s", ours_e2e["steps_per_s"], trl_e2e["steps_per_s"], "steps/s", "higher",
-        steps=steps, model=e2e_preset)
-    row("e2e_time_to_threshold_s", ours_e2e["thr_s"], trl_e2e["thr_s"], "s", "lower",
-        threshold=a.threshold, ours_step=ours_e2e["thr_step"], trl_step=trl_e2e["thr_step"])
-    row("e2e_generation_s_per_step", ours_e2e["gen_s"], trl_e2e["gen_s"], "s", "lower",
+    rounds = []
+    for i in range(a.e2e_rounds):
+        round_work = os.path.join(work, f"e2e-round-{i + 1}")  # fresh output dirs: no resume
+        os.makedirs(round_work)
+        ours_r = run_ours_e2e(e2e_model, job, round_work)
+        trl_r = run_trl_e2e(e2e_model, job, round_work)
+        log(f"[peer_trl]   round {i + 1}: services (grpo demo), layouts (workers, threads) "
+            f"{layouts} ...")
+        services_runs = [run_ours_services_e2e(e2e_model, job, round_work, w, t)
+                         for w, t in layouts]
+        for r in [ours_r, trl_r] + services_runs:
+            r["steps_per_s"] = len(r["times"]) / r["times"][-1]
+            r["thr_s"], r["thr_step"] = moving_threshold(r["times"], r["rewards"], a.threshold, 5)
+            k = max(1, min(10, len(r["rewards"]) // 3))
+            r["first"] = sum(r["rewards"][:k]) / k
+            r["last"] = sum(r["rewards"][-k:]) / k
+            r["steady"] = steady_steps_per_s(r["times"])
+        services_r = max(services_runs, key=lambda r: r["steps_per_s"])
+        services_r["layouts"] = {f"w{r['workers']}_t{r['threads']}": r["steps_per_s"]
+                                 for r in services_runs}
+        rounds.append({"ours": ours_r, "trl": trl_r, "services": services_r})
+
+    def med(side, key):
+        values = [r[side][key] for r in rounds if r[side][key] is not None]
+        return statistics.median(values) if values else None
+
+    def round_ratios(side, key="steps_per_s"):
+        return [r[side][key] / r["trl"][key] for r in rounds]
+    ours_e2e, trl_e2e = rounds[0]["ours"], rounds[0]["trl"]  # the curves of round 1
+    services_e2e = rounds[0]["services"]
+    row("e2e_steps_per_s", med("ours", "steps_per_s"), med("trl", "steps_per_s"), "steps/s",
+        "higher", steps=steps, model=e2e_preset, rounds=a.e2e_rounds,
+        round_ratios=round_ratios("ours"))
+    row("e2e_time_to_threshold_s", med("ours", "thr_s"), med("trl", "thr_s"), "s", "lower",
+        threshold=a.threshold, ours_step=med("ours", "thr_step"), trl_step=med("trl", "thr_step"))
+    row("e2e_generation_s_per_step", med("ours", "gen_s"), med("trl", "gen_s"), "s", "lower",
         note="ours: generation_seconds; TRL: _generate_and_score_completions")
-    row("e2e_train_s_per_step", ours_e2e["train_s"], trl_e2e["train_s"], "s", "lower",
+    row("e2e_train_s_per_step", med("ours", "train_s"), med("trl", "train_s"), "s", "lower",
         note="ours: step_seconds; TRL: step wall time minus generation")
-    row("e2e_reward_first", ours_e2e["first"], trl_e2e["first"], "reward", "higher")
-    row("e2e_reward_last", ours_e2e["last"], trl_e2e["last"], "reward", "higher")
-    row("services_e2e_steps_per_s", services_e2e["steps_per_s"], trl_e2e["steps_per_s"],
-        "steps/s", "higher", steps=steps, model=e2e_preset, workers=services_e2e["workers"],
-        threads_per_process=services_e2e["threads"],
-        steady_steps_per_s=[steady_steps_per_s(services_e2e["times"]),
-                            steady_steps_per_s(trl_e2e["times"])],
-        layouts={f"w{r['workers']}_t{r['threads']}": r["steps_per_s"] for r in services_runs},
-        note="grpo demo: learner + workers as processes on loopback, max_staleness 1; "
-             "steady_steps_per_s [ours, TRL] leaves out start-up and the first step")
-    row("services_e2e_time_to_threshold_s", services_e2e["thr_s"], trl_e2e["thr_s"], "s", "lower",
-        threshold=a.threshold, ours_step=services_e2e["thr_step"], trl_step=trl_e2e["thr_step"])
-    row("services_e2e_reward_first", services_e2e["first"], trl_e2e["first"], "reward", "higher")
-    row("services_e2e_reward_last", services_e2e["last"], trl_e2e["last"], "reward", "higher")
+    row("e2e_reward_first", med("ours", "first"), med("trl", "first"), "reward", "higher")
+    row("e2e_reward_last", med("ours", "last"), med("trl", "last"), "reward", "higher")
+    row("services_e2e_steps_per_s", med("services", "steps_per_s"), med("trl", "steps_per_s"),
+        "steps/s", "higher", steps=steps, model=e2e_preset, rounds=a.e2e_rounds,
+        round_ratios=round_ratios("services"),
+        round_layouts=[r["services"]["layouts"] for r in rounds],
+        steady_steps_per_s=[med("services", "steady"), med("trl", "steady")],
+        steady_round_ratios=round_ratios("services", "steady"),
+        note="grpo demo: learner + workers as processes on loopback, max_staleness 1, the best "
+             "layout of each round; steady_steps_per_s [ours, TRL] leaves out start-up and the "
+             "first step")
+    row("services_e2e_time_to_threshold_s", med("services", "thr_s"), med("trl", "thr_s"), "s",
+        "lower", threshold=a.threshold, ours_step=med("services", "thr_step"),
+        trl_step=med("trl", "thr_step"))
+    row("services_e2e_reward_first", med("services", "first"), med("trl", "first"), "reward",
+        "higher")
+    row("services_e2e_reward_last", med("services", "last"), med("trl", "last"), "reward",
+        "higher")
 
     # 3. generation
     gen_tokens = 32 if a.fast else COMPLETION_LEN
