@@ -67,6 +67,15 @@ int64_t ProcStatusBytes(const char* key) {
   return 0;
 }
 
+// The resident set a step's peak (VmHWM) is read above. The malloc's free memory goes back to
+// the kernel first: on tcmalloc a step would otherwise reuse the pages the one before it freed,
+// and its peak would read ~0. Then VmHWM is reset to the current resident set (clear_refs 5).
+int64_t StartResidentPeak() {
+  common::ReleaseFreeMemory();
+  std::ofstream("/proc/self/clear_refs") << "5";
+  return ProcStatusBytes("VmRSS");
+}
+
 int FreePort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
@@ -147,10 +156,8 @@ Timing LearnerStepTiming(int reps, int64_t micro, bool gradient_checkpointing, d
     auto r = trainer->TrainGenerationBatch({g});
     if (!r.ok() || r->steps.size() != 1) std::abort();
   };
-  step();                       // optimizer state and gradients exist now
-  common::ReleaseFreeMemory();  // what the step frees is not counted as resident before it
-  std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to the current RSS
-  const int64_t base = ProcStatusBytes("VmRSS");
+  step();  // optimizer state and gradients exist now
+  const int64_t base = StartResidentPeak();
   const Timing t = TimeIt(reps, step);
   if (peak_mib != nullptr) *peak_mib = (ProcStatusBytes("VmHWM") - base) / 1048576.0;
   return t;
@@ -181,6 +188,7 @@ double GemmCeilingGflops() {
 }
 
 using bench::ProcStatusBytes;
+using bench::StartResidentPeak;
 
 // One child configuration of logprob_memory: forward + backward of the log-probs of G
 // sequences; "chunked" in micro-batches of `micro` with accumulation, "naive" all at once
@@ -239,9 +247,7 @@ json LogprobMemoryChild(const std::string& impl, int64_t G, int64_t micro, int r
     common::ResetPeakMemory(device);
     base = common::CurrentMemoryBytes(device);
   } else {
-    common::ReleaseFreeMemory();  // what the step frees is not counted as resident before it
-    std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to the current RSS
-    base = ProcStatusBytes("VmRSS");
+    base = StartResidentPeak();
   }
   Timing t = TimeIt(reps, step);
   const int64_t peak =
