@@ -621,13 +621,20 @@ def child_trl_memory(model_dir, G):
 
 # ---------------------------------------------------------------------------------------------
 
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
     ap.add_argument("--fast", action="store_true", help="tiny model end to end, fewer steps")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     ap.add_argument("--steps", type=int, default=0, help="end-to-end optimizer steps per side")
-    ap.add_argument("--e2e-rounds", type=int, default=3,
+    ap.add_argument("--e2e-rounds", type=positive_int, default=3,
                     help="end-to-end rounds (both sides and every services layout each round; "
                          "medians reported)")
     ap.add_argument("--G", type=int, nargs="+", default=None,
