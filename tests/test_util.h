@@ -50,6 +50,12 @@ inline std::string GrpoBin() {
   return b ? b : "grpo";
 }
 
+// The executable the `grpo` launcher runs for the commands that load libtorch
+// (services/cli/launch.h): grpo-torch beside GrpoBin().
+inline std::string GrpoTorchBin() {
+  return (std::filesystem::path(GrpoBin()).parent_path() / "grpo-torch").string();
+}
+
 inline std::string ReadFile(const std::filesystem::path& p) {
   std::ifstream in(p);
   std::stringstream ss;

@@ -1,9 +1,7 @@
-// Subcommands of the `grpo` executable. Each Add* registers its subcommands on `app`; the
-// chosen one's action is stored in `*action` and run by main after parsing. An action returns
-// the process exit code (0 success, 1 runtime failure, 2 bad input).
+// Subcommands of the `grpo` executables (services/cli/launch.h). Each Add* registers its
+// subcommands on `app`; the chosen one's action is stored in `*action` and run by main after
+// parsing. An action returns the process exit code (0 success, 1 runtime failure, 2 bad input).
 #pragma once
-
-#include <c10/core/Device.h>
 
 #include <CLI/CLI.hpp>
 #include <functional>
@@ -16,6 +14,8 @@ namespace grpo::services {
 
 using CliAction = std::function<int()>;
 
+// config: the effective configuration as JSON.
+void AddConfigCommand(CLI::App& app, CliAction* action);
 // tokenize, logprobs, init-model: tools on the model layer.
 void AddModelToolCommands(CLI::App& app, CliAction* action);
 // train-local: generate, score and train in one process.
@@ -39,16 +39,5 @@ void AddClientCommands(CLI::App& app, CliAction* action);
 
 // plan: the memory plan of a learner rank (learner/distributed/memory_plan.h).
 void AddPlanCommand(CLI::App& app, CliAction* action);
-// The learner's start-up check (cli_plan.cc): the memory plan of `cfg` for its model's
-// config.json (the tiny preset when model_name_or_path is empty) with `world_size` ranks on
-// `device` (cpu, cuda:N). On the CPU the `local_world_size` ranks on this host share its memory:
-// each has its share. FailedPrecondition naming the change that fits when the device's memory is
-// too small; NotFound / InvalidArgument for a missing or bad config.json or device.
-Status CheckLearnerMemoryPlan(const common::GrpoConfig& cfg, int world_size,
-                              const std::string& device, int local_world_size = 1);
-// The start-up warning of `bf16` on a CPU that emulates it (cli_plan.cc; common/model/device.h
-// CpuBf16Warning), logged by learner and train-local: measured only when `bf16` is set and
-// `device` is the CPU.
-void WarnOfCpuBf16(const common::GrpoConfig& cfg, const c10::Device& device);
 
 }  // namespace grpo::services

@@ -30,6 +30,7 @@
 #include "rollout/generator.h"
 #include "services/cli/bench_util.h"
 #include "services/cli/cli.h"
+#include "services/cli/launch.h"
 
 namespace grpo::services {
 
@@ -452,8 +453,8 @@ int BenchDecode(bool as_json, int reps) {
 }
 
 // peer_trl: the side-by-side with TRL is a Python script (TRL is Python); exec the venv's
-// Python on <source dir>/tests/bench/peer_trl.py with this binary as GRPO_BIN. The source dir:
-// $GRPO_SOURCE_DIR, else the one this file was compiled from, else <this binary>/../../..
+// Python on <source dir>/tests/bench/peer_trl.py with the `grpo` launcher as GRPO_BIN. The source
+// dir: $GRPO_SOURCE_DIR, else the one this file was compiled from, else <this binary>/../../..
 // (build/services/grpo). The Python: $GRPO_PYTHON, else /opt/grpo-serve/venv/bin/python.
 int ExecPeerTrl(const std::vector<std::string>& flags) {
   namespace fs = std::filesystem;
@@ -480,7 +481,8 @@ int ExecPeerTrl(const std::vector<std::string>& flags) {
   const char* py_env = std::getenv("GRPO_PYTHON");
   const std::string python =
       py_env != nullptr && *py_env != '\0' ? py_env : "/opt/grpo-serve/venv/bin/python";
-  if (!ec && std::getenv("GRPO_BIN") == nullptr) ::setenv("GRPO_BIN", exe.c_str(), 1);
+  // The launcher, as a user runs it (its demo does not load libtorch).
+  if (std::getenv("GRPO_BIN") == nullptr) ::setenv("GRPO_BIN", GrpoLauncherExecutable().c_str(), 1);
   std::vector<std::string> args = {python, script.string()};
   args.insert(args.end(), flags.begin(), flags.end());
   std::vector<char*> argv;

@@ -33,6 +33,7 @@
 #include "common/status.h"
 #include "services/cli/cli.h"
 #include "services/cli/demo_task.h"
+#include "services/cli/launch.h"
 #include "services/learner_client.h"
 
 namespace grpo::services {
@@ -93,14 +94,16 @@ std::string Describe(const Child &c) {
   return out.str();
 }
 
-// Runs `/proc/self/exe args...` in the demo's one process group, dying with the demo
+// Runs `grpo-torch args...` (launch.h) in the demo's one process group, dying with the demo
 // (PR_SET_PDEATHSIG), stderr (and stdout unless `pipe_stdout`) in `log`; with `pipe_stdout`,
 // the child's stdout_fd reads its stdout.
 StatusOr<Child *> SpawnGrpo(common::ProcessSupervisor &group, const std::string &name,
                             const std::vector<std::string> &args, const std::string &log,
                             bool pipe_stdout = false) {
+  StatusOr<std::string> torch = GrpoTorchExecutable();
+  if (!torch.ok()) return torch.status();
   common::ProcessSpec spec;
-  spec.argv = {"/proc/self/exe"};
+  spec.argv = {*torch};
   spec.argv.insert(spec.argv.end(), args.begin(), args.end());
   spec.stdout_path = log;
   spec.stderr_path = log;

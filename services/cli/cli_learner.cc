@@ -19,6 +19,7 @@
 #include "learner/grpo_trainer.h"
 #include "learner/step_optimizer.h"
 #include "services/cli/cli.h"
+#include "services/cli/cli_plan.h"
 #include "services/learner_service.h"
 
 namespace grpo::services {

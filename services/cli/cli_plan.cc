@@ -1,6 +1,8 @@
 // grpo plan: the predicted peak memory of one learner rank (learner/distributed/memory_plan.h)
 // from the model's config.json and the run's config, before anything is loaded, and the smallest
 // change that fits when it does not. Exit 0: fits; 1: does not fit; 2: bad input.
+#include "services/cli/cli_plan.h"
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>

@@ -28,6 +28,7 @@
 #include "rollout/produce.h"
 #include "rollout/reward.h"
 #include "services/cli/cli.h"
+#include "services/cli/cli_plan.h"
 #include "services/cli/demo_task.h"
 
 namespace grpo::services {

@@ -1,261 +1,44 @@
-// `grpo`: the one executable of grpo-serve. Containers run it with different subcommands.
-#include <ATen/Parallel.h>
-#include <alloca.h>
-#include <sys/prctl.h>
+// `grpo`: the executable users, scripts and containers run. A launcher without libtorch: the
+// commands that compute nothing (demo, config and the learner's clients: submit, status, watch,
+// cancel) run here; every other command (and --help, --version) executes grpo-torch with the same
+// arguments, in the same process (services/cli/launch.h). libtorch's start costs about 0.3 s of
+// CPU on this 2-core VM; `grpo demo` paid it before it could start its learner and workers (which
+// pay it again, side by side), and `grpo status` paid it for one RPC.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <csignal>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <string>
-#include <thread>
-#include <vector>
 
-#include "common/config.h"
-#include "common/cuda/cuda_module.h"
 #include "common/logging.h"
-#include "common/malloc_info.h"
 #include "services/cli/cli.h"
-
-namespace {
-
-constexpr const char* kVersion = "0.1.0";
-
-// `grpo config [--config FILE] [--key value ...]`: the effective configuration as JSON, after
-// validation. Users check what a run will use; deployments lint their YAML with it.
-void AddConfigCommand(CLI::App& app, grpo::services::CliAction* action) {
-  auto* cmd = app.add_subcommand("config",
-                                 "Print the effective configuration (YAML file plus "
-                                 "--key value overrides) as JSON, after validation");
-  cmd->allow_extras();
-  cmd->footer("Keys:\n" + grpo::common::ConfigHelp());
-  cmd->callback([cmd, action] {
-    *action = [cmd] {
-      grpo::common::GrpoConfig config;
-      grpo::Status s = grpo::common::ApplyConfigOverrides(config, cmd->remaining());
-      if (s.ok()) s = config.Validate();
-      if (!s.ok()) {
-        std::cerr << "grpo config: " << s.ToString() << "\n";
-        return 2;
-      }
-      std::cout << config.ToJson().dump(2) << "\n";
-      return 0;
-    };
-  });
-}
-
-}  // namespace
-
-// Two settings that glibc and libgomp read only at start-up; values the user set are left as
-// they are. The process re-executes itself once with them, from its .preinit_array (below),
-// before any library's initialiser has run.
-// - OMP_WAIT_POLICY=PASSIVE, with GOMP_SPINCOUNT=300000 for commands that compute alone (set
-//   together, only when the user set neither):
-//   - For a command that has the machine to itself (train-local, generate, bench, the model
-//     tools), an OpenMP thread that finished a parallel region spins about 3 ms (libgomp's
-//     estimate: 100,000 spins per ms) for the next one, then sleeps. With more OpenMP threads in
-//     the process than cores it does not spin at all (PASSIVE makes libgomp's throttled spin
-//     count 0). Sleeping at once made every small op wake a thread and park it again, so that
-//     two intra-op threads were slower than one. `grpo train-local` on the demo task (2 cores,
-//     2 threads, ms per step, generation + training), GOMP_SPINCOUNT 0 -> 300000: tiny model
-//     65 + 111 -> 22 + 35 (one thread: 23 + 50); bench model 394 + 887 -> 233 + 645 (one
-//     thread: 461 + 1228).
-//   - The serving processes (learner, rollout, reward-server, env-server, and demo, whose
-//     children they are) sleep at once (spin 0). They share machines: the demo, compose on one
-//     host, the fault tests. A spinning team takes the core another process needs. With spin, a
-//     learner and 2 workers at 2 threads each on 2 cores ran 2.03 steps/s instead of 4.49
-//     (`grpo bench peer_trl --fast`'s services rows), and elastic_workers_test took 86 s instead
-//     of 36.
-//   - Not ACTIVE (spin for good): idle threads would hold the cores, and with Debian's libtorch
-//     on OpenBLAS spinning cost a step 3.27 s instead of 1.56 s.
-// - GLIBC_TUNABLES=glibc.malloc.hugetlb=1, for a binary on glibc's malloc (GRPO_MALLOC=system;
-//   tcmalloc, the default, reads no glibc.malloc tunable): libtorch frees and re-allocates its
-//   activation buffers every step, and fresh pages are expensive on VMs (about 33 us per 4 KiB
-//   page fault measured here); glibc backs large blocks with transparent huge pages only when
-//   asked. `grpo bench learner_step`: 21.6 s vs 37.6 s per step.
-constexpr const char* kSpinAlone = "GOMP_SPINCOUNT=300000";
-constexpr const char* kSpinServing = "GOMP_SPINCOUNT=0";
-constexpr const char* kOmpOurs = "GRPO_OMP_DEFAULTS";
-constexpr const char* kReexecPid = "GRPO_REEXEC_PID";
-
-// Plain C from here to the .preinit_array entry: it runs before any library is initialised.
-
-// The subcommand in argv (the first word that is not an option or --log_level's value), or
-// nullptr.
-static const char* Subcommand(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--log_level") == 0) {
-      ++i;
-      continue;
-    }
-    if (argv[i][0] != '\0' && argv[i][0] != '-') return argv[i];
-  }
-  return nullptr;
-}
-
-static bool IsServingCommand(const char* command) {
-  if (command == nullptr) return false;
-  for (const char* serving : {"learner", "rollout", "reward-server", "env-server", "demo"}) {
-    if (std::strcmp(command, serving) == 0) return true;
-  }
-  return false;
-}
-
-// The value of `name` in envp, or nullptr.
-static const char* EnvValue(char** envp, const char* name) {
-  const size_t n = std::strlen(name);
-  for (char** e = envp; *e != nullptr; ++e) {
-    if (std::strncmp(*e, name, n) == 0 && (*e)[n] == '=') return *e + n + 1;
-  }
-  return nullptr;
-}
-
-// The settings this process lacks, as "NAME=value" in add[] (room for 4); returns how many.
-static int MissingStartupSettings(int argc, char** argv, char** envp, const char** add) {
-  int adding = 0;
-#ifdef GRPO_GLIBC_MALLOC
-  if (EnvValue(envp, "GLIBC_TUNABLES") == nullptr)
-    add[adding++] = "GLIBC_TUNABLES=glibc.malloc.hugetlb=1";
-#endif
-  const bool ours = EnvValue(envp, kOmpOurs) != nullptr;
-  if (ours || (EnvValue(envp, "OMP_WAIT_POLICY") == nullptr &&
-               EnvValue(envp, "GOMP_SPINCOUNT") == nullptr)) {
-    const char* spin_setting = IsServingCommand(Subcommand(argc, argv)) ? kSpinServing : kSpinAlone;
-    const char* spin = std::strchr(spin_setting, '=') + 1;
-    const char* policy = EnvValue(envp, "OMP_WAIT_POLICY");
-    const char* now = EnvValue(envp, "GOMP_SPINCOUNT");
-    if (!ours || policy == nullptr || std::strcmp(policy, "PASSIVE") != 0 || now == nullptr ||
-        std::strcmp(now, spin) != 0) {
-      add[adding++] = "OMP_WAIT_POLICY=PASSIVE";
-      add[adding++] = spin_setting;
-      if (!ours) add[adding++] = "GRPO_OMP_DEFAULTS=1";
-    }
-  }
-  return adding;
-}
-
-static bool IsDemo(int argc, char** argv) {
-  const char* command = Subcommand(argc, argv);
-  return command != nullptr && std::strcmp(command, "demo") == 0;
-}
-
-// Runs from the executable's .preinit_array, which the dynamic loader calls with (argc, argv,
-// envp) after relocating every library and before any library's initialiser: libgomp's (which
-// reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once), libtorch's (its operator registry: most of the
-// 0.29 s a load takes on this 2-core VM) and glibc's, which resets the environment to envp, so a
-// setenv here would be lost. When a setting is missing, the process re-executes itself at once
-// with it added (about 50 ms here: the libraries mapped and relocated again). Before, the
-// re-execution came from main(), after libtorch had been initialised: every `grpo` command
-// loaded it twice (`grpo config`: 0.66 s against 0.35-0.42 s now). `grpo demo` computes nothing
-// itself: it does not re-execute, and sets the settings for its children (learner, workers) in
-// main() instead (ApplyStartupSettingsForChildren).
-// kOmpOurs marks values a grpo process set (inherited by its children), not the user's: a
-// serving command started under a computing one (`grpo bench peer_trl` runs `grpo demo`) takes
-// its own spin count, not the bench's. kReexecPid (this process's id) is set on the
-// re-execution: a process re-executes itself at most once, whatever the loader makes of the
-// environment.
-static void ReexecWithStartupSettings(int argc, char** argv, char** envp) {
-  if (IsDemo(argc, argv)) return;
-  char pid_setting[40];
-  std::snprintf(pid_setting, sizeof(pid_setting), "%s=%ld", kReexecPid,
-                static_cast<long>(::getpid()));
-  const char* done = EnvValue(envp, kReexecPid);
-  if (done != nullptr && std::strcmp(done, std::strchr(pid_setting, '=') + 1) == 0) return;
-  const char* add[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
-  int adding = MissingStartupSettings(argc, argv, envp, add);
-  if (adding == 0) return;
-  add[adding++] = pid_setting;
-  // On the stack: nothing here may need an initialised library (not even malloc's).
-  size_t kept = 0;
-  for (char** e = envp; *e != nullptr; ++e) ++kept;
-  char** env = static_cast<char**>(alloca((kept + adding + 1) * sizeof(char*)));
-  size_t n = 0;
-  for (char** e = envp; *e != nullptr; ++e) {
-    bool replaced = false;  // what is set here: OMP_WAIT_POLICY, GOMP_SPINCOUNT, kReexecPid
-    for (int i = 0; i < adding; ++i) {
-      const size_t name = static_cast<size_t>(std::strchr(add[i], '=') - add[i]);
-      replaced = replaced || (std::strncmp(*e, add[i], name + 1) == 0);
-    }
-    if (!replaced) env[n++] = *e;
-  }
-  for (int i = 0; i < adding; ++i) env[n++] = const_cast<char*>(add[i]);
-  env[n] = nullptr;
-  ::execve("/proc/self/exe", argv, env);  // returns only on failure: carry on without
-}
-
-__attribute__((section(".preinit_array"), used)) static void (*const kReexecWithStartupSettings)(
-    int, char**, char**) = &ReexecWithStartupSettings;
-
-// `grpo demo`: the settings its children inherit (it started without them).
-static void ApplyStartupSettingsForChildren(int argc, char** argv) {
-  if (!IsDemo(argc, argv)) return;
-  const char* add[4] = {nullptr, nullptr, nullptr, nullptr};
-  const int adding = MissingStartupSettings(argc, argv, environ, add);
-  for (int i = 0; i < adding; ++i) {
-    const std::string setting = add[i];
-    const size_t eq = setting.find('=');
-    ::setenv(setting.substr(0, eq).c_str(), setting.substr(eq + 1).c_str(), 1);
-  }
-}
-
-// GRPO_PARENT_PID=<pid>: end (SIGTERM) when the process that started this one ends, and at once
-// when it has already ended. grpo_serve.start_local sets it instead of running a preexec_fn in
-// the child: a preexec_fn makes Python fork without exec and run code in the child, where grpcio's
-// fork handlers can restart its poller thread just before the child closes its file
-// descriptors; that thread then died of EBADF and took the child with it (SIGABRT, about 1 start
-// in 60 of a learner from a process with gRPC calls in flight). The variable is removed so that
-// this process's own children (grpo demo's) do not inherit it.
-static void DieWithParentIfAsked() {
-  const char* value = std::getenv("GRPO_PARENT_PID");
-  if (value == nullptr) return;
-  char* end = nullptr;
-  const long parent = std::strtol(value, &end, 10);
-  const bool valid = *value != '\0' && *end == '\0' && parent > 0;
-  ::unsetenv("GRPO_PARENT_PID");
-  if (!valid) {
-    std::cerr << "grpo: GRPO_PARENT_PID='" << value << "' is not a process id; ignored\n";
-    return;
-  }
-  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-  if (::getppid() != static_cast<pid_t>(parent)) ::raise(SIGTERM);  // already orphaned
-}
+#include "services/cli/launch.h"
 
 int main(int argc, char** argv) {
-  ApplyStartupSettingsForChildren(argc, argv);
-  // Before anything asks libtorch about CUDA (common/cuda/cuda_module.h).
-  if (grpo::Status s = grpo::common::LoadCudaModule(); !s.ok()) {
-    std::cerr << "grpo: " << s.ToString() << "\n";
-    return 1;
+  // For what runs next: grpo-torch, or the demo's learner and workers.
+  grpo::services::ApplyStartupSettings(argc, argv);
+  if (!grpo::services::IsLauncherCommand(grpo::services::Subcommand(argc, argv))) {
+    auto torch = grpo::services::GrpoTorchExecutable();
+    if (!torch.ok()) {
+      std::cerr << "grpo: " << torch.status().ToString() << "\n";
+      return 127;
+    }
+    ::execv(torch->c_str(), argv);
+    std::cerr << "grpo: cannot execute " << *torch << ": " << std::strerror(errno) << "\n";
+    return 127;
   }
-  DieWithParentIfAsked();
-  // A write to a peer that closed its socket is an error to handle, not a signal that kills the
-  // process: Gloo writes without MSG_NOSIGNAL, so a worker continued after a SIGSTOP outlasted
-  // its group (the learner closed it) died of SIGPIPE (gloo_stall_test, chaos_test).
-  std::signal(SIGPIPE, SIG_IGN);
+  grpo::services::DieWithParentIfAsked();
+  std::signal(SIGPIPE, SIG_IGN);  // a peer that closed its socket is an error, not a kill
   CLI::App app{"grpo-serve: distributed GRPO fine-tuning of language models"};
-  app.set_version_flag("--version", [] {
-    return std::string(kVersion) + "\nCUDA module: " + grpo::common::CudaModuleState() +
-           "\nmalloc: " + grpo::common::MallocName();
-  });
   std::string log_level = "warn";
   app.add_option("--log_level", log_level, "trace|debug|info|warn|error|off (stderr)");
   app.require_subcommand(1);
-
   grpo::services::CliAction action;
-  AddConfigCommand(app, &action);
-  grpo::services::AddModelToolCommands(app, &action);
-  grpo::services::AddTrainLocalCommand(app, &action);
-  grpo::services::AddLearnerCommands(app, &action);
-  grpo::services::AddPlanCommand(app, &action);
-  grpo::services::AddBenchCommand(app, &action);
-  grpo::services::AddGenerateCommand(app, &action);
-  grpo::services::AddRolloutCommands(app, &action);
-  grpo::services::AddEnvServerCommand(app, &action);
+  grpo::services::AddConfigCommand(app, &action);
+  grpo::services::AddClientCommands(app, &action);
   grpo::services::AddDemoCommand(app, &action);
-
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -266,10 +49,5 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!action) return 2;
-  // libgomp starts libtorch with one intra-op thread here; use every core unless the user set
-  // OMP_NUM_THREADS.
-  if (std::getenv("OMP_NUM_THREADS") == nullptr) {
-    at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-  }
   return action();
 }

@@ -16,6 +16,7 @@
 #include "common/config.h"
 #include "common/metrics/http_exposer.h"
 #include "tests/deploy/deploy_test_util.h"
+#include "tests/test_util.h"
 
 namespace grpo::testing {
 namespace {
@@ -198,6 +199,10 @@ TEST(DeployDockerfile, TwoDebianStagesNonRootUserAndGrpoEntrypoint) {
   EXPECT_NE(d.find("bash deploy/build.sh grpo"), std::string::npos);
   EXPECT_NE(d.find("COPY --from=builder /src/build/services/grpo /usr/local/bin/grpo"),
             std::string::npos);
+  // Where the launcher looks for grpo-torch: ../lib/grpo/ from /usr/local/bin (launch.h).
+  EXPECT_NE(d.find("COPY --from=builder /src/build/services/grpo-torch "
+                   "/usr/local/lib/grpo/grpo-torch"),
+            std::string::npos);
   EXPECT_NE(d.find("useradd --system --uid 10001 --gid grpo"), std::string::npos);
   EXPECT_NE(d.find("WORKDIR /var/lib/grpo"), std::string::npos);
   EXPECT_NE(d.find("\nUSER 10001:10001\n"), std::string::npos);
@@ -223,8 +228,10 @@ TEST(DeployDockerfile, TwoDebianStagesNonRootUserAndGrpoEntrypoint) {
 // Every shared library the built binary loads comes from a package the runtime stage installs
 // (directly or as a dependency) or from the base image (Priority: required).
 TEST(DeployDockerfile, RuntimePackagesCoverTheBinarysSharedLibraries) {
-  const char* bin = std::getenv("GRPO_BIN");
-  if (bin == nullptr || !std::filesystem::exists(bin)) GTEST_SKIP() << "grpo not built";
+  const char* grpo = std::getenv("GRPO_BIN");
+  if (grpo == nullptr || !std::filesystem::exists(grpo)) GTEST_SKIP() << "grpo not built";
+  // The launcher and grpo-torch, which it executes (services/cli/launch.h).
+  const std::string bin = std::string(grpo) + " " + GrpoTorchBin();
   if (!HaveTool("dpkg") || !HaveTool("apt-cache") || !HaveTool("ldd") ||
       RunShell("apt-cache show --no-all-versions libc6").rc != 0) {
     GTEST_SKIP() << "needs dpkg, ldd and apt-cache with a package index";

@@ -21,6 +21,7 @@
 namespace {
 
 using grpo::testing::GrpoBin;
+using grpo::testing::GrpoTorchBin;
 using grpo::testing::RunCommand;
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -354,8 +355,9 @@ std::string CudaMappedInAWaitingWorker(const std::string& dir, const std::string
 // machine with an NVIDIA device or when GRPO_CUDA=1 asks (common/cuda/cuda_module.h).
 TEST_F(CliTools, TheCudaModuleLoadsOnlyWhereItIsUseful) {
   int rc;
-  const std::string ldd = RunCommand("ldd " + GrpoBin(), &rc);
+  const std::string ldd = RunCommand("ldd " + GrpoTorchBin(), &rc);
   ASSERT_EQ(rc, 0) << ldd;
+  EXPECT_NE(ldd.find("libtorch_cpu.so"), std::string::npos) << ldd;
   for (const char* lib :
        {"libtorch_cuda.so", "libc10_cuda.so", "libcublas", "libcudnn", "libnccl"}) {
     EXPECT_EQ(ldd.find(lib), std::string::npos) << lib << " is linked:\n" << ldd;
@@ -397,8 +399,9 @@ TEST_F(CliTools, EveryLibraryOfTheBinaryAllocatesWithTcmalloc) {
   const std::string version = RunCommand(GrpoBin() + " --version 2>&1", &rc);
   EXPECT_EQ(rc, 0) << version;
   EXPECT_NE(version.find("\nmalloc: tcmalloc"), std::string::npos) << version;
+  // grpo-torch itself: the launcher, which computes nothing, allocates with glibc's malloc.
   const std::string bindings =
-      RunCommand("LD_BIND_NOW=1 LD_DEBUG=bindings " + GrpoBin() + " --version 2>&1", &rc);
+      RunCommand("LD_BIND_NOW=1 LD_DEBUG=bindings " + GrpoTorchBin() + " --version 2>&1", &rc);
   ASSERT_EQ(rc, 0) << bindings.substr(0, 2000);
   // "binding file /path/libtorch_cpu.so [0] to /path/libtcmalloc_minimal.so.4 [0]: normal
   // symbol `posix_memalign'"
@@ -494,7 +497,7 @@ std::map<std::string, std::string> LastLibgompDisplay(const std::string& text) {
 // initialised: libgomp (and libtorch beside it) start once, in the re-executed process, not
 // twice (they did, 0.29 s a command here, when it came from main()).
 std::map<std::string, std::string> LibgompSettings(const std::string& env,
-                                                   const std::string& command = "config") {
+                                                   const std::string& command = "generate --help") {
   int rc;
   const std::string err =
       RunCommand("env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT " + env + " OMP_DISPLAY_ENV=VERBOSE " +
@@ -542,7 +545,7 @@ TEST_F(CliTools, OpenMpThreadsSpinBrieflyWhenComputingAloneAndNeverWhenServing) 
 }
 
 // `grpo demo`'s children (the learner and a worker, serving processes) run with the serving
-// settings, as libgomp in each reports in its log; the demo sets them for them in main().
+// settings, as libgomp in each reports in its log; the launcher sets them for them.
 TEST_F(CliTools, TheDemosChildrenSleepAtOnce) {
   const fs::path dir = fs::temp_directory_path() / ("cli_tools_demo_" + std::to_string(::getpid()));
   fs::remove_all(dir);
@@ -552,10 +555,8 @@ TEST_F(CliTools, TheDemosChildrenSleepAtOnce) {
           " demo --json --workers 1 --max_steps 1 --output_dir " + dir.string() + " 2>&1",
       &rc);
   ASSERT_EQ(rc, 0) << out;
-  // The demo itself computes nothing and does not re-execute: libgomp started once in it.
-  EXPECT_EQ(out.find("OPENMP DISPLAY ENVIRONMENT BEGIN"),
-            out.rfind("OPENMP DISPLAY ENVIRONMENT BEGIN"))
-      << out;
+  // The demo itself computes nothing: the launcher runs it, without libtorch or libgomp.
+  EXPECT_EQ(out.find("OPENMP DISPLAY ENVIRONMENT BEGIN"), std::string::npos) << out;
   for (const char* log : {"learner.log", "rollout-0.log"}) {
     std::ifstream in(dir / log);
     std::stringstream text;
@@ -565,6 +566,42 @@ TEST_F(CliTools, TheDemosChildrenSleepAtOnce) {
     EXPECT_EQ(settings["GOMP_SPINCOUNT"], "0") << log;
   }
   fs::remove_all(dir);
+}
+
+// The launcher (services/cli/main.cc) runs demo, config and the clients without loading
+// libtorch, and executes grpo-torch for the rest, as the dynamic loader reports (LD_DEBUG=files
+// names every library it loads, in the process and after an exec). Alone in a folder, it runs
+// its own commands and names where it looked for grpo-torch for the others.
+TEST_F(CliTools, TheLaunchersOwnCommandsDoNotLoadLibtorch) {
+  int rc;
+  for (const char* command : {"config", "status --help", "watch --help", "demo --help"}) {
+    const std::string out =
+        RunCommand("LD_DEBUG=files " + GrpoBin() + " " + command + " 2>&1 >/dev/null", &rc);
+    EXPECT_EQ(rc, 0) << command << ":\n" << out.substr(0, 3000);
+    EXPECT_NE(out.find("file=libgrpc++.so"), std::string::npos) << command << ": " << out;
+    EXPECT_EQ(out.find("libtorch_cpu.so"), std::string::npos) << command << " loaded libtorch";
+    EXPECT_EQ(out.find("libgomp"), std::string::npos) << command << " loaded libgomp";
+  }
+  for (const char* command : {"generate --help", "--version", "learner --help"}) {
+    const std::string out =
+        RunCommand("LD_DEBUG=files " + GrpoBin() + " " + command + " 2>&1 >/dev/null", &rc);
+    EXPECT_EQ(rc, 0) << command << ":\n" << out.substr(0, 3000);
+    EXPECT_NE(out.find("file=libtorch_cpu.so"), std::string::npos) << command << ": " << out;
+  }
+
+  const fs::path alone = fs::path(dir_) / "launcher_alone";
+  fs::create_directories(alone);
+  fs::copy_file(GrpoBin(), alone / "grpo", fs::copy_options::overwrite_existing);
+  std::string out = RunCommand((alone / "grpo").string() + " config 2>&1", &rc);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_EQ(json::parse(out)["num_generations"], 8) << out;
+  out = RunCommand((alone / "grpo").string() + " generate --help 2>&1", &rc);
+  EXPECT_EQ(rc, 127) << out;
+  EXPECT_NE(out.find("grpo-torch (the commands that load libtorch) is in none of " +
+                     (alone / "grpo-torch").string() + ", " +
+                     (alone.parent_path() / "lib" / "grpo" / "grpo-torch").string()),
+            std::string::npos)
+      << out;
 }
 
 }  // namespace
