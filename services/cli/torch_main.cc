@@ -23,6 +23,24 @@ namespace {
 
 constexpr const char* kVersion = "0.1.0";
 
+// Ends the process with `code` once its output is written, without the libraries' static
+// destructors: libtorch's deregister every operator it registered at start, about 75 ms of every
+// grpo-torch process's end on this 2-core VM (`grpo-torch generate --help`, 6 runs each: 0.32-0.37
+// s with them, 0.25-0.29 s without). Nothing of ours finishes work in a static destructor: a
+// command stops its services, checkpoints and closes its ledger before it returns. Sanitizer
+// builds end normally: LeakSanitizer reports from an exit handler.
+[[noreturn]] void ExitWithoutTeardown(int code) {
+  std::cout.flush();
+  std::cerr.flush();
+  if (auto* logger = spdlog::default_logger_raw(); logger != nullptr) logger->flush();
+  std::fflush(nullptr);
+#ifdef GRPO_SANITIZED
+  std::exit(code);
+#else
+  std::_Exit(code);
+#endif
+}
+
 }  // namespace
 
 // The startup settings (launch.cc), from the .preinit_array: before any library's initialiser.
@@ -66,7 +84,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    ExitWithoutTeardown(app.exit(e));  // --help, --version, or a usage error
   }
   if (grpo::Status s = grpo::common::InitLogging(log_level); !s.ok()) {
     std::cerr << "grpo: " << s.ToString() << "\n";
@@ -78,5 +96,5 @@ int main(int argc, char** argv) {
   if (std::getenv("OMP_NUM_THREADS") == nullptr) {
     at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   }
-  return action();
+  ExitWithoutTeardown(action());
 }

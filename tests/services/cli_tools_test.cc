@@ -604,4 +604,32 @@ TEST_F(CliTools, TheLaunchersOwnCommandsDoNotLoadLibtorch) {
       << out;
 }
 
+// A grpo-torch command ends without the libraries' static destructors (libtorch's deregister
+// every operator, about 75 ms of each process here: services/cli/torch_main.cc), as the dynamic
+// loader reports (LD_DEBUG=files prints "calling fini" for each library it finalises), with its
+// output written and its exit code kept. The launcher's own commands end normally.
+TEST_F(CliTools, ACommandEndsWithoutTheLibrariesTeardown) {
+  const std::string in = dir_ + "/fini_in.jsonl", out = dir_ + "/fini_out.jsonl";
+  std::ofstream(in) << "{\"text\": \"hi\"}\n{\"text\": 5}\n";
+  int rc;
+  const std::string err = RunCommand("LD_DEBUG=files " + GrpoBin() + " tokenize --tokenizer " +
+                                         dir_ + " < " + in + " 2>&1 > " + out,
+                                     &rc);
+  EXPECT_EQ(rc, 2) << "line 2 is bad";
+  EXPECT_NE(err.find("file=libtorch_cpu.so"), std::string::npos) << err.substr(0, 2000);
+  EXPECT_EQ(err.find("calling fini"), std::string::npos) << err.substr(err.find("calling fini"));
+  auto lines = Lines(grpo::testing::ReadFile(out));
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[0]["ids"], json({'h', 'i'}));
+  EXPECT_NE(lines[1]["error"].get<std::string>().find("line 2"), std::string::npos);
+  // --help ends the same way.
+  EXPECT_EQ(RunCommand("LD_DEBUG=files " + GrpoBin() + " generate --help 2>&1 >/dev/null", &rc)
+                .find("calling fini"),
+            std::string::npos);
+  EXPECT_EQ(rc, 0);
+  const std::string config = RunCommand("LD_DEBUG=files " + GrpoBin() + " config 2>&1", &rc);
+  EXPECT_EQ(rc, 0);
+  EXPECT_NE(config.find("calling fini"), std::string::npos) << "the launcher ends normally";
+}
+
 }  // namespace
