@@ -5,11 +5,17 @@ the venv's Python (GRPO_BIN names the grpo binary; default <source>/build/servic
 
 Rows (ratio = ours / TRL, measured in this run; the end-to-end rows are medians over
 --e2e-rounds rounds of both sides back to back, with each round's own ratio in round_ratios):
-  e2e_steps_per_s, e2e_time_to_threshold_s : the demo task (train-local vs GRPOTrainer.train)
+  e2e_steps_per_s, e2e_time_to_threshold_s : the demo task (train-local vs GRPOTrainer.train),
+                                             ours from the process's start, TRL's from its
+                                             on_train_begin (its model loaded)
+  e2e_steps_per_s_from_train_start         : the same, ours on TRL's clock too (from the first
+                                             generation, the model loaded)
   services_e2e_steps_per_s,                : the same through the services (grpo demo: a learner
   services_e2e_time_to_threshold_s           and workers as processes on loopback, max_staleness
                                              1) at its best layout of workers x threads, vs
-                                             GRPOTrainer.train
+                                             GRPOTrainer.train; ours from the demo's start
+  services_e2e_steps_per_s_from_job_start  : the same, ours on TRL's clock too (from the job's
+                                             submission, the learner serving)
   generation_tokens_per_s                  : bench model, 4 demo prompts x G=16, 128 new tokens
                                              (32 with --fast)
                                              (grpo train-local's generation_seconds at
@@ -64,7 +70,7 @@ def make_reward_len(target):
 def ours_env():
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(THREADS)
-    # grpo's own OpenMP settings (services/cli/main.cc: PASSIVE, after a bounded spin when
+    # grpo's own OpenMP settings (services/cli/launch.cc: PASSIVE, after a bounded spin when
     # computing alone), unless the caller set them.
     return env
 
@@ -358,8 +364,11 @@ def run_ours_e2e(model_dir, job, work):
     err = p.stderr.read()
     if p.wait() != 0:
         raise RuntimeError("grpo train-local failed:\n" + err[-3000:])
+    # The clock TRL's figures run on (from on_train_begin: the model loaded, nothing generated
+    # yet): train-local's first step began its generation_seconds + step_seconds before its line.
+    train0 = times[0] - (gen_s[0] + step_s[0])
     return {"times": times, "rewards": rewards, "gen_s": sum(gen_s) / len(gen_s),
-            "train_s": sum(step_s) / len(step_s)}
+            "train_s": sum(step_s) / len(step_s), "times_from_train": [t - train0 for t in times]}
 
 
 def run_ours_services_e2e(model_dir, job, work, workers, threads):
@@ -378,18 +387,26 @@ def run_ours_services_e2e(model_dir, job, work, workers, threads):
     t0 = time.perf_counter()
     p = subprocess.Popen([GRPO_BIN] + args, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    times, rewards = [], []
+    times, rewards, summary = [], [], None
     for line in p.stdout:
         if not line.startswith("{"):
             continue
         j = json.loads(line)
-        if "reward" in j and "step" in j and not j.get("summary"):
+        if j.get("summary"):
+            summary = j
+        elif "reward" in j and "step" in j:
             times.append(time.perf_counter() - t0)
             rewards.append(j["reward"])
     err = p.stderr.read()
-    if p.wait() != 0 or not times:
+    if p.wait() != 0 or not times or summary is None:
         raise RuntimeError("grpo demo failed:\n" + err[-3000:])
-    return {"times": times, "rewards": rewards, "workers": workers, "threads": threads}
+    # The clock TRL's figures run on (from on_train_begin: the model loaded, nothing generated
+    # yet): the job's submission, train_seconds (submission to the end of the demo's watch,
+    # just after the last step's line) before the last step's line; a little early, so the
+    # figure on this clock is a little low.
+    submitted = times[-1] - summary["train_seconds"]
+    return {"times": times, "rewards": rewards, "workers": workers, "threads": threads,
+            "times_from_train": [t - submitted for t in times]}
 
 
 def steady_steps_per_s(times):
@@ -673,7 +690,7 @@ def main():
     bench_model = init_model("bench", os.path.join(work, "model-bench"))
     job = grpo_job_config(steps)
     # GRPO_OMP_DEFAULTS: the values are grpo's own (set by `grpo bench`), which a serving
-    # command (the demo's learner and workers) replaces with its own (services/cli/main.cc).
+    # command (the demo's learner and workers) replaces with its own (services/cli/launch.cc).
     omp = "" if "GRPO_OMP_DEFAULTS" in os.environ else " ".join(
         f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
         if k in os.environ)
@@ -725,8 +742,10 @@ def main():
             f"{layouts} ...")
         services_runs = [run_ours_services_e2e(e2e_model, job, round_work, w, t)
                          for w, t in layouts]
+        trl_r["times_from_train"] = trl_r["times"]  # from its on_train_begin already
         for r in [ours_r, trl_r] + services_runs:
             r["steps_per_s"] = len(r["times"]) / r["times"][-1]
+            r["steps_per_s_from_train"] = len(r["times"]) / r["times_from_train"][-1]
             r["thr_s"], r["thr_step"] = moving_threshold(r["times"], r["rewards"], a.threshold, 5)
             k = max(1, min(10, len(r["rewards"]) // 3))
             r["first"] = sum(r["rewards"][:k]) / k
@@ -748,6 +767,11 @@ def main():
     row("e2e_steps_per_s", med("ours", "steps_per_s"), med("trl", "steps_per_s"), "steps/s",
         "higher", steps=steps, model=e2e_preset, rounds=a.e2e_rounds,
         round_ratios=round_ratios("ours"))
+    row("e2e_steps_per_s_from_train_start", med("ours", "steps_per_s_from_train"),
+        med("trl", "steps_per_s_from_train"), "steps/s", "higher",
+        round_ratios=round_ratios("ours", "steps_per_s_from_train"),
+        note="both on TRL's clock (on_train_begin: model loaded): ours from the start of "
+             "train-local's first generation, not from the process's start")
     row("e2e_time_to_threshold_s", med("ours", "thr_s"), med("trl", "thr_s"), "s", "lower",
         threshold=a.threshold, ours_step=med("ours", "thr_step"), trl_step=med("trl", "thr_step"))
     row("e2e_generation_s_per_step", med("ours", "gen_s"), med("trl", "gen_s"), "s", "lower",
@@ -765,6 +789,12 @@ def main():
         note="grpo demo: learner + workers as processes on loopback, max_staleness 1, the best "
              "layout of each round; steady_steps_per_s [ours, TRL] leaves out start-up and the "
              "first step")
+    row("services_e2e_steps_per_s_from_job_start", med("services", "steps_per_s_from_train"),
+        med("trl", "steps_per_s_from_train"), "steps/s", "higher",
+        round_ratios=round_ratios("services", "steps_per_s_from_train"),
+        note="both on TRL's clock (on_train_begin: model loaded): ours from the job's "
+             "submission (the learner serving, workers started beside it), not from the demo's "
+             "start")
     row("services_e2e_time_to_threshold_s", med("services", "thr_s"), med("trl", "thr_s"), "s",
         "lower", threshold=a.threshold, ours_step=med("services", "thr_step"),
         trl_step=med("trl", "thr_step"))
