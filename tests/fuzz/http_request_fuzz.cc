@@ -6,6 +6,7 @@
 // server must go on serving: every 64th input is followed by a plain /healthz that must be 200.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -49,6 +50,28 @@ Server& TheServer() {
   return *server;
 }
 
+// Connects `fd` (blocking) to `addr`. libFuzzer's SIGALRM (its -timeout clock) can interrupt
+// connect(): the connection then goes on being set up in the background, and connect() itself
+// must not be called again until it is done (EALREADY), so wait for the socket to be writable
+// and read the outcome from SO_ERROR. Any other failure is the harness's to report, by errno
+// (an interrupted connect() aborted a CI run: EINTR is not the server's failure).
+void Connect(int fd, const sockaddr_in& addr) {
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0) return;
+  int err = errno;
+  if (err == EINTR) {
+    pollfd p{fd, POLLOUT, 0};
+    int ready;
+    do {
+      ready = ::poll(&p, 1, 5000);
+    } while (ready < 0 && errno == EINTR);
+    socklen_t len = sizeof(err);
+    if (ready == 1 && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0) return;
+    if (ready != 1) err = ready == 0 ? ETIMEDOUT : errno;
+  }
+  std::fprintf(stderr, "http_request_fuzz: connect: %s\n", std::strerror(err));
+  std::abort();
+}
+
 // Sends `request`, half-closes, and returns everything the server wrote before it closed.
 std::string Exchange(std::string_view request) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -60,7 +83,7 @@ std::string Exchange(std::string_view request) {
   addr.sin_family = AF_INET;
   addr.sin_port = htons(TheServer().exposer->port());
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) std::abort();
+  Connect(fd, addr);
   size_t sent = 0;
   while (sent < request.size()) {
     const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
