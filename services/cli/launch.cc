@@ -9,12 +9,30 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <initializer_list>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <vector>
 
 namespace grpo::services {
+
+// Plain C from here up to ReexecWithStartupSettings: it runs before any library is initialised.
+
+// The subcommand in argv (the first word that is not an option or --log_level's value), or
+// nullptr.
+const char* Subcommand(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--log_level") == 0) {
+      ++i;
+      continue;
+    }
+    if (argv[i][0] != '\0' && argv[i][0] != '-') return argv[i];
+  }
+  return nullptr;
+}
+
 namespace {
 
 // Two settings that glibc and libgomp read only at start-up; values the user set are left as
@@ -50,21 +68,6 @@ constexpr const char* kSpinServing = "GOMP_SPINCOUNT=0";
 constexpr const char* kOmpOurs = "GRPO_OMP_DEFAULTS";
 constexpr const char* kReexecPid = "GRPO_REEXEC_PID";
 
-// Plain C up to ReexecWithStartupSettings: it runs before any library is initialised.
-
-// The subcommand in argv (the first word that is not an option or --log_level's value), or
-// nullptr.
-const char* SubcommandIn(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--log_level") == 0) {
-      ++i;
-      continue;
-    }
-    if (argv[i][0] != '\0' && argv[i][0] != '-') return argv[i];
-  }
-  return nullptr;
-}
-
 bool IsServingCommand(const char* command) {
   if (command == nullptr) return false;
   for (const char* serving : {"learner", "rollout", "reward-server", "env-server", "demo"}) {
@@ -92,8 +95,7 @@ int MissingStartupSettings(int argc, char** argv, char** envp, const char** add)
   const bool ours = EnvValue(envp, kOmpOurs) != nullptr;
   if (ours || (EnvValue(envp, "OMP_WAIT_POLICY") == nullptr &&
                EnvValue(envp, "GOMP_SPINCOUNT") == nullptr)) {
-    const char* spin_setting =
-        IsServingCommand(SubcommandIn(argc, argv)) ? kSpinServing : kSpinAlone;
+    const char* spin_setting = IsServingCommand(Subcommand(argc, argv)) ? kSpinServing : kSpinAlone;
     const char* spin = std::strchr(spin_setting, '=') + 1;
     const char* policy = EnvValue(envp, "OMP_WAIT_POLICY");
     const char* now = EnvValue(envp, "GOMP_SPINCOUNT");
@@ -108,8 +110,6 @@ int MissingStartupSettings(int argc, char** argv, char** envp, const char** add)
 }
 
 }  // namespace
-
-const char* Subcommand(int argc, char** argv) { return SubcommandIn(argc, argv); }
 
 bool IsLauncherCommand(const char* command) {
   if (command == nullptr) return false;
@@ -134,7 +134,7 @@ bool IsLauncherCommand(const char* command) {
 // re-execution: a process re-executes itself at most once, whatever the loader makes of the
 // environment.
 void ReexecWithStartupSettings(int argc, char** argv, char** envp) {
-  if (IsLauncherCommand(SubcommandIn(argc, argv))) return;
+  if (IsLauncherCommand(Subcommand(argc, argv))) return;
   char pid_setting[40];
   std::snprintf(pid_setting, sizeof(pid_setting), "%s=%ld", kReexecPid,
                 static_cast<long>(::getpid()));
@@ -194,6 +194,22 @@ void DieWithParentIfAsked() {
   if (::getppid() != static_cast<pid_t>(parent)) ::raise(SIGTERM);  // already orphaned
 }
 
+namespace {
+
+// The first of `candidates` (made lexically normal) this process may execute, or nullopt;
+// `tried` lists them all.
+std::optional<std::string> FirstExecutable(std::initializer_list<std::filesystem::path> candidates,
+                                           std::string* tried) {
+  for (const std::filesystem::path& path : candidates) {
+    const std::filesystem::path p = path.lexically_normal();
+    if (::access(p.c_str(), X_OK) == 0) return p.string();
+    *tried += (tried->empty() ? "" : ", ") + p.string();
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 StatusOr<std::string> GrpoTorchExecutable() {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -201,12 +217,10 @@ StatusOr<std::string> GrpoTorchExecutable() {
   if (ec) return Status::NotFound("no place to look for grpo-torch: " + ec.message());
   if (exe.filename() == "grpo-torch") return exe.string();
   std::string tried;
-  for (const fs::path& path : {exe.parent_path() / "grpo-torch",
-                               exe.parent_path() / ".." / "lib" / "grpo" / "grpo-torch"}) {
-    const fs::path p = path.lexically_normal();
-    if (::access(p.c_str(), X_OK) == 0) return p.string();
-    tried += (tried.empty() ? "" : ", ") + p.string();
-  }
+  std::optional<std::string> found = FirstExecutable(
+      {exe.parent_path() / "grpo-torch", exe.parent_path() / ".." / "lib" / "grpo" / "grpo-torch"},
+      &tried);
+  if (found) return *found;
   return Status::NotFound("grpo-torch (the commands that load libtorch) is in none of " + tried);
 }
 
@@ -215,12 +229,10 @@ std::string GrpoLauncherExecutable() {
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   if (ec) return "/proc/self/exe";
-  for (const fs::path& path :
-       {exe.parent_path() / "grpo", exe.parent_path() / ".." / ".." / "bin" / "grpo"}) {
-    const fs::path p = path.lexically_normal();
-    if (::access(p.c_str(), X_OK) == 0) return p.string();
-  }
-  return exe.string();
+  std::string tried;
+  return FirstExecutable(
+             {exe.parent_path() / "grpo", exe.parent_path() / ".." / ".." / "bin" / "grpo"}, &tried)
+      .value_or(exe.string());
 }
 
 }  // namespace grpo::services
