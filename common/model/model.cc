@@ -396,16 +396,32 @@ at::Tensor Model::ApplyRope(const at::Tensor& x, const at::Tensor& cos,
   return x * cos + rotated * sin;
 }
 
+at::Tensor Model::AttentionMask(const at::Tensor& blocked) const {
+  const int64_t b = blocked.size(0), t = blocked.size(1), l = blocked.size(2);
+  const at::Tensor rows = blocked.view({b, 1, 1, t, l});
+  const at::ScalarType dtype = embed_.scalar_type();
+  if (dtype == at::kHalf) return rows;
+  return at::zeros(rows.sizes(), blocked.options().dtype(dtype))
+      .masked_fill_(rows, BlockedScore(dtype));
+}
+
 at::Tensor Model::Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         const at::Tensor& blocked) const {
+                         const at::Tensor& mask) const {
   const int64_t b = q.size(0), h = q.size(1), t = q.size(2), hd = q.size(3);
   const int64_t kv = k.size(1), l = k.size(2), g = h / kv;
   // Query head i uses key/value head i / g (transformers' repeat_kv), so group the g query heads
   // of one KV head along the rows of a single matmul instead of copying K and V g times.
   at::Tensor qg = (q * (1.0 / std::sqrt(static_cast<double>(hd)))).reshape({b, kv, g * t, hd});
   at::Tensor scores = at::matmul(qg, k.transpose(-2, -1));  // [B, KV, g*T, L]
-  scores.view({b, kv, g, t, l})
-      .masked_fill_(blocked.view({b, 1, 1, t, l}), BlockedScore(scores.scalar_type()));
+  // Out of place: an in-place write into a view of the scores made autograd copy them whole in
+  // backward (CopySlices). The add's backward is the incoming gradient as it is. A blocked
+  // score becomes BlockedScore exactly, as masked_fill writes it: |score| is far below half an
+  // ulp of 1e30, so the sum rounds to it.
+  const at::Tensor grouped = scores.view({b, kv, g, t, l});
+  scores = (mask.scalar_type() == at::kBool
+                ? grouped.masked_fill(mask, BlockedScore(scores.scalar_type()))
+                : grouped + mask)
+               .view({b, kv, g * t, l});
   // Half precision: softmax in fp32 and back (transformers' eager attention); fp32 as is.
   at::Tensor probs = scores.scalar_type() == at::kFloat || scores.scalar_type() == at::kDouble
                          ? at::softmax(scores, -1)
@@ -428,7 +444,7 @@ const std::vector<at::Tensor Model::Layer::*>& Model::LayerFields() {
 // One decoder layer whose forward keeps no intermediates: backward recomputes the layer from its
 // saved input under grad mode (on detached leaves) and differentiates that. The model and layer
 // travel as integers because autograd's saved_data holds IValues; the Model outlives the graph
-// (the trainer owns both). Inputs: {x, cos, sin, blocked, the layer's defined weights...}.
+// (the trainer owns both). Inputs: {x, cos, sin, mask, the layer's defined weights...}.
 class CheckpointedLayerFunction : public torch::autograd::Function<CheckpointedLayerFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
@@ -468,7 +484,7 @@ class CheckpointedLayerFunction : public torch::autograd::Function<CheckpointedL
     torch::autograd::variable_list grads =
         torch::autograd::grad({out}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
                               /*create_graph=*/false, /*allow_unused=*/true);
-    // One entry per forward input: x, cos, sin, blocked, weights..., then the two integers.
+    // One entry per forward input: x, cos, sin, mask, weights..., then the two integers.
     torch::autograd::variable_list result;
     result.reserve(saved.size() + 2);
     result.push_back(grads[0]);
@@ -486,7 +502,7 @@ class CheckpointedLayerFunction : public torch::autograd::Function<CheckpointedL
 // the unit's autograd graph, whose saved tensors include the parameters themselves: their
 // values are back once the backward's Acquire refilled them. Otherwise only the inputs are
 // saved and the backward recomputes the unit, as CheckpointedLayerFunction does. Inputs:
-// {x, cos, sin, blocked}.
+// {x, cos, sin, mask}.
 class GatedUnitFunction : public torch::autograd::Function<GatedUnitFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
@@ -546,35 +562,35 @@ class GatedUnitFunction : public torch::autograd::Function<GatedUnitFunction> {
     for (size_t k = 0; k < params.size(); ++k) unit_grads[params[k]] = grads[1 + k];
     model->gate_->TakeGradients(u, unit_grads);
     model->gate_->Release(u);
-    // One entry per forward input: x, cos, sin, blocked, then the three scalars.
+    // One entry per forward input: x, cos, sin, mask, then the three scalars.
     return {grads[0],     at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor Model::UnitForward(int unit, const at::Tensor& x, const at::Tensor& cos,
-                              const at::Tensor& sin, const at::Tensor& blocked) const {
+                              const at::Tensor& sin, const at::Tensor& mask) const {
   if (unit == NormUnit()) return RmsNorm(x, final_norm_);
   const size_t li = static_cast<size_t>(unit - 1);
   TORCH_CHECK(unit >= 1 && li < layers_.size(), "UnitForward: unit ", unit,
               " is not a decoder layer or the final norm");
-  return LayerForward(layers_[li], li, x, cos, sin, blocked, nullptr);
+  return LayerForward(layers_[li], li, x, cos, sin, mask, nullptr);
 }
 
 at::Tensor Model::GatedForward(const at::Tensor& ids, const at::Tensor& cos, const at::Tensor& sin,
-                               const at::Tensor& blocked, bool gradient_checkpointing) const {
+                               const at::Tensor& mask, bool gradient_checkpointing) const {
   gate_->Acquire(0);
   at::Tensor x = at::embedding(embed_, ids);  // [B, T, D]; its backward needs no weights
   gate_->Release(0);
   const bool grad = at::GradMode::is_enabled();
   for (int u = LayerUnit(0); u <= NormUnit(); ++u) {
     if (grad) {
-      x = GatedUnitFunction::apply(at::TensorList({x, cos, sin, blocked}),
+      x = GatedUnitFunction::apply(at::TensorList({x, cos, sin, mask}),
                                    reinterpret_cast<int64_t>(this), static_cast<int64_t>(u),
                                    !gradient_checkpointing)[0];
     } else {
       gate_->Acquire(u);
-      x = UnitForward(u, x, cos, sin, blocked);
+      x = UnitForward(u, x, cos, sin, mask);
       gate_->Release(u);
     }
   }
@@ -582,8 +598,8 @@ at::Tensor Model::GatedForward(const at::Tensor& ids, const at::Tensor& cos, con
 }
 
 at::Tensor Model::LayerForward(const Layer& L, size_t li, const at::Tensor& x_in,
-                               const at::Tensor& cos, const at::Tensor& sin,
-                               const at::Tensor& blocked, KvCache* cache) const {
+                               const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
+                               KvCache* cache) const {
   const ModelConfig& c = config_;
   const int64_t b = x_in.size(0), t = x_in.size(1);
   const int64_t h = c.num_attention_heads, kv = c.num_key_value_heads, hd = c.head_dim;
@@ -604,7 +620,7 @@ at::Tensor Model::LayerForward(const Layer& L, size_t li, const at::Tensor& x_in
     k = cache->keys[li].narrow(2, 0, cache->length + t);
     v = cache->values[li].narrow(2, 0, cache->length + t);
   }
-  at::Tensor x = x_in + at::linear(Attend(q, k, v, blocked), L.o_w, L.o_b);
+  at::Tensor x = x_in + at::linear(Attend(q, k, v, mask), L.o_w, L.o_b);
   at::Tensor m = RmsNorm(x, L.post_norm);
   return x + at::linear(at::silu(at::linear(m, L.gate_w)) * at::linear(m, L.up_w), L.down_w);
 }
@@ -617,23 +633,24 @@ at::Tensor Model::Forward(const at::Tensor& ids, const at::Tensor& positions,
   at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(2);                           // [B,T,1,hd]
   at::Tensor cos = emb.cos().to(embed_.scalar_type());
   at::Tensor sin = emb.sin().to(embed_.scalar_type());
+  const at::Tensor mask = AttentionMask(blocked);  // once for every layer
   if (gate_ != nullptr) {
     TORCH_CHECK(cache == nullptr, "a model behind a parameter gate runs no KV-cache forward");
-    return GatedForward(ids, cos, sin, blocked, gradient_checkpointing);
+    return GatedForward(ids, cos, sin, mask, gradient_checkpointing);
   }
 
   at::Tensor x = at::embedding(embed_, ids);  // [B, T, D]
   const bool checkpoint = gradient_checkpointing && cache == nullptr && at::GradMode::is_enabled();
   for (size_t li = 0; li < layers_.size(); ++li) {
     if (checkpoint) {
-      std::vector<at::Tensor> inputs = {x, cos, sin, blocked};
+      std::vector<at::Tensor> inputs = {x, cos, sin, mask};
       for (auto field : LayerFields()) {
         if ((layers_[li].*field).defined()) inputs.push_back(layers_[li].*field);
       }
       x = CheckpointedLayerFunction::apply(at::TensorList(inputs), reinterpret_cast<int64_t>(this),
                                            static_cast<int64_t>(li))[0];
     } else {
-      x = LayerForward(layers_[li], li, x, cos, sin, blocked, cache);
+      x = LayerForward(layers_[li], li, x, cos, sin, mask, cache);
     }
   }
   return RmsNorm(x, final_norm_);

@@ -198,22 +198,28 @@ class Model {
   at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& w) const;
   // x [B, T, heads, hd], positions [B, T] int64.
   at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
-  // q [B, H, T, hd]; k, v [B, KV, L, hd]; blocked [B, T, L] bool (true = may not attend).
+  // The attention mask every layer adds to its scores, from blocked [B, T, L] bool (true = may
+  // not attend): [B, 1, 1, T, L], 0 or BlockedScore in the model's dtype; for half precision,
+  // whose BlockedScore (-65504) a score added to could overflow, blocked itself (Attend writes
+  // BlockedScore over those scores instead).
+  at::Tensor AttentionMask(const at::Tensor& blocked) const;
+  // q [B, H, T, hd]; k, v [B, KV, L, hd]; mask: AttentionMask's.
   at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    const at::Tensor& blocked) const;
+                    const at::Tensor& mask) const;
   // One step over new tokens; when `cache` is set, keys/values are written at columns
   // [cache->length, cache->length + T) and attention spans columns [0, length + T).
   at::Tensor Forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& blocked,
                      KvCache* cache, bool gradient_checkpointing = false) const;
-  // Decoder layer `li` (weights `L`) on x [B, T, D]; cos/sin [B, T, 1, hd].
+  // Decoder layer `li` (weights `L`) on x [B, T, D]; cos/sin [B, T, 1, hd]; mask:
+  // AttentionMask's.
   at::Tensor LayerForward(const Layer& L, size_t li, const at::Tensor& x, const at::Tensor& cos,
-                          const at::Tensor& sin, const at::Tensor& blocked, KvCache* cache) const;
+                          const at::Tensor& sin, const at::Tensor& mask, KvCache* cache) const;
   // Unit `unit` (a decoder layer or the final norm) on x [B, T, D].
   at::Tensor UnitForward(int unit, const at::Tensor& x, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& blocked) const;
+                         const at::Tensor& sin, const at::Tensor& mask) const;
   // Forward's body with a parameter gate (whole sequences only).
   at::Tensor GatedForward(const at::Tensor& ids, const at::Tensor& cos, const at::Tensor& sin,
-                          const at::Tensor& blocked, bool gradient_checkpointing) const;
+                          const at::Tensor& mask, bool gradient_checkpointing) const;
   // Prefill/DecodeStep body: ids [B, T], mask [B, T] bool -> hidden [B, T, D].
   at::Tensor Extend(const at::Tensor& ids, const at::Tensor& mask, KvCache& cache) const;
 

@@ -346,9 +346,10 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   // Attention probabilities [B, H, T, T]: fp32 softmax output, plus its bf16 copy with bf16.
   const Wide scores = b * h * t * t;
   const Wide layer = tokens * LayerTokenBytes(m, s) + scores * (cfg.bf16 ? 6 : 4);
-  // Shared by every layer: the blocked-key mask [B, T, T] bool, cos and sin [B, T, 1, hd], the
-  // int64 ids, mask and labels. The final norm keeps the last hidden state and 8 bytes more.
-  const Wide shared = b * t * t + 2 * tokens * m.head_dim * ws + 3 * 8 * tokens;
+  // Shared by every layer: the blocked-key mask [B, T, T] bool and the attention mask made of it
+  // in the compute dtype (Model::AttentionMask), cos and sin [B, T, 1, hd], the int64 ids, mask
+  // and labels. The final norm keeps the last hidden state and 8 bytes more.
+  const Wide shared = b * t * t * (1 + ws) + 2 * tokens * m.head_dim * ws + 3 * 8 * tokens;
   const Wide final_norm = tokens * (ws * d + 8 * d);
   // Backward of one layer: the gradients of the probabilities and scores (fp32) or of the MLP's
   // [B, T, I] tensors, whichever is larger, the incoming and outgoing [B, T, D] gradients and a

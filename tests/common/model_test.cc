@@ -314,6 +314,36 @@ TEST(ModelForward, AllPaddingRowIsFinite) {
   EXPECT_TRUE(at::isfinite(logits).all().item<bool>());
 }
 
+// Each layer adds its attention mask (0 or -1e30) to the scores, except in fp16, where a score
+// below -16 added to -65504 passes the format's range and becomes -inf: a row whose keys are
+// all blocked (every position of an all-padding row) would be -inf throughout, and its softmax
+// NaN. There the blocked scores are written over instead. The q and k biases here (-5 and +5 in
+// every component) make every score of every layer about -2 x 25 x 4 / sqrt(8) = -70 at the
+// padding's positions (all 0, no rotation between them), so each key of the all-padding row
+// would overflow.
+TEST(ModelForward, AllPaddingRowIsFiniteInEveryDtypeWithLargeNegativeScores) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen2"), 6);
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [name, t] : model->NamedParameters()) {
+      if (name.find("q_proj.bias") != std::string::npos) t.fill_(-5.0);
+      if (name.find("k_proj.bias") != std::string::npos) t.fill_(5.0);
+    }
+  }
+  at::Tensor ids = at::randint(97, {2, 5}, at::kLong);
+  at::Tensor mask = at::ones({2, 5}, at::kLong);
+  mask[1].zero_();
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    auto copy = model->Copy(at::kCPU, dtype);
+    ASSERT_TRUE(copy.ok()) << copy.status().ToString();
+    at::Tensor logits = FullLogits(**copy, ids, mask).to(at::kFloat);
+    EXPECT_TRUE(at::isfinite(logits).all().item<bool>()) << c10::toString(dtype);
+    // The real row is the row alone: nothing of the padded row reaches it.
+    at::Tensor alone = FullLogits(**copy, ids.narrow(0, 0, 1), mask.narrow(0, 0, 1)).to(at::kFloat);
+    EXPECT_TRUE(at::allclose(logits.narrow(0, 0, 1), alone, 1e-2, 1e-2)) << c10::toString(dtype);
+  }
+}
+
 TEST(ModelForward, PaddingDoesNotChangeRealPositions) {
   std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen3"), 4);
   at::Tensor ids = at::randint(97, {1, 6}, at::kLong);
