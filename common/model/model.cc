@@ -391,8 +391,10 @@ at::Tensor Model::RmsNorm(const at::Tensor& x, const at::Tensor& w) const {
 
 at::Tensor Model::ApplyRope(const at::Tensor& x, const at::Tensor& cos,
                             const at::Tensor& sin) const {
+  // transformers' x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1): the sign sits
+  // in `sin` (Forward's signed sin, -sin on the first half), so x2 * -sin1 = -x2 * sin1 exactly.
   const int64_t half = x.size(-1) / 2;
-  at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  at::Tensor rotated = at::cat({x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
   return x * cos + rotated * sin;
 }
 
@@ -632,7 +634,11 @@ at::Tensor Model::Forward(const at::Tensor& ids, const at::Tensor& positions,
   at::Tensor freqs = positions.to(inv_freq_.scalar_type()).unsqueeze(-1) * inv_freq_;  // [B,T,hd/2]
   at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(2);                           // [B,T,1,hd]
   at::Tensor cos = emb.cos().to(embed_.scalar_type());
-  at::Tensor sin = emb.sin().to(embed_.scalar_type());
+  // ApplyRope's signed sin: the first half negated (exactly), once here instead of -x twice a
+  // layer, forward and backward.
+  const at::Tensor plain_sin = emb.sin().to(embed_.scalar_type());
+  const int64_t half = plain_sin.size(-1) / 2;
+  at::Tensor sin = at::cat({-plain_sin.narrow(-1, 0, half), plain_sin.narrow(-1, half, half)}, -1);
   const at::Tensor mask = AttentionMask(blocked);  // once for every layer
   if (gate_ != nullptr) {
     TORCH_CHECK(cache == nullptr, "a model behind a parameter gate runs no KV-cache forward");
