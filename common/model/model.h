@@ -196,7 +196,8 @@ class Model {
   void Bind(NamedTensors params);
 
   at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& w) const;
-  // x [B, T, heads, hd], positions [B, T] int64.
+  // x [B, T, heads, hd]; cos and sin [B, T, 1, hd] from Forward, sin signed (its first half
+  // negated: the rotation's sign).
   at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
   // The attention mask every layer adds to its scores, from blocked [B, T, L] bool (true = may
   // not attend): [B, 1, 1, T, L], 0 or BlockedScore in the model's dtype; for half precision,
@@ -210,7 +211,7 @@ class Model {
   // [cache->length, cache->length + T) and attention spans columns [0, length + T).
   at::Tensor Forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& blocked,
                      KvCache* cache, bool gradient_checkpointing = false) const;
-  // Decoder layer `li` (weights `L`) on x [B, T, D]; cos/sin [B, T, 1, hd]; mask:
+  // Decoder layer `li` (weights `L`) on x [B, T, D]; cos/sin [B, T, 1, hd] (ApplyRope's); mask:
   // AttentionMask's.
   at::Tensor LayerForward(const Layer& L, size_t li, const at::Tensor& x, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& mask, KvCache* cache) const;
