@@ -64,9 +64,13 @@ void Connect(int fd, const sockaddr_in& addr) {
     do {
       ready = ::poll(&p, 1, 5000);
     } while (ready < 0 && errno == EINTR);
-    socklen_t len = sizeof(err);
-    if (ready == 1 && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0) return;
-    if (ready != 1) err = ready == 0 ? ETIMEDOUT : errno;
+    if (ready == 1) {
+      socklen_t len = sizeof(err);
+      if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;  // getsockopt's
+      if (err == 0) return;
+    } else {
+      err = ready == 0 ? ETIMEDOUT : errno;
+    }
   }
   std::fprintf(stderr, "http_request_fuzz: connect: %s\n", std::strerror(err));
   std::abort();
