@@ -306,6 +306,7 @@ const std::vector<Field>& Fields() {
       MakeField("num_iterations", &C::num_iterations),
       MakeField("logprob_chunk_tokens", &C::logprob_chunk_tokens),
       MakeField("gradient_checkpointing", &C::gradient_checkpointing),
+      MakeField("micro_batch_threads", &C::micro_batch_threads),
       MakeField("fsdp", &C::fsdp),
       MakeField("fsdp_prefetch", &C::fsdp_prefetch),
       MakeField("rank_timeout_seconds", &C::rank_timeout_seconds),
@@ -595,6 +596,7 @@ Status GrpoConfig::Validate() const {
                         "steps_per_generation = " +
                             std::to_string(gen_batch)));
   RETURN_IF_ERROR(CheckRange(logprob_chunk_tokens, 1, kMaxConfigTokens, "logprob_chunk_tokens"));
+  RETURN_IF_ERROR(CheckRange(micro_batch_threads, 1, 2, "micro_batch_threads"));
   RETURN_IF_ERROR(Check(learning_rate >= 0, "learning_rate", "must be >= 0"));
   RETURN_IF_ERROR(Check(adam_beta1 >= 0 && adam_beta1 < 1, "adam_beta1", "must be in [0, 1)"));
   RETURN_IF_ERROR(Check(adam_beta2 >= 0 && adam_beta2 < 1, "adam_beta2", "must be in [0, 1)"));

@@ -1,6 +1,7 @@
 #include "learner/grpo_trainer.h"
 
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <charconv>
@@ -248,6 +249,18 @@ static at::Tensor CompletionLogprobs(const common::Model& model, const MicroBatc
                               SamplingTemperature(config), entropy);
 }
 
+// Back-propagates `loss` into the parameters' .grad, or with `grad_of` into `grads` (the
+// gradients of grad_of's tensors, in order; undefined where one is unused) and no .grad.
+static void Backward(const at::Tensor& loss, const std::vector<at::Tensor>* grad_of,
+                     std::vector<at::Tensor>* grads) {
+  if (grad_of == nullptr) {
+    loss.backward();
+    return;
+  }
+  *grads = torch::autograd::grad({loss}, *grad_of, /*grad_outputs=*/{}, /*retain_graph=*/false,
+                                 /*create_graph=*/false, /*allow_unused=*/true);
+}
+
 // The fused path for losses that are sums of per-token terms (token-level importance sampling):
 // log-probs, entropy and the loss gradient of the LM head in one pass over each chunk of
 // logits (FusedTokenLogprobsLoss with GrpoTokenLossGrad), so backward recomputes no logits.
@@ -255,7 +268,8 @@ static at::Tensor CompletionLogprobs(const common::Model& model, const MicroBatc
 static StatusOr<GrpoLossOutput> FusedMicroBatchBackward(
     const common::Model& model, const MicroBatch& mb, const common::GrpoConfig& config,
     const GrpoLossConfig& loss_config, const LossNormaliser& norm, GrpoLossInputs in,
-    at::Tensor* logp, at::Tensor* entropy) {
+    at::Tensor* logp, at::Tensor* entropy, const std::vector<at::Tensor>* grad_of,
+    std::vector<at::Tensor>* grads) {
   const at::Tensor h = CompletionHidden(model, mb, config);
   Status grad_status;
   ASSIGN_OR_RETURN(const TokenLossGrad token_grad,
@@ -273,8 +287,77 @@ static StatusOr<GrpoLossOutput> FusedMicroBatchBackward(
   in.logp = *logp;
   if (entropy_grad.defined()) in.entropy = *entropy;
   ASSIGN_OR_RETURN(GrpoLossOutput out, ComputeGrpoLoss(loss_config, in, norm));
-  anchor.backward();
+  Backward(anchor, grad_of, grads);
   return out;
+}
+
+struct GrpoTrainer::MicroResult {
+  Status status;
+  MicroBatch mb;
+  GrpoLossInputs in;
+  GrpoLossOutput out;
+  at::Tensor logp, entropy;
+  std::vector<at::Tensor> grads;  // computed apart: grad_params_'s gradients
+};
+
+void GrpoTrainer::ComputeMicroBatch(const Batch& batch, int64_t b0, int64_t b1,
+                                    const GrpoLossConfig& loss_config, const LossNormaliser& norm,
+                                    bool apart, MicroResult* r) const {
+  const common::Model& compute = compute_model();
+  const at::Device device = compute.device();
+  try {
+    r->mb = OnDevice(MakeMicroBatch(batch.prompts, batch.completions, b0, b1, batch.has_beh,
+                                    config_.mask_truncated_completions),
+                     device);
+    const MicroBatch& mb = r->mb;
+    const int64_t C = mb.labels.size(1);
+    GrpoLossInputs& in = r->in;
+    in.mask = mb.loss_mask;
+    in.advantages = batch.advantages.narrow(0, b0, b1 - b0).to(device);
+    if (batch.old.defined()) in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
+    if (batch.ref.defined()) in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
+    if (batch.has_beh) in.beh = mb.beh;
+    const std::vector<at::Tensor>* grad_of = apart ? &grad_params_ : nullptr;
+    if (TokenSeparable(loss_config, in.old.defined())) {
+      StatusOr<GrpoLossOutput> out = FusedMicroBatchBackward(
+          compute, mb, config_, loss_config, norm, in, &r->logp, &r->entropy, grad_of, &r->grads);
+      if (!out.ok()) {
+        r->status = out.status();
+        return;
+      }
+      r->out = *std::move(out);
+    } else {  // the loss couples a sequence's tokens (grpo_loss.h): autograd through them
+      r->logp = CompletionLogprobs(compute, mb, config_, &r->entropy);
+      in.logp = r->logp;
+      in.entropy = r->entropy;
+      StatusOr<GrpoLossOutput> out = ComputeGrpoLoss(loss_config, in, norm);
+      if (!out.ok()) {
+        r->status = out.status();
+        return;
+      }
+      r->out = *std::move(out);
+      Backward(r->out.loss, grad_of, &r->grads);
+    }
+  } catch (const c10::Error& e) {
+    r->status = Status::Internal(std::string("micro-batch forward/backward: ") +
+                                 e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    r->status = Status::Internal(std::string("micro-batch forward/backward: ") + e.what());
+  }
+}
+
+void GrpoTrainer::AddGradients(const std::vector<at::Tensor>& grads) {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < grads.size() && i < grad_params_.size(); ++i) {
+    if (!grads[i].defined()) continue;
+    at::Tensor p = grad_params_[i];
+    // What autograd's AccumulateGrad does with a micro-batch's gradient after the one before.
+    if (p.grad().defined()) {
+      p.mutable_grad().add_(grads[i]);
+    } else {
+      p.mutable_grad() = grads[i];
+    }
+  }
 }
 
 GrpoTrainer::GrpoTrainer(common::GrpoConfig config, GrpoLossConfig loss_config,
@@ -389,6 +472,18 @@ StatusOr<std::unique_ptr<GrpoTrainer>> GrpoTrainer::Create(const common::GrpoCon
                                      AdamWOptions{config.adam_beta1, config.adam_beta2,
                                                   config.adam_epsilon, config.weight_decay},
                                      t->ranks_, policy, t->compute_.get()));
+  if (config.micro_batch_threads > 1) {
+    if (t->ranks_->world_size() > 1 || t->compute_ || t->optimizer_->ShardsParameters()) {
+      return Status::InvalidArgument(
+          "micro_batch_threads " + std::to_string(config.micro_batch_threads) +
+          ": two micro-batches at once need one learner process (WORLD_SIZE 1) and no compute "
+          "copy (bf16 false, no offload); set it to 1");
+    }
+    for (const at::Tensor& p : policy->Parameters()) {
+      if (p.requires_grad()) t->grad_params_.push_back(p);
+    }
+    t->micro_worker_ = std::make_unique<MicroBatchWorker>();
+  }
   return t;
 }
 
@@ -649,6 +744,17 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
   }
   const int64_t stream = config_.num_iterations * num_micro;
 
+  // micro_batch_threads 2: the micro-batch the worker trains ahead, and its place in the stream.
+  // Every way out of this function waits for the worker first (it reads `batch`).
+  std::unique_ptr<MicroResult> ahead;
+  int64_t ahead_q = -1;
+  struct WaitForWorker {
+    MicroBatchWorker* worker;
+    ~WaitForWorker() {
+      if (worker != nullptr) worker->Wait();
+    }
+  } wait_for_worker{micro_worker_.get()};
+
   // The micro-batch stream of this batch: num_iterations passes over its micro-batches; an
   // optimizer step every gradient_accumulation_steps micro-batches of the stream, carried over
   // to the next generation batch when this one ends inside a step (as TRL does).
@@ -704,33 +810,35 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
         result.steps.push_back(std::move(sm));
         continue;
       }
-      MicroBatch mb = OnDevice(MakeMicroBatch(batch.prompts, batch.completions, b0, b1,
-                                              batch.has_beh, config_.mask_truncated_completions),
-                               device);
-      at::Tensor entropy, logp;
-      const int64_t C = mb.labels.size(1);
-      GrpoLossInputs in;
-      in.mask = mb.loss_mask;
-      in.advantages = batch.advantages.narrow(0, b0, b1 - b0).to(device);
-      if (batch.old.defined()) {
-        in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
-      }
-      if (batch.ref.defined()) {
-        in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
-      }
-      if (batch.has_beh) in.beh = mb.beh;
-      GrpoLossOutput out;
       optimizer_->BeforeBackward(at_micro);
-      if (TokenSeparable(step_loss_config, in.old.defined())) {
-        ASSIGN_OR_RETURN(out, FusedMicroBatchBackward(compute, mb, config_, step_loss_config, norm,
-                                                      in, &logp, &entropy));
-      } else {  // the loss couples a sequence's tokens (grpo_loss.h): autograd through them
-        logp = CompletionLogprobs(compute, mb, config_, &entropy);
-        in.logp = logp;
-        in.entropy = entropy;
-        ASSIGN_OR_RETURN(out, ComputeGrpoLoss(step_loss_config, in, norm));
-        out.loss.backward();
+      MicroResult r;
+      const int64_t q = it * num_micro + m;    // the micro-batch's place in the stream
+      if (ahead != nullptr && ahead_q == q) {  // the worker trained it beside the one before
+        micro_worker_->Wait();
+        r = std::move(*ahead);
+        ahead.reset();
+        RETURN_IF_ERROR(r.status);
+        AddGradients(r.grads);  // after the micro-batch before it, as one after the other
+      } else {
+        if (micro_worker_ != nullptr && m + 1 < num_micro && os.micro + 1 < ga) {
+          // The next micro-batch of this step goes to the worker while this one trains here.
+          ahead = std::make_unique<MicroResult>();
+          ahead_q = q + 1;
+          micro_worker_->Run([this, &batch, n0 = b1, n1 = std::min(N, b1 + bs),
+                              loss_config = step_loss_config, normaliser = norm,
+                              result = ahead.get()] {
+            ComputeMicroBatch(batch, n0, n1, loss_config, normaliser, /*apart=*/true, result);
+          });
+        }
+        ComputeMicroBatch(batch, b0, b1, step_loss_config, norm, /*apart=*/false, &r);
+        RETURN_IF_ERROR(r.status);
       }
+      const MicroBatch& mb = r.mb;
+      const GrpoLossInputs& in = r.in;
+      const GrpoLossOutput& out = r.out;
+      const at::Tensor& logp = r.logp;
+      const at::Tensor& entropy = r.entropy;
+      const int64_t C = mb.labels.size(1);
       MoveComputeGradsToMaster();
       if (TEST_micro_batch_fault_) RETURN_IF_ERROR(TEST_micro_batch_fault_(it * num_micro + m));
       RETURN_IF_ERROR(optimizer_->AfterBackward(at_micro));

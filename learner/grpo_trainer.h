@@ -28,6 +28,7 @@
 #include "learner/group_check.h"
 #include "learner/grpo_loss.h"
 #include "learner/loss/entropy_bonus.h"
+#include "learner/micro_batch_worker.h"
 #include "learner/optimizer.h"
 #include "learner/step_optimizer.h"
 
@@ -217,8 +218,9 @@ class GrpoTrainer {
   GrpoTrainer(common::GrpoConfig config, GrpoLossConfig loss_config, common::Model* policy,
               std::unique_ptr<common::Model> reference);
 
-  struct OpenStep;  // the optimizer step being accumulated
-  struct StepDump;  // the open step's rows for its batch dump
+  struct OpenStep;     // the optimizer step being accumulated
+  struct MicroResult;  // one micro-batch's forward and backward
+  struct StepDump;     // the open step's rows for its batch dump
   // TrainGenerationBatch and FlushPartialStep without the discard on error.
   StatusOr<GenerationBatchResult> TrainGenerationBatchOrFail(
       const std::vector<common::RolloutGroup>& groups);
@@ -228,6 +230,15 @@ class GrpoTrainer {
   void DiscardOpenStep();
   // Zeroes the gradients of the master and of the compute copy.
   void ZeroGrads();
+  // Rows [b0, b1) of `batch` forward and backward on the compute model, with `loss_config` and
+  // `norm` of the open step: the gradients into the parameters' .grad, or with `apart` into
+  // result->grads (grad_params_'s, in order; .grad untouched), as the micro-batch worker runs
+  // it beside the trainer's own. Reads only what no step changes while it runs.
+  void ComputeMicroBatch(const Batch& batch, int64_t b0, int64_t b1,
+                         const GrpoLossConfig& loss_config, const LossNormaliser& norm, bool apart,
+                         MicroResult* result) const;
+  // Adds a micro-batch's gradients computed apart (ComputeMicroBatch) into .grad.
+  void AddGradients(const std::vector<at::Tensor>& grads);
   // Sums the open step's gradients (StepOptimizer::ReduceGradients) and metrics over the ranks
   // (nothing at world size 1).
   Status ReduceOverRanks(OpenStep& step);
@@ -268,6 +279,10 @@ class GrpoTrainer {
   loss::EntropyController entropy_control_{{}};  // set by Create from the config
   std::string dump_incarnation_;
   std::function<Status(int64_t)> TEST_micro_batch_fault_;
+  // micro_batch_threads 2: the thread that trains the next micro-batch of a step beside the
+  // trainer's own, and the parameters it differentiates (those requiring grad). Null at 1.
+  std::unique_ptr<MicroBatchWorker> micro_worker_;
+  std::vector<at::Tensor> grad_params_;
 };
 
 // Peak resident set of this process (VmHWM), in bytes; 0 when unknown. (The trainer's
