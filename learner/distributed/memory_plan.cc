@@ -76,15 +76,19 @@ int64_t MemoryPlan::ModelState() const {
   return parameters + gradients + master_weights + master_gradients + adamw_state + reference_model;
 }
 
+int64_t MemoryPlan::SecondMicroBatch() const {
+  return micro_batch_threads > 1 ? MicroBatchPeak() + gradients : 0;
+}
+
 int64_t MemoryPlan::TrainingPeak() const {
-  return ModelState() + std::max({MicroBatchPeak(), optimizer_step, load});
+  return ModelState() + std::max({MicroBatchPeak() + SecondMicroBatch(), optimizer_step, load});
 }
 
 int64_t MemoryPlan::Total() const {
   // Publishing copies the weights into a new snapshot while the last one is still held, on the
   // training thread between steps: a phase of its own, like the optimizer step.
-  const int64_t phase =
-      std::max({MicroBatchPeak(), optimizer_step, load, weight_snapshot, publish_unit});
+  const int64_t phase = std::max(
+      {MicroBatchPeak() + SecondMicroBatch(), optimizer_step, load, weight_snapshot, publish_unit});
   return ModelState() + weight_snapshot + weight_sync_bucket + runtime + phase;
 }
 
@@ -106,6 +110,7 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   p.fsdp = fsdp;
   p.bf16 = cfg.bf16;
   p.gradient_checkpointing = cfg.gradient_checkpointing;
+  p.micro_batch_threads = cfg.micro_batch_threads;
   p.reference = cfg.beta != 0;
   p.params = CountParameters(m);
   const bool cuda = p.device == "cuda";
@@ -462,6 +467,7 @@ nlohmann::json MemoryPlan::ToJson() const {
   j["fsdp"] = std::string(common::FsdpModeName(fsdp.mode)) + (fsdp.offload ? " offload" : "");
   j["bf16"] = bf16;
   j["gradient_checkpointing"] = gradient_checkpointing;
+  j["micro_batch_threads"] = micro_batch_threads;
   j["micro_batch_rows"] = micro_batch_rows;
   j["sequence_tokens"] = sequence_tokens;
   j["completion_tokens"] = completion_tokens;
@@ -765,6 +771,10 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
       p.gathered_layer);
   row("after the backward: head unit, .grads, flat (full_shard)", p.finish_backward);
   row("peak: max(activations + max(LM head, layer), after)", p.MicroBatchPeak());
+  if (p.micro_batch_threads > 1) {
+    row("  + a second micro-batch at once and its gradient (micro_batch_threads 2)",
+        p.SecondMicroBatch());
+  }
   o << "other phases and the service\n";
   row("optimizer step (all-reduce bucket, fp64 norm, AdamW temps)", p.optimizer_step);
   const bool zero2_load = p.fsdp.mode == FsdpMode::kShardGradOp;

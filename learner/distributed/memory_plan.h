@@ -60,13 +60,14 @@ struct MemoryPlan {
   common::FsdpSpec fsdp;
   bool bf16 = false;
   bool gradient_checkpointing = false;
-  bool reference = false;         // beta != 0
-  int64_t micro_batch_rows = 0;   // per_device_train_batch_size
-  int64_t prompt_length = 0;      // max_prompt_length
-  int64_t completion_length = 0;  // max_completion_length
-  int64_t sequence_tokens = 0;    // max_prompt_length + max_completion_length (padded rows)
-  int64_t completion_tokens = 0;  // rows x max_completion_length: the LM head's tokens
-  int64_t chunk_tokens = 0;       // min(logprob_chunk_tokens, completion_tokens)
+  int64_t micro_batch_threads = 1;  // micro-batches trained at once (GrpoTrainer)
+  bool reference = false;           // beta != 0
+  int64_t micro_batch_rows = 0;     // per_device_train_batch_size
+  int64_t prompt_length = 0;        // max_prompt_length
+  int64_t completion_length = 0;    // max_completion_length
+  int64_t sequence_tokens = 0;      // max_prompt_length + max_completion_length (padded rows)
+  int64_t completion_tokens = 0;    // rows x max_completion_length: the LM head's tokens
+  int64_t chunk_tokens = 0;         // min(logprob_chunk_tokens, completion_tokens)
   ParameterCounts params;
 
   // Model state, resident all run.
@@ -139,7 +140,11 @@ struct MemoryPlan {
   // The state the trainer holds all run (parameters ... reference model; not the gathered
   // units, which MicroBatchPeak counts).
   int64_t ModelState() const;
-  // What GrpoTrainer alone peaks at: ModelState + max(MicroBatchPeak, optimizer_step, load).
+  // With micro_batch_threads 2 a second micro-batch trains at once: its MicroBatchPeak and the
+  // gradient it computes apart (gradients, whole: one process) before the trainer adds it.
+  int64_t SecondMicroBatch() const;
+  // What GrpoTrainer alone peaks at: ModelState + max(MicroBatchPeak + SecondMicroBatch,
+  // optimizer_step, load).
   int64_t TrainingPeak() const;
   // The rank's predicted peak on its device: TrainingPeak + snapshot + bucket + runtime.
   int64_t Total() const;

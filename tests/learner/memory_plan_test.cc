@@ -146,6 +146,22 @@ TEST(MemoryPlanSmall, CountsTheSmallModelByHand) {
   EXPECT_EQ(c.largest_unit, 64'000);
 }
 
+// micro_batch_threads 2: a second micro-batch at once (its peak again) and the gradient it
+// computes apart, the whole model's in fp32 at one rank: 138,304 x 4 = 553,216 bytes.
+TEST(MemoryPlanSmall, TwoMicroBatchesAtOnceAddOneMicroBatchAndAGradient) {
+  common::GrpoConfig cfg = SmallRun();
+  auto one = PlanMemory(Small(), cfg, 1, "cpu");
+  cfg.micro_batch_threads = 2;
+  auto two = PlanMemory(Small(), cfg, 1, "cpu");
+  ASSERT_TRUE(one.ok() && two.ok());
+  EXPECT_EQ(one->SecondMicroBatch(), 0);
+  EXPECT_EQ(two->SecondMicroBatch(), one->MicroBatchPeak() + 553'216);
+  EXPECT_EQ(two->TrainingPeak() - one->TrainingPeak(), one->MicroBatchPeak() + 553'216);
+  EXPECT_EQ(two->Total() - one->Total(), one->MicroBatchPeak() + 553'216);
+  EXPECT_NE(FormatPlan(*two, 0).find("micro_batch_threads 2"), std::string::npos);
+  EXPECT_EQ(FormatPlan(*one, 0).find("micro_batch_threads 2"), std::string::npos);
+}
+
 struct StateCase {
   std::string fsdp;
   bool bf16;
