@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <ostream>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -15,41 +14,14 @@
 #include "common/model/model.h"
 #include "common/model/model_config.h"
 #include "learner/grpo_trainer.h"
+#include "tests/learner/trainer_test_util.h"
 
 namespace grpo::learner {
 namespace {
 
-using common::Completion;
 using common::RolloutGroup;
-
-std::unique_ptr<common::Model> TinyModel(uint64_t seed = 7) {
-  auto cfg = common::ModelConfigPreset("tiny");
-  EXPECT_TRUE(cfg.ok());
-  auto m = common::Model::InitRandom(*cfg, seed);
-  EXPECT_TRUE(m.ok());
-  return std::move(m).value();
-}
-
-// `groups` groups of G completions with varied lengths and rewards.
-std::vector<RolloutGroup> MakeGroups(int groups, int G, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int> tok(0, 255), plen(2, 6), clen(1, 9);
-  std::uniform_real_distribution<double> rew(0.0, 1.0);
-  std::vector<RolloutGroup> out;
-  for (int g = 0; g < groups; ++g) {
-    RolloutGroup rg;
-    rg.prompt_id = "p" + std::to_string(seed) + "_" + std::to_string(g);
-    for (int i = plen(rng); i > 0; --i) rg.prompt_ids.push_back(tok(rng));
-    for (int j = 0; j < G; ++j) {
-      Completion c;
-      for (int i = clen(rng); i > 0; --i) c.token_ids.push_back(tok(rng));
-      c.rewards = {rew(rng)};
-      rg.completions.push_back(c);
-    }
-    out.push_back(rg);
-  }
-  return out;
-}
+using trainer_test::MakeGroups;
+using trainer_test::TinyModel;
 
 struct Trained {
   std::vector<StepMetrics> steps;
