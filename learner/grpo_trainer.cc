@@ -305,44 +305,37 @@ void GrpoTrainer::ComputeMicroBatch(const Batch& batch, int64_t b0, int64_t b1,
                                     bool apart, MicroResult* r) const {
   const common::Model& compute = compute_model();
   const at::Device device = compute.device();
-  try {
-    r->mb = OnDevice(MakeMicroBatch(batch.prompts, batch.completions, b0, b1, batch.has_beh,
-                                    config_.mask_truncated_completions),
-                     device);
-    const MicroBatch& mb = r->mb;
-    const int64_t C = mb.labels.size(1);
-    GrpoLossInputs& in = r->in;
-    in.mask = mb.loss_mask;
-    in.advantages = batch.advantages.narrow(0, b0, b1 - b0).to(device);
-    if (batch.old.defined()) in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
-    if (batch.ref.defined()) in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
-    if (batch.has_beh) in.beh = mb.beh;
-    const std::vector<at::Tensor>* grad_of = apart ? &grad_params_ : nullptr;
-    if (TokenSeparable(loss_config, in.old.defined())) {
-      StatusOr<GrpoLossOutput> out = FusedMicroBatchBackward(
-          compute, mb, config_, loss_config, norm, in, &r->logp, &r->entropy, grad_of, &r->grads);
-      if (!out.ok()) {
-        r->status = out.status();
-        return;
-      }
-      r->out = *std::move(out);
-    } else {  // the loss couples a sequence's tokens (grpo_loss.h): autograd through them
-      r->logp = CompletionLogprobs(compute, mb, config_, &r->entropy);
-      in.logp = r->logp;
-      in.entropy = r->entropy;
-      StatusOr<GrpoLossOutput> out = ComputeGrpoLoss(loss_config, in, norm);
-      if (!out.ok()) {
-        r->status = out.status();
-        return;
-      }
-      r->out = *std::move(out);
-      Backward(r->out.loss, grad_of, &r->grads);
+  r->mb = OnDevice(MakeMicroBatch(batch.prompts, batch.completions, b0, b1, batch.has_beh,
+                                  config_.mask_truncated_completions),
+                   device);
+  const MicroBatch& mb = r->mb;
+  const int64_t C = mb.labels.size(1);
+  GrpoLossInputs& in = r->in;
+  in.mask = mb.loss_mask;
+  in.advantages = batch.advantages.narrow(0, b0, b1 - b0).to(device);
+  if (batch.old.defined()) in.old = batch.old.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
+  if (batch.ref.defined()) in.ref = batch.ref.narrow(0, b0, b1 - b0).narrow(1, 0, C).to(device);
+  if (batch.has_beh) in.beh = mb.beh;
+  const std::vector<at::Tensor>* grad_of = apart ? &grad_params_ : nullptr;
+  if (TokenSeparable(loss_config, in.old.defined())) {
+    StatusOr<GrpoLossOutput> out = FusedMicroBatchBackward(
+        compute, mb, config_, loss_config, norm, in, &r->logp, &r->entropy, grad_of, &r->grads);
+    if (!out.ok()) {
+      r->status = out.status();
+      return;
     }
-  } catch (const c10::Error& e) {
-    r->status = Status::Internal(std::string("micro-batch forward/backward: ") +
-                                 e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    r->status = Status::Internal(std::string("micro-batch forward/backward: ") + e.what());
+    r->out = *std::move(out);
+  } else {  // the loss couples a sequence's tokens (grpo_loss.h): autograd through them
+    r->logp = CompletionLogprobs(compute, mb, config_, &r->entropy);
+    in.logp = r->logp;
+    in.entropy = r->entropy;
+    StatusOr<GrpoLossOutput> out = ComputeGrpoLoss(loss_config, in, norm);
+    if (!out.ok()) {
+      r->status = out.status();
+      return;
+    }
+    r->out = *std::move(out);
+    Backward(r->out.loss, grad_of, &r->grads);
   }
 }
 
@@ -824,10 +817,20 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
           // The next micro-batch of this step goes to the worker while this one trains here.
           ahead = std::make_unique<MicroResult>();
           ahead_q = q + 1;
+          // On the trainer's thread an exception reaches CatchAsStatus (a gate's error keeps its
+          // own code); the worker's becomes its result's Status.
           micro_worker_->Run([this, &batch, n0 = b1, n1 = std::min(N, b1 + bs),
                               loss_config = step_loss_config, normaliser = norm,
                               result = ahead.get()] {
-            ComputeMicroBatch(batch, n0, n1, loss_config, normaliser, /*apart=*/true, result);
+            try {
+              ComputeMicroBatch(batch, n0, n1, loss_config, normaliser, /*apart=*/true, result);
+            } catch (const c10::Error& e) {
+              result->status = Status::Internal(std::string("micro-batch forward/backward: ") +
+                                                e.what_without_backtrace());
+            } catch (const std::exception& e) {
+              result->status =
+                  Status::Internal(std::string("micro-batch forward/backward: ") + e.what());
+            }
           });
         }
         ComputeMicroBatch(batch, b0, b1, step_loss_config, norm, /*apart=*/false, &r);

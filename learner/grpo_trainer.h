@@ -233,7 +233,8 @@ class GrpoTrainer {
   // Rows [b0, b1) of `batch` forward and backward on the compute model, with `loss_config` and
   // `norm` of the open step: the gradients into the parameters' .grad, or with `apart` into
   // result->grads (grad_params_'s, in order; .grad untouched), as the micro-batch worker runs
-  // it beside the trainer's own. Reads only what no step changes while it runs.
+  // it beside the trainer's own. Reads only what no step changes while it runs; throws what a
+  // forward or backward throws (the worker's job catches it).
   void ComputeMicroBatch(const Batch& batch, int64_t b0, int64_t b1,
                          const GrpoLossConfig& loss_config, const LossNormaliser& norm, bool apart,
                          MicroResult* result) const;
