@@ -341,7 +341,10 @@ void GrpoTrainer::ComputeMicroBatch(const Batch& batch, int64_t b0, int64_t b1,
 
 void GrpoTrainer::AddGradients(const std::vector<at::Tensor>& grads) {
   at::NoGradGuard no_grad;
-  for (size_t i = 0; i < grads.size() && i < grad_params_.size(); ++i) {
+  // torch::autograd::grad returns one tensor per grad_params_ entry (Backward's grad_of).
+  TORCH_CHECK(grads.size() == grad_params_.size(), "AddGradients: ", grads.size(),
+              " gradients for ", grad_params_.size(), " parameters");
+  for (size_t i = 0; i < grads.size(); ++i) {
     if (!grads[i].defined()) continue;
     at::Tensor p = grad_params_[i];
     // What autograd's AccumulateGrad does with a micro-batch's gradient after the one before.

@@ -80,15 +80,17 @@ int64_t MemoryPlan::SecondMicroBatch() const {
   return micro_batch_threads > 1 ? MicroBatchPeak() + gradients : 0;
 }
 
+int64_t MemoryPlan::MicroBatchPhase() const { return MicroBatchPeak() + SecondMicroBatch(); }
+
 int64_t MemoryPlan::TrainingPeak() const {
-  return ModelState() + std::max({MicroBatchPeak() + SecondMicroBatch(), optimizer_step, load});
+  return ModelState() + std::max({MicroBatchPhase(), optimizer_step, load});
 }
 
 int64_t MemoryPlan::Total() const {
   // Publishing copies the weights into a new snapshot while the last one is still held, on the
   // training thread between steps: a phase of its own, like the optimizer step.
-  const int64_t phase = std::max(
-      {MicroBatchPeak() + SecondMicroBatch(), optimizer_step, load, weight_snapshot, publish_unit});
+  const int64_t phase =
+      std::max({MicroBatchPhase(), optimizer_step, load, weight_snapshot, publish_unit});
   return ModelState() + weight_snapshot + weight_sync_bucket + runtime + phase;
 }
 

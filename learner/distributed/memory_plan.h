@@ -143,8 +143,9 @@ struct MemoryPlan {
   // With micro_batch_threads 2 a second micro-batch trains at once: its MicroBatchPeak and the
   // gradient it computes apart (gradients, whole: one process) before the trainer adds it.
   int64_t SecondMicroBatch() const;
-  // What GrpoTrainer alone peaks at: ModelState + max(MicroBatchPeak + SecondMicroBatch,
-  // optimizer_step, load).
+  // The micro-batches' phase of a step: MicroBatchPeak + SecondMicroBatch.
+  int64_t MicroBatchPhase() const;
+  // What GrpoTrainer alone peaks at: ModelState + max(MicroBatchPhase, optimizer_step, load).
   int64_t TrainingPeak() const;
   // The rank's predicted peak on its device: TrainingPeak + snapshot + bucket + runtime.
   int64_t Total() const;

@@ -6,8 +6,10 @@
 // gradient checkpointing, num_iterations and steps that span generation batches.
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/config.h"
@@ -28,21 +30,37 @@ struct Trained {
   std::vector<at::Tensor> weights;
 };
 
+// The tiny model's initial weights and a trainer of them at `threads` micro-batch threads.
+struct Setup {
+  std::unique_ptr<common::Model> model;
+  std::unique_ptr<GrpoTrainer> trainer;  // null where Create failed (the test has failed)
+};
+
+Setup MakeTrainer(common::GrpoConfig cfg, int threads) {
+  cfg.micro_batch_threads = threads;
+  Setup s{TinyModel(), nullptr};
+  auto trainer = GrpoTrainer::Create(cfg, s.model.get(), nullptr);
+  EXPECT_TRUE(trainer.ok()) << trainer.status().ToString();
+  if (trainer.ok()) s.trainer = std::move(*trainer);
+  return s;
+}
+
+void KeepWeights(const common::Model& model, Trained* run) {
+  for (auto& p : model.Parameters()) run->weights.push_back(p.detach().clone());
+}
+
 // Trains `batches` generation batches of 3 groups of 4 from the same initial weights.
 Trained Train(common::GrpoConfig cfg, int threads, int batches) {
-  cfg.micro_batch_threads = threads;
-  auto model = TinyModel();
-  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr);
-  EXPECT_TRUE(trainer.ok()) << trainer.status().ToString();
+  Setup s = MakeTrainer(std::move(cfg), threads);
   Trained run;
-  if (!trainer.ok()) return run;
+  if (s.trainer == nullptr) return run;
   for (int b = 0; b < batches; ++b) {
-    auto r = (*trainer)->TrainGenerationBatch(MakeGroups(3, 4, 11 + b));
+    auto r = s.trainer->TrainGenerationBatch(MakeGroups(3, 4, 11 + b));
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     if (!r.ok()) return run;
-    for (auto& s : r->steps) run.steps.push_back(s);
+    for (auto& step : r->steps) run.steps.push_back(step);
   }
-  for (auto& p : model->Parameters()) run.weights.push_back(p.detach().clone());
+  KeepWeights(*s.model, &run);
   return run;
 }
 
@@ -119,28 +137,25 @@ INSTANTIATE_TEST_SUITE_P(
 // the worker's gradient included, and what follows is the sequential trainer's under the same
 // fault, bit for bit.
 Trained TrainThroughAFault(common::GrpoConfig cfg, int threads) {
-  cfg.micro_batch_threads = threads;
-  auto model = TinyModel();
-  auto trainer = GrpoTrainer::Create(cfg, model.get(), nullptr);
-  EXPECT_TRUE(trainer.ok()) << trainer.status().ToString();
+  Setup s = MakeTrainer(std::move(cfg), threads);
   Trained run;
-  if (!trainer.ok()) return run;
-  (*trainer)->TEST_set_micro_batch_fault([](int64_t micro_batch) {
+  if (s.trainer == nullptr) return run;
+  s.trainer->TEST_set_micro_batch_fault([](int64_t micro_batch) {
     return micro_batch == 2 ? Status::Internal("injected micro-batch failure") : Status::OK();
   });
-  auto failed = (*trainer)->TrainGenerationBatch(MakeGroups(3, 4, 5));
+  auto failed = s.trainer->TrainGenerationBatch(MakeGroups(3, 4, 5));
   EXPECT_FALSE(failed.ok());
   if (!failed.ok()) {
     EXPECT_NE(failed.status().message().find("injected micro-batch failure"), std::string::npos);
   }
-  EXPECT_EQ((*trainer)->open_step_micro_batches(), 0);
-  EXPECT_EQ((*trainer)->global_step(), 1);  // the step of positions 0 and 1 was taken
-  (*trainer)->TEST_set_micro_batch_fault(nullptr);
-  auto r = (*trainer)->TrainGenerationBatch(MakeGroups(3, 4, 11));
+  EXPECT_EQ(s.trainer->open_step_micro_batches(), 0);
+  EXPECT_EQ(s.trainer->global_step(), 1);  // the step of positions 0 and 1 was taken
+  s.trainer->TEST_set_micro_batch_fault(nullptr);
+  auto r = s.trainer->TrainGenerationBatch(MakeGroups(3, 4, 11));
   EXPECT_TRUE(r.ok()) << r.status().ToString();
   if (!r.ok()) return run;
   run.steps = r->steps;
-  for (auto& p : model->Parameters()) run.weights.push_back(p.detach().clone());
+  KeepWeights(*s.model, &run);
   return run;
 }
 
