@@ -14,7 +14,9 @@ Rows (ratio = ours / TRL, measured in this run; the end-to-end rows are medians 
                                              generation, the model loaded)
   services_e2e_steps_per_s,                : the same through the services (grpo demo: a learner
   services_e2e_time_to_threshold_s           and workers as processes on loopback, max_staleness
-                                             1) at its best layout of workers x threads, vs
+                                             1) at its best layout of workers x threads
+                                             (with 2+ threads also 1 worker beside a learner
+                                             with micro_batch_threads 2), vs
                                              GRPOTrainer.train; ours from the demo's start
   services_e2e_steps_per_s_from_job_start  : the same, ours on TRL's clock too (from the job's
                                              submission, the learner serving)
@@ -381,15 +383,18 @@ def run_ours_e2e(model_dir, job, work, threads=None, micro_batch_threads=1):
             "threads": threads, "micro_batch_threads": micro_batch_threads}
 
 
-def run_ours_services_e2e(model_dir, job, work, workers, threads):
+def run_ours_services_e2e(model_dir, job, work, workers, threads, micro_batch_threads=1):
     """The distributed system on this machine: `grpo demo` (a learner and `workers` rollout
     workers as processes on loopback, async with max_staleness 1, the demo's set-up) on the same
-    task, model, config and seed; `threads` intra-op threads per process. Times from the start
-    of `grpo demo`, as run_ours_e2e's from the start of train-local."""
+    task, model, config and seed; `threads` intra-op threads per process, and the learner's
+    `micro_batch_threads`. Times from the start of `grpo demo`, as run_ours_e2e's from the
+    start of train-local."""
     args = ["demo", "--json", "--workers", str(workers), "--model_name_or_path", model_dir,
-            "--output_dir", os.path.join(work, f"services-w{workers}-t{threads}"),
+            "--output_dir", os.path.join(work, f"services-w{workers}-t{threads}"
+                                               f"-m{micro_batch_threads}"),
             "--save_steps", "0", "--importance_sampling_correction", "none",
-            "--target_length", str(TARGET_LENGTH)]
+            "--target_length", str(TARGET_LENGTH), "--micro_batch_threads",
+            str(micro_batch_threads)]
     for k, v in job.items():
         args += ["--" + k, str(v)]
     env = ours_env()
@@ -416,6 +421,7 @@ def run_ours_services_e2e(model_dir, job, work, workers, threads):
     # figure on this clock is a little low.
     submitted = times[-1] - summary["train_seconds"]
     return {"times": times, "rewards": rewards, "workers": workers, "threads": threads,
+            "micro_batch_threads": micro_batch_threads,
             "times_from_train": [t - submitted for t in times]}
 
 
@@ -740,8 +746,12 @@ def main():
     # each ratio row carries every round's own ratio.
     log(f"[peer_trl] end to end: demo task, {e2e_preset} model, {steps} steps per side, "
         f"{a.e2e_rounds} rounds ...")
-    # The services at each thread layout (workers x intra-op threads per process); the best.
-    layouts = [(w, t) for w in (1, 2) for t in sorted({1, THREADS})]
+    # The services at each thread layout (workers x intra-op threads per process, and with two
+    # or more threads one worker beside a learner of one intra-op thread and two micro-batches
+    # at once: the worker decodes while the learner trains); the best.
+    layouts = [(w, t, 1) for w in (1, 2) for t in sorted({1, THREADS})]
+    if THREADS >= 2:
+        layouts.append((1, 1, 2))
     rounds = []
     for i in range(a.e2e_rounds):
         round_work = os.path.join(work, f"e2e-round-{i + 1}")  # fresh output dirs: no resume
@@ -753,10 +763,10 @@ def main():
             ours_runs.append(run_ours_e2e(e2e_model, job, round_work, threads=1,
                                           micro_batch_threads=2))
         trl_r = run_trl_e2e(e2e_model, job, round_work)
-        log(f"[peer_trl]   round {i + 1}: services (grpo demo), layouts (workers, threads) "
-            f"{layouts} ...")
-        services_runs = [run_ours_services_e2e(e2e_model, job, round_work, w, t)
-                         for w, t in layouts]
+        log(f"[peer_trl]   round {i + 1}: services (grpo demo), layouts (workers, threads, "
+            f"micro-batches at once) {layouts} ...")
+        services_runs = [run_ours_services_e2e(e2e_model, job, round_work, w, t, m)
+                         for w, t, m in layouts]
         trl_r["times_from_train"] = trl_r["times"]  # from its on_train_begin already
         for r in ours_runs + [trl_r] + services_runs:
             r["steps_per_s"] = len(r["times"]) / r["times"][-1]
@@ -770,8 +780,8 @@ def main():
         ours_r["layouts"] = {f"t{r['threads']}_m{r['micro_batch_threads']}": r["steps_per_s"]
                              for r in ours_runs}
         services_r = max(services_runs, key=lambda r: r["steps_per_s"])
-        services_r["layouts"] = {f"w{r['workers']}_t{r['threads']}": r["steps_per_s"]
-                                 for r in services_runs}
+        services_r["layouts"] = {f"w{r['workers']}_t{r['threads']}_m{r['micro_batch_threads']}":
+                                 r["steps_per_s"] for r in services_runs}
         rounds.append({"ours": ours_r, "trl": trl_r, "services": services_r})
 
     def med(side, key):
@@ -807,7 +817,8 @@ def main():
         steady_steps_per_s=[med("services", "steady"), med("trl", "steady")],
         steady_round_ratios=round_ratios("services", "steady"),
         note="grpo demo: learner + workers as processes on loopback, max_staleness 1, the best "
-             "layout of each round; steady_steps_per_s [ours, TRL] leaves out start-up and the "
+             "layout of each round (w<workers>_t<intra-op threads>_m<the learner's "
+             "micro-batches at once>); steady_steps_per_s [ours, TRL] leaves out start-up and the "
              "first step")
     row("services_e2e_steps_per_s_from_job_start", med("services", "steps_per_s_from_train"),
         med("trl", "steps_per_s_from_train"), "steps/s", "higher",
