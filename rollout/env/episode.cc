@@ -48,8 +48,10 @@ struct Episode {
   std::string last_turn;  // text of the latest model turn
   double reward = 0.0;
   nlohmann::json metadata;
-  bool live = true;
-  bool uses_tools = false;                          // the environment declared tools at reset
+  bool live = true;         // not ended (an episode not admitted yet is live, without a session)
+  bool admitted = false;    // started: its session opened (or tried) by `admit` below
+  int64_t turns = 0;        // model turns generated
+  bool uses_tools = false;  // the environment declared tools at reset
   std::vector<common::ChatMessage> reset_messages;  // shown to the model before its first turn
   ToolCallCounts tools;
   Status error;  // the environment's failure, or one of its observations that cannot be shown
@@ -106,6 +108,13 @@ void Fail(Episode& e, Status error) {
   e.session.reset();
 }
 
+// Whether a group shows its reset observations (below), decided by the first of its episodes
+// to be admitted.
+struct GroupShow {
+  enum { kUndecided, kNo, kYes } decision = kUndecided;
+  Status cut;  // with kYes: why the prompt cannot lose its generation prompt (fails the episodes)
+};
+
 // The groups whose environment answered a reset with messages show them to the model: the
 // group's prompt (prompt_ids[v]) loses its generation prompt (options.generation_tail), and
 // every episode of it starts with environment tokens, its own reset messages rendered as turns
@@ -114,25 +123,33 @@ void Fail(Episode& e, Status error) {
 // to each rollout's prompt; our group has one). These tokens count in max_completion_length, as
 // every observation does; a prompt that does not end with the generation prompt (a "prompt"
 // string row), or a reset observation that leaves no room for a model turn, fails the episode.
+// Runs on the episodes just reset (`wave`); a group decides with its first wave (all of it
+// when num_generations fits in env_max_concurrency), and an episode of a later wave whose reset
+// carries messages when its group's earlier episodes showed none fails (their prompt is fixed).
 void ShowResetObservations(const EpisodeOptions& options,
                            std::vector<std::vector<int32_t>>& prompt_ids,
-                           std::vector<Episode>& episodes, EpisodeCounts& counts) {
-  std::vector<bool> shows(prompt_ids.size(), false);
-  for (const Episode& e : episodes) {
-    if (e.error.ok() && !e.reset_messages.empty()) shows[e.group] = true;
-  }
-  const std::vector<int32_t>& tail = options.generation_tail;
-  for (size_t v = 0; v < prompt_ids.size(); ++v) {
-    if (!shows[v]) continue;
-    std::vector<int32_t>& p = prompt_ids[v];
-    Status cut;
+                           std::vector<Episode>& episodes, const std::vector<size_t>& wave,
+                           std::vector<GroupShow>& groups, EpisodeCounts& counts) {
+  for (size_t i : wave) {
+    const Episode& e = episodes[i];
+    GroupShow& g = groups[e.group];
+    if (g.decision != GroupShow::kUndecided) continue;
+    bool shows = false;
+    for (size_t j : wave) {
+      const Episode& o = episodes[j];
+      shows = shows || (o.group == e.group && o.error.ok() && !o.reset_messages.empty());
+    }
+    g.decision = shows ? GroupShow::kYes : GroupShow::kNo;
+    if (!shows) continue;
+    const std::vector<int32_t>& tail = options.generation_tail;
+    std::vector<int32_t>& p = prompt_ids[e.group];
     if (tail.empty()) {
-      cut = Status::InvalidArgument(
+      g.cut = Status::InvalidArgument(
           "the reset observation carries messages, and this worker was not given the generation "
           "prompt's ids to show them after the prompt");
     } else if (p.size() <= tail.size() ||
                !std::equal(tail.begin(), tail.end(), p.end() - tail.size())) {
-      cut = Status::InvalidArgument(
+      g.cut = Status::InvalidArgument(
           "the reset observation carries messages, which are shown to the model as turns after the "
           "prompt, so the prompt must end with the chat template's generation prompt "
           "(<|im_end|>\\n<|im_start|>assistant\\n): give the row as \"messages\", not as a "
@@ -140,31 +157,42 @@ void ShowResetObservations(const EpisodeOptions& options,
     } else {
       p.resize(p.size() - tail.size());
     }
-    for (Episode& e : episodes) {
-      if (e.group != v || !e.error.ok()) continue;
-      if (!cut.ok()) {
-        Fail(e, cut);
-        continue;
-      }
-      std::vector<int32_t> ids = tail;
+  }
+  for (size_t i : wave) {
+    Episode& e = episodes[i];
+    if (!e.error.ok()) continue;
+    const GroupShow& g = groups[e.group];
+    if (g.decision == GroupShow::kNo) {
       if (!e.reset_messages.empty()) {
-        StatusOr<std::vector<int32_t>> rendered = options.render(e.reset_messages, true);
-        if (!rendered.ok()) {
-          Fail(e, rendered.status().WithContext("rendering the reset observation"));
-          continue;
-        }
-        ids = std::move(rendered).value();
-      }
-      if (static_cast<int64_t>(ids.size()) >= e.budget) {
         Fail(e, Status::InvalidArgument(
-                    "the reset observation takes " + std::to_string(ids.size()) +
-                    " tokens, which leaves no room for a model turn in max_completion_length " +
-                    std::to_string(e.budget)));
+                    "the reset observation carries messages, and the episodes of its group that "
+                    "started before it (env_max_concurrency below num_generations) had none, so "
+                    "the group's prompt was shown without them"));
+      }
+      continue;
+    }
+    if (!g.cut.ok()) {
+      Fail(e, g.cut);
+      continue;
+    }
+    std::vector<int32_t> ids = options.generation_tail;
+    if (!e.reset_messages.empty()) {
+      StatusOr<std::vector<int32_t>> rendered = options.render(e.reset_messages, true);
+      if (!rendered.ok()) {
+        Fail(e, rendered.status().WithContext("rendering the reset observation"));
         continue;
       }
-      AppendEnvTokens(ids, e.completion);
-      counts.observation_tokens += static_cast<int64_t>(ids.size());
+      ids = std::move(rendered).value();
     }
+    if (static_cast<int64_t>(ids.size()) >= e.budget) {
+      Fail(e, Status::InvalidArgument(
+                  "the reset observation takes " + std::to_string(ids.size()) +
+                  " tokens, which leaves no room for a model turn in max_completion_length " +
+                  std::to_string(e.budget)));
+      continue;
+    }
+    AppendEnvTokens(ids, e.completion);
+    counts.observation_tokens += static_cast<int64_t>(ids.size());
   }
 }
 
@@ -238,7 +266,6 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
     prompt_ids.push_back(std::move(p));
   }
 
-  // Sessions, then resets, concurrently.
   std::vector<Episode> episodes;
   for (size_t v = 0; v < valid.size(); ++v) {
     for (int64_t k = 0; k < gen.num_generations; ++k) {
@@ -250,35 +277,8 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
     }
   }
   counts.episodes = static_cast<int64_t>(episodes.size());
-  ForEachConcurrently(episodes.size(), options.max_concurrent_sessions, [&](size_t i) {
-    Episode& e = episodes[i];
-    const ProduceInput& in = inputs[valid[e.group]];
-    StatusOr<std::unique_ptr<EnvSession>> session = environment.Open();
-    if (!session.ok()) {
-      e.error = session.status().WithContext("opening a session of " + environment.name());
-      e.live = false;
-      return;
-    }
-    e.session = std::move(session).value();
-    StatusOr<EnvObservation> obs =
-        e.session->Reset(in.prompt->row, EpisodeSeed(options.seed, in.seed_index, e.generation),
-                         Clock::now() + options.step_timeout);
-    if (!obs.ok()) {
-      e.error = obs.status().WithContext("reset");
-    } else if (obs->done || obs->truncated) {
-      e.error = Status::FailedPrecondition("the environment ended the episode at reset");
-    } else {
-      if (obs->reward) e.reward += *obs->reward;
-      if (!obs->metadata.is_null()) e.metadata = obs->metadata;
-      e.uses_tools = !obs->tools.empty();
-      e.reset_messages = std::move(obs->messages);
-      return;
-    }
-    e.live = false;
-    e.session.reset();
-  });
-  ShowResetObservations(options, prompt_ids, episodes, counts);
-  // A failed episode fails its group: the group's other episodes stop too (nothing of it trains).
+  // A failed episode fails its group: the group's other episodes stop too (nothing of it trains),
+  // those not admitted yet included.
   const auto stop_failed_groups = [&] {
     std::vector<bool> failed(valid.size(), false);
     for (const Episode& e : episodes) failed[e.group] = failed[e.group] || !e.error.ok();
@@ -290,16 +290,89 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
       }
     }
   };
-  stop_failed_groups();
+
+  // At most max_concurrent_sessions sessions are held at once (an environment server allows so
+  // many): episodes are admitted in order, a session opened and reset for each, as sessions free
+  // up; a whole group at a time when num_generations fits (its first turn prefills the prompt
+  // once for all of it), else as many of its episodes as fit. Opens and resets run concurrently.
+  const int64_t cap = options.max_concurrent_sessions;
+  size_t next = 0;  // the first episode not admitted
+  std::vector<GroupShow> shows(valid.size());
+  const auto admit = [&] {
+    int64_t held = 0;
+    for (const Episode& e : episodes) held += e.session != nullptr ? 1 : 0;
+    std::vector<size_t> wave;
+    while (next < episodes.size() && held + static_cast<int64_t>(wave.size()) < cap) {
+      if (!episodes[next].live) {  // its group failed before it started
+        ++next;
+        continue;
+      }
+      const size_t group = episodes[next].group;
+      int64_t rest = 0;  // of the group, from `next` on
+      for (size_t i = next; i < episodes.size() && episodes[i].group == group; ++i) ++rest;
+      const int64_t free = cap - held - static_cast<int64_t>(wave.size());
+      if (rest > free && gen.num_generations <= cap) break;  // the whole group when it fits
+      for (int64_t k = 0; k < std::min(rest, free); ++k) {
+        episodes[next].admitted = true;
+        wave.push_back(next++);
+      }
+    }
+    if (wave.empty()) return;
+    ForEachConcurrently(wave.size(), cap, [&](size_t j) {
+      Episode& e = episodes[wave[j]];
+      const ProduceInput& in = inputs[valid[e.group]];
+      // A reset refused at capacity (ResourceExhausted: an OpenEnv server past its
+      // max_concurrent_envs) while this call holds fewer sessions than its bound is a session
+      // closed here that the server has not released yet, or another worker's: tried again, in a
+      // new session, until the reset's deadline.
+      const auto deadline = Clock::now() + options.step_timeout;
+      std::chrono::milliseconds backoff(10);
+      StatusOr<EnvObservation> obs = Status::Unknown("not reset");
+      for (;;) {
+        StatusOr<std::unique_ptr<EnvSession>> session = environment.Open();
+        if (!session.ok()) {
+          e.error = session.status().WithContext("opening a session of " + environment.name());
+          e.live = false;
+          return;
+        }
+        e.session = std::move(session).value();
+        obs = e.session->Reset(in.prompt->row,
+                               EpisodeSeed(options.seed, in.seed_index, e.generation), deadline);
+        if (obs.ok() || obs.status().code() != StatusCode::kResourceExhausted ||
+            Clock::now() + backoff >= deadline) {
+          break;
+        }
+        e.session.reset();
+        std::this_thread::sleep_for(backoff);
+        backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+      }
+      if (!obs.ok()) {
+        e.error = obs.status().WithContext("reset");
+      } else if (obs->done || obs->truncated) {
+        e.error = Status::FailedPrecondition("the environment ended the episode at reset");
+      } else {
+        if (obs->reward) e.reward += *obs->reward;
+        if (!obs->metadata.is_null()) e.metadata = obs->metadata;
+        e.uses_tools = !obs->tools.empty();
+        e.reset_messages = std::move(obs->messages);
+        return;
+      }
+      e.live = false;
+      e.session.reset();
+    });
+    ShowResetObservations(options, prompt_ids, episodes, wave, shows, counts);
+    stop_failed_groups();
+  };
 
   int64_t oldest_version = -1;
   TurnCache turn_cache;  // the live episodes' keys/values between turns
-  for (int64_t turn = 0;; ++turn) {
+  for (;;) {
+    admit();
     std::vector<size_t> live;
     std::vector<Continuation> rows;
     for (size_t i = 0; i < episodes.size(); ++i) {
       Episode& e = episodes[i];
-      if (!e.live) continue;
+      if (!e.live || !e.admitted) continue;
       const ProduceInput& in = inputs[valid[e.group]];
       Continuation row;
       row.context = prompt_ids[e.group];
@@ -307,32 +380,37 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
                          e.completion.token_ids.end());
       row.seed_index = in.seed_index;
       row.generation = e.generation;
-      row.turn = turn;
+      row.turn = e.turns;
       row.max_new_tokens = e.budget - static_cast<int64_t>(e.completion.token_ids.size());
       live.push_back(i);
       rows.push_back(std::move(row));
     }
-    if (live.empty()) break;
+    if (live.empty()) {
+      if (next < episodes.size()) continue;  // every admitted one failed at reset: admit more
+      break;
+    }
     const auto t0 = Clock::now();
-    ASSIGN_OR_RETURN(ContinueResult next,
+    ASSIGN_OR_RETURN(ContinueResult next_turn,
                      generator.Continue(rows, options.keep_kv_cache ? &turn_cache : nullptr));
     out.generate_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-    out.num_completion_tokens += next.num_completion_tokens;
-    oldest_version =
-        oldest_version < 0 ? next.policy_version : std::min(oldest_version, next.policy_version);
+    out.num_completion_tokens += next_turn.num_completion_tokens;
+    oldest_version = oldest_version < 0 ? next_turn.policy_version
+                                        : std::min(oldest_version, next_turn.policy_version);
     for (size_t j = 0; j < live.size(); ++j) {
       Episode& e = episodes[live[j]];
-      Completion& t = next.completions[j];
+      Completion& t = next_turn.completions[j];
       Completion& c = e.completion;
       c.token_ids.insert(c.token_ids.end(), t.token_ids.begin(), t.token_ids.end());
       c.logprobs.insert(c.logprobs.end(), t.logprobs.begin(), t.logprobs.end());
       c.env_mask.insert(c.env_mask.end(), t.token_ids.size(), 1);
       e.last_turn = std::move(t.text);
+      e.turns += 1;
       counts.turns += 1;
       if (t.truncated) {  // cut by max_completion_length: never stepped, never continued
         c.truncated = true;
         counts.length_truncated += 1;
         e.live = false;
+        e.session.reset();  // the episode is over: free the environment's session
       }
     }
     std::vector<size_t> stepped;
@@ -340,7 +418,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
       if (episodes[i].live) stepped.push_back(i);
     }
     std::vector<std::optional<StatusOr<EnvObservation>>> results(stepped.size());
-    ForEachConcurrently(stepped.size(), options.max_concurrent_sessions, [&](size_t j) {
+    ForEachConcurrently(stepped.size(), cap, [&](size_t j) {
       Episode& e = episodes[stepped[j]];
       const auto deadline = Clock::now() + options.step_timeout;
       results[j] = e.uses_tools ? StepToolTurn(*e.session, e.last_turn, deadline, &e.tools)
@@ -349,10 +427,10 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
     for (size_t j = 0; j < stepped.size(); ++j) {
       Episode& e = episodes[stepped[j]];
       if (!results[j]->ok()) {
-        e.error = results[j]->status().WithContext("step after turn " + std::to_string(turn + 1));
+        e.error = results[j]->status().WithContext("step after turn " + std::to_string(e.turns));
         e.live = false;
       } else {
-        ApplyObservation(options, turn, **results[j], e, counts);
+        ApplyObservation(options, e.turns - 1, **results[j], e, counts);
       }
       if (!e.live) e.session.reset();  // the episode is over: free the environment's session
     }

@@ -32,8 +32,10 @@ using ObservationRenderer = std::function<StatusOr<std::vector<int32_t>>(
 
 struct EpisodeOptions {
   int64_t max_turns = 4;  // model turns per episode (>= 1); the last one is stepped, then it ends
-  // Environment sessions of one Produce call at once (>= 1): a group's episodes step
-  // concurrently up to this bound.
+  // Environment sessions one call holds at once (>= 1; env_max_concurrency): an episode's
+  // session is opened when it starts and closed when it ends, and episodes past the bound wait
+  // for one to end (a whole group at a time when num_generations fits in it). Opens, resets and
+  // steps run concurrently up to it.
   int64_t max_concurrent_sessions = 16;
   std::chrono::milliseconds step_timeout = kDefaultEnvStepTimeout;  // per Reset and per Step
   int32_t end_of_turn_id = -1;  // the token that closes a model turn (<|im_end|>)

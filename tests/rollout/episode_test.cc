@@ -299,8 +299,180 @@ TEST(Episodes, AFailingEnvironmentFailsItsGroupWithTheErrorKindCounted) {
   ASSERT_FALSE(result->groups[1].group.ok());
   EXPECT_EQ(result->groups[1].group.status().code(), StatusCode::kUnavailable);
   EXPECT_NE(result->groups[1].group.status().message().find("connection reset"), std::string::npos);
-  EXPECT_EQ(counts.errors["unavailable"], 3);
+  // The fixture's bound (2 sessions) is below num_generations (3): the bad group's episodes start
+  // one by one, and the first one's failure stops the other two before they reset.
+  EXPECT_EQ(counts.errors["unavailable"], 1);
+  EXPECT_EQ(counts.stopped, 2);
   EXPECT_EQ(counts.done, 3);
+
+  // With room for every session at once, every episode resets, and each failure is counted.
+  EpisodeOptions all_at_once = f.Options(2);
+  all_at_once.max_concurrent_sessions = 6;
+  EpisodeCounts together;
+  result = ProduceEpisodes(*f.generator, nullptr, env, all_at_once, {{&f.prompt, 1}, {&bad, 2}},
+                           &together);
+  ASSERT_TRUE(result.ok());
+  EXPECT_TRUE(result->groups[0].group.ok());
+  EXPECT_FALSE(result->groups[1].group.ok());
+  EXPECT_EQ(together.errors["unavailable"], 3);
+  EXPECT_EQ(together.stopped, 0);
+  EXPECT_EQ(together.done, 3);
+}
+
+// An environment that allows `capacity` sessions at once, as an OpenEnv server allows
+// max_concurrent_envs (more fail with ResourceExhausted); it records the most held at once.
+// Each episode ends after two steps.
+class CappedEnvironment final : public Environment {
+ public:
+  explicit CappedEnvironment(int capacity) : capacity_(capacity) {}
+  std::string name() const override { return "capped"; }
+  int most_held() const { return most_held_.load(); }
+
+  StatusOr<std::unique_ptr<EnvSession>> Open() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (held_ >= capacity_) {
+      return Status::ResourceExhausted("the environment holds " + std::to_string(held_) +
+                                       " sessions, its capacity");
+    }
+    ++held_;
+    most_held_.store(std::max(most_held_.load(), held_));
+    return std::unique_ptr<EnvSession>(new Session(this));
+  }
+
+ private:
+  class Session final : public EnvSession {
+   public:
+    explicit Session(CappedEnvironment* env) : env_(env) {}
+    ~Session() override {
+      std::lock_guard<std::mutex> lock(env_->mu_);
+      --env_->held_;
+    }
+    StatusOr<EnvObservation> Reset(const json&, uint64_t,
+                                   std::chrono::steady_clock::time_point) override {
+      return EnvObservation{};
+    }
+    StatusOr<EnvObservation> Step(const std::string&,
+                                  std::chrono::steady_clock::time_point) override {
+      EnvObservation obs;
+      obs.done = ++steps_ == 2;
+      if (!obs.done) obs.messages = {{"user", "once more"}};
+      return obs;
+    }
+
+   private:
+    CappedEnvironment* env_;
+    int steps_ = 0;
+  };
+
+  const int capacity_;
+  std::mutex mu_;
+  int held_ = 0;
+  std::atomic<int> most_held_{0};
+};
+
+// The model's tokens of each completion of each group (env tokens included: they depend on the
+// turns only).
+std::vector<std::vector<std::vector<int32_t>>> Tokens(const ProduceResult& r) {
+  std::vector<std::vector<std::vector<int32_t>>> out;
+  for (const ProducedGroup& g : r.groups) {
+    out.emplace_back();
+    if (!g.group.ok()) continue;
+    for (const common::Completion& c : g.group->completions) out.back().push_back(c.token_ids);
+  }
+  return out;
+}
+
+// Two prompts x 3 episodes against an environment of 2 sessions with env_max_concurrency 2: the
+// episodes start as sessions end, never more than 2 held, and every one runs; each episode is
+// the one a single wave of all 6 (bound 6, unlimited environment) gives: its sampler streams
+// depend on its prompt, generation and turn only.
+TEST(Episodes, AtMostTheBoundsSessionsAreHeldAndLaterEpisodesWaitForOne) {
+  Fixture f;
+  CappedEnvironment env(2);
+  EpisodeCounts counts;
+  auto waves = ProduceEpisodes(*f.generator, nullptr, env, f.Options(4),
+                               {{&f.prompt, 1}, {&f.prompt, 2}}, &counts);
+  ASSERT_TRUE(waves.ok()) << waves.status().ToString();
+  ASSERT_EQ(waves->groups.size(), 2u);
+  for (const ProducedGroup& g : waves->groups) {
+    ASSERT_TRUE(g.group.ok()) << g.group.status().ToString();
+    EXPECT_EQ(g.group->completions.size(), 3u);
+  }
+  EXPECT_TRUE(counts.errors.empty());
+  EXPECT_EQ(counts.episodes, 6);
+  EXPECT_EQ(counts.done + counts.length_truncated, 6);
+  EXPECT_EQ(env.most_held(), 2);
+
+  CappedEnvironment roomy(100);
+  EpisodeOptions one_wave = f.Options(4);
+  one_wave.max_concurrent_sessions = 6;
+  auto together =
+      ProduceEpisodes(*f.generator, nullptr, roomy, one_wave, {{&f.prompt, 1}, {&f.prompt, 2}});
+  ASSERT_TRUE(together.ok()) << together.status().ToString();
+  EXPECT_EQ(roomy.most_held(), 6);
+  EXPECT_EQ(Tokens(*waves), Tokens(*together));
+}
+
+// A reset refused at capacity (ResourceExhausted) is tried again in a new session until the
+// reset's deadline: two refusals and the episodes run; refused every time, the group fails with
+// it once the deadline has passed.
+TEST(Episodes, AResetRefusedAtCapacityIsTriedAgainUntilItsDeadline) {
+  Fixture f;
+  auto refusals = std::make_shared<std::atomic<int>>(2);
+  FunctionEnvironment lagging(
+      "lagging",
+      [refusals](const json&, uint64_t, json&) -> StatusOr<EnvObservation> {
+        if (refusals->fetch_sub(1) > 0) return Status::ResourceExhausted("at capacity");
+        return EnvObservation{};
+      },
+      [](const std::string&, json&) -> StatusOr<EnvObservation> {
+        EnvObservation obs;
+        obs.done = true;
+        return obs;
+      });
+  EpisodeCounts counts;
+  auto result =
+      ProduceEpisodes(*f.generator, nullptr, lagging, f.Options(2), {{&f.prompt, 1}}, &counts);
+  ASSERT_TRUE(result.ok());
+  EXPECT_TRUE(result->groups[0].group.ok()) << result->groups[0].group.status().ToString();
+  EXPECT_TRUE(counts.errors.empty());
+  EXPECT_EQ(counts.done, 3);
+
+  auto resets = std::make_shared<std::atomic<int>>(0);
+  FunctionEnvironment full(
+      "full",
+      [resets](const json&, uint64_t, json&) -> StatusOr<EnvObservation> {
+        resets->fetch_add(1);
+        return Status::ResourceExhausted("at capacity");
+      },
+      [](const std::string&, json&) -> StatusOr<EnvObservation> { return EnvObservation{}; });
+  EpisodeOptions o = f.Options(2);
+  o.step_timeout = std::chrono::milliseconds(300);
+  const auto t0 = std::chrono::steady_clock::now();
+  result = ProduceEpisodes(*f.generator, nullptr, full, o, {{&f.prompt, 1}});
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(result.ok());
+  ASSERT_FALSE(result->groups[0].group.ok());
+  EXPECT_EQ(result->groups[0].group.status().code(), StatusCode::kResourceExhausted);
+  // Back-offs of 10, 20, 40 and 80 ms fit before the 300 ms deadline, the next (160) does not:
+  // at least 150 ms of sleep, and each of the two episodes started reset more than once.
+  EXPECT_GE(waited, 0.15);
+  EXPECT_GT(resets->load(), 2);
+}
+
+// num_generations (3) fits in the bound (4): a group starts whole or waits, so the second group
+// waits for the first to end even with one session free (its first turn prefills its prompt
+// once for all three).
+TEST(Episodes, AGroupThatFitsInTheBoundStartsWhole) {
+  Fixture f;
+  CappedEnvironment env(100);
+  EpisodeOptions o = f.Options(4);
+  o.max_concurrent_sessions = 4;
+  auto result = ProduceEpisodes(*f.generator, nullptr, env, o, {{&f.prompt, 1}, {&f.prompt, 2}});
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  for (const ProducedGroup& g : result->groups) EXPECT_TRUE(g.group.ok());
+  EXPECT_EQ(env.most_held(), 3);
 }
 
 // The first step of all fails: its group fails, and its two other episodes are stepped no more.

@@ -321,56 +321,74 @@ TEST_F(OpenEnvEnvironmentTest, ServerAtCapacityIsResourceExhaustedUntilASessionE
 }
 
 // The worker's episode loop (rollout/env/episode.h) with a tiny random policy over the byte
-// tokenizer (ids 0-255 bytes, 257 <|im_start|>, 258 <|im_end|>): the reset's text stays out of the
-// episode, and every observation appended after a model turn is ChatML's user turn with the game's
-// answer, rendered here by hand.
+// tokenizer (ids 0-255 bytes, 257 <|im_start|>, 258 <|im_end|>), 3 episodes of "eagle" and at
+// most 3 turns each; observations are rendered here by hand (ChatML).
+constexpr int32_t kImStart = 257, kImEnd = 258;
+
+std::vector<int32_t> RenderChatMl(const std::vector<common::ChatMessage>& messages, bool closed) {
+  std::vector<int32_t> ids;
+  if (!closed) ids.push_back(kImEnd);
+  ids.push_back('\n');
+  for (const common::ChatMessage& m : messages) {
+    ids.push_back(kImStart);
+    for (unsigned char c : m.role + "\n" + m.content) ids.push_back(c);
+    ids.push_back(kImEnd);
+    ids.push_back('\n');
+  }
+  ids.push_back(kImStart);
+  for (unsigned char c : std::string("assistant\n")) ids.push_back(c);
+  return ids;
+}
+
+struct EpisodeLoop {
+  common::ByteTokenizer tokenizer;
+  std::unique_ptr<rollout::Generator> generator;
+  rollout::EpisodeOptions options;
+  rollout::Prompt prompt;
+
+  EpisodeLoop() {
+    auto model_config = common::ModelConfigPreset("tiny");
+    EXPECT_TRUE(model_config.ok());
+    auto model = common::Model::InitRandom(*model_config, 5);
+    EXPECT_TRUE(model.ok()) << model.status().ToString();
+    rollout::GeneratorOptions go;
+    go.num_generations = 3;
+    go.max_prompt_length = 64;
+    go.max_completion_length = 120;
+    go.seed = 11;
+    go.eos_token_ids = {kImEnd};
+    for (int32_t b = 0; b < 96; ++b) go.eos_token_ids.push_back(b);  // short turns
+    auto made = rollout::Generator::Create(
+        std::shared_ptr<const common::Model>(std::move(model).value()), 1, go, &tokenizer);
+    EXPECT_TRUE(made.ok()) << made.status().ToString();
+    if (made.ok()) generator = std::move(made).value();
+    options.max_turns = 3;
+    options.max_concurrent_sessions = 3;
+    options.end_of_turn_id = kImEnd;
+    options.render = [](const std::vector<common::ChatMessage>& m,
+                        bool closed) -> StatusOr<std::vector<int32_t>> {
+      return RenderChatMl(m, closed);
+    };
+    options.generation_tail = {'\n', kImStart};
+    for (unsigned char c : std::string("assistant\n")) options.generation_tail.push_back(c);
+    prompt.text = "<|im_start|>user\nGuess<|im_end|>\n<|im_start|>assistant\n";
+    prompt.ids = tokenizer.Encode(prompt.text).value();
+    prompt.row = json{{"word", "eagle"}};
+  }
+};
+
+// The reset's text stays out of the episode, and every observation appended after a model turn
+// is ChatML's user turn with the game's answer.
 TEST_F(OpenEnvEnvironmentTest, EpisodeLoopAppendsTheServersAnswersAsUserTurns) {
-  constexpr int32_t kImStart = 257, kImEnd = 258;
   auto env = Connect(Url("shared"));
   ASSERT_NE(env, nullptr);
-  auto model_config = common::ModelConfigPreset("tiny");
-  ASSERT_TRUE(model_config.ok());
-  auto model = common::Model::InitRandom(*model_config, 5);
-  ASSERT_TRUE(model.ok()) << model.status().ToString();
-  common::ByteTokenizer tokenizer;
-  rollout::GeneratorOptions go;
-  go.num_generations = 3;
-  go.max_prompt_length = 64;
-  go.max_completion_length = 120;
-  go.seed = 11;
-  go.eos_token_ids = {kImEnd};
-  for (int32_t b = 0; b < 96; ++b) go.eos_token_ids.push_back(b);  // short turns
-  auto generator = rollout::Generator::Create(
-      std::shared_ptr<const common::Model>(std::move(model).value()), 1, go, &tokenizer);
-  ASSERT_TRUE(generator.ok()) << generator.status().ToString();
-  const auto render = [&](const std::vector<common::ChatMessage>& messages, bool closed) {
-    std::vector<int32_t> ids;
-    if (!closed) ids.push_back(kImEnd);
-    ids.push_back('\n');
-    for (const common::ChatMessage& m : messages) {
-      ids.push_back(kImStart);
-      for (unsigned char c : m.role + "\n" + m.content) ids.push_back(c);
-      ids.push_back(kImEnd);
-      ids.push_back('\n');
-    }
-    ids.push_back(kImStart);
-    for (unsigned char c : std::string("assistant\n")) ids.push_back(c);
-    return ids;
-  };
-  rollout::EpisodeOptions eo;
-  eo.max_turns = 3;
-  eo.max_concurrent_sessions = 3;
-  eo.end_of_turn_id = kImEnd;
-  eo.render = [&](const std::vector<common::ChatMessage>& m,
-                  bool closed) -> StatusOr<std::vector<int32_t>> { return render(m, closed); };
-  eo.generation_tail = {'\n', kImStart};
-  for (unsigned char c : std::string("assistant\n")) eo.generation_tail.push_back(c);
-  rollout::Prompt prompt;
-  prompt.text = "<|im_start|>user\nGuess<|im_end|>\n<|im_start|>assistant\n";
-  prompt.ids = tokenizer.Encode(prompt.text).value();
-  prompt.row = json{{"word", "eagle"}};
+  EpisodeLoop loop;
+  ASSERT_NE(loop.generator, nullptr);
+  const common::ByteTokenizer& tokenizer = loop.tokenizer;
+  const auto render = RenderChatMl;
   rollout::EpisodeCounts counts;
-  auto result = rollout::ProduceEpisodes(**generator, nullptr, *env, eo, {{&prompt, 0}}, &counts);
+  auto result = rollout::ProduceEpisodes(*loop.generator, nullptr, *env, loop.options,
+                                         {{&loop.prompt, 0}}, &counts);
   ASSERT_TRUE(result.ok()) << result.status().ToString();
   ASSERT_EQ(result->groups.size(), 1u);
   ASSERT_TRUE(result->groups[0].group.ok()) << result->groups[0].group.status().ToString();
@@ -408,6 +426,26 @@ TEST_F(OpenEnvEnvironmentTest, EpisodeLoopAppendsTheServersAnswersAsUserTurns) {
   }
   EXPECT_EQ(counts.observation_tokens > 0, observations > 0);
   EXPECT_GT(observations, 0) << "no turn was stepped: the test shows little";
+}
+
+// A server of one session at a time (max_concurrent_envs=1) and env_max_concurrency 1: the
+// three episodes run one after the other, each starting once the one before it has ended, and
+// all three finish (before the bound held sessions, the second and third reset were refused).
+TEST_F(OpenEnvEnvironmentTest, EpisodesWaitForTheServersOneSession) {
+  auto env = Connect(Url("shared") + "/single");
+  ASSERT_NE(env, nullptr);
+  EpisodeLoop loop;
+  ASSERT_NE(loop.generator, nullptr);
+  loop.options.max_concurrent_sessions = 1;
+  rollout::EpisodeCounts counts;
+  auto result = rollout::ProduceEpisodes(*loop.generator, nullptr, *env, loop.options,
+                                         {{&loop.prompt, 0}}, &counts);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  ASSERT_EQ(result->groups.size(), 1u);
+  ASSERT_TRUE(result->groups[0].group.ok()) << result->groups[0].group.status().ToString();
+  EXPECT_TRUE(counts.errors.empty());
+  EXPECT_EQ(result->groups[0].group->completions.size(), 3u);
+  EXPECT_EQ(counts.done + counts.max_turns + counts.length_truncated, 3);
 }
 
 TEST_F(OpenEnvEnvironmentTest, HostNamesAreResolved) {
