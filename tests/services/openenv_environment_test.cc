@@ -375,6 +375,17 @@ struct EpisodeLoop {
     prompt.ids = tokenizer.Encode(prompt.text).value();
     prompt.row = json{{"word", "eagle"}};
   }
+
+  // The prompt's group (seed index 0) through `env`, or the call's or the group's error.
+  StatusOr<common::RolloutGroup> Run(rollout::Environment& env, rollout::EpisodeCounts* counts) {
+    ASSIGN_OR_RETURN(
+        rollout::ProduceResult result,
+        rollout::ProduceEpisodes(*generator, nullptr, env, options, {{&prompt, 0}}, counts));
+    if (result.groups.size() != 1) {
+      return Status::Internal(std::to_string(result.groups.size()) + " groups for one prompt");
+    }
+    return std::move(result.groups[0].group);
+  }
 };
 
 // The reset's text stays out of the episode, and every observation appended after a model turn
@@ -387,20 +398,17 @@ TEST_F(OpenEnvEnvironmentTest, EpisodeLoopAppendsTheServersAnswersAsUserTurns) {
   const common::ByteTokenizer& tokenizer = loop.tokenizer;
   const auto render = RenderChatMl;
   rollout::EpisodeCounts counts;
-  auto result = rollout::ProduceEpisodes(*loop.generator, nullptr, *env, loop.options,
-                                         {{&loop.prompt, 0}}, &counts);
-  ASSERT_TRUE(result.ok()) << result.status().ToString();
-  ASSERT_EQ(result->groups.size(), 1u);
-  ASSERT_TRUE(result->groups[0].group.ok()) << result->groups[0].group.status().ToString();
+  auto group = loop.Run(*env, &counts);
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
   EXPECT_TRUE(counts.errors.empty());
   EXPECT_EQ(counts.episodes, 3);
   // The prompt ends at the user turn's <|im_end|>: the reset observation comes first in each
   // episode, a user turn, then the assistant header.
   const std::vector<int32_t> cut = tokenizer.Encode("<|im_start|>user\nGuess<|im_end|>").value();
-  EXPECT_EQ(result->groups[0].group->prompt_ids, cut);
+  EXPECT_EQ(group->prompt_ids, cut);
   const std::vector<int32_t> reset = render({{"user", "Guess the 5-letter word."}}, true);
   int64_t observations = 0;
-  for (const common::Completion& c : result->groups[0].group->completions) {
+  for (const common::Completion& c : group->completions) {
     ASSERT_EQ(c.env_mask.size(), c.token_ids.size());
     ASSERT_GT(c.token_ids.size(), reset.size());
     EXPECT_EQ(std::vector<int32_t>(c.token_ids.begin(), c.token_ids.begin() + reset.size()), reset);
@@ -438,13 +446,10 @@ TEST_F(OpenEnvEnvironmentTest, EpisodesWaitForTheServersOneSession) {
   ASSERT_NE(loop.generator, nullptr);
   loop.options.max_concurrent_sessions = 1;
   rollout::EpisodeCounts counts;
-  auto result = rollout::ProduceEpisodes(*loop.generator, nullptr, *env, loop.options,
-                                         {{&loop.prompt, 0}}, &counts);
-  ASSERT_TRUE(result.ok()) << result.status().ToString();
-  ASSERT_EQ(result->groups.size(), 1u);
-  ASSERT_TRUE(result->groups[0].group.ok()) << result->groups[0].group.status().ToString();
+  auto group = loop.Run(*env, &counts);
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
   EXPECT_TRUE(counts.errors.empty());
-  EXPECT_EQ(result->groups[0].group->completions.size(), 3u);
+  EXPECT_EQ(group->completions.size(), 3u);
   EXPECT_EQ(counts.done + counts.max_turns + counts.length_truncated, 3);
 }
 
