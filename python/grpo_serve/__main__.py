@@ -57,11 +57,14 @@ def _watch(args: argparse.Namespace) -> int:
             last_state.append(s.state)
             print(_state_line(s), file=sys.stderr, flush=True)
 
-    reporter = Reporter(args.report_to, project=args.project, run_name=args.run_name,
-                        logging_dir=args.logging_dir) if args.report_to else None
+    # The watch first (it starts at the learner's step now), then the dashboards, whose imports
+    # take seconds.
+    stream = client.watch(timeout=args.watch_timeout_seconds, on_status=on_status)
+    reporter = None
     header = False
     try:
-        stream = client.watch(timeout=args.watch_timeout_seconds, on_status=on_status)
+        reporter = Reporter(args.report_to, project=args.project, run_name=args.run_name,
+                            logging_dir=args.logging_dir) if args.report_to else None
         with stream:
             for record in stream:
                 if reporter is not None:
@@ -75,6 +78,7 @@ def _watch(args: argparse.Namespace) -> int:
                     sys.stdout.write(step_table_row(record))
                 sys.stdout.flush()
     finally:
+        stream.close()
         if reporter is not None:
             reporter.close()
         client.close()

@@ -136,22 +136,28 @@ def follow(job: Job | Client, *, file: TextIO | None = None, notebook: bool | No
 
     handle = job.job() if isinstance(job, Client) else job
     client = handle.client
-    use_notebook = in_notebook() if notebook is None else notebook
-    status = client.status()
-    if use_notebook:
-        from tqdm.auto import tqdm as auto_tqdm
-
-        bar = auto_tqdm(total=status.max_steps or None, initial=status.global_step, unit="step",
-                        desc="grpo")
-        curve: _NotebookCurve | None = _NotebookCurve()
-    else:
-        bar = text_tqdm(total=status.max_steps or None, initial=status.global_step, unit="step",
-                        desc="grpo", file=file if file is not None else sys.stderr,
-                        dynamic_ncols=file is None)
-        curve = None
-    reporter = Reporter(report_to, **(report_options or {})) if report_to else None
-    records: list[StepRecord] = []
+    # The watch first: its start (the learner's snapshot) is now, not after the set-up below
+    # (a dashboard's import takes seconds, in which a small job can take all its steps).
     stream = client.watch(handle, timeout=timeout, reconnect_timeout=reconnect_timeout)
+    try:
+        use_notebook = in_notebook() if notebook is None else notebook
+        status = client.status()
+        if use_notebook:
+            from tqdm.auto import tqdm as auto_tqdm
+
+            bar = auto_tqdm(total=status.max_steps or None, initial=status.global_step, unit="step",
+                            desc="grpo")
+            curve: _NotebookCurve | None = _NotebookCurve()
+        else:
+            bar = text_tqdm(total=status.max_steps or None, initial=status.global_step, unit="step",
+                            desc="grpo", file=file if file is not None else sys.stderr,
+                            dynamic_ncols=file is None)
+            curve = None
+        reporter = Reporter(report_to, **(report_options or {})) if report_to else None
+    except BaseException:
+        stream.close()
+        raise
+    records: list[StepRecord] = []
     try:
         for record in stream:
             records.append(record)

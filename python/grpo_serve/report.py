@@ -235,10 +235,10 @@ def report(job: Job | Client, to: str | Sequence[str] = ("tensorboard",), *,
 
     handle = job.job() if isinstance(job, Client) else job
     records: list[StepRecord] = []
-    with Reporter(to, **options) as reporter:
-        stream = handle.client.watch(handle, timeout=timeout, reconnect_timeout=reconnect_timeout)
-        with stream:
-            for record in stream:
-                reporter.log(record)
-                records.append(record)
+    # The watch first (its start is now), then the dashboards, whose imports take seconds.
+    stream = handle.client.watch(handle, timeout=timeout, reconnect_timeout=reconnect_timeout)
+    with stream, Reporter(to, **options) as reporter:
+        for record in stream:
+            reporter.log(record)
+            records.append(record)
     return JobResult(records, stream.state, list(stream.missed_steps), stream.status)

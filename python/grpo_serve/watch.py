@@ -39,7 +39,8 @@ class StepStream(Iterator[StepRecord]):
 
     Each record is the step's metrics (TRL names) and "step", as ``grpo watch --json`` prints
     them; steps are strictly increasing, none twice. Like ``grpo watch`` it starts with the next
-    step (the snapshot that opens the first stream only sets where it starts).
+    step (the snapshot that opens the first stream only sets where it starts); that first stream
+    opens when the StepStream is made, so its start is then, not at the first next().
 
     After iteration: ``state`` is the final state (done, cancelled, failed), ``missed_steps``
     the steps taken while the stream was broken that could not be replayed, ``reconnects`` how
@@ -64,6 +65,10 @@ class StepStream(Iterator[StepRecord]):
         self.status: JobStatus | None = None
         self.missed_steps: list[int] = []
         self.reconnects = 0
+        # The first WatchJob call opens here, not at the first next(): the learner's snapshot,
+        # which sets where the stream starts, is taken now, so steps taken while the caller sets
+        # up (a dashboard's import can take seconds) are still yielded.
+        self._call = open_call(timeout)
         self._events = self._run()
 
     def __iter__(self) -> StepStream:
@@ -104,8 +109,9 @@ class StepStream(Iterator[StepRecord]):
             with self._lock:
                 if self._closed:
                     return
-                call = self._open_call(left)
-                self._call = call
+                if self._call is None:
+                    self._call = self._open_call(left)
+                call = self._call
             try:
                 first = True
                 for event in call:

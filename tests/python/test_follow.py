@@ -13,7 +13,11 @@ from typing import Any
 import pytest
 
 import grpo_serve
-from grpo_serve.follow import reward_curve_svg, text_plot
+from grpo_serve._wire import learner_pb2
+from grpo_serve.follow import follow, reward_curve_svg, text_plot
+from grpo_serve.job import JobStatus
+from grpo_serve.report import report
+from grpo_serve.watch import StepStream
 from conftest import JOB_TIMEOUT, grpo_bin
 
 SMALL = dict(num_generations=2, per_device_train_batch_size=4, max_completion_length=6,
@@ -70,6 +74,89 @@ def test_follow_in_a_terminal(tmp_path: Path) -> None:
     assert "\nmean reward per step\n" + text_plot(result.rewards) in text
     assert text.rstrip().endswith("job done at step 4/4: max_steps reached")
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))  # report_to wrote events
+
+
+def job_event(state: int, global_step: int, step: int = 0,
+              metrics: dict[str, float] | None = None) -> Any:
+    event = learner_pb2.JobEvent(step=step, metrics=metrics or {})
+    event.job.state = state
+    event.job.global_step = global_step
+    event.job.max_steps = 2
+    return event
+
+
+class FakeCall:
+    """A WatchJob call: the snapshot at step 0 it opened with, steps 1 and 2, the job's end."""
+
+    def __init__(self) -> None:
+        running, done = learner_pb2.JOB_STATE_RUNNING, learner_pb2.JOB_STATE_DONE
+        self.events = [job_event(running, 0), job_event(running, 1, 1, {"reward": 1.0}),
+                       job_event(running, 2, 2, {"reward": 2.0}), job_event(done, 2)]
+
+    def __iter__(self) -> Any:
+        return iter(self.events)
+
+    def cancel(self) -> None:
+        pass
+
+
+class FakeLearner:
+    """A client and its job whose WatchJob calls are FakeCalls; counts the calls opened."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.client = self
+
+    def open_call(self, seconds_left: float) -> FakeCall:
+        self.opened += 1
+        return FakeCall()
+
+    def watch(self, job: Any, **kwargs: Any) -> StepStream:
+        return StepStream(self.open_call, **kwargs)
+
+    def status(self) -> JobStatus:
+        return JobStatus.from_proto(job_event(learner_pb2.JOB_STATE_RUNNING, 0).job)
+
+
+def test_a_step_stream_opens_its_first_watch_when_made() -> None:
+    # The learner's snapshot, which sets where the stream starts, is taken when the call opens:
+    # at the StepStream's making, so steps taken before the first next() are still yielded.
+    learner = FakeLearner()
+    stream = learner.watch(None, timeout=60, reconnect_timeout=1)
+    assert learner.opened == 1
+    assert [r["step"] for r in stream] == [1, 2] and stream.state == "done"
+    assert learner.opened == 1  # the iteration read that call, it opened no other
+
+
+def test_follow_and_report_watch_before_they_set_up_the_dashboards(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A dashboard's set-up (its import) can take seconds, in which a small job takes all its
+    # steps: the watch must already be open when the dashboards are made.
+    seen: list[int] = []
+
+    class Dashboards:
+        def __init__(self, to: Any, **options: Any) -> None:
+            seen.append(learner.opened)
+
+        def log(self, record: Any) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    monkeypatch.setattr(sys.modules["grpo_serve.report"], "Reporter", Dashboards)
+    learner = FakeLearner()
+    result = follow(learner, file=io.StringIO(), notebook=False, report_to=["fake"])
+    assert seen == [1] and [r["step"] for r in result.records] == [1, 2]
+    learner = FakeLearner()
+    result = report(learner, to=["fake"])
+    assert seen == [1, 1] and [r["step"] for r in result.records] == [1, 2]
 
 
 class FakeDisplay:
