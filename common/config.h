@@ -132,9 +132,10 @@ struct GrpoConfig {
   int64_t num_iterations = 1;
   int64_t logprob_chunk_tokens = 1024;  // tokens per LM-head chunk (memory-flat log-probs)
   bool gradient_checkpointing = false;
-  // Micro-batches of a step trained at once, each on its own thread with one intra-op thread
-  // (1 or 2; README "Two micro-batches at once"): one learner process on one device, no
-  // compute copy. The same gradients bit for bit.
+  // Micro-batches of a step trained at once (1 or 2; README "Two micro-batches at once"): the
+  // second on a kept worker thread with one intra-op thread, the trainer's own at the
+  // process's (OMP_NUM_THREADS=1 for one core each). One learner process, no compute copy.
+  // The same gradients bit for bit.
   int64_t micro_batch_threads = 1;
 
   // Learner ranks (README "Learner ranks"; the world itself comes from torchrun's RANK /

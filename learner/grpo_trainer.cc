@@ -756,6 +756,7 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
   // to the next generation batch when this one ends inside a step (as TRL does).
   for (int64_t it = 0; it < config_.num_iterations; ++it) {
     for (int64_t m = 0; m < num_micro; ++m) {
+      const int64_t q = it * num_micro + m;  // the micro-batch's place in the stream
       if (!open_) {
         open_ = std::make_unique<OpenStep>();
         open_->start = std::chrono::steady_clock::now();
@@ -763,7 +764,6 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
         open_->bonus_coef = entropy_control_.ApplyCoef();
         if (bonus_needs_tokens) {
           double tokens = 0.0;
-          const int64_t q = it * num_micro + m;
           for (int64_t k = q; k < std::min(stream, q + ga); ++k)
             tokens += micro_tokens[k % num_micro];
           open_->bonus_scale = std::max(1.0, tokens);
@@ -808,7 +808,6 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       }
       optimizer_->BeforeBackward(at_micro);
       MicroResult r;
-      const int64_t q = it * num_micro + m;    // the micro-batch's place in the stream
       if (ahead != nullptr && ahead_q == q) {  // the worker trained it beside the one before
         micro_worker_->Wait();
         r = std::move(*ahead);
@@ -846,7 +845,7 @@ StatusOr<GenerationBatchResult> GrpoTrainer::TrainGenerationBatchOrFail(
       const at::Tensor& entropy = r.entropy;
       const int64_t C = mb.labels.size(1);
       MoveComputeGradsToMaster();
-      if (TEST_micro_batch_fault_) RETURN_IF_ERROR(TEST_micro_batch_fault_(it * num_micro + m));
+      if (TEST_micro_batch_fault_) RETURN_IF_ERROR(TEST_micro_batch_fault_(q));
       RETURN_IF_ERROR(optimizer_->AfterBackward(at_micro));
       os.lm.Merge(out.metrics);
       // One host read per micro-batch: TRL's entropy (the mean over micro-batches of each
