@@ -71,9 +71,9 @@ def make_reward_len(target):
     return reward_len
 
 
-def ours_env():
+def ours_env(threads=None):
     env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(THREADS)
+    env["OMP_NUM_THREADS"] = str(threads or THREADS)
     # grpo's own OpenMP settings (services/cli/launch.cc: PASSIVE, after a bounded spin when
     # computing alone), unless the caller set them.
     return env
@@ -346,21 +346,27 @@ def moving_threshold(times, rewards, thr, window):
     return None, None
 
 
-def run_ours_e2e(model_dir, job, work, threads=None, micro_batch_threads=1):
-    """grpo train-local; `threads` intra-op threads (default THREADS) and `micro_batch_threads`
-    micro-batches trained at once (README "The learner's memory and speed")."""
-    threads = threads or THREADS
-    args = ["train-local", "--json", "--model_name_or_path", model_dir,
-            "--output_dir", os.path.join(work, f"e2e-ours-t{threads}-m{micro_batch_threads}"),
+def e2e_args(command, model_dir, out_dir, job, micro_batch_threads):
+    """`grpo <command>` (train-local or demo) on the demo task with the job's keys, as TRL runs
+    it: no checkpoints, no importance-sampling correction (TRL has none without vLLM)."""
+    args = [command, "--json", "--model_name_or_path", model_dir, "--output_dir", out_dir,
             "--save_steps", "0", "--importance_sampling_correction", "none",
             "--target_length", str(TARGET_LENGTH), "--micro_batch_threads",
             str(micro_batch_threads)]
     for k, v in job.items():
         args += ["--" + k, str(v)]
-    env = ours_env()
-    env["OMP_NUM_THREADS"] = str(threads)
+    return args
+
+
+def run_ours_e2e(model_dir, job, work, threads=None, micro_batch_threads=1):
+    """grpo train-local; `threads` intra-op threads (default THREADS) and `micro_batch_threads`
+    micro-batches trained at once (README "The learner's memory and speed")."""
+    threads = threads or THREADS
+    args = e2e_args("train-local", model_dir,
+                    os.path.join(work, f"e2e-ours-t{threads}-m{micro_batch_threads}"), job,
+                    micro_batch_threads)
     t0 = time.perf_counter()
-    p = subprocess.Popen([GRPO_BIN] + args, env=env, stdout=subprocess.PIPE,
+    p = subprocess.Popen([GRPO_BIN] + args, env=ours_env(threads), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     times, rewards, step_s, gen_s = [], [], [], []
     for line in p.stdout:
@@ -389,18 +395,11 @@ def run_ours_services_e2e(model_dir, job, work, workers, threads, micro_batch_th
     task, model, config and seed; `threads` intra-op threads per process, and the learner's
     `micro_batch_threads`. Times from the start of `grpo demo`, as run_ours_e2e's from the
     start of train-local."""
-    args = ["demo", "--json", "--workers", str(workers), "--model_name_or_path", model_dir,
-            "--output_dir", os.path.join(work, f"services-w{workers}-t{threads}"
-                                               f"-m{micro_batch_threads}"),
-            "--save_steps", "0", "--importance_sampling_correction", "none",
-            "--target_length", str(TARGET_LENGTH), "--micro_batch_threads",
-            str(micro_batch_threads)]
-    for k, v in job.items():
-        args += ["--" + k, str(v)]
-    env = ours_env()
-    env["OMP_NUM_THREADS"] = str(threads)
+    args = e2e_args("demo", model_dir,
+                    os.path.join(work, f"services-w{workers}-t{threads}-m{micro_batch_threads}"),
+                    job, micro_batch_threads) + ["--workers", str(workers)]
     t0 = time.perf_counter()
-    p = subprocess.Popen([GRPO_BIN] + args, env=env, stdout=subprocess.PIPE,
+    p = subprocess.Popen([GRPO_BIN] + args, env=ours_env(threads), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     times, rewards, summary = [], [], None
     for line in p.stdout:
