@@ -18,6 +18,7 @@
 #include "learner/advantages.h"
 #include "learner/chunked_logprobs.h"
 #include "learner/distributed/state_shards.h"
+#include "learner/shared_prompts.h"
 
 namespace grpo::learner {
 
@@ -164,6 +165,7 @@ struct MicroBatch {
   at::Tensor loss_mask;
   at::Tensor beh;  // [b, C] float32 or undefined
   int64_t prompt_len = 0, completion_len = 0;
+  SharedPrompts shared;  // the rows' distinct prompts, when some rows share one
 };
 
 }  // namespace
@@ -211,6 +213,7 @@ static MicroBatch MakeMicroBatch(const std::vector<const std::vector<int32_t>*>&
   if (with_beh) mb.beh = at::from_blob(beh.data(), {b, C}, f32).clone();
   if (with_env) mb.env_mask = at::from_blob(env.data(), {b, C}, f32).clone();
   mb.loss_mask = with_env ? mb.completion_mask * mb.env_mask : mb.completion_mask;
+  mb.shared = GroupPrompts(prompts, begin, end, P);
   return mb;
 }
 
@@ -224,6 +227,11 @@ static MicroBatch OnDevice(MicroBatch mb, const at::Device& device) {
   if (mb.env_mask.defined()) mb.env_mask = mb.env_mask.to(device);
   mb.loss_mask = mb.env_mask.defined() ? mb.loss_mask.to(device) : mb.completion_mask;
   if (mb.beh.defined()) mb.beh = mb.beh.to(device);
+  if (mb.shared.ids.defined()) {
+    mb.shared.ids = mb.shared.ids.to(device);
+    mb.shared.mask = mb.shared.mask.to(device);
+    mb.shared.rows = mb.shared.rows.to(device);
+  }
   return mb;
 }
 
@@ -232,10 +240,16 @@ static double SamplingTemperature(const common::GrpoConfig& config) {
 }
 
 // The hidden states that predict the completion tokens of `mb`: [b, C, D] (position P - 1 + t
-// predicts completion token t). Gradient checkpointing only matters with grad mode on (the
+// predicts completion token t). Rows that share a prompt (a group's) have it computed once
+// (Model::ForwardSharedPrefix). Gradient checkpointing only matters with grad mode on (the
 // policy's step).
 static at::Tensor CompletionHidden(const common::Model& model, const MicroBatch& mb,
                                    const common::GrpoConfig& config) {
+  if (mb.shared.ids.defined()) {
+    return model.ForwardSharedPrefix(mb.shared.ids, mb.shared.mask, mb.shared.rows, mb.labels,
+                                     mb.attention_mask.narrow(1, mb.prompt_len, mb.completion_len),
+                                     config.gradient_checkpointing);
+  }
   const at::Tensor hidden =
       model.ForwardHidden(mb.ids, mb.attention_mask, config.gradient_checkpointing);
   return hidden.narrow(1, mb.prompt_len - 1, mb.completion_len);

@@ -444,55 +444,59 @@ const std::vector<at::Tensor Model::Layer::*>& Model::LayerFields() {
 }
 
 // One decoder layer whose forward keeps no intermediates: backward recomputes the layer from its
-// saved input under grad mode (on detached leaves) and differentiates that. The model and layer
+// saved inputs under grad mode (on detached leaves) and differentiates that. The model and layer
 // travel as integers because autograd's saved_data holds IValues; the Model outlives the graph
-// (the trainer owns both). Inputs: {x, cos, sin, mask, the layer's defined weights...}.
+// (the trainer owns both). Inputs: the layer's `n_act` inputs that are not weights (RunLayer's),
+// then its defined weights.
 class CheckpointedLayerFunction : public torch::autograd::Function<CheckpointedLayerFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 at::TensorList inputs, int64_t model_address,
-                                                int64_t layer) {
+                                                int64_t layer, int64_t n_act) {
     const auto* model = reinterpret_cast<const Model*>(model_address);
     ctx->saved_data["model"] = model_address;
     ctx->saved_data["layer"] = layer;
+    ctx->saved_data["n_act"] = n_act;
     ctx->save_for_backward(inputs.vec());
     const size_t li = static_cast<size_t>(layer);
-    return {model->LayerForward(model->layers_[li], li, inputs[0], inputs[1], inputs[2], inputs[3],
-                                nullptr)};
+    return model->RunLayer(model->layers_[li], li, inputs.slice(0, n_act));
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     const auto* model = reinterpret_cast<const Model*>(ctx->saved_data["model"].toInt());
     const size_t li = static_cast<size_t>(ctx->saved_data["layer"].toInt());
+    const int64_t n_act = ctx->saved_data["n_act"].toInt();
+    const size_t streams = Model::LayerStreams(n_act);
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     // Detached leaves for the recompute; their gradients are returned to autograd, which adds
     // them to the real inputs' .grad (nothing here touches the parameters' .grad directly).
     Model::Layer leaves = model->layers_[li];
+    std::vector<at::Tensor> act(saved.begin(), saved.begin() + n_act);
     std::vector<at::Tensor> wrt;
-    at::Tensor x = saved[0].detach().requires_grad_(true);
-    wrt.push_back(x);
-    size_t next = 4;
+    for (size_t i = 0; i < streams; ++i) {
+      act[i] = saved[i].detach().requires_grad_(true);
+      wrt.push_back(act[i]);
+    }
+    size_t next = static_cast<size_t>(n_act);
     for (auto field : Model::LayerFields()) {
       if (!(leaves.*field).defined()) continue;
       leaves.*field = saved[next++].detach().requires_grad_(true);
       wrt.push_back(leaves.*field);
     }
-    at::Tensor out;
+    torch::autograd::variable_list out;
     {
       at::AutoGradMode grad(true);
-      out = model->LayerForward(leaves, li, x, saved[1], saved[2], saved[3], nullptr);
+      out = model->RunLayer(leaves, li, act);
     }
     torch::autograd::variable_list grads =
-        torch::autograd::grad({out}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
+        torch::autograd::grad(out, wrt, grad_outputs, /*retain_graph=*/false,
                               /*create_graph=*/false, /*allow_unused=*/true);
-    // One entry per forward input: x, cos, sin, mask, weights..., then the two integers.
-    torch::autograd::variable_list result;
-    result.reserve(saved.size() + 2);
-    result.push_back(grads[0]);
+    // One entry per forward input: the streams, the other inputs, the weights, the integers.
+    torch::autograd::variable_list result(grads.begin(), grads.begin() + streams);
+    result.insert(result.end(), n_act - streams, at::Tensor());
+    result.insert(result.end(), grads.begin() + streams, grads.end());
     result.insert(result.end(), 3, at::Tensor());
-    result.insert(result.end(), grads.begin() + 1, grads.end());
-    result.insert(result.end(), 2, at::Tensor());
     return result;
   }
 };
@@ -503,51 +507,61 @@ class CheckpointedLayerFunction : public torch::autograd::Function<CheckpointedL
 // (TakeGradients) and releases it. With `keep` (no gradient checkpointing) the forward keeps
 // the unit's autograd graph, whose saved tensors include the parameters themselves: their
 // values are back once the backward's Acquire refilled them. Otherwise only the inputs are
-// saved and the backward recomputes the unit, as CheckpointedLayerFunction does. Inputs:
-// {x, cos, sin, mask}.
+// saved and the backward recomputes the unit, as CheckpointedLayerFunction does. Inputs: the
+// unit's `n_act` inputs (RunUnit's).
 class GatedUnitFunction : public torch::autograd::Function<GatedUnitFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 at::TensorList inputs, int64_t model_address,
-                                                int64_t unit, bool keep) {
+                                                int64_t unit, bool keep, int64_t n_act) {
     const auto* model = reinterpret_cast<const Model*>(model_address);
     ctx->saved_data["model"] = model_address;
     ctx->saved_data["unit"] = unit;
     ctx->saved_data["keep"] = keep;
+    ctx->saved_data["n_act"] = n_act;
+    const size_t streams = Model::LayerStreams(n_act);
     const int u = static_cast<int>(unit);
     model->gate_->Acquire(u);
-    at::Tensor out;
+    torch::autograd::variable_list out;
     if (keep) {
       at::AutoGradMode grad(true);
-      const at::Tensor x = inputs[0].detach().requires_grad_(true);
-      const at::Tensor inner = model->UnitForward(u, x, inputs[1], inputs[2], inputs[3]);
-      ctx->saved_data["x"] = x;
+      std::vector<at::Tensor> act = inputs.vec(), leaves;
+      for (size_t i = 0; i < streams; ++i) {
+        act[i] = inputs[i].detach().requires_grad_(true);
+        leaves.push_back(act[i]);
+      }
+      const std::vector<at::Tensor> inner = model->RunUnit(u, act);
+      ctx->saved_data["x"] = leaves;
       ctx->saved_data["inner"] = inner;
-      out = inner.detach();
+      for (const at::Tensor& t : inner) out.push_back(t.detach());
     } else {
       ctx->save_for_backward(inputs.vec());
-      out = model->UnitForward(u, inputs[0], inputs[1], inputs[2], inputs[3]);
+      out = model->RunUnit(u, inputs);
     }
     model->gate_->Release(u);
-    return {out};
+    return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     const auto* model = reinterpret_cast<const Model*>(ctx->saved_data["model"].toInt());
     const int u = static_cast<int>(ctx->saved_data["unit"].toInt());
+    const int64_t n_act = ctx->saved_data["n_act"].toInt();
+    const size_t streams = Model::LayerStreams(n_act);
     model->gate_->Acquire(u);
     std::vector<at::Tensor> wrt;
-    at::Tensor out;
+    std::vector<at::Tensor> out;
     if (ctx->saved_data["keep"].toBool()) {
-      wrt.push_back(ctx->saved_data["x"].toTensor());
-      out = ctx->saved_data["inner"].toTensor();
+      wrt = ctx->saved_data["x"].toTensorVector();
+      out = ctx->saved_data["inner"].toTensorVector();
     } else {
-      const torch::autograd::variable_list saved = ctx->get_saved_variables();
-      const at::Tensor x = saved[0].detach().requires_grad_(true);
-      wrt.push_back(x);
+      std::vector<at::Tensor> act = ctx->get_saved_variables();
+      for (size_t i = 0; i < streams; ++i) {
+        act[i] = act[i].detach().requires_grad_(true);
+        wrt.push_back(act[i]);
+      }
       at::AutoGradMode grad(true);
-      out = model->UnitForward(u, x, saved[1], saved[2], saved[3]);
+      out = model->RunUnit(u, act);
     }
     std::vector<size_t> params;  // indices in the unit's parameters of those differentiated
     const NamedTensors unit_params = model->UnitParameters(u);
@@ -557,51 +571,90 @@ class GatedUnitFunction : public torch::autograd::Function<GatedUnitFunction> {
       wrt.push_back(unit_params[i].second);
     }
     torch::autograd::variable_list grads =
-        torch::autograd::grad({out}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
+        torch::autograd::grad(out, wrt, grad_outputs, /*retain_graph=*/false,
                               /*create_graph=*/false, /*allow_unused=*/true);
     ctx->saved_data.erase("inner");
     std::vector<at::Tensor> unit_grads(unit_params.size());
-    for (size_t k = 0; k < params.size(); ++k) unit_grads[params[k]] = grads[1 + k];
+    for (size_t k = 0; k < params.size(); ++k) unit_grads[params[k]] = grads[streams + k];
     model->gate_->TakeGradients(u, unit_grads);
     model->gate_->Release(u);
-    // One entry per forward input: x, cos, sin, mask, then the three scalars.
-    return {grads[0],     at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+    // One entry per forward input: the streams, the other inputs, then the four scalars.
+    torch::autograd::variable_list result(grads.begin(), grads.begin() + streams);
+    result.insert(result.end(), n_act - streams + 4, at::Tensor());
+    return result;
   }
 };
 
-at::Tensor Model::UnitForward(int unit, const at::Tensor& x, const at::Tensor& cos,
-                              const at::Tensor& sin, const at::Tensor& mask) const {
-  if (unit == NormUnit()) return RmsNorm(x, final_norm_);
-  const size_t li = static_cast<size_t>(unit - 1);
-  TORCH_CHECK(unit >= 1 && li < layers_.size(), "UnitForward: unit ", unit,
-              " is not a decoder layer or the final norm");
-  return LayerForward(layers_[li], li, x, cos, sin, mask, nullptr);
+std::vector<at::Tensor> Model::RunLayer(const Layer& L, size_t li, at::TensorList in) const {
+  if (in.size() == kSingleInputs) return {LayerForward(L, li, in[0], in[1], in[2], in[3], nullptr)};
+  TORCH_CHECK(in.size() == kSharedInputs, "RunLayer: ", in.size(), " inputs");
+  PrefixKv kv;
+  at::Tensor prefix = LayerForward(L, li, in[0], in[2], in[3], in[4], nullptr, &kv);
+  kv.record = false;
+  kv.rows = in[8];
+  return {prefix, LayerForward(L, li, in[1], in[5], in[6], in[7], nullptr, &kv)};
 }
 
-at::Tensor Model::GatedForward(const at::Tensor& ids, const at::Tensor& cos, const at::Tensor& sin,
-                               const at::Tensor& mask, bool gradient_checkpointing) const {
+std::vector<at::Tensor> Model::RunUnit(int unit, at::TensorList in) const {
+  if (unit == NormUnit()) return {RmsNorm(in[0], final_norm_)};
+  const size_t li = static_cast<size_t>(unit - 1);
+  TORCH_CHECK(unit >= 1 && li < layers_.size(), "RunUnit: unit ", unit,
+              " is not a decoder layer or the final norm");
+  return RunLayer(layers_[li], li, in);
+}
+
+std::vector<at::Tensor> Model::LayerStep(size_t li, const std::vector<at::Tensor>& in,
+                                         bool gradient_checkpointing) const {
+  const int64_t self = reinterpret_cast<int64_t>(this);
+  const int64_t n_act = static_cast<int64_t>(in.size());
+  const bool grad = at::GradMode::is_enabled();
+  if (gate_ != nullptr) {
+    const int u = LayerUnit(static_cast<int64_t>(li));
+    if (grad) {
+      return GatedUnitFunction::apply(at::TensorList(in), self, static_cast<int64_t>(u),
+                                      !gradient_checkpointing, n_act);
+    }
+    gate_->Acquire(u);
+    std::vector<at::Tensor> out = RunUnit(u, in);
+    gate_->Release(u);
+    return out;
+  }
+  if (gradient_checkpointing && grad) {
+    std::vector<at::Tensor> inputs = in;
+    for (auto field : LayerFields()) {
+      if ((layers_[li].*field).defined()) inputs.push_back(layers_[li].*field);
+    }
+    return CheckpointedLayerFunction::apply(at::TensorList(inputs), self, static_cast<int64_t>(li),
+                                            n_act);
+  }
+  return RunLayer(layers_[li], li, in);
+}
+
+at::Tensor Model::NormStep(const std::vector<at::Tensor>& in, bool gradient_checkpointing) const {
+  if (gate_ == nullptr) return RmsNorm(in[0], final_norm_);
+  const int u = NormUnit();
+  if (at::GradMode::is_enabled()) {
+    return GatedUnitFunction::apply(at::TensorList(in), reinterpret_cast<int64_t>(this),
+                                    static_cast<int64_t>(u), !gradient_checkpointing,
+                                    static_cast<int64_t>(in.size()))[0];
+  }
+  gate_->Acquire(u);
+  at::Tensor out = RunUnit(u, in)[0];
+  gate_->Release(u);
+  return out;
+}
+
+at::Tensor Model::Embed(const at::Tensor& ids) const {
+  if (gate_ == nullptr) return at::embedding(embed_, ids);
   gate_->Acquire(0);
   at::Tensor x = at::embedding(embed_, ids);  // [B, T, D]; its backward needs no weights
   gate_->Release(0);
-  const bool grad = at::GradMode::is_enabled();
-  for (int u = LayerUnit(0); u <= NormUnit(); ++u) {
-    if (grad) {
-      x = GatedUnitFunction::apply(at::TensorList({x, cos, sin, mask}),
-                                   reinterpret_cast<int64_t>(this), static_cast<int64_t>(u),
-                                   !gradient_checkpointing)[0];
-    } else {
-      gate_->Acquire(u);
-      x = UnitForward(u, x, cos, sin, mask);
-      gate_->Release(u);
-    }
-  }
   return x;
 }
 
 at::Tensor Model::LayerForward(const Layer& L, size_t li, const at::Tensor& x_in,
                                const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
-                               KvCache* cache) const {
+                               KvCache* cache, PrefixKv* prefix) const {
   const ModelConfig& c = config_;
   const int64_t b = x_in.size(0), t = x_in.size(1);
   const int64_t h = c.num_attention_heads, kv = c.num_key_value_heads, hd = c.head_dim;
@@ -621,16 +674,19 @@ at::Tensor Model::LayerForward(const Layer& L, size_t li, const at::Tensor& x_in
     cache->values[li].narrow(2, cache->length, t).copy_(v);
     k = cache->keys[li].narrow(2, 0, cache->length + t);
     v = cache->values[li].narrow(2, 0, cache->length + t);
+  } else if (prefix != nullptr && prefix->record) {
+    prefix->keys = k;
+    prefix->values = v;
+  } else if (prefix != nullptr) {
+    k = at::cat({prefix->keys.index_select(0, prefix->rows), k}, 2);
+    v = at::cat({prefix->values.index_select(0, prefix->rows), v}, 2);
   }
   at::Tensor x = x_in + at::linear(Attend(q, k, v, mask), L.o_w, L.o_b);
   at::Tensor m = RmsNorm(x, L.post_norm);
   return x + at::linear(at::silu(at::linear(m, L.gate_w)) * at::linear(m, L.up_w), L.down_w);
 }
 
-at::Tensor Model::Forward(const at::Tensor& ids, const at::Tensor& positions,
-                          const at::Tensor& blocked, KvCache* cache,
-                          bool gradient_checkpointing) const {
-  TORCH_CHECK(!deferred_, "the model's weights are not read yet (Model::LoadDeferred)");
+std::pair<at::Tensor, at::Tensor> Model::RopeTables(const at::Tensor& positions) const {
   at::Tensor freqs = positions.to(inv_freq_.scalar_type()).unsqueeze(-1) * inv_freq_;  // [B,T,hd/2]
   at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(2);                           // [B,T,1,hd]
   at::Tensor cos = emb.cos().to(embed_.scalar_type());
@@ -639,27 +695,23 @@ at::Tensor Model::Forward(const at::Tensor& ids, const at::Tensor& positions,
   const at::Tensor plain_sin = emb.sin().to(embed_.scalar_type());
   const int64_t half = plain_sin.size(-1) / 2;
   at::Tensor sin = at::cat({-plain_sin.narrow(-1, 0, half), plain_sin.narrow(-1, half, half)}, -1);
-  const at::Tensor mask = AttentionMask(blocked);  // once for every layer
-  if (gate_ != nullptr) {
-    TORCH_CHECK(cache == nullptr, "a model behind a parameter gate runs no KV-cache forward");
-    return GatedForward(ids, cos, sin, mask, gradient_checkpointing);
-  }
+  return {cos, sin};
+}
 
-  at::Tensor x = at::embedding(embed_, ids);  // [B, T, D]
-  const bool checkpoint = gradient_checkpointing && cache == nullptr && at::GradMode::is_enabled();
+at::Tensor Model::Forward(const at::Tensor& ids, const at::Tensor& positions,
+                          const at::Tensor& blocked, KvCache* cache,
+                          bool gradient_checkpointing) const {
+  TORCH_CHECK(!deferred_, "the model's weights are not read yet (Model::LoadDeferred)");
+  const auto [cos, sin] = RopeTables(positions);
+  const at::Tensor mask = AttentionMask(blocked);  // once for every layer
+  TORCH_CHECK(gate_ == nullptr || cache == nullptr,
+              "a model behind a parameter gate runs no KV-cache forward");
+  at::Tensor x = Embed(ids);  // [B, T, D]
   for (size_t li = 0; li < layers_.size(); ++li) {
-    if (checkpoint) {
-      std::vector<at::Tensor> inputs = {x, cos, sin, mask};
-      for (auto field : LayerFields()) {
-        if ((layers_[li].*field).defined()) inputs.push_back(layers_[li].*field);
-      }
-      x = CheckpointedLayerFunction::apply(at::TensorList(inputs), reinterpret_cast<int64_t>(this),
-                                           static_cast<int64_t>(li))[0];
-    } else {
-      x = LayerForward(layers_[li], li, x, cos, sin, mask, cache);
-    }
+    x = cache != nullptr ? LayerForward(layers_[li], li, x, cos, sin, mask, cache)
+                         : LayerStep(li, {x, cos, sin, mask}, gradient_checkpointing)[0];
   }
-  return RmsNorm(x, final_norm_);
+  return NormStep({x, cos, sin, mask}, gradient_checkpointing);
 }
 
 at::Tensor Model::ForwardHidden(const at::Tensor& input_ids, const at::Tensor& attention_mask,

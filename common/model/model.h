@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/model/model_config.h"
@@ -127,6 +128,20 @@ class Model {
   // intermediates (attention scores [B, H, T, T], the MLP's [B, T, I], ...). Same gradients.
   at::Tensor ForwardHidden(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                            bool gradient_checkpointing = false) const;
+  // The learner's groups share their prompt: with `prefix_ids` [U, P] (LEFT-padded, each row's
+  // last column real; prefix_mask [U, P] 1 real, 0 pad), `suffix_ids` [B, C] (RIGHT-padded;
+  // suffix_mask [B, C]) and `row_prefix` [B] int64 (the prefix row i continues), returns the
+  // final-normed hidden states that predict each suffix token, [B, C, D]: column 0 the
+  // prefix's last position, column t the suffix's token t - 1. These are ForwardHidden's of the
+  // rows prefix ++ suffix at columns P - 1 .. P + C - 2, up to rounding, but each prefix runs
+  // through the layers once however many rows continue it (its keys and values joined to every
+  // row's; their gradients summed over the rows) and the suffix's last token not at all.
+  // Differentiable; `gradient_checkpointing` and a parameter gate as in ForwardHidden (a layer
+  // runs the prefix and its suffixes together: one recompute, one gather of its weights).
+  at::Tensor ForwardSharedPrefix(const at::Tensor& prefix_ids, const at::Tensor& prefix_mask,
+                                 const at::Tensor& row_prefix, const at::Tensor& suffix_ids,
+                                 const at::Tensor& suffix_mask,
+                                 bool gradient_checkpointing = false) const;
   // [V, D]; the embedding matrix when tied. With a parameter gate, acquires the lm_head's unit
   // and leaves it acquired: its user releases it (the gate's owner, after the backward).
   at::Tensor LmHeadWeight() const;
@@ -207,20 +222,42 @@ class Model {
   // q [B, H, T, hd]; k, v [B, KV, L, hd]; mask: AttentionMask's.
   at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& mask) const;
+  // A shared prefix's keys and values in one layer (RunLayer of kSharedInputs): the prefix's
+  // pass records them (post-RoPE); the suffixes' pass puts row i's prefix (rows[i]) before the
+  // row's own.
+  struct PrefixKv {
+    bool record = true;
+    at::Tensor keys, values;  // [U, KV, P, hd]
+    at::Tensor rows;          // [B] int64
+  };
+  // cos and sin [B, T, 1, hd] for positions [B, T] (sin signed: ApplyRope's).
+  std::pair<at::Tensor, at::Tensor> RopeTables(const at::Tensor& positions) const;
   // One step over new tokens; when `cache` is set, keys/values are written at columns
   // [cache->length, cache->length + T) and attention spans columns [0, length + T).
   at::Tensor Forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& blocked,
                      KvCache* cache, bool gradient_checkpointing = false) const;
   // Decoder layer `li` (weights `L`) on x [B, T, D]; cos/sin [B, T, 1, hd] (ApplyRope's); mask:
-  // AttentionMask's.
+  // AttentionMask's; at most one of `cache` and `prefix`.
   at::Tensor LayerForward(const Layer& L, size_t li, const at::Tensor& x, const at::Tensor& cos,
-                          const at::Tensor& sin, const at::Tensor& mask, KvCache* cache) const;
-  // Unit `unit` (a decoder layer or the final norm) on x [B, T, D].
-  at::Tensor UnitForward(int unit, const at::Tensor& x, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& mask) const;
-  // Forward's body with a parameter gate (whole sequences only).
-  at::Tensor GatedForward(const at::Tensor& ids, const at::Tensor& cos, const at::Tensor& sin,
-                          const at::Tensor& mask, bool gradient_checkpointing) const;
+                          const at::Tensor& sin, const at::Tensor& mask, KvCache* cache,
+                          PrefixKv* prefix = nullptr) const;
+  // A layer's inputs that are not its weights: kSingleInputs = {x, cos, sin, mask} (one
+  // stream of rows), kSharedInputs = {xp, xs, pcos, psin, pmask, scos, ssin, smask, rows} (a
+  // shared prefix and its suffixes: ForwardSharedPrefix). The first LayerStreams of them are
+  // the hidden states, differentiated; RunLayer returns one output per stream.
+  static constexpr size_t kSingleInputs = 4, kSharedInputs = 9;
+  static size_t LayerStreams(int64_t inputs) { return inputs == kSharedInputs ? 2 : 1; }
+  std::vector<at::Tensor> RunLayer(const Layer& L, size_t li, at::TensorList in) const;
+  // Unit `unit` (a decoder layer, or the final norm on in[0] of kSingleInputs) on its inputs.
+  std::vector<at::Tensor> RunUnit(int unit, at::TensorList in) const;
+  // The steps of a forward as the model runs them: behind its parameter gate (the unit acquired
+  // around it, or GatedUnitFunction under grad mode), checkpointed (CheckpointedLayerFunction
+  // under grad mode) or plain. Decoder layer `li` on RunLayer's inputs; the final norm on in[0]
+  // of kSingleInputs; the embedding of ids.
+  std::vector<at::Tensor> LayerStep(size_t li, const std::vector<at::Tensor>& in,
+                                    bool gradient_checkpointing) const;
+  at::Tensor NormStep(const std::vector<at::Tensor>& in, bool gradient_checkpointing) const;
+  at::Tensor Embed(const at::Tensor& ids) const;
   // Prefill/DecodeStep body: ids [B, T], mask [B, T] bool -> hidden [B, T, D].
   at::Tensor Extend(const at::Tensor& ids, const at::Tensor& mask, KvCache& cache) const;
 

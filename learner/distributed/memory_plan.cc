@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
+#include <numeric>
 #include <optional>
 #include <sstream>
 #include <string_view>
@@ -26,6 +27,14 @@ constexpr int64_t kCudaIpcBucketBytes = 256ll << 20;
 constexpr int64_t kGetWeightsChunkBytes = 4ll << 20;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The most distinct prompts a micro-batch of `rows` holds when a generation batch is whole groups
+// of `g` rows in a row (GrpoTrainer): one that starts `o` rows into a group spans
+// ceil((o + rows) / g) groups, o a multiple of gcd(rows, g) below g; at most `rows`.
+int64_t DistinctPrompts(int64_t rows, int64_t g) {
+  if (g < 2 || rows < 1) return std::max<int64_t>(rows, 0);
+  return std::min(rows, CeilDiv(rows + g - std::gcd(rows, g), g));
+}
 
 bool IsCuda(const std::string& device) { return device.rfind("cuda", 0) == 0; }
 
@@ -345,27 +354,54 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   p.sequence_tokens = cfg.max_prompt_length + cfg.max_completion_length;
   p.completion_tokens = cfg.per_device_train_batch_size * cfg.max_completion_length;
   p.chunk_tokens = std::min(cfg.logprob_chunk_tokens, p.completion_tokens);
+  p.distinct_prompts = DistinctPrompts(cfg.per_device_train_batch_size, cfg.num_generations);
   using Wide = __int128;
   const Wide b = p.micro_batch_rows, t = p.sequence_tokens;
-  const Wide tokens = b * t;
   const Wide d = m.hidden_size, v = m.vocab_size, l = m.num_hidden_layers;
   const Wide h = m.num_attention_heads, ws = s;
-  // Attention probabilities [B, H, T, T]: fp32 softmax output, plus its bf16 copy with bf16.
-  const Wide scores = b * h * t * t;
-  const Wide layer = tokens * LayerTokenBytes(m, s) + scores * (cfg.bf16 ? 6 : 4);
-  // Shared by every layer: the blocked-key mask [B, T, T] bool and the attention mask made of it
-  // in the compute dtype (Model::AttentionMask), cos and sin [B, T, 1, hd], the int64 ids, mask
-  // and labels. The final norm keeps the last hidden state and 8 bytes more.
-  const Wide shared = b * t * t * (1 + ws) + 2 * tokens * m.head_dim * ws + 3 * 8 * tokens;
-  const Wide final_norm = tokens * (ws * d + 8 * d);
-  // Backward of one layer: the gradients of the probabilities and scores (fp32) or of the MLP's
-  // [B, T, I] tensors, whichever is larger, the incoming and outgoing [B, T, D] gradients and a
+  // The rows' streams through the layers (Model::ForwardSharedPrefix): the distinct prompts
+  // once, then the completions but their last token after them, each query over its prompt's
+  // keys and its own; rows of their own prompts (G = 1) whole. `keys` per query.
+  struct Stream {
+    Wide rows, tokens, keys;
+  };
+  std::vector<Stream> streams = {{b, t, t}};
+  if (p.distinct_prompts < p.micro_batch_rows) {
+    const Wide u = p.distinct_prompts, pl = p.prompt_length, sl = p.completion_length - 1;
+    streams = {{u, pl, pl}};
+    if (sl > 0) streams.push_back({b, sl, pl + sl});
+  }
+  Wide tokens = 0, scores = 0, mask_cells = 0, widest = 0, joined_keys = 0;
+  for (const Stream& st : streams) {
+    tokens += st.rows * st.tokens;
+    // Attention probabilities [B, H, T, keys]: fp32 softmax output, plus its bf16 copy with bf16.
+    scores += st.rows * h * st.tokens * st.keys;
+    mask_cells += st.rows * st.tokens * st.keys;
+    // A layer's backward, one stream at a time: the gradients of the probabilities and scores
+    // (fp32) or of the MLP's [B, T, I] tensors, whichever is larger.
+    widest = std::max<Wide>({widest, 8 * st.rows * h * st.tokens * st.keys,
+                             3 * ws * st.rows * st.tokens * m.intermediate_size});
+    // A suffix's prompt keys and values joined to its own: each row's copy of them, which the
+    // score and value matmuls keep.
+    joined_keys += st.rows * (st.keys - st.tokens);
+  }
+  const Wide kv_width = static_cast<Wide>(m.num_key_value_heads) * m.head_dim;
+  const Wide layer = tokens * LayerTokenBytes(m, s) + scores * (cfg.bf16 ? 6 : 4) +
+                     2 * ws * joined_keys * kv_width;
+  // Shared by every layer: the blocked-key mask [B, T, keys] bool and the attention mask made of
+  // it in the compute dtype (Model::AttentionMask), cos and sin [B, T, 1, hd], the int64 ids,
+  // mask and labels of the padded rows. The final norm keeps the last hidden state and 8 bytes
+  // more: of every position, or with shared prompts of the positions that predict.
+  const Wide padded = b * t;
+  const Wide shared = mask_cells * (1 + ws) + 2 * tokens * m.head_dim * ws + 3 * 8 * padded;
+  const Wide normed = streams.size() > 1 ? b * p.completion_length : tokens;
+  const Wide final_norm = normed * (ws * d + 8 * d);
+  // Backward of one layer: `widest` above, the incoming and outgoing [B, T, D] gradients and a
   // weight's fresh gradient before it is added into .grad. A recomputed layer (checkpointing)
   // holds its activations again and returns all its weights' gradients at once. With tied
   // embeddings autograd holds the LM head's [V, D] gradient until the embedding's arrives (one
   // AccumulateGrad, two inputs): through every layer's backward.
   const Wide vd = v * d;
-  const Wide widest = std::max<Wide>(8 * scores, 3 * ws * tokens * m.intermediate_size);
   const Wide largest_layer_weight =
       std::max(m.intermediate_size, m.num_attention_heads * m.head_dim) * d;
   const Wide held = (m.tie_word_embeddings ? ws * vd : 0) + 2 * ws * tokens * d;
@@ -473,6 +509,7 @@ nlohmann::json MemoryPlan::ToJson() const {
   j["micro_batch_rows"] = micro_batch_rows;
   j["sequence_tokens"] = sequence_tokens;
   j["completion_tokens"] = completion_tokens;
+  j["distinct_prompts"] = distinct_prompts;
   j["chunk_tokens"] = chunk_tokens;
   j["num_parameters"] = params.total;
   nlohmann::json c;
@@ -738,8 +775,13 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
     << cdt << ", gradient_checkpointing " << (p.gradient_checkpointing ? "on" : "off")
     << (p.streams_weights ? ", weight_publish stream" : "") << "\n";
   o << "micro-batch: " << p.micro_batch_rows << " rows x " << p.sequence_tokens << " tokens ("
-    << p.prompt_length << " prompt + " << p.completion_length << " completion)\nthe LM head over "
-    << p.completion_tokens << " tokens in chunks of " << p.chunk_tokens << "\n\n";
+    << p.prompt_length << " prompt + " << p.completion_length << " completion)";
+  if (p.distinct_prompts < p.micro_batch_rows) {
+    o << "; at most " << p.distinct_prompts
+      << (p.distinct_prompts == 1 ? " prompt, run once for the rows" : " prompts, each run once");
+  }
+  o << "\nthe LM head over " << p.completion_tokens << " tokens in chunks of " << p.chunk_tokens
+    << "\n\n";
   auto row = [&o](const std::string& name, int64_t bytes, const std::string& mark = "") {
     char line[160];
     std::snprintf(line, sizeof(line), "  %-58s %10s%s%s\n", name.c_str(),

@@ -68,6 +68,9 @@ struct MemoryPlan {
   int64_t sequence_tokens = 0;      // max_prompt_length + max_completion_length (padded rows)
   int64_t completion_tokens = 0;    // rows x max_completion_length: the LM head's tokens
   int64_t chunk_tokens = 0;         // min(logprob_chunk_tokens, completion_tokens)
+  // The most distinct prompts among the rows (whole groups of num_generations in a row); fewer
+  // than the rows: each runs through the layers once (Model::ForwardSharedPrefix).
+  int64_t distinct_prompts = 0;
   ParameterCounts params;
 
   // Model state, resident all run.

@@ -416,6 +416,97 @@ TEST(ModelGradientCheckpointing, LlamaGradientsMatchPlainBackward) {
 }
 
 // ------------------------------------------------------------------------------------------
+// Shared prefixes (the learner's groups)
+
+// ForwardSharedPrefix against ForwardHidden of the whole rows (prefix ++ suffix, the reference
+// checked against transformers above): the states that predict each real suffix token, and the
+// gradients of a loss over them. Prefixes of three lengths (left-padded), suffixes of several
+// lengths (right-padded, one of a single token), rows continuing the prefixes in any order.
+void ExpectSharedPrefixMatchesWholeRows(const std::string& model_type, bool checkpoint) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig(model_type), 23);
+  model->SetRequiresGrad(true);
+  const int64_t v = model->config().vocab_size;
+  const int64_t u = 3, p = 5, b = 6, c = 4;
+  at::Tensor prefix = at::randint(1, v, {u, p}, at::kLong);
+  at::Tensor prefix_mask = at::ones({u, p}, at::kLong);
+  prefix_mask[1].narrow(0, 0, 3).zero_();  // 2 real tokens
+  prefix_mask[2].narrow(0, 0, 1).zero_();  // 4
+  prefix = prefix * prefix_mask;
+  const at::Tensor rows = at::tensor(std::vector<int64_t>{0, 0, 2, 1, 0, 2}, at::kLong);
+  at::Tensor suffix = at::randint(1, v, {b, c}, at::kLong);
+  at::Tensor suffix_mask = at::ones({b, c}, at::kLong);
+  const std::vector<int64_t> lengths = {4, 3, 4, 1, 2, 4};
+  for (int64_t r = 0; r < b; ++r) suffix_mask[r].narrow(0, lengths[r], c - lengths[r]).zero_();
+  suffix = suffix * suffix_mask;
+  const at::Tensor whole = at::cat({prefix.index_select(0, rows), suffix}, 1);
+  const at::Tensor whole_mask = at::cat({prefix_mask.index_select(0, rows), suffix_mask}, 1);
+  // A loss that reaches every real prediction's logits differently.
+  const at::Tensor weights = at::randn({b, c, v}) * suffix_mask.unsqueeze(-1);
+
+  auto run = [&](bool shared, at::Tensor* hidden) {
+    for (auto& param : model->Parameters()) param.mutable_grad() = at::Tensor();
+    at::Tensor h = shared ? model->ForwardSharedPrefix(prefix, prefix_mask, rows, suffix,
+                                                       suffix_mask, checkpoint)
+                          : model->ForwardHidden(whole, whole_mask).narrow(1, p - 1, c);
+    *hidden = h.detach();
+    (at::log_softmax(model->Logits(h), -1) * weights).sum().backward();
+    std::vector<at::Tensor> grads;
+    for (const auto& [name, param] : model->NamedParameters())
+      grads.push_back(param.grad().clone());
+    return grads;
+  };
+  at::Tensor want_hidden, got_hidden;
+  const std::vector<at::Tensor> want = run(false, &want_hidden);
+  const std::vector<at::Tensor> got = run(true, &got_hidden);
+  ASSERT_EQ(got_hidden.sizes(), want_hidden.sizes());
+  const at::Tensor real = suffix_mask.to(at::kBool).unsqueeze(-1).expand_as(want_hidden);
+  const double hidden_diff =
+      (got_hidden - want_hidden).masked_select(real).abs().max().item<double>();
+  EXPECT_LE(hidden_diff, 1e-5 * want_hidden.abs().max().item<double>()) << model_type;
+  const auto named = model->NamedParameters();
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_TRUE(got[i].defined()) << named[i].first;
+    const double scale = want[i].abs().max().item<double>();
+    EXPECT_GT(scale, 0.0) << named[i].first;
+    EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 1e-5 * scale + 1e-7)
+        << model_type << (checkpoint ? " checkpointed " : " ") << named[i].first;
+  }
+
+  // Suffixes of one token: only the prefixes' last states, one per row.
+  at::NoGradGuard no_grad;
+  const at::Tensor first = model->ForwardSharedPrefix(
+      prefix, prefix_mask, rows, suffix.narrow(1, 0, 1), suffix_mask.narrow(1, 0, 1), checkpoint);
+  ASSERT_EQ(first.sizes(), (std::vector<int64_t>{b, 1, model->config().hidden_size}));
+  EXPECT_LE((first.select(1, 0) - want_hidden.select(1, 0)).abs().max().item<double>(),
+            1e-5 * want_hidden.abs().max().item<double>());
+}
+
+TEST(ModelSharedPrefix, Qwen2MatchesWholeRowsAndTheirGradients) {
+  ExpectSharedPrefixMatchesWholeRows("qwen2", false);
+}
+TEST(ModelSharedPrefix, Qwen3MatchesWholeRowsAndTheirGradients) {
+  ExpectSharedPrefixMatchesWholeRows("qwen3", false);
+}
+TEST(ModelSharedPrefix, LlamaMatchesWholeRowsAndTheirGradients) {
+  ExpectSharedPrefixMatchesWholeRows("llama", false);
+}
+TEST(ModelSharedPrefix, CheckpointedLayersMatchWholeRowsAndTheirGradients) {
+  ExpectSharedPrefixMatchesWholeRows("qwen3", true);
+}
+
+TEST(ModelSharedPrefix, RefusesMismatchedShapes) {
+  std::unique_ptr<Model> model = RandomModel(SmallConfig("qwen2"), 3);
+  const at::Tensor prefix = at::ones({2, 3}, at::kLong);
+  const at::Tensor suffix = at::ones({4, 2}, at::kLong);
+  EXPECT_THROW(
+      model->ForwardSharedPrefix(prefix, prefix, at::zeros({3}, at::kLong), suffix, suffix),
+      c10::Error);  // a row without its prefix
+  EXPECT_THROW(model->ForwardSharedPrefix(prefix, at::ones({2, 2}, at::kLong),
+                                          at::zeros({4}, at::kLong), suffix, suffix),
+               c10::Error);  // a mask of another shape
+}
+
+// ------------------------------------------------------------------------------------------
 // KV cache
 
 void ExpectCacheMatchesFullForward(const std::string& model_type) {

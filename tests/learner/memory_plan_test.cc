@@ -15,6 +15,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -316,6 +317,7 @@ TEST(MemoryPlanSmall, ShardGradOpLoadsTheMasterWholeInMemoryAndAChunkARankFromFi
 
 TEST(MemoryPlanSmall, ActivationsFromTheForwardsSavedTensorsFp32) {
   // B = 2 rows of T = 6 + 10 = 16 tokens (32 tokens), N = 20 completion tokens, chunk 8; s = 4.
+  // G = 3: a micro-batch may straddle two groups, so no prompt is shared and each row runs whole.
   // Per token of a layer: input 4D + input norm 8D = 768; q, rotate(q), scaled q 3 x 4Q = 768;
   // k, rotate(k), roped k, v 4 x 4K = 512; attention output 4Q = 256; residual 4D + post norm
   // 8D = 768; MLP 4 x 4I = 2,048: 5,120 bytes. Probabilities B x H x T x T = 2,048 x 4 = 8,192.
@@ -323,7 +325,9 @@ TEST(MemoryPlanSmall, ActivationsFromTheForwardsSavedTensorsFp32) {
   // Shared: mask B x T x T = 512 + the attention mask made of it 512 x 4 = 2,048 + cos, sin
   // 2 x 32 x 16 x 4 = 4,096 + int64 inputs 24 x 32 = 768; final norm 32 x (4D + 8D) = 24,576;
   // together 32,000.
-  auto plan = PlanMemory(Small(), SmallRun(), 1, "cpu");
+  common::GrpoConfig cfg = SmallRun();
+  cfg.num_generations = 3;
+  auto plan = PlanMemory(Small(), cfg, 1, "cpu");
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->activations_no_checkpointing, 2 * 172'032 + 32'000);  // 376,064
   // Checkpointing keeps each layer's input only: 2 x 32 x 4D = 16,384.
@@ -354,8 +358,9 @@ TEST(MemoryPlanSmall, ActivationsBf16KeepFp32CopiesOfNormsAndSoftmax) {
   // 4 x 2I = 1,024: 3,072. Probabilities fp32 + bf16 copy: 2,048 x 6 = 12,288. A layer:
   // 32 x 3,072 + 12,288 = 110,592. Shared: 512 + the attention mask 512 x 2 + cos, sin
   // 2 x 32 x 16 x 2 + 768 = 4,352; final norm
-  // 32 x (2D + 8D) = 20,480.
+  // 32 x (2D + 8D) = 20,480. G = 3: no prompt shared, as above.
   common::GrpoConfig cfg = SmallRun();
+  cfg.num_generations = 3;
   cfg.bf16 = true;
   auto plan = PlanMemory(Small(), cfg, 1, "cpu");
   ASSERT_TRUE(plan.ok());
@@ -363,6 +368,49 @@ TEST(MemoryPlanSmall, ActivationsBf16KeepFp32CopiesOfNormsAndSoftmax) {
   EXPECT_EQ(plan->activations_checkpointing, 2 * 32 * 2 * 64 + 4'352 + 20'480);
   // Chunk: max(6 x 8 x 1000, 4 x 8 x 1000 + 4 x 8 x 1000) = 64,000.
   EXPECT_EQ(plan->logits_chunk, 64'000);
+}
+
+// The rows of one group (G = 2, B = 2) share their prompt: it runs through the layers once
+// (U = 1 row of P = 6 tokens, 6 keys per query), then both completions but their last token
+// (2 rows of S = 9 tokens, each query over the prompt's 6 keys and its own 9).
+TEST(MemoryPlanSmall, ActivationsOfAPromptSharedByItsGroup) {
+  auto plan = PlanMemory(Small(), SmallRun(), 1, "cpu");
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->distinct_prompts, 1);
+  // Tokens 6 + 18 = 24 at 5,120 bytes (above); probabilities 1 x 4 x 6 x 6 + 2 x 4 x 9 x 15 =
+  // 144 + 1,080 = 1,224 at 4 bytes; each completion row's copy of the prompt's keys and values,
+  // 2 rows x 6 columns x 2 x 4K = 3,072. A layer: 122,880 + 4,896 + 3,072 = 130,848.
+  // Shared: the masks' 36 + 270 = 306 cells x (1 + 4) = 1,530; cos, sin 2 x 24 x 16 x 4 = 3,072;
+  // the padded rows' int64 inputs 24 x 32 = 768. The final norm over the 2 x 10 positions that
+  // predict: 20 x 12D = 15,360. Together 20,730.
+  EXPECT_EQ(plan->activations_no_checkpointing, 2 * 130'848 + 20'730);  // 282,426
+  EXPECT_EQ(plan->activations_checkpointing, 2 * 24 * 4 * 64 + 20'730);
+  // Backward of a layer, a stream at a time: max(8 x 144, 3 x 4 x 6 x 128, 8 x 1,080,
+  // 3 x 4 x 18 x 128) = 27,648; the tied head's gradient 256,000 and two gradients of the 24
+  // tokens 12,288; the largest weight's 32,768.
+  EXPECT_EQ(plan->layer_backward_no_checkpointing, 27'648 + 268'288 + 32'768);
+  EXPECT_EQ(plan->layer_backward_checkpointing, 130'848 + 27'648 + 268'288 + 4 * 37'120);
+}
+
+// The most distinct prompts in a micro-batch of B rows cut from whole groups of G rows: counted
+// here by walking every micro-batch of a long batch.
+TEST(MemoryPlanSmall, DistinctPromptsAreTheMostAMicroBatchSpans) {
+  for (int64_t b : {1, 2, 3, 4, 5, 6, 8, 16}) {
+    for (int64_t g : {1, 2, 3, 4, 8}) {
+      int64_t most = 0;
+      for (int64_t m = 0; m < 64; ++m) {
+        std::set<int64_t> groups;
+        for (int64_t row = m * b; row < (m + 1) * b; ++row) groups.insert(row / g);
+        most = std::max<int64_t>(most, static_cast<int64_t>(groups.size()));
+      }
+      common::GrpoConfig cfg = SmallRun();
+      cfg.per_device_train_batch_size = b;
+      cfg.num_generations = g;
+      auto plan = PlanMemory(Small(), cfg, 1, "cpu");
+      ASSERT_TRUE(plan.ok());
+      EXPECT_EQ(plan->distinct_prompts, most) << "B " << b << " G " << g;
+    }
+  }
 }
 
 TEST(MemoryPlanSmall, ReferenceModelWhenBetaIsNotZero) {
@@ -800,7 +848,7 @@ TEST(SuggestFix, OffloadOnlyWhereTheHostHoldsIt) {
   auto roomy = SuggestFix(Qwen25_7B(), cfg, 1, "cuda", k80GiB, SuggestOptions{1ll << 40});
   auto tight = SuggestFix(Qwen25_7B(), cfg, 1, "cuda", k80GiB, SuggestOptions{64ll << 30});
   ASSERT_TRUE(roomy.ok() && tight.ok());
-  EXPECT_EQ(roomy->Text(), "set gradient_checkpointing: true and fsdp: no_shard offload");
+  EXPECT_EQ(roomy->Text(), "set fsdp: no_shard offload");
   EXPECT_LE(roomy->plan.HostTotal(), 1ll << 40);
   // full_shard at 2 ranks would fit the host but not the GPU (its load phase, above):
   // offloaded, over 2 ranks the host holds 16n/2 = 56.7 GiB and the rest, 61.2 GiB.
@@ -815,12 +863,14 @@ TEST(SuggestFix, NotFoundWhenNothingFits) {
 }
 
 // The 7B in bf16 (n = 7,615,616,512, V x D = 152,064 x 3,584) on one 80 GiB GPU, a model built
-// in memory. The first change that fits is checkpointing with no_shard offload (two knobs,
-// checkpointing first): on the GPU the bf16 compute copy and its gradient (4n = 28.37 GiB), the
-// checkpointed micro-batch (as planned without offload, the same forward: the kept layer inputs
-// 1.4 GiB and one recomputed layer's backward 3.7) and CUDA's 1 GiB: 34.44 GiB. The GPU step (a
-// [V, D] tensor cast to fp32 as it crosses, 4VD = 2.03 GiB) is smaller than the micro-batch.
-// The host: the fp32 master, its gradient and AdamW (16n) and the step (8VD).
+// in memory. The first change that fits is no_shard offload: on the GPU the bf16 compute copy
+// and its gradient (4n = 28.37 GiB), the micro-batch (as planned without offload, the same
+// forward: the 8 rows are one group, their prompt runs once, so the activations of the 28 layers
+// are 28 x (2,552 tokens x 256,000 bytes + 51.15 M probabilities x 6 + 8.4 MB of the rows'
+// copies of the prompt's keys and values) = 25.3 GiB, 28.4 with the LM head's pass; 61.7 GiB
+// when each row ran its prompt) and CUDA's 1 GiB: 57.78 GiB. The GPU step (a [V, D] tensor cast
+// to fp32 as it crosses, 4VD = 2.03 GiB) is smaller than the micro-batch. The host: the fp32
+// master, its gradient and AdamW (16n) and the step (8VD).
 TEST(SuggestFix, SevenBInBf16OnOne80GiBGpuOffloadsTheMaster) {
   const int64_t n = 7'615'616'512, vd = 152064ll * 3584;
   common::GrpoConfig big;
@@ -828,16 +878,19 @@ TEST(SuggestFix, SevenBInBf16OnOne80GiBGpuOffloadsTheMaster) {
   common::GrpoConfig checkpointed = big;
   checkpointed.gradient_checkpointing = true;
   auto plain = PlanMemory(Qwen25_7B(), checkpointed, 1, "cuda");
-  ASSERT_TRUE(plain.ok());
+  auto unchecked = PlanMemory(Qwen25_7B(), big, 1, "cuda");
+  ASSERT_TRUE(plain.ok() && unchecked.ok());
+  EXPECT_EQ(unchecked->distinct_prompts, 1);
+  EXPECT_NEAR(unchecked->activations_no_checkpointing / double(1ll << 30), 25.3, 0.05);
   auto offload = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB);
   ASSERT_TRUE(offload.ok()) << offload.status().ToString();
-  EXPECT_EQ(offload->Text(), "set gradient_checkpointing: true and fsdp: no_shard offload");
+  EXPECT_EQ(offload->Text(), "set fsdp: no_shard offload");
   const MemoryPlan& p = offload->plan;
   EXPECT_EQ(p.ModelState(), 4 * n);
   EXPECT_EQ(p.optimizer_step, 4 * vd);
-  EXPECT_EQ(p.MicroBatchPeak(), plain->MicroBatchPeak());
-  EXPECT_EQ(p.Total(), 4 * n + plain->MicroBatchPeak() + kCudaRuntimeBytes);
-  EXPECT_NEAR(p.Total() / double(1ll << 30), 34.44, 0.01);
+  EXPECT_EQ(p.MicroBatchPeak(), unchecked->MicroBatchPeak());
+  EXPECT_EQ(p.Total(), 4 * n + unchecked->MicroBatchPeak() + kCudaRuntimeBytes);
+  EXPECT_NEAR(p.Total() / double(1ll << 30), 57.78, 0.01);
   EXPECT_EQ(p.host_offloaded, 16 * n + 8 * vd);
   // With 128 GiB of host beside the GPU the offloaded state (16n = 113.5 GiB) and the two
   // published snapshots (2 x 4n = 56.7 GiB) do not fit it; streamed, the host holds the state,
@@ -847,30 +900,29 @@ TEST(SuggestFix, SevenBInBf16OnOne80GiBGpuOffloadsTheMaster) {
   host128.host_bytes = 128ll << 30;
   auto streamed = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, host128);
   ASSERT_TRUE(streamed.ok()) << streamed.status().ToString();
-  EXPECT_EQ(streamed->Text(),
-            "set gradient_checkpointing: true, weight_publish: stream and fsdp: no_shard offload");
+  EXPECT_EQ(streamed->Text(), "set weight_publish: stream and fsdp: no_shard offload");
   EXPECT_EQ(streamed->plan.Total(), p.Total());
   EXPECT_EQ(streamed->plan.HostTotal(), 16 * n + 8 * vd + 4 * vd + (384ll << 20) + (16ll << 20));
   // With 112 GiB the offloaded state alone (16n) does not fit the host. shard_grad_op offload
   // partitions it (16n / N), but loads the whole fp32 model there first (4n): at 2 ranks 8n =
-  // 56.7 GiB beside 4n = 28.4 GiB loading, or beside the two snapshots (8n): it fits only
-  // streamed, and the GPU (the bf16 copy 2n beside the activations) only with checkpointing
-  // (five knobs); full_shard offload over 2 ranks (16n / 2 =
-  // 56.7 GiB, with one unit's step temporaries 2.03, a streamed tensor 2.03, the process and a
-  // bucket: 61.2) fits with four, and the GPU holds 68.30 GiB without checkpointing: offloaded
-  // no model state, beside a layer's backward (1.19 GiB) the head's bf16 weights and .grad
-  // 4VD = 2.03 GiB and the layer's 10L = 2.17 GiB, with the activations 61.91, and CUDA 1.0.
-  // full_shard at 2 ranks without offload does not fit: its state 56.7 GiB beside the load
-  // phase of a model built in memory (`big` names no model_name_or_path: every rank holds the
-  // whole fp32 model and its bf16 copy, 42.6 GiB, and packs the [V, D] unit in fp32: 44.6) is
-  // 101.3 GiB.
+  // 56.7 GiB beside 4n = 28.4 GiB loading, or beside the two snapshots (8n): it fits streamed,
+  // and the GPU holds the bf16 copy 2n = 14.19 GiB beside the micro-batch (28.41, above) and
+  // CUDA's 1.0: 43.59 GiB, four knobs, and shard_grad_op is tried before full_shard. (When each
+  // row ran its prompt, the GPU needed checkpointing too, five knobs, and full_shard offload
+  // came first with four.) full_shard at 2 ranks without offload does not fit: its state
+  // 56.7 GiB beside the load phase of a model built in memory (`big` names no
+  // model_name_or_path: every rank holds the whole fp32 model and its bf16 copy, 42.6 GiB, and
+  // packs the [V, D] unit in fp32: 44.6) is 101.3 GiB.
   SuggestOptions host112;
   host112.host_bytes = 112ll << 30;
   auto zero3 = SuggestFix(Qwen25_7B(), big, 1, "cuda", k80GiB, host112);
   ASSERT_TRUE(zero3.ok()) << zero3.status().ToString();
   EXPECT_EQ(zero3->Text(),
-            "set weight_publish: stream, fsdp: full_shard offload and run 2 ranks (world_size 2)");
-  EXPECT_NEAR(zero3->plan.Total() / double(1ll << 30), 68.30, 0.01);
+            "set weight_publish: stream, fsdp: shard_grad_op offload and run 2 ranks (world_size "
+            "2)");
+  EXPECT_EQ(zero3->plan.ModelState(), 2 * n);
+  EXPECT_EQ(zero3->plan.MicroBatchPeak(), unchecked->MicroBatchPeak());
+  EXPECT_NEAR(zero3->plan.Total() / double(1ll << 30), 43.59, 0.01);
   EXPECT_LE(zero3->plan.HostTotal(), 112ll << 30);
   // On 40 GiB the same no_shard offload fits a model built in memory: the master is made on
   // the host and only its bf16 copy reaches the GPU (no loading phase there).
@@ -881,9 +933,11 @@ TEST(SuggestFix, SevenBInBf16OnOne80GiBGpuOffloadsTheMaster) {
   // Read from its files (model_name_or_path) with 112 GiB of host, two ZeRO-2 ranks fit without
   // offload: each holds the bf16 copy 2n and half of the fp32 gradient, master and moments
   // (16n / 2), 10n = 70.9 GiB, reads its chunks of the master from the files (no load phase),
-  // and holds the checkpointed micro-batch (as planned without sharding, plus at most one
-  // 25 MiB gradient bucket in flight) and CUDA's 1 GiB: 77.0 GiB. shard_grad_op is tried before
-  // full_shard. With the master whole on every rank (before 2026-12-06) it was 91.2 GiB.
+  // and holds the checkpointed micro-batch (as planned without sharding, 3.6 GiB, plus at most
+  // one 25 MiB gradient bucket in flight) and CUDA's 1 GiB: 75.55 GiB (77.0 when each row ran
+  // its prompt). Without checkpointing the micro-batch (28.4) does not fit beside the state.
+  // shard_grad_op is tried before full_shard. With the master whole on every rank (before
+  // 2026-12-06) it was 91.2 GiB.
   common::GrpoConfig from_files = big;
   from_files.model_name_or_path = "/models/Qwen2.5-7B";
   auto zero2 = SuggestFix(Qwen25_7B(), from_files, 1, "cuda", k80GiB, host112);
@@ -896,7 +950,7 @@ TEST(SuggestFix, SevenBInBf16OnOne80GiBGpuOffloadsTheMaster) {
   EXPECT_EQ(z.load, 0);
   EXPECT_GE(z.Total(), 10 * n + plain->MicroBatchPeak() + kCudaRuntimeBytes);
   EXPECT_LE(z.Total(), 10 * n + plain->MicroBatchPeak() + kCudaRuntimeBytes + (25ll << 20));
-  EXPECT_NEAR(z.Total() / double(1ll << 30), 77.02, 0.01);
+  EXPECT_NEAR(z.Total() / double(1ll << 30), 75.55, 0.01);
   EXPECT_LE(z.HostTotal(), 112ll << 30);
 }
 
@@ -904,9 +958,10 @@ TEST(SuggestFix, SevenBInBf16OnOne80GiBGpuOffloadsTheMaster) {
 // with full_shard offload and checkpointing. Offloaded, the GPU holds no model state; loading
 // holds one unit's bf16 buffer (the [V, D] embedding, 2VD = 1.02 GiB), less than the
 // micro-batch's peak with its gathered units; with CUDA's 1 GiB and no weight-sync bucket on the
-// GPU the rank needs 10.3 GiB. A model built in memory needs 44.6 GiB so (every rank holds it
-// whole in fp32 and its bf16 copy while it is cut into shards: 6n = 42.6 GiB, the [V, D] unit's
-// bf16 buffer 1.0, CUDA 1.0).
+// GPU the rank needs 7.45 GiB (10.3 before the micro-batch's 8 rows, one group, ran their prompt
+// once: 512 + 8 x 255 tokens through the layers instead of 8 x 768). A model built in memory
+// needs 44.6 GiB so (every rank holds it whole in fp32 and its bf16 copy while it is cut into
+// shards: 6n = 42.6 GiB, the [V, D] unit's bf16 buffer 1.0, CUDA 1.0).
 TEST(MemoryPlan7B, ShardedLoadingFitsFullShardOffloadOnOne40GiBGpu) {
   common::GrpoConfig cfg;
   cfg.bf16 = true;
@@ -923,7 +978,7 @@ TEST(MemoryPlan7B, ShardedLoadingFitsFullShardOffloadOnOne40GiBGpu) {
   EXPECT_EQ(p.Total(), p.runtime + p.weight_sync_bucket + p.weight_snapshot +
                            std::max({p.MicroBatchPeak(), p.optimizer_step, p.weight_snapshot,
                                      p.publish_unit}));
-  EXPECT_NEAR(p.Total() / double(1ll << 30), 10.3, 0.05);
+  EXPECT_NEAR(p.Total() / double(1ll << 30), 7.45, 0.05);
   cfg.model_name_or_path.clear();
   auto in_memory = PlanMemory(Qwen25_7B(), cfg, 1, "cuda");
   ASSERT_TRUE(in_memory.ok());
@@ -938,9 +993,9 @@ TEST(CheckFitsDevice, RefusesNamingTheKnob) {
   // The refusal names the change SuggestFix finds (its figure derived by hand above).
   auto fix = SuggestFix(Qwen25_7B(), cfg, 1, "cuda", k80GiB);
   ASSERT_TRUE(fix.ok());
-  EXPECT_NE(s.message().find(": set gradient_checkpointing: true and fsdp: no_shard offload (" +
-                             FormatBytes(fix->plan.Total()) + ")"),
-            std::string::npos)
+  EXPECT_NE(
+      s.message().find(": set fsdp: no_shard offload (" + FormatBytes(fix->plan.Total()) + ")"),
+      std::string::npos)
       << s.message();
   // On 6 GiB nothing fits: offloaded, the units gathered beside a layer's backward (4.20 GiB)
   // and CUDA (1.0) leave too little for a micro-batch of one row. It says so, at the knobs'
