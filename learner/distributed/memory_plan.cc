@@ -776,9 +776,9 @@ std::string FormatPlan(const MemoryPlan& p, int64_t device_bytes) {
     << (p.streams_weights ? ", weight_publish stream" : "") << "\n";
   o << "micro-batch: " << p.micro_batch_rows << " rows x " << p.sequence_tokens << " tokens ("
     << p.prompt_length << " prompt + " << p.completion_length << " completion)";
-  if (p.distinct_prompts < p.micro_batch_rows) {
-    o << "; at most " << p.distinct_prompts
-      << (p.distinct_prompts == 1 ? " prompt, run once for the rows" : " prompts, each run once");
+  if (p.distinct_prompts < p.micro_batch_rows) {  // each runs through the layers once
+    o << ", at most " << p.distinct_prompts << " distinct prompt"
+      << (p.distinct_prompts == 1 ? "" : "s");
   }
   o << "\nthe LM head over " << p.completion_tokens << " tokens in chunks of " << p.chunk_tokens
     << "\n\n";

@@ -867,7 +867,7 @@ TEST(SuggestFix, NotFoundWhenNothingFits) {
 // and its gradient (4n = 28.37 GiB), the micro-batch (as planned without offload, the same
 // forward: the 8 rows are one group, their prompt runs once, so the activations of the 28 layers
 // are 28 x (2,552 tokens x 256,000 bytes + 51.15 M probabilities x 6 + 8.4 MB of the rows'
-// copies of the prompt's keys and values) = 25.3 GiB, 28.4 with the LM head's pass; 61.7 GiB
+// copies of the prompt's keys and values) = 25.3 GiB, 28.4 with the LM head's pass; 61.9 GiB
 // when each row ran its prompt) and CUDA's 1 GiB: 57.78 GiB. The GPU step (a [V, D] tensor cast
 // to fp32 as it crosses, 4VD = 2.03 GiB) is smaller than the micro-batch. The host: the fp32
 // master, its gradient and AdamW (16n) and the step (8VD).
