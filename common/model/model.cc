@@ -630,16 +630,15 @@ std::vector<at::Tensor> Model::LayerStep(size_t li, const std::vector<at::Tensor
   return RunLayer(layers_[li], li, in);
 }
 
-at::Tensor Model::NormStep(const std::vector<at::Tensor>& in, bool gradient_checkpointing) const {
-  if (gate_ == nullptr) return RmsNorm(in[0], final_norm_);
+at::Tensor Model::NormStep(const at::Tensor& x, bool gradient_checkpointing) const {
+  if (gate_ == nullptr) return RmsNorm(x, final_norm_);
   const int u = NormUnit();
   if (at::GradMode::is_enabled()) {
-    return GatedUnitFunction::apply(at::TensorList(in), reinterpret_cast<int64_t>(this),
-                                    static_cast<int64_t>(u), !gradient_checkpointing,
-                                    static_cast<int64_t>(in.size()))[0];
+    return GatedUnitFunction::apply(at::TensorList({x}), reinterpret_cast<int64_t>(this),
+                                    static_cast<int64_t>(u), !gradient_checkpointing, 1)[0];
   }
   gate_->Acquire(u);
-  at::Tensor out = RunUnit(u, in)[0];
+  at::Tensor out = RunUnit(u, {x})[0];
   gate_->Release(u);
   return out;
 }
@@ -711,7 +710,7 @@ at::Tensor Model::Forward(const at::Tensor& ids, const at::Tensor& positions,
     x = cache != nullptr ? LayerForward(layers_[li], li, x, cos, sin, mask, cache)
                          : LayerStep(li, {x, cos, sin, mask}, gradient_checkpointing)[0];
   }
-  return NormStep({x, cos, sin, mask}, gradient_checkpointing);
+  return NormStep(x, gradient_checkpointing);
 }
 
 at::Tensor Model::ForwardHidden(const at::Tensor& input_ids, const at::Tensor& attention_mask,
@@ -723,12 +722,17 @@ at::Tensor Model::ForwardHidden(const at::Tensor& input_ids, const at::Tensor& a
               input_ids.device(), " but the model is on ", device());
   TORCH_CHECK(attention_mask.sizes() == input_ids.sizes(), "ForwardHidden: attention_mask ",
               attention_mask.sizes(), " does not match input_ids ", input_ids.sizes());
-  const int64_t t = input_ids.size(1);
-  at::Tensor mask = attention_mask.to(input_ids.device(), at::kLong);
+  const auto [positions, blocked] =
+      RowPositionsAndBlocked(attention_mask.to(input_ids.device(), at::kLong));
+  return Forward(input_ids, positions, blocked, nullptr, gradient_checkpointing);
+}
+
+std::pair<at::Tensor, at::Tensor> Model::RowPositionsAndBlocked(const at::Tensor& mask) {
+  const int64_t t = mask.size(1);
   at::Tensor positions = (mask.cumsum(1) - 1).clamp_min(0);                       // [B, T]
   at::Tensor causal = at::ones({t, t}, mask.options().dtype(at::kBool)).triu(1);  // [T, T]
   at::Tensor blocked = causal.unsqueeze(0) | (mask == 0).unsqueeze(1);            // [B, T, T]
-  return Forward(input_ids, positions, blocked, nullptr, gradient_checkpointing);
+  return {positions, blocked};
 }
 
 at::Tensor Model::LmHeadWeight() const {

@@ -230,6 +230,9 @@ class Model {
     at::Tensor keys, values;  // [U, KV, P, hd]
     at::Tensor rows;          // [B] int64
   };
+  // Whole rows' RoPE positions (cumsum(mask) - 1, [B, T] int64) and blocked keys (a later
+  // column, or padding: [B, T, T] bool) for mask [B, T] int64 (1 real, 0 pad).
+  static std::pair<at::Tensor, at::Tensor> RowPositionsAndBlocked(const at::Tensor& mask);
   // cos and sin [B, T, 1, hd] for positions [B, T] (sin signed: ApplyRope's).
   std::pair<at::Tensor, at::Tensor> RopeTables(const at::Tensor& positions) const;
   // One step over new tokens; when `cache` is set, keys/values are written at columns
@@ -248,15 +251,15 @@ class Model {
   static constexpr size_t kSingleInputs = 4, kSharedInputs = 9;
   static size_t LayerStreams(int64_t inputs) { return inputs == kSharedInputs ? 2 : 1; }
   std::vector<at::Tensor> RunLayer(const Layer& L, size_t li, at::TensorList in) const;
-  // Unit `unit` (a decoder layer, or the final norm on in[0] of kSingleInputs) on its inputs.
+  // Unit `unit` on its inputs: a decoder layer on RunLayer's, the final norm on {x}.
   std::vector<at::Tensor> RunUnit(int unit, at::TensorList in) const;
   // The steps of a forward as the model runs them: behind its parameter gate (the unit acquired
   // around it, or GatedUnitFunction under grad mode), checkpointed (CheckpointedLayerFunction
-  // under grad mode) or plain. Decoder layer `li` on RunLayer's inputs; the final norm on in[0]
-  // of kSingleInputs; the embedding of ids.
+  // under grad mode) or plain. Decoder layer `li` on RunLayer's inputs; the final norm on x;
+  // the embedding of ids.
   std::vector<at::Tensor> LayerStep(size_t li, const std::vector<at::Tensor>& in,
                                     bool gradient_checkpointing) const;
-  at::Tensor NormStep(const std::vector<at::Tensor>& in, bool gradient_checkpointing) const;
+  at::Tensor NormStep(const at::Tensor& x, bool gradient_checkpointing) const;
   at::Tensor Embed(const at::Tensor& ids) const;
   // Prefill/DecodeStep body: ids [B, T], mask [B, T] bool -> hidden [B, T, D].
   at::Tensor Extend(const at::Tensor& ids, const at::Tensor& mask, KvCache& cache) const;

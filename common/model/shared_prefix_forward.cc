@@ -28,26 +28,23 @@ at::Tensor Model::ForwardSharedPrefix(const at::Tensor& prefix_ids, const at::Te
   const int64_t p = prefix_ids.size(1), c = suffix_ids.size(1);
   const at::Tensor rows = row_prefix.to(device());
   const at::Tensor pmask = prefix_mask.to(device(), at::kLong);
-  const auto bool_opts = pmask.options().dtype(at::kBool);
-  const at::Tensor ppos = (pmask.cumsum(1) - 1).clamp_min(0);            // [U, P]
-  const at::Tensor pcausal = at::ones({p, p}, bool_opts).triu(1);        // [P, P]
-  const at::Tensor ppad = pmask == 0;                                    // [U, P]
-  const at::Tensor pblocked = pcausal.unsqueeze(0) | ppad.unsqueeze(1);  // [U, P, P]
-  if (c == 1) {  // only the prefixes' last positions: ForwardHidden's run of them
-    return Forward(prefix_ids, ppos, pblocked, nullptr, gradient_checkpointing)
+  if (c == 1) {  // only the prefixes' last positions
+    return ForwardHidden(prefix_ids, pmask, gradient_checkpointing)
         .select(1, p - 1)
         .index_select(0, rows)
         .unsqueeze(1);
   }
+  const auto [ppos, pblocked] = RowPositionsAndBlocked(pmask);  // [U, P], [U, P, P]
+  const at::Tensor ppad = pmask == 0;                           // [U, P]
   // The suffixes but their last token (it predicts nothing), after their rows' prefixes:
   // position = the prefix's real tokens + t; keys = the prefix's real columns, then the
   // suffix's real columns up to the query's own.
   const int64_t s = c - 1;
   const at::Tensor sids = suffix_ids.narrow(1, 0, s);
   const at::Tensor smask = suffix_mask.to(device(), at::kLong).narrow(1, 0, s);
-  const at::Tensor plen = pmask.sum(1).index_select(0, rows);                  // [B]
-  const at::Tensor spos = plen.unsqueeze(1) + at::arange(s, pmask.options());  // [B, S]
-  const at::Tensor scausal = at::ones({s, s}, bool_opts).triu(1);              // [S, S]
+  const at::Tensor plen = pmask.sum(1).index_select(0, rows);                             // [B]
+  const at::Tensor spos = plen.unsqueeze(1) + at::arange(s, pmask.options());             // [B, S]
+  const at::Tensor scausal = at::ones({s, s}, pmask.options().dtype(at::kBool)).triu(1);  // [S,S]
   const at::Tensor sblocked = at::cat({ppad.index_select(0, rows).unsqueeze(1).expand({-1, s, -1}),
                                        scausal.unsqueeze(0) | (smask == 0).unsqueeze(1)},
                                       2);  // [B, S, P + S]
@@ -76,7 +73,7 @@ at::Tensor Model::ForwardSharedPrefix(const at::Tensor& prefix_ids, const at::Te
   // The states that predict: each row's prefix's last, then its suffix's; normed together.
   const at::Tensor x =
       at::cat({in[0].select(1, p - 1).index_select(0, rows).unsqueeze(1), in[1]}, 1);  // [B,C,D]
-  return NormStep({x, scos, ssin, in[7]}, gradient_checkpointing);
+  return NormStep(x, gradient_checkpointing);
 }
 
 }  // namespace grpo::common

@@ -371,12 +371,10 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     streams = {{u, pl, pl}};
     if (sl > 0) streams.push_back({b, sl, pl + sl});
   }
-  Wide tokens = 0, scores = 0, mask_cells = 0, widest = 0, joined_keys = 0;
+  Wide tokens = 0, mask_cells = 0, widest = 0, joined_keys = 0;
   for (const Stream& st : streams) {
     tokens += st.rows * st.tokens;
-    // Attention probabilities [B, H, T, keys]: fp32 softmax output, plus its bf16 copy with bf16.
-    scores += st.rows * h * st.tokens * st.keys;
-    mask_cells += st.rows * st.tokens * st.keys;
+    mask_cells += st.rows * st.tokens * st.keys;  // [B, T, keys]
     // A layer's backward, one stream at a time: the gradients of the probabilities and scores
     // (fp32) or of the MLP's [B, T, I] tensors, whichever is larger.
     widest = std::max<Wide>({widest, 8 * st.rows * h * st.tokens * st.keys,
@@ -385,6 +383,8 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
     // score and value matmuls keep.
     joined_keys += st.rows * (st.keys - st.tokens);
   }
+  // Attention probabilities [B, H, T, keys]: fp32 softmax output, plus its bf16 copy with bf16.
+  const Wide scores = h * mask_cells;
   const Wide kv_width = static_cast<Wide>(m.num_key_value_heads) * m.head_dim;
   const Wide layer = tokens * LayerTokenBytes(m, s) + scores * (cfg.bf16 ? 6 : 4) +
                      2 * ws * joined_keys * kv_width;
