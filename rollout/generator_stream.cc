@@ -1,5 +1,5 @@
 // Generator::GenerateStream: continuous batching (rollout/generator.h).
-#include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <map>
@@ -80,7 +80,7 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
   const int64_t g = options_.num_generations;
   const int64_t max_new = options_.max_completion_length;
   try {
-    at::NoGradGuard no_grad;
+    c10::InferenceMode inference;  // as Generator::Decode's
     const at::Device device = model->LmHeadWeight().device();
     const int64_t vocab = model->config().vocab_size;
     const auto stop_ids = decode::StopIds(options_, model->config(), tokenizer_);
