@@ -170,7 +170,8 @@ StatusOr<SampleOutput> SampleWithUniforms(const at::Tensor& logits, const at::Te
                        .clamp_max(v - 1);
     }
     const double t = params.greedy() ? 1.0 : params.temperature;
-    at::Tensor logp = (logits.to(at::kFloat) / t).log_softmax(1);
+    const at::Tensor x = logits.to(at::kFloat);
+    at::Tensor logp = (t == 1.0 ? x : x / t).log_softmax(1);  // x / 1 is x: one op fewer a step
     out.logprobs = logp.gather(1, out.tokens.unsqueeze(1)).squeeze(1);
     return out;
   } catch (const c10::Error& e) {

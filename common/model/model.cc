@@ -101,6 +101,10 @@ void Model::Bind(NamedTensors params) {
   const int64_t hd = config_.head_dim;
   at::Tensor exponent = at::arange(0, hd, 2, at::kLong).to(at::kFloat) / static_cast<double>(hd);
   inv_freq_ = at::reciprocal(at::pow(config_.rope_theta, exponent)).to(embed_.device());
+  // RopeTables' per-column frequencies and signs, so a call is one product, cos and sin.
+  rope_freq_ = at::cat({inv_freq_, inv_freq_});
+  rope_sin_sign_ = at::cat(
+      {at::full({hd / 2}, -1.0, inv_freq_.options()), at::ones({hd / 2}, inv_freq_.options())});
 }
 
 namespace {
@@ -686,14 +690,15 @@ at::Tensor Model::LayerForward(const Layer& L, size_t li, const at::Tensor& x_in
 }
 
 std::pair<at::Tensor, at::Tensor> Model::RopeTables(const at::Tensor& positions) const {
-  at::Tensor freqs = positions.to(inv_freq_.scalar_type()).unsqueeze(-1) * inv_freq_;  // [B,T,hd/2]
-  at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(2);                           // [B,T,1,hd]
+  // transformers' emb = cat(freqs, freqs): the product with inv_freq twice over gives the same
+  // values in the same places, in one op instead of three.
+  const at::Tensor emb = (positions.to(inv_freq_.scalar_type()).unsqueeze(-1) * rope_freq_)
+                             .unsqueeze(2);  // [B,T,1,hd]
   at::Tensor cos = emb.cos().to(embed_.scalar_type());
-  // ApplyRope's signed sin: the first half negated (exactly), once here instead of -x twice a
-  // layer, forward and backward.
-  const at::Tensor plain_sin = emb.sin().to(embed_.scalar_type());
-  const int64_t half = plain_sin.size(-1) / 2;
-  at::Tensor sin = at::cat({-plain_sin.narrow(-1, 0, half), plain_sin.narrow(-1, half, half)}, -1);
+  // ApplyRope's signed sin: the first half negated (exactly: a product by -1, before the
+  // rounding to the model's dtype, which is symmetric), once here instead of -x twice a layer,
+  // forward and backward.
+  at::Tensor sin = (emb.sin() * rope_sin_sign_).to(embed_.scalar_type());
   return {cos, sin};
 }
 
@@ -790,14 +795,18 @@ at::Tensor Model::Extend(const at::Tensor& ids, const at::Tensor& mask, KvCache&
               " exceeded (length ", cache.length, " + ", t, ")");
   const int64_t len = cache.length, total = len + t;
   at::Tensor m = mask.to(ids.device(), at::kBool);
-  at::Tensor positions =
-      (cache.next_position.unsqueeze(1) + m.to(at::kLong).cumsum(1) - 1).clamp_min(0);  // [B, T]
+  const at::Tensor counted = t == 1 ? m.to(at::kLong) : m.to(at::kLong).cumsum(1);  // [B, T]
+  at::Tensor positions = (cache.next_position.unsqueeze(1) + counted - 1).clamp_min(0);
   cache.key_mask.narrow(1, len, t).copy_(m);
-  at::Tensor key_cols = at::arange(total, ids.options());               // [L]
-  at::Tensor query_cols = at::arange(len, total, ids.options());        // [T]
-  at::Tensor causal = key_cols.unsqueeze(0) > query_cols.unsqueeze(1);  // [T, L]
-  at::Tensor blocked = causal.unsqueeze(0) |
-                       cache.key_mask.narrow(1, 0, total).logical_not().unsqueeze(1);  // [B,T,L]
+  // A key is blocked where it is padding or after its query's column; a single query (a decode
+  // step) sits at the last column, so only padding blocks it.
+  at::Tensor blocked = cache.key_mask.narrow(1, 0, total).logical_not().unsqueeze(1);  // [B,1,L]
+  if (t > 1) {
+    at::Tensor key_cols = at::arange(total, ids.options());               // [L]
+    at::Tensor query_cols = at::arange(len, total, ids.options());        // [T]
+    at::Tensor causal = key_cols.unsqueeze(0) > query_cols.unsqueeze(1);  // [T, L]
+    blocked = causal.unsqueeze(0) | blocked;                              // [B, T, L]
+  }
   at::Tensor hidden = Forward(ids, positions, blocked, &cache);
   cache.length = total;
   cache.next_position += m.sum(1);
