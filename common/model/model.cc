@@ -100,11 +100,12 @@ void Model::Bind(NamedTensors params) {
   at::NoGradGuard no_grad;
   const int64_t hd = config_.head_dim;
   at::Tensor exponent = at::arange(0, hd, 2, at::kLong).to(at::kFloat) / static_cast<double>(hd);
-  inv_freq_ = at::reciprocal(at::pow(config_.rope_theta, exponent)).to(embed_.device());
+  const at::Tensor inv_freq =
+      at::reciprocal(at::pow(config_.rope_theta, exponent)).to(embed_.device());
   // RopeTables' per-column frequencies and signs, so a call is one product, cos and sin.
-  rope_freq_ = at::cat({inv_freq_, inv_freq_});
+  rope_freq_ = at::cat({inv_freq, inv_freq});
   rope_sin_sign_ = at::cat(
-      {at::full({hd / 2}, -1.0, inv_freq_.options()), at::ones({hd / 2}, inv_freq_.options())});
+      {at::full({hd / 2}, -1.0, inv_freq.options()), at::ones({hd / 2}, inv_freq.options())});
 }
 
 namespace {
@@ -692,7 +693,7 @@ at::Tensor Model::LayerForward(const Layer& L, size_t li, const at::Tensor& x_in
 std::pair<at::Tensor, at::Tensor> Model::RopeTables(const at::Tensor& positions) const {
   // transformers' emb = cat(freqs, freqs): the product with inv_freq twice over gives the same
   // values in the same places, in one op instead of three.
-  const at::Tensor emb = (positions.to(inv_freq_.scalar_type()).unsqueeze(-1) * rope_freq_)
+  const at::Tensor emb = (positions.to(rope_freq_.scalar_type()).unsqueeze(-1) * rope_freq_)
                              .unsqueeze(2);  // [B,T,1,hd]
   at::Tensor cos = emb.cos().to(embed_.scalar_type());
   // ApplyRope's signed sin: the first half negated (exactly: a product by -1, before the

@@ -268,9 +268,8 @@ class Model {
   NamedTensors params_;
   at::Tensor embed_, final_norm_, lm_head_;  // lm_head_ is embed_ when tied
   std::vector<Layer> layers_;
-  at::Tensor inv_freq_;                           // [head_dim / 2] fp32
-  at::Tensor rope_freq_;                          // [head_dim] fp32: inv_freq_ twice
-  at::Tensor rope_sin_sign_;                      // [head_dim] fp32: -1 then +1 (ApplyRope's)
+  at::Tensor rope_freq_;      // [head_dim] fp32: transformers' inv_freq [head_dim / 2] twice over
+  at::Tensor rope_sin_sign_;  // [head_dim] fp32: -1 then +1 (ApplyRope's)
   ParameterGate* gate_ = nullptr;                 // borrowed
   std::shared_ptr<const ModelWeights> deferred_;  // LoadDeferred's files, until read or taken
 };
