@@ -260,6 +260,7 @@ const std::vector<Field>& Fields() {
       MakeField("max_turns", &C::max_turns),
       MakeField("env_max_concurrency", &C::env_max_concurrency),
       MakeField("env_step_timeout_seconds", &C::env_step_timeout_seconds),
+      MakeField("overlap_env_steps", &C::overlap_env_steps),
       MakeField("env_action_field", &C::env_action_field),
       MakeField("env_observation_field", &C::env_observation_field),
       MakeField("chat_template", &C::chat_template, {"chatml", "qwen3", "qwen3_training"}),

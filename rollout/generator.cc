@@ -43,6 +43,10 @@ int64_t TurnCache::bytes() const {
   return n;
 }
 
+void TurnCache::Release(int64_t seed_index, int64_t generation) {
+  rows_.erase({seed_index, generation});
+}
+
 void TurnCache::Clear() {
   rows_.clear();
   version_ = -1;
@@ -249,7 +253,7 @@ StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& ro
     max_new.push_back(row.max_new_tokens);
   }
   // Rows held for this snapshot start from their longest common prefix with the new context
-  // (at least one token is left to prefill: it gives the first logits); all others are freed.
+  // (at least one token is left to prefill: it gives the first logits); the rows of others stay.
   std::optional<TurnRows> turn;
   if (cache != nullptr) {
     if (cache->version_ != result.policy_version || cache->model_ != model.get()) cache->Clear();
@@ -269,7 +273,6 @@ StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& ro
       turn->reuse[i] = static_cast<int64_t>(n);
       result.num_cached_tokens += static_cast<int64_t>(n);
     }
-    cache->Clear();
   }
   // Rows with nothing held and one context (a group's first turn) share its prefill.
   int64_t shared = 0;
@@ -277,9 +280,11 @@ StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& ro
     try {
       shared = decode::ShareEqualContexts(*model, contexts, turn->held, turn->reuse);
     } catch (const c10::Error& e) {
+      cache->Clear();
       return Status::Internal(std::string("Continue: shared prefill: ") +
                               e.what_without_backtrace());
     } catch (const std::exception& e) {
+      cache->Clear();
       return Status::Internal(std::string("Continue: shared prefill: ") + e.what());
     }
   }
@@ -288,10 +293,14 @@ StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& ro
   if (rows.empty()) return result;
   // Version -1: no in-flight switch inside a turn (an episode takes the newest policy at each
   // turn's Continue call instead).
-  ASSIGN_OR_RETURN(
-      result.completions,
+  StatusOr<std::vector<Completion>> decoded =
       Decode(*model, /*version=*/-1, contexts, /*g=*/1, std::move(gens), max_new,
-             /*use_cache=*/true, &result.num_completion_tokens, turn ? &*turn : nullptr));
+             /*use_cache=*/true, &result.num_completion_tokens, turn ? &*turn : nullptr);
+  if (!decoded.ok()) {
+    if (cache != nullptr) cache->Clear();
+    return decoded.status();
+  }
+  result.completions = std::move(decoded).value();
   if (cache != nullptr) {
     for (size_t i = 0; i < rows.size(); ++i) {
       TurnCache::Entry e;

@@ -145,8 +145,9 @@ struct ContinueResult {
 // ids and its new context, so a wrong key or an edited context costs speed, never correctness.
 // Memory: per row, 2 x layers x kv_heads x head_dim values of the policy's dtype on its device
 // per token of context + completion, held from the end of a Continue call until the next call
-// with this cache (which frees the rows it does not continue and replaces the others), Clear,
-// a policy change (the next call drops everything and prefills whole contexts), or destruction.
+// that continues the row (which replaces it), Release, Clear, a policy change (the next call
+// drops every row and prefills whole contexts), or destruction. Rows a call does not continue
+// stay (an episode whose environment step is still running when the others' turn decodes).
 // Not thread-safe: one per caller (e.g. one per ProduceEpisodes call); movable, not copyable.
 class TurnCache {
  public:
@@ -160,6 +161,8 @@ class TurnCache {
   int64_t num_rows() const { return static_cast<int64_t>(rows_.size()); }
   int64_t num_tokens() const;  // tokens whose keys/values are held, over all rows
   int64_t bytes() const;       // keys and values held, over all rows
+  // Frees the row of (seed_index, generation), if held (an episode that ended).
+  void Release(int64_t seed_index, int64_t generation);
   void Clear();
 
  private:
@@ -238,11 +241,12 @@ class Generator {
   // shared with a concurrent call), rows whose earlier turn this cache holds, computed with this
   // call's policy snapshot, prefill only the tokens after the held ones, and rows holding nothing
   // with equal contexts (a group's first turn) prefill it once for all; afterwards the cache
-  // holds this call's rows (context + completion) and nothing else. A policy change empties it
-  // first. The results equal the no-cache path's up to float rounding (same tokens for the same
-  // seeds unless a sample falls within ~1e-6 of a boundary). InvalidArgument naming the row
-  // (empty context, id outside the vocabulary, max_new_tokens out of range); Internal
-  // (libtorch); on any error the cache is left empty.
+  // holds this call's rows (context + completion) in place of their earlier ones, and the rows
+  // it held for others as they were. A policy change empties it first. The results equal the
+  // no-cache path's up to float rounding (same tokens for the same seeds unless a sample falls
+  // within ~1e-6 of a boundary). InvalidArgument naming the row (empty context, id outside the
+  // vocabulary, max_new_tokens out of range); Internal (libtorch); on any error the cache is left
+  // empty.
   StatusOr<ContinueResult> Continue(const std::vector<Continuation>& rows,
                                     TurnCache* cache = nullptr) const;
 

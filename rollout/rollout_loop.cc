@@ -82,6 +82,7 @@ const std::vector<std::string>& LearnerOwnedConfigKeys() {
                                                 "max_turns",
                                                 "env_max_concurrency",
                                                 "env_step_timeout_seconds",
+                                                "overlap_env_steps",
                                                 "env_action_field",
                                                 "env_observation_field",
                                                 "chat_template",

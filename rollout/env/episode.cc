@@ -7,6 +7,8 @@
 #include <thread>
 #include <utility>
 
+#include "rollout/env/steps_in_flight.h"
+
 namespace grpo::rollout {
 namespace {
 
@@ -55,6 +57,7 @@ struct Episode {
   std::vector<common::ChatMessage> reset_messages;  // shown to the model before its first turn
   ToolCallCounts tools;
   Status error;  // the environment's failure, or one of its observations that cannot be shown
+  bool stepping = false;  // its environment step is in flight (StepsInFlight)
 };
 
 // Appends environment tokens (log-prob 0, env_mask 0) to `c`.
@@ -285,7 +288,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
     for (Episode& e : episodes) {
       if (failed[e.group] && e.live) {
         e.live = false;
-        e.session.reset();
+        if (!e.stepping) e.session.reset();  // else once its step is back
         counts.stopped += 1;
       }
     }
@@ -366,13 +369,51 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
 
   int64_t oldest_version = -1;
   TurnCache turn_cache;  // the live episodes' keys/values between turns
+  // After its model turn an episode's environment step runs on a thread of its own. Without
+  // overlap_env_steps the next turn waits for every step. With it, once one episode can go on
+  // (a step came back, or one was not stepping) the turn waits at most as long as the last turn
+  // took to decode for the other steps, then decodes the episodes ready (the others join a
+  // later turn): a slow step holds up its own episode only, and steps that end together still
+  // decode together. Declared after `episodes`, which its threads use: it joins them first.
+  StepsInFlight steps;
+  Clock::duration last_turn{0};
   for (;;) {
+    if (steps.pending() > 0) {
+      if (options.overlap_env_steps) {
+        const bool ready = std::any_of(episodes.begin(), episodes.end(), [](const Episode& e) {
+          return e.live && e.admitted && !e.stepping;
+        });
+        if (!ready) steps.WaitAny();
+        steps.WaitAll(Clock::now() + last_turn);
+      } else {
+        steps.WaitAll();
+      }
+    }
+    for (StepsInFlight::Finished& f : steps.TakeFinished()) {
+      Episode& e = episodes[f.episode];
+      e.stepping = false;
+      if (!e.live) {  // its group failed while it stepped
+        e.session.reset();
+        continue;
+      }
+      if (!f.result.ok()) {
+        e.error = f.result.status().WithContext("step after turn " + std::to_string(e.turns));
+        e.live = false;
+      } else {
+        ApplyObservation(options, e.turns - 1, *f.result, e, counts);
+      }
+      if (!e.live) e.session.reset();  // the episode is over: free the environment's session
+    }
+    stop_failed_groups();
+    for (const Episode& e : episodes) {
+      if (!e.live) turn_cache.Release(inputs[valid[e.group]].seed_index, e.generation);
+    }
     admit();
     std::vector<size_t> live;
     std::vector<Continuation> rows;
     for (size_t i = 0; i < episodes.size(); ++i) {
       Episode& e = episodes[i];
-      if (!e.live || !e.admitted) continue;
+      if (!e.live || !e.admitted || e.stepping) continue;
       const ProduceInput& in = inputs[valid[e.group]];
       Continuation row;
       row.context = prompt_ids[e.group];
@@ -386,13 +427,15 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
       rows.push_back(std::move(row));
     }
     if (live.empty()) {
+      if (steps.pending() > 0) continue;     // every episode still live is stepping: wait above
       if (next < episodes.size()) continue;  // every admitted one failed at reset: admit more
       break;
     }
     const auto t0 = Clock::now();
     ASSIGN_OR_RETURN(ContinueResult next_turn,
                      generator.Continue(rows, options.keep_kv_cache ? &turn_cache : nullptr));
-    out.generate_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    last_turn = Clock::now() - t0;
+    out.generate_seconds += std::chrono::duration<double>(last_turn).count();
     out.num_completion_tokens += next_turn.num_completion_tokens;
     oldest_version = oldest_version < 0 ? next_turn.policy_version
                                         : std::min(oldest_version, next_turn.policy_version);
@@ -411,30 +454,17 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
         counts.length_truncated += 1;
         e.live = false;
         e.session.reset();  // the episode is over: free the environment's session
+        continue;
       }
+      // The step's thread has the episode's session, last turn and tool counts to itself until
+      // TakeFinished hands its result back.
+      e.stepping = true;
+      steps.Launch(live[j], [&e, &options]() -> StatusOr<EnvObservation> {
+        const auto deadline = Clock::now() + options.step_timeout;
+        return e.uses_tools ? StepToolTurn(*e.session, e.last_turn, deadline, &e.tools)
+                            : e.session->Step(e.last_turn, deadline);
+      });
     }
-    std::vector<size_t> stepped;
-    for (size_t i : live) {
-      if (episodes[i].live) stepped.push_back(i);
-    }
-    std::vector<std::optional<StatusOr<EnvObservation>>> results(stepped.size());
-    ForEachConcurrently(stepped.size(), cap, [&](size_t j) {
-      Episode& e = episodes[stepped[j]];
-      const auto deadline = Clock::now() + options.step_timeout;
-      results[j] = e.uses_tools ? StepToolTurn(*e.session, e.last_turn, deadline, &e.tools)
-                                : e.session->Step(e.last_turn, deadline);
-    });
-    for (size_t j = 0; j < stepped.size(); ++j) {
-      Episode& e = episodes[stepped[j]];
-      if (!results[j]->ok()) {
-        e.error = results[j]->status().WithContext("step after turn " + std::to_string(e.turns));
-        e.live = false;
-      } else {
-        ApplyObservation(options, e.turns - 1, **results[j], e, counts);
-      }
-      if (!e.live) e.session.reset();  // the episode is over: free the environment's session
-    }
-    stop_failed_groups();
   }
   if (oldest_version >= 0) out.policy_version = oldest_version;
 

@@ -31,6 +31,7 @@ StatusOr<EpisodeOptions> EpisodeOptionsFromConfig(const common::GrpoConfig& conf
   o.max_concurrent_sessions = config.env_max_concurrency;
   o.step_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(config.env_step_timeout_seconds * 1000.0));
+  o.overlap_env_steps = config.overlap_env_steps;
   o.end_of_turn_id = *im_end;
   o.seed = static_cast<uint64_t>(config.seed);
   // What a chat prompt ends with after its last <|im_end|> (common::ApplyChatTemplate's

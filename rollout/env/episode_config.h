@@ -1,4 +1,4 @@
-// Multi-turn episodes from a GrpoConfig (env, max_turns, env_max_concurrency,
+// Multi-turn episodes from a GrpoConfig (env, max_turns, env_max_concurrency, overlap_env_steps,
 // env_step_timeout_seconds, chat_template, seed) and the worker's tokenizer.
 #pragma once
 

@@ -6,10 +6,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/model/model.h"
@@ -608,6 +612,172 @@ TEST(Episodes, AResetObservationNeedsAChatPromptAndRoomForATurn) {
     EXPECT_NE(result->groups[0].group.status().message().find("leaves no room"), std::string::npos)
         << result->groups[0].group.status().ToString();
   }
+}
+
+// Environment steps overlapped with generation (overlap_env_steps). Every episode is done at
+// its third step; the first step of episode `slow_seed` waits until the other `others` episodes
+// are done, or until `wait` has passed: `opened_by_others` says which.
+struct Gate {
+  std::mutex mu;
+  std::condition_variable cv;
+  int others_done = 0;
+  bool opened_by_others = false;
+};
+
+FunctionEnvironment GatedEnvironment(uint64_t slow_seed, int others, std::chrono::milliseconds wait,
+                                     std::shared_ptr<Gate> gate) {
+  return FunctionEnvironment(
+      "gated",
+      [slow_seed](const json&, uint64_t seed, json& state) -> StatusOr<EnvObservation> {
+        state = {{"step", 0}, {"slow", seed == slow_seed}};
+        return EnvObservation{};
+      },
+      [others, wait, gate](const std::string&, json& state) -> StatusOr<EnvObservation> {
+        const int step = state["step"].get<int>() + 1;
+        state["step"] = step;
+        const bool slow = state["slow"].get<bool>();
+        EnvObservation obs;
+        obs.done = step == 3;
+        if (!obs.done) obs.messages = {{"user", "go on"}};
+        std::unique_lock<std::mutex> lock(gate->mu);
+        if (slow && step == 1) {
+          gate->opened_by_others =
+              gate->cv.wait_for(lock, wait, [&] { return gate->others_done == others; });
+        } else if (!slow && obs.done) {
+          gate->others_done += 1;
+          gate->cv.notify_all();
+        }
+        return obs;
+      });
+}
+
+// Two prompts x 3 episodes, all admitted at once, one of them with a slow first step. Without
+// overlap no other episode takes its second turn while that step runs (the turn waits for every
+// step), so the slow step waits out its 300 ms alone; with it, the other five play all their
+// turns meanwhile. Each episode samples from its own streams: the tokens are the same.
+TEST(Episodes, WithOverlappedStepsASlowStepHoldsUpItsOwnEpisodeOnly) {
+  Fixture f(400, 3);  // turns stop a third of the time: 3 turns never fill 400 tokens
+  const std::vector<ProduceInput> inputs = {{&f.prompt, 1}, {&f.prompt, 2}};
+  EpisodeOptions o = f.Options(4);
+  o.max_concurrent_sessions = 6;
+  const uint64_t slow = EpisodeSeed(o.seed, 2, 0);
+
+  auto waited_gate = std::make_shared<Gate>();
+  FunctionEnvironment waited_env =
+      GatedEnvironment(slow, 5, std::chrono::milliseconds(300), waited_gate);
+  EpisodeCounts waited_counts;
+  auto waited = ProduceEpisodes(*f.generator, nullptr, waited_env, o, inputs, &waited_counts);
+  ASSERT_TRUE(waited.ok()) << waited.status().ToString();
+  EXPECT_FALSE(waited_gate->opened_by_others);
+  EXPECT_EQ(waited_gate->others_done, 5);
+  EXPECT_EQ(waited_counts.done, 6);
+  EXPECT_EQ(waited_counts.turns, 18);
+
+  o.overlap_env_steps = true;
+  auto gate = std::make_shared<Gate>();
+  FunctionEnvironment env = GatedEnvironment(slow, 5, std::chrono::seconds(60), gate);
+  EpisodeCounts counts;
+  auto overlapped = ProduceEpisodes(*f.generator, nullptr, env, o, inputs, &counts);
+  ASSERT_TRUE(overlapped.ok()) << overlapped.status().ToString();
+  EXPECT_TRUE(gate->opened_by_others);
+  EXPECT_EQ(counts.done, 6);
+  EXPECT_EQ(counts.turns, 18);
+  EXPECT_EQ(counts.observation_tokens, waited_counts.observation_tokens);
+  for (const ProducedGroup& g : overlapped->groups) {
+    ASSERT_TRUE(g.group.ok()) << g.group.status().ToString();
+    EXPECT_EQ(g.group->policy_version, 3);
+  }
+  EXPECT_EQ(Tokens(*overlapped), Tokens(*waited));
+}
+
+// Sessions told apart by their reset seed: the first step of `failing` fails at once; the first
+// steps of `waiting` block until the failing session is closed (the episode loop has taken its
+// failure), at most 60 s; every other step answers at once, done at the third.
+class FailWhileSiblingsStepEnvironment final : public Environment {
+ public:
+  FailWhileSiblingsStepEnvironment(uint64_t failing, std::vector<uint64_t> waiting)
+      : failing_(failing), waiting_(std::move(waiting)) {}
+  std::string name() const override { return "fails_while_siblings_step"; }
+  int steps() const { return steps_.load(); }
+  bool waited_out() const { return waited_out_.load(); }
+
+  StatusOr<std::unique_ptr<EnvSession>> Open() override {
+    return std::unique_ptr<EnvSession>(new Session(this));
+  }
+
+ private:
+  class Session final : public EnvSession {
+   public:
+    explicit Session(FailWhileSiblingsStepEnvironment* env) : env_(env) {}
+    ~Session() override {
+      if (seed_ != env_->failing_) return;
+      std::lock_guard<std::mutex> lock(env_->mu_);
+      env_->failing_closed_ = true;
+      env_->cv_.notify_all();
+    }
+    StatusOr<EnvObservation> Reset(const json&, uint64_t seed,
+                                   std::chrono::steady_clock::time_point) override {
+      seed_ = seed;
+      return EnvObservation{};
+    }
+    StatusOr<EnvObservation> Step(const std::string&,
+                                  std::chrono::steady_clock::time_point) override {
+      env_->steps_.fetch_add(1);
+      ++step_;
+      if (seed_ == env_->failing_) return Status::Unavailable("gone");
+      const auto& w = env_->waiting_;
+      if (step_ == 1 && std::find(w.begin(), w.end(), seed_) != w.end()) {
+        std::unique_lock<std::mutex> lock(env_->mu_);
+        if (!env_->cv_.wait_for(lock, std::chrono::seconds(60),
+                                [&] { return env_->failing_closed_; })) {
+          env_->waited_out_.store(true);
+        }
+      }
+      EnvObservation obs;
+      obs.done = step_ == 3;
+      if (!obs.done) obs.messages = {{"user", "go on"}};
+      return obs;
+    }
+
+   private:
+    FailWhileSiblingsStepEnvironment* env_;
+    uint64_t seed_ = 0;
+    int step_ = 0;
+  };
+
+  const uint64_t failing_;
+  const std::vector<uint64_t> waiting_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool failing_closed_ = false;
+  std::atomic<int> steps_{0};
+  std::atomic<bool> waited_out_{false};
+};
+
+// With overlap, a step that fails fails its group while its siblings' steps are still running
+// (their sessions are closed once those steps are back, and nothing of the group goes on), and
+// the other group plays on.
+TEST(Episodes, WithOverlappedStepsAFailedStepStopsItsGroupWhileItsSiblingsStep) {
+  Fixture f(400, 3);
+  EpisodeOptions o = f.Options(4);
+  o.max_concurrent_sessions = 6;
+  o.overlap_env_steps = true;
+  FailWhileSiblingsStepEnvironment env(EpisodeSeed(o.seed, 2, 0),
+                                       {EpisodeSeed(o.seed, 2, 1), EpisodeSeed(o.seed, 2, 2)});
+  EpisodeCounts counts;
+  auto result =
+      ProduceEpisodes(*f.generator, nullptr, env, o, {{&f.prompt, 1}, {&f.prompt, 2}}, &counts);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_FALSE(env.waited_out());
+  ASSERT_TRUE(result->groups[0].group.ok()) << result->groups[0].group.status().ToString();
+  EXPECT_EQ(result->groups[0].group->completions.size(), 3u);
+  ASSERT_FALSE(result->groups[1].group.ok());
+  EXPECT_EQ(result->groups[1].group.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(counts.errors["unavailable"], 1);
+  EXPECT_EQ(counts.done, 3);     // the first group's
+  EXPECT_EQ(counts.stopped, 2);  // the siblings, stopped while they stepped
+  // The first group's 9 steps and the second group's 3 first ones; nothing after the failure.
+  EXPECT_EQ(env.steps(), 12);
 }
 
 TEST(Episodes, EpisodeSeedsDependOnRowAndGenerationOnly) {

@@ -89,6 +89,9 @@ std::vector<ContinueResult> RunLockstep(const Generator& gen, TurnCache* cache,
       rows.push_back({e.context, e.seed_index, e.generation, turn, kMaxNew});
     }
     if (rows.empty()) break;
+    for (const Episode& e : episodes) {  // ended: its caller frees its row, as ProduceEpisodes does
+      if (e.last_turn < turn && cache != nullptr) cache->Release(e.seed_index, e.generation);
+    }
     auto kept = gen.Continue(rows, cache);
     auto again = gen.Continue(rows);
     EXPECT_TRUE(kept.ok()) << kept.status().ToString();
@@ -209,7 +212,7 @@ TEST(TurnCache, APolicyChangeBetweenTurnsPrefillsEverythingAgainAndStillMatches)
   EXPECT_EQ(cache.policy_version(), 2);
 }
 
-TEST(TurnCache, HoldsTheLastCallsRowsOnlyAndCountsTheirBytes) {
+TEST(TurnCache, KeepsRowsUntilReleasedAndCountsTheirBytes) {
   auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
   TurnCache cache;
   std::vector<Continuation> rows = {
@@ -224,7 +227,11 @@ TEST(TurnCache, HoldsTheLastCallsRowsOnlyAndCountsTheirBytes) {
   EXPECT_EQ(cache.num_tokens(), tokens);
   // tiny: 2 layers x (keys + values) x 2 KV heads x head_dim 16 x 4 bytes per token.
   EXPECT_EQ(cache.bytes(), tokens * 2 * 2 * 2 * 16 * 4);
-  // A call with one of the rows frees the two others.
+  // A call with one of the rows replaces it and keeps the two others as they were.
+  const int64_t row0_tokens =
+      static_cast<int64_t>(rows[0].context.size() + r->completions[0].token_ids.size()) - 1;
+  const int64_t row2_tokens =
+      static_cast<int64_t>(rows[2].context.size() + r->completions[2].token_ids.size()) - 1;
   std::vector<Continuation> one = {rows[1]};
   one[0].context.insert(one[0].context.end(), r->completions[1].token_ids.begin(),
                         r->completions[1].token_ids.end());
@@ -233,7 +240,16 @@ TEST(TurnCache, HoldsTheLastCallsRowsOnlyAndCountsTheirBytes) {
   ASSERT_TRUE(r2.ok());
   EXPECT_EQ(r2->num_cached_tokens, static_cast<int64_t>(one[0].context.size()) - 1);
   EXPECT_EQ(r2->num_prefill_tokens, 1);
-  EXPECT_EQ(cache.num_rows(), 1);
+  EXPECT_EQ(cache.num_rows(), 3);
+  const int64_t row1_tokens =
+      static_cast<int64_t>(one[0].context.size() + r2->completions[0].token_ids.size()) - 1;
+  EXPECT_EQ(cache.num_tokens(), row0_tokens + row1_tokens + row2_tokens);
+  // Release frees one row (an ended episode's); a key not held is nothing to free.
+  cache.Release(0, 0);
+  cache.Release(5, 5);
+  EXPECT_EQ(cache.num_rows(), 2);
+  EXPECT_EQ(cache.num_tokens(), row1_tokens + row2_tokens);
+  EXPECT_EQ(cache.bytes(), (row1_tokens + row2_tokens) * 2 * 2 * 2 * 16 * 4);
   cache.Clear();
   EXPECT_EQ(cache.num_rows(), 0);
   EXPECT_EQ(cache.bytes(), 0);

@@ -53,10 +53,12 @@ TEST(MultiTurnE2E, APythonEnvironmentsObservationsAreTrainedAroundAsEnvironmentT
     rows.push_back(R"({"messages": [{"role": "user", "content": "talk )" + std::to_string(i) +
                    "\"}]}");
   }
+  // overlap_env_steps (a learner-owned key, taken by the worker): turns decode the episodes
+  // whose steps are back; the checks below hold whatever the batches were.
   ASSERT_NO_FATAL_FAILURE(grpo::testing::RunMultiTurnJob(
       children, dir,
       {"--max_completion_length", "512", "--env", env, "--max_turns", "3", "--reward_funcs", "env",
-       "--max_steps", std::to_string(kSteps)},
+       "--overlap_env_steps", "true", "--max_steps", std::to_string(kSteps)},
       rows));
 
   int rows_checked = 0, observations_checked = 0;
