@@ -1,8 +1,9 @@
 // grpo bench episodes: multi-turn episodes per second of one process (ProduceEpisodes on one
 // Generator), the KV cache kept between turns vs every turn prefilled again, with an environment
-// that answers at once and one that takes 50 ms per step; the single-turn path (Generate) for the
-// same completion tokens as the reference. All configurations of a model run interleaved, rep by
-// rep, after one warm-up each.
+// that answers at once, one that takes 50 ms per step and a skewed one (5 ms, and 100 ms for one
+// step in 8), each with and without overlap_env_steps (kept cache); the single-turn path
+// (Generate) for the same completion tokens as the reference. All configurations of a model run
+// interleaved, rep by rep, after one warm-up each.
 #include <ATen/Parallel.h>
 
 #include <chrono>
@@ -51,16 +52,25 @@ std::vector<std::vector<int32_t>> Prompts(const Shape& s, int64_t vocab) {
   return prompts;
 }
 
-// Every step shows `observation_tokens` tokens after `step_ms`; max_turns ends the episode.
-rollout::FunctionEnvironment SlowEnvironment(int64_t step_ms, int64_t observation_tokens) {
+// Every step shows `observation_tokens` tokens after `step_ms`, or after `slow_ms` for one step
+// in 8 when slow_ms > 0 (which ones: a hash of the episode's reset seed and the step's index,
+// the same in every run); max_turns ends the episode.
+rollout::FunctionEnvironment SlowEnvironment(int64_t step_ms, int64_t slow_ms,
+                                             int64_t observation_tokens) {
   return rollout::FunctionEnvironment(
       "bench",
-      [](const json&, uint64_t, json&) -> StatusOr<rollout::EnvObservation> {
+      [](const json&, uint64_t seed, json& state) -> StatusOr<rollout::EnvObservation> {
+        state = {{"seed", seed}, {"step", 0}};
         return rollout::EnvObservation{};
       },
-      [step_ms, observation_tokens](const std::string&,
-                                    json&) -> StatusOr<rollout::EnvObservation> {
-        if (step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
+      [step_ms, slow_ms, observation_tokens](const std::string&,
+                                             json& state) -> StatusOr<rollout::EnvObservation> {
+        const uint64_t step = state["step"].get<uint64_t>() + 1;
+        state["step"] = step;
+        const uint64_t h =
+            state["seed"].get<uint64_t>() * 0x9E3779B97F4A7C15ull + step * 0xBF58476D1CE4E5B9ull;
+        const int64_t ms = slow_ms > 0 && (h >> 61) == 0 ? slow_ms : step_ms;
+        if (ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
         rollout::EnvObservation obs;
         obs.messages = {{"user", std::string(observation_tokens, 'o')}};
         return obs;
@@ -70,6 +80,8 @@ rollout::FunctionEnvironment SlowEnvironment(int64_t step_ms, int64_t observatio
 struct Config {
   std::string impl;                // kept_cache | reprefill | single_turn
   int64_t env_ms = 0;              // episodes only
+  int64_t slow_ms = 0;             // one episode in 8 steps this long (0: none)
+  bool overlap = false;            // overlap_env_steps
   std::vector<double> s;           // one per timed rep
   std::vector<double> generate_s;  // the Continue calls' share of each rep
   rollout::EpisodeCounts counts;
@@ -116,14 +128,31 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
       return ids;
     };
 
+    // Per environment: the kept cache with every turn waiting for every step, the same with
+    // overlap_env_steps, and for the uniform ones every turn prefilled again.
     std::vector<Config> configs;
-    for (int64_t ms : {0, 50}) {
-      for (const char* impl : {"kept_cache", "reprefill"}) {
-        configs.emplace_back();
-        configs.back().impl = impl;
-        configs.back().env_ms = ms;
+    for (const auto& [ms, slow] : {std::pair<int64_t, int64_t>{0, 0}, {50, 0}, {5, 100}}) {
+      for (const char* impl : {"kept_cache", "overlap", "reprefill"}) {
+        if (slow > 0 && impl == std::string("reprefill")) continue;
+        Config c;
+        c.overlap = impl == std::string("overlap");
+        c.impl = c.overlap ? "kept_cache" : impl;
+        c.env_ms = ms;
+        c.slow_ms = slow;
+        configs.push_back(std::move(c));
       }
     }
+    // The configuration of the same environment with `impl` and `overlap`.
+    const auto same_env = [&configs](const Config& c, const std::string& impl,
+                                     bool overlap) -> const Config* {
+      for (const Config& o : configs) {
+        if (o.impl == impl && o.overlap == overlap && o.env_ms == c.env_ms &&
+            o.slow_ms == c.slow_ms) {
+          return &o;
+        }
+      }
+      return nullptr;
+    };
     configs.emplace_back();
     configs.back().impl = "single_turn";
     // The single-turn reference: the same prompts and G, every completion as long as an
@@ -142,7 +171,9 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
       }
       rollout::EpisodeOptions e = eo;
       e.keep_kv_cache = c.impl == "kept_cache";
-      rollout::FunctionEnvironment env = SlowEnvironment(c.env_ms, shape.observation_tokens);
+      e.overlap_env_steps = c.overlap;
+      rollout::FunctionEnvironment env =
+          SlowEnvironment(c.env_ms, c.slow_ms, shape.observation_tokens);
       auto r = rollout::ProduceEpisodes(*gen, nullptr, env, e, inputs, &c.counts);
       if (!r.ok()) {
         std::cerr << "episodes: " << r.status().ToString() << "\n";
@@ -187,14 +218,20 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
         row["tokens_per_second"] = c.completion_tokens / t.median;
       } else {
         row["env_step_ms"] = c.env_ms;
+        row["env_slow_step_ms"] = c.slow_ms;  // one episode in 8 (0: none)
+        row["overlap_env_steps"] = c.overlap;
         row["episodes"] = c.counts.episodes;
         row["turns"] = c.counts.turns;
         row["observation_tokens"] = c.counts.observation_tokens;
         row["episodes_per_second"] = c.counts.episodes / t.median;
         row["generate_s_median"] = Summarize(c.generate_s).median;
         row["vs_single_turn_time"] = t.median / single_t.median;
-        if (c.impl == "kept_cache") {
-          row["vs_reprefill"] = Summarize(configs[i + 1].s).median / t.median;
+        if (const Config* r = same_env(c, "reprefill", false);
+            r != nullptr && c.impl == "kept_cache" && !c.overlap) {
+          row["vs_reprefill"] = Summarize(r->s).median / t.median;
+        }
+        if (c.overlap) {
+          row["vs_waiting"] = Summarize(same_env(c, c.impl, false)->s).median / t.median;
         }
       }
       rows.push_back(row);
@@ -221,15 +258,23 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
                 << r["s_max"].get<double>() << ")\n";
       continue;
     }
-    std::cout << "env " << std::right << std::setw(2) << r["env_step_ms"].get<int64_t>() << " ms  "
-              << std::setw(6) << r["completion_tokens"].get<int64_t>() << " tokens  "
-              << std::setprecision(3) << r["s_median"].get<double>() << " s ("
-              << r["s_min"].get<double>() << "-" << r["s_max"].get<double>() << "; generating "
-              << r["generate_s_median"].get<double>() << ")  " << std::setprecision(1)
-              << r["episodes_per_second"].get<double>() << " episodes/s  " << std::setprecision(2)
-              << r["vs_single_turn_time"].get<double>() << "x single-turn time";
+    std::string env = std::to_string(r["env_step_ms"].get<int64_t>()) + " ms";
+    if (r["env_slow_step_ms"].get<int64_t>() > 0) {
+      env += ", 1 in 8 " + std::to_string(r["env_slow_step_ms"].get<int64_t>());
+    }
+    if (r["overlap_env_steps"].get<bool>()) env += ", overlap";
+    std::cout << "env " << std::left << std::setw(24) << env << std::right << std::setw(6)
+              << r["completion_tokens"].get<int64_t>() << " tokens  " << std::setprecision(3)
+              << r["s_median"].get<double>() << " s (" << r["s_min"].get<double>() << "-"
+              << r["s_max"].get<double>() << "; generating " << r["generate_s_median"].get<double>()
+              << ")  " << std::setprecision(1) << r["episodes_per_second"].get<double>()
+              << " episodes/s  " << std::setprecision(2) << r["vs_single_turn_time"].get<double>()
+              << "x single-turn time";
     if (r.contains("vs_reprefill")) {
       std::cout << "  kept / reprefill speed " << r["vs_reprefill"].get<double>() << "x";
+    }
+    if (r.contains("vs_waiting")) {
+      std::cout << "  overlap / waiting speed " << r["vs_waiting"].get<double>() << "x";
     }
     std::cout << "\n";
   }
