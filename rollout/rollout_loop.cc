@@ -741,6 +741,7 @@ void RolloutLoop::CountEpisodes(const EpisodeCounts& counts) {
   metrics_->episodes->Increment({"error"}, static_cast<double>(errors));
   metrics_->episodes->Increment({"stopped"}, static_cast<double>(counts.stopped));
   metrics_->episode_turns->Increment(static_cast<double>(counts.turns));
+  metrics_->env_wait->Increment(counts.env_wait_seconds);
   for (const auto& [kind, n] : counts.errors) {
     metrics_->env_errors->Increment({kind}, static_cast<double>(n));
   }

@@ -189,6 +189,10 @@ StatusOr<WorkerMetrics> WorkerMetrics::Create(Registry& r,
   ASSIGN_OR_RETURN(m.env_errors, r.AddCounter("grpo_rollout_env_errors_total",
                                               "Environment calls that failed, by kind, in calls.",
                                               {Label("kind", kEnvErrorKinds)}));
+  ASSIGN_OR_RETURN(m.env_wait,
+                   r.AddCounter("grpo_rollout_env_wait_seconds_total",
+                                "Time the multi-turn episode loop was blocked on the environment "
+                                "(resets, steps) with no turn decoding, in seconds."));
   ASSIGN_OR_RETURN(m.tool_calls,
                    r.AddCounter("grpo_rollout_tool_calls_total",
                                 "Tool call blocks in the turns of episodes whose environment "

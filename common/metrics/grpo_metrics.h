@@ -142,6 +142,8 @@ struct WorkerMetrics {
   Counter* episode_turns = nullptr;
   // grpo_rollout_env_errors_total{kind}: environment calls (reset, step, open) that failed
   Counter* env_errors = nullptr;
+  // grpo_rollout_env_wait_seconds_total: episode loop blocked on the environment, no turn decoding
+  Counter* env_wait = nullptr;
   // grpo_rollout_tool_calls_total: <tool_call> blocks in turns of episodes with tools
   Counter* tool_calls = nullptr;
   // grpo_rollout_tool_call_failures_total{reason}: malformed ones, answered by the worker

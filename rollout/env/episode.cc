@@ -321,6 +321,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
       }
     }
     if (wave.empty()) return;
+    const auto resets_started = Clock::now();
     ForEachConcurrently(wave.size(), cap, [&](size_t j) {
       Episode& e = episodes[wave[j]];
       const ProduceInput& in = inputs[valid[e.group]];
@@ -363,6 +364,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
       e.live = false;
       e.session.reset();
     });
+    counts.env_wait_seconds += std::chrono::duration<double>(Clock::now() - resets_started).count();
     ShowResetObservations(options, prompt_ids, episodes, wave, shows, counts);
     stop_failed_groups();
   };
@@ -379,6 +381,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
   Clock::duration last_turn{0};
   for (;;) {
     if (steps.pending() > 0) {
+      const auto waits = Clock::now();
       if (options.overlap_env_steps) {
         const bool ready = std::any_of(episodes.begin(), episodes.end(), [](const Episode& e) {
           return e.live && e.admitted && !e.stepping;
@@ -388,6 +391,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
       } else {
         steps.WaitAll();
       }
+      counts.env_wait_seconds += std::chrono::duration<double>(Clock::now() - waits).count();
     }
     for (StepsInFlight::Finished& f : steps.TakeFinished()) {
       Episode& e = episodes[f.episode];

@@ -66,13 +66,15 @@ struct EpisodeOptions {
 // How the episodes of one call ended, for metrics and logs.
 struct EpisodeCounts {
   int64_t episodes = 0;
-  int64_t turns = 0;                      // model turns generated
-  int64_t done = 0;                       // the environment said done
-  int64_t env_truncated = 0;              // the environment said truncated
-  int64_t max_turns = 0;                  // ended by max_turns
-  int64_t length_truncated = 0;           // a turn or an observation hit max_completion_length
-  int64_t stopped = 0;                    // another episode of its group failed: stopped unfinished
-  int64_t observation_tokens = 0;         // environment tokens appended
+  int64_t turns = 0;               // model turns generated
+  int64_t done = 0;                // the environment said done
+  int64_t env_truncated = 0;       // the environment said truncated
+  int64_t max_turns = 0;           // ended by max_turns
+  int64_t length_truncated = 0;    // a turn or an observation hit max_completion_length
+  int64_t stopped = 0;             // another episode of its group failed: stopped unfinished
+  int64_t observation_tokens = 0;  // environment tokens appended
+  // Time the loop was blocked on the environment (resets, steps), decoding no turn.
+  double env_wait_seconds = 0.0;
   std::map<std::string, int64_t> errors;  // by EnvErrorKind
   ToolCallCounts tools;                   // of episodes whose environment declared tools
 };

@@ -74,6 +74,7 @@ std::string PopulatedExposition() {
   w.episodes->Increment({"max_turns"}, 3);
   w.episode_turns->Increment(9);
   w.env_errors->Increment({"timeout"});
+  w.env_wait->Increment(0.25);
   w.tool_calls->Increment(2);
   w.tool_call_failures->Increment({"not_json"});
   w.generation_duration->Observe(3.1);
@@ -131,6 +132,7 @@ TEST(GrpoMetrics, DefinesExactlyTheIssueSixFamilies) {
       {"grpo_rollout_episodes_total", "counter"},
       {"grpo_rollout_episode_turns_total", "counter"},
       {"grpo_rollout_env_errors_total", "counter"},
+      {"grpo_rollout_env_wait_seconds_total", "counter"},
       {"grpo_rollout_tool_calls_total", "counter"},
       {"grpo_rollout_tool_call_failures_total", "counter"},
   };

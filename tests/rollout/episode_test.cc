@@ -672,6 +672,8 @@ TEST(Episodes, WithOverlappedStepsASlowStepHoldsUpItsOwnEpisodeOnly) {
   EXPECT_EQ(waited_gate->others_done, 5);
   EXPECT_EQ(waited_counts.done, 6);
   EXPECT_EQ(waited_counts.turns, 18);
+  // The loop was blocked on the slow step (its 300 ms) with nothing to decode.
+  EXPECT_GE(waited_counts.env_wait_seconds, 0.25);
 
   o.overlap_env_steps = true;
   auto gate = std::make_shared<Gate>();
