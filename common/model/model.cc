@@ -735,10 +735,14 @@ at::Tensor Model::ForwardHidden(const at::Tensor& input_ids, const at::Tensor& a
 
 std::pair<at::Tensor, at::Tensor> Model::RowPositionsAndBlocked(const at::Tensor& mask) {
   const int64_t t = mask.size(1);
-  at::Tensor positions = (mask.cumsum(1) - 1).clamp_min(0);                       // [B, T]
-  at::Tensor causal = at::ones({t, t}, mask.options().dtype(at::kBool)).triu(1);  // [T, T]
-  at::Tensor blocked = causal.unsqueeze(0) | (mask == 0).unsqueeze(1);            // [B, T, T]
+  at::Tensor positions = (mask.cumsum(1) - 1).clamp_min(0);  // [B, T]
+  at::Tensor blocked =
+      LaterColumns(t, 0, mask.options()).unsqueeze(0) | (mask == 0).unsqueeze(1);  // [B, T, T]
   return {positions, blocked};
+}
+
+at::Tensor Model::LaterColumns(int64_t t, int64_t past, const at::TensorOptions& options) {
+  return at::ones({t, past + t}, options.dtype(at::kBool)).triu(past + 1);
 }
 
 at::Tensor Model::LmHeadWeight() const {
@@ -802,12 +806,7 @@ at::Tensor Model::Extend(const at::Tensor& ids, const at::Tensor& mask, KvCache&
   // A key is blocked where it is padding or after its query's column; a single query (a decode
   // step) sits at the last column, so only padding blocks it.
   at::Tensor blocked = cache.key_mask.narrow(1, 0, total).logical_not().unsqueeze(1);  // [B,1,L]
-  if (t > 1) {
-    at::Tensor key_cols = at::arange(total, ids.options());               // [L]
-    at::Tensor query_cols = at::arange(len, total, ids.options());        // [T]
-    at::Tensor causal = key_cols.unsqueeze(0) > query_cols.unsqueeze(1);  // [T, L]
-    blocked = causal.unsqueeze(0) | blocked;                              // [B, T, L]
-  }
+  if (t > 1) blocked = LaterColumns(t, len, ids.options()).unsqueeze(0) | blocked;     // [B, T, L]
   at::Tensor hidden = Forward(ids, positions, blocked, &cache);
   cache.length = total;
   cache.next_position += m.sum(1);

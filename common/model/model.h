@@ -233,6 +233,9 @@ class Model {
   // Whole rows' RoPE positions (cumsum(mask) - 1, [B, T] int64) and blocked keys (a later
   // column, or padding: [B, T, T] bool) for mask [B, T] int64 (1 real, 0 pad).
   static std::pair<at::Tensor, at::Tensor> RowPositionsAndBlocked(const at::Tensor& mask);
+  // The causal part of a mask: [T, past + T] bool, true where the key's column comes after the
+  // query's (query i sits at column past + i). On `options`' device.
+  static at::Tensor LaterColumns(int64_t t, int64_t past, const at::TensorOptions& options);
   // cos and sin [B, T, 1, hd] for positions [B, T] (sin signed: ApplyRope's).
   std::pair<at::Tensor, at::Tensor> RopeTables(const at::Tensor& positions) const;
   // One step over new tokens; when `cache` is set, keys/values are written at columns

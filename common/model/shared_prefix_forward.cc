@@ -42,12 +42,12 @@ at::Tensor Model::ForwardSharedPrefix(const at::Tensor& prefix_ids, const at::Te
   const int64_t s = c - 1;
   const at::Tensor sids = suffix_ids.narrow(1, 0, s);
   const at::Tensor smask = suffix_mask.to(device(), at::kLong).narrow(1, 0, s);
-  const at::Tensor plen = pmask.sum(1).index_select(0, rows);                             // [B]
-  const at::Tensor spos = plen.unsqueeze(1) + at::arange(s, pmask.options());             // [B, S]
-  const at::Tensor scausal = at::ones({s, s}, pmask.options().dtype(at::kBool)).triu(1);  // [S,S]
-  const at::Tensor sblocked = at::cat({ppad.index_select(0, rows).unsqueeze(1).expand({-1, s, -1}),
-                                       scausal.unsqueeze(0) | (smask == 0).unsqueeze(1)},
-                                      2);  // [B, S, P + S]
+  const at::Tensor plen = pmask.sum(1).index_select(0, rows);                  // [B]
+  const at::Tensor spos = plen.unsqueeze(1) + at::arange(s, pmask.options());  // [B, S]
+  const at::Tensor sblocked =
+      at::cat({ppad.index_select(0, rows).unsqueeze(1).expand({-1, s, -1}),
+               LaterColumns(s, 0, pmask.options()).unsqueeze(0) | (smask == 0).unsqueeze(1)},
+              2);  // [B, S, P + S]
   const auto [pcos, psin] = RopeTables(ppos);
   const auto [scos, ssin] = RopeTables(spos);
   // RunLayer's kSharedInputs; each layer replaces the first two.
