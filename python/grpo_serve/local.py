@@ -71,6 +71,8 @@ class LocalRun:
         self.metrics_port = 0
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: dict[str, IO[bytes]] = {}
+        self._binary = ""
+        self._worker_args: list[str] = []  # start_local's flags for every worker
 
     def client(self, **kwargs: Any) -> Client:
         """A Client of this learner, with its token."""
@@ -89,6 +91,23 @@ class LocalRun:
         tail = _tail(self.log_path(name))
         return (f"{name} (pid {p.pid}) {how}; its log is {self.log_path(name)}"
                 + (", ending:\n" + tail if tail else ""))
+
+    def add_worker(self, name: str | None = None) -> str:
+        """Starts one more ``grpo rollout`` worker of this learner, with the flags start_local
+        gave its workers; returns its name (default ``rollout-N``, N the next free index), which
+        names its log and its entry in `processes`. ValueError for a name already taken."""
+        if name is None:
+            n = 0
+            while f"rollout-{n}" in self.processes:
+                n += 1
+            name = f"rollout-{n}"
+        if name in self.processes:
+            raise ValueError(f"a child named {name} already exists")
+        self._spawn(name, [
+            self._binary, "--log_level", "info", "rollout", "--learner_address", self.address,
+            "--worker_id", name, "--metrics_port", "0", "--auth_token_file", str(self.token_file),
+            "--weight_sync_hostname", "127.0.0.1", *self._worker_args])
+        return name
 
     def _spawn(self, name: str, argv: list[str], stdout_pipe: bool = False) -> None:
         log = open(self.log_path(name), "ab")
@@ -178,7 +197,8 @@ def start_local(*, workers: int = 1, grpo: str | os.PathLike[str] | None = None,
     job ended (``grpo learner --linger_seconds``); `output_dir`: default a fresh temporary
     directory. GrpoServeError, with the end of the learner's log, when it does not start within
     `start_timeout` seconds. The children get SIGTERM when the thread that started them exits
-    (Linux's parent-death signal); stop() (or the `with` block's end) ends them.
+    (Linux's parent-death signal); stop() (or the `with` block's end) ends them. More workers:
+    LocalRun.add_worker().
     """
     if workers < 0:
         raise ValueError("workers must be >= 0")
@@ -201,20 +221,17 @@ def start_local(*, workers: int = 1, grpo: str | os.PathLike[str] | None = None,
             *(["--linger_seconds", str(linger_seconds)] if linger_seconds is not None else [])],
             stdout_pipe=True)
         run._read_port(start_timeout)
-        extra = list(worker_args)
+        run._binary = binary
+        run._worker_args = list(worker_args)
         if reward_options:
-            extra += ["--reward_options", json.dumps(dict(reward_options))]
+            run._worker_args += ["--reward_options", json.dumps(dict(reward_options))]
         if reward_token is not None:
             reward_token_file = out / "reward_token"
             reward_token_file.write_text(reward_token + "\n")
             reward_token_file.chmod(0o600)
-            extra += ["--reward_auth_token_file", str(reward_token_file)]
+            run._worker_args += ["--reward_auth_token_file", str(reward_token_file)]
         for i in range(workers):
-            name = f"rollout-{i}"
-            run._spawn(name, [
-                binary, "--log_level", "info", "rollout", "--learner_address", run.address,
-                "--worker_id", name, "--metrics_port", "0", "--auth_token_file", str(token_file),
-                "--weight_sync_hostname", "127.0.0.1", *extra])
+            run.add_worker(f"rollout-{i}")
     except BaseException:
         run.stop()
         raise

@@ -4,7 +4,6 @@ IPython) in a notebook; start_local(): the learner and workers it starts and sto
 from __future__ import annotations
 
 import io
-import json
 import re
 import sys
 import types
@@ -19,7 +18,7 @@ from grpo_serve.follow import follow, reward_curve_svg, text_plot
 from grpo_serve.job import JobStatus
 from grpo_serve.report import report
 from grpo_serve.watch import StepStream
-from conftest import JOB_TIMEOUT, Child, grpo_bin
+from conftest import JOB_TIMEOUT, grpo_bin
 
 SMALL = dict(num_generations=2, per_device_train_batch_size=4, max_completion_length=6,
              reward_funcs=["length"], save_steps=0, linger_seconds=1)
@@ -63,32 +62,24 @@ def local(tmp_path: Path, name: str, workers: int = 1, **config: Any) -> grpo_se
 def test_follow_in_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # No worker until follow sets up its dashboard, which it does after its watch opened: the
     # job cannot take a step before the watch starts, so every step must reach the records.
-    workers: list[Child] = []
+    workers: list[str] = []
     real_reporter = sys.modules["grpo_serve.report"].Reporter
 
     def reporter_then_worker(*args: Any, **kwargs: Any) -> Any:
-        workers.append(Child("rollout", [
-            grpo_bin(), "--log_level", "info", "rollout", "--learner_address", run.address,
-            "--worker_id", "rollout-late", "--metrics_port", "0",
-            "--auth_token_file", str(run.token_file), "--weight_sync_hostname", "127.0.0.1",
-            "--reward_options", json.dumps(REWARD_OPTIONS)], tmp_path / "rollout-late.log"))
+        workers.append(run.add_worker())  # start_local's worker flags (its reward options)
         return real_reporter(*args, **kwargs)
 
     monkeypatch.setattr(sys.modules["grpo_serve.report"], "Reporter", reporter_then_worker)
     out = io.StringIO()
-    try:
-        with local(tmp_path, "terminal", workers=0, max_steps=4) as run:
-            client = run.client()
-            job = client.submit([{"prompt": f"q{i}"} for i in range(4)])
-            result = grpo_serve.follow(job, file=out, notebook=False, timeout=JOB_TIMEOUT,
-                                       report_to=["tensorboard"],
-                                       report_options={"logging_dir": str(tmp_path / "tb")})
-            status = client.status()
-            assert run.wait(60) == 0, run.describe("learner")
-    finally:
-        for w in workers:
-            w.stop()
-    assert len(workers) == 1
+    with local(tmp_path, "terminal", workers=0, max_steps=4) as run:
+        client = run.client()
+        job = client.submit([{"prompt": f"q{i}"} for i in range(4)])
+        result = grpo_serve.follow(job, file=out, notebook=False, timeout=JOB_TIMEOUT,
+                                   report_to=["tensorboard"],
+                                   report_options={"logging_dir": str(tmp_path / "tb")})
+        status = client.status()
+        assert run.wait(60) == 0, run.describe("learner")
+    assert workers == ["rollout-0"]
     text = out.getvalue()
     assert result.state == "done" and status.state == "done"
     assert [r["step"] for r in result.records] + result.missed_steps == [1, 2, 3, 4]

@@ -15,6 +15,9 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
+import grpo_serve
 from conftest import grpo_bin
 
 PARENT = textwrap.dedent("""
@@ -81,3 +84,25 @@ def test_grpo_refuses_a_parent_pid_that_is_not_a_number_and_runs_on() -> None:
         p.terminate()
         _, err = p.communicate(timeout=30)
     assert "GRPO_PARENT_PID='12x' is not a process id; ignored" in err.decode()
+
+
+def test_add_worker_takes_the_next_free_name_and_start_locals_worker_flags(tmp_path: Path) -> None:
+    run = grpo_serve.LocalRun(tmp_path, tmp_path / "token")
+    run.address = "127.0.0.1:5"
+    run._binary = "/bin/true"  # exits at once: only its command line is checked
+    run._worker_args = ["--reward_options", '{"length": {}}']
+    try:
+        assert run.add_worker() == "rollout-0"
+        assert run.add_worker("late") == "late"
+        assert run.add_worker() == "rollout-1"
+        with pytest.raises(ValueError, match="late"):
+            run.add_worker("late")
+        argv = run.processes["rollout-1"].args
+        assert argv[:4] == ["/bin/true", "--log_level", "info", "rollout"]
+        assert argv[argv.index("--learner_address") + 1] == "127.0.0.1:5"
+        assert argv[argv.index("--worker_id") + 1] == "rollout-1"
+        assert argv[argv.index("--auth_token_file") + 1] == str(tmp_path / "token")
+        assert argv[-2:] == ["--reward_options", '{"length": {}}']
+        assert (tmp_path / "rollout-1.log").exists()
+    finally:
+        run.stop()
