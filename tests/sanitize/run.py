@@ -38,6 +38,7 @@ TSAN_TESTS = [
     "learner_test", "weight_publisher_test", "weight_sync_group_test", "weight_sync_test",
     "gloo_weight_sync_test", "rollout_loop_test", "prompt_ledger_test", "metrics_test",
     "http_exposer_test", "data_parallel_test", "process_test", "cancel_token_test",
+    "rollout_episode_test",
 ]
 # Unit tests that are not gtest binaries of our code: they check sources (format, lock
 # annotations) or build their own instrumented binaries (fuzzing).
