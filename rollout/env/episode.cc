@@ -1,9 +1,7 @@
 #include "rollout/env/episode.h"
 
 #include <algorithm>
-#include <atomic>
 #include <memory>
-#include <optional>
 #include <thread>
 #include <utility>
 
@@ -23,24 +21,6 @@ uint64_t SplitMix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Calls fn(i) for i in [0, n) on up to `threads` threads (inline when one is enough).
-void ForEachConcurrently(size_t n, int64_t threads, const std::function<void(size_t)>& fn) {
-  const size_t k = std::min<size_t>(n, static_cast<size_t>(std::max<int64_t>(1, threads)));
-  if (k <= 1) {
-    for (size_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  std::atomic<size_t> next{0};
-  std::vector<std::thread> pool;
-  pool.reserve(k);
-  for (size_t t = 0; t < k; ++t) {
-    pool.emplace_back([&] {
-      for (size_t i = next++; i < n; i = next++) fn(i);
-    });
-  }
-  for (auto& t : pool) t.join();
-}
-
 struct Episode {
   size_t group = 0;  // index into the valid inputs
   int64_t generation = 0;
@@ -56,9 +36,46 @@ struct Episode {
   bool uses_tools = false;  // the environment declared tools at reset
   std::vector<common::ChatMessage> reset_messages;  // shown to the model before its first turn
   ToolCallCounts tools;
-  Status error;  // the environment's failure, or one of its observations that cannot be shown
-  bool stepping = false;  // its environment step is in flight (StepsInFlight)
+  Status error;       // the environment's failure, or one of its observations that cannot be shown
+  int64_t wave = -1;  // the admission wave it reset with (index into ProduceEpisodes' waves)
+  bool resetting = false;  // its session's open and reset are in flight (StepsInFlight)
+  bool shown = false;      // its wave is back and ShowResetObservations ran: it may take turns
+  bool stepping = false;   // its environment step is in flight (StepsInFlight)
 };
+
+// Opens a session for `e` and resets it with the input's row and the episode's seed (a thread of
+// StepsInFlight: it has the episode's session to itself until the loop takes its result). A
+// reset refused at capacity (ResourceExhausted: an OpenEnv server past its max_concurrent_envs)
+// while the call holds fewer sessions than its bound is a session closed here that the server
+// has not released yet, or another worker's: tried again, in a new session, until the reset's
+// deadline. Errors carry their context (opening, reset, ended at reset).
+StatusOr<EnvObservation> OpenAndReset(Environment& environment, const EpisodeOptions& options,
+                                      const ProduceInput& in, Episode& e) {
+  const auto deadline = Clock::now() + options.step_timeout;
+  std::chrono::milliseconds backoff(10);
+  for (;;) {
+    StatusOr<std::unique_ptr<EnvSession>> session = environment.Open();
+    if (!session.ok()) {
+      return session.status().WithContext("opening a session of " + environment.name());
+    }
+    e.session = std::move(session).value();
+    StatusOr<EnvObservation> obs = e.session->Reset(
+        in.prompt->row, EpisodeSeed(options.seed, in.seed_index, e.generation), deadline);
+    if (obs.ok()) {
+      if (obs->done || obs->truncated) {
+        return Status::FailedPrecondition("the environment ended the episode at reset");
+      }
+      return obs;
+    }
+    if (obs.status().code() != StatusCode::kResourceExhausted ||
+        Clock::now() + backoff >= deadline) {
+      return obs.status().WithContext("reset");
+    }
+    e.session.reset();
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+  }
+}
 
 // Appends environment tokens (log-prob 0, env_mask 0) to `c`.
 void AppendEnvTokens(const std::vector<int32_t>& ids, Completion& c) {
@@ -288,9 +305,58 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
     for (Episode& e : episodes) {
       if (failed[e.group] && e.live) {
         e.live = false;
-        if (!e.stepping) e.session.reset();  // else once its step is back
+        if (!e.stepping && !e.resetting) e.session.reset();  // else once its thread is back
         counts.stopped += 1;
       }
+    }
+  };
+
+  // Opens, resets and environment steps run on threads of their own, one per episode at a time.
+  // Declared after `episodes`, which its threads use: it joins them first.
+  StepsInFlight steps;
+  Clock::duration last_turn{0};  // the last Continue call's
+
+  // Takes the finished resets and steps. A wave's episodes are shown (ShowResetObservations:
+  // a group decides with its first wave) once all of its resets are back.
+  std::vector<std::vector<size_t>> waves;  // the episodes of one group admitted together
+  std::vector<size_t> wave_left;           // per wave, resets not back yet
+  std::vector<GroupShow> shows(valid.size());
+  const auto take_finished = [&] {
+    for (StepsInFlight::Finished& f : steps.TakeFinished()) {
+      Episode& e = episodes[f.episode];
+      if (e.resetting) {
+        e.resetting = false;
+        if (!e.live) {  // its group failed while it reset
+          e.session.reset();
+        } else if (!f.result.ok()) {
+          e.error = f.result.status();
+          e.live = false;
+          e.session.reset();
+        } else {
+          EnvObservation& obs = *f.result;
+          if (obs.reward) e.reward += *obs.reward;
+          if (!obs.metadata.is_null()) e.metadata = obs.metadata;
+          e.uses_tools = !obs.tools.empty();
+          e.reset_messages = std::move(obs.messages);
+        }
+        if (--wave_left[e.wave] == 0) {
+          ShowResetObservations(options, prompt_ids, episodes, waves[e.wave], shows, counts);
+          for (size_t i : waves[e.wave]) episodes[i].shown = true;
+        }
+        continue;
+      }
+      e.stepping = false;
+      if (!e.live) {  // its group failed while it stepped
+        e.session.reset();
+        continue;
+      }
+      if (!f.result.ok()) {
+        e.error = f.result.status().WithContext("step after turn " + std::to_string(e.turns));
+        e.live = false;
+      } else {
+        ApplyObservation(options, e.turns - 1, *f.result, e, counts);
+      }
+      if (!e.live) e.session.reset();  // the episode is over: free the environment's session
     }
   };
 
@@ -298,12 +364,13 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
   // many): episodes are admitted in order, a session opened and reset for each, as sessions free
   // up; a whole group at a time when num_generations fits (its first turn prefills the prompt
   // once for all of it), else as many of its episodes as fit. Opens and resets run concurrently.
+  // Without overlap_env_steps the loop waits for a wave's resets, which then join this turn;
+  // with it, the wave joins the first turn after its resets are back.
   const int64_t cap = options.max_concurrent_sessions;
   size_t next = 0;  // the first episode not admitted
-  std::vector<GroupShow> shows(valid.size());
   const auto admit = [&] {
-    int64_t held = 0;
-    for (const Episode& e : episodes) held += e.session != nullptr ? 1 : 0;
+    int64_t held = 0;  // a resetting episode's session is its thread's until the reset is back
+    for (const Episode& e : episodes) held += e.resetting || e.session != nullptr ? 1 : 0;
     std::vector<size_t> wave;
     while (next < episodes.size() && held + static_cast<int64_t>(wave.size()) < cap) {
       if (!episodes[next].live) {  // its group failed before it started
@@ -321,52 +388,30 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
       }
     }
     if (wave.empty()) return;
-    const auto resets_started = Clock::now();
-    ForEachConcurrently(wave.size(), cap, [&](size_t j) {
-      Episode& e = episodes[wave[j]];
-      const ProduceInput& in = inputs[valid[e.group]];
-      // A reset refused at capacity (ResourceExhausted: an OpenEnv server past its
-      // max_concurrent_envs) while this call holds fewer sessions than its bound is a session
-      // closed here that the server has not released yet, or another worker's: tried again, in a
-      // new session, until the reset's deadline.
-      const auto deadline = Clock::now() + options.step_timeout;
-      std::chrono::milliseconds backoff(10);
-      StatusOr<EnvObservation> obs = Status::Unknown("not reset");
-      for (;;) {
-        StatusOr<std::unique_ptr<EnvSession>> session = environment.Open();
-        if (!session.ok()) {
-          e.error = session.status().WithContext("opening a session of " + environment.name());
-          e.live = false;
-          return;
-        }
-        e.session = std::move(session).value();
-        obs = e.session->Reset(in.prompt->row,
-                               EpisodeSeed(options.seed, in.seed_index, e.generation), deadline);
-        if (obs.ok() || obs.status().code() != StatusCode::kResourceExhausted ||
-            Clock::now() + backoff >= deadline) {
-          break;
-        }
-        e.session.reset();
-        std::this_thread::sleep_for(backoff);
-        backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+    // One wave per group: a group's episodes are shown (and start) together, whatever the
+    // other groups' resets do.
+    const size_t first = waves.size();
+    for (size_t i : wave) {
+      Episode& e = episodes[i];
+      if (waves.size() == first || episodes[waves.back().front()].group != e.group) {
+        waves.emplace_back();
+        wave_left.push_back(0);
       }
-      if (!obs.ok()) {
-        e.error = obs.status().WithContext("reset");
-      } else if (obs->done || obs->truncated) {
-        e.error = Status::FailedPrecondition("the environment ended the episode at reset");
-      } else {
-        if (obs->reward) e.reward += *obs->reward;
-        if (!obs->metadata.is_null()) e.metadata = obs->metadata;
-        e.uses_tools = !obs->tools.empty();
-        e.reset_messages = std::move(obs->messages);
-        return;
-      }
-      e.live = false;
-      e.session.reset();
-    });
-    counts.env_wait_seconds += std::chrono::duration<double>(Clock::now() - resets_started).count();
-    ShowResetObservations(options, prompt_ids, episodes, wave, shows, counts);
-    stop_failed_groups();
+      e.wave = static_cast<int64_t>(waves.size()) - 1;
+      e.resetting = true;
+      waves.back().push_back(i);
+      wave_left.back() += 1;
+      steps.Launch(i, [&environment, &options, &in = inputs[valid[e.group]], &e] {
+        return OpenAndReset(environment, options, in, e);
+      });
+    }
+    if (!options.overlap_env_steps) {
+      const auto waits = Clock::now();
+      steps.WaitAll();
+      counts.env_wait_seconds += std::chrono::duration<double>(Clock::now() - waits).count();
+      take_finished();
+      stop_failed_groups();
+    }
   };
 
   int64_t oldest_version = -1;
@@ -375,39 +420,23 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
   // overlap_env_steps the next turn waits for every step. With it, once one episode can go on
   // (a step came back, or one was not stepping) the turn waits at most as long as the last turn
   // took to decode for the other steps, then decodes the episodes ready (the others join a
-  // later turn): a slow step holds up its own episode only, and steps that end together still
-  // decode together. Declared after `episodes`, which its threads use: it joins them first.
-  StepsInFlight steps;
-  Clock::duration last_turn{0};
+  // later turn): a slow step holds up its own episode only, a slow reset its own group
+  // (admit above), and steps that end together still decode together.
+  const auto ready = [](const Episode& e) {
+    return e.live && e.admitted && e.shown && !e.stepping;
+  };
   for (;;) {
     if (steps.pending() > 0) {
       const auto waits = Clock::now();
       if (options.overlap_env_steps) {
-        const bool ready = std::any_of(episodes.begin(), episodes.end(), [](const Episode& e) {
-          return e.live && e.admitted && !e.stepping;
-        });
-        if (!ready) steps.WaitAny();
+        if (std::none_of(episodes.begin(), episodes.end(), ready)) steps.WaitAny();
         steps.WaitAll(Clock::now() + last_turn);
       } else {
         steps.WaitAll();
       }
       counts.env_wait_seconds += std::chrono::duration<double>(Clock::now() - waits).count();
     }
-    for (StepsInFlight::Finished& f : steps.TakeFinished()) {
-      Episode& e = episodes[f.episode];
-      e.stepping = false;
-      if (!e.live) {  // its group failed while it stepped
-        e.session.reset();
-        continue;
-      }
-      if (!f.result.ok()) {
-        e.error = f.result.status().WithContext("step after turn " + std::to_string(e.turns));
-        e.live = false;
-      } else {
-        ApplyObservation(options, e.turns - 1, *f.result, e, counts);
-      }
-      if (!e.live) e.session.reset();  // the episode is over: free the environment's session
-    }
+    take_finished();
     stop_failed_groups();
     for (const Episode& e : episodes) {
       if (!e.live) turn_cache.Release(inputs[valid[e.group]].seed_index, e.generation);
@@ -417,7 +446,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
     std::vector<Continuation> rows;
     for (size_t i = 0; i < episodes.size(); ++i) {
       Episode& e = episodes[i];
-      if (!e.live || !e.admitted || e.stepping) continue;
+      if (!ready(e)) continue;
       const ProduceInput& in = inputs[valid[e.group]];
       Continuation row;
       row.context = prompt_ids[e.group];
@@ -431,7 +460,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
       rows.push_back(std::move(row));
     }
     if (live.empty()) {
-      if (steps.pending() > 0) continue;     // every episode still live is stepping: wait above
+      if (steps.pending() > 0) continue;     // every live episode resets or steps: wait above
       if (next < episodes.size()) continue;  // every admitted one failed at reset: admit more
       break;
     }

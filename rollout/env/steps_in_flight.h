@@ -1,7 +1,7 @@
-// Environment steps that run while the episode loop decodes other episodes' turns
-// (EpisodeOptions::overlap_env_steps; docs/ARCHITECTURE.md "Multi-turn episodes"). Each step runs
-// on a thread of its own (at most env_max_concurrency at once: one per session held); the loop
-// takes the finished ones between its turns.
+// Environment calls (a session's open and reset, or a step) that run while the episode loop
+// decodes other episodes' turns (EpisodeOptions::overlap_env_steps; docs/ARCHITECTURE.md
+// "Multi-turn episodes"). Each runs on a thread of its own (at most env_max_concurrency at once:
+// one per session held); the loop takes the finished ones between its turns.
 #pragma once
 
 #include <chrono>
@@ -32,7 +32,7 @@ class StepsInFlight {
   StepsInFlight& operator=(const StepsInFlight&) = delete;
   ~StepsInFlight();  // waits for the steps still running
 
-  // Runs `step` of `episode` on a new thread. One step per episode at a time.
+  // Runs `step` of `episode` on a new thread. One call per episode at a time.
   void Launch(size_t episode, Step step) GRPO_EXCLUDES(mu_);
   // Launched and not taken yet (running or finished).
   size_t pending() const GRPO_EXCLUDES(mu_);

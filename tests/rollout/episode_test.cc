@@ -615,8 +615,8 @@ TEST(Episodes, AResetObservationNeedsAChatPromptAndRoomForATurn) {
 }
 
 // Environment steps overlapped with generation (overlap_env_steps). Every episode is done at
-// its third step; the first step of episode `slow_seed` waits until the other `others` episodes
-// are done, or until `wait` has passed: `opened_by_others` says which.
+// its third step; episode `slow_seed`'s first step (or with `at_reset` its reset) waits until
+// `others` other episodes are done, or until `wait` has passed: `opened_by_others` says which.
 struct Gate {
   std::mutex mu;
   std::condition_variable cv;
@@ -625,25 +625,31 @@ struct Gate {
 };
 
 FunctionEnvironment GatedEnvironment(uint64_t slow_seed, int others, std::chrono::milliseconds wait,
-                                     std::shared_ptr<Gate> gate) {
+                                     std::shared_ptr<Gate> gate, bool at_reset = false) {
+  const auto hold = [others, wait, gate] {
+    std::unique_lock<std::mutex> lock(gate->mu);
+    gate->opened_by_others =
+        gate->cv.wait_for(lock, wait, [&] { return gate->others_done >= others; });
+  };
   return FunctionEnvironment(
       "gated",
-      [slow_seed](const json&, uint64_t seed, json& state) -> StatusOr<EnvObservation> {
+      [slow_seed, at_reset, hold](const json&, uint64_t seed,
+                                  json& state) -> StatusOr<EnvObservation> {
         state = {{"step", 0}, {"slow", seed == slow_seed}};
+        if (at_reset && seed == slow_seed) hold();
         return EnvObservation{};
       },
-      [others, wait, gate](const std::string&, json& state) -> StatusOr<EnvObservation> {
+      [at_reset, hold, gate](const std::string&, json& state) -> StatusOr<EnvObservation> {
         const int step = state["step"].get<int>() + 1;
         state["step"] = step;
         const bool slow = state["slow"].get<bool>();
         EnvObservation obs;
         obs.done = step == 3;
         if (!obs.done) obs.messages = {{"user", "go on"}};
-        std::unique_lock<std::mutex> lock(gate->mu);
-        if (slow && step == 1) {
-          gate->opened_by_others =
-              gate->cv.wait_for(lock, wait, [&] { return gate->others_done == others; });
+        if (slow && step == 1 && !at_reset) {
+          hold();
         } else if (!slow && obs.done) {
+          std::lock_guard<std::mutex> lock(gate->mu);
           gate->others_done += 1;
           gate->cv.notify_all();
         }
@@ -688,6 +694,42 @@ TEST(Episodes, WithOverlappedStepsASlowStepHoldsUpItsOwnEpisodeOnly) {
   for (const ProducedGroup& g : overlapped->groups) {
     ASSERT_TRUE(g.group.ok()) << g.group.status().ToString();
     EXPECT_EQ(g.group->policy_version, 3);
+  }
+  EXPECT_EQ(Tokens(*overlapped), Tokens(*waited));
+}
+
+// The same with a slow reset: both groups are admitted together, and the second group's first
+// episode takes its time to reset. Waiting, the first group's episodes start only once it is
+// back; overlapped, they play all their turns meanwhile, and the second group starts after.
+TEST(Episodes, WithOverlappedStepsASlowResetHoldsUpItsOwnGroupOnly) {
+  Fixture f(400, 3);
+  const std::vector<ProduceInput> inputs = {{&f.prompt, 1}, {&f.prompt, 2}};
+  EpisodeOptions o = f.Options(4);
+  o.max_concurrent_sessions = 6;
+  const uint64_t slow = EpisodeSeed(o.seed, 2, 0);
+
+  auto waited_gate = std::make_shared<Gate>();
+  FunctionEnvironment waited_env =
+      GatedEnvironment(slow, 3, std::chrono::milliseconds(300), waited_gate, /*at_reset=*/true);
+  EpisodeCounts waited_counts;
+  auto waited = ProduceEpisodes(*f.generator, nullptr, waited_env, o, inputs, &waited_counts);
+  ASSERT_TRUE(waited.ok()) << waited.status().ToString();
+  EXPECT_FALSE(waited_gate->opened_by_others);
+  EXPECT_EQ(waited_counts.done, 6);
+  EXPECT_GE(waited_counts.env_wait_seconds, 0.25);
+
+  o.overlap_env_steps = true;
+  auto gate = std::make_shared<Gate>();
+  FunctionEnvironment env =
+      GatedEnvironment(slow, 3, std::chrono::seconds(60), gate, /*at_reset=*/true);
+  EpisodeCounts counts;
+  auto overlapped = ProduceEpisodes(*f.generator, nullptr, env, o, inputs, &counts);
+  ASSERT_TRUE(overlapped.ok()) << overlapped.status().ToString();
+  EXPECT_TRUE(gate->opened_by_others);
+  EXPECT_EQ(counts.done, 6);
+  EXPECT_EQ(counts.turns, 18);
+  for (const ProducedGroup& g : overlapped->groups) {
+    ASSERT_TRUE(g.group.ok()) << g.group.status().ToString();
   }
   EXPECT_EQ(Tokens(*overlapped), Tokens(*waited));
 }
