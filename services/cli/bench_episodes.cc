@@ -1,7 +1,8 @@
 // grpo bench episodes: multi-turn episodes per second of one process (ProduceEpisodes on one
 // Generator), the KV cache kept between turns vs every turn prefilled again, with an environment
-// that answers at once, one that takes 50 ms per step and a skewed one (5 ms, and 100 ms for one
-// step in 8), each with and without overlap_env_steps (kept cache); the single-turn path
+// that answers at once, one that takes 50 ms per step, a skewed one (5 ms, and 100 ms for one
+// step in 8) and one with slow resets (5 ms steps, 200 ms to reset the second prompt's
+// episodes), each with and without overlap_env_steps (kept cache); the single-turn path
 // (Generate) for the same completion tokens as the reference. All configurations of a model run
 // interleaved, rep by rep, after one warm-up each.
 #include <ATen/Parallel.h>
@@ -52,24 +53,34 @@ std::vector<std::vector<int32_t>> Prompts(const Shape& s, int64_t vocab) {
   return prompts;
 }
 
-// Every step shows `observation_tokens` tokens after `step_ms`, or after `slow_ms` for one step
-// in 8 when slow_ms > 0 (which ones: a hash of the episode's reset seed and the step's index,
-// the same in every run); max_turns ends the episode.
-rollout::FunctionEnvironment SlowEnvironment(int64_t step_ms, int64_t slow_ms,
-                                             int64_t observation_tokens) {
+// How long an environment takes: every step `step_ms`, or `slow_step_ms` for one step in 8 when
+// that is > 0 (which ones: a hash of the episode's reset seed and the step's index, the same in
+// every run), and every reset of the second prompt's episodes (its row says "slow_reset": 1
+// prompt of 4 on tiny, 1 of 2 on bench) `slow_reset_ms`, the others at once.
+struct EnvTiming {
+  int64_t step_ms = 0, slow_step_ms = 0, slow_reset_ms = 0;
+  bool operator==(const EnvTiming&) const = default;
+};
+
+// Every step shows `observation_tokens` tokens after its time; max_turns ends the episode.
+rollout::FunctionEnvironment SlowEnvironment(EnvTiming timing, int64_t observation_tokens) {
   return rollout::FunctionEnvironment(
       "bench",
-      [](const json&, uint64_t seed, json& state) -> StatusOr<rollout::EnvObservation> {
+      [timing](const json& row, uint64_t seed, json& state) -> StatusOr<rollout::EnvObservation> {
         state = {{"seed", seed}, {"step", 0}};
+        if (timing.slow_reset_ms > 0 && row.value("slow_reset", false)) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(timing.slow_reset_ms));
+        }
         return rollout::EnvObservation{};
       },
-      [step_ms, slow_ms, observation_tokens](const std::string&,
-                                             json& state) -> StatusOr<rollout::EnvObservation> {
+      [timing, observation_tokens](const std::string&,
+                                   json& state) -> StatusOr<rollout::EnvObservation> {
         const uint64_t step = state["step"].get<uint64_t>() + 1;
         state["step"] = step;
         const uint64_t h =
             state["seed"].get<uint64_t>() * 0x9E3779B97F4A7C15ull + step * 0xBF58476D1CE4E5B9ull;
-        const int64_t ms = slow_ms > 0 && (h >> 61) == 0 ? slow_ms : step_ms;
+        const int64_t ms =
+            timing.slow_step_ms > 0 && (h >> 61) == 0 ? timing.slow_step_ms : timing.step_ms;
         if (ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
         rollout::EnvObservation obs;
         obs.messages = {{"user", std::string(observation_tokens, 'o')}};
@@ -79,8 +90,7 @@ rollout::FunctionEnvironment SlowEnvironment(int64_t step_ms, int64_t slow_ms,
 
 struct Config {
   std::string impl;                // kept_cache | reprefill | single_turn
-  int64_t env_ms = 0;              // episodes only
-  int64_t slow_ms = 0;             // one episode in 8 steps this long (0: none)
+  EnvTiming env;                   // episodes only
   bool overlap = false;            // overlap_env_steps
   std::vector<double> s;           // one per timed rep
   std::vector<double> generate_s;  // the Continue calls' share of each rep
@@ -110,7 +120,11 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
     auto gen = std::move(rollout::Generator::Create(model, 0, go)).value();
 
     std::vector<rollout::Prompt> prompts;
-    for (auto& ids : Prompts(shape, vocab)) prompts.push_back({"", std::move(ids), json()});
+    for (auto& ids : Prompts(shape, vocab)) {
+      // The second prompt's environment is slow to reset (when the timing says so).
+      const json row = prompts.size() == 1 ? json{{"slow_reset", true}} : json::object();
+      prompts.push_back({"", std::move(ids), row});
+    }
     std::vector<rollout::ProduceInput> inputs;
     for (size_t p = 0; p < prompts.size(); ++p) {
       inputs.push_back({&prompts[p], static_cast<int64_t>(p)});
@@ -131,14 +145,15 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
     // Per environment: the kept cache with every turn waiting for every step, the same with
     // overlap_env_steps, and for the uniform ones every turn prefilled again.
     std::vector<Config> configs;
-    for (const auto& [ms, slow] : {std::pair<int64_t, int64_t>{0, 0}, {50, 0}, {5, 100}}) {
+    for (const EnvTiming& env :
+         {EnvTiming{0, 0, 0}, EnvTiming{50, 0, 0}, EnvTiming{5, 100, 0}, EnvTiming{5, 0, 200}}) {
+      const bool uniform = env.slow_step_ms == 0 && env.slow_reset_ms == 0;
       for (const char* impl : {"kept_cache", "overlap", "reprefill"}) {
-        if (slow > 0 && impl == std::string("reprefill")) continue;
+        if (!uniform && impl == std::string("reprefill")) continue;
         Config c;
         c.overlap = impl == std::string("overlap");
         c.impl = c.overlap ? "kept_cache" : impl;
-        c.env_ms = ms;
-        c.slow_ms = slow;
+        c.env = env;
         configs.push_back(std::move(c));
       }
     }
@@ -146,8 +161,7 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
     const auto same_env = [&configs](const Config& c, const std::string& impl,
                                      bool overlap) -> const Config* {
       for (const Config& o : configs) {
-        if (o.impl == impl && o.overlap == overlap && o.env_ms == c.env_ms &&
-            o.slow_ms == c.slow_ms) {
+        if (o.impl == impl && o.overlap == overlap && o.env == c.env) {
           return &o;
         }
       }
@@ -172,8 +186,7 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
       rollout::EpisodeOptions e = eo;
       e.keep_kv_cache = c.impl == "kept_cache";
       e.overlap_env_steps = c.overlap;
-      rollout::FunctionEnvironment env =
-          SlowEnvironment(c.env_ms, c.slow_ms, shape.observation_tokens);
+      rollout::FunctionEnvironment env = SlowEnvironment(c.env, shape.observation_tokens);
       auto r = rollout::ProduceEpisodes(*gen, nullptr, env, e, inputs, &c.counts);
       if (!r.ok()) {
         std::cerr << "episodes: " << r.status().ToString() << "\n";
@@ -217,8 +230,9 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
         row["prompt_tokens"] = shape.prompt_tokens;
         row["tokens_per_second"] = c.completion_tokens / t.median;
       } else {
-        row["env_step_ms"] = c.env_ms;
-        row["env_slow_step_ms"] = c.slow_ms;  // one episode in 8 (0: none)
+        row["env_step_ms"] = c.env.step_ms;
+        row["env_slow_step_ms"] = c.env.slow_step_ms;    // one step in 8 (0: none)
+        row["env_slow_reset_ms"] = c.env.slow_reset_ms;  // the second prompt's resets (0: none)
         row["overlap_env_steps"] = c.overlap;
         row["episodes"] = c.counts.episodes;
         row["turns"] = c.counts.turns;
@@ -262,8 +276,11 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
     if (r["env_slow_step_ms"].get<int64_t>() > 0) {
       env += ", 1 in 8 " + std::to_string(r["env_slow_step_ms"].get<int64_t>());
     }
+    if (r["env_slow_reset_ms"].get<int64_t>() > 0) {
+      env += ", 2nd prompt resets " + std::to_string(r["env_slow_reset_ms"].get<int64_t>());
+    }
     if (r["overlap_env_steps"].get<bool>()) env += ", overlap";
-    std::cout << "env " << std::left << std::setw(24) << env << std::right << std::setw(6)
+    std::cout << "env " << std::left << std::setw(34) << env << std::right << std::setw(6)
               << r["completion_tokens"].get<int64_t>() << " tokens  " << std::setprecision(3)
               << r["s_median"].get<double>() << " s (" << r["s_min"].get<double>() << "-"
               << r["s_max"].get<double>() << "; generating " << r["generate_s_median"].get<double>()
