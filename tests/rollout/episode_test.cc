@@ -657,11 +657,12 @@ FunctionEnvironment GatedEnvironment(uint64_t slow_seed, int others, std::chrono
       });
 }
 
-// Two prompts x 3 episodes, all admitted at once, one of them with a slow first step. Without
-// overlap no other episode takes its second turn while that step runs (the turn waits for every
-// step), so the slow step waits out its 300 ms alone; with it, the other five play all their
-// turns meanwhile. Each episode samples from its own streams: the tokens are the same.
-TEST(Episodes, WithOverlappedStepsASlowStepHoldsUpItsOwnEpisodeOnly) {
+// Two prompts x 3 episodes, all admitted at once, the first episode of the second prompt with a
+// slow first step (or reset), which waits for `others` episodes to be done. Waiting, nothing
+// else goes on while it runs (a turn waits for every step, a wave for every reset), so it waits
+// out its 300 ms; overlapped, the others play meanwhile. Each episode samples from its own
+// streams: the tokens are the same either way.
+void CheckASlowCallHoldsUpOnlyItsOwn(bool at_reset, int others) {
   Fixture f(400, 3);  // turns stop a third of the time: 3 turns never fill 400 tokens
   const std::vector<ProduceInput> inputs = {{&f.prompt, 1}, {&f.prompt, 2}};
   EpisodeOptions o = f.Options(4);
@@ -670,7 +671,7 @@ TEST(Episodes, WithOverlappedStepsASlowStepHoldsUpItsOwnEpisodeOnly) {
 
   auto waited_gate = std::make_shared<Gate>();
   FunctionEnvironment waited_env =
-      GatedEnvironment(slow, 5, std::chrono::milliseconds(300), waited_gate);
+      GatedEnvironment(slow, others, std::chrono::milliseconds(300), waited_gate, at_reset);
   EpisodeCounts waited_counts;
   auto waited = ProduceEpisodes(*f.generator, nullptr, waited_env, o, inputs, &waited_counts);
   ASSERT_TRUE(waited.ok()) << waited.status().ToString();
@@ -678,12 +679,13 @@ TEST(Episodes, WithOverlappedStepsASlowStepHoldsUpItsOwnEpisodeOnly) {
   EXPECT_EQ(waited_gate->others_done, 5);
   EXPECT_EQ(waited_counts.done, 6);
   EXPECT_EQ(waited_counts.turns, 18);
-  // The loop was blocked on the slow step (its 300 ms) with nothing to decode.
+  // The loop was blocked on the slow call (its 300 ms) with nothing to decode.
   EXPECT_GE(waited_counts.env_wait_seconds, 0.25);
 
   o.overlap_env_steps = true;
   auto gate = std::make_shared<Gate>();
-  FunctionEnvironment env = GatedEnvironment(slow, 5, std::chrono::seconds(60), gate);
+  FunctionEnvironment env =
+      GatedEnvironment(slow, others, std::chrono::seconds(60), gate, at_reset);
   EpisodeCounts counts;
   auto overlapped = ProduceEpisodes(*f.generator, nullptr, env, o, inputs, &counts);
   ASSERT_TRUE(overlapped.ok()) << overlapped.status().ToString();
@@ -698,40 +700,15 @@ TEST(Episodes, WithOverlappedStepsASlowStepHoldsUpItsOwnEpisodeOnly) {
   EXPECT_EQ(Tokens(*overlapped), Tokens(*waited));
 }
 
-// The same with a slow reset: both groups are admitted together, and the second group's first
-// episode takes its time to reset. Waiting, the first group's episodes start only once it is
-// back; overlapped, they play all their turns meanwhile, and the second group starts after.
+// The slow step waits for the five other episodes: they play all their turns meanwhile.
+TEST(Episodes, WithOverlappedStepsASlowStepHoldsUpItsOwnEpisodeOnly) {
+  CheckASlowCallHoldsUpOnlyItsOwn(/*at_reset=*/false, /*others=*/5);
+}
+
+// The slow reset waits for the first group's three episodes (its own group waits for it): the
+// first group plays while the second resets.
 TEST(Episodes, WithOverlappedStepsASlowResetHoldsUpItsOwnGroupOnly) {
-  Fixture f(400, 3);
-  const std::vector<ProduceInput> inputs = {{&f.prompt, 1}, {&f.prompt, 2}};
-  EpisodeOptions o = f.Options(4);
-  o.max_concurrent_sessions = 6;
-  const uint64_t slow = EpisodeSeed(o.seed, 2, 0);
-
-  auto waited_gate = std::make_shared<Gate>();
-  FunctionEnvironment waited_env =
-      GatedEnvironment(slow, 3, std::chrono::milliseconds(300), waited_gate, /*at_reset=*/true);
-  EpisodeCounts waited_counts;
-  auto waited = ProduceEpisodes(*f.generator, nullptr, waited_env, o, inputs, &waited_counts);
-  ASSERT_TRUE(waited.ok()) << waited.status().ToString();
-  EXPECT_FALSE(waited_gate->opened_by_others);
-  EXPECT_EQ(waited_counts.done, 6);
-  EXPECT_GE(waited_counts.env_wait_seconds, 0.25);
-
-  o.overlap_env_steps = true;
-  auto gate = std::make_shared<Gate>();
-  FunctionEnvironment env =
-      GatedEnvironment(slow, 3, std::chrono::seconds(60), gate, /*at_reset=*/true);
-  EpisodeCounts counts;
-  auto overlapped = ProduceEpisodes(*f.generator, nullptr, env, o, inputs, &counts);
-  ASSERT_TRUE(overlapped.ok()) << overlapped.status().ToString();
-  EXPECT_TRUE(gate->opened_by_others);
-  EXPECT_EQ(counts.done, 6);
-  EXPECT_EQ(counts.turns, 18);
-  for (const ProducedGroup& g : overlapped->groups) {
-    ASSERT_TRUE(g.group.ok()) << g.group.status().ToString();
-  }
-  EXPECT_EQ(Tokens(*overlapped), Tokens(*waited));
+  CheckASlowCallHoldsUpOnlyItsOwn(/*at_reset=*/true, /*others=*/3);
 }
 
 // Sessions told apart by their reset seed: the first step of `failing` fails at once; the first
