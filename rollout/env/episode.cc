@@ -31,7 +31,6 @@ struct Episode {
   double reward = 0.0;
   nlohmann::json metadata;
   bool live = true;         // not ended (an episode not admitted yet is live, without a session)
-  bool admitted = false;    // started: its session opened (or tried) by `admit` below
   int64_t turns = 0;        // model turns generated
   bool uses_tools = false;  // the environment declared tools at reset
   std::vector<common::ChatMessage> reset_messages;  // shown to the model before its first turn
@@ -383,7 +382,6 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
       const int64_t free = cap - held - static_cast<int64_t>(wave.size());
       if (rest > free && gen.num_generations <= cap) break;  // the whole group when it fits
       for (int64_t k = 0; k < std::min(rest, free); ++k) {
-        episodes[next].admitted = true;
         wave.push_back(next++);
       }
     }
@@ -423,7 +421,7 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
   // later turn): a slow step holds up its own episode only, a slow reset its own group
   // (admit above), and steps that end together still decode together.
   const auto ready = [](const Episode& e) {
-    return e.live && e.admitted && e.shown && !e.stepping;
+    return e.live && e.shown && !e.stepping;  // shown: admitted, its group's resets back
   };
   for (;;) {
     if (steps.pending() > 0) {
