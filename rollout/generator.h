@@ -245,8 +245,8 @@ class Generator {
   // it held for others as they were. A policy change empties it first. The results equal the
   // no-cache path's up to float rounding (same tokens for the same seeds unless a sample falls
   // within ~1e-6 of a boundary). InvalidArgument naming the row (empty context, id outside the
-  // vocabulary, max_new_tokens out of range); Internal (libtorch); on any error the cache is left
-  // empty.
+  // vocabulary, max_new_tokens out of range), checked before the cache is touched; Internal
+  // (libtorch), after which the cache is left empty (its rows were partly consumed).
   StatusOr<ContinueResult> Continue(const std::vector<Continuation>& rows,
                                     TurnCache* cache = nullptr) const;
 
