@@ -256,6 +256,21 @@ TEST(TurnCache, KeepsRowsUntilReleasedAndCountsTheirBytes) {
   EXPECT_EQ(cache.policy_version(), -1);
 }
 
+// A bad row is refused before the cache is read: the rows it holds stay for the next call.
+TEST(TurnCache, ARefusedRowLeavesTheCacheAsItWas) {
+  auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
+  TurnCache cache;
+  ASSERT_TRUE(
+      gen->Continue({{{1, 2, 3}, 0, 0, 0, kMaxNew}, {{4, 5}, 0, 1, 0, kMaxNew}}, &cache).ok());
+  const int64_t tokens = cache.num_tokens();
+  auto refused = gen->Continue({{{1, 2, 3}, 0, 0, 1, kMaxNew}, {{}, 0, 1, 1, kMaxNew}}, &cache);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("continuation 1: empty context"), std::string::npos);
+  EXPECT_EQ(cache.num_rows(), 2);
+  EXPECT_EQ(cache.num_tokens(), tokens);
+}
+
 TEST(TurnCache, AnEditedContextReusesOnlyTheCommonPrefixAndStillMatches) {
   auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
   TurnCache cache;
