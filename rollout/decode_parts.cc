@@ -167,6 +167,22 @@ std::unique_ptr<KvStepper> RestartSharingPrompts(const Model& model,
   return stepper;
 }
 
+Status CheckContinuation(const Continuation& row, const std::string& where, int64_t vocab,
+                         int64_t max_completion_length) {
+  if (row.context.empty()) return Status::InvalidArgument(where + "empty context");
+  auto bad = std::find_if(row.context.begin(), row.context.end(),
+                          [&](int32_t t) { return t < 0 || t >= vocab; });
+  if (bad != row.context.end()) {
+    return Status::InvalidArgument(where + "token id " + std::to_string(*bad) +
+                                   " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+  }
+  if (row.max_new_tokens < 1 || row.max_new_tokens > max_completion_length) {
+    return Status::InvalidArgument(where + "max_new_tokens " + std::to_string(row.max_new_tokens) +
+                                   " outside [1, " + std::to_string(max_completion_length) + "]");
+  }
+  return Status::OK();
+}
+
 int64_t ShareEqualContexts(const Model& model, const std::vector<std::vector<int32_t>>& contexts,
                            std::vector<KvCache>& held, std::vector<int64_t>& reuse) {
   std::map<std::vector<int32_t>, std::vector<size_t>> rows_of;

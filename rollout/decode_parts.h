@@ -20,8 +20,9 @@
 #include "rollout/sampler.h"
 
 namespace grpo::rollout {
+struct Continuation;
 struct GeneratorOptions;
-}
+}  // namespace grpo::rollout
 
 namespace grpo::rollout::decode {
 
@@ -110,6 +111,11 @@ std::unique_ptr<KvStepper> RestartSharingPrompts(const common::Model& model,
 // from its element skip[i] on (skip empty = 0); L the longest.
 std::pair<at::Tensor, at::Tensor> LeftPadded(const std::vector<std::vector<int32_t>>& contexts,
                                              const std::vector<int64_t>& skip = {});
+
+// Continue's checks of a row: InvalidArgument naming `where` for an empty context, an id
+// outside [0, vocab), or max_new_tokens outside [1, max_completion_length].
+Status CheckContinuation(const Continuation& row, const std::string& where, int64_t vocab,
+                         int64_t max_completion_length);
 
 // Rows that hold nothing yet (reuse[i] == 0) and have equal contexts of two or more tokens (a
 // group's first turn: its G episodes start from one prompt) share one prefill: all but the last

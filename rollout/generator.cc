@@ -53,6 +53,32 @@ void TurnCache::Clear() {
   model_ = nullptr;
 }
 
+void TurnCache::Bind(int64_t version, const common::Model* model) {
+  if (version_ != version || model_ != model) Clear();
+  version_ = version;
+  model_ = model;
+}
+
+int64_t TurnCache::Take(int64_t seed_index, int64_t generation, const std::vector<int32_t>& context,
+                        KvCache* kv) {
+  auto node = rows_.extract({seed_index, generation});
+  if (node.empty()) return 0;
+  const std::vector<int32_t>& held = node.mapped().tokens;
+  const size_t limit = std::min(held.size(), context.size() - 1);
+  size_t n = 0;
+  while (n < limit && held[n] == context[n]) ++n;
+  if (n > 0) *kv = std::move(node.mapped().kv);
+  return static_cast<int64_t>(n);
+}
+
+void TurnCache::Put(int64_t seed_index, int64_t generation, const std::vector<int32_t>& context,
+                    const std::vector<int32_t>& completion, KvCache kv) {
+  Entry& e = rows_[{seed_index, generation}];
+  e.tokens = context;
+  e.tokens.insert(e.tokens.end(), completion.begin(), completion.end() - 1);
+  e.kv = std::move(kv);
+}
+
 GeneratorOptions GeneratorOptions::FromConfig(const common::GrpoConfig& config) {
   GeneratorOptions o;
   o.sampling = SamplingParams::FromConfig(config);
@@ -233,20 +259,8 @@ StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& ro
   std::vector<int64_t> max_new;
   for (size_t i = 0; i < rows.size(); ++i) {
     const Continuation& row = rows[i];
-    const std::string where = "continuation " + std::to_string(i) + ": ";
-    if (row.context.empty()) return Status::InvalidArgument(where + "empty context");
-    auto bad = std::find_if(row.context.begin(), row.context.end(),
-                            [&](int32_t t) { return t < 0 || t >= vocab; });
-    if (bad != row.context.end()) {
-      return Status::InvalidArgument(where + "token id " + std::to_string(*bad) +
-                                     " is outside the vocabulary [0, " + std::to_string(vocab) +
-                                     ")");
-    }
-    if (row.max_new_tokens < 1 || row.max_new_tokens > options_.max_completion_length) {
-      return Status::InvalidArgument(where + "max_new_tokens " +
-                                     std::to_string(row.max_new_tokens) + " outside [1, " +
-                                     std::to_string(options_.max_completion_length) + "]");
-    }
+    RETURN_IF_ERROR(decode::CheckContinuation(row, "continuation " + std::to_string(i) + ": ",
+                                              vocab, options_.max_completion_length));
     contexts.push_back(row.context);
     gens.push_back(MakeRowGenerator(options_.seed, row.seed_index,
                                     ContinuationStream(row.generation, row.turn)));
@@ -256,22 +270,14 @@ StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& ro
   // (at least one token is left to prefill: it gives the first logits); the rows of others stay.
   std::optional<TurnRows> turn;
   if (cache != nullptr) {
-    if (cache->version_ != result.policy_version || cache->model_ != model.get()) cache->Clear();
+    cache->Bind(result.policy_version, model.get());
     turn.emplace();
     turn->held.resize(rows.size());
     turn->reuse.assign(rows.size(), 0);
     for (size_t i = 0; i < rows.size(); ++i) {
-      auto node = cache->rows_.extract({rows[i].seed_index, rows[i].generation});
-      if (node.empty()) continue;
-      const std::vector<int32_t>& held = node.mapped().tokens;
-      const std::vector<int32_t>& ctx = contexts[i];
-      const size_t limit = std::min(held.size(), ctx.size() - 1);
-      size_t n = 0;
-      while (n < limit && held[n] == ctx[n]) ++n;
-      if (n == 0) continue;
-      turn->held[i] = std::move(node.mapped().kv);
-      turn->reuse[i] = static_cast<int64_t>(n);
-      result.num_cached_tokens += static_cast<int64_t>(n);
+      turn->reuse[i] =
+          cache->Take(rows[i].seed_index, rows[i].generation, contexts[i], &turn->held[i]);
+      result.num_cached_tokens += turn->reuse[i];
     }
   }
   // Rows with nothing held and one context (a group's first turn) share its prefill.
@@ -303,15 +309,9 @@ StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& ro
   result.completions = std::move(decoded).value();
   if (cache != nullptr) {
     for (size_t i = 0; i < rows.size(); ++i) {
-      TurnCache::Entry e;
-      e.tokens = contexts[i];
-      const std::vector<int32_t>& done = result.completions[i].token_ids;
-      e.tokens.insert(e.tokens.end(), done.begin(), done.end() - 1);
-      e.kv = std::move(turn->kept[i]);
-      cache->rows_[{rows[i].seed_index, rows[i].generation}] = std::move(e);
+      cache->Put(rows[i].seed_index, rows[i].generation, contexts[i],
+                 result.completions[i].token_ids, std::move(turn->kept[i]));
     }
-    cache->version_ = result.policy_version;
-    cache->model_ = model.get();
   }
   return result;
 }

@@ -127,6 +127,7 @@ struct Continuation {
   int64_t generation = 0;        // the episode's index in its group
   int64_t turn = 0;              // 0 = the first model turn (then the stream equals Generate's)
   int64_t max_new_tokens = 0;    // in [1, max_completion_length]: what the episode has left
+  int64_t tag = 0;               // the caller's; ContinueStream hands it back with the turn
 };
 
 struct ContinueResult {
@@ -136,6 +137,34 @@ struct ContinueResult {
   int64_t num_completion_tokens = 0;
   int64_t num_prefill_tokens = 0;  // context tokens run through the model (shared ones once)
   int64_t num_cached_tokens = 0;   // context tokens whose keys/values came from a TurnCache
+};
+
+// One row's turn out of ContinueStream.
+struct StreamedTurn {
+  int64_t tag = 0;                // the Continuation's
+  int64_t policy_version = 0;     // of the snapshot that sampled every token of the turn
+  common::Completion completion;  // as Continue's
+};
+
+// The caller's side of ContinueStream. Both functions run on the decoding thread, between two
+// decode steps; they may Release rows of the stream's TurnCache (not the rows decoding).
+struct TurnStream {
+  // Rows to start now (each with the caller's tag; no row twice at once). `idle`: nothing
+  // decodes, so the call may wait for rows, and an empty answer ends the stream. Not idle: it
+  // should return at once (the rows in flight wait for it).
+  std::function<std::vector<Continuation>(bool idle)> take;
+  // Each row's turn as soon as it stopped.
+  std::function<void(StreamedTurn)> done;
+};
+
+struct TurnStreamStats {
+  int64_t num_turns = 0;  // handed to `done`
+  int64_t num_completion_tokens = 0;
+  int64_t num_prefill_tokens = 0;  // as ContinueResult's, over every row taken
+  int64_t num_cached_tokens = 0;
+  int64_t num_switches = 0;  // newer policies taken (each when nothing decoded)
+  int64_t num_decode_steps = 0;
+  int64_t max_rows = 0;  // the most rows decoding at once
 };
 
 // The KV caches of multi-turn rows between their Continue calls, so that a row's next turn
@@ -171,6 +200,16 @@ class TurnCache {
     std::vector<int32_t> tokens;  // the ids of the held columns, in order
     common::KvCache kv;           // one dense row (Model::CompactRow)
   };
+  // Empties the cache unless it holds rows of this snapshot; then holds rows of it.
+  void Bind(int64_t version, const common::Model* model);
+  // Removes the row of (seed_index, generation) and returns how many leading tokens of
+  // `context` it holds (at most context.size() - 1: one is left to prefill), its keys/values
+  // moved to *kv when that is > 0.
+  int64_t Take(int64_t seed_index, int64_t generation, const std::vector<int32_t>& context,
+               common::KvCache* kv);
+  // Holds `kv`, the keys/values of `context` and `completion` but its last token (never fed).
+  void Put(int64_t seed_index, int64_t generation, const std::vector<int32_t>& context,
+           const std::vector<int32_t>& completion, common::KvCache kv);
   int64_t version_ = -1;
   const common::Model* model_ = nullptr;  // identity only, never dereferenced
   std::map<std::pair<int64_t, int64_t>, Entry> rows_;
@@ -249,6 +288,20 @@ class Generator {
   // (libtorch), after which the cache is left empty (its rows were partly consumed).
   StatusOr<ContinueResult> Continue(const std::vector<Continuation>& rows,
                                     TurnCache* cache = nullptr) const;
+
+  // Continue with rows that join and leave a running decode (multi-turn episodes whose
+  // environment steps end at different times): each row starts when `stream.take` hands it over
+  // and goes out through `stream.done` as soon as it stops, so no row waits for a longer one
+  // nor for a row that is still in its environment. Rows sample as Continue's (their own
+  // streams; the same tokens up to the numerics of another batch), use `cache` as Continue does
+  // (each row's held keys/values when it is taken, its own kept when it stops), and a turn never
+  // mixes versions: a newer policy is taken when nothing decodes (admission pauses for the rows
+  // in flight to stop; the cache is emptied). Returns when `take` answers an idle call with
+  // nothing. InvalidArgument for a stream without both functions or a bad row (as Continue's;
+  // the rows in flight are lost, the cache keeps what it holds); Internal (libtorch): the rows
+  // in flight are lost and the cache is left empty.
+  StatusOr<TurnStreamStats> ContinueStream(const TurnStream& stream, TurnCache* cache) const
+      GRPO_EXCLUDES(mu_);
 
   // Benchmark baseline (`grpo bench decode`): the same algorithm and results without a KV
   // cache: each step runs the full forward over every row's whole sequence.
