@@ -40,6 +40,7 @@ struct Episode {
   bool resetting = false;  // its session's open and reset are in flight (StepsInFlight)
   bool shown = false;      // its wave is back and ShowResetObservations ran: it may take turns
   bool stepping = false;   // its environment step is in flight (StepsInFlight)
+  bool decoding = false;   // its model turn decodes (ContinueStream)
 };
 
 // Opens a session for `e` and resets it with the input's row and the episode's seed (a thread of
@@ -313,7 +314,6 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
   // Opens, resets and environment steps run on threads of their own, one per episode at a time.
   // Declared after `episodes`, which its threads use: it joins them first.
   StepsInFlight steps;
-  Clock::duration last_turn{0};  // the last Continue call's
 
   // Takes the finished resets and steps. A wave's episodes are shown (ShowResetObservations:
   // a group decides with its first wave) once all of its resets are back.
@@ -414,87 +414,131 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
 
   int64_t oldest_version = -1;
   TurnCache turn_cache;  // the live episodes' keys/values between turns
-  // After its model turn an episode's environment step runs on a thread of its own. Without
-  // overlap_env_steps the next turn waits for every step. With it, once one episode can go on
-  // (a step came back, or one was not stepping) the turn waits at most as long as the last turn
-  // took to decode for the other steps, then decodes the episodes ready (the others join a
-  // later turn): a slow step holds up its own episode only, a slow reset its own group
-  // (admit above), and steps that end together still decode together.
+  TurnCache* const kv = options.keep_kv_cache ? &turn_cache : nullptr;
+  // An episode may take its next model turn once it is admitted, its group's resets are back
+  // and shown, and neither its step nor its last turn is in flight.
   const auto ready = [](const Episode& e) {
-    return e.live && e.shown && !e.stepping;  // shown: admitted, its group's resets back
+    return e.live && e.shown && !e.stepping && !e.decoding;
   };
-  for (;;) {
-    if (steps.pending() > 0) {
-      const auto waits = Clock::now();
-      if (options.overlap_env_steps) {
-        if (std::none_of(episodes.begin(), episodes.end(), ready)) steps.WaitAny();
-        steps.WaitAll(Clock::now() + last_turn);
-      } else {
-        steps.WaitAll();
-      }
-      counts.env_wait_seconds += std::chrono::duration<double>(Clock::now() - waits).count();
-    }
+  const auto row_of = [&](size_t i) {
+    const Episode& e = episodes[i];
+    const ProduceInput& in = inputs[valid[e.group]];
+    Continuation row;
+    row.context = prompt_ids[e.group];
+    row.context.insert(row.context.end(), e.completion.token_ids.begin(),
+                       e.completion.token_ids.end());
+    row.seed_index = in.seed_index;
+    row.generation = e.generation;
+    row.turn = e.turns;
+    row.max_new_tokens = e.budget - static_cast<int64_t>(e.completion.token_ids.size());
+    row.tag = static_cast<int64_t>(i);
+    return row;
+  };
+  // Before each turn: the resets and steps back, failed groups stopped, ended episodes' keys and
+  // values freed, sessions freed up given to the next episodes.
+  const auto between_turns = [&] {
     take_finished();
     stop_failed_groups();
     for (const Episode& e : episodes) {
       if (!e.live) turn_cache.Release(inputs[valid[e.group]].seed_index, e.generation);
     }
     admit();
-    std::vector<size_t> live;
-    std::vector<Continuation> rows;
-    for (size_t i = 0; i < episodes.size(); ++i) {
-      Episode& e = episodes[i];
-      if (!ready(e)) continue;
-      const ProduceInput& in = inputs[valid[e.group]];
-      Continuation row;
-      row.context = prompt_ids[e.group];
-      row.context.insert(row.context.end(), e.completion.token_ids.begin(),
-                         e.completion.token_ids.end());
-      row.seed_index = in.seed_index;
-      row.generation = e.generation;
-      row.turn = e.turns;
-      row.max_new_tokens = e.budget - static_cast<int64_t>(e.completion.token_ids.size());
-      live.push_back(i);
-      rows.push_back(std::move(row));
+  };
+  // A model turn of episode i: appended to it, then its environment step runs on a thread of
+  // its own (which has the episode's session, last turn and tool counts to itself until
+  // TakeFinished hands its result back), unless the turn hit the episode's budget.
+  const auto apply_turn = [&](size_t i, Completion& t, int64_t version) {
+    Episode& e = episodes[i];
+    oldest_version = oldest_version < 0 ? version : std::min(oldest_version, version);
+    Completion& c = e.completion;
+    c.token_ids.insert(c.token_ids.end(), t.token_ids.begin(), t.token_ids.end());
+    c.logprobs.insert(c.logprobs.end(), t.logprobs.begin(), t.logprobs.end());
+    c.env_mask.insert(c.env_mask.end(), t.token_ids.size(), 1);
+    e.last_turn = std::move(t.text);
+    e.turns += 1;
+    counts.turns += 1;
+    if (t.truncated) {  // cut by max_completion_length: never stepped, never continued
+      c.truncated = true;
+      counts.length_truncated += 1;
+      e.live = false;
+      e.session.reset();  // the episode is over: free the environment's session
+      return;
     }
-    if (live.empty()) {
-      if (steps.pending() > 0) continue;     // every live episode resets or steps: wait above
-      if (next < episodes.size()) continue;  // every admitted one failed at reset: admit more
-      break;
-    }
-    const auto t0 = Clock::now();
-    ASSIGN_OR_RETURN(ContinueResult next_turn,
-                     generator.Continue(rows, options.keep_kv_cache ? &turn_cache : nullptr));
-    last_turn = Clock::now() - t0;
-    out.generate_seconds += std::chrono::duration<double>(last_turn).count();
-    out.num_completion_tokens += next_turn.num_completion_tokens;
-    oldest_version = oldest_version < 0 ? next_turn.policy_version
-                                        : std::min(oldest_version, next_turn.policy_version);
-    for (size_t j = 0; j < live.size(); ++j) {
-      Episode& e = episodes[live[j]];
-      Completion& t = next_turn.completions[j];
-      Completion& c = e.completion;
-      c.token_ids.insert(c.token_ids.end(), t.token_ids.begin(), t.token_ids.end());
-      c.logprobs.insert(c.logprobs.end(), t.logprobs.begin(), t.logprobs.end());
-      c.env_mask.insert(c.env_mask.end(), t.token_ids.size(), 1);
-      e.last_turn = std::move(t.text);
-      e.turns += 1;
-      counts.turns += 1;
-      if (t.truncated) {  // cut by max_completion_length: never stepped, never continued
-        c.truncated = true;
-        counts.length_truncated += 1;
-        e.live = false;
-        e.session.reset();  // the episode is over: free the environment's session
-        continue;
+    e.stepping = true;
+    steps.Launch(i, [&e, &options]() -> StatusOr<EnvObservation> {
+      const auto deadline = Clock::now() + options.step_timeout;
+      return e.uses_tools ? StepToolTurn(*e.session, e.last_turn, deadline, &e.tools)
+                          : e.session->Step(e.last_turn, deadline);
+    });
+  };
+
+  if (options.overlap_env_steps) {
+    // Episodes join and leave one running decode (ContinueStream): an episode whose step or
+    // reset comes back starts its next turn at the next decode step, and one whose turn stops
+    // steps at once, so a slow step or reset holds up its own episode only, and no episode
+    // waits for a longer turn. The batches follow the environment's timing.
+    double stream_waits = 0.0;  // inside `take`, nothing decoding
+    TurnStream stream;
+    stream.take = [&](bool idle) {
+      std::vector<Continuation> rows;
+      for (;;) {
+        between_turns();
+        for (size_t i = 0; i < episodes.size(); ++i) {
+          if (!ready(episodes[i])) continue;
+          episodes[i].decoding = true;
+          rows.push_back(row_of(i));
+        }
+        if (!rows.empty() || !idle) return rows;
+        if (steps.pending() == 0) {
+          if (next < episodes.size()) continue;  // every admitted one failed at reset: admit more
+          return rows;                           // every episode ended
+        }
+        const auto waits = Clock::now();
+        steps.WaitAny();
+        const double waited = std::chrono::duration<double>(Clock::now() - waits).count();
+        counts.env_wait_seconds += waited;
+        stream_waits += waited;
       }
-      // The step's thread has the episode's session, last turn and tool counts to itself until
-      // TakeFinished hands its result back.
-      e.stepping = true;
-      steps.Launch(live[j], [&e, &options]() -> StatusOr<EnvObservation> {
-        const auto deadline = Clock::now() + options.step_timeout;
-        return e.uses_tools ? StepToolTurn(*e.session, e.last_turn, deadline, &e.tools)
-                            : e.session->Step(e.last_turn, deadline);
-      });
+    };
+    stream.done = [&](StreamedTurn turn) {
+      Episode& e = episodes[static_cast<size_t>(turn.tag)];
+      e.decoding = false;
+      if (!e.live) return;  // its group failed while it decoded: the turn is dropped
+      apply_turn(static_cast<size_t>(turn.tag), turn.completion, turn.policy_version);
+    };
+    const auto t0 = Clock::now();
+    ASSIGN_OR_RETURN(TurnStreamStats stats, generator.ContinueStream(stream, kv));
+    out.generate_seconds += std::chrono::duration<double>(Clock::now() - t0).count() - stream_waits;
+    out.num_completion_tokens += stats.num_completion_tokens;
+  } else {
+    // Turn by turn: every live episode's step comes back, then one Continue call decodes the
+    // next turn of them all.
+    for (;;) {
+      if (steps.pending() > 0) {
+        const auto waits = Clock::now();
+        steps.WaitAll();
+        counts.env_wait_seconds += std::chrono::duration<double>(Clock::now() - waits).count();
+      }
+      between_turns();
+      std::vector<size_t> live;
+      std::vector<Continuation> rows;
+      for (size_t i = 0; i < episodes.size(); ++i) {
+        if (!ready(episodes[i])) continue;
+        live.push_back(i);
+        rows.push_back(row_of(i));
+      }
+      if (live.empty()) {
+        if (steps.pending() > 0) continue;     // every live episode resets or steps: wait above
+        if (next < episodes.size()) continue;  // every admitted one failed at reset: admit more
+        break;
+      }
+      const auto t0 = Clock::now();
+      ASSIGN_OR_RETURN(ContinueResult next_turn, generator.Continue(rows, kv));
+      out.generate_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+      out.num_completion_tokens += next_turn.num_completion_tokens;
+      for (size_t j = 0; j < live.size(); ++j) {
+        apply_turn(live[j], next_turn.completions[j], next_turn.policy_version);
+      }
     }
   }
   if (oldest_version >= 0) out.policy_version = oldest_version;

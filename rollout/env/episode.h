@@ -51,13 +51,14 @@ struct EpisodeOptions {
   // TurnCache; freed when the call returns): a turn prefills only the tokens appended since the
   // last. false: every turn prefills the whole episode again (the benchmark's baseline).
   bool keep_kv_cache = true;
-  // Overlap the environment's steps and resets with generation: a turn decodes the episodes
-  // whose steps have come back and does not wait for the others longer than the last turn took
-  // to decode, and a group admitted while others play joins once its resets are back, so a
-  // slow step holds up its own episode only, a slow reset its own group. Each episode's tokens
-  // are the same (its own sampler streams); which episodes share a batch then depends on the
-  // environment's timing, so a run repeats up to float rounding. false: every turn waits for
-  // every live episode's step and every reset (one batch per turn, bit for bit repeatable).
+  // Overlap the environment's steps and resets with generation: the episodes join and leave
+  // one running decode (Generator::ContinueStream), an episode starting its next turn at the
+  // decode step after its step or its group's resets come back and stepping as soon as its
+  // turn stops, so a slow step holds up its own episode only, a slow reset its own group, and
+  // no episode waits for a longer turn. Each episode's tokens are the same (its own sampler
+  // streams); which episodes share a batch then depends on the environment's timing, so a run
+  // repeats up to float rounding. false: every turn waits for every live episode's step and
+  // every reset (one batch per turn, bit for bit repeatable).
   bool overlap_env_steps = false;
 
   // InvalidArgument naming the field.
