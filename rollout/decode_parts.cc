@@ -225,6 +225,34 @@ at::Tensor SeenTokens(const std::vector<std::vector<int32_t>>& contexts, int64_t
   return seen.repeat_interleave(g, 0).to(device);
 }
 
+int64_t StopCheckInterval(const GeneratorOptions& options, const at::Device& device) {
+  if (!options.stop_strings.empty()) return 1;
+  if (options.stop_check_interval > 0) return options.stop_check_interval;
+  return device.is_cuda() ? kDefaultCudaStopCheckInterval : 1;
+}
+
+StreamSetup::StreamSetup(const GeneratorOptions& options, const Model& model,
+                         const common::Tokenizer* tokenizer)
+    : device(model.LmHeadWeight().device()),
+      vocab(model.config().vocab_size),
+      stop_ids(StopIds(options, model.config(), tokenizer)),
+      interval(StopCheckInterval(options, device)),
+      room(options.max_completion_length + interval) {}
+
+void Join(std::unique_ptr<KvStepper> admitted, const at::Tensor& fresh,
+          const at::Tensor& fresh_seen, int64_t room, std::unique_ptr<KvStepper>& stepper,
+          at::Tensor& logits, at::Tensor& seen) {
+  if (stepper == nullptr) {
+    stepper = std::move(admitted);
+    logits = fresh;
+    seen = fresh_seen;
+    return;
+  }
+  stepper->Append(*admitted, room);
+  logits = at::cat({logits, fresh});
+  if (seen.defined()) seen = at::cat({seen, fresh_seen});
+}
+
 std::unordered_set<int64_t> StopIds(const GeneratorOptions& options,
                                     const common::ModelConfig& policy,
                                     const common::Tokenizer* tokenizer) {

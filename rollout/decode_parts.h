@@ -132,6 +132,10 @@ int64_t ShareEqualContexts(const common::Model& model,
 at::Tensor SeenTokens(const std::vector<std::vector<int32_t>>& contexts, int64_t g, int64_t vocab,
                       const at::Device& device);
 
+// Decode steps between stop checks: options.stop_check_interval, or (0) 1 on the CPU and
+// kDefaultCudaStopCheckInterval on a GPU; 1 with stop strings (they need every token's text).
+int64_t StopCheckInterval(const GeneratorOptions& options, const at::Device& device);
+
 // The ids that end a completion: stop_token_ids, and eos_token_ids or (when empty) the policy's
 // eos ids and the tokenizer's eos.
 std::unordered_set<int64_t> StopIds(const GeneratorOptions& options,
@@ -197,6 +201,45 @@ Status KeepCurrentRows(const std::vector<int64_t>& keep, const at::Device& devic
   active = std::move(still);
   gens = std::move(still_gens);
   return Status::OK();
+}
+
+// What a stream (GenerateStream, ContinueStream) decodes with, from the options and the policy
+// it starts with.
+struct StreamSetup {
+  StreamSetup(const GeneratorOptions& options, const common::Model& model,
+              const common::Tokenizer* tokenizer);
+  at::Device device;
+  int64_t vocab;
+  std::unordered_set<int64_t> stop_ids;
+  int64_t interval;  // StopCheckInterval
+  // Columns a row may still need: max_completion_length tokens, and the steps of a window
+  // that runs on past them.
+  int64_t room;
+};
+
+// Admits rows into a stream: their stepper (`admitted`, its first logits `fresh` and penalty
+// marks `fresh_seen`, undefined without the penalty) after the rows in flight (its cache
+// appended to theirs with `room` more columns), or as the rows in flight when nothing decodes.
+void Join(std::unique_ptr<KvStepper> admitted, const at::Tensor& fresh,
+          const at::Tensor& fresh_seen, int64_t room, std::unique_ptr<KvStepper>& stepper,
+          at::Tensor& logits, at::Tensor& seen);
+
+// A stream's end of window (GenerateStream, ContinueStream): the rows `keep` go on from the
+// window's last tokens (KeepCurrentRows), or, when none does, the stepper and the per-row state
+// are freed (nothing decodes).
+template <typename RowId, typename StepperT>
+Status KeepOrEnd(const std::vector<int64_t>& keep, const Window& window, const at::Device& device,
+                 std::unique_ptr<StepperT>& stepper, at::Tensor& seen, at::Tensor& pending,
+                 std::vector<RowId>& active, std::vector<at::Generator>& gens) {
+  if (keep.empty()) {
+    stepper.reset();
+    active.clear();
+    gens.clear();
+    seen = at::Tensor();
+    return Status::OK();
+  }
+  pending = window.last;
+  return KeepCurrentRows(keep, device, *stepper, seen, pending, active, gens);
 }
 
 // Earliest position of any stop string in text, or npos.

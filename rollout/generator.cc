@@ -6,6 +6,7 @@
 #include <exception>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_set>
 #include <utility>
 
@@ -147,6 +148,11 @@ Status Generator::SetPolicy(std::shared_ptr<const Model> policy, int64_t version
   return Status::OK();
 }
 
+std::pair<std::shared_ptr<const Model>, int64_t> Generator::Snapshot() const {
+  common::MutexLock lock(&mu_);
+  return {policy_, version_};
+}
+
 std::pair<std::shared_ptr<const Model>, int64_t> Generator::PolicyOtherThan(int64_t version) const {
   common::MutexLock lock(&mu_);
   if (version_ == version) return {nullptr, version};
@@ -187,11 +193,7 @@ StatusOr<GenerateResult> Generator::Run(const std::vector<std::vector<int32_t>>&
   // The one snapshot of this call.
   std::shared_ptr<const Model> model;
   GenerateResult result;
-  {
-    common::MutexLock lock(&mu_);
-    model = policy_;
-    result.policy_version = version_;
-  }
+  std::tie(model, result.policy_version) = Snapshot();
   const common::ModelConfig& cfg = model->config();
   const int64_t vocab = cfg.vocab_size;
   const int64_t g = options_.num_generations;
@@ -248,11 +250,7 @@ StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& ro
                                              TurnCache* cache) const {
   std::shared_ptr<const Model> model;
   ContinueResult result;
-  {
-    common::MutexLock lock(&mu_);
-    model = policy_;
-    result.policy_version = version_;
-  }
+  std::tie(model, result.policy_version) = Snapshot();
   const int64_t vocab = model->config().vocab_size;
   std::vector<std::vector<int32_t>> contexts;
   std::vector<at::Generator> gens;
@@ -383,9 +381,7 @@ StatusOr<std::vector<Completion>> Generator::Decode(const Model& model, int64_t 
     // Decode in windows of `interval` steps: every row (finished or not) steps inside a window;
     // at its end one host copy of the window's tokens and log-probs decides which rows stop
     // where (the same per-token rules as interval 1) and the finished rows leave the batch.
-    int64_t interval = options_.stop_check_interval;
-    if (interval == 0) interval = device.is_cuda() ? kDefaultCudaStopCheckInterval : 1;
-    if (!options_.stop_strings.empty()) interval = 1;
+    const int64_t interval = decode::StopCheckInterval(options_, device);
     std::vector<int64_t> active(num_rows);  // current stepper row -> row id
     for (int64_t r = 0; r < num_rows; ++r) active[r] = r;
     for (int64_t step = 0; step < max_new;) {

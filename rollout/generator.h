@@ -322,6 +322,8 @@ class Generator {
                                const std::vector<int64_t>& max_new_tokens, bool use_cache) const
       GRPO_EXCLUDES(mu_);
 
+  // The installed policy and its version.
+  std::pair<std::shared_ptr<const common::Model>, int64_t> Snapshot() const GRPO_EXCLUDES(mu_);
   // The installed policy and its version when its version is not `version` (an in-flight
   // update to take); {null, version} otherwise.
   std::pair<std::shared_ptr<const common::Model>, int64_t> PolicyOtherThan(int64_t version) const

@@ -69,26 +69,13 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
     return Status::InvalidArgument("GenerateStream: max_prompts must be >= 1, got " +
                                    std::to_string(stream.max_prompts));
   }
-  std::shared_ptr<const Model> model;
-  int64_t version = 0;
-  {
-    common::MutexLock lock(&mu_);
-    model = policy_;
-    version = version_;
-  }
+  auto [model, version] = Snapshot();
   StreamStats stats;
   const int64_t g = options_.num_generations;
   const int64_t max_new = options_.max_completion_length;
   try {
     c10::InferenceMode inference;  // as Generator::Decode's
-    const at::Device device = model->LmHeadWeight().device();
-    const int64_t vocab = model->config().vocab_size;
-    const auto stop_ids = decode::StopIds(options_, model->config(), tokenizer_);
-    int64_t interval = options_.stop_check_interval;
-    if (interval == 0) interval = device.is_cuda() ? kDefaultCudaStopCheckInterval : 1;
-    if (!options_.stop_strings.empty()) interval = 1;
-    // Columns a row may still need: its tokens, and the steps of a window that runs on past them.
-    const int64_t room = max_new + interval;
+    const decode::StreamSetup setup(options_, *model, tokenizer_);
 
     std::map<int64_t, Slot> slots;
     int64_t next_slot = 0;
@@ -129,7 +116,8 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
       if (newer != nullptr && (active.empty() || options_.partial_rollouts)) {
         if (!active.empty()) {
           if (options_.recompute_kv_on_update) {
-            stepper = Recompute(*newer, slots, active, room, device, &stats.num_recompute_tokens);
+            stepper = Recompute(*newer, slots, active, setup.room, setup.device,
+                                &stats.num_recompute_tokens);
           } else {
             stepper->Rebind(*newer);
           }
@@ -156,7 +144,7 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
       for (StreamPrompt& p : taken) {
         bool truncated = false;
         auto checked =
-            decode::CheckPrompt(std::move(p.ids), vocab, options_,
+            decode::CheckPrompt(std::move(p.ids), setup.vocab, options_,
                                 "prompt (tag " + std::to_string(p.tag) + "): ", &truncated);
         if (checked.ok() && (p.max_new_tokens < 0 || p.max_new_tokens > max_new)) {
           checked = Status::InvalidArgument(
@@ -188,38 +176,31 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
       if (!ids.empty()) {
         const auto [prompt_ids, prompt_mask] = decode::LeftPadded(ids);
         auto admitted = std::make_unique<decode::KvStepper>(*model);
-        at::Tensor fresh = admitted->Start(prompt_ids.to(device), prompt_mask.to(device), g,
-                                           prompt_ids.size(1) + room);
+        at::Tensor fresh =
+            admitted->Start(prompt_ids.to(setup.device), prompt_mask.to(setup.device), g,
+                            prompt_ids.size(1) + setup.room);
         at::Tensor fresh_seen;
         if (options_.sampling.uses_penalty()) {
-          fresh_seen = decode::SeenTokens(ids, g, vocab, device);
+          fresh_seen = decode::SeenTokens(ids, g, setup.vocab, setup.device);
         }
-        if (stepper == nullptr) {
-          stepper = std::move(admitted);
-          logits = fresh;
-          seen = fresh_seen;
-        } else {
-          stepper->Append(*admitted, room);
-          logits = at::cat({logits, fresh});
-          if (seen.defined()) seen = at::cat({seen, fresh_seen});
-        }
+        decode::Join(std::move(admitted), fresh, fresh_seen, setup.room, stepper, logits, seen);
       }
       if (active.empty()) continue;  // every prompt taken failed
       stats.max_rows = std::max<int64_t>(stats.max_rows, static_cast<int64_t>(active.size()));
 
       // 4. A window of samples; finished rows leave, finished groups go out.
-      ASSIGN_OR_RETURN(
-          decode::Window window,
-          decode::SampleWindow(*stepper, logits, seen, options_.sampling, gens, interval, device));
-      steps += interval;
+      ASSIGN_OR_RETURN(decode::Window window,
+                       decode::SampleWindow(*stepper, logits, seen, options_.sampling, gens,
+                                            setup.interval, setup.device));
+      steps += setup.interval;
       if (options_.window_hook) options_.window_hook(steps);
       std::vector<int64_t> keep;
       for (int64_t a = 0; a < static_cast<int64_t>(active.size()); ++a) {
         Slot& s = slots.at(active[a].slot);
         ASSIGN_OR_RETURN(
             const bool done,
-            decode::AppendWindow(window, a, s.max_new, stop_ids, options_.stop_strings, tokenizer_,
-                                 s.rows[active[a].k], version, &s.versions[active[a].k],
+            decode::AppendWindow(window, a, s.max_new, setup.stop_ids, options_.stop_strings,
+                                 tokenizer_, s.rows[active[a].k], version, &s.versions[active[a].k],
                                  &stats.num_completion_tokens));
         if (!done) {
           keep.push_back(a);
@@ -227,16 +208,8 @@ StatusOr<StreamStats> Generator::GenerateStream(const GroupStream& stream) const
           RETURN_IF_ERROR(finish(active[a].slot));
         }
       }
-      if (keep.empty()) {
-        stepper.reset();
-        active.clear();
-        gens.clear();
-        seen = at::Tensor();
-      } else {
-        pending = window.last;
-        RETURN_IF_ERROR(
-            decode::KeepCurrentRows(keep, device, *stepper, seen, pending, active, gens));
-      }
+      RETURN_IF_ERROR(
+          decode::KeepOrEnd(keep, window, setup.device, stepper, seen, pending, active, gens));
     }
     return stats;
   } catch (const c10::Error& e) {

@@ -34,25 +34,12 @@ StatusOr<TurnStreamStats> Generator::ContinueStream(const TurnStream& stream,
   if (!stream.take || !stream.done) {
     return Status::InvalidArgument("ContinueStream: the stream needs both take and done");
   }
-  std::shared_ptr<const Model> model;
-  int64_t version = 0;
-  {
-    common::MutexLock lock(&mu_);
-    model = policy_;
-    version = version_;
-  }
+  auto [model, version] = Snapshot();
   TurnStreamStats stats;
   const int64_t max_new = options_.max_completion_length;
   try {
     c10::InferenceMode inference;  // as Generator::Decode's
-    const at::Device device = model->LmHeadWeight().device();
-    const int64_t vocab = model->config().vocab_size;
-    const auto stop_ids = decode::StopIds(options_, model->config(), tokenizer_);
-    int64_t interval = options_.stop_check_interval;
-    if (interval == 0) interval = device.is_cuda() ? kDefaultCudaStopCheckInterval : 1;
-    if (!options_.stop_strings.empty()) interval = 1;
-    // Columns a row may still need: its tokens, and the steps of a window that runs on past them.
-    const int64_t room = max_new + interval;
+    const decode::StreamSetup setup(options_, *model, tokenizer_);
     if (cache != nullptr) cache->Bind(version, model.get());
 
     std::vector<Live> active;                    // the stepper's rows, in order
@@ -86,7 +73,8 @@ StatusOr<TurnStreamStats> Generator::ContinueStream(const TurnStream& stream,
       if (active.empty() && taken.empty()) break;
       for (size_t i = 0; i < taken.size(); ++i) {
         RETURN_IF_ERROR(decode::CheckContinuation(
-            taken[i], "continuation (tag " + std::to_string(taken[i].tag) + "): ", vocab, max_new));
+            taken[i], "continuation (tag " + std::to_string(taken[i].tag) + "): ", setup.vocab,
+            max_new));
       }
       if (!taken.empty()) {
         std::vector<std::vector<int32_t>> contexts;
@@ -111,22 +99,14 @@ StatusOr<TurnStreamStats> Generator::ContinueStream(const TurnStream& stream,
         for (const KvCache& h : held) rows.push_back(&h);
         const int64_t held_len = *std::max_element(reuse.begin(), reuse.end());
         auto admitted = std::make_unique<decode::KvStepper>(
-            *model, model->StackRows(rows, reuse, held_len + ids.size(1) + room));
+            *model, model->StackRows(rows, reuse, held_len + ids.size(1) + setup.room));
         held.clear();  // copied into the admitted stepper
-        at::Tensor fresh = admitted->Start(ids.to(device), mask.to(device), /*g=*/1, 0);
+        at::Tensor fresh = admitted->Start(ids.to(setup.device), mask.to(setup.device), /*g=*/1, 0);
         at::Tensor fresh_seen;
         if (options_.sampling.uses_penalty()) {
-          fresh_seen = decode::SeenTokens(contexts, 1, vocab, device);
+          fresh_seen = decode::SeenTokens(contexts, 1, setup.vocab, setup.device);
         }
-        if (stepper == nullptr) {
-          stepper = std::move(admitted);
-          logits = fresh;
-          seen = fresh_seen;
-        } else {
-          stepper->Append(*admitted, room);
-          logits = at::cat({logits, fresh});
-          if (seen.defined()) seen = at::cat({seen, fresh_seen});
-        }
+        decode::Join(std::move(admitted), fresh, fresh_seen, setup.room, stepper, logits, seen);
         for (Continuation& c : taken) {
           gens.push_back(MakeRowGenerator(options_.seed, c.seed_index,
                                           ContinuationStream(c.generation, c.turn)));
@@ -142,18 +122,18 @@ StatusOr<TurnStreamStats> Generator::ContinueStream(const TurnStream& stream,
       stats.max_rows = std::max<int64_t>(stats.max_rows, static_cast<int64_t>(active.size()));
 
       // 4. A window of samples; stopped rows leave (their keys/values into the cache).
-      ASSIGN_OR_RETURN(
-          decode::Window window,
-          decode::SampleWindow(*stepper, logits, seen, options_.sampling, gens, interval, device));
-      stats.num_decode_steps += interval;
+      ASSIGN_OR_RETURN(decode::Window window,
+                       decode::SampleWindow(*stepper, logits, seen, options_.sampling, gens,
+                                            setup.interval, setup.device));
+      stats.num_decode_steps += setup.interval;
       if (options_.window_hook) options_.window_hook(stats.num_decode_steps);
       std::vector<int64_t> keep;
       for (int64_t a = 0; a < static_cast<int64_t>(active.size()); ++a) {
         Live& l = active[a];
         ASSIGN_OR_RETURN(
             const bool done,
-            decode::AppendWindow(window, a, l.max_new, stop_ids, options_.stop_strings, tokenizer_,
-                                 l.row, -1, nullptr, &stats.num_completion_tokens));
+            decode::AppendWindow(window, a, l.max_new, setup.stop_ids, options_.stop_strings,
+                                 tokenizer_, l.row, -1, nullptr, &stats.num_completion_tokens));
         if (!done) {
           keep.push_back(a);
           continue;
@@ -171,16 +151,8 @@ StatusOr<TurnStreamStats> Generator::ContinueStream(const TurnStream& stream,
         ++stats.num_turns;
         stream.done(StreamedTurn{l.tag, version, std::move(c)});
       }
-      if (keep.empty()) {
-        stepper.reset();
-        active.clear();
-        gens.clear();
-        seen = at::Tensor();
-      } else {
-        pending = window.last;
-        RETURN_IF_ERROR(
-            decode::KeepCurrentRows(keep, device, *stepper, seen, pending, active, gens));
-      }
+      RETURN_IF_ERROR(
+          decode::KeepOrEnd(keep, window, setup.device, stepper, seen, pending, active, gens));
     }
     return stats;
   } catch (const c10::Error& e) {

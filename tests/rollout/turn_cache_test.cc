@@ -15,6 +15,7 @@
 #include "rollout/env/episode.h"
 #include "rollout/generator.h"
 #include "tests/rollout/scaled_tiny_model.h"
+#include "tests/rollout/turn_rows.h"
 
 namespace grpo::rollout {
 namespace {
@@ -22,74 +23,25 @@ namespace {
 using common::Model;
 using nlohmann::json;
 
-constexpr int64_t kMaxNew = 10;
-
-// Turns end on about a sixth of the vocabulary, so their lengths differ (and some hit kMaxNew).
-GeneratorOptions Options(int64_t stop_check_interval, double repetition_penalty) {
-  GeneratorOptions o;
-  o.num_generations = 1;
-  o.max_completion_length = kMaxNew;
-  o.seed = 99;
-  o.stop_check_interval = stop_check_interval;
-  o.sampling.repetition_penalty = repetition_penalty;
-  for (int32_t t = 0; t < 259; t += 6) o.eos_token_ids.push_back(t);
-  return o;
-}
-
-// Observation of row r after turn t: 1 to 7 tokens, different per row and turn.
-std::vector<int32_t> Observation(size_t r, int64_t t) {
-  std::vector<int32_t> ids;
-  const int64_t n = 1 + static_cast<int64_t>((3 * r + 5 * t) % 7);
-  for (int64_t j = 0; j < n; ++j) ids.push_back(static_cast<int32_t>(100 + 11 * r + 7 * t + j));
-  return ids;
-}
-
-struct Episode {
-  std::vector<int32_t> context;
-  int64_t seed_index = 0, generation = 0;
-  int64_t last_turn = 0;  // the episode ends after this turn
-};
-
-// Six episodes of two prompts (lengths 5 and 9) ending after turns 1, 2, 3, 3, 4 and 4. With
-// `groups`, the episodes of one prompt (seed index r % 2) start from the same ids, as a group's
-// G episodes do; without, every episode's ids differ.
-std::vector<Episode> Episodes(bool groups = false) {
-  std::vector<Episode> e;
-  const std::vector<int64_t> last = {0, 1, 2, 2, 3, 3};
-  for (size_t r = 0; r < last.size(); ++r) {
-    Episode x;
-    const int n = r % 2 == 0 ? 5 : 9;
-    const size_t salt = groups ? r % 2 : r;
-    for (int i = 0; i < n; ++i) {
-      x.context.push_back(static_cast<int32_t>((17 * i + 3 * salt) % 250));
-    }
-    x.seed_index = static_cast<int64_t>(r % 2);
-    x.generation = static_cast<int64_t>(r / 2);
-    x.last_turn = last[r];
-    e.push_back(std::move(x));
-  }
-  return e;
-}
-
 // Runs the episodes turn by turn twice in lockstep, with `cache` and without, and checks that
 // every turn is the same; `between(turn)` runs after each turn. Returns the cached run's
 // per-turn results.
 std::vector<ContinueResult> RunLockstep(const Generator& gen, TurnCache* cache,
                                         const std::function<void(int64_t)>& between = {},
                                         bool groups = false) {
-  std::vector<Episode> episodes = Episodes(groups);
+  std::vector<TurnRow> episodes = SixRows(groups);
   std::vector<ContinueResult> turns;
   for (int64_t turn = 0;; ++turn) {
     std::vector<size_t> live;
     std::vector<Continuation> rows;
     for (size_t r = 0; r < episodes.size(); ++r) {
-      const Episode& e = episodes[r];
+      const TurnRow& e = episodes[r];
       if (e.last_turn < turn) continue;
       live.push_back(r);
       rows.push_back({e.context, e.seed_index, e.generation, turn, kMaxNew});
     }
     if (rows.empty()) break;
-    for (const Episode& e : episodes) {  // ended: its caller frees its row, as ProduceEpisodes does
+    for (const TurnRow& e : episodes) {  // ended: its caller frees its row, as ProduceEpisodes does
       if (e.last_turn < turn && cache != nullptr) cache->Release(e.seed_index, e.generation);
     }
     auto kept = gen.Continue(rows, cache);
@@ -110,7 +62,7 @@ std::vector<ContinueResult> RunLockstep(const Generator& gen, TurnCache* cache,
             << "episode " << live[j] << " turn " << turn;
       }
       // The episode goes on from the reference's turn (the same ids when the test passes).
-      Episode& e = episodes[live[j]];
+      TurnRow& e = episodes[live[j]];
       e.context.insert(e.context.end(), b.token_ids.begin(), b.token_ids.end());
       const std::vector<int32_t> obs = Observation(live[j], turn);
       e.context.insert(e.context.end(), obs.begin(), obs.end());
@@ -124,7 +76,7 @@ std::vector<ContinueResult> RunLockstep(const Generator& gen, TurnCache* cache,
 // What each turn must prefill with the cache: whole prompts at turn 0; afterwards, per live row,
 // its previous turn's last token (sampled, never fed) and the observation after it.
 std::vector<int64_t> ExpectedPrefill() {
-  const std::vector<Episode> episodes = Episodes();
+  const std::vector<TurnRow> episodes = SixRows();
   std::vector<int64_t> per_turn;
   for (int64_t turn = 0; turn <= 3; ++turn) {
     int64_t n = 0;
@@ -148,7 +100,7 @@ class TurnCacheLockstep : public ::testing::TestWithParam<Variant> {};
 TEST_P(TurnCacheLockstep, KeptCacheTurnsEqualReprefilledTurnsAndPrefillOnlyWhatWasAppended) {
   auto gen =
       Generator::Create(ScaledTinyModel(3), 1,
-                        Options(GetParam().stop_check_interval, GetParam().repetition_penalty))
+                        TurnOptions(GetParam().stop_check_interval, GetParam().repetition_penalty))
           .value();
   TurnCache cache;
   std::vector<ContinueResult> turns = RunLockstep(*gen, &cache);
@@ -177,7 +129,7 @@ INSTANTIATE_TEST_SUITE_P(StopWindowsAndPenalty, TurnCacheLockstep,
 // A group's first turn: its episodes share one prompt, so its prefill runs once (all but the
 // prompt's last token), and each row starts from it; the turns still equal whole prefills.
 TEST(TurnCache, AGroupsFirstTurnPrefillsItsPromptOnceAndStillMatches) {
-  auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
+  auto gen = Generator::Create(ScaledTinyModel(3), 1, TurnOptions(1, 1.0)).value();
   TurnCache cache;
   std::vector<ContinueResult> turns = RunLockstep(*gen, &cache, {}, /*groups=*/true);
   ASSERT_EQ(turns.size(), 4u);
@@ -194,7 +146,7 @@ TEST(TurnCache, AGroupsFirstTurnPrefillsItsPromptOnceAndStillMatches) {
 }
 
 TEST(TurnCache, APolicyChangeBetweenTurnsPrefillsEverythingAgainAndStillMatches) {
-  auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
+  auto gen = Generator::Create(ScaledTinyModel(3), 1, TurnOptions(1, 1.0)).value();
   std::shared_ptr<const Model> other = ScaledTinyModel(4);
   TurnCache cache;
   std::vector<ContinueResult> turns = RunLockstep(*gen, &cache, [&](int64_t turn) {
@@ -213,7 +165,7 @@ TEST(TurnCache, APolicyChangeBetweenTurnsPrefillsEverythingAgainAndStillMatches)
 }
 
 TEST(TurnCache, KeepsRowsUntilReleasedAndCountsTheirBytes) {
-  auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
+  auto gen = Generator::Create(ScaledTinyModel(3), 1, TurnOptions(1, 1.0)).value();
   TurnCache cache;
   std::vector<Continuation> rows = {
       {{1, 2, 3}, 0, 0, 0, kMaxNew}, {{4, 5, 6, 7, 8}, 0, 1, 0, kMaxNew}, {{9}, 1, 0, 0, kMaxNew}};
@@ -258,7 +210,7 @@ TEST(TurnCache, KeepsRowsUntilReleasedAndCountsTheirBytes) {
 
 // A bad row is refused before the cache is read: the rows it holds stay for the next call.
 TEST(TurnCache, ARefusedRowLeavesTheCacheAsItWas) {
-  auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
+  auto gen = Generator::Create(ScaledTinyModel(3), 1, TurnOptions(1, 1.0)).value();
   TurnCache cache;
   ASSERT_TRUE(
       gen->Continue({{{1, 2, 3}, 0, 0, 0, kMaxNew}, {{4, 5}, 0, 1, 0, kMaxNew}}, &cache).ok());
@@ -272,7 +224,7 @@ TEST(TurnCache, ARefusedRowLeavesTheCacheAsItWas) {
 }
 
 TEST(TurnCache, AnEditedContextReusesOnlyTheCommonPrefixAndStillMatches) {
-  auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
+  auto gen = Generator::Create(ScaledTinyModel(3), 1, TurnOptions(1, 1.0)).value();
   TurnCache cache;
   Continuation row{{10, 20, 30, 40, 50, 60}, 0, 0, 0, kMaxNew};
   ASSERT_TRUE(gen->Continue({row}, &cache).ok());
@@ -290,7 +242,7 @@ TEST(TurnCache, AnEditedContextReusesOnlyTheCommonPrefixAndStillMatches) {
 // ProduceEpisodes keeps the cache by default: its groups equal those of keep_kv_cache = false.
 TEST(TurnCache, EpisodesWithTheKeptCacheEqualEpisodesThatPrefillEveryTurn) {
   common::ByteTokenizer tokenizer;
-  GeneratorOptions o = Options(1, 1.0);
+  GeneratorOptions o = TurnOptions(1, 1.0);
   o.num_generations = 4;
   o.max_completion_length = 60;
   auto gen = Generator::Create(ScaledTinyModel(3), 1, o, &tokenizer).value();

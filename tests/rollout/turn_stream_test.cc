@@ -12,6 +12,7 @@
 
 #include "rollout/generator.h"
 #include "tests/rollout/scaled_tiny_model.h"
+#include "tests/rollout/turn_rows.h"
 
 namespace grpo::rollout {
 namespace {
@@ -19,55 +20,7 @@ namespace {
 using common::Completion;
 using common::Model;
 
-constexpr int64_t kMaxNew = 10;
-
-// Turns end on about a sixth of the vocabulary, so their lengths differ (and some hit kMaxNew).
-GeneratorOptions Options(int64_t stop_check_interval, double repetition_penalty) {
-  GeneratorOptions o;
-  o.num_generations = 1;
-  o.max_completion_length = kMaxNew;
-  o.seed = 99;
-  o.stop_check_interval = stop_check_interval;
-  o.sampling.repetition_penalty = repetition_penalty;
-  for (int32_t t = 0; t < 259; t += 6) o.eos_token_ids.push_back(t);
-  return o;
-}
-
-// Observation of row r after turn t: 1 to 7 tokens, different per row and turn.
-std::vector<int32_t> Observation(size_t r, int64_t t) {
-  std::vector<int32_t> ids;
-  const int64_t n = 1 + static_cast<int64_t>((3 * r + 5 * t) % 7);
-  for (int64_t j = 0; j < n; ++j) ids.push_back(static_cast<int32_t>(100 + 11 * r + 7 * t + j));
-  return ids;
-}
-
-// Six rows of two prompts (5 and 9 ids; with `groups` the rows of a prompt start from the same
-// ids, as a group's episodes do), ending after turns 0, 1, 2, 2, 3 and 3.
-struct Row {
-  std::vector<int32_t> context;
-  int64_t seed_index = 0, generation = 0;
-  int64_t last_turn = 0;
-  int64_t turn = 0;  // the next
-};
-
-std::vector<Row> Rows(bool groups) {
-  std::vector<Row> rows;
-  const std::vector<int64_t> last = {0, 1, 2, 2, 3, 3};
-  for (size_t r = 0; r < last.size(); ++r) {
-    Row x;
-    const int n = r % 2 == 0 ? 5 : 9;
-    const size_t salt = groups ? r % 2 : r;
-    for (int i = 0; i < n; ++i)
-      x.context.push_back(static_cast<int32_t>((17 * i + 3 * salt) % 250));
-    x.seed_index = static_cast<int64_t>(r % 2);
-    x.generation = static_cast<int64_t>(r / 2);
-    x.last_turn = last[r];
-    rows.push_back(std::move(x));
-  }
-  return rows;
-}
-
-Continuation ContinuationOf(const Row& row, size_t tag) {
+Continuation ContinuationOf(const TurnRow& row, size_t tag) {
   Continuation c{row.context, row.seed_index, row.generation, row.turn, kMaxNew};
   c.tag = static_cast<int64_t>(tag);
   return c;
@@ -104,10 +57,10 @@ class TurnStreamRuns : public ::testing::TestWithParam<Variant> {};
 // and with the cache each later turn prefilled only its last token and its observation.
 TEST_P(TurnStreamRuns, EveryTurnEqualsTheRowAloneWhateverJoinsOrLeaves) {
   const Variant v = GetParam();
-  auto gen =
-      Generator::Create(ScaledTinyModel(3), 1, Options(v.stop_check_interval, v.repetition_penalty))
-          .value();
-  std::vector<Row> rows = Rows(/*groups=*/false);
+  auto gen = Generator::Create(ScaledTinyModel(3), 1,
+                               TurnOptions(v.stop_check_interval, v.repetition_penalty))
+                 .value();
+  std::vector<TurnRow> rows = SixRows();
   std::vector<int64_t> back_at(rows.size(), -1);  // the take call at which a row is offered
   for (size_t r = 0; r < rows.size(); ++r) back_at[r] = static_cast<int64_t>(r);
   std::map<size_t, Continuation> in_flight;  // tag -> the row as taken
@@ -151,7 +104,7 @@ TEST_P(TurnStreamRuns, EveryTurnEqualsTheRowAloneWhateverJoinsOrLeaves) {
     ExpectSameTurn(t.completion, Alone(*gen, taken),
                    "row " + std::to_string(r) + " turn " + std::to_string(taken.turn));
     // The row goes on from the reference's turn (the same ids when the test passes).
-    Row& row = rows[r];
+    TurnRow& row = rows[r];
     const Completion want = Alone(*gen, taken);
     row.context.insert(row.context.end(), want.token_ids.begin(), want.token_ids.end());
     const std::vector<int32_t> obs = Observation(r, row.turn);
@@ -189,8 +142,8 @@ INSTANTIATE_TEST_SUITE_P(StopWindowsPenaltyAndCache, TurnStreamRuns,
 
 // A group's first turn taken together prefills its prompt once for its rows, as Continue's.
 TEST(TurnStream, AGroupsFirstTurnSharesOnePrefill) {
-  auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
-  const std::vector<Row> rows = Rows(/*groups=*/true);
+  auto gen = Generator::Create(ScaledTinyModel(3), 1, TurnOptions(1, 1.0)).value();
+  const std::vector<TurnRow> rows = SixRows(/*groups=*/true);
   bool given = false;
   std::map<int64_t, Completion> got;
   TurnStream stream;
@@ -220,7 +173,7 @@ TEST(TurnStream, AGroupsFirstTurnSharesOnePrefill) {
 // with, no row is taken until it has, and the next row's turn is the new policy's alone. The
 // cache drops the rows of the old version.
 TEST(TurnStream, ANewerPolicyWaitsForTheRowsInFlight) {
-  GeneratorOptions o = Options(1, 1.0);
+  GeneratorOptions o = TurnOptions(1, 1.0);
   o.eos_token_ids = {-1};  // every turn runs kMaxNew tokens
   std::shared_ptr<const Model> other = ScaledTinyModel(4);
   bool switched = false;
@@ -238,7 +191,7 @@ TEST(TurnStream, ANewerPolicyWaitsForTheRowsInFlight) {
   auto old_gen = Generator::Create(ScaledTinyModel(3), 1, plain).value();
   auto new_gen = Generator::Create(other, 2, plain).value();
 
-  const std::vector<Row> rows = Rows(/*groups=*/false);
+  const std::vector<TurnRow> rows = SixRows();
   const Continuation a = ContinuationOf(rows[0], 0), b = ContinuationOf(rows[1], 1);
   int64_t calls_after_switch_before_a = 0;
   bool a_done = false, b_given = false, a_given = false;
@@ -276,7 +229,7 @@ TEST(TurnStream, ANewerPolicyWaitsForTheRowsInFlight) {
 }
 
 TEST(TurnStream, ABadRowEndsTheStreamNamingItsTag) {
-  auto gen = Generator::Create(ScaledTinyModel(3), 1, Options(1, 1.0)).value();
+  auto gen = Generator::Create(ScaledTinyModel(3), 1, TurnOptions(1, 1.0)).value();
   int64_t calls = 0;
   TurnStream stream;
   stream.take = [&](bool) {
