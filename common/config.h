@@ -55,8 +55,8 @@ struct GrpoConfig {
   int64_t max_turns = 4;                   // model turns per episode
   int64_t env_max_concurrency = 16;        // environment sessions of one worker at once
   double env_step_timeout_seconds = 30.0;  // per reset and per step
-  // A turn decodes the episodes whose environment steps (and resets) have come back instead of
-  // waiting for every live episode's (rollout/env/episode.h EpisodeOptions::overlap_env_steps).
+  // Episodes join one running decode as their environment steps (and resets) come back instead
+  // of every turn waiting for every live episode's (EpisodeOptions::overlap_env_steps).
   bool overlap_env_steps = false;
   // openenv: only: the action model's field for the turn's text and the observation model's field
   // shown to the model; "" = the model's one string field.
