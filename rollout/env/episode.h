@@ -100,4 +100,51 @@ StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const Reward
                                         const std::vector<ProduceInput>& inputs,
                                         EpisodeCounts* counts = nullptr);
 
+// A group of episodes finished by StreamEpisodes, not scored yet (ScoreEpisodeGroup).
+struct EpisodeGroup {
+  int64_t tag = 0;  // the FedPrompt's
+  // As ProduceEpisodes' groups (policy_version: the oldest snapshot any of its turns used), with
+  // rewards empty.
+  ProducedGroup produced{Status::Unknown("not finished"), false, {}};
+  bool prompt_refused = false;        // the prompt itself failed (empty, too long with reject)
+  std::vector<EnvFeedback> feedback;  // per episode: its summed reward and last metadata
+  EpisodeCounts counts;               // the stream's since the group handed back before it
+};
+
+struct FedPrompt {
+  ProduceInput input;  // its prompt borrowed until its group goes to EpisodeFeed::done
+  int64_t tag = 0;     // the caller's
+};
+
+// Where StreamEpisodes takes its prompts and hands back its groups; both run on its thread.
+struct EpisodeFeed {
+  // Up to `room` (>= 1) prompts to start. `idle`: no episode decodes, steps, resets or waits
+  // for a session, so the call may wait for prompts, and an empty answer ends the stream (once
+  // every group is handed back). Not idle: it should return at once (rows decode meanwhile); it
+  // is asked again at every decode step while sessions are free.
+  std::function<std::vector<FedPrompt>(int64_t room, bool idle)> take;
+  // Each group as soon as its episodes ended (in any order).
+  std::function<void(EpisodeGroup)> done;
+};
+
+struct EpisodeStreamStats {
+  int64_t num_completion_tokens = 0;  // model tokens
+  double generate_seconds = 0;        // decoding, not waiting for the environment or the feed
+  EpisodeCounts counts;               // those after the last group handed back
+};
+
+// ProduceEpisodes' episodes in one stream (continuous batching; overlap_env_steps's stream
+// whatever its value): groups are taken from `feed` while environment sessions are free, their
+// episodes join one running decode (Generator::ContinueStream) as their resets and steps come
+// back, and each group goes to `feed.done` as soon as it is finished, unscored. Returns when
+// the feed answers an idle call with nothing and every group is handed back. InvalidArgument
+// for bad options or a feed without both functions; the Generator's errors (the groups in
+// flight are lost).
+StatusOr<EpisodeStreamStats> StreamEpisodes(const Generator& generator, Environment& environment,
+                                            const EpisodeOptions& options, EpisodeFeed& feed);
+
+// Scores a finished group with `rewards` (null: not scored), each episode's environment feedback
+// in RewardInput; a failed group is left as it is.
+void ScoreEpisodeGroup(const RewardRunner* rewards, const Prompt& prompt, EpisodeGroup& group);
+
 }  // namespace grpo::rollout

@@ -31,13 +31,6 @@ void StepsInFlight::WaitAll() {
   while (finished_.size() < running_.size()) cv_.Wait(&mu_);
 }
 
-void StepsInFlight::WaitAll(Clock::time_point deadline) {
-  common::MutexLock lock(&mu_);
-  while (finished_.size() < running_.size()) {
-    if (!cv_.WaitUntil(&mu_, deadline)) return;
-  }
-}
-
 void StepsInFlight::WaitAny() {
   common::MutexLock lock(&mu_);
   while (finished_.empty() && !running_.empty()) cv_.Wait(&mu_);

@@ -36,9 +36,8 @@ class StepsInFlight {
   void Launch(size_t episode, Step step) GRPO_EXCLUDES(mu_);
   // Launched and not taken yet (running or finished).
   size_t pending() const GRPO_EXCLUDES(mu_);
-  // Blocks until every pending step has finished (or `deadline` passes).
+  // Blocks until every pending step has finished.
   void WaitAll() GRPO_EXCLUDES(mu_);
-  void WaitAll(Clock::time_point deadline) GRPO_EXCLUDES(mu_);
   // Blocks until one pending step has finished (at once when none is pending).
   void WaitAny() GRPO_EXCLUDES(mu_);
   // The finished steps, in the order they finished; they are no longer pending.

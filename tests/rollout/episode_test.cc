@@ -801,6 +801,168 @@ TEST(Episodes, WithOverlappedStepsAFailedStepStopsItsGroupWhileItsSiblingsStep) 
   EXPECT_EQ(env.steps(), 12);
 }
 
+// StreamEpisodes with a feed of 4 prompts and sessions for one group at a time (3 episodes, 3
+// sessions): a group is taken only when sessions are free, and handed back as soon as its
+// episodes end, before the next is taken; every group equals ProduceEpisodes' for the same
+// seed index (its own sampler streams), its feedback is 0.5 per stepped turn (the environment's
+// reward), and the counts handed back with the groups add up to the stream's.
+TEST(Episodes, AStreamTakesGroupsAsSessionsFreeUpAndHandsEachBackWhenItEnds) {
+  Fixture f;
+  std::mutex mu;
+  std::vector<std::string> actions;
+  FunctionEnvironment env = EchoEnvironment(&actions, &mu);
+  EpisodeOptions o = f.Options(3);
+  o.max_concurrent_sessions = 3;
+  const std::vector<int64_t> seeds = {4, 1, 3, 2};
+  std::vector<std::string> events;  // "take <tag>" and "done <tag>" in order
+  std::vector<EpisodeGroup> done(seeds.size());
+  size_t given = 0;
+  int64_t idle_calls = 0, max_room = 0;
+  EpisodeFeed feed;
+  feed.take = [&](int64_t room, bool idle) {
+    idle_calls += idle ? 1 : 0;
+    max_room = std::max(max_room, room);
+    std::vector<FedPrompt> out;
+    for (int64_t k = 0; k < room && given < seeds.size(); ++k, ++given) {
+      out.push_back({{&f.prompt, seeds[given]}, static_cast<int64_t>(given)});
+      events.push_back("take " + std::to_string(given));
+    }
+    return out;
+  };
+  feed.done = [&](EpisodeGroup g) {
+    events.push_back("done " + std::to_string(g.tag));
+    done[static_cast<size_t>(g.tag)] = std::move(g);
+  };
+  auto stats = StreamEpisodes(*f.generator, env, o, feed);
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_EQ(events, (std::vector<std::string>{"take 0", "done 0", "take 1", "done 1", "take 2",
+                                              "done 2", "take 3", "done 3"}));
+  EXPECT_EQ(max_room, 1);
+  EXPECT_GE(idle_calls, 1);  // the last call, answered with nothing, ended the stream
+
+  std::vector<ProduceInput> inputs;
+  for (int64_t seed : seeds) inputs.push_back({&f.prompt, seed});
+  auto batch = ProduceEpisodes(*f.generator, nullptr, env, o, inputs);
+  ASSERT_TRUE(batch.ok()) << batch.status().ToString();
+  EpisodeCounts total;
+  int64_t tokens = 0;
+  for (size_t i = 0; i < seeds.size(); ++i) {
+    const EpisodeGroup& g = done[i];
+    ASSERT_TRUE(g.produced.group.ok()) << g.produced.group.status().ToString();
+    ASSERT_TRUE(batch->groups[i].group.ok());
+    ASSERT_EQ(g.produced.group->completions.size(), 3u);
+    EXPECT_EQ(g.produced.group->policy_version, 3);
+    EXPECT_FALSE(g.prompt_refused);
+    ASSERT_EQ(g.feedback.size(), 3u);
+    for (size_t k = 0; k < 3; ++k) {
+      const common::Completion& c = g.produced.group->completions[k];
+      EXPECT_EQ(c.token_ids, batch->groups[i].group->completions[k].token_ids)
+          << "group " << i << " episode " << k;
+      int64_t stepped = 0;  // model turns, but one cut by the budget
+      for (const TokenRun& r : Runs(c)) stepped += r.model ? 1 : 0;
+      if (c.truncated && c.env_mask.back() == 1) stepped -= 1;
+      ASSERT_TRUE(g.feedback[k].reward.has_value());
+      EXPECT_DOUBLE_EQ(*g.feedback[k].reward, 0.5 * static_cast<double>(stepped));
+      for (int32_t m : c.env_mask) tokens += m;
+    }
+    total.episodes += g.counts.episodes;
+    total.turns += g.counts.turns;
+  }
+  EXPECT_EQ(total.episodes, 12);
+  EXPECT_EQ(stats->num_completion_tokens, tokens);
+  EXPECT_GE(total.turns, 12);
+}
+
+TEST(Episodes, AStreamRefusesAFeedWithoutBothFunctionsAndFailsABadPromptAlone) {
+  Fixture f;
+  FunctionEnvironment env = EchoEnvironment(nullptr, nullptr);
+  EpisodeFeed half;
+  half.take = [](int64_t, bool) { return std::vector<FedPrompt>{}; };
+  auto refused = StreamEpisodes(*f.generator, env, f.Options(2), half);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+
+  std::mutex mu;
+  std::vector<std::string> actions;
+  FunctionEnvironment echo = EchoEnvironment(&actions, &mu);
+  Prompt empty;
+  bool given = false;
+  std::vector<EpisodeGroup> done;
+  EpisodeFeed feed;
+  feed.take = [&](int64_t, bool) {
+    std::vector<FedPrompt> out;
+    if (!given) out = {{{&empty, 1}, 7}, {{&f.prompt, 2}, 8}};
+    given = true;
+    return out;
+  };
+  feed.done = [&](EpisodeGroup g) { done.push_back(std::move(g)); };
+  EpisodeOptions o = f.Options(2);
+  o.max_concurrent_sessions = 6;  // room for 2 groups in one take
+  ASSERT_TRUE(StreamEpisodes(*f.generator, echo, o, feed).ok());
+  ASSERT_EQ(done.size(), 2u);
+  EXPECT_EQ(done[0].tag, 7);  // failed at once
+  EXPECT_TRUE(done[0].prompt_refused);
+  ASSERT_FALSE(done[0].produced.group.ok());
+  EXPECT_NE(done[0].produced.group.status().message().find("prompt (tag 7): empty prompt"),
+            std::string::npos)
+      << done[0].produced.group.status().ToString();
+  EXPECT_EQ(done[1].tag, 8);
+  EXPECT_TRUE(done[1].produced.group.ok()) << done[1].produced.group.status().ToString();
+}
+
+// A stream whose first group fails at its first reset while its other episodes wait for a
+// session (num_generations 3 over 2 sessions: two reset at once, both fail): the group goes back
+// failed with the reset's error, its third episode never starts, and the next groups run; every
+// episode of the failed group is counted once, as an error or as stopped.
+TEST(Episodes, AStreamHandsBackAGroupThatFailedBeforeAllItsEpisodesStarted) {
+  Fixture f;
+  FunctionEnvironment env(
+      "flaky",
+      [](const json& row, uint64_t, json&) -> StatusOr<EnvObservation> {
+        if (row.value("fail", false)) return Status::Unavailable("connection reset");
+        return EnvObservation{};
+      },
+      [](const std::string&, json&) -> StatusOr<EnvObservation> {
+        EnvObservation obs;
+        obs.done = true;
+        return obs;
+      });
+  Prompt bad = f.prompt;
+  bad.row = json{{"fail", true}};
+  std::vector<FedPrompt> queue = {{{&bad, 1}, 0}, {{&f.prompt, 2}, 1}, {{&f.prompt, 3}, 2}};
+  std::vector<EpisodeGroup> done;
+  EpisodeFeed feed;
+  feed.take = [&](int64_t room, bool) {
+    std::vector<FedPrompt> out;
+    while (room-- > 0 && !queue.empty()) {
+      out.push_back(queue.front());
+      queue.erase(queue.begin());
+    }
+    return out;
+  };
+  feed.done = [&](EpisodeGroup g) { done.push_back(std::move(g)); };
+  auto stats = StreamEpisodes(*f.generator, env, f.Options(2), feed);
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  ASSERT_EQ(done.size(), 3u);
+  EpisodeCounts total = stats->counts;
+  for (const EpisodeGroup& g : done) {
+    total.stopped += g.counts.stopped;
+    total.done += g.counts.done;
+    for (const auto& [kind, n] : g.counts.errors) total.errors[kind] += n;
+    if (g.tag == 0) {
+      ASSERT_FALSE(g.produced.group.ok());
+      EXPECT_EQ(g.produced.group.status().code(), StatusCode::kUnavailable);
+    } else {
+      EXPECT_TRUE(g.produced.group.ok()) << g.produced.group.status().ToString();
+    }
+  }
+  // Two reset at once and fail; the third never starts. A failure taken while the other reset
+  // is still out stops that one (its failure, back later, is dropped): 1 or 2 errors, by timing.
+  EXPECT_GE(total.errors["unavailable"], 1);
+  EXPECT_EQ(total.errors["unavailable"] + total.stopped, 3);
+  EXPECT_EQ(total.done, 6);
+}
+
 TEST(Episodes, EpisodeSeedsDependOnRowAndGenerationOnly) {
   EXPECT_EQ(EpisodeSeed(1, 2, 3), EpisodeSeed(1, 2, 3));
   EXPECT_NE(EpisodeSeed(1, 2, 3), EpisodeSeed(1, 2, 4));
