@@ -577,8 +577,6 @@ Status GrpoConfig::Validate() const {
                         "folds token weights into its sequence weight), got " +
                             importance_sampling_correction));
   RETURN_IF_ERROR(Check(max_staleness >= 0, "max_staleness", "must be >= 0"));
-  RETURN_IF_ERROR(Check(!continuous_batching || env.empty(), "continuous_batching",
-                        "does not run multi-turn episodes yet: unset it or `env`"));
   RETURN_IF_ERROR(
       Check(max_num_gen_batches >= 0, "max_num_gen_batches", "must be >= 0 (0 = no limit)"));
   RETURN_IF_ERROR(Check(tls_cert_file.empty() == tls_key_file.empty(),

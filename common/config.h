@@ -119,7 +119,8 @@ struct GrpoConfig {
   // PipelineRL and AReaL run it): a worker keeps up to its lease size of groups decoding, leases
   // a prompt as soon as a group leaves, and pushes each group when its rows are done, so one
   // long completion holds up no other group. Without partial_rollouts a newer policy waits until
-  // the groups in flight are done (a drain). Single-turn only (not with `env`).
+  // the groups in flight are done (a drain). With `env`, one stream of multi-turn episodes
+  // (StreamEpisodes): a prompt is leased when environment sessions are free for its group.
   bool continuous_batching = false;
   // DAPO's dynamic sampling (learner/dynamic_sampling.h): groups whose rewards are all equal
   // (zero advantage) are filtered at ingest, recorded as FILTERED for their pass, and more

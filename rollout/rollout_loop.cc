@@ -873,9 +873,10 @@ Status RolloutLoop::Run() {
       }
       const int64_t rounds_limit =
           options_.max_rounds > 0 ? rounds_at_start + options_.max_rounds : 0;
-      if (Status s = config().continuous_batching ? RunStream(rounds_limit) : RunRound(); !s.ok()) {
-        return finish(s);
-      }
+      const Status s = !config().continuous_batching ? RunRound()
+                       : environment_                ? RunEpisodeStream(rounds_limit)
+                                                     : RunStream(rounds_limit);
+      if (!s.ok()) return finish(s);
     }
     return finish(Status::OK());
   } catch (const std::exception& e) {

@@ -242,6 +242,23 @@ class RolloutLoop {
   // job is done, the worker stops, must register again, or its in-flight weight fetch gave up;
   // rounds_limit > 0 caps counters_.rounds. Errors as RunRound's.
   Status RunStream(int64_t rounds_limit) GRPO_EXCLUDES(mu_);
+  // Continuous batching of multi-turn episodes (with a config `env`; rollout_stream.cc): one
+  // StreamEpisodes call that leases prompts while environment sessions are free and pushes each
+  // group as soon as its episodes end (from a pusher thread). With partial_rollouts newer
+  // weights are installed while it runs (taken between turns, when nothing decodes); without,
+  // it stops leasing once the learner has newer weights and ends when its groups are done.
+  // Ends and errors as RunStream's.
+  Status RunEpisodeStream(int64_t rounds_limit) GRPO_EXCLUDES(mu_);
+  // A stream's leasing (RunStream's and RunEpisodeStream's `take`): up to `room` prepared
+  // prompts. `idle`: nothing decodes, so it may wait (Lease's retries and long poll; a lease
+  // error is kept in *error and ends the stream); else one attempt, and none before the
+  // learner's retry_after (*next_at) when the last had nothing. Nothing once the stream should
+  // end: stopping, the job done, rounds_limit reached, to register again, `fetch_stopped`, an
+  // error kept, or `behind()` while idle. `version`: the version the prompts start with.
+  std::vector<std::pair<PromptLease, Prompt>> LeaseForStream(
+      int64_t room, bool idle, int64_t version, int64_t rounds_limit,
+      const std::function<bool()>& behind, const std::atomic<bool>& fetch_stopped,
+      std::chrono::steady_clock::time_point* next_at, Status* error);
   // Row -> prompt of a lease; nullopt (counted, logged) for a bad row.
   std::optional<Prompt> PrepareLeased(const PromptLease& lease);
   // A produced group as pushed: lease, prompt and incarnation set, reward failures counted;

@@ -1,9 +1,10 @@
-// RolloutLoop::RunStream: the worker's loop with continuous batching (config
-// continuous_batching; rollout/rollout_loop.h). The decoding thread (this one) runs one
-// Generator::GenerateStream call whose `take` leases prompts as groups leave and whose `done`
-// hands each finished group to a pusher thread, which scores and pushes it; a fetcher thread
-// takes newer weights meanwhile (the stream switches in flight with partial_rollouts, or
-// drains first).
+// RolloutLoop::RunStream and RunEpisodeStream: the worker's loops with continuous batching
+// (config continuous_batching; rollout/rollout_loop.h). The decoding thread (this one) runs one
+// Generator::GenerateStream call (StreamEpisodes with a config `env`) whose `take` leases
+// prompts as groups leave and whose `done` hands each finished group to a pusher thread, which
+// scores and pushes it; a fetcher thread takes newer weights meanwhile (GenerateStream switches
+// in flight with partial_rollouts, or drains first; episodes take them between turns with
+// partial_rollouts, else the stream stops leasing and ends).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -30,10 +31,12 @@ struct InFlight {
   Clock::time_point started;
 };
 
-// Finished groups from the decoding thread to the pusher. Thread-safe.
+// Finished groups (StreamedGroup or EpisodeGroup) from the decoding thread to the pusher.
+// Thread-safe.
+template <typename Finished>
 class FinishedQueue {
  public:
-  void Put(InFlight item, StreamedGroup group) GRPO_EXCLUDES(mu_) {
+  void Put(InFlight item, Finished group) GRPO_EXCLUDES(mu_) {
     common::MutexLock lock(&mu_);
     items_.emplace_back(std::move(item), std::move(group));
     cv_.NotifyOne();
@@ -44,11 +47,11 @@ class FinishedQueue {
     cv_.NotifyAll();
   }
   // Everything queued, waiting for at least one item; empty once closed and drained.
-  std::vector<std::pair<InFlight, StreamedGroup>> TakeAll() GRPO_EXCLUDES(mu_) {
+  std::vector<std::pair<InFlight, Finished>> TakeAll() GRPO_EXCLUDES(mu_) {
     common::MutexLock lock(&mu_);
     while (items_.empty() && !closed_) cv_.Wait(&mu_);
-    std::vector<std::pair<InFlight, StreamedGroup>> out(std::make_move_iterator(items_.begin()),
-                                                        std::make_move_iterator(items_.end()));
+    std::vector<std::pair<InFlight, Finished>> out(std::make_move_iterator(items_.begin()),
+                                                   std::make_move_iterator(items_.end()));
     items_.clear();
     return out;
   }
@@ -56,11 +59,53 @@ class FinishedQueue {
  private:
   common::Mutex mu_;
   common::CondVar cv_;
-  std::deque<std::pair<InFlight, StreamedGroup>> items_ GRPO_GUARDED_BY(mu_);
+  std::deque<std::pair<InFlight, Finished>> items_ GRPO_GUARDED_BY(mu_);
   bool closed_ GRPO_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace
+
+std::vector<std::pair<PromptLease, Prompt>> RolloutLoop::LeaseForStream(
+    int64_t room, bool idle, int64_t version, int64_t rounds_limit,
+    const std::function<bool()>& behind, const std::atomic<bool>& fetch_stopped,
+    Clock::time_point* next_at, Status* error) {
+  std::vector<std::pair<PromptLease, Prompt>> out;
+  while (out.empty()) {
+    const bool over = rounds_limit > 0 && counters_.rounds.load() >= rounds_limit;
+    if (Stopping() || done_ || over || learner_shutdown_.load() || needs_register_.load() ||
+        fetch_stopped.load() || !error->ok()) {
+      break;
+    }
+    // Nothing decodes and the stream is behind: it ends, and the next one starts with the
+    // newer weights (the stream syncs first). A prompt leased here would start with `version`,
+    // which only ages while this call waits for leases.
+    if (idle && behind()) break;
+    // Rows decode while a busy call leases: one attempt, and not again before the learner's
+    // retry_after when it had nothing.
+    if (!idle && Clock::now() < *next_at) break;
+    milliseconds wait{0};
+    StatusOr<std::optional<LeaseReply>> reply = Lease(room, /*retry=*/idle, version, &wait);
+    if (!reply.ok()) {
+      if (idle) *error = reply.status();
+      *next_at = Clock::now() + kDefaultEmptyLeaseWait;
+      break;
+    }
+    if (!*reply) {
+      *next_at = Clock::now() + wait;
+      // Idle and behind the learner (its answer may say so): the stream ends at once (above).
+      if (idle && behind()) continue;
+      if (!idle || wait.count() == 0 || !SleepUnlessStopping(wait)) break;
+      continue;
+    }
+    for (PromptLease& lease : (*reply)->leases) {
+      std::optional<Prompt> prompt = PrepareLeased(lease);
+      if (!prompt) continue;
+      out.emplace_back(std::move(lease), std::move(*prompt));
+    }
+    if (!idle) break;
+  }
+  return out;
+}
 
 Status RolloutLoop::RunStream(int64_t rounds_limit) {
   if (NeedsWeights()) {
@@ -78,7 +123,7 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
     FetchInFlight(incarnation, &generating);
     fetch_stopped = true;
   });
-  FinishedQueue finished;
+  FinishedQueue<StreamedGroup> finished;
   std::thread pusher([&] {
     Backoff backoff(options_.backoff);
     while (true) {
@@ -108,45 +153,15 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
   GroupStream stream;
   stream.max_prompts = PromptsPerLease();
   stream.take = [&](int64_t room, bool idle, int64_t version) -> std::vector<StreamPrompt> {
-    std::vector<StreamPrompt> out;
     // The learner has newer weights than the stream's, installed or not.
     const auto behind = [&] { return NeedsWeights() || policy_version_.load() != version; };
-    while (out.empty()) {
-      const bool over = rounds_limit > 0 && counters_.rounds.load() >= rounds_limit;
-      if (Stopping() || done_ || over || learner_shutdown_.load() || needs_register_.load() ||
-          fetch_stopped.load() || !lease_error.ok()) {
-        break;
-      }
-      // Nothing decodes and the stream is behind: it ends, and the next one starts with the
-      // newer weights (RunStream syncs first). A prompt leased here would start with `version`,
-      // which only ages while this call waits for leases (the stream switches between calls).
-      if (idle && behind()) break;
-      // Rows decode while a busy call leases: one attempt, and not again before the learner's
-      // retry_after when it had nothing.
-      if (!idle && Clock::now() < next_lease_at) break;
-      milliseconds wait{0};
-      StatusOr<std::optional<LeaseReply>> reply = Lease(room, /*retry=*/idle, version, &wait);
-      if (!reply.ok()) {
-        if (idle) lease_error = reply.status();
-        next_lease_at = Clock::now() + kDefaultEmptyLeaseWait;
-        break;
-      }
-      if (!*reply) {
-        next_lease_at = Clock::now() + wait;
-        // Idle and behind the learner (its answer may say so): the stream ends at once (above).
-        if (idle && behind()) continue;
-        if (!idle || wait.count() == 0 || !SleepUnlessStopping(wait)) break;
-        continue;
-      }
-      for (PromptLease& lease : (*reply)->leases) {
-        std::optional<Prompt> prompt = PrepareLeased(lease);
-        if (!prompt) continue;
-        const int64_t tag = next_tag++;
-        out.push_back({prompt->ids, SeedIndex(lease.lease_id), tag,
-                       CompletionBudget(*prompt, generator_->options().max_completion_length)});
-        in_flight.emplace(tag, InFlight{std::move(lease), std::move(*prompt), Clock::now()});
-      }
-      if (!idle) break;
+    std::vector<StreamPrompt> out;
+    for (auto& [lease, prompt] : LeaseForStream(room, idle, version, rounds_limit, behind,
+                                                fetch_stopped, &next_lease_at, &lease_error)) {
+      const int64_t tag = next_tag++;
+      out.push_back({prompt.ids, SeedIndex(lease.lease_id), tag,
+                     CompletionBudget(prompt, generator_->options().max_completion_length)});
+      in_flight.emplace(tag, InFlight{std::move(lease), std::move(prompt), Clock::now()});
     }
     SetLeasesHeld(static_cast<int32_t>(in_flight.size()));
     return out;
@@ -182,6 +197,104 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
       "stream ended: {} groups, {} tokens, {} policy switches, {} drains, at most {} rows",
       stats->num_groups, stats->num_completion_tokens, stats->num_switches, stats->num_drains,
       stats->max_rows);
+  return lease_error;
+}
+
+Status RolloutLoop::RunEpisodeStream(int64_t rounds_limit) {
+  if (NeedsWeights()) {
+    RETURN_IF_ERROR(SyncWeights(std::max<int64_t>(0, learner_version_.load())));
+  }
+  const std::string incarnation = [&] {
+    common::MutexLock lock(&mu_);
+    return policy_incarnation_;
+  }();
+  const bool in_flight_updates = config().partial_rollouts;
+
+  // With partial_rollouts newer weights are installed while the episodes play (ContinueStream
+  // takes them between turns, when nothing decodes).
+  std::atomic<bool> generating{true}, fetch_stopped{false};
+  std::thread fetcher;
+  if (in_flight_updates) {
+    fetcher = std::thread([&] {
+      FetchInFlight(incarnation, &generating);
+      fetch_stopped = true;
+    });
+  }
+  FinishedQueue<EpisodeGroup> finished;
+  std::thread pusher([&] {
+    Backoff backoff(options_.backoff);
+    while (true) {
+      std::vector<std::pair<InFlight, EpisodeGroup>> batch = finished.TakeAll();
+      if (batch.empty()) return;
+      std::vector<common::RolloutGroup> groups;
+      int64_t last_deadline_ms = 0;
+      for (auto& [item, episodes] : batch) {
+        ScoreEpisodeGroup(rewards_.get(), item.prompt, episodes);
+        std::optional<common::RolloutGroup> group =
+            ToPushed(episodes.produced, item.lease, incarnation);
+        if (!group) continue;
+        last_deadline_ms = std::max(last_deadline_ms, item.lease.deadline_unix_ms);
+        groups.push_back(std::move(*group));
+      }
+      if (!groups.empty()) (void)PushGroups(groups, last_deadline_ms, &backoff);
+    }
+  });
+
+  std::map<int64_t, InFlight> in_flight;  // by tag; the decoding thread's (nodes stay put)
+  int64_t next_tag = 0;
+  Status lease_error;
+  Clock::time_point next_lease_at = Clock::now();
+  EpisodeFeed feed;
+  feed.take = [&](int64_t room, bool idle) {
+    std::vector<FedPrompt> out;
+    // Without in-flight updates a group never mixes versions: once the learner has newer
+    // weights no group starts, and the stream ends when its groups are done (then syncs).
+    if (!in_flight_updates && !idle && NeedsWeights()) return out;
+    const auto behind = [&] { return NeedsWeights(); };
+    for (auto& [lease, prompt] :
+         LeaseForStream(room, idle, policy_version_.load(), rounds_limit, behind, fetch_stopped,
+                        &next_lease_at, &lease_error)) {
+      const int64_t tag = next_tag++;
+      const int64_t seed_index = SeedIndex(lease.lease_id);
+      auto [it, added] =
+          in_flight.emplace(tag, InFlight{std::move(lease), std::move(prompt), Clock::now()});
+      out.push_back({{&it->second.prompt, seed_index}, tag});
+    }
+    SetLeasesHeld(static_cast<int32_t>(in_flight.size()));
+    return out;
+  };
+  feed.done = [&](EpisodeGroup group) {
+    auto node = in_flight.extract(group.tag);
+    if (node.empty()) return;
+    CountEpisodes(group.counts);
+    int64_t tokens = 0;  // the model's
+    if (group.produced.group.ok()) {
+      for (const auto& c : group.produced.group->completions) {
+        for (uint8_t m : c.env_mask) tokens += m;
+      }
+    }
+    counters_.completion_tokens += tokens;
+    if (metrics_) {
+      metrics_->tokens_generated->Increment(static_cast<double>(tokens));
+      metrics_->generation_duration->Observe(
+          std::chrono::duration<double>(Clock::now() - node.mapped().started).count());
+    }
+    finished.Put(std::move(node.mapped()), std::move(group));
+    SetLeasesHeld(static_cast<int32_t>(in_flight.size()));
+  };
+
+  StatusOr<EpisodeStreamStats> stats =
+      StreamEpisodes(*generator_, *environment_, *episode_options_, feed);
+  generating = false;
+  WakeFetcher();
+  if (fetcher.joinable()) fetcher.join();
+  finished.Close();
+  pusher.join();
+  SetLeasesHeld(0);
+  if (!stats.ok()) return stats.status().WithContext("StreamEpisodes");
+  CountEpisodes(stats->counts);
+  GRPO_LOG_DEBUG("episode stream ended: {} groups, {} model tokens", next_tag,
+                 stats->num_completion_tokens);
   return lease_error;
 }
 

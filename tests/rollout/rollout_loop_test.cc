@@ -18,7 +18,9 @@
 
 #include "common/metrics/metrics.h"
 #include "common/model/model_config.h"
+#include "rollout/env/turns_task.h"
 #include "rollout/fake_learner_link.h"
+#include "tests/rollout/scaled_tiny_model.h"
 
 namespace grpo::rollout {
 namespace {
@@ -299,6 +301,113 @@ TEST(RolloutLoop, ContinuousBatchingPushesEveryGroupOnceUnderItsLease) {
   }
   for (size_t i = 0; i < rows.size(); ++i) EXPECT_EQ(pushes["lease-" + std::to_string(i)], 1);
   EXPECT_EQ(loop->stats().groups_pushed, static_cast<int64_t>(rows.size()));
+}
+
+// Multi-turn episodes (the built-in "turns" environment) with continuous_batching: the worker
+// streams its episodes (StreamEpisodes) and pushes every group once, under its lease, each
+// episode's model turns (env_mask 1) alternating with the environment's "ok" turns (env_mask 0),
+// scored by the environment's reward: 1/3 per stepped turn (the rows ask for the task's
+// default 3 turns; max_turns 2 ends each episode after its second).
+TEST(RolloutLoop, ContinuousBatchingStreamsMultiTurnEpisodesAndPushesEachGroupOnce) {
+  const std::vector<std::string> rows(6, kMessagesRow);
+  Fixture f(rows);
+  json config = LearnerConfig();
+  config["continuous_batching"] = true;
+  config["env"] = "builtin:turns";
+  config["max_turns"] = 2;
+  config["env_max_concurrency"] = 8;      // two groups of 4 at once
+  config["max_completion_length"] = 600;  // a turn of the random policy ends about 1 in 259
+  config["reward_funcs"] = json::array({"env"});
+  f.learner.config_json = config.dump();
+  RolloutLoopOptions o = Options();
+  o.reward_options.clear();
+  auto loop = MakeLoop(f, o);
+  const Status s = loop->Run();
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  common::MutexLock lock(&f.learner.mu);
+  ASSERT_EQ(f.learner.pushed.size(), rows.size());
+  std::map<std::string, int> pushes;
+  int64_t env_tokens = 0;
+  for (const common::RolloutGroup& g : f.learner.pushed) {
+    ++pushes[g.lease_id];
+    EXPECT_EQ(g.policy_version, 1);
+    ASSERT_EQ(g.completions.size(), static_cast<size_t>(kGenerations));
+    for (const auto& c : g.completions) {
+      ASSERT_EQ(c.env_mask.size(), c.token_ids.size());
+      int64_t model_turns = 0;  // runs of env_mask 1
+      for (size_t t = 0; t < c.env_mask.size(); ++t) {
+        env_tokens += c.env_mask[t] == 0 ? 1 : 0;
+        model_turns += c.env_mask[t] == 1 && (t == 0 || c.env_mask[t - 1] == 0) ? 1 : 0;
+      }
+      // A turn cut by the budget (the episode's tokens reach 600) is not stepped; a turn whose
+      // observation would not fit was stepped, and ends the episode truncated below 600.
+      const bool cut = c.truncated && c.env_mask.back() == 1 && c.token_ids.size() == 600u;
+      const int64_t stepped = model_turns - (cut ? 1 : 0);
+      ASSERT_EQ(c.rewards.size(), 1u);
+      ASSERT_TRUE(c.rewards[0].has_value());
+      EXPECT_NEAR(*c.rewards[0], static_cast<double>(stepped) / kDefaultTaskTurns, 1e-12);
+    }
+  }
+  EXPECT_GT(env_tokens, 0);  // some episode had an observation: the stream ran turns
+  for (size_t i = 0; i < rows.size(); ++i) EXPECT_EQ(pushes["lease-" + std::to_string(i)], 1);
+  EXPECT_EQ(loop->stats().groups_pushed, static_cast<int64_t>(rows.size()));
+  EXPECT_EQ(loop->stats().episodes, static_cast<int64_t>(rows.size()) * kGenerations);
+}
+
+// Multi-turn episodes streamed without partial_rollouts: version 2 is published while the first
+// groups play; no group starts after the worker learns of it until its groups in flight are
+// done, then the stream ends and the next one takes version 2, so every turn of a group is
+// sampled by the weights of its policy_version: each model token's behaviour log-prob equals a
+// full forward's under that version's model (teacher forcing), never the other's.
+TEST(RolloutLoop, StreamedEpisodesWithoutPartialRolloutsNeverMixVersionsInAGroup) {
+  const std::vector<std::string> rows(8, kMessagesRow);
+  Fixture f(rows);
+  json config = LearnerConfig();
+  config["continuous_batching"] = true;
+  config["env"] = "builtin:turns";
+  config["max_turns"] = 2;
+  config["env_max_concurrency"] = 4;  // one group at a time
+  config["max_completion_length"] = 300;
+  config["reward_funcs"] = json::array({"env"});
+  f.learner.config_json = config.dump();
+  std::shared_ptr<const common::Model> v1 = f.learner.model, v2 = TinyModel(22);
+  RolloutLoopOptions o = Options();
+  o.reward_options.clear();
+  auto published = std::make_shared<std::atomic<bool>>(false);
+  o.generator_window_hook = [&f, v2, published](int64_t steps) {
+    if (steps < 30 || published->exchange(true)) return;
+    common::MutexLock lock(&f.learner.mu);
+    f.learner.version = 2;
+    f.learner.model = v2;
+  };
+  auto loop = MakeLoop(f, o);
+  const Status s = loop->Run();
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(published->load());
+  common::MutexLock lock(&f.learner.mu);
+  ASSERT_EQ(f.learner.pushed.size(), rows.size());
+  std::map<int64_t, int> by_version;
+  for (const common::RolloutGroup& g : f.learner.pushed) {
+    ++by_version[g.policy_version];
+    ASSERT_TRUE(g.policy_version == 1 || g.policy_version == 2) << g.policy_version;
+    const common::Model& model = g.policy_version == 1 ? *v1 : *v2;
+    const common::Model& other = g.policy_version == 1 ? *v2 : *v1;
+    for (const auto& c : g.completions) {
+      const std::vector<double> want = TeacherForced(model, g.prompt_ids, c.token_ids);
+      const std::vector<double> not_want = TeacherForced(other, g.prompt_ids, c.token_ids);
+      double worst = 0.0, closest_other = 1e9;
+      for (size_t t = 0; t < c.token_ids.size(); ++t) {
+        if (c.env_mask[t] == 0) continue;
+        worst = std::max(worst, std::abs(c.logprobs[t] - want[t]));
+        closest_other = std::min(closest_other, std::abs(c.logprobs[t] - not_want[t]));
+      }
+      EXPECT_LT(worst, 1e-4) << "lease " << g.lease_id << ", version " << g.policy_version;
+      EXPECT_GT(closest_other, 0.0) << "lease " << g.lease_id;
+    }
+  }
+  EXPECT_GE(by_version[1], 1);
+  EXPECT_GE(by_version[2], 1);  // the groups leased after the stream ended took version 2
+  EXPECT_EQ(loop->stats().weight_fetches, 2);
 }
 
 // Rows 0 and 2 may run 3 tokens, 1 and 3 the job's 12 (a random policy hardly ever stops).

@@ -31,10 +31,13 @@ using grpo::testing::TokenRuns;
 using grpo::testing::TurnBytes;
 using nlohmann::json;
 
-TEST(MultiTurnE2E, APythonEnvironmentsObservationsAreTrainedAroundAsEnvironmentTokens) {
+// Runs the job with the worker's episodes scheduled by `mode` (a learner-owned key, taken by the
+// worker) and checks every trained row; the checks hold whatever the batches were.
+void RunAndCheck(const std::string& mode) {
   ASSERT_TRUE(grpo::testing::ReferencePythonHas("grpc grpo_serve"))
       << ReferencePython() << " cannot import grpc and grpo_serve: deploy/setup.sh";
-  const fs::path dir = fs::temp_directory_path() / ("multi_turn_e2e_" + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("multi_turn_e2e_" + mode + "_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   Children children(dir);
@@ -53,12 +56,10 @@ TEST(MultiTurnE2E, APythonEnvironmentsObservationsAreTrainedAroundAsEnvironmentT
     rows.push_back(R"({"messages": [{"role": "user", "content": "talk )" + std::to_string(i) +
                    "\"}]}");
   }
-  // overlap_env_steps (a learner-owned key, taken by the worker): turns decode the episodes
-  // whose steps are back; the checks below hold whatever the batches were.
   ASSERT_NO_FATAL_FAILURE(grpo::testing::RunMultiTurnJob(
       children, dir,
       {"--max_completion_length", "512", "--env", env, "--max_turns", "3", "--reward_funcs", "env",
-       "--overlap_env_steps", "true", "--max_steps", std::to_string(kSteps)},
+       "--" + mode, "true", "--max_steps", std::to_string(kSteps)},
       rows));
 
   int rows_checked = 0, observations_checked = 0;
@@ -100,6 +101,17 @@ TEST(MultiTurnE2E, APythonEnvironmentsObservationsAreTrainedAroundAsEnvironmentT
   EXPECT_GT(observations_checked, 0) << "no episode got past its first turn: the test shows "
                                         "nothing about observations";
   fs::remove_all(dir);
+}
+
+// The episodes of each lease join one running decode as their steps come back.
+TEST(MultiTurnE2E, APythonEnvironmentsObservationsAreTrainedAroundAsEnvironmentTokens) {
+  RunAndCheck("overlap_env_steps");
+}
+
+// continuous_batching: one stream of episodes across leases (StreamEpisodes), each group pushed
+// as soon as its episodes end.
+TEST(MultiTurnE2E, StreamedAcrossLeasesWithContinuousBatching) {
+  RunAndCheck("continuous_batching");
 }
 
 }  // namespace
