@@ -63,6 +63,26 @@ class FinishedQueue {
   bool closed_ GRPO_GUARDED_BY(mu_) = false;
 };
 
+// A pusher thread's loop: each batch of finished groups, made pushable by `to_pushed` (nullopt:
+// not pushed), goes to `push` with the latest of its leases' deadlines, until `queue` is closed
+// and drained.
+template <typename Finished, typename ToPushed, typename Push>
+void PushFinished(FinishedQueue<Finished>& queue, ToPushed to_pushed, Push push) {
+  while (true) {
+    std::vector<std::pair<InFlight, Finished>> batch = queue.TakeAll();
+    if (batch.empty()) return;
+    std::vector<common::RolloutGroup> groups;
+    int64_t last_deadline_ms = 0;
+    for (auto& [item, finished] : batch) {
+      std::optional<common::RolloutGroup> group = to_pushed(item, finished);
+      if (!group) continue;
+      last_deadline_ms = std::max(last_deadline_ms, item.lease.deadline_unix_ms);
+      groups.push_back(std::move(*group));
+    }
+    if (!groups.empty()) push(groups, last_deadline_ms);
+  }
+}
+
 }  // namespace
 
 std::vector<std::pair<PromptLease, Prompt>> RolloutLoop::LeaseForStream(
@@ -126,24 +146,19 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
   FinishedQueue<StreamedGroup> finished;
   std::thread pusher([&] {
     Backoff backoff(options_.backoff);
-    while (true) {
-      std::vector<std::pair<InFlight, StreamedGroup>> batch = finished.TakeAll();
-      if (batch.empty()) return;
-      std::vector<common::RolloutGroup> groups;
-      int64_t last_deadline_ms = 0;
-      for (auto& [item, streamed] : batch) {
-        ProducedGroup produced{std::move(streamed.group), streamed.prompt_truncated, {}};
-        if (produced.group.ok() && rewards_ != nullptr) {
-          produced.rewards =
-              rewards_->ScoreGroup(*produced.group, item.prompt.text, item.prompt.row);
-        }
-        std::optional<common::RolloutGroup> group = ToPushed(produced, item.lease, incarnation);
-        if (!group) continue;
-        last_deadline_ms = std::max(last_deadline_ms, item.lease.deadline_unix_ms);
-        groups.push_back(std::move(*group));
-      }
-      if (!groups.empty()) (void)PushGroups(groups, last_deadline_ms, &backoff);
-    }
+    PushFinished(
+        finished,
+        [&](InFlight& item, StreamedGroup& streamed) {
+          ProducedGroup produced{std::move(streamed.group), streamed.prompt_truncated, {}};
+          if (produced.group.ok() && rewards_ != nullptr) {
+            produced.rewards =
+                rewards_->ScoreGroup(*produced.group, item.prompt.text, item.prompt.row);
+          }
+          return ToPushed(produced, item.lease, incarnation);
+        },
+        [&](const std::vector<common::RolloutGroup>& groups, int64_t deadline_ms) {
+          (void)PushGroups(groups, deadline_ms, &backoff);
+        });
   });
 
   std::map<int64_t, InFlight> in_flight;  // by tag; the decoding thread's
@@ -223,21 +238,15 @@ Status RolloutLoop::RunEpisodeStream(int64_t rounds_limit) {
   FinishedQueue<EpisodeGroup> finished;
   std::thread pusher([&] {
     Backoff backoff(options_.backoff);
-    while (true) {
-      std::vector<std::pair<InFlight, EpisodeGroup>> batch = finished.TakeAll();
-      if (batch.empty()) return;
-      std::vector<common::RolloutGroup> groups;
-      int64_t last_deadline_ms = 0;
-      for (auto& [item, episodes] : batch) {
-        ScoreEpisodeGroup(rewards_.get(), item.prompt, episodes);
-        std::optional<common::RolloutGroup> group =
-            ToPushed(episodes.produced, item.lease, incarnation);
-        if (!group) continue;
-        last_deadline_ms = std::max(last_deadline_ms, item.lease.deadline_unix_ms);
-        groups.push_back(std::move(*group));
-      }
-      if (!groups.empty()) (void)PushGroups(groups, last_deadline_ms, &backoff);
-    }
+    PushFinished(
+        finished,
+        [&](InFlight& item, EpisodeGroup& episodes) {
+          ScoreEpisodeGroup(rewards_.get(), item.prompt, episodes);
+          return ToPushed(episodes.produced, item.lease, incarnation);
+        },
+        [&](const std::vector<common::RolloutGroup>& groups, int64_t deadline_ms) {
+          (void)PushGroups(groups, deadline_ms, &backoff);
+        });
   });
 
   std::map<int64_t, InFlight> in_flight;  // by tag; the decoding thread's (nodes stay put)

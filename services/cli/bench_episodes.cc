@@ -98,6 +98,37 @@ struct Config {
   int64_t completion_tokens = 0;
 };
 
+// The generator options of a shape: G, lengths, and turns that end at its stop tokens only.
+rollout::GeneratorOptions ShapeGeneratorOptions(const Shape& shape, int64_t vocab) {
+  rollout::GeneratorOptions go;
+  go.num_generations = shape.g;
+  go.max_prompt_length = shape.prompt_tokens;
+  go.max_completion_length = shape.max_completion_length;
+  go.eos_token_ids = {-1};  // turns end at the stop tokens below only
+  for (int64_t t = 0; t < vocab; t += shape.turn_tokens) {
+    go.stop_token_ids.push_back(static_cast<int32_t>(t));
+  }
+  go.seed = 5;
+  return go;
+}
+
+// The episodes' options: 16 sessions at once, observations rendered to made-up ids.
+rollout::EpisodeOptions ShapeEpisodeOptions(int64_t max_turns, int64_t vocab) {
+  rollout::EpisodeOptions eo;
+  eo.max_turns = max_turns;
+  eo.max_concurrent_sessions = 16;
+  eo.end_of_turn_id = 0;
+  eo.render = [vocab](const std::vector<common::ChatMessage>& m,
+                      bool) -> StatusOr<std::vector<int32_t>> {
+    std::vector<int32_t> ids;
+    for (size_t j = 0; j < m[0].content.size(); ++j) {
+      ids.push_back(static_cast<int32_t>((1 + 37 * j) % vocab));
+    }
+    return ids;
+  };
+  return eo;
+}
+
 }  // namespace
 
 int BenchEpisodes(const EpisodesBenchOptions& o) {
@@ -108,15 +139,7 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
     std::shared_ptr<const common::Model> model =
         std::move(common::Model::InitRandom(*cfg, 0)).value();
     const int64_t vocab = model->config().vocab_size;
-    rollout::GeneratorOptions go;
-    go.num_generations = shape.g;
-    go.max_prompt_length = shape.prompt_tokens;
-    go.max_completion_length = shape.max_completion_length;
-    go.eos_token_ids = {-1};  // turns end at the stop tokens below only
-    for (int64_t t = 0; t < vocab; t += shape.turn_tokens) {
-      go.stop_token_ids.push_back(static_cast<int32_t>(t));
-    }
-    go.seed = 5;
+    const rollout::GeneratorOptions go = ShapeGeneratorOptions(shape, vocab);
     auto gen = std::move(rollout::Generator::Create(model, 0, go)).value();
 
     std::vector<rollout::Prompt> prompts;
@@ -129,18 +152,8 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
     for (size_t p = 0; p < prompts.size(); ++p) {
       inputs.push_back({&prompts[p], static_cast<int64_t>(p)});
     }
-    rollout::EpisodeOptions eo;
-    eo.max_turns = o.max_turns > 0 ? o.max_turns : shape.max_turns;
-    eo.max_concurrent_sessions = 16;
-    eo.end_of_turn_id = 0;
-    eo.render = [vocab](const std::vector<common::ChatMessage>& m,
-                        bool) -> StatusOr<std::vector<int32_t>> {
-      std::vector<int32_t> ids;
-      for (size_t j = 0; j < m[0].content.size(); ++j) {
-        ids.push_back(static_cast<int32_t>((1 + 37 * j) % vocab));
-      }
-      return ids;
-    };
+    const rollout::EpisodeOptions eo =
+        ShapeEpisodeOptions(o.max_turns > 0 ? o.max_turns : shape.max_turns, vocab);
 
     // Per environment: the kept cache with every turn waiting for every step, the same with
     // overlap_env_steps, and for the uniform ones every turn prefilled again.
@@ -292,6 +305,135 @@ int BenchEpisodes(const EpisodesBenchOptions& o) {
     }
     if (r.contains("vs_waiting")) {
       std::cout << "  overlap / waiting speed " << r["vs_waiting"].get<double>() << "x";
+    }
+    std::cout << "\n";
+  }
+  return 0;
+}
+
+int BenchEpisodeStream(const EpisodesBenchOptions& o) {
+  // The tiny shape with 16 prompts (its 4, four times over), 2 prompts a lease: 16 groups of 8,
+  // 16 sessions (2 groups at once).
+  Shape shape = Shapes().front();
+  shape.prompts = 16;
+  constexpr int64_t kLease = 2;
+  auto cfg = common::ModelConfigPreset(shape.preset);
+  std::shared_ptr<const common::Model> model =
+      std::move(common::Model::InitRandom(*cfg, 0)).value();
+  const int64_t vocab = model->config().vocab_size;
+  auto gen =
+      std::move(rollout::Generator::Create(model, 0, ShapeGeneratorOptions(shape, vocab))).value();
+  std::vector<rollout::Prompt> prompts;
+  for (auto& ids : Prompts(shape, vocab)) prompts.push_back({"", std::move(ids), json::object()});
+  rollout::EpisodeOptions eo =
+      ShapeEpisodeOptions(o.max_turns > 0 ? o.max_turns : shape.max_turns, vocab);
+  eo.overlap_env_steps = true;
+
+  struct Mode {
+    EnvTiming env;
+    bool stream = false;
+    std::vector<double> s;
+    int64_t tokens = 0, episodes = 0;
+  };
+  std::vector<Mode> modes;
+  for (const EnvTiming& env : {EnvTiming{0, 0, 0}, EnvTiming{5, 100, 0}}) {
+    for (bool stream : {false, true}) modes.push_back({env, stream, {}, 0, 0});
+  }
+  const auto run = [&](Mode& m) -> double {
+    rollout::FunctionEnvironment env = SlowEnvironment(m.env, shape.observation_tokens);
+    m.tokens = 0;
+    m.episodes = 0;
+    const auto t0 = Clock::now();
+    if (!m.stream) {  // a worker's rounds: one ProduceEpisodes call per lease
+      for (size_t first = 0; first < prompts.size(); first += kLease) {
+        std::vector<rollout::ProduceInput> inputs;
+        for (size_t p = first; p < first + kLease; ++p) {
+          inputs.push_back({&prompts[p], static_cast<int64_t>(p)});
+        }
+        rollout::EpisodeCounts counts;
+        auto r = rollout::ProduceEpisodes(*gen, nullptr, env, eo, inputs, &counts);
+        if (!r.ok()) {
+          std::cerr << "episode_stream: " << r.status().ToString() << "\n";
+          std::abort();
+        }
+        m.tokens += r->num_completion_tokens;
+        m.episodes += counts.episodes;
+      }
+      return Seconds(t0);
+    }
+    size_t next = 0;
+    rollout::EpisodeFeed feed;
+    feed.take = [&](int64_t room, bool) {
+      std::vector<rollout::FedPrompt> out;
+      for (; room > 0 && next < prompts.size(); --room, ++next) {
+        out.push_back({{&prompts[next], static_cast<int64_t>(next)}, static_cast<int64_t>(next)});
+      }
+      return out;
+    };
+    feed.done = [&](rollout::EpisodeGroup g) { m.episodes += g.counts.episodes; };
+    auto r = rollout::StreamEpisodes(*gen, env, eo, feed);
+    if (!r.ok()) {
+      std::cerr << "episode_stream: " << r.status().ToString() << "\n";
+      std::abort();
+    }
+    m.tokens = r->num_completion_tokens;
+    m.episodes += r->counts.episodes;
+    return Seconds(t0);
+  };
+  for (Mode& m : modes) run(m);  // warm-up
+  for (int rep = 0; rep < o.reps; ++rep) {
+    for (Mode& m : modes) m.s.push_back(run(m));
+  }
+  std::vector<json> rows;
+  for (const Mode& m : modes) {
+    const Timing t = Summarize(m.s);
+    json row = {{"bench", "episode_stream"},
+                {"model", shape.preset},
+                {"mode", m.stream ? "stream" : "per_lease"},
+                {"env_step_ms", m.env.step_ms},
+                {"env_slow_step_ms", m.env.slow_step_ms},
+                {"prompts", shape.prompts},
+                {"prompts_per_lease", kLease},
+                {"episodes", m.episodes},
+                {"completion_tokens", m.tokens},
+                {"s_median", t.median},
+                {"s_min", t.min},
+                {"s_max", t.max},
+                {"episodes_per_second", static_cast<double>(m.episodes) / t.median},
+                {"reps", o.reps},
+                {"intra_op_threads", at::get_num_threads()}};
+    if (m.stream) {
+      for (const Mode& other : modes) {
+        if (!other.stream && other.env == m.env) {
+          row["vs_per_lease"] = Summarize(other.s).median / t.median;
+        }
+      }
+    }
+    rows.push_back(row);
+  }
+  if (o.json) {
+    for (auto& r : rows) std::cout << r.dump() << "\n";
+    return 0;
+  }
+  std::cout << "episode_stream: tiny, 16 prompts x G=8 (" << kLease
+            << " a lease), 16 sessions, 4 turns, overlap_env_steps; one ProduceEpisodes call per "
+               "lease against one StreamEpisodes call; median of "
+            << o.reps << " interleaved reps, " << at::get_num_threads() << " intra-op thread(s)\n"
+            << std::fixed;
+  for (const json& r : rows) {
+    std::string env = std::to_string(r["env_step_ms"].get<int64_t>()) + " ms";
+    if (r["env_slow_step_ms"].get<int64_t>() > 0) {
+      env += ", 1 in 8 " + std::to_string(r["env_slow_step_ms"].get<int64_t>());
+    }
+    std::cout << "  env " << std::left << std::setw(20) << env << std::setw(10)
+              << r["mode"].get<std::string>() << std::right << std::setw(6)
+              << r["completion_tokens"].get<int64_t>() << " tokens  " << std::setprecision(3)
+              << r["s_median"].get<double>() << " s (" << r["s_min"].get<double>() << "-"
+              << r["s_max"].get<double>() << ")  " << std::setprecision(1)
+              << r["episodes_per_second"].get<double>() << " episodes/s";
+    if (r.contains("vs_per_lease")) {
+      std::cout << "  stream / per lease speed " << std::setprecision(2)
+                << r["vs_per_lease"].get<double>() << "x";
     }
     std::cout << "\n";
   }

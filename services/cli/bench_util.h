@@ -91,6 +91,9 @@ struct EpisodesBenchOptions {
   int64_t max_turns = 0;  // 0 = 4
 };
 int BenchEpisodes(const EpisodesBenchOptions& o);
+// grpo bench episode_stream (bench_episodes.cc): the tiny model's episodes of 16 prompts, one
+// ProduceEpisodes call per lease of 2 against one StreamEpisodes call (continuous_batching).
+int BenchEpisodeStream(const EpisodesBenchOptions& o);
 
 // grpo bench partial_rollouts (services/cli/bench_partial_rollouts.cc): a Generate call with no
 // in-flight update, one that recomputes the KV cache and one that keeps it.

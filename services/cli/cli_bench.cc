@@ -501,8 +501,8 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
       "bench",
       "Benchmarks (method: docs/BENCHMARKS.md in the "
       "repository): logprob_memory | learner_step | "
-      "decode | episodes | partial_rollouts | long_tail | long_tail_e2e | weight_sync | ingest | "
-      "e2e | sharding | loading | peer_trl");
+      "decode | episodes | episode_stream | partial_rollouts | long_tail | long_tail_e2e | "
+      "weight_sync | ingest | e2e | sharding | loading | peer_trl");
   struct Opts {
     std::string name;
     bool json = false, child = false;
@@ -522,12 +522,12 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   auto o = std::make_shared<Opts>();
   cmd->add_option(
          "name", o->name,
-         "logprob_memory | learner_step | decode | episodes | partial_rollouts | long_tail | "
-         "long_tail_e2e | weight_sync | ingest | e2e | sharding | loading | peer_trl")
+         "logprob_memory | learner_step | decode | episodes | episode_stream | partial_rollouts | "
+         "long_tail | long_tail_e2e | weight_sync | ingest | e2e | sharding | loading | peer_trl")
       ->required()
       ->check(CLI::IsMember({"logprob_memory", "learner_step", "decode", "episodes",
-                             "partial_rollouts", "long_tail", "long_tail_e2e", "weight_sync",
-                             "ingest", "e2e", "sharding", "loading", "peer_trl"}));
+                             "episode_stream", "partial_rollouts", "long_tail", "long_tail_e2e",
+                             "weight_sync", "ingest", "e2e", "sharding", "loading", "peer_trl"}));
   cmd->add_flag("--json", o->json, "one JSON object per row");
   cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)");
   cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
@@ -592,13 +592,13 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
         if (o->name == "long_tail_e2e") return bench::BenchLongTailE2e(so);
         return bench::BenchE2e(so);
       }
-      if (o->name == "episodes") {
+      if (o->name == "episodes" || o->name == "episode_stream") {
         bench::EpisodesBenchOptions eo;
         eo.json = o->json;
         eo.reps = o->reps;
         eo.fast = o->fast;
         eo.max_turns = o->max_turns;
-        return bench::BenchEpisodes(eo);
+        return o->name == "episodes" ? bench::BenchEpisodes(eo) : bench::BenchEpisodeStream(eo);
       }
       if (o->name == "partial_rollouts") return bench::BenchPartialRollouts(o->json, o->reps);
       if (o->name == "long_tail") return bench::BenchLongTail(o->json, o->reps);

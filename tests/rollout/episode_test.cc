@@ -280,9 +280,9 @@ TEST(Episodes, AnObservationThatWouldOverflowTheBudgetEndsTheEpisodeTruncatedUna
   EXPECT_EQ(counts.observation_tokens, 0);
 }
 
-TEST(Episodes, AFailingEnvironmentFailsItsGroupWithTheErrorKindCounted) {
-  Fixture f;
-  FunctionEnvironment env(
+// Resets fail (Unavailable) for rows with "fail": true; a step ends the episode.
+FunctionEnvironment FlakyEnvironment() {
+  return FunctionEnvironment(
       "flaky",
       [](const json& row, uint64_t, json&) -> StatusOr<EnvObservation> {
         if (row.value("fail", false)) return Status::Unavailable("connection reset");
@@ -293,6 +293,11 @@ TEST(Episodes, AFailingEnvironmentFailsItsGroupWithTheErrorKindCounted) {
         obs.done = true;
         return obs;
       });
+}
+
+TEST(Episodes, AFailingEnvironmentFailsItsGroupWithTheErrorKindCounted) {
+  Fixture f;
+  FunctionEnvironment env = FlakyEnvironment();
   Prompt bad = f.prompt;
   bad.row = json{{"fail", true}};
   EpisodeCounts counts;
@@ -916,17 +921,7 @@ TEST(Episodes, AStreamRefusesAFeedWithoutBothFunctionsAndFailsABadPromptAlone) {
 // episode of the failed group is counted once, as an error or as stopped.
 TEST(Episodes, AStreamHandsBackAGroupThatFailedBeforeAllItsEpisodesStarted) {
   Fixture f;
-  FunctionEnvironment env(
-      "flaky",
-      [](const json& row, uint64_t, json&) -> StatusOr<EnvObservation> {
-        if (row.value("fail", false)) return Status::Unavailable("connection reset");
-        return EnvObservation{};
-      },
-      [](const std::string&, json&) -> StatusOr<EnvObservation> {
-        EnvObservation obs;
-        obs.done = true;
-        return obs;
-      });
+  FunctionEnvironment env = FlakyEnvironment();
   Prompt bad = f.prompt;
   bad.row = json{{"fail", true}};
   std::vector<FedPrompt> queue = {{{&bad, 1}, 0}, {{&f.prompt, 2}, 1}, {{&f.prompt, 3}, 2}};
