@@ -529,6 +529,7 @@ class EpisodeRun {
         if (--wave_left_[e.wave] == 0) {
           ShowResetObservations(options_, groups_, episodes_, waves_[e.wave], counts_);
           for (size_t i : waves_[e.wave]) episodes_[i].shown = true;
+          std::vector<size_t>().swap(waves_[e.wave]);  // done with (a stream's waves only grow)
         }
         continue;
       }
@@ -779,6 +780,7 @@ StatusOr<EpisodeStreamStats> StreamEpisodes(const Generator& generator, Environm
   EpisodeStreamStats stats;
   RETURN_IF_ERROR(
       RunStreaming(generator, run, &feed, &stats.generate_seconds, &stats.num_completion_tokens));
+  stats.counts = std::move(run.counts());
   return stats;
 }
 

@@ -874,6 +874,7 @@ TEST(Episodes, AStreamTakesGroupsAsSessionsFreeUpAndHandsEachBackWhenItEnds) {
     total.turns += g.counts.turns;
   }
   EXPECT_EQ(total.episodes, 12);
+  EXPECT_EQ(stats->counts.episodes, 0);  // every episode's group was handed back with its count
   EXPECT_EQ(stats->num_completion_tokens, tokens);
   EXPECT_GE(total.turns, 12);
 }
