@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "common/model/model.h"
@@ -194,8 +195,8 @@ Status KeepCurrentRows(const std::vector<int64_t>& keep, const at::Device& devic
   pending = pending.index_select(0, keep_t);
   std::vector<RowId> still;
   std::vector<at::Generator> still_gens;
-  for (int64_t a : keep) {
-    still.push_back(active[a]);
+  for (int64_t a : keep) {  // increasing, each once: every kept row is moved out once
+    still.push_back(std::move(active[a]));
     still_gens.push_back(gens[a]);
   }
   active = std::move(still);

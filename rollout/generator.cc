@@ -72,6 +72,18 @@ int64_t TurnCache::Take(int64_t seed_index, int64_t generation, const std::vecto
   return static_cast<int64_t>(n);
 }
 
+int64_t TurnCache::TakeRows(const std::vector<Continuation>& rows, std::vector<KvCache>* held,
+                            std::vector<int64_t>* reuse) {
+  held->assign(rows.size(), KvCache{});
+  reuse->assign(rows.size(), 0);
+  int64_t n = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    (*reuse)[i] = Take(rows[i].seed_index, rows[i].generation, rows[i].context, &(*held)[i]);
+    n += (*reuse)[i];
+  }
+  return n;
+}
+
 void TurnCache::Put(int64_t seed_index, int64_t generation, const std::vector<int32_t>& context,
                     const std::vector<int32_t>& completion, KvCache kv) {
   Entry& e = rows_[{seed_index, generation}];
@@ -270,13 +282,7 @@ StatusOr<ContinueResult> Generator::Continue(const std::vector<Continuation>& ro
   if (cache != nullptr) {
     cache->Bind(result.policy_version, model.get());
     turn.emplace();
-    turn->held.resize(rows.size());
-    turn->reuse.assign(rows.size(), 0);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      turn->reuse[i] =
-          cache->Take(rows[i].seed_index, rows[i].generation, contexts[i], &turn->held[i]);
-      result.num_cached_tokens += turn->reuse[i];
-    }
+    result.num_cached_tokens = cache->TakeRows(rows, &turn->held, &turn->reuse);
   }
   // Rows with nothing held and one context (a group's first turn) share its prefill.
   int64_t shared = 0;

@@ -207,6 +207,9 @@ class TurnCache {
   // moved to *kv when that is > 0.
   int64_t Take(int64_t seed_index, int64_t generation, const std::vector<int32_t>& context,
                common::KvCache* kv);
+  // Take for each row: (*held)[i] and (*reuse)[i] (resized to the rows); the tokens reused.
+  int64_t TakeRows(const std::vector<Continuation>& rows, std::vector<common::KvCache>* held,
+                   std::vector<int64_t>* reuse);
   // Holds `kv`, the keys/values of `context` and `completion` but its last token (never fed).
   void Put(int64_t seed_index, int64_t generation, const std::vector<int32_t>& context,
            const std::vector<int32_t>& completion, common::KvCache kv);

@@ -78,17 +78,10 @@ StatusOr<TurnStreamStats> Generator::ContinueStream(const TurnStream& stream,
       }
       if (!taken.empty()) {
         std::vector<std::vector<int32_t>> contexts;
+        for (const Continuation& c : taken) contexts.push_back(c.context);
         std::vector<KvCache> held(taken.size());
         std::vector<int64_t> reuse(taken.size(), 0);
-        int64_t cached = 0;
-        for (size_t i = 0; i < taken.size(); ++i) {
-          const Continuation& c = taken[i];
-          contexts.push_back(c.context);
-          if (cache != nullptr) {
-            reuse[i] = cache->Take(c.seed_index, c.generation, c.context, &held[i]);
-            cached += reuse[i];
-          }
-        }
+        const int64_t cached = cache != nullptr ? cache->TakeRows(taken, &held, &reuse) : 0;
         int64_t shared = 0;
         if (cache != nullptr) shared = decode::ShareEqualContexts(*model, contexts, held, reuse);
         stats.num_cached_tokens += cached;

@@ -355,13 +355,9 @@ class EpisodeRun {
   bool Waiting() const { return next_ < episodes_.end(); }
   // Sessions free for more episodes, beyond those added and waiting.
   int64_t FreeSessions() const {
-    int64_t held = 0, waiting = 0;
-    for (size_t i = episodes_.begin(); i < episodes_.end(); ++i) {
-      const Episode& e = episodes_[i];
-      held += e.resetting || e.session != nullptr ? 1 : 0;
-      waiting += i >= next_ && e.live ? 1 : 0;
-    }
-    return options_.max_concurrent_sessions - held - waiting;
+    int64_t waiting = 0;
+    for (size_t i = next_; i < episodes_.end(); ++i) waiting += episodes_[i].live ? 1 : 0;
+    return options_.max_concurrent_sessions - HeldSessions() - waiting;
   }
   int64_t max_sessions() const { return options_.max_concurrent_sessions; }
   StepsInFlight& steps() { return steps_; }
@@ -487,6 +483,15 @@ class EpisodeRun {
     return out;
   }
 
+  // Sessions held now: a resetting episode's session is its thread's until the reset is back.
+  int64_t HeldSessions() const {
+    int64_t held = 0;
+    for (size_t i = episodes_.begin(); i < episodes_.end(); ++i) {
+      held += episodes_[i].resetting || episodes_[i].session != nullptr ? 1 : 0;
+    }
+    return held;
+  }
+
   // A failed episode fails its group: the group's other episodes stop too (nothing of it trains),
   // those not admitted yet included.
   void StopFailedGroups() {
@@ -557,10 +562,7 @@ class EpisodeRun {
   void Admit() {
     const int64_t g = generator_.options().num_generations;
     const int64_t cap = options_.max_concurrent_sessions;
-    int64_t held = 0;  // a resetting episode's session is its thread's until the reset is back
-    for (size_t i = episodes_.begin(); i < episodes_.end(); ++i) {
-      held += episodes_[i].resetting || episodes_[i].session != nullptr ? 1 : 0;
-    }
+    const int64_t held = HeldSessions();
     std::vector<size_t> wave;
     while (next_ < episodes_.end() && held + static_cast<int64_t>(wave.size()) < cap) {
       if (!episodes_[next_].live) {  // its group failed before it started
@@ -663,19 +665,21 @@ Status RunStreaming(const Generator& generator, EpisodeRun& run, EpisodeFeed* fe
       feed->done(std::move(g));
     }
   };
-  // More groups from the feed while sessions are free and none waits to start.
+  // More groups from the feed while sessions are free and none waits to start; true when it
+  // added some.
   const auto refill = [&](bool idle) {
     // Whole groups when one fits in the sessions (Admit starts a group whole then), else one
     // group once a session is free.
     const int64_t g = generator.options().num_generations;
     const int64_t free = run.FreeSessions();
     const int64_t room = g <= run.max_sessions() ? free / g : std::min<int64_t>(free, 1);
-    if (fed_out || run.Waiting() || room <= 0) return;
+    if (fed_out || run.Waiting() || room <= 0) return false;
     std::vector<FedPrompt> more = feed->take(room, idle);
     if (idle && more.empty()) fed_out = true;
     for (FedPrompt& p : more) {
       run.Add(p.input, p.tag, "prompt (tag " + std::to_string(p.tag) + "): ");
     }
+    return !more.empty();
   };
   TurnStream stream;
   stream.take = [&](bool idle) {
@@ -684,10 +688,7 @@ Status RunStreaming(const Generator& generator, EpisodeRun& run, EpisodeFeed* fe
       run.BetweenTurns();
       hand_back();
       const bool quiet = run.steps().pending() == 0 && !run.Waiting();
-      if (feed != nullptr && !fed_out) {
-        refill(idle && quiet);
-        run.BetweenTurns();
-      }
+      if (feed != nullptr && !fed_out && refill(idle && quiet)) run.BetweenTurns();  // admit them
       for (size_t i = run.first_episode(); i < run.end_episode(); ++i) {
         if (!run.Ready(i)) continue;
         run.SetDecoding(i, true);

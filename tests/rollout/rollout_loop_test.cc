@@ -303,6 +303,19 @@ TEST(RolloutLoop, ContinuousBatchingPushesEveryGroupOnceUnderItsLease) {
   EXPECT_EQ(loop->stats().groups_pushed, static_cast<int64_t>(rows.size()));
 }
 
+// The learner's config for multi-turn episodes streamed across leases: continuous_batching with
+// the built-in "turns" environment, 2 turns an episode, scored by the environment's reward.
+std::string StreamedEpisodesConfig(int64_t sessions, int64_t max_completion_length) {
+  json config = LearnerConfig();
+  config["continuous_batching"] = true;
+  config["env"] = "builtin:turns";
+  config["max_turns"] = 2;
+  config["env_max_concurrency"] = sessions;
+  config["max_completion_length"] = max_completion_length;
+  config["reward_funcs"] = json::array({"env"});
+  return config.dump();
+}
+
 // Multi-turn episodes (the built-in "turns" environment) with continuous_batching: the worker
 // streams its episodes (StreamEpisodes) and pushes every group once, under its lease, each
 // episode's model turns (env_mask 1) alternating with the environment's "ok" turns (env_mask 0),
@@ -311,14 +324,8 @@ TEST(RolloutLoop, ContinuousBatchingPushesEveryGroupOnceUnderItsLease) {
 TEST(RolloutLoop, ContinuousBatchingStreamsMultiTurnEpisodesAndPushesEachGroupOnce) {
   const std::vector<std::string> rows(6, kMessagesRow);
   Fixture f(rows);
-  json config = LearnerConfig();
-  config["continuous_batching"] = true;
-  config["env"] = "builtin:turns";
-  config["max_turns"] = 2;
-  config["env_max_concurrency"] = 8;      // two groups of 4 at once
-  config["max_completion_length"] = 600;  // a turn of the random policy ends about 1 in 259
-  config["reward_funcs"] = json::array({"env"});
-  f.learner.config_json = config.dump();
+  // Two groups of 4 at once; a turn of the random policy ends about 1 in 259.
+  f.learner.config_json = StreamedEpisodesConfig(/*sessions=*/8, /*max_completion_length=*/600);
   RolloutLoopOptions o = Options();
   o.reward_options.clear();
   auto loop = MakeLoop(f, o);
@@ -362,14 +369,8 @@ TEST(RolloutLoop, ContinuousBatchingStreamsMultiTurnEpisodesAndPushesEachGroupOn
 TEST(RolloutLoop, StreamedEpisodesWithoutPartialRolloutsNeverMixVersionsInAGroup) {
   const std::vector<std::string> rows(8, kMessagesRow);
   Fixture f(rows);
-  json config = LearnerConfig();
-  config["continuous_batching"] = true;
-  config["env"] = "builtin:turns";
-  config["max_turns"] = 2;
-  config["env_max_concurrency"] = 4;  // one group at a time
-  config["max_completion_length"] = 300;
-  config["reward_funcs"] = json::array({"env"});
-  f.learner.config_json = config.dump();
+  f.learner.config_json =  // one group at a time
+      StreamedEpisodesConfig(/*sessions=*/4, /*max_completion_length=*/300);
   std::shared_ptr<const common::Model> v1 = f.learner.model, v2 = TinyModel(22);
   RolloutLoopOptions o = Options();
   o.reward_options.clear();
