@@ -1,6 +1,7 @@
 #include "rollout/env/episode.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <deque>
 #include <memory>
 #include <thread>
@@ -22,6 +23,13 @@ uint64_t SplitMix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// A model turn's tokens in its episode's completion, [begin, end), and the policy version that
+// sampled them.
+struct TurnSpan {
+  size_t begin = 0, end = 0;
+  int64_t version = 0;
+};
+
 struct Episode {
   size_t group = 0;  // index into the run's groups
   int64_t generation = 0;
@@ -42,7 +50,28 @@ struct Episode {
   bool shown = false;      // its wave is back and ShowResetObservations ran: it may take turns
   bool stepping = false;   // its environment step is in flight (StepsInFlight)
   bool decoding = false;   // its model turn decodes (ContinueStream)
+  std::vector<TurnSpan> turn_spans;
 };
+
+// Each token's policy version (Completion::token_versions): a model turn's tokens that of the
+// turn; an environment token that of the next model turn, or of the last one when none follows
+// (`none` when the episode has no turn), so that versions never go down along the completion.
+std::vector<int64_t> TokenVersions(const Episode& e, int64_t none) {
+  std::vector<int64_t> v(e.completion.token_ids.size(), -1);
+  for (const TurnSpan& t : e.turn_spans) {
+    std::fill(v.begin() + static_cast<std::ptrdiff_t>(t.begin),
+              v.begin() + static_cast<std::ptrdiff_t>(t.end), t.version);
+  }
+  int64_t next = e.turn_spans.empty() ? none : e.turn_spans.back().version;
+  for (size_t k = v.size(); k-- > 0;) {
+    if (v[k] < 0) {
+      v[k] = next;
+    } else {
+      next = v[k];
+    }
+  }
+  return v;
+}
 
 // Opens a session for `e` and resets it with the input's row and the episode's seed (a thread of
 // StepsInFlight: it has the episode's session to itself until the loop takes its result). A
@@ -170,6 +199,7 @@ struct Group {
   GroupShow show;
   size_t first = 0;             // its first episode in the run's episodes
   int64_t oldest_version = -1;  // of its turns
+  int64_t newest_version = -1;
   bool handed_back = false;
 };
 
@@ -389,7 +419,9 @@ class EpisodeRun {
     if (!e.live) return;
     Group& g = groups_[e.group];
     g.oldest_version = g.oldest_version < 0 ? version : std::min(g.oldest_version, version);
+    g.newest_version = std::max(g.newest_version, version);
     Completion& c = e.completion;
+    e.turn_spans.push_back({c.token_ids.size(), c.token_ids.size() + t.token_ids.size(), version});
     c.token_ids.insert(c.token_ids.end(), t.token_ids.begin(), t.token_ids.end());
     c.logprobs.insert(c.logprobs.end(), t.logprobs.begin(), t.logprobs.end());
     c.env_mask.insert(c.env_mask.end(), t.token_ids.size(), 1);
@@ -474,6 +506,11 @@ class EpisodeRun {
         int64_t failures = 0;
         for (const auto& [reason, k] : e.tools.failures) failures += k;
         e.completion.tool_call_failures = static_cast<int32_t>(failures);
+      }
+      // Turns of more than one policy (a newer one taken between two turns): every row records
+      // its tokens' versions, as a Generate call that switched in flight does.
+      if (g.newest_version != g.oldest_version) {
+        e.completion.token_versions = TokenVersions(e, g.oldest_version);
       }
       group.completions.push_back(std::move(e.completion));
       // The sum of its step rewards (0 when the environment gave none), its last metadata.

@@ -94,7 +94,9 @@ uint64_t EpisodeSeed(uint64_t seed, int64_t seed_index, int64_t generation);
 // metadata in RewardInput. An episode whose environment fails (EnvErrorKind) fails its group with
 // that error, so its prompt is leased again, not trained on cut short. Whole-call errors: the
 // Generator's (InvalidArgument, Internal). The group's policy_version is the oldest snapshot any
-// of its turns used. Thread-safe as Produce.
+// of its turns used; when its turns used more than one, every row records each token's
+// (Completion::token_versions: an environment token the next model turn's, or the last one's
+// when none follows). Thread-safe as Produce.
 StatusOr<ProduceResult> ProduceEpisodes(const Generator& generator, const RewardRunner* rewards,
                                         Environment& environment, const EpisodeOptions& options,
                                         const std::vector<ProduceInput>& inputs,

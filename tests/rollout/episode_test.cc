@@ -9,9 +9,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "common/model/model.h"
 #include "common/model/model_config.h"
 #include "common/tokenizer/byte_tokenizer.h"
+#include "tests/rollout/scaled_tiny_model.h"
 
 namespace grpo::rollout {
 namespace {
@@ -50,10 +53,10 @@ std::vector<int32_t> HandRendered(const std::vector<ChatMessage>& messages, bool
   return ids;
 }
 
-std::shared_ptr<const common::Model> TinyModel() {
+std::shared_ptr<const common::Model> TinyModel(uint64_t seed = 5) {
   auto config = common::ModelConfigPreset("tiny");
   EXPECT_TRUE(config.ok());
-  auto model = common::Model::InitRandom(*config, 5);
+  auto model = common::Model::InitRandom(*config, seed);
   EXPECT_TRUE(model.ok()) << model.status().ToString();
   return std::shared_ptr<const common::Model>(std::move(model).value());
 }
@@ -863,6 +866,7 @@ TEST(Episodes, AStreamTakesGroupsAsSessionsFreeUpAndHandsEachBackWhenItEnds) {
       const common::Completion& c = g.produced.group->completions[k];
       EXPECT_EQ(c.token_ids, batch->groups[i].group->completions[k].token_ids)
           << "group " << i << " episode " << k;
+      EXPECT_TRUE(c.token_versions.empty()) << "a group of one version records none";
       int64_t stepped = 0;  // model turns, but one cut by the budget
       for (const TokenRun& r : Runs(c)) stepped += r.model ? 1 : 0;
       if (c.truncated && c.env_mask.back() == 1) stepped -= 1;
@@ -957,6 +961,93 @@ TEST(Episodes, AStreamHandsBackAGroupThatFailedBeforeAllItsEpisodesStarted) {
   EXPECT_GE(total.errors["unavailable"], 1);
   EXPECT_EQ(total.errors["unavailable"] + total.stopped, 3);
   EXPECT_EQ(total.done, 6);
+}
+
+// A newer policy installed while the first turns decode (version 3 -> 4, as a worker's in-flight
+// fetcher does with partial_rollouts), in turns and in a stream (overlap_env_steps). A turn keeps
+// the policy it started with, so a group whose turns used both records each token's version
+// (Completion::token_versions): a model token that of its turn, and its log-prob is a full
+// forward's of the episode so far under that version's model (teacher forcing), not the
+// other's; an environment token that of the next model turn (the last one's when none follows),
+// so versions never go down; the group's policy_version is its oldest token's.
+void CheckTokenVersionsAcrossAnUpdate(bool overlap) {
+  Fixture f;
+  const std::shared_ptr<const common::Model> v3 = TinyModel(), v4 = TinyModel(6);
+  GeneratorOptions go = f.generator->options();
+  Generator* generator = nullptr;
+  bool switched = false;
+  go.window_hook = [&](int64_t steps) {
+    if (steps < 2 || switched) return;
+    switched = true;
+    ASSERT_TRUE(generator->SetPolicy(v4, 4).ok());
+  };
+  auto owned = Generator::Create(v3, 3, go, &f.tokenizer);
+  ASSERT_TRUE(owned.ok());
+  generator = owned->get();
+  std::vector<std::string> actions;
+  std::mutex mu;
+  FunctionEnvironment env = EchoEnvironment(&actions, &mu);
+  EpisodeOptions o = f.Options(3);
+  o.max_concurrent_sessions = 6;  // both groups at once
+  o.overlap_env_steps = overlap;
+  auto result = ProduceEpisodes(*generator, nullptr, env, o, {{&f.prompt, 1}, {&f.prompt, 2}});
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  ASSERT_TRUE(switched);
+  int mixed = 0;
+  for (const ProducedGroup& produced : result->groups) {
+    ASSERT_TRUE(produced.group.ok()) << produced.group.status().ToString();
+    const common::RolloutGroup& g = *produced.group;
+    std::set<int64_t> versions;  // of the group's model tokens
+    for (const common::Completion& c : g.completions) {
+      if (c.token_versions.empty()) continue;
+      ASSERT_EQ(c.token_versions.size(), c.token_ids.size());
+      const std::vector<double> under3 = TeacherForced(*v3, g.prompt_ids, c.token_ids);
+      const std::vector<double> under4 = TeacherForced(*v4, g.prompt_ids, c.token_ids);
+      // Each run of env_mask: [begin, end).
+      std::vector<std::pair<size_t, size_t>> runs;
+      for (size_t t = 0; t < c.token_ids.size(); ++t) {
+        if (t == 0 || c.env_mask[t] != c.env_mask[t - 1]) runs.push_back({t, t});
+        runs.back().second = t + 1;
+      }
+      for (size_t r = 0; r < runs.size(); ++r) {
+        const auto [begin, end] = runs[r];
+        const bool model = c.env_mask[begin] == 1;
+        // A model run's own version; an environment run's, the next model run's (else the last).
+        const size_t from = model ? r : (r + 1 < runs.size() ? r + 1 : r - 1);
+        const int64_t want = c.token_versions[runs[from].first];
+        ASSERT_TRUE(want == 3 || want == 4) << want;
+        double worst = 0.0, other = 0.0;
+        for (size_t t = begin; t < end; ++t) {
+          EXPECT_EQ(c.token_versions[t], want) << "token " << t << " of run " << r;
+          if (!model) continue;
+          const double own = want == 3 ? under3[t] : under4[t];
+          const double not_own = want == 3 ? under4[t] : under3[t];
+          worst = std::max(worst, std::abs(c.logprobs[t] - own));
+          other = std::max(other, std::abs(c.logprobs[t] - not_own));
+        }
+        if (!model) continue;
+        versions.insert(want);
+        EXPECT_LT(worst, 1e-4) << "run " << r << " against its version " << want;
+        EXPECT_GT(other, 1e-3) << "run " << r << " as likely under the other version";
+      }
+      EXPECT_TRUE(std::is_sorted(c.token_versions.begin(), c.token_versions.end()));
+      ++mixed;
+    }
+    if (versions.empty()) continue;  // a group of one version
+    EXPECT_EQ(g.policy_version, *versions.begin());
+    EXPECT_EQ(versions, (std::set<int64_t>{3, 4}))
+        << "a group records token versions only when its turns used two";
+  }
+  EXPECT_GT(mixed, 0) << "no group took turns of both versions: the test shows little";
+  EXPECT_EQ(result->policy_version, 3);
+}
+
+TEST(Episodes, TurnsOfTwoVersionsRecordEachTokensVersion) {
+  CheckTokenVersionsAcrossAnUpdate(/*overlap=*/false);
+}
+
+TEST(Episodes, StreamedTurnsOfTwoVersionsRecordEachTokensVersion) {
+  CheckTokenVersionsAcrossAnUpdate(/*overlap=*/true);
 }
 
 TEST(Episodes, EpisodeSeedsDependOnRowAndGenerationOnly) {
