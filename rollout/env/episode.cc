@@ -721,15 +721,23 @@ Status RunStreaming(const Generator& generator, EpisodeRun& run, EpisodeFeed* fe
   TurnStream stream;
   stream.take = [&](bool idle) {
     std::vector<Continuation> rows;
-    for (;;) {
-      run.BetweenTurns();
-      hand_back();
-      const bool quiet = run.steps().pending() == 0 && !run.Waiting();
-      if (feed != nullptr && !fed_out && refill(idle && quiet)) run.BetweenTurns();  // admit them
+    const auto take_ready = [&] {
       for (size_t i = run.first_episode(); i < run.end_episode(); ++i) {
         if (!run.Ready(i)) continue;
         run.SetDecoding(i, true);
         rows.push_back(run.RowOf(i));
+      }
+    };
+    for (;;) {
+      run.BetweenTurns();
+      hand_back();
+      take_ready();
+      // The feed is asked idle (it may block) only when nothing is in flight: no episode is
+      // ready to decode, steps, resets or waits for a session, so every group is handed back.
+      const bool quiet = rows.empty() && run.steps().pending() == 0 && !run.Waiting();
+      if (feed != nullptr && !fed_out && refill(idle && quiet)) {
+        run.BetweenTurns();  // admit them
+        take_ready();
       }
       if (!rows.empty() || !idle) return rows;
       if (run.steps().pending() == 0) {

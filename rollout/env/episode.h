@@ -120,10 +120,10 @@ struct FedPrompt {
 
 // Where StreamEpisodes takes its prompts and hands back its groups; both run on its thread.
 struct EpisodeFeed {
-  // Up to `room` (>= 1) prompts to start. `idle`: no episode decodes, steps, resets or waits
-  // for a session, so the call may wait for prompts, and an empty answer ends the stream (once
-  // every group is handed back). Not idle: it should return at once (rows decode meanwhile); it
-  // is asked again at every decode step while sessions are free.
+  // Up to `room` (>= 1) prompts to start. `idle`: no episode decodes, is ready to, steps,
+  // resets or waits for a session (every group taken was handed back), so the call may wait for
+  // prompts, and an empty answer ends the stream. Not idle: it should return at once (rows
+  // decode meanwhile); it is asked again at every decode step while sessions are free.
   std::function<std::vector<FedPrompt>(int64_t room, bool idle)> take;
   // Each group as soon as its episodes ended (in any order).
   std::function<void(EpisodeGroup)> done;

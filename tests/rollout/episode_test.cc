@@ -883,6 +883,46 @@ TEST(Episodes, AStreamTakesGroupsAsSessionsFreeUpAndHandsEachBackWhenItEnds) {
   EXPECT_GE(total.turns, 12);
 }
 
+// An idle `take` may block (a worker long-polls the learner for leases), so the stream calls it
+// idle only when nothing is in flight: every group it took was handed back. Here sessions are
+// free for two groups and the feed gives one prompt a call, so the first group's episodes are
+// ready to decode (their resets back) while room is left: that call must not be idle. Until
+// 2026-12-07 it was (only steps, resets and admission counted), and a worker blocked in its
+// lease call with its groups unplayed until their leases expired.
+TEST(Episodes, AStreamAsksIdleOnlyWhenEveryGroupItTookIsHandedBack) {
+  Fixture f;
+  std::mutex mu;
+  std::vector<std::string> actions;
+  FunctionEnvironment env = EchoEnvironment(&actions, &mu);
+  EpisodeOptions o = f.Options(2);
+  o.max_concurrent_sessions = 6;
+  int64_t given = 0, handed_back = 0, idle_calls = 0;
+  EpisodeFeed feed;
+  feed.take = [&](int64_t room, bool idle) {
+    EXPECT_GE(room, 1);
+    std::vector<FedPrompt> out;
+    if (idle) {
+      ++idle_calls;
+      EXPECT_EQ(given, handed_back)
+          << "an idle call with groups in flight (call " << idle_calls << ")";
+    }
+    if (given < 4) {
+      out.push_back({{&f.prompt, given}, given});
+      ++given;
+    }
+    return out;
+  };
+  feed.done = [&](EpisodeGroup g) {
+    EXPECT_TRUE(g.produced.group.ok()) << g.produced.group.status().ToString();
+    ++handed_back;
+  };
+  auto stats = StreamEpisodes(*f.generator, env, o, feed);
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_EQ(given, 4);
+  EXPECT_EQ(handed_back, 4);
+  EXPECT_GE(idle_calls, 2);  // the first call, and the last (answered with nothing)
+}
+
 TEST(Episodes, AStreamRefusesAFeedWithoutBothFunctionsAndFailsABadPromptAlone) {
   Fixture f;
   FunctionEnvironment env = EchoEnvironment(nullptr, nullptr);
