@@ -90,6 +90,13 @@ class ChaosTest : public FaultToleranceTest {
     if (in_flight_) {
       args.insert(args.end(), {"--partial_rollouts", "true", "--continuous_batching", "true"});
     }
+    if (episodes_) {
+      // Multi-turn episodes of the built-in "turns" task (an "ok" from the user after each
+      // turn, 3 turns): the random policy ends a turn (<|im_end|>) about once in 259 tokens, so
+      // about 1 episode in 6 gets a second turn within 48 tokens.
+      args.insert(args.end(), {"--env", "builtin:turns", "--max_turns", "3", "--reward_funcs",
+                               "env", "--max_completion_length", "48"});
+    }
     if (streamed_) args.insert(args.end(), {"--weight_publish", "stream"});
     if (dynamic_sampling_) {
       // A 0/1 reward that two completions of the tiny model often share: with dynamic sampling
@@ -149,12 +156,15 @@ class ChaosTest : public FaultToleranceTest {
 
   bool dynamic_sampling_ = false;
   bool in_flight_ = false;  // partial_rollouts + continuous_batching
+  bool episodes_ = false;   // multi-turn episodes (env builtin:turns)
   bool streamed_ = false;   // weight_publish stream
 
   // In-flight weight updates: in every step's dump each completion token's version is one the
   // learner had published when the step trained (step s trains at version s - 1), at most
   // max_staleness behind it, never decreasing along its completion, and its row's
-  // policy_version is its oldest token's. Returns the rows whose tokens span two versions.
+  // policy_version is its oldest token's (with episodes, at most that: the group's is its
+  // oldest turn's, and an episode may start after a sibling). Returns the rows whose tokens span
+  // two versions.
   int64_t ExpectTokenVersionsHold(int64_t max_steps) {
     int64_t spanning = 0;
     for (int64_t step = 1; step <= max_steps; ++step) {
@@ -169,11 +179,20 @@ class ChaosTest : public FaultToleranceTest {
       const grpo::testing::DumpTensor& pv = dump->at("policy_version");
       const int64_t rows = tv.shape.at(0), cols = tv.shape.at(1);
       const int64_t trained_at = step - 1;
+      const auto env_mask = dump->find("env_mask");
       for (int64_t r = 0; r < rows; ++r) {
         int64_t lo = -1, hi = -1;
         for (int64_t k = 0; k < cols; ++k) {
           const int64_t v = tv.ints[r * cols + k];
           if (v < 0) break;  // past the row's tokens
+          // An episode's turn is sampled by one version: a newer one starts at an environment
+          // token (which carries the next turn's version).
+          if (episodes_ && hi >= 0 && v != hi) {
+            const bool at_env_token =
+                env_mask != dump->end() && env_mask->second.floats.at(r * cols + k) == 0.0;
+            EXPECT_TRUE(at_env_token)
+                << "step " << step << " row " << r << ": a turn mixes versions at token " << k;
+          }
           EXPECT_LE(v, trained_at) << "step " << step << " row " << r << " token " << k;
           EXPECT_LE(trained_at - v, kMaxStaleness)
               << "step " << step << " row " << r << " token " << k;
@@ -181,7 +200,9 @@ class ChaosTest : public FaultToleranceTest {
           if (lo < 0) lo = v;
           hi = v;
         }
-        if (lo >= 0) {
+        if (lo >= 0 && episodes_) {
+          EXPECT_LE(pv.ints.at(r), lo) << "step " << step << " row " << r;
+        } else if (lo >= 0) {
           EXPECT_EQ(pv.ints.at(r), lo) << "step " << step << " row " << r;
         }
         spanning += hi > lo ? 1 : 0;
@@ -189,6 +210,29 @@ class ChaosTest : public FaultToleranceTest {
     }
     return spanning;
   }
+  // The rows of the final history's dumps with an environment token: episodes stepped and
+  // answered at least once.
+  int64_t RowsWithObservations(int64_t max_steps) {
+    int64_t answered = 0;
+    for (int64_t step = 1; step <= max_steps; ++step) {
+      const auto dump = ReadSafetensors(DumpPath(dump_dir(), step));
+      if (!dump || !dump->count("env_mask")) continue;
+      const grpo::testing::DumpTensor& mask = dump->at("env_mask");
+      const grpo::testing::DumpTensor& real = dump->at("completion_mask");
+      const int64_t rows = mask.shape.at(0), cols = mask.shape.at(1);
+      for (int64_t r = 0; r < rows; ++r) {
+        bool observed = false;
+        for (int64_t k = 0; k < cols; ++k) {
+          const double is_real = real.floats.empty() ? static_cast<double>(real.ints[r * cols + k])
+                                                     : real.floats[r * cols + k];
+          observed = observed || (is_real != 0 && mask.floats[r * cols + k] == 0);
+        }
+        answered += observed ? 1 : 0;
+      }
+    }
+    return answered;
+  }
+
   std::string learner_name_;
   int learners_ = 0;
   std::map<std::string, int> spawned_;
@@ -341,6 +385,11 @@ void ChaosTest::RunChaos(uint64_t seed, int64_t chaos_seconds, int64_t max_steps
     std::cerr << "rows whose tokens span two policy versions: " << spanning << "\n";
     EXPECT_GT(spanning, 0) << "no completion took a new policy in flight: the test showed nothing";
   }
+  if (episodes_) {
+    const int64_t answered = RowsWithObservations(max_steps);
+    std::cerr << "trained rows with an environment observation: " << answered << "\n";
+    EXPECT_GT(answered, 0) << "no episode got past its first turn: the test showed nothing";
+  }
   if (dynamic_sampling_) {
     std::string error;
     int filtered = 0, trained = 0;
@@ -374,6 +423,18 @@ TEST_F(ChaosTest, InFlightUpdatesUnderRandomFaultsKeepEveryTokenWithinStaleness)
   in_flight_ = true;
   RunChaos(static_cast<uint64_t>(EnvInt("GRPO_CHAOS_SEED", 7)), EnvInt("GRPO_CHAOS_IF_SECONDS", 45),
            EnvInt("GRPO_CHAOS_IF_STEPS", 200));
+}
+
+// Issue 26 with multi-turn episodes: the same faults with in-flight updates and continuous
+// batching over episodes of the built-in "turns" task (StreamEpisodes: a newer policy taken
+// between two turns), so a group's turns may be of two versions; every token's own version is
+// within max_staleness of the step that trained it, and a version changes only between turns.
+TEST_F(ChaosTest,
+       MultiTurnEpisodesWithInFlightUpdatesUnderRandomFaultsKeepEveryTokenWithinStaleness) {
+  in_flight_ = true;
+  episodes_ = true;
+  RunChaos(static_cast<uint64_t>(EnvInt("GRPO_CHAOS_SEED", 7)), EnvInt("GRPO_CHAOS_EP_SECONDS", 45),
+           EnvInt("GRPO_CHAOS_EP_STEPS", 400));
 }
 
 // Issue 21 item 3: the weights streamed by the training thread (weight_publish stream), with no
