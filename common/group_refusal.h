@@ -35,16 +35,21 @@ enum class GroupRefusal {
   kBufferFull,
   kUnknownPolicy,  // another learner incarnation's weights, or a version above its own
   kLearnerStopping,
+  // The worker could not generate the group (RolloutGroup::failure): it gives the lease back, or
+  // the prompt itself failed (RolloutGroup::prompt_failed; the prompt is rejected).
+  kWorkerFailed,
+  kPromptFailed,
 };
 
 // Indexed by GroupRefusal: the metric's label values and the PushReply's reason keys.
-inline constexpr std::array<std::string_view, 20> kGroupRefusalNames = {
+inline constexpr std::array<std::string_view, 22> kGroupRefusalNames = {
     "group_size",     "empty_prompt",  "empty_completion",  "completion_too_long",
     "env_mask",       "tool_counts",   "token_versions",    "token_out_of_vocab",
     "logprob_length", "reward_count",  "non_finite_reward", "reward_out_of_range",
     "stale",          "unknown_lease", "expired_lease",     "job_ended",
-    "ledger_error",   "buffer_full",   "unknown_policy",    "learner_stopping"};
-static_assert(static_cast<size_t>(GroupRefusal::kLearnerStopping) + 1 == kGroupRefusalNames.size(),
+    "ledger_error",   "buffer_full",   "unknown_policy",    "learner_stopping",
+    "worker_failed",  "prompt_failed"};
+static_assert(static_cast<size_t>(GroupRefusal::kPromptFailed) + 1 == kGroupRefusalNames.size(),
               "one name per GroupRefusal, in its order");
 
 constexpr std::string_view GroupRefusalName(GroupRefusal reason) {

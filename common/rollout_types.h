@@ -44,6 +44,13 @@ struct RolloutGroup {
   std::string policy_incarnation;  // the learner process that published that version
   std::vector<int32_t> prompt_ids;
   std::vector<Completion> completions;
+  // Set when the worker could not generate it: no completions, only the lease given back. Its
+  // environment failed, timed out or went away: the learner queues the prompt again at once
+  // instead of when the lease expires (refused as worker_failed). With prompt_failed the prompt
+  // itself cannot be generated from (empty, too long with truncate_prompt=reject): the learner
+  // rejects it (prompt_failed) instead of leasing it again forever.
+  std::string failure;
+  bool prompt_failed = false;
 };
 
 }  // namespace grpo::common

@@ -7,6 +7,9 @@
 // Ingest policy (AcceptGroup), per group, in this order:
 //   1. The lease must be the prompt's current, unexpired lease (unknown_lease / expired_lease;
 //      the ledger is not touched: an expired lease requeues on its own).
+//   1a. A group the worker could not generate (RolloutGroup::failure: no completions) gives its
+//      lease back: worker_failed, the prompt queued again at once, never rejected for it; or,
+//      when the prompt itself failed (prompt_failed), prompt_failed: the prompt is rejected.
 //   2. The policy: groups whose policy this learner did not publish (another
 //      learner_incarnation: a restarted learner's versions restart from its checkpoint, or a
 //      version above its own) are unknown_policy (lease released).
@@ -109,6 +112,8 @@ inline constexpr int64_t kMaxLeasesPerCall = 1024;
 inline constexpr int kMaxBadGroupAttempts = 3;
 // Rejection messages kept per push (PushReply::messages).
 inline constexpr size_t kMaxAckMessages = 8;
+// Characters of a worker's RolloutGroup::failure kept in its refusal message.
+inline constexpr size_t kMaxWorkerFailureChars = 500;
 // The final checkpoint (max_steps, stop) is tried this often before the job fails.
 inline constexpr int kFinalCheckpointAttempts = 3;
 

@@ -322,6 +322,25 @@ void Learner::AcceptGroup(common::RolloutGroup group, const common::CancelToken*
     Refuse(tally, common::GroupRefusal::kExpiredLease, what + ": lease '" + lease + "' expired");
     return;
   }
+  // 1a. The worker could not generate it (RolloutGroup::failure): the prompt goes back to the
+  //     queue now, not when the lease expires. Never rejected for it (an environment that is
+  //     down is no fault of the prompt's); the worker backs off before it leases again. A
+  //     prompt that failed itself (prompt_failed) would fail again: rejected at once.
+  if (!group.failure.empty()) {
+    const std::string message = what + ": the worker could not generate it: " +
+                                group.failure.substr(0, kMaxWorkerFailureChars);
+    if (group.prompt_failed) {
+      if (Status s = ledger_->RejectPrompt(lease, prompt, message); !s.ok()) {
+        GRPO_LOG_DEBUG("learner: reject {}: {}", common::EscapeForLog(prompt),
+                       common::EscapeForLog(s.ToString()));
+      }
+      Refuse(tally, common::GroupRefusal::kPromptFailed, message);
+    } else {
+      release();
+      Refuse(tally, common::GroupRefusal::kWorkerFailed, message);
+    }
+    return;
+  }
   // 2. The policy: weights this learner published (a restarted learner's versions start again
   //    from its checkpoint, so a dead learner's version numbers mean other weights).
   if (group.policy_incarnation != incarnation_ ||

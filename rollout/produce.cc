@@ -53,6 +53,7 @@ StatusOr<ProduceResult> Produce(const Generator& generator, const RewardRunner* 
   out.groups.reserve(inputs.size());
   for (size_t i = 0; i < generated.groups.size(); ++i) {
     ProducedGroup produced{std::move(generated.groups[i]), false, {}};
+    produced.prompt_failed = !produced.group.ok();  // Generate fails a group for its prompt only
     if (produced.group.ok()) {
       common::RolloutGroup& group = *produced.group;
       group.policy_version = generated.policy_version;

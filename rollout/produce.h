@@ -58,6 +58,10 @@ struct ProducedGroup {
   StatusOr<common::RolloutGroup> group;
   bool prompt_truncated = false;  // cut from the left to max_prompt_length
   RewardCallReport rewards;       // of its ScoreGroup call; empty when it failed or no runner
+  // The failure is the prompt's own (empty, an id outside the vocabulary, too long with
+  // truncate_prompt=reject): generating it again would fail again. False for an episode's
+  // environment failing, which may pass on another try.
+  bool prompt_failed = false;
 };
 
 struct ProduceResult {

@@ -158,6 +158,7 @@ RolloutLoop::RolloutLoop(RolloutLoopOptions options, at::Device device, LearnerL
       device_(device),
       link_(link),
       backoff_(options_.backoff),
+      failed_groups_(options_.backoff),
       receiver_(receiver),
       worker_id_(options_.worker_id),
       config_(options_.config) {}
@@ -633,14 +634,29 @@ Status RolloutLoop::RunRound() {
                    inputs.size(), produced->num_completion_tokens, produced->policy_version,
                    seconds);
     for (size_t i = 0; i < produced->groups.size(); ++i) {
-      std::optional<common::RolloutGroup> group =
-          ToPushed(produced->groups[i], *items[i], incarnation);
-      if (group) groups.push_back(std::move(*group));
+      groups.push_back(ToPushed(produced->groups[i], *items[i], incarnation));
     }
   }
   s = groups.empty() ? Status::OK() : PushGroups(groups, last_deadline_ms);
   SetLeasesHeld(0);
+  // Every group failed, not for its prompt (an environment that is down): wait before leasing
+  // again.
+  const bool all_failed =
+      !groups.empty() && std::all_of(groups.begin(), groups.end(), [](const auto& g) {
+        return !g.failure.empty() && !g.prompt_failed;
+      });
+  if (const milliseconds wait = AfterGroup(all_failed); wait.count() > 0) SleepUnlessStopping(wait);
   return s;
+}
+
+milliseconds RolloutLoop::AfterGroup(bool failed) {
+  if (!failed) {
+    failed_groups_.Reset();
+    return milliseconds(0);
+  }
+  const milliseconds wait = failed_groups_.Next();
+  GRPO_LOG_DEBUG("a group failed: leasing again in {} ms", wait.count());
+  return wait;
 }
 
 std::optional<Prompt> RolloutLoop::PrepareLeased(const PromptLease& lease) {
@@ -652,14 +668,21 @@ std::optional<Prompt> RolloutLoop::PrepareLeased(const PromptLease& lease) {
   return std::nullopt;
 }
 
-std::optional<common::RolloutGroup> RolloutLoop::ToPushed(ProducedGroup& p,
-                                                          const PromptLease& lease,
-                                                          const std::string& incarnation) {
+common::RolloutGroup RolloutLoop::ToPushed(ProducedGroup& p, const PromptLease& lease,
+                                           const std::string& incarnation) {
   if (!p.group.ok()) {
     counters_.prompts_failed += 1;
-    GRPO_LOG_WARN("prompt {} (lease {}) skipped: {}", lease.prompt_id, lease.lease_id,
+    GRPO_LOG_WARN("prompt {} (lease {}) failed ({}): {}", lease.prompt_id, lease.lease_id,
+                  p.prompt_failed ? "the prompt's own failure: the learner rejects it"
+                                  : "its lease given back",
                   p.group.status().ToString());
-    return std::nullopt;
+    common::RolloutGroup failed;
+    failed.lease_id = lease.lease_id;
+    failed.prompt_id = lease.prompt_id;
+    failed.policy_incarnation = incarnation;
+    failed.failure = p.group.status().ToString();
+    failed.prompt_failed = p.prompt_failed;
+    return failed;
   }
   CountRewardFailures(p.rewards);
   for (const auto& m : p.rewards.messages) GRPO_LOG_WARN("reward: {}", m);

@@ -161,10 +161,13 @@ struct RolloutLoopOptions {
 // Aborted, Internal, FailedPrecondition or Cancelled is retried with Backoff until it succeeds or
 // the stop flag is set (a push only while some of its leases are still valid). NotFound from
 // Heartbeat or LeasePrompts (the learner forgot this worker, e.g. it restarted), or a heartbeat
-// naming another learner incarnation, means register again. Leases of prompts that fail (bad
-// row, too long with truncate_prompt=reject, empty) or of groups that cannot be pushed are not
-// released (the link has no such call): they expire after lease_seconds and the learner queues
-// them again.
+// naming another learner incarnation, means register again. A group that cannot be generated is
+// pushed as its failure, which gives its lease back at once: its environment failed, timed out
+// or went away (the learner queues the prompt again, and the next lease waits: backoff_
+// options, longer while every group fails), or the prompt itself failed (empty, too long with
+// truncate_prompt=reject: the learner rejects it). Leases of rows that do not parse (the
+// learner checks the row schema at submission) or of groups that cannot be pushed expire after
+// lease_seconds, and the learner queues them again.
 //
 // Weights: a new version is received into a fresh model (the generator may still use the old
 // one) and installed between rounds; each group carries the version and the learner incarnation
@@ -261,10 +264,14 @@ class RolloutLoop {
       std::chrono::steady_clock::time_point* next_at, Status* error);
   // Row -> prompt of a lease; nullopt (counted, logged) for a bad row.
   std::optional<Prompt> PrepareLeased(const PromptLease& lease);
-  // A produced group as pushed: lease, prompt and incarnation set, reward failures counted;
-  // nullopt (counted, logged) for a prompt that failed.
-  std::optional<common::RolloutGroup> ToPushed(ProducedGroup& produced, const PromptLease& lease,
-                                               const std::string& incarnation);
+  // A produced group as pushed: lease, prompt and incarnation set, reward failures counted. A
+  // group that failed (counted, logged) is pushed as its failure alone (RolloutGroup::failure,
+  // and prompt_failed when the prompt itself failed), which gives its lease back.
+  common::RolloutGroup ToPushed(ProducedGroup& produced, const PromptLease& lease,
+                                const std::string& incarnation);
+  // After a failed group (`failed`) the next lease waits: exponentially longer while every group
+  // fails (an environment that is down), not at all after one that did not. Returns the wait.
+  std::chrono::milliseconds AfterGroup(bool failed);
   // With retries (`backoff`: as Retry's) while a lease is valid; a failed push drops the groups.
   Status PushGroups(const std::vector<common::RolloutGroup>& groups, int64_t last_deadline_ms,
                     Backoff* backoff = nullptr);
@@ -286,6 +293,7 @@ class RolloutLoop {
   std::once_flag cpu_bf16_checked_;
   LearnerLink* const link_;  // borrowed, thread-safe
   Backoff backoff_;          // main thread only
+  Backoff failed_groups_;    // main thread only: AfterGroup's
 
   // Main thread only (Run), except receiver_->SetGroup (thread-safe) from the heartbeat thread
   // and Receive from FetchInFlight while the main thread generates.

@@ -63,9 +63,8 @@ class FinishedQueue {
   bool closed_ GRPO_GUARDED_BY(mu_) = false;
 };
 
-// A pusher thread's loop: each batch of finished groups, made pushable by `to_pushed` (nullopt:
-// not pushed), goes to `push` with the latest of its leases' deadlines, until `queue` is closed
-// and drained.
+// A pusher thread's loop: each batch of finished groups, made pushable by `to_pushed`, goes to
+// `push` with the latest of its leases' deadlines, until `queue` is closed and drained.
 template <typename Finished, typename ToPushed, typename Push>
 void PushFinished(FinishedQueue<Finished>& queue, ToPushed to_pushed, Push push) {
   while (true) {
@@ -74,12 +73,10 @@ void PushFinished(FinishedQueue<Finished>& queue, ToPushed to_pushed, Push push)
     std::vector<common::RolloutGroup> groups;
     int64_t last_deadline_ms = 0;
     for (auto& [item, finished] : batch) {
-      std::optional<common::RolloutGroup> group = to_pushed(item, finished);
-      if (!group) continue;
       last_deadline_ms = std::max(last_deadline_ms, item.lease.deadline_unix_ms);
-      groups.push_back(std::move(*group));
+      groups.push_back(to_pushed(item, finished));
     }
-    if (!groups.empty()) push(groups, last_deadline_ms);
+    push(groups, last_deadline_ms);
   }
 }
 
@@ -253,12 +250,18 @@ Status RolloutLoop::RunEpisodeStream(int64_t rounds_limit) {
   int64_t next_tag = 0;
   Status lease_error;
   Clock::time_point next_lease_at = Clock::now();
+  Clock::time_point after_failure = Clock::now();  // no lease before (AfterGroup)
   EpisodeFeed feed;
   feed.take = [&](int64_t room, bool idle) {
     std::vector<FedPrompt> out;
     // Without in-flight updates a group never mixes versions: once the learner has newer
     // weights no group starts, and the stream ends when its groups are done (then syncs).
     if (!in_flight_updates && !idle && NeedsWeights()) return out;
+    // After a failed group (an environment that may be down) the next lease waits.
+    if (const auto now = Clock::now(); now < after_failure) {
+      if (!idle) return out;
+      if (!SleepUnlessStopping(std::chrono::ceil<milliseconds>(after_failure - now))) return out;
+    }
     const auto behind = [&] { return NeedsWeights(); };
     for (auto& [lease, prompt] :
          LeaseForStream(room, idle, policy_version_.load(), rounds_limit, behind, fetch_stopped,
@@ -288,6 +291,8 @@ Status RolloutLoop::RunEpisodeStream(int64_t rounds_limit) {
       metrics_->generation_duration->Observe(
           std::chrono::duration<double>(Clock::now() - node.mapped().started).count());
     }
+    const bool env_failed = !group.produced.group.ok() && !group.produced.prompt_failed;
+    after_failure = std::max(after_failure, Clock::now() + AfterGroup(env_failed));
     finished.Put(std::move(node.mapped()), std::move(group));
     SetLeasesHeld(static_cast<int32_t>(in_flight.size()));
   };

@@ -10,6 +10,8 @@ void ToProto(const common::RolloutGroup& group, v1::RolloutGroup* out) {
   out->set_lease_id(group.lease_id);
   out->set_policy_version(group.policy_version);
   out->set_policy_incarnation(group.policy_incarnation);
+  out->set_failure(group.failure);
+  out->set_prompt_failed(group.prompt_failed);
   out->mutable_prompt_ids()->Assign(group.prompt_ids.begin(), group.prompt_ids.end());
   for (const auto& c : group.completions) {
     v1::Completion* pc = out->add_completions();
@@ -35,6 +37,8 @@ common::RolloutGroup FromProto(const v1::RolloutGroup& group) {
   g.lease_id = group.lease_id();
   g.policy_version = group.policy_version();
   g.policy_incarnation = group.policy_incarnation();
+  g.failure = group.failure();
+  g.prompt_failed = group.prompt_failed();
   g.prompt_ids.assign(group.prompt_ids().begin(), group.prompt_ids().end());
   for (const auto& pc : group.completions()) {
     common::Completion c;

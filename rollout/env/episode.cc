@@ -479,6 +479,7 @@ class EpisodeRun {
     out.tag = g.tag;
     out.produced.prompt_truncated = g.truncated;
     out.prompt_refused = !g.prompt_error.ok();
+    out.produced.prompt_failed = out.prompt_refused;
     Status failed = g.prompt_error;
     for (size_t i = g.first; i < g.first + n; ++i) {
       Episode& e = episodes_[i];

@@ -147,7 +147,8 @@ TEST(GroupRefusal, EveryReasonHasOneNameAndTheMetricLabelsAreTheTable) {
       "env_mask",       "tool_counts",   "token_versions",    "token_out_of_vocab",
       "logprob_length", "reward_count",  "non_finite_reward", "reward_out_of_range",
       "stale",          "unknown_lease", "expired_lease",     "job_ended",
-      "ledger_error",   "buffer_full",   "unknown_policy",    "learner_stopping"};
+      "ledger_error",   "buffer_full",   "unknown_policy",    "learner_stopping",
+      "worker_failed",  "prompt_failed"};
   ASSERT_EQ(kGroupRefusalNames.size(), documented.size());
   for (size_t i = 0; i < documented.size(); ++i) {
     EXPECT_EQ(kGroupRefusalNames[i], documented[i]) << i;
@@ -156,6 +157,8 @@ TEST(GroupRefusal, EveryReasonHasOneNameAndTheMetricLabelsAreTheTable) {
   EXPECT_EQ(GroupRefusalName(GroupRefusal::kStale), "stale");
   EXPECT_EQ(GroupRefusalName(GroupRefusal::kUnknownPolicy), "unknown_policy");
   EXPECT_EQ(GroupRefusalName(GroupRefusal::kLearnerStopping), "learner_stopping");
+  EXPECT_EQ(GroupRefusalName(GroupRefusal::kWorkerFailed), "worker_failed");
+  EXPECT_EQ(GroupRefusalName(GroupRefusal::kPromptFailed), "prompt_failed");
   EXPECT_EQ(&kRejectReasons, &kGroupRefusalNames);
 }
 

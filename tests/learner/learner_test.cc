@@ -473,6 +473,85 @@ TEST_F(LearnerTest, TheIngestPolicysVerdicts) {
   EXPECT_EQ(learner_->RefusedCounts()["unknown_policy"], 2);
 }
 
+// A group the worker could not generate (RolloutGroup::failure: its environment failed) gives
+// its lease back: refused as worker_failed, the prompt queued again at once (not when the lease
+// expires) with its attempts unchanged, and never rejected for it, however often it fails
+// (kMaxBadGroupAttempts bounds bad groups, not failures). A failure under a lease that is not
+// the prompt's current one touches nothing.
+TEST_F(LearnerTest, AFailedGroupGivesItsLeaseBackAtOnceAndNeverRejectsThePrompt) {
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(2)).ok());
+  const std::string inc = learner_->incarnation();
+  for (int round = 0; round < kMaxBadGroupAttempts + 2; ++round) {
+    const std::vector<common::PromptLease> leases = Lease(2);
+    ASSERT_EQ(leases.size(), 2u) << "round " << round << ": the prompts were not queued again";
+    EXPECT_EQ(learner_->TEST_ledger().Counts()->leased, 2);
+    PushTally tally;
+    for (const common::PromptLease& l : leases) {
+      common::RolloutGroup failed;
+      failed.lease_id = l.lease_id;
+      failed.prompt_id = l.prompt_id;
+      failed.policy_incarnation = inc;
+      failed.failure = "UNAVAILABLE: episode 0 of turns: reset: connection refused";
+      learner_->AcceptGroup(failed, {}, &tally);
+    }
+    EXPECT_EQ(tally.reply.accepted, 0);
+    EXPECT_EQ(tally.reply.rejected_by_reason["worker_failed"], 2);
+    ASSERT_FALSE(tally.reply.messages.empty());
+    EXPECT_NE(tally.reply.messages[0].find("connection refused"), std::string::npos);
+    const auto counts = learner_->TEST_ledger().Counts();
+    EXPECT_EQ(counts->queued, 2) << "round " << round;
+    EXPECT_EQ(counts->leased, 0);
+    EXPECT_EQ(counts->rejected, 0);
+    for (const common::PromptLease& l : leases) {
+      EXPECT_EQ(learner_->TEST_ledger().GetPrompt(l.prompt_id)->attempts, 0);
+    }
+  }
+  // Under a lease that is no longer the prompt's: unknown_lease, the ledger untouched.
+  const std::vector<common::PromptLease> leases = Lease(1);
+  ASSERT_EQ(leases.size(), 1u);
+  common::RolloutGroup stale;
+  stale.lease_id = "an-old-lease";
+  stale.prompt_id = leases[0].prompt_id;
+  stale.policy_incarnation = inc;
+  stale.failure = "DEADLINE_EXCEEDED: step";
+  PushTally tally;
+  learner_->AcceptGroup(stale, {}, &tally);
+  EXPECT_EQ(tally.reply.rejected_by_reason["unknown_lease"], 1);
+  EXPECT_EQ(learner_->TEST_ledger().Counts()->leased, 1);
+  EXPECT_EQ(learner_->RefusedCounts()["worker_failed"], 2 * (kMaxBadGroupAttempts + 2));
+}
+
+// A group whose prompt itself failed on the worker (RolloutGroup::prompt_failed: too long with
+// truncate_prompt=reject) would fail on every worker: the prompt is REJECTED at once, with the
+// failure as its reason, instead of being leased again forever (which held the pass boundary).
+TEST_F(LearnerTest, AGroupWhosePromptFailedRejectsThePromptAtOnce) {
+  Start();
+  RegisterW1();
+  ASSERT_TRUE(learner_->AddDataset("k", Prompts(2)).ok());
+  const std::vector<common::PromptLease> leases = Lease(2);
+  ASSERT_EQ(leases.size(), 2u);
+  common::RolloutGroup failed;
+  failed.lease_id = leases[0].lease_id;
+  failed.prompt_id = leases[0].prompt_id;
+  failed.policy_incarnation = learner_->incarnation();
+  failed.failure = "INVALID_ARGUMENT: prompt 0: 300 tokens > max_prompt_length 256";
+  failed.prompt_failed = true;
+  PushTally tally;
+  learner_->AcceptGroup(failed, {}, &tally);
+  EXPECT_EQ(tally.reply.rejected_by_reason["prompt_failed"], 1);
+  const auto counts = learner_->TEST_ledger().Counts();
+  EXPECT_EQ(counts->rejected, 1);
+  EXPECT_EQ(counts->leased, 1);
+  EXPECT_EQ(counts->queued, 0);
+  const auto record = learner_->TEST_ledger().GetPrompt(leases[0].prompt_id);
+  ASSERT_TRUE(record.ok());
+  EXPECT_EQ(record->state, PromptState::kRejected);
+  EXPECT_NE(record->reject_reason.find("max_prompt_length 256"), std::string::npos)
+      << record->reject_reason;
+}
+
 // Dynamic sampling (learner/dynamic_sampling.h): groups whose rewards are all equal are
 // filtered at ingest (FILTERED in the ledger, counted, not buffered), their lease budget goes to
 // more prompts, and the batch that fills up says what it cost.

@@ -191,6 +191,10 @@ TEST(RolloutLoop, RegistersTakesWeightsAndPushesScoredGroupsUnderTheirLeases) {
   EXPECT_EQ(st.prompts_failed, 0);
 }
 
+// Rows that do not parse (no prompt, not JSON, an empty prompt) are skipped: their leases expire
+// (the learner checks rows at submission). A prompt that cannot be generated from (too long
+// with truncate_prompt=reject) is pushed as its failure with prompt_failed: the learner rejects
+// it.
 TEST(RolloutLoop, BadPromptsAreSkippedAndCounted) {
   Fixture f({R"({"prompt": "This prompt is far longer than sixteen bytes."})",
              R"({"question": "no prompt key"})", "not json", R"({"prompt": ""})", kPromptRow});
@@ -206,8 +210,17 @@ TEST(RolloutLoop, BadPromptsAreSkippedAndCounted) {
   EXPECT_EQ(loop->stats().prompts_failed, 4);
   EXPECT_EQ(loop->stats().leases, 5);
   common::MutexLock lock(&f.learner.mu);
-  ASSERT_EQ(f.learner.pushed.size(), 1u);
-  EXPECT_EQ(f.learner.pushed[0].lease_id, "lease-4");
+  ASSERT_EQ(f.learner.pushed.size(), 2u);
+  std::map<std::string, const common::RolloutGroup*> by_lease;
+  for (const common::RolloutGroup& g : f.learner.pushed) by_lease[g.lease_id] = &g;
+  ASSERT_EQ(by_lease.count("lease-0"), 1u);
+  EXPECT_TRUE(by_lease["lease-0"]->prompt_failed);
+  EXPECT_NE(by_lease["lease-0"]->failure.find("max_prompt_length 16"), std::string::npos)
+      << by_lease["lease-0"]->failure;
+  EXPECT_TRUE(by_lease["lease-0"]->completions.empty());
+  ASSERT_EQ(by_lease.count("lease-4"), 1u);
+  EXPECT_TRUE(by_lease["lease-4"]->failure.empty());
+  EXPECT_EQ(by_lease["lease-4"]->completions.size(), static_cast<size_t>(kGenerations));
 }
 
 TEST(RolloutLoop, NewerPolicyVersionIsFetchedBeforeTheNextRound) {
@@ -359,6 +372,86 @@ TEST(RolloutLoop, ContinuousBatchingStreamsMultiTurnEpisodesAndPushesEachGroupOn
   for (size_t i = 0; i < rows.size(); ++i) EXPECT_EQ(pushes["lease-" + std::to_string(i)], 1);
   EXPECT_EQ(loop->stats().groups_pushed, static_cast<int64_t>(rows.size()));
   EXPECT_EQ(loop->stats().episodes, static_cast<int64_t>(rows.size()) * kGenerations);
+}
+
+// An environment that is down for some rows (reset: Unavailable): each of their groups is
+// pushed with its failure and no completions under its lease, which gives the lease back at
+// once (RolloutGroup::failure; the learner queues the prompt again), and the next lease waits
+// the backoff (300 ms here, jittered by at most 20%) instead of asking again at once; the other
+// rows' groups are generated and pushed as usual. Per call (RunRound) and streamed.
+void RunWithAnEnvironmentDownForTheFirstLease(bool continuous) {
+  const std::string down = R"({"messages": [{"role": "user", "content": "Hi"}], "down": true})";
+  const std::vector<std::string> rows = {down, down, kMessagesRow, kMessagesRow};
+  Fixture f(rows);
+  json config = LearnerConfig();
+  config["env"] = "builtin:flaky";
+  config["max_turns"] = 1;
+  config["env_max_concurrency"] = 8;  // both groups of a lease at once
+  config["max_completion_length"] = 8;
+  config["reward_funcs"] = json::array({"env"});
+  config["continuous_batching"] = continuous;
+  f.learner.config_json = config.dump();
+  std::vector<std::chrono::steady_clock::time_point> leased_at;  // of each lease that leased
+  {
+    common::MutexLock lock(&f.learner.mu);
+    f.learner.after_lease = [&leased_at](FakeLearnerLink&) {
+      leased_at.push_back(std::chrono::steady_clock::now());
+    };
+  }
+  RolloutLoopOptions o = Options();
+  o.reward_options.clear();
+  o.backoff.initial = milliseconds(300);
+  o.backoff.max = milliseconds(600);
+  o.make_environment = [](const common::GrpoConfig&) -> StatusOr<std::unique_ptr<Environment>> {
+    return std::unique_ptr<Environment>(std::make_unique<FunctionEnvironment>(
+        "flaky",
+        [](const json& row, uint64_t, json&) -> StatusOr<EnvObservation> {
+          if (row.value("down", false)) return Status::Unavailable("environment down");
+          return EnvObservation{};
+        },
+        [](const std::string&, json&) -> StatusOr<EnvObservation> {
+          EnvObservation obs;
+          obs.done = true;
+          obs.reward = 1.0;
+          return obs;
+        }));
+  };
+  auto loop = MakeLoop(f, o);
+  const Status s = loop->Run();
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  common::MutexLock lock(&f.learner.mu);
+  ASSERT_EQ(f.learner.pushed.size(), rows.size());
+  std::map<std::string, const common::RolloutGroup*> by_lease;
+  for (const common::RolloutGroup& g : f.learner.pushed) by_lease[g.lease_id] = &g;
+  for (int i = 0; i < 4; ++i) {
+    const std::string lease = "lease-" + std::to_string(i);
+    ASSERT_EQ(by_lease.count(lease), 1u) << lease;
+    const common::RolloutGroup& g = *by_lease[lease];
+    EXPECT_EQ(g.prompt_id, "prompt-" + std::to_string(i));
+    EXPECT_EQ(g.policy_incarnation, "inc-1");
+    if (i < 2) {  // the environment was down for it
+      EXPECT_TRUE(g.completions.empty()) << lease;
+      EXPECT_NE(g.failure.find("environment down"), std::string::npos) << g.failure;
+    } else {
+      EXPECT_TRUE(g.failure.empty()) << lease << ": " << g.failure;
+      ASSERT_EQ(g.completions.size(), static_cast<size_t>(kGenerations)) << lease;
+      for (const auto& c : g.completions) ASSERT_EQ(c.rewards.size(), 1u);
+    }
+  }
+  EXPECT_EQ(loop->stats().prompts_failed, 2);
+  // The last rows were leased after the backoff: at least 240 ms after the first lease. (A
+  // stream may lease one more row before it learns that the first groups failed: a failed
+  // episode frees its session before its group is handed back.)
+  ASSERT_GE(leased_at.size(), 2u);
+  EXPECT_GE(leased_at.back() - leased_at.front(), milliseconds(240));
+}
+
+TEST(RolloutLoop, GroupsAnEnvironmentFailedGiveTheirLeasesBackAndTheNextLeaseWaits) {
+  RunWithAnEnvironmentDownForTheFirstLease(/*continuous=*/false);
+}
+
+TEST(RolloutLoop, StreamedGroupsAnEnvironmentFailedGiveTheirLeasesBackAndTheNextLeaseWaits) {
+  RunWithAnEnvironmentDownForTheFirstLease(/*continuous=*/true);
 }
 
 // Multi-turn episodes streamed without partial_rollouts: version 2 is published while the first

@@ -81,6 +81,31 @@ TEST(RolloutGroupWire, EnvMaskRoundTripsAsOneBytePerTokenAndEmptyStaysEmpty) {
   EXPECT_TRUE(back.completions[1].env_mask.empty());
 }
 
+// A group the worker could not generate crosses the wire as its lease, prompt and failure, with
+// no completions; a group that did not fail sends no failure field.
+TEST(RolloutGroupWire, AFailedGroupIsItsLeaseAndItsFailure) {
+  common::RolloutGroup failed;
+  failed.lease_id = "lease-7";
+  failed.prompt_id = "ds-1:3";
+  failed.policy_incarnation = "inc";
+  failed.failure = "UNAVAILABLE: episode 0 of turns: reset: environment down";
+  v1::RolloutGroup wire;
+  ToProto(failed, &wire);
+  v1::RolloutGroup parsed;
+  ASSERT_TRUE(parsed.ParseFromString(wire.SerializeAsString()));
+  const common::RolloutGroup back = FromProto(parsed);
+  EXPECT_EQ(back.lease_id, "lease-7");
+  EXPECT_EQ(back.prompt_id, "ds-1:3");
+  EXPECT_EQ(back.failure, failed.failure);
+  EXPECT_TRUE(back.completions.empty());
+  common::RolloutGroup ok = failed;
+  ok.failure.clear();
+  v1::RolloutGroup ok_wire;
+  ToProto(ok, &ok_wire);
+  // Field 8 (failure) absent: the bytes of lease, prompt and incarnation alone.
+  EXPECT_EQ(ok_wire.ByteSizeLong(), (2 + 7) + (2 + 6) + (2 + 3));
+}
+
 // A tool episode's counts and per-token versions cross the wire; a completion without them sends
 // none of the fields.
 TEST(RolloutGroupWire, ToolCountsRoundTrip) {

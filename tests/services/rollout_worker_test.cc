@@ -506,8 +506,18 @@ TEST(RolloutWorker, BadPromptsAreSkippedAndCounted) {
   ASSERT_TRUE(worker->Run().ok());
   EXPECT_EQ(worker->stats().prompts_failed, 3);
   std::lock_guard<std::mutex> lock(fake.mu);
-  ASSERT_EQ(fake.pushed.size(), 1u);
-  EXPECT_EQ(fake.pushed[0].lease_id(), "lease-3");
+  // The rows that do not parse are not pushed; the prompt too long for truncate_prompt=reject
+  // crosses the wire as its failure with prompt_failed (the learner rejects it).
+  ASSERT_EQ(fake.pushed.size(), 2u);
+  std::map<std::string, const v1::RolloutGroup*> by_lease;
+  for (const auto& g : fake.pushed) by_lease[g.lease_id()] = &g;
+  ASSERT_EQ(by_lease.count("lease-0"), 1u);
+  EXPECT_TRUE(by_lease["lease-0"]->prompt_failed());
+  EXPECT_NE(by_lease["lease-0"]->failure().find("max_prompt_length"), std::string::npos)
+      << by_lease["lease-0"]->failure();
+  EXPECT_EQ(by_lease["lease-0"]->completions_size(), 0);
+  ASSERT_EQ(by_lease.count("lease-3"), 1u);
+  EXPECT_TRUE(by_lease["lease-3"]->failure().empty());
 }
 
 // Sets `stop` and joins `run` (the thread of the worker's Run): the seconds that took.
