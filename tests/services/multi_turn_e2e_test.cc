@@ -32,8 +32,9 @@ using grpo::testing::TurnBytes;
 using nlohmann::json;
 
 // Runs the job with the worker's episodes scheduled by `mode` (a learner-owned key, taken by the
-// worker) and checks every trained row; the checks hold whatever the batches were.
-void RunAndCheck(const std::string& mode) {
+// worker) and checks every trained row; the checks hold whatever the batches were. The
+// environment server fails its first `fail_resets` resets; *worker_log gets the worker's log.
+void RunAndCheck(const std::string& mode, int fail_resets = 0, std::string* worker_log = nullptr) {
   ASSERT_TRUE(grpo::testing::ReferencePythonHas("grpc grpo_serve"))
       << ReferencePython() << " cannot import grpc and grpo_serve: deploy/setup.sh";
   const fs::path dir =
@@ -42,7 +43,7 @@ void RunAndCheck(const std::string& mode) {
   fs::create_directories(dir);
   Children children(dir);
   children.Spawn("env", {ReferencePython(), SourceDir() + "/tests/reference/echo_length_env.py",
-                         "--port", "0"});
+                         "--port", "0", "--fail-resets", std::to_string(fail_resets)});
   const json env_line = children.FirstLine("env", std::chrono::seconds(60));
   ASSERT_TRUE(env_line.is_object() && env_line.contains("port")) << Tail(children.Err("env"));
   const std::string env = "grpc:127.0.0.1:" + std::to_string(env_line["port"].get<int>());
@@ -100,6 +101,7 @@ void RunAndCheck(const std::string& mode) {
   EXPECT_EQ(rows_checked, kSteps * 4);
   EXPECT_GT(observations_checked, 0) << "no episode got past its first turn: the test shows "
                                         "nothing about observations";
+  if (worker_log != nullptr) *worker_log = Tail(children.Err("worker"), 1 << 20);
   fs::remove_all(dir);
 }
 
@@ -112,6 +114,19 @@ TEST(MultiTurnE2E, APythonEnvironmentsObservationsAreTrainedAroundAsEnvironmentT
 // as soon as its episodes end.
 TEST(MultiTurnE2E, StreamedAcrossLeasesWithContinuousBatching) {
   RunAndCheck("continuous_batching");
+}
+
+// An environment down for its first 6 resets: the groups they fail give their leases back at
+// once (refused as worker_failed), the worker backs off, and the job of 4 prompts finishes with
+// every trained row checked as above. Until 2026-12-07 those prompts waited out lease_seconds
+// (300 s) and the job did not finish in the test's 180 s. Per lease and streamed.
+TEST(MultiTurnE2E, AnEnvironmentDownForAWhileCostsItsGroupsTheirLeasesOnly) {
+  for (const std::string mode : {"overlap_env_steps", "continuous_batching"}) {
+    std::string log;
+    ASSERT_NO_FATAL_FAILURE(RunAndCheck(mode, /*fail_resets=*/6, &log)) << mode;
+    EXPECT_NE(log.find("its lease given back"), std::string::npos) << mode << "\n" << log;
+    EXPECT_NE(log.find("worker_failed"), std::string::npos) << mode << "\n" << log;
+  }
 }
 
 }  // namespace
