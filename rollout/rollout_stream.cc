@@ -147,6 +147,8 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
         finished,
         [&](InFlight& item, StreamedGroup& streamed) {
           ProducedGroup produced{std::move(streamed.group), streamed.prompt_truncated, {}};
+          // GenerateStream fails a group for its prompt only, as Generate does (Produce).
+          produced.prompt_failed = !produced.group.ok();
           if (produced.group.ok() && rewards_ != nullptr) {
             produced.rewards =
                 rewards_->ScoreGroup(*produced.group, item.prompt.text, item.prompt.row);

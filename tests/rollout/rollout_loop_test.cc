@@ -194,13 +194,14 @@ TEST(RolloutLoop, RegistersTakesWeightsAndPushesScoredGroupsUnderTheirLeases) {
 // Rows that do not parse (no prompt, not JSON, an empty prompt) are skipped: their leases expire
 // (the learner checks rows at submission). A prompt that cannot be generated from (too long
 // with truncate_prompt=reject) is pushed as its failure with prompt_failed: the learner rejects
-// it.
-TEST(RolloutLoop, BadPromptsAreSkippedAndCounted) {
+// it. Per call (RunRound) and streamed (RunStream).
+void RunWithBadPrompts(bool continuous) {
   Fixture f({R"({"prompt": "This prompt is far longer than sixteen bytes."})",
              R"({"question": "no prompt key"})", "not json", R"({"prompt": ""})", kPromptRow});
   json config = LearnerConfig();
   config["truncate_prompt"] = "reject";
   config["max_prompt_length"] = 16;
+  config["continuous_batching"] = continuous;
   f.learner.config_json = config.dump();
   f.learner.leases_per_call = 5;
   auto o = Options();
@@ -221,6 +222,12 @@ TEST(RolloutLoop, BadPromptsAreSkippedAndCounted) {
   ASSERT_EQ(by_lease.count("lease-4"), 1u);
   EXPECT_TRUE(by_lease["lease-4"]->failure.empty());
   EXPECT_EQ(by_lease["lease-4"]->completions.size(), static_cast<size_t>(kGenerations));
+}
+
+TEST(RolloutLoop, BadPromptsAreSkippedAndCounted) { RunWithBadPrompts(/*continuous=*/false); }
+
+TEST(RolloutLoop, StreamedBadPromptsAreSkippedAndCounted) {
+  RunWithBadPrompts(/*continuous=*/true);
 }
 
 TEST(RolloutLoop, NewerPolicyVersionIsFetchedBeforeTheNextRound) {
