@@ -512,6 +512,11 @@ bool RolloutLoop::NeedsWeights() const {
          policy_incarnation_ != learner_incarnation_;
 }
 
+std::string RolloutLoop::PolicyIncarnation() const {
+  common::MutexLock lock(&mu_);
+  return policy_incarnation_;
+}
+
 StatusOr<std::optional<LeaseReply>> RolloutLoop::Lease(int64_t count, bool retry,
                                                        int64_t starts_with, milliseconds* wait) {
   *wait = milliseconds(0);
@@ -598,10 +603,7 @@ Status RolloutLoop::RunRound() {
     // Weights are installed between rounds (SyncWeights above), and in flight only when they
     // are of this same incarnation, so the incarnation read now is the one of every snapshot
     // this round generates with.
-    const std::string incarnation = [&] {
-      common::MutexLock lock(&mu_);
-      return policy_incarnation_;
-    }();
+    const std::string incarnation = PolicyIncarnation();
     std::atomic<bool> generating{true};
     std::thread fetcher;
     if (config().partial_rollouts) {

@@ -230,6 +230,8 @@ class RolloutLoop {
   // No weights yet, newer ones at the learner, or weights of a learner incarnation the worker
   // has left.
   bool NeedsWeights() const GRPO_EXCLUDES(mu_);
+  // The learner incarnation of the weights that generate now (policy_incarnation_).
+  std::string PolicyIncarnation() const GRPO_EXCLUDES(mu_);
   // One LeasePrompts exchange of up to `count` prompts (with Retry and the learner's long poll
   // for budget when `retry`, else one attempt answered at once): the reply, counted as a round,
   // when it holds prompts. nullopt otherwise: done_ set when the job is done, needs_register_

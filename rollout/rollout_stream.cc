@@ -130,10 +130,7 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
   }
   // Weights are installed in flight only when they are of this same incarnation (FetchInFlight),
   // so every group of this stream is of it.
-  const std::string incarnation = [&] {
-    common::MutexLock lock(&mu_);
-    return policy_incarnation_;
-  }();
+  const std::string incarnation = PolicyIncarnation();
 
   std::atomic<bool> generating{true}, fetch_stopped{false};
   std::thread fetcher([&] {
@@ -218,10 +215,7 @@ Status RolloutLoop::RunEpisodeStream(int64_t rounds_limit) {
   if (NeedsWeights()) {
     RETURN_IF_ERROR(SyncWeights(std::max<int64_t>(0, learner_version_.load())));
   }
-  const std::string incarnation = [&] {
-    common::MutexLock lock(&mu_);
-    return policy_incarnation_;
-  }();
+  const std::string incarnation = PolicyIncarnation();
   const bool in_flight_updates = config().partial_rollouts;
 
   // With partial_rollouts newer weights are installed while the episodes play (ContinueStream
