@@ -1,25 +1,31 @@
-// grpo bench long_tail: what continuous batching (config continuous_batching) buys a worker on a
-// task whose completion lengths are skewed (issue 26, "the long tail"). The tiny model, G = 8,
-// 64 prompts; every 8th prompt's group may run 8x longer than the others (a budget of 256
-// tokens against 32; the stop id is one the model never samples, so every row runs to its
-// budget). Both modes keep at most 8 groups decoding through the same Generator::GenerateStream
-// loop: `rounds` admits 8 prompts only when nothing decodes (what a worker did: one Generate
-// call per lease), `continuous` admits a prompt as soon as a group leaves. Reported: groups/s,
-// tokens/s, the mean rows decoding per step against the 64 a full batch holds, and the ideal
-// (every step at full occupancy).
-#include <ATen/ATen.h>
-
+// grpo bench long_tail: what continuous batching and in-flight weight updates buy a worker on a
+// task whose completion lengths are skewed (issue 26, "the long tail"; the workload is
+// rollout/bench/long_tail.h, which grpo_gpu_bench runs on CUDA). The tiny model, G = 8, 64
+// prompts; every 8th prompt's group runs 8x longer than the others (256 tokens against 32; no
+// stop id, so every row runs to its budget). At most 8 groups decode at once. Modes:
+//   rounds                 8 prompts admitted only when nothing decodes (a Generate call per lease)
+//   continuous             a prompt admitted as soon as a group leaves (continuous_batching), with
+//                          no weight update: the ceiling of the modes below
+//   continuous+drain       the learner's updates every 64 decode steps, taken as a worker without
+//                          partial_rollouts takes them: admission stops until the groups in flight
+//                          are done
+//   continuous+in_flight   taken between two decode steps (partial_rollouts), the keys/values
+//                          recomputed, or kept (`_keep`)
+//   rounds+updates         rounds with the same updates (taken between rounds)
+// Reported: groups/s, tokens/s, decode steps against the ideal (every step at full occupancy),
+// the mean rows decoding, and each round's ratios to rounds and to continuous+drain.
 #include <algorithm>
-#include <chrono>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "common/model/model_config.h"
-#include "rollout/generator.h"
+#include "rollout/bench/long_tail.h"
 #include "services/cli/bench_services_util.h"
 #include "services/cli/bench_util.h"
 
@@ -27,50 +33,12 @@ namespace grpo::services::bench {
 namespace {
 
 using nlohmann::json;
+using rollout::bench::LongTailMode;
+using rollout::bench::LongTailRun;
 
-constexpr int64_t kGroups = 64, kInFlight = 8, kG = 8, kPromptTokens = 16;
-constexpr int64_t kShort = 32, kLong = 8 * kShort, kLongEvery = 8;
-
-struct LongTailRun {
-  double seconds = 0;
-  int64_t tokens = 0, steps = 0, row_steps = 0;  // row_steps: rows decoding, summed over steps
-};
-
-StatusOr<LongTailRun> RunLongTail(const rollout::Generator& gen, bool continuous,
-                                  const std::vector<std::vector<int32_t>>& prompts,
-                                  int64_t* steps_seen, int64_t* rows_now) {
-  LongTailRun run;
-  size_t next = 0;
-  rollout::GroupStream stream;
-  stream.max_prompts = kInFlight;
-  stream.take = [&](int64_t room, bool idle, int64_t) {
-    std::vector<rollout::StreamPrompt> out;
-    if (!continuous && !idle) return out;
-    while (room-- > 0 && next < prompts.size()) {
-      const int64_t i = static_cast<int64_t>(next++);
-      out.push_back({prompts[i], i, i, i % kLongEvery == 0 ? kLong : kShort});
-      *rows_now += kG;
-    }
-    return out;
-  };
-  stream.done = [&](rollout::StreamedGroup g) {
-    if (!g.group.ok()) return;
-    for (const auto& c : g.group->completions) {
-      run.tokens += static_cast<int64_t>(c.token_ids.size());
-    }
-    *rows_now -= kG;
-  };
-  *steps_seen = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(rollout::StreamStats stats, gen.GenerateStream(stream));
-  run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  run.steps = *steps_seen;
-  if (stats.num_groups != kGroups) {
-    return Status::Internal("long_tail: " + std::to_string(stats.num_groups) + " groups of " +
-                            std::to_string(kGroups));
-  }
-  return run;
-}
+// About one learner step of `grpo bench long_tail_e2e` in this worker's decode steps (a step of
+// ~140 ms against ~1.5 ms a decode step at 64 rows).
+constexpr int64_t kUpdateEvery = 64;
 
 }  // namespace
 
@@ -80,82 +48,116 @@ int BenchLongTail(bool as_json, int reps) {
   auto model = common::Model::InitRandom(*cfg, 1);
   if (!model.ok()) return Fail("long_tail", model.status());
   std::shared_ptr<const common::Model> policy(std::move(model).value());
-  const std::vector<std::vector<int32_t>> prompts =
-      RandomPrompts(kGroups, kPromptTokens, policy->config().vocab_size, 5);
-  // Rows decoding at each step, counted through the window hook.
-  int64_t steps_seen = 0, rows_now = 0, row_steps = 0;
-  rollout::GeneratorOptions o;
-  o.num_generations = kG;
-  o.max_completion_length = kLong;
-  o.max_prompt_length = kPromptTokens;
-  o.eos_token_ids = {static_cast<int32_t>(policy->config().vocab_size - 1)};  // ~never sampled
-  o.seed = 11;
-  o.window_hook = [&](int64_t steps) {
-    steps_seen = steps;
-    row_steps += rows_now;
-  };
-  auto gen = rollout::Generator::Create(policy, 0, o);
-  if (!gen.ok()) return Fail("long_tail", gen.status());
-
-  std::vector<json> rows;
-  for (bool continuous : {false, true}) {
-    std::vector<double> seconds;
-    LongTailRun last;
-    for (int r = 0; r < std::max(1, reps); ++r) {
-      row_steps = 0;
-      auto run = RunLongTail(**gen, continuous, prompts, &steps_seen, &rows_now);
-      if (!run.ok()) return Fail("long_tail", run.status());
-      last = *run;
-      last.row_steps = row_steps;
-      seconds.push_back(run->seconds);
-    }
-    const Timing t = Summarize(seconds);
-    const double occupancy =
-        static_cast<double>(last.row_steps) / static_cast<double>(std::max<int64_t>(1, last.steps));
-    rows.push_back({{"bench", "long_tail"},
-                    {"mode", continuous ? "continuous" : "rounds"},
-                    {"groups", kGroups},
-                    {"groups_in_flight", kInFlight},
-                    {"num_generations", kG},
-                    {"budget_short", kShort},
-                    {"budget_long", kLong},
-                    {"long_every", kLongEvery},
-                    {"tokens", last.tokens},
-                    {"decode_steps", last.steps},
-                    {"mean_rows_decoding", occupancy},
-                    {"full_rows", kInFlight * kG},
-                    {"s_median", t.median},
-                    {"s_min", t.min},
-                    {"s_max", t.max},
-                    {"groups_per_second", kGroups / t.median},
-                    {"tokens_per_second", static_cast<double>(last.tokens) / t.median}});
+  const rollout::bench::LongTailShape shape;
+  const auto prompts = rollout::bench::LongTailPrompts(shape.groups, shape.prompt_tokens,
+                                                       policy->config().vocab_size, 5);
+  const std::vector<LongTailMode> modes = {
+      {"rounds", false, 0, false, true},
+      {"continuous", true, 0, false, true},
+      {"continuous+drain", true, kUpdateEvery, false, true},
+      {"continuous+in_flight", true, kUpdateEvery, true, true},
+      {"continuous+in_flight_keep", true, kUpdateEvery, true, false},
+      {"rounds+updates", false, kUpdateEvery, false, true}};
+  constexpr size_t kRounds = 0, kDrain = 2;
+  // A warm-up pass, then the modes interleaved in `reps` rounds (this VM's speed drifts within
+  // minutes): each round's ratios are the figures.
+  if (auto warm = rollout::bench::RunLongTail(policy, shape, modes[1], prompts); !warm.ok()) {
+    return Fail("long_tail", warm.status());
   }
-  // The ideal: every step at full occupancy, i.e. the tokens in tokens / (rows per step) steps.
-  const double ideal_steps =
-      static_cast<double>(rows[0]["tokens"].get<int64_t>()) / static_cast<double>(kInFlight * kG);
-  for (json& r : rows) {
-    r["ideal_decode_steps"] = ideal_steps;
-    r["vs_ideal_steps"] = ideal_steps / r["decode_steps"].get<double>();
-    r["vs_rounds"] = rows[0]["s_median"].get<double>() / r["s_median"].get<double>();
+  const int rounds = std::max(1, reps);
+  std::vector<std::vector<LongTailRun>> runs(modes.size());
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t i = 0; i < modes.size(); ++i) {
+      auto run = rollout::bench::RunLongTail(policy, shape, modes[i], prompts);
+      if (!run.ok()) return Fail("long_tail", run.status().WithContext(modes[i].name));
+      runs[i].push_back(*run);
+    }
+  }
+  const auto over_rounds = [&](const std::function<double(int)>& value) {
+    std::vector<double> v;
+    for (int r = 0; r < rounds; ++r) v.push_back(value(r));
+    return Summarize(std::move(v));
+  };
+  const int64_t full_rows = shape.in_flight * shape.num_generations;
+  std::vector<json> rows;
+  for (size_t i = 0; i < modes.size(); ++i) {
+    const auto secs = [&](size_t m, int r) { return runs[m][r].seconds; };
+    const Timing t = over_rounds([&](int r) { return secs(i, r); });
+    const Timing vs_rounds = over_rounds([&](int r) { return secs(kRounds, r) / secs(i, r); });
+    const Timing vs_drain = over_rounds([&](int r) { return secs(kDrain, r) / secs(i, r); });
+    const LongTailRun& last = runs[i].back();
+    const double ideal_steps = static_cast<double>(last.tokens) / static_cast<double>(full_rows);
+    rows.push_back(
+        {{"bench", "long_tail"},
+         {"mode", modes[i].name},
+         {"continuous_batching", modes[i].continuous},
+         {"update_every_steps", modes[i].update_every},
+         {"partial_rollouts", modes[i].partial_rollouts},
+         {"partial_rollout_kv_cache",
+          modes[i].partial_rollouts ? (modes[i].recompute_kv ? "recompute" : "keep") : ""},
+         {"groups", shape.groups},
+         {"groups_in_flight", shape.in_flight},
+         {"num_generations", shape.num_generations},
+         {"budget_short", shape.short_tokens},
+         {"budget_long", shape.long_tokens},
+         {"long_every", shape.long_every},
+         {"reps", rounds},
+         {"tokens", last.tokens},
+         {"decode_steps", last.decode_steps},
+         {"ideal_decode_steps", ideal_steps},
+         {"vs_ideal_steps", ideal_steps / static_cast<double>(last.decode_steps)},
+         {"mean_rows_decoding", last.mean_rows()},
+         {"full_rows", full_rows},
+         {"updates", last.updates},
+         {"switches_in_flight", last.switches},
+         {"drains", last.drains},
+         {"recompute_tokens", last.recompute_tokens},
+         {"s_median", t.median},
+         {"s_min", t.min},
+         {"s_max", t.max},
+         {"groups_per_second", static_cast<double>(shape.groups) / t.median},
+         {"tokens_per_second", static_cast<double>(last.tokens) / t.median},
+         {"vs_rounds", vs_rounds.median},
+         {"vs_rounds_min", vs_rounds.min},
+         {"vs_rounds_max", vs_rounds.max},
+         {"vs_drain", vs_drain.median},
+         {"vs_drain_min", vs_drain.min},
+         {"vs_drain_max", vs_drain.max}});
   }
   if (as_json) {
     for (const json& r : rows) std::cout << r.dump() << "\n";
     return 0;
   }
-  std::cout << "long_tail: tiny model, " << kGroups << " prompts x G=" << kG << ", at most "
-            << kInFlight << " groups decoding; every " << kLongEvery << "th group " << kLong
-            << " tokens, the others " << kShort << "\n"
+  std::cout << "long_tail: tiny model, " << shape.groups << " prompts x G=" << shape.num_generations
+            << ", at most " << shape.in_flight << " groups decoding; every " << shape.long_every
+            << "th group " << shape.long_tokens << " tokens, the others " << shape.short_tokens
+            << "; updates = a new policy version every " << kUpdateEvery
+            << " decode steps\n  medians of " << rounds
+            << " interleaved rounds; vs rounds, vs drain: each round's own ratios (median [min, "
+               "max])\n"
             << std::fixed;
+  std::cout << "  " << std::left << std::setw(26) << "mode" << std::right << std::setw(8) << "s"
+            << std::setw(10) << "groups/s" << std::setw(8) << "steps" << std::setw(8) << "ideal"
+            << std::setw(7) << "rows" << std::setw(9) << "updates" << std::setw(8) << "drains"
+            << std::setw(11) << "recompute" << std::setw(20) << "vs rounds" << std::setw(20)
+            << "vs drain"
+            << "\n";
+  const auto ratio = [](const json& r, const std::string& key) {
+    std::ostringstream s;
+    s << std::fixed << std::setprecision(2) << r[key].get<double>() << "x ["
+      << r[key + "_min"].get<double>() << ", " << r[key + "_max"].get<double>() << "]";
+    return s.str();
+  };
   for (const json& r : rows) {
-    std::cout << "  " << std::left << std::setw(11) << r["mode"].get<std::string>() << std::right
-              << std::setprecision(2) << std::setw(7) << r["s_median"].get<double>() << " s "
-              << std::setprecision(1) << std::setw(7) << r["groups_per_second"].get<double>()
-              << " groups/s " << std::setprecision(0) << std::setw(7)
-              << r["tokens_per_second"].get<double>() << " tokens/s  " << std::setw(5)
-              << r["decode_steps"].get<int64_t>() << " steps (ideal " << ideal_steps << ")  "
-              << std::setprecision(1) << r["mean_rows_decoding"].get<double>() << " of "
-              << kInFlight * kG << " rows a step  " << std::setprecision(2)
-              << r["vs_rounds"].get<double>() << "x rounds\n";
+    std::cout << "  " << std::left << std::setw(26) << r["mode"].get<std::string>() << std::right
+              << std::setprecision(2) << std::setw(8) << r["s_median"].get<double>()
+              << std::setprecision(1) << std::setw(10) << r["groups_per_second"].get<double>()
+              << std::setw(8) << r["decode_steps"].get<int64_t>() << std::setprecision(0)
+              << std::setw(8) << r["ideal_decode_steps"].get<double>() << std::setprecision(1)
+              << std::setw(7) << r["mean_rows_decoding"].get<double>() << std::setw(9)
+              << r["updates"].get<int64_t>() << std::setw(8) << r["drains"].get<int64_t>()
+              << std::setw(11) << r["recompute_tokens"].get<int64_t>() << std::setw(20)
+              << ratio(r, "vs_rounds") << std::setw(20) << ratio(r, "vs_drain") << "\n";
   }
   return 0;
 }

@@ -99,7 +99,8 @@ int BenchEpisodeStream(const EpisodesBenchOptions& o);
 // in-flight update, one that recomputes the KV cache and one that keeps it.
 int BenchPartialRollouts(bool as_json, int reps);
 // grpo bench long_tail (services/cli/bench_long_tail.cc): 64 groups, every 8th 8x longer, at most
-// 8 decoding; rounds (admit only when idle) against continuous batching, through GenerateStream.
+// 8 decoding; rounds (admit only when idle) against continuous batching, and the learner's
+// updates drained or taken in flight (rollout/bench/long_tail.h).
 int BenchLongTail(bool as_json, int reps);
 
 // A field of /proc/self/status ("VmRSS", "VmHWM") in bytes; 0 when absent.

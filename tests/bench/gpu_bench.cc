@@ -8,8 +8,14 @@
 //                   timed by tests/bench/hf_generate_bench.py on the same shape
 //   logprob_memory  the trainer's peak CUDA memory above the resident model for one prompt
 //                   with G = 4, 16, 64 completions (micro-batch 4): G=64 / G=4 is the figure
-// Usage: grpo_gpu_bench [--small] [--only NAME]. --small: a 4-layer model and short sequences
-// (how it is checked on the CPU; the figures then mean nothing). Without CUDA it runs on the CPU.
+//   long_tail       a worker's generation (bf16) on a skewed task (rollout/bench/long_tail.h:
+//                   32 prompts x G=8, every 8th group 128 tokens and the others 16, at most 8
+//                   groups decoding), the learner's updates every 32 decode steps: a Generate
+//                   call per lease against continuous batching with the updates drained, taken
+//                   in flight (keys/values recomputed or kept), and without updates (issue 26)
+// Usage: grpo_gpu_bench [--small] [--only NAME[,NAME...]]. --small: a 4-layer model and short
+// sequences (how it is checked on the CPU; the figures then mean nothing). Without CUDA it runs on
+// the CPU.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -18,13 +24,16 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "common/model/device.h"
 #include "common/model/model.h"
 #include "common/model/model_config.h"
 #include "learner/grpo_trainer.h"
+#include "rollout/bench/long_tail.h"
 #include "rollout/generator.h"
 
 namespace {
@@ -259,6 +268,66 @@ void LogprobMemory(const at::Device& d, bool small) {
         {"note", d.is_cuda() ? "CUDA caching allocator peak" : "CPU: VmHWM, not reset per G"}});
 }
 
+void LongTail(const at::Device& d, bool small) {
+  const ModelConfig cfg = Qwen3Shape(small);
+  auto model = Model::InitRandom(cfg, 3, d, at::kBFloat16);
+  if (!model.ok()) throw std::runtime_error(model.status().ToString());
+  const std::shared_ptr<const Model> policy = std::move(model).value();
+  grpo::rollout::bench::LongTailShape shape;
+  shape.groups = small ? 8 : 32;
+  shape.in_flight = small ? 4 : 8;
+  shape.num_generations = small ? 2 : 8;
+  shape.short_tokens = small ? 4 : 16;
+  shape.long_tokens = 8 * shape.short_tokens;
+  shape.long_every = small ? 4 : 8;
+  const int64_t update_every = small ? 8 : 32;
+  using Mode = grpo::rollout::bench::LongTailMode;
+  const std::vector<Mode> modes = {{"rounds", false, update_every, false, true},
+                                   {"continuous", true, 0, false, true},
+                                   {"continuous+drain", true, update_every, false, true},
+                                   {"continuous+in_flight", true, update_every, true, true},
+                                   {"continuous+in_flight_keep", true, update_every, true, false}};
+  const auto prompts =
+      grpo::rollout::bench::LongTailPrompts(shape.groups, shape.prompt_tokens, cfg.vocab_size, 5);
+  const auto run = [&](const Mode& m) {
+    auto r = grpo::rollout::bench::RunLongTail(policy, shape, m, prompts);
+    if (!r.ok()) throw std::runtime_error(m.name + ": " + r.status().ToString());
+    return *r;
+  };
+  run(modes[1]);  // warm-up
+  json out = {{"bench", "long_tail"},
+              {"groups", shape.groups},
+              {"groups_in_flight", shape.in_flight},
+              {"G", shape.num_generations},
+              {"budget_short", shape.short_tokens},
+              {"budget_long", shape.long_tokens},
+              {"long_every", shape.long_every},
+              {"update_every_steps", update_every},
+              {"device", d.str()}};
+  double rounds_s = 0, drain_s = 0;
+  for (const Mode& m : modes) {
+    const auto r = run(m);
+    if (m.name == "rounds") rounds_s = r.seconds;
+    if (m.name == "continuous+drain") drain_s = r.seconds;
+    out["modes"][m.name] = {{"seconds", r.seconds},
+                            {"tokens_per_second", static_cast<double>(r.tokens) / r.seconds},
+                            {"decode_steps", r.decode_steps},
+                            {"mean_rows_decoding", r.mean_rows()},
+                            {"updates", r.updates},
+                            {"drains", r.drains},
+                            {"recompute_tokens", r.recompute_tokens}};
+  }
+  for (auto& [name, m] : out["modes"].items()) {
+    const double s = m["seconds"].get<double>();
+    m["vs_rounds"] = rounds_s / s;
+    m["vs_drain"] = drain_s / s;
+  }
+  // Issue 26's goal, read on the worker: in-flight updates >= 1.3x the same stream without them.
+  out["in_flight_vs_drain"] = out["modes"]["continuous+in_flight"]["vs_drain"];
+  out["goal_in_flight_vs_drain"] = 1.3;
+  Emit(out);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -270,13 +339,16 @@ int main(int argc, char** argv) {
       o.only = argv[++i];
     } else {
       std::cerr << "usage: grpo_gpu_bench [--small] [--only matmul_bf16|learner_step|decode|"
-                   "logprob_memory]\n";
+                   "logprob_memory|long_tail]\n";
       return 2;
     }
   }
   const at::Device d =
       grpo::common::CudaAvailable() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
-  auto want = [&](const char* name) { return o.only.empty() || o.only == name; };
+  // --only: one name or a comma-separated list.
+  auto want = [&](const std::string& name) {
+    return o.only.empty() || ("," + o.only + ",").find("," + name + ",") != std::string::npos;
+  };
   try {
     double tflops = 0, bw = 0;
     if (want("matmul_bf16") || want("learner_step")) tflops = MatmulTflops(d, o.small);
@@ -284,6 +356,7 @@ int main(int argc, char** argv) {
     if (want("learner_step")) LearnerStep(d, o.small, tflops);
     if (want("decode")) Decode(d, o.small, bw);
     if (want("logprob_memory")) LogprobMemory(d, o.small);
+    if (want("long_tail")) LongTail(d, o.small);
   } catch (const std::exception& e) {
     Emit({{"bench", "error"}, {"what", e.what()}});
     return 1;
