@@ -3,7 +3,8 @@
 // GRPO_CHAOS_SECONDS or until the job's GRPO_CHAOS_STEPS are done (defaults 90 s, 600 steps; the
 // soak, chaos_soak_test, 1200 s and 9000 steps): learner SIGKILL (also right after a pass
 // boundary), learner SIGTERM, worker SIGKILL and SIGTERM (each restarted under its old
-// worker id), and worker SIGSTOP for longer than its leases and the weight-sync deadline. Two
+// worker id), and worker SIGSTOP for longer than its leases and the weight-sync deadline (with
+// episodes against `grpo env-server`: its SIGKILL and its SIGSTOP past the step deadline). Two
 // workers take their weights over a Gloo group, one over GetWeights (issue 22's harness). Then
 // the job must finish, and the
 // invariants are checked from what the processes left behind, read independently of the code
@@ -93,9 +94,16 @@ class ChaosTest : public FaultToleranceTest {
     if (episodes_) {
       // Multi-turn episodes of the built-in "turns" task (an "ok" from the user after each
       // turn, 3 turns): the random policy ends a turn (<|im_end|>) about once in 259 tokens, so
-      // about 1 episode in 6 gets a second turn within 48 tokens.
-      args.insert(args.end(), {"--env", "builtin:turns", "--max_turns", "3", "--reward_funcs",
-                               "env", "--max_completion_length", "48"});
+      // about 1 episode in 6 gets a second turn within 48 tokens. With env_faults_ the same task
+      // served by `grpo env-server`, each reset and step under a deadline shorter than a stop.
+      const std::string env =
+          env_faults_ ? "grpc:127.0.0.1:" + std::to_string(env_port_->port()) : "builtin:turns";
+      args.insert(args.end(), {"--env", env, "--max_turns", "3", "--reward_funcs", "env",
+                               "--max_completion_length", "48"});
+      if (env_faults_) {
+        args.insert(args.end(),
+                    {"--env_step_timeout_seconds", std::to_string(kEnvStepTimeoutSeconds)});
+      }
     }
     if (streamed_) args.insert(args.end(), {"--weight_publish", "stream"});
     if (dynamic_sampling_) {
@@ -105,6 +113,22 @@ class ChaosTest : public FaultToleranceTest {
       args.insert(args.end(), {"--dynamic_sampling", "true", "--reward_funcs", "format"});
     }
     return args;
+  }
+
+  // `grpo env-server --task turns` on the test's reserved environment port (the same across
+  // its restarts, as a Service's address would be).
+  void StartEnvServer() {
+    if (env_port_ == nullptr) env_port_ = std::make_unique<ReservedPort>();
+    ASSERT_GT(env_port_->port(), 0);
+    env_name_ = "env." + std::to_string(++env_servers_);
+    ASSERT_GT(children_->Spawn(
+                  env_name_, {GrpoBin(), "--log_level", "info", "env-server", "--task", "turns",
+                              "--host", "127.0.0.1", "--port", std::to_string(env_port_->port())}),
+              0);
+    const json line = children_->FirstLine(env_name_, kStartTimeout);
+    ASSERT_TRUE(line.is_object() && line.value("port", 0) == env_port_->port())
+        << env_name_ << " did not start:\n"
+        << Tail(children_->Err(env_name_));
   }
 
   // Worker `w` (0..kWorkers-1) again under its worker id; a new process name each time.
@@ -142,6 +166,9 @@ class ChaosTest : public FaultToleranceTest {
     if (auto v = MetricValue(port, "grpo_learner_lock_max_hold_seconds")) {
       lock_hold_[learner_name_] = *v;
     }
+    if (auto v = MetricValue(port, R"(grpo_groups_rejected_total{reason="worker_failed"})")) {
+      worker_failed_[learner_name_] = *v;
+    }
   }
 
   int64_t JobPass() {
@@ -158,6 +185,11 @@ class ChaosTest : public FaultToleranceTest {
   bool in_flight_ = false;  // partial_rollouts + continuous_batching
   bool episodes_ = false;   // multi-turn episodes (env builtin:turns)
   bool streamed_ = false;   // weight_publish stream
+  // With episodes_: the environment served by `grpo env-server`, which the chaos also kills
+  // (restarted after a pause) and stops past its step deadline.
+  bool env_faults_ = false;
+  static constexpr int kEnvStepTimeoutSeconds = 2;
+  static constexpr auto kEnvStopFor = milliseconds(4000);
 
   // In-flight weight updates: in every step's dump each completion token's version is one the
   // learner had published when the step trained (step s trains at version s - 1), at most
@@ -240,10 +272,15 @@ class ChaosTest : public FaultToleranceTest {
   std::map<std::string, int> metrics_ports_;      // by learner process name
   std::map<std::string, double> unknown_policy_;  // refusals, by learner process name
   std::map<std::string, double> lock_hold_;       // seconds, by learner process name
+  std::map<std::string, double> worker_failed_;   // failed groups refused, by learner process
+  std::unique_ptr<ReservedPort> env_port_;
+  std::string env_name_;
+  int env_servers_ = 0;
 };
 
 void ChaosTest::RunChaos(uint64_t seed, int64_t chaos_seconds, int64_t max_steps) {
   WriteDataset(dir_ / "data.jsonl", kPrompts);
+  if (env_faults_) ASSERT_NO_FATAL_FAILURE(StartEnvServer());
   const int port = StartLearnerIncarnation(0, max_steps);
   ASSERT_GT(port, 0);
   ASSERT_TRUE(Submit(port, dir_ / "data.jsonl"));
@@ -265,9 +302,20 @@ void ChaosTest::RunChaos(uint64_t seed, int64_t chaos_seconds, int64_t max_steps
       break;
     }
     ScrapeLearner();
-    const int fault = std::uniform_int_distribution<int>(0, 9)(rng);
+    const int fault = std::uniform_int_distribution<int>(0, env_faults_ ? 11 : 9)(rng);
     const int w = std::uniform_int_distribution<int>(0, kWorkers - 1)(rng);
-    if (fault == 0) {
+    if (fault == 10) {
+      // Down for 0.5-3 s: the resets and steps in that time fail (Unavailable).
+      injected["environment server SIGKILL"] += 1;
+      children_->Kill(env_name_);
+      std::this_thread::sleep_for(milliseconds(std::uniform_int_distribution<int>(500, 3000)(rng)));
+      ASSERT_NO_FATAL_FAILURE(StartEnvServer());
+    } else if (fault == 11) {
+      injected["environment server SIGSTOP past its step deadline"] += 1;
+      children_->Signal(env_name_, SIGSTOP);
+      std::this_thread::sleep_for(kEnvStopFor);
+      children_->Signal(env_name_, SIGCONT);
+    } else if (fault == 0) {
       injected["learner SIGKILL"] += 1;
       children_->Kill(learner_name_);
       restart_learner();
@@ -385,6 +433,14 @@ void ChaosTest::RunChaos(uint64_t seed, int64_t chaos_seconds, int64_t max_steps
     std::cerr << "rows whose tokens span two policy versions: " << spanning << "\n";
     EXPECT_GT(spanning, 0) << "no completion took a new policy in flight: the test showed nothing";
   }
+  if (env_faults_) {
+    // The groups the environment's faults failed gave their leases back (refused as
+    // worker_failed, never trained: the history above holds); without one the faults missed.
+    double failed = 0;
+    for (const auto& [name, n] : worker_failed_) failed += n;
+    std::cerr << "groups failed by the environment and given back: " << failed << "\n";
+    EXPECT_GT(failed, 0) << "no environment fault failed a group: the test showed nothing";
+  }
   if (episodes_) {
     const int64_t answered = RowsWithObservations(max_steps);
     std::cerr << "trained rows with an environment observation: " << answered << "\n";
@@ -435,6 +491,18 @@ TEST_F(ChaosTest,
   episodes_ = true;
   RunChaos(static_cast<uint64_t>(EnvInt("GRPO_CHAOS_SEED", 7)), EnvInt("GRPO_CHAOS_EP_SECONDS", 45),
            EnvInt("GRPO_CHAOS_EP_STEPS", 400));
+}
+
+// Hardening: the same episodes against an environment server that the chaos also kills
+// (restarted on its address after 0.5-3 s) and stops for longer than a step's deadline. A group
+// whose episode's reset or step failed gives its lease back (worker_failed) and its prompt is
+// trained later, once; the job finishes.
+TEST_F(ChaosTest, EnvironmentServerFaultsInMultiTurnEpisodesLoseNothingTrainNothingTwice) {
+  in_flight_ = true;
+  episodes_ = true;
+  env_faults_ = true;
+  RunChaos(static_cast<uint64_t>(EnvInt("GRPO_CHAOS_SEED", 7)),
+           EnvInt("GRPO_CHAOS_ENV_SECONDS", 45), EnvInt("GRPO_CHAOS_ENV_STEPS", 400));
 }
 
 // Issue 21 item 3: the weights streamed by the training thread (weight_publish stream), with no
