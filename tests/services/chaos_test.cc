@@ -280,7 +280,9 @@ class ChaosTest : public FaultToleranceTest {
 
 void ChaosTest::RunChaos(uint64_t seed, int64_t chaos_seconds, int64_t max_steps) {
   WriteDataset(dir_ / "data.jsonl", kPrompts);
-  if (env_faults_) ASSERT_NO_FATAL_FAILURE(StartEnvServer());
+  if (env_faults_) {
+    ASSERT_NO_FATAL_FAILURE(StartEnvServer());
+  }
   const int port = StartLearnerIncarnation(0, max_steps);
   ASSERT_GT(port, 0);
   ASSERT_TRUE(Submit(port, dir_ / "data.jsonl"));
