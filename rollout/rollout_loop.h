@@ -277,6 +277,11 @@ class RolloutLoop {
   // With retries (`backoff`: as Retry's) while a lease is valid; a failed push drops the groups.
   Status PushGroups(const std::vector<common::RolloutGroup>& groups, int64_t last_deadline_ms,
                     Backoff* backoff = nullptr);
+  // A stream's push (rollout_stream.cc): PushGroups with a Backoff of its own, for one thread.
+  std::function<void(const std::vector<common::RolloutGroup>&, int64_t)> PushWithBackoff();
+  // A streamed group that left the decode: its `tokens` generated, in the counters and metrics,
+  // and its generation time since `started`.
+  void CountStreamedGroup(int64_t tokens, std::chrono::steady_clock::time_point started);
   void HeartbeatLoop() GRPO_EXCLUDES(mu_);
   void StartHeartbeat() GRPO_EXCLUDES(mu_);
   void StopHeartbeat() GRPO_EXCLUDES(mu_);

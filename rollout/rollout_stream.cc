@@ -9,7 +9,9 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
 #include <utility>
@@ -63,24 +65,66 @@ class FinishedQueue {
   bool closed_ GRPO_GUARDED_BY(mu_) = false;
 };
 
-// A pusher thread's loop: each batch of finished groups, made pushable by `to_pushed`, goes to
-// `push` with the latest of its leases' deadlines, until `queue` is closed and drained.
-template <typename Finished, typename ToPushed, typename Push>
-void PushFinished(FinishedQueue<Finished>& queue, ToPushed to_pushed, Push push) {
-  while (true) {
-    std::vector<std::pair<InFlight, Finished>> batch = queue.TakeAll();
-    if (batch.empty()) return;
-    std::vector<common::RolloutGroup> groups;
-    int64_t last_deadline_ms = 0;
-    for (auto& [item, finished] : batch) {
-      last_deadline_ms = std::max(last_deadline_ms, item.lease.deadline_unix_ms);
-      groups.push_back(to_pushed(item, finished));
-    }
-    push(groups, last_deadline_ms);
+// A stream's pusher thread: each batch of the finished groups Put since the last, made pushable
+// by `to_pushed`, goes to `push` with the latest of its leases' deadlines. Finish (or the
+// destructor) closes the queue and returns once everything Put was pushed.
+template <typename Finished>
+class Pusher {
+ public:
+  using ToPushed = std::function<common::RolloutGroup(InFlight&, Finished&)>;
+  using Push = std::function<void(const std::vector<common::RolloutGroup>&, int64_t)>;
+
+  Pusher(ToPushed to_pushed, Push push)
+      : to_pushed_(std::move(to_pushed)), push_(std::move(push)), thread_([this] { Run(); }) {}
+  ~Pusher() { Finish(); }
+  Pusher(const Pusher&) = delete;
+  Pusher& operator=(const Pusher&) = delete;
+
+  void Put(InFlight item, Finished group) { queue_.Put(std::move(item), std::move(group)); }
+  void Finish() {
+    queue_.Close();
+    if (thread_.joinable()) thread_.join();
   }
-}
+
+ private:
+  void Run() {
+    while (true) {
+      std::vector<std::pair<InFlight, Finished>> batch = queue_.TakeAll();
+      if (batch.empty()) return;
+      std::vector<common::RolloutGroup> groups;
+      int64_t last_deadline_ms = 0;
+      for (auto& [item, finished] : batch) {
+        last_deadline_ms = std::max(last_deadline_ms, item.lease.deadline_unix_ms);
+        groups.push_back(to_pushed_(item, finished));
+      }
+      push_(groups, last_deadline_ms);
+    }
+  }
+
+  FinishedQueue<Finished> queue_;
+  const ToPushed to_pushed_;
+  const Push push_;
+  std::thread thread_;  // last: it starts once the members above exist
+};
 
 }  // namespace
+
+std::function<void(const std::vector<common::RolloutGroup>&, int64_t)>
+RolloutLoop::PushWithBackoff() {
+  auto backoff = std::make_shared<Backoff>(options_.backoff);
+  return [this, backoff](const std::vector<common::RolloutGroup>& groups, int64_t deadline_ms) {
+    (void)PushGroups(groups, deadline_ms, backoff.get());
+  };
+}
+
+void RolloutLoop::CountStreamedGroup(int64_t tokens, Clock::time_point started) {
+  counters_.completion_tokens += tokens;
+  if (metrics_) {
+    metrics_->tokens_generated->Increment(static_cast<double>(tokens));
+    metrics_->generation_duration->Observe(
+        std::chrono::duration<double>(Clock::now() - started).count());
+  }
+}
 
 std::vector<std::pair<PromptLease, Prompt>> RolloutLoop::LeaseForStream(
     int64_t room, bool idle, int64_t version, int64_t rounds_limit,
@@ -137,25 +181,18 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
     FetchInFlight(incarnation, &generating);
     fetch_stopped = true;
   });
-  FinishedQueue<StreamedGroup> finished;
-  std::thread pusher([&] {
-    Backoff backoff(options_.backoff);
-    PushFinished(
-        finished,
-        [&](InFlight& item, StreamedGroup& streamed) {
-          ProducedGroup produced{std::move(streamed.group), streamed.prompt_truncated, {}};
-          // GenerateStream fails a group for its prompt only, as Generate does (Produce).
-          produced.prompt_failed = !produced.group.ok();
-          if (produced.group.ok() && rewards_ != nullptr) {
-            produced.rewards =
-                rewards_->ScoreGroup(*produced.group, item.prompt.text, item.prompt.row);
-          }
-          return ToPushed(produced, item.lease, incarnation);
-        },
-        [&](const std::vector<common::RolloutGroup>& groups, int64_t deadline_ms) {
-          (void)PushGroups(groups, deadline_ms, &backoff);
-        });
-  });
+  Pusher<StreamedGroup> pusher(
+      [&](InFlight& item, StreamedGroup& streamed) {
+        ProducedGroup produced{std::move(streamed.group), streamed.prompt_truncated, {}};
+        // GenerateStream fails a group for its prompt only, as Generate does (Produce).
+        produced.prompt_failed = !produced.group.ok();
+        if (produced.group.ok() && rewards_ != nullptr) {
+          produced.rewards =
+              rewards_->ScoreGroup(*produced.group, item.prompt.text, item.prompt.row);
+        }
+        return ToPushed(produced, item.lease, incarnation);
+      },
+      PushWithBackoff());
 
   std::map<int64_t, InFlight> in_flight;  // by tag; the decoding thread's
   int64_t next_tag = 0;
@@ -186,13 +223,8 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
         tokens += static_cast<int64_t>(c.token_ids.size());
       }
     }
-    counters_.completion_tokens += tokens;
-    if (metrics_) {
-      metrics_->tokens_generated->Increment(static_cast<double>(tokens));
-      metrics_->generation_duration->Observe(
-          std::chrono::duration<double>(Clock::now() - node.mapped().started).count());
-    }
-    finished.Put(std::move(node.mapped()), std::move(group));
+    CountStreamedGroup(tokens, node.mapped().started);
+    pusher.Put(std::move(node.mapped()), std::move(group));
     SetLeasesHeld(static_cast<int32_t>(in_flight.size()));
   };
 
@@ -200,8 +232,7 @@ Status RolloutLoop::RunStream(int64_t rounds_limit) {
   generating = false;
   WakeFetcher();
   fetcher.join();
-  finished.Close();
-  pusher.join();
+  pusher.Finish();
   SetLeasesHeld(0);
   if (!stats.ok()) return stats.status().WithContext("GenerateStream");
   GRPO_LOG_DEBUG(
@@ -228,19 +259,12 @@ Status RolloutLoop::RunEpisodeStream(int64_t rounds_limit) {
       fetch_stopped = true;
     });
   }
-  FinishedQueue<EpisodeGroup> finished;
-  std::thread pusher([&] {
-    Backoff backoff(options_.backoff);
-    PushFinished(
-        finished,
-        [&](InFlight& item, EpisodeGroup& episodes) {
-          ScoreEpisodeGroup(rewards_.get(), item.prompt, episodes);
-          return ToPushed(episodes.produced, item.lease, incarnation);
-        },
-        [&](const std::vector<common::RolloutGroup>& groups, int64_t deadline_ms) {
-          (void)PushGroups(groups, deadline_ms, &backoff);
-        });
-  });
+  Pusher<EpisodeGroup> pusher(
+      [&](InFlight& item, EpisodeGroup& episodes) {
+        ScoreEpisodeGroup(rewards_.get(), item.prompt, episodes);
+        return ToPushed(episodes.produced, item.lease, incarnation);
+      },
+      PushWithBackoff());
 
   std::map<int64_t, InFlight> in_flight;  // by tag; the decoding thread's (nodes stay put)
   int64_t next_tag = 0;
@@ -281,15 +305,10 @@ Status RolloutLoop::RunEpisodeStream(int64_t rounds_limit) {
         for (uint8_t m : c.env_mask) tokens += m;
       }
     }
-    counters_.completion_tokens += tokens;
-    if (metrics_) {
-      metrics_->tokens_generated->Increment(static_cast<double>(tokens));
-      metrics_->generation_duration->Observe(
-          std::chrono::duration<double>(Clock::now() - node.mapped().started).count());
-    }
+    CountStreamedGroup(tokens, node.mapped().started);
     const bool env_failed = !group.produced.group.ok() && !group.produced.prompt_failed;
     after_failure = std::max(after_failure, Clock::now() + AfterGroup(env_failed));
-    finished.Put(std::move(node.mapped()), std::move(group));
+    pusher.Put(std::move(node.mapped()), std::move(group));
     SetLeasesHeld(static_cast<int32_t>(in_flight.size()));
   };
 
@@ -298,8 +317,7 @@ Status RolloutLoop::RunEpisodeStream(int64_t rounds_limit) {
   generating = false;
   WakeFetcher();
   if (fetcher.joinable()) fetcher.join();
-  finished.Close();
-  pusher.join();
+  pusher.Finish();
   SetLeasesHeld(0);
   if (!stats.ok()) return stats.status().WithContext("StreamEpisodes");
   CountEpisodes(stats->counts);
