@@ -120,6 +120,47 @@ std::pair<at::Tensor, at::Tensor> LeftPadded(const std::vector<std::vector<int32
   return {ids, mask};
 }
 
+namespace {
+
+// The cache of rows `rows` (indices into row_prompt and fed) of RestartSharingPrompts: their
+// prompts prefilled once each, copied to their rows, then every row's fed tokens at once,
+// left-padded to the longest of them; `extra` columns of room beyond. Adds the tokens run to
+// *tokens.
+KvCache PrefillRows(const Model& model, const std::vector<std::vector<int32_t>>& prompts,
+                    const std::vector<int64_t>& row_prompt,
+                    const std::vector<std::vector<int32_t>>& fed, const std::vector<size_t>& rows,
+                    int64_t extra, const at::Device& device, int64_t* tokens) {
+  // The prompts the rows hold, each once, in order of first use; the row -> its index there.
+  std::vector<int64_t> slot(prompts.size(), -1), of_row;
+  std::vector<std::vector<int32_t>> used, rows_fed;
+  int64_t f = 0;
+  for (size_t i : rows) {
+    int64_t& k = slot[row_prompt[i]];
+    if (k < 0) {
+      k = static_cast<int64_t>(used.size());
+      used.push_back(prompts[row_prompt[i]]);
+      *tokens += static_cast<int64_t>(used.back().size());
+    }
+    of_row.push_back(k);
+    rows_fed.push_back(fed[i]);
+    f = std::max(f, static_cast<int64_t>(fed[i].size()));
+    *tokens += static_cast<int64_t>(fed[i].size());
+  }
+  auto [ids, mask] = LeftPadded(used);
+  KvCache cache = model.NewCache(ids.size(0), ids.size(1) + f + extra);
+  model.Prefill(ids.to(device), mask.to(device), cache);
+  const Status copied =
+      model.KeepRows(cache, at::tensor(of_row, at::kLong).to(device));  // a prompt's rows
+  TORCH_CHECK(copied.ok(), copied.ToString());
+  if (f > 0) {  // every row's fed completion tokens at once, after its prompt, left-padded
+    auto [fed_ids, fed_mask] = LeftPadded(rows_fed);
+    model.Prefill(fed_ids.to(device), fed_mask.to(device), cache);
+  }
+  return cache;
+}
+
+}  // namespace
+
 std::unique_ptr<KvStepper> RestartSharingPrompts(const Model& model,
                                                  const std::vector<std::vector<int32_t>>& prompts,
                                                  const std::vector<int64_t>& row_prompt,
@@ -129,41 +170,59 @@ std::unique_ptr<KvStepper> RestartSharingPrompts(const Model& model,
   TORCH_CHECK(row_prompt.size() == fed.size(), "RestartSharingPrompts: ", row_prompt.size(),
               " rows, ", fed.size(), " completions");
   const size_t rows = fed.size();
-  int64_t f = 0;  // the longest fed completion
-  int64_t fed_tokens = 0;
+  // Each prompt's longest fed completion.
+  std::vector<int64_t> prompt_fed(prompts.size(), -1);
   for (size_t i = 0; i < rows; ++i) {
     TORCH_CHECK(row_prompt[i] >= 0 && row_prompt[i] < static_cast<int64_t>(prompts.size()),
                 "RestartSharingPrompts: row ", i, " names prompt ", row_prompt[i]);
-    f = std::max(f, static_cast<int64_t>(fed[i].size()));
-    fed_tokens += static_cast<int64_t>(fed[i].size());
+    int64_t& longest = prompt_fed[row_prompt[i]];
+    longest = std::max(longest, static_cast<int64_t>(fed[i].size()));
   }
-  // The prompts the rows hold, each once, in order of first use; the row -> its index there.
-  std::vector<int64_t> slot(prompts.size(), -1), of_row;
-  std::vector<std::vector<int32_t>> used;
-  int64_t tokens = 0;
-  for (size_t i = 0; i < rows; ++i) {
-    int64_t& k = slot[row_prompt[i]];
-    if (k < 0) {
-      k = static_cast<int64_t>(used.size());
-      used.push_back(prompts[row_prompt[i]]);
-      tokens += static_cast<int64_t>(used.back().size());
+  // Buckets of prompts by that length, longest first: a bucket takes the prompts whose longest is
+  // at least half its first's, so padding a bucket's rows to its longest at most doubles their
+  // fed tokens (one bucket for all rows would pad a long-tail group's short rows to its long
+  // ones). A prompt's rows stay in one bucket: each prompt is prefilled once.
+  std::vector<int64_t> order;
+  for (size_t k = 0; k < prompts.size(); ++k) {
+    if (prompt_fed[k] >= 0) order.push_back(static_cast<int64_t>(k));
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return prompt_fed[a] > prompt_fed[b]; });
+  std::vector<int64_t> bucket_of(prompts.size(), -1);
+  int64_t buckets = 0, first = 0;
+  for (int64_t k : order) {
+    if (buckets == 0 || 2 * prompt_fed[k] < first) {
+      ++buckets;
+      first = prompt_fed[k];
     }
-    of_row.push_back(k);
+    bucket_of[k] = buckets - 1;
   }
   at::NoGradGuard no_grad;
-  auto [ids, mask] = LeftPadded(used);
-  KvCache cache = model.NewCache(ids.size(0), ids.size(1) + f + remaining + 1);
-  model.Prefill(ids.to(device), mask.to(device), cache);
-  const Status copied =
-      model.KeepRows(cache, at::tensor(of_row, at::kLong).to(device));  // a prompt's rows
-  TORCH_CHECK(copied.ok(), copied.ToString());
-  if (f > 0) {  // every row's fed completion tokens at once, after its prompt, left-padded
-    auto [fed_ids, fed_mask] = LeftPadded(fed);
-    model.Prefill(fed_ids.to(device), fed_mask.to(device), cache);
+  int64_t tokens = 0;
+  KvCache cache;
+  if (buckets <= 1) {
+    std::vector<size_t> all(rows);
+    for (size_t i = 0; i < rows; ++i) all[i] = i;
+    cache = PrefillRows(model, prompts, row_prompt, fed, all, remaining + 1, device, &tokens);
+  } else {
+    // Each bucket's cache, joined right-aligned (ConcatCaches), then the rows put back in order.
+    std::vector<int64_t> position(rows);  // row -> its row in the joined cache
+    int64_t joined_rows = 0;
+    for (int64_t b = 0; b < buckets; ++b) {
+      std::vector<size_t> members;
+      for (size_t i = 0; i < rows; ++i) {
+        if (bucket_of[row_prompt[i]] == b) members.push_back(i);
+      }
+      KvCache part = PrefillRows(model, prompts, row_prompt, fed, members, 0, device, &tokens);
+      for (size_t i : members) position[i] = joined_rows++;
+      cache = b == 0 ? std::move(part) : ConcatCaches(cache, part, remaining + 1);
+    }
+    const Status ordered = model.KeepRows(cache, at::tensor(position, at::kLong).to(device));
+    TORCH_CHECK(ordered.ok(), ordered.ToString());
   }
   auto stepper = std::make_unique<KvStepper>(model);
   stepper->Hold(std::move(cache));
-  if (prefilled != nullptr) *prefilled = tokens + fed_tokens;
+  if (prefilled != nullptr) *prefilled = tokens;
   return stepper;
 }
 

@@ -98,9 +98,12 @@ common::KvCache ConcatCaches(const common::KvCache& a, const common::KvCache& b,
 // its rows, and the rows are extended with their fed tokens together (left-padded): the keys/values
 // a prefill of the whole contexts computes (each key depends on its own row's tokens before it
 // only; positions continue from the row's prompt), from sum(prompts) + sum(fed) tokens instead of
-// rows x prompt + sum(fed). A KV stepper of `model` with room for `remaining` more tokens is
-// returned; the prefill's logits are dropped (the next Step feeds each row's last sampled token).
-// `prefilled`, when given, receives the tokens run through the model.
+// rows x prompt + sum(fed). Prompts whose longest fed lengths differ by more than 2x are
+// prefilled in separate buckets (a bucket's rows padded to its longest, at most twice their
+// tokens) whose caches are then joined, so a long group does not pad every short row to its
+// length; a prompt's rows stay in one bucket. A KV stepper of `model` with room for `remaining`
+// more tokens is returned; the prefill's logits are dropped (the next Step feeds each row's last
+// sampled token). `prefilled`, when given, receives the tokens run through the model.
 std::unique_ptr<KvStepper> RestartSharingPrompts(const common::Model& model,
                                                  const std::vector<std::vector<int32_t>>& prompts,
                                                  const std::vector<int64_t>& row_prompt,

@@ -204,6 +204,43 @@ TEST(PartialRollouts, ARecomputeSharesEachPromptsPrefillAndGivesTheWholeContexts
   EXPECT_LT((a - b).abs().max().item<double>(), 1e-4 * b.abs().max().item<double>());
 }
 
+// A long-tail switch: prompts whose rows were fed 12, 5 and 1 tokens (more than 2x apart) are
+// prefilled in three buckets, joined and put back in row order (rows interleaved here): the
+// same 5 + 9 + 3 prompt tokens once each and 2 x 12 + 2 x 1 + 5 = 31 fed tokens, where one
+// bucket would have run every row to 12 (5 x 12 = 60). Each row's logits at the next two steps
+// are those of its whole context, and so are the logits after the rows decode past the
+// longest's columns.
+TEST(PartialRollouts, ARecomputeOfFedLengthsFarApartGivesTheWholeContextsLogits) {
+  const auto model = ScaledTinyModel(4);
+  const std::vector<std::vector<int32_t>> prompts = {
+      {5, 17, 42, 99, 3}, {200, 11, 7, 1, 2, 3, 4, 5, 6}, {8, 9, 10}};
+  const std::vector<int64_t> row_prompt = {1, 0, 2, 0, 1};
+  const std::vector<std::vector<int32_t>> fed = {{40},
+                                                 {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12},
+                                                 {21, 22, 23, 24, 25},
+                                                 {12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1},
+                                                 {41}};
+  std::vector<std::vector<int32_t>> contexts;
+  for (size_t i = 0; i < fed.size(); ++i) {
+    contexts.push_back(prompts[row_prompt[i]]);
+    contexts.back().insert(contexts.back().end(), fed[i].begin(), fed[i].end());
+  }
+  constexpr int64_t kRemaining = 8;
+  int64_t prefilled = -1;
+  auto bucketed = decode::RestartSharingPrompts(*model, prompts, row_prompt, fed, kRemaining,
+                                                at::kCPU, &prefilled);
+  EXPECT_EQ(prefilled, 5 + 9 + 3 + 31);
+  auto whole = WholeContexts(*model, contexts, kRemaining);
+  for (int step = 0; step < kRemaining; ++step) {
+    std::vector<int64_t> next;
+    for (int64_t r = 0; r < 5; ++r) next.push_back((7 * step + 3 * r + 1) % 250);
+    const at::Tensor tokens = at::tensor(next, at::kLong);
+    const at::Tensor a = bucketed->Step(tokens), b = whole->Step(tokens);
+    EXPECT_LT((a - b).abs().max().item<double>(), 1e-4 * b.abs().max().item<double>())
+        << "step " << step;
+  }
+}
+
 TEST(PartialRollouts, WithoutTheKeyACallKeepsItsSnapshotAndRecordsNoVersions) {
   const auto a = ScaledTinyModel(1), b = ScaledTinyModel(2);
   const Outcome run = Generate(/*partial=*/false, true, a, b, kPrompts);
