@@ -324,6 +324,7 @@ void LongTail(const at::Device& d, bool small) {
   }
   // Issue 26's goal, read on the worker: in-flight updates >= 1.3x the same stream without them.
   out["in_flight_vs_drain"] = out["modes"]["continuous+in_flight"]["vs_drain"];
+  out["in_flight_keep_vs_drain"] = out["modes"]["continuous+in_flight_keep"]["vs_drain"];
   out["goal_in_flight_vs_drain"] = 1.3;
   Emit(out);
 }
