@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <malloc.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstring>
 
@@ -32,7 +33,10 @@ std::string MallocName() {
   return name;
 }
 
-MallocBytes ReadMallocBytes() {
+namespace {
+
+// The malloc's own figures.
+MallocBytes ReadMallocOwnBytes() {
   MallocBytes bytes;
   const std::string name = MallocName();
   if (name == "tcmalloc") {
@@ -56,7 +60,29 @@ MallocBytes ReadMallocBytes() {
   return bytes;
 }
 
+std::atomic<MallocBytes (*)()> allocator_reader{nullptr};
+std::atomic<void (*)()> releaser{nullptr};
+
+}  // namespace
+
+void SetAllocatorBytesReader(MallocBytes (*read)()) { allocator_reader = read; }
+
+std::string CpuAllocatorName() { return allocator_reader.load() != nullptr ? "mapped" : "malloc"; }
+
+MallocBytes ReadMallocBytes() {
+  MallocBytes bytes = ReadMallocOwnBytes();
+  if (auto* read = allocator_reader.load(); read != nullptr && bytes.allocated >= 0) {
+    const MallocBytes more = read();
+    bytes.allocated += more.allocated;
+    bytes.free += more.free;
+  }
+  return bytes;
+}
+
+void SetFreeMemoryReleaser(void (*release)()) { releaser = release; }
+
 void ReleaseFreeMemory() {
+  if (auto* release = releaser.load(); release != nullptr) release();
   const std::string name = MallocName();
   if (name == "tcmalloc") {
     using Release = void (*)();

@@ -25,10 +25,21 @@ struct MallocBytes {
 };
 MallocBytes ReadMallocBytes();
 
+// A CPU allocator beside the malloc (common/mapped_allocator.h) whose blocks ReadMallocBytes adds
+// in: its live bytes to `allocated`, the pages it keeps for reuse to `free`. One per process.
+void SetAllocatorBytesReader(MallocBytes (*read)());
+// libtorch's CPU allocator in this process: "mapped" once InstallMappedCpuAllocator has set the
+// reader above (grpo-torch), else "malloc" (libtorch's own, over the malloc).
+std::string CpuAllocatorName();
+
 // Gives the free memory the malloc keeps back to the kernel (tcmalloc's ReleaseFreeMemory,
 // glibc's malloc_trim), so that what the next allocations take shows in the resident set
 // again: the benchmarks that read a step's peak resident set (VmHWM) start it from here. Without
 // it tcmalloc hands a step the pages the previous step freed and the peak reads ~0.
 void ReleaseFreeMemory();
+
+// What ReleaseFreeMemory also runs first: the releaser of the blocks a CPU allocator keeps
+// beside the malloc (common/mapped_allocator.h). One per process.
+void SetFreeMemoryReleaser(void (*release)());
 
 }  // namespace grpo::common

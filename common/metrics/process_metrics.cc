@@ -126,13 +126,16 @@ Status AddProcessMetrics(Registry* registry) {
                    registry->AddGauge("process_start_time_seconds",
                                       "Start time of the process since unix epoch in seconds."));
   const std::string name = MallocName();
-  ASSIGN_OR_RETURN(f->malloc_allocated, registry->AddGauge("grpo_malloc_allocated_bytes",
-                                                           "Bytes the process holds from malloc (" +
-                                                               name + "), tensors included."));
+  // With grpo-torch's MappedCpuAllocator its tensor blocks and kept pages count too.
+  const std::string mapped = CpuAllocatorName() == "mapped" ? " and MappedCpuAllocator" : "";
+  ASSIGN_OR_RETURN(f->malloc_allocated,
+                   registry->AddGauge("grpo_malloc_allocated_bytes",
+                                      "Bytes the process holds from malloc (" + name + ")" +
+                                          mapped + ", tensors included."));
   ASSIGN_OR_RETURN(f->malloc_free,
                    registry->AddGauge("grpo_malloc_free_bytes",
-                                      "Bytes malloc (" + name +
-                                          ") keeps free for reuse, not given back to the kernel "
+                                      "Bytes malloc (" + name + ")" + mapped +
+                                          " keeps free for reuse, not given back to the kernel "
                                           "(most of it resident)."));
   const ProcStat stat = ReadProcStat();
   if (const double boot = BootTime(); boot >= 0 && stat.start_seconds >= 0) {

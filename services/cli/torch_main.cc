@@ -16,6 +16,7 @@
 #include "common/cuda/cuda_module.h"
 #include "common/logging.h"
 #include "common/malloc_info.h"
+#include "common/mapped_allocator.h"
 #include "services/cli/cli.h"
 #include "services/cli/launch.h"
 
@@ -50,6 +51,7 @@ __attribute__((section(".preinit_array"), used)) static void (*const kReexecWith
 int main(int argc, char** argv) {
   // The demo's children (the other commands have them from the launcher or the re-execution).
   grpo::services::ApplyStartupSettings(argc, argv);
+  grpo::common::InstallMappedCpuAllocator();
   // Before anything asks libtorch about CUDA (common/cuda/cuda_module.h).
   if (grpo::Status s = grpo::common::LoadCudaModule(); !s.ok()) {
     std::cerr << "grpo: " << s.ToString() << "\n";
@@ -63,7 +65,8 @@ int main(int argc, char** argv) {
   CLI::App app{"grpo-serve: distributed GRPO fine-tuning of language models"};
   app.set_version_flag("--version", [] {
     return std::string(kVersion) + "\nCUDA module: " + grpo::common::CudaModuleState() +
-           "\nmalloc: " + grpo::common::MallocName();
+           "\nmalloc: " + grpo::common::MallocName() +
+           "\ncpu allocator: " + grpo::common::CpuAllocatorName();
   });
   std::string log_level = "warn";
   app.add_option("--log_level", log_level, "trace|debug|info|warn|error|off (stderr)");

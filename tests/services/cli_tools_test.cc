@@ -390,6 +390,18 @@ TEST_F(CliTools, TheCudaModuleLoadsOnlyWhereItIsUseful) {
   EXPECT_EQ(CudaMappedInAWaitingWorker(dir_, "GRPO_CUDA=1"), "mapped");
 }
 
+// grpo-torch makes MappedCpuAllocator libtorch's CPU allocator at start, and
+// GRPO_CPU_ALLOCATOR=malloc keeps libtorch's own (common/mapped_allocator.h).
+TEST_F(CliTools, LibtorchsCpuAllocatorIsTheMappedOneUnlessTheEnvironmentSaysMalloc) {
+  int rc;
+  std::string out = RunCommand(GrpoBin() + " --version 2>&1", &rc);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("\ncpu allocator: mapped"), std::string::npos) << out;
+  out = RunCommand("GRPO_CPU_ALLOCATOR=malloc " + GrpoBin() + " --version 2>&1", &rc);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("\ncpu allocator: malloc"), std::string::npos) << out;
+}
+
 // The binary's malloc is tcmalloc (CMakeLists.txt GRPO_MALLOC) for every library, libtorch's
 // allocations included: the dynamic linker's own record of where each library's malloc and
 // free bind (every symbol bound at start, LD_BIND_NOW), not the binary's word for it.
