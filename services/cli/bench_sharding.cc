@@ -29,6 +29,7 @@
 
 #include "common/counting_allocator.h"
 #include "common/malloc_info.h"
+#include "common/mapped_allocator.h"
 #include "common/model/safetensors.h"
 #include "learner/distributed/collectives.h"
 #include "learner/distributed/memory_plan.h"
@@ -159,6 +160,10 @@ int ShardingChild(const ShardingBenchOptions& o) {
   const int64_t base = ProcStatusBytes("VmRSS");  // before the model and the group
   // The pages of files (libtorch's code that the step runs first) the resident set gains.
   const int64_t file_base = ProcStatusBytes("RssFile");
+  // The rank's own memory, without those pages: what the plan is held to (README "Sharding,
+  // measured").
+  const int64_t anon_base = AnonymousPeak::Now();
+  AnonymousPeak anon;
   // The bytes of live CPU tensors, what the plan predicts; the resident set adds what the malloc
   // keeps of freed blocks (README "Sharding, measured") and libtorch's own allocations.
   static common::CountingScope counting;
@@ -210,6 +215,10 @@ int ShardingChild(const ShardingBenchOptions& o) {
   // 0 then holds a whole fp32 copy, and the file's buffer: not the learner's peak).
   const int64_t peak = ProcStatusBytes("VmHWM") - base;
   const int64_t live_peak = common::CountingCpuAllocator::Get().peak() - live_base;
+  // At the resident set's peak the anonymous part was at least VmHWM less the pages of files
+  // now (they only grow here).
+  const int64_t anon_peak =
+      std::max(anon.Stop(), ProcStatusBytes("VmHWM") - ProcStatusBytes("RssFile")) - anon_base;
   int64_t state =
       (*trainer)->optimizer().ResidentBytes() + (*trainer)->optimizer().ResidentParameterBytes();
   if (&(*trainer)->compute_model() != model.get()) {  // bf16: its copy, and its gradients
@@ -249,7 +258,9 @@ int ShardingChild(const ShardingBenchOptions& o) {
                     {"reference_bytes", reference_bytes},
                     {"peak_bytes", peak},
                     {"live_peak_bytes", live_peak},
+                    {"anon_peak_bytes", anon_peak},
                     {"malloc", common::MallocName()},
+                    {"cpu_allocator", common::CpuAllocatorName()},
                     {"file_pages_bytes", ProcStatusBytes("RssFile") - file_base},
                     {"step_seconds", st.median},
                     {"step_seconds_min", st.min},
@@ -336,13 +347,14 @@ int BenchSharding(const ShardingBenchOptions& o) {
       fs::remove_all(dir);
       return 1;
     }
-    int64_t state = 0, peak = 0, live_peak = 0, reference = 0, file_pages = 0;
+    int64_t state = 0, peak = 0, live_peak = 0, anon_peak = 0, reference = 0, file_pages = 0;
     double comm = 0;
     for (const json& r : ranks) {
       state = std::max(state, r["model_state_bytes"].get<int64_t>());
       reference = std::max(reference, r["reference_bytes"].get<int64_t>());
       peak = std::max(peak, r["peak_bytes"].get<int64_t>());
       live_peak = std::max(live_peak, r["live_peak_bytes"].get<int64_t>());
+      anon_peak = std::max(anon_peak, r["anon_peak_bytes"].get<int64_t>());
       file_pages = std::max(file_pages, r["file_pages_bytes"].get<int64_t>());
       comm = std::max(comm, r["comm_seconds"].get<double>());
     }
@@ -350,8 +362,10 @@ int BenchSharding(const ShardingBenchOptions& o) {
     row["reference_bytes_per_rank"] = reference;
     row["peak_bytes_per_rank"] = peak;
     row["live_peak_bytes_per_rank"] = live_peak;
+    row["anon_peak_bytes_per_rank"] = anon_peak;
     row["file_pages_bytes_per_rank"] = file_pages;
     row["malloc"] = ranks[0]["malloc"];  // whose free blocks the resident set holds
+    row["cpu_allocator"] = ranks[0]["cpu_allocator"];
     row["step_seconds"] = ranks[0]["step_seconds"];
     row["step_seconds_min"] = ranks[0]["step_seconds_min"];
     row["step_seconds_max"] = ranks[0]["step_seconds_max"];
@@ -376,6 +390,8 @@ int BenchSharding(const ShardingBenchOptions& o) {
         r["peak_bytes_per_rank"].get<double>() / r["predicted_peak_bytes_per_rank"].get<double>();
     r["live_peak_vs_predicted"] = r["live_peak_bytes_per_rank"].get<double>() /
                                   r["predicted_peak_bytes_per_rank"].get<double>();
+    r["anon_peak_vs_predicted"] = r["anon_peak_bytes_per_rank"].get<double>() /
+                                  r["predicted_peak_bytes_per_rank"].get<double>();
   }
   if (o.json) {
     for (const json& r : rows) std::cout << r.dump() << "\n";
@@ -387,6 +403,11 @@ int BenchSharding(const ShardingBenchOptions& o) {
                "of 2, Gloo on loopback, this machine's cores shared by the ranks; bf16 rows "
                "against the single bf16 rank; malloc "
             << (rows.empty() ? std::string("?") : rows[0]["malloc"].get<std::string>())
+            << (!rows.empty() && rows[0]["cpu_allocator"] == "mapped"
+                    ? " (blocks from " + std::to_string(common::kMappedMinBytes >> 10) +
+                          " KiB: MappedCpuAllocator)"
+                    : "")
+            << "; anon: the peak without the pages of files (libtorch's code)"
             << (o.beta != 0 ? "; beta " + std::to_string(o.beta) +
                                   " (ref MiB: the reference model per rank, beside the state "
                                   "column's optimizer state)"
@@ -394,9 +415,10 @@ int BenchSharding(const ShardingBenchOptions& o) {
             << "\n"
             << std::left << std::setw(6) << "ranks" << std::setw(20) << "fsdp" << std::right
             << std::setw(12) << "state MiB" << std::setw(11) << "ZeRO MiB" << std::setw(11)
-            << "peak MiB" << std::setw(11) << "live MiB" << std::setw(11) << "plan MiB"
-            << std::setw(10) << "step s" << std::setw(9) << "vs 1" << std::setw(10) << "comm s"
-            << std::setw(12) << "max diff" << (o.beta != 0 ? "    ref MiB" : "") << "\n";
+            << "peak MiB" << std::setw(11) << "anon MiB" << std::setw(11) << "live MiB"
+            << std::setw(11) << "plan MiB" << std::setw(11) << "anon/plan" << std::setw(10)
+            << "step s" << std::setw(9) << "vs 1" << std::setw(10) << "comm s" << std::setw(12)
+            << "max diff" << (o.beta != 0 ? "    ref MiB" : "") << "\n";
   for (const json& r : rows) {
     std::cout << std::left << std::setw(6) << r["world_size"].get<int>() << std::setw(20)
               << r["mode"].get<std::string>() + (r["bf16"].get<bool>() ? " bf16" : "") << std::right
@@ -404,8 +426,10 @@ int BenchSharding(const ShardingBenchOptions& o) {
     std::cout << std::setprecision(1) << std::setw(12) << mib(r["model_state_bytes_per_rank"])
               << std::setw(11) << mib(r["zero_formula_model_state_bytes"]) << std::setw(11)
               << mib(r["peak_bytes_per_rank"]) << std::setw(11)
+              << mib(r["anon_peak_bytes_per_rank"]) << std::setw(11)
               << mib(r["live_peak_bytes_per_rank"]) << std::setw(11)
-              << mib(r["predicted_peak_bytes_per_rank"]) << std::setprecision(3) << std::setw(10)
+              << mib(r["predicted_peak_bytes_per_rank"]) << std::setprecision(2) << std::setw(11)
+              << r["anon_peak_vs_predicted"].get<double>() << std::setprecision(3) << std::setw(10)
               << r["step_seconds"].get<double>() << std::setprecision(2) << std::setw(9)
               << r["step_seconds_vs_single_rank"].get<double>() << std::setprecision(3)
               << std::setw(10) << r["comm_seconds"].get<double>() << std::scientific

@@ -5,11 +5,13 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/model/model.h"
@@ -105,6 +107,29 @@ int BenchLongTail(bool as_json, int reps);
 
 // A field of /proc/self/status ("VmRSS", "VmHWM") in bytes; 0 when absent.
 int64_t ProcStatusBytes(const char* key);
+
+// The most anonymous memory the process held while it lived: the resident set less the pages
+// of files (libtorch's code, which the ranks of a host share and the kernel can drop when
+// memory is short), read from /proc/self/statm every millisecond by a thread of its own. The
+// kernel keeps no peak of it (VmHWM counts the pages of files too); anonymous memory hardly
+// shrinks here (the malloc and MappedCpuAllocator keep what is freed), so a millisecond's
+// sampling misses little of it.
+class AnonymousPeak {
+ public:
+  AnonymousPeak();
+  ~AnonymousPeak();
+  AnonymousPeak(const AnonymousPeak&) = delete;
+  AnonymousPeak& operator=(const AnonymousPeak&) = delete;
+  // Stops sampling; the peak in bytes.
+  int64_t Stop();
+  // The anonymous resident bytes now.
+  static int64_t Now();
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> peak_{0};
+  std::thread sampler_;
+};
 
 // A free TCP port on loopback (0 when none could be had): a rendezvous for ranks as processes.
 int FreePort();

@@ -68,6 +68,35 @@ int64_t ProcStatusBytes(const char* key) {
   return 0;
 }
 
+int64_t AnonymousPeak::Now() {
+  static const int64_t page = static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0, shared = 0;  // pages; shared: of files and shared memory
+  statm >> size >> resident >> shared;
+  return (resident - shared) * page;
+}
+
+AnonymousPeak::AnonymousPeak() : peak_(Now()) {
+  sampler_ = std::thread([this] {
+    while (!stop_.load()) {
+      const int64_t now = Now();
+      if (now > peak_.load()) peak_.store(now);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+}
+
+AnonymousPeak::~AnonymousPeak() { Stop(); }
+
+int64_t AnonymousPeak::Stop() {
+  if (sampler_.joinable()) {
+    stop_.store(true);
+    sampler_.join();
+    peak_.store(std::max(peak_.load(), Now()));
+  }
+  return peak_.load();
+}
+
 // The resident set a step's peak (VmHWM) is read above. The malloc's free memory goes back to
 // the kernel first: on tcmalloc a step would otherwise reuse the pages the one before it freed,
 // and its peak would read ~0. Then VmHWM is reset to the current resident set (clear_refs 5).
@@ -529,7 +558,9 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
                              "episode_stream", "partial_rollouts", "long_tail", "long_tail_e2e",
                              "weight_sync", "ingest", "e2e", "sharding", "loading", "peer_trl"}));
   cmd->add_flag("--json", o->json, "one JSON object per row");
-  cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)");
+  // At least one: a median of none would read past an empty vector (Summarize).
+  cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
   cmd->add_option("--G", o->gs, "logprob_memory: num_generations values");
   cmd->add_flag("--gradient_checkpointing", o->gradient_checkpointing,
