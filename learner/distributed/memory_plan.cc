@@ -472,20 +472,27 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
         "weights on the GPU, its gradients copied to the host after each micro-batch");
   }
   if (!cuda) {
-    // `grpo bench sharding` (2026-12-06, README "Sharding, measured"): the live tensor bytes
-    // were 0.976-0.988x the plan in every row; a rank's peak resident set 1.11-1.40x under
-    // tcmalloc (the grpo binary's malloc; about 20 MiB of it libtorch's code, paged in by the
-    // first step), 1.27-1.91x under glibc's, which kept freed blocks in pieces too small for the
-    // next step's (memory_plan_test: 0.98-1.02x with MALLOC_MMAP_THRESHOLD_=131072, which cost
-    // the step 30% of its speed).
+    // `grpo bench sharding` (2026-12-07, README "Sharding, measured"): the live tensor bytes
+    // were 0.977-0.991x the plan in every row. A rank's own memory (its resident set less the
+    // pages of files) was 1.02-1.15x with grpo-torch's MappedCpuAllocator, the resident set
+    // 1.10-1.31x with libtorch's code (20-26 MiB); on tcmalloc alone the resident set was
+    // 1.15-1.57x, on glibc's malloc 1.27-1.91x (both keep freed blocks where they are, and take
+    // new pages for a larger one; memory_plan_test: 0.98-1.02x with MALLOC_MMAP_THRESHOLD_=131072,
+    // which cost the step 30% of its speed).
     const std::string malloc_name = common::MallocName();
-    p.notes.push_back(malloc_name == "tcmalloc"
-                          ? "cpu: live bytes; tcmalloc's free blocks and libtorch's code put a "
-                            "rank's resident set at 1.1-1.4x the training peak (grpo bench "
-                            "sharding)"
-                          : "cpu: live bytes; under " + malloc_name +
-                                "'s malloc a rank's resident set ran to 1.3-1.9x the training "
-                                "peak (the freed blocks it keeps; grpo links tcmalloc)");
+    if (common::CpuAllocatorName() == "mapped") {
+      p.notes.push_back(
+          "cpu: live bytes; a rank's own memory ran at 1.02-1.15x the training peak, its "
+          "resident set at 1.1-1.3x with libtorch's code (grpo bench sharding)");
+    } else {
+      p.notes.push_back(malloc_name == "tcmalloc"
+                            ? "cpu: live bytes; tcmalloc's free blocks and libtorch's code put a "
+                              "rank's resident set at 1.1-1.6x the training peak (grpo bench "
+                              "sharding, GRPO_CPU_ALLOCATOR=malloc)"
+                            : "cpu: live bytes; under " + malloc_name +
+                                  "'s malloc a rank's resident set ran to 1.3-1.9x the training "
+                                  "peak (the freed blocks it keeps; grpo links tcmalloc)");
+    }
   }
   if (!cuda && fsdp.offload) {
     p.notes.push_back("device cpu: offload changes nothing (the device memory is host memory)");
