@@ -116,12 +116,7 @@ void MappedCpuAllocator::TrimKept() {
   }
 }
 
-void MappedCpuAllocator::Release() {
-  std::vector<Range> ranges;
-  {
-    MutexLock lock(&mu_);
-    ranges.swap(released_);
-  }
+void MappedCpuAllocator::Unmap(const std::vector<Range>& ranges) {
   for (const Range& r : ranges) ::munmap(r.addr, static_cast<size_t>(r.bytes));
 }
 
@@ -173,7 +168,7 @@ c10::DataPtr MappedCpuAllocator::allocate(size_t n) {
     return small_->allocate(n);
   }
   const int64_t bytes = PageRound(static_cast<int64_t>(n));
-  std::vector<Range> ranges;
+  std::vector<Range> ranges, released;
   int64_t have = 0;
   {
     MutexLock lock(&mu_);
@@ -187,8 +182,9 @@ c10::DataPtr MappedCpuAllocator::allocate(size_t n) {
     if (exact) ++stats_.exact;
     if (ranges.size() > 1) ++stats_.moved;
     stats_.peak_mapped = std::max(stats_.peak_mapped, stats_.live + stats_.kept);
+    released.swap(released_);
   }
-  Release();
+  Unmap(released);
   std::vector<Range> block;
   if (ranges.empty()) {
     void* p = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
@@ -218,6 +214,7 @@ void MappedCpuAllocator::Free(void* data) {
   if (data == nullptr) return;
   MappedCpuAllocator& self = Get();
   bool mapped = false;
+  std::vector<Range> released;
   {
     MutexLock lock(&self.mu_);
     auto it = self.handed_.find(data);
@@ -228,11 +225,12 @@ void MappedCpuAllocator::Free(void* data) {
       }
       self.handed_.erase(it);
       self.TrimKept();
+      released.swap(self.released_);
       mapped = true;
     }
   }
   if (mapped) {
-    self.Release();
+    Unmap(released);
   } else {  // a small block, freed through raw_deleter (raw_allocate / raw_deallocate)
     self.small_->raw_deleter()(data);
   }

@@ -90,8 +90,8 @@ class MappedCpuAllocator final : public c10::Allocator {
   Range Unkeep(std::multimap<int64_t, char*>::iterator it) GRPO_REQUIRES(mu_);
   // Moves the smallest kept ranges beyond kMappedMaxKeptRanges to `released_`.
   void TrimKept() GRPO_REQUIRES(mu_);
-  // Unmaps what `released_` holds, after the lock.
-  void Release() GRPO_EXCLUDES(mu_);
+  // Unmaps what a locked section took out of `released_`, after the lock.
+  static void Unmap(const std::vector<Range>& ranges);
   // Makes one block of `bytes` from `ranges`: one of its size as it is; one smaller grown in
   // place or moved by mremap, new pages after its own; several moved side by side into a new
   // mapping, new pages after them. Its ranges, the first at the block's address; none (the
@@ -107,7 +107,8 @@ class MappedCpuAllocator final : public c10::Allocator {
   std::multimap<int64_t, char*> kept_ GRPO_GUARDED_BY(mu_);
   std::map<char*, Range> kept_at_ GRPO_GUARDED_BY(mu_);
   uint64_t next_origin_ GRPO_GUARDED_BY(mu_) = 1;
-  std::vector<Range> released_ GRPO_GUARDED_BY(mu_);  // to unmap
+  // To unmap: the section that put them there takes them out before it unlocks.
+  std::vector<Range> released_ GRPO_GUARDED_BY(mu_);
   MappedAllocatorStats stats_ GRPO_GUARDED_BY(mu_);
 };
 

@@ -110,7 +110,7 @@ int64_t ProcStatusBytes(const char* key);
 
 // The most anonymous memory the process held while it lived: the resident set less the pages
 // of files (libtorch's code, which the ranks of a host share and the kernel can drop when
-// memory is short), read from /proc/self/statm every millisecond by a thread of its own. The
+// memory is short), RssAnon read every millisecond by a thread of its own. The
 // kernel keeps no peak of it (VmHWM counts the pages of files too); anonymous memory hardly
 // shrinks here (the malloc and MappedCpuAllocator keep what is freed), so a millisecond's
 // sampling misses little of it.

@@ -68,13 +68,7 @@ int64_t ProcStatusBytes(const char* key) {
   return 0;
 }
 
-int64_t AnonymousPeak::Now() {
-  static const int64_t page = static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
-  std::ifstream statm("/proc/self/statm");
-  int64_t size = 0, resident = 0, shared = 0;  // pages; shared: of files and shared memory
-  statm >> size >> resident >> shared;
-  return (resident - shared) * page;
-}
+int64_t AnonymousPeak::Now() { return ProcStatusBytes("RssAnon"); }
 
 AnonymousPeak::AnonymousPeak() : peak_(Now()) {
   sampler_ = std::thread([this] {
