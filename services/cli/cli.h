@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <limits>
 #include <string>
 
 #include "common/config.h"
@@ -39,5 +40,27 @@ void AddClientCommands(CLI::App& app, CliAction* action);
 
 // plan: the memory plan of a learner rank (learner/distributed/memory_plan.h).
 void AddPlanCommand(CLI::App& app, CliAction* action);
+
+// The exit code of a command line CLI11 refused, after it printed why: 0 for --help and
+// --version, else 2 (bad input, as an action says it); CLI11's own codes (105 for a value out
+// of range, 109 for an unknown option, ...) are not the ones the commands document.
+inline int ParseErrorExit(const CLI::App& app, const CLI::ParseError& e) {
+  return app.exit(e) == 0 ? 0 : 2;
+}
+
+// A whole number of at least 1 (CLI::PositiveNumber takes any double above 0 and names the
+// double's range, 0 to 1.8e308, in its message).
+inline CLI::Validator AtLeastOne() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        long long v = 0;
+        if (!CLI::detail::lexical_cast(value, v) || v < 1 || v > std::numeric_limits<int>::max()) {
+          return "must be a whole number from 1 to " +
+                 std::to_string(std::numeric_limits<int>::max()) + ", got " + value;
+        }
+        return {};
+      },
+      "INT>=1");
+}
 
 }  // namespace grpo::services

@@ -554,7 +554,7 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   cmd->add_flag("--json", o->json, "one JSON object per row");
   // At least one: a median of none would read past an empty vector (Summarize).
   cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)")
-      ->check(CLI::PositiveNumber);
+      ->check(AtLeastOne());
   cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
   cmd->add_option("--G", o->gs, "logprob_memory: num_generations values");
   cmd->add_flag("--gradient_checkpointing", o->gradient_checkpointing,

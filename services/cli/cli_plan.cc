@@ -271,11 +271,11 @@ void AddPlanCommand(CLI::App& app, CliAction* action) {
       "--config FILE). Exit 0 fits, 1 does not fit, 2 bad input");
   auto o = std::make_shared<PlanOptions>();
   cmd->add_option("--world_size", o->world_size, "learner ranks (default: WORLD_SIZE, else 1)")
-      ->check(CLI::PositiveNumber);
+      ->check(AtLeastOne());
   cmd->add_option("--local_world_size", o->local_world_size,
                   "learner ranks on this host, which share its memory on cpu (default: "
                   "LOCAL_WORLD_SIZE, else 1)")
-      ->check(CLI::PositiveNumber);
+      ->check(AtLeastOne());
   cmd->add_option("--device_memory_gb", o->device_memory_gb,
                   "memory of one rank's device in GiB (default: this machine's memory on cpu, "
                   "the visible GPU's on cuda; required for cuda without a GPU here)");

@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return grpo::services::ParseErrorExit(app, e);
   }
   if (grpo::Status s = grpo::common::InitLogging(log_level); !s.ok()) {
     std::cerr << "grpo: " << s.ToString() << "\n";

@@ -87,7 +87,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    ExitWithoutTeardown(app.exit(e));  // --help, --version, or a usage error
+    ExitWithoutTeardown(
+        grpo::services::ParseErrorExit(app, e));  // --help, --version, or a usage error
   }
   if (grpo::Status s = grpo::common::InitLogging(log_level); !s.ok()) {
     std::cerr << "grpo: " << s.ToString() << "\n";

@@ -285,6 +285,27 @@ TEST_F(CliTools, MemoryBenchmarksReadAStepsPeakOnTcmalloc) {
   EXPECT_GE(rows[0]["peak_mib"].get<double>(), logits_mib) << rows[0].dump();
 }
 
+// A benchmark reports the median of its timed repetitions: with none it read past an empty
+// vector and crashed (every benchmark, stop 64). Counts below 1, and `grpo plan`'s world sizes,
+// are bad input that names the option, before anything runs: exit 2, as the commands document
+// bad input (CLI11's own code for a value out of range is 105).
+TEST_F(CliTools, CountsBelowOneAreBadInputNamingTheOption) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"bench learner_step --json --reps 0", "--reps"},
+      {"bench learner_step --json --reps -1", "--reps"},
+      {"bench learner_step --json --reps 1.5", "--reps"},
+      {"plan --world_size 0", "--world_size"},
+      {"plan --local_world_size 0", "--local_world_size"}};
+  for (const auto& [args, option] : cases) {
+    int rc = 0;
+    const std::string out = RunCommand(GrpoBin() + " " + args + " 2>&1", &rc);
+    EXPECT_EQ(rc, 2) << args << ": " << out;
+    EXPECT_NE(out.find(option + ": must be a whole number from 1"), std::string::npos)
+        << args << ": " << out;
+    EXPECT_EQ(out.find("tokens_per_second"), std::string::npos) << args << ": ran: " << out;
+  }
+}
+
 TEST_F(CliTools, ConfigNamesAnUnknownKey) {
   int rc;
   RunCommand(GrpoBin() + " config --num_generaton 4 2>/dev/null", &rc);
