@@ -474,16 +474,18 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
   if (!cuda) {
     // `grpo bench sharding` (2026-12-07, README "Sharding, measured"): the live tensor bytes
     // were 0.977-0.991x the plan in every row. A rank's own memory (its resident set less the
-    // pages of files) was 1.02-1.15x with grpo-torch's MappedCpuAllocator, the resident set
-    // 1.10-1.31x with libtorch's code (20-26 MiB); on tcmalloc alone the resident set was
+    // pages of files) was 1.02-1.04x in fp32 and 1.07-1.19x in bf16 (three runs; the 4-rank
+    // bf16 rows moved by up to 8 MiB between runs) with grpo-torch's MappedCpuAllocator, the
+    // resident set 1.10-1.34x with libtorch's code (20-26 MiB); on tcmalloc alone it was
     // 1.15-1.57x, on glibc's malloc 1.27-1.91x (both keep freed blocks where they are, and take
     // new pages for a larger one; memory_plan_test: 0.98-1.02x with MALLOC_MMAP_THRESHOLD_=131072,
     // which cost the step 30% of its speed).
     const std::string malloc_name = common::MallocName();
     if (common::CpuAllocatorName() == "mapped") {
       p.notes.push_back(
-          "cpu: live bytes; a rank's own memory ran at 1.02-1.15x the training peak, its "
-          "resident set at 1.1-1.3x with libtorch's code (grpo bench sharding)");
+          "cpu: live bytes; a rank's own memory ran at 1.02-1.04x the training peak in fp32, "
+          "1.07-1.19x in bf16, its resident set at 1.1-1.34x with libtorch's code (grpo bench "
+          "sharding)");
     } else {
       p.notes.push_back(malloc_name == "tcmalloc"
                             ? "cpu: live bytes; tcmalloc's free blocks and libtorch's code put a "
