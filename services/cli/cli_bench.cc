@@ -555,16 +555,20 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
   // At least one: a median of none would read past an empty vector (Summarize).
   cmd->add_option("--reps", o->reps, "timed repetitions after a warm-up (median reported)")
       ->check(AtLeastOne());
-  cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)");
-  cmd->add_option("--G", o->gs, "logprob_memory: num_generations values");
+  // Counts: 0 divided a micro-batch by zero (--micro_batch, a child's --world_size) or ran a
+  // row of nothing; the options' defaults stand for themselves, a count given must be one.
+  cmd->add_option("--micro_batch", o->micro, "sequences per micro-batch (chunked path)")
+      ->check(AtLeastOne());
+  cmd->add_option("--G", o->gs, "logprob_memory: num_generations values")->check(AtLeastOne());
   cmd->add_flag("--gradient_checkpointing", o->gradient_checkpointing,
                 "learner_step: recompute each decoder layer in backward");
   cmd->add_option("--layers", o->layers,
                   "learner_step: decoder layers (default: the bench model's 4); loading: of its "
-                  "model (default 16)");
+                  "model (default 16)")
+      ->check(AtLeastOne());
   cmd->add_flag("--child", o->child, "internal: one logprob_memory configuration, or one rank");
-  cmd->add_option("--world_size", o->world_size,
-                  "internal: sharding or loading child's world size");
+  cmd->add_option("--world_size", o->world_size, "internal: sharding or loading child's world size")
+      ->check(AtLeastOne());
   cmd->add_option("--fsdp", o->fsdp, "internal: sharding child's fsdp mode");
   cmd->add_option("--out", o->out,
                   "internal: sharding child's weights file; loading child's model directory");
@@ -575,13 +579,17 @@ void AddBenchCommand(CLI::App& app, CliAction* action) {
                   "internal: chunked | chunked_batch_G | naive; loading: sharded | whole");
   cmd->add_option("--workers", o->workers,
                   "weight_sync, ingest (default 2), e2e and long_tail_e2e (default 1): simulated "
-                  "workers");
+                  "workers")
+      ->check(AtLeastOne());
   cmd->add_option("--steps", o->steps,
                   "e2e: optimizer steps per run with num_iterations 1 (default 24); "
-                  "long_tail_e2e: per run (default 16)");
+                  "long_tail_e2e: per run (default 16)")
+      ->check(AtLeastOne());
   cmd->add_option("--groups", o->groups,
-                  "ingest: groups each worker pushes per repetition (default 128)");
-  cmd->add_option("--max_turns", o->max_turns, "episodes: model turns per episode (default 4)");
+                  "ingest: groups each worker pushes per repetition (default 128)")
+      ->check(AtLeastOne());
+  cmd->add_option("--max_turns", o->max_turns, "episodes: model turns per episode (default 4)")
+      ->check(AtLeastOne());
   cmd->add_flag("--fast", o->fast,
                 "peer_trl: the quick configuration (tiny model, fewer steps); episodes: the tiny "
                 "model only");

@@ -286,14 +286,23 @@ TEST_F(CliTools, MemoryBenchmarksReadAStepsPeakOnTcmalloc) {
 }
 
 // A benchmark reports the median of its timed repetitions: with none it read past an empty
-// vector and crashed (every benchmark, stop 64). Counts below 1, and `grpo plan`'s world sizes,
-// are bad input that names the option, before anything runs: exit 2, as the commands document
-// bad input (CLI11's own code for a value out of range is 105).
+// vector and crashed (every benchmark, stop 64); `--micro_batch 0` and a sharding child's
+// `--world_size 0` died of SIGFPE, `--G 0` ran a row of nothing (stop 65). Counts below 1, and
+// `grpo plan`'s world sizes, are bad input that names the option, before anything runs: exit 2,
+// as the commands document bad input (CLI11's own code for a value out of range is 105).
 TEST_F(CliTools, CountsBelowOneAreBadInputNamingTheOption) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"bench learner_step --json --reps 0", "--reps"},
       {"bench learner_step --json --reps -1", "--reps"},
       {"bench learner_step --json --reps 1.5", "--reps"},
+      {"bench learner_step --json --micro_batch 0", "--micro_batch"},
+      {"bench learner_step --json --layers -1", "--layers"},
+      {"bench logprob_memory --json --G 4 0", "--G"},
+      {"bench sharding --child --world_size 0 --reps 1", "--world_size"},
+      {"bench ingest --json --groups 0", "--groups"},
+      {"bench e2e --json --workers 0", "--workers"},
+      {"bench e2e --json --steps 0", "--steps"},
+      {"bench episodes --json --max_turns 0", "--max_turns"},
       {"plan --world_size 0", "--world_size"},
       {"plan --local_world_size 0", "--local_world_size"}};
   for (const auto& [args, option] : cases) {
