@@ -86,9 +86,8 @@ int main(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    ExitWithoutTeardown(
-        grpo::services::ParseErrorExit(app, e));  // --help, --version, or a usage error
+  } catch (const CLI::ParseError& e) {  // --help, --version, or a usage error
+    ExitWithoutTeardown(grpo::services::ParseErrorExit(app, e));
   }
   if (grpo::Status s = grpo::common::InitLogging(log_level); !s.ok()) {
     std::cerr << "grpo: " << s.ToString() << "\n";
