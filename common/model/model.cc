@@ -676,8 +676,8 @@ at::Tensor Model::LayerForward(const Layer& L, size_t li, const at::Tensor& x_in
   if (cache != nullptr) {
     cache->keys[li].narrow(2, cache->length, t).copy_(k);
     cache->values[li].narrow(2, cache->length, t).copy_(v);
-    k = cache->keys[li].narrow(2, 0, cache->length + t);
-    v = cache->values[li].narrow(2, 0, cache->length + t);
+    k = cache->keys[li].narrow(2, 0, mask.size(-1));  // Extend's width
+    v = cache->values[li].narrow(2, 0, mask.size(-1));
   } else if (prefix != nullptr && prefix->record) {
     prefix->keys = k;
     prefix->values = v;
@@ -741,8 +741,17 @@ std::pair<at::Tensor, at::Tensor> Model::RowPositionsAndBlocked(const at::Tensor
   return {positions, blocked};
 }
 
-at::Tensor Model::LaterColumns(int64_t t, int64_t past, const at::TensorOptions& options) {
-  return at::ones({t, past + t}, options.dtype(at::kBool)).triu(past + 1);
+at::Tensor Model::LaterColumns(int64_t t, int64_t past, const at::TensorOptions& options,
+                               int64_t width) {
+  return at::ones({t, std::max(width, past + t)}, options.dtype(at::kBool)).triu(past + 1);
+}
+
+int64_t Model::AttendedColumns(int64_t total, int64_t capacity) const {
+  const at::ScalarType dt = dtype();
+  if (!device().is_cpu() || dt == at::kFloat || dt == at::kDouble) return total;
+  const int64_t rounded =
+      (total + kAttendColumnsBucket - 1) / kAttendColumnsBucket * kAttendColumnsBucket;
+  return std::max(total, std::min(rounded, capacity));
 }
 
 at::Tensor Model::LmHeadWeight() const {
@@ -803,10 +812,16 @@ at::Tensor Model::Extend(const at::Tensor& ids, const at::Tensor& mask, KvCache&
   const at::Tensor counted = t == 1 ? m.to(at::kLong) : m.to(at::kLong).cumsum(1);  // [B, T]
   at::Tensor positions = (cache.next_position.unsqueeze(1) + counted - 1).clamp_min(0);
   cache.key_mask.narrow(1, len, t).copy_(m);
-  // A key is blocked where it is padding or after its query's column; a single query (a decode
-  // step) sits at the last column, so only padding blocks it.
-  at::Tensor blocked = cache.key_mask.narrow(1, 0, total).logical_not().unsqueeze(1);  // [B,1,L]
-  if (t > 1) blocked = LaterColumns(t, len, ids.options()).unsqueeze(0) | blocked;     // [B, T, L]
+  // A key is blocked where it is padding, after its query's column, or past `total` (the
+  // columns AttendedColumns adds, whatever they hold); a single query (a decode step) sits at
+  // the last filled column, so only padding and those columns block it.
+  const int64_t width = AttendedColumns(total, cache.capacity);
+  at::Tensor blocked = cache.key_mask.narrow(1, 0, width).logical_not();  // [B, W], a copy
+  if (width > total) blocked.narrow(1, total, width - total).fill_(true);
+  blocked = blocked.unsqueeze(1);  // [B, 1, W]
+  if (t > 1) {
+    blocked = LaterColumns(t, len, ids.options(), width).unsqueeze(0) | blocked;  // [B, T, W]
+  }
   at::Tensor hidden = Forward(ids, positions, blocked, &cache);
   cache.length = total;
   cache.next_position += m.sum(1);

@@ -166,6 +166,13 @@ class Model {
   ParameterGate* parameter_gate() const { return gate_; }
 
   // --- Incremental decoding (rollout). All run without autograd.
+  // The KV-cache columns a forward over columns [0, total) attends to: `total`, or on the CPU in
+  // bf16/fp16 `total` rounded up to kAttendColumnsBucket (at most `capacity`; the columns past
+  // `total` blocked). oneDNN, which runs those matmuls there, compiles and caches a kernel for
+  // every shape: one per context length made a decode's memory grow with each token (README
+  // "bf16 on the CPU").
+  int64_t AttendedColumns(int64_t total, int64_t capacity) const;
+  static constexpr int64_t kAttendColumnsBucket = 64;
   // An empty cache for `batch` rows and up to `capacity` tokens per row (prompt + completion).
   KvCache NewCache(int64_t batch, int64_t capacity) const;
   // Appends ids [B, T] with mask [B, T] to `cache` and returns the logits [B, V] of the last
@@ -235,11 +242,14 @@ class Model {
   static std::pair<at::Tensor, at::Tensor> RowPositionsAndBlocked(const at::Tensor& mask);
   // The causal part of a mask: [T, past + T] bool, true where the key's column comes after the
   // query's (query i sits at column past + i). On `options`' device.
-  static at::Tensor LaterColumns(int64_t t, int64_t past, const at::TensorOptions& options);
+  // With `width` > past + T, [T, width]: the columns past the last query's blocked too.
+  static at::Tensor LaterColumns(int64_t t, int64_t past, const at::TensorOptions& options,
+                                 int64_t width = 0);
   // cos and sin [B, T, 1, hd] for positions [B, T] (sin signed: ApplyRope's).
   std::pair<at::Tensor, at::Tensor> RopeTables(const at::Tensor& positions) const;
   // One step over new tokens; when `cache` is set, keys/values are written at columns
-  // [cache->length, cache->length + T) and attention spans columns [0, length + T).
+  // [cache->length, cache->length + T) and attention spans the mask's columns (Extend's:
+  // [0, AttendedColumns(length + T, capacity)), those past length + T blocked).
   at::Tensor Forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& blocked,
                      KvCache* cache, bool gradient_checkpointing = false) const;
   // Decoder layer `li` (weights `L`) on x [B, T, D]; cos/sin [B, T, 1, hd] (ApplyRope's); mask:

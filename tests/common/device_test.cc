@@ -184,6 +184,59 @@ TEST(ModelPlacement, Bf16DecodeAgreesWithBf16FullForward) {
   EXPECT_LT(MaxAbsDiff(at::stack(steps, 1), full), kBf16LogprobTolerance);
 }
 
+// On the CPU in bf16/fp16 a KV-cache forward attends to its columns rounded up to 64 (at most
+// the cache's capacity), so that oneDNN compiles a kernel per 64 columns, not per token; fp32
+// (MKL's GEMM) and every CUDA device attend to the columns filled, as before.
+TEST(ModelPlacement, HalfPrecisionOnTheCpuAttendsToColumnsRoundedUpTo64) {
+  auto bf16 = PrecisionTinyModel(at::kCPU, at::kBFloat16);
+  EXPECT_EQ(bf16->AttendedColumns(1, 200), 64);
+  EXPECT_EQ(bf16->AttendedColumns(64, 200), 64);
+  EXPECT_EQ(bf16->AttendedColumns(65, 200), 128);
+  EXPECT_EQ(bf16->AttendedColumns(65, 100), 100);  // the capacity bounds it
+  EXPECT_EQ(bf16->AttendedColumns(150, 150), 150);
+  auto fp16 = PrecisionTinyModel(at::kCPU, at::kHalf);
+  EXPECT_EQ(fp16->AttendedColumns(3, 200), 64);
+  auto fp32 = PrecisionTinyModel();
+  EXPECT_EQ(fp32->AttendedColumns(65, 200), 65);
+  EXPECT_EQ(fp32->AttendedColumns(1, 200), 1);
+}
+
+// The columns past the filled ones are blocked whatever they hold: a cache whose unfilled
+// columns hold large keys and values, and a key mask that says "real" there (what a reused
+// buffer could hold), decodes exactly as a clean one. Without the blocking the decode attends
+// to them and its logits move.
+TEST(ModelPlacement, Bf16DecodeBlocksTheColumnsPastTheFilledOnes) {
+  auto model = PrecisionTinyModel(at::kCPU, at::kBFloat16);
+  const at::Tensor ids = PrecisionIds();  // [3, 20]
+  at::NoGradGuard no_grad;
+  const auto decode = [&](bool stale) {
+    KvCache cache = model->NewCache(ids.size(0), 200);
+    if (stale) {
+      for (size_t li = 0; li < cache.keys.size(); ++li) {
+        cache.keys[li].fill_(8.0);
+        cache.values[li].fill_(-8.0);
+      }
+      cache.key_mask.fill_(true);
+    }
+    at::Tensor logits = model->Prefill(ids.narrow(1, 0, 4), at::ones({3, 4}, at::kLong), cache);
+    std::vector<at::Tensor> out = {logits};
+    for (int64_t t = 4; t < ids.size(1); ++t)
+      out.push_back(model->DecodeStep(ids.select(1, t), cache));
+    return at::stack(out, 1);
+  };
+  const at::Tensor clean = decode(false), stale = decode(true);
+  EXPECT_TRUE(at::equal(clean, stale)) << "max |diff| " << MaxAbsDiff(clean, stale);
+  // And the clean decode is the full forward's, within bf16's tolerance.
+  const at::Tensor full = SequenceLogprobs(*model, ids);
+  const at::Tensor next = ids.narrow(1, 4, ids.size(1) - 4);
+  const at::Tensor steps = clean.narrow(1, 0, ids.size(1) - 4)
+                               .to(at::kFloat)
+                               .log_softmax(-1)
+                               .gather(-1, next.unsqueeze(-1))
+                               .squeeze(-1);
+  EXPECT_LT(MaxAbsDiff(steps, full.narrow(1, 3, ids.size(1) - 4)), kBf16LogprobTolerance);
+}
+
 TEST(ModelPlacement, ABf16ModelSavesFp32ThatLoadsBackToItsValues) {
   auto bf16 = PrecisionTinyModel(at::kCPU, at::kBFloat16);
   const std::string dir = ::testing::TempDir() + "/grpo_device_test_bf16_save";
