@@ -29,6 +29,11 @@ const char* Subcommand(int argc, char** argv);
 // Whether `command` (Subcommand's) is one the launcher runs itself (it needs no libtorch).
 bool IsLauncherCommand(const char* command);
 
+// LRU_CACHE_CAPACITY=kKernelCacheCapacity unless the user set it (launch.cc): the kernels
+// libtorch keeps for the bf16/fp16 matmuls it runs on the CPU. Before the first matmul.
+inline constexpr int kKernelCacheCapacity = 128;
+void BoundKernelCaches();
+
 // GRPO_PARENT_PID=<pid>: end (SIGTERM) when that process ends (main.cc's callers).
 void DieWithParentIfAsked();
 

@@ -52,6 +52,7 @@ int main(int argc, char** argv) {
   // The demo's children (the other commands have them from the launcher or the re-execution).
   grpo::services::ApplyStartupSettings(argc, argv);
   grpo::common::InstallMappedCpuAllocator();
+  grpo::services::BoundKernelCaches();
   // Before anything asks libtorch about CUDA (common/cuda/cuda_module.h).
   if (grpo::Status s = grpo::common::LoadCudaModule(); !s.ok()) {
     std::cerr << "grpo: " << s.ToString() << "\n";
