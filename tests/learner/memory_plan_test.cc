@@ -645,6 +645,25 @@ TEST(MemoryPlanSmall, CpuOffloadChangesNothingAndSaysSo) {
   EXPECT_TRUE(said);
 }
 
+// bf16 on the CPU: the plan says that oneDNN's compiled kernels come on top of the tensors
+// (README "bf16 on the CPU"); fp32 on the CPU and bf16 on a GPU do not compile per shape.
+TEST(MemoryPlanSmall, Bf16OnTheCpuNotesTheCompiledKernels) {
+  auto says = [](const MemoryPlan& p) {
+    for (const std::string& n : p.notes)
+      if (n.find("compiled kernel") != std::string::npos) return true;
+    return false;
+  };
+  common::GrpoConfig cfg = SmallRun();
+  auto fp32 = PlanMemory(Small(), cfg, 1, "cpu");
+  cfg.bf16 = true;
+  auto cpu = PlanMemory(Small(), cfg, 1, "cpu");
+  auto gpu = PlanMemory(Small(), cfg, 1, "cuda");
+  ASSERT_TRUE(fp32.ok() && cpu.ok() && gpu.ok());
+  EXPECT_FALSE(says(*fp32));
+  EXPECT_TRUE(says(*cpu));
+  EXPECT_FALSE(says(*gpu));
+}
+
 // --- Suggestions.
 
 // Applies a suggestion's changes as a user would: the keys through SetConfigValue.
