@@ -495,13 +495,13 @@ StatusOr<MemoryPlan> PlanMemory(const common::ModelConfig& m, const common::Grpo
                                   "'s malloc a rank's resident set ran to 1.3-1.9x the training "
                                   "peak (the freed blocks it keeps; grpo links tcmalloc)");
     }
-  }
-  if (!cuda && p.bf16) {
-    // Not a term: how many kernels a run compiles depends on its lengths, not on config.json.
-    p.notes.push_back(
-        "cpu, bf16: oneDNN keeps a compiled kernel per matmul shape; over a run's many lengths "
-        "they held ~230 MiB above fp32 (grpo train-local, 300 steps), inside the runtime term "
-        "(README \"bf16 on the CPU\")");
+    if (p.bf16) {
+      // Not a term: how many kernels a run compiles depends on its lengths, not on config.json.
+      p.notes.push_back(
+          "cpu, bf16: oneDNN keeps a compiled kernel per matmul shape; over a run's many lengths "
+          "they held ~230 MiB above fp32 (grpo train-local, 300 steps), inside the runtime term "
+          "(README \"bf16 on the CPU\")");
+    }
   }
   if (!cuda && fsdp.offload) {
     p.notes.push_back("device cpu: offload changes nothing (the device memory is host memory)");

@@ -140,6 +140,12 @@ common::GrpoConfig SmallRun() {
   return c;
 }
 
+// Whether one of the plan's notes contains `words`.
+bool NoteSays(const MemoryPlan& p, const std::string& words) {
+  return std::any_of(p.notes.begin(), p.notes.end(),
+                     [&](const std::string& n) { return n.find(words) != std::string::npos; });
+}
+
 TEST(MemoryPlanSmall, CountsTheSmallModelByHand) {
   const ParameterCounts c = CountParameters(Small());
   EXPECT_EQ(c.per_layer, 37'120);
@@ -456,9 +462,7 @@ TEST(MemoryPlanSmall, NotesTheAutogradPathWhereTheTrainerTakesIt) {
   for (const common::GrpoConfig& cfg : configs) {
     auto plan = PlanMemory(Small(), cfg, 1, "cpu");
     ASSERT_TRUE(plan.ok()) << plan.status().ToString();
-    const bool noted = std::any_of(
-        plan->notes.begin(), plan->notes.end(),
-        [](const std::string& n) { return n.find("runs through autograd") != std::string::npos; });
+    const bool noted = NoteSays(*plan, "runs through autograd");
     GrpoLossConfig lc;
     lc.loss_type = *ParseLossType(cfg.loss_type);
     lc.importance_sampling_level = *ParseImportanceSamplingLevel(cfg.importance_sampling_level);
@@ -621,14 +625,9 @@ TEST(MemoryPlanSmall, OneFullShardRankIsNoShardUnlessOffloaded) {
   cfg.fsdp = "full_shard offload";
   auto offloaded = PlanMemory(Small(), cfg, 1, "cuda");
   ASSERT_TRUE(alone.ok() && offloaded.ok());
-  auto says = [](const MemoryPlan& p) {
-    for (const std::string& n : p.notes)
-      if (n.find("shards nothing") != std::string::npos) return true;
-    return false;
-  };
-  EXPECT_TRUE(says(*alone));
+  EXPECT_TRUE(NoteSays(*alone, "shards nothing"));
   EXPECT_EQ(alone->gathered_lm_head, 0);
-  EXPECT_FALSE(says(*offloaded));
+  EXPECT_FALSE(NoteSays(*offloaded, "shards nothing"));
   EXPECT_EQ(offloaded->gathered_lm_head, 4 * 64'000);  // the tied head's unit, fp32
 }
 
@@ -639,29 +638,21 @@ TEST(MemoryPlanSmall, CpuOffloadChangesNothingAndSaysSo) {
   auto offload = PlanMemory(Small(), cfg, 1, "cpu");
   ASSERT_TRUE(plain.ok() && offload.ok());
   EXPECT_EQ(offload->Total(), plain->Total());
-  bool said = false;
-  for (const auto& n : offload->notes)
-    said |= n.find("offload changes nothing") != std::string::npos;
-  EXPECT_TRUE(said);
+  EXPECT_TRUE(NoteSays(*offload, "offload changes nothing"));
 }
 
 // bf16 on the CPU: the plan says that oneDNN's compiled kernels come on top of the tensors
 // (README "bf16 on the CPU"); fp32 on the CPU and bf16 on a GPU do not compile per shape.
 TEST(MemoryPlanSmall, Bf16OnTheCpuNotesTheCompiledKernels) {
-  auto says = [](const MemoryPlan& p) {
-    for (const std::string& n : p.notes)
-      if (n.find("compiled kernel") != std::string::npos) return true;
-    return false;
-  };
   common::GrpoConfig cfg = SmallRun();
   auto fp32 = PlanMemory(Small(), cfg, 1, "cpu");
   cfg.bf16 = true;
   auto cpu = PlanMemory(Small(), cfg, 1, "cpu");
   auto gpu = PlanMemory(Small(), cfg, 1, "cuda");
   ASSERT_TRUE(fp32.ok() && cpu.ok() && gpu.ok());
-  EXPECT_FALSE(says(*fp32));
-  EXPECT_TRUE(says(*cpu));
-  EXPECT_FALSE(says(*gpu));
+  EXPECT_FALSE(NoteSays(*fp32, "compiled kernel"));
+  EXPECT_TRUE(NoteSays(*cpu, "compiled kernel"));
+  EXPECT_FALSE(NoteSays(*gpu, "compiled kernel"));
 }
 
 // --- Suggestions.
